@@ -1,0 +1,392 @@
+"""Full fine-tune recipe: setup -> train loop -> checkpoint, in the torchtune style.
+
+    python -m runner.recipes.full_finetune RUN_DIR/recipe.yaml
+
+It reads only the resolved recipe config. One process, or several under torch.distributed.run
+(gloo on CPU, nccl on GPU) with the model sharded by FSDP2's fully_shard. When the run directory
+already holds a whole checkpoint (a restart, or `runner train resume=RUN`), it continues from it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
+from runner.components import instantiate
+from runner.data import build_dataset, eval_prompts
+from runner.evaluate import exact_match
+from runner.rundir import RunDir
+from runner.tune import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    TransformerSelfAttentionLayer,
+    get_cosine_schedule_with_warmup,
+    init_like_hf,
+    padded_collate_sft,
+    set_activation_checkpointing,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class FullFinetuneRecipe:
+    """Trains every parameter of a decoder on an instruction dataset."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.run = RunDir(cfg.run_dir)
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.is_rank_zero = self.rank == 0
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = torch.device(f"cuda:{local_rank}" if cfg.device == "cuda" else "cpu")
+        if cfg.device == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = DTYPES[cfg.dtype]
+        self.training = cfg.training
+        self.step = 0
+        self.epoch = 0
+        self.batches_done_in_epoch = 0
+        self.logger = None
+
+    # ---- setup --------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Builds tokenizer, data, model, optimizer and schedule; loads the latest checkpoint."""
+        cfg = self.cfg
+        self._status("initializing")
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.tokenizer = instantiate(cfg.tokenizer)
+        self.dataset = self._build_dataset(cfg.dataset.train_files, "dataset.train_files")
+        self.sampler = DistributedSampler(
+            self.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=cfg.seed
+        )
+        accumulation = self.training.gradient_accumulation_steps
+        self.steps_per_epoch = len(self.dataset) // (
+            self.training.batch_size * self.world_size * accumulation
+        )
+        if self.steps_per_epoch == 0:
+            raise ValueError("the dataset is smaller than one global batch")
+        self.total_steps = self.steps_per_epoch * self.training.epochs
+        if self.training.max_steps is not None:
+            self.total_steps = min(self.total_steps, self.training.max_steps)
+        self.model = self._build_model()
+        self.optimizer = instantiate(cfg.optimizer, self.model.parameters())
+        self.lr_scheduler = self._build_lr_scheduler()
+        self.loss_fn = instantiate(cfg.loss)
+        if hasattr(self.loss_fn, "num_output_chunks"):
+            self.model.set_num_output_chunks(self.loss_fn.num_output_chunks)
+        latest = self.run.latest_checkpoint()
+        if latest is not None:
+            self._load_training_state(latest)
+        self.logger = self._build_logger()
+
+    def _build_dataset(self, files: str, key: str) -> Any:
+        data = self.cfg.dataset
+        return build_dataset(
+            data_format=data.format,
+            data_files=files,
+            files_key=key,
+            column_map=OmegaConf.to_container(data.column_map),
+            train_on_input=data.train_on_input,
+            new_system_prompt=data.new_system_prompt,
+            tokenizer=self.tokenizer,
+        )
+
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.cfg
+        with _default_dtype(self.dtype), self.device:
+            model = instantiate(cfg.model)
+            init_like_hf(model, cfg.initializer_range)
+        if cfg.model_source is not None:
+            model.load_state_dict(read_model_state(Path(cfg.model_source)))
+        if self.training.activation_checkpointing:
+            set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+        if self.world_size > 1:
+            policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+            for layer in model.layers:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+        if self.training.compile:
+            for layer in model.layers:
+                layer.compile()
+        return model
+
+    def _build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        schedule = self.cfg.lr_schedule
+        if schedule.cosine_decay:
+            return get_cosine_schedule_with_warmup(
+                self.optimizer, schedule.warmup_steps, self.total_steps
+            )
+        warmup = max(schedule.warmup_steps, 1)
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
+        )
+
+    def _build_logger(self) -> Any:
+        if not (self.is_rank_zero and self.cfg.runtime.tensorboard):
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=str(self.run.path / "tensorboard"))
+
+    # ---- train loop ---------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Runs optimizer steps until total_steps, checkpointing on the configured cadence."""
+        self._status("running", step=self.step, total_steps=self.total_steps)
+        log_every = self.cfg.runtime.log_every_n_steps
+        save_every = self.cfg.runtime.save_every_n_steps
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=not (self.is_rank_zero and self.cfg.runtime.progress_bar),
+            dynamic_ncols=True,
+        )
+        first_loss = last_loss = None
+        window_tokens, window_start = 0, time.perf_counter()
+        for batches in self._epoch_batches():
+            loss, tokens = self._optimizer_step(batches)
+            self.step += 1
+            window_tokens += tokens
+            last_loss = loss
+            first_loss = loss if first_loss is None else first_loss
+            if self.step % log_every == 0 or self.step == self.total_steps:
+                tokens_per_s = window_tokens / (time.perf_counter() - window_start)
+                self._log({"loss": loss, "tokens_per_s": tokens_per_s})
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                window_tokens, window_start = 0, time.perf_counter()
+            bar.update(1)
+            if self.step == self.total_steps or (save_every and self.step % save_every == 0):
+                self.save_checkpoint()
+            if self.step == self.total_steps:
+                break
+        bar.close()
+        return {"first_loss": first_loss, "last_loss": last_loss}
+
+    def _epoch_batches(self) -> Any:
+        """Yields lists of micro-batches (one list per optimizer step) from the saved position."""
+        accumulation = self.training.gradient_accumulation_steps
+        while self.epoch < self.training.epochs:
+            self.sampler.set_epoch(self.epoch)
+            per_rank = self.steps_per_epoch * accumulation * self.training.batch_size
+            indices = list(self.sampler)[:per_rank]
+            start = self.batches_done_in_epoch * self.training.batch_size
+            loader = DataLoader(
+                self.dataset,
+                batch_size=self.training.batch_size,
+                sampler=indices[start:],
+                collate_fn=self._collate,
+            )
+            group = []
+            for batch in loader:
+                group.append(batch)
+                if len(group) == accumulation:
+                    self.batches_done_in_epoch += accumulation
+                    yield group
+                    group = []
+            self.epoch += 1
+            self.batches_done_in_epoch = 0
+
+    def _collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = padded_collate_sft(
+            samples, padding_idx=self.tokenizer.pad_id, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
+        )
+        labels = batch["labels"]
+        ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
+        batch["labels"] = torch.hstack((labels[:, 1:], ignore))
+        return batch
+
+    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+        """One optimizer step over micro-batches; the loss is normalized by all ranks' tokens."""
+        loss_sum = torch.zeros((), device=self.device)
+        num_tokens = torch.zeros((), device=self.device)
+        seen_tokens = 0
+        for batch in batches:
+            tokens = batch["tokens"].to(self.device)
+            labels = batch["labels"].to(self.device)
+            batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
+            logits = self.model(tokens)
+            loss = self._loss(logits, labels) * batch_tokens
+            loss.backward()
+            loss_sum += loss.detach()
+            num_tokens += batch_tokens
+            seen_tokens += tokens.numel()
+        if self.world_size > 1:
+            dist.all_reduce(num_tokens)
+            dist.all_reduce(loss_sum)
+        # FSDP averages gradients over ranks; scaling by world/tokens makes it a per-token mean.
+        scale = self.world_size / num_tokens.clamp(min=1)
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale.to(param.grad.dtype))
+        if self.training.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.clip_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        loss = (loss_sum / num_tokens.clamp(min=1)).item()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {self.step + 1}")
+        return loss, seen_tokens * self.world_size
+
+    def _loss(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, list):  # chunked output, for CEWithChunkedOutputLoss
+            return self.loss_fn(logits, labels)
+        return self.loss_fn(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
+
+    def _log(self, values: dict[str, float]) -> None:
+        if not self.is_rank_zero:
+            return
+        record = {"step": self.step, **values, "lr": self.optimizer.param_groups[0]["lr"]}
+        self.run.append_metrics(record)
+        if self.logger is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.logger.add_scalar(f"train/{key}", value, self.step)
+        self._status("running", step=self.step, total_steps=self.total_steps, loss=values["loss"])
+
+    # ---- checkpoint ---------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """Gathers full weights and optimizer state (every rank joins), rank 0 writes them."""
+        self._status("checkpointing", step=self.step, total_steps=self.total_steps)
+        model_state = get_model_state_dict(self.model, options=FULL)
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        rng_per_rank = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(rng_per_rank, rng)
+        else:
+            rng_per_rank = [rng]
+        if self.is_rank_zero:
+            training_state = {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batches_done_in_epoch": self.batches_done_in_epoch,
+                "optimizer": optimizer_state,
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "rng_per_rank": rng_per_rank,
+                "world_size": self.world_size,
+            }
+            tmp = self.run.checkpoint_tmp_path(self.step)
+            write_checkpoint(
+                tmp,
+                model_state={k: v.to(torch.float32) for k, v in model_state.items()},
+                hf_config=OmegaConf.to_container(self.cfg.hf_config),
+                tokenizer_dir=Path(self.cfg.tokenizer.path),
+                training_state=training_state,
+                stop_token_ids=self.tokenizer.stop_tokens,
+            )
+            self.run.commit_checkpoint(tmp, self.step, self.cfg.runtime.keep_last_n_checkpoints)
+        if self.world_size > 1:
+            dist.barrier()
+        self._status("running", step=self.step, total_steps=self.total_steps)
+
+    def _load_training_state(self, checkpoint: Path) -> None:
+        state = read_training_state(checkpoint)
+        model_state = {k: v.to(self.dtype) for k, v in read_model_state(checkpoint).items()}
+        set_model_state_dict(self.model, model_state, options=FULL)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.step = state["step"]
+        self.epoch = state["epoch"]
+        self.batches_done_in_epoch = state["batches_done_in_epoch"]
+        if state["world_size"] == self.world_size:
+            rng = state["rng_per_rank"][self.rank]
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+        if self.is_rank_zero:
+            self.run.truncate_metrics(self.step)
+            print(f"resuming from {checkpoint} at step {self.step}", file=sys.stderr)
+
+    # ---- end ----------------------------------------------------------------------------
+    def evaluate(self) -> float | None:
+        """Exact-match score of greedy answers to held-out prompts (every rank computes it)."""
+        if self.cfg.dataset.validation_files is None or self.cfg.eval.samples == 0:
+            return None
+        validation = self._build_dataset(
+            self.cfg.dataset.validation_files, "dataset.validation_files"
+        )
+        prompts = eval_prompts(validation, self.tokenizer, self.cfg.eval.samples)
+        score = exact_match(
+            self.model,
+            self.tokenizer,
+            prompts,
+            max_new_tokens=self.cfg.eval.max_new_tokens,
+            device=self.device,
+        )
+        if self.is_rank_zero:
+            self.run.append_metrics({"step": self.step, "eval_exact_match": score})
+        return score
+
+    def cleanup(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+
+    def _status(self, state: str, **fields: Any) -> None:
+        if self.is_rank_zero:
+            self.run.write_status(state, **fields)
+
+
+class _default_dtype:
+    """Builds parameters directly in the training dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __enter__(self) -> None:
+        self.previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_default_dtype(self.previous)
+
+
+def run(recipe_path: str | Path) -> dict[str, Any]:
+    """Runs the recipe at `recipe_path` in this process (one of several under torchrun)."""
+    cfg = OmegaConf.load(recipe_path)
+    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+    if cfg.device == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    recipe = FullFinetuneRecipe(cfg)
+    try:
+        recipe.setup()
+        result = recipe.train()
+        result["exact_match"] = recipe.evaluate()
+        result["checkpoint"] = str(recipe.run.latest_checkpoint())
+        recipe._status("completed", step=recipe.step, total_steps=recipe.total_steps)
+        return result
+    except BaseException as err:
+        state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
+        recipe._status(state, error=f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        recipe.cleanup()
+        if distributed:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1])

@@ -1,0 +1,76 @@
+"""The `runner` command: dispatches to each subcommand's Hydra app, reports user errors once."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from collections.abc import Callable
+
+from runner.errors import UserError, UserErrorExit
+
+USAGE = """usage: runner COMMAND [hydra overrides] [--help]
+
+commands:
+  train    compose config groups, resolve a recipe, train and checkpoint
+  deploy   serve checkpoints behind an OpenAI-compatible API
+
+`runner COMMAND --help` lists the command's config groups and options."""
+
+
+def _commands() -> dict[str, Callable[[], None]]:
+    def train() -> None:
+        from runner.train import main
+
+        main()
+
+    def deploy() -> None:
+        from runner.deploy import main
+
+        main()
+
+    return {"train": train, "deploy": deploy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `runner` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    commands = _commands()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    name = argv[0]
+    if name not in commands:
+        close = difflib.get_close_matches(name, commands, n=1)
+        hint = f"did you mean `runner {close[0]}`? " if close else ""
+        print(f"error: command={name!r}: {hint}choose one of: {', '.join(commands)}", file=sys.stderr)
+        return 2
+    # Hydra raises instead of printing its own report, so every user error reads the same.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    sys.argv = [f"runner {name}", *argv[1:]]
+    try:
+        commands[name]()
+    except UserErrorExit as err:
+        print(f"error: {err.error}", file=sys.stderr)
+        return err.error.exit_code
+    except Exception as err:  # noqa: BLE001 - classified below, re-raised if not a user error
+        user_error = as_user_error(err)
+        if user_error is None:
+            raise
+        print(f"error: {user_error}", file=sys.stderr)
+        return user_error.exit_code
+    return 0
+
+
+def as_user_error(err: BaseException) -> UserError | None:
+    """Our UserError, or a Hydra/OmegaConf composition error recast as one; None otherwise."""
+    from runner.config_errors import from_hydra_error
+
+    while err is not None:
+        if isinstance(err, UserError):
+            return err
+        converted = from_hydra_error(err)
+        if converted is not None:
+            return converted
+        err = err.__cause__ or err.__context__
+    return None

@@ -1,0 +1,31 @@
+"""Instantiates `_component_` config nodes, only from allow-listed module prefixes."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import UserError
+
+ALLOWED_PREFIXES = ("torchtune.", "torch.optim.", "torch.nn.", "runner.")
+
+
+def resolve_component(path: str, key: str = "_component_") -> Any:
+    """Imports the object a dotted path names, refusing modules outside ALLOWED_PREFIXES."""
+    if not isinstance(path, str) or not path.startswith(ALLOWED_PREFIXES):
+        raise UserError(key, path, f"components may only come from {', '.join(ALLOWED_PREFIXES)}")
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise UserError(key, path, f"no such component ({err})") from err
+
+
+def instantiate(node: DictConfig, *args: Any, **kwargs: Any) -> Any:
+    """Calls node._component_ with the node's other keys as keyword arguments."""
+    params = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(params, dict)
+    component = resolve_component(params.pop("_component_"))
+    return component(*args, **params, **kwargs)

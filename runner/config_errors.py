@@ -1,0 +1,48 @@
+"""Recasts Hydra's composition errors as UserErrors that name the key, the value and the fix."""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.errors import UserError
+
+OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
+
+
+def _closest(word: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(word, choices, n=1)
+    return f"did you mean {match[0]!r}? " if match else ""
+
+
+def from_hydra_error(err: BaseException) -> UserError | None:
+    """A UserError for a bad override or unknown group option; None for anything else."""
+    if isinstance(err, MissingConfigException) and err.options is not None:
+        group, _, option = (err.missing_cfg_file or "").rpartition("/")
+        options = sorted(err.options)
+        return UserError(
+            group or "config",
+            option,
+            f"no such option; {_closest(option, options)}choose one of: {', '.join(options)}",
+        )
+    if isinstance(err, OverrideParseException):
+        return UserError("override", err.override or "", f"{err.message}; {OVERRIDE_FORMS}")
+    if isinstance(err, ConfigCompositionException):
+        cause = err.__cause__
+        message = str(err).splitlines()[0]
+        value = re.search(r"use \+[^=]+=(.*)$", str(err), re.MULTILINE)
+        if isinstance(cause, OmegaConfBaseException) and message.startswith("Could not override"):
+            parent = getattr(cause, "parent_node", None)
+            known = [str(k) for k in parent.keys()] if parent is not None else []
+            hint = _closest(str(cause.key), known)
+            return UserError(
+                str(cause.full_key),
+                value.group(1) if value else "",
+                f"no such key; {hint}`--cfg job` prints every key "
+                "(add a new key with +key=value)",
+            )
+        return UserError("override", message, f"{OVERRIDE_FORMS}; `--help` lists the groups")
+    return None

@@ -1,0 +1,287 @@
+"""engine=transformers: continuous batching over a Hugging Face model with a shared KV cache.
+
+One background thread owns the model. Each iteration it admits waiting sequences (a batched,
+left-padded prefill whose KV cache is merged into the running batch), decodes one token for
+every running sequence in a single forward pass, and drops the finished ones. A request that
+arrives while others are generating joins at the next step instead of waiting for them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runner.deploy.generation import (
+    ChoiceEvent,
+    EngineFailed,
+    QueueFull,
+    RequestHandle,
+    SamplingRequest,
+    deliver,
+)
+from runner.deploy.loading import LoadedModel
+from runner.deploy.text import TextStream
+
+log = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 64) - 1
+
+
+@dataclass
+class _Sequence:
+    """One choice of one request while it waits or generates."""
+
+    handle: RequestHandle
+    index: int
+    request: SamplingRequest
+    text: TextStream
+    generator: torch.Generator
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    events: list[ChoiceEvent] = field(default_factory=list)
+
+
+class TransformersEngine:
+    """Serves one loaded model to many concurrent requests from one generation thread."""
+
+    def __init__(self, loaded: LoadedModel, *, max_batch_size: int, max_queue: int) -> None:
+        self._model = loaded.model
+        self._tokenizer = loaded.tokenizer
+        self._eos_ids = loaded.eos_token_ids
+        self._device = loaded.model.device
+        self._max_batch_size = max_batch_size
+        self._max_queue = max_queue
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._running: list[_Sequence] = []
+        self._cache: Any = None  # the running batch's DynamicCache, left-padded to one length
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self._device)
+        self._next_ids = torch.zeros(0, dtype=torch.long, device=self._device)
+        self._positions = torch.zeros(0, dtype=torch.long, device=self._device)
+        self._thread = threading.Thread(target=self._loop, name="deploy-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
+        """Queue the prompts' sequences; raises QueueFull when they do not all fit."""
+        handle = RequestHandle(n=sum(request.n for request in requests))
+        sequences = []
+        for request in requests:
+            base_seed = random.getrandbits(63) if request.seed is None else request.seed
+            for choice in range(request.n):
+                generator = torch.Generator(device=self._device)
+                generator.manual_seed((base_seed + choice) & _SEED_MASK)
+                text = TextStream(self._tokenizer, request.stop, incremental=request.stream)
+                sequences.append(_Sequence(handle, len(sequences), request, text, generator))
+        with self._wake:
+            if self._closed:
+                raise EngineFailed("the engine has shut down")
+            if len(self._waiting) + len(sequences) > self._max_queue:
+                raise QueueFull(f"{len(self._waiting)} sequences are already waiting")
+            self._waiting.extend(sequences)
+            self._wake.notify()
+        return handle
+
+    def close(self) -> None:
+        """Stop the generation thread and fail whatever it had not finished."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while (admitted := self._next_admissions()) is not None:
+                try:
+                    if admitted:
+                        self._prefill(admitted)
+                    if self._running:
+                        self._decode()
+                except Exception as error:  # a failed step fails its requests, not the server
+                    log.exception("generation step failed")
+                    self._fail([*self._running, *admitted], EngineFailed(str(error)))
+                    self._reset_batch()
+                self._publish()
+        self._fail([*self._running, *self._waiting], EngineFailed("the engine has shut down"))
+
+    def _next_admissions(self) -> list[_Sequence] | None:
+        """Waiting sequences that fit in the batch now; blocks while idle, None once closed."""
+        with self._wake:
+            while not self._closed and not self._running and not self._waiting:
+                self._wake.wait()
+            if self._closed:
+                return None
+            admitted = []
+            while self._waiting and len(self._running) + len(admitted) < self._max_batch_size:
+                sequence = self._waiting.popleft()
+                if not sequence.handle.cancelled:
+                    admitted.append(sequence)
+            return admitted
+
+    def _prefill(self, admitted: list[_Sequence]) -> None:
+        """Run the new prompts together and merge their KV cache into the running batch."""
+        from transformers import DynamicCache
+
+        lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
+        width = max(lengths)
+        input_ids = torch.zeros(len(admitted), width, dtype=torch.long)
+        mask = torch.zeros(len(admitted), width, dtype=torch.long)
+        for row, sequence in enumerate(admitted):
+            input_ids[row, width - lengths[row] :] = torch.tensor(sequence.request.prompt_ids)
+            mask[row, width - lengths[row] :] = 1
+        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
+        cache = DynamicCache(config=self._model.config)
+        logits = self._model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        next_ids = self._sample(logits, admitted)
+        positions = torch.tensor(lengths, dtype=torch.long, device=self._device)
+        if self._cache is None:
+            self._cache, self._mask = cache, mask
+        else:
+            self._mask = _merge_left_padded(self._cache, self._mask, cache, mask)
+        self._running.extend(admitted)
+        self._next_ids = torch.cat([self._next_ids, next_ids])
+        self._positions = torch.cat([self._positions, positions])
+        self._advance(admitted, next_ids.tolist())
+
+    def _decode(self) -> None:
+        """One token for every running sequence, in one forward pass."""
+        ones = torch.ones(len(self._running), 1, dtype=torch.long, device=self._device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        logits = self._model(
+            input_ids=self._next_ids[:, None],
+            attention_mask=self._mask,
+            position_ids=self._positions[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        ).logits[:, -1, :]
+        self._next_ids = self._sample(logits, self._running)
+        self._positions = self._positions + 1
+        self._advance(self._running, self._next_ids.tolist())
+
+    def _sample(self, logits: torch.Tensor, sequences: list[_Sequence]) -> torch.Tensor:
+        """The next token of each row: greedy at temperature 0, else top-p sampling."""
+        next_ids = logits.argmax(dim=-1)
+        rows = [row for row, seq in enumerate(sequences) if seq.request.temperature > 0]
+        if not rows:
+            return next_ids
+        temperature = torch.tensor([sequences[r].request.temperature for r in rows])
+        top_p = torch.tensor([sequences[r].request.top_p for r in rows])
+        scaled = logits[rows].float() / temperature.to(logits.device)[:, None]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the more likely ones already cover top_p (the first always stays).
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p.to(logits.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = torch.empty_like(scaled).scatter_(1, order, sorted_logits.softmax(dim=-1))
+        for position, row in enumerate(rows):
+            generator = sequences[row].generator
+            next_ids[row] = torch.multinomial(probs[position], 1, generator=generator)[0]
+        return next_ids
+
+    def _advance(self, sequences: list[_Sequence], token_ids: list[int]) -> None:
+        """Record each sequence's new token and decide whether it has finished."""
+        for sequence, token_id in zip(sequences, token_ids, strict=True):
+            sequence.completion_tokens += (
+                1  # the end-of-sequence token counts, as in OpenAI's usage
+            )
+            text = sequence.text
+            if token_id in self._eos_ids:
+                sequence.finish_reason = "stop"
+            else:
+                text.push(token_id)
+                if text.stopped:
+                    sequence.finish_reason = "stop"
+                elif sequence.completion_tokens >= sequence.request.max_tokens:
+                    sequence.finish_reason = "length"
+            if sequence.finish_reason is not None:
+                delta = text.finish()
+            else:
+                delta = text.ready() if sequence.request.stream else ""
+            if delta or sequence.finish_reason is not None:
+                event = ChoiceEvent(
+                    sequence.index, delta, sequence.finish_reason, sequence.completion_tokens
+                )
+                sequence.events.append(event)
+
+    def _publish(self) -> None:
+        """Send this step's events and remove finished or abandoned sequences from the batch."""
+        outgoing: list[tuple[RequestHandle, ChoiceEvent | Exception]] = []
+        keep = []
+        for row, sequence in enumerate(self._running):
+            outgoing.extend((sequence.handle, event) for event in sequence.events)
+            sequence.events.clear()
+            if sequence.finish_reason is None and not sequence.handle.cancelled:
+                keep.append(row)
+        deliver(outgoing)
+        if len(keep) == len(self._running):
+            return
+        if not keep:
+            self._reset_batch()
+            return
+        index = torch.tensor(keep, device=self._device)
+        self._running = [self._running[row] for row in keep]
+        self._cache.batch_select_indices(index)
+        self._mask = self._mask[index]
+        self._next_ids = self._next_ids[index]
+        self._positions = self._positions[index]
+        # Columns that are padding in every remaining row are dead weight in each step.
+        first = int(self._mask.any(dim=0).int().argmax())
+        if first:
+            _drop_left_columns(self._cache, first)
+            self._mask = self._mask[:, first:]
+
+    def _fail(self, sequences: list[_Sequence], error: Exception) -> None:
+        deliver([(sequence.handle, error) for sequence in sequences])
+
+    def _reset_batch(self) -> None:
+        self._running = []
+        self._cache = None
+        self._mask = self._mask[:0, :0]
+        self._next_ids = self._next_ids[:0]
+        self._positions = self._positions[:0]
+
+
+def _kv_layers(cache: Any) -> list[Any]:
+    """The cache's per-layer key/value holders (transformers' DynamicLayer objects)."""
+    layers = cache.layers
+    assert all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers)
+    return layers
+
+
+def _merge_left_padded(
+    cache: Any, mask: torch.Tensor, new_cache: Any, new_mask: torch.Tensor
+) -> torch.Tensor:
+    """Append new_cache's rows to cache in place, left-padding the shorter one; return the mask."""
+    width = max(mask.shape[1], new_mask.shape[1])
+
+    def pad(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - tensor.shape[dim]
+        if not missing:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = missing
+        return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+    for layer, new_layer in zip(_kv_layers(cache), _kv_layers(new_cache), strict=True):
+        layer.keys = torch.cat([pad(layer.keys, 2), pad(new_layer.keys, 2)])
+        layer.values = torch.cat([pad(layer.values, 2), pad(new_layer.values, 2)])
+    return torch.cat([pad(mask, 1), pad(new_mask, 1)])
+
+
+def _drop_left_columns(cache: Any, count: int) -> None:
+    for layer in _kv_layers(cache):
+        layer.keys = layer.keys[:, :, count:]
+        layer.values = layer.values[:, :, count:]

@@ -1,0 +1,107 @@
+"""What crosses from the HTTP layer to an engine and back: one request, its events, its handle."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class QueueFull(Exception):
+    """The engine's waiting queue is full; the client should retry later."""
+
+
+class EngineFailed(Exception):
+    """The engine could not finish a request (it is the server's fault, not the client's)."""
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One prompt, already tokenized and validated, and how to sample `n` continuations of it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    n: int
+    stream: bool
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """New text of one choice; `finish_reason` is set on the choice's last event."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+
+
+@dataclass
+class RequestHandle:
+    """The caller's side of submitted prompts: their events, in order, and a way to cancel them."""
+
+    n: int
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    _queue: asyncio.Queue[ChoiceEvent | Exception] = field(default_factory=asyncio.Queue)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the caller has gone away (read from the engine's thread)."""
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating for this request; safe to call more than once."""
+        self._cancelled.set()
+
+    def put(self, event: ChoiceEvent | Exception) -> None:
+        """Deliver an event; call on the handle's event loop."""
+        self._queue.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Every event until all `n` choices have finished; raises EngineFailed on failure."""
+        unfinished = self.n
+        while unfinished:
+            event = await self._queue.get()
+            if isinstance(event, Exception):
+                raise event
+            unfinished -= event.finish_reason is not None
+            yield event
+
+
+class Engine(Protocol):
+    """Generates for many requests at once; `submit` is called on the server's event loop."""
+
+    def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
+        """Queue prompts whose choices are numbered in order (prompt i, choice j: i * n + j).
+
+        Raises QueueFull when the waiting queue has no room for all of them.
+        """
+        ...
+
+    def close(self) -> None:
+        """Fail what is still queued or running and release the engine's resources."""
+        ...
+
+
+def deliver(events: list[tuple[RequestHandle, ChoiceEvent | Exception]]) -> None:
+    """Hand events from an engine thread to their handles, one loop callback per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, ChoiceEvent | Exception]]]
+    by_loop = {}
+    for handle, event in events:
+        by_loop.setdefault(handle.loop, []).append((handle, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+
+def _put_all(batch: list[tuple[RequestHandle, ChoiceEvent | Exception]]) -> None:
+    for handle, event in batch:
+        handle.put(event)

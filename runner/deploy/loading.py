@@ -1,0 +1,134 @@
+"""Loading a checkpoint to serve: weights from safetensors only, never remote code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner.errors import UserError
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate, with what the server needs to know about it."""
+
+    model: Any
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
+def load_tokenizer(checkpoint_dir: Path) -> Any:
+    """The checkpoint's own tokenizer (and chat template), from local files only."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            checkpoint_dir, local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError) as error:
+        raise UserError(
+            "checkpoint",
+            str(checkpoint_dir),
+            f"its tokenizer does not load ({error}); a checkpoint holds tokenizer.json and "
+            "tokenizer_config.json beside the weights",
+        ) from error
+
+
+def model_context_length(checkpoint_dir: Path, max_model_len: int | None) -> int:
+    """Tokens of context to allow: the model's own, or less when `limits.max_model_len` says so."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            checkpoint_dir, local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError) as error:
+        raise UserError(
+            "checkpoint",
+            str(checkpoint_dir),
+            f"its config.json does not load without remote code ({error}); serve a model "
+            "architecture that transformers ships",
+        ) from error
+    own = config.get_text_config(decoder=True).max_position_embeddings
+    if max_model_len is None:
+        return own
+    if not 1 <= max_model_len <= own:
+        raise UserError(
+            "limits.max_model_len", max_model_len, f"use null or a value from 1 to {own}"
+        )
+    return max_model_len
+
+
+def load_checkpoint(
+    checkpoint_dir: Path, *, device: str, dtype: str, max_model_len: int | None
+) -> LoadedModel:
+    """Load a checkpoint for the transformers engine; the one place that knows checkpoint kinds."""
+    from transformers import AutoModelForCausalLM
+
+    check_servable(checkpoint_dir)
+    context = model_context_length(checkpoint_dir, max_model_len)
+    tokenizer = load_tokenizer(checkpoint_dir)
+    torch_device = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint_dir,
+        dtype=resolve_dtype(dtype, torch_device),
+        use_safetensors=True,
+        trust_remote_code=False,
+        local_files_only=True,
+    )
+    model.to(torch_device).eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return LoadedModel(model, tokenizer, frozenset(eos_ids), context)
+
+
+def check_servable(checkpoint_dir: Path) -> None:
+    """Refuse what no engine may load: pickled weights, and (for now) LoRA adapters."""
+    # LoRA checkpoints (adapter_config.json + adapter_model.safetensors naming a base model) are
+    # the next kind to serve: load_checkpoint loads the base the same way, then the adapter.
+    if (checkpoint_dir / "adapter_config.json").is_file():
+        raise UserError(
+            "checkpoint",
+            str(checkpoint_dir),
+            "this is a LoRA adapter, which deploy does not serve yet: export a merged "
+            "checkpoint and serve that",
+        )
+    if not any(checkpoint_dir.glob("*.safetensors")):
+        raise UserError(
+            "checkpoint",
+            str(checkpoint_dir),
+            "no *.safetensors weights here; deploy loads safetensors only (never pickled "
+            ".bin files): re-save the model with safe_serialization=True",
+        )
+
+
+def resolve_device(device: str) -> Any:
+    """`auto` is the GPU when there is one, else the CPU."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError as error:
+        raise UserError("device", device, "use auto, cpu, cuda or cuda:<index>") from error
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device", device, "no CUDA GPU is visible here: use device=cpu")
+    return torch_device
+
+
+def resolve_dtype(dtype: str, device: Any) -> Any:
+    """`auto` is float32 on the CPU and bfloat16 on a GPU."""
+    import torch
+
+    if dtype not in _DTYPES:
+        raise UserError("dtype", dtype, f"use one of {', '.join(_DTYPES)}")
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, dtype)

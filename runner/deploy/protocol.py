@@ -1,0 +1,221 @@
+"""The OpenAI request bodies this server accepts, their limits, and the responses it sends."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from runner.deploy.generation import SamplingRequest
+
+# OpenAI parameters this server does not implement: accepted only at values that change nothing,
+# so a client never silently gets something other than what it asked for.
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client as OpenAI does: a status and {"error": {...}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error response."""
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what one request may ask for (the `limits` config slice)."""
+
+    max_n: int
+    max_tokens: int
+    default_max_tokens: int
+    max_stop: int
+    max_stop_chars: int
+    max_body_bytes: int
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: whether the last streamed chunk carries the usage counts."""
+
+    include_usage: bool | None = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    def wants_usage_chunk(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class TextPart(BaseModel):
+    """A text part of a chat message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat, rendered through the checkpoint's chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        """The message as chat templates expect it: role and plain-text content."""
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def parse_body(model: type[_Sampling], body: object) -> Any:
+    """Validate a decoded JSON body into a request model, or raise a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for key, neutral in _NEUTRAL_VALUES.items():
+        if key in body and body[key] not in neutral:
+            raise ApiError(400, f"{key} is not supported by this server", param=key)
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from error
+
+
+def sampling_request(
+    params: _Sampling,
+    prompt_ids: list[int],
+    *,
+    max_tokens: int | None,
+    limits: Limits,
+    context: int,
+    vocab_size: int,
+) -> SamplingRequest:
+    """Check one tokenized prompt against the model and the limits; the engine's request."""
+    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    n = params.n or 1
+    if n > limits.max_n:
+        raise ApiError(400, f"n is {n}; this server allows at most {limits.max_n}", param="n")
+    if len(stops) > limits.max_stop:
+        raise ApiError(400, f"at most {limits.max_stop} stop sequences are allowed", param="stop")
+    if any(not stop or len(stop) > limits.max_stop_chars for stop in stops):
+        message = f"each stop sequence must have 1 to {limits.max_stop_chars} characters"
+        raise ApiError(400, message, param="stop")
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if any(not 0 <= token_id < vocab_size for token_id in prompt_ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    room = context - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, room)
+    if max_tokens > limits.max_tokens:
+        message = f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens}"
+        raise ApiError(400, message, param="max_tokens")
+    if room < 1 or max_tokens > room:
+        message = (
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}: shorten the prompt "
+            "or lower max_tokens"
+        )
+        raise ApiError(400, message, param="max_tokens", code="context_length_exceeded")
+    return SamplingRequest(
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=1.0 if params.temperature is None else params.temperature,
+        top_p=1.0 if params.top_p is None else params.top_p,
+        seed=params.seed,
+        stop=stops,
+        n=n,
+        stream=bool(params.stream),
+    )
+
+
+def new_response_id(prefix: str) -> str:
+    """An id for a completion, like OpenAI's cmpl-... and chatcmpl-..."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Seconds since the epoch, as OpenAI's `created` fields."""
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage block of a response."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """One choice of a text completion (whole or streamed)."""
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """One choice of a chat completion."""
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+
+
+def chat_chunk_choice(index: int, delta: dict[str, str], finish_reason: str | None) -> dict:
+    """One choice of a streamed chat completion chunk."""
+    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}

@@ -1,0 +1,186 @@
+"""The body of `runner deploy`: choose and load what to serve, read the API key, run the server."""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
+from runner.deploy.server import ServedModel
+from runner.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_ENGINES = ("transformers", "vllm")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def deploy(cfg: DictConfig) -> None:
+    """Serve the checkpoints that `cfg` names until interrupted."""
+    from runner.deploy.protocol import Limits
+    from runner.deploy.server import build_app
+
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise UserError(
+            "checkpoint",
+            "???",
+            "say what to serve: checkpoint=<checkpoint dir | run dir | sweep dir>, or a list "
+            "checkpoint=[a,b] to serve several",
+        )
+    api_key = read_api_key(env=cfg.api_key.env, file=cfg.api_key.file)
+    if api_key is None and not is_loopback(cfg.host):
+        log.warning("host=%s is reachable from other machines and no api_key is set", cfg.host)
+    sock = bind_socket(cfg.host, cfg.port)
+    checkpoints = resolve_checkpoints(
+        _plain(cfg.checkpoint),
+        names=_plain(cfg.served_model_name),
+        allowed_roots=list(cfg.allowed_roots),
+        **cfg.select,
+    )
+    models = load_served_models(
+        checkpoints,
+        engine=cfg.engine,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_queue=cfg.max_queue,
+        transformers_options=OmegaConf.to_container(cfg.transformers),
+        vllm_options=OmegaConf.to_container(cfg.vllm),
+    )
+    app = build_app(models, api_key=api_key, limits=Limits(**cfg.limits))
+    host, port = sock.getsockname()[:2]
+    for model in checkpoints:
+        log.info("serving %s as model %r", model.path, model.name)
+    log.info("OpenAI-compatible API at http://%s:%d/v1 (engine=%s)", host, port, cfg.engine)
+    run_server(app, sock)
+
+
+def read_api_key(*, env: str | None, file: str | None) -> str | None:
+    """The API key from the environment variable or file named in the config, or None."""
+    if env is not None and file is not None:
+        raise UserError("api_key", "env and file", "set api_key.env or api_key.file, not both")
+    if env is not None:
+        if not _ENV_NAME.fullmatch(env):
+            # The value may be a key pasted by mistake: never echo it.
+            raise UserError(
+                "api_key.env",
+                "<hidden>",
+                "give the NAME of an environment variable holding the key, never the key itself",
+            )
+        key = os.environ.get(env, "").strip()
+        if not key:
+            raise UserError("api_key.env", env, f"set it first: export {env}=<the key>")
+        return key
+    if file is not None:
+        try:
+            key = Path(file).expanduser().read_text().strip()
+        except OSError as error:
+            raise UserError("api_key.file", file, f"cannot read it ({error.strerror})") from error
+        if not key:
+            raise UserError("api_key.file", file, "the file is empty: write the key into it")
+        return key
+    return None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: any free one), before the slow model loading."""
+    if not 0 <= port <= 65535:
+        raise UserError("port", port, "use a port from 1 to 65535 (0 picks a free one)")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as error:
+        raise UserError("host", host, "use an address or name of this machine") from error
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise UserError(
+            "port", port, f"cannot listen on {host}:{port} ({error.strerror})"
+        ) from error
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach `host`."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def load_served_models(
+    checkpoints: list[ServedCheckpoint],
+    *,
+    engine: str,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+    max_queue: int,
+    transformers_options: Any,
+    vllm_options: Any,
+) -> list[ServedModel]:
+    """Load each checkpoint for `engine`; engines themselves start inside the server."""
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.loading import (
+        check_servable,
+        load_checkpoint,
+        load_tokenizer,
+        model_context_length,
+    )
+    from runner.deploy.vllm_engine import VllmEngine, require_vllm
+
+    if engine not in _ENGINES:
+        raise UserError("engine", engine, f"use one of {', '.join(_ENGINES)}")
+    models = []
+    for checkpoint in checkpoints:
+        if engine == "transformers":
+            loaded = load_checkpoint(
+                checkpoint.path, device=device, dtype=dtype, max_model_len=max_model_len
+            )
+            start = functools.partial(
+                TransformersEngine, loaded, max_queue=max_queue, **transformers_options
+            )
+            models.append(
+                ServedModel(checkpoint.name, loaded.tokenizer, loaded.max_model_len, start)
+            )
+            continue
+        require_vllm()
+        if device != "auto":
+            log.warning(
+                "device=%s is ignored with engine=vllm, which places the model itself", device
+            )
+        check_servable(checkpoint.path)
+        context = model_context_length(checkpoint.path, max_model_len)
+        start = functools.partial(
+            VllmEngine,
+            checkpoint.path,
+            max_model_len=context,
+            max_queue=max_queue,
+            dtype=dtype,
+            **vllm_options,
+        )
+        models.append(ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, start))
+    return models
+
+
+def run_server(app: Any, sock: socket.socket) -> None:
+    """Serve `app` on the bound socket until SIGINT/SIGTERM, then drain and stop the engines."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain Python: a ListConfig becomes a list, a scalar stays itself."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value

@@ -1,0 +1,79 @@
+"""Generated token ids to text: incremental detokenization and stop sequences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_INCOMPLETE = "\ufffd"
+
+
+class TextStream:
+    """The text of one generated sequence, released in deltas that are safe to send.
+
+    A delta never ends inside an incomplete UTF-8 character (byte-level tokenizers split
+    characters across tokens) nor inside what may be the start of a stop sequence, so a client
+    never sees text that is later taken back.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str], incremental: bool) -> None:
+        self._tokenizer = tokenizer
+        self._stop = stop
+        # Neither streamed nor watched for stop sequences: decoded once, at the end.
+        self._incremental = incremental or bool(stop)
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""
+        self._sent = 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> None:
+        """Add one generated token (never an end-of-sequence token)."""
+        self.token_ids.append(token_id)
+        if not self._incremental or self.stopped:
+            return
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        text = self._decode(self._prefix_offset, len(self.token_ids))
+        if len(text) > len(prefix) and not text.endswith(_INCOMPLETE):
+            self._append(text[len(prefix) :])
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+
+    def ready(self) -> str:
+        """Text that can be sent now and was not sent before."""
+        end = len(self._text) if self.stopped else len(self._text) - self._held_back()
+        delta = self._text[self._sent : end]
+        self._sent = max(self._sent, end)
+        return delta
+
+    def finish(self) -> str:
+        """All text not sent yet, including a trailing incomplete character."""
+        if not self._incremental:
+            self._text = self._decode(0, len(self.token_ids))
+        elif not self.stopped:
+            prefix = self._decode(self._prefix_offset, self._read_offset)
+            self._append(self._decode(self._prefix_offset, len(self.token_ids))[len(prefix) :])
+        self.stopped = True
+        return self.ready()
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+
+    def _append(self, delta: str) -> None:
+        searched = len(self._text)
+        self._text += delta
+        longest = max((len(stop) for stop in self._stop), default=0)
+        start = max(0, searched - longest + 1)
+        hits = [i for i in (self._text.find(stop, start) for stop in self._stop) if i >= 0]
+        if hits:
+            self._text = self._text[: min(hits)]
+            self.stopped = True
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that begins some stop sequence."""
+        held = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(self._text)), held, -1):
+                if self._text.endswith(stop[:size]):
+                    held = size
+                    break
+        return held

@@ -1,0 +1,125 @@
+"""engine=vllm: the same requests served by vLLM's AsyncLLMEngine, imported only when chosen."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+from runner.deploy.generation import (
+    ChoiceEvent,
+    EngineFailed,
+    QueueFull,
+    RequestHandle,
+    SamplingRequest,
+)
+from runner.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def require_vllm() -> None:
+    """Fail early, with the fix, when vLLM is not installed."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        raise UserError(
+            "engine",
+            "vllm",
+            "vLLM is not installed here: `pip install vllm` (Linux with an NVIDIA GPU), or "
+            "serve with engine=transformers",
+        ) from error
+
+
+class VllmEngine:
+    """Serves one checkpoint through vLLM; vLLM batches and schedules, we bound its queue."""
+
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        *,
+        max_model_len: int,
+        max_queue: int,
+        dtype: str,
+        max_num_seqs: int,
+        gpu_memory_utilization: float,
+        tensor_parallel_size: int,
+    ) -> None:
+        require_vllm()
+        from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+        args = AsyncEngineArgs(
+            model=str(checkpoint_dir),
+            tokenizer=str(checkpoint_dir),
+            trust_remote_code=False,
+            load_format="safetensors",
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        self._engine = AsyncLLMEngine.from_engine_args(args)
+        self._capacity = max_num_seqs + max_queue
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
+        """Queue the prompts with vLLM; raises QueueFull past its batch plus `max_queue`."""
+        choices = sum(request.n for request in requests)
+        if self._in_flight + choices > self._capacity:
+            raise QueueFull(f"{self._in_flight} sequences are already in flight")
+        handle = RequestHandle(n=choices)
+        offset = 0
+        for request in requests:
+            self._in_flight += request.n
+            task = asyncio.create_task(self._generate(handle, request, offset))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            offset += request.n
+        return handle
+
+    async def _generate(self, handle: RequestHandle, request: SamplingRequest, offset: int) -> None:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=request.n,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_tokens,
+            stop=request.stop or None,
+            seed=request.seed,
+        )
+        request_id = uuid.uuid4().hex
+        sent = [0] * request.n
+        finished = [False] * request.n
+        prompt = {"prompt_token_ids": request.prompt_ids}
+        try:
+            async for output in self._engine.generate(prompt, params, request_id):
+                if handle.cancelled:
+                    await self._engine.abort(request_id)
+                    return
+                for completion in output.outputs:
+                    index = completion.index
+                    if finished[index]:
+                        continue
+                    delta = completion.text[sent[index] :]
+                    finish = completion.finish_reason
+                    if delta or finish is not None:
+                        sent[index] = len(completion.text)
+                        finished[index] = finish is not None
+                        tokens = len(completion.token_ids)
+                        handle.put(ChoiceEvent(offset + index, delta, finish, tokens))
+        except Exception as error:  # vLLM's failures fail this request, not the server
+            log.exception("vLLM generation failed")
+            handle.put(EngineFailed(str(error)))
+        finally:
+            self._in_flight -= request.n
+
+    def close(self) -> None:
+        """Shut vLLM down (its workers and their GPU memory); what is running fails."""
+        shutdown: Any = getattr(self._engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

@@ -1,0 +1,195 @@
+"""Composed Hydra config -> the ONE recipe config the training processes read.
+
+Every check of user input happens here, before a process starts: each failure is a UserError
+naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import UserError
+from runner.paths import ASSETS_DIR
+from runner.tokenizer import ChatTokenizer
+from runner.tune import hf_config
+
+OmegaConf.register_new_resolver("runner_asset", lambda name: str(ASSETS_DIR / name), replace=True)
+OmegaConf.register_new_resolver(
+    "runner_run_dir", lambda resume, fresh: str(resume) if resume else fresh, replace=True
+)
+OmegaConf.register_new_resolver(
+    "runner_hydra_subdir", lambda resume: None if resume else ".hydra", replace=True
+)
+
+
+def _int(value: Any, key: str, minimum: int, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        fix = f"give an integer >= {minimum}" + (" or null" if allow_none else "")
+        raise UserError(key, value, fix)
+    return value
+
+
+def _float(value: Any, key: str, positive: bool, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or (positive and value <= 0) or (not positive and value < 0):
+        fix = f"give a number {'> 0' if positive else '>= 0'}" + (" or null" if allow_none else "")
+        raise UserError(key, value, fix)
+    return float(value)
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise UserError(key, value, "give true or false")
+    return value
+
+
+def resolve_device(compute: DictConfig) -> tuple[str, int]:
+    """(device, processes per node) for the compute group, checked against this machine."""
+    has_cuda = torch.cuda.is_available()
+    device = compute.device
+    if device == "auto":
+        device = "cuda" if has_cuda else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise UserError("compute.device", device, "give cpu, cuda or auto")
+    if device == "cuda" and not has_cuda:
+        raise UserError(
+            "compute", "gpu", "no CUDA GPU is visible on this machine; use compute=cpu "
+            "(or leave compute unset to pick what is here)"
+        )
+    nproc = compute.nproc_per_node
+    if nproc == "auto":
+        nproc = torch.cuda.device_count() if device == "cuda" else 1
+    nproc = _int(nproc, "compute.nproc_per_node", 1)
+    if device == "cuda" and nproc > torch.cuda.device_count():
+        raise UserError(
+            "compute.nproc_per_node", nproc,
+            f"only {torch.cuda.device_count()} GPU(s) are visible; give at most that many",
+        )
+    return device, nproc
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    if name == "auto":
+        return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if name not in ("fp32", "bf16"):
+        raise UserError("dtype", name, "choose one of: fp32, bf16")
+    return name
+
+
+def _training(cfg: DictConfig) -> dict[str, Any]:
+    return {
+        "max_steps": _int(cfg.max_steps, "max_steps", 1, allow_none=True),
+        "epochs": _int(cfg.epochs, "epochs", 1),
+        "batch_size": _int(cfg.batch_size, "batch_size", 1),
+        "gradient_accumulation_steps": _int(
+            cfg.gradient_accumulation_steps, "gradient_accumulation_steps", 1
+        ),
+        "clip_grad_norm": _float(cfg.clip_grad_norm, "clip_grad_norm", True, allow_none=True),
+        "compile": _bool(cfg.compile, "compile"),
+        "activation_checkpointing": _bool(cfg.activation_checkpointing, "activation_checkpointing"),
+    }
+
+
+def _runtime(runtime: DictConfig) -> dict[str, Any]:
+    return {
+        "save_every_n_steps": _int(
+            runtime.save_every_n_steps, "runtime.save_every_n_steps", 1, allow_none=True
+        ),
+        "keep_last_n_checkpoints": _int(
+            runtime.keep_last_n_checkpoints, "runtime.keep_last_n_checkpoints", 1
+        ),
+        "log_every_n_steps": _int(runtime.log_every_n_steps, "runtime.log_every_n_steps", 1),
+        "tensorboard": _bool(runtime.tensorboard, "runtime.tensorboard"),
+        "progress_bar": _bool(runtime.progress_bar, "runtime.progress_bar"),
+        "env": {str(k): str(v) for k, v in runtime.env.items()},
+    }
+
+
+def _optimizer(optimizer: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    adamw = {
+        "_component_": "torch.optim.AdamW",
+        "lr": _float(optimizer.lr, "optimizer.lr", True),
+        "weight_decay": _float(optimizer.weight_decay, "optimizer.weight_decay", False),
+        "betas": list(optimizer.betas),
+        "eps": _float(optimizer.eps, "optimizer.eps", True),
+    }
+    schedule = {
+        "warmup_steps": _int(optimizer.warmup_steps, "optimizer.warmup_steps", 0),
+        "cosine_decay": _bool(optimizer.cosine_decay, "optimizer.cosine_decay"),
+    }
+    return adamw, schedule
+
+
+def _dataset(dataset: DictConfig) -> dict[str, Any]:
+    for key in ("train_files", "validation_files"):
+        path = dataset[key]
+        if path is not None and not Path(path).is_file():
+            raise UserError(
+                f"dataset.{key}", path, "no such file; give the path of a json or jsonl data file"
+            )
+    return {
+        "format": dataset.format,
+        "train_files": str(Path(dataset.train_files).resolve()),
+        "validation_files": (
+            str(Path(dataset.validation_files).resolve()) if dataset.validation_files else None
+        ),
+        "column_map": OmegaConf.to_container(dataset.column_map),
+        "train_on_input": _bool(dataset.train_on_input, "dataset.train_on_input"),
+        "new_system_prompt": dataset.new_system_prompt,
+    }
+
+
+def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """The recipe config (torchtune `_component_` style) for a composed `train` config."""
+    device, nproc_per_node = resolve_device(cfg.compute)
+    nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
+    optimizer, schedule = _optimizer(cfg.optimizer)
+    if cfg.method.name != "full":
+        raise UserError("method", cfg.method.name, "only method=full is available")
+    builder = OmegaConf.to_container(cfg.model.builder, resolve=True)
+    tokenizer = ChatTokenizer(cfg.model.tokenizer, builder["max_seq_len"])
+    if tokenizer.vocab_size > builder["vocab_size"]:
+        raise UserError(
+            "model.builder.vocab_size", builder["vocab_size"],
+            f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
+        )
+    return {
+        "run_dir": str(run_dir.resolve()),
+        "seed": _int(cfg.seed, "seed", 0),
+        "device": device,
+        "dtype": resolve_dtype(cfg.dtype.name, device),
+        "nproc_per_node": nproc_per_node,
+        "nnodes": nnodes,
+        "model": builder,
+        "model_source": cfg.model.source,
+        "initializer_range": _float(cfg.model.initializer_range, "model.initializer_range", True),
+        "hf_config": hf_config(
+            builder,
+            initializer_range=cfg.model.initializer_range,
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+        ),
+        "tokenizer": {
+            "_component_": "runner.tokenizer.ChatTokenizer",
+            "path": str(Path(cfg.model.tokenizer).resolve()),
+            "max_seq_len": builder["max_seq_len"],
+        },
+        "dataset": _dataset(cfg.dataset),
+        "eval": {
+            "samples": _int(cfg.dataset.eval_samples, "dataset.eval_samples", 0),
+            "max_new_tokens": _int(cfg.dataset.eval_max_new_tokens, "dataset.eval_max_new_tokens", 1),
+        },
+        "loss": OmegaConf.to_container(cfg.loss, resolve=True),
+        "optimizer": optimizer,
+        "lr_schedule": schedule,
+        "training": _training(cfg),
+        "runtime": _runtime(cfg.runtime),
+    }

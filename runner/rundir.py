@@ -1,0 +1,115 @@
+"""The run directory contract: status file, metrics, and whole checkpoints (see DESIGN.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+STATES = ("created", "initializing", "running", "checkpointing", "completed", "failed", "cancelled")
+RECIPE_FILE = "recipe.yaml"
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+_CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Writes JSON under a temporary name and renames it, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """One run's directory; every downstream command reads runs through this."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.path / RECIPE_FILE
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    def read_status(self) -> dict[str, Any]:
+        path = self.path / STATUS_FILE
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def write_status(self, state: str, **fields: Any) -> dict[str, Any]:
+        """Moves the run to `state`, keeping earlier fields and stamping times and heartbeat."""
+        assert state in STATES, state
+        status = self.read_status()
+        now = now_iso()
+        status.setdefault("created_at", now)
+        if state == "initializing":
+            status.update(started_at=now, ended_at=None, error=None)
+        if state in ("completed", "failed", "cancelled"):
+            status["ended_at"] = now
+        status.update(fields, state=state, updated_at=now, heartbeat_at=now)
+        status.update(host=socket.gethostname(), pid=os.getpid())
+        write_json_atomic(self.path / STATUS_FILE, status)
+        return status
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.path / METRICS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        path = self.path / METRICS_FILE
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def truncate_metrics(self, last_step: int) -> None:
+        """Drops metric lines past `last_step`: a resumed run logs those steps again."""
+        kept = [r for r in self.read_metrics() if r["step"] <= last_step]
+        tmp = self.path / f".{METRICS_FILE}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path / METRICS_FILE)
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Whole checkpoints as (step, path), oldest first; temporary ones are not listed."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = []
+        for child in self.checkpoints_dir.iterdir():
+            match = _CHECKPOINT_NAME.match(child.name)
+            if match and child.is_dir():
+                found.append((int(match.group(1)), child))
+        return sorted(found)
+
+    def latest_checkpoint(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1][1] if found else None
+
+    def checkpoint_tmp_path(self, step: int) -> Path:
+        return self.checkpoints_dir / f".tmp-step_{step}"
+
+    def commit_checkpoint(self, tmp: Path, step: int, keep_last: int) -> Path:
+        """Renames a fully written checkpoint into place, then prunes to the last `keep_last`."""
+        final = self.checkpoints_dir / f"step_{step}"
+        os.replace(tmp, final)
+        for _, old in self.checkpoints()[: -max(keep_last, 1)]:
+            _remove_tree(old)
+        return final
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    # Rename first so a crash mid-delete leaves a name that is never picked up.
+    doomed = path.with_name(f".deleting-{path.name}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
