@@ -367,7 +367,7 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
-    if cfg.device == "cpu":
+    if cfg.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     recipe = FullFinetuneRecipe(cfg)

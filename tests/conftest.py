@@ -1,0 +1,61 @@
+"""Shared fixtures: the real CLI in a subprocess, with outputs under a temporary directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Fast settings for the tiny model; every test that trains starts from these.
+QUICK = [
+    "runtime.progress_bar=false",
+    "runtime.tensorboard=true",
+    "dataset.eval_samples=16",
+]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def hermetic_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """No hub access, caches in a temporary directory, one thread per process."""
+    home = tmp_path_factory.mktemp("hf_home")
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(home))
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+@pytest.fixture
+def runner_cli(hermetic_env: dict[str, str], tmp_path: Path):
+    """Runs `runner ARGS...` as a user would; returns exit code and output."""
+
+    def run(*args: str, cwd: Path = tmp_path, env: dict[str, str] | None = None) -> Result:
+        proc = subprocess.run(
+            [sys.executable, "-m", "runner", *args],
+            cwd=cwd,
+            env={**hermetic_env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+
+    return run
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Per-step training losses recorded in a run directory's metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}

@@ -1,0 +1,99 @@
+"""Every option of every config group composes and resolves into a recipe (or says why not)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from runner.errors import UserError
+from runner.paths import CONF_DIR
+from runner.resolve import resolve_recipe
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF_DIR / g).glob("*.yaml"))]
+NEEDS_CUDA = {("compute", "gpu"), ("compute", "multi_gpu")}
+
+
+def compose_train(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def test_every_group_of_the_design_is_there() -> None:
+    for group in ("runtime", "model", "dataset", "dtype", "loss", "compute", "method"):
+        assert group in GROUPS
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_option_composes_and_resolves(group: str, option: str, tmp_path: Path) -> None:
+    cfg = compose_train([f"{group}={option}"])
+    if (group, option) in NEEDS_CUDA and not torch.cuda.is_available():
+        with pytest.raises(UserError) as err:
+            resolve_recipe(cfg, tmp_path)
+        assert err.value.key == "compute" and "compute=cpu" in err.value.fix
+        return
+    recipe = resolve_recipe(cfg, tmp_path)
+    assert recipe["model"]["_component_"].startswith("torchtune.models.")
+    assert recipe["device"] in ("cpu", "cuda")
+    assert recipe["dtype"] in ("fp32", "bf16")
+    if group == "dtype" and option != "auto":
+        assert recipe["dtype"] == option
+    if group == "loss":
+        assert recipe["loss"]["_component_"] == cfg.loss._component_
+
+
+def test_defaults_pick_what_runs_here(tmp_path: Path) -> None:
+    recipe = resolve_recipe(compose_train([]), tmp_path)
+    if torch.cuda.is_available():
+        assert (recipe["device"], recipe["dtype"]) == ("cuda", "bf16")
+    else:
+        assert (recipe["device"], recipe["dtype"], recipe["nproc_per_node"]) == ("cpu", "fp32", 1)
+    # An explicit choice wins over the machine's default.
+    assert resolve_recipe(compose_train(["dtype=bf16"]), tmp_path)["dtype"] == "bf16"
+
+
+def test_help_lists_groups_and_options(runner_cli) -> None:
+    result = runner_cli("train", "--help")
+    assert result.returncode == 0, result.stderr
+    for group, option in OPTIONS:
+        assert group in result.stdout and option in result.stdout
+
+
+def test_cfg_job_prints_the_composed_config(runner_cli) -> None:
+    result = runner_cli("train", "--cfg", "job", "batch_size=7", "model=tiny")
+    assert result.returncode == 0, result.stderr
+    assert "batch_size: 7" in result.stdout
+    assert "_component_: torchtune.models.llama3_2.llama3_2" in result.stdout
+
+
+def test_config_dir_adds_a_users_own_option(runner_cli, tmp_path: Path) -> None:
+    (tmp_path / "mine" / "model").mkdir(parents=True)
+    (tmp_path / "mine" / "model" / "tiny_wide.yaml").write_text(
+        "# runner train --config-dir mine model=tiny_wide\n"
+        "defaults:\n  - tiny\n  - _self_\nname: tiny_wide\nbuilder:\n  embed_dim: 192\n"
+    )
+    result = runner_cli("train", "--config-dir", "mine", "model=tiny_wide", "--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    assert "embed_dim: 192" in result.stdout and "name: tiny_wide" in result.stdout
+
+
+def test_wheel_carries_configs_recipes_and_assets(tmp_path: Path) -> None:
+    """A non-editable install finds conf/ and recipes/ inside the package."""
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+         str(tmp_path), str(root)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("runner-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("runner/conf/train.yaml", "runner/conf/model/tiny.yaml",
+                 "runner/recipes/full_finetune.py", "runner/assets/sample/train.jsonl",
+                 "runner/assets/tiny_tokenizer/tokenizer.json"):
+        assert name in names, name
