@@ -29,7 +29,8 @@ def from_hydra_error(err: BaseException) -> UserError | None:
             f"no such option; {_closest(option, options)}choose one of: {', '.join(options)}",
         )
     if isinstance(err, OverrideParseException):
-        return UserError("override", err.override or "", f"{err.message}; {OVERRIDE_FORMS}")
+        reason = str(err.message).splitlines()[0]
+        return UserError("override", err.override or "", f"{reason}; {OVERRIDE_FORMS}")
     if isinstance(err, ConfigCompositionException):
         cause = err.__cause__
         message = str(err).splitlines()[0]

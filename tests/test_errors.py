@@ -1,0 +1,48 @@
+"""Bad input: one message naming the key, the value and the fix; exit 2; nothing left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+CASES = [
+    # (overrides, text the message must contain)
+    (["model=gpt5"], ["model='gpt5'", "choose one of: tiny"]),
+    (["dtype=bf61"], ["dtype='bf61'", "did you mean 'bf16'"]),
+    (["batch_sise=4"], ["batch_sise='4'", "did you mean 'batch_size'"]),
+    (["optimizer.lrr=0.1"], ["optimizer.lrr='0.1'", "did you mean 'lr'"]),
+    (["batch_size=abc"], ["batch_size='abc'", "integer >= 1"]),
+    (["optimizer.lr=fast"], ["optimizer.lr='fast'", "number > 0"]),
+    (["max_steps=0"], ["max_steps=0", "integer >= 1"]),
+    (["batch_size=0"], ["batch_size=0", "integer >= 1"]),
+    (["dataset.train_files=/no/such/file.jsonl"], ["dataset.train_files='/no/such/file.jsonl'",
+                                                   "no such file"]),
+    (["dataset.column_map.output=answer"], ["dataset.column_map.output='answer'",
+                                            "columns are ['instruction', 'input', 'output']"]),
+    (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
+]
+if not torch.cuda.is_available():
+    CASES.append((["compute=gpu"], ["compute='gpu'", "no CUDA GPU", "compute=cpu"]))
+
+
+@pytest.mark.parametrize(("overrides", "expected"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_is_one_clear_message(runner_cli, tmp_path: Path, overrides, expected) -> None:
+    out_root = tmp_path / "outputs"
+    result = runner_cli("train", *overrides, f"runtime.output_root={out_root}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1, result.stderr
+    for text in expected:
+        assert text in error_lines[0], error_lines[0]
+    assert "Traceback" not in result.stderr
+    assert "Error executing job" not in result.stderr
+    # No run directory is left behind to claim anything.
+    assert not out_root.exists() or not any(out_root.rglob("status.json"))
+
+
+def test_unknown_command_is_a_user_error(runner_cli) -> None:
+    result = runner_cli("trian")
+    assert result.returncode == 2
+    assert "did you mean `runner train`" in result.stderr
