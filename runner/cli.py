@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in commands:
         close = difflib.get_close_matches(name, commands, n=1)
         hint = f"did you mean `runner {close[0]}`? " if close else ""
-        print(f"error: command={name!r}: {hint}choose one of: {', '.join(commands)}", file=sys.stderr)
+        print(
+            f"error: command={name!r}: {hint}choose one of: {', '.join(commands)}", file=sys.stderr
+        )
         return 2
     # Hydra raises instead of printing its own report, so every user error reads the same.
     os.environ["HYDRA_FULL_ERROR"] = "1"

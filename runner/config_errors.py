@@ -42,8 +42,7 @@ def from_hydra_error(err: BaseException) -> UserError | None:
             return UserError(
                 str(cause.full_key),
                 value.group(1) if value else "",
-                f"no such key; {hint}`--cfg job` prints every key "
-                "(add a new key with +key=value)",
+                f"no such key; {hint}`--cfg job` prints every key (add a new key with +key=value)",
             )
         return UserError("override", message, f"{OVERRIDE_FORMS}; `--help` lists the groups")
     return None

@@ -61,8 +61,10 @@ def resolve_device(compute: DictConfig) -> tuple[str, int]:
         raise UserError("compute.device", device, "give cpu, cuda or auto")
     if device == "cuda" and not has_cuda:
         raise UserError(
-            "compute", "gpu", "no CUDA GPU is visible on this machine; use compute=cpu "
-            "(or leave compute unset to pick what is here)"
+            "compute",
+            "gpu",
+            "no CUDA GPU is visible on this machine; use compute=cpu "
+            "(or leave compute unset to pick what is here)",
         )
     nproc = compute.nproc_per_node
     if nproc == "auto":
@@ -70,7 +72,8 @@ def resolve_device(compute: DictConfig) -> tuple[str, int]:
     nproc = _int(nproc, "compute.nproc_per_node", 1)
     if device == "cuda" and nproc > torch.cuda.device_count():
         raise UserError(
-            "compute.nproc_per_node", nproc,
+            "compute.nproc_per_node",
+            nproc,
             f"only {torch.cuda.device_count()} GPU(s) are visible; give at most that many",
         )
     return device, nproc
@@ -158,7 +161,8 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tokenizer = ChatTokenizer(cfg.model.tokenizer, builder["max_seq_len"])
     if tokenizer.vocab_size > builder["vocab_size"]:
         raise UserError(
-            "model.builder.vocab_size", builder["vocab_size"],
+            "model.builder.vocab_size",
+            builder["vocab_size"],
             f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
         )
     return {
@@ -185,7 +189,9 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "dataset": _dataset(cfg.dataset),
         "eval": {
             "samples": _int(cfg.dataset.eval_samples, "dataset.eval_samples", 0),
-            "max_new_tokens": _int(cfg.dataset.eval_max_new_tokens, "dataset.eval_max_new_tokens", 1),
+            "max_new_tokens": _int(
+                cfg.dataset.eval_max_new_tokens, "dataset.eval_max_new_tokens", 1
+            ),
         },
         "loss": OmegaConf.to_container(cfg.loss, resolve=True),
         "optimizer": optimizer,

@@ -16,7 +16,7 @@ from runner.tune import CROSS_ENTROPY_IGNORE_IDX, Message, truncate
 
 
 class ChatTokenizer:
-    """Tokenizes chat messages as <|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>."""
+    """Llama 3's chat format: <|start_header_id|>role<|end_header_id|>, content, <|eot_id|>."""
 
     def __init__(self, path: str, max_seq_len: int | None = None) -> None:
         self._tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))

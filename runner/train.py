@@ -34,7 +34,8 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         extra = [o for o in overrides if not o.startswith("resume=")]
         if extra:
             raise UserError(
-                "resume", cfg.resume,
+                "resume",
+                cfg.resume,
                 f"a resumed run continues its recorded recipe; drop the other overrides {extra}",
             )
         if not run.recipe_path.is_file():

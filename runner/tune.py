@@ -34,6 +34,7 @@ __all__ = [
     "tune_to_hf",
 ]
 
+
 def init_like_hf(model: nn.Module, initializer_range: float) -> None:
     """Hugging Face's Llama init: N(0, initializer_range) for linear and embedding weights.
 

@@ -17,6 +17,7 @@ import random
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 ASSETS = Path(__file__).resolve().parent.parent / "runner" / "assets"
 SPECIAL_TOKENS = [
@@ -33,9 +34,12 @@ SPECIAL_TOKENS = [
 # same ids in training.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' "
+    "+ message['content'] + '<|eot_id|>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
 )
 TASKS = {
     "Reverse the word.": lambda word: word[::-1],
@@ -47,12 +51,9 @@ VALIDATION_RECORDS = 200
 
 def write_tokenizer(out_dir: Path) -> None:
     """Byte-level BPE without merges: token id == byte value, then the special tokens."""
-    byte_to_char = pre_tokenizers.ByteLevel.alphabet()
-    # ByteLevel.alphabet() is unordered; GPT-2's bytes_to_unicode order makes id == byte.
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
+    # GPT-2's byte -> printable-character map (ByteLevel's alphabet), in byte order: id == byte.
     vocab = {char: byte for byte, char in bytes_to_unicode().items()}
-    assert set(vocab) == set(byte_to_char)
+    assert set(vocab) == set(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -84,9 +85,7 @@ def make_words(rng: random.Random, count: int, exclude: set[str]) -> list[str]:
     seen = set(exclude)
     while len(words) < count:
         length = rng.randint(3, 6)
-        word = "".join(
-            rng.choice(consonants if i % 2 == 0 else vowels) for i in range(length)
-        )
+        word = "".join(rng.choice(consonants if i % 2 == 0 else vowels) for i in range(length))
         if rng.random() < 0.5:
             word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(length))
         if word not in seen:

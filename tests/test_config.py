@@ -87,13 +87,27 @@ def test_wheel_carries_configs_recipes_and_assets(tmp_path: Path) -> None:
     """A non-editable install finds conf/ and recipes/ inside the package."""
     root = Path(__file__).resolve().parent.parent
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-         str(tmp_path), str(root)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
     )
     (wheel,) = tmp_path.glob("runner-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for name in ("runner/conf/train.yaml", "runner/conf/model/tiny.yaml",
-                 "runner/recipes/full_finetune.py", "runner/assets/sample/train.jsonl",
-                 "runner/assets/tiny_tokenizer/tokenizer.json"):
+    for name in (
+        "runner/conf/train.yaml",
+        "runner/conf/model/tiny.yaml",
+        "runner/recipes/full_finetune.py",
+        "runner/assets/sample/train.jsonl",
+        "runner/assets/tiny_tokenizer/tokenizer.json",
+    ):
         assert name in names, name

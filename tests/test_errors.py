@@ -17,10 +17,14 @@ CASES = [
     (["optimizer.lr=fast"], ["optimizer.lr='fast'", "number > 0"]),
     (["max_steps=0"], ["max_steps=0", "integer >= 1"]),
     (["batch_size=0"], ["batch_size=0", "integer >= 1"]),
-    (["dataset.train_files=/no/such/file.jsonl"], ["dataset.train_files='/no/such/file.jsonl'",
-                                                   "no such file"]),
-    (["dataset.column_map.output=answer"], ["dataset.column_map.output='answer'",
-                                            "columns are ['instruction', 'input', 'output']"]),
+    (
+        ["dataset.train_files=/no/such/file.jsonl"],
+        ["dataset.train_files='/no/such/file.jsonl'", "no such file"],
+    ),
+    (
+        ["dataset.column_map.output=answer"],
+        ["dataset.column_map.output='answer'", "columns are ['instruction', 'input', 'output']"],
+    ),
     (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
 ]
 if not torch.cuda.is_available():

@@ -15,9 +15,16 @@ N = 6
 def straight_then_resumed(runner_cli, tmp_path: Path, *extra: str) -> tuple[dict, dict]:
     straight = tmp_path / "straight"
     result = runner_cli(
-        "train", *QUICK, *extra, f"max_steps={2 * N}", f"runtime.save_every_n_steps={N}",
-        "runtime.log_every_n_steps=1", "dataset.eval_samples=0", "gradient_accumulation_steps=2",
-        "batch_size=8", f"hydra.run.dir={straight}",
+        "train",
+        *QUICK,
+        *extra,
+        f"max_steps={2 * N}",
+        f"runtime.save_every_n_steps={N}",
+        "runtime.log_every_n_steps=1",
+        "dataset.eval_samples=0",
+        "gradient_accumulation_steps=2",
+        "batch_size=8",
+        f"hydra.run.dir={straight}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     # The same run killed right after its step-N checkpoint: drop what came later.

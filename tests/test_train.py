@@ -26,10 +26,22 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> Path:
 
     run_dir = tmp_path_factory.mktemp("run") / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "train", *QUICK, "max_steps=24",
-         "runtime.save_every_n_steps=8", "runtime.keep_last_n_checkpoints=2",
-         "runtime.log_every_n_steps=1", f"hydra.run.dir={run_dir}"],
-        env=hermetic_env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "train",
+            *QUICK,
+            "max_steps=24",
+            "runtime.save_every_n_steps=8",
+            "runtime.keep_last_n_checkpoints=2",
+            "runtime.log_every_n_steps=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        env=hermetic_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir / "stdout.txt").write_text(proc.stdout)
@@ -37,8 +49,14 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> Path:
 
 
 def test_run_directory_holds_the_contract(trained_run: Path) -> None:
-    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "recipe.yaml", "status.json",
-                 "metrics.jsonl", "train.log"):
+    for name in (
+        ".hydra/config.yaml",
+        ".hydra/overrides.yaml",
+        "recipe.yaml",
+        "status.json",
+        "metrics.jsonl",
+        "train.log",
+    ):
         assert (trained_run / name).is_file(), name
     assert list((trained_run / "tensorboard").glob("events.out.tfevents.*"))
     status = json.loads((trained_run / "status.json").read_text())
@@ -55,8 +73,14 @@ def test_retention_keeps_the_last_whole_checkpoints(trained_run: Path) -> None:
     names = sorted(p.name for p in (trained_run / "checkpoints").iterdir())
     assert names == ["step_16", "step_24"]
     checkpoint = trained_run / "checkpoints" / "step_24"
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "training_state.pt"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "training_state.pt",
+    ):
         assert (checkpoint / name).is_file(), name
 
 
@@ -92,7 +116,12 @@ def test_transformers_tokenizer_gives_the_training_ids(trained_run: Path) -> Non
 def test_multirun_gives_one_run_directory_per_job(runner_cli, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = runner_cli(
-        "train", "-m", *QUICK, "max_steps=3", "dataset.eval_samples=0", "optimizer.lr=1e-3,2e-3",
+        "train",
+        "-m",
+        *QUICK,
+        "max_steps=3",
+        "dataset.eval_samples=0",
+        "optimizer.lr=1e-3,2e-3",
         f"hydra.sweep.dir={sweep}",
     )
     assert result.returncode == 0, result.stderr[-3000:]

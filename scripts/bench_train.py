@@ -1,0 +1,205 @@
+"""Tokens/s and peak memory of our recipe beside a bare PyTorch loop, in one run.
+
+    python scripts/bench_train.py [--steps 200] [--batch-size 32] [--device cpu] [--repeats 3]
+
+Both train the tiny model (same builder, init, batches, AdamW settings, clipping) for the same
+number of steps, each in a fresh subprocess so that peak memory is its own, alternating bare and
+ours `--repeats` times and reporting medians (a neighbour on the machine hits both alike). The
+bare loop is what a person writes by hand: no logging, no status file, no checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WARMUP_STEPS = 10
+
+
+def peak_memory_mb(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def recipe_config(steps: int, batch_size: int, device: str, run_dir: Path):
+    from hydra import compose, initialize_config_dir
+
+    from runner.paths import CONF_DIR
+    from runner.resolve import resolve_recipe
+
+    overrides = [
+        f"max_steps={steps}",
+        f"batch_size={batch_size}",
+        "runtime.progress_bar=false",
+        "runtime.save_every_n_steps=null",
+        "dataset.eval_samples=0",
+        f"compute={'gpu' if device == 'cuda' else 'cpu'}",
+    ]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return resolve_recipe(compose("train", overrides=overrides), run_dir)
+
+
+class StepTimer:
+    """Wall time of steps after WARMUP_STEPS, and the tokens they processed."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.tokens, self.steps, self.start = device, 0, 0, None
+
+    def step(self, tokens: int) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        self.steps += 1
+        if self.steps == WARMUP_STEPS:
+            self.start = time.perf_counter()
+        elif self.steps > WARMUP_STEPS:
+            self.tokens += tokens
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / (time.perf_counter() - self.start)
+
+
+def run_ours(steps: int, batch_size: int, device: str) -> dict[str, float]:
+    from omegaconf import OmegaConf
+    from runner.recipes.full_finetune import FullFinetuneRecipe
+
+    from runner.rundir import RunDir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        RunDir(tmp).recipe_path.write_text(
+            OmegaConf.to_yaml(recipe_config(steps, batch_size, device, Path(tmp)))
+        )
+        recipe = FullFinetuneRecipe(OmegaConf.load(Path(tmp) / "recipe.yaml"))
+        recipe.setup()
+        timer = StepTimer(device)
+        step = recipe._optimizer_step
+
+        def timed(batches):
+            loss, tokens = step(batches)
+            timer.step(tokens)
+            return loss, tokens
+
+        recipe._optimizer_step = timed
+        recipe.train()
+        recipe.cleanup()
+    return {"tokens_per_s": timer.tokens_per_s(), "peak_mb": peak_memory_mb(device)}
+
+
+def run_bare(steps: int, batch_size: int, device: str) -> dict[str, float]:
+    """The hand-written loop: model, AdamW, cross-entropy, clip, step."""
+    import torch
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader
+
+    from runner.components import instantiate
+    from runner.data import build_dataset
+    from runner.tune import init_like_hf, padded_collate_sft
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = OmegaConf.create(recipe_config(steps, batch_size, device, Path(tmp)))
+    torch.manual_seed(cfg.seed)
+    tokenizer = instantiate(cfg.tokenizer)
+    data = cfg.dataset
+    dataset = build_dataset(
+        data_format=data.format,
+        data_files=data.train_files,
+        files_key="train_files",
+        column_map=OmegaConf.to_container(data.column_map),
+        train_on_input=False,
+        new_system_prompt=None,
+        tokenizer=tokenizer,
+    )
+    with torch.device(device):
+        model = instantiate(cfg.model)
+        init_like_hf(model, cfg.initializer_range)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optimizer.lr,
+        betas=tuple(cfg.optimizer.betas),
+        weight_decay=cfg.optimizer.weight_decay,
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        collate_fn=lambda s: padded_collate_sft(s, padding_idx=tokenizer.pad_id),
+    )
+    timer = StepTimer(device)
+    batches = iter(loader)
+    for _ in range(steps):
+        batch = next(batches)
+        tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.step(tokens.numel())
+    return {"tokens_per_s": timer.tokens_per_s(), "peak_mb": peak_memory_mb(device)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--which", choices=["ours", "bare"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.which:
+        runner = run_ours if args.which == "ours" else run_bare
+        print(json.dumps(runner(args.steps, args.batch_size, args.device)))
+        return
+    runs: dict[str, list[dict[str, float]]] = {"bare": [], "ours": []}
+    for _ in range(args.repeats):
+        for which in ("bare", "ours"):
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--which",
+                    which,
+                    "--steps",
+                    str(args.steps),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--device",
+                    args.device,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            runs[which].append(json.loads(out.strip().splitlines()[-1]))
+    results = {
+        which: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+        for which, rs in runs.items()
+    }
+    print(
+        f"tiny model, {args.steps} steps of batch {args.batch_size} on {args.device} "
+        f"(first {WARMUP_STEPS} steps not timed), median of {args.repeats} alternating runs"
+    )
+    print(f"{'':12}{'tokens/s':>12}{'peak MB':>12}")
+    for which in ("bare", "ours"):
+        r = results[which]
+        print(f"{which:12}{r['tokens_per_s']:>12,.0f}{r['peak_mb']:>12,.0f}")
+    ratio = results["ours"]["tokens_per_s"] / results["bare"]["tokens_per_s"]
+    print(f"ours/bare tokens/s: {ratio:.3f} (target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()
