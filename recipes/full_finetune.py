@@ -35,6 +35,7 @@ from runner.checkpoint import read_model_state, read_training_state, write_check
 from runner.components import instantiate
 from runner.data import build_dataset, eval_prompts
 from runner.evaluate import exact_match
+from runner.manifest import record_checkpoint
 from runner.rundir import RunDir
 from runner.tune import (
     CROSS_ENTROPY_IGNORE_IDX,
@@ -91,6 +92,8 @@ class FullFinetuneRecipe:
         if self.training.max_steps is not None:
             self.total_steps = min(self.total_steps, self.training.max_steps)
         self.model = self._build_model()
+        # Every rank built the same initial weights; randomness from here on is per rank.
+        torch.manual_seed(cfg.seed + self.rank)
         self.optimizer = instantiate(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = self._build_lr_scheduler()
         self.loss_fn = instantiate(cfg.loss)
@@ -176,9 +179,10 @@ class FullFinetuneRecipe:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
                 window_tokens, window_start = 0, time.perf_counter()
             bar.update(1)
-            if self.step == self.total_steps or (save_every and self.step % save_every == 0):
+            stop = self.step in (self.total_steps, self.cfg.stop_at_step)
+            if stop or (save_every and self.step % save_every == 0):
                 self.save_checkpoint()
-            if self.step == self.total_steps:
+            if stop:
                 break
         bar.close()
         return {"first_loss": first_loss, "last_loss": last_loss}
@@ -296,7 +300,10 @@ class FullFinetuneRecipe:
                 training_state=training_state,
                 stop_token_ids=self.tokenizer.stop_tokens,
             )
-            self.run.commit_checkpoint(tmp, self.step, self.cfg.runtime.keep_last_n_checkpoints)
+            final = self.run.commit_checkpoint(
+                tmp, self.step, self.cfg.runtime.keep_last_n_checkpoints
+            )
+            record_checkpoint(self.run, self.step, final)
         if self.world_size > 1:
             dist.barrier()
         self._status("running", step=self.step, total_steps=self.total_steps)
@@ -364,6 +371,9 @@ class _default_dtype:
 def run(recipe_path: str | Path) -> dict[str, Any]:
     """Runs the recipe at `recipe_path` in this process (one of several under torchrun)."""
     cfg = OmegaConf.load(recipe_path)
+    if cfg.runtime.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")

@@ -14,11 +14,12 @@ USAGE = """usage: runner COMMAND [hydra overrides] [--help]
 commands:
   train    compose config groups, resolve a recipe, train and checkpoint
   deploy   serve checkpoints behind an OpenAI-compatible API
+  repro    re-run a recorded run and compare; exit 1 on drift (for CI)
 
 `runner COMMAND --help` lists the command's config groups and options."""
 
 
-def _commands() -> dict[str, Callable[[], None]]:
+def _commands() -> dict[str, Callable[[], int | None]]:
     def train() -> None:
         from runner.train import main
 
@@ -29,7 +30,12 @@ def _commands() -> dict[str, Callable[[], None]]:
 
         main()
 
-    return {"train": train, "deploy": deploy}
+    def repro() -> int:
+        from runner.repro import main
+
+        return main(sys.argv[1:])
+
+    return {"train": train, "deploy": deploy, "repro": repro}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     sys.argv = [f"runner {name}", *argv[1:]]
     try:
-        commands[name]()
+        code = commands[name]()
     except UserErrorExit as err:
         print(f"error: {err.error}", file=sys.stderr)
         return err.error.exit_code
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {user_error}", file=sys.stderr)
         return user_error.exit_code
-    return 0
+    return code or 0
 
 
 def as_user_error(err: BaseException) -> UserError | None:

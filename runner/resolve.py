@@ -112,6 +112,7 @@ def _runtime(runtime: DictConfig) -> dict[str, Any]:
         "log_every_n_steps": _int(runtime.log_every_n_steps, "runtime.log_every_n_steps", 1),
         "tensorboard": _bool(runtime.tensorboard, "runtime.tensorboard"),
         "progress_bar": _bool(runtime.progress_bar, "runtime.progress_bar"),
+        "deterministic": _bool(runtime.deterministic, "runtime.deterministic"),
         "env": {str(k): str(v) for k, v in runtime.env.items()},
     }
 
@@ -198,4 +199,6 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "lr_schedule": schedule,
         "training": _training(cfg),
         "runtime": _runtime(cfg.runtime),
+        # Set by `runner repro --steps N`: end after step N without changing the schedule.
+        "stop_at_step": None,
     }

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from runner.errors import UserError, UserErrorExit
 from runner.launch import launch
+from runner.manifest import build_manifest, write_manifest
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 from runner.rundir import RunDir
@@ -44,6 +45,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     else:
         recipe = resolve_recipe(cfg, run.path)
         run.recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
         run.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
     result = launch(recipe, run.recipe_path)
     _print_summary(run, result)

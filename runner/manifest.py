@@ -1,0 +1,145 @@
+"""The reproducibility manifest of a run: what was run, on what data, code and machine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from runner.rundir import RunDir, write_json_atomic
+
+MANIFEST_FILE = "manifest.json"
+PACKAGES = (
+    "runner",
+    "torch",
+    "torchtune",
+    "torchao",
+    "transformers",
+    "tokenizers",
+    "datasets",
+    "hydra-core",
+    "omegaconf",
+    "safetensors",
+    "numpy",
+)
+SECRET_KEY = re.compile(r"token|secret|password|passwd|api[_-]?key|credential", re.IGNORECASE)
+REDACTED = "<redacted>"
+# Recipe keys that name this run rather than what it computes: left out of the config hash.
+RUN_SPECIFIC_KEYS = ("run_dir", "stop_at_step")
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """A copy of a config with the values of secret-looking keys replaced."""
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, key) for v in value]
+    return REDACTED if SECRET_KEY.search(key) and value not in (None, "") else value
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def config_hash(recipe: dict[str, Any]) -> str:
+    """sha256 of the redacted recipe without its run-specific keys, in canonical JSON."""
+    kept = {k: v for k, v in redact(recipe).items() if k not in RUN_SPECIFIC_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
+def _git(cwd: Path) -> dict[str, Any] | None:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": commit, "dirty": bool(dirty)}
+
+
+def _hardware(device: str) -> dict[str, Any]:
+    import torch
+
+    kind = torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+    if device == "cpu" and Path("/proc/cpuinfo").exists():
+        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        kind = names[0] if names else kind
+    return {
+        "device": device,
+        "name": kind,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def _versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def build_manifest(recipe: dict[str, Any], overrides: list[str], cwd: Path) -> dict[str, Any]:
+    """Everything needed to tell, from the record alone, what a re-run would change."""
+    import torch
+
+    data = recipe["dataset"]
+    tokenizer_dir = Path(recipe["tokenizer"]["path"])
+    return {
+        "config": redact(recipe),
+        "config_hash": config_hash(recipe),
+        "overrides": [o if not SECRET_KEY.search(o.split("=")[0]) else REDACTED for o in overrides],
+        "packages": _versions(),
+        "python": sys.version.split()[0],
+        "torch_build": {
+            "version": torch.__version__,
+            "cuda": torch.version.cuda,
+            "git": torch.version.git_version,
+        },
+        "git": _git(cwd),
+        "data": {
+            key: {"path": data[key], "sha256": sha256_file(Path(data[key]))}
+            for key in ("train_files", "validation_files")
+            if data[key]
+        },
+        "tokenizer_sha256": {p.name: sha256_file(p) for p in sorted(tokenizer_dir.glob("*.json"))},
+        "seed": recipe["seed"],
+        "world_size": recipe["nproc_per_node"] * recipe["nnodes"],
+        "deterministic": recipe["runtime"]["deterministic"],
+        "hardware": _hardware(recipe["device"]),
+        "checkpoints": {},
+    }
+
+
+def write_manifest(run: RunDir, manifest: dict[str, Any]) -> None:
+    write_json_atomic(run.path / MANIFEST_FILE, manifest)
+
+
+def read_manifest(run: RunDir) -> dict[str, Any]:
+    return json.loads((run.path / MANIFEST_FILE).read_text())
+
+
+def record_checkpoint(run: RunDir, step: int, checkpoint_dir: Path) -> None:
+    """Adds the sha256 of each file of a whole checkpoint to the run's manifest, if it has one."""
+    if not (run.path / MANIFEST_FILE).exists():
+        return
+    manifest = read_manifest(run)
+    manifest["checkpoints"][str(step)] = {
+        p.name: sha256_file(p) for p in sorted(checkpoint_dir.iterdir()) if p.is_file()
+    }
+    write_manifest(run, manifest)

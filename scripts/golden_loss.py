@@ -1,0 +1,75 @@
+"""Golden-loss check: a fixed tiny config's per-step losses against a stored file, exactly.
+
+    python scripts/golden_loss.py            # exit 0 on a match, 1 on drift (run by .ci/run)
+    python scripts/golden_loss.py --update   # rewrite the stored file after an intended change
+
+One CPU thread and MKL's conditional-reproducibility mode keep the numbers independent of how
+many cores the machine has and which x86 generation it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "tiny_losses.json"
+OVERRIDES = [
+    "model=tiny",
+    "dataset=sample",
+    "compute=cpu",
+    "dtype=fp32",
+    "loss=chunked_ce",
+    "max_steps=8",
+    "batch_size=8",
+    "seed=0",
+    "runtime.log_every_n_steps=1",
+    "runtime.save_every_n_steps=null",
+    "runtime.deterministic=true",
+    "runtime.progress_bar=false",
+    "runtime.tensorboard=false",
+    "dataset.eval_samples=0",
+]
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE"}
+
+
+def train_losses() -> dict[str, float]:
+    """Per-step losses of the golden config, trained in a fresh process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "runner", "train", *OVERRIDES, f"hydra.run.dir={tmp}/run"],
+            env={**os.environ, **ENV},
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+    return {str(r["step"]): r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--update", action="store_true", help="rewrite the stored losses")
+    parser.add_argument("--golden", type=Path, default=GOLDEN, help="the stored losses file")
+    args = parser.parse_args()
+    losses = train_losses()
+    if args.update:
+        args.golden.write_text(json.dumps({"overrides": OVERRIDES, "losses": losses}, indent=2))
+        print(f"wrote {len(losses)} losses to {args.golden}")
+        return 0
+    from runner.repro import compare_losses, print_report
+
+    stored = json.loads(args.golden.read_text())
+    drifts = compare_losses(
+        {int(k): v for k, v in stored["losses"].items()}, {int(k): v for k, v in losses.items()}
+    )
+    print_report(drifts, f"{len(losses)} steps equal to {args.golden.name}")
+    return 1 if drifts else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
