@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -83,21 +84,12 @@ def test_config_dir_adds_a_users_own_option(runner_cli, tmp_path: Path) -> None:
     assert "embed_dim: 192" in result.stdout and "name: tiny_wide" in result.stdout
 
 
-def test_wheel_carries_configs_recipes_and_assets(tmp_path: Path) -> None:
-    """A non-editable install finds conf/ and recipes/ inside the package."""
+def test_non_editable_install_finds_configs_recipes_and_assets(tmp_path: Path) -> None:
+    """The built wheel, installed elsewhere, composes and resolves without the source tree."""
     root = Path(__file__).resolve().parent.parent
+    pip = [sys.executable, "-m", "pip"]
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(tmp_path),
-            str(root),
-        ],
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(root)],
         check=True,
         capture_output=True,
     )
@@ -111,3 +103,30 @@ def test_wheel_carries_configs_recipes_and_assets(tmp_path: Path) -> None:
         "runner/assets/tiny_tokenizer/tokenizer.json",
     ):
         assert name in names, name
+    site = tmp_path / "site"
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        "import runner.paths as p, runner.resolve as r; from hydra import compose, "
+        "initialize_config_dir as i\n"
+        "with i(config_dir=str(p.CONF_DIR), version_base='1.3'):\n"
+        "    c = compose('train')\n"
+        "recipe = r.resolve_recipe(c, p.CONF_DIR)\n"
+        "print(p.CONF_DIR, p.RECIPES_DIR, recipe['dataset']['train_files'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        check=True,
+        text=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    ).stdout
+    assert out.split() == [
+        str(site / "runner" / "conf"),
+        str(site / "runner" / "recipes"),
+        str(site / "runner" / "assets" / "sample" / "train.jsonl"),
+    ]
