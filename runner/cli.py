@@ -20,10 +20,12 @@ commands:
 
 
 def _commands() -> dict[str, Callable[[], int | None]]:
-    def train() -> None:
+    def train() -> int:
+        from runner import sweep
         from runner.train import main
 
         main()
+        return min(sweep.last_sweep_failures, 255)  # a sweep exits with its failed-job count
 
     def deploy() -> None:
         from runner.deploy import main

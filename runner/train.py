@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.errors import UserError, UserErrorExit
@@ -19,15 +22,39 @@ from runner.resolve import resolve_recipe
 from runner.rundir import RunDir
 
 
-def train(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
-    """Resolves `cfg` into run_dir/recipe.yaml and trains; resume=RUN continues RUN's recipe."""
+def train(
+    cfg: DictConfig, run_dir: Path, overrides: list[str], keep_failed: bool = False
+) -> dict[str, Any] | None:
+    """Resolves `cfg` into run_dir/recipe.yaml and trains; resume=RUN continues RUN's recipe.
+
+    A fresh run that fails on bad input leaves no run directory behind, unless `keep_failed`
+    (a sweep's job, which the sweep summary reports as failed).
+    """
     run = RunDir(run_dir)
     try:
         return _train(cfg, run, overrides)
     except UserError:
-        if cfg.resume is None:  # a fresh run that never started: leave nothing behind
+        if cfg.resume is None and not keep_failed:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
+    """One job of a multirun: a failure is recorded in its run directory, the others go on.
+
+    Returns the job's objective (the last value of cfg.objective.metric), which the Optuna
+    sweeper optimizes; NaN for a failed job.
+    """
+    run = RunDir(run_dir)
+    try:
+        train(cfg, run_dir, overrides, keep_failed=True)
+    except Exception as err:  # noqa: BLE001 - recorded in the run directory, reported below
+        if run.read_status().get("state") != "failed":
+            run.write_status("failed", error=f"{type(err).__name__}: {err}")
+        print(f"error: job {run_dir.name} ({' '.join(overrides)}): {err}", file=sys.stderr)
+        return math.nan
+    values = [r[cfg.objective.metric] for r in run.read_metrics() if cfg.objective.metric in r]
+    return float(values[-1]) if values else math.nan
 
 
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
@@ -66,10 +93,14 @@ def _print_summary(run: RunDir, result: dict[str, Any] | None) -> None:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point of `runner train`."""
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry point of `runner train` (and of each job of `runner train -m`)."""
     hydra_cfg = HydraConfig.get()
+    run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return sweep_job(cfg, run_dir, overrides)
     try:
-        train(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
+        train(cfg, run_dir, overrides)
     except UserError as err:
         raise UserErrorExit(err) from err
+    return None

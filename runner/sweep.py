@@ -1,0 +1,174 @@
+"""Sweep summaries: a table of a multirun's jobs, the best one, and a plot of their loss curves.
+
+The summary is rewritten as each job ends (SweepSummary.on_job_end) and once more, printed,
+when the sweep ends; it is built from the run directories alone.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from runner.rundir import RunDir, write_json_atomic
+
+SUMMARY_JSON = "summary.json"
+SUMMARY_TABLE = "summary.md"
+LOSS_PLOT = "loss_curves.png"
+# Set when a sweep ends; `runner train -m` exits with it.
+last_sweep_failures = 0
+
+
+def _duration_s(status: dict[str, Any]) -> float | None:
+    if not (status.get("started_at") and status.get("ended_at")):
+        return None
+    start, end = (datetime.fromisoformat(status[k]) for k in ("started_at", "ended_at"))
+    return (end - start).total_seconds()
+
+
+def job_row(run: RunDir, metric: str) -> dict[str, Any]:
+    """What the summary says of one job, read from its run directory."""
+    status = run.read_status()
+    metrics = run.read_metrics()
+    overrides_file = run.path / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
+    losses = [r["loss"] for r in metrics if "loss" in r]
+    scored = [r for r in metrics if metric in r]
+    last = scored[-1] if scored else None
+    checkpoint = run.checkpoints_dir / f"step_{last['step']}" if last else None
+    return {
+        "job": run.path.name,
+        "run_dir": str(run.path),
+        "overrides": overrides,
+        "state": status.get("state", "unknown"),
+        "error": status.get("error"),
+        "step": status.get("step"),
+        "total_steps": status.get("total_steps"),
+        "final_loss": losses[-1] if losses else None,
+        "metric": last[metric] if last else None,
+        "metric_checkpoint": str(checkpoint) if checkpoint and checkpoint.is_dir() else None,
+        "duration_s": _duration_s(status),
+    }
+
+
+def summarize(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
+    """Rows for every job directory of a sweep, and the best completed one by `metric`."""
+    jobs = sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir() and (p / "status.json").exists()),
+        key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name),
+    )
+    rows = [job_row(RunDir(p), metric) for p in jobs]
+    scored = [r for r in rows if r["state"] == "completed" and r["metric"] is not None]
+    best = None
+    if scored:
+        pick = min if mode == "min" else max
+        best = pick(scored, key=lambda r: r["metric"])
+    return {
+        "sweep_dir": str(sweep_dir),
+        "metric": metric,
+        "mode": mode,
+        "best": best,
+        "failed": sum(r["state"] == "failed" for r in rows),
+        "runs": rows,
+    }
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.{digits}g}"
+    return str(value)
+
+
+def _varying(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Each job's overrides less those every job shares: what the sweep varied."""
+    common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
+    return {r["job"]: " ".join(o for o in r["overrides"] if o not in common) for r in rows}
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown table (printed at the end of a sweep)."""
+    head = ["job", "overrides", "state", "step", "final loss", summary["metric"], "seconds"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    varying = _varying(summary["runs"])
+    for r in summary["runs"]:
+        step = f"{_fmt(r['step'])}/{_fmt(r['total_steps'])}"
+        cells = [
+            r["job"],
+            varying[r["job"]],
+            r["state"],
+            step,
+            _fmt(r["final_loss"]),
+            _fmt(r["metric"]),
+            _fmt(r["duration_s"], 3),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    best = summary["best"]
+    if best:
+        lines.append(
+            f"\nbest by {summary['metric']} ({summary['mode']}): job {best['job']} "
+            f"({varying[best['job']]}), checkpoint {best['metric_checkpoint']}"
+        )
+    for r in summary["runs"]:
+        if r["state"] == "failed":
+            lines.append(f"job {r['job']} failed: {r['error']}")
+    return "\n".join(lines)
+
+
+def plot_losses(sweep_dir: Path, summary: dict[str, Any]) -> Path:
+    """A PNG of every job's training loss against its step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    varying = _varying(summary["runs"])
+    for row in summary["runs"]:
+        points = [
+            (r["step"], r["loss"]) for r in RunDir(row["run_dir"]).read_metrics() if "loss" in r
+        ]
+        if points:
+            ax.plot(*zip(*points, strict=True), label=f"{row['job']}: {varying[row['job']]}")
+    ax.set(xlabel="step", ylabel="training loss", yscale="log", title=str(sweep_dir))
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    out = sweep_dir / LOSS_PLOT
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_summary(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
+    summary = summarize(sweep_dir, metric, mode)
+    write_json_atomic(sweep_dir / SUMMARY_JSON, summary)
+    tmp = sweep_dir / f".{SUMMARY_TABLE}.tmp"
+    tmp.write_text(table(summary) + "\n")
+    tmp.replace(sweep_dir / SUMMARY_TABLE)
+    return summary
+
+
+class SweepSummary(Callback):
+    """Hydra callback: keeps the sweep directory's summary current, prints it at the end."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            sweep_dir = Path(HydraConfig.get().sweep.dir)
+            write_summary(sweep_dir, config.objective.metric, config.objective.mode)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global last_sweep_failures
+        sweep_dir = Path(config.hydra.sweep.dir)
+        summary = write_summary(sweep_dir, config.objective.metric, config.objective.mode)
+        plot = plot_losses(sweep_dir, summary)
+        last_sweep_failures = summary["failed"]
+        print(table(summary))
+        print(f"sweep directory: {sweep_dir}\nsummary: {sweep_dir / SUMMARY_TABLE}\nplot: {plot}")
