@@ -9,6 +9,7 @@ already holds a whole checkpoint (a restart, or `runner train resume=RUN`), it c
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -36,7 +37,7 @@ from runner.components import instantiate
 from runner.data import build_dataset, eval_prompts
 from runner.evaluate import exact_match
 from runner.manifest import record_checkpoint
-from runner.rundir import RunDir
+from runner.rundir import LOG_FILE, Heartbeat, RunDir
 from runner.tune import (
     CROSS_ENTROPY_IGNORE_IDX,
     TransformerSelfAttentionLayer,
@@ -46,6 +47,7 @@ from runner.tune import (
     set_activation_checkpointing,
 )
 
+log = logging.getLogger("runner.recipe")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -263,6 +265,14 @@ class FullFinetuneRecipe:
             return
         record = {"step": self.step, **values, "lr": self.optimizer.param_groups[0]["lr"]}
         self.run.append_metrics(record)
+        log.info(
+            "step %d/%d loss %.4f lr %.3g tokens/s %.0f",
+            self.step,
+            self.total_steps,
+            values["loss"],
+            record["lr"],
+            values["tokens_per_s"],
+        )
         if self.logger is not None:
             for key, value in record.items():
                 if key != "step":
@@ -368,6 +378,17 @@ class _default_dtype:
         torch.set_default_dtype(self.previous)
 
 
+def _log_to_file(path: Path) -> None:
+    """Sends the recipe's log lines to the run's log file, unless Hydra already does."""
+    root = logging.getLogger()
+    if any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def run(recipe_path: str | Path) -> dict[str, Any]:
     """Runs the recipe at `recipe_path` in this process (one of several under torchrun)."""
     cfg = OmegaConf.load(recipe_path)
@@ -377,10 +398,14 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
-    if cfg.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if cfg.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     recipe = FullFinetuneRecipe(cfg)
+    heartbeat = Heartbeat(recipe.run) if recipe.is_rank_zero else None
+    if recipe.is_rank_zero:
+        _log_to_file(recipe.run.path / LOG_FILE)
+        heartbeat.start()
     try:
         recipe.setup()
         result = recipe.train()
@@ -393,6 +418,8 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
         recipe._status(state, error=f"{type(err).__name__}: {err}")
         raise
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         recipe.cleanup()
         if distributed:
             dist.destroy_process_group()

@@ -15,6 +15,10 @@ commands:
   train    compose config groups, resolve a recipe, train and checkpoint
   deploy   serve checkpoints behind an OpenAI-compatible API
   repro    re-run a recorded run and compare; exit 1 on drift (for CI)
+  runs     list runs and sweep jobs: state, step, loss, best eval, age
+  logs     print or follow (-f) a run's log
+  stop     ask a run to save a checkpoint and end as cancelled
+  resume   continue a cancelled or failed run from its last whole checkpoint
 
 `runner COMMAND --help` lists the command's config groups and options."""
 
@@ -37,7 +41,16 @@ def _commands() -> dict[str, Callable[[], int | None]]:
 
         return main(sys.argv[1:])
 
-    return {"train": train, "deploy": deploy, "repro": repro}
+    def lifecycle(command: str) -> Callable[[], int]:
+        def run() -> int:
+            from runner.lifecycle import main
+
+            return main(command, sys.argv[1:])
+
+        return run
+
+    lifecycle_commands = {name: lifecycle(name) for name in ("runs", "logs", "stop", "resume")}
+    return {"train": train, "deploy": deploy, "repro": repro, **lifecycle_commands}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ naming the key, the value and the fix.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,22 @@ OmegaConf.register_new_resolver(
 OmegaConf.register_new_resolver(
     "runner_hydra_subdir", lambda resume: None if resume else ".hydra", replace=True
 )
+
+
+def parallel_jobs() -> int:
+    """Jobs to run at once on this machine: one per GPU, else one per core.
+
+    Each job's processes get an equal share of the cores (OMP_NUM_THREADS, inherited by the
+    launcher's workers), so parallel jobs do not oversubscribe the CPU.
+    """
+    cores = os.cpu_count() or 1
+    jobs = torch.cuda.device_count() or cores
+    if not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // jobs))
+    return jobs
+
+
+OmegaConf.register_new_resolver("runner_parallel_jobs", parallel_jobs, replace=True)
 
 
 def _int(value: Any, key: str, minimum: int, allow_none: bool = False) -> int | None:

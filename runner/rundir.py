@@ -6,12 +6,20 @@ import json
 import os
 import re
 import socket
+import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 STATES = ("created", "initializing", "running", "checkpointing", "completed", "failed", "cancelled")
 RECIPE_FILE = "recipe.yaml"
+HEARTBEAT_FILE = "heartbeat"
+LOG_FILE = "train.log"
+ACTIVE_STATES = ("created", "initializing", "running", "checkpointing")
+# A live run touches its heartbeat every HEARTBEAT_EVERY_S; older than HEARTBEAT_STALE_S is dead.
+HEARTBEAT_EVERY_S = 10.0
+HEARTBEAT_STALE_S = 120.0
 STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
@@ -62,6 +70,27 @@ class RunDir:
         write_json_atomic(self.path / STATUS_FILE, status)
         return status
 
+    def touch_heartbeat(self) -> None:
+        (self.path / HEARTBEAT_FILE).touch()
+
+    def seconds_since_heartbeat(self) -> float | None:
+        path = self.path / HEARTBEAT_FILE
+        return time.time() - path.stat().st_mtime if path.exists() else None
+
+    def effective_state(self) -> tuple[str, str | None]:
+        """The recorded state, or `failed` with a reason when an active run's process is gone."""
+        status = self.read_status()
+        state = status.get("state", "unknown")
+        if state not in ACTIVE_STATES:
+            return state, None
+        pid = status.get("launcher_pid") or status.get("pid")
+        if status.get("host") == socket.gethostname() and pid and not _alive(pid):
+            return "failed", f"process {pid} is gone and the status was never updated"
+        age = self.seconds_since_heartbeat()
+        if age is not None and age > HEARTBEAT_STALE_S:
+            return "failed", f"no heartbeat for {age:.0f} s"
+        return state, None
+
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -104,6 +133,37 @@ class RunDir:
         for _, old in self.checkpoints()[: -max(keep_last, 1)]:
             _remove_tree(old)
         return final
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Heartbeat:
+    """Touches a run's heartbeat file from a background thread while the run is alive."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            self.run.touch_heartbeat()
+            self._stop.wait(HEARTBEAT_EVERY_S)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _remove_tree(path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -74,6 +75,8 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         run.recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
         run.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
+    # `runner stop` signals this process: the run's launcher, whatever its world size.
+    run.write_status(run.read_status()["state"], launcher_pid=os.getpid())
     result = launch(recipe, run.recipe_path)
     _print_summary(run, result)
     return result

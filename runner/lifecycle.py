@@ -1,0 +1,171 @@
+"""`runner runs | logs | stop | resume`: the lifecycle of runs on this machine or a shared disk."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from runner.errors import UserError
+from runner.rundir import LOG_FILE, STATUS_FILE, RunDir
+
+DEFAULT_ROOTS = ("outputs", "multirun")
+FINAL_STATES = ("completed", "failed", "cancelled")
+
+
+def _run_dir(path: Path, key: str = "RUN") -> RunDir:
+    run = RunDir(path)
+    if not (run.path / STATUS_FILE).is_file():
+        raise UserError(
+            key,
+            str(path),
+            "not a run directory (no status.json); `runner runs` lists the runs here",
+        )
+    return run
+
+
+def find_runs(roots: list[Path]) -> list[RunDir]:
+    """Run directories under `roots`, newest first."""
+    found = {p.parent for root in roots if root.is_dir() for p in root.rglob(STATUS_FILE)}
+    return [RunDir(p) for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
+def _age(iso: str | None) -> str:
+    if not iso:
+        return "-"
+    seconds = (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def runs_table(runs: list[RunDir], base: Path) -> str:
+    """One line per run: where, state, step of total, last loss, best eval metric, age."""
+    head = f"{'run':<44} {'state':<13} {'step':>11} {'loss':>8} {'best eval':>22} {'age':>5}"
+    lines = [head]
+    for run in runs:
+        status = run.read_status()
+        state, _ = run.effective_state()
+        metrics = run.read_metrics()
+        losses = [r["loss"] for r in metrics if "loss" in r]
+        evals = [(k, v) for r in metrics for k, v in r.items() if k.startswith("eval_")]
+        best = max(evals, key=lambda kv: kv[1]) if evals else None
+        where = os.path.relpath(run.path, base)
+        step = f"{status.get('step') or 0}/{status.get('total_steps') or '-'}"
+        loss = f"{losses[-1]:.4f}" if losses else "-"
+        best_text = f"{best[0][5:]}={best[1]:.4g}" if best else "-"
+        lines.append(
+            f"{where:<44} {state:<13} {step:>11} {loss:>8} {best_text:>22} "
+            f"{_age(status.get('updated_at')):>5}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    roots = args.dirs or [Path(d) for d in DEFAULT_ROOTS]
+    runs = find_runs(roots)
+    if not runs:
+        print(f"no runs under {', '.join(map(str, roots))}")
+        return 0
+    print(runs_table(runs, Path.cwd()))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    run = _run_dir(args.run)
+    log_file = run.path / LOG_FILE
+    position = 0
+    while True:
+        if log_file.exists():
+            with open(log_file) as f:
+                f.seek(position)
+                sys.stdout.write(f.read())
+                sys.stdout.flush()
+                position = f.tell()
+        if not args.follow or run.effective_state()[0] in FINAL_STATES:
+            return 0
+        time.sleep(args.interval)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    run = _run_dir(args.run)
+    status = run.read_status()
+    state, why = run.effective_state()
+    if state in FINAL_STATES:
+        raise UserError(
+            "RUN", str(args.run), f"the run is already {state}" + (f" ({why})" if why else "")
+        )
+    if status.get("host") != socket.gethostname():
+        raise UserError(
+            "RUN",
+            str(args.run),
+            f"the run is on host {status.get('host')}; run `runner stop` there",
+        )
+    pid = status["launcher_pid"]
+    os.kill(pid, signal.SIGTERM)
+    print(f"asked process {pid} to save a checkpoint and stop")
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        state, _ = run.effective_state()
+        if state in FINAL_STATES:
+            print(f"{run.path}: {state} at step {run.read_status().get('step')}")
+            return 0 if state == "cancelled" else 1
+        time.sleep(0.5)
+    print(f"{run.path}: still {state} after {args.timeout:.0f} s", file=sys.stderr)
+    return 1
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    run = _run_dir(args.run)
+    state, _ = run.effective_state()
+    if state == "completed":
+        raise UserError("RUN", str(args.run), "the run is already completed")
+    if state not in FINAL_STATES:
+        raise UserError(
+            "RUN", str(args.run), f"the run is still {state}; `runner stop {args.run}` first"
+        )
+    from runner.train import main
+
+    sys.argv = ["runner train", f"resume={run.path.resolve()}"]
+    main()
+    return 0
+
+
+def main(command: str, argv: list[str]) -> int:
+    """Entry point of `runner runs|logs|stop|resume`."""
+    parser = argparse.ArgumentParser(prog=f"runner {command}")
+    if command == "runs":
+        parser.description = "List runs and sweep jobs with state, step, loss, best eval, age."
+        parser.add_argument(
+            "dirs",
+            nargs="*",
+            type=Path,
+            metavar="DIR",
+            help="directories to search (default: ./outputs ./multirun)",
+        )
+    else:
+        parser.add_argument("run", type=Path, metavar="RUN", help="a run directory")
+    if command == "logs":
+        parser.description = "Print a run's log; -f follows it until the run ends."
+        parser.add_argument("-f", "--follow", action="store_true")
+        parser.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    if command == "stop":
+        parser.description = "Ask a run to save a checkpoint and end as cancelled."
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=300.0,
+            help="seconds to wait for it to stop (default 300)",
+        )
+    if command == "resume":
+        parser.description = "Continue a cancelled or failed run from its last whole checkpoint."
+    args = parser.parse_args(argv)
+    return {"runs": cmd_runs, "logs": cmd_logs, "stop": cmd_stop, "resume": cmd_resume}[command](
+        args
+    )
