@@ -1,0 +1,98 @@
+"""`runner train -m`: one run directory per job, a summary that matches them, every launcher."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import QUICK, losses
+
+TINY_JOB = [*QUICK, "max_steps=4", "batch_size=4", "dataset.eval_samples=0"]
+
+
+def summary_of(sweep: Path) -> dict:
+    return json.loads((sweep / "summary.json").read_text())
+
+
+def test_sweep_summary_matches_its_run_directories(runner_cli, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner_cli(
+        "train", "-m", *TINY_JOB, "optimizer.lr=1e-3,3e-3", "seed=0,1", f"hydra.sweep.dir={sweep}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_of(sweep)
+    assert [r["job"] for r in summary["runs"]] == ["0", "1", "2", "3"]
+    for row in summary["runs"]:
+        run = Path(row["run_dir"])
+        assert row["state"] == "completed" and row["step"] == 4
+        assert row["final_loss"] == losses(run)[4]
+        assert row["overrides"] == yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
+    best = min(summary["runs"], key=lambda r: r["final_loss"])
+    assert summary["best"]["job"] == best["job"]
+    assert summary["best"]["metric_checkpoint"] == str(Path(best["run_dir"]) / "checkpoints/step_4")
+    assert (sweep / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"best by loss (min): job {best['job']}" in result.stdout
+    assert "| 0 | optimizer.lr=0.001 seed=0 | completed | 4/4 |" in result.stdout
+
+
+def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner_cli("train", "-m", *TINY_JOB, "batch_size=0,4,0", f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 2  # the number of failed jobs
+    states = {r["job"]: r["state"] for r in summary_of(sweep)["runs"]}
+    assert states == {"0": "failed", "1": "completed", "2": "failed"}
+    assert "batch_size=0" in summary_of(sweep)["runs"][0]["error"]
+    assert "job 0 failed: UserError: batch_size=0: give an integer >= 1" in result.stdout
+
+
+def test_parallel_launcher(runner_cli, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner_cli(
+        "train",
+        "-m",
+        "hydra/launcher=parallel",
+        *TINY_JOB,
+        "optimizer.lr=1e-3,3e-3",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["state"] for r in summary_of(sweep)["runs"]] == ["completed", "completed"]
+
+
+def test_submitit_launcher_through_its_local_executor(runner_cli, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner_cli(
+        "train",
+        "-m",
+        "hydra/launcher=submitit_local",
+        *TINY_JOB,
+        "optimizer.lr=1e-3,3e-3",
+        f"hydra.sweep.dir={sweep}",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["state"] for r in summary_of(sweep)["runs"]] == ["completed", "completed"]
+    assert list((sweep / ".submitit").iterdir())
+
+
+def test_optuna_search_optimizes_the_objective(runner_cli, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner_cli(
+        "train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.direction=minimize",
+        "hydra.sweeper.sampler.seed=0",
+        "optimizer.lr=tag(log, interval(1e-4, 1e-2))",
+        *TINY_JOB,
+        f"hydra.sweep.dir={sweep}",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = summary_of(sweep)["runs"]
+    assert len(rows) == 3
+    found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert found["best_value"] == min(r["final_loss"] for r in rows)
