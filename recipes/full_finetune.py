@@ -301,7 +301,7 @@ class FullFinetuneRecipe:
                 "rng_per_rank": rng_per_rank,
                 "world_size": self.world_size,
             }
-            tmp = self.run.checkpoint_tmp_path(self.step)
+            tmp = self.run.fresh_checkpoint_tmp(self.step)
             write_checkpoint(
                 tmp,
                 model_state={k: v.to(torch.float32) for k, v in model_state.items()},

@@ -13,6 +13,8 @@ USAGE = """usage: runner COMMAND [hydra overrides] [--help]
 
 commands:
   train    compose config groups, resolve a recipe, train and checkpoint
+  validate print the resolved recipe; check that weights, tokenizer and data are there
+  estimate parameters, memory per device and tokens per epoch, before training
   deploy   serve checkpoints behind an OpenAI-compatible API
   repro    re-run a recorded run and compare; exit 1 on drift (for CI)
   runs     list runs and sweep jobs: state, step, loss, best eval, age
@@ -36,6 +38,15 @@ def _commands() -> dict[str, Callable[[], int | None]]:
 
         main()
 
+    def preflight(name: str) -> Callable[[], None]:
+        def run() -> None:
+            from runner import preflight
+
+            sys.argv += preflight.NO_OUTPUT
+            getattr(preflight, f"{name}_main")()
+
+        return run
+
     def repro() -> int:
         from runner.repro import main
 
@@ -50,7 +61,14 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         return run
 
     lifecycle_commands = {name: lifecycle(name) for name in ("runs", "logs", "stop", "resume")}
-    return {"train": train, "deploy": deploy, "repro": repro, **lifecycle_commands}
+    return {
+        "train": train,
+        "validate": preflight("validate"),
+        "estimate": preflight("estimate"),
+        "deploy": deploy,
+        "repro": repro,
+        **lifecycle_commands,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """A mistake the user can fix: printed as one message, exit code 2, no traceback.
@@ -14,6 +17,15 @@ class UserError(Exception):
     def __init__(self, key: str, value: object, fix: str) -> None:
         self.key, self.value, self.fix = key, value, fix
         super().__init__(f"{key}={value!r}: {fix}")
+
+
+@contextmanager
+def user_errors_pass_hydra() -> Iterator[None]:
+    """Inside a Hydra task function: lets a UserError reach the CLI as a UserErrorExit."""
+    try:
+        yield
+    except UserError as err:
+        raise UserErrorExit(err) from err
 
 
 class UserErrorExit(SystemExit):

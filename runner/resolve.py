@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError
+from runner.manifest import SECRET_KEY
 from runner.paths import ASSETS_DIR
 from runner.tokenizer import ChatTokenizer
 from runner.tune import hf_config
@@ -130,8 +131,21 @@ def _runtime(runtime: DictConfig) -> dict[str, Any]:
         "tensorboard": _bool(runtime.tensorboard, "runtime.tensorboard"),
         "progress_bar": _bool(runtime.progress_bar, "runtime.progress_bar"),
         "deterministic": _bool(runtime.deterministic, "runtime.deterministic"),
-        "env": {str(k): str(v) for k, v in runtime.env.items()},
+        "env": _plain_env(runtime.env),
     }
+
+
+def _plain_env(env: DictConfig) -> dict[str, str]:
+    """runtime.env is recorded in the run directory, so it may not carry secrets."""
+    for key in env:
+        if SECRET_KEY.search(str(key)):
+            raise UserError(
+                f"runtime.env.{key}",
+                "<hidden>",
+                "looks like a secret, and runtime.env is written to the run directory; export "
+                "it in the environment of `runner train` instead (training processes inherit it)",
+            )
+    return {str(k): str(v) for k, v in env.items()}
 
 
 def _optimizer(optimizer: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:

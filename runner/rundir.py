@@ -123,12 +123,18 @@ class RunDir:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
-    def checkpoint_tmp_path(self, step: int) -> Path:
-        return self.checkpoints_dir / f".tmp-step_{step}"
+    def fresh_checkpoint_tmp(self, step: int) -> Path:
+        """Where to write step `step`'s checkpoint; a leftover of a crashed save is removed."""
+        tmp = self.checkpoints_dir / f".tmp-step_{step}"
+        if tmp.exists():
+            _remove_tree(tmp)
+        return tmp
 
     def commit_checkpoint(self, tmp: Path, step: int, keep_last: int) -> Path:
         """Renames a fully written checkpoint into place, then prunes to the last `keep_last`."""
         final = self.checkpoints_dir / f"step_{step}"
+        if final.exists():  # the same step saved by an earlier attempt of this run
+            _remove_tree(final)
         os.replace(tmp, final)
         for _, old in self.checkpoints()[: -max(keep_last, 1)]:
             _remove_tree(old)

@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.errors import UserError, UserErrorExit
+from runner.errors import UserError, user_errors_pass_hydra
 from runner.launch import launch
 from runner.manifest import build_manifest, write_manifest
 from runner.paths import CONF_DIR
@@ -102,8 +102,6 @@ def main(cfg: DictConfig) -> float | None:
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         return sweep_job(cfg, run_dir, overrides)
-    try:
+    with user_errors_pass_hydra():
         train(cfg, run_dir, overrides)
-    except UserError as err:
-        raise UserErrorExit(err) from err
     return None

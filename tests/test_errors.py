@@ -50,3 +50,17 @@ def test_unknown_command_is_a_user_error(runner_cli) -> None:
     result = runner_cli("trian")
     assert result.returncode == 2
     assert "did you mean `runner train`" in result.stderr
+
+
+def test_a_secret_in_runtime_env_is_refused_unwritten(runner_cli, tmp_path: Path) -> None:
+    out_root = tmp_path / "outputs"
+    result = runner_cli(
+        "train", "+runtime.env.HF_TOKEN=hf_s3cr3t", f"runtime.output_root={out_root}"
+    )
+    assert result.returncode == 2
+    assert "runtime.env.HF_TOKEN" in result.stderr and "looks like a secret" in result.stderr
+    assert "hf_s3cr3t" not in result.stderr + result.stdout
+    written = (
+        [p.read_text() for p in out_root.rglob("*") if p.is_file()] if out_root.exists() else []
+    )
+    assert not any("hf_s3cr3t" in text for text in written)

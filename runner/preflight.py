@@ -1,0 +1,176 @@
+"""`runner validate` and `runner estimate`: look before you leap, before any accelerator time.
+
+Both compose exactly what `runner train` would (same config, same overrides) and write nothing.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from runner.components import instantiate
+from runner.data import build_dataset
+from runner.errors import UserError, user_errors_pass_hydra
+from runner.paths import CONF_DIR
+from runner.resolve import resolve_recipe
+
+BYTES = {"fp32": 4, "bf16": 2}
+# Hydra writes nothing for these commands: no run directory, no log file.
+NO_OUTPUT = [
+    "hydra.output_subdir=null",
+    "hydra.run.dir=.",
+    "hydra/job_logging=disabled",
+    "hydra/hydra_logging=disabled",
+]
+
+
+def _recipe(cfg: DictConfig) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = resolve_recipe(cfg, Path(tmp))
+    recipe["run_dir"] = "<new run directory>"
+    return recipe
+
+
+def _datasets(recipe: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    data = recipe["dataset"]
+    splits = {"train": data["train_files"], "validation": data["validation_files"]}
+    return {
+        split: build_dataset(
+            data_format=data["format"],
+            data_files=files,
+            files_key=f"dataset.{split}_files",
+            column_map=data["column_map"],
+            train_on_input=data["train_on_input"],
+            new_system_prompt=data["new_system_prompt"],
+            tokenizer=tokenizer,
+        )
+        for split, files in splits.items()
+        if files
+    }
+
+
+def validate(cfg: DictConfig) -> None:
+    """Prints the resolved recipe, then checks the model weights, tokenizer and data."""
+    recipe = _recipe(cfg)
+    print(yaml.safe_dump(recipe, sort_keys=False))
+    source = recipe["model_source"]
+    if source is not None:
+        for name in ("config.json", "model.safetensors"):
+            if not (Path(source) / name).is_file():
+                raise UserError(
+                    "model.source",
+                    source,
+                    f"has no {name}; give a Hugging Face checkpoint directory",
+                )
+    weights = source or f"random init (seed {recipe['seed']})"
+    tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
+    print(f"ok  weights    {weights}")
+    print(f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)")
+    for split, dataset in _datasets(recipe, tokenizer).items():
+        print(f"ok  {split:<10} {recipe['dataset'][f'{split}_files']} ({len(dataset)} records)")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a run will need per device, and how much data an epoch is."""
+
+    parameters: int
+    world_size: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    tokens_per_epoch: int
+    longest_sample: int
+    steps_per_epoch: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.weights_bytes
+            + self.gradients_bytes
+            + self.optimizer_bytes
+            + self.activations_bytes
+        )
+
+
+def estimate(recipe: dict[str, Any]) -> Estimate:
+    """Parameter count (built on the meta device), memory per device and tokens per epoch.
+
+    Weights, gradients and AdamW's two moments are in the training dtype and sharded over the
+    world (FSDP2); activations follow Korthikanti et al. (2022) for the longest sample in a
+    full batch, with layer inputs only under activation checkpointing, plus the fp32 logits.
+    """
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create(recipe["model"]))
+    parameters = sum(p.numel() for p in model.parameters())
+    world = recipe["nproc_per_node"] * recipe["nnodes"]
+    width = BYTES[recipe["dtype"]]
+    shard = parameters * width // world
+    tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
+    train = _datasets(recipe, tokenizer)["train"]
+    lengths = [len(sample["tokens"]) for sample in train]
+    training, builder = recipe["training"], recipe["model"]
+    seq, batch = max(lengths), training["batch_size"]
+    hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
+    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) * width / 2
+    kept = layers * seq * batch * hidden * width + per_layer
+    activations = kept if training["activation_checkpointing"] else layers * per_layer
+    logits = seq * batch * builder["vocab_size"] * 4
+    global_batch = batch * world * training["gradient_accumulation_steps"]
+    return Estimate(
+        parameters=parameters,
+        world_size=world,
+        weights_bytes=shard,
+        gradients_bytes=shard,
+        optimizer_bytes=2 * shard,
+        activations_bytes=int(activations + logits),
+        tokens_per_epoch=sum(lengths),
+        longest_sample=seq,
+        steps_per_epoch=len(lengths) // global_batch,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def print_estimate(recipe: dict[str, Any], found: Estimate) -> None:
+    print(
+        f"model          {found.parameters:,} parameters, {recipe['dtype']}, "
+        f"{recipe['device']} x {found.world_size}"
+    )
+    print(f"weights        {_gib(found.weights_bytes)} per device")
+    print(f"gradients      {_gib(found.gradients_bytes)} per device")
+    print(f"optimizer      {_gib(found.optimizer_bytes)} per device (AdamW, two moments)")
+    print(
+        f"activations    {_gib(found.activations_bytes)} per device (batch "
+        f"{recipe['training']['batch_size']} x {found.longest_sample} tokens)"
+    )
+    print(f"total          {_gib(found.total_bytes)} per device")
+    print(
+        f"data           {found.tokens_per_epoch:,} tokens per epoch, "
+        f"{found.steps_per_epoch:,} optimizer steps per epoch"
+    )
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def validate_main(cfg: DictConfig) -> None:
+    """Hydra entry point of `runner validate`."""
+    with user_errors_pass_hydra():
+        validate(cfg)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def estimate_main(cfg: DictConfig) -> None:
+    """Hydra entry point of `runner estimate`."""
+    with user_errors_pass_hydra():
+        recipe = _recipe(cfg)
+        print_estimate(recipe, estimate(recipe))

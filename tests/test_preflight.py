@@ -1,0 +1,64 @@
+"""`runner validate` and `runner estimate`: what they print is what a run would be and need."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from runner.components import instantiate
+from runner.preflight import estimate
+from runner.resolve import resolve_recipe
+from tests.test_config import compose_train
+
+
+def test_validate_prints_the_recipe_and_checks_and_writes_nothing(runner_cli, tmp_path) -> None:
+    result = runner_cli("validate", "batch_size=7")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "batch_size: 7" in result.stdout
+    assert "_component_: torchtune.models.llama3_2.llama3_2" in result.stdout
+    assert "ok  train      " in result.stdout and "(8000 records)" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_validate_reports_missing_data(runner_cli, tmp_path) -> None:
+    result = runner_cli("validate", "dataset.validation_files=/nope.jsonl")
+    assert result.returncode == 2
+    assert "dataset.validation_files='/nope.jsonl': no such file" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_estimate_counts_parameters_and_optimizer_memory(tmp_path: Path) -> None:
+    recipe = resolve_recipe(compose_train([]), tmp_path)
+    found = estimate(recipe)
+    model = instantiate(OmegaConf.create(recipe["model"]))
+    params = list(model.parameters())
+    assert found.parameters == sum(p.numel() for p in params)
+    optimizer = torch.optim.AdamW(params)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    optimizer.step()
+    states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert found.weights_bytes == sum(p.numel() * p.element_size() for p in params)
+    assert found.gradients_bytes == sum(p.grad.numel() * p.grad.element_size() for p in params)
+    assert found.optimizer_bytes == sum(t.numel() * t.element_size() for t in states)
+    assert found.steps_per_epoch == 8000 // 32 and found.tokens_per_epoch > 8000 * 40
+
+
+def test_estimate_shards_over_the_world_and_halves_in_bf16(tmp_path: Path) -> None:
+    one = estimate(resolve_recipe(compose_train([]), tmp_path))
+    two = estimate(
+        resolve_recipe(
+            compose_train(["compute=cpu", "compute.nproc_per_node=2", "dtype=bf16"]), tmp_path
+        )
+    )
+    assert two.world_size == 2
+    assert two.weights_bytes == one.weights_bytes // 4
+    assert two.steps_per_epoch == one.steps_per_epoch // 2
+
+
+def test_estimate_cli(runner_cli) -> None:
+    result = runner_cli("estimate")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1,017,984 parameters, fp32, cpu x 1" in result.stdout
+    assert "optimizer steps per epoch" in result.stdout
