@@ -25,6 +25,7 @@ from runner.deploy.generation import (
     SamplingRequest,
     deliver,
 )
+from runner.deploy.kv_cache import batch_cache
 from runner.deploy.loading import LoadedModel
 from runner.deploy.text import TextStream
 
@@ -61,7 +62,7 @@ class TransformersEngine:
         self._wake = threading.Condition()
         self._closed = False
         self._running: list[_Sequence] = []
-        self._cache: Any = None  # the running batch's DynamicCache, left-padded to one length
+        self._cache: Any = None  # the running batch's KV cache (BatchLayers), left-padded
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self._device)
         self._next_ids = torch.zeros(0, dtype=torch.long, device=self._device)
         self._positions = torch.zeros(0, dtype=torch.long, device=self._device)
@@ -148,9 +149,12 @@ class TransformersEngine:
         next_ids = self._sample(logits, admitted)
         positions = torch.tensor(lengths, dtype=torch.long, device=self._device)
         if self._cache is None:
-            self._cache, self._mask = cache, mask
+            self._cache, self._mask = batch_cache(cache), mask
         else:
-            self._mask = _merge_left_padded(self._cache, self._mask, cache, mask)
+            for layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
+                layer.append_rows(new_layer.keys, new_layer.values)
+            merged = max(self._mask.shape[1], mask.shape[1])
+            self._mask = torch.cat([_pad_left(self._mask, merged), _pad_left(mask, merged)])
         self._running.extend(admitted)
         self._next_ids = torch.cat([self._next_ids, next_ids])
         self._positions = torch.cat([self._positions, positions])
@@ -233,14 +237,16 @@ class TransformersEngine:
             return
         index = torch.tensor(keep, device=self._device)
         self._running = [self._running[row] for row in keep]
-        self._cache.batch_select_indices(index)
+        for layer in self._cache.layers:
+            layer.select_rows(index)
         self._mask = self._mask[index]
         self._next_ids = self._next_ids[index]
         self._positions = self._positions[index]
         # Columns that are padding in every remaining row are dead weight in each step.
         first = int(self._mask.any(dim=0).int().argmax())
         if first:
-            _drop_left_columns(self._cache, first)
+            for layer in self._cache.layers:
+                layer.drop_left(first)
             self._mask = self._mask[:, first:]
 
     def _fail(self, sequences: list[_Sequence], error: Exception) -> None:
@@ -254,34 +260,5 @@ class TransformersEngine:
         self._positions = self._positions[:0]
 
 
-def _kv_layers(cache: Any) -> list[Any]:
-    """The cache's per-layer key/value holders (transformers' DynamicLayer objects)."""
-    layers = cache.layers
-    assert all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers)
-    return layers
-
-
-def _merge_left_padded(
-    cache: Any, mask: torch.Tensor, new_cache: Any, new_mask: torch.Tensor
-) -> torch.Tensor:
-    """Append new_cache's rows to cache in place, left-padding the shorter one; return the mask."""
-    width = max(mask.shape[1], new_mask.shape[1])
-
-    def pad(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        missing = width - tensor.shape[dim]
-        if not missing:
-            return tensor
-        shape = list(tensor.shape)
-        shape[dim] = missing
-        return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-    for layer, new_layer in zip(_kv_layers(cache), _kv_layers(new_cache), strict=True):
-        layer.keys = torch.cat([pad(layer.keys, 2), pad(new_layer.keys, 2)])
-        layer.values = torch.cat([pad(layer.values, 2), pad(new_layer.values, 2)])
-    return torch.cat([pad(mask, 1), pad(new_mask, 1)])
-
-
-def _drop_left_columns(cache: Any, count: int) -> None:
-    for layer in _kv_layers(cache):
-        layer.keys = layer.keys[:, :, count:]
-        layer.values = layer.values[:, :, count:]
+def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))

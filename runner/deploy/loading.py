@@ -8,7 +8,8 @@ from typing import Any
 
 from runner.errors import UserError
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The options of the `dtype` config group (conf/dtype/), shared with `runner train`.
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 @dataclass
@@ -124,11 +125,20 @@ def resolve_device(device: str) -> Any:
 
 
 def resolve_dtype(dtype: str, device: Any) -> Any:
-    """`auto` is float32 on the CPU and bfloat16 on a GPU."""
+    """The torch dtype for `dtype=auto|bf16|fp32`: auto is fp32 on the CPU, bf16 on a GPU."""
     import torch
 
-    if dtype not in _DTYPES:
-        raise UserError("dtype", dtype, f"use one of {', '.join(_DTYPES)}")
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, dtype)
+    if dtype not in _DTYPES:
+        raise UserError("dtype", dtype, f"use auto or one of {', '.join(_DTYPES)}")
+    return getattr(torch, _DTYPES[dtype])
+
+
+def vllm_dtype(dtype: str) -> str:
+    """vLLM's name for `dtype=auto|bf16|fp32` (its auto follows the checkpoint)."""
+    if dtype == "auto":
+        return "auto"
+    if dtype not in _DTYPES:
+        raise UserError("dtype", dtype, f"use auto or one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import logging
@@ -25,6 +26,12 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def deploy(cfg: DictConfig) -> None:
     """Serve the checkpoints that `cfg` names until interrupted."""
+    app, sock = prepare(cfg)
+    run_server(app, sock)
+
+
+def prepare(cfg: DictConfig) -> tuple[Any, socket.socket]:
+    """Everything before serving: the API key, the bound socket, the loaded models, the app."""
     from runner.deploy.protocol import Limits
     from runner.deploy.server import build_app
 
@@ -35,6 +42,11 @@ def deploy(cfg: DictConfig) -> None:
             "say what to serve: checkpoint=<checkpoint dir | run dir | sweep dir>, or a list "
             "checkpoint=[a,b] to serve several",
         )
+    counts = {f"limits.{key}": value for key, value in cfg.limits.items()}
+    check_counts(
+        {"max_queue": cfg.max_queue, "transformers.max_batch_size": cfg.transformers.max_batch_size}
+        | counts
+    )
     api_key = read_api_key(env=cfg.api_key.env, file=cfg.api_key.file)
     if api_key is None and not is_loopback(cfg.host):
         log.warning("host=%s is reachable from other machines and no api_key is set", cfg.host)
@@ -49,7 +61,7 @@ def deploy(cfg: DictConfig) -> None:
         checkpoints,
         engine=cfg.engine,
         device=cfg.device,
-        dtype=cfg.dtype,
+        dtype=cfg.dtype.name,
         max_model_len=cfg.max_model_len,
         max_queue=cfg.max_queue,
         transformers_options=OmegaConf.to_container(cfg.transformers),
@@ -60,7 +72,14 @@ def deploy(cfg: DictConfig) -> None:
     for model in checkpoints:
         log.info("serving %s as model %r", model.path, model.name)
     log.info("OpenAI-compatible API at http://%s:%d/v1 (engine=%s)", host, port, cfg.engine)
-    run_server(app, sock)
+    return app, sock
+
+
+def check_counts(values: dict[str, Any]) -> None:
+    """Refuse sizes and caps that are not whole numbers of at least 1."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(key, value, "use a whole number of at least 1")
 
 
 def read_api_key(*, env: str | None, file: str | None) -> str | None:
@@ -95,10 +114,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     if not 0 <= port <= 65535:
         raise UserError("port", port, "use a port from 1 to 65535 (0 picks a free one)")
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        family, kind, proto, _, _ = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as error:
         raise UserError("host", host, "use an address or name of this machine") from error
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
+    # so, and with Nagle on, every keep-alive response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -131,11 +152,13 @@ def load_served_models(
 ) -> list[ServedModel]:
     """Load each checkpoint for `engine`; engines themselves start inside the server."""
     from runner.deploy.engine import TransformersEngine
+    from runner.deploy.kv_cache import check_supported
     from runner.deploy.loading import (
         check_servable,
         load_checkpoint,
         load_tokenizer,
         model_context_length,
+        vllm_dtype,
     )
     from runner.deploy.vllm_engine import VllmEngine, require_vllm
 
@@ -147,6 +170,7 @@ def load_served_models(
             loaded = load_checkpoint(
                 checkpoint.path, device=device, dtype=dtype, max_model_len=max_model_len
             )
+            check_supported(loaded.model)
             start = functools.partial(
                 TransformersEngine, loaded, max_queue=max_queue, **transformers_options
             )
@@ -166,7 +190,7 @@ def load_served_models(
             checkpoint.path,
             max_model_len=context,
             max_queue=max_queue,
-            dtype=dtype,
+            dtype=vllm_dtype(dtype),
             **vllm_options,
         )
         models.append(ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, start))
@@ -178,7 +202,9 @@ def run_server(app: Any, sock: socket.socket) -> None:
     import uvicorn
 
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn shuts down gracefully on Ctrl-C, then raises it again: that is a normal end.
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=[sock])
 
 
 def _plain(value: Any) -> Any:

@@ -173,7 +173,9 @@ async def _respond(
     answer = _Answer(protocol.new_response_id(kind), model.name, protocol.now(), chat)
     if params.stream:
         events = answer.stream(handle, prompt_tokens, params.wants_usage_chunk())
-        return StreamingResponse(events, media_type="text/event-stream")
+        # No caching or proxy buffering: each event should reach the client as it is made.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     return await answer.whole(handle, prompt_tokens)
 
 

@@ -1,0 +1,100 @@
+"""The running batch's KV cache: rows join, leave and grow without copying it every step.
+
+transformers' DynamicLayer appends each new token with torch.cat, copying the whole cache on
+every decode step; with a batch of sequences that copy costs as much as the model itself. Here
+each layer writes into a buffer with room to spare, and only joins, leaves and running out of
+room copy. Sequences are left-padded to one length, with the padding masked out by the caller's
+attention mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Cache, DynamicLayer
+
+from runner.errors import UserError
+
+# Tokens of room a buffer gets beyond what it holds (at least; it grows by doubling).
+_MIN_ROOM = 64
+
+
+class BatchLayer(DynamicLayer):
+    """One layer's keys and values, [batch, heads, tokens, head_dim], in a growable buffer."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self._store(keys, values)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens in place after the cached ones; return all of them."""
+        end = self._end + key_states.shape[-2]
+        if end > self._key_buffer.shape[2]:
+            self._store(self.keys, self.values)
+            end = self._end + key_states.shape[-2]
+        self._key_buffer[:, :, self._end : end] = key_states
+        self._value_buffer[:, :, self._end : end] = value_states
+        self._end = end
+        self._sync_views()
+        return self.keys, self.values
+
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add sequences (rows) after the current ones, left-padding whichever is shorter."""
+        width = max(self.keys.shape[2], keys.shape[2])
+        self._store(
+            torch.cat([_pad_left(self.keys, width), _pad_left(keys, width)]),
+            torch.cat([_pad_left(self.values, width), _pad_left(values, width)]),
+        )
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows in `index`, in that order."""
+        self._store(self.keys[index], self.values[index])
+
+    def drop_left(self, count: int) -> None:
+        """Forget the first `count` token positions (padding in every row)."""
+        self._start += count
+        self._sync_views()
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        batch, heads, length, dim = keys.shape
+        room = max(length, _MIN_ROOM)
+        self._key_buffer = keys.new_empty(batch, heads, length + room, dim)
+        self._value_buffer = values.new_empty(batch, values.shape[1], length + room, dim)
+        self._key_buffer[:, :, :length] = keys
+        self._value_buffer[:, :, :length] = values
+        self._start, self._end = 0, length
+        self._sync_views()
+
+    def _sync_views(self) -> None:
+        self.keys = self._key_buffer[:, :, self._start : self._end]
+        self.values = self._value_buffer[:, :, self._start : self._end]
+
+
+def batch_cache(prefilled: Cache) -> Cache:
+    """A cache of BatchLayers holding what a prefill wrote into an ordinary DynamicCache."""
+    return Cache(layers=[BatchLayer(layer.keys, layer.values) for layer in prefilled.layers])
+
+
+def check_supported(model: Any) -> None:
+    """Refuse models whose cache is not plain full attention, the only kind BatchLayer holds."""
+    from transformers import DynamicCache
+
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+        raise UserError(
+            "engine",
+            "transformers",
+            f"{type(model).__name__} uses sliding-window or other non-standard attention "
+            "caches, which this engine does not batch: serve it with engine=vllm",
+        )
+
+
+def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - tensor.shape[2]
+    if not missing:
+        return tensor
+    padding = tensor.new_zeros(tensor.shape[0], tensor.shape[1], missing, tensor.shape[3])
+    return torch.cat([padding, tensor], dim=2)

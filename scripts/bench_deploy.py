@@ -1,0 +1,215 @@
+"""Benchmark `runner deploy`: output tokens/s and latency at concurrency 1, 8 and 32.
+
+Beside it, in the same run, the baseline: sequential `transformers` generate on the same model,
+prompts and token budget. Without --checkpoint it builds the tiny model (conf/model/tiny.yaml's
+shape, random weights) in a temporary directory.
+
+    python scripts/bench_deploy.py [--checkpoint DIR] [--max-tokens 64] [--requests 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from runner.paths import TINY_TOKENIZER_DIR
+
+CONCURRENCY = (1, 8, 32)
+WORDS = "the model reads a prompt and writes an answer one token at a time".split()
+
+
+@dataclass
+class Result:
+    """One measured configuration."""
+
+    label: str
+    concurrency: int
+    latencies_s: list[float]
+    output_tokens: int
+    wall_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def percentile_ms(self, q: int) -> float:
+        """The q-th latency percentile in milliseconds."""
+        if len(self.latencies_s) == 1:
+            return self.latencies_s[0] * 1000
+        return statistics.quantiles(self.latencies_s, n=100, method="inclusive")[q - 1] * 1000
+
+
+def make_tiny_checkpoint(path: Path) -> Path:
+    """The tiny model's architecture with random weights, saved as training saves checkpoints."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    config = LlamaConfig(
+        vocab_size=264,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, path / file.name)
+    return path
+
+
+def prompts(count: int) -> list[str]:
+    """Prompts of varied lengths (8 to 40 words)."""
+    return [
+        " ".join(WORDS[(i + j) % len(WORDS)] for j in range(8 + (i * 7) % 33)) for i in range(count)
+    ]
+
+
+def load_baseline(checkpoint: Path) -> tuple[Any, Any]:
+    """The model and tokenizer for the baseline, loaded as `transformers` users load them."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, use_safetensors=True).eval()
+    model.generate(torch.tensor([tokenizer.encode("warm up")]), max_new_tokens=4, do_sample=False)
+    return model, tokenizer
+
+
+def sequential_generate(model: Any, tokenizer: Any, texts: list[str], max_tokens: int) -> Result:
+    """The baseline: one `generate` call after another, greedy."""
+    ids = [torch.tensor([tokenizer.encode(text)]) for text in texts]
+    latencies, tokens = [], 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt in ids:
+            began = time.perf_counter()
+            output = model.generate(prompt, max_new_tokens=max_tokens, do_sample=False)
+            latencies.append(time.perf_counter() - began)
+            tokens += output.shape[1] - prompt.shape[1]
+    wall = time.perf_counter() - start
+    return Result("transformers generate, sequential", 1, latencies, tokens, wall)
+
+
+async def load(url: str, texts: list[str], max_tokens: int, concurrency: int) -> Result:
+    """`concurrency` clients sending the prompts to the server until none are left."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    pending = list(reversed(texts))
+    latencies: list[float] = []
+    tokens = 0
+
+    async def worker() -> None:
+        nonlocal tokens
+        while pending:
+            text = pending.pop()
+            began = time.perf_counter()
+            response = await client.completions.create(
+                model="bench", prompt=text, max_tokens=max_tokens, temperature=0
+            )
+            latencies.append(time.perf_counter() - began)
+            tokens += response.usage.completion_tokens
+
+    async with client:
+        await client.completions.create(model="bench", prompt="warm up", max_tokens=4)
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return Result("runner deploy", concurrency, latencies, tokens, wall)
+
+
+def start_server(checkpoint: Path) -> tuple[subprocess.Popen, str]:
+    """`runner deploy` in its own process (so client and server do not share one GIL)."""
+    command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={checkpoint}", "port=0"]
+    command += ["served_model_name=bench", "max_queue=4096", "limits.max_n=1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:
+        if match := re.search(r"API at (http://\S+)/v1", line):
+            url = match.group(1)
+            break
+    else:
+        raise SystemExit(f"the server did not start (exit code {process.wait()})")
+    # Keep reading its log (one line per request) so that a full pipe never blocks it.
+    threading.Thread(target=lambda: all(process.stdout), daemon=True).start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return process, url
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise SystemExit("the server did not answer /health")
+
+
+def report(results: list[Result], baseline: Result) -> None:
+    """The figures, one row per configuration, with the ratio to the baseline's tokens/s."""
+    columns = ["concurrency", "requests", "tokens/s", "p50 ms", "p90 ms", "p99 ms"]
+    print(f"{'':36} {columns[0]:>11} {columns[1]:>8} {columns[2]:>9}", end=" ")
+    print(" ".join(f"{column:>8}" for column in columns[3:]), f"{'vs sequential':>13}")
+    for result in [baseline, *results]:
+        ratio = result.tokens_per_s / baseline.tokens_per_s
+        print(
+            f"{result.label:36} {result.concurrency:>11} {len(result.latencies_s):>8} "
+            f"{result.tokens_per_s:>9.0f} {result.percentile_ms(50):>8.0f} "
+            f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} {ratio:>12.1f}x"
+        )
+
+
+def main() -> None:
+    """Run the baseline, then the server at each concurrency, and print the comparison."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements of each (best kept)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
+        texts = prompts(max(args.requests, max(CONCURRENCY)))
+        print(
+            f"checkpoint {checkpoint}: {len(texts)} requests per concurrency, "
+            f"{args.max_tokens} new tokens each, greedy, {torch.get_num_threads()} torch threads"
+        )
+        model, tokenizer = load_baseline(checkpoint)
+        process, url = start_server(checkpoint)
+        baselines, runs = [], {concurrency: [] for concurrency in CONCURRENCY}
+        try:
+            # Repeats, interleaved, keep the best of each: other work on a shared machine only
+            # ever slows a measurement down.
+            for _ in range(args.repeats):
+                baselines.append(sequential_generate(model, tokenizer, texts, args.max_tokens))
+                for concurrency, results in runs.items():
+                    results.append(asyncio.run(load(url, texts, args.max_tokens, concurrency)))
+        finally:
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=30)
+    baseline = max(baselines, key=lambda result: result.tokens_per_s)
+    results = [max(results, key=lambda result: result.tokens_per_s) for results in runs.values()]
+    print(f"best of {args.repeats} interleaved repeats:")
+    report(results, baseline)
+    ratio = results[CONCURRENCY.index(8)].tokens_per_s / baseline.tokens_per_s
+    print(f"concurrency 8: {ratio:.1f}x sequential generate (target >= 4x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,518 @@
+"""`runner deploy`: a real server on loopback, a tiny checkpoint, the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from runner.deploy.loading import resolve_dtype
+from runner.deploy.selection import resolve_checkpoints
+from runner.deploy.serve import bind_socket, prepare
+from runner.deploy.text import TextStream
+from runner.errors import UserError
+from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
+
+API_KEY = "test-key-0123456789"
+PROMPTS = ["hello", "the quick brown fox", "a", "once upon a time there was"]
+
+
+def make_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A tiny Llama checkpoint in the training contract's format, written by transformers."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    config = LlamaConfig(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.2,  # varied, multi-byte output instead of one repeated letter
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, path / file.name)
+    torch.save({"step": 0}, path / "training_state.pt")
+    return path
+
+
+def make_run(
+    run_dir: Path, checkpoint: Path, *, steps: list[int], state: str, metrics: list[dict]
+) -> Path:
+    """A run dir: status.json, metrics.jsonl and whole step_<N> checkpoints (copies)."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for step in steps:
+        shutil.copytree(checkpoint, run_dir / "checkpoints" / f"step_{step}")
+    status = {"state": state, "step": max(steps, default=0), "total_steps": 10}
+    (run_dir / "status.json").write_text(json.dumps(status))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return run_dir
+
+
+def deploy_config(*overrides: str) -> DictConfig:
+    """conf/deploy.yaml composed with overrides, as `runner deploy` composes it."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("deploy", overrides=list(overrides))
+
+
+@contextlib.contextmanager
+def serving(cfg: DictConfig) -> Iterator[str]:
+    """Run the server that `runner deploy` would run, in a thread; yield its base URL."""
+    import uvicorn
+
+    app, sock = prepare(cfg)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def raw_request(base_url: str, method: str, path: str, body: bytes | None = None, key=API_KEY):
+    """Status, headers and decoded body of one plain HTTP request."""
+    host, port = base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    connection.request(method, path, body=body, headers=headers)
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response.status, dict(response.getheaders()), payload
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    root = tmp_path_factory.mktemp("outputs")
+    run = make_run(root / "run", tiny_checkpoint, steps=[2, 10], state="completed", metrics=[])
+    (run / "checkpoints" / ".tmp-step_20").mkdir()  # being written: never served
+    return run
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    sweep = tmp_path_factory.mktemp("multirun") / "sweep"
+    other = make_checkpoint(tmp_path_factory.mktemp("other") / "checkpoint", seed=1)
+    losses = {"0": (0.9, "completed", tiny_checkpoint), "1": (0.4, "completed", other)}
+    losses["2"] = (0.1, "failed", tiny_checkpoint)  # best value, but the run failed
+    for job, (loss, state, checkpoint) in losses.items():
+        metrics = [{"step": 5, "eval_loss": loss + 1}, {"step": 10, "eval_loss": loss}]
+        make_run(sweep / job, checkpoint, steps=[5], state=state, metrics=metrics)
+    (sweep / "summary.json").write_text("{}")
+    return sweep
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory, run_dir: Path, sweep_dir: Path) -> Iterator[str]:
+    key_file = tmp_path_factory.mktemp("secrets") / "api_key"
+    key_file.write_text(API_KEY + "\n")
+    cfg = deploy_config(
+        f"checkpoint=[{run_dir},{sweep_dir}]",
+        "served_model_name=[tiny,sweep-best]",
+        "select.metric=eval_loss",
+        f"api_key.file={key_file}",
+        "port=0",
+        "limits.max_body_bytes=65536",
+    )
+    with serving(cfg) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(run_dir: Path):
+    """Greedy continuations from transformers' own generate on the served checkpoint."""
+    path = run_dir / "checkpoints" / "step_10"
+    model = LlamaForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> tuple[str, int]:
+        output = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False
+        )[0, len(prompt_ids) :]
+        return tokenizer.decode(output, skip_special_tokens=True), len(output)
+
+    return tokenizer, generate
+
+
+def test_a_run_dir_is_served_from_its_latest_whole_checkpoint(run_dir: Path) -> None:
+    select = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
+    (served,) = resolve_checkpoints(str(run_dir), names=None, allowed_roots=[], **select)
+    assert served.path == (run_dir / "checkpoints" / "step_10").resolve()  # not .tmp-step_20
+    assert served.name == str(run_dir)
+
+
+def test_models_lists_every_served_checkpoint(client: openai.OpenAI) -> None:
+    assert sorted(model.id for model in client.models.list()) == ["sweep-best", "tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+def test_completion_greedy_equals_transformers_generate(client, reference) -> None:
+    tokenizer, generate = reference
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer.encode(prompt)
+        expected, count = generate(ids, 24)
+        response = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0
+        )
+        assert response.choices[0].text == expected
+        assert response.usage.prompt_tokens == len(ids)
+        assert response.usage.completion_tokens == count
+
+
+def test_chat_uses_the_checkpoint_chat_template(client, reference) -> None:
+    tokenizer, generate = reference
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected, count = generate(ids, 16)
+    response = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, temperature=0
+    )
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), count)
+
+
+def test_streaming_gives_the_same_text_as_a_whole_response(client) -> None:
+    whole = client.completions.create(model="tiny", prompt="hello", max_tokens=32, temperature=0)
+    stream = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=32, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert len(chunks) > 2
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(chat)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole_chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0
+    )
+    assert text == whole_chat.choices[0].message.content
+    assert chunks[-1].usage == whole_chat.usage
+
+
+def test_stop_sequences_cut_the_text_whole_and_streamed(client) -> None:
+    full = client.completions.create(model="tiny", prompt="a", max_tokens=30, temperature=0)
+    text = full.choices[0].text
+    # A stop sequence of two printable characters, first seen a few characters in.
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].isascii()
+        and text[i : i + 2].isprintable()
+        and text.index(text[i : i + 2]) == i
+    )
+    cut = client.completions.create(
+        model="tiny", prompt="a", max_tokens=30, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    stream = client.completions.create(
+        model="tiny", prompt="a", max_tokens=30, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream) == cut.choices[0].text
+
+
+def test_seed_and_n_sample_reproducibly(client) -> None:
+    def sample():
+        response = client.completions.create(
+            model="tiny", prompt="hello", max_tokens=12, temperature=1.0, top_p=0.9, n=3, seed=7
+        )
+        return [choice.text for choice in sorted(response.choices, key=lambda c: c.index)]
+
+    first = sample()
+    assert first == sample()
+    assert len(set(first)) == 3
+
+
+def test_sweep_serves_the_best_completed_run(client, sweep_dir: Path) -> None:
+    # Run 1 (eval_loss 0.4) beats run 0 (0.9); run 2 (0.1) failed and does not count.
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    model = LlamaForCausalLM.from_pretrained(sweep_dir / "1" / "checkpoints" / "step_5")
+    ids = tokenizer.encode("hello")
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    expected_text = tokenizer.decode(expected[0, len(ids) :], skip_special_tokens=True)
+    response = client.completions.create(
+        model="sweep-best", prompt="hello", max_tokens=12, temperature=0
+    )
+    assert response.choices[0].text == expected_text
+
+
+def test_32_concurrent_requests_all_complete_as_if_alone(base_url: str, client) -> None:
+    alone = {
+        prompt: client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=40, temperature=0
+        ).choices[0]
+        for prompt in PROMPTS
+    }
+
+    async def together():
+        async_client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY)
+        async with async_client:
+            return await asyncio.gather(
+                *(
+                    async_client.completions.create(
+                        model="tiny", prompt=PROMPTS[i % 4], max_tokens=40, temperature=0
+                    )
+                    for i in range(32)
+                )
+            )
+
+    responses = asyncio.run(together())
+    assert len(responses) == 32
+    for i, response in enumerate(responses):
+        assert response.choices[0].text == alone[PROMPTS[i % 4]].text
+
+
+ROUTES = [
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/tiny"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/no/such/route"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+@pytest.mark.parametrize("key", [None, "wrong-key", API_KEY + "x", ""])
+def test_every_route_but_health_refuses_a_missing_or_wrong_key(base_url, method, path, key):
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    status, headers, payload = raw_request(base_url, method, path, body, key=key)
+    assert status == 401
+    assert json.loads(payload)["error"]["code"] == "invalid_api_key"
+
+
+def test_health_needs_no_key_and_the_client_reports_a_wrong_one(base_url: str) -> None:
+    status, _, payload = raw_request(base_url, "GET", "/health", key=None)
+    assert (status, json.loads(payload)) == (200, {"status": "ok"})
+    wrong = openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="hi", max_tokens=1)
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, **fields}).encode()
+
+
+BAD_REQUESTS = {
+    "not json": (b"{not json", 400),
+    "not utf-8": (b'{"model": "\xff\xfe"}', 400),
+    "a list": (b"[1, 2, 3]", 400),
+    "empty body": (b"", 400),
+    "no prompt": (json.dumps({"model": "tiny"}).encode(), 400),
+    "unknown model": (_body(model="gpt-9"), 404),
+    "temperature not a number": (_body(temperature="hot"), 400),
+    "temperature too high": (_body(temperature=9), 400),
+    "top_p zero": (_body(top_p=0), 400),
+    "n zero": (_body(n=0), 400),
+    "n over the cap": (_body(n=1000), 400),
+    "max_tokens zero": (_body(max_tokens=0), 400),
+    "max_tokens over the cap": (_body(max_tokens=10**9), 400),
+    "prompt plus max_tokens over the context": (_body(max_tokens=254), 400),
+    "prompt over the context": (_body(prompt="x" * 300), 400),
+    "too many stops": (_body(stop=["a", "b", "c", "d", "e"]), 400),
+    "empty stop": (_body(stop=[""]), 400),
+    "token id out of range": (_body(prompt=[1, 2, 99999]), 400),
+    "negative token id": (_body(prompt=[-1]), 400),
+    "empty prompt list": (_body(prompt=[]), 400),
+    "prompts times n over the cap": (_body(prompt=["a"] * 5, n=2), 400),
+    "seed too large": (_body(seed=2**70), 400),
+    "unsupported logprobs": (_body(logprobs=5), 400),
+    "body over the size limit": (_body(prompt="x" * 100_000), 413),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_malformed_and_oversize_completions_get_a_clear_4xx(base_url: str, name: str) -> None:
+    body, expected = BAD_REQUESTS[name]
+    status, _, payload = raw_request(base_url, "POST", "/v1/completions", body)
+    assert status == expected, payload
+    assert json.loads(payload)["error"]["message"]
+
+
+BAD_CHATS = {
+    "no messages": {"messages": []},
+    "messages not a list": {"messages": "hi"},
+    "unknown role": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "image content": {
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+    },
+    "max_completion_tokens over the context": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 1000,
+    },
+    "tools": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+}
+
+
+@pytest.mark.parametrize("name", BAD_CHATS)
+def test_malformed_chats_get_400(base_url: str, name: str) -> None:
+    body = json.dumps({"model": "tiny", **BAD_CHATS[name]}).encode()
+    status, _, payload = raw_request(base_url, "POST", "/v1/chat/completions", body)
+    assert status == 400, payload
+
+
+def test_streamed_text_never_takes_back_what_it_sent() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+
+    def deltas(text: str, stop: list[str]) -> list[str]:
+        stream = TextStream(tokenizer, stop, incremental=True)
+        sent = []
+        for token_id in tokenizer.encode(text, add_special_tokens=False):
+            stream.push(token_id)
+            sent.append(stream.ready())
+            if stream.stopped:
+                break
+        return [*sent, stream.finish()]
+
+    # "é" is two byte tokens: nothing is sent until the character is whole.
+    assert deltas("aé", []) == ["a", "", "é", ""]
+    # "xy" might begin the stop sequence "xyz" until "b" shows it does not.
+    assert deltas("axyb", ["xyz"]) == ["a", "", "", "xyb", ""]
+    # A stop sequence spread over tokens: the text ends before it, and none of it was sent.
+    assert "".join(deltas("axyzb", ["xyz"])) == "a"
+
+
+def test_a_full_queue_answers_429_with_retry_after(run_dir: Path) -> None:
+    cfg = deploy_config(
+        f"checkpoint={run_dir}",
+        "served_model_name=tiny",
+        "port=0",
+        "max_queue=1",
+        "transformers.max_batch_size=1",
+    )
+    with serving(cfg) as url:
+        body = _body(max_tokens=200, prompt="hello")
+        results: list[tuple[int, dict]] = []
+
+        def send() -> None:
+            status, headers, _ = raw_request(url, "POST", "/v1/completions", body, key=None)
+            results.append((status, headers))
+
+        threads = [threading.Thread(target=send) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    statuses = sorted(status for status, _ in results)
+    assert set(statuses) == {200, 429}, statuses
+    assert all(headers["retry-after"] == "1" for status, headers in results if status == 429)
+
+
+@pytest.mark.parametrize(
+    "option", sorted(path.stem for path in (CONF_DIR / "dtype").glob("*.yaml"))
+)
+def test_every_dtype_option_of_training_serves(option: str) -> None:
+    cfg = deploy_config("checkpoint=unused", f"dtype={option}")
+    assert resolve_dtype(cfg.dtype.name, torch.device("cpu")) in (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "override", ["max_queue=0", "transformers.max_batch_size=0", "limits.max_n=-1"]
+)
+def test_sizes_and_caps_must_be_at_least_1(override: str) -> None:
+    with pytest.raises(UserError, match=override.split("=")[0]):
+        prepare(deploy_config("checkpoint=unused", override))
+
+
+def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off() -> None:
+    # With proto 0, asyncio leaves Nagle on and each keep-alive response waits ~40 ms.
+    sock = bind_socket("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP
+    sock.close()
+
+
+def test_deploy_command_serves_until_interrupted(run_dir: Path) -> None:
+    env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
+    command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={run_dir}", "port=0"]
+    process = subprocess.Popen(
+        [*command, "api_key.env=DEPLOY_TEST_KEY"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if match := re.search(r"API at (http://\S+)/v1", line):
+                break
+        assert match, "".join(lines)
+        url = match.group(1)
+        while True:  # the address is printed as the server starts listening
+            with contextlib.suppress(ConnectionError):
+                if raw_request(url, "GET", "/health", key=None)[0] == 200:
+                    break
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        response = client.completions.create(model=str(run_dir), prompt="hi", max_tokens=3)
+        assert response.usage.completion_tokens == 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_deploy_command_without_checkpoint_exits_2_with_one_message() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "deploy"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "checkpoint" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,135 @@
+"""`runner deploy` inputs: which checkpoint a path stands for, key references, engine choice."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.deploy.selection import resolve_checkpoints
+from runner.deploy.serve import load_served_models, read_api_key
+from runner.errors import UserError
+
+LATEST = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
+
+
+def fake_run(run_dir: Path, *, steps: list[int], state: str, metrics: list[dict]) -> Path:
+    """A run dir whose checkpoints hold only config.json: selection never loads weights."""
+    for step in steps:
+        (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step}" / "config.json").write_text("{}")
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    status = {"state": state, "step": max(steps, default=0), "total_steps": 100}
+    (run_dir / "status.json").write_text(json.dumps(status))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return run_dir
+
+
+def serve(path: Path, **select: str) -> Path:
+    """The checkpoint dir that `runner deploy checkpoint=path` would serve."""
+    (served,) = resolve_checkpoints(str(path), names=None, allowed_roots=[], **(LATEST | select))
+    return served.path
+
+
+def test_latest_is_the_highest_whole_step_not_a_tmp_one(tmp_path: Path) -> None:
+    run = fake_run(tmp_path / "run", steps=[2, 9, 10], state="running", metrics=[])
+    (run / "checkpoints" / ".tmp-step_20").mkdir()  # still being written
+    (run / "checkpoints" / "step_x").mkdir()  # not a step
+    assert serve(run) == (run / "checkpoints" / "step_10").resolve()  # 10 > 9, as numbers
+
+
+def test_best_checkpoint_of_a_run_by_its_eval_line(tmp_path: Path) -> None:
+    metrics = [
+        {"step": 10, "loss": 2.0},
+        {"step": 10, "eval_loss": 0.7},
+        {"step": 20, "eval_loss": 0.3},
+        {"step": 30, "eval_loss": 0.5},
+        {"step": 40, "eval_loss": 0.1},  # its checkpoint was deleted by retention
+    ]
+    run = fake_run(tmp_path / "run", steps=[10, 20, 30], state="running", metrics=metrics)
+    with (run / "metrics.jsonl").open("a") as metrics_file:
+        metrics_file.write('{"step": 50, "eval_lo')  # a line still being written
+    assert serve(run, checkpoint="best").name == "step_20"
+    assert serve(run, checkpoint="best", mode="max").name == "step_10"
+    with pytest.raises(UserError, match="select.metric"):
+        serve(run, checkpoint="best", metric="accuracy")
+
+
+def test_best_run_of_a_sweep_counts_only_completed_runs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    runs = {"0": (0.9, "completed"), "1": (0.4, "completed"), "2": (0.1, "failed")}
+    runs |= {"3": (0.05, "running"), "10": (0.6, "completed")}
+    for job, (loss, state) in runs.items():
+        metrics = [{"step": 5, "eval_loss": loss + 1}, {"step": 10, "eval_loss": loss}]
+        fake_run(sweep / job, steps=[5, 10], state=state, metrics=metrics)
+    fake_run(sweep / "4", steps=[], state="completed", metrics=[{"step": 1, "eval_loss": 0.0}])
+    (sweep / "summary.json").write_text("{}")
+    assert serve(sweep) == (sweep / "1" / "checkpoints" / "step_10").resolve()
+    assert serve(sweep, mode="max") == (sweep / "0" / "checkpoints" / "step_10").resolve()
+    with pytest.raises(UserError, match="select.metric"):
+        serve(sweep, metric="accuracy")
+
+
+def test_checkpoints_must_stay_inside_the_allowed_roots(tmp_path: Path) -> None:
+    elsewhere = fake_run(tmp_path / "elsewhere", steps=[1], state="completed", metrics=[])
+    target = elsewhere / "checkpoints" / "step_1"
+    run = fake_run(tmp_path / "run", steps=[], state="completed", metrics=[])
+    (run / "checkpoints" / "step_1").symlink_to(target)  # leads out of the run
+    with pytest.raises(UserError, match="allowed_roots"):
+        serve(run)
+    roots = [str(elsewhere)]
+    (served,) = resolve_checkpoints(str(run), names=None, allowed_roots=roots, **LATEST)
+    assert served.path == target.resolve()
+    (target / "model.safetensors").symlink_to("/etc/hostname")  # a file leading out
+    with pytest.raises(UserError, match="allowed_roots"):
+        resolve_checkpoints(str(run), names=None, allowed_roots=roots, **LATEST)
+
+
+def test_several_checkpoints_need_distinct_names(tmp_path: Path) -> None:
+    run = fake_run(tmp_path / "run", steps=[1], state="completed", metrics=[])
+    with pytest.raises(UserError, match="served_model_name"):
+        resolve_checkpoints([str(run), str(run)], names=["a", "a"], allowed_roots=[], **LATEST)
+    with pytest.raises(UserError, match="served_model_name"):
+        resolve_checkpoints([str(run)], names=["a", "b"], allowed_roots=[], **LATEST)
+
+
+def test_not_a_checkpoint_run_or_sweep_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not a checkpoint dir"):
+        serve(tmp_path)
+    with pytest.raises(UserError, match="no such directory"):
+        serve(tmp_path / "nope")
+    with pytest.raises(UserError, match="select.mode"):
+        serve(tmp_path, mode="lowest")
+
+
+def test_api_key_comes_by_reference_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DEPLOY_KEY", "s3cret")
+    assert read_api_key(env="DEPLOY_KEY", file=None) == "s3cret"
+    with pytest.raises(UserError) as pasted:
+        read_api_key(env="sk-live-abc123", file=None)
+    assert "sk-live-abc123" not in str(pasted.value)
+    with pytest.raises(UserError, match="DEPLOY_UNSET"):
+        read_api_key(env="DEPLOY_UNSET", file=None)
+    with pytest.raises(UserError, match="api_key.file"):
+        read_api_key(env=None, file=str(tmp_path / "missing"))
+    (tmp_path / "key").write_text("from-a-file\n")
+    assert read_api_key(env=None, file=str(tmp_path / "key")) == "from-a-file"
+
+
+def test_engine_vllm_without_vllm_says_how_to_install(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    run = fake_run(tmp_path / "run", steps=[1], state="completed", metrics=[])
+    (served,) = resolve_checkpoints(str(run), names=None, allowed_roots=[], **LATEST)
+    with pytest.raises(UserError, match="pip install vllm"):
+        load_served_models(
+            [served],
+            engine="vllm",
+            device="auto",
+            dtype="auto",
+            max_model_len=None,
+            max_queue=1,
+            transformers_options={},
+            vllm_options={},
+        )

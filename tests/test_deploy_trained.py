@@ -1,0 +1,77 @@
+"""`runner deploy` serves what `runner train` wrote: the real CLI, server and OpenAI client."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import QUICK
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, tmp_path) -> None:
+    run = tmp_path / "outputs" / "run"
+    trained = runner_cli(
+        "train", *QUICK, "max_steps=40", "dataset.eval_samples=0", f"hydra.run.dir={run}"
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "deploy",
+            f"checkpoint={run}",
+            f"port={port}",
+            "served_model_name=[tiny]",
+        ],
+        cwd=tmp_path,
+        env=hermetic_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        messages = [{"role": "user", "content": "Reverse the word.\nlemon"}]
+        chat = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=10, temperature=0
+        )
+        checkpoint = Path(run) / "checkpoints" / "step_40"
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, use_safetensors=True).eval()
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
+        )
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1] :]
+        assert chat.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
+        assert chat.usage.prompt_tokens == ids.shape[1]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
