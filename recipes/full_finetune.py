@@ -5,6 +5,8 @@
 It reads only the resolved recipe config. One process, or several under torch.distributed.run
 (gloo on CPU, nccl on GPU) with the model sharded by FSDP2's fully_shard. When the run directory
 already holds a whole checkpoint (a restart, or `runner train resume=RUN`), it continues from it.
+SIGTERM (a preemption, `runner stop`) makes every rank save at the next step boundary; the run
+ends `cancelled` and `runner train` exits 143.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,7 @@ from runner.checkpoint import read_model_state, read_training_state, write_check
 from runner.components import instantiate
 from runner.data import build_dataset, eval_prompts
 from runner.evaluate import exact_match
+from runner.launch import EXIT_SIGTERM
 from runner.manifest import record_checkpoint
 from runner.rundir import LOG_FILE, Heartbeat, RunDir
 from runner.tune import (
@@ -50,6 +56,8 @@ from runner.tune import (
 log = logging.getLogger("runner.recipe")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Set by SIGTERM; the loop checks it at each step boundary (see FullFinetuneRecipe._stop_agreed).
+SIGTERM_RECEIVED = threading.Event()
 
 
 class FullFinetuneRecipe:
@@ -71,6 +79,8 @@ class FullFinetuneRecipe:
         self.epoch = 0
         self.batches_done_in_epoch = 0
         self.logger = None
+        # Why the loop stopped before total_steps (SIGTERM), or None.
+        self.stopped_by: str | None = None
 
     # ---- setup --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -182,12 +192,21 @@ class FullFinetuneRecipe:
                 window_tokens, window_start = 0, time.perf_counter()
             bar.update(1)
             stop = self.step in (self.total_steps, self.cfg.stop_at_step)
+            if not stop and self._stop_agreed():
+                stop, self.stopped_by = True, f"stopped by SIGTERM at step {self.step}"
             if stop or (save_every and self.step % save_every == 0):
                 self.save_checkpoint()
             if stop:
                 break
         bar.close()
         return {"first_loss": first_loss, "last_loss": last_loss}
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got SIGTERM; every rank joins, so all stop at the same step."""
+        flag = torch.tensor(float(SIGTERM_RECEIVED.is_set()), device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _epoch_batches(self) -> Any:
         """Yields lists of micro-batches (one list per optimizer step) from the saved position."""
@@ -296,6 +315,10 @@ class FullFinetuneRecipe:
                 "step": self.step,
                 "epoch": self.epoch,
                 "batches_done_in_epoch": self.batches_done_in_epoch,
+                # The data position in samples of the global order, whatever the world size.
+                "samples_done_in_epoch": self.batches_done_in_epoch
+                * self.training.batch_size
+                * self.world_size,
                 "optimizer": optimizer_state,
                 "lr_scheduler": self.lr_scheduler.state_dict(),
                 "rng_per_rank": rng_per_rank,
@@ -326,7 +349,15 @@ class FullFinetuneRecipe:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step = state["step"]
         self.epoch = state["epoch"]
-        self.batches_done_in_epoch = state["batches_done_in_epoch"]
+        # Micro-batches of this rank: checkpoints move between world sizes at one global batch.
+        per_micro_batch = self.training.batch_size * self.world_size
+        if state["samples_done_in_epoch"] % per_micro_batch:
+            raise ValueError(
+                f"{checkpoint} stopped {state['samples_done_in_epoch']} samples into an epoch, "
+                f"not a multiple of batch_size x world size = {per_micro_batch}; resume with "
+                "the global batch it was written with"
+            )
+        self.batches_done_in_epoch = state["samples_done_in_epoch"] // per_micro_batch
         if state["world_size"] == self.world_size:
             rng = state["rng_per_rank"][self.rank]
             torch.set_rng_state(rng["torch"])
@@ -397,7 +428,11 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
         torch.use_deterministic_algorithms(True)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+        dist.init_process_group(
+            "nccl" if cfg.device == "cuda" else "gloo",
+            # A dead or hung peer ends the run with a timeout error instead of a hang.
+            timeout=timedelta(seconds=cfg.launch.collective_timeout_s),
+        )
     if cfg.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -406,23 +441,59 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
     if recipe.is_rank_zero:
         _log_to_file(recipe.run.path / LOG_FILE)
         heartbeat.start()
+    SIGTERM_RECEIVED.clear()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         recipe.setup()
         result = recipe.train()
-        result["exact_match"] = recipe.evaluate()
-        result["checkpoint"] = str(recipe.run.latest_checkpoint())
-        recipe._status("completed", step=recipe.step, total_steps=recipe.total_steps)
-        return result
+        if recipe.stopped_by is None:
+            result["exact_match"] = recipe.evaluate()
+            result["checkpoint"] = str(recipe.run.latest_checkpoint())
+            recipe._status("completed", step=recipe.step, total_steps=recipe.total_steps)
+        else:
+            reason = f"{recipe.stopped_by}, after saving its checkpoint"
+            recipe._status("cancelled", step=recipe.step, error=reason)
     except BaseException as err:
         state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
-        recipe._status(state, error=f"{type(err).__name__}: {err}")
+        recipe._status(state, error=_error_message(err, cfg))
         raise
     finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         if heartbeat is not None:
             heartbeat.stop()
         recipe.cleanup()
         if distributed:
             dist.destroy_process_group()
+    if recipe.stopped_by is not None:
+        if recipe.is_rank_zero:
+            print(
+                f"{recipe.stopped_by}: checkpoint {recipe.run.latest_checkpoint()}; "
+                f"`runner resume {cfg.run_dir}` continues",
+                file=sys.stderr,
+            )
+        # A worker of the elastic agent ends cleanly, so that no agent restarts the group; the
+        # launcher reads `cancelled` and exits 143 itself (runner/launch.py).
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise SystemExit(EXIT_SIGTERM)
+    return result
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    SIGTERM_RECEIVED.set()
+
+
+def _error_message(err: BaseException, cfg: DictConfig) -> str:
+    message = f"{type(err).__name__}: {err}"
+    # gloo reports a lost or silent peer as a plain RuntimeError naming itself.
+    from_backend = isinstance(err, RuntimeError) and ("gloo" in str(err) or "NCCL" in str(err))
+    if isinstance(err, dist.DistError) or from_backend:
+        return (
+            "lost contact with another rank (a dead or hung peer; collectives wait at most "
+            f"compute.collective_timeout_s={cfg.launch.collective_timeout_s} s): {message}"
+        )
+    return message
 
 
 if __name__ == "__main__":

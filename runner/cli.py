@@ -21,6 +21,7 @@ commands:
   logs     print or follow (-f) a run's log
   stop     ask a run to save a checkpoint and end as cancelled
   resume   continue a cancelled or failed run from its last whole checkpoint
+  cluster  print the Slurm batch script and Kubeflow TrainJob of a multi-node run (dry run)
 
 `runner COMMAND --help` lists the command's config groups and options."""
 
@@ -60,6 +61,11 @@ def _commands() -> dict[str, Callable[[], int | None]]:
 
         return run
 
+    def cluster() -> int:
+        from runner.cluster import main
+
+        return main(sys.argv[1:])
+
     lifecycle_commands = {name: lifecycle(name) for name in ("runs", "logs", "stop", "resume")}
     return {
         "train": train,
@@ -68,6 +74,7 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         "deploy": deploy,
         "repro": repro,
         **lifecycle_commands,
+        "cluster": cluster,
     }
 
 

@@ -16,13 +16,14 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import UserError
 from runner.manifest import SECRET_KEY
 from runner.paths import ASSETS_DIR
+from runner.platforms import resolve_launch
+from runner.platforms import run_dir as platform_run_dir
 from runner.tokenizer import ChatTokenizer
 from runner.tune import hf_config
 
 OmegaConf.register_new_resolver("runner_asset", lambda name: str(ASSETS_DIR / name), replace=True)
-OmegaConf.register_new_resolver(
-    "runner_run_dir", lambda resume, fresh: str(resume) if resume else fresh, replace=True
-)
+# The resumed run, else a fresh one; on several nodes, one that every node agrees on.
+OmegaConf.register_new_resolver("runner_run_dir", platform_run_dir, replace=True)
 OmegaConf.register_new_resolver(
     "runner_hydra_subdir", lambda resume: None if resume else ".hydra", replace=True
 )
@@ -186,6 +187,7 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """The recipe config (torchtune `_component_` style) for a composed `train` config."""
     device, nproc_per_node = resolve_device(cfg.compute)
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
+    launch = resolve_launch(cfg.compute, nnodes)
     optimizer, schedule = _optimizer(cfg.optimizer)
     if cfg.method.name != "full":
         raise UserError("method", cfg.method.name, "only method=full is available")
@@ -204,6 +206,7 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "dtype": resolve_dtype(cfg.dtype.name, device),
         "nproc_per_node": nproc_per_node,
         "nnodes": nnodes,
+        "launch": launch,
         "model": builder,
         "model_source": cfg.model.source,
         "initializer_range": _float(cfg.model.initializer_range, "model.initializer_range", True),

@@ -28,14 +28,16 @@ def train(
 ) -> dict[str, Any] | None:
     """Resolves `cfg` into run_dir/recipe.yaml and trains; resume=RUN continues RUN's recipe.
 
-    A fresh run that fails on bad input leaves no run directory behind, unless `keep_failed`
-    (a sweep's job, which the sweep summary reports as failed).
+    A new run that fails on bad input leaves no run directory behind, unless `keep_failed`
+    (a sweep's job, which the sweep summary reports as failed). A directory that held a run
+    before this call (a requeue, another node of a shared run) is never removed.
     """
     run = RunDir(run_dir)
+    new_here = not run.recipe_path.exists() and not run.checkpoints()
     try:
         return _train(cfg, run, overrides)
     except UserError:
-        if cfg.resume is None and not keep_failed:
+        if new_here and cfg.resume is None and not keep_failed and not run.checkpoints():
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
 

@@ -1,0 +1,337 @@
+"""Each platform's variables lead to the right world and rendezvous, explicit overrides win, and
+`runner cluster` writes a Slurm script and a TrainJob manifest running the same `runner train`."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner import platforms
+from runner.cli import as_user_error
+from runner.cluster import cluster_files
+from runner.errors import UserError
+from runner.paths import CONF_DIR
+from runner.resolve import resolve_recipe
+
+PREFIXES = ("PET_", "BT_", "SLURM_", "TORCHELASTIC_")
+TORCHRUN = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE")
+
+KUBEFLOW = {
+    "PET_NNODES": "2",
+    "PET_NPROC_PER_NODE": "3",
+    "PET_NODE_RANK": "1",
+    "PET_MASTER_ADDR": "ft-node-0-0.ft",
+    "PET_MASTER_PORT": "29400",
+}
+BASETEN = {
+    "BT_GROUP_SIZE": "2",
+    "BT_NODE_RANK": "1",
+    "BT_LEADER_ADDR": "10.1.2.3",
+    "BT_NUM_GPUS": "4",
+    "BT_TRAINING_JOB_ID": "gvpql31",
+    "BT_CHECKPOINT_DIR": "/mnt/ckpts",
+}
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NNODES": "3",
+    "SLURM_NODEID": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-09],cpu1",
+    "SLURM_NTASKS_PER_NODE": "1",
+}
+TORCHRUN_ENV = {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "23456"}
+
+
+@pytest.fixture(autouse=True)
+def no_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starts every test from an environment without any scheduler's variables."""
+    for name in list(os.environ):
+        if name.startswith(PREFIXES) or name in TORCHRUN:
+            monkeypatch.delenv(name)
+
+
+def compose_train(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=False)
+
+
+def world(env: dict[str, str], monkeypatch, tmp_path: Path, *overrides: str) -> dict:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_train(["compute=multi_node", *overrides])
+    recipe = resolve_recipe(cfg, tmp_path)
+    run_dir = platforms.run_dir(None, "outputs/day/time", _root_=cfg)
+    return {
+        "world": recipe["nnodes"] * recipe["nproc_per_node"],
+        "nnodes": recipe["nnodes"],
+        "nproc_per_node": recipe["nproc_per_node"],
+        "rdzv_endpoint": recipe["launch"]["rdzv_endpoint"],
+        "run_dir": run_dir,
+        "node_rank": cfg.compute.node_rank,
+    }
+
+
+CASES = {
+    "nothing": (
+        {},
+        dict(world=1, nnodes=1, rdzv_endpoint="localhost:0", run_dir="outputs/day/time"),
+    ),
+    "kubeflow": (
+        KUBEFLOW,
+        dict(
+            world=6,
+            nnodes=2,
+            nproc_per_node=3,
+            node_rank=1,
+            rdzv_endpoint="ft-node-0-0.ft:29400",
+            run_dir="outputs/kubeflow-ft",
+        ),
+    ),
+    "baseten": (
+        BASETEN,
+        dict(
+            world=8,
+            nnodes=2,
+            nproc_per_node=4,
+            node_rank=1,
+            rdzv_endpoint="10.1.2.3:29500",
+            run_dir="/mnt/ckpts/baseten-gvpql31",
+        ),
+    ),
+    "slurm": (
+        SLURM,
+        dict(
+            world=3,
+            nnodes=3,
+            nproc_per_node=1,
+            node_rank=2,
+            rdzv_endpoint="gpu07:29500",
+            run_dir="outputs/slurm-4242",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("platform", CASES)
+def test_platform_variables_give_the_world(platform, monkeypatch, tmp_path: Path) -> None:
+    env, expected = CASES[platform]
+    got = world(env, monkeypatch, tmp_path)
+    assert {k: got[k] for k in expected} == expected
+
+
+def test_torchrun_variables_give_the_rendezvous(monkeypatch, tmp_path: Path) -> None:
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_train(["compute=multi_node"])
+    recipe = resolve_recipe(cfg, tmp_path)
+    assert (recipe["nnodes"], cfg.compute.node_rank) == (4, 3)
+    assert recipe["launch"]["rdzv_endpoint"] == "10.0.0.9:23456"
+    # torchrun's variables name no job, so four nodes need an explicit shared run directory.
+    with pytest.raises(UserError) as err:
+        platforms.run_dir(None, "outputs/day/time", _root_=cfg)
+    assert err.value.key == "hydra.run.dir" and "the same on every node" in err.value.fix
+
+
+def test_explicit_overrides_win_over_the_platform(monkeypatch, tmp_path: Path) -> None:
+    got = world(
+        SLURM,
+        monkeypatch,
+        tmp_path,
+        "compute.nnodes=2",
+        "compute.node_rank=0",
+        "compute.master_addr=10.9.9.9",
+        "compute.master_port=1234",
+        "compute.nproc_per_node=2",
+    )
+    assert (got["world"], got["node_rank"], got["rdzv_endpoint"]) == (4, 0, "10.9.9.9:1234")
+    # Forcing a platform reads only its variables.
+    forced = world({**SLURM, **KUBEFLOW}, monkeypatch, tmp_path, "compute.platform=slurm")
+    assert (forced["world"], forced["rdzv_endpoint"]) == (3, "gpu07:29500")
+
+
+def test_a_variable_one_platform_lacks_comes_from_the_next(monkeypatch) -> None:
+    # A Slurm script that exports MASTER_ADDR itself: the address is its, the rest Slurm's.
+    env = {**SLURM, "MASTER_ADDR": "login7"}
+    found = platforms.detect("auto", env)
+    assert found.values["master_addr"] == "login7" and found.sources["master_addr"] == "MASTER_ADDR"
+    assert found.values["nnodes"] == 3 and found.sources["nnodes"] == "SLURM_NNODES"
+    assert found.platforms == ("torchrun", "slurm") and found.job_id == "slurm-4242"
+    assert "nnodes=3 (SLURM_NNODES)" in found.describe()
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("gpu[03-04,09],cpu1", "gpu03"), ("node7", "node7"), ("a[1-2]-b[5-6]", "a1-b5"), ("x,y", "x")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
+    assert platforms.first_host(nodelist) == first
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides", "key"),
+    [
+        ({}, ["compute.nnodes=2"], "compute.master_addr"),
+        (
+            {},
+            ["compute.nnodes=2", "compute.master_addr=h", "compute.node_rank=2"],
+            "compute.node_rank",
+        ),
+        ({**SLURM, "SLURM_NTASKS_PER_NODE": "4"}, [], "SLURM_NTASKS_PER_NODE"),
+        ({"PET_NNODES": "two"}, [], "PET_NNODES"),
+        ({"LOCAL_RANK": "0", "RANK": "1", "WORLD_SIZE": "2"}, [], "LOCAL_RANK"),
+        ({}, ["compute.platform=lsf"], "compute.platform"),
+    ],
+)
+def test_impossible_layouts_are_user_errors(env, overrides, key, monkeypatch, tmp_path) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # A variable read while resolving the config comes wrapped; the CLI unwraps it the same way.
+    with pytest.raises(Exception) as err:
+        resolve_recipe(compose_train(["compute=multi_node", *overrides]), tmp_path)
+    assert as_user_error(err.value).key == key
+
+
+def test_several_nodes_need_compute_multi_node(tmp_path: Path) -> None:
+    with pytest.raises(UserError) as err:
+        resolve_recipe(compose_train(["compute=cpu", "compute.nnodes=2"]), tmp_path)
+    assert err.value.key == "compute.nnodes" and "compute=multi_node" in err.value.fix
+
+
+def test_cfg_job_shows_what_was_detected_and_from_where(runner_cli) -> None:
+    result = runner_cli("train", "compute=multi_node", "--cfg", "job", "--resolve", env=KUBEFLOW)
+    assert result.returncode == 0, result.stderr
+    compute = yaml.safe_load(result.stdout)["compute"]
+    assert compute["detected"].startswith("kubeflow: nnodes=2 (PET_NNODES), node_rank=1")
+    assert (compute["nnodes"], compute["node_rank"], compute["nproc_per_node"]) == (2, 1, 3)
+    assert (compute["master_addr"], compute["master_port"]) == ("ft-node-0-0.ft", 29400)
+
+
+def test_several_nodes_without_a_shared_run_dir_leave_nothing(runner_cli, tmp_path) -> None:
+    result = runner_cli("train", "compute=multi_node", "compute.nnodes=2", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "hydra.run.dir=" in result.stderr and "the same on every node" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "outputs").exists()
+
+
+# ---- runner cluster ---------------------------------------------------------------------
+TRAIN = [
+    "max_steps=2000",
+    "dataset.new_system_prompt=Answer in one word.",
+    "compute.nproc_per_node=4",
+]
+CLUSTER = [
+    "cluster.name=ft-tiny",
+    "cluster.nodes=3",
+    "cluster.gpus_per_node=4",
+    "cluster.shared_dir=/scratch/runs",
+    "cluster.slurm.partition=gpu",
+    "cluster.slurm.time=02:00:00",
+    "cluster.slurm.setup=[source /scratch/venv/bin/activate]",
+    "cluster.kubeflow.image=ghcr.io/acme/runner:1.0",
+    "cluster.kubeflow.namespace=ml",
+]
+LINE = ["runner", "train", "compute=multi_node", *TRAIN]
+
+
+def test_slurm_script_field_by_field() -> None:
+    script = cluster_files([*TRAIN, *CLUSTER])["slurm"]
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    options = dict(
+        line.removeprefix("#SBATCH --").partition("=")[::2]
+        for line in lines
+        if line.startswith("#SBATCH")
+    )
+    assert options == {
+        "job-name": "ft-tiny",
+        "nodes": "3",
+        "ntasks-per-node": "1",
+        "gpus-per-node": "4",
+        "cpus-per-task": "16",
+        "time": "02:00:00",
+        "partition": "gpu",
+        "signal": "TERM@120",
+        "requeue": "",
+        "open-mode": "append",
+        "output": "ft-tiny-%j.out",
+    }
+    body = [line for line in lines if line and not line.startswith("#")]
+    assert body[:2] == ["set -euo pipefail", "source /scratch/venv/bin/activate"]
+    srun = shlex.split(body[2])
+    assert srun[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert srun[3:] == [*LINE, "hydra.run.dir=/scratch/runs/ft-tiny-${SLURM_JOB_ID}"]
+    assert len(body) == 3
+
+
+def test_trainjob_manifest_field_by_field() -> None:
+    manifest = yaml.safe_load(cluster_files([*TRAIN, *CLUSTER])["kubeflow"])
+    assert manifest == {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": "ft-tiny", "namespace": "ml"},
+        "spec": {
+            "runtimeRef": {"name": "torch-distributed"},
+            "trainer": {
+                "image": "ghcr.io/acme/runner:1.0",
+                "command": [*LINE, "hydra.run.dir=/scratch/runs/ft-tiny"],
+                "numNodes": 3,
+                "numProcPerNode": 4,
+                "resourcesPerNode": {"limits": {"nvidia.com/gpu": 4}},
+            },
+        },
+    }
+
+
+def test_script_and_manifest_run_one_composed_config() -> None:
+    files = cluster_files([*TRAIN, *CLUSTER])
+    srun = shlex.split(files["slurm"].splitlines()[-1])
+    command = yaml.safe_load(files["kubeflow"])["spec"]["trainer"]["command"]
+    slurm_cfg = compose_train([a for a in srun[5:] if not a.startswith("hydra.")])
+    kubeflow_cfg = compose_train([a for a in command[2:] if not a.startswith("hydra.")])
+    assert OmegaConf.to_container(slurm_cfg) == OmegaConf.to_container(kubeflow_cfg)
+    assert OmegaConf.to_container(slurm_cfg) == OmegaConf.to_container(
+        compose_train(["compute=multi_node", *TRAIN])
+    )
+
+
+def test_the_slurm_line_reads_its_node_from_slurm(runner_cli) -> None:
+    srun = shlex.split(cluster_files([*TRAIN, *CLUSTER])["slurm"].splitlines()[-1])
+    train_args = [a.replace("${SLURM_JOB_ID}", "4242") for a in srun[5:]]
+    env = {**SLURM, "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NODEID": "1"}
+    result = runner_cli("train", *train_args, "--cfg", "job", "--resolve", env=env)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    compute = config["compute"]
+    assert (compute["nnodes"], compute["node_rank"], compute["master_addr"]) == (3, 1, "gpu01")
+    assert config["max_steps"] == 2000
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["compute=cpu"], "compute"),
+        (["hydra.run.dir=/tmp/x"], "hydra.run.dir"),
+        (["cluster.nodes=2", "compute.nnodes=3"], "compute.nnodes"),
+        (["cluster.print=kubeflow"], "cluster.kubeflow.image"),
+        (["cluster.name=Bad_Name", "cluster.kubeflow.image=i"], "cluster.name"),
+        (["cluster.print=pdf"], "cluster.print"),
+    ],
+)
+def test_cluster_refuses_what_cannot_run(args: list[str], key: str) -> None:
+    with pytest.raises(UserError) as err:
+        cluster_files(args)
+    assert err.value.key == key
+
+
+def test_cluster_command_prints_or_explains(runner_cli) -> None:
+    printed = runner_cli("cluster", "cluster.print=slurm", "max_steps=10")
+    assert printed.returncode == 0 and printed.stdout.startswith("#!/bin/bash")
+    helped = runner_cli("cluster", "--help")
+    assert helped.returncode == 0 and "kubeflow:" in helped.stdout and "slurm:" in helped.stdout
+    wrong = runner_cli("cluster", "batch_sise=3")
+    assert wrong.returncode == 2 and "did you mean 'batch_size'" in wrong.stderr
