@@ -51,6 +51,7 @@ from runner.tune import (
     init_like_hf,
     padded_collate_sft,
     set_activation_checkpointing,
+    set_default_dtype,
 )
 
 log = logging.getLogger("runner.recipe")
@@ -130,7 +131,7 @@ class FullFinetuneRecipe:
 
     def _build_model(self) -> torch.nn.Module:
         cfg = self.cfg
-        with _default_dtype(self.dtype), self.device:
+        with set_default_dtype(self.dtype), self.device:
             model = instantiate(cfg.model)
             init_like_hf(model, cfg.initializer_range)
         if cfg.model_source is not None:
@@ -393,20 +394,6 @@ class FullFinetuneRecipe:
     def _status(self, state: str, **fields: Any) -> None:
         if self.is_rank_zero:
             self.run.write_status(state, **fields)
-
-
-class _default_dtype:
-    """Builds parameters directly in the training dtype."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __enter__(self) -> None:
-        self.previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_default_dtype(self.previous)
 
 
 def _log_to_file(path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -173,8 +174,6 @@ class Heartbeat:
 
 
 def _remove_tree(path: Path) -> None:
-    import shutil
-
     # Rename first so a crash mid-delete leaves a name that is never picked up.
     doomed = path.with_name(f".deleting-{path.name}")
     os.replace(path, doomed)

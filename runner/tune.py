@@ -15,7 +15,7 @@ from torchtune.data._utils import truncate
 from torchtune.datasets import SFTDataset
 from torchtune.models import convert_weights
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
-from torchtune.training import set_activation_checkpointing
+from torchtune.training import set_activation_checkpointing, set_default_dtype
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "hf_to_tune",
     "padded_collate_sft",
     "set_activation_checkpointing",
+    "set_default_dtype",
     "truncate",
     "tune_to_hf",
 ]
