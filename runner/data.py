@@ -6,10 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from datasets.exceptions import DatasetGenerationError
+
 from runner.errors import UserError
 from runner.tune import Message, SFTDataset
 
 REQUIRED_COLUMNS = ("instruction", "output")
+# dataset.format -> the `datasets` builder that reads it ("json" reads .json and .jsonl alike).
+FORMATS = ("json", "csv", "parquet", "arrow")
 
 
 class InstructToMessages:
@@ -48,9 +52,10 @@ class EvalPrompt:
     reference: str
 
 
-def _check_file(key: str, path: str) -> None:
+def check_data_file(key: str, path: str) -> None:
+    """A UserError naming `key` unless `path` is a file."""
     if not Path(path).is_file():
-        raise UserError(key, path, "no such file; give the path of a json/jsonl data file")
+        raise UserError(key, path, f"no such file; give the path of a data file ({FORMATS})")
 
 
 def build_dataset(
@@ -64,15 +69,21 @@ def build_dataset(
     tokenizer: Any,
 ) -> SFTDataset:
     """Loads one split through torchtune's SFTDataset, checking files and columns first."""
-    _check_file(files_key, data_files)
+    check_data_file(files_key, data_files)
     transform = InstructToMessages(column_map, train_on_input, new_system_prompt)
-    dataset = SFTDataset(
-        source=data_format,
-        data_files=data_files,
-        split="train",
-        message_transform=transform,
-        model_transform=tokenizer,
-    )
+    try:
+        dataset = SFTDataset(
+            source=data_format,
+            data_files=data_files,
+            split="train",
+            message_transform=transform,
+            model_transform=tokenizer,
+        )
+    except DatasetGenerationError as err:
+        cause = err.__cause__ or err
+        raise UserError(
+            files_key, data_files, f"could not be read as dataset.format={data_format} ({cause})"
+        ) from err
     columns = dataset._data.column_names
     for ours in REQUIRED_COLUMNS:
         theirs = column_map[ours]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from runner.data import FORMATS, check_data_file
 from runner.errors import UserError
 from runner.manifest import SECRET_KEY
 from runner.paths import ASSETS_DIR
@@ -165,12 +166,11 @@ def _optimizer(optimizer: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _dataset(dataset: DictConfig) -> dict[str, Any]:
+    if dataset.format not in FORMATS:
+        raise UserError("dataset.format", dataset.format, f"choose one of: {', '.join(FORMATS)}")
     for key in ("train_files", "validation_files"):
-        path = dataset[key]
-        if path is not None and not Path(path).is_file():
-            raise UserError(
-                f"dataset.{key}", path, "no such file; give the path of a json or jsonl data file"
-            )
+        if dataset[key] is not None:
+            check_data_file(f"dataset.{key}", dataset[key])
     return {
         "format": dataset.format,
         "train_files": str(Path(dataset.train_files).resolve()),

@@ -26,6 +26,7 @@ CASES = [
         ["dataset.column_map.output='answer'", "columns are ['instruction', 'input', 'output']"],
     ),
     (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
+    (["dataset.format=xml"], ["dataset.format='xml'", "choose one of: json, csv, parquet, arrow"]),
 ]
 if not torch.cuda.is_available():
     CASES.append((["compute=gpu"], ["compute='gpu'", "no CUDA GPU", "compute=cpu"]))
