@@ -53,7 +53,7 @@ def runs_table(runs: list[RunDir], base: Path) -> str:
         status = run.read_status()
         state, _ = run.effective_state()
         metrics = run.read_metrics()
-        losses = [r["loss"] for r in metrics if "loss" in r]
+        losses = list(run.losses().values())
         evals = [(k, v) for r in metrics for k, v in r.items() if k.startswith("eval_")]
         best = max(evals, key=lambda kv: kv[1]) if evals else None
         where = os.path.relpath(run.path, base)

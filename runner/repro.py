@@ -98,10 +98,6 @@ def compare_records(recorded: dict[str, Any], rerun: dict[str, Any]) -> list[Dri
     return drifts
 
 
-def losses_of(run: RunDir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in run.read_metrics() if "loss" in r}
-
-
 def print_report(drifts: list[Drift], compared: str) -> None:
     """One line on a match; on drift, a table of what differs, recorded beside re-run."""
     if not drifts:
@@ -140,13 +136,13 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float, out: Path | Non
     write_manifest(rerun, build_manifest(recipe, recorded_manifest["overrides"], Path.cwd()))
     rerun.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
     launch(recipe, rerun.recipe_path)
-    recorded_losses = losses_of(recorded)
+    recorded_losses = recorded.losses()
     if steps is not None:
         recorded_losses = {s: v for s, v in recorded_losses.items() if s <= steps}
-    loss_drifts = compare_losses(recorded_losses, losses_of(rerun), tolerance)
+    loss_drifts = compare_losses(recorded_losses, rerun.losses(), tolerance)
     drifts = loss_drifts + compare_records(recorded_manifest, read_manifest(rerun))
     print(f"re-run directory: {rerun.path}")
-    steps_compared = len(set(recorded_losses) & set(losses_of(rerun)))
+    steps_compared = len(set(recorded_losses) & set(rerun.losses()))
     print_report(drifts, f"{steps_compared} logged steps; checkpoint hashes and record agree")
     return 1 if drifts else 0
 

@@ -102,6 +102,10 @@ class RunDir:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+    def losses(self) -> dict[int, float]:
+        """Per-step training losses, by step, from metrics.jsonl."""
+        return {r["step"]: r["loss"] for r in self.read_metrics() if "loss" in r}
+
     def truncate_metrics(self, last_step: int) -> None:
         """Drops metric lines past `last_step`: a resumed run logs those steps again."""
         kept = [r for r in self.read_metrics() if r["step"] <= last_step]

@@ -39,7 +39,7 @@ def job_row(run: RunDir, metric: str) -> dict[str, Any]:
     metrics = run.read_metrics()
     overrides_file = run.path / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
-    losses = [r["loss"] for r in metrics if "loss" in r]
+    losses = list(run.losses().values())
     scored = [r for r in metrics if metric in r]
     last = scored[-1] if scored else None
     checkpoint = run.checkpoints_dir / f"step_{last['step']}" if last else None
@@ -133,9 +133,7 @@ def plot_losses(sweep_dir: Path, summary: dict[str, Any]) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     varying = _varying(summary["runs"])
     for row in summary["runs"]:
-        points = [
-            (r["step"], r["loss"]) for r in RunDir(row["run_dir"]).read_metrics() if "loss" in r
-        ]
+        points = sorted(RunDir(row["run_dir"]).losses().items())
         if points:
             ax.plot(*zip(*points, strict=True), label=f"{row['job']}: {varying[row['job']]}")
     ax.set(xlabel="step", ylabel="training loss", yscale="log", title=str(sweep_dir))

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runner.rundir import RunDir
+
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "tiny_losses.json"
 OVERRIDES = [
     "model=tiny",
@@ -47,8 +49,7 @@ def train_losses() -> dict[str, float]:
             capture_output=True,
             text=True,
         )
-        lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
-    return {str(r["step"]): r["loss"] for r in map(json.loads, lines) if "loss" in r}
+        return {str(step): loss for step, loss in RunDir(Path(tmp) / "run").losses().items()}
 
 
 def main() -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from runner.rundir import RunDir
 
 # Fast settings for the tiny model; every test that trains starts from these.
 QUICK = [
@@ -56,6 +57,4 @@ def runner_cli(hermetic_env: dict[str, str], tmp_path: Path):
 
 def losses(run_dir: Path) -> dict[int, float]:
     """Per-step training losses recorded in a run directory's metrics.jsonl."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return RunDir(run_dir).losses()
