@@ -40,7 +40,7 @@ from tqdm import tqdm
 from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
 from runner.components import instantiate
 from runner.data import build_dataset, eval_prompts
-from runner.evaluate import exact_match
+from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
 from runner.launch import EXIT_SIGTERM
 from runner.manifest import record_checkpoint
 from runner.rundir import LOG_FILE, Heartbeat, RunDir
@@ -82,6 +82,10 @@ class FullFinetuneRecipe:
         self.logger = None
         # Why the loop stopped before total_steps (SIGTERM), or None.
         self.stopped_by: str | None = None
+        # The best evaluation so far by cfg.objective (metric, mode, step, value), kept in
+        # every checkpoint's training state; and the metrics of the last evaluation.
+        self.best: dict[str, Any] | None = None
+        self.last_eval: dict[str, float] | None = None
 
     # ---- setup --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -112,6 +116,11 @@ class FullFinetuneRecipe:
         self.loss_fn = instantiate(cfg.loss)
         if hasattr(self.loss_fn, "num_output_chunks"):
             self.model.set_num_output_chunks(self.loss_fn.num_output_chunks)
+        self.validation = None
+        if cfg.eval.strategy != "no":
+            self.validation = self._build_dataset(
+                cfg.dataset.validation_files, "dataset.validation_files"
+            )
         latest = self.run.latest_checkpoint()
         if latest is not None:
             self._load_training_state(latest)
@@ -169,7 +178,7 @@ class FullFinetuneRecipe:
     # ---- train loop ---------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Runs optimizer steps until total_steps, checkpointing on the configured cadence."""
-        self._status("running", step=self.step, total_steps=self.total_steps)
+        self._status("running", step=self.step, total_steps=self.total_steps, **self._best_field())
         log_every = self.cfg.runtime.log_every_n_steps
         save_every = self.cfg.runtime.save_every_n_steps
         bar = tqdm(
@@ -192,10 +201,12 @@ class FullFinetuneRecipe:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
                 window_tokens, window_start = 0, time.perf_counter()
             bar.update(1)
+            # A new best is saved at its step, whatever the checkpoint cadence.
+            improved = self._eval_due() and self.evaluate()
             stop = self.step in (self.total_steps, self.cfg.stop_at_step)
             if not stop and self._stop_agreed():
                 stop, self.stopped_by = True, f"stopped by SIGTERM at step {self.step}"
-            if stop or (save_every and self.step % save_every == 0):
+            if stop or improved or (save_every and self.step % save_every == 0):
                 self.save_checkpoint()
             if stop:
                 break
@@ -324,6 +335,7 @@ class FullFinetuneRecipe:
                 "lr_scheduler": self.lr_scheduler.state_dict(),
                 "rng_per_rank": rng_per_rank,
                 "world_size": self.world_size,
+                "best": self.best,
             }
             tmp = self.run.fresh_checkpoint_tmp(self.step)
             write_checkpoint(
@@ -335,12 +347,15 @@ class FullFinetuneRecipe:
                 stop_token_ids=self.tokenizer.stop_tokens,
             )
             final = self.run.commit_checkpoint(
-                tmp, self.step, self.cfg.runtime.keep_last_n_checkpoints
+                tmp,
+                self.step,
+                self.cfg.runtime.keep_last_n_checkpoints,
+                keep_step=self.best["step"] if self.best else None,
             )
             record_checkpoint(self.run, self.step, final)
         if self.world_size > 1:
             dist.barrier()
-        self._status("running", step=self.step, total_steps=self.total_steps)
+        self._status("running", step=self.step, total_steps=self.total_steps, **self._best_field())
 
     def _load_training_state(self, checkpoint: Path) -> None:
         state = read_training_state(checkpoint)
@@ -349,6 +364,8 @@ class FullFinetuneRecipe:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step = state["step"]
+        # A training state written without evaluation has no best.
+        self.best = state.get("best")
         self.epoch = state["epoch"]
         # Micro-batches of this rank: checkpoints move between world sizes at one global batch.
         per_micro_batch = self.training.batch_size * self.world_size
@@ -367,26 +384,110 @@ class FullFinetuneRecipe:
             self.run.truncate_metrics(self.step)
             print(f"resuming from {checkpoint} at step {self.step}", file=sys.stderr)
 
-    # ---- end ----------------------------------------------------------------------------
-    def evaluate(self) -> float | None:
-        """Exact-match score of greedy answers to held-out prompts (every rank computes it)."""
-        if self.cfg.dataset.validation_files is None or self.cfg.eval.samples == 0:
-            return None
-        validation = self._build_dataset(
-            self.cfg.dataset.validation_files, "dataset.validation_files"
-        )
-        prompts = eval_prompts(validation, self.tokenizer, self.cfg.eval.samples)
-        score = exact_match(
-            self.model,
-            self.tokenizer,
-            prompts,
-            max_new_tokens=self.cfg.eval.max_new_tokens,
-            device=self.device,
-        )
-        if self.is_rank_zero:
-            self.run.append_metrics({"step": self.step, "eval_exact_match": score})
-        return score
+    # ---- evaluation ---------------------------------------------------------------------
+    def _eval_due(self) -> bool:
+        """Whether eval.strategy asks for an evaluation after this step (always at the last)."""
+        strategy = self.cfg.eval.strategy
+        if strategy == "no":
+            return False
+        if self.step == self.total_steps:
+            return True
+        if strategy == "steps":
+            return self.step % self.cfg.eval.steps == 0
+        return self.step % self.steps_per_epoch == 0
 
+    def evaluate(self) -> bool:
+        """Evaluates on the validation split, records it; whether it is a new best.
+
+        Every rank joins (each forward of a sharded model is a collective) and gets the same
+        metrics; rank 0 writes them. The model goes back to training mode unchanged.
+        """
+        wanted = self.cfg.eval.metrics
+        metrics: dict[str, float] = {}
+        if any(name in wanted for name in LOSS_METRICS):
+            sums = loss_sums(
+                self.model,
+                self._validation_batches(),
+                ignore_index=CROSS_ENTROPY_IGNORE_IDX,
+                device=self.device,
+            )
+            if self.world_size > 1:
+                dist.all_reduce(sums)
+            metrics |= {k: v for k, v in loss_metrics(sums).items() if k in wanted}
+        if "eval_exact_match" in wanted and self.cfg.eval.samples > 0:
+            prompts = eval_prompts(self.validation, self.tokenizer, self.cfg.eval.samples)
+            metrics["eval_exact_match"] = exact_match(
+                self.model,
+                self.tokenizer,
+                prompts,
+                max_new_tokens=self.cfg.eval.max_new_tokens,
+                device=self.device,
+            )
+        self.last_eval = metrics
+        improved = self._update_best(metrics)
+        if self.is_rank_zero:
+            self._record_eval(metrics)
+        return improved
+
+    def _validation_batches(self) -> Any:
+        """This rank's share of the validation records, in batches of batch_size.
+
+        Batch b of rank r holds records [(b * world + r) * batch_size, ...) of the first
+        eval.max_samples. Every rank runs the same number of forwards: a rank left without
+        records runs one record with every label ignored, which adds nothing to the sums.
+        """
+        count = len(self.validation)
+        if self.cfg.eval.max_samples is not None:
+            count = min(count, self.cfg.eval.max_samples)
+        size = self.training.batch_size
+        for batch in range(math.ceil(count / (size * self.world_size))):
+            start = (batch * self.world_size + self.rank) * size
+            indices = range(start, min(start + size, count))
+            if len(indices) == 0:
+                empty = self._collate([self.validation[0]])
+                empty["labels"].fill_(CROSS_ENTROPY_IGNORE_IDX)
+                yield empty
+            else:
+                yield self._collate([self.validation[i] for i in indices])
+
+    def _update_best(self, metrics: dict[str, float]) -> bool:
+        """Keeps the best value of cfg.objective's metric; whether this evaluation beat it."""
+        metric, mode = self.cfg.objective.metric, self.cfg.objective.mode
+        value = metrics.get(metric)
+        if value is None or math.isnan(value):
+            return False
+        if self.best is not None:
+            better = value < self.best["value"] if mode == "min" else value > self.best["value"]
+            if not better:
+                return False
+        self.best = {"metric": metric, "mode": mode, "step": self.step, "value": value}
+        return True
+
+    def _best_field(self) -> dict[str, Any]:
+        """status.json's `best`: the best evaluation and its checkpoint (once saved)."""
+        if self.best is None:
+            return {}
+        checkpoint = self.run.checkpoints_dir / f"step_{self.best['step']}"
+        return {"best": {**self.best, "checkpoint": str(checkpoint)}}
+
+    def _record_eval(self, metrics: dict[str, float]) -> None:
+        self.run.append_metrics({"step": self.step, **metrics})
+        log.info(
+            "eval at step %d: %s",
+            self.step,
+            " ".join(f"{name} {value:.4f}" for name, value in metrics.items()),
+        )
+        if self.logger is not None:
+            for name, value in metrics.items():
+                self.logger.add_scalar(f"eval/{name.removeprefix('eval_')}", value, self.step)
+        self._status(
+            "running",
+            step=self.step,
+            total_steps=self.total_steps,
+            eval={"step": self.step, **metrics},
+        )
+
+    # ---- end ----------------------------------------------------------------------------
     def cleanup(self) -> None:
         if self.logger is not None:
             self.logger.close()
@@ -435,7 +536,8 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
         recipe.setup()
         result = recipe.train()
         if recipe.stopped_by is None:
-            result["exact_match"] = recipe.evaluate()
+            result["eval"] = recipe.last_eval
+            result["best"] = recipe._best_field().get("best")
             result["checkpoint"] = str(recipe.run.latest_checkpoint())
             recipe._status("completed", step=recipe.step, total_steps=recipe.total_steps)
         else:

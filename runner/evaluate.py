@@ -1,13 +1,81 @@
-"""Greedy generation on held-out prompts and the exact-match score of the answers."""
+"""Metrics on the validation split: loss, perplexity and token accuracy of the answer tokens,
+and the exact-match score of greedy answers to held-out prompts."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from runner.data import EvalPrompt
+
+# Every metric an evaluation can record, and which way is better.
+METRIC_MODES = {
+    "eval_loss": "min",
+    "eval_perplexity": "min",
+    "eval_token_accuracy": "max",
+    "eval_exact_match": "max",
+}
+# The metrics of the loss pass (the rest come from generation).
+LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy")
+# What an objective may name besides the eval metrics: the training loss.
+TRAINING_METRIC_MODES = {"loss": "min"}
+
+
+@torch.no_grad()
+def loss_sums(
+    model: torch.nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    *,
+    ignore_index: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """[summed cross-entropy, correct argmax tokens, counted tokens] over `batches`.
+
+    Labels are the next tokens already (shifted by the collate), with `ignore_index` where
+    training ignores them too. Sums, not means, so that ranks and batches add up; float64 so
+    that many batches add up without drift.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    for batch in batches:
+        tokens = batch["tokens"].to(device)
+        labels = batch["labels"].to(device)
+        logits = model(tokens)
+        # A chunked output (for CEWithChunkedOutputLoss) is split along the sequence.
+        chunks = logits if isinstance(logits, list) else [logits]
+        label_chunks = labels.chunk(len(chunks), dim=1)
+        for chunk, target in zip(chunks, label_chunks, strict=True):
+            chunk = chunk.float()
+            counted = target != ignore_index
+            loss = F.cross_entropy(
+                chunk.reshape(-1, chunk.size(-1)),
+                target.reshape(-1),
+                ignore_index=ignore_index,
+                reduction="sum",
+            )
+            correct = ((chunk.argmax(dim=-1) == target) & counted).sum()
+            sums += torch.stack([loss.double(), correct.double(), counted.sum().double()])
+    model.train(was_training)
+    return sums
+
+
+def loss_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """eval_loss, eval_perplexity and eval_token_accuracy from `loss_sums` (of every rank)."""
+    loss_sum, correct, tokens = sums.tolist()
+    if tokens == 0:
+        raise ValueError("the validation split has no answer tokens to evaluate")
+    loss = loss_sum / tokens
+    return {
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(loss),
+        "eval_token_accuracy": correct / tokens,
+    }
 
 
 @torch.no_grad()

@@ -46,22 +46,22 @@ def _age(iso: str | None) -> str:
 
 
 def runs_table(runs: list[RunDir], base: Path) -> str:
-    """One line per run: where, state, step of total, last loss, best eval metric, age."""
-    head = f"{'run':<44} {'state':<13} {'step':>11} {'loss':>8} {'best eval':>22} {'age':>5}"
+    """One line per run: where, state, step of total, last loss, recorded best eval, age."""
+    head = f"{'run':<44} {'state':<13} {'step':>11} {'loss':>8} {'best eval@step':>26} {'age':>5}"
     lines = [head]
     for run in runs:
         status = run.read_status()
         state, _ = run.effective_state()
-        metrics = run.read_metrics()
         losses = list(run.losses().values())
-        evals = [(k, v) for r in metrics for k, v in r.items() if k.startswith("eval_")]
-        best = max(evals, key=lambda kv: kv[1]) if evals else None
+        best = run.best()
         where = os.path.relpath(run.path, base)
         step = f"{status.get('step') or 0}/{status.get('total_steps') or '-'}"
         loss = f"{losses[-1]:.4f}" if losses else "-"
-        best_text = f"{best[0][5:]}={best[1]:.4g}" if best else "-"
+        best_text = "-"
+        if best is not None:
+            best_text = f"{best['metric'].removeprefix('eval_')}={best['value']:.4g}@{best['step']}"
         lines.append(
-            f"{where:<44} {state:<13} {step:>11} {loss:>8} {best_text:>22} "
+            f"{where:<44} {state:<13} {step:>11} {loss:>8} {best_text:>26} "
             f"{_age(status.get('updated_at')):>5}"
         )
     return "\n".join(lines)

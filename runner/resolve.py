@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.data import FORMATS, check_data_file
 from runner.errors import UserError
+from runner.evaluate import METRIC_MODES, TRAINING_METRIC_MODES
 from runner.manifest import SECRET_KEY
 from runner.paths import ASSETS_DIR
 from runner.platforms import resolve_launch
@@ -183,6 +184,86 @@ def _dataset(dataset: DictConfig) -> dict[str, Any]:
     }
 
 
+EVAL_STRATEGIES = ("no", "steps", "epoch")
+
+
+def _eval(cfg: DictConfig, validation: str | None) -> dict[str, Any]:
+    """The eval block, checked against the dataset: a split to evaluate on, known metrics."""
+    evaluation = cfg.eval
+    strategy = evaluation.strategy
+    if strategy is False:  # YAML 1.1 reads a bare `no` as false
+        strategy = "no"
+    if strategy not in EVAL_STRATEGIES:
+        raise UserError("eval.strategy", strategy, f"choose one of: {', '.join(EVAL_STRATEGIES)}")
+    steps = _int(evaluation.steps, "eval.steps", 1, allow_none=True)
+    if strategy == "steps" and steps is None:
+        raise UserError(
+            "eval.steps", steps, "eval.strategy=steps needs an interval: give an integer >= 1"
+        )
+    metrics = evaluation.metrics
+    if not OmegaConf.is_list(metrics):
+        raise UserError("eval.metrics", metrics, f"give a list of: {', '.join(METRIC_MODES)}")
+    for name in metrics:
+        if name not in METRIC_MODES:
+            raise UserError(
+                "eval.metrics", name, f"no such metric; choose from: {', '.join(METRIC_MODES)}"
+            )
+    if strategy != "no" and not metrics:
+        raise UserError("eval.metrics", [], "name at least one metric, or set eval.strategy=no")
+    if strategy != "no" and validation is None:
+        raise UserError(
+            "eval.strategy",
+            strategy,
+            "the dataset has no validation split to evaluate on: give dataset.validation_files, "
+            "or set eval.strategy=no (and objective.metric=loss)",
+        )
+    return {
+        "strategy": strategy,
+        "steps": steps,
+        "metrics": list(metrics),
+        "max_samples": _int(evaluation.max_samples, "eval.max_samples", 1, allow_none=True),
+        # Held-out prompts for eval_exact_match, and the longest answer generated.
+        "samples": _int(cfg.dataset.eval_samples, "dataset.eval_samples", 0),
+        "max_new_tokens": _int(cfg.dataset.eval_max_new_tokens, "dataset.eval_max_new_tokens", 1),
+    }
+
+
+def _objective(objective: DictConfig, evaluation: dict[str, Any]) -> dict[str, str]:
+    """The metric that picks the best checkpoint and the best job; it must be one a run records."""
+    metric, mode = objective.metric, objective.mode
+    modes = {**TRAINING_METRIC_MODES, **METRIC_MODES}
+    if metric not in modes:
+        raise UserError("objective.metric", metric, f"choose one of: {', '.join(modes)}")
+    if mode != modes[metric]:
+        better = "lower" if modes[metric] == "min" else "higher"
+        raise UserError(
+            "objective.mode",
+            mode,
+            f"{metric} is better {better}: use objective.mode={modes[metric]}",
+        )
+    if metric in METRIC_MODES:
+        if evaluation["strategy"] == "no":
+            raise UserError(
+                "objective.metric",
+                metric,
+                "evaluation is off (eval.strategy=no): set eval.strategy=steps or epoch, or rank "
+                "by the training loss with objective.metric=loss",
+            )
+        if metric not in evaluation["metrics"]:
+            raise UserError(
+                "objective.metric",
+                metric,
+                f"not computed: add it to eval.metrics={evaluation['metrics']}",
+            )
+        if metric == "eval_exact_match" and evaluation["samples"] == 0:
+            raise UserError(
+                "objective.metric",
+                metric,
+                "dataset.eval_samples=0 generates no answers: give it a count",
+            )
+    return {"metric": metric, "mode": mode}
+
+
 def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """The recipe config (torchtune `_component_` style) for a composed `train` config."""
     device, nproc_per_node = resolve_device(cfg.compute)
@@ -199,6 +280,8 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             builder["vocab_size"],
             f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
         )
+    dataset = _dataset(cfg.dataset)
+    evaluation = _eval(cfg, dataset["validation_files"])
     return {
         "run_dir": str(run_dir.resolve()),
         "seed": _int(cfg.seed, "seed", 0),
@@ -221,13 +304,9 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "path": str(Path(cfg.model.tokenizer).resolve()),
             "max_seq_len": builder["max_seq_len"],
         },
-        "dataset": _dataset(cfg.dataset),
-        "eval": {
-            "samples": _int(cfg.dataset.eval_samples, "dataset.eval_samples", 0),
-            "max_new_tokens": _int(
-                cfg.dataset.eval_max_new_tokens, "dataset.eval_max_new_tokens", 1
-            ),
-        },
+        "dataset": dataset,
+        "eval": evaluation,
+        "objective": _objective(cfg.objective, evaluation),
         "loss": OmegaConf.to_container(cfg.loss, resolve=True),
         "optimizer": optimizer,
         "lr_schedule": schedule,

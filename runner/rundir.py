@@ -135,15 +135,34 @@ class RunDir:
             _remove_tree(tmp)
         return tmp
 
-    def commit_checkpoint(self, tmp: Path, step: int, keep_last: int) -> Path:
-        """Renames a fully written checkpoint into place, then prunes to the last `keep_last`."""
+    def commit_checkpoint(
+        self, tmp: Path, step: int, keep_last: int, keep_step: int | None = None
+    ) -> Path:
+        """Renames a fully written checkpoint into place, then prunes to the last `keep_last`.
+
+        The checkpoint of `keep_step` (the run's best) is kept as well, whatever its age.
+        """
         final = self.checkpoints_dir / f"step_{step}"
         if final.exists():  # the same step saved by an earlier attempt of this run
             _remove_tree(final)
         os.replace(tmp, final)
-        for _, old in self.checkpoints()[: -max(keep_last, 1)]:
-            _remove_tree(old)
+        for old_step, old in self.checkpoints()[: -max(keep_last, 1)]:
+            if old_step != keep_step:
+                _remove_tree(old)
         return final
+
+    def best(self) -> dict[str, Any] | None:
+        """The best evaluation the run recorded (metric, mode, step, value, checkpoint), if any."""
+        return self.read_status().get("best")
+
+    def objective_value(self, metric: str) -> tuple[float, int] | None:
+        """(value, step) that ranks this run by `metric`: its recorded best when that is by
+        `metric`, else the last value of `metric` in metrics.jsonl."""
+        best = self.best()
+        if best is not None and best["metric"] == metric:
+            return best["value"], best["step"]
+        scored = [r for r in self.read_metrics() if metric in r]
+        return (scored[-1][metric], scored[-1]["step"]) if scored else None
 
 
 def _alive(pid: int) -> bool:

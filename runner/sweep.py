@@ -36,13 +36,12 @@ def _duration_s(status: dict[str, Any]) -> float | None:
 def job_row(run: RunDir, metric: str) -> dict[str, Any]:
     """What the summary says of one job, read from its run directory."""
     status = run.read_status()
-    metrics = run.read_metrics()
     overrides_file = run.path / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
     losses = list(run.losses().values())
-    scored = [r for r in metrics if metric in r]
-    last = scored[-1] if scored else None
-    checkpoint = run.checkpoints_dir / f"step_{last['step']}" if last else None
+    # The run's recorded best by `metric` (its objective), else the last value of it.
+    scored = run.objective_value(metric)
+    checkpoint = run.checkpoints_dir / f"step_{scored[1]}" if scored else None
     return {
         "job": run.path.name,
         "run_dir": str(run.path),
@@ -52,7 +51,8 @@ def job_row(run: RunDir, metric: str) -> dict[str, Any]:
         "step": status.get("step"),
         "total_steps": status.get("total_steps"),
         "final_loss": losses[-1] if losses else None,
-        "metric": last[metric] if last else None,
+        "metric": scored[0] if scored else None,
+        "metric_step": scored[1] if scored else None,
         "metric_checkpoint": str(checkpoint) if checkpoint and checkpoint.is_dir() else None,
         "duration_s": _duration_s(status),
     }

@@ -45,8 +45,8 @@ def train(
 def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
     """One job of a multirun: a failure is recorded in its run directory, the others go on.
 
-    Returns the job's objective (the last value of cfg.objective.metric), which the Optuna
-    sweeper optimizes; NaN for a failed job.
+    Returns the job's objective (its best cfg.objective.metric, or the last value of `loss`),
+    which the Optuna sweeper optimizes; NaN for a failed job.
     """
     run = RunDir(run_dir)
     try:
@@ -56,8 +56,8 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
             run.write_status("failed", error=f"{type(err).__name__}: {err}")
         print(f"error: job {run_dir.name} ({' '.join(overrides)}): {err}", file=sys.stderr)
         return math.nan
-    values = [r[cfg.objective.metric] for r in run.read_metrics() if cfg.objective.metric in r]
-    return float(values[-1]) if values else math.nan
+    scored = run.objective_value(cfg.objective.metric)
+    return float(scored[0]) if scored else math.nan
 
 
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
@@ -90,8 +90,17 @@ def _print_summary(run: RunDir, result: dict[str, Any] | None) -> None:
     lines = [f"run directory: {run.path}", f"checkpoint:    {checkpoint}"]
     if result is not None and result.get("first_loss") is not None:
         lines.insert(0, f"train loss:    {result['first_loss']:.4f} -> {result['last_loss']:.4f}")
-    if result is not None and result.get("exact_match") is not None:
-        lines.insert(1, f"held-out exact match: {result['exact_match']:.1%}")
+    evaluation = (result or {}).get("eval") or {}
+    if "eval_exact_match" in evaluation:
+        lines.insert(1, f"held-out exact match: {evaluation['eval_exact_match']:.1%}")
+    if "eval_loss" in evaluation:
+        lines.insert(1, f"eval loss:     {evaluation['eval_loss']:.4f}")
+    best = status.get("best")
+    if best is not None:
+        lines.append(
+            f"best:          {best['metric']}={best['value']:.4g} at step {best['step']}, "
+            f"{best['checkpoint']}"
+        )
     lines.append(f"status:        {status.get('state')} at step {status.get('step')}")
     lines.append(f"try next:      runner deploy checkpoint={checkpoint}")
     print("\n".join(lines), flush=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import UserError
+from runner.evaluate import METRIC_MODES, TRAINING_METRIC_MODES
 
 _STEP_DIR = re.compile(r"step_(\d+)")
 _MODES = ("min", "max")
@@ -30,8 +31,8 @@ def resolve_checkpoints(
     names: str | list[str] | None,
     allowed_roots: list[str],
     checkpoint: str,
-    metric: str,
-    mode: str,
+    metric: str | None,
+    mode: str | None,
 ) -> list[ServedCheckpoint]:
     """Turn the `checkpoint=` paths into whole checkpoint dirs, each under a unique name."""
     paths = [paths] if isinstance(paths, str) else list(paths)
@@ -54,9 +55,13 @@ def resolve_checkpoints(
     return served
 
 
-def choose_checkpoint(path: Path, *, checkpoint: str, metric: str, mode: str) -> Path:
-    """The checkpoint dir that `path` stands for: itself, its run's pick, or its sweep's pick."""
-    if mode not in _MODES:
+def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: str | None) -> Path:
+    """The checkpoint dir that `path` stands for: itself, its run's pick, or its sweep's pick.
+
+    metric None: what each run recorded as its best (its training objective); mode None: the
+    recorded mode, or the known direction of `metric`.
+    """
+    if mode is not None and mode not in _MODES:
         raise UserError("select.mode", mode, "use min or max")
     if checkpoint not in _CHECKPOINT_CHOICES:
         raise UserError("select.checkpoint", checkpoint, "use latest or best")
@@ -70,7 +75,10 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str, mode: str) ->
         return latest_checkpoint(path)
     runs = sweep_runs(path)
     if runs:
-        return latest_checkpoint(best_run(path, runs, metric=metric, mode=mode))
+        run = best_run(path, runs, metric=metric, mode=mode)
+        if checkpoint == "best":
+            return best_checkpoint(run, metric=metric, mode=mode)
+        return latest_checkpoint(run)
     raise UserError(
         "checkpoint",
         str(path),
@@ -116,9 +124,51 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return checkpoints[max(checkpoints)]
 
 
-def best_checkpoint(run_dir: Path, *, metric: str, mode: str) -> Path:
-    """The whole checkpoint whose step's eval line has the best `metric`."""
+def recorded_best(run_dir: Path) -> dict | None:
+    """The best evaluation the run recorded in status.json (metric, mode, step, value)."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    best = status.get("best") if isinstance(status, dict) else None
+    return best if isinstance(best, dict) else None
+
+
+def _recorded_pick(run_dir: Path, metric: str | None, mode: str | None) -> dict | None:
+    """The run's recorded best when it answers for `metric` and `mode` (None: any)."""
+    best = recorded_best(run_dir)
+    if best is None or metric not in (None, best["metric"]) or mode not in (None, best["mode"]):
+        return None
+    return best
+
+
+def _mode_of(metric: str, mode: str | None) -> str:
+    if mode is not None:
+        return mode
+    known = {**TRAINING_METRIC_MODES, **METRIC_MODES}
+    if metric not in known:
+        raise UserError(
+            "select.mode", mode, f"say whether {metric} is better lower or higher: min or max"
+        )
+    return known[metric]
+
+
+def best_checkpoint(run_dir: Path, *, metric: str | None, mode: str | None) -> Path:
+    """The run's recorded best checkpoint, else the whole checkpoint whose step's eval line
+    has the best `metric`."""
     checkpoints = whole_checkpoints(run_dir)
+    best = _recorded_pick(run_dir, metric, mode)
+    if best is not None and best["step"] in checkpoints:
+        return checkpoints[best["step"]]
+    if metric is None:
+        raise UserError(
+            "select.metric",
+            metric,
+            f"{run_dir} recorded no best checkpoint (it trained without evaluation, or its best "
+            "was deleted): name a metrics.jsonl key, e.g. select.metric=loss, or "
+            "select.checkpoint=latest",
+        )
+    mode = _mode_of(metric, mode)
     scores = {}
     for line in read_metrics(run_dir):
         step, value = line.get("step"), _number(line.get(metric))
@@ -135,11 +185,27 @@ def best_checkpoint(run_dir: Path, *, metric: str, mode: str) -> Path:
     return checkpoints[pick(scores, key=lambda step: scores[step])]
 
 
-def best_run(sweep_dir: Path, runs: list[Path], *, metric: str, mode: str) -> Path:
-    """The completed run of a sweep whose last `metric` value is best."""
+def best_run(sweep_dir: Path, runs: list[Path], *, metric: str | None, mode: str | None) -> Path:
+    """The completed run of a sweep whose recorded best (else last) `metric` value is best.
+
+    metric None: the metric the runs recorded their best by, which must be one.
+    """
+    if metric is None:
+        recorded = {(b["metric"], b["mode"]) for run in runs if (b := recorded_best(run))}
+        if len(recorded) != 1:
+            raise UserError(
+                "select.metric",
+                metric,
+                f"the runs of {sweep_dir} recorded their best by {sorted(recorded) or 'nothing'}: "
+                "name the metric to rank them by, e.g. select.metric=eval_loss",
+            )
+        ((metric, recorded_mode),) = recorded
+        mode = mode or recorded_mode
+    mode = _mode_of(metric, mode)
     scores = {}
     for run in runs:
-        value = last_value(run, metric)
+        best = _recorded_pick(run, metric, None)
+        value = _number(best["value"]) if best else last_value(run, metric)
         if run_state(run) == "completed" and value is not None and whole_checkpoints(run):
             scores[run] = value
     if not scores:
