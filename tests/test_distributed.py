@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from runner.rundir import RunDir
 from tests.conftest import losses
 
 STEPS = 6
@@ -115,9 +116,11 @@ def test_two_nodes_finish_in_one_run_directory(layouts: dict[str, Path]) -> None
     assert (run_dir / "checkpoints" / "step_6" / "model.safetensors").is_file()
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["state"], status["step"]) == ("completed", STEPS)
-    # One writer: every step logged once, not once per rank or per node.
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
-    assert steps == list(range(1, STEPS + 1))
+    # One writer: every step logged once, not once per rank or per node; one evaluation, at
+    # the last step.
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in lines if "eval_loss" in r] == [STEPS]
     recipe = (run_dir / "recipe.yaml").read_text()
     assert "nnodes: 2" in recipe and "nproc_per_node: 2" in recipe
 
@@ -126,6 +129,18 @@ def test_losses_agree_across_layouts_at_one_global_batch(layouts: dict[str, Path
     reference = losses(layouts["1x1"])
     worst = {name: assert_close(losses(layouts[name]), reference) for name in ("1x2", "2x2")}
     print(f"largest relative loss difference vs 1x1: {worst}")
+
+
+def test_eval_metrics_agree_across_layouts(layouts: dict[str, Path]) -> None:
+    """Each rank evaluates its share of the validation split; the sums add up to one rank's."""
+
+    def evaluation(run_dir: Path) -> list[float]:
+        (line,) = [r for r in RunDir(run_dir).read_metrics() if "eval_loss" in r]
+        return [line["eval_loss"], line["eval_token_accuracy"]]
+
+    reference = evaluation(layouts["1x1"])
+    for name in ("1x2", "2x2"):
+        assert evaluation(layouts[name]) == pytest.approx(reference, rel=RELATIVE)
 
 
 def resumed_on(env, layouts, tmp_path: Path, source: str, *layout: str) -> dict[int, float]:

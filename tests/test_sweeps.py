@@ -29,11 +29,13 @@ def test_sweep_summary_matches_its_run_directories(runner_cli, tmp_path: Path) -
         assert row["state"] == "completed" and row["step"] == 4
         assert row["final_loss"] == losses(run)[4]
         assert row["overrides"] == yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
-    best = min(summary["runs"], key=lambda r: r["final_loss"])
+        # The objective (eval_loss by default) is each run's recorded best.
+        assert row["metric"] == json.loads((run / "status.json").read_text())["best"]["value"]
+    best = min(summary["runs"], key=lambda r: r["metric"])
     assert summary["best"]["job"] == best["job"]
     assert summary["best"]["metric_checkpoint"] == str(Path(best["run_dir"]) / "checkpoints/step_4")
     assert (sweep / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"best by loss (min): job {best['job']}" in result.stdout
+    assert f"best by eval_loss (min): job {best['job']}" in result.stdout
     assert "| 0 | optimizer.lr=0.001 seed=0 | completed | 4/4 |" in result.stdout
 
 
@@ -95,4 +97,4 @@ def test_optuna_search_optimizes_the_objective(runner_cli, tmp_path: Path) -> No
     rows = summary_of(sweep)["runs"]
     assert len(rows) == 3
     found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    assert found["best_value"] == min(r["final_loss"] for r in rows)
+    assert found["best_value"] == min(r["metric"] for r in rows)
