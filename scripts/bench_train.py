@@ -43,6 +43,9 @@ def recipe_config(steps: int, batch_size: int, device: str, run_dir: Path):
         "runtime.progress_bar=false",
         "runtime.save_every_n_steps=null",
         "dataset.eval_samples=0",
+        # The bare loop does not evaluate; the timer would count our evaluation at the end.
+        "eval.strategy=no",
+        "objective.metric=loss",
         f"compute={'gpu' if device == 'cuda' else 'cpu'}",
     ]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

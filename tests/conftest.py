@@ -17,6 +17,7 @@ QUICK = [
     "runtime.progress_bar=false",
     "runtime.tensorboard=true",
     "dataset.eval_samples=16",
+    "eval.max_samples=64",
 ]
 
 

@@ -27,6 +27,7 @@ BASE = [
     "runtime.progress_bar=false",
     "runtime.tensorboard=false",
     "dataset.eval_samples=0",
+    "eval.max_samples=32",
     f"max_steps={STEPS}",
     "runtime.save_every_n_steps=3",
     "runtime.log_every_n_steps=1",
