@@ -46,7 +46,9 @@ def loss_sums(
     for batch in batches:
         tokens = batch["tokens"].to(device)
         labels = batch["labels"].to(device)
-        logits = model(tokens)
+        # A packed batch carries its block-causal mask and positions.
+        packed = {k: batch[k].to(device) for k in ("mask", "input_pos") if k in batch}
+        logits = model(tokens, **packed)
         # A chunked output (for CEWithChunkedOutputLoss) is split along the sequence.
         chunks = logits if isinstance(logits, list) else [logits]
         label_chunks = labels.chunk(len(chunks), dim=1)

@@ -29,6 +29,12 @@ OmegaConf.register_new_resolver("runner_run_dir", platform_run_dir, replace=True
 OmegaConf.register_new_resolver(
     "runner_hydra_subdir", lambda resume: None if resume else ".hydra", replace=True
 )
+# objective.metric's default: the eval loss while the run evaluates, else the training loss.
+OmegaConf.register_new_resolver(
+    "runner_objective",
+    lambda strategy: "loss" if strategy in ("no", False) else "eval_loss",
+    replace=True,
+)
 
 
 def parallel_jobs() -> int:
@@ -214,8 +220,8 @@ def _eval(cfg: DictConfig, validation: str | None) -> dict[str, Any]:
         raise UserError(
             "eval.strategy",
             strategy,
-            "the dataset has no validation split to evaluate on: give dataset.validation_files, "
-            "or set eval.strategy=no (and objective.metric=loss)",
+            "the dataset has no validation split to evaluate on: give it one "
+            "(dataset.validation_files), or set eval.strategy=no",
         )
     return {
         "strategy": strategy,

@@ -45,7 +45,6 @@ def recipe_config(steps: int, batch_size: int, device: str, run_dir: Path):
         "dataset.eval_samples=0",
         # The bare loop does not evaluate; the timer would count our evaluation at the end.
         "eval.strategy=no",
-        "objective.metric=loss",
         f"compute={'gpu' if device == 'cuda' else 'cpu'}",
     ]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -49,7 +49,7 @@ EVAL_ON = [
     "objective.metric=eval_exact_match",
     "objective.mode=max",
 ]
-EVAL_OFF = ["eval.strategy=no", "objective.metric=loss"]
+EVAL_OFF = ["eval.strategy=no"]
 METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_exact_match")
 
 
@@ -252,7 +252,7 @@ BAD = [
     (["dataset.validation_files=null"], "eval.strategy", "no validation split"),
     (["objective.metric=accuracy"], "objective.metric", "choose one of: loss, eval_loss"),
     (["objective.mode=max"], "objective.mode", "eval_loss is better lower"),
-    (["eval.strategy=no"], "objective.metric", "evaluation is off"),
+    (["eval.strategy=no", "objective.metric=eval_loss"], "objective.metric", "evaluation is off"),
     (
         ["eval.metrics=[eval_loss]", "objective.metric=eval_exact_match", "objective.mode=max"],
         "objective.metric",
@@ -273,8 +273,13 @@ def test_bad_eval_keys_name_the_key_and_the_fix(overrides, key, fix, tmp_path: P
     assert err.value.key == key and fix in err.value.fix, str(err.value)
 
 
-def test_evaluation_off_with_the_training_loss_objective_resolves(tmp_path: Path) -> None:
-    recipe = resolve_recipe(compose_train(EVAL_OFF + ["dataset.validation_files=null"]), tmp_path)
+def test_the_objective_follows_whether_the_run_evaluates(tmp_path: Path) -> None:
+    recipe = resolve_recipe(compose_train([]), tmp_path)
+    assert recipe["eval"]["strategy"] == "steps"
+    assert recipe["objective"] == {"metric": "eval_loss", "mode": "min"}
+    recipe = resolve_recipe(
+        compose_train(["eval.strategy=no", "dataset.validation_files=null"]), tmp_path
+    )
     assert recipe["eval"]["strategy"] == "no"
     assert recipe["objective"] == {"metric": "loss", "mode": "min"}
 
