@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
 from runner.components import instantiate
-from runner.data import eval_prompts, train_dataset, validation_dataset
+from runner.data import collate, eval_prompts, train_dataset, validation_dataset
 from runner.evaluate import exact_match
 from runner.launch import EXIT_SIGTERM
 from runner.manifest import record_checkpoint
@@ -49,8 +49,6 @@ from runner.tune import (
     TransformerSelfAttentionLayer,
     get_cosine_schedule_with_warmup,
     init_like_hf,
-    padded_collate_packed,
-    padded_collate_sft,
     set_activation_checkpointing,
     set_default_dtype,
 )
@@ -223,20 +221,7 @@ class FullFinetuneRecipe:
             self.batches_done_in_epoch = 0
 
     def _collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """A batch whose labels are the next token's (a packed batch adds mask and input_pos).
-
-        Every sample starts with a masked token, so a pack's shifted labels never cross samples.
-        """
-        if self.cfg.dataset.packing:
-            batch = padded_collate_packed(samples)
-        else:
-            batch = padded_collate_sft(
-                samples, padding_idx=self.tokenizer.pad_id, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
-            )
-        labels = batch["labels"]
-        ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
-        batch["labels"] = torch.hstack((labels[:, 1:], ignore))
-        return batch
+        return collate(samples, packed=self.cfg.dataset.packing, padding_idx=self.tokenizer.pad_id)
 
     def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
         """One optimizer step over micro-batches; the loss is normalized by all ranks' tokens."""

@@ -24,6 +24,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 from datasets.data_files import DataFilesDict, get_data_patterns
 from datasets.exceptions import DatasetGenerationError
 from torch.utils.data import Dataset
@@ -36,6 +37,8 @@ from runner.tune import (
     PackedDataset,
     SFTTransform,
     ShareGPTToMessages,
+    padded_collate_packed,
+    padded_collate_sft,
 )
 
 # dataset.format -> the file extensions it reads ("json" and "jsonl" are one reader).
@@ -403,51 +406,61 @@ def _first_bad_text(table: datasets.Dataset, column: str, required: bool) -> tup
 
 def _conversation_problem(
     conversation: Any, style: ConversationStyle, name: str, data: Mapping[str, Any]
-) -> tuple[str, int]:
-    """What is wrong with one conversation ("" if nothing) and its size in bytes."""
+) -> tuple[str, int, int]:
+    """What is wrong with one conversation ("" if nothing), and the UTF-8 bytes and the number
+    of the messages before its first trained one (its prompt)."""
     shape = f"a list of {{{style.role!r}, {style.content!r}}} messages ({name} style)"
     if not isinstance(conversation, list):
-        return f"holds {_describe(conversation)}, not {shape}", 0
-    roles, size = [], 0
-    if data["new_system_prompt"] is not None:
-        roles.append("system")
-        size += len(data["new_system_prompt"].encode())
+        return f"holds {_describe(conversation)}, not {shape}", 0, 0
+    system, train_on_input = data["new_system_prompt"], data["train_on_input"]
+    roles = ["system"] if system is not None else []
+    # torchtune's chat transforms train every message under train_on_input, the system's too.
+    trained = bool(roles) and train_on_input
+    prompt_bytes = len(system.encode()) if roles and not trained else 0
+    prompt_messages = len(roles)
     for number, message in enumerate(conversation, 1):
         if not isinstance(message, dict) or message.get(style.role) is None:
-            return f"message {number} is {_describe(message)}, not {shape}", 0
+            return f"message {number} is {_describe(message)}, not {shape}", 0, 0
         role, content = message[style.role], message.get(style.content)
         if role not in style.roles:
-            return f"message {number} has {style.role}={role!r}; {name} roles are " + ", ".join(
-                style.roles
-            ), 0
+            known = ", ".join(style.roles)
+            return f"message {number} has {style.role}={role!r}; {name} roles are {known}", 0, 0
         if not isinstance(content, str):
-            return f"message {number}'s {style.content!r} is {_describe(content)}, not text", 0
+            problem = f"message {number}'s {style.content!r} is {_describe(content)}, not text"
+            return problem, 0, 0
         ours = style.roles[role]
-        if ours == "system" and data["new_system_prompt"] is not None:
+        if ours == "system" and system is not None:
             continue  # replaced by the new system prompt
         if ours == "system" and roles:
-            return f"message {number} is a system message after the first", 0
+            return f"message {number} is a system message after the first", 0, 0
         if ours == "assistant" and (not roles or roles[-1] != "user"):
-            return f"message {number} is an assistant message that answers no user message", 0
+            return f"message {number} is an assistant message that answers no user message", 0, 0
         if ours == "user" and roles and roles[-1] == "user":
-            return f"messages {number - 1} and {number} are both user messages", 0
+            return f"messages {number - 1} and {number} are both user messages", 0, 0
         roles.append(ours)
-        size += len(content.encode())
-    if "assistant" not in roles and not data["train_on_input"]:
-        return "has no assistant message, so nothing to train on", 0
-    return "", size + len(roles)
+        trained = trained or ours == "assistant" or train_on_input
+        if not trained:
+            prompt_bytes += len(content.encode())
+            prompt_messages += 1
+    if not trained:
+        return "has no assistant message, so nothing to train on", 0, 0
+    return "", prompt_bytes, prompt_messages
 
 
-def _byte_sizes(records: Records, data: Mapping[str, Any]) -> np.ndarray:
-    """Per record, the UTF-8 bytes of its text (a bound on its tokens but for the template)."""
-    columns = [c for c in data["column_map"].values() if c is not None]
-    sizes = np.zeros(len(records.table), dtype=np.int64)
-    for column in columns:
-        lengths = pc.binary_length(records.table.data.column(column).cast(pa.large_string()))
-        sizes += pc.fill_null(lengths, 0).to_numpy(zero_copy_only=False)
-    if data["new_system_prompt"]:
-        sizes += len(data["new_system_prompt"].encode())
-    return sizes + len(columns)
+def _instruct_prompts(records: Records, data: Mapping[str, Any]) -> tuple[np.ndarray, int]:
+    """The UTF-8 bytes and the number of the messages before the answer (those not trained)."""
+    system = data["new_system_prompt"]
+    sizes = np.full(len(records.table), len(system.encode()) if system else 0, dtype=np.int64)
+    messages = 1 if system else 0
+    if not data["train_on_input"]:
+        messages += 1
+        for ours in ("instruction", "input"):
+            column = data["column_map"][ours]
+            if column is None:
+                continue
+            values = records.table.data.column(column).cast(pa.large_string())
+            sizes += pc.fill_null(pc.binary_length(values), 0).to_numpy(zero_copy_only=False) + 1
+    return sizes, messages
 
 
 def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> None:
@@ -484,13 +497,21 @@ def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> Non
             )
 
 
-def _check_conversations(records: Records, data: Mapping[str, Any], *, key: str) -> np.ndarray:
-    """Checks every conversation; returns their sizes in bytes."""
+def _check_conversations(
+    records: Records, data: Mapping[str, Any], *, key: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Checks every conversation; returns the bytes and messages of each one's prompt."""
     name = data["conversation_style"]
     style, column = CONVERSATION_STYLES[name], data["column_map"]["messages"]
     sizes = np.zeros(len(records.table), dtype=np.int64)
-    for index, conversation in enumerate(records.table[column]):
-        problem, sizes[index] = _conversation_problem(conversation, style, name, data)
+    messages = np.zeros(len(records.table), dtype=np.int64)
+    values = records.table.data.column(column)
+    # Plain nested Arrow reads fastest as Python lists; mixed JSON needs datasets' decoding.
+    plain = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+    for index, conversation in enumerate(values.to_pylist() if plain else records.table[column]):
+        problem, sizes[index], messages[index] = _conversation_problem(
+            conversation, style, name, data
+        )
         if problem:
             file, row = records.where(index)
             raise DataError(
@@ -502,32 +523,34 @@ def _check_conversations(records: Records, data: Mapping[str, Any], *, key: str)
                 problem=problem,
                 fix="fix or drop the row (dataset.conversation_style names the message format)",
             )
-    return sizes
+    return sizes, messages
 
 
 def _check_trainable(
     split: TokenizedSplit,
     records: Records,
-    sizes: np.ndarray,
-    messages: np.ndarray,
+    prompt_bytes: np.ndarray,
+    prompt_messages: np.ndarray | int,
     data: Mapping[str, Any],
     tokenizer: Any,
 ) -> None:
     """No sample is left with nothing to train on after truncation to dataset.max_seq_len.
 
-    Only records that might be truncated are tokenized: a token is at least one byte of text,
-    so a record's tokens are at most its bytes plus the chat template's tokens per message.
+    That needs a prompt of about max_seq_len tokens, and a token is at least one byte of text:
+    only records whose prompt bytes plus the chat template's tokens per message come near
+    max_seq_len are tokenized.
     """
     max_seq_len = data["max_seq_len"]
     empty = [Message(role=r, content="") for r in ("system", "user", "assistant")]
     template, _ = tokenizer.tokenize_messages(empty)
-    bound = 1 + sizes + messages * (len(template) + 2)
-    for index in np.flatnonzero(bound > max_seq_len):
+    bound = 1 + prompt_bytes + (prompt_messages + 1) * (len(template) + 2)
+    for index in np.flatnonzero(bound >= max_seq_len - 2):
         sample = split[int(index)]
         if any(label != CROSS_ENTROPY_IGNORE_IDX for label in sample["labels"]):
             continue
         file, row = records.where(int(index))
-        prompt = [c for o, c in data["column_map"].items() if c and o not in ("output",)]
+        column_map = data["column_map"]
+        prompt = [column_map[c] for c in ("instruction", "input", "messages") if column_map.get(c)]
         raise DataError(
             "dataset.max_seq_len",
             max_seq_len,
@@ -573,17 +596,14 @@ def _checked_split(
                 split,
                 f"{source} has only blank lines in this split; give a split that holds some text",
             )
-    used = [c for c in column_map.values() if c is not None]
-    records.table = records.table.select_columns(used)
+    records.table = records.table.select_columns([c for c in column_map.values() if c])
     tokenized = TokenizedSplit(records.table, data, tokenizer)
     if kind == "chat":
-        sizes = _check_conversations(records, data, key=source_key)
-        counts = pc.list_value_length(records.table.data.column(used[0]))
-        messages = pc.fill_null(counts, 0).to_numpy(zero_copy_only=False) + 1
+        sizes, messages = _check_conversations(records, data, key=source_key)
         _check_trainable(tokenized, records, sizes, messages, data, tokenizer)
     elif kind == "instruct":
-        messages = np.full(len(records.table), 3 if data["new_system_prompt"] else 2)
-        _check_trainable(tokenized, records, _byte_sizes(records, data), messages, data, tokenizer)
+        sizes, count = _instruct_prompts(records, data)
+        _check_trainable(tokenized, records, sizes, count, data, tokenizer)
     return records, tokenized
 
 
@@ -680,6 +700,24 @@ def check_datasets(data: Mapping[str, Any], tokenizer: Any) -> dict[str, int]:
     if validation is not None:
         found["validation"] = len(validation)
     return found
+
+
+def collate(samples: list[dict[str, Any]], *, packed: bool, padding_idx: int) -> dict[str, Any]:
+    """A batch whose labels are each position's next token (packs add mask and input_pos).
+
+    Every sample starts with a masked token (BOS), so a pack's shifted labels never cross from
+    one sample into the next.
+    """
+    if packed:
+        batch = padded_collate_packed(samples)
+    else:
+        batch = padded_collate_sft(
+            samples, padding_idx=padding_idx, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
+        )
+    labels = batch["labels"]
+    ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
+    batch["labels"] = torch.hstack((labels[:, 1:], ignore))
+    return batch
 
 
 @dataclass(frozen=True)
