@@ -377,8 +377,11 @@ def load_records(
     for instruction in instructions:
         table = whole[instruction.splitname]
         start, stop = instruction.from_, instruction.to
-        tables.append(table.select(range(start, stop)))
-        parts.append((files_by_split[instruction.splitname], start, stop - start))
+        if stop > start:
+            tables.append(table.select(range(start, stop)))
+            parts.append((files_by_split[instruction.splitname], start, stop - start))
+    if not tables:  # an empty slice: reported by the caller
+        return Records(whole[names[0]].select([]), source, data_format, [])
     table = tables[0] if len(tables) == 1 else datasets.concatenate_datasets(tables)
     return Records(table, source, data_format, parts)
 
@@ -387,7 +390,8 @@ def load_records(
 def _describe(value: Any) -> str:
     if value is None:
         return "null"
-    return f"a {type(value).__name__} ({str(value)[:40]!r})"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "text", list: "a list"}
+    return f"{names.get(type(value), 'an object')} ({str(value)[:40]!r})"
 
 
 def _first_bad_text(table: datasets.Dataset, column: str, required: bool) -> tuple[int, str]:
