@@ -221,7 +221,12 @@ class FullFinetuneRecipe:
             self.batches_done_in_epoch = 0
 
     def _collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return collate(samples, packed=self.cfg.dataset.packing, padding_idx=self.tokenizer.pad_id)
+        return collate(
+            samples,
+            packed=self.cfg.dataset.packing,
+            padding_idx=self.tokenizer.pad_id,
+            on_cuda=self.device.type == "cuda",
+        )
 
     def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
         """One optimizer step over micro-batches; the loss is normalized by all ranks' tokens."""

@@ -37,6 +37,7 @@ from runner.tune import (
     PackedDataset,
     SFTTransform,
     ShareGPTToMessages,
+    create_block_causal_mask,
     padded_collate_packed,
     padded_collate_sft,
 )
@@ -95,7 +96,8 @@ class DataError(UserError):
         self, key: str, value: object, *, file: str, row: int, column: str, problem: str, fix: str
     ) -> None:
         self.file, self.row, self.column = file, row, column
-        super().__init__(key, value, f"{file} row {row}, column {column!r}: {problem}; {fix}")
+        where = "" if file == value else f"{file} "  # the file is the value already
+        super().__init__(key, value, f"{where}row {row}, column {column!r}: {problem}; {fix}")
 
 
 # ---- record -> messages / tokens ------------------------------------------------------------
@@ -706,14 +708,19 @@ def check_datasets(data: Mapping[str, Any], tokenizer: Any) -> dict[str, int]:
     return found
 
 
-def collate(samples: list[dict[str, Any]], *, packed: bool, padding_idx: int) -> dict[str, Any]:
+def collate(
+    samples: list[dict[str, Any]], *, packed: bool, padding_idx: int, on_cuda: bool = False
+) -> dict[str, Any]:
     """A batch whose labels are each position's next token (packs add mask and input_pos).
 
     Every sample starts with a masked token (BOS), so a pack's shifted labels never cross from
-    one sample into the next.
+    one sample into the next. A pack's block-causal mask is a flex-attention BlockMask for a
+    model on a (recent) GPU, else a dense mask for SDPA, which the CPU runs.
     """
     if packed:
         batch = padded_collate_packed(samples)
+        if not on_cuda:
+            batch["mask"] = create_block_causal_mask([s["seq_lens"] for s in samples])
     else:
         batch = padded_collate_sft(
             samples, padding_idx=padding_idx, ignore_idx=CROSS_ENTROPY_IGNORE_IDX

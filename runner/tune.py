@@ -23,6 +23,7 @@ from torchtune.datasets import PackedDataset
 from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.training import set_activation_checkpointing, set_default_dtype
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
@@ -35,6 +36,7 @@ __all__ = [
     "ShareGPTToMessages",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
+    "create_block_causal_mask",
     "get_cosine_schedule_with_warmup",
     "hf_config",
     "init_like_hf",

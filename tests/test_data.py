@@ -322,7 +322,8 @@ def test_a_bad_cell_names_file_row_and_column(tmp_path, kind, rows, extra, row, 
         )
     assert (err.value.file, err.value.row, err.value.column) == (str(path), row, column)
     message = str(err.value)
-    assert f"{path} row {row}, column {column!r}" in message and problem in message, message
+    assert f"dataset.source='{path}': row {row}, column {column!r}: " in message, message
+    assert problem in message, message
 
 
 def test_a_bad_row_in_a_later_file_of_a_directory(tmp_path: Path) -> None:
@@ -336,6 +337,7 @@ def test_a_bad_row_in_a_later_file_of_a_directory(tmp_path: Path) -> None:
             data("dataset=instruct", f"dataset.source={tmp_path / 'd'}", *RENAMED), tokenizer()
         )
     assert (err.value.file, err.value.row, err.value.column) == (str(bad), 4, "prompt")
+    assert f"{bad} row 4, column 'prompt': holds null" in str(err.value)
 
 
 def test_no_trainable_token_after_truncation(tmp_path: Path) -> None:
@@ -392,7 +394,7 @@ def test_bad_data_stops_runner_train_before_launch(runner_cli, tmp_path: Path) -
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in result.stderr
-    assert f"{bad} row 37, column 'input': holds a number ('7')" in errors[0]
+    assert f"dataset.source='{bad}': row 37, column 'input': holds a number ('7')" in errors[0]
     assert not out_root.exists() or not any(out_root.rglob("status.json"))
 
 
