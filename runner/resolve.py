@@ -191,19 +191,15 @@ def _validation(dataset: DictConfig) -> dict[str, Any]:
             f"set either held_out or a split/source, not both (also set: {given[1:]}); "
             "override the other with null",
         )
-    source = held.source
+    source, split = held.source, held.split
     if source is not None:
         source = local_source("dataset.validation.source", str(source))
-        if held.split is None:
-            raise UserError(
-                "dataset.validation.split",
-                None,
-                "name the split of dataset.validation.source to read (train for a single file)",
-            )
+        # A separate file is read whole unless a split of it is named.
+        split = "train" if split is None else split
     return {
         "held_out": _held_out(held.held_out),
         "seed": _int(held.seed, "dataset.validation.seed", 0),
-        "split": None if held.split is None else str(held.split),
+        "split": None if split is None else str(split),
         "source": source,
     }
 
