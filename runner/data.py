@@ -242,7 +242,7 @@ def _extensions(formats: tuple[str, ...] = tuple(FORMATS)) -> str:
     return ", ".join(sorted({ext for f in formats for ext in FORMATS[f]}))
 
 
-def _format_of(key: str, path: Path) -> str | None:
+def _format_of(path: Path) -> str | None:
     suffix = path.suffix.lower()
     return next((f for f, exts in FORMATS.items() if suffix in exts), None)
 
@@ -255,7 +255,7 @@ def source_format(key: str, source: str, data_format: str | None) -> str:
         return data_format
     path = Path(source)
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    found = {_format_of(key, p) for p in files} - {None}
+    found = {_format_of(p) for p in files} - {None}
     if len(found) != 1:
         what = (
             f"holds files of several formats {sorted(found)}"
