@@ -225,7 +225,7 @@ def test_epoch_strategy_evaluates_at_each_epoch_end(hermetic_env, tmp_path: Path
         run,
         "runtime.progress_bar=false",
         "runtime.tensorboard=false",
-        f"dataset.train_files={data}",
+        f"dataset.source={data}",
         "batch_size=8",
         "epochs=2",
         "max_steps=null",
@@ -254,10 +254,14 @@ BAD = [
     (["eval.metrics=[eval_loss,eval_bleu]"], "eval.metrics", "no such metric"),
     (["eval.metrics=[]"], "eval.metrics", "at least one metric"),
     (["eval.max_samples=0"], "eval.max_samples", "integer >= 1 or null"),
-    (["dataset.validation_files=null"], "eval.strategy", "no validation split"),
+    (
+        ["dataset.validation.source=null", "objective.metric=eval_loss"],
+        "objective.metric",
+        "no validation split",
+    ),
     (["objective.metric=accuracy"], "objective.metric", "choose one of: loss, eval_loss"),
     (["objective.mode=max"], "objective.mode", "eval_loss is better lower"),
-    (["eval.strategy=no", "objective.metric=eval_loss"], "objective.metric", "evaluation is off"),
+    (["eval.strategy=no", "objective.metric=eval_loss"], "objective.metric", "does not evaluate"),
     (
         ["eval.metrics=[eval_loss]", "objective.metric=eval_exact_match", "objective.mode=max"],
         "objective.metric",
@@ -283,8 +287,12 @@ def test_the_objective_follows_whether_the_run_evaluates(tmp_path: Path) -> None
     assert recipe["eval"]["strategy"] == "steps"
     assert recipe["objective"] == {"metric": "eval_loss", "mode": "min"}
     recipe = resolve_recipe(
-        compose_train(["eval.strategy=no", "dataset.validation_files=null"]), tmp_path
+        compose_train(["eval.strategy=no", "dataset.validation.source=null"]), tmp_path
     )
+    assert recipe["eval"]["strategy"] == "no"
+    assert recipe["objective"] == {"metric": "loss", "mode": "min"}
+    # No validation split: no evaluation (a warning says so), whatever eval.strategy says.
+    recipe = resolve_recipe(compose_train(["dataset.validation.source=null"]), tmp_path)
     assert recipe["eval"]["strategy"] == "no"
     assert recipe["objective"] == {"metric": "loss", "mode": "min"}
 
