@@ -30,7 +30,7 @@ from runner.manifest import SECRET_KEY
 from runner.paths import ASSETS_DIR
 from runner.platforms import resolve_launch
 from runner.platforms import run_dir as platform_run_dir
-from runner.tokenizer import ChatTokenizer
+from runner.tokenizer import CHAT_FORMATS, ChatTokenizer, template_mismatch
 
 OmegaConf.register_new_resolver("runner_asset", lambda name: str(ASSETS_DIR / name), replace=True)
 # The resumed run, else a fresh one; on several nodes, one that every node agrees on.
@@ -283,6 +283,14 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
             raise UserError("model.tokenizer", None, "give a tokenizer directory or model.source")
         return resolved
     tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], model.chat_template)
+    mismatch = template_mismatch(tokenizer, str(tokenizer_dir)) if source else None
+    if mismatch:
+        raise UserError(
+            "model.chat_template",
+            tokenizer.chat_format,
+            f"renders chats other than the chat template of {tokenizer_dir} ({mismatch}); "
+            f"name the format it follows, one of: {', '.join(CHAT_FORMATS)}",
+        )
     if tokenizer.vocab_size > builder["vocab_size"]:
         raise UserError(
             "model.builder.vocab_size",

@@ -231,6 +231,10 @@ class ChatTokenizer:
             date_string=self.date_string,
         )
 
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        """Ids of a whole conversation, untruncated."""
+        return self._encode_pieces(self._pieces(messages, False, False))[0]
+
     def tokenize_messages(
         self, messages: list[Message], add_end_tokens: bool = True
     ) -> tuple[list[int], list[bool]]:
@@ -255,6 +259,42 @@ class ChatTokenizer:
         tokens, mask = self.tokenize_messages(sample.pop("messages"))
         sample["tokens"], sample["mask"] = tokens, mask
         return sample
+
+
+PROBE = [
+    Message(role="system", content="Be brief.", masked=True),
+    Message(role="user", content="Name a colour.", masked=True),
+    Message(role="assistant", content="Blue.", masked=False),
+]
+
+
+def template_mismatch(tokenizer: ChatTokenizer, path: str) -> str | None:
+    """How our ids differ from `transformers`' apply_chat_template on a probe chat, or None.
+
+    None too when transformers cannot render the template itself (nothing to compare with).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - a tokenizer transformers cannot load: no reference
+        return None
+    for name, chat in {"a conversation": PROBE, "a generation prompt": PROBE[:2]}.items():
+        generation = name == "a generation prompt"
+        try:
+            theirs = hf.apply_chat_template(
+                [{"role": m.role, "content": m.text_content} for m in chat],
+                add_generation_prompt=generation,
+                tokenize=True,
+                return_dict=False,
+                date_string=tokenizer.date_string,
+            )
+        except Exception:  # noqa: BLE001 - a template transformers cannot render: no reference
+            return None
+        ours = tokenizer.generation_prompt(chat) if generation else tokenizer.encode_chat(chat)
+        if list(theirs) != ours:
+            return f"for {name} the template gives {hf.decode(theirs)!r}"
+    return None
 
 
 __all__ = ["CHAT_FORMATS", "ChatTokenizer", "CROSS_ENTROPY_IGNORE_IDX", "detect_chat_format"]

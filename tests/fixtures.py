@@ -507,3 +507,15 @@ def write_tiny_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
     model.save_pretrained(path)
     return path
+
+
+def write_hub_snapshot(family: str, hub_cache: Path, repo_id: str, revision: str = "a" * 40) -> Path:
+    """The same checkpoint laid out as huggingface_hub's cache holds a downloaded repo.
+
+    hub_cache is HF_HUB_CACHE (HF_HOME/hub); returns the snapshot directory, which
+    `huggingface_hub.snapshot_download(repo_id, local_files_only=True)` finds offline.
+    """
+    repo_dir = Path(hub_cache) / f"models--{repo_id.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(revision)
+    return write_tiny_checkpoint(family, repo_dir / "snapshots" / revision)

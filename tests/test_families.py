@@ -27,7 +27,7 @@ from runner.preflight import estimate, print_estimate
 from runner.resolve import resolve_model
 from runner.tune import Message
 from tests.conftest import losses
-from tests.fixtures import FAMILIES, write_tiny_checkpoint
+from tests.fixtures import FAMILIES, write_hub_snapshot, write_tiny_checkpoint
 
 ZOO = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 CHATS = {
@@ -320,7 +320,21 @@ def test_a_source_the_option_does_not_build_is_a_user_error(checkpoints: dict[st
     assert err.value.key == "model.source"
 
 
-def test_a_family_runner_does_not_build_is_a_user_error(checkpoints: dict[str, Path], tmp_path):
+def test_a_chat_format_other_than_the_sources_template_is_a_user_error(checkpoints) -> None:
+    source = checkpoints["qwen2_5"]
+    with pytest.raises(UserError) as err:
+        overrides = ["model=hf", f"model.source={source}", "model.chat_template=mistral"]
+        resolve_model(model_config(overrides))
+    assert err.value.key == "model.chat_template" and "<|im_start|>" in err.value.fix
+
+
+def test_a_hub_snapshot_directory_is_a_source(tmp_path: Path) -> None:
+    snapshot = write_hub_snapshot("mistral", tmp_path / "hub", "mistralai/Mistral-7B-Instruct-v0.3")
+    model = resolve_model(model_config(["model=hf", f"model.source={snapshot}"]))
+    assert model["model_source"] == str(snapshot) and model["model_family"] == "mistral"
+
+
+def test_a_family_runner_does_not_build_is_a_user_error(tmp_path: Path) -> None:
     source = tmp_path / "gpt2"
     source.mkdir()
     (source / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
