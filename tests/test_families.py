@@ -24,7 +24,7 @@ from runner.families import LORA_BUILDERS, builder_args, check_source_matches, f
 from runner.paths import CONF_DIR
 from runner.preflight import _recipe as preflight_recipe
 from runner.preflight import estimate, print_estimate
-from runner.resolve import resolve_model
+from runner.models import resolve_model
 from runner.tune import Message
 from tests.conftest import losses
 from tests.fixtures import FAMILIES, write_hub_snapshot, write_tiny_checkpoint
