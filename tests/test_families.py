@@ -8,6 +8,7 @@ config.json of their hub repos.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -21,10 +22,10 @@ from runner.checkpoint import read_model_state
 from runner.components import instantiate
 from runner.errors import UserError
 from runner.families import LORA_BUILDERS, builder_args, check_source_matches, family_of
-from runner.paths import CONF_DIR
-from runner.preflight import _recipe as preflight_recipe
-from runner.preflight import estimate, print_estimate
 from runner.models import resolve_model
+from runner.paths import CONF_DIR
+from runner.preflight import estimate, print_estimate
+from runner.resolve import resolve_recipe
 from runner.tune import Message
 from tests.conftest import losses
 from tests.fixtures import FAMILIES, write_hub_snapshot, write_tiny_checkpoint
@@ -60,7 +61,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {family: write_tiny_checkpoint(family, root / family) for family in FAMILIES}
 
 
+@functools.cache
 def resolved(source: Path) -> dict:
+    """model=hf's recipe entries for a source (resolved once: it loads transformers' tokenizer)."""
     return resolve_model(model_config(["model=hf", f"model.source={source}"]))
 
 
@@ -296,10 +299,10 @@ def test_zoo_option_builds_its_hub_repos_model(option: str) -> None:
     assert model.builder.max_seq_len == config["max_position_embeddings"]
 
 
-def test_estimate_of_a_zoo_option_needs_no_download(capsys: pytest.CaptureFixture) -> None:
+def test_estimate_of_a_zoo_option_needs_no_download(capsys, tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["model=llama3_2_1b", "compute=cpu", "dtype=bf16"])
-    recipe = preflight_recipe(cfg, need_files=False)
+    recipe = resolve_recipe(cfg, tmp_path, need_files=False)
     print_estimate(recipe, estimate(recipe))
     # Llama 3.2 1B's published parameter count; the data needs the tokenizer, not here.
     out = capsys.readouterr().out
