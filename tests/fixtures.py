@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 FAMILIES = ("llama3_2", "llama3_1", "qwen2_5", "mistral")
 
@@ -394,6 +403,7 @@ def _tokenizer(family: str) -> tuple[Tokenizer, dict[str, Any]]:
         return tokenizer, config
     if family == "qwen2_5":
         tokenizer = _byte_level(_QWEN2_SPLIT, 320)
+        tokenizer.normalizer = normalizers.NFC()
         tokenizer.add_special_tokens(_QWEN2_SPECIAL)
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
         config = {
@@ -509,7 +519,9 @@ def write_tiny_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
-def write_hub_snapshot(family: str, hub_cache: Path, repo_id: str, revision: str = "a" * 40) -> Path:
+def write_hub_snapshot(
+    family: str, hub_cache: Path, repo_id: str, revision: str = "a" * 40
+) -> Path:
     """The same checkpoint laid out as huggingface_hub's cache holds a downloaded repo.
 
     hub_cache is HF_HUB_CACHE (HF_HOME/hub); returns the snapshot directory, which
