@@ -26,8 +26,9 @@ Piece = tuple[str, bool]
 QWEN2_5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 # Llama 3.1's template dates its system block so when the caller gives no date; 3.2's uses today.
 LLAMA3_1_DATE = "26 Jul 2024"
-# Ids that end a generation besides eos_token, where the vocabulary has them.
-EXTRA_STOP_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
+# Tokens that end a generation besides eos_token, where the vocabulary has them: the chat
+# formats' own ends of a turn and the end-of-text tokens.
+EXTRA_STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
 
 
 def _llama3_headers(messages: list[Message], *, open_last: bool, trim: bool) -> list[Piece]:
