@@ -10,9 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
 
 from runner.checkpoint import weight_files
+from runner.components import instantiate
 from runner.errors import UserError
 from runner.families import (
     LORA_BUILDERS,
@@ -21,6 +24,7 @@ from runner.families import (
     family_named,
     family_of,
     hf_config,
+    hf_to_tune,
     read_config,
 )
 from runner.tokenizer import CHAT_FORMATS, ChatTokenizer, template_mismatch
@@ -59,6 +63,39 @@ def _model_source(value: str | None) -> Path | None:
             "model with save_pretrained(safe_serialization=True)",
         )
     return path
+
+
+def _check_weights(source: Path, builder: dict[str, Any]) -> None:
+    """A UserError naming model.source unless its weights fit the builder's model, name for name
+    and shape for shape (read from the safetensors headers: nothing is loaded)."""
+    shapes = {}
+    for path in weight_files(source):
+        with safe_open(str(path), "pt") as weights:
+            shapes.update({name: weights.get_slice(name).get_shape() for name in weights.keys()})  # noqa: SIM118
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create(builder))
+        ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        try:
+            theirs = hf_to_tune(
+                {name: torch.empty(shape) for name, shape in shapes.items()}, read_config(source)
+            )
+            theirs = {name: tuple(t.shape) for name, t in theirs.items()}
+        except (RuntimeError, KeyError, ValueError) as err:
+            theirs = {"<unreadable>": (str(err),)}
+    problems = [f"no {name}" for name in sorted(set(ours) - set(theirs))]
+    problems += [f"unexpected {name}" for name in sorted(set(theirs) - set(ours))]
+    problems += [
+        f"{name} is {list(theirs[name])}, the builder's {list(shape)}"
+        for name, shape in ours.items()
+        if name in theirs and theirs[name] != shape
+    ]
+    if problems:
+        raise UserError(
+            "model.source",
+            str(source),
+            f"its weights do not fit the model its config.json describes ({'; '.join(problems[:3])}"
+            f"{'; ...' if len(problems) > 3 else ''}); re-save the checkpoint with save_pretrained",
+        )
 
 
 def _source_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +142,8 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
         builder = OmegaConf.to_container(model.builder, resolve=True)
         if derived is not None:
             check_source_matches(builder, derived, str(model.source))
+    if source is not None:
+        _check_weights(source, builder)
     lora_builder = model.lora_builder or LORA_BUILDERS.get(builder["_component_"])
     resolved = {
         "model": builder,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -321,6 +322,17 @@ def test_a_source_the_option_does_not_build_is_a_user_error(checkpoints: dict[st
     with pytest.raises(UserError) as err:
         resolve_model(model_config(["model=hf"]))
     assert err.value.key == "model.source"
+
+
+def test_weights_that_do_not_fit_the_config_are_a_user_error(checkpoints, tmp_path) -> None:
+    source = tmp_path / "edited"
+    shutil.copytree(checkpoints["qwen2_5"], source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+    with pytest.raises(UserError) as err:
+        resolve_model(model_config(["model=hf", f"model.source={source}"]))
+    assert err.value.key == "model.source"
+    assert "layers.0.mlp.w1.weight is [128, 64]" in err.value.fix
 
 
 def test_a_chat_format_other_than_the_sources_template_is_a_user_error(checkpoints) -> None:
