@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.checkpoint import read_model_state
 from runner.components import instantiate
+from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
 from runner.families import LORA_BUILDERS, builder_args, check_source_matches, family_of
 from runner.models import resolve_model
@@ -168,7 +169,19 @@ def test_runner_trains_a_source_of_each_family(
         logits = theirs(tokens).logits
         assert (ours(tokens) - logits).abs().max().item() <= 1e-4
         assert (before(tokens).logits - logits).abs().max().item() > 1e-4  # it trained
-    assert AutoTokenizer.from_pretrained(checkpoint).chat_template
+    # `runner deploy` loads it, and renders a chat into the ids training used for the prompt.
+    served = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    prompt = PROMPTS["system, user"]
+    rendered = served.tokenizer.apply_chat_template(
+        [{"role": role, "content": text} for role, text in prompt],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    trained_with = instantiate(recipe.tokenizer)
+    assert served.tokenizer.encode(rendered, add_special_tokens=False) == (
+        trained_with.generation_prompt(messages(prompt))
+    )
+    assert trained_with.eos_id in served.eos_token_ids
 
 
 def test_every_model_option_names_its_builders_lora_twin() -> None:
