@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from runner.errors import UserError
 from runner.export.write import export
@@ -80,6 +87,33 @@ def make_lora_checkpoint(path: Path, base_dir: Path) -> Path:
     return path
 
 
+def make_qwen2_checkpoint(path: Path) -> Path:
+    """A tiny Qwen2 (q/k/v biases, rotate-halves RoPE) with the tiny tokenizer."""
+    config = Qwen2Config(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=256,
+        eos_token_id=260,
+    )
+    torch.manual_seed(2)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # HF initializes biases to zero; make them count
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.2)
+    model.save_pretrained(path)
+    add_tokenizer_files(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_run(tmp_path_factory.mktemp("run"))
@@ -88,6 +122,11 @@ def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def lora_checkpoint(tmp_path_factory: pytest.TempPathFactory, full_checkpoint: Path) -> Path:
     return make_lora_checkpoint(tmp_path_factory.mktemp("lora") / "step_4", full_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_qwen2_checkpoint(tmp_path_factory.mktemp("qwen2") / "step_4")
 
 
 def load(path: Path, dtype: torch.dtype = torch.float32):
@@ -220,15 +259,15 @@ def llama_cpp_logits(llm, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_gguf_f16_decodes_like_transformers(full_checkpoint: Path, tmp_path: Path) -> None:
-    out = run_export(full_checkpoint, "gguf", out=str(tmp_path / "tiny.gguf"))
+@pytest.mark.parametrize("family", ["full_checkpoint", "qwen2_checkpoint"])
+def test_gguf_f16_decodes_like_transformers(request, family: str, tmp_path: Path) -> None:
+    checkpoint = request.getfixturevalue(family)  # Llama 3.2 (tiny), Qwen2
+    out = run_export(checkpoint, "gguf", out=str(tmp_path / "tiny.gguf"))
     llm = llama_cpp_model(out)
-    model = load(full_checkpoint)
+    model = load(checkpoint)
     assert llm.n_vocab() == 264
-    assert (
-        llm.metadata["tokenizer.chat_template"]
-        == AutoTokenizer.from_pretrained(full_checkpoint).chat_template
-    )
+    template = AutoTokenizer.from_pretrained(checkpoint).chat_template
+    assert llm.metadata["tokenizer.chat_template"] == template
     for text, ids in zip(TEXTS, token_ids(), strict=True):
         assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
         expected = logits(model, ids)[-1]
@@ -302,7 +341,7 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
     out = tmp_path / "tiny.gguf"
     done = runner_cli("export", f"checkpoint={full_checkpoint}", "format=gguf", f"out={out}")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(out) and out.read_bytes()[:4] == b"GGUF"
+    assert done.stdout.splitlines()[-1] == str(out) and out.read_bytes()[:4] == b"GGUF"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
     again = runner_cli("export", f"checkpoint={full_checkpoint}", "format=gguf", f"out={out}")

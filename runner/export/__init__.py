@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
@@ -14,6 +16,7 @@ def main(cfg: DictConfig) -> None:
     """Entry of `runner export [overrides]`."""
     from runner.export.write import export
 
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # its per-file chatter names temp files
     with user_errors_pass_hydra():
         if OmegaConf.is_missing(cfg, "checkpoint"):
             raise UserError(

@@ -111,6 +111,10 @@ def check_request(
         if missing:
             raise UserError("checkpoint", str(chosen), f"LoRA checkpoint without {missing}")
     base_dir = check_base(chosen, base) if is_adapter and format != "adapter" else None
+    if format == "gguf":
+        from runner.export.gguf_file import family_of
+
+        family_of(json.loads(((base_dir or chosen) / "config.json").read_text()))
     variant = {"adapter": None, "merged": dtype, "gguf": quantization}[format]
     destination = Path(out) if out else default_destination(chosen, format, variant)
     if destination.exists() or destination.is_symlink():
@@ -182,10 +186,8 @@ def write_gguf_file(checkpoint: Path, base: Path | None, path: Path, *, quantiza
     """One GGUF file of the (merged) model and its tokenizer."""
     from transformers import AutoTokenizer
 
-    from runner.export.gguf_file import family_of, write_gguf
+    from runner.export.gguf_file import write_gguf
 
-    config_dir = base if base is not None else checkpoint
-    family_of(json.loads((config_dir / "config.json").read_text()))  # refuse before loading
     model = load_model(checkpoint, base)
     write_gguf(
         path,
