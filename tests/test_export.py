@@ -3,9 +3,12 @@ llama.cpp through llama-cpp-python) of what it writes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +28,17 @@ from runner.paths import TINY_TOKENIZER_DIR
 from runner.tune import hf_config
 
 # Token ids fed to both sides, so the comparison does not depend on either tokenizer; the texts
-# also check that llama.cpp's tokenizer gives the ids transformers' gives.
-TEXTS = ["hello", "the quick brown fox", "<|start_header_id|>user<|end_header_id|>\n\nhi"]
+# also check that llama.cpp's tokenizer gives the ids transformers' gives. They are picked so that
+# on every fixture model each greedy step wins by a margin (see `greedy`) well above the logit
+# error of float16 weights (0.01-0.03 here): near-ties would make the parity check a coin toss.
+TEXTS = [
+    "Hello!",
+    "one two three",
+    "runner export",
+    "<|start_header_id|>user<|end_header_id|>\n\nReverse the word.\nexport<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+]
+MIN_MARGIN = 0.04
 NEW_TOKENS = 8
 SELECT = {"checkpoint": "latest", "metric": "loss", "mode": "min"}
 
@@ -154,7 +166,9 @@ def greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
     """Greedy continuation that does not stop at end-of-turn tokens (nor does llama.cpp's)."""
     ids = list(ids)
     for _ in range(n):
-        ids.append(int(logits(model, ids)[-1].argmax()))
+        top = logits(model, ids)[-1].topk(2)
+        assert top.values[0] - top.values[1] > MIN_MARGIN, "a near-tie: pick another text"
+        ids.append(int(top.indices[0]))
     return ids[-n:]
 
 
@@ -234,12 +248,18 @@ def test_adapter_export_loads_in_peft(lora_checkpoint: Path, tmp_path: Path) -> 
 # --- GGUF through llama.cpp ----------------------------------------------------------------
 
 
-def llama_cpp_model(path: Path):
-    import llama_cpp  # part of the test extra; built from source by pip
+@contextlib.contextmanager
+def llama_cpp_model(path: Path) -> Iterator[Any]:
+    """The GGUF file loaded by llama.cpp (llama-cpp-python, in the test extra; never skipped)."""
+    import llama_cpp
 
-    return llama_cpp.Llama(
+    llm = llama_cpp.Llama(
         model_path=str(path), n_ctx=128, n_batch=128, n_threads=1, logits_all=True, verbose=False
     )
+    try:
+        yield llm
+    finally:
+        llm.close()
 
 
 def llama_cpp_greedy(llm, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
@@ -263,24 +283,26 @@ def llama_cpp_logits(llm, ids: list[int]) -> torch.Tensor:
 def test_gguf_f16_decodes_like_transformers(request, family: str, tmp_path: Path) -> None:
     checkpoint = request.getfixturevalue(family)  # Llama 3.2 (tiny), Qwen2
     out = run_export(checkpoint, "gguf", out=str(tmp_path / "tiny.gguf"))
-    llm = llama_cpp_model(out)
     model = load(checkpoint)
-    assert llm.n_vocab() == 264
     template = AutoTokenizer.from_pretrained(checkpoint).chat_template
-    assert llm.metadata["tokenizer.chat_template"] == template
-    for text, ids in zip(TEXTS, token_ids(), strict=True):
-        assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
-        expected = logits(model, ids)[-1]
-        assert (llama_cpp_logits(llm, ids) - expected).abs().max() < 0.02 * expected.abs().max()
-        assert llama_cpp_greedy(llm, ids) == greedy(model, ids)
+    with llama_cpp_model(out) as llm:
+        assert llm.n_vocab() == 264
+        assert llm.metadata["tokenizer.chat_template"] == template
+        for text, ids in zip(TEXTS, token_ids(), strict=True):
+            assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
+            expected = logits(model, ids)[-1]
+            error = (llama_cpp_logits(llm, ids) - expected).abs().max()
+            assert error < 0.02 * expected.abs().max()
+            assert llama_cpp_greedy(llm, ids) == greedy(model, ids)
 
 
 @pytest.mark.slow
 def test_gguf_of_a_lora_checkpoint_is_the_merged_model(lora_checkpoint: Path, tmp_path: Path):
     out = run_export(lora_checkpoint, "gguf", out=str(tmp_path / "lora.gguf"))
-    llm, model = llama_cpp_model(out), load_peft(lora_checkpoint)
-    for ids in token_ids():
-        assert llama_cpp_greedy(llm, ids) == greedy(model, ids)
+    model = load_peft(lora_checkpoint)
+    with llama_cpp_model(out) as llm:
+        for ids in token_ids():
+            assert llama_cpp_greedy(llm, ids) == greedy(model, ids)
 
 
 @pytest.mark.slow
@@ -288,11 +310,13 @@ def test_gguf_q8_0_loads_and_generates(full_checkpoint: Path, tmp_path: Path) ->
     f16 = run_export(full_checkpoint, "gguf", out=str(tmp_path / "f16.gguf"))
     q8 = run_export(full_checkpoint, "gguf", quantization="q8_0", out=str(tmp_path / "q8.gguf"))
     assert q8.stat().st_size < 0.75 * f16.stat().st_size  # 8.5 bits a weight instead of 16
-    llm, model = llama_cpp_model(q8), load(full_checkpoint)
-    for ids in token_ids():
-        assert len(llama_cpp_greedy(llm, ids)) == NEW_TOKENS
-        expected = logits(model, ids)[-1]
-        assert (llama_cpp_logits(llm, ids) - expected).abs().max() < 0.1 * expected.abs().max()
+    model = load(full_checkpoint)
+    with llama_cpp_model(q8) as llm:
+        for ids in token_ids():
+            assert len(llama_cpp_greedy(llm, ids)) == NEW_TOKENS
+            expected = logits(model, ids)[-1]
+            error = (llama_cpp_logits(llm, ids) - expected).abs().max()
+            assert error < 0.1 * expected.abs().max()  # 8-bit blocks: coarser than f16
 
 
 # --- user errors --------------------------------------------------------------------------
@@ -343,10 +367,6 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == str(out) and out.read_bytes()[:4] == b"GGUF"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-
-    again = runner_cli("export", f"checkpoint={full_checkpoint}", "format=gguf", f"out={out}")
-    assert again.returncode == 2
-    assert again.stderr.startswith("error: out=") and "Traceback" not in again.stderr
 
     qwen3 = tmp_path / "qwen3"
     shutil.copytree(full_checkpoint, qwen3)
