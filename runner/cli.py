@@ -41,8 +41,9 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         main()
 
     def export() -> None:
-        from runner.export import main
+        from runner.export import check_argv, main
 
+        check_argv(sys.argv[1:])
         main()
 
     def preflight(name: str) -> Callable[[], None]:

@@ -376,4 +376,6 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
     assert refused.returncode == 2 and "LlamaForCausalLM" in refused.stderr
     assert not (tmp_path / "qwen3-gguf-f16.gguf").exists()
 
+    bare = runner_cli("export", f"checkpoint={full_checkpoint}", "dtype=bf16")
+    assert bare.returncode == 2 and "write merged.dtype=bf16" in bare.stderr
     assert runner_cli("export", "--help").stdout.startswith("runner export:")

@@ -10,6 +10,18 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.paths import CONF_DIR
 
+# Options that belong to one format, by the bare name a user may try first. (`dtype=` alone
+# would select `runner train`'s dtype group.)
+_NAMESPACED = {"dtype": "merged.dtype", "quantization": "gguf.quantization"}
+
+
+def check_argv(argv: list[str]) -> None:
+    """Point a bare dtype= or quantization= at the key it means, before Hydra's own error."""
+    for argument in argv:
+        key, _, value = argument.partition("=")
+        if key in _NAMESPACED:
+            raise UserError(key, value, f"write {_NAMESPACED[key]}={value}")
+
 
 @hydra.main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
