@@ -129,10 +129,10 @@ def check_request(
 def check_base(checkpoint: Path, base: str | None) -> Path:
     """The base model dir a LoRA checkpoint merges into: `base=` or base_model_name_or_path."""
     config = json.loads((checkpoint / "adapter_config.json").read_text())
-    key, path = ("base", base) if base else ("base", config.get("base_model_name_or_path"))
+    path = base or config.get("base_model_name_or_path")
     if not path or not (Path(path) / "config.json").is_file():
         raise UserError(
-            key,
+            "base",
             path,
             f"the base model of LoRA checkpoint {checkpoint} is not a local Hugging Face model "
             "dir (config.json): pass base=<dir of the base model>",
