@@ -24,8 +24,8 @@ from transformers import (
 
 from runner.errors import UserError
 from runner.export.write import export
+from runner.families import FAMILIES, hf_config
 from runner.paths import TINY_TOKENIZER_DIR
-from runner.tune import hf_config
 
 # Token ids fed to both sides, so the comparison does not depend on either tokenizer; the texts
 # also check that llama.cpp's tokenizer gives the ids transformers' gives. They are picked so that
@@ -47,6 +47,7 @@ def tiny_config() -> dict:
     """The config.json `runner train model=tiny` writes (Llama 3.2, llama3 RoPE), smaller."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     builder = {
+        "_component_": "torchtune.models.llama3_2.llama3_2",
         "vocab_size": 264,
         "num_layers": 2,
         "num_heads": 4,
@@ -61,6 +62,7 @@ def tiny_config() -> dict:
     }
     # A wide init gives varied output with clear winners, so greedy decoding is well defined.
     return hf_config(
+        FAMILIES["llama3"],
         builder,
         initializer_range=0.2,
         bos_token_id=tokenizer.bos_token_id,
