@@ -331,6 +331,7 @@ class FullFinetuneRecipe:
                 tokenizer_dir=Path(self.cfg.tokenizer.path),
                 training_state=training_state,
                 stop_token_ids=self.tokenizer.stop_tokens,
+                source_dir=Path(self.cfg.model_source) if self.cfg.model_source else None,
             )
             final = self.run.commit_checkpoint(
                 tmp,

@@ -10,11 +10,22 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from runner.tune import hf_to_tune, tune_to_hf
+from runner.families import hf_to_tune, read_config, tune_to_hf
 
 MODEL_FILE = "model.safetensors"
+# A hub repo's weights in several files, listed by this index.
+SHARDED_INDEX = "model.safetensors.index.json"
 TRAINING_STATE_FILE = "training_state.pt"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def write_checkpoint(
@@ -25,28 +36,45 @@ def write_checkpoint(
     tokenizer_dir: Path,
     training_state: dict[str, Any],
     stop_token_ids: list[int],
+    source_dir: Path | None = None,
 ) -> None:
-    """Writes a directory that `transformers` loads as it is, plus training_state.pt."""
+    """Writes a directory that `transformers` loads as it is, plus training_state.pt.
+
+    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json.
+    """
     out_dir.mkdir(parents=True, exist_ok=False)
     hf_state = {k: v.contiguous() for k, v in tune_to_hf(model_state, hf_config).items()}
     save_file(hf_state, str(out_dir / MODEL_FILE), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    generation = {
-        "bos_token_id": hf_config["bos_token_id"],
-        "eos_token_id": stop_token_ids,
-        "do_sample": False,
-    }
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if source_dir is not None and (source_dir / GENERATION_CONFIG).is_file():
+        shutil.copy2(source_dir / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
+    else:
+        generation = {
+            "bos_token_id": hf_config.get("bos_token_id"),
+            "eos_token_id": stop_token_ids,
+            "do_sample": False,
+        }
+        (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, out_dir / name)
     torch.save(training_state, out_dir / TRAINING_STATE_FILE)
 
 
+def weight_files(checkpoint_dir: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights (one, or the shards of an index)."""
+    if (checkpoint_dir / SHARDED_INDEX).is_file():
+        index = json.loads((checkpoint_dir / SHARDED_INDEX).read_text())
+        return [checkpoint_dir / name for name in sorted(set(index["weight_map"].values()))]
+    return [checkpoint_dir / MODEL_FILE]
+
+
 def read_model_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """Loads the weights of a checkpoint in torchtune's names (safetensors: no code runs)."""
-    config = json.loads((checkpoint_dir / "config.json").read_text())
-    return hf_to_tune(load_file(str(checkpoint_dir / MODEL_FILE)), config)
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(checkpoint_dir):
+        state.update(load_file(str(path)))
+    return hf_to_tune(state, read_config(checkpoint_dir))
 
 
 def read_training_state(checkpoint_dir: Path) -> dict[str, Any]:

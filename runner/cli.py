@@ -16,6 +16,7 @@ commands:
   validate print the resolved recipe; check that weights, tokenizer and data are there
   estimate parameters, memory per device and tokens per epoch, before training
   deploy   serve checkpoints behind an OpenAI-compatible API
+  export   write a checkpoint as a LoRA adapter, a merged model, or a GGUF file
   repro    re-run a recorded run and compare; exit 1 on drift (for CI)
   runs     list runs and sweep jobs: state, step, loss, best eval, age
   logs     print or follow (-f) a run's log
@@ -37,6 +38,12 @@ def _commands() -> dict[str, Callable[[], int | None]]:
     def deploy() -> None:
         from runner.deploy import main
 
+        main()
+
+    def export() -> None:
+        from runner.export import check_argv, main
+
+        check_argv(sys.argv[1:])
         main()
 
     def preflight(name: str) -> Callable[[], None]:
@@ -72,6 +79,7 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         "validate": preflight("validate"),
         "estimate": preflight("estimate"),
         "deploy": deploy,
+        "export": export,
         "repro": repro,
         **lifecycle_commands,
         "cluster": cluster,

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate
 from runner.data import check_datasets, train_dataset
-from runner.errors import UserError, user_errors_pass_hydra
+from runner.errors import user_errors_pass_hydra
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 
@@ -31,9 +31,9 @@ NO_OUTPUT = [
 ]
 
 
-def _recipe(cfg: DictConfig) -> dict[str, Any]:
+def _recipe(cfg: DictConfig, need_files: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = resolve_recipe(cfg, Path(tmp))
+        recipe = resolve_recipe(cfg, Path(tmp), need_files=need_files)
     recipe["run_dir"] = "<new run directory>"
     return recipe
 
@@ -43,15 +43,9 @@ def validate(cfg: DictConfig) -> None:
     recipe = _recipe(cfg)
     print(yaml.safe_dump(recipe, sort_keys=False))
     source = recipe["model_source"]
-    if source is not None:
-        for name in ("config.json", "model.safetensors"):
-            if not (Path(source) / name).is_file():
-                raise UserError(
-                    "model.source",
-                    source,
-                    f"has no {name}; give a Hugging Face checkpoint directory",
-                )
     weights = source or f"random init (seed {recipe['seed']})"
+    if source is not None:
+        weights += f" ({recipe['model_family']})"
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
     print(f"ok  weights    {weights}")
     print(f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)")
@@ -78,10 +72,11 @@ class Estimate:
     weights_bytes: int
     gradients_bytes: int
     optimizer_bytes: int
-    activations_bytes: int
-    tokens_per_epoch: int
-    longest_sample: int
-    steps_per_epoch: int
+    # None: the model's tokenizer is not on this machine, so the data is not measured.
+    activations_bytes: int | None
+    tokens_per_epoch: int | None
+    longest_sample: int | None
+    steps_per_epoch: int | None
 
     @property
     def total_bytes(self) -> int:
@@ -89,7 +84,7 @@ class Estimate:
             self.weights_bytes
             + self.gradients_bytes
             + self.optimizer_bytes
-            + self.activations_bytes
+            + (self.activations_bytes or 0)
         )
 
 
@@ -106,6 +101,8 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
     world = recipe["nproc_per_node"] * recipe["nnodes"]
     width = BYTES[recipe["dtype"]]
     shard = parameters * width // world
+    if recipe["tokenizer"] is None:
+        return Estimate(parameters, world, shard, shard, 2 * shard, None, None, None, None)
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
     train = train_dataset(recipe["dataset"], tokenizer)
     lengths = [len(sample["tokens"]) for sample in train]
@@ -142,6 +139,13 @@ def print_estimate(recipe: dict[str, Any], found: Estimate) -> None:
     print(f"weights        {_gib(found.weights_bytes)} per device")
     print(f"gradients      {_gib(found.gradients_bytes)} per device")
     print(f"optimizer      {_gib(found.optimizer_bytes)} per device (AdamW, two moments)")
+    if found.activations_bytes is None:
+        print(
+            f"activations    not estimated: the tokenizer of model.source={recipe['model_source']} "
+            "is not here to measure the data (`runner download` fetches it)"
+        )
+        print(f"total          at least {_gib(found.total_bytes)} per device")
+        return
     print(
         f"activations    {_gib(found.activations_bytes)} per device (batch "
         f"{recipe['training']['batch_size']} x {found.longest_sample} tokens)"
@@ -164,5 +168,5 @@ def validate_main(cfg: DictConfig) -> None:
 def estimate_main(cfg: DictConfig) -> None:
     """Hydra entry point of `runner estimate`."""
     with user_errors_pass_hydra():
-        recipe = _recipe(cfg)
+        recipe = _recipe(cfg, need_files=False)
         print_estimate(recipe, estimate(recipe))

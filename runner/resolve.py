@@ -18,11 +18,10 @@ from runner.data import COLUMNS, CONVERSATION_STYLES, KINDS, local_source, sourc
 from runner.errors import UserError
 from runner.evaluate import METRIC_MODES, TRAINING_METRIC_MODES
 from runner.manifest import SECRET_KEY
+from runner.models import resolve_model
 from runner.paths import ASSETS_DIR
 from runner.platforms import resolve_launch
 from runner.platforms import run_dir as platform_run_dir
-from runner.tokenizer import ChatTokenizer
-from runner.tune import hf_config
 
 log = logging.getLogger(__name__)
 
@@ -361,23 +360,23 @@ def _objective(objective: DictConfig, evaluation: dict[str, Any]) -> dict[str, s
     return {"metric": metric, "mode": mode}
 
 
-def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """The recipe config (torchtune `_component_` style) for a composed `train` config."""
+def resolve_recipe(cfg: DictConfig, run_dir: Path, need_files: bool = True) -> dict[str, Any]:
+    """The recipe config (torchtune `_component_` style) for a composed `train` config.
+
+    need_files=False (`runner estimate`) resolves a model whose source is not on this machine
+    from its option's builder alone, leaving the tokenizer and config.json unresolved (None).
+    """
     device, nproc_per_node = resolve_device(cfg.compute)
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
     launch = resolve_launch(cfg.compute, nnodes)
     optimizer, schedule = _optimizer(cfg.optimizer)
     if cfg.method.name != "full":
         raise UserError("method", cfg.method.name, "only method=full is available")
-    builder = OmegaConf.to_container(cfg.model.builder, resolve=True)
-    tokenizer = ChatTokenizer(cfg.model.tokenizer, builder["max_seq_len"])
-    if tokenizer.vocab_size > builder["vocab_size"]:
-        raise UserError(
-            "model.builder.vocab_size",
-            builder["vocab_size"],
-            f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
-        )
-    dataset = _dataset(cfg.dataset, builder["max_seq_len"])
+    model = resolve_model(cfg.model, need_files=need_files)
+    dataset = _dataset(cfg.dataset, model["model"]["max_seq_len"])
+    if model["tokenizer"] is not None:
+        # Samples are cut at dataset.max_seq_len (the model's when null).
+        model["tokenizer"]["max_seq_len"] = dataset["max_seq_len"]
     evaluation = _eval(cfg)
     return {
         "run_dir": str(run_dir.resolve()),
@@ -387,21 +386,7 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "nproc_per_node": nproc_per_node,
         "nnodes": nnodes,
         "launch": launch,
-        "model": builder,
-        "model_source": cfg.model.source,
-        "initializer_range": _float(cfg.model.initializer_range, "model.initializer_range", True),
-        "hf_config": hf_config(
-            builder,
-            initializer_range=cfg.model.initializer_range,
-            bos_token_id=tokenizer.bos_id,
-            eos_token_id=tokenizer.eos_id,
-        ),
-        "tokenizer": {
-            "_component_": "runner.tokenizer.ChatTokenizer",
-            "path": str(Path(cfg.model.tokenizer).resolve()),
-            # Samples are cut at dataset.max_seq_len (the model's when null).
-            "max_seq_len": dataset["max_seq_len"],
-        },
+        **model,
         "dataset": dataset,
         "eval": evaluation,
         "objective": _objective(cfg.objective, evaluation),
