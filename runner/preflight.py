@@ -13,6 +13,7 @@ from typing import Any
 import hydra
 import torch
 import yaml
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate
@@ -32,8 +33,9 @@ NO_OUTPUT = [
 
 
 def _recipe(cfg: DictConfig) -> dict[str, Any]:
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = resolve_recipe(cfg, Path(tmp))
+        recipe = resolve_recipe(cfg, Path(tmp), overrides)
     recipe["run_dir"] = "<new run directory>"
     return recipe
 
@@ -71,10 +73,21 @@ def validate(cfg: DictConfig) -> None:
                 )
     weights = source or f"random init (seed {recipe['seed']})"
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
-    print(f"ok  weights    {weights}")
-    print(f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)")
+    print(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
+    print(
+        f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)"
+        f"{_origin(recipe, 'model.tokenizer')}"
+    )
     for split, dataset in _datasets(recipe, tokenizer).items():
-        print(f"ok  {split:<10} {recipe['dataset'][f'{split}_files']} ({len(dataset)} records)")
+        key = f"dataset.{split}_files"
+        path = recipe["dataset"][f"{split}_files"]
+        print(f"ok  {split:<10} {path} ({len(dataset)} records){_origin(recipe, key)}")
+
+
+def _origin(recipe: dict[str, Any], key: str) -> str:
+    """' from hf://...@commit' where `key` came from the hub, else nothing."""
+    pinned = recipe["hub_sources"].get(key)
+    return f" from {pinned}" if pinned else ""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ naming the key, the value and the fix.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.data import FORMATS, check_data_file
 from runner.errors import UserError
+from runner.hub import Hub, localize
 from runner.manifest import SECRET_KEY
 from runner.paths import ASSETS_DIR
 from runner.platforms import resolve_launch
@@ -173,9 +175,10 @@ def _dataset(dataset: DictConfig) -> dict[str, Any]:
             check_data_file(f"dataset.{key}", dataset[key])
     return {
         "format": dataset.format,
-        "train_files": str(Path(dataset.train_files).resolve()),
+        # absolute(), not resolve(): a file in the hub cache is a symlink to a nameless blob.
+        "train_files": str(Path(dataset.train_files).absolute()),
         "validation_files": (
-            str(Path(dataset.validation_files).resolve()) if dataset.validation_files else None
+            str(Path(dataset.validation_files).absolute()) if dataset.validation_files else None
         ),
         "column_map": OmegaConf.to_container(dataset.column_map),
         "train_on_input": _bool(dataset.train_on_input, "dataset.train_on_input"),
@@ -183,14 +186,21 @@ def _dataset(dataset: DictConfig) -> dict[str, Any]:
     }
 
 
-def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """The recipe config (torchtune `_component_` style) for a composed `train` config."""
+def resolve_recipe(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The recipe config (torchtune `_component_` style) for a composed `train` config.
+
+    hf:// sources become local paths in the cache (downloaded if need be); `overrides` make
+    the `runner download ...` command that an error about a missing source names.
+    """
     device, nproc_per_node = resolve_device(cfg.compute)
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
     launch = resolve_launch(cfg.compute, nnodes)
     optimizer, schedule = _optimizer(cfg.optimizer)
     if cfg.method.name != "full":
         raise UserError("method", cfg.method.name, "only method=full is available")
+    training, runtime = _training(cfg), _runtime(cfg.runtime)
+    # Last among the checks: fetching a source is the slow part.
+    cfg, hub_sources = localize(cfg, Hub.from_runtime(cfg.runtime, list(overrides)))
     builder = OmegaConf.to_container(cfg.model.builder, resolve=True)
     tokenizer = ChatTokenizer(cfg.model.tokenizer, builder["max_seq_len"])
     if tokenizer.vocab_size > builder["vocab_size"]:
@@ -209,6 +219,8 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "launch": launch,
         "model": builder,
         "model_source": cfg.model.source,
+        # Where each hf:// source came from, pinned to the commit that was used.
+        "hub_sources": hub_sources,
         "initializer_range": _float(cfg.model.initializer_range, "model.initializer_range", True),
         "hf_config": hf_config(
             builder,
@@ -231,8 +243,8 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "loss": OmegaConf.to_container(cfg.loss, resolve=True),
         "optimizer": optimizer,
         "lr_schedule": schedule,
-        "training": _training(cfg),
-        "runtime": _runtime(cfg.runtime),
+        "training": training,
+        "runtime": runtime,
         # Set by `runner repro --steps N`: end after step N without changing the schedule.
         "stop_at_step": None,
     }

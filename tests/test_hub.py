@@ -1,0 +1,271 @@
+"""hf:// sources through the real CLI, from a hub cache built here in huggingface_hub's layout.
+
+Nothing reaches a hub: HF_HUB_OFFLINE=1 (hermetic_env), and the cache is written by hand the
+way huggingface_hub writes it (blobs/<sha256>, snapshots/<commit>/<path> -> blob, refs/main).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from runner.errors import UserError
+from runner.hub import TokenRef, parse_uri
+from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
+from runner.tokenizer import ChatTokenizer
+from runner.tune import hf_config
+from tests.conftest import QUICK, losses
+
+COMMIT = "5f3e6b2c1a0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
+MODEL = "hf://acme/tiny-llama"
+DATA = "hf://acme/words"
+SECRET = "hf_runnerTestSecretValue0123456789"
+
+
+def cache_repo(cache: Path, repo_type: str, repo_id: str, files: dict[str, bytes]) -> Path:
+    """Writes `files` into `cache` as huggingface_hub does; returns the snapshot directory."""
+    storage = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    snapshot = storage / "snapshots" / COMMIT
+    for name, data in files.items():
+        blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (storage / "refs").mkdir(exist_ok=True)
+    (storage / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def tiny_checkpoint(out_dir: Path) -> None:
+    """The tiny model's architecture as a Hugging Face checkpoint written by transformers.
+
+    Its final norm is scaled up, so that its first loss is far above a random init's.
+    """
+    builder = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "tiny.yaml").builder)
+    tokenizer = ChatTokenizer(str(TINY_TOKENIZER_DIR))
+    config = hf_config(
+        builder,
+        initializer_range=0.02,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+    )
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(50.0)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_TOKENIZER_DIR / name, out_dir / name)
+
+
+@pytest.fixture(scope="module")
+def hub_env(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> dict[str, str]:
+    """hermetic_env with its own HF_HOME whose hub cache holds a tiny model and a dataset."""
+    home = tmp_path_factory.mktemp("hf_home_filled")
+    checkpoint = tmp_path_factory.mktemp("checkpoint")
+    tiny_checkpoint(checkpoint)
+    model_files = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    cache_repo(home / "hub", "model", "acme/tiny-llama", model_files)
+    sample = ASSETS_DIR / "sample"
+    records = (sample / "train.jsonl").read_text().splitlines(keepends=True)
+    data_files = {
+        "README.md": b"# words\n",
+        "sub/train.jsonl": "".join(records[:256]).encode(),
+        "sub/validation.jsonl": (sample / "validation.jsonl").read_bytes(),
+    }
+    cache_repo(home / "hub", "dataset", "acme/words", data_files)
+    env = {**hermetic_env, "HF_HOME": str(home), "HF_TOKEN": SECRET}
+    env.pop("BT_RW_CACHE_DIR", None)
+    return env
+
+
+def cli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+HUB_TRAIN = [
+    f"model.source={MODEL}",
+    f"model.tokenizer={MODEL}",
+    f"dataset.train_files={DATA}/sub/train.jsonl",
+    "dataset.validation_files=hf://datasets/acme/words/sub/validation.jsonl",
+]
+
+
+@pytest.fixture(scope="module")
+def hub_run(tmp_path_factory: pytest.TempPathFactory, hub_env) -> tuple[Path, str]:
+    """A short `runner train` from the hub cache, offline, with a token in HF_TOKEN."""
+    cwd = tmp_path_factory.mktemp("hub_run")
+    run_dir = cwd / "run"
+    quick = [
+        "max_steps=2",
+        "batch_size=8",
+        "runtime.log_every_n_steps=1",
+        "runtime.save_every_n_steps=2",
+    ]
+    proc = cli(hub_env, cwd, "train", *QUICK, *HUB_TRAIN, *quick, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc.stdout + proc.stderr
+
+
+def test_train_reads_model_tokenizer_and_data_from_the_hub_cache(hub_run, hub_env) -> None:
+    run_dir, _ = hub_run
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    cache = Path(hub_env["HF_HOME"]) / "hub"
+    model_dir = cache / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    data_dir = cache / "datasets--acme--words" / "snapshots" / COMMIT / "sub"
+    assert recipe["model_source"] == str(model_dir)
+    assert recipe["tokenizer"]["path"] == str(model_dir)
+    assert recipe["dataset"]["train_files"] == str(data_dir / "train.jsonl")
+    assert recipe["dataset"]["validation_files"] == str(data_dir / "validation.jsonl")
+    assert recipe["hub_sources"] == {
+        "model.source": f"hf://acme/tiny-llama@{COMMIT}",
+        "model.tokenizer": f"hf://acme/tiny-llama@{COMMIT}",
+        "dataset.train_files": f"hf://acme/words@{COMMIT}/sub/train.jsonl",
+        "dataset.validation_files": f"hf://acme/words@{COMMIT}/sub/validation.jsonl",
+    }
+    assert "hf://" not in yaml.safe_dump({k: v for k, v in recipe.items() if k != "hub_sources"})
+    # The cached weights were loaded: their scaled-up final norm makes the first loss huge,
+    # where a random init starts near ln(264) = 5.6.
+    assert losses(run_dir)[1] > 8.0
+    assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").is_file()
+
+
+def test_the_token_never_lands_in_the_run_directory_or_printed_config(hub_run, hub_env) -> None:
+    run_dir, output = hub_run
+    assert SECRET not in output
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    printed = cli(hub_env, run_dir, "train", *HUB_TRAIN, "--cfg", "job", "--resolve")
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert "hf_token: env:HF_TOKEN" in printed.stdout
+    assert SECRET not in printed.stdout + printed.stderr
+
+
+def test_a_token_given_by_value_is_refused_and_never_echoed(hub_env, tmp_path: Path) -> None:
+    proc = cli(hub_env, tmp_path, "train", f"runtime.hf_token={SECRET}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: runtime.hf_token='<hidden>': give a reference to the token" in proc.stderr
+    assert SECRET not in proc.stdout + proc.stderr
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_download_reports_cached_sources_and_directories(hub_env, tmp_path: Path) -> None:
+    proc = cli(
+        hub_env, tmp_path, "download", f"model.source={MODEL}", f"dataset.train_files={DATA}/sub"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cache = Path(hub_env["HF_HOME"]) / "hub"
+    assert f"-> {cache}/models--acme--tiny-llama/snapshots/{COMMIT}\n" in proc.stdout
+    assert f"-> {cache}/datasets--acme--words/snapshots/{COMMIT}/sub\n" in proc.stdout
+    assert f"hf://acme/words@{COMMIT}/sub" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def offline_goal() -> tuple[list[str], str]:
+    """The goal's `runner train model=llama3_2_1b dataset=alpaca`, once both options exist;
+    until then the same sources given by override."""
+    if (CONF_DIR / "model" / "llama3_2_1b.yaml").is_file() and (
+        CONF_DIR / "dataset" / "alpaca.yaml"
+    ).is_file():
+        return ["model=llama3_2_1b", "dataset=alpaca"], "dataset.source"
+    return [
+        "model.source=hf://meta-llama/Llama-3.2-1B-Instruct",
+        "dataset.train_files=hf://tatsu-lab/alpaca/data/train.parquet",
+    ], "dataset.train_files"
+
+
+def test_offline_with_an_empty_cache_says_what_is_missing_and_how_to_get_it(
+    runner_cli, hermetic_env, tmp_path: Path
+) -> None:
+    overrides, dataset_key = offline_goal()
+    empty_home = tmp_path / "empty_home"
+    out_root = tmp_path / "outputs"
+    result = runner_cli(
+        "train", *overrides, f"runtime.output_root={out_root}", env={"HF_HOME": str(empty_home)}
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    message = errors[0]
+    assert message.startswith("error: model.source='hf://meta-llama/Llama-3.2-1B-Instruct': ")
+    missing = (
+        f"the model repo meta-llama/Llama-3.2-1B-Instruct is not in the cache {empty_home}/hub"
+    )
+    assert missing in message
+    assert f"dataset repo tatsu-lab/alpaca ({dataset_key})" in message
+    assert "HF_HUB_OFFLINE=1" in message
+    command = " ".join(["runner download", *overrides, f"runtime.output_root={out_root}"])
+    assert f"`{command}`" in message
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_missing_local_source_and_a_malformed_uri_are_user_errors(runner_cli, tmp_path) -> None:
+    result = runner_cli("validate", "model.source=hf://onlyorg")
+    assert result.returncode == 2
+    assert "error: model.source='hf://onlyorg': give hf://org/repo" in result.stderr
+    result = runner_cli("validate", f"model.tokenizer={tmp_path}/nope")
+    assert result.returncode == 2
+    assert f"error: model.tokenizer='{tmp_path}/nope': no such file or directory" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        ("hf://onlyorg", "give hf://org/repo"),
+        ("hf://org/", "give hf://org/repo"),
+        ("hf://org/name/../x", "give hf://org/repo"),
+        ("hf://org/name@/x", "the revision after @ is empty"),
+        ("hf://org/na me", "is not a hub repo id"),
+        ("hf://models/org/name", "names a model repo; give a dataset repo"),
+    ],
+)
+def test_malformed_uris(uri: str, expected: str) -> None:
+    with pytest.raises(UserError, match="dataset.source=") as raised:
+        parse_uri(uri, key="dataset.source", repo_type="dataset")
+    assert expected in str(raised.value)
+
+
+def test_uris_name_a_repo_a_revision_and_a_path() -> None:
+    found = parse_uri("hf://tatsu-lab/alpaca@v2/data/train.parquet", key="k", repo_type="dataset")
+    assert (found.repo_id, found.revision, found.path) == (
+        "tatsu-lab/alpaca",
+        "v2",
+        "data/train.parquet",
+    )
+    found = parse_uri("hf://datasets/tatsu-lab/alpaca/data", key="k", repo_type="dataset")
+    assert (found.repo_id, found.revision, found.path) == ("tatsu-lab/alpaca", None, "data")
+    assert found.pinned("abc") == "hf://tatsu-lab/alpaca@abc/data"
+
+
+def test_token_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_file = tmp_path / "hf_token"
+    secret_file.write_text(SECRET + "\n")
+    assert TokenRef.parse(f"file:{secret_file}").read() == SECRET
+    monkeypatch.setenv("MY_HUB_TOKEN", SECRET)
+    assert TokenRef.parse("env:MY_HUB_TOKEN").read() == SECRET
+    missing = TokenRef.parse("env:NO_SUCH_VARIABLE_HERE")
+    assert missing.read() is None and "NO_SUCH_VARIABLE_HERE is not set" in missing.state()
+    for raw in (SECRET, "env:", "vault:x"):
+        with pytest.raises(UserError) as raised:
+            TokenRef.parse(raw)
+        assert SECRET not in str(raised.value)
