@@ -7,10 +7,14 @@ way huggingface_hub writes it (blobs/<sha256>, snapshots/<commit>/<path> -> blob
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -71,21 +75,28 @@ def tiny_checkpoint(out_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def hub_env(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> dict[str, str]:
-    """hermetic_env with its own HF_HOME whose hub cache holds a tiny model and a dataset."""
-    home = tmp_path_factory.mktemp("hf_home_filled")
+def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, bytes]]:
+    """{(repo type, repo id): {path: content}}: a tiny model and a small instruction dataset."""
     checkpoint = tmp_path_factory.mktemp("checkpoint")
     tiny_checkpoint(checkpoint)
-    model_files = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
-    cache_repo(home / "hub", "model", "acme/tiny-llama", model_files)
     sample = ASSETS_DIR / "sample"
     records = (sample / "train.jsonl").read_text().splitlines(keepends=True)
-    data_files = {
-        "README.md": b"# words\n",
-        "sub/train.jsonl": "".join(records[:256]).encode(),
-        "sub/validation.jsonl": (sample / "validation.jsonl").read_bytes(),
+    return {
+        ("model", "acme/tiny-llama"): {p.name: p.read_bytes() for p in checkpoint.iterdir()},
+        ("dataset", "acme/words"): {
+            "README.md": b"# words\n",
+            "sub/train.jsonl": "".join(records[:256]).encode(),
+            "sub/validation.jsonl": (sample / "validation.jsonl").read_bytes(),
+        },
     }
-    cache_repo(home / "hub", "dataset", "acme/words", data_files)
+
+
+@pytest.fixture(scope="module")
+def hub_env(tmp_path_factory: pytest.TempPathFactory, hermetic_env, repos) -> dict[str, str]:
+    """hermetic_env with its own HF_HOME whose hub cache holds `repos`, and HF_TOKEN set."""
+    home = tmp_path_factory.mktemp("hf_home_filled")
+    for (repo_type, repo_id), files in repos.items():
+        cache_repo(home / "hub", repo_type, repo_id, files)
     env = {**hermetic_env, "HF_HOME": str(home), "HF_TOKEN": SECRET}
     env.pop("BT_RW_CACHE_DIR", None)
     return env
@@ -219,10 +230,7 @@ def test_offline_with_an_empty_cache_says_what_is_missing_and_how_to_get_it(
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
-def test_a_missing_local_source_and_a_malformed_uri_are_user_errors(runner_cli, tmp_path) -> None:
-    result = runner_cli("validate", "model.source=hf://onlyorg")
-    assert result.returncode == 2
-    assert "error: model.source='hf://onlyorg': give hf://org/repo" in result.stderr
+def test_a_missing_local_source_is_a_user_error(runner_cli, tmp_path) -> None:
     result = runner_cli("validate", f"model.tokenizer={tmp_path}/nope")
     assert result.returncode == 2
     assert f"error: model.tokenizer='{tmp_path}/nope': no such file or directory" in result.stderr
@@ -269,3 +277,133 @@ def test_token_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         with pytest.raises(UserError) as raised:
             TokenRef.parse(raw)
         assert SECRET not in str(raised.value)
+
+
+class LoopbackHub(BaseHTTPRequestHandler):
+    """The few hub routes snapshot_download uses, on 127.0.0.1, with the hub's error headers.
+
+    huggingface_hub itself turns its answers into files in the cache or into its own
+    GatedRepoError / RepositoryNotFoundError; the tests never reach the real hub.
+    """
+
+    repos: dict[tuple[str, str], dict[str, bytes]] = {}
+    authorizations: list[str | None] = []
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        self.authorizations.append(self.headers.get("authorization"))
+        path = self.path.split("?")[0]
+        for (repo_type, repo_id), files in self.repos.items():
+            plural = f"{repo_type}s"
+            web = "" if repo_type == "model" else f"/{plural}"
+            if path == f"/api/{plural}/{repo_id}/revision/main":
+                return self._json({"id": repo_id, "sha": COMMIT})
+            if path == f"/api/{plural}/{repo_id}/tree/{COMMIT}":
+                return self._json(
+                    [
+                        {"type": "file", "path": name, "size": len(data), "oid": _git_oid(data)}
+                        for name, data in files.items()
+                    ]
+                )
+            prefix = f"{web}/{repo_id}/resolve/{COMMIT}/"
+            if path.startswith(prefix) and path[len(prefix) :] in files:
+                data = files[path[len(prefix) :]]
+                return self._send(200, data, {"X-Repo-Commit": COMMIT, "ETag": _git_oid(data)})
+        if "/acme/gated" in path:
+            return self._send(403, b"{}", {"X-Error-Code": "GatedRepo"})
+        return self._send(404, b"{}", {"X-Error-Code": "RepoNotFound"})
+
+    def _json(self, body: object) -> None:
+        self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _git_oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def online_env(hermetic_env, repos) -> Iterator[dict[str, str]]:
+    """hermetic_env online, against a loopback hub that serves `repos` and a gated repo."""
+    LoopbackHub.repos = {
+        **repos,
+        ("model", "acme/tiny-llama"): {
+            **repos[("model", "acme/tiny-llama")],
+            "original/consolidated.00.pth": b"weights in another format",
+        },
+    }
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LoopbackHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    env = {
+        **hermetic_env,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+    }
+    env.pop("HF_TOKEN", None)
+    yield env
+    server.shutdown()
+
+
+def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: Path) -> None:
+    home, token_file = tmp_path / "hf_home", tmp_path / "secrets" / "hf_token"
+    token_file.parent.mkdir()
+    token_file.write_text(SECRET + "\n")
+    env = {**online_env, "HF_HOME": str(home)}
+    sources = [f"model.source={MODEL}", f"model.tokenizer={MODEL}", HUB_TRAIN[2]]
+    LoopbackHub.authorizations.clear()
+    fetched = cli(env, tmp_path, "download", *sources, f"runtime.hf_token=file:{token_file}")
+    assert fetched.returncode == 0, fetched.stderr[-2000:]
+    snapshot = home / "hub" / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    assert (snapshot / "model.safetensors").is_symlink()
+    assert (snapshot / "config.json").read_bytes() == LoopbackHub.repos[
+        ("model", "acme/tiny-llama")
+    ]["config.json"]
+    assert not (snapshot / "original").exists()  # runtime.hub_model_ignore_patterns
+    assert set(LoopbackHub.authorizations) == {f"Bearer {SECRET}"}
+    assert SECRET not in fetched.stdout + fetched.stderr
+    offline = cli({**env, "HF_HUB_OFFLINE": "1"}, tmp_path, "validate", *sources)
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    assert f"ok  weights    {snapshot} from hf://acme/tiny-llama@{COMMIT}" in offline.stdout
+    assert f"(256 records) from hf://acme/words@{COMMIT}/sub/train.jsonl" in offline.stdout
+
+
+def test_a_gated_repo_says_how_to_get_access(online_env, tmp_path: Path) -> None:
+    env = {**online_env, "HF_HOME": str(tmp_path / "hf_home")}
+    out_root = tmp_path / "outputs"
+    overrides = ["model.source=hf://acme/gated", f"runtime.output_root={out_root}"]
+    result = cli(env, tmp_path, "train", *overrides)
+    assert result.returncode == 2, result.stderr[-2000:]
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: model.source='hf://acme/gated': acme/gated is gated and ")
+    assert "no token was given (runtime.hf_token=env:HF_TOKEN, and HF_TOKEN is not set)" in message
+    assert f"accept its licence at {online_env['HF_ENDPOINT']}/acme/gated" in message
+    assert f"`runner download {' '.join(overrides)}`" in message
+    assert not out_root.exists() or [p for p in out_root.rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("hf://acme/nope", "the hub has no dataset repo acme/nope, or it is private"),
+        (f"{DATA}/sub/test.jsonl", "acme/words has no file or directory 'sub/test.jsonl'"),
+    ],
+)
+def test_a_missing_repo_or_file_is_named(online_env, tmp_path: Path, source, expected) -> None:
+    env = {**online_env, "HF_HOME": str(tmp_path / "hf_home")}
+    result = cli(env, tmp_path, "download", f"dataset.train_files={source}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"error: dataset.train_files='{source}': {expected}" in result.stderr
