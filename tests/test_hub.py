@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from huggingface_hub import constants
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from runner.errors import UserError
-from runner.hub import TokenRef, parse_uri
+from runner.hub import TokenRef, default_cache_dir, parse_uri
 from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
 from runner.tokenizer import ChatTokenizer
 from runner.tune import hf_config
@@ -265,6 +266,13 @@ def test_uris_name_a_repo_a_revision_and_a_path() -> None:
     assert found.pinned("abc") == "hf://tatsu-lab/alpaca@abc/data"
 
 
+def test_the_cache_is_baseten_s_project_cache_else_hugging_face_s(monkeypatch) -> None:
+    monkeypatch.setenv("BT_RW_CACHE_DIR", "/root/.cache/user_artifacts")
+    assert default_cache_dir() == "/root/.cache/user_artifacts/huggingface/hub"
+    monkeypatch.delenv("BT_RW_CACHE_DIR")
+    assert default_cache_dir() == constants.HF_HUB_CACHE
+
+
 def test_token_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     secret_file = tmp_path / "hf_token"
     secret_file.write_text(SECRET + "\n")
@@ -307,6 +315,8 @@ class LoopbackHub(BaseHTTPRequestHandler):
                         for name, data in files.items()
                     ]
                 )
+            if path.startswith(f"/api/{plural}/{repo_id}/revision/"):
+                return self._send(404, b"{}", {"X-Error-Code": "RevisionNotFound"})
             prefix = f"{web}/{repo_id}/resolve/{COMMIT}/"
             if path.startswith(prefix) and path[len(prefix) :] in files:
                 data = files[path[len(prefix) :]]
@@ -400,6 +410,7 @@ def test_a_gated_repo_says_how_to_get_access(online_env, tmp_path: Path) -> None
     [
         ("hf://acme/nope", "the hub has no dataset repo acme/nope, or it is private"),
         (f"{DATA}/sub/test.jsonl", "acme/words has no file or directory 'sub/test.jsonl'"),
+        (f"{DATA}@v9/sub/train.jsonl", "acme/words has no revision 'v9'"),
     ],
 )
 def test_a_missing_repo_or_file_is_named(online_env, tmp_path: Path, source, expected) -> None:
