@@ -146,7 +146,7 @@ class TokenRef:
             return f"the token from runtime.hf_token={self.ref} has no access to it"
         if kind == "env":
             return f"no token was given (runtime.hf_token={self.ref}, and {where} is not set)"
-        return f"no token was given (runtime.hf_token={self.ref}, and {where} does not exist)"
+        return f"no token was given (runtime.hf_token={self.ref}, and {where} is missing or empty)"
 
 
 class NotCachedError(UserError):
@@ -193,48 +193,54 @@ class Hub:
             raise UserError(key, source, f"no such file or directory; give a path or {URI_FORM}")
         return path.absolute()
 
-    def fetch(self, hub: HubSource, *, key: str) -> tuple[Path, str]:
+    def fetch(self, source: HubSource, *, key: str, only_cached: bool = False) -> tuple[Path, str]:
         """(local path, commit) of a hub source: from the cache, else downloaded into it.
 
         The path is the cache's snapshot entry (a symlink to the blob, for a file): resolving
         it would lose the file's name.
         """
-        source = hub.uri
         try:
-            snapshot = Path(self._snapshot(hub))
+            snapshot = Path(self._snapshot(source, only_cached))
         except GatedRepoError as err:
-            raise UserError(key, source, self._gated(hub)) from err
+            raise UserError(key, source.uri, self._gated(source)) from err
         except RepositoryNotFoundError as err:
-            raise UserError(key, source, self._not_found(hub)) from err
+            raise UserError(key, source.uri, self._not_found(source)) from err
         except RevisionNotFoundError as err:
             raise UserError(
-                key, source, f"{hub.repo_id} has no revision {hub.revision!r}; {self._tree(hub)}"
+                key,
+                source.uri,
+                f"{source.repo_id} has no revision {source.revision!r}; {self._tree(source)}",
             ) from err
         except LocalEntryNotFoundError as err:
-            fix = self.not_cached([(key, hub)], err)
-            raise NotCachedError(key, hub, fix, err) from err
+            fix = self.not_cached([(key, source)], err)
+            raise NotCachedError(key, source, fix, err) from err
         except HfHubHTTPError as err:
-            raise UserError(key, source, self._refused(hub, err)) from err
-        local = snapshot / hub.path if hub.path else snapshot
+            raise UserError(key, source.uri, self._refused(source, err)) from err
+        local = snapshot / source.path if source.path else snapshot
         if local.exists():
             return local, snapshot.name
-        if constants.HF_HUB_OFFLINE:
-            raise NotCachedError(key, hub, self.not_cached([(key, hub)], None), None)
+        if constants.HF_HUB_OFFLINE or only_cached:
+            raise NotCachedError(key, source, self.not_cached([(key, source)], None), None)
         raise UserError(
-            key, source, f"{hub.repo_id} has no file or directory {hub.path!r}; {self._tree(hub)}"
+            key,
+            source.uri,
+            f"{source.repo_id} has no file or directory {source.path!r}; {self._tree(source)}",
         )
 
-    def _snapshot(self, hub: HubSource) -> str:
-        patterns = [hub.path, f"{hub.path}/*"] if hub.path else None
-        ignore = list(self.model_ignore_patterns) if hub.repo_type == "model" else None
+    def _snapshot(self, source: HubSource, only_cached: bool) -> str:
+        patterns = [source.path, f"{source.path}/*"] if source.path else None
+        # A whole model repo skips what training never reads; a path asked for is taken as it is.
+        whole_model = source.repo_type == "model" and not source.path
+        ignore = list(self.model_ignore_patterns) if whole_model else None
         return snapshot_download(
-            hub.repo_id,
-            repo_type=hub.repo_type,
-            revision=hub.revision,
+            source.repo_id,
+            repo_type=source.repo_type,
+            revision=source.revision,
             cache_dir=self.cache_dir,
             token=self.token.read(),
             allow_patterns=patterns,
             ignore_patterns=ignore,
+            local_files_only=only_cached,
         )
 
     def _then_fetch(self) -> str:
@@ -242,36 +248,36 @@ class Hub:
             return "then run this command again"
         return f"then fetch it with `{self.download_command}`"
 
-    def _gated(self, hub: HubSource) -> str:
+    def _gated(self, source: HubSource) -> str:
         return (
-            f"{hub.repo_id} is gated and {self.token.state()}; accept its licence at "
-            f"{hub.web_url} with your hub account, give a token of that account by reference "
+            f"{source.repo_id} is gated and {self.token.state()}; accept its licence at "
+            f"{source.web_url} with your hub account, give a token of that account by reference "
             "(export HF_TOKEN=<token> for runtime.hf_token=env:HF_TOKEN, or "
             f"runtime.hf_token=file:/run/secrets/hf_token), {self._then_fetch()}"
         )
 
-    def _not_found(self, hub: HubSource) -> str:
+    def _not_found(self, source: HubSource) -> str:
         return (
-            f"the hub has no {hub.repo_type} repo {hub.repo_id}, or it is private and "
-            f"{self.token.state()}; check the name at {hub.web_url}, or give a token with access "
-            "by reference (runtime.hf_token=env:NAME or file:PATH)"
+            f"the hub has no {source.repo_type} repo {source.repo_id}, or it is private and "
+            f"{self.token.state()}; check the name at {source.web_url}, or give a token with "
+            "access by reference (runtime.hf_token=env:NAME or file:PATH)"
         )
 
-    def _refused(self, hub: HubSource, err: HfHubHTTPError) -> str:
+    def _refused(self, source: HubSource, err: HfHubHTTPError) -> str:
         status = err.response.status_code if err.response is not None else "?"
         return (
-            f"the hub refused {hub.describe()} (HTTP {status}) and it is not in the cache "
+            f"the hub refused {source.describe()} (HTTP {status}) and it is not in the cache "
             f"{self.cache_dir}; {self.token.state()}; give a valid token by reference "
             f"(runtime.hf_token), {self._then_fetch()}"
         )
 
-    def _tree(self, hub: HubSource) -> str:
-        return f"see {hub.web_url}/tree/{hub.revision or 'main'} for what it holds"
+    def _tree(self, source: HubSource) -> str:
+        return f"see {source.web_url}/tree/{source.revision or 'main'} for what it holds"
 
     def not_cached(self, missing: list[tuple[str, HubSource]], err: Exception | None) -> str:
         """What is missing from the cache, why the hub is out of reach, what fetches it."""
         first = f"{missing[0][1].describe()} is not in the cache {self.cache_dir}"
-        others = "".join(f", nor is {hub.describe()} ({key})" for key, hub in missing[1:])
+        others = "".join(f", nor is {source.describe()} ({key})" for key, source in missing[1:])
         it = "them" if len(missing) > 1 else "it"
         elsewhere = f"run this where the hub is reachable and copy the cache to {self.cache_dir}"
         if constants.HF_HUB_OFFLINE:
@@ -309,11 +315,15 @@ def hub_values(cfg: DictConfig) -> Iterator[tuple[str, str, str]]:
                 yield key, value, repo_type
 
 
-def localize(cfg: DictConfig, hub: Hub) -> tuple[DictConfig, dict[str, str]]:
+def localize(
+    cfg: DictConfig, hub: Hub, only_cached: bool = False
+) -> tuple[DictConfig, dict[str, str]]:
     """A copy of `cfg` with each hf:// source replaced by its local path in the cache.
 
     Returns the copy and {key: the hf:// URI pinned to the commit it resolved to}. Every source
-    missing from the cache of a machine off the hub is named in one message.
+    missing from the cache of a machine off the hub is named in one message. only_cached (for
+    a dry run that must not download, like `runner estimate`) resolves what is cached and
+    leaves the other hf:// values as they are.
     """
     local = copy.deepcopy(cfg)
     pinned: dict[str, str] = {}
@@ -326,9 +336,12 @@ def localize(cfg: DictConfig, hub: Hub) -> tuple[DictConfig, dict[str, str]]:
                 continue
             source = parse_uri(item, key=key, repo_type=repo_type)
             try:
-                path, commit = hub.fetch(source, key=key)
+                path, commit = hub.fetch(source, key=key, only_cached=only_cached)
             except NotCachedError as err:
-                missing.append(err)
+                if only_cached:
+                    found.append(item)
+                else:
+                    missing.append(err)
                 continue
             found.append(str(path))
             pinned[key] = source.pinned(commit)
@@ -341,7 +354,7 @@ def localize(cfg: DictConfig, hub: Hub) -> tuple[DictConfig, dict[str, str]]:
         raise NotCachedError(first.key, first.source, fix, first.cause)
     for key in LOCAL_CHECKED:
         value = OmegaConf.select(local, key)
-        if value is not None:
+        if value is not None and not is_hub_uri(value):
             hub.local_path(value, key=key, repo_type="model")
     return local, pinned
 

@@ -25,11 +25,12 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from runner.errors import UserError
-from runner.hub import TokenRef, default_cache_dir, parse_uri
+from runner.hub import Hub, TokenRef, default_cache_dir, localize, parse_uri
 from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
 from runner.tokenizer import ChatTokenizer
 from runner.tune import hf_config
 from tests.conftest import QUICK, losses
+from tests.test_config import compose_train
 
 COMMIT = "5f3e6b2c1a0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
 MODEL = "hf://acme/tiny-llama"
@@ -264,6 +265,25 @@ def test_uris_name_a_repo_a_revision_and_a_path() -> None:
     found = parse_uri("hf://datasets/tatsu-lab/alpaca/data", key="k", repo_type="dataset")
     assert (found.repo_id, found.revision, found.path) == ("tatsu-lab/alpaca", None, "data")
     assert found.pinned("abc") == "hf://tatsu-lab/alpaca@abc/data"
+
+
+def test_a_dry_run_resolves_what_is_cached_and_fetches_nothing(
+    repos, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # belt and braces: no hub in-process
+    cache = tmp_path / "hub"
+    for (repo_type, repo_id), files in repos.items():
+        cache_repo(cache, repo_type, repo_id, files)
+    absent = "hf://acme/absent/train.jsonl"
+    cfg = compose_train(
+        [f"model.source={MODEL}", f"dataset.train_files={absent}", f"runtime.cache_dir={cache}"]
+    )
+    local, pinned = localize(cfg, Hub.from_runtime(cfg.runtime, []), only_cached=True)
+    assert local.model.source == str(cache / "models--acme--tiny-llama" / "snapshots" / COMMIT)
+    assert local.dataset.train_files == absent and cfg.model.source == MODEL
+    assert pinned == {"model.source": f"hf://acme/tiny-llama@{COMMIT}"}
+    with pytest.raises(UserError, match="dataset repo acme/absent is not in the cache"):
+        localize(cfg, Hub.from_runtime(cfg.runtime, []))
 
 
 def test_the_cache_is_baseten_s_project_cache_else_hugging_face_s(monkeypatch) -> None:
