@@ -29,7 +29,7 @@ from runner.hub import Hub, TokenRef, default_cache_dir, localize, parse_uri
 from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
 from runner.tokenizer import ChatTokenizer
 from runner.tune import hf_config
-from tests.conftest import QUICK, losses
+from tests.conftest import losses
 from tests.test_config import compose_train
 
 COMMIT = "5f3e6b2c1a0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
@@ -129,12 +129,14 @@ def hub_run(tmp_path_factory: pytest.TempPathFactory, hub_env) -> tuple[Path, st
     cwd = tmp_path_factory.mktemp("hub_run")
     run_dir = cwd / "run"
     quick = [
+        "runtime.progress_bar=false",
+        "dataset.eval_samples=0",
         "max_steps=2",
         "batch_size=8",
         "runtime.log_every_n_steps=1",
         "runtime.save_every_n_steps=2",
     ]
-    proc = cli(hub_env, cwd, "train", *QUICK, *HUB_TRAIN, *quick, f"hydra.run.dir={run_dir}")
+    proc = cli(hub_env, cwd, "train", *HUB_TRAIN, *quick, f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc.stdout + proc.stderr
 
@@ -182,18 +184,6 @@ def test_a_token_given_by_value_is_refused_and_never_echoed(hub_env, tmp_path: P
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
-def test_download_reports_cached_sources_and_directories(hub_env, tmp_path: Path) -> None:
-    proc = cli(
-        hub_env, tmp_path, "download", f"model.source={MODEL}", f"dataset.train_files={DATA}/sub"
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    cache = Path(hub_env["HF_HOME"]) / "hub"
-    assert f"-> {cache}/models--acme--tiny-llama/snapshots/{COMMIT}\n" in proc.stdout
-    assert f"-> {cache}/datasets--acme--words/snapshots/{COMMIT}/sub\n" in proc.stdout
-    assert f"hf://acme/words@{COMMIT}/sub" in proc.stdout
-    assert list(tmp_path.iterdir()) == []
-
-
 def offline_goal() -> tuple[list[str], str]:
     """The goal's `runner train model=llama3_2_1b dataset=alpaca`, once both options exist;
     until then the same sources given by override."""
@@ -232,10 +222,11 @@ def test_offline_with_an_empty_cache_says_what_is_missing_and_how_to_get_it(
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
-def test_a_missing_local_source_is_a_user_error(runner_cli, tmp_path) -> None:
-    result = runner_cli("validate", f"model.tokenizer={tmp_path}/nope")
-    assert result.returncode == 2
-    assert f"error: model.tokenizer='{tmp_path}/nope': no such file or directory" in result.stderr
+def test_a_local_source_passes_through_if_it_exists(tmp_path: Path) -> None:
+    hub = Hub(tmp_path / "hub", TokenRef(None), (), "runner download")
+    assert hub.local_path(str(tmp_path), key="model.source", repo_type="model") == tmp_path
+    with pytest.raises(UserError, match="model.tokenizer='.*/nope': no such file or directory"):
+        hub.local_path(str(tmp_path / "nope"), key="model.tokenizer", repo_type="model")
 
 
 @pytest.mark.parametrize(
@@ -393,19 +384,28 @@ def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: 
     token_file.parent.mkdir()
     token_file.write_text(SECRET + "\n")
     env = {**online_env, "HF_HOME": str(home)}
-    sources = [f"model.source={MODEL}", f"model.tokenizer={MODEL}", HUB_TRAIN[2]]
+    model = [f"model.source={MODEL}", f"model.tokenizer={MODEL}"]
     LoopbackHub.authorizations.clear()
-    fetched = cli(env, tmp_path, "download", *sources, f"runtime.hf_token=file:{token_file}")
+    fetched = cli(
+        env,
+        tmp_path,
+        "download",
+        *model,
+        f"dataset.train_files={DATA}/sub",  # a directory of the repo
+        f"runtime.hf_token=file:{token_file}",
+    )
     assert fetched.returncode == 0, fetched.stderr[-2000:]
     snapshot = home / "hub" / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    data = home / "hub" / "datasets--acme--words" / "snapshots" / COMMIT
+    assert f"-> {snapshot}\n" in fetched.stdout and f"-> {data / 'sub'}\n" in fetched.stdout
     assert (snapshot / "model.safetensors").is_symlink()
-    assert (snapshot / "config.json").read_bytes() == LoopbackHub.repos[
-        ("model", "acme/tiny-llama")
-    ]["config.json"]
+    served = LoopbackHub.repos[("model", "acme/tiny-llama")]
+    assert (snapshot / "config.json").read_bytes() == served["config.json"]
     assert not (snapshot / "original").exists()  # runtime.hub_model_ignore_patterns
+    assert (data / "sub" / "validation.jsonl").is_file() and not (data / "README.md").exists()
     assert set(LoopbackHub.authorizations) == {f"Bearer {SECRET}"}
     assert SECRET not in fetched.stdout + fetched.stderr
-    offline = cli({**env, "HF_HUB_OFFLINE": "1"}, tmp_path, "validate", *sources)
+    offline = cli({**env, "HF_HUB_OFFLINE": "1"}, tmp_path, "validate", *model, HUB_TRAIN[2])
     assert offline.returncode == 0, offline.stderr[-2000:]
     assert f"ok  weights    {snapshot} from hf://acme/tiny-llama@{COMMIT}" in offline.stdout
     assert f"(256 records) from hf://acme/words@{COMMIT}/sub/train.jsonl" in offline.stdout
