@@ -3,7 +3,7 @@
 `hf://org/repo[@revision][/path]` names a repo, or a directory or single file in it (as
 Kubeflow's initializers take them). Everything lands in one cache per project
 (`runtime.cache_dir`), in huggingface_hub's own layout (models--org--name/snapshots/<commit>/),
-so a cache filled by `huggingface-cli download` serves `runner` and the other way round.
+so a cache filled by `hf download` serves `runner` and the other way round.
 The hub token comes by reference (`runtime.hf_token`: env:NAME or file:PATH) and is read here,
 only when a download asks for it: never into a config, a run directory or a log.
 """
@@ -123,7 +123,7 @@ class TokenRef:
                 key,
                 "<hidden>",
                 "give a reference to the token, env:NAME or file:PATH (or null for the login of "
-                "`huggingface-cli login`), never the token itself",
+                "`hf auth login`), never the token itself",
             )
         return cls(str(value))
 
