@@ -32,10 +32,10 @@ NO_OUTPUT = [
 ]
 
 
-def _recipe(cfg: DictConfig) -> dict[str, Any]:
+def _recipe(cfg: DictConfig, fetch: bool = True) -> dict[str, Any]:
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = resolve_recipe(cfg, Path(tmp), overrides)
+        recipe = resolve_recipe(cfg, Path(tmp), overrides, fetch=fetch)
     recipe["run_dir"] = "<new run directory>"
     return recipe
 
@@ -185,5 +185,6 @@ def validate_main(cfg: DictConfig) -> None:
 def estimate_main(cfg: DictConfig) -> None:
     """Hydra entry point of `runner estimate`."""
     with user_errors_pass_hydra():
-        recipe = _recipe(cfg)
+        # The builder gives the parameter count: an uncached hf:// model is not downloaded.
+        recipe = _recipe(cfg, fetch=False)
         print_estimate(recipe, estimate(recipe))

@@ -186,11 +186,14 @@ def _dataset(dataset: DictConfig) -> dict[str, Any]:
     }
 
 
-def resolve_recipe(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+def resolve_recipe(
+    cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (), fetch: bool = True
+) -> dict[str, Any]:
     """The recipe config (torchtune `_component_` style) for a composed `train` config.
 
-    hf:// sources become local paths in the cache (downloaded if need be); `overrides` make
-    the `runner download ...` command that an error about a missing source names.
+    hf:// sources become local paths in the cache, downloaded if need be (fetch=False, for a
+    dry run: only what is cached, the rest left as hf://); `overrides` make the
+    `runner download ...` command that an error about a missing source names.
     """
     device, nproc_per_node = resolve_device(cfg.compute)
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
@@ -200,7 +203,8 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()
         raise UserError("method", cfg.method.name, "only method=full is available")
     training, runtime = _training(cfg), _runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.
-    cfg, hub_sources = localize(cfg, Hub.from_runtime(cfg.runtime, list(overrides)))
+    hub = Hub.from_runtime(cfg.runtime, list(overrides))
+    cfg, hub_sources = localize(cfg, hub, only_cached=not fetch)
     builder = OmegaConf.to_container(cfg.model.builder, resolve=True)
     tokenizer = ChatTokenizer(cfg.model.tokenizer, builder["max_seq_len"])
     if tokenizer.vocab_size > builder["vocab_size"]:

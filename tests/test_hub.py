@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from runner.errors import UserError
 from runner.hub import Hub, TokenRef, default_cache_dir, localize, parse_uri
 from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
+from runner.resolve import resolve_recipe
 from runner.tokenizer import ChatTokenizer
 from runner.tune import hf_config
 from tests.conftest import losses
@@ -275,6 +276,17 @@ def test_a_dry_run_resolves_what_is_cached_and_fetches_nothing(
     assert pinned == {"model.source": f"hf://acme/tiny-llama@{COMMIT}"}
     with pytest.raises(UserError, match="dataset repo acme/absent is not in the cache"):
         localize(cfg, Hub.from_runtime(cfg.runtime, []))
+
+
+def test_estimate_leaves_an_uncached_model_on_the_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    source = "hf://acme/not-downloaded"
+    cfg = compose_train([f"model.source={source}", f"runtime.cache_dir={tmp_path}"])
+    recipe = resolve_recipe(cfg, tmp_path, fetch=False)
+    assert recipe["model_source"] == source and recipe["hub_sources"] == {}
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_cache_is_baseten_s_project_cache_else_hugging_face_s(monkeypatch) -> None:
