@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate
-from runner.data import build_dataset
+from runner.data import check_datasets, train_dataset
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
@@ -40,24 +40,6 @@ def _recipe(cfg: DictConfig, fetch: bool = True) -> dict[str, Any]:
     return recipe
 
 
-def _datasets(recipe: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-    data = recipe["dataset"]
-    splits = {"train": data["train_files"], "validation": data["validation_files"]}
-    return {
-        split: build_dataset(
-            data_format=data["format"],
-            data_files=files,
-            files_key=f"dataset.{split}_files",
-            column_map=data["column_map"],
-            train_on_input=data["train_on_input"],
-            new_system_prompt=data["new_system_prompt"],
-            tokenizer=tokenizer,
-        )
-        for split, files in splits.items()
-        if files
-    }
-
-
 def validate(cfg: DictConfig) -> None:
     """Prints the resolved recipe, then checks the model weights, tokenizer and data."""
     recipe = _recipe(cfg)
@@ -78,10 +60,24 @@ def validate(cfg: DictConfig) -> None:
         f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)"
         f"{_origin(recipe, 'model.tokenizer')}"
     )
-    for split, dataset in _datasets(recipe, tokenizer).items():
-        key = f"dataset.{split}_files"
-        path = recipe["dataset"][f"{split}_files"]
-        print(f"ok  {split:<10} {path} ({len(dataset)} records){_origin(recipe, key)}")
+    data = recipe["dataset"]
+    found = check_datasets(data, tokenizer)
+    where = {
+        "train": f"{data['source']} [{data['split']}]{_origin(recipe, 'dataset.source')}",
+        "validation": _validation(recipe),
+    }
+    for split, records in found.items():
+        print(f"ok  {split:<10} {where[split]} ({records} records)")
+
+
+def _validation(recipe: dict[str, Any]) -> str:
+    data = recipe["dataset"]
+    held = data["validation"]
+    if held["held_out"] is not None:
+        return f"{held['held_out']:.1%} of the train split, held out (seed {held['seed']})"
+    if held["source"] is None:
+        return f"{data['source']} [{held['split']}]{_origin(recipe, 'dataset.source')}"
+    return f"{held['source']} [{held['split']}]{_origin(recipe, 'dataset.validation.source')}"
 
 
 def _origin(recipe: dict[str, Any], key: str) -> str:
@@ -128,7 +124,7 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
     width = BYTES[recipe["dtype"]]
     shard = parameters * width // world
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
-    train = _datasets(recipe, tokenizer)["train"]
+    train = train_dataset(recipe["dataset"], tokenizer)
     lengths = [len(sample["tokens"]) for sample in train]
     training, builder = recipe["training"], recipe["model"]
     seq, batch = max(lengths), training["batch_size"]

@@ -10,24 +10,38 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message, padded_collate_sft
+from torchtune.data import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    Message,
+    OpenAIToMessages,
+    ShareGPTToMessages,
+    padded_collate_packed,
+    padded_collate_sft,
+)
 from torchtune.data._utils import truncate
-from torchtune.datasets import SFTDataset
+from torchtune.datasets import PackedDataset
+from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.training import set_activation_checkpointing, set_default_dtype
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
     "Message",
-    "SFTDataset",
+    "OpenAIToMessages",
+    "PackedDataset",
+    "SFTTransform",
+    "ShareGPTToMessages",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
+    "create_block_causal_mask",
     "get_cosine_schedule_with_warmup",
     "hf_config",
     "init_like_hf",
     "hf_to_tune",
+    "padded_collate_packed",
     "padded_collate_sft",
     "set_activation_checkpointing",
     "set_default_dtype",

@@ -119,8 +119,8 @@ def cli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProce
 HUB_TRAIN = [
     f"model.source={MODEL}",
     f"model.tokenizer={MODEL}",
-    f"dataset.train_files={DATA}/sub/train.jsonl",
-    "dataset.validation_files=hf://datasets/acme/words/sub/validation.jsonl",
+    f"dataset.source={DATA}/sub/train.jsonl",
+    "dataset.validation.source=hf://datasets/acme/words/sub/validation.jsonl",
 ]
 
 
@@ -150,13 +150,13 @@ def test_train_reads_model_tokenizer_and_data_from_the_hub_cache(hub_run, hub_en
     data_dir = cache / "datasets--acme--words" / "snapshots" / COMMIT / "sub"
     assert recipe["model_source"] == str(model_dir)
     assert recipe["tokenizer"]["path"] == str(model_dir)
-    assert recipe["dataset"]["train_files"] == str(data_dir / "train.jsonl")
-    assert recipe["dataset"]["validation_files"] == str(data_dir / "validation.jsonl")
+    assert recipe["dataset"]["source"] == str(data_dir / "train.jsonl")
+    assert recipe["dataset"]["validation"]["source"] == str(data_dir / "validation.jsonl")
     assert recipe["hub_sources"] == {
         "model.source": f"hf://acme/tiny-llama@{COMMIT}",
         "model.tokenizer": f"hf://acme/tiny-llama@{COMMIT}",
-        "dataset.train_files": f"hf://acme/words@{COMMIT}/sub/train.jsonl",
-        "dataset.validation_files": f"hf://acme/words@{COMMIT}/sub/validation.jsonl",
+        "dataset.source": f"hf://acme/words@{COMMIT}/sub/train.jsonl",
+        "dataset.validation.source": f"hf://acme/words@{COMMIT}/sub/validation.jsonl",
     }
     assert "hf://" not in yaml.safe_dump({k: v for k, v in recipe.items() if k != "hub_sources"})
     # The cached weights were loaded: their scaled-up final norm makes the first loss huge,
@@ -185,23 +185,18 @@ def test_a_token_given_by_value_is_refused_and_never_echoed(hub_env, tmp_path: P
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
-def offline_goal() -> tuple[list[str], str]:
-    """The goal's `runner train model=llama3_2_1b dataset=alpaca`, once both options exist;
-    until then the same sources given by override."""
-    if (CONF_DIR / "model" / "llama3_2_1b.yaml").is_file() and (
-        CONF_DIR / "dataset" / "alpaca.yaml"
-    ).is_file():
-        return ["model=llama3_2_1b", "dataset=alpaca"], "dataset.source"
-    return [
-        "model.source=hf://meta-llama/Llama-3.2-1B-Instruct",
-        "dataset.train_files=hf://tatsu-lab/alpaca/data/train.parquet",
-    ], "dataset.train_files"
+def offline_goal() -> list[str]:
+    """The goal's `runner train model=llama3_2_1b dataset=alpaca`; until the zoo's model option
+    exists, its source given by override."""
+    if (CONF_DIR / "model" / "llama3_2_1b.yaml").is_file():
+        return ["model=llama3_2_1b", "dataset=alpaca"]
+    return ["model.source=hf://meta-llama/Llama-3.2-1B-Instruct", "dataset=alpaca"]
 
 
 def test_offline_with_an_empty_cache_says_what_is_missing_and_how_to_get_it(
     runner_cli, hermetic_env, tmp_path: Path
 ) -> None:
-    overrides, dataset_key = offline_goal()
+    overrides = offline_goal()
     empty_home = tmp_path / "empty_home"
     out_root = tmp_path / "outputs"
     result = runner_cli(
@@ -216,7 +211,7 @@ def test_offline_with_an_empty_cache_says_what_is_missing_and_how_to_get_it(
         f"the model repo meta-llama/Llama-3.2-1B-Instruct is not in the cache {empty_home}/hub"
     )
     assert missing in message
-    assert f"dataset repo tatsu-lab/alpaca ({dataset_key})" in message
+    assert "nor is the dataset repo tatsu-lab/alpaca (dataset.source)" in message
     assert "HF_HUB_OFFLINE=1" in message
     command = " ".join(["runner download", *overrides, f"runtime.output_root={out_root}"])
     assert f"`{command}`" in message
@@ -268,11 +263,11 @@ def test_a_dry_run_resolves_what_is_cached_and_fetches_nothing(
         cache_repo(cache, repo_type, repo_id, files)
     absent = "hf://acme/absent/train.jsonl"
     cfg = compose_train(
-        [f"model.source={MODEL}", f"dataset.train_files={absent}", f"runtime.cache_dir={cache}"]
+        [f"model.source={MODEL}", f"dataset.source={absent}", f"runtime.cache_dir={cache}"]
     )
     local, pinned = localize(cfg, Hub.from_runtime(cfg.runtime, []), only_cached=True)
     assert local.model.source == str(cache / "models--acme--tiny-llama" / "snapshots" / COMMIT)
-    assert local.dataset.train_files == absent and cfg.model.source == MODEL
+    assert local.dataset.source == absent and cfg.model.source == MODEL
     assert pinned == {"model.source": f"hf://acme/tiny-llama@{COMMIT}"}
     with pytest.raises(UserError, match="dataset repo acme/absent is not in the cache"):
         localize(cfg, Hub.from_runtime(cfg.runtime, []))
@@ -403,7 +398,7 @@ def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: 
         tmp_path,
         "download",
         *model,
-        f"dataset.train_files={DATA}/sub",  # a directory of the repo
+        f"dataset.source={DATA}/sub",  # a directory of the repo
         f"runtime.hf_token=file:{token_file}",
     )
     assert fetched.returncode == 0, fetched.stderr[-2000:]
@@ -420,7 +415,8 @@ def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: 
     offline = cli({**env, "HF_HUB_OFFLINE": "1"}, tmp_path, "validate", *model, HUB_TRAIN[2])
     assert offline.returncode == 0, offline.stderr[-2000:]
     assert f"ok  weights    {snapshot} from hf://acme/tiny-llama@{COMMIT}" in offline.stdout
-    assert f"(256 records) from hf://acme/words@{COMMIT}/sub/train.jsonl" in offline.stdout
+    train = f"{data / 'sub' / 'train.jsonl'} [train] from hf://acme/words@{COMMIT}/sub/train.jsonl"
+    assert f"ok  train      {train} (256 records)" in offline.stdout
 
 
 def test_a_gated_repo_says_how_to_get_access(online_env, tmp_path: Path) -> None:
@@ -447,6 +443,6 @@ def test_a_gated_repo_says_how_to_get_access(online_env, tmp_path: Path) -> None
 )
 def test_a_missing_repo_or_file_is_named(online_env, tmp_path: Path, source, expected) -> None:
     env = {**online_env, "HF_HOME": str(tmp_path / "hf_home")}
-    result = cli(env, tmp_path, "download", f"dataset.train_files={source}")
+    result = cli(env, tmp_path, "download", f"dataset.source={source}")
     assert result.returncode == 2, result.stderr[-2000:]
-    assert f"error: dataset.train_files='{source}': {expected}" in result.stderr
+    assert f"error: dataset.source='{source}': {expected}" in result.stderr
