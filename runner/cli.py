@@ -17,6 +17,7 @@ commands:
   estimate parameters, memory per device and tokens per epoch, before training
   download fetch the hf:// models and datasets a config names into the cache, ahead of time
   deploy   serve checkpoints behind an OpenAI-compatible API
+  export   write a checkpoint as a LoRA adapter, a merged model, or a GGUF file
   repro    re-run a recorded run and compare; exit 1 on drift (for CI)
   runs     list runs and sweep jobs: state, step, loss, best eval, age
   logs     print or follow (-f) a run's log
@@ -38,6 +39,12 @@ def _commands() -> dict[str, Callable[[], int | None]]:
     def deploy() -> None:
         from runner.deploy import main
 
+        main()
+
+    def export() -> None:
+        from runner.export import check_argv, main
+
+        check_argv(sys.argv[1:])
         main()
 
     def preflight(name: str) -> Callable[[], None]:
@@ -80,6 +87,7 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         "estimate": preflight("estimate"),
         "download": download,
         "deploy": deploy,
+        "export": export,
         "repro": repro,
         **lifecycle_commands,
         "cluster": cluster,
