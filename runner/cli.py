@@ -15,6 +15,7 @@ commands:
   train    compose config groups, resolve a recipe, train and checkpoint
   validate print the resolved recipe; check that weights, tokenizer and data are there
   estimate parameters, memory per device and tokens per epoch, before training
+  download fetch the hf:// models and datasets a config names into the cache, ahead of time
   deploy   serve checkpoints behind an OpenAI-compatible API
   export   write a checkpoint as a LoRA adapter, a merged model, or a GGUF file
   repro    re-run a recorded run and compare; exit 1 on drift (for CI)
@@ -55,6 +56,12 @@ def _commands() -> dict[str, Callable[[], int | None]]:
 
         return run
 
+    def download() -> None:
+        from runner import hub, preflight
+
+        sys.argv += preflight.NO_OUTPUT
+        hub.download_main()
+
     def repro() -> int:
         from runner.repro import main
 
@@ -78,6 +85,7 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         "train": train,
         "validate": preflight("validate"),
         "estimate": preflight("estimate"),
+        "download": download,
         "deploy": deploy,
         "export": export,
         "repro": repro,

@@ -41,12 +41,9 @@ def _model_source(value: str | None) -> Path | None:
     if value is None:
         return None
     if str(value).startswith("hf://"):
-        # runner.hub (hf:// -> the local cache) takes this over.
-        raise UserError(
-            "model.source",
-            value,
-            "hf:// sources are not fetched here; give the local directory of the checkpoint",
-        )
+        # Only a dry run (fetch=False) gets here: runner.hub.localize has made every cached or
+        # fetched hf:// source a local path.
+        raise UserError("model.source", value, "is not in the cache; `runner download` fetches it")
     path = Path(value).expanduser().resolve()
     if not (path / "config.json").is_file():
         raise UserError(

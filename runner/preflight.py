@@ -13,6 +13,7 @@ from typing import Any
 import hydra
 import torch
 import yaml
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate
@@ -31,9 +32,10 @@ NO_OUTPUT = [
 ]
 
 
-def _recipe(cfg: DictConfig, need_files: bool = True) -> dict[str, Any]:
+def _recipe(cfg: DictConfig, fetch: bool = True) -> dict[str, Any]:
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = resolve_recipe(cfg, Path(tmp), need_files=need_files)
+        recipe = resolve_recipe(cfg, Path(tmp), overrides, fetch=fetch)
     recipe["run_dir"] = "<new run directory>"
     return recipe
 
@@ -47,20 +49,35 @@ def validate(cfg: DictConfig) -> None:
     if source is not None:
         weights += f" ({recipe['model_family']})"
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
-    print(f"ok  weights    {weights}")
-    print(f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)")
+    print(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
+    print(
+        f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)"
+        f"{_origin(recipe, 'model.tokenizer')}"
+    )
     data = recipe["dataset"]
     found = check_datasets(data, tokenizer)
-    where = {"train": f"{data['source']} [{data['split']}]", "validation": _validation(data)}
+    where = {
+        "train": f"{data['source']} [{data['split']}]{_origin(recipe, 'dataset.source')}",
+        "validation": _validation(recipe),
+    }
     for split, records in found.items():
         print(f"ok  {split:<10} {where[split]} ({records} records)")
 
 
-def _validation(data: dict[str, Any]) -> str:
+def _validation(recipe: dict[str, Any]) -> str:
+    data = recipe["dataset"]
     held = data["validation"]
     if held["held_out"] is not None:
         return f"{held['held_out']:.1%} of the train split, held out (seed {held['seed']})"
-    return f"{held['source'] or data['source']} [{held['split']}]"
+    if held["source"] is None:
+        return f"{data['source']} [{held['split']}]{_origin(recipe, 'dataset.source')}"
+    return f"{held['source']} [{held['split']}]{_origin(recipe, 'dataset.validation.source')}"
+
+
+def _origin(recipe: dict[str, Any], key: str) -> str:
+    """' from hf://...@commit' where `key` came from the hub, else nothing."""
+    pinned = recipe["hub_sources"].get(key)
+    return f" from {pinned}" if pinned else ""
 
 
 @dataclass(frozen=True)
@@ -168,5 +185,6 @@ def validate_main(cfg: DictConfig) -> None:
 def estimate_main(cfg: DictConfig) -> None:
     """Hydra entry point of `runner estimate`."""
     with user_errors_pass_hydra():
-        recipe = _recipe(cfg, need_files=False)
+        # The builder gives the parameter count: an uncached hf:// model is not downloaded.
+        recipe = _recipe(cfg, fetch=False)
         print_estimate(recipe, estimate(recipe))

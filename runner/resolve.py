@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.data import COLUMNS, CONVERSATION_STYLES, KINDS, local_source, source_format
 from runner.errors import UserError
 from runner.evaluate import METRIC_MODES, TRAINING_METRIC_MODES
+from runner.hub import Hub, localize
 from runner.manifest import SECRET_KEY
 from runner.models import resolve_model
 from runner.paths import ASSETS_DIR
@@ -360,11 +362,16 @@ def _objective(objective: DictConfig, evaluation: dict[str, Any]) -> dict[str, s
     return {"metric": metric, "mode": mode}
 
 
-def resolve_recipe(cfg: DictConfig, run_dir: Path, need_files: bool = True) -> dict[str, Any]:
+def resolve_recipe(
+    cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (), fetch: bool = True
+) -> dict[str, Any]:
     """The recipe config (torchtune `_component_` style) for a composed `train` config.
 
-    need_files=False (`runner estimate`) resolves a model whose source is not on this machine
-    from its option's builder alone, leaving the tokenizer and config.json unresolved (None).
+    hf:// sources become local paths in the cache, downloaded if need be; `overrides` make the
+    `runner download ...` command that an error about a missing source names. fetch=False (a
+    dry run such as `runner estimate`) takes only what is cached and resolves a model whose
+    source is not on this machine from its option's builder alone (tokenizer and config.json
+    left unresolved: None).
     """
     device, nproc_per_node = resolve_device(cfg.compute)
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
@@ -372,7 +379,11 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path, need_files: bool = True) -> d
     optimizer, schedule = _optimizer(cfg.optimizer)
     if cfg.method.name != "full":
         raise UserError("method", cfg.method.name, "only method=full is available")
-    model = resolve_model(cfg.model, need_files=need_files)
+    training, runtime = _training(cfg), _runtime(cfg.runtime)
+    # Last among the checks: fetching a source is the slow part.
+    hub = Hub.from_runtime(cfg.runtime, list(overrides))
+    cfg, hub_sources = localize(cfg, hub, only_cached=not fetch)
+    model = resolve_model(cfg.model, need_files=fetch)
     dataset = _dataset(cfg.dataset, model["model"]["max_seq_len"])
     if model["tokenizer"] is not None:
         # Samples are cut at dataset.max_seq_len (the model's when null).
@@ -387,14 +398,16 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path, need_files: bool = True) -> d
         "nnodes": nnodes,
         "launch": launch,
         **model,
+        # Where each hf:// source came from, pinned to the commit that was used.
+        "hub_sources": hub_sources,
         "dataset": dataset,
         "eval": evaluation,
         "objective": _objective(cfg.objective, evaluation),
         "loss": OmegaConf.to_container(cfg.loss, resolve=True),
         "optimizer": optimizer,
         "lr_schedule": schedule,
-        "training": _training(cfg),
-        "runtime": _runtime(cfg.runtime),
+        "training": training,
+        "runtime": runtime,
         # Set by `runner repro --steps N`: end after step N without changing the schedule.
         "stop_at_step": None,
     }

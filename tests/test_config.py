@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 
 from runner.errors import UserError
@@ -32,10 +33,15 @@ def test_every_group_of_the_design_is_there() -> None:
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_and_resolves(group: str, option: str, tmp_path: Path) -> None:
+def test_option_composes_and_resolves(
+    group: str, option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Dataset options whose source is the user's (???) or on the hub read a local file here.
     local = [f"dataset.source={SAMPLE_DATA_DIR / 'train.jsonl'}"] if group == "dataset" else []
-    cfg = compose_train([f"{group}={option}", *local])
+    # Offline, with an empty cache: tests never reach the hub.
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    cache = f"runtime.cache_dir={tmp_path / 'hub'}"
+    cfg = compose_train([f"{group}={option}", *local, cache])
     if (group, option) in NEEDS_CUDA and not torch.cuda.is_available():
         with pytest.raises(UserError) as err:
             resolve_recipe(cfg, tmp_path)
@@ -49,7 +55,7 @@ def test_option_composes_and_resolves(group: str, option: str, tmp_path: Path) -
         assert err.value.key == "model.source"
         if option == "hf":
             return
-        recipe = resolve_recipe(cfg, tmp_path, need_files=False)
+        recipe = resolve_recipe(cfg, tmp_path, fetch=False)
         assert recipe["tokenizer"] is None and recipe["lora_builder"]
     else:
         recipe = resolve_recipe(cfg, tmp_path)

@@ -315,8 +315,9 @@ def test_zoo_option_builds_its_hub_repos_model(option: str) -> None:
 
 def test_estimate_of_a_zoo_option_needs_no_download(capsys, tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["model=llama3_2_1b", "compute=cpu", "dtype=bf16"])
-    recipe = resolve_recipe(cfg, tmp_path, need_files=False)
+        overrides = ["model=llama3_2_1b", "compute=cpu", "dtype=bf16"]
+        cfg = compose("train", overrides=[*overrides, f"runtime.cache_dir={tmp_path}"])
+    recipe = resolve_recipe(cfg, tmp_path, fetch=False)
     print_estimate(recipe, estimate(recipe))
     # Llama 3.2 1B's published parameter count; the data needs the tokenizer, not here.
     out = capsys.readouterr().out
