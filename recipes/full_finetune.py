@@ -107,7 +107,8 @@ class FullFinetuneRecipe:
         self.model = self._build_model()
         # Every rank built the same initial weights; randomness from here on is per rank.
         torch.manual_seed(cfg.seed + self.rank)
-        self.optimizer = instantiate(cfg.optimizer, self.model.parameters())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = instantiate(cfg.optimizer, trainable)
         self.lr_scheduler = self._build_lr_scheduler()
         self.loss_fn = instantiate(cfg.loss)
         if hasattr(self.loss_fn, "num_output_chunks"):
@@ -136,6 +137,10 @@ class FullFinetuneRecipe:
             init_like_hf(model, cfg.initializer_range)
         if cfg.model_source is not None:
             model.load_state_dict(read_model_state(Path(cfg.model_source)))
+        return self._prepare_model(model)
+
+    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Activation checkpointing, FSDP2 sharding over the ranks and compilation, as set."""
         if self.training.activation_checkpointing:
             set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
         if self.world_size > 1:
@@ -326,14 +331,7 @@ class FullFinetuneRecipe:
                 "world_size": self.world_size,
             }
             tmp = self.run.fresh_checkpoint_tmp(self.step)
-            write_checkpoint(
-                tmp,
-                model_state={k: v.to(torch.float32) for k, v in model_state.items()},
-                hf_config=OmegaConf.to_container(self.cfg.hf_config),
-                tokenizer_dir=Path(self.cfg.tokenizer.path),
-                training_state=training_state,
-                stop_token_ids=self.tokenizer.stop_tokens,
-            )
+            self._write_checkpoint(tmp, model_state, training_state)
             final = self.run.commit_checkpoint(
                 tmp, self.step, self.cfg.runtime.keep_last_n_checkpoints
             )
@@ -342,10 +340,25 @@ class FullFinetuneRecipe:
             dist.barrier()
         self._status("running", step=self.step, total_steps=self.total_steps)
 
-    def _load_training_state(self, checkpoint: Path) -> None:
-        state = read_training_state(checkpoint)
+    def _write_checkpoint(
+        self, out_dir: Path, model_state: dict[str, Any], training_state: dict[str, Any]
+    ) -> None:
+        write_checkpoint(
+            out_dir,
+            model_state={k: v.to(torch.float32) for k, v in model_state.items()},
+            hf_config=OmegaConf.to_container(self.cfg.hf_config),
+            tokenizer_dir=Path(self.cfg.tokenizer.path),
+            training_state=training_state,
+            stop_token_ids=self.tokenizer.stop_tokens,
+        )
+
+    def _load_model_weights(self, checkpoint: Path) -> None:
         model_state = {k: v.to(self.dtype) for k, v in read_model_state(checkpoint).items()}
         set_model_state_dict(self.model, model_state, options=FULL)
+
+    def _load_training_state(self, checkpoint: Path) -> None:
+        state = read_training_state(checkpoint)
+        self._load_model_weights(checkpoint)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step = state["step"]
@@ -407,7 +420,9 @@ def _log_to_file(path: Path) -> None:
     log.setLevel(logging.INFO)
 
 
-def run(recipe_path: str | Path) -> dict[str, Any]:
+def run(
+    recipe_path: str | Path, recipe_class: type[FullFinetuneRecipe] = FullFinetuneRecipe
+) -> dict[str, Any]:
     """Runs the recipe at `recipe_path` in this process (one of several under torchrun)."""
     cfg = OmegaConf.load(recipe_path)
     if cfg.runtime.deterministic:
@@ -423,7 +438,7 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
     if cfg.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    recipe = FullFinetuneRecipe(cfg)
+    recipe = recipe_class(cfg)
     heartbeat = Heartbeat(recipe.run) if recipe.is_rank_zero else None
     if recipe.is_rank_zero:
         _log_to_file(recipe.run.path / LOG_FILE)

@@ -107,6 +107,109 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
+# The recipe module that trains each method.
+RECIPES = {
+    "full": "runner.recipes.full_finetune",
+    "lora": "runner.recipes.lora_finetune",
+    "qlora": "runner.recipes.lora_finetune",
+}
+LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+# torchao's NF4: blocks of 64 weights, their scalers quantized again in blocks of 256.
+NF4_WEIGHTS_PER_BLOCK = 64 * 256
+
+
+def resolve_method(
+    method: DictConfig, model: DictConfig, builder: dict[str, Any], run_dir: Path
+) -> dict[str, Any]:
+    """The method section of the recipe: for LoRA, the builder arguments and the base's home."""
+    if method.name not in RECIPES:
+        raise UserError("method.name", method.name, f"choose one of: {', '.join(RECIPES)}")
+    if method.name == "full":
+        return {"name": "full"}
+    lora_builder = model.lora_builder if "lora_builder" in model else None
+    if not lora_builder:
+        raise UserError(
+            "model.lora_builder",
+            lora_builder,
+            f"model={model.name} names no LoRA builder: add the dotted path of torchtune's "
+            "LoRA twin of its builder (e.g. torchtune.models.llama3_2.lora_llama3_2), or use "
+            "method=full",
+        )
+    modules = method.lora_attn_modules
+    if not OmegaConf.is_list(modules) or len(set(modules)) != len(modules):
+        raise UserError(
+            "method.lora_attn_modules",
+            modules,
+            f"give a list of distinct names among {LORA_ATTN_MODULES}",
+        )
+    for name in modules:
+        if name not in LORA_ATTN_MODULES:
+            raise UserError(
+                "method.lora_attn_modules",
+                list(modules),
+                f"{name!r} is not an attention projection; choose among "
+                f"{', '.join(LORA_ATTN_MODULES)}",
+            )
+    apply_to_mlp = _bool(method.apply_lora_to_mlp, "method.apply_lora_to_mlp")
+    if not modules and not apply_to_mlp:
+        raise UserError(
+            "method.lora_attn_modules",
+            [],
+            "name at least one projection, or set method.apply_lora_to_mlp=true",
+        )
+    apply_to_output = _bool(method.apply_lora_to_output, "method.apply_lora_to_output")
+    if apply_to_output and builder["tie_word_embeddings"]:
+        raise UserError(
+            "method.apply_lora_to_output",
+            True,
+            f"model={model.name} ties its output projection to the embeddings, which LoRA cannot "
+            "adapt; leave it false",
+        )
+    quantize_base = _bool(method.quantize_base, "method.quantize_base")
+    if quantize_base:
+        _check_nf4_shapes(builder)
+    dropout = _float(method.dropout, "method.dropout", False)
+    if dropout >= 1:
+        raise UserError("method.dropout", dropout, "give a probability in [0, 1)")
+    base_model_dir = run_dir / "base_model" if model.source is None else Path(model.source)
+    return {
+        "name": method.name,
+        "builder": {
+            "_component_": lora_builder,
+            "lora_attn_modules": list(modules),
+            "apply_lora_to_mlp": apply_to_mlp,
+            "apply_lora_to_output": apply_to_output,
+            "lora_rank": _int(method.rank, "method.rank", 1),
+            "lora_alpha": _float(method.alpha, "method.alpha", True),
+            "lora_dropout": dropout,
+            "quantize_base": quantize_base,
+        },
+        # The Hugging Face base the adapter loads onto (adapter_config.json names it).
+        "base_model_dir": str(base_model_dir.resolve()),
+        "save_merged": _bool(method.save_merged, "method.save_merged"),
+    }
+
+
+def _check_nf4_shapes(builder: dict[str, Any]) -> None:
+    """NF4 quantizes whole blocks only: every base projection needs a multiple of 16384 weights."""
+    embed, head_dim = builder["embed_dim"], builder["embed_dim"] // builder["num_heads"]
+    shapes = {
+        "model.builder.num_heads": builder["num_heads"] * head_dim * embed,
+        "model.builder.num_kv_heads": builder["num_kv_heads"] * head_dim * embed,
+        "model.builder.intermediate_dim": (builder["intermediate_dim"] or 0) * embed,
+    }
+    for key, weights in shapes.items():
+        if weights % NF4_WEIGHTS_PER_BLOCK:
+            raise UserError(
+                key,
+                builder[key.rpartition(".")[2]],
+                f"method=qlora quantizes each base projection to NF4 in blocks of "
+                f"{NF4_WEIGHTS_PER_BLOCK} weights, and this one has {weights}; pick a size that "
+                "makes it a multiple (e.g. model.builder.num_kv_heads=8 for model=tiny), or use "
+                "method=lora",
+            )
+
+
 def _training(cfg: DictConfig) -> dict[str, Any]:
     return {
         "max_steps": _int(cfg.max_steps, "max_steps", 1, allow_none=True),
@@ -189,9 +292,9 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
     launch = resolve_launch(cfg.compute, nnodes)
     optimizer, schedule = _optimizer(cfg.optimizer)
-    if cfg.method.name != "full":
-        raise UserError("method", cfg.method.name, "only method=full is available")
     builder = OmegaConf.to_container(cfg.model.builder, resolve=True)
+    dtype = resolve_dtype(cfg.dtype.name, device)
+    method = resolve_method(cfg.method, cfg.model, builder, run_dir)
     tokenizer = ChatTokenizer(cfg.model.tokenizer, builder["max_seq_len"])
     if tokenizer.vocab_size > builder["vocab_size"]:
         raise UserError(
@@ -203,7 +306,9 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "run_dir": str(run_dir.resolve()),
         "seed": _int(cfg.seed, "seed", 0),
         "device": device,
-        "dtype": resolve_dtype(cfg.dtype.name, device),
+        "dtype": dtype,
+        "recipe": RECIPES[method["name"]],
+        "method": method,
         "nproc_per_node": nproc_per_node,
         "nnodes": nnodes,
         "launch": launch,
