@@ -308,7 +308,7 @@ class FullFinetuneRecipe:
     def save_checkpoint(self) -> None:
         """Gathers full weights and optimizer state (every rank joins), rank 0 writes them."""
         self._status("checkpointing", step=self.step, total_steps=self.total_steps)
-        model_state = get_model_state_dict(self.model, options=FULL)
+        model_state = self._gather_model_state()
         optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         rng_per_rank = [None] * self.world_size
@@ -339,6 +339,10 @@ class FullFinetuneRecipe:
         if self.world_size > 1:
             dist.barrier()
         self._status("running", step=self.step, total_steps=self.total_steps)
+
+    def _gather_model_state(self) -> dict[str, Any]:
+        """Full weights on the CPU of every rank (every rank joins)."""
+        return get_model_state_dict(self.model, options=FULL)
 
     def _write_checkpoint(
         self, out_dir: Path, model_state: dict[str, Any], training_state: dict[str, Any]

@@ -34,6 +34,7 @@ from runner.checkpoint import (
 )
 from runner.components import instantiate
 from runner.tune import (
+    gather_cpu_state_dict,
     get_adapter_params,
     get_adapter_state_dict,
     get_merged_lora_ckpt,
@@ -84,6 +85,13 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
 
     def _hf_config(self) -> dict[str, Any]:
         return OmegaConf.to_container(self.cfg.hf_config)
+
+    def _gather_model_state(self) -> dict[str, Any]:
+        if self.cfg.method.builder.quantize_base and self.world_size > 1:
+            # torch's full-state-dict API cannot gather NF4 shards; torchtune's gather can (the
+            # state is rank 0's only: the other ranks write nothing).
+            return gather_cpu_state_dict(self.model, self.is_rank_zero)
+        return super()._gather_model_state()
 
     def _write_checkpoint(
         self, out_dir: Path, model_state: dict[str, Any], training_state: dict[str, Any]

@@ -119,7 +119,7 @@ NF4_WEIGHTS_PER_BLOCK = 64 * 256
 
 
 def resolve_method(
-    method: DictConfig, model: DictConfig, builder: dict[str, Any], run_dir: Path
+    method: DictConfig, model: DictConfig, builder: dict[str, Any], run_dir: Path, world_size: int
 ) -> dict[str, Any]:
     """The method section of the recipe: for LoRA, the builder arguments and the base's home."""
     if method.name not in RECIPES:
@@ -167,7 +167,7 @@ def resolve_method(
         )
     quantize_base = _bool(method.quantize_base, "method.quantize_base")
     if quantize_base:
-        _check_nf4_shapes(builder)
+        _check_nf4_shapes(builder, world_size)
     dropout = _float(method.dropout, "method.dropout", False)
     if dropout >= 1:
         raise UserError("method.dropout", dropout, "give a probability in [0, 1)")
@@ -190,23 +190,26 @@ def resolve_method(
     }
 
 
-def _check_nf4_shapes(builder: dict[str, Any]) -> None:
-    """NF4 quantizes whole blocks only: every base projection needs a multiple of 16384 weights."""
+def _check_nf4_shapes(builder: dict[str, Any], world_size: int) -> None:
+    """NF4 quantizes whole blocks only: every base projection needs a multiple of 16384 weights,
+    and of 16384 x world size when FSDP2 shards it over the ranks."""
     embed, head_dim = builder["embed_dim"], builder["embed_dim"] // builder["num_heads"]
     shapes = {
-        "model.builder.num_heads": builder["num_heads"] * head_dim * embed,
+        "model.builder.embed_dim": embed * embed,
         "model.builder.num_kv_heads": builder["num_kv_heads"] * head_dim * embed,
         "model.builder.intermediate_dim": (builder["intermediate_dim"] or 0) * embed,
     }
+    block = NF4_WEIGHTS_PER_BLOCK * world_size
+    over = f" ({NF4_WEIGHTS_PER_BLOCK} x {world_size} processes)" if world_size > 1 else ""
     for key, weights in shapes.items():
-        if weights % NF4_WEIGHTS_PER_BLOCK:
+        if weights % block:
             raise UserError(
                 key,
                 builder[key.rpartition(".")[2]],
-                f"method=qlora quantizes each base projection to NF4 in blocks of "
-                f"{NF4_WEIGHTS_PER_BLOCK} weights, and this one has {weights}; pick a size that "
-                "makes it a multiple (e.g. model.builder.num_kv_heads=8 for model=tiny), or use "
-                "method=lora",
+                f"method=qlora quantizes each base projection to NF4 in blocks of {block} "
+                f"weights{over}, and this one has {weights}; pick a size that makes it a "
+                "multiple (e.g. model.builder.num_kv_heads=8 for model=tiny in one process), "
+                "or use method=lora",
             )
 
 
@@ -294,7 +297,7 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     optimizer, schedule = _optimizer(cfg.optimizer)
     builder = OmegaConf.to_container(cfg.model.builder, resolve=True)
     dtype = resolve_dtype(cfg.dtype.name, device)
-    method = resolve_method(cfg.method, cfg.model, builder, run_dir)
+    method = resolve_method(cfg.method, cfg.model, builder, run_dir, nnodes * nproc_per_node)
     tokenizer = ChatTokenizer(cfg.model.tokenizer, builder["max_seq_len"])
     if tokenizer.vocab_size > builder["vocab_size"]:
         raise UserError(

@@ -23,11 +23,16 @@ from torchtune.modules.peft import (
     get_merged_lora_ckpt,
     set_trainable_params,
 )
-from torchtune.training import set_activation_checkpointing, set_default_dtype
+from torchtune.training import (
+    gather_cpu_state_dict,
+    set_activation_checkpointing,
+    set_default_dtype,
+)
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
+    "gather_cpu_state_dict",
     "get_adapter_params",
     "get_adapter_state_dict",
     "get_merged_lora_ckpt",
