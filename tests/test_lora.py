@@ -14,6 +14,7 @@ from runner.recipes.lora_finetune import LoraFinetuneRecipe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
 from runner.resolve import resolve_recipe
 from runner.tune import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
@@ -121,8 +122,12 @@ def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path
         peft = PeftModel.from_pretrained(base, checkpoint).eval()
         peft_logits = peft(tokens).logits
         ours = recipe_model(run)(tokens)
+        # What `runner deploy checkpoint=<this checkpoint>` serves: the adapter merged at load.
+        served = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+        served_logits = served.model(tokens).logits
     assert (peft_logits - base_logits).abs().max() > 1e-2  # the adapter changes the model
     assert (peft_logits - ours).abs().max() <= 1e-4
+    assert (served_logits - ours).abs().max() <= 1e-4
 
 
 def test_qlora_trains_adapters_on_an_nf4_base(runner_cli, tmp_path: Path) -> None:
