@@ -227,6 +227,9 @@ class FullFinetuneRecipe:
                 batch_size=self.training.batch_size,
                 sampler=indices[start:],
                 collate_fn=self._collate,
+                # Its own generator: a new iterator draws a seed from it, and drawing from the
+                # global RNG would shift dropout after a resume (which restores that RNG).
+                generator=torch.Generator(),
             )
             group = []
             for batch in loader:

@@ -22,7 +22,7 @@ from tests.conftest import QUICK, losses
 from tests.test_config import compose_train
 from tests.test_resume import straight_then_resumed
 
-STEPS = 8
+STEPS = 6
 # A learning rate high enough that the adapters move far from zero in a few steps, so that
 # parity below compares a real adapter, not an all-zero lora_B.
 TRAIN = [
@@ -137,8 +137,10 @@ def test_qlora_trains_adapters_on_an_nf4_base(runner_cli, tmp_path: Path) -> Non
 
 
 def test_lora_resume_gives_identical_losses(runner_cli, tmp_path: Path) -> None:
-    straight, resumed = straight_then_resumed(runner_cli, tmp_path, "compute=cpu", "method=lora")
-    assert sorted(resumed) == list(range(1, 13))
+    straight, resumed = straight_then_resumed(
+        runner_cli, tmp_path, "compute=cpu", "method=lora", "method.dropout=0.1", n=3
+    )
+    assert sorted(resumed) == list(range(1, 7))
     assert resumed == straight  # exact float equality, step by step
 
 
