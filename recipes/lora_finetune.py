@@ -65,7 +65,9 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
         return self._prepare_model(model)
 
     def _base_model_state(self) -> dict[str, torch.Tensor]:
-        """The base weights: RUN/base_model or the source when there, else built from the seed."""
+        """The base weights: the source's; else RUN/base_model, written from the seed once."""
+        if self.cfg.model_source is not None:
+            return read_model_state(Path(self.cfg.model_source))
         base_dir = Path(self.cfg.method.base_model_dir)
         if (base_dir / MODEL_FILE).is_file():
             return read_model_state(base_dir)
