@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from peft import PeftModel
 from runner.recipes.lora_finetune import LoraFinetuneRecipe
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
@@ -60,8 +60,10 @@ def nf4_round_trip(base: dict[str, torch.Tensor], config: dict) -> dict[str, tor
     return tune_to_hf(tune, config)
 
 
-def check_trained_adapters_only(run: Path, checkpoint: Path, *, quantized: bool) -> None:
-    """Loss fell; the optimizer held adapters only; the merged base is RUN/base_model's."""
+def check_trained_adapters_only(
+    run: Path, checkpoint: Path, *, base_dir: Path, quantized: bool
+) -> None:
+    """Loss fell; the optimizer held adapters only; the merged base is `base_dir`'s."""
     curve = losses(run)
     assert sorted(curve) == list(range(1, STEPS + 1))
     assert curve[STEPS] < curve[1] - 0.05, curve
@@ -79,11 +81,11 @@ def check_trained_adapters_only(run: Path, checkpoint: Path, *, quantized: bool)
     trained = state["optimizer"]["state"]
     assert trained and all(".lora_a." in k or ".lora_b." in k for k in trained), list(trained)
     config = json.loads((checkpoint / "adapter_config.json").read_text())
-    assert Path(config["base_model_name_or_path"]) == (run / "base_model").resolve()
+    assert Path(config["base_model_name_or_path"]) == base_dir.resolve()
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["r"] == 8
-    base = load_file(str(run / "base_model" / "model.safetensors"))
+    base = load_file(str(base_dir / "model.safetensors"))
     if quantized:
-        hf_config = json.loads((run / "base_model" / "config.json").read_text())
+        hf_config = json.loads((base_dir / "config.json").read_text())
         base = nf4_round_trip(base, hf_config)
     merged = load_file(str(checkpoint / "model.safetensors"))
     adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
@@ -112,11 +114,17 @@ def recipe_model(run: Path) -> torch.nn.Module:
 
 
 def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path) -> None:
+    # The base: a Hugging Face checkpoint of model=tiny, written by transformers.
+    source = tmp_path / "hf_tiny"
+    hf_config = resolve_recipe(compose_train(["compute=cpu"]), tmp_path)["hf_config"]
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(**hf_config)).save_pretrained(source)
     run = tmp_path / "run"
-    checkpoint = train(runner_cli, run, "method=lora")
-    check_trained_adapters_only(run, checkpoint, quantized=False)
+    checkpoint = train(runner_cli, run, "method=lora", f"model.source={source}")
+    assert not (run / "base_model").exists()
+    check_trained_adapters_only(run, checkpoint, base_dir=source, quantized=False)
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    base = AutoModelForCausalLM.from_pretrained(run / "base_model").eval()
+    base = AutoModelForCausalLM.from_pretrained(source).eval()
     with torch.no_grad():
         base_logits = base(tokens).logits
         peft = PeftModel.from_pretrained(base, checkpoint).eval()
@@ -133,7 +141,7 @@ def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path
 def test_qlora_trains_adapters_on_an_nf4_base(runner_cli, tmp_path: Path) -> None:
     run = tmp_path / "run"
     checkpoint = train(runner_cli, run, *QLORA)
-    check_trained_adapters_only(run, checkpoint, quantized=True)
+    check_trained_adapters_only(run, checkpoint, base_dir=run / "base_model", quantized=True)
 
 
 def test_lora_resume_gives_identical_losses(runner_cli, tmp_path: Path) -> None:
