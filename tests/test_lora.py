@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
+from runner.preflight import estimate
 from runner.resolve import resolve_recipe
 from runner.tune import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
 from tests.conftest import QUICK, losses
@@ -216,3 +217,17 @@ def test_a_bad_method_key_ends_the_cli_with_one_message(runner_cli, tmp_path: Pa
     assert result.returncode == 2, result.stderr[-2000:]
     assert "error: method.lora_attn_modules=['q_proj', 'qkv']: 'qkv' is not" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_estimate_counts_adapter_gradients_and_an_nf4_base(tmp_path: Path) -> None:
+    found = {
+        method: estimate(resolve_recipe(compose_train(["compute=cpu", *QLORA[1:], m]), tmp_path))
+        for method, m in [("full", "method=full"), ("lora", "method=lora"), ("qlora", QLORA[0])]
+    }
+    full, lora, qlora = found["full"], found["lora"], found["qlora"]
+    # rank 8 on q_proj and v_proj of 4 layers: (128 + 128) x 8 each, A and B.
+    assert lora.trainable_parameters == 4 * 2 * (128 * 8 + 8 * 128)
+    assert lora.parameters == full.parameters + lora.trainable_parameters
+    assert lora.optimizer_bytes == 2 * lora.trainable_parameters * 4
+    assert lora.gradients_bytes < full.gradients_bytes / 50
+    assert qlora.weights_bytes < lora.weights_bytes / 3
