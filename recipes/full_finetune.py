@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
 from runner.components import instantiate
-from runner.data import build_dataset, eval_prompts
+from runner.data import collate, eval_prompts, train_dataset, validation_dataset
 from runner.evaluate import exact_match
 from runner.launch import EXIT_SIGTERM
 from runner.manifest import record_checkpoint
@@ -49,7 +49,6 @@ from runner.tune import (
     TransformerSelfAttentionLayer,
     get_cosine_schedule_with_warmup,
     init_like_hf,
-    padded_collate_sft,
     set_activation_checkpointing,
     set_default_dtype,
 )
@@ -91,7 +90,7 @@ class FullFinetuneRecipe:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.tokenizer = instantiate(cfg.tokenizer)
-        self.dataset = self._build_dataset(cfg.dataset.train_files, "dataset.train_files")
+        self.dataset = train_dataset(cfg.dataset, self.tokenizer)
         self.sampler = DistributedSampler(
             self.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=cfg.seed
         )
@@ -117,18 +116,6 @@ class FullFinetuneRecipe:
         if latest is not None:
             self._load_training_state(latest)
         self.logger = self._build_logger()
-
-    def _build_dataset(self, files: str, key: str) -> Any:
-        data = self.cfg.dataset
-        return build_dataset(
-            data_format=data.format,
-            data_files=files,
-            files_key=key,
-            column_map=OmegaConf.to_container(data.column_map),
-            train_on_input=data.train_on_input,
-            new_system_prompt=data.new_system_prompt,
-            tokenizer=self.tokenizer,
-        )
 
     def _build_model(self) -> torch.nn.Module:
         cfg = self.cfg
@@ -242,13 +229,12 @@ class FullFinetuneRecipe:
             self.batches_done_in_epoch = 0
 
     def _collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = padded_collate_sft(
-            samples, padding_idx=self.tokenizer.pad_id, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
+        return collate(
+            samples,
+            packed=self.cfg.dataset.packing,
+            padding_idx=self.tokenizer.pad_id,
+            on_cuda=self.device.type == "cuda",
         )
-        labels = batch["labels"]
-        ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
-        batch["labels"] = torch.hstack((labels[:, 1:], ignore))
-        return batch
 
     def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
         """One optimizer step over micro-batches; the loss is normalized by all ranks' tokens."""
@@ -259,7 +245,8 @@ class FullFinetuneRecipe:
             tokens = batch["tokens"].to(self.device)
             labels = batch["labels"].to(self.device)
             batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
-            logits = self.model(tokens)
+            packed = {k: batch[k].to(self.device) for k in ("mask", "input_pos") if k in batch}
+            logits = self.model(tokens, **packed)
             loss = self._loss(logits, labels) * batch_tokens
             loss.backward()
             loss_sum += loss.detach()
@@ -390,12 +377,14 @@ class FullFinetuneRecipe:
     # ---- end ----------------------------------------------------------------------------
     def evaluate(self) -> float | None:
         """Exact-match score of greedy answers to held-out prompts (every rank computes it)."""
-        if self.cfg.dataset.validation_files is None or self.cfg.eval.samples == 0:
+        if self.cfg.eval.samples == 0:
             return None
-        validation = self._build_dataset(
-            self.cfg.dataset.validation_files, "dataset.validation_files"
-        )
+        validation = validation_dataset(self.cfg.dataset, self.tokenizer)
+        if validation is None:
+            return None
         prompts = eval_prompts(validation, self.tokenizer, self.cfg.eval.samples)
+        if not prompts:
+            return None
         score = exact_match(
             self.model,
             self.tokenizer,

@@ -51,6 +51,16 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def sha256_data(path: Path) -> str:
+    """A data file's sha256; for a directory, of its files' relative paths and sha256s."""
+    if path.is_file():
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(path)}\0{sha256_file(file)}\n".encode())
+    return digest.hexdigest()
+
+
 def config_hash(recipe: dict[str, Any]) -> str:
     """sha256 of the redacted recipe without its run-specific keys, in canonical JSON."""
     kept = {k: v for k, v in redact(recipe).items() if k not in RUN_SPECIFIC_KEYS}
@@ -113,9 +123,12 @@ def build_manifest(recipe: dict[str, Any], overrides: list[str], cwd: Path) -> d
         },
         "git": _git(cwd),
         "data": {
-            key: {"path": data[key], "sha256": sha256_file(Path(data[key]))}
-            for key in ("train_files", "validation_files")
-            if data[key]
+            key: {"path": path, "sha256": sha256_data(Path(path))}
+            for key, path in (
+                ("source", data["source"]),
+                ("validation_source", data["validation"]["source"]),
+            )
+            if path
         },
         "tokenizer_sha256": {p.name: sha256_file(p) for p in sorted(tokenizer_dir.glob("*.json"))},
         "seed": recipe["seed"],

@@ -16,7 +16,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate
-from runner.data import build_dataset
+from runner.data import check_datasets, train_dataset
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
@@ -40,24 +40,6 @@ def _recipe(cfg: DictConfig) -> dict[str, Any]:
     return recipe
 
 
-def _datasets(recipe: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-    data = recipe["dataset"]
-    splits = {"train": data["train_files"], "validation": data["validation_files"]}
-    return {
-        split: build_dataset(
-            data_format=data["format"],
-            data_files=files,
-            files_key=f"dataset.{split}_files",
-            column_map=data["column_map"],
-            train_on_input=data["train_on_input"],
-            new_system_prompt=data["new_system_prompt"],
-            tokenizer=tokenizer,
-        )
-        for split, files in splits.items()
-        if files
-    }
-
-
 def validate(cfg: DictConfig) -> None:
     """Prints the resolved recipe, then checks the model weights, tokenizer and data."""
     recipe = _recipe(cfg)
@@ -75,8 +57,18 @@ def validate(cfg: DictConfig) -> None:
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
     print(f"ok  weights    {weights}")
     print(f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)")
-    for split, dataset in _datasets(recipe, tokenizer).items():
-        print(f"ok  {split:<10} {recipe['dataset'][f'{split}_files']} ({len(dataset)} records)")
+    data = recipe["dataset"]
+    found = check_datasets(data, tokenizer)
+    where = {"train": f"{data['source']} [{data['split']}]", "validation": _validation(data)}
+    for split, records in found.items():
+        print(f"ok  {split:<10} {where[split]} ({records} records)")
+
+
+def _validation(data: dict[str, Any]) -> str:
+    held = data["validation"]
+    if held["held_out"] is not None:
+        return f"{held['held_out']:.1%} of the train split, held out (seed {held['seed']})"
+    return f"{held['source'] or data['source']} [{held['split']}]"
 
 
 @dataclass(frozen=True)
@@ -133,7 +125,7 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         parameters += trainable
     shard = trainable * width // world
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
-    train = _datasets(recipe, tokenizer)["train"]
+    train = train_dataset(recipe["dataset"], tokenizer)
     lengths = [len(sample["tokens"]) for sample in train]
     training, builder = recipe["training"], recipe["model"]
     seq, batch = max(lengths), training["batch_size"]

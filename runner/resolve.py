@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner.data import FORMATS, check_data_file
+from runner.data import COLUMNS, CONVERSATION_STYLES, KINDS, local_source, source_format
 from runner.errors import UserError
 from runner.manifest import SECRET_KEY
 from runner.paths import ASSETS_DIR
@@ -271,21 +271,96 @@ def _optimizer(optimizer: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return adamw, schedule
 
 
-def _dataset(dataset: DictConfig) -> dict[str, Any]:
-    if dataset.format not in FORMATS:
-        raise UserError("dataset.format", dataset.format, f"choose one of: {', '.join(FORMATS)}")
-    for key in ("train_files", "validation_files"):
-        if dataset[key] is not None:
-            check_data_file(f"dataset.{key}", dataset[key])
+def _held_out(value: Any) -> float | None:
+    """dataset.validation.held_out: a percentage (5%) or a fraction (0.05) -> the fraction."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        fraction = -1.0
+    if isinstance(value, bool) or not 0 < fraction < 1:
+        raise UserError(
+            "dataset.validation.held_out", value, "give a percentage such as 5% (or 0.05), or null"
+        )
+    return fraction
+
+
+def _validation(dataset: DictConfig) -> dict[str, Any]:
+    held = dataset.validation
+    given = [k for k in ("held_out", "split", "source") if held[k] is not None]
+    if given and given != ["held_out"] and "held_out" in given:
+        raise UserError(
+            "dataset.validation.held_out",
+            held.held_out,
+            f"set either held_out or a split/source, not both (also set: {given[1:]}); "
+            "override the other with null",
+        )
+    source, split = held.source, held.split
+    if source is not None:
+        source = local_source("dataset.validation.source", str(source))
+        # A separate file is read whole unless a split of it is named.
+        split = "train" if split is None else split
     return {
-        "format": dataset.format,
-        "train_files": str(Path(dataset.train_files).resolve()),
-        "validation_files": (
-            str(Path(dataset.validation_files).resolve()) if dataset.validation_files else None
-        ),
-        "column_map": OmegaConf.to_container(dataset.column_map),
-        "train_on_input": _bool(dataset.train_on_input, "dataset.train_on_input"),
-        "new_system_prompt": dataset.new_system_prompt,
+        "held_out": _held_out(held.held_out),
+        "seed": _int(held.seed, "dataset.validation.seed", 0),
+        "split": None if split is None else str(split),
+        "source": source,
+    }
+
+
+def _dataset(dataset: DictConfig, model_max_seq_len: int) -> dict[str, Any]:
+    """The dataset section of the recipe: every key present; those of other kinds are null."""
+    kind = dataset.kind
+    if kind not in KINDS:
+        raise UserError("dataset.kind", kind, f"choose one of: {', '.join(KINDS)}")
+    if OmegaConf.is_missing(dataset, "source"):
+        raise UserError(
+            "dataset.source",
+            "???",
+            f"dataset={dataset.name} reads your data: give dataset.source=PATH (a data file or "
+            "a directory of them: json, jsonl, csv, parquet, arrow, text)",
+        )
+    source = local_source("dataset.source", str(dataset.source))
+    max_seq_len = _int(dataset.max_seq_len, "dataset.max_seq_len", 2, allow_none=True)
+    if max_seq_len is not None and max_seq_len > model_max_seq_len:
+        raise UserError(
+            "dataset.max_seq_len",
+            max_seq_len,
+            f"the model takes at most {model_max_seq_len} tokens; give at most that, or null",
+        )
+    column_map = OmegaConf.to_container(dataset.column_map)
+    for ours, required in COLUMNS[kind].items():
+        if ours not in column_map or (required and column_map[ours] is None):
+            raise UserError(
+                f"dataset.column_map.{ours}",
+                column_map.get(ours),
+                f"dataset.kind={kind} needs "
+                f"the column that holds {ours}: dataset.column_map.{ours}=<column>",
+            )
+    chat_style = dataset.conversation_style if kind == "chat" else None
+    if kind == "chat" and chat_style not in CONVERSATION_STYLES:
+        raise UserError(
+            "dataset.conversation_style",
+            chat_style,
+            f"choose one of: {', '.join(CONVERSATION_STYLES)}",
+        )
+    prompted = kind != "text"
+    return {
+        "kind": kind,
+        "format": source_format("dataset.source", source, dataset.format),
+        "source": source,
+        "split": str(dataset.split),
+        "column_map": {k: column_map[k] for k in COLUMNS[kind]},
+        "conversation_style": chat_style,
+        "train_on_input": _bool(dataset.train_on_input, "dataset.train_on_input")
+        if prompted
+        else None,
+        "new_system_prompt": dataset.new_system_prompt if prompted else None,
+        "max_seq_len": max_seq_len or model_max_seq_len,
+        "packing": _bool(dataset.packing, "dataset.packing"),
+        "validation": _validation(dataset),
     }
 
 
@@ -305,6 +380,7 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             builder["vocab_size"],
             f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
         )
+    dataset = _dataset(cfg.dataset, builder["max_seq_len"])
     return {
         "run_dir": str(run_dir.resolve()),
         "seed": _int(cfg.seed, "seed", 0),
@@ -327,9 +403,10 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "tokenizer": {
             "_component_": "runner.tokenizer.ChatTokenizer",
             "path": str(Path(cfg.model.tokenizer).resolve()),
-            "max_seq_len": builder["max_seq_len"],
+            # Samples are cut at dataset.max_seq_len (the model's when null).
+            "max_seq_len": dataset["max_seq_len"],
         },
-        "dataset": _dataset(cfg.dataset),
+        "dataset": dataset,
         "eval": {
             "samples": _int(cfg.dataset.eval_samples, "dataset.eval_samples", 0),
             "max_new_tokens": _int(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +15,18 @@ import hydra
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from runner.components import instantiate
+from runner.data import check_datasets
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.launch import launch
 from runner.manifest import build_manifest, write_manifest
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 from runner.rundir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 def train(
@@ -74,6 +80,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         recipe = yaml.safe_load(run.recipe_path.read_text())
     else:
         recipe = resolve_recipe(cfg, run.path)
+        _check_data(recipe)
         run.recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
         run.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
@@ -82,6 +89,14 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     result = launch(recipe, run.recipe_path)
     _print_summary(run, result)
     return result
+
+
+def _check_data(recipe: dict[str, Any]) -> None:
+    """Reads and checks every record of every split before anything starts."""
+    started = time.perf_counter()
+    found = check_datasets(recipe["dataset"], instantiate(OmegaConf.create(recipe["tokenizer"])))
+    records = ", ".join(f"{n} {split}" for split, n in found.items())
+    log.info("data: %s records checked in %.1f s", records, time.perf_counter() - started)
 
 
 def _print_summary(run: RunDir, result: dict[str, Any] | None) -> None:

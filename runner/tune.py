@@ -10,12 +10,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message, padded_collate_sft
+from torchtune.data import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    Message,
+    OpenAIToMessages,
+    ShareGPTToMessages,
+    padded_collate_packed,
+    padded_collate_sft,
+)
 from torchtune.data._utils import truncate
-from torchtune.datasets import SFTDataset
+from torchtune.datasets import PackedDataset
+from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
 from torchtune.models.convert_weights import _FROM_HF, _TO_PEFT_KEYS, get_mapped_key
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.modules.peft import (
     get_adapter_params,
     get_adapter_state_dict,
@@ -41,13 +50,18 @@ __all__ = [
     "set_trainable_params",
     "tune_to_peft",
     "Message",
-    "SFTDataset",
+    "OpenAIToMessages",
+    "PackedDataset",
+    "SFTTransform",
+    "ShareGPTToMessages",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
+    "create_block_causal_mask",
     "get_cosine_schedule_with_warmup",
     "hf_config",
     "init_like_hf",
     "hf_to_tune",
+    "padded_collate_packed",
     "padded_collate_sft",
     "set_activation_checkpointing",
     "set_default_dtype",

@@ -111,7 +111,7 @@ def run_bare(steps: int, batch_size: int, device: str) -> dict[str, float]:
     from torch.utils.data import DataLoader
 
     from runner.components import instantiate
-    from runner.data import build_dataset
+    from runner.data import train_dataset
     from runner.tune import init_like_hf, padded_collate_sft
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,15 +119,7 @@ def run_bare(steps: int, batch_size: int, device: str) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     tokenizer = instantiate(cfg.tokenizer)
     data = cfg.dataset
-    dataset = build_dataset(
-        data_format=data.format,
-        data_files=data.train_files,
-        files_key="train_files",
-        column_map=OmegaConf.to_container(data.column_map),
-        train_on_input=False,
-        new_system_prompt=None,
-        tokenizer=tokenizer,
-    )
+    dataset = train_dataset(data, tokenizer)
     with torch.device(device):
         model = instantiate(cfg.model)
         init_like_hf(model, cfg.initializer_range)

@@ -18,15 +18,18 @@ CASES = [
     (["max_steps=0"], ["max_steps=0", "integer >= 1"]),
     (["batch_size=0"], ["batch_size=0", "integer >= 1"]),
     (
-        ["dataset.train_files=/no/such/file.jsonl"],
-        ["dataset.train_files='/no/such/file.jsonl'", "no such file"],
+        ["dataset.source=/no/such/file.jsonl"],
+        ["dataset.source='/no/such/file.jsonl'", "no such file"],
     ),
     (
         ["dataset.column_map.output=answer"],
         ["dataset.column_map.output='answer'", "columns are ['instruction', 'input', 'output']"],
     ),
     (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
-    (["dataset.format=xml"], ["dataset.format='xml'", "choose one of: json, csv, parquet, arrow"]),
+    (
+        ["dataset.format=xml"],
+        ["dataset.format='xml'", "choose one of: json, jsonl, csv, parquet, arrow, text"],
+    ),
 ]
 if not torch.cuda.is_available():
     CASES.append((["compute=gpu"], ["compute='gpu'", "no CUDA GPU", "compute=cpu"]))

@@ -23,9 +23,9 @@ def test_validate_prints_the_recipe_and_checks_and_writes_nothing(runner_cli, tm
 
 
 def test_validate_reports_missing_data(runner_cli, tmp_path) -> None:
-    result = runner_cli("validate", "dataset.validation_files=/nope.jsonl")
+    result = runner_cli("validate", "dataset.validation.source=/nope.jsonl")
     assert result.returncode == 2
-    assert "dataset.validation_files='/nope.jsonl': no such file" in result.stderr
+    assert "dataset.validation.source='/nope.jsonl': no such file" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -35,8 +35,8 @@ def train_on_own_data(runner_cli, tmp_path: Path, *extra: str) -> Path:
         "train",
         *SHORT,
         *extra,
-        f"dataset.train_files={data / 'train.jsonl'}",
-        f"dataset.validation_files={data / 'validation.jsonl'}",
+        f"dataset.source={data / 'train.jsonl'}",
+        f"dataset.validation.source={data / 'validation.jsonl'}",
         f"hydra.run.dir={run}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -49,7 +49,7 @@ def test_repro_of_a_fresh_run_matches(runner_cli, tmp_path: Path, nproc: int) ->
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["world_size"] == nproc and manifest["deterministic"] is True
     assert set(manifest["checkpoints"]) == {"2", "4"}
-    assert manifest["packages"]["torch"] and manifest["data"]["train_files"]["sha256"]
+    assert manifest["packages"]["torch"] and manifest["data"]["source"]["sha256"]
     result = runner_cli("repro", str(run), "--out", str(tmp_path / "again"))
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "repro: match (4 logged steps" in result.stdout
@@ -82,7 +82,7 @@ def test_drift_is_reported_with_its_reason(runner_cli, tmp_path: Path) -> None:
     train_file.write_text("\n".join(reversed(lines)) + "\n")
     result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "data2"))
     assert result.returncode == 1
-    assert "data.train_files.sha256" in result.stdout
+    assert "data.source.sha256" in result.stdout
 
 
 def test_repro_of_something_else_is_a_user_error(runner_cli, tmp_path: Path) -> None:
