@@ -103,6 +103,8 @@ def test_non_editable_install_finds_configs_recipes_and_assets(tmp_path: Path) -
         "runner/conf/train.yaml",
         "runner/conf/model/tiny.yaml",
         "runner/recipes/full_finetune.py",
+        "runner/recipes/lora_finetune.py",
+        "runner/conf/method/qlora.yaml",
         "runner/deploy/__init__.py",
         "runner/deploy/server.py",
         "runner/assets/sample/train.jsonl",
