@@ -344,6 +344,7 @@ class FullFinetuneRecipe:
             tokenizer_dir=Path(self.cfg.tokenizer.path),
             training_state=training_state,
             stop_token_ids=self.tokenizer.stop_tokens,
+            source_dir=Path(self.cfg.model_source) if self.cfg.model_source else None,
         )
 
     def _load_model_weights(self, checkpoint: Path) -> None:

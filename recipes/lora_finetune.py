@@ -114,6 +114,7 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
             training_state=training_state,
             stop_token_ids=self.tokenizer.stop_tokens,
             merged_state=merged,
+            source_dir=Path(self.cfg.model_source) if self.cfg.model_source else None,
         )
 
     def _load_model_weights(self, checkpoint: Path) -> None:

@@ -10,13 +10,25 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from runner.tune import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
+from runner.families import hf_to_tune, read_config, tune_to_hf
+from runner.tune import peft_to_tune, tune_to_peft
 
 MODEL_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+# A hub repo's weights in several files, listed by this index.
+SHARDED_INDEX = "model.safetensors.index.json"
 TRAINING_STATE_FILE = "training_state.pt"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def write_checkpoint(
@@ -27,11 +39,15 @@ def write_checkpoint(
     tokenizer_dir: Path,
     training_state: dict[str, Any],
     stop_token_ids: list[int],
+    source_dir: Path | None = None,
 ) -> None:
-    """Writes a directory that `transformers` loads as it is, plus training_state.pt."""
+    """Writes a directory that `transformers` loads as it is, plus training_state.pt.
+
+    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json.
+    """
     out_dir.mkdir(parents=True, exist_ok=False)
     write_hf_model(out_dir, model_state, hf_config)
-    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids)
+    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids, source_dir)
     torch.save(training_state, out_dir / TRAINING_STATE_FILE)
 
 
@@ -45,15 +61,25 @@ def write_hf_model(
 
 
 def write_model_files(
-    out_dir: Path, hf_config: dict[str, Any], tokenizer_dir: Path, stop_token_ids: list[int]
+    out_dir: Path,
+    hf_config: dict[str, Any],
+    tokenizer_dir: Path,
+    stop_token_ids: list[int],
+    source_dir: Path | None = None,
 ) -> None:
-    """What every checkpoint holds beside its weights: generation config and tokenizer files."""
-    generation = {
-        "bos_token_id": hf_config["bos_token_id"],
-        "eos_token_id": stop_token_ids,
-        "do_sample": False,
-    }
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    """What every checkpoint holds beside its weights: generation config and tokenizer files.
+
+    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json.
+    """
+    if source_dir is not None and (source_dir / GENERATION_CONFIG).is_file():
+        shutil.copy2(source_dir / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
+    else:
+        generation = {
+            "bos_token_id": hf_config.get("bos_token_id"),
+            "eos_token_id": stop_token_ids,
+            "do_sample": False,
+        }
+        (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, out_dir / name)
@@ -69,6 +95,7 @@ def write_lora_checkpoint(
     training_state: dict[str, Any],
     stop_token_ids: list[int],
     merged_state: dict[str, torch.Tensor] | None,
+    source_dir: Path | None = None,
 ) -> None:
     """A PEFT adapter (adapter_config.json, adapter_model.safetensors) that peft loads onto the
     base named by adapter_config's base_model_name_or_path; with `merged_state`, also the merged
@@ -79,7 +106,7 @@ def write_lora_checkpoint(
     (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n")
     if merged_state is not None:
         write_hf_model(out_dir, merged_state, hf_config)
-    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids)
+    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids, source_dir)
     torch.save(training_state, out_dir / TRAINING_STATE_FILE)
 
 
@@ -101,10 +128,20 @@ def write_base_model(
     tmp.rename(out_dir)
 
 
+def weight_files(checkpoint_dir: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights (one, or the shards of an index)."""
+    if (checkpoint_dir / SHARDED_INDEX).is_file():
+        index = json.loads((checkpoint_dir / SHARDED_INDEX).read_text())
+        return [checkpoint_dir / name for name in sorted(set(index["weight_map"].values()))]
+    return [checkpoint_dir / MODEL_FILE]
+
+
 def read_model_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """Loads the weights of a checkpoint in torchtune's names (safetensors: no code runs)."""
-    config = json.loads((checkpoint_dir / "config.json").read_text())
-    return hf_to_tune(load_file(str(checkpoint_dir / MODEL_FILE)), config)
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(checkpoint_dir):
+        state.update(load_file(str(path)))
+    return hf_to_tune(state, read_config(checkpoint_dir))
 
 
 def read_training_state(checkpoint_dir: Path) -> dict[str, Any]:

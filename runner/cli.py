@@ -15,7 +15,9 @@ commands:
   train    compose config groups, resolve a recipe, train and checkpoint
   validate print the resolved recipe; check that weights, tokenizer and data are there
   estimate parameters, memory per device and tokens per epoch, before training
+  download fetch the hf:// models and datasets a config names into the cache, ahead of time
   deploy   serve checkpoints behind an OpenAI-compatible API
+  export   write a checkpoint as a LoRA adapter, a merged model, or a GGUF file
   repro    re-run a recorded run and compare; exit 1 on drift (for CI)
   runs     list runs and sweep jobs: state, step, loss, best eval, age
   logs     print or follow (-f) a run's log
@@ -39,6 +41,12 @@ def _commands() -> dict[str, Callable[[], int | None]]:
 
         main()
 
+    def export() -> None:
+        from runner.export import check_argv, main
+
+        check_argv(sys.argv[1:])
+        main()
+
     def preflight(name: str) -> Callable[[], None]:
         def run() -> None:
             from runner import preflight
@@ -47,6 +55,12 @@ def _commands() -> dict[str, Callable[[], int | None]]:
             getattr(preflight, f"{name}_main")()
 
         return run
+
+    def download() -> None:
+        from runner import hub, preflight
+
+        sys.argv += preflight.NO_OUTPUT
+        hub.download_main()
 
     def repro() -> int:
         from runner.repro import main
@@ -71,7 +85,9 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         "train": train,
         "validate": preflight("validate"),
         "estimate": preflight("estimate"),
+        "download": download,
         "deploy": deploy,
+        "export": export,
         "repro": repro,
         **lifecycle_commands,
         "cluster": cluster,

@@ -14,6 +14,7 @@ UserError naming the file, the row (counting records from 1) and the column.
 from __future__ import annotations
 
 import csv
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -220,13 +221,15 @@ class TokenizedSplit(Dataset):
 def local_source(key: str, source: str) -> str:
     """The absolute local path of a dataset source: a data file or a directory of them.
 
-    hf:// sources are downloaded by runner.hub into a local directory; this is where it plugs in.
+    runner.hub has already turned hf:// sources into paths in the cache, except for a dry run
+    that downloads nothing (`runner estimate`).
     """
     if source.startswith("hf://"):
         raise UserError(
             key,
             source,
-            "hf:// sources need the hub download step (runner.hub); give a local file or directory",
+            "is not in the cache and this command downloads nothing; fetch it with "
+            "`runner download` and the same overrides",
         )
     path = Path(source).expanduser()
     if not path.exists():
@@ -235,7 +238,8 @@ def local_source(key: str, source: str) -> str:
             source,
             f"no such file or directory; give a data file ({_extensions()}) or a directory of them",
         )
-    return str(path.resolve())
+    # Not resolve(): a file in the hub cache is a symlink to a blob without its name.
+    return os.path.abspath(path)
 
 
 def _extensions(formats: tuple[str, ...] = tuple(FORMATS)) -> str:

@@ -13,11 +13,12 @@ from typing import Any
 import hydra
 import torch
 import yaml
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate
 from runner.data import check_datasets, train_dataset
-from runner.errors import UserError, user_errors_pass_hydra
+from runner.errors import user_errors_pass_hydra
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 
@@ -33,9 +34,10 @@ NO_OUTPUT = [
 ]
 
 
-def _recipe(cfg: DictConfig) -> dict[str, Any]:
+def _recipe(cfg: DictConfig, fetch: bool = True) -> dict[str, Any]:
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = resolve_recipe(cfg, Path(tmp))
+        recipe = resolve_recipe(cfg, Path(tmp), overrides, fetch=fetch)
     recipe["run_dir"] = "<new run directory>"
     return recipe
 
@@ -45,30 +47,39 @@ def validate(cfg: DictConfig) -> None:
     recipe = _recipe(cfg)
     print(yaml.safe_dump(recipe, sort_keys=False))
     source = recipe["model_source"]
-    if source is not None:
-        for name in ("config.json", "model.safetensors"):
-            if not (Path(source) / name).is_file():
-                raise UserError(
-                    "model.source",
-                    source,
-                    f"has no {name}; give a Hugging Face checkpoint directory",
-                )
     weights = source or f"random init (seed {recipe['seed']})"
+    if source is not None:
+        weights += f" ({recipe['model_family']})"
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
-    print(f"ok  weights    {weights}")
-    print(f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)")
+    print(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
+    print(
+        f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)"
+        f"{_origin(recipe, 'model.tokenizer')}"
+    )
     data = recipe["dataset"]
     found = check_datasets(data, tokenizer)
-    where = {"train": f"{data['source']} [{data['split']}]", "validation": _validation(data)}
+    where = {
+        "train": f"{data['source']} [{data['split']}]{_origin(recipe, 'dataset.source')}",
+        "validation": _validation(recipe),
+    }
     for split, records in found.items():
         print(f"ok  {split:<10} {where[split]} ({records} records)")
 
 
-def _validation(data: dict[str, Any]) -> str:
+def _validation(recipe: dict[str, Any]) -> str:
+    data = recipe["dataset"]
     held = data["validation"]
     if held["held_out"] is not None:
         return f"{held['held_out']:.1%} of the train split, held out (seed {held['seed']})"
-    return f"{held['source'] or data['source']} [{held['split']}]"
+    if held["source"] is None:
+        return f"{data['source']} [{held['split']}]{_origin(recipe, 'dataset.source')}"
+    return f"{held['source']} [{held['split']}]{_origin(recipe, 'dataset.validation.source')}"
+
+
+def _origin(recipe: dict[str, Any], key: str) -> str:
+    """' from hf://...@commit' where `key` came from the hub, else nothing."""
+    pinned = recipe["hub_sources"].get(key)
+    return f" from {pinned}" if pinned else ""
 
 
 @dataclass(frozen=True)
@@ -81,10 +92,11 @@ class Estimate:
     weights_bytes: int
     gradients_bytes: int
     optimizer_bytes: int
-    activations_bytes: int
-    tokens_per_epoch: int
-    longest_sample: int
-    steps_per_epoch: int
+    # None: the model's tokenizer is not on this machine, so the data is not measured.
+    activations_bytes: int | None
+    tokens_per_epoch: int | None
+    longest_sample: int | None
+    steps_per_epoch: int | None
 
     @property
     def total_bytes(self) -> int:
@@ -92,7 +104,7 @@ class Estimate:
             self.weights_bytes
             + self.gradients_bytes
             + self.optimizer_bytes
-            + self.activations_bytes
+            + (self.activations_bytes or 0)
         )
 
 
@@ -124,6 +136,19 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         weights_bytes = int((parameters - quantized + trainable) * width + quantized * NF4_BYTES)
         parameters += trainable
     shard = trainable * width // world
+    if recipe["tokenizer"] is None:
+        return Estimate(
+            parameters,
+            trainable,
+            world,
+            weights_bytes // world,
+            shard,
+            2 * shard,
+            None,
+            None,
+            None,
+            None,
+        )
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
     train = train_dataset(recipe["dataset"], tokenizer)
     lengths = [len(sample["tokens"]) for sample in train]
@@ -173,6 +198,13 @@ def print_estimate(recipe: dict[str, Any], found: Estimate) -> None:
     print(f"weights        {_gib(found.weights_bytes)} per device")
     print(f"gradients      {_gib(found.gradients_bytes)} per device")
     print(f"optimizer      {_gib(found.optimizer_bytes)} per device (AdamW, two moments)")
+    if found.activations_bytes is None:
+        print(
+            f"activations    not estimated: the tokenizer of model.source={recipe['model_source']} "
+            "is not here to measure the data (`runner download` fetches it)"
+        )
+        print(f"total          at least {_gib(found.total_bytes)} per device")
+        return
     print(
         f"activations    {_gib(found.activations_bytes)} per device (batch "
         f"{recipe['training']['batch_size']} x {found.longest_sample} tokens)"
@@ -195,5 +227,6 @@ def validate_main(cfg: DictConfig) -> None:
 def estimate_main(cfg: DictConfig) -> None:
     """Hydra entry point of `runner estimate`."""
     with user_errors_pass_hydra():
-        recipe = _recipe(cfg)
+        # The builder gives the parameter count: an uncached hf:// model is not downloaded.
+        recipe = _recipe(cfg, fetch=False)
         print_estimate(recipe, estimate(recipe))

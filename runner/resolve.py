@@ -7,6 +7,7 @@ naming the key, the value and the fix.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.data import COLUMNS, CONVERSATION_STYLES, KINDS, local_source, source_format
 from runner.errors import UserError
+from runner.hub import Hub, localize
 from runner.manifest import SECRET_KEY
+from runner.models import resolve_model
 from runner.paths import ASSETS_DIR
 from runner.platforms import resolve_launch
 from runner.platforms import run_dir as platform_run_dir
-from runner.tokenizer import ChatTokenizer
-from runner.tune import hf_config
 
 OmegaConf.register_new_resolver("runner_asset", lambda name: str(ASSETS_DIR / name), replace=True)
 # The resumed run, else a fresh one; on several nodes, one that every node agrees on.
@@ -119,19 +120,19 @@ NF4_WEIGHTS_PER_BLOCK = 64 * 256
 
 
 def resolve_method(
-    method: DictConfig, model: DictConfig, builder: dict[str, Any], run_dir: Path, world_size: int
+    method: DictConfig, model_name: str, model: dict[str, Any], run_dir: Path, world_size: int
 ) -> dict[str, Any]:
     """The method section of the recipe: for LoRA, the builder arguments and the base's home."""
     if method.name not in RECIPES:
         raise UserError("method.name", method.name, f"choose one of: {', '.join(RECIPES)}")
     if method.name == "full":
         return {"name": "full"}
-    lora_builder = model.lora_builder if "lora_builder" in model else None
+    builder, lora_builder = model["model"], model["lora_builder"]
     if not lora_builder:
         raise UserError(
             "model.lora_builder",
             lora_builder,
-            f"model={model.name} names no LoRA builder: add the dotted path of torchtune's "
+            f"model={model_name} names no LoRA builder: add the dotted path of torchtune's "
             "LoRA twin of its builder (e.g. torchtune.models.llama3_2.lora_llama3_2), or use "
             "method=full",
         )
@@ -158,11 +159,11 @@ def resolve_method(
             "name at least one projection, or set method.apply_lora_to_mlp=true",
         )
     apply_to_output = _bool(method.apply_lora_to_output, "method.apply_lora_to_output")
-    if apply_to_output and builder["tie_word_embeddings"]:
+    if apply_to_output and builder.get("tie_word_embeddings"):
         raise UserError(
             "method.apply_lora_to_output",
             True,
-            f"model={model.name} ties its output projection to the embeddings, which LoRA cannot "
+            f"model={model_name} ties its output projection to the embeddings, which LoRA cannot "
             "adapt; leave it false",
         )
     quantize_base = _bool(method.quantize_base, "method.quantize_base")
@@ -171,7 +172,8 @@ def resolve_method(
     dropout = _float(method.dropout, "method.dropout", False)
     if dropout >= 1:
         raise UserError("method.dropout", dropout, "give a probability in [0, 1)")
-    base_model_dir = run_dir / "base_model" if model.source is None else Path(model.source)
+    source = model["model_source"]
+    base_model_dir = run_dir / "base_model" if source is None else Path(source)
     return {
         "name": method.name,
         "builder": {
@@ -197,7 +199,7 @@ def _check_nf4_shapes(builder: dict[str, Any], world_size: int) -> None:
     shapes = {
         "model.builder.embed_dim": embed * embed,
         "model.builder.num_kv_heads": builder["num_kv_heads"] * head_dim * embed,
-        "model.builder.intermediate_dim": (builder["intermediate_dim"] or 0) * embed,
+        "model.builder.intermediate_dim": (builder.get("intermediate_dim") or 0) * embed,
     }
     block = NF4_WEIGHTS_PER_BLOCK * world_size
     over = f" ({NF4_WEIGHTS_PER_BLOCK} x {world_size} processes)" if world_size > 1 else ""
@@ -364,23 +366,32 @@ def _dataset(dataset: DictConfig, model_max_seq_len: int) -> dict[str, Any]:
     }
 
 
-def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """The recipe config (torchtune `_component_` style) for a composed `train` config."""
+def resolve_recipe(
+    cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (), fetch: bool = True
+) -> dict[str, Any]:
+    """The recipe config (torchtune `_component_` style) for a composed `train` config.
+
+    hf:// sources become local paths in the cache, downloaded if need be; `overrides` make the
+    `runner download ...` command that an error about a missing source names. fetch=False (a
+    dry run such as `runner estimate`) takes only what is cached and resolves a model whose
+    source is not on this machine from its option's builder alone (tokenizer and config.json
+    left unresolved: None).
+    """
     device, nproc_per_node = resolve_device(cfg.compute)
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
     launch = resolve_launch(cfg.compute, nnodes)
     optimizer, schedule = _optimizer(cfg.optimizer)
-    builder = OmegaConf.to_container(cfg.model.builder, resolve=True)
+    training, runtime = _training(cfg), _runtime(cfg.runtime)
+    # Last among the checks: fetching a source is the slow part.
+    hub = Hub.from_runtime(cfg.runtime, list(overrides))
+    cfg, hub_sources = localize(cfg, hub, only_cached=not fetch)
+    model = resolve_model(cfg.model, need_files=fetch)
     dtype = resolve_dtype(cfg.dtype.name, device)
-    method = resolve_method(cfg.method, cfg.model, builder, run_dir, nnodes * nproc_per_node)
-    tokenizer = ChatTokenizer(cfg.model.tokenizer, builder["max_seq_len"])
-    if tokenizer.vocab_size > builder["vocab_size"]:
-        raise UserError(
-            "model.builder.vocab_size",
-            builder["vocab_size"],
-            f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
-        )
-    dataset = _dataset(cfg.dataset, builder["max_seq_len"])
+    method = resolve_method(cfg.method, cfg.model.name, model, run_dir, nnodes * nproc_per_node)
+    dataset = _dataset(cfg.dataset, model["model"]["max_seq_len"])
+    if model["tokenizer"] is not None:
+        # Samples are cut at dataset.max_seq_len (the model's when null).
+        model["tokenizer"]["max_seq_len"] = dataset["max_seq_len"]
     return {
         "run_dir": str(run_dir.resolve()),
         "seed": _int(cfg.seed, "seed", 0),
@@ -391,21 +402,9 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "nproc_per_node": nproc_per_node,
         "nnodes": nnodes,
         "launch": launch,
-        "model": builder,
-        "model_source": cfg.model.source,
-        "initializer_range": _float(cfg.model.initializer_range, "model.initializer_range", True),
-        "hf_config": hf_config(
-            builder,
-            initializer_range=cfg.model.initializer_range,
-            bos_token_id=tokenizer.bos_id,
-            eos_token_id=tokenizer.eos_id,
-        ),
-        "tokenizer": {
-            "_component_": "runner.tokenizer.ChatTokenizer",
-            "path": str(Path(cfg.model.tokenizer).resolve()),
-            # Samples are cut at dataset.max_seq_len (the model's when null).
-            "max_seq_len": dataset["max_seq_len"],
-        },
+        **model,
+        # Where each hf:// source came from, pinned to the commit that was used.
+        "hub_sources": hub_sources,
         "dataset": dataset,
         "eval": {
             "samples": _int(cfg.dataset.eval_samples, "dataset.eval_samples", 0),
@@ -416,8 +415,8 @@ def resolve_recipe(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "loss": OmegaConf.to_container(cfg.loss, resolve=True),
         "optimizer": optimizer,
         "lr_schedule": schedule,
-        "training": _training(cfg),
-        "runtime": _runtime(cfg.runtime),
+        "training": training,
+        "runtime": runtime,
         # Set by `runner repro --steps N`: end after step N without changing the schedule.
         "stop_at_step": None,
     }

@@ -79,7 +79,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
             raise UserError("resume", cfg.resume, "not a run directory (it has no recipe.yaml)")
         recipe = yaml.safe_load(run.recipe_path.read_text())
     else:
-        recipe = resolve_recipe(cfg, run.path)
+        recipe = resolve_recipe(cfg, run.path, overrides)
         _check_data(recipe)
         run.recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))

@@ -23,6 +23,9 @@ from torchtune.datasets import PackedDataset
 from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
 from torchtune.models.convert_weights import _FROM_HF, _TO_PEFT_KEYS, get_mapped_key
+from torchtune.models.convert_weights import hf_to_tune as llama_hf_to_tune
+from torchtune.models.convert_weights import tune_to_hf as llama_tune_to_hf
+from torchtune.models.qwen2 import qwen2_hf_to_tune, qwen2_tune_to_hf
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
 from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.modules.peft import (
@@ -58,20 +61,21 @@ __all__ = [
     "TransformerSelfAttentionLayer",
     "create_block_causal_mask",
     "get_cosine_schedule_with_warmup",
-    "hf_config",
     "init_like_hf",
-    "hf_to_tune",
+    "llama_hf_to_tune",
+    "llama_tune_to_hf",
     "padded_collate_packed",
     "padded_collate_sft",
+    "qwen2_hf_to_tune",
+    "qwen2_tune_to_hf",
     "set_activation_checkpointing",
     "set_default_dtype",
     "truncate",
-    "tune_to_hf",
 ]
 
 
 def init_like_hf(model: nn.Module, initializer_range: float) -> None:
-    """Hugging Face's Llama init: N(0, initializer_range) for linear and embedding weights.
+    """Hugging Face's init: N(0, initializer_range) for linear and embedding weights, zero biases.
 
     torchtune's builders leave embeddings at N(0, 1), which starts the loss near 240.
     """
@@ -82,60 +86,15 @@ def init_like_hf(model: nn.Module, initializer_range: float) -> None:
                 nn.init.zeros_(module.bias)
 
 
-def hf_config(
-    builder: dict[str, Any], *, initializer_range: float, bos_token_id: int, eos_token_id: int
-) -> dict[str, Any]:
-    """The config.json of a Hugging Face LlamaForCausalLM equal to a llama3_2 builder's model."""
-    model = builder
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": model["vocab_size"],
-        "hidden_size": model["embed_dim"],
-        "intermediate_size": model["intermediate_dim"],
-        "num_hidden_layers": model["num_layers"],
-        "num_attention_heads": model["num_heads"],
-        "num_key_value_heads": model["num_kv_heads"],
-        "head_dim": model["embed_dim"] // model["num_heads"],
-        "hidden_act": "silu",
-        "max_position_embeddings": model["max_seq_len"],
-        "rms_norm_eps": model["norm_eps"],
-        "rope_theta": float(model["rope_base"]),
-        # torchtune's Llama3ScaledRoPE constants.
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": float(model["scale_factor"]),
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "tie_word_embeddings": model["tie_word_embeddings"],
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": initializer_range,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": "float32",
-    }
-
-
 def _dims(config: dict[str, Any]) -> dict[str, int]:
+    """A Hugging Face config.json's attention dimensions, as torchtune's converters take them."""
+    heads = config["num_attention_heads"]
     return {
-        "num_heads": config["num_attention_heads"],
+        "num_heads": heads,
         "num_kv_heads": config["num_key_value_heads"],
         "dim": config["hidden_size"],
-        "head_dim": config["head_dim"],
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
     }
-
-
-def tune_to_hf(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
-    """torchtune parameter names and layouts -> Hugging Face's (the HF checkpointer's mapping)."""
-    return convert_weights.tune_to_hf(state_dict, **_dims(config))
-
-
-def hf_to_tune(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
-    """Hugging Face parameter names and layouts -> torchtune's."""
-    return convert_weights.hf_to_tune(state_dict, **_dims(config))
 
 
 def peft_adapter_config(lora: dict[str, Any], base_model_name_or_path: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 
 from runner.errors import UserError
@@ -34,16 +35,33 @@ def test_every_group_of_the_design_is_there() -> None:
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_and_resolves(group: str, option: str, tmp_path: Path) -> None:
+def test_option_composes_and_resolves(
+    group: str, option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Dataset options whose source is the user's (???) or on the hub read a local file here.
     local = [f"dataset.source={SAMPLE_DATA_DIR / 'train.jsonl'}"] if group == "dataset" else []
-    cfg = compose_train([f"{group}={option}", *local, *NEEDS_OVERRIDES.get((group, option), [])])
+    # Offline, with an empty cache: tests never reach the hub.
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    cache = f"runtime.cache_dir={tmp_path / 'hub'}"
+    extra = NEEDS_OVERRIDES.get((group, option), [])
+    cfg = compose_train([f"{group}={option}", *local, cache, *extra])
     if (group, option) in NEEDS_CUDA and not torch.cuda.is_available():
         with pytest.raises(UserError) as err:
             resolve_recipe(cfg, tmp_path)
         assert err.value.key == "compute" and "compute=cpu" in err.value.fix
         return
-    recipe = resolve_recipe(cfg, tmp_path)
+    if group == "model" and cfg.model.source is not None or option == "hf":
+        # Real models come from the hub, never reached in tests: a train says what is missing;
+        # the options with a builder still resolve for `runner estimate`.
+        with pytest.raises(UserError) as err:
+            resolve_recipe(cfg, tmp_path)
+        assert err.value.key == "model.source"
+        if option == "hf":
+            return
+        recipe = resolve_recipe(cfg, tmp_path, fetch=False)
+        assert recipe["tokenizer"] is None and recipe["lora_builder"]
+    else:
+        recipe = resolve_recipe(cfg, tmp_path)
     assert recipe["model"]["_component_"].startswith("torchtune.models.")
     assert recipe["device"] in ("cpu", "cuda")
     assert recipe["dtype"] in ("fp32", "bf16")

@@ -1,0 +1,221 @@
+"""The body of `runner export`: check the request, then write adapter, merged or GGUF output.
+
+Everything a user can get wrong is checked before anything is loaded or written; the output is
+written under a temporary name beside its destination and renamed when whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner.deploy.selection import choose_checkpoint, is_run_dir
+from runner.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("adapter", "merged", "gguf")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+QUANTIZATIONS = ("f16", "q8_0")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# Copied beside the weights of every export, as a checkpoint has them.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """A checked `runner export` request."""
+
+    checkpoint: Path
+    format: str
+    variant: str | None  # the dtype (merged) or quantization (gguf)
+    base: Path | None  # the base model of a LoRA checkpoint when it gets merged
+    destination: Path
+
+
+def export(
+    *,
+    checkpoint: str,
+    select: dict[str, str],
+    format: str,
+    dtype: str,
+    quantization: str,
+    base: str | None,
+    out: str | None,
+) -> Path:
+    """Export one checkpoint; returns the path written (a directory, or a .gguf file)."""
+    request = check_request(
+        checkpoint=checkpoint,
+        select=select,
+        format=format,
+        dtype=dtype,
+        quantization=quantization,
+        base=base,
+        out=out,
+    )
+    request.destination.parent.mkdir(exist_ok=True)  # RUN/exports/ the first time
+    with staged(request.destination) as tmp:
+        if request.format == "adapter":
+            write_adapter(request.checkpoint, tmp)
+        elif request.format == "merged":
+            write_merged(request.checkpoint, request.base, tmp, dtype=request.variant)
+        else:
+            write_gguf_file(request.checkpoint, request.base, tmp, quantization=request.variant)
+    log.info("exported %s as %s to %s", request.checkpoint, request.format, request.destination)
+    return request.destination
+
+
+def check_request(
+    *,
+    checkpoint: str,
+    select: dict[str, str],
+    format: str,
+    dtype: str,
+    quantization: str,
+    base: str | None,
+    out: str | None,
+) -> ExportRequest:
+    """Every user error, before anything is loaded or written."""
+    if format not in FORMATS:
+        raise UserError("format", format, f"choose one of: {', '.join(FORMATS)}")
+    if format == "merged" and dtype not in DTYPES:
+        raise UserError("merged.dtype", dtype, f"choose one of: {', '.join(DTYPES)}")
+    if format == "gguf" and quantization not in QUANTIZATIONS:
+        raise UserError(
+            "gguf.quantization", quantization, f"choose one of: {', '.join(QUANTIZATIONS)}"
+        )
+    chosen = choose_checkpoint(Path(checkpoint), **select)
+    is_adapter = (chosen / "adapter_config.json").is_file()
+    if format == "adapter" and not is_adapter:
+        raise UserError(
+            "format",
+            format,
+            f"{chosen} is a full checkpoint (config.json, no adapter_config.json), it has no "
+            "adapter to export: use format=merged or format=gguf",
+        )
+    if is_adapter:
+        missing = [name for name in ADAPTER_FILES if not (chosen / name).is_file()]
+        if missing:
+            raise UserError("checkpoint", str(chosen), f"LoRA checkpoint without {missing}")
+    base_dir = check_base(chosen, base) if is_adapter and format != "adapter" else None
+    if format == "gguf":
+        from runner.export.gguf_file import family_of
+
+        family_of(json.loads(((base_dir or chosen) / "config.json").read_text()))
+    variant = {"adapter": None, "merged": dtype, "gguf": quantization}[format]
+    destination = Path(out) if out else default_destination(chosen, format, variant)
+    if destination.exists() or destination.is_symlink():
+        raise UserError(
+            "out", str(destination), "already exists: remove it, or name another out=PATH"
+        )
+    if out and not destination.parent.is_dir():
+        raise UserError("out", out, f"no such directory {destination.parent}: create it first")
+    return ExportRequest(chosen, format, variant, base_dir, destination)
+
+
+def check_base(checkpoint: Path, base: str | None) -> Path:
+    """The base model dir a LoRA checkpoint merges into: `base=` or base_model_name_or_path."""
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    path = base or config.get("base_model_name_or_path")
+    if not path or not (Path(path) / "config.json").is_file():
+        raise UserError(
+            "base",
+            path,
+            f"the base model of LoRA checkpoint {checkpoint} is not a local Hugging Face model "
+            "dir (config.json): pass base=<dir of the base model>",
+        )
+    return Path(path)
+
+
+def default_destination(checkpoint: Path, format: str, variant: str | None) -> Path:
+    """RUN/exports/step_<N>-<format>[-<variant>] for a run's checkpoint, else beside it."""
+    suffix = f"-{format}" + (f"-{variant}" if variant else "")
+    extension = ".gguf" if format == "gguf" else ""
+    parent = checkpoint.parent
+    if parent.name == "checkpoints" and is_run_dir(parent.parent):
+        # Not inside checkpoints/: retention prunes old step dirs with whatever they hold.
+        return parent.parent / "exports" / f"{checkpoint.name}{suffix}{extension}"
+    return parent / f"{checkpoint.name}{suffix}{extension}"
+
+
+@contextlib.contextmanager
+def staged(destination: Path) -> Iterator[Path]:
+    """A temporary path beside `destination`, renamed onto it when the block ends normally."""
+    tmp = destination.parent / f".tmp-{destination.name}-{os.getpid()}"
+    try:
+        yield tmp
+        os.rename(tmp, destination)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def write_adapter(checkpoint: Path, out_dir: Path) -> None:
+    """The PEFT adapter and tokenizer files, without the training state."""
+    out_dir.mkdir()
+    for name in (*ADAPTER_FILES, *TOKENIZER_FILES, "README.md"):
+        if (checkpoint / name).is_file():
+            shutil.copy2(checkpoint / name, out_dir / name)
+
+
+def write_merged(checkpoint: Path, base: Path | None, out_dir: Path, *, dtype: str) -> None:
+    """A Hugging Face model dir (safetensors) in `dtype`, with the adapter merged if any."""
+    import torch
+
+    model = load_model(checkpoint, base).to(getattr(torch, DTYPES[dtype]))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    copy_tokenizer(checkpoint, out_dir)
+
+
+def write_gguf_file(checkpoint: Path, base: Path | None, path: Path, *, quantization: str) -> None:
+    """One GGUF file of the (merged) model and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from runner.export.gguf_file import write_gguf
+
+    model = load_model(checkpoint, base)
+    write_gguf(
+        path,
+        state_dict=model.state_dict(),
+        config=model.config.to_dict(),
+        tokenizer=AutoTokenizer.from_pretrained(checkpoint),
+        quantization=quantization,
+        name=checkpoint.parent.parent.name
+        if is_run_dir(checkpoint.parent.parent)
+        else checkpoint.name,
+    )
+
+
+def load_model(checkpoint: Path, base: Path | None) -> Any:
+    """The checkpoint's model in float32 on the CPU; a LoRA adapter merged into its base."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if base is None:
+        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    from peft import PeftModel
+
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return PeftModel.from_pretrained(base_model, checkpoint).merge_and_unload()
+
+
+def copy_tokenizer(checkpoint: Path, out_dir: Path) -> None:
+    """The checkpoint's tokenizer files and generation config, as they are."""
+    for name in TOKENIZER_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copy2(checkpoint / name, out_dir / name)

@@ -1,0 +1,194 @@
+"""The model group -> the recipe's model entries: builder, family, weights, config.json, tokenizer.
+
+A source's config.json names its family (runner/families.py) and, for a builder-less option
+(model=hf), the builder's arguments; an option's own builder must build the same model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
+
+from runner.checkpoint import weight_files
+from runner.components import instantiate
+from runner.errors import UserError
+from runner.families import (
+    LORA_BUILDERS,
+    builder_args,
+    check_source_matches,
+    family_named,
+    family_of,
+    hf_config,
+    hf_to_tune,
+    read_config,
+)
+from runner.tokenizer import CHAT_FORMATS, ChatTokenizer, template_mismatch
+
+
+def _positive(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise UserError(key, value, "give a number > 0")
+    return float(value)
+
+
+def _model_source(value: str | None) -> Path | None:
+    """model.source as a local checkpoint directory (None: random init)."""
+    if value is None:
+        return None
+    if str(value).startswith("hf://"):
+        # Only a dry run (fetch=False) gets here: runner.hub.localize has made every cached or
+        # fetched hf:// source a local path.
+        raise UserError("model.source", value, "is not in the cache; `runner download` fetches it")
+    path = Path(value).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise UserError(
+            "model.source",
+            value,
+            "is not a Hugging Face checkpoint directory (no config.json); give a directory "
+            "holding config.json, safetensors weights and tokenizer files, or hf://org/name",
+        )
+    if not all(f.is_file() for f in weight_files(path)):
+        raise UserError(
+            "model.source",
+            value,
+            "has no safetensors weights (model.safetensors or an index of shards); save the "
+            "model with save_pretrained(safe_serialization=True)",
+        )
+    return path
+
+
+def _check_weights(source: Path, builder: dict[str, Any]) -> None:
+    """A UserError naming model.source unless its weights fit the builder's model, name for name
+    and shape for shape (read from the safetensors headers: nothing is loaded)."""
+    shapes = {}
+    for path in weight_files(source):
+        with safe_open(str(path), "pt") as weights:
+            shapes.update({name: weights.get_slice(name).get_shape() for name in weights.keys()})  # noqa: SIM118
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create(builder))
+        ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        try:
+            theirs = hf_to_tune(
+                {name: torch.empty(shape) for name, shape in shapes.items()}, read_config(source)
+            )
+            theirs = {name: tuple(t.shape) for name, t in theirs.items()}
+        except (RuntimeError, KeyError, ValueError) as err:
+            theirs = {"<unreadable>": (str(err),)}
+    problems = [f"no {name}" for name in sorted(set(ours) - set(theirs))]
+    problems += [f"unexpected {name}" for name in sorted(set(theirs) - set(ours))]
+    problems += [
+        f"{name} is {list(theirs[name])}, the builder's {list(shape)}"
+        for name, shape in ours.items()
+        if name in theirs and theirs[name] != shape
+    ]
+    if problems:
+        raise UserError(
+            "model.source",
+            str(source),
+            f"its weights do not fit the model its config.json describes ({'; '.join(problems[:3])}"
+            f"{'; ...' if len(problems) > 3 else ''}); re-save the checkpoint with save_pretrained",
+        )
+
+
+def _source_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The source's config.json as checkpoints write it: weights are saved in fp32."""
+    dtype_key = "dtype" if "dtype" in config else "torch_dtype"
+    return {**config, dtype_key: "float32"}
+
+
+def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
+    """The recipe's model entries: builder, family, source, config.json and tokenizer.
+
+    A source's config.json names its family and, for a builder-less option (model=hf), the
+    builder's arguments; an option's own builder must build the same model.
+    """
+    if model.checkpoint_format != "hf":
+        raise UserError("model.checkpoint_format", model.checkpoint_format, "only hf is supported")
+    if model.builder is None and model.source is None:
+        raise UserError(
+            "model.source", None, f"model={model.name} takes model.source=<dir or hf://org/name>"
+        )
+    try:
+        source = _model_source(model.source)
+    except UserError:
+        if need_files or model.builder is None:
+            raise
+        source = None
+    raw_config = json.loads((source / "config.json").read_text()) if source else None
+    config = read_config(source) if source else None
+    family = family_named(model.family) if model.family else None
+    if config is not None:
+        found = family_of(config, str(model.source))
+        if family is not None and found != family:
+            raise UserError(
+                "model.source",
+                model.source,
+                f"holds a {found.name} model but model.family={family.name}; pick the model "
+                f"option of this checkpoint, or model=hf",
+            )
+        family = found
+    derived = builder_args(family, config, str(model.source)) if config else None
+    if model.builder is None:
+        builder = {"_component_": family.builder, **derived}
+    else:
+        builder = OmegaConf.to_container(model.builder, resolve=True)
+        if derived is not None:
+            check_source_matches(builder, derived, str(model.source))
+    if source is not None:
+        _check_weights(source, builder)
+    lora_builder = model.lora_builder or LORA_BUILDERS.get(builder["_component_"])
+    resolved = {
+        "model": builder,
+        "model_family": family.name,
+        # Unresolved only for need_files=False: then the option's source as given, for display.
+        "model_source": str(source) if source else model.source,
+        "lora_builder": lora_builder,
+        "initializer_range": _positive(model.initializer_range, "model.initializer_range"),
+        "hf_config": None,
+        "tokenizer": None,
+    }
+    tokenizer_dir = model.tokenizer or source
+    if tokenizer_dir is None:
+        if need_files:
+            raise UserError("model.tokenizer", None, "give a tokenizer directory or model.source")
+        return resolved
+    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], model.chat_template)
+    mismatch = template_mismatch(tokenizer, str(tokenizer_dir)) if source else None
+    if mismatch:
+        raise UserError(
+            "model.chat_template",
+            tokenizer.chat_format,
+            f"renders chats other than the chat template of {tokenizer_dir} ({mismatch}); "
+            f"name the format it follows, one of: {', '.join(CHAT_FORMATS)}",
+        )
+    if tokenizer.vocab_size > builder["vocab_size"]:
+        raise UserError(
+            "model.builder.vocab_size",
+            builder["vocab_size"],
+            f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
+        )
+    resolved["hf_config"] = (
+        _source_config(raw_config)
+        if raw_config
+        else hf_config(
+            family,
+            builder,
+            initializer_range=model.initializer_range,
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+        )
+    )
+    resolved["tokenizer"] = {
+        "_component_": "runner.tokenizer.ChatTokenizer",
+        "path": str(Path(tokenizer_dir).resolve()),
+        "max_seq_len": builder["max_seq_len"],
+        "chat_format": tokenizer.chat_format,
+        # Recorded, so every process and a later `runner repro` render the same date.
+        "date_string": tokenizer.date_string,
+    }
+    return resolved

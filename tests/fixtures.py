@@ -1,0 +1,533 @@
+# ruff: noqa: E501  (the chat templates are quoted as published)
+"""Tiny real-format checkpoints of every supported family, written by `transformers`.
+
+    write_tiny_checkpoint("qwen2_5", path)
+
+writes what a hub repo of that family holds (config.json, model.safetensors,
+generation_config.json, tokenizer.json, tokenizer_config.json with the family's published
+chat template), at dimensions small enough for a CPU test. Tests point `model.source` at it,
+as a plain directory or laid out as a hub cache snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+FAMILIES = ("llama3_2", "llama3_1", "qwen2_5", "mistral")
+
+# The chat templates as published in the model repos' tokenizer_config.json
+# (meta-llama/Llama-3.2-1B-Instruct, meta-llama/Llama-3.1-8B-Instruct,
+# Qwen/Qwen2.5-0.5B-Instruct, mistralai/Mistral-7B-Instruct-v0.3).
+_LLAMA3_TOOLS_AND_MESSAGES = """
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+_LLAMA3_SYSTEM = """
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message #}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+"""
+
+LLAMA3_2_TEMPLATE = (
+    """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+"""
+    + _LLAMA3_SYSTEM
+    + _LLAMA3_TOOLS_AND_MESSAGES
+)
+
+LLAMA3_1_TEMPLATE = (
+    """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+"""
+    + _LLAMA3_SYSTEM
+    + _LLAMA3_TOOLS_AND_MESSAGES
+)
+
+QWEN2_5_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+MISTRAL_TEMPLATE = """{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+
+{#- This block checks for alternating user/assistant messages, skipping tool calling messages #}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and (message == user_messages[-1]) %}
+            {{- "[AVAILABLE_TOOLS] [" }}
+            {%- for tool in tools %}
+                {%- set tool = tool.function %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.items() if key != "return" %}
+                    {%- if val is string %}
+                        {{- '"' + key + '": "' + val + '"' }}
+                    {%- else %}
+                        {{- '"' + key + '": ' + val|tojson }}
+                    {%- endif %}
+                    {%- if not loop.last %}
+                        {{- ", " }}
+                    {%- endif %}
+                {%- endfor %}
+                {{- "}}" }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- else %}
+                    {{- "]" }}
+                {%- endif %}
+            {%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message.tool_calls is defined and message.tool_calls is not none %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+# The pre-tokenizer split patterns of Llama 3's tiktoken and Qwen2's tokenizer.json.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_CORPUS = [
+    "Reverse the word. Uppercase the word. You are a helpful assistant. Answer briefly.",
+    "You are Qwen, created by Alibaba Cloud. Cutting Knowledge Date: December 2023",
+    "Today Date: 26 Jul 2024. system user assistant The quick brown fox jumps over the lazy dog.",
+    "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG 0123456789 hello world\n\n",
+]
+
+
+def _byte_level(split: str, vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    return tokenizer
+
+
+def _metaspace(special: list[str], vocab_size: int) -> Tokenizer:
+    """A SentencePiece-style BPE (▁ for spaces), special tokens first, as Mistral's."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    printable = [chr(c) for c in range(33, 127)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=["▁", *printable],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    return tokenizer
+
+
+# family -> (HF config class name, architecture, tokenizer files, extra config.json fields)
+_LLAMA3_SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|finetune_right_pad_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+_QWEN2_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|box_start|>",
+    "<tool_call>",
+    "</tool_call>",
+]
+_MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]"]
+
+
+def _tokenizer(family: str) -> tuple[Tokenizer, dict[str, Any]]:
+    """The fixture tokenizer and its tokenizer_config.json, as the family's hub repos hold them."""
+    if family.startswith("llama3"):
+        tokenizer = _byte_level(_LLAMA3_SPLIT, 320)
+        tokenizer.add_special_tokens(_LLAMA3_SPECIAL)
+        bos = tokenizer.token_to_id("<|begin_of_text|>")
+        tokenizer.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single="<|begin_of_text|> $A",
+                    pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                    special_tokens=[("<|begin_of_text|>", bos)],
+                ),
+            ]
+        )
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>",
+            "clean_up_tokenization_spaces": True,
+            "model_input_names": ["input_ids", "attention_mask"],
+            "model_max_length": 131072,
+            "chat_template": LLAMA3_2_TEMPLATE if family == "llama3_2" else LLAMA3_1_TEMPLATE,
+        }
+        return tokenizer, config
+    if family == "qwen2_5":
+        tokenizer = _byte_level(_QWEN2_SPLIT, 320)
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.add_special_tokens(_QWEN2_SPECIAL)
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+        config = {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "errors": "replace",
+            "split_special_tokens": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 131072,
+            "chat_template": QWEN2_5_TEMPLATE,
+        }
+        return tokenizer, config
+    if family == "mistral":
+        tokenizer = _metaspace(_MISTRAL_SPECIAL, 300)
+        config = {
+            "tokenizer_class": "LlamaTokenizer",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "legacy": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1000000000000000019884624838656,
+            "chat_template": MISTRAL_TEMPLATE,
+        }
+        return tokenizer, config
+    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+
+
+def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    dims = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+    }
+    if family.startswith("llama3"):
+        factor = 32.0 if family == "llama3_2" else 8.0
+        return LlamaConfig(
+            **dims,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            tie_word_embeddings=family == "llama3_2",
+            bos_token_id=tokenizer.token_to_id("<|begin_of_text|>"),
+            eos_token_id=[
+                tokenizer.token_to_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+            ],
+        )
+    if family == "qwen2_5":
+        return Qwen2Config(
+            **dims,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=2,
+            bos_token_id=tokenizer.token_to_id("<|endoftext|>"),
+            eos_token_id=tokenizer.token_to_id("<|im_end|>"),
+        )
+    return MistralConfig(
+        **dims,
+        head_dim=16,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def write_tiny_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
+    """A tiny random checkpoint of `family` in Hugging Face's layout, written by transformers.
+
+    family: one of FAMILIES (llama3_2, llama3_1, qwen2_5, mistral). Returns `path`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer, tokenizer_config = _tokenizer(family)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    config = _model_config(family, tokenizer.get_vocab_size(), tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random norms and biases, so that a wrongly mapped one changes the logits.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def write_hub_snapshot(
+    family: str, hub_cache: Path, repo_id: str, revision: str = "a" * 40
+) -> Path:
+    """The same checkpoint laid out as huggingface_hub's cache holds a downloaded repo.
+
+    hub_cache is HF_HUB_CACHE (HF_HOME/hub); returns the snapshot directory, which
+    `huggingface_hub.snapshot_download(repo_id, local_files_only=True)` finds offline.
+    """
+    repo_dir = Path(hub_cache) / f"models--{repo_id.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(revision)
+    return write_tiny_checkpoint(family, repo_dir / "snapshots" / revision)

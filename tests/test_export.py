@@ -1,0 +1,383 @@
+"""`runner export`: real tiny checkpoints (transformers, peft), real loads (transformers, peft,
+llama.cpp through llama-cpp-python) of what it writes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from runner.errors import UserError
+from runner.export.write import export
+from runner.families import FAMILIES, hf_config
+from runner.paths import TINY_TOKENIZER_DIR
+
+# Token ids fed to both sides, so the comparison does not depend on either tokenizer; the texts
+# also check that llama.cpp's tokenizer gives the ids transformers' gives. They are picked so that
+# on every fixture model each greedy step wins by a margin (see `greedy`) well above the logit
+# error of float16 weights (0.01-0.03 here): near-ties would make the parity check a coin toss.
+TEXTS = [
+    "Hello!",
+    "one two three",
+    "runner export",
+    "<|start_header_id|>user<|end_header_id|>\n\nReverse the word.\nexport<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+]
+MIN_MARGIN = 0.04
+NEW_TOKENS = 8
+SELECT = {"checkpoint": "latest", "metric": "loss", "mode": "min"}
+
+
+def tiny_config() -> dict:
+    """The config.json `runner train model=tiny` writes (Llama 3.2, llama3 RoPE), smaller."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    builder = {
+        "_component_": "torchtune.models.llama3_2.llama3_2",
+        "vocab_size": 264,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "embed_dim": 64,
+        "intermediate_dim": 128,
+        "max_seq_len": 8192,
+        "norm_eps": 1e-5,
+        "rope_base": 500000,
+        "scale_factor": 32,
+        "tie_word_embeddings": True,
+    }
+    # A wide init gives varied output with clear winners, so greedy decoding is well defined.
+    return hf_config(
+        FAMILIES["llama3"],
+        builder,
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def add_tokenizer_files(path: Path) -> None:
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, path / file.name)
+    generation = {"bos_token_id": 256, "eos_token_id": [257, 260], "do_sample": False}
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    torch.save({"step": 4}, path / "training_state.pt")
+
+
+def make_run(run_dir: Path) -> Path:
+    """A run dir whose checkpoints/step_4 is a full checkpoint in the training format."""
+    checkpoint = run_dir / "checkpoints" / "step_4"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**tiny_config())).save_pretrained(checkpoint)
+    (checkpoint / "generation_config.json").unlink()
+    add_tokenizer_files(checkpoint)
+    (run_dir / "status.json").write_text(json.dumps({"state": "completed", "step": 4}))
+    return checkpoint
+
+
+def make_lora_checkpoint(path: Path, base_dir: Path) -> Path:
+    """A LoRA checkpoint in the contract's PEFT format, its base a local model dir."""
+    base = AutoModelForCausalLM.from_pretrained(base_dir.resolve(), dtype=torch.float32)
+    torch.manual_seed(1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # init_lora_weights=False: B is random too, so the adapter really changes the model.
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    get_peft_model(base, lora).save_pretrained(path)
+    add_tokenizer_files(path)
+    return path
+
+
+def make_qwen2_checkpoint(path: Path) -> Path:
+    """A tiny Qwen2 (q/k/v biases, rotate-halves RoPE) with the tiny tokenizer."""
+    config = Qwen2Config(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=256,
+        eos_token_id=260,
+    )
+    torch.manual_seed(2)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # HF initializes biases to zero; make them count
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.2)
+    model.save_pretrained(path)
+    add_tokenizer_files(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_run(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory: pytest.TempPathFactory, full_checkpoint: Path) -> Path:
+    return make_lora_checkpoint(tmp_path_factory.mktemp("lora") / "step_4", full_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_qwen2_checkpoint(tmp_path_factory.mktemp("qwen2") / "step_4")
+
+
+def load(path: Path, dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def load_peft(checkpoint: Path):
+    base_dir = json.loads((checkpoint / "adapter_config.json").read_text())
+    base = load(Path(base_dir["base_model_name_or_path"]))
+    return PeftModel.from_pretrained(base, checkpoint).eval()
+
+
+def token_ids() -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    return [tokenizer(text).input_ids for text in TEXTS]
+
+
+@torch.no_grad()
+def logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """Greedy continuation that does not stop at end-of-turn tokens (nor does llama.cpp's)."""
+    ids = list(ids)
+    for _ in range(n):
+        top = logits(model, ids)[-1].topk(2)
+        assert top.values[0] - top.values[1] > MIN_MARGIN, "a near-tie: pick another text"
+        ids.append(int(top.indices[0]))
+    return ids[-n:]
+
+
+def run_export(checkpoint: Path, format: str, **options) -> Path:
+    arguments = {"dtype": "fp32", "quantization": "f16", "base": None, "out": None} | options
+    return export(checkpoint=str(checkpoint), select=SELECT, format=format, **arguments)
+
+
+# --- merged -------------------------------------------------------------------------------
+
+
+def test_merged_fp32_of_a_run_has_the_checkpoints_logits(full_checkpoint: Path) -> None:
+    run_dir = full_checkpoint.parent.parent
+    out = run_export(run_dir, "merged")  # a run dir: its latest checkpoint
+    assert out == run_dir / "exports" / "step_4-merged-fp32"
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    assert not (out / "training_state.pt").exists()
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [257, 260]
+    assert AutoTokenizer.from_pretrained(out).chat_template  # the chat template travels along
+    original, merged = load(full_checkpoint), load(out)
+    for ids in token_ids():
+        assert torch.equal(logits(original, ids), logits(merged, ids))
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_merged_half_precision_loads_close(
+    full_checkpoint: Path, tmp_path: Path, dtype: str, torch_dtype: torch.dtype
+) -> None:
+    out = run_export(full_checkpoint, "merged", dtype=dtype, out=str(tmp_path / "m"))
+    model = AutoModelForCausalLM.from_pretrained(out)  # the dtype recorded in config.json
+    assert {p.dtype for p in model.parameters()} == {torch_dtype}
+    original = load(full_checkpoint)
+    for ids in token_ids():
+        expected = logits(original, ids)
+        assert torch.allclose(logits(model, ids), expected, atol=0.1 * expected.abs().max())
+
+
+def test_merged_lora_equals_the_peft_model(lora_checkpoint: Path, tmp_path: Path) -> None:
+    out = run_export(lora_checkpoint, "merged", out=str(tmp_path / "merged"))
+    assert not (out / "adapter_config.json").exists()
+    peft_model, merged = load_peft(lora_checkpoint), load(out)
+    base = load(
+        Path(
+            json.loads((lora_checkpoint / "adapter_config.json").read_text())[
+                "base_model_name_or_path"
+            ]
+        )
+    )
+    for ids in token_ids():
+        expected = logits(peft_model, ids)
+        assert (logits(merged, ids) - expected).abs().max() <= 1e-4
+        assert (logits(base, ids) - expected).abs().max() > 1e-2  # the adapter matters
+
+
+# --- adapter ------------------------------------------------------------------------------
+
+
+def test_adapter_export_loads_in_peft(lora_checkpoint: Path, tmp_path: Path) -> None:
+    out = run_export(lora_checkpoint.parent / "step_4", "adapter", out=str(tmp_path / "adapter"))
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            *(["README.md"] if (lora_checkpoint / "README.md").exists() else []),
+        ]
+    )
+    original, exported = load_peft(lora_checkpoint), load_peft(out)
+    for ids in token_ids():
+        assert torch.equal(logits(original, ids), logits(exported, ids))
+
+
+# --- GGUF through llama.cpp ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def llama_cpp_model(path: Path) -> Iterator[Any]:
+    """The GGUF file loaded by llama.cpp (llama-cpp-python, in the test extra; never skipped)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=128, n_batch=128, n_threads=1, logits_all=True, verbose=False
+    )
+    try:
+        yield llm
+    finally:
+        llm.close()
+
+
+def llama_cpp_greedy(llm, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+    llm.reset()
+    out = []
+    for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        out.append(token)
+        if len(out) == n:
+            return out
+    raise AssertionError("llama.cpp stopped early")
+
+
+def llama_cpp_logits(llm, ids: list[int]) -> torch.Tensor:
+    llm.reset()
+    llm.eval(ids)
+    return torch.from_numpy(llm.scores[len(ids) - 1].copy())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["full_checkpoint", "qwen2_checkpoint"])
+def test_gguf_f16_decodes_like_transformers(request, family: str, tmp_path: Path) -> None:
+    checkpoint = request.getfixturevalue(family)  # Llama 3.2 (tiny), Qwen2
+    out = run_export(checkpoint, "gguf", out=str(tmp_path / "tiny.gguf"))
+    model = load(checkpoint)
+    template = AutoTokenizer.from_pretrained(checkpoint).chat_template
+    with llama_cpp_model(out) as llm:
+        assert llm.n_vocab() == 264
+        assert llm.metadata["tokenizer.chat_template"] == template
+        for text, ids in zip(TEXTS, token_ids(), strict=True):
+            assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
+            expected = logits(model, ids)[-1]
+            error = (llama_cpp_logits(llm, ids) - expected).abs().max()
+            assert error < 0.02 * expected.abs().max()
+            assert llama_cpp_greedy(llm, ids) == greedy(model, ids)
+
+
+@pytest.mark.slow
+def test_gguf_of_a_lora_checkpoint_is_the_merged_model(lora_checkpoint: Path, tmp_path: Path):
+    out = run_export(lora_checkpoint, "gguf", out=str(tmp_path / "lora.gguf"))
+    model = load_peft(lora_checkpoint)
+    with llama_cpp_model(out) as llm:
+        for ids in token_ids():
+            assert llama_cpp_greedy(llm, ids) == greedy(model, ids)
+
+
+@pytest.mark.slow
+def test_gguf_q8_0_loads_and_generates(full_checkpoint: Path, tmp_path: Path) -> None:
+    f16 = run_export(full_checkpoint, "gguf", out=str(tmp_path / "f16.gguf"))
+    q8 = run_export(full_checkpoint, "gguf", quantization="q8_0", out=str(tmp_path / "q8.gguf"))
+    assert q8.stat().st_size < 0.75 * f16.stat().st_size  # 8.5 bits a weight instead of 16
+    model = load(full_checkpoint)
+    with llama_cpp_model(q8) as llm:
+        for ids in token_ids():
+            assert len(llama_cpp_greedy(llm, ids)) == NEW_TOKENS
+            expected = logits(model, ids)[-1]
+            error = (llama_cpp_logits(llm, ids) - expected).abs().max()
+            assert error < 0.1 * expected.abs().max()  # 8-bit blocks: coarser than f16
+
+
+# --- user errors --------------------------------------------------------------------------
+
+
+def listing(root: Path) -> set[Path]:
+    return set(root.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "format,options,key",
+    [
+        ("adapter", {}, "format"),  # a full checkpoint has no adapter
+        ("onnx", {}, "format"),
+        ("merged", {"dtype": "int4"}, "merged.dtype"),
+        ("gguf", {"quantization": "q4_k"}, "gguf.quantization"),
+    ],
+)
+def test_bad_requests_of_a_full_checkpoint(
+    full_checkpoint: Path, format: str, options: dict, key: str
+) -> None:
+    before = listing(full_checkpoint.parent.parent)
+    with pytest.raises(UserError) as caught:
+        run_export(full_checkpoint, format, **options)
+    assert caught.value.key == key
+    assert listing(full_checkpoint.parent.parent) == before
+
+
+def test_missing_base_and_existing_destination(lora_checkpoint: Path, tmp_path: Path) -> None:
+    moved = tmp_path / "moved"
+    shutil.copytree(lora_checkpoint, moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone")
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="pass base=") as caught:
+        run_export(moved, "merged")
+    assert caught.value.key == "base"
+    assert not (tmp_path / "moved-merged-fp32").exists()
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(UserError, match="already exists") as caught:
+        run_export(lora_checkpoint, "adapter", out=str(tmp_path / "taken"))
+    assert caught.value.key == "out"
+
+
+def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, tmp_path: Path):
+    out = tmp_path / "tiny.gguf"
+    done = runner_cli("export", f"checkpoint={full_checkpoint}", "format=gguf", f"out={out}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == str(out) and out.read_bytes()[:4] == b"GGUF"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+    qwen3 = tmp_path / "qwen3"
+    shutil.copytree(full_checkpoint, qwen3)
+    config = json.loads((qwen3 / "config.json").read_text())
+    (qwen3 / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForCausalLM"]}))
+    refused = runner_cli("export", f"checkpoint={qwen3}", "format=gguf")
+    assert refused.returncode == 2 and "LlamaForCausalLM" in refused.stderr
+    assert not (tmp_path / "qwen3-gguf-f16.gguf").exists()
+
+    bare = runner_cli("export", f"checkpoint={full_checkpoint}", "dtype=bf16")
+    assert bare.returncode == 2 and "write merged.dtype=bf16" in bare.stderr
+    assert runner_cli("export", "--help").stdout.startswith("runner export:")

@@ -1,0 +1,442 @@
+"""hf:// sources through the real CLI, from a hub cache built here in huggingface_hub's layout.
+
+Nothing reaches a hub: HF_HUB_OFFLINE=1 (hermetic_env), and the cache is written by hand the
+way huggingface_hub writes it (blobs/<sha256>, snapshots/<commit>/<path> -> blob, refs/main).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from huggingface_hub import constants
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from runner.errors import UserError
+from runner.families import FAMILIES, hf_config
+from runner.hub import Hub, TokenRef, default_cache_dir, localize, parse_uri
+from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
+from runner.resolve import resolve_recipe
+from runner.tokenizer import ChatTokenizer
+from tests.conftest import losses
+from tests.test_config import compose_train
+
+COMMIT = "5f3e6b2c1a0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
+MODEL = "hf://acme/tiny-llama"
+DATA = "hf://acme/words"
+SECRET = "hf_runnerTestSecretValue0123456789"
+
+
+def cache_repo(cache: Path, repo_type: str, repo_id: str, files: dict[str, bytes]) -> Path:
+    """Writes `files` into `cache` as huggingface_hub does; returns the snapshot directory."""
+    storage = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    snapshot = storage / "snapshots" / COMMIT
+    for name, data in files.items():
+        blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (storage / "refs").mkdir(exist_ok=True)
+    (storage / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def tiny_checkpoint(out_dir: Path) -> None:
+    """The tiny model's architecture as a Hugging Face checkpoint written by transformers.
+
+    Its final norm is scaled up, so that its first loss is far above a random init's.
+    """
+    builder = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "tiny.yaml").builder)
+    tokenizer = ChatTokenizer(str(TINY_TOKENIZER_DIR))
+    config = hf_config(
+        FAMILIES["llama3"],
+        builder,
+        initializer_range=0.02,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+    )
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(50.0)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_TOKENIZER_DIR / name, out_dir / name)
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, bytes]]:
+    """{(repo type, repo id): {path: content}}: a tiny model and a small instruction dataset."""
+    checkpoint = tmp_path_factory.mktemp("checkpoint")
+    tiny_checkpoint(checkpoint)
+    sample = ASSETS_DIR / "sample"
+    records = (sample / "train.jsonl").read_text().splitlines(keepends=True)
+    return {
+        ("model", "acme/tiny-llama"): {p.name: p.read_bytes() for p in checkpoint.iterdir()},
+        ("dataset", "acme/words"): {
+            "README.md": b"# words\n",
+            "sub/train.jsonl": "".join(records[:256]).encode(),
+            "sub/validation.jsonl": (sample / "validation.jsonl").read_bytes(),
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def hub_env(tmp_path_factory: pytest.TempPathFactory, hermetic_env, repos) -> dict[str, str]:
+    """hermetic_env with its own HF_HOME whose hub cache holds `repos`, and HF_TOKEN set."""
+    home = tmp_path_factory.mktemp("hf_home_filled")
+    for (repo_type, repo_id), files in repos.items():
+        cache_repo(home / "hub", repo_type, repo_id, files)
+    env = {**hermetic_env, "HF_HOME": str(home), "HF_TOKEN": SECRET}
+    env.pop("BT_RW_CACHE_DIR", None)
+    return env
+
+
+def cli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+HUB_TRAIN = [
+    f"model.source={MODEL}",
+    f"model.tokenizer={MODEL}",
+    f"dataset.source={DATA}/sub/train.jsonl",
+    "dataset.validation.source=hf://datasets/acme/words/sub/validation.jsonl",
+]
+
+
+@pytest.fixture(scope="module")
+def hub_run(tmp_path_factory: pytest.TempPathFactory, hub_env) -> tuple[Path, str]:
+    """A short `runner train` from the hub cache, offline, with a token in HF_TOKEN."""
+    cwd = tmp_path_factory.mktemp("hub_run")
+    run_dir = cwd / "run"
+    quick = [
+        "runtime.progress_bar=false",
+        "dataset.eval_samples=0",
+        "max_steps=2",
+        "batch_size=8",
+        "runtime.log_every_n_steps=1",
+        "runtime.save_every_n_steps=2",
+    ]
+    proc = cli(hub_env, cwd, "train", *HUB_TRAIN, *quick, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc.stdout + proc.stderr
+
+
+def test_train_reads_model_tokenizer_and_data_from_the_hub_cache(hub_run, hub_env) -> None:
+    run_dir, _ = hub_run
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    cache = Path(hub_env["HF_HOME"]) / "hub"
+    model_dir = cache / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    data_dir = cache / "datasets--acme--words" / "snapshots" / COMMIT / "sub"
+    assert recipe["model_source"] == str(model_dir)
+    assert recipe["tokenizer"]["path"] == str(model_dir)
+    assert recipe["dataset"]["source"] == str(data_dir / "train.jsonl")
+    assert recipe["dataset"]["validation"]["source"] == str(data_dir / "validation.jsonl")
+    assert recipe["hub_sources"] == {
+        "model.source": f"hf://acme/tiny-llama@{COMMIT}",
+        "model.tokenizer": f"hf://acme/tiny-llama@{COMMIT}",
+        "dataset.source": f"hf://acme/words@{COMMIT}/sub/train.jsonl",
+        "dataset.validation.source": f"hf://acme/words@{COMMIT}/sub/validation.jsonl",
+    }
+    assert "hf://" not in yaml.safe_dump({k: v for k, v in recipe.items() if k != "hub_sources"})
+    # The cached weights were loaded: their scaled-up final norm makes the first loss huge,
+    # where a random init starts near ln(264) = 5.6.
+    assert losses(run_dir)[1] > 8.0
+    assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").is_file()
+
+
+def test_the_token_never_lands_in_the_run_directory_or_printed_config(hub_run, hub_env) -> None:
+    run_dir, output = hub_run
+    assert SECRET not in output
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    printed = cli(hub_env, run_dir, "train", *HUB_TRAIN, "--cfg", "job", "--resolve")
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert "hf_token: env:HF_TOKEN" in printed.stdout
+    assert SECRET not in printed.stdout + printed.stderr
+
+
+def test_a_token_given_by_value_is_refused_and_never_echoed(hub_env, tmp_path: Path) -> None:
+    proc = cli(hub_env, tmp_path, "train", f"runtime.hf_token={SECRET}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: runtime.hf_token='<hidden>': give a reference to the token" in proc.stderr
+    assert SECRET not in proc.stdout + proc.stderr
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_offline_with_an_empty_cache_says_what_is_missing_and_how_to_get_it(
+    runner_cli, hermetic_env, tmp_path: Path
+) -> None:
+    overrides = ["model=llama3_2_1b", "dataset=alpaca"]  # the issue's goal line
+    empty_home = tmp_path / "empty_home"
+    out_root = tmp_path / "outputs"
+    result = runner_cli(
+        "train", *overrides, f"runtime.output_root={out_root}", env={"HF_HOME": str(empty_home)}
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    message = errors[0]
+    assert message.startswith("error: model.source='hf://meta-llama/Llama-3.2-1B-Instruct': ")
+    missing = (
+        f"the model repo meta-llama/Llama-3.2-1B-Instruct is not in the cache {empty_home}/hub"
+    )
+    assert missing in message
+    assert "nor is the dataset repo tatsu-lab/alpaca (dataset.source)" in message
+    assert "HF_HUB_OFFLINE=1" in message
+    command = " ".join(["runner download", *overrides, f"runtime.output_root={out_root}"])
+    assert f"`{command}`" in message
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_local_source_passes_through_if_it_exists(tmp_path: Path) -> None:
+    hub = Hub(tmp_path / "hub", TokenRef(None), (), "runner download")
+    assert hub.local_path(str(tmp_path), key="model.source", repo_type="model") == tmp_path
+    with pytest.raises(UserError, match="model.tokenizer='.*/nope': no such file or directory"):
+        hub.local_path(str(tmp_path / "nope"), key="model.tokenizer", repo_type="model")
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        ("hf://onlyorg", "give hf://org/repo"),
+        ("hf://org/", "give hf://org/repo"),
+        ("hf://org/name/../x", "give hf://org/repo"),
+        ("hf://org/name@/x", "the revision after @ is empty"),
+        ("hf://org/na me", "is not a hub repo id"),
+        ("hf://models/org/name", "names a model repo; give a dataset repo"),
+    ],
+)
+def test_malformed_uris(uri: str, expected: str) -> None:
+    with pytest.raises(UserError, match="dataset.source=") as raised:
+        parse_uri(uri, key="dataset.source", repo_type="dataset")
+    assert expected in str(raised.value)
+
+
+def test_uris_name_a_repo_a_revision_and_a_path() -> None:
+    found = parse_uri("hf://tatsu-lab/alpaca@v2/data/train.parquet", key="k", repo_type="dataset")
+    assert (found.repo_id, found.revision, found.path) == (
+        "tatsu-lab/alpaca",
+        "v2",
+        "data/train.parquet",
+    )
+    found = parse_uri("hf://datasets/tatsu-lab/alpaca/data", key="k", repo_type="dataset")
+    assert (found.repo_id, found.revision, found.path) == ("tatsu-lab/alpaca", None, "data")
+    assert found.pinned("abc") == "hf://tatsu-lab/alpaca@abc/data"
+
+
+def test_a_dry_run_resolves_what_is_cached_and_fetches_nothing(
+    repos, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # belt and braces: no hub in-process
+    cache = tmp_path / "hub"
+    for (repo_type, repo_id), files in repos.items():
+        cache_repo(cache, repo_type, repo_id, files)
+    absent = "hf://acme/absent/train.jsonl"
+    cfg = compose_train(
+        [f"model.source={MODEL}", f"dataset.source={absent}", f"runtime.cache_dir={cache}"]
+    )
+    local, pinned = localize(cfg, Hub.from_runtime(cfg.runtime, []), only_cached=True)
+    assert local.model.source == str(cache / "models--acme--tiny-llama" / "snapshots" / COMMIT)
+    assert local.dataset.source == absent and cfg.model.source == MODEL
+    assert pinned == {"model.source": f"hf://acme/tiny-llama@{COMMIT}"}
+    with pytest.raises(UserError, match="dataset repo acme/absent is not in the cache"):
+        localize(cfg, Hub.from_runtime(cfg.runtime, []))
+
+
+def test_estimate_leaves_an_uncached_model_on_the_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    source = "hf://acme/not-downloaded"
+    cfg = compose_train([f"model.source={source}", f"runtime.cache_dir={tmp_path}"])
+    recipe = resolve_recipe(cfg, tmp_path, fetch=False)
+    assert recipe["model_source"] == source and recipe["hub_sources"] == {}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cache_is_baseten_s_project_cache_else_hugging_face_s(monkeypatch) -> None:
+    monkeypatch.setenv("BT_RW_CACHE_DIR", "/root/.cache/user_artifacts")
+    assert default_cache_dir() == "/root/.cache/user_artifacts/huggingface/hub"
+    monkeypatch.delenv("BT_RW_CACHE_DIR")
+    assert default_cache_dir() == constants.HF_HUB_CACHE
+
+
+def test_token_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_file = tmp_path / "hf_token"
+    secret_file.write_text(SECRET + "\n")
+    assert TokenRef.parse(f"file:{secret_file}").read() == SECRET
+    monkeypatch.setenv("MY_HUB_TOKEN", SECRET)
+    assert TokenRef.parse("env:MY_HUB_TOKEN").read() == SECRET
+    missing = TokenRef.parse("env:NO_SUCH_VARIABLE_HERE")
+    assert missing.read() is None and "NO_SUCH_VARIABLE_HERE is not set" in missing.state()
+    for raw in (SECRET, "env:", "vault:x"):
+        with pytest.raises(UserError) as raised:
+            TokenRef.parse(raw)
+        assert SECRET not in str(raised.value)
+
+
+class LoopbackHub(BaseHTTPRequestHandler):
+    """The few hub routes snapshot_download uses, on 127.0.0.1, with the hub's error headers.
+
+    huggingface_hub itself turns its answers into files in the cache or into its own
+    GatedRepoError / RepositoryNotFoundError; the tests never reach the real hub.
+    """
+
+    repos: dict[tuple[str, str], dict[str, bytes]] = {}
+    authorizations: list[str | None] = []
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        self.authorizations.append(self.headers.get("authorization"))
+        path = self.path.split("?")[0]
+        for (repo_type, repo_id), files in self.repos.items():
+            plural = f"{repo_type}s"
+            web = "" if repo_type == "model" else f"/{plural}"
+            if path == f"/api/{plural}/{repo_id}/revision/main":
+                return self._json({"id": repo_id, "sha": COMMIT})
+            if path == f"/api/{plural}/{repo_id}/tree/{COMMIT}":
+                return self._json(
+                    [
+                        {"type": "file", "path": name, "size": len(data), "oid": _git_oid(data)}
+                        for name, data in files.items()
+                    ]
+                )
+            if path.startswith(f"/api/{plural}/{repo_id}/revision/"):
+                return self._send(404, b"{}", {"X-Error-Code": "RevisionNotFound"})
+            prefix = f"{web}/{repo_id}/resolve/{COMMIT}/"
+            if path.startswith(prefix) and path[len(prefix) :] in files:
+                data = files[path[len(prefix) :]]
+                return self._send(200, data, {"X-Repo-Commit": COMMIT, "ETag": _git_oid(data)})
+        if "/acme/gated" in path:
+            return self._send(403, b"{}", {"X-Error-Code": "GatedRepo"})
+        return self._send(404, b"{}", {"X-Error-Code": "RepoNotFound"})
+
+    def _json(self, body: object) -> None:
+        self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _git_oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def online_env(hermetic_env, repos) -> Iterator[dict[str, str]]:
+    """hermetic_env online, against a loopback hub that serves `repos` and a gated repo."""
+    LoopbackHub.repos = {
+        **repos,
+        ("model", "acme/tiny-llama"): {
+            **repos[("model", "acme/tiny-llama")],
+            "original/consolidated.00.pth": b"weights in another format",
+        },
+    }
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LoopbackHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    env = {
+        **hermetic_env,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+    }
+    env.pop("HF_TOKEN", None)
+    yield env
+    server.shutdown()
+
+
+def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: Path) -> None:
+    home, token_file = tmp_path / "hf_home", tmp_path / "secrets" / "hf_token"
+    token_file.parent.mkdir()
+    token_file.write_text(SECRET + "\n")
+    env = {**online_env, "HF_HOME": str(home)}
+    model = [f"model.source={MODEL}", f"model.tokenizer={MODEL}"]
+    LoopbackHub.authorizations.clear()
+    fetched = cli(
+        env,
+        tmp_path,
+        "download",
+        *model,
+        f"dataset.source={DATA}/sub",  # a directory of the repo
+        f"runtime.hf_token=file:{token_file}",
+    )
+    assert fetched.returncode == 0, fetched.stderr[-2000:]
+    snapshot = home / "hub" / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    data = home / "hub" / "datasets--acme--words" / "snapshots" / COMMIT
+    assert f"-> {snapshot}\n" in fetched.stdout and f"-> {data / 'sub'}\n" in fetched.stdout
+    assert (snapshot / "model.safetensors").is_symlink()
+    served = LoopbackHub.repos[("model", "acme/tiny-llama")]
+    assert (snapshot / "config.json").read_bytes() == served["config.json"]
+    assert not (snapshot / "original").exists()  # runtime.hub_model_ignore_patterns
+    assert (data / "sub" / "validation.jsonl").is_file() and not (data / "README.md").exists()
+    assert set(LoopbackHub.authorizations) == {f"Bearer {SECRET}"}
+    assert SECRET not in fetched.stdout + fetched.stderr
+    offline = cli({**env, "HF_HUB_OFFLINE": "1"}, tmp_path, "validate", *model, HUB_TRAIN[2])
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    weights = f"{snapshot} (llama3) from hf://acme/tiny-llama@{COMMIT}"
+    assert f"ok  weights    {weights}" in offline.stdout
+    train = f"{data / 'sub' / 'train.jsonl'} [train] from hf://acme/words@{COMMIT}/sub/train.jsonl"
+    assert f"ok  train      {train} (256 records)" in offline.stdout
+
+
+def test_a_gated_repo_says_how_to_get_access(online_env, tmp_path: Path) -> None:
+    env = {**online_env, "HF_HOME": str(tmp_path / "hf_home")}
+    out_root = tmp_path / "outputs"
+    overrides = ["model.source=hf://acme/gated", f"runtime.output_root={out_root}"]
+    result = cli(env, tmp_path, "train", *overrides)
+    assert result.returncode == 2, result.stderr[-2000:]
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: model.source='hf://acme/gated': acme/gated is gated and ")
+    assert "no token was given (runtime.hf_token=env:HF_TOKEN, and HF_TOKEN is not set)" in message
+    assert f"accept its licence at {online_env['HF_ENDPOINT']}/acme/gated" in message
+    assert f"`runner download {' '.join(overrides)}`" in message
+    assert not out_root.exists() or [p for p in out_root.rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("hf://acme/nope", "the hub has no dataset repo acme/nope, or it is private"),
+        (f"{DATA}/sub/test.jsonl", "acme/words has no file or directory 'sub/test.jsonl'"),
+        (f"{DATA}@v9/sub/train.jsonl", "acme/words has no revision 'v9'"),
+    ],
+)
+def test_a_missing_repo_or_file_is_named(online_env, tmp_path: Path, source, expected) -> None:
+    env = {**online_env, "HF_HOME": str(tmp_path / "hf_home")}
+    result = cli(env, tmp_path, "download", f"dataset.source={source}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"error: dataset.source='{source}': {expected}" in result.stderr
