@@ -16,9 +16,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
+from runner.families import hf_to_tune, tune_to_hf
 from runner.preflight import estimate
 from runner.resolve import resolve_recipe
-from runner.tune import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
+from runner.tune import peft_to_tune, tune_to_peft
 from tests.conftest import QUICK, losses
 from tests.test_config import compose_train
 from tests.test_resume import straight_then_resumed
