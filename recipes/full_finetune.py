@@ -110,7 +110,8 @@ class FullFinetuneRecipe:
         self.model = self._build_model()
         # Every rank built the same initial weights; randomness from here on is per rank.
         torch.manual_seed(cfg.seed + self.rank)
-        self.optimizer = instantiate(cfg.optimizer, self.model.parameters())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = instantiate(cfg.optimizer, trainable)
         self.lr_scheduler = self._build_lr_scheduler()
         self.loss_fn = instantiate(cfg.loss)
         if hasattr(self.loss_fn, "num_output_chunks"):
@@ -131,6 +132,10 @@ class FullFinetuneRecipe:
             init_like_hf(model, cfg.initializer_range)
         if cfg.model_source is not None:
             model.load_state_dict(read_model_state(Path(cfg.model_source)))
+        return self._prepare_model(model)
+
+    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Activation checkpointing, FSDP2 sharding over the ranks and compilation, as set."""
         if self.training.activation_checkpointing:
             set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
         if self.world_size > 1:
@@ -219,6 +224,9 @@ class FullFinetuneRecipe:
                 batch_size=self.training.batch_size,
                 sampler=indices[start:],
                 collate_fn=self._collate,
+                # Its own generator: a new iterator draws a seed from it, and drawing from the
+                # global RNG would shift dropout after a resume (which restores that RNG).
+                generator=torch.Generator(),
             )
             group = []
             for batch in loader:
@@ -300,7 +308,7 @@ class FullFinetuneRecipe:
     def save_checkpoint(self) -> None:
         """Gathers full weights and optimizer state (every rank joins), rank 0 writes them."""
         self._status("checkpointing", step=self.step, total_steps=self.total_steps)
-        model_state = get_model_state_dict(self.model, options=FULL)
+        model_state = self._gather_model_state()
         optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         rng_per_rank = [None] * self.world_size
@@ -324,15 +332,7 @@ class FullFinetuneRecipe:
                 "best": self.best,
             }
             tmp = self.run.fresh_checkpoint_tmp(self.step)
-            write_checkpoint(
-                tmp,
-                model_state={k: v.to(torch.float32) for k, v in model_state.items()},
-                hf_config=OmegaConf.to_container(self.cfg.hf_config),
-                tokenizer_dir=Path(self.cfg.tokenizer.path),
-                training_state=training_state,
-                stop_token_ids=self.tokenizer.stop_tokens,
-                source_dir=Path(self.cfg.model_source) if self.cfg.model_source else None,
-            )
+            self._write_checkpoint(tmp, model_state, training_state)
             final = self.run.commit_checkpoint(
                 tmp,
                 self.step,
@@ -344,10 +344,30 @@ class FullFinetuneRecipe:
             dist.barrier()
         self._status("running", step=self.step, total_steps=self.total_steps, **self._best_field())
 
-    def _load_training_state(self, checkpoint: Path) -> None:
-        state = read_training_state(checkpoint)
+    def _gather_model_state(self) -> dict[str, Any]:
+        """Full weights on the CPU of every rank (every rank joins)."""
+        return get_model_state_dict(self.model, options=FULL)
+
+    def _write_checkpoint(
+        self, out_dir: Path, model_state: dict[str, Any], training_state: dict[str, Any]
+    ) -> None:
+        write_checkpoint(
+            out_dir,
+            model_state={k: v.to(torch.float32) for k, v in model_state.items()},
+            hf_config=OmegaConf.to_container(self.cfg.hf_config),
+            tokenizer_dir=Path(self.cfg.tokenizer.path),
+            training_state=training_state,
+            stop_token_ids=self.tokenizer.stop_tokens,
+            source_dir=Path(self.cfg.model_source) if self.cfg.model_source else None,
+        )
+
+    def _load_model_weights(self, checkpoint: Path) -> None:
         model_state = {k: v.to(self.dtype) for k, v in read_model_state(checkpoint).items()}
         set_model_state_dict(self.model, model_state, options=FULL)
+
+    def _load_training_state(self, checkpoint: Path) -> None:
+        state = read_training_state(checkpoint)
+        self._load_model_weights(checkpoint)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step = state["step"]
@@ -500,7 +520,9 @@ def _log_to_file(path: Path) -> None:
     log.setLevel(logging.INFO)
 
 
-def run(recipe_path: str | Path) -> dict[str, Any]:
+def run(
+    recipe_path: str | Path, recipe_class: type[FullFinetuneRecipe] = FullFinetuneRecipe
+) -> dict[str, Any]:
     """Runs the recipe at `recipe_path` in this process (one of several under torchrun)."""
     cfg = OmegaConf.load(recipe_path)
     if cfg.runtime.deterministic:
@@ -516,7 +538,7 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
     if cfg.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    recipe = FullFinetuneRecipe(cfg)
+    recipe = recipe_class(cfg)
     heartbeat = Heartbeat(recipe.run) if recipe.is_rank_zero else None
     if recipe.is_rank_zero:
         _log_to_file(recipe.run.path / LOG_FILE)

@@ -11,8 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runner.families import hf_to_tune, read_config, tune_to_hf
+from runner.tune import peft_to_tune, tune_to_peft
 
 MODEL_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 # A hub repo's weights in several files, listed by this index.
 SHARDED_INDEX = "model.safetensors.index.json"
 TRAINING_STATE_FILE = "training_state.pt"
@@ -43,9 +46,31 @@ def write_checkpoint(
     A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json.
     """
     out_dir.mkdir(parents=True, exist_ok=False)
+    write_hf_model(out_dir, model_state, hf_config)
+    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids, source_dir)
+    torch.save(training_state, out_dir / TRAINING_STATE_FILE)
+
+
+def write_hf_model(
+    out_dir: Path, model_state: dict[str, torch.Tensor], hf_config: dict[str, Any]
+) -> None:
+    """config.json and model.safetensors in Hugging Face names and layouts."""
     hf_state = {k: v.contiguous() for k, v in tune_to_hf(model_state, hf_config).items()}
     save_file(hf_state, str(out_dir / MODEL_FILE), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def write_model_files(
+    out_dir: Path,
+    hf_config: dict[str, Any],
+    tokenizer_dir: Path,
+    stop_token_ids: list[int],
+    source_dir: Path | None = None,
+) -> None:
+    """What every checkpoint holds beside its weights: generation config and tokenizer files.
+
+    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json.
+    """
     if source_dir is not None and (source_dir / GENERATION_CONFIG).is_file():
         shutil.copy2(source_dir / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
     else:
@@ -58,7 +83,49 @@ def write_checkpoint(
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, out_dir / name)
+
+
+def write_lora_checkpoint(
+    out_dir: Path,
+    *,
+    adapter_state: dict[str, torch.Tensor],
+    adapter_config: dict[str, Any],
+    hf_config: dict[str, Any],
+    tokenizer_dir: Path,
+    training_state: dict[str, Any],
+    stop_token_ids: list[int],
+    merged_state: dict[str, torch.Tensor] | None,
+    source_dir: Path | None = None,
+) -> None:
+    """A PEFT adapter (adapter_config.json, adapter_model.safetensors) that peft loads onto the
+    base named by adapter_config's base_model_name_or_path; with `merged_state`, also the merged
+    weights as config.json + model.safetensors."""
+    out_dir.mkdir(parents=True, exist_ok=False)
+    peft_state = {k: v.contiguous() for k, v in tune_to_peft(adapter_state, hf_config).items()}
+    save_file(peft_state, str(out_dir / ADAPTER_FILE), metadata={"format": "pt"})
+    (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n")
+    if merged_state is not None:
+        write_hf_model(out_dir, merged_state, hf_config)
+    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids, source_dir)
     torch.save(training_state, out_dir / TRAINING_STATE_FILE)
+
+
+def write_base_model(
+    out_dir: Path,
+    *,
+    model_state: dict[str, torch.Tensor],
+    hf_config: dict[str, Any],
+    tokenizer_dir: Path,
+    stop_token_ids: list[int],
+) -> None:
+    """A whole Hugging Face model directory, written under a temporary name and renamed."""
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write_hf_model(tmp, model_state, hf_config)
+    write_model_files(tmp, hf_config, tokenizer_dir, stop_token_ids)
+    tmp.rename(out_dir)
 
 
 def weight_files(checkpoint_dir: Path) -> list[Path]:
@@ -80,3 +147,8 @@ def read_model_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 def read_training_state(checkpoint_dir: Path) -> dict[str, Any]:
     """Loads optimizer, scheduler, position and RNG state with weights_only (no code runs)."""
     return torch.load(checkpoint_dir / TRAINING_STATE_FILE, weights_only=True)
+
+
+def read_adapter_state(checkpoint_dir: Path, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Loads a PEFT adapter of this run's model in torchtune's names (safetensors: no code runs)."""
+    return peft_to_tune(load_file(str(checkpoint_dir / ADAPTER_FILE)), hf_config)

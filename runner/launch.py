@@ -9,6 +9,7 @@ whole group (up to `launch.max_restarts`), which resumes from the latest whole c
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import signal
@@ -19,7 +20,6 @@ from typing import Any
 from runner import platforms
 from runner.rundir import RunDir
 
-RECIPE_MODULE = "runner.recipes.full_finetune"
 # The exit status of a run stopped by SIGTERM after saving (128 + SIGTERM), as shells report it.
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
@@ -41,9 +41,8 @@ def launch(recipe: dict[str, Any], recipe_path: Path) -> dict[str, Any] | None:
         platforms.detect(spec["platform"]).describe(),
     )
     if nnodes * nproc_per_node == 1 and spec["max_restarts"] == 0:
-        from runner.recipes.full_finetune import run
-
-        return run(recipe_path)
+        # The recipe module resolve picked for the method (runner.resolve.RECIPES).
+        return importlib.import_module(recipe["recipe"]).run(recipe_path)
     _elastic_launch(recipe, recipe_path)
     return None
 
@@ -87,7 +86,7 @@ def _elastic_launch(recipe: dict[str, Any], recipe_path: Path) -> None:
     # store per attempt, hosted by rank 0, starts each attempt clean.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
+        elastic_launch(config, entrypoint=sys.executable)("-m", recipe["recipe"], str(recipe_path))
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
         name = signal.Signals(err.sigval).name

@@ -23,6 +23,8 @@ from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 
 BYTES = {"fp32": 4, "bf16": 2}
+# torchao's NF4: 4 bits a weight, an int8 scaler per 64 weights, an fp32 one per 256 scalers.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 # Hydra writes nothing for these commands: no run directory, no log file.
 NO_OUTPUT = [
     "hydra.output_subdir=null",
@@ -85,6 +87,7 @@ class Estimate:
     """What a run will need per device, and how much data an epoch is."""
 
     parameters: int
+    trainable_parameters: int
     world_size: int
     weights_bytes: int
     gradients_bytes: int
@@ -109,17 +112,43 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
     """Parameter count (built on the meta device), memory per device and tokens per epoch.
 
     Weights, gradients and AdamW's two moments are in the training dtype and sharded over the
-    world (FSDP2); activations follow Korthikanti et al. (2022) for the longest sample in a
-    full batch, with layer inputs only under activation checkpointing, plus the fp32 logits.
+    world (FSDP2); with LoRA, gradients and moments are the adapters' only, and with QLoRA the
+    base projections take NF4's ~4.1 bits a weight. Activations follow Korthikanti et al.
+    (2022) for the longest sample in a full batch, with layer inputs only under activation
+    checkpointing, plus the fp32 logits.
     """
     with torch.device("meta"):
         model = instantiate(OmegaConf.create(recipe["model"]))
     parameters = sum(p.numel() for p in model.parameters())
     world = recipe["nproc_per_node"] * recipe["nnodes"]
     width = BYTES[recipe["dtype"]]
-    shard = parameters * width // world
+    trainable, weights_bytes = parameters, parameters * width
+    method = recipe["method"]
+    if method["name"] != "full":
+        trainable = _adapter_parameters(recipe["model"], method["builder"])
+        quantized = 0
+        if method["builder"]["quantize_base"]:
+            quantized = sum(
+                p.numel()
+                for name, p in model.layers.named_parameters()
+                if p.dim() == 2 and (".attn." in name or ".mlp." in name)
+            )
+        weights_bytes = int((parameters - quantized + trainable) * width + quantized * NF4_BYTES)
+        parameters += trainable
+    shard = trainable * width // world
     if recipe["tokenizer"] is None:
-        return Estimate(parameters, world, shard, shard, 2 * shard, None, None, None, None)
+        return Estimate(
+            parameters,
+            trainable,
+            world,
+            weights_bytes // world,
+            shard,
+            2 * shard,
+            None,
+            None,
+            None,
+            None,
+        )
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
     train = train_dataset(recipe["dataset"], tokenizer)
     lengths = [len(sample["tokens"]) for sample in train]
@@ -133,8 +162,9 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
     global_batch = batch * world * training["gradient_accumulation_steps"]
     return Estimate(
         parameters=parameters,
+        trainable_parameters=trainable,
         world_size=world,
-        weights_bytes=shard,
+        weights_bytes=weights_bytes // world,
         gradients_bytes=shard,
         optimizer_bytes=2 * shard,
         activations_bytes=int(activations + logits),
@@ -142,6 +172,13 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         longest_sample=seq,
         steps_per_epoch=len(lengths) // global_batch,
     )
+
+
+def _adapter_parameters(builder: dict[str, Any], lora: dict[str, Any]) -> int:
+    """The parameters of the LoRA adapters the method adds to the model (built on meta)."""
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create({**builder, **lora, "quantize_base": False}))
+    return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
 
 
 def _gib(n: int) -> str:
@@ -153,6 +190,11 @@ def print_estimate(recipe: dict[str, Any], found: Estimate) -> None:
         f"model          {found.parameters:,} parameters, {recipe['dtype']}, "
         f"{recipe['device']} x {found.world_size}"
     )
+    if found.trainable_parameters != found.parameters:
+        print(
+            f"trained        {found.trainable_parameters:,} adapter parameters "
+            f"(method={recipe['method']['name']})"
+        )
     print(f"weights        {_gib(found.weights_bytes)} per device")
     print(f"gradients      {_gib(found.gradients_bytes)} per device")
     print(f"optimizer      {_gib(found.optimizer_bytes)} per device (AdamW, two moments)")

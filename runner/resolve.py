@@ -130,6 +130,113 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
+# The recipe module that trains each method.
+RECIPES = {
+    "full": "runner.recipes.full_finetune",
+    "lora": "runner.recipes.lora_finetune",
+    "qlora": "runner.recipes.lora_finetune",
+}
+LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+# torchao's NF4: blocks of 64 weights, their scalers quantized again in blocks of 256.
+NF4_WEIGHTS_PER_BLOCK = 64 * 256
+
+
+def resolve_method(
+    method: DictConfig, model_name: str, model: dict[str, Any], run_dir: Path, world_size: int
+) -> dict[str, Any]:
+    """The method section of the recipe: for LoRA, the builder arguments and the base's home."""
+    if method.name not in RECIPES:
+        raise UserError("method.name", method.name, f"choose one of: {', '.join(RECIPES)}")
+    if method.name == "full":
+        return {"name": "full"}
+    builder, lora_builder = model["model"], model["lora_builder"]
+    if not lora_builder:
+        raise UserError(
+            "model.lora_builder",
+            lora_builder,
+            f"model={model_name} names no LoRA builder: add the dotted path of torchtune's "
+            "LoRA twin of its builder (e.g. torchtune.models.llama3_2.lora_llama3_2), or use "
+            "method=full",
+        )
+    modules = method.lora_attn_modules
+    if not OmegaConf.is_list(modules) or len(set(modules)) != len(modules):
+        raise UserError(
+            "method.lora_attn_modules",
+            modules,
+            f"give a list of distinct names among {LORA_ATTN_MODULES}",
+        )
+    for name in modules:
+        if name not in LORA_ATTN_MODULES:
+            raise UserError(
+                "method.lora_attn_modules",
+                list(modules),
+                f"{name!r} is not an attention projection; choose among "
+                f"{', '.join(LORA_ATTN_MODULES)}",
+            )
+    apply_to_mlp = _bool(method.apply_lora_to_mlp, "method.apply_lora_to_mlp")
+    if not modules and not apply_to_mlp:
+        raise UserError(
+            "method.lora_attn_modules",
+            [],
+            "name at least one projection, or set method.apply_lora_to_mlp=true",
+        )
+    apply_to_output = _bool(method.apply_lora_to_output, "method.apply_lora_to_output")
+    if apply_to_output and builder.get("tie_word_embeddings"):
+        raise UserError(
+            "method.apply_lora_to_output",
+            True,
+            f"model={model_name} ties its output projection to the embeddings, which LoRA cannot "
+            "adapt; leave it false",
+        )
+    quantize_base = _bool(method.quantize_base, "method.quantize_base")
+    if quantize_base:
+        _check_nf4_shapes(builder, world_size)
+    dropout = _float(method.dropout, "method.dropout", False)
+    if dropout >= 1:
+        raise UserError("method.dropout", dropout, "give a probability in [0, 1)")
+    source = model["model_source"]
+    base_model_dir = run_dir / "base_model" if source is None else Path(source)
+    return {
+        "name": method.name,
+        "builder": {
+            "_component_": lora_builder,
+            "lora_attn_modules": list(modules),
+            "apply_lora_to_mlp": apply_to_mlp,
+            "apply_lora_to_output": apply_to_output,
+            "lora_rank": _int(method.rank, "method.rank", 1),
+            "lora_alpha": _float(method.alpha, "method.alpha", True),
+            "lora_dropout": dropout,
+            "quantize_base": quantize_base,
+        },
+        # The Hugging Face base the adapter loads onto (adapter_config.json names it).
+        "base_model_dir": str(base_model_dir.resolve()),
+        "save_merged": _bool(method.save_merged, "method.save_merged"),
+    }
+
+
+def _check_nf4_shapes(builder: dict[str, Any], world_size: int) -> None:
+    """NF4 quantizes whole blocks only: every base projection needs a multiple of 16384 weights,
+    and of 16384 x world size when FSDP2 shards it over the ranks."""
+    embed, head_dim = builder["embed_dim"], builder["embed_dim"] // builder["num_heads"]
+    shapes = {
+        "model.builder.embed_dim": embed * embed,
+        "model.builder.num_kv_heads": builder["num_kv_heads"] * head_dim * embed,
+        "model.builder.intermediate_dim": (builder.get("intermediate_dim") or 0) * embed,
+    }
+    block = NF4_WEIGHTS_PER_BLOCK * world_size
+    over = f" ({NF4_WEIGHTS_PER_BLOCK} x {world_size} processes)" if world_size > 1 else ""
+    for key, weights in shapes.items():
+        if weights % block:
+            raise UserError(
+                key,
+                builder[key.rpartition(".")[2]],
+                f"method=qlora quantizes each base projection to NF4 in blocks of {block} "
+                f"weights{over}, and this one has {weights}; pick a size that makes it a "
+                "multiple (e.g. model.builder.num_kv_heads=8 for model=tiny in one process), "
+                "or use method=lora",
+            )
+
+
 def _training(cfg: DictConfig) -> dict[str, Any]:
     return {
         "max_steps": _int(cfg.max_steps, "max_steps", 1, allow_none=True),
@@ -377,13 +484,13 @@ def resolve_recipe(
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
     launch = resolve_launch(cfg.compute, nnodes)
     optimizer, schedule = _optimizer(cfg.optimizer)
-    if cfg.method.name != "full":
-        raise UserError("method", cfg.method.name, "only method=full is available")
     training, runtime = _training(cfg), _runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.
     hub = Hub.from_runtime(cfg.runtime, list(overrides))
     cfg, hub_sources = localize(cfg, hub, only_cached=not fetch)
     model = resolve_model(cfg.model, need_files=fetch)
+    dtype = resolve_dtype(cfg.dtype.name, device)
+    method = resolve_method(cfg.method, cfg.model.name, model, run_dir, nnodes * nproc_per_node)
     dataset = _dataset(cfg.dataset, model["model"]["max_seq_len"])
     if model["tokenizer"] is not None:
         # Samples are cut at dataset.max_seq_len (the model's when null).
@@ -393,7 +500,9 @@ def resolve_recipe(
         "run_dir": str(run_dir.resolve()),
         "seed": _int(cfg.seed, "seed", 0),
         "device": device,
-        "dtype": resolve_dtype(cfg.dtype.name, device),
+        "dtype": dtype,
+        "recipe": RECIPES[method["name"]],
+        "method": method,
         "nproc_per_node": nproc_per_node,
         "nnodes": nnodes,
         "launch": launch,

@@ -20,6 +20,8 @@ from runner.resolve import resolve_recipe
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF_DIR / g).glob("*.yaml"))]
 NEEDS_CUDA = {("compute", "gpu"), ("compute", "multi_gpu")}
+# model=tiny's k/v projections hold half an NF4 block (tests/test_lora.py checks the message).
+NEEDS_OVERRIDES = {("method", "qlora"): ["model.builder.num_kv_heads=8"]}
 
 
 def compose_train(overrides: list[str]):
@@ -41,7 +43,8 @@ def test_option_composes_and_resolves(
     # Offline, with an empty cache: tests never reach the hub.
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     cache = f"runtime.cache_dir={tmp_path / 'hub'}"
-    cfg = compose_train([f"{group}={option}", *local, cache])
+    extra = NEEDS_OVERRIDES.get((group, option), [])
+    cfg = compose_train([f"{group}={option}", *local, cache, *extra])
     if (group, option) in NEEDS_CUDA and not torch.cuda.is_available():
         with pytest.raises(UserError) as err:
             resolve_recipe(cfg, tmp_path)
@@ -118,6 +121,8 @@ def test_non_editable_install_finds_configs_recipes_and_assets(tmp_path: Path) -
         "runner/conf/train.yaml",
         "runner/conf/model/tiny.yaml",
         "runner/recipes/full_finetune.py",
+        "runner/recipes/lora_finetune.py",
+        "runner/conf/method/qlora.yaml",
         "runner/deploy/__init__.py",
         "runner/deploy/server.py",
         "runner/assets/sample/train.jsonl",

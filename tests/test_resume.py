@@ -12,14 +12,15 @@ from tests.conftest import QUICK, losses
 N = 6
 
 
-def straight_then_resumed(runner_cli, tmp_path: Path, *extra: str) -> tuple[dict, dict]:
+def straight_then_resumed(runner_cli, tmp_path: Path, *extra: str, n: int = N) -> tuple[dict, dict]:
+    """Losses of 2n steps straight, and of the same run cut at its step-n checkpoint, resumed."""
     straight = tmp_path / "straight"
     result = runner_cli(
         "train",
         *QUICK,
         *extra,
-        f"max_steps={2 * N}",
-        f"runtime.save_every_n_steps={N}",
+        f"max_steps={2 * n}",
+        f"runtime.save_every_n_steps={n}",
         "runtime.log_every_n_steps=1",
         "dataset.eval_samples=0",
         "gradient_accumulation_steps=2",
@@ -30,12 +31,12 @@ def straight_then_resumed(runner_cli, tmp_path: Path, *extra: str) -> tuple[dict
     # The same run killed right after its step-N checkpoint: drop what came later.
     interrupted = tmp_path / "interrupted"
     shutil.copytree(straight, interrupted)
-    shutil.rmtree(interrupted / "checkpoints" / f"step_{2 * N}")
+    shutil.rmtree(interrupted / "checkpoints" / f"step_{2 * n}")
     recipe = (interrupted / "recipe.yaml").read_text().replace(str(straight), str(interrupted))
     (interrupted / "recipe.yaml").write_text(recipe)
     result = runner_cli("train", f"resume={interrupted}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resuming from {interrupted / 'checkpoints' / f'step_{N}'}" in result.stderr
+    assert f"resuming from {interrupted / 'checkpoints' / f'step_{n}'}" in result.stderr
     return losses(straight), losses(interrupted)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,10 @@ from runner.errors import UserError
 
 # The options of the `dtype` config group (conf/dtype/), shared with `runner train`.
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,13 +45,31 @@ def load_tokenizer(checkpoint_dir: Path) -> Any:
         ) from error
 
 
+def lora_base_dir(checkpoint_dir: Path) -> Path | None:
+    """The base model directory a LoRA checkpoint's adapter_config.json names, else None."""
+    path = checkpoint_dir / ADAPTER_CONFIG
+    if not path.is_file():
+        return None
+    base = json.loads(path.read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise UserError(
+            "checkpoint",
+            str(checkpoint_dir),
+            f"its LoRA adapter names the base model {base!r}, which is not a local directory "
+            "with config.json; restore that directory (RUN/base_model/ for a random-init base) "
+            f"or set base_model_name_or_path in {ADAPTER_CONFIG}",
+        )
+    return Path(base)
+
+
 def model_context_length(checkpoint_dir: Path, max_model_len: int | None) -> int:
     """Tokens of context to allow: the model's own, or less when `limits.max_model_len` says so."""
     from transformers import AutoConfig
 
+    config_dir = lora_base_dir(checkpoint_dir) or checkpoint_dir
     try:
         config = AutoConfig.from_pretrained(
-            checkpoint_dir, local_files_only=True, trust_remote_code=False
+            config_dir, local_files_only=True, trust_remote_code=False
         )
     except (OSError, ValueError) as error:
         raise UserError(
@@ -74,13 +98,16 @@ def load_checkpoint(
     context = model_context_length(checkpoint_dir, max_model_len)
     tokenizer = load_tokenizer(checkpoint_dir)
     torch_device = resolve_device(device)
+    base_dir = lora_base_dir(checkpoint_dir)
     model = AutoModelForCausalLM.from_pretrained(
-        checkpoint_dir,
+        base_dir or checkpoint_dir,
         dtype=resolve_dtype(dtype, torch_device),
         use_safetensors=True,
         trust_remote_code=False,
         local_files_only=True,
     )
+    if base_dir is not None:
+        model = _merge_adapter(model, checkpoint_dir)
     model.to(torch_device).eval()
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -89,17 +116,35 @@ def load_checkpoint(
     return LoadedModel(model, tokenizer, frozenset(eos_ids), context)
 
 
-def check_servable(checkpoint_dir: Path) -> None:
-    """Refuse what no engine may load: pickled weights, and (for now) LoRA adapters."""
-    # LoRA checkpoints (adapter_config.json + adapter_model.safetensors naming a base model) are
-    # the next kind to serve: load_checkpoint loads the base the same way, then the adapter.
-    if (checkpoint_dir / "adapter_config.json").is_file():
-        raise UserError(
-            "checkpoint",
-            str(checkpoint_dir),
-            "this is a LoRA adapter, which deploy does not serve yet: export a merged "
-            "checkpoint and serve that",
-        )
+def _merge_adapter(base: Any, checkpoint_dir: Path) -> Any:
+    """The base with a LoRA checkpoint's PEFT adapter merged in (its rank from the config)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base, checkpoint_dir, is_trainable=False)
+    config = model.peft_config["default"]
+    log.info("merging the LoRA adapter of %s (rank %d) into its base", checkpoint_dir, config.r)
+    return model.merge_and_unload()
+
+
+def check_servable(checkpoint_dir: Path, engine: str = "transformers") -> None:
+    """Refuse what an engine may not load: pickled weights; adapters without their weights; and
+    for vLLM, an adapter without merged weights."""
+    if (checkpoint_dir / ADAPTER_CONFIG).is_file():
+        if not (checkpoint_dir / ADAPTER_WEIGHTS).is_file():
+            raise UserError(
+                "checkpoint",
+                str(checkpoint_dir),
+                f"a LoRA checkpoint without {ADAPTER_WEIGHTS}; serve a whole checkpoint",
+            )
+        lora_base_dir(checkpoint_dir)
+        if engine == "vllm" and not (checkpoint_dir / "model.safetensors").is_file():
+            raise UserError(
+                "checkpoint",
+                str(checkpoint_dir),
+                "engine=vllm serves LoRA checkpoints with merged weights only: train with "
+                "method.save_merged=true, or serve it with engine=transformers",
+            )
+        return
     if not any(checkpoint_dir.glob("*.safetensors")):
         raise UserError(
             "checkpoint",

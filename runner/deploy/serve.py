@@ -183,7 +183,7 @@ def load_served_models(
             log.warning(
                 "device=%s is ignored with engine=vllm, which places the model itself", device
             )
-        check_servable(checkpoint.path)
+        check_servable(checkpoint.path, engine="vllm")
         context = model_context_length(checkpoint.path, max_model_len)
         start = functools.partial(
             VllmEngine,

@@ -1,0 +1,132 @@
+"""LoRA / QLoRA fine-tune recipe: the full recipe with a frozen base and trainable adapters.
+
+    python -m runner.recipes.lora_finetune RUN_DIR/recipe.yaml
+
+The model is the model option's LoRA builder (`model.lora_builder`, torchtune's LoRA twin of its
+builder) with the method's arguments; with `quantize_base` (method=qlora) the base projections
+are NF4 tensors (torchao). The base comes from `model_source`, or from `seed` exactly as the full
+recipe initializes it, and is then written once to RUN/base_model/ in Hugging Face format: the
+base that each checkpoint's PEFT adapter names. Only adapter parameters train and enter the
+optimizer. Checkpoints hold adapter_config.json + adapter_model.safetensors (PEFT), tokenizer
+files, generation_config.json and training_state.pt, plus merged config.json + model.safetensors
+with `method.save_merged`. Everything else (data, loop, FSDP2, resume, SIGTERM) is the full
+recipe's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from runner.recipes import full_finetune
+from runner.recipes.full_finetune import FullFinetuneRecipe
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from runner.checkpoint import (
+    MODEL_FILE,
+    read_adapter_state,
+    read_model_state,
+    write_base_model,
+    write_lora_checkpoint,
+)
+from runner.components import instantiate
+from runner.tune import (
+    gather_cpu_state_dict,
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_merged_lora_ckpt,
+    init_like_hf,
+    peft_adapter_config,
+    set_default_dtype,
+    set_trainable_params,
+)
+
+# Adapter weights load into a model whose base is already in place.
+ADAPTER_ONLY = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
+
+
+class LoraFinetuneRecipe(FullFinetuneRecipe):
+    """Trains low-rank adapters on a frozen (optionally NF4-quantized) base."""
+
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.cfg
+        base_state = self._base_model_state()
+        # The adapters' own init draws from the seed, whether the base was built or read.
+        torch.manual_seed(cfg.seed)
+        with set_default_dtype(self.dtype), self.device:
+            model = instantiate(OmegaConf.merge(cfg.model, cfg.method.builder))
+        missing, unexpected = model.load_state_dict(base_state, strict=False)
+        adapter = get_adapter_params(model)
+        assert not unexpected and set(missing) <= set(adapter), (missing, unexpected)
+        set_trainable_params(model, adapter)
+        return self._prepare_model(model)
+
+    def _base_model_state(self) -> dict[str, torch.Tensor]:
+        """The base weights: the source's; else RUN/base_model, written from the seed once."""
+        if self.cfg.model_source is not None:
+            return read_model_state(Path(self.cfg.model_source))
+        base_dir = Path(self.cfg.method.base_model_dir)
+        if (base_dir / MODEL_FILE).is_file():
+            return read_model_state(base_dir)
+        with set_default_dtype(self.dtype), self.device:
+            base = instantiate(self.cfg.model)
+            init_like_hf(base, self.cfg.initializer_range)
+        state = {k: v.to("cpu", torch.float32) for k, v in base.state_dict().items()}
+        if self.is_rank_zero:
+            write_base_model(
+                base_dir,
+                model_state=state,
+                hf_config=self._hf_config(),
+                tokenizer_dir=Path(self.cfg.tokenizer.path),
+                stop_token_ids=self.tokenizer.stop_tokens,
+            )
+        return state
+
+    def _hf_config(self) -> dict[str, Any]:
+        return OmegaConf.to_container(self.cfg.hf_config)
+
+    def _gather_model_state(self) -> dict[str, Any]:
+        if self.cfg.method.builder.quantize_base and self.world_size > 1:
+            # torch's full-state-dict API cannot gather NF4 shards; torchtune's gather can (the
+            # state is rank 0's only: the other ranks write nothing).
+            return gather_cpu_state_dict(self.model, self.is_rank_zero)
+        return super()._gather_model_state()
+
+    def _write_checkpoint(
+        self, out_dir: Path, model_state: dict[str, Any], training_state: dict[str, Any]
+    ) -> None:
+        method = self.cfg.method
+        lora = OmegaConf.to_container(method.builder)
+        adapter = get_adapter_state_dict(model_state)
+        merged = None
+        if method.save_merged:
+            merged = {k: v.to(torch.float32) for k, v in model_state.items()}
+            merged = get_merged_lora_ckpt(merged, lora["lora_rank"], lora["lora_alpha"])
+        write_lora_checkpoint(
+            out_dir,
+            adapter_state={k: v.to(torch.float32) for k, v in adapter.items()},
+            adapter_config=peft_adapter_config(lora, method.base_model_dir),
+            hf_config=self._hf_config(),
+            tokenizer_dir=Path(self.cfg.tokenizer.path),
+            training_state=training_state,
+            stop_token_ids=self.tokenizer.stop_tokens,
+            merged_state=merged,
+            source_dir=Path(self.cfg.model_source) if self.cfg.model_source else None,
+        )
+
+    def _load_model_weights(self, checkpoint: Path) -> None:
+        adapter = read_adapter_state(checkpoint, self._hf_config())
+        adapter = {k: v.to(self.dtype) for k, v in adapter.items()}
+        set_model_state_dict(self.model, adapter, options=ADAPTER_ONLY)
+
+
+def run(recipe_path: str | Path) -> dict[str, Any]:
+    """Runs the LoRA recipe at `recipe_path` in this process (one of several under torchrun)."""
+    return full_finetune.run(recipe_path, LoraFinetuneRecipe)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1])

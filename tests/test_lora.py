@@ -1,0 +1,234 @@
+"""method=lora / qlora: only adapters train, checkpoints are PEFT adapters that peft loads onto
+the Hugging Face base with our logits, and a resumed LoRA run repeats its losses exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from peft import PeftModel
+from runner.recipes.lora_finetune import LoraFinetuneRecipe
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from runner.deploy.loading import load_checkpoint
+from runner.errors import UserError
+from runner.families import hf_to_tune, tune_to_hf
+from runner.preflight import estimate
+from runner.resolve import resolve_recipe
+from runner.tune import peft_to_tune, tune_to_peft
+from tests.conftest import QUICK, losses
+from tests.test_config import compose_train
+from tests.test_resume import straight_then_resumed
+
+STEPS = 6
+# A learning rate high enough that the adapters move far from zero in a few steps, so that
+# parity below compares a real adapter, not an all-zero lora_B.
+TRAIN = [
+    *QUICK,
+    "compute=cpu",
+    "dtype=fp32",
+    f"max_steps={STEPS}",
+    "batch_size=8",
+    "optimizer.lr=1e-2",
+    "optimizer.warmup_steps=1",
+    "runtime.log_every_n_steps=1",
+    "runtime.tensorboard=false",
+    "dataset.eval_samples=0",
+    "method.save_merged=true",
+]
+# Every base projection of model=tiny holds whole NF4 blocks once it has 8 kv heads.
+QLORA = ["method=qlora", "model.builder.num_kv_heads=8"]
+
+
+def train(runner_cli, run: Path, *overrides: str) -> Path:
+    result = runner_cli("train", *TRAIN, *overrides, f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run / "checkpoints" / f"step_{STEPS}"
+
+
+def nf4_round_trip(base: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """The base as a QLoRA run holds it: projections in NF4 (in torchtune's layout), read back
+    in bf16 as its state dict gives them."""
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    tune = hf_to_tune(base, config)
+    for name, weight in tune.items():
+        if name.endswith("proj.weight") or ".mlp.w" in name:
+            tune[name] = to_nf4(weight).to(torch.bfloat16).to(torch.float32)
+    return tune_to_hf(tune, config)
+
+
+def check_trained_adapters_only(
+    run: Path, checkpoint: Path, *, base_dir: Path, quantized: bool
+) -> None:
+    """Loss fell; the optimizer held adapters only; the merged base is `base_dir`'s."""
+    curve = losses(run)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    assert curve[STEPS] < curve[1] - 0.05, curve
+    for name in (
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+        "training_state.pt",
+        "config.json",
+        "model.safetensors",
+    ):
+        assert (checkpoint / name).is_file(), name
+    state = torch.load(checkpoint / "training_state.pt", weights_only=True)
+    trained = state["optimizer"]["state"]
+    assert trained and all(".lora_a." in k or ".lora_b." in k for k in trained), list(trained)
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert Path(config["base_model_name_or_path"]) == base_dir.resolve()
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["r"] == 8
+    base = load_file(str(base_dir / "model.safetensors"))
+    if quantized:
+        hf_config = json.loads((base_dir / "config.json").read_text())
+        base = nf4_round_trip(base, hf_config)
+    merged = load_file(str(checkpoint / "model.safetensors"))
+    adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert set(merged) == set(base)
+    scale = config["lora_alpha"] / config["r"]
+    adapted = 0
+    for name, weight in base.items():
+        module = f"base_model.model.{name.removesuffix('.weight')}"
+        if f"{module}.lora_A.weight" in adapter:
+            lora_a, lora_b = adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"]
+            assert lora_b.abs().max() > 1e-3, name  # the adapter trained
+            base_in_merged = merged[name] - scale * lora_b @ lora_a
+            assert torch.allclose(base_in_merged, weight, rtol=0, atol=1e-6), name
+            adapted += 1
+        else:
+            assert torch.equal(merged[name], weight), name  # bit for bit
+    assert adapted == 2 * 4  # q_proj and v_proj of 4 layers
+
+
+def recipe_model(run: Path) -> torch.nn.Module:
+    """Our recipe's model (base + the latest checkpoint's adapter), as a resumed run builds it."""
+    recipe = LoraFinetuneRecipe(OmegaConf.load(run / "recipe.yaml"))
+    recipe.setup()
+    recipe.model.set_num_output_chunks(0)  # whole logits, not the chunks the loss wants
+    return recipe.model.eval()
+
+
+def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path) -> None:
+    # The base: a Hugging Face checkpoint of model=tiny, written by transformers.
+    source = tmp_path / "hf_tiny"
+    hf_config = resolve_recipe(compose_train(["compute=cpu"]), tmp_path)["hf_config"]
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(**hf_config)).save_pretrained(source)
+    run = tmp_path / "run"
+    checkpoint = train(runner_cli, run, "method=lora", f"model.source={source}")
+    assert not (run / "base_model").exists()
+    check_trained_adapters_only(run, checkpoint, base_dir=source, quantized=False)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(source).eval()
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+        peft = PeftModel.from_pretrained(base, checkpoint).eval()
+        peft_logits = peft(tokens).logits
+        ours = recipe_model(run)(tokens)
+        # What `runner deploy checkpoint=<this checkpoint>` serves: the adapter merged at load.
+        served = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+        served_logits = served.model(tokens).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-2  # the adapter changes the model
+    assert (peft_logits - ours).abs().max() <= 1e-4
+    assert (served_logits - ours).abs().max() <= 1e-4
+
+
+def test_qlora_trains_adapters_on_an_nf4_base(runner_cli, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    checkpoint = train(runner_cli, run, *QLORA)
+    check_trained_adapters_only(run, checkpoint, base_dir=run / "base_model", quantized=True)
+
+
+def test_lora_resume_gives_identical_losses(runner_cli, tmp_path: Path) -> None:
+    straight, resumed = straight_then_resumed(
+        runner_cli, tmp_path, "compute=cpu", "method=lora", "method.dropout=0.1", n=3
+    )
+    assert sorted(resumed) == list(range(1, 7))
+    assert resumed == straight  # exact float equality, step by step
+
+
+def test_adapter_names_and_layouts_round_trip() -> None:
+    config = {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "hidden_size": 128,
+        "head_dim": 16,
+    }
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        "layers.0.attn.q_proj.lora_a.weight": torch.randn(8, 128, generator=generator),
+        "layers.0.attn.q_proj.lora_b.weight": torch.randn(128, 8, generator=generator),
+        "layers.0.attn.k_proj.lora_b.weight": torch.randn(64, 8, generator=generator),
+        "layers.1.mlp.w1.lora_b.weight": torch.randn(512, 8, generator=generator),
+    }
+    peft = tune_to_peft(state, config)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight" in peft
+    assert "base_model.model.model.layers.1.mlp.gate_proj.lora_B.weight" in peft
+    back = peft_to_tune(peft, config)
+    assert back.keys() == state.keys()
+    for name, value in state.items():
+        assert torch.equal(back[name], value), name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        (
+            ["method=lora", "method.lora_attn_modules=[q_proj,gate]"],
+            "method.lora_attn_modules",
+            "choose among q_proj, k_proj, v_proj, output_proj",
+        ),
+        (
+            ["method=lora", "method.lora_attn_modules=[]"],
+            "method.lora_attn_modules",
+            "method.apply_lora_to_mlp=true",
+        ),
+        (
+            ["method=lora", "method.apply_lora_to_output=true"],
+            "method.apply_lora_to_output",
+            "ties its output projection to the embeddings",
+        ),
+        (["method=lora", "method.rank=0"], "method.rank", "integer >= 1"),
+        (["method=lora", "method.alpha=-1"], "method.alpha", "number > 0"),
+        (["method=lora", "method.dropout=1.5"], "method.dropout", "[0, 1)"),
+        (["method=lora", "method.save_merged=maybe"], "method.save_merged", "true or false"),
+        (["method=qlora"], "model.builder.num_kv_heads", "model.builder.num_kv_heads=8"),
+        (
+            [*QLORA, "compute.nproc_per_node=2"],
+            "model.builder.embed_dim",
+            "blocks of 32768 weights (16384 x 2 processes)",
+        ),
+    ],
+)
+def test_bad_method_keys_name_key_value_and_fix(overrides, key, fix, tmp_path: Path) -> None:
+    with pytest.raises(UserError) as err:
+        resolve_recipe(compose_train(["compute=cpu", *overrides]), tmp_path)
+    assert err.value.key == key and fix in err.value.fix, str(err.value)
+
+
+def test_a_bad_method_key_ends_the_cli_with_one_message(runner_cli, tmp_path: Path) -> None:
+    result = runner_cli("train", "method=lora", "method.lora_attn_modules=[q_proj,qkv]")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "error: method.lora_attn_modules=['q_proj', 'qkv']: 'qkv' is not" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_estimate_counts_adapter_gradients_and_an_nf4_base(tmp_path: Path) -> None:
+    found = {
+        method: estimate(resolve_recipe(compose_train(["compute=cpu", *QLORA[1:], m]), tmp_path))
+        for method, m in [("full", "method=full"), ("lora", "method=lora"), ("qlora", QLORA[0])]
+    }
+    full, lora, qlora = found["full"], found["lora"], found["qlora"]
+    # rank 8 on q_proj and v_proj of 4 layers: (128 + 128) x 8 each, A and B.
+    assert lora.trainable_parameters == 4 * 2 * (128 * 8 + 8 * 128)
+    assert lora.parameters == full.parameters + lora.trainable_parameters
+    assert lora.optimizer_bytes == 2 * lora.trainable_parameters * 4
+    assert lora.gradients_bytes < full.gradients_bytes / 50
+    assert qlora.weights_bytes < lora.weights_bytes / 3
