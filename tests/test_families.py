@@ -2,8 +2,8 @@
 
 For each family: the recipe's model gives transformers' logits, our tokenizer path gives
 transformers' ids (chat template included), and `runner train model=hf model.source=DIR` trains
-it into a checkpoint transformers loads. The zoo options' dimensions match the published
-config.json of their hub repos.
+it into a checkpoint transformers loads; as hf://org/name it loads from a hub cache snapshot.
+The zoo options' dimensions match the published config.json of their hub repos.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -357,10 +358,34 @@ def test_a_chat_format_other_than_the_sources_template_is_a_user_error(checkpoin
     assert err.value.key == "model.chat_template" and "<|im_start|>" in err.value.fix
 
 
-def test_a_hub_snapshot_directory_is_a_source(tmp_path: Path) -> None:
-    snapshot = write_hub_snapshot("mistral", tmp_path / "hub", "mistralai/Mistral-7B-Instruct-v0.3")
-    model = resolve_model(model_config(["model=hf", f"model.source={snapshot}"]))
-    assert model["model_source"] == str(snapshot) and model["model_family"] == "mistral"
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_loads_from_a_hub_cache_snapshot(
+    family: str, checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hf://org/name, offline, through runner.hub and the cache layout huggingface_hub keeps:
+    the same model, weights and tokenizer as the plain directory."""
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    snapshot = write_hub_snapshot(family, tmp_path / "hub", f"acme/tiny-{family}")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                "model=hf",
+                f"model.source=hf://acme/tiny-{family}",
+                f"runtime.cache_dir={tmp_path / 'hub'}",
+            ],
+        )
+    recipe = resolve_recipe(cfg, tmp_path / "run")
+    plain = resolved(checkpoints[family])
+    assert recipe["model_source"] == str(snapshot)
+    assert recipe["model"] == plain["model"] and recipe["model_family"] == plain["model_family"]
+    cached, direct = read_model_state(snapshot), read_model_state(checkpoints[family])
+    assert cached.keys() == direct.keys()
+    assert all(torch.equal(cached[name], direct[name]) for name in direct)
+    chat = messages(CHATS["system, user, assistant"])
+    ours = instantiate(OmegaConf.create(recipe["tokenizer"]))
+    theirs = instantiate(OmegaConf.create(plain["tokenizer"]))
+    assert ours.tokenize_messages(chat) == theirs.tokenize_messages(chat)
 
 
 def test_a_family_runner_does_not_build_is_a_user_error(tmp_path: Path) -> None:
