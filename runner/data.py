@@ -658,29 +658,22 @@ def _splits(
     )
     if held["held_out"] is not None:
         return _held_out(train, held["held_out"], held["seed"], data, tokenizer)
-    if not validation:
+    if not validation or (held["source"] is None and held["split"] is None):
         return train, None
+    # A separate source, or a named split of the training source.
     if held["source"] is not None:
-        _, checked = _checked_split(
-            data,
-            tokenizer,
-            source_key="dataset.validation.source",
-            source=held["source"],
-            split_key="dataset.validation.split",
-            split=held["split"],
-        )
-        return train, checked
-    if held["split"] is not None:
-        _, checked = _checked_split(
-            data,
-            tokenizer,
-            source_key="dataset.source",
-            source=data["source"],
-            split_key="dataset.validation.split",
-            split=held["split"],
-        )
-        return train, checked
-    return train, None
+        source_key, source = "dataset.validation.source", held["source"]
+    else:
+        source_key, source = "dataset.source", data["source"]
+    _, checked = _checked_split(
+        data,
+        tokenizer,
+        source_key=source_key,
+        source=source,
+        split_key="dataset.validation.split",
+        split=held["split"],
+    )
+    return train, checked
 
 
 # ---- what the recipe, the checks and eval read ----------------------------------------------
