@@ -38,11 +38,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
+from runner import determinism
 from runner.components import instantiate
 from runner.data import collate, eval_prompts, train_dataset, validation_dataset
 from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
 from runner.launch import EXIT_SIGTERM
-from runner.manifest import record_checkpoint
+from runner.manifest import record_checkpoint, record_kernels
 from runner.rundir import LOG_FILE, Heartbeat, RunDir
 from runner.tune import (
     CROSS_ENTROPY_IGNORE_IDX,
@@ -185,7 +186,10 @@ class FullFinetuneRecipe:
             self.step += 1
             window_tokens += tokens
             last_loss = loss
-            first_loss = loss if first_loss is None else first_loss
+            if first_loss is None:
+                first_loss = loss
+                # The summary that `runner train` prints reads the run's first loss from here.
+                self._status("running", step=self.step, first_loss=loss)
             if self.step % log_every == 0 or self.step == self.total_steps:
                 tokens_per_s = window_tokens / (time.perf_counter() - window_start)
                 self._log({"loss": loss, "tokens_per_s": tokens_per_s})
@@ -526,8 +530,7 @@ def run(
     """Runs the recipe at `recipe_path` in this process (one of several under torchrun)."""
     cfg = OmegaConf.load(recipe_path)
     if cfg.runtime.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        determinism.apply_in_process()
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed and not dist.is_initialized():
         dist.init_process_group(
@@ -543,6 +546,7 @@ def run(
     if recipe.is_rank_zero:
         _log_to_file(recipe.run.path / LOG_FILE)
         heartbeat.start()
+        record_kernels(recipe.run, determinism.kernel_settings())
     SIGTERM_RECEIVED.clear()
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None

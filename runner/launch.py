@@ -4,20 +4,24 @@ On several nodes the same `runner train` line runs on each; every node's agent m
 in a c10d rendezvous at the recipe's `launch.rdzv_endpoint`, under a run id derived from the run
 directory (the same on every node by construction). A failed worker makes the agents restart the
 whole group (up to `launch.max_restarts`), which resumes from the latest whole checkpoint.
+A deterministic run always starts fresh worker processes, so that the pinned kernel path
+(runner.determinism) is in their environment before torch loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from runner import platforms
+from runner import determinism, platforms
 from runner.rundir import RunDir
 
 # The exit status of a run stopped by SIGTERM after saving (128 + SIGTERM), as shells report it.
@@ -34,17 +38,36 @@ def launch(recipe: dict[str, Any], recipe_path: Path) -> dict[str, Any] | None:
     os.environ.update(recipe["runtime"]["env"])
     spec = recipe["launch"]
     nnodes, nproc_per_node = recipe["nnodes"], recipe["nproc_per_node"]
+    deterministic = recipe["runtime"]["deterministic"]
+    if deterministic:
+        determinism.check_machine()
     log.info(
         "launch: %d node(s) x %d process(es); platform: %s",
         nnodes,
         nproc_per_node,
         platforms.detect(spec["platform"]).describe(),
     )
-    if nnodes * nproc_per_node == 1 and spec["max_restarts"] == 0:
+    if nnodes * nproc_per_node == 1 and spec["max_restarts"] == 0 and not deterministic:
         # The recipe module resolve picked for the method (runner.resolve.RECIPES).
         return importlib.import_module(recipe["recipe"]).run(recipe_path)
-    _elastic_launch(recipe, recipe_path)
+    with _environment(determinism.pinned_environment() if deterministic else {}):
+        _elastic_launch(recipe, recipe_path)
     return None
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ (which the workers inherit) for the duration, then as before."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _rendezvous_config(recipe: dict[str, Any]) -> Any:

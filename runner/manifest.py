@@ -156,3 +156,12 @@ def record_checkpoint(run: RunDir, step: int, checkpoint_dir: Path) -> None:
         p.name: sha256_file(p) for p in sorted(checkpoint_dir.iterdir()) if p.is_file()
     }
     write_manifest(run, manifest)
+
+
+def record_kernels(run: RunDir, settings: dict[str, Any]) -> None:
+    """Records the kernel path and threads the training processes compute with (rank 0's)."""
+    if not (run.path / MANIFEST_FILE).exists():
+        return
+    manifest = read_manifest(run)
+    manifest["kernels"] = settings
+    write_manifest(run, manifest)

@@ -87,7 +87,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     # `runner stop` signals this process: the run's launcher, whatever its world size.
     run.write_status(run.read_status()["state"], launcher_pid=os.getpid())
     result = launch(recipe, run.recipe_path)
-    _print_summary(run, result)
+    _print_summary(run)
     return result
 
 
@@ -99,13 +99,14 @@ def _check_data(recipe: dict[str, Any]) -> None:
     log.info("data: %s records checked in %.1f s", records, time.perf_counter() - started)
 
 
-def _print_summary(run: RunDir, result: dict[str, Any] | None) -> None:
+def _print_summary(run: RunDir) -> None:
+    """The run's outcome, read from its directory (whichever processes trained it)."""
     status = run.read_status()
     checkpoint = run.latest_checkpoint()
     lines = [f"run directory: {run.path}", f"checkpoint:    {checkpoint}"]
-    if result is not None and result.get("first_loss") is not None:
-        lines.insert(0, f"train loss:    {result['first_loss']:.4f} -> {result['last_loss']:.4f}")
-    evaluation = (result or {}).get("eval") or {}
+    if status.get("first_loss") is not None and status.get("loss") is not None:
+        lines.insert(0, f"train loss:    {status['first_loss']:.4f} -> {status['loss']:.4f}")
+    evaluation = status.get("eval") or {}
     if "eval_exact_match" in evaluation:
         lines.insert(1, f"held-out exact match: {evaluation['eval_exact_match']:.1%}")
     if "eval_loss" in evaluation:
