@@ -11,6 +11,7 @@ ends `cancelled` and `runner train` exits 143.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -37,8 +38,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
 from runner import determinism
+from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
 from runner.components import instantiate
 from runner.data import collate, eval_prompts, train_dataset, validation_dataset
 from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
@@ -55,7 +56,13 @@ from runner.tune import (
 )
 
 log = logging.getLogger("runner.recipe")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The dtype group: (dtype of the trained parameters, gradients and optimizer state; compute dtype).
+# bf16_mixed keeps fp32 master weights, which small AdamW updates do not round away.
+PRECISIONS = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "bf16_mixed": (torch.float32, torch.bfloat16),
+}
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Set by SIGTERM; the loop checks it at each step boundary (see FullFinetuneRecipe._stop_agreed).
 SIGTERM_RECEIVED = threading.Event()
@@ -74,7 +81,7 @@ class FullFinetuneRecipe:
         self.device = torch.device(f"cuda:{local_rank}" if cfg.device == "cuda" else "cpu")
         if cfg.device == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = DTYPES[cfg.dtype]
+        self.dtype, self.compute_dtype = PRECISIONS[cfg.dtype]
         self.training = cfg.training
         self.step = 0
         self.epoch = 0
@@ -140,7 +147,9 @@ class FullFinetuneRecipe:
         if self.training.activation_checkpointing:
             set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
         if self.world_size > 1:
-            policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+            policy = MixedPrecisionPolicy(
+                param_dtype=self.compute_dtype, reduce_dtype=torch.float32
+            )
             for layer in model.layers:
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
@@ -148,6 +157,13 @@ class FullFinetuneRecipe:
             for layer in model.layers:
                 layer.compile()
         return model
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision in one process: bf16 compute over the fp32 parameters (sharded over
+        several processes, FSDP2's policy casts them instead)."""
+        if self.compute_dtype == self.dtype or self.world_size > 1:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
         schedule = self.cfg.lr_schedule
@@ -260,8 +276,9 @@ class FullFinetuneRecipe:
             labels = batch["labels"].to(self.device)
             batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
             packed = {k: batch[k].to(self.device) for k in ("mask", "input_pos") if k in batch}
-            logits = self.model(tokens, **packed)
-            loss = self._loss(logits, labels) * batch_tokens
+            with self._autocast():
+                logits = self.model(tokens, **packed)
+                loss = self._loss(logits, labels) * batch_tokens
             loss.backward()
             loss_sum += loss.detach()
             num_tokens += batch_tokens
@@ -413,6 +430,15 @@ class FullFinetuneRecipe:
         Every rank joins (each forward of a sharded model is a collective) and gets the same
         metrics; rank 0 writes them. The model goes back to training mode unchanged.
         """
+        with self._autocast():
+            metrics = self._eval_metrics()
+        self.last_eval = metrics
+        improved = self._update_best(metrics)
+        if self.is_rank_zero:
+            self._record_eval(metrics)
+        return improved
+
+    def _eval_metrics(self) -> dict[str, float]:
         wanted = self.cfg.eval.metrics
         metrics: dict[str, float] = {}
         if any(name in wanted for name in LOSS_METRICS):
@@ -434,11 +460,7 @@ class FullFinetuneRecipe:
                 max_new_tokens=self.cfg.eval.max_new_tokens,
                 device=self.device,
             )
-        self.last_eval = metrics
-        improved = self._update_best(metrics)
-        if self.is_rank_zero:
-            self._record_eval(metrics)
-        return improved
+        return metrics
 
     def _validation_batches(self) -> Any:
         """This rank's share of the validation records, in batches of batch_size.

@@ -56,11 +56,14 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
         base_state = self._base_model_state()
         # The adapters' own init draws from the seed, whether the base was built or read.
         torch.manual_seed(cfg.seed)
-        with set_default_dtype(self.dtype), self.device:
+        # The frozen base in the compute dtype: only what trains needs master weights.
+        with set_default_dtype(self.compute_dtype), self.device:
             model = instantiate(OmegaConf.merge(cfg.model, cfg.method.builder))
         missing, unexpected = model.load_state_dict(base_state, strict=False)
         adapter = get_adapter_params(model)
         assert not unexpected and set(missing) <= set(adapter), (missing, unexpected)
+        for param in adapter.values():
+            param.data = param.data.to(self.dtype)
         set_trainable_params(model, adapter)
         return self._prepare_model(model)
 

@@ -22,7 +22,9 @@ from runner.errors import user_errors_pass_hydra
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 
-BYTES = {"fp32": 4, "bf16": 2}
+# Bytes a value of each dtype option: (trained parameters, their gradients and AdamW moments;
+# compute: frozen weights, activations).
+BYTES = {"fp32": (4, 4), "bf16_mixed": (4, 2), "bf16": (2, 2)}
 # torchao's NF4: 4 bits a weight, an int8 scaler per 64 weights, an fp32 one per 256 scalers.
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 # Hydra writes nothing for these commands: no run directory, no log file.
@@ -97,6 +99,8 @@ class Estimate:
     tokens_per_epoch: int | None
     longest_sample: int | None
     steps_per_epoch: int | None
+    # The total per device under each dtype option, for comparison (None as activations_bytes).
+    total_by_dtype: dict[str, int] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -111,43 +115,51 @@ class Estimate:
 def estimate(recipe: dict[str, Any]) -> Estimate:
     """Parameter count (built on the meta device), memory per device and tokens per epoch.
 
-    Weights, gradients and AdamW's two moments are in the training dtype and sharded over the
-    world (FSDP2); with LoRA, gradients and moments are the adapters' only, and with QLoRA the
-    base projections take NF4's ~4.1 bits a weight. Activations follow Korthikanti et al.
-    (2022) for the longest sample in a full batch, with layer inputs only under activation
-    checkpointing, plus the fp32 logits.
+    Trained weights, their gradients and AdamW's two moments are in the parameter dtype and
+    sharded over the world (FSDP2); with LoRA, gradients and moments are the adapters' only, the
+    frozen base is in the compute dtype, and with QLoRA its projections take NF4's ~4.1 bits a
+    weight. bf16_mixed in one process also holds autocast's bf16 copy of the weights.
+    Activations, in the compute dtype, follow Korthikanti et al. (2022) for the longest sample
+    in a full batch, with layer inputs only under activation checkpointing, plus the fp32 logits.
     """
     with torch.device("meta"):
         model = instantiate(OmegaConf.create(recipe["model"]))
     parameters = sum(p.numel() for p in model.parameters())
     world = recipe["nproc_per_node"] * recipe["nnodes"]
-    width = BYTES[recipe["dtype"]]
-    trainable, weights_bytes = parameters, parameters * width
+    trainable, frozen, quantized = parameters, 0, 0
     method = recipe["method"]
     if method["name"] != "full":
         trainable = _adapter_parameters(recipe["model"], method["builder"])
-        quantized = 0
         if method["builder"]["quantize_base"]:
             quantized = sum(
                 p.numel()
                 for name, p in model.layers.named_parameters()
                 if p.dim() == 2 and (".attn." in name or ".mlp." in name)
             )
-        weights_bytes = int((parameters - quantized + trainable) * width + quantized * NF4_BYTES)
+        frozen = parameters - quantized
         parameters += trainable
-    shard = trainable * width // world
+
+    def state_bytes(dtype: str) -> tuple[int, int, int]:
+        """Weights, gradients and optimizer state per device under `dtype`."""
+        master, compute = BYTES[dtype]
+        weights = trainable * master + frozen * compute + quantized * NF4_BYTES
+        if master != compute and world == 1:
+            weights += trainable * compute
+        shard = trainable * master // world
+        return int(weights) // world, shard, 2 * shard
+
+    weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe["dtype"])
+    counts = dict(parameters=parameters, trainable_parameters=trainable, world_size=world)
     if recipe["tokenizer"] is None:
         return Estimate(
-            parameters,
-            trainable,
-            world,
-            weights_bytes // world,
-            shard,
-            2 * shard,
-            None,
-            None,
-            None,
-            None,
+            **counts,
+            weights_bytes=weights_bytes,
+            gradients_bytes=gradients_bytes,
+            optimizer_bytes=optimizer_bytes,
+            activations_bytes=None,
+            tokens_per_epoch=None,
+            longest_sample=None,
+            steps_per_epoch=None,
         )
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
     train = train_dataset(recipe["dataset"], tokenizer)
@@ -155,22 +167,28 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
     training, builder = recipe["training"], recipe["model"]
     seq, batch = max(lengths), training["batch_size"]
     hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
-    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) * width / 2
-    kept = layers * seq * batch * hidden * width + per_layer
+    # Activation values (Korthikanti et al. count bytes at 2 a value).
+    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) / 2
+    kept = layers * seq * batch * hidden + per_layer
     activations = kept if training["activation_checkpointing"] else layers * per_layer
     logits = seq * batch * builder["vocab_size"] * 4
+
+    def activation_bytes(dtype: str) -> int:
+        return int(activations * BYTES[dtype][1] + logits)
+
     global_batch = batch * world * training["gradient_accumulation_steps"]
     return Estimate(
-        parameters=parameters,
-        trainable_parameters=trainable,
-        world_size=world,
-        weights_bytes=weights_bytes // world,
-        gradients_bytes=shard,
-        optimizer_bytes=2 * shard,
-        activations_bytes=int(activations + logits),
+        **counts,
+        weights_bytes=weights_bytes,
+        gradients_bytes=gradients_bytes,
+        optimizer_bytes=optimizer_bytes,
+        activations_bytes=activation_bytes(recipe["dtype"]),
         tokens_per_epoch=sum(lengths),
         longest_sample=seq,
         steps_per_epoch=len(lengths) // global_batch,
+        total_by_dtype={
+            dtype: sum(state_bytes(dtype)) + activation_bytes(dtype) for dtype in BYTES
+        },
     )
 
 
@@ -210,6 +228,11 @@ def print_estimate(recipe: dict[str, Any], found: Estimate) -> None:
         f"{recipe['training']['batch_size']} x {found.longest_sample} tokens)"
     )
     print(f"total          {_gib(found.total_bytes)} per device")
+    print(
+        "by dtype       "
+        + ", ".join(f"{name} {_gib(total)}" for name, total in found.total_by_dtype.items())
+        + " per device"
+    )
     print(
         f"data           {found.tokens_per_epoch:,} tokens per epoch, "
         f"{found.steps_per_epoch:,} optimizer steps per epoch"

@@ -25,6 +25,12 @@ from runner.manifest import (
 from runner.rundir import RunDir
 
 MAX_ROWS = 20
+# The relative tolerance of a re-run on another kernel path when none is given: the float noise
+# of another reduction order starts near 1e-7 and grows over a run's steps; a changed recipe
+# (learning rate, data, model) moves losses by far more within a few steps.
+CROSS_PATH_TOLERANCE = 1e-2
+# Metrics that measure the machine rather than the computation.
+TIMING_METRICS = ("tokens_per_s",)
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,47 @@ def compare_losses(
     return drifts
 
 
-def compare_records(recorded: dict[str, Any], rerun: dict[str, Any]) -> list[Drift]:
-    """What differs in the manifests: config, data, tokenizer, packages, build, world, device."""
+def compare_metrics(
+    recorded: list[dict[str, Any]], rerun: list[dict[str, Any]], tolerance: float
+) -> tuple[list[Drift], dict[str, float]]:
+    """Every metric of metrics.jsonl at the steps both logged, within a relative `tolerance`.
+
+    Returns the drifts and the largest relative difference of each metric.
+    """
+    by_step = {(r["step"], k): v for r in recorded for k, v in r.items() if k != "step"}
+    drifts, largest = [], {}
+    for row in rerun:
+        for metric, value in row.items():
+            if metric == "step" or metric in TIMING_METRICS:
+                continue
+            was = by_step.get((row["step"], metric))
+            if was is None:
+                continue
+            relative = abs(was - value) / max(abs(was), abs(value), 1e-12)
+            largest[metric] = max(largest.get(metric, 0.0), relative)
+            if relative > tolerance:
+                drifts.append(Drift(f"{metric} at step {row['step']}", was, value))
+    return drifts, largest
+
+
+def kernel_path(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What decides the float arithmetic of a run: device, CPU kernels, intra-op threads."""
+    kernels = manifest.get("kernels") or {}
+    return {
+        "hardware.device": manifest["hardware"]["device"],
+        "kernels.cpu_capability": kernels.get("cpu_capability"),
+        "kernels.intra_op_threads": kernels.get("intra_op_threads"),
+    }
+
+
+def compare_records(
+    recorded: dict[str, Any], rerun: dict[str, Any], same_path: bool = True
+) -> list[Drift]:
+    """What differs in the manifests: config, data, tokenizer, packages, build, world, device.
+
+    With `same_path` false (a re-run on another kernel path, compared within a tolerance), the
+    kernel path and the checkpoint hashes are expected to differ and are not drift.
+    """
     drifts = _diff("config", recorded["config"], rerun["config"], skip=RUN_SPECIFIC_KEYS)
     for key in (
         "tokenizer_sha256",
@@ -89,6 +134,8 @@ def compare_records(recorded: dict[str, Any], rerun: dict[str, Any]) -> list[Dri
             recorded["data"].get(split, {}).get("sha256"),
             rerun["data"].get(split, {}).get("sha256"),
         )
+    if not same_path:
+        return drifts
     drifts += _diff("hardware.device", recorded["hardware"]["device"], rerun["hardware"]["device"])
     common = sorted(set(recorded["checkpoints"]) & set(rerun["checkpoints"]), key=int)
     for step in common:
@@ -112,8 +159,14 @@ def print_report(drifts: list[Drift], compared: str) -> None:
         print(f"... and {len(drifts) - MAX_ROWS} more")
 
 
-def repro(run_dir: Path, *, steps: int | None, tolerance: float, out: Path | None) -> int:
-    """Re-runs the recorded recipe of `run_dir` into a new run directory and compares."""
+def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Path | None) -> int:
+    """Re-runs the recorded recipe of `run_dir` into a new run directory and compares.
+
+    A deterministic run, or a re-run on the recorded kernel path, must match exactly (or within
+    `tolerance` if one is given). A run that was not deterministic, re-run where the device,
+    CPU kernels or thread count differ, is compared within `tolerance` (default
+    CROSS_PATH_TOLERANCE), and repro says what differs.
+    """
     recorded = RunDir(run_dir)
     if not (recorded.recipe_path.is_file() and (recorded.path / MANIFEST_FILE).is_file()):
         raise UserError(
@@ -124,6 +177,8 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float, out: Path | Non
         )
     if steps is not None and steps < 1:
         raise UserError("--steps", steps, "give a number of steps >= 1")
+    if tolerance is not None and tolerance < 0:
+        raise UserError("--tolerance", tolerance, "give a relative tolerance >= 0")
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     rerun = RunDir(out or recorded.path.with_name(f"{recorded.path.name}-repro-{stamp}"))
     if rerun.path.exists():
@@ -136,14 +191,39 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float, out: Path | Non
     write_manifest(rerun, build_manifest(recipe, recorded_manifest["overrides"], Path.cwd()))
     rerun.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
     launch(recipe, rerun.recipe_path)
-    recorded_losses = recorded.losses()
-    if steps is not None:
-        recorded_losses = {s: v for s, v in recorded_losses.items() if s <= steps}
-    loss_drifts = compare_losses(recorded_losses, rerun.losses(), tolerance)
-    drifts = loss_drifts + compare_records(recorded_manifest, read_manifest(rerun))
+    rerun_manifest = read_manifest(rerun)
     print(f"re-run directory: {rerun.path}")
-    steps_compared = len(set(recorded_losses) & set(rerun.losses()))
-    print_report(drifts, f"{steps_compared} logged steps; checkpoint hashes and record agree")
+
+    recorded_path, rerun_path = kernel_path(recorded_manifest), kernel_path(rerun_manifest)
+    moved = [k for k in recorded_path if recorded_path[k] != rerun_path[k]]
+    same_path = recorded_manifest["deterministic"] or not moved
+    if not same_path:
+        tolerance = CROSS_PATH_TOLERANCE if tolerance is None else tolerance
+        changes = ", ".join(f"{k} {recorded_path[k]} -> {rerun_path[k]}" for k in moved)
+        print(
+            f"repro: the recorded run was not deterministic and the re-run computes on another "
+            f"path ({changes}); comparing metrics within a relative tolerance of {tolerance:g} "
+            "(--tolerance), checkpoint hashes not compared"
+        )
+    tolerance = tolerance or 0.0
+
+    recorded_metrics = [r for r in recorded.read_metrics() if steps is None or r["step"] <= steps]
+    recorded_losses = {r["step"]: r["loss"] for r in recorded_metrics if "loss" in r}
+    rerun_losses = rerun.losses()
+    drifts = compare_losses(recorded_losses, rerun_losses, tolerance)
+    metric_drifts, largest = compare_metrics(recorded_metrics, rerun.read_metrics(), tolerance)
+    drifts += [d for d in metric_drifts if not d.what.startswith("loss at step")]
+    drifts += compare_records(recorded_manifest, rerun_manifest, same_path=same_path)
+    if not same_path:
+        for metric, relative in sorted(largest.items()):
+            print(f"largest relative difference of {metric}: {relative:.3g}")
+    steps_compared = len(set(recorded_losses) & set(rerun_losses))
+    agreed = (
+        "checkpoint hashes and record agree"
+        if same_path
+        else f"within {tolerance:g}; record agrees"
+    )
+    print_report(drifts, f"{steps_compared} logged steps; {agreed}")
     return 1 if drifts else 0
 
 
@@ -159,8 +239,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--tolerance",
         type=float,
-        default=0.0,
-        help="relative loss tolerance (0: exact, right for CPU runs)",
+        default=None,
+        help="relative tolerance of every metric (default: exact on the recorded kernel path "
+        "and for deterministic runs; "
+        f"{CROSS_PATH_TOLERANCE:g} where a non-deterministic run is re-run on another device, "
+        "CPU kernel capability or thread count)",
     )
     parser.add_argument("--out", type=Path, help="the new run directory (default: beside RUN_DIR)")
     args = parser.parse_args(argv)

@@ -122,11 +122,15 @@ def resolve_device(compute: DictConfig) -> tuple[str, int]:
     return device, nproc
 
 
+DTYPES = ("fp32", "bf16_mixed", "bf16")
+
+
 def resolve_dtype(name: str, device: str) -> str:
+    """auto: mixed bf16 (fp32 master weights) on a GPU with bf16, else fp32."""
     if name == "auto":
-        return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if name not in ("fp32", "bf16"):
-        raise UserError("dtype", name, "choose one of: fp32, bf16")
+        return "bf16_mixed" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if name not in DTYPES:
+        raise UserError("dtype", name, f"choose one of: {', '.join(DTYPES)}")
     return name
 
 

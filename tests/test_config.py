@@ -64,7 +64,7 @@ def test_option_composes_and_resolves(
         recipe = resolve_recipe(cfg, tmp_path)
     assert recipe["model"]["_component_"].startswith("torchtune.models.")
     assert recipe["device"] in ("cpu", "cuda")
-    assert recipe["dtype"] in ("fp32", "bf16")
+    assert recipe["dtype"] in ("fp32", "bf16_mixed", "bf16")
     if group == "dtype" and option != "auto":
         assert recipe["dtype"] == option
     if group == "loss":
@@ -74,7 +74,8 @@ def test_option_composes_and_resolves(
 def test_defaults_pick_what_runs_here(tmp_path: Path) -> None:
     recipe = resolve_recipe(compose_train([]), tmp_path)
     if torch.cuda.is_available():
-        assert (recipe["device"], recipe["dtype"]) == ("cuda", "bf16")
+        # Mixed precision: bf16 compute over fp32 master weights, which keep small updates.
+        assert (recipe["device"], recipe["dtype"]) == ("cuda", "bf16_mixed")
     else:
         assert (recipe["device"], recipe["dtype"], recipe["nproc_per_node"]) == ("cpu", "fp32", 1)
     # An explicit choice wins over the machine's default.

@@ -30,7 +30,7 @@ def test_validate_reports_missing_data(runner_cli, tmp_path) -> None:
 
 
 def test_estimate_counts_parameters_and_optimizer_memory(tmp_path: Path) -> None:
-    recipe = resolve_recipe(compose_train([]), tmp_path)
+    recipe = resolve_recipe(compose_train(["compute=cpu", "dtype=fp32", "batch_size=32"]), tmp_path)
     found = estimate(recipe)
     model = instantiate(OmegaConf.create(recipe["model"]))
     params = list(model.parameters())
@@ -46,7 +46,7 @@ def test_estimate_counts_parameters_and_optimizer_memory(tmp_path: Path) -> None
 
 
 def test_estimate_shards_over_the_world_and_halves_in_bf16(tmp_path: Path) -> None:
-    one = estimate(resolve_recipe(compose_train([]), tmp_path))
+    one = estimate(resolve_recipe(compose_train(["compute=cpu", "dtype=fp32"]), tmp_path))
     two = estimate(
         resolve_recipe(
             compose_train(["compute=cpu", "compute.nproc_per_node=2", "dtype=bf16"]), tmp_path

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from runner.paths import SAMPLE_DATA_DIR
-from runner.repro import compare_losses
-from tests.conftest import QUICK
+from runner.repro import compare_losses, compare_metrics
+from tests.conftest import QUICK, losses
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_losses.json"
 
 SHORT = [
     *QUICK,
@@ -26,18 +28,21 @@ SHORT = [
 ]
 
 
-def train_on_own_data(runner_cli, tmp_path: Path, *extra: str) -> Path:
-    """A short deterministic run on a private copy of the sample data."""
+def train_on_own_data(
+    runner_cli, tmp_path: Path, *extra: str, short: list[str] = SHORT, env: dict | None = None
+) -> Path:
+    """A short (by default deterministic) run on a private copy of the sample data."""
     data = tmp_path / "data"
     shutil.copytree(SAMPLE_DATA_DIR, data)
     run = tmp_path / "run"
     result = runner_cli(
         "train",
-        *SHORT,
+        *short,
         *extra,
         f"dataset.source={data / 'train.jsonl'}",
         f"dataset.validation.source={data / 'validation.jsonl'}",
         f"hydra.run.dir={run}",
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return run
@@ -117,3 +122,63 @@ def test_golden_loss_check_fails_on_one_ulp(tmp_path: Path, hermetic_env) -> Non
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
     assert "loss at step 5" in proc.stdout
+
+
+def best_capability(hermetic_env: dict[str, str]) -> str:
+    """The ATen kernel capability torch picks on this machine by itself (avx2, avx512, ...)."""
+    env = {k: v for k, v in hermetic_env.items() if k != "ATEN_CPU_CAPABILITY"}
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    return proc.stdout.strip().lower()
+
+
+def test_deterministic_losses_do_not_depend_on_the_machines_kernels(
+    runner_cli, tmp_path: Path, hermetic_env
+) -> None:
+    """The golden config trained where ATen would pick two different kernel capabilities (its
+    portable `default` build, and the machine's best: AVX2 or AVX-512) gives the same losses."""
+    overrides = json.loads(GOLDEN.read_text())["overrides"]
+    found = {}
+    for capability in ("default", best_capability(hermetic_env)):
+        run = tmp_path / capability
+        env = {"ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "2"}
+        result = runner_cli("train", *overrides, f"hydra.run.dir={run}", env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        kernels = json.loads((run / "manifest.json").read_text())["kernels"]
+        assert kernels["cpu_capability"] == "AVX2" and kernels["intra_op_threads"] == 1
+        assert kernels["deterministic_algorithms"] is True
+        found[capability] = losses(run)
+    first, second = found.values()
+    assert len(first) == 8 and first == second  # exact, step by step
+
+
+def test_repro_on_another_kernel_path_compares_within_a_tolerance(
+    runner_cli, tmp_path: Path, hermetic_env
+) -> None:
+    """Recorded on the portable kernels with one thread, not deterministic; re-run on the
+    machine's best kernels with two: repro names both differences and compares loosely."""
+    short = [o for o in SHORT if not o.startswith("runtime.deterministic")]
+    recorded_env = {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
+    run = train_on_own_data(runner_cli, tmp_path, "compute=cpu", short=short, env=recorded_env)
+    best = best_capability(hermetic_env)
+    result = runner_cli(
+        "repro",
+        str(run),
+        "--out",
+        str(tmp_path / "again"),
+        env={"ATEN_CPU_CAPABILITY": best, "OMP_NUM_THREADS": "2"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert f"kernels.cpu_capability DEFAULT -> {best.upper()}" in result.stdout
+    assert "kernels.intra_op_threads 1 -> 2" in result.stdout
+    assert "largest relative difference of loss:" in result.stdout
+    assert "repro: match (4 logged steps; within 0.01" in result.stdout
+
+
+def test_metrics_compare_within_a_relative_tolerance() -> None:
+    recorded = [{"step": 1, "loss": 2.0, "tokens_per_s": 100.0}, {"step": 2, "eval_loss": 1.0}]
+    rerun = [{"step": 1, "loss": 2.01, "tokens_per_s": 50.0}, {"step": 2, "eval_loss": 1.0}]
+    drifts, largest = compare_metrics(recorded, rerun, tolerance=1e-2)
+    assert drifts == [] and largest == {"loss": pytest.approx(0.01 / 2.01), "eval_loss": 0.0}
+    (drift,) = compare_metrics(recorded, rerun, tolerance=1e-3)[0]
+    assert drift.what == "loss at step 1" and (drift.recorded, drift.rerun) == (2.0, 2.01)

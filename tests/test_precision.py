@@ -1,0 +1,112 @@
+"""dtype=bf16_mixed: bf16 compute over fp32 master weights keeps the small updates that pure bf16
+rounds away, and works with every method, several processes and resume (on CPU, autocast)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from runner.checkpoint import read_training_state
+from runner.preflight import estimate
+from runner.resolve import resolve_recipe
+from tests.conftest import QUICK
+from tests.test_config import compose_train
+from tests.test_lora import QLORA
+from tests.test_resume import straight_then_resumed
+
+# AdamW moves each weight by about lr a step; at 1e-5 that is below half a bf16 ulp of a
+# typical weight of model=tiny (std 0.02: ulp 2**-6 * 2**-7 ~ 1.2e-4 around 0.02).
+SMALL_STEPS = [
+    *QUICK,
+    "compute=cpu",
+    "max_steps=4",
+    "batch_size=8",
+    "optimizer.lr=1e-5",
+    "optimizer.warmup_steps=0",
+    "optimizer.cosine_decay=false",
+    "runtime.save_every_n_steps=null",
+    "runtime.tensorboard=false",
+    "eval.strategy=no",
+]
+
+
+def changed_fraction(runner_cli, tmp_path: Path, dtype: str) -> float:
+    """The fraction of the first attention projection's weights that 4 small steps changed."""
+    run = tmp_path / dtype
+    result = runner_cli("train", *SMALL_STEPS, f"dtype={dtype}", f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = run / "checkpoints" / "step_4"
+    trained = load_file(checkpoint / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    # The same seed initializes the same weights: re-create them to compare.
+    initial = tmp_path / f"{dtype}-init"
+    result = runner_cli(
+        "train", *SMALL_STEPS, f"dtype={dtype}", "optimizer.lr=1e-30", f"hydra.run.dir={initial}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    before = load_file(initial / "checkpoints" / "step_4" / "model.safetensors")[name]
+    # Checkpoints hold the trained parameters in float32 (bf16 values exactly, for pure bf16).
+    assert trained[name].dtype == torch.float32
+    return (trained[name] != before).float().mean().item()
+
+
+def test_mixed_precision_keeps_updates_that_pure_bf16_rounds_away(
+    runner_cli, tmp_path: Path
+) -> None:
+    mixed = changed_fraction(runner_cli, tmp_path, "bf16_mixed")
+    pure = changed_fraction(runner_cli, tmp_path, "bf16")
+    assert mixed > 0.9, mixed
+    assert pure < 0.2, pure
+
+
+def test_mixed_precision_keeps_fp32_master_weights_and_optimizer_state(
+    runner_cli, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    result = runner_cli(
+        "train", *SMALL_STEPS, "dtype=bf16_mixed", "max_steps=2", f"hydra.run.dir={run}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = read_training_state(run / "checkpoints" / "step_2")
+    moments = [
+        value
+        for per_param in state["optimizer"]["state"].values()
+        for key, value in per_param.items()
+        if key in ("exp_avg", "exp_avg_sq")
+    ]
+    assert moments and all(m.dtype == torch.float32 for m in moments)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(["compute.nproc_per_node=1"], id="full"),
+        pytest.param(["compute.nproc_per_node=2"], id="full-2proc"),
+        pytest.param(["method=lora", "optimizer.lr=1e-2"], id="lora"),
+        pytest.param([*QLORA, "optimizer.lr=1e-2"], id="qlora"),
+    ],
+)
+def test_mixed_precision_resumes_exactly(runner_cli, tmp_path: Path, extra: list[str]) -> None:
+    straight, resumed = straight_then_resumed(
+        runner_cli, tmp_path, "compute=cpu", "dtype=bf16_mixed", *extra, n=2
+    )
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert resumed == straight
+    assert straight[4] < straight[1]
+
+
+def test_estimate_prices_each_precision(tmp_path: Path) -> None:
+    found = {
+        dtype: estimate(resolve_recipe(compose_train(["compute=cpu", f"dtype={dtype}"]), tmp_path))
+        for dtype in ("fp32", "bf16_mixed", "bf16")
+    }
+    params = found["fp32"].parameters
+    # Master weights, gradients and AdamW moments in fp32, plus autocast's bf16 weight copy.
+    assert found["bf16_mixed"].weights_bytes == params * (4 + 2)
+    assert found["bf16_mixed"].optimizer_bytes == found["fp32"].optimizer_bytes == 8 * params
+    assert found["bf16"].optimizer_bytes == 4 * params
+    assert found["bf16"].activations_bytes < found["fp32"].activations_bytes
+    assert found["bf16_mixed"].total_by_dtype == found["fp32"].total_by_dtype
