@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
 import subprocess
@@ -90,6 +91,8 @@ def _hardware(device: str) -> dict[str, Any]:
     return {
         "device": device,
         "name": kind,
+        "cores": os.cpu_count(),
+        # ATen's kernel path here: the CPU's best, unless ATEN_CPU_CAPABILITY asks for another.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
 

@@ -26,6 +26,7 @@ OVERRIDES = [
     "compute=cpu",
     "dtype=fp32",
     "loss=chunked_ce",
+    "optimizer.lr=2e-3",
     "max_steps=8",
     "batch_size=8",
     "seed=0",

@@ -191,7 +191,11 @@ def test_adapter_names_and_layouts_round_trip() -> None:
             "method.apply_lora_to_mlp=true",
         ),
         (
-            ["method=lora", "method.apply_lora_to_output=true"],
+            [
+                "method=lora",
+                "method.apply_lora_to_output=true",
+                "model.builder.tie_word_embeddings=true",
+            ],
             "method.apply_lora_to_output",
             "ties its output projection to the embeddings",
         ),

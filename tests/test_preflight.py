@@ -18,7 +18,7 @@ def test_validate_prints_the_recipe_and_checks_and_writes_nothing(runner_cli, tm
     assert result.returncode == 0, result.stderr[-2000:]
     assert "batch_size: 7" in result.stdout
     assert "_component_: torchtune.models.llama3_2.llama3_2" in result.stdout
-    assert "ok  train      " in result.stdout and "(8000 records)" in result.stdout
+    assert "ok  train      " in result.stdout and "(32000 records)" in result.stdout
     assert list(tmp_path.iterdir()) == []
 
 
@@ -42,7 +42,7 @@ def test_estimate_counts_parameters_and_optimizer_memory(tmp_path: Path) -> None
     assert found.weights_bytes == sum(p.numel() * p.element_size() for p in params)
     assert found.gradients_bytes == sum(p.grad.numel() * p.grad.element_size() for p in params)
     assert found.optimizer_bytes == sum(t.numel() * t.element_size() for t in states)
-    assert found.steps_per_epoch == 8000 // 32 and found.tokens_per_epoch > 8000 * 40
+    assert found.steps_per_epoch == 32000 // 32 and found.tokens_per_epoch > 32000 * 40
 
 
 def test_estimate_shards_over_the_world_and_halves_in_bf16(tmp_path: Path) -> None:
@@ -60,5 +60,5 @@ def test_estimate_shards_over_the_world_and_halves_in_bf16(tmp_path: Path) -> No
 def test_estimate_cli(runner_cli) -> None:
     result = runner_cli("estimate")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "1,017,984 parameters, fp32, cpu x 1" in result.stdout
+    assert "1,051,776 parameters, fp32, cpu x 1" in result.stdout
     assert "optimizer steps per epoch" in result.stdout

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from runner import determinism
+from runner.errors import UserError
 from runner.paths import SAMPLE_DATA_DIR
 from runner.repro import compare_losses, compare_metrics
 from tests.conftest import QUICK, losses
@@ -25,6 +27,7 @@ SHORT = [
     "runtime.save_every_n_steps=2",
     "runtime.deterministic=true",
     "dataset.eval_samples=0",
+    "optimizer.lr=2e-3",
 ]
 
 
@@ -182,3 +185,18 @@ def test_metrics_compare_within_a_relative_tolerance() -> None:
     assert drifts == [] and largest == {"loss": pytest.approx(0.01 / 2.01), "eval_loss": 0.0}
     (drift,) = compare_metrics(recorded, rerun, tolerance=1e-3)[0]
     assert drift.what == "loss at step 1" and (drift.recorded, drift.rerun) == (2.0, 2.01)
+
+
+@pytest.mark.parametrize(
+    "machine,flags,why",
+    [("aarch64", None, "this machine is aarch64"), ("x86_64", {"sse2", "avx"}, "lacks avx2, fma")],
+)
+def test_deterministic_mode_refuses_a_machine_off_the_pinned_path(
+    monkeypatch, machine: str, flags: set[str] | None, why: str
+) -> None:
+    monkeypatch.setattr(determinism.platform, "machine", lambda: machine)
+    monkeypatch.setattr(determinism, "_cpu_flags", lambda: flags)
+    with pytest.raises(UserError) as err:
+        determinism.check_machine()
+    assert err.value.key == "runtime.deterministic" and why in err.value.fix
+    assert "runtime.deterministic=false" in err.value.fix
