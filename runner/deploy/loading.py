@@ -11,7 +11,9 @@ from typing import Any
 from runner.errors import UserError
 
 # The options of the `dtype` config group (conf/dtype/), shared with `runner train`.
-_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# The dtype group's options as served: bf16_mixed computes in bf16, and serving keeps no master
+# weights, so it serves as bf16.
+_DTYPES = {"bf16": "bfloat16", "bf16_mixed": "bfloat16", "fp32": "float32"}
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -170,7 +172,7 @@ def resolve_device(device: str) -> Any:
 
 
 def resolve_dtype(dtype: str, device: Any) -> Any:
-    """The torch dtype for `dtype=auto|bf16|fp32`: auto is fp32 on the CPU, bf16 on a GPU."""
+    """The torch dtype for a dtype option: auto is fp32 on the CPU, bf16 on a GPU."""
     import torch
 
     if dtype == "auto":
