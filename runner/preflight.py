@@ -149,13 +149,17 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         return int(weights) // world, shard, 2 * shard
 
     weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe["dtype"])
-    counts = dict(parameters=parameters, trainable_parameters=trainable, world_size=world)
+    model_state = dict(
+        parameters=parameters,
+        trainable_parameters=trainable,
+        world_size=world,
+        weights_bytes=weights_bytes,
+        gradients_bytes=gradients_bytes,
+        optimizer_bytes=optimizer_bytes,
+    )
     if recipe["tokenizer"] is None:
         return Estimate(
-            **counts,
-            weights_bytes=weights_bytes,
-            gradients_bytes=gradients_bytes,
-            optimizer_bytes=optimizer_bytes,
+            **model_state,
             activations_bytes=None,
             tokens_per_epoch=None,
             longest_sample=None,
@@ -178,10 +182,7 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
 
     global_batch = batch * world * training["gradient_accumulation_steps"]
     return Estimate(
-        **counts,
-        weights_bytes=weights_bytes,
-        gradients_bytes=gradients_bytes,
-        optimizer_bytes=optimizer_bytes,
+        **model_state,
         activations_bytes=activation_bytes(recipe["dtype"]),
         tokens_per_epoch=sum(lengths),
         longest_sample=seq,

@@ -68,13 +68,19 @@ def compare_losses(
     steps = sorted(set(recorded) & set(rerun))
     if not steps:
         return [Drift("losses", sorted(recorded)[:5], sorted(rerun)[:5])]
-    drifts = []
-    for step in steps:
-        a, b = recorded[step], rerun[step]
-        same = a == b if tolerance == 0 else abs(a - b) <= tolerance * max(abs(a), abs(b))
-        if not same:
-            drifts.append(Drift(f"loss at step {step}", a, b))
+    drifts, _ = compare_metrics(
+        [{"step": s, "loss": recorded[s]} for s in steps],
+        [{"step": s, "loss": rerun[s]} for s in steps],
+        tolerance,
+    )
     return drifts
+
+
+def _differs(a: float, b: float, tolerance: float) -> bool:
+    """Unequal (tolerance 0), or further apart than `tolerance` relative; NaN always differs."""
+    if tolerance == 0:
+        return a != b
+    return not abs(a - b) <= tolerance * max(abs(a), abs(b))
 
 
 def compare_metrics(
@@ -95,7 +101,7 @@ def compare_metrics(
                 continue
             relative = abs(was - value) / max(abs(was), abs(value), 1e-12)
             largest[metric] = max(largest.get(metric, 0.0), relative)
-            if relative > tolerance:
+            if _differs(was, value, tolerance):
                 drifts.append(Drift(f"{metric} at step {row['step']}", was, value))
     return drifts, largest
 
@@ -210,14 +216,14 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
     recorded_metrics = [r for r in recorded.read_metrics() if steps is None or r["step"] <= steps]
     recorded_losses = {r["step"]: r["loss"] for r in recorded_metrics if "loss" in r}
     rerun_losses = rerun.losses()
-    drifts = compare_losses(recorded_losses, rerun_losses, tolerance)
-    metric_drifts, largest = compare_metrics(recorded_metrics, rerun.read_metrics(), tolerance)
-    drifts += [d for d in metric_drifts if not d.what.startswith("loss at step")]
+    steps_compared = len(set(recorded_losses) & set(rerun_losses))
+    drifts, largest = compare_metrics(recorded_metrics, rerun.read_metrics(), tolerance)
+    if steps_compared == 0:  # no step to compare: compare_losses names what each logged
+        drifts = compare_losses(recorded_losses, rerun_losses) + drifts
     drifts += compare_records(recorded_manifest, rerun_manifest, same_path=same_path)
     if not same_path:
         for metric, relative in sorted(largest.items()):
             print(f"largest relative difference of {metric}: {relative:.3g}")
-    steps_compared = len(set(recorded_losses) & set(rerun_losses))
     agreed = (
         "checkpoint hashes and record agree"
         if same_path
