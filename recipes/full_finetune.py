@@ -41,7 +41,7 @@ from tqdm import tqdm
 from runner import determinism
 from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
 from runner.components import instantiate
-from runner.data import collate, eval_prompts, train_dataset, validation_dataset
+from runner.data import collate, eval_prompts, training_splits
 from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
 from runner.launch import EXIT_SIGTERM
 from runner.manifest import record_checkpoint, record_kernels
@@ -102,7 +102,10 @@ class FullFinetuneRecipe:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.tokenizer = instantiate(cfg.tokenizer)
-        self.dataset = train_dataset(cfg.dataset, self.tokenizer)
+        # resolve.py made sure that a run that evaluates has a validation split.
+        self.dataset, self.validation = training_splits(
+            cfg.dataset, self.tokenizer, validation=cfg.eval.strategy != "no"
+        )
         self.sampler = DistributedSampler(
             self.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=cfg.seed
         )
@@ -124,10 +127,6 @@ class FullFinetuneRecipe:
         self.loss_fn = instantiate(cfg.loss)
         if hasattr(self.loss_fn, "num_output_chunks"):
             self.model.set_num_output_chunks(self.loss_fn.num_output_chunks)
-        # resolve.py made sure that a run that evaluates has a validation split.
-        self.validation = None
-        if cfg.eval.strategy != "no":
-            self.validation = validation_dataset(cfg.dataset, self.tokenizer)
         latest = self.run.latest_checkpoint()
         if latest is not None:
             self._load_training_state(latest)
@@ -560,9 +559,13 @@ def run(
             # A dead or hung peer ends the run with a timeout error instead of a hang.
             timeout=timedelta(seconds=cfg.launch.collective_timeout_s),
         )
-    if cfg.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+    if cfg.device == "cpu":
+        # OMP_NUM_THREADS where set (a parallel sweep's share, the pinned path), else a fair
+        # share of the cores for each of this machine's processes.
+        threads = os.environ.get("OMP_NUM_THREADS", "")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        share = max(1, (os.cpu_count() or 1) // local_world)
+        torch.set_num_threads(int(threads) if threads.isdigit() else share)
     recipe = recipe_class(cfg)
     heartbeat = Heartbeat(recipe.run) if recipe.is_rank_zero else None
     if recipe.is_rank_zero:

@@ -16,10 +16,11 @@ from runner.data import (
     FORMATS,
     DataError,
     check_datasets,
+    checks,
     collate,
     eval_prompts,
     train_dataset,
-    validation_dataset,
+    training_splits,
 )
 from runner.errors import UserError
 from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
@@ -71,6 +72,12 @@ def data(*overrides: str) -> dict[str, Any]:
 
 def tokenizer(max_seq_len: int = MODEL_MAX) -> ChatTokenizer:
     return ChatTokenizer(str(TINY_TOKENIZER_DIR), max_seq_len)
+
+
+def validation_split(data: dict[str, Any], tok: ChatTokenizer) -> Any:
+    """The validation split the recipe gets (None when the dataset has none)."""
+    _, validation = training_splits(data, tok, validation=True)
+    return validation
 
 
 def trained_text(sample: dict[str, Any], tok: ChatTokenizer) -> str:
@@ -145,7 +152,7 @@ def test_split_slicing_and_named_splits_of_a_directory(tmp_path: Path) -> None:
         "dataset.validation.split='train[-3:]'",
     )
     assert answers(train_dataset(sliced, tok)) == [f"a{i}" for i in range(5)]
-    assert answers(validation_dataset(sliced, tok)) == ["a17", "a18", "a19"]
+    assert answers(validation_split(sliced, tok)) == ["a17", "a18", "a19"]
     # A directory split by file names, as hub repositories are.
     repo = tmp_path / "repo"
     write(records(6), repo / "data" / "train-00000-of-00001.parquet")
@@ -169,20 +176,44 @@ def test_held_out_validation_is_seeded_and_disjoint(tmp_path: Path) -> None:
     tok = tokenizer()
     base = ["dataset=instruct", f"dataset.source={source}", *RENAMED]
     held = data(*base, "dataset.validation.held_out=10%")
-    train, validation = train_dataset(held, tok), validation_dataset(held, tok)
+    train, validation = training_splits(held, tok, validation=True)
     picked = {validation.records[i]["answer"] for i in range(len(validation))}
     kept = {train.records[i]["answer"] for i in range(len(train))}
     assert len(picked) == 4 and len(kept) == 36 and not picked & kept
-    again = validation_dataset(data(*base, "dataset.validation.held_out=0.1"), tok)
+    again = validation_split(data(*base, "dataset.validation.held_out=0.1"), tok)
     assert {again.records[i]["answer"] for i in range(4)} == picked
-    other = validation_dataset(
+    other = validation_split(
         data(*base, "dataset.validation.held_out=10%", "dataset.validation.seed=1"), tok
     )
     assert {other.records[i]["answer"] for i in range(4)} != picked
-    assert validation_dataset(data(*base), tok) is None
+    assert validation_split(data(*base), tok) is None
     with pytest.raises(UserError) as err:
         data(*base, "dataset.validation.held_out=5%", "dataset.validation.split=train")
     assert err.value.key == "dataset.validation.held_out" and "not both" in err.value.fix
+
+
+def test_a_process_reads_each_split_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's one call reads the training split once, whatever validation comes from."""
+    source = write(records(20), tmp_path / "all.jsonl")
+    tok = tokenizer()
+    base = ["dataset=instruct", f"dataset.source={source}", *RENAMED]
+    read = []
+    load_records = checks.load_records
+
+    def counted(**spec: Any) -> Any:
+        read.append(spec["split"])
+        return load_records(**spec)
+
+    monkeypatch.setattr(checks, "load_records", counted)
+    named = data(*base, "dataset.split='train[:15]'", "dataset.validation.split='train[15:]'")
+    train, validation = training_splits(named, tok, validation=True)
+    assert read == ["train[:15]", "train[15:]"] and (len(train), len(validation)) == (15, 5)
+    read.clear()
+    held = data(*base, "dataset.validation.held_out=10%", "dataset.packing=true")
+    train, validation = training_splits(held, tok, validation=True)
+    assert read == ["train"] and len(validation) == 2
+    read.clear()
+    assert training_splits(named, tok, validation=False)[1] is None and read == ["train[:15]"]
 
 
 # ---- train_on_input, system prompt, chat ----------------------------------------------------
@@ -248,7 +279,7 @@ def test_chat_in_both_styles(tmp_path: Path) -> None:
     text = tok.decode(replaced["tokens"], skip_special_tokens=False)
     assert "Be terse." in text and "Be nice." not in text
     chat = data("dataset=chat", f"dataset.source={openai}", "dataset.validation.split=train")
-    prompt = eval_prompts(validation_dataset(chat, tok), tok, 1)[0]
+    prompt = eval_prompts(validation_split(chat, tok), tok, 1)[0]
     assert prompt.reference == "Goodbye"
     assert tok.decode(prompt.tokens, skip_special_tokens=False).endswith(
         "Bye<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"

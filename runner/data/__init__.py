@@ -1,0 +1,40 @@
+"""Datasets: data files -> records, checked whole -> tokenized samples (packed on request).
+
+- kinds: the three kinds of record (dataset.kind), their columns, the conversation styles;
+- sources: a source's format, its splits and the records of a split spec;
+- checks: every split checked whole (a missing column, a value of the wrong type, a split left
+  empty, a sample with nothing to train on after truncation), each one UserError naming the
+  file, the row (counting records from 1) and the column;
+- transforms: records -> tokenized samples, and samples -> batches;
+- splits: the training and validation splits of a run, each read and checked once;
+- prompts: validation records as generation prompts for eval.
+
+The rest of the runner imports these names from here.
+"""
+
+from __future__ import annotations
+
+from runner.data.checks import DataError
+from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, KINDS
+from runner.data.prompts import EvalPrompt, eval_prompts
+from runner.data.sources import FORMATS, local_source, source_format
+from runner.data.splits import check_datasets, train_dataset, training_splits
+from runner.data.transforms import CROSS_ENTROPY_IGNORE_IDX, TokenizedSplit, collate
+
+__all__ = [
+    "COLUMNS",
+    "CONVERSATION_STYLES",
+    "CROSS_ENTROPY_IGNORE_IDX",
+    "FORMATS",
+    "KINDS",
+    "DataError",
+    "EvalPrompt",
+    "TokenizedSplit",
+    "check_datasets",
+    "collate",
+    "eval_prompts",
+    "local_source",
+    "source_format",
+    "train_dataset",
+    "training_splits",
+]

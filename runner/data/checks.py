@@ -1,0 +1,256 @@
+"""Checks on a split's records: columns, cell types, conversations, something left to train on.
+
+Each problem is one UserError naming the file, the row (counting records from 1) and the column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, ConversationStyle
+from runner.data.sources import Records, load_records
+from runner.data.transforms import TokenizedSplit
+from runner.errors import UserError
+from runner.tune import CROSS_ENTROPY_IGNORE_IDX, Message
+
+
+class DataError(UserError):
+    """Bad data in one cell: names the file, the row (from 1) and the column."""
+
+    def __init__(
+        self, key: str, value: object, *, file: str, row: int, column: str, problem: str, fix: str
+    ) -> None:
+        self.file, self.row, self.column = file, row, column
+        where = "" if file == value else f"{file} "  # the file is the value already
+        super().__init__(key, value, f"{where}row {row}, column {column!r}: {problem}; {fix}")
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "text", list: "a list"}
+    return f"{names.get(type(value), 'an object')} ({str(value)[:40]!r})"
+
+
+def _first_bad_text(table: datasets.Dataset, column: str, required: bool) -> tuple[int, str]:
+    """(index, what it holds) of the first value that is not text (or null, if `required`)."""
+    values = table.data.column(column)
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        if not required or values.null_count == 0:
+            return -1, ""
+        nulls = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))
+        return int(nulls[0]), "null"
+    for index, value in enumerate(table[column]):
+        if not isinstance(value, str) and (value is not None or required):
+            return index, _describe(value)
+    return -1, ""
+
+
+def _conversation_problem(
+    conversation: Any, style: ConversationStyle, name: str, data: Mapping[str, Any]
+) -> tuple[str, int, int]:
+    """What is wrong with one conversation ("" if nothing), and the UTF-8 bytes and the number
+    of the messages before its first trained one (its prompt)."""
+    shape = f"a list of {{{style.role!r}, {style.content!r}}} messages ({name} style)"
+    if not isinstance(conversation, list):
+        return f"holds {_describe(conversation)}, not {shape}", 0, 0
+    system, train_on_input = data["new_system_prompt"], data["train_on_input"]
+    roles = ["system"] if system is not None else []
+    # torchtune's chat transforms train every message under train_on_input, the system's too.
+    trained = bool(roles) and train_on_input
+    prompt_bytes = len(system.encode()) if roles and not trained else 0
+    prompt_messages = len(roles)
+    for number, message in enumerate(conversation, 1):
+        if not isinstance(message, dict) or message.get(style.role) is None:
+            return f"message {number} is {_describe(message)}, not {shape}", 0, 0
+        role, content = message[style.role], message.get(style.content)
+        if role not in style.roles:
+            known = ", ".join(style.roles)
+            return f"message {number} has {style.role}={role!r}; {name} roles are {known}", 0, 0
+        if not isinstance(content, str):
+            problem = f"message {number}'s {style.content!r} is {_describe(content)}, not text"
+            return problem, 0, 0
+        ours = style.roles[role]
+        if ours == "system" and system is not None:
+            continue  # replaced by the new system prompt
+        if ours == "system" and roles:
+            return f"message {number} is a system message after the first", 0, 0
+        if ours == "assistant" and (not roles or roles[-1] != "user"):
+            return f"message {number} is an assistant message that answers no user message", 0, 0
+        if ours == "user" and roles and roles[-1] == "user":
+            return f"messages {number - 1} and {number} are both user messages", 0, 0
+        roles.append(ours)
+        trained = trained or ours == "assistant" or train_on_input
+        if not trained:
+            prompt_bytes += len(content.encode())
+            prompt_messages += 1
+    if not trained:
+        return "has no assistant message, so nothing to train on", 0, 0
+    return "", prompt_bytes, prompt_messages
+
+
+def _instruct_prompts(records: Records, data: Mapping[str, Any]) -> tuple[np.ndarray, int]:
+    """The UTF-8 bytes and the number of the messages before the answer (those not trained)."""
+    system = data["new_system_prompt"]
+    sizes = np.full(len(records.table), len(system.encode()) if system else 0, dtype=np.int64)
+    messages = 1 if system else 0
+    if not data["train_on_input"]:
+        messages += 1
+        for ours in ("instruction", "input"):
+            column = data["column_map"][ours]
+            if column is None:
+                continue
+            values = records.table.data.column(column).cast(pa.large_string())
+            sizes += pc.fill_null(pc.binary_length(values), 0).to_numpy(zero_copy_only=False) + 1
+    return sizes, messages
+
+
+def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> None:
+    """Columns present, and every cell of the right type; `key` is the source's config key."""
+    table, kind, column_map = records.table, data["kind"], data["column_map"]
+    for ours, required in COLUMNS[kind].items():
+        theirs = column_map[ours]
+        if theirs is None and not required:
+            continue
+        if theirs not in table.column_names:
+            fix = f"map it with dataset.column_map.{ours}=<column>"
+            if not required:
+                fix += f" (or dataset.column_map.{ours}=null if there is none)"
+            raise UserError(
+                f"dataset.column_map.{ours}",
+                theirs,
+                f"{records.parts[0][0][0]} has no column {theirs!r}; its columns are "
+                f"{table.column_names}; {fix}",
+            )
+        if kind == "chat":
+            continue
+        index, found = _first_bad_text(table, theirs, required)
+        if index >= 0:
+            file, row = records.where(index)
+            optional = "" if required else " or null"
+            raise DataError(
+                key,
+                records.source,
+                file=file,
+                row=row,
+                column=theirs,
+                problem=f"holds {found} where text is required",
+                fix=f"give text{optional} in every row of {theirs!r}, or drop the row",
+            )
+
+
+def _check_conversations(
+    records: Records, data: Mapping[str, Any], *, key: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Checks every conversation; returns the bytes and messages of each one's prompt."""
+    name = data["conversation_style"]
+    style, column = CONVERSATION_STYLES[name], data["column_map"]["messages"]
+    sizes = np.zeros(len(records.table), dtype=np.int64)
+    messages = np.zeros(len(records.table), dtype=np.int64)
+    values = records.table.data.column(column)
+    # Plain nested Arrow reads fastest as Python lists; mixed JSON needs datasets' decoding.
+    plain = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+    for index, conversation in enumerate(values.to_pylist() if plain else records.table[column]):
+        problem, sizes[index], messages[index] = _conversation_problem(
+            conversation, style, name, data
+        )
+        if problem:
+            file, row = records.where(index)
+            raise DataError(
+                key,
+                records.source,
+                file=file,
+                row=row,
+                column=column,
+                problem=problem,
+                fix="fix or drop the row (dataset.conversation_style names the message format)",
+            )
+    return sizes, messages
+
+
+def _check_trainable(
+    split: TokenizedSplit,
+    records: Records,
+    prompt_bytes: np.ndarray,
+    prompt_messages: np.ndarray | int,
+    data: Mapping[str, Any],
+    tokenizer: Any,
+) -> None:
+    """No sample is left with nothing to train on after truncation to dataset.max_seq_len.
+
+    That needs a prompt of about max_seq_len tokens, and a token is at least one byte of text:
+    only records whose prompt bytes plus the chat template's tokens per message come near
+    max_seq_len are tokenized.
+    """
+    max_seq_len = data["max_seq_len"]
+    empty = [Message(role=r, content="") for r in ("system", "user", "assistant")]
+    template, _ = tokenizer.tokenize_messages(empty)
+    bound = 1 + prompt_bytes + (prompt_messages + 1) * (len(template) + 2)
+    for index in np.flatnonzero(bound >= max_seq_len - 2):
+        sample = split[int(index)]
+        if any(label != CROSS_ENTROPY_IGNORE_IDX for label in sample["labels"]):
+            continue
+        file, row = records.where(int(index))
+        column_map = data["column_map"]
+        prompt = [column_map[c] for c in ("instruction", "input", "messages") if column_map.get(c)]
+        raise DataError(
+            "dataset.max_seq_len",
+            max_seq_len,
+            file=file,
+            row=row,
+            column=", ".join(prompt),
+            problem=f"no token is left to train on after truncation to {max_seq_len} tokens "
+            "(the prompt fills them)",
+            fix="raise dataset.max_seq_len, shorten the prompt, or drop the row",
+        )
+
+
+def checked_split(
+    data: Mapping[str, Any],
+    tokenizer: Any,
+    *,
+    source_key: str,
+    source: str,
+    split_key: str,
+    split: str,
+) -> TokenizedSplit:
+    """The records of one split spec, read and checked whole, ready to tokenize on access."""
+    records = load_records(
+        source_key=source_key,
+        source=source,
+        data_format=data["format"],
+        split_key=split_key,
+        split=split,
+    )
+    if len(records.table) == 0:
+        raise UserError(
+            split_key, split, f"{source} has no records in this split; give a split that holds some"
+        )
+    check_records(records, data, key=source_key)
+    kind, column_map = data["kind"], data["column_map"]
+    if kind == "text":
+        text = records.table.data.column(column_map["text"])
+        blank = pc.equal(pc.utf8_trim_whitespace(text), "").to_numpy(zero_copy_only=False)
+        records.kept = np.flatnonzero(~blank)
+        records.table = records.table.select(records.kept)
+        if len(records.table) == 0:
+            raise UserError(
+                split_key,
+                split,
+                f"{source} has only blank lines in this split; give a split that holds some text",
+            )
+    records.table = records.table.select_columns([c for c in column_map.values() if c])
+    tokenized = TokenizedSplit(records.table, data, tokenizer)
+    if kind == "chat":
+        sizes, messages = _check_conversations(records, data, key=source_key)
+        _check_trainable(tokenized, records, sizes, messages, data, tokenizer)
+    elif kind == "instruct":
+        sizes, count = _instruct_prompts(records, data)
+        _check_trainable(tokenized, records, sizes, count, data, tokenizer)
+    return tokenized

@@ -1,0 +1,110 @@
+"""The splits a run uses: training, and validation (a named split, another source or held out).
+
+Each is read and checked whole once per call, so a process that calls once reads each once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from runner.data.checks import checked_split
+from runner.data.transforms import TokenizedSplit
+from runner.errors import UserError
+from runner.tune import PackedDataset
+
+
+def _held_out(
+    tokenized: TokenizedSplit,
+    fraction: float,
+    seed: int,
+    data: Mapping[str, Any],
+    tokenizer: Any,
+) -> tuple[TokenizedSplit, TokenizedSplit]:
+    """(train, validation): `fraction` of the records, drawn with `seed`, kept in file order."""
+    total = len(tokenized)
+    count = round(total * fraction)
+    if count == 0 or count == total:
+        raise UserError(
+            "dataset.validation.held_out",
+            f"{fraction:.4g}",
+            f"holds out {count} of the split's {total} records; give a share that leaves "
+            "records on both sides",
+        )
+    order = np.random.default_rng(seed).permutation(total)
+    chosen = np.zeros(total, dtype=bool)
+    chosen[order[:count]] = True
+    records = tokenized.records
+    return (
+        TokenizedSplit(records.select(np.flatnonzero(~chosen)), data, tokenizer),
+        TokenizedSplit(records.select(np.flatnonzero(chosen)), data, tokenizer),
+    )
+
+
+def _splits(
+    data: Mapping[str, Any], tokenizer: Any, *, validation: bool
+) -> tuple[TokenizedSplit, TokenizedSplit | None]:
+    """(train, validation or None), unpacked; without `validation` only the training split."""
+    held = data["validation"]
+    train = checked_split(
+        data,
+        tokenizer,
+        source_key="dataset.source",
+        source=data["source"],
+        split_key="dataset.split",
+        split=data["split"],
+    )
+    if held["held_out"] is not None:
+        train, held_out = _held_out(train, held["held_out"], held["seed"], data, tokenizer)
+        return train, held_out if validation else None
+    if not validation or (held["source"] is None and held["split"] is None):
+        return train, None
+    # A separate source, or a named split of the training source.
+    if held["source"] is not None:
+        source_key, source = "dataset.validation.source", held["source"]
+    else:
+        source_key, source = "dataset.source", data["source"]
+    checked = checked_split(
+        data,
+        tokenizer,
+        source_key=source_key,
+        source=source,
+        split_key="dataset.validation.split",
+        split=held["split"],
+    )
+    return train, checked
+
+
+# ---- what the recipe, the checks and eval read ----------------------------------------------
+def training_splits(
+    data: Mapping[str, Any], tokenizer: Any, *, validation: bool
+) -> tuple[Dataset, TokenizedSplit | None]:
+    """The training split, packed when dataset.packing, and the validation split (never packed),
+    or None without `validation` or when the dataset has none. Reads each split once."""
+    train, held = _splits(data, tokenizer, validation=validation)
+    if data["packing"]:
+        train = PackedDataset(
+            train,
+            max_seq_len=data["max_seq_len"],
+            padding_idx=tokenizer.pad_id,
+            split_across_pack=False,
+        )
+    return train, held
+
+
+def train_dataset(data: Mapping[str, Any], tokenizer: Any) -> Dataset:
+    """The training split alone (the recipe's `dataset` section), packed when dataset.packing."""
+    train, _ = training_splits(data, tokenizer, validation=False)
+    return train
+
+
+def check_datasets(data: Mapping[str, Any], tokenizer: Any) -> dict[str, int]:
+    """Reads and checks every split whole; records per split. Raises one UserError if not."""
+    train, validation = _splits(data, tokenizer, validation=True)
+    found = {"train": len(train)}
+    if validation is not None:
+        found["validation"] = len(validation)
+    return found

@@ -1,0 +1,159 @@
+"""Records -> tokenized samples (instruct and chat through messages, text directly) -> batches."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import datasets
+import torch
+from torch.utils.data import Dataset
+
+from runner.tune import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    Message,
+    OpenAIToMessages,
+    SFTTransform,
+    ShareGPTToMessages,
+    create_block_causal_mask,
+    padded_collate_packed,
+    padded_collate_sft,
+)
+
+
+class InstructToMessages:
+    """One record -> [system?, user (instruction, then input if any), assistant (output)]."""
+
+    def __init__(
+        self,
+        column_map: Mapping[str, str | None],
+        train_on_input: bool,
+        new_system_prompt: str | None,
+    ) -> None:
+        self.column_map = dict(column_map)
+        self.train_on_input = train_on_input
+        self.new_system_prompt = new_system_prompt
+
+    def user_text(self, sample: Mapping[str, Any]) -> str:
+        instruction = sample[self.column_map["instruction"]]
+        input_column = self.column_map["input"]
+        extra = sample[input_column] if input_column is not None else None
+        return f"{instruction}\n{extra}" if extra else instruction
+
+    def prompt_messages(self, sample: Mapping[str, Any]) -> list[Message]:
+        """The messages before the answer: what a user would send for this record."""
+        messages = []
+        if self.new_system_prompt:
+            messages.append(Message(role="system", content=self.new_system_prompt, masked=True))
+        user = Message(role="user", content=self.user_text(sample), masked=not self.train_on_input)
+        return [*messages, user]
+
+    def reference(self, sample: Mapping[str, Any]) -> str:
+        return sample[self.column_map["output"]]
+
+    def __call__(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        answer = Message(role="assistant", content=self.reference(sample), masked=False)
+        return {"messages": [*self.prompt_messages(sample), answer]}
+
+
+class ChatToMessages:
+    """A conversation -> messages through torchtune's OpenAI or ShareGPT transform."""
+
+    def __init__(
+        self, column: str, style: str, train_on_input: bool, new_system_prompt: str | None
+    ) -> None:
+        if style == "openai":
+            self._transform = OpenAIToMessages(
+                train_on_input=train_on_input,
+                column_map={"messages": column},
+                new_system_prompt=new_system_prompt,
+            )
+        else:
+            self._transform = ShareGPTToMessages(
+                train_on_input=train_on_input,
+                column_map={"conversations": column},
+                new_system_prompt=new_system_prompt,
+            )
+
+    def prompt_and_answer(self, sample: Mapping[str, Any]) -> tuple[list[Message], Message]:
+        """The conversation up to its last assistant message, and that message."""
+        messages = self(sample)["messages"]
+        last = max(i for i, m in enumerate(messages) if m.role == "assistant")
+        return messages[:last], messages[last]
+
+    def __call__(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        return self._transform(sample)
+
+
+class TextToTokens:
+    """Plain text -> BOS, its tokens, EOS, cut at max_seq_len; every token but BOS trains.
+
+    BOS is masked so that, packed after another sample, nothing learns to predict a new start.
+    """
+
+    def __init__(self, tokenizer: Any, column: str, max_seq_len: int) -> None:
+        self.tokenizer, self.column, self.max_seq_len = tokenizer, column, max_seq_len
+
+    def __call__(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        tokens = self.tokenizer.encode(sample[self.column], add_bos=True, add_eos=True)
+        tokens = tokens[: self.max_seq_len]
+        return {"tokens": tokens, "mask": [True] + [False] * (len(tokens) - 1)}
+
+
+class TokenizedSplit(Dataset):
+    """The records of one split, tokenized on access the way torchtune's SFTDataset does.
+
+    Each item has tokens, mask and labels (the token where it trains, else the ignore index).
+    """
+
+    def __init__(self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: Any) -> None:
+        self.records = records
+        self.kind = data["kind"]
+        column_map = data["column_map"]
+        if self.kind == "instruct":
+            self.message_transform: Any = InstructToMessages(
+                column_map, data["train_on_input"], data["new_system_prompt"]
+            )
+            self._prepare = SFTTransform(self.message_transform, tokenizer)
+        elif self.kind == "chat":
+            self.message_transform = ChatToMessages(
+                column_map["messages"],
+                data["conversation_style"],
+                data["train_on_input"],
+                data["new_system_prompt"],
+            )
+            self._prepare = SFTTransform(self.message_transform, tokenizer)
+        else:
+            self.message_transform = None
+            self._prepare = SFTTransform(
+                None, TextToTokens(tokenizer, column_map["text"], data["max_seq_len"])
+            )
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._prepare(self.records[index])
+
+
+def collate(
+    samples: list[dict[str, Any]], *, packed: bool, padding_idx: int, on_cuda: bool = False
+) -> dict[str, Any]:
+    """A batch whose labels are each position's next token (packs add mask and input_pos).
+
+    Every sample starts with a masked token (BOS), so a pack's shifted labels never cross from
+    one sample into the next. A pack's block-causal mask is a flex-attention BlockMask for a
+    model on a (recent) GPU, else a dense mask for SDPA, which the CPU runs.
+    """
+    if packed:
+        batch = padded_collate_packed(samples)
+        if not on_cuda:
+            batch["mask"] = create_block_causal_mask([s["seq_lens"] for s in samples])
+    else:
+        batch = padded_collate_sft(
+            samples, padding_idx=padding_idx, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
+        )
+    labels = batch["labels"]
+    ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
+    batch["labels"] = torch.hstack((labels[:, 1:], ignore))
+    return batch
