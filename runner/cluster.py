@@ -31,8 +31,6 @@ _K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 def _compose(config_name: str, overrides: list[str]) -> DictConfig:
-    import runner.resolve  # noqa: F401 - registers the resolvers the configs use
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name, overrides=overrides)
 

@@ -52,9 +52,6 @@ def default_cache_dir() -> str:
     return constants.HF_HUB_CACHE  # HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub
 
 
-OmegaConf.register_new_resolver("runner_hub_cache", default_cache_dir, replace=True)
-
-
 @dataclass(frozen=True)
 class HubSource:
     """A parsed hf:// URI: a repo of a type, an optional revision and a path inside it."""

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from runner.errors import UserError
 
@@ -181,9 +181,6 @@ def platform_value(platform: str, key: str, default: Any) -> Any:
         return detect(platform).describe()
     assert key in KEYS, key
     return detect(platform).values.get(key, default)
-
-
-OmegaConf.register_new_resolver("runner_platform", platform_value, replace=True)
 
 
 def run_dir(resume: Any, fresh: str, *, _root_: DictConfig) -> str:

@@ -7,7 +7,6 @@ naming the key, the value and the fix.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,52 +20,10 @@ from runner.evaluate import METRIC_MODES, TRAINING_METRIC_MODES
 from runner.hub import Hub, localize
 from runner.manifest import SECRET_KEY
 from runner.models import resolve_model
-from runner.paths import ASSETS_DIR
 from runner.platforms import resolve_launch
-from runner.platforms import run_dir as platform_run_dir
+from runner.resolvers import evaluates
 
 log = logging.getLogger(__name__)
-
-OmegaConf.register_new_resolver("runner_asset", lambda name: str(ASSETS_DIR / name), replace=True)
-# The resumed run, else a fresh one; on several nodes, one that every node agrees on.
-OmegaConf.register_new_resolver("runner_run_dir", platform_run_dir, replace=True)
-OmegaConf.register_new_resolver(
-    "runner_hydra_subdir", lambda resume: None if resume else ".hydra", replace=True
-)
-
-
-def has_validation(validation: Any) -> bool:
-    """Whether dataset.validation names a split to evaluate on."""
-    return any(validation[key] is not None for key in ("held_out", "split", "source"))
-
-
-def evaluates(strategy: Any, validation: Any) -> bool:
-    """Whether a run evaluates: eval.strategy is not `no` and the dataset has a validation split."""
-    return strategy not in ("no", False) and has_validation(validation)
-
-
-# objective.metric's default: the eval loss when the run evaluates, else the training loss.
-OmegaConf.register_new_resolver(
-    "runner_objective",
-    lambda strategy, validation: "eval_loss" if evaluates(strategy, validation) else "loss",
-    replace=True,
-)
-
-
-def parallel_jobs() -> int:
-    """Jobs to run at once on this machine: one per GPU, else one per core.
-
-    Each job's processes get an equal share of the cores (OMP_NUM_THREADS, inherited by the
-    launcher's workers), so parallel jobs do not oversubscribe the CPU.
-    """
-    cores = os.cpu_count() or 1
-    jobs = torch.cuda.device_count() or cores
-    if not os.environ.get("OMP_NUM_THREADS"):
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // jobs))
-    return jobs
-
-
-OmegaConf.register_new_resolver("runner_parallel_jobs", parallel_jobs, replace=True)
 
 
 def _int(value: Any, key: str, minimum: int, allow_none: bool = False) -> int | None:

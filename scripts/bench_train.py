@@ -38,6 +38,7 @@ def peak_memory_mb(device: str) -> float:
 def recipe_config(steps: int, batch_size: int, device: str, run_dir: Path, method: str = "full"):
     from hydra import compose, initialize_config_dir
 
+    from runner import resolvers
     from runner.paths import CONF_DIR
     from runner.resolve import resolve_recipe
 
@@ -53,6 +54,7 @@ def recipe_config(steps: int, batch_size: int, device: str, run_dir: Path, metho
         f"method={method}",
         *MODEL,
     ]
+    resolvers.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return resolve_recipe(compose("train", overrides=overrides), run_dir)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from runner import resolvers
 from runner.rundir import RunDir
 
 # Fast settings for the tiny model; every test that trains starts from these.
@@ -19,6 +20,12 @@ QUICK = [
     "dataset.eval_samples=16",
     "eval.max_samples=64",
 ]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _resolvers() -> None:
+    """Tests that compose conf/ themselves need the runner_* resolvers, as the CLI registers."""
+    resolvers.register()
 
 
 @dataclass

@@ -137,8 +137,9 @@ def test_non_editable_install_finds_configs_recipes_and_assets(tmp_path: Path) -
         capture_output=True,
     )
     code = (
-        "import runner.paths as p, runner.resolve as r; from hydra import compose, "
-        "initialize_config_dir as i\n"
+        "import runner.paths as p, runner.resolve as r, runner.resolvers as rs\n"
+        "from hydra import compose, initialize_config_dir as i\n"
+        "rs.register()\n"
         "with i(config_dir=str(p.CONF_DIR), version_base='1.3'):\n"
         "    c = compose('train')\n"
         "recipe = r.resolve_recipe(c, p.CONF_DIR)\n"
