@@ -13,17 +13,12 @@ import torch.nn.functional as F
 
 from runner.data import EvalPrompt
 
-# Every metric an evaluation can record, and which way is better.
-METRIC_MODES = {
-    "eval_loss": "min",
-    "eval_perplexity": "min",
-    "eval_token_accuracy": "max",
-    "eval_exact_match": "max",
-}
+# Which way each metric is better lives in runner.metrics (no torch); re-exported here.
+from runner.metrics import METRIC_MODES as METRIC_MODES
+from runner.metrics import TRAINING_METRIC_MODES as TRAINING_METRIC_MODES
+
 # The metrics of the loss pass (the rest come from generation).
 LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy")
-# What an objective may name besides the eval metrics: the training loss.
-TRAINING_METRIC_MODES = {"loss": "min"}
 
 
 @torch.no_grad()
