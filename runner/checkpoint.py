@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from runner.families import hf_to_tune, read_config, tune_to_hf
-from runner.tune import peft_to_tune, tune_to_peft
+from runner.families import hf_to_tune, peft_to_tune, read_config, tune_to_hf, tune_to_peft
 
 MODEL_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -1,7 +1,8 @@
 """The model group -> the recipe's model entries: builder, family, weights, config.json, tokenizer.
 
-A source's config.json names its family (runner/families.py) and, for a builder-less option
-(model=hf), the builder's arguments; an option's own builder must build the same model.
+A source's config.json names its family (runner/families/) and, for a builder-less option
+(model=hf), the builder's arguments; an option's own builder arguments must build the same
+model. The family supplies the torchtune builder and its LoRA twin.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from runner.checkpoint import weight_files
 from runner.components import instantiate
 from runner.errors import UserError
 from runner.families import (
-    LORA_BUILDERS,
+    Family,
     builder_args,
+    builder_component,
     check_source_matches,
     family_named,
     family_of,
@@ -27,7 +29,7 @@ from runner.families import (
     hf_to_tune,
     read_config,
 )
-from runner.tokenizer import CHAT_FORMATS, ChatTokenizer, template_mismatch
+from runner.tokenizer import CHAT_FORMATS, ChatTokenizer, read_chat_template, template_mismatch
 
 
 def _positive(value: Any, key: str) -> float:
@@ -95,6 +97,11 @@ def _check_weights(source: Path, builder: dict[str, Any]) -> None:
         )
 
 
+def _default_chat_format(family: Family, tokenizer_dir: Path) -> str | None:
+    """None (the tokenizer's chat template says) unless the tokenizer has none: the family's."""
+    return None if read_chat_template(tokenizer_dir) else family.chat_format
+
+
 def _source_config(config: dict[str, Any]) -> dict[str, Any]:
     """The source's config.json as checkpoints write it: weights are saved in fp32."""
     dtype_key = "dtype" if "dtype" in config else "torch_dtype"
@@ -136,18 +143,18 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
     if model.builder is None:
         builder = {"_component_": family.builder, **derived}
     else:
-        builder = OmegaConf.to_container(model.builder, resolve=True)
+        args = OmegaConf.to_container(model.builder, resolve=True)
+        builder = {"_component_": builder_component(family, args), **args}
         if derived is not None:
-            check_source_matches(builder, derived, str(model.source))
+            check_source_matches(family, builder, derived, str(model.source))
     if source is not None:
         _check_weights(source, builder)
-    lora_builder = model.lora_builder or LORA_BUILDERS.get(builder["_component_"])
     resolved = {
         "model": builder,
         "model_family": family.name,
         # Unresolved only for need_files=False: then the option's source as given, for display.
         "model_source": str(source) if source else model.source,
-        "lora_builder": lora_builder,
+        "lora_builder": family.builders[builder["_component_"]],
         "initializer_range": _positive(model.initializer_range, "model.initializer_range"),
         "hf_config": None,
         "tokenizer": None,
@@ -157,7 +164,8 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
         if need_files:
             raise UserError("model.tokenizer", None, "give a tokenizer directory or model.source")
         return resolved
-    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], model.chat_template)
+    chat_format = model.chat_template or _default_chat_format(family, Path(tokenizer_dir))
+    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], chat_format)
     mismatch = template_mismatch(tokenizer, str(tokenizer_dir)) if source else None
     if mismatch:
         raise UserError(

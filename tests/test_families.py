@@ -24,7 +24,7 @@ from runner.checkpoint import read_model_state
 from runner.components import instantiate
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
-from runner.families import LORA_BUILDERS, builder_args, check_source_matches, family_of
+from runner.families import builder_args, check_source_matches, family_named, family_of
 from runner.models import resolve_model
 from runner.paths import CONF_DIR
 from runner.preflight import estimate, print_estimate
@@ -185,13 +185,15 @@ def test_runner_trains_a_source_of_each_family(
     assert trained_with.eos_id in served.eos_token_ids
 
 
-def test_every_model_option_names_its_builders_lora_twin() -> None:
+def test_every_model_option_gets_its_familys_builder_and_lora_twin() -> None:
     for option in ZOO:
         model = model_config([f"model={option}"])
         for key in ("family", "source", "tokenizer", "chat_template", "checkpoint_format"):
             assert key in model, (option, key)
         if model.builder is not None:
-            assert model.lora_builder == LORA_BUILDERS[model.builder._component_], option
+            recipe = resolve_model(model, need_files=False)
+            builders = family_named(model.family).builders
+            assert recipe["lora_builder"] == builders[recipe["model"]["_component_"]], option
 
 
 # The published config.json of each zoo option's hub repo (the keys that shape the model).
@@ -309,7 +311,10 @@ def test_zoo_option_builds_its_hub_repos_model(option: str) -> None:
     assert family.name == model.family
     # Raises unless every argument but max_seq_len agrees with the config.json.
     check_source_matches(
-        OmegaConf.to_container(model.builder), builder_args(family, config, ""), model.source
+        family,
+        OmegaConf.to_container(model.builder),
+        builder_args(family, config, ""),
+        model.source,
     )
     assert model.builder.max_seq_len == config["max_position_embeddings"]
 

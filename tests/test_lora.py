@@ -16,10 +16,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
-from runner.families import hf_to_tune, tune_to_hf
+from runner.families import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
 from runner.preflight import estimate
 from runner.resolve import resolve_recipe
-from runner.tune import peft_to_tune, tune_to_peft
 from tests.conftest import QUICK, losses
 from tests.test_config import compose_train
 from tests.test_resume import straight_then_resumed
@@ -156,6 +155,7 @@ def test_lora_resume_gives_identical_losses(runner_cli, tmp_path: Path) -> None:
 
 def test_adapter_names_and_layouts_round_trip() -> None:
     config = {
+        "model_type": "llama",
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "hidden_size": 128,

@@ -1,0 +1,98 @@
+"""What a family module declares (Family), and the config.json readings every family shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from runner.families._weights import WeightNames
+
+# builder argument -> config.json key, in every family.
+SHARED_ARGS = {
+    "vocab_size": "vocab_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "embed_dim": "hidden_size",
+    "intermediate_dim": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+}
+
+
+class Unsupported(ValueError):
+    """A config.json setting that the family's torchtune builder does not build."""
+
+
+@dataclass(frozen=True)
+class GGUFFacts:
+    """How a family's Hugging Face checkpoint maps onto llama.cpp (runner/export/gguf_file.py)."""
+
+    arch: str  # llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES)
+    # llama.cpp's llama graph rotates adjacent pairs; Hugging Face's Llama rotates halves, so
+    # q and k rows are permuted back. Qwen2 uses the halves ("neox") rotation on both sides.
+    permute_qk: bool
+    # llama.cpp picks its pre-tokenizer by the hash of the token ids of a check text; the hashes
+    # of this family's tokenizers and llama.cpp's names for them.
+    pre_tokenizers: dict[str, str]
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """Everything runner knows about one model family; one module of runner/families each."""
+
+    name: str
+    model_type: str  # config.json's model_type
+    architecture: str  # config.json's architectures[0]
+    # torchtune builder -> its LoRA twin (same arguments plus the LoRA ones). The first builds
+    # model=hf sources and every option whose builder node names no _component_.
+    builders: dict[str, str]
+    # The chat format (runner/tokenizer.py) of a tokenizer that has no chat template.
+    chat_format: str
+    # config.json -> builder arguments beyond SHARED_ARGS and rope_base (raises Unsupported)
+    extra_args: Callable[[dict[str, Any]], dict[str, Any]]
+    # builder arguments -> config.json keys beyond the shared ones (for a random-init model)
+    extra_config: Callable[[dict[str, Any]], dict[str, Any]]
+    weights: WeightNames
+    gguf: GGUFFacts | None  # None: no GGUF export
+
+    @property
+    def builder(self) -> str:
+        return next(iter(self.builders))
+
+    @property
+    def lora_builder(self) -> str:
+        return self.builders[self.builder]
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """A config.json's attention shape, as the weight converters need it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def attention_dims(config: dict[str, Any]) -> AttentionDims:
+    return AttentionDims(
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        head_dim=head_dim(config),
+    )
+
+
+def rope(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings, from transformers 5's rope_parameters or 4's rope_theta + rope_scaling."""
+    if config.get("rope_parameters"):
+        return dict(config["rope_parameters"])
+    return {**(config.get("rope_scaling") or {}), "rope_theta": config["rope_theta"]}
+
+
+def rope_type(rope: dict[str, Any]) -> str:
+    return rope.get("rope_type") or rope.get("type") or "default"

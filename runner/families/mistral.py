@@ -1,0 +1,41 @@
+"""Mistral (7B v0.3): config.json model_type "mistral"."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from runner.families._family import Family, Unsupported, rope, rope_type
+from runner.families._weights import LLAMA_NAMES, WeightNames
+
+
+def builder_args(config: dict[str, Any]) -> dict[str, Any]:
+    if rope_type(rope(config)) != "default":
+        raise Unsupported(f"rope scaling {rope(config)}")
+    if config["tie_word_embeddings"]:
+        raise Unsupported("tie_word_embeddings=true")
+    if config.get("sliding_window") is not None:
+        warnings.warn(
+            f"sliding_window={config['sliding_window']} is ignored: torchtune's mistral attends "
+            "to the whole sequence (the same model for sequences up to the window)",
+            stacklevel=2,
+        )
+    return {}
+
+
+def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
+    return {"sliding_window": None}
+
+
+FAMILY = Family(
+    name="mistral",
+    model_type="mistral",
+    architecture="MistralForCausalLM",
+    builders={"torchtune.models.mistral.mistral": "torchtune.models.mistral.lora_mistral"},
+    chat_format="mistral",
+    extra_args=builder_args,
+    extra_config=config_keys,
+    weights=WeightNames(LLAMA_NAMES, permute_qk=True),
+    # Its tokenizer is SentencePiece, which the GGUF export does not write.
+    gguf=None,
+)
