@@ -2,7 +2,8 @@
 
 The layout follows llama.cpp's own converter (convert_hf_to_gguf.py): the same metadata keys,
 tensor names, q/k permutation for the llama architecture, rope_freqs for Llama 3 RoPE scaling,
-and the same rule for which tensors stay F32.
+and the same rule for which tensors stay F32. What differs by family (llama.cpp architecture,
+q/k permutation, pre-tokenizer hashes) is each family's `gguf` facts (runner/families/).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType, TokenType
 
 from runner.errors import UserError
+from runner.families import FAMILIES, GGUFFacts, head_dim, rope, rope_type
 
 # quantization= option -> the file type recorded in the header and the type of 2-D weights.
 QUANTIZATIONS = {
@@ -27,23 +28,8 @@ QUANTIZATIONS = {
 }
 
 
-@dataclass(frozen=True)
-class Family:
-    """How one Hugging Face architecture maps onto a llama.cpp architecture."""
-
-    arch: gguf.MODEL_ARCH
-    # llama.cpp's llama graph rotates adjacent pairs; Hugging Face's Llama rotates halves, so
-    # q and k rows are permuted back. Qwen2 uses the halves ("neox") rotation on both sides.
-    permute_qk: bool
-
-
-FAMILIES = {
-    "LlamaForCausalLM": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
-    "Qwen2ForCausalLM": Family(gguf.MODEL_ARCH.QWEN2, permute_qk=False),
-}
-
 # llama.cpp picks its pre-tokenizer (the regex split before BPE) by name. Its converter names it
-# by hashing the token ids of this text; these are the hashes it lists for the families above.
+# by hashing the token ids of this text; each family lists the hashes of its tokenizers.
 _CHECK_TEXT = (
     "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d"
     "\U0001f32b\ufe0f (multiple emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 "
@@ -53,15 +39,15 @@ _CHECK_TEXT = (
     "\u0433\u0430\u0440\u0441\u043a\u0438 ''''''```````\"\"\"\"......!!!!!!?????? I've been "
     "'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
 )
-_PRE_TOKENIZERS = {
-    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Llama 3
-    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5/2/2.5
-    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",  # Qwen3
-}
 
 
 class _Writer(gguf.GGUFWriter):
-    """GGUFWriter that can also write an empty typed array (a byte-level BPE with no merges)."""
+    """GGUFWriter that can also write an empty typed array (a byte-level BPE with no merges).
+
+    gguf 0.19 has no public way: add_key_value stores the value and _pack_val, which
+    write_kv_data_to_file calls, refuses an empty array; and llama.cpp refuses a gpt2 tokenizer
+    without tokenizer.ggml.merges, so the key cannot be left out.
+    """
 
     def _pack_val(
         self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None
@@ -72,17 +58,18 @@ class _Writer(gguf.GGUFWriter):
         return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
-def family_of(config: dict[str, Any]) -> Family:
-    """The llama.cpp architecture of a config.json; other families are a user error."""
+def family_of(config: dict[str, Any]) -> GGUFFacts:
+    """The llama.cpp facts of a config.json's family; other families are a user error."""
+    exportable = {f.architecture: f.gguf for f in FAMILIES.values() if f.gguf is not None}
     architectures = config.get("architectures") or []
     for name in architectures:
-        if name in FAMILIES:
-            return FAMILIES[name]
+        if name in exportable:
+            return exportable[name]
     raise UserError(
         "format",
         "gguf",
-        f"GGUF export supports {', '.join(FAMILIES)}; this checkpoint is {architectures}: export "
-        "format=merged and convert it with llama.cpp's convert_hf_to_gguf.py",
+        f"GGUF export supports {', '.join(exportable)}; this checkpoint is {architectures}: "
+        "export format=merged and convert it with llama.cpp's convert_hf_to_gguf.py",
     )
 
 
@@ -98,7 +85,7 @@ def write_gguf(
     """Write a model (Hugging Face names, fp32) and its tokenizer as one GGUF file."""
     family = family_of(config)
     file_type, weight_type = QUANTIZATIONS[quantization]
-    writer = _Writer(path, gguf.MODEL_ARCH_NAMES[family.arch])
+    writer = _Writer(path, family.arch)
     writer.add_name(name)
     writer.add_file_type(file_type)
     _add_hparams(writer, config)
@@ -119,17 +106,6 @@ def write_gguf(
     writer.close()
 
 
-def _rope(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings under either transformers' old (rope_scaling) or new (rope_parameters) keys."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    return rope
-
-
-def _head_dim(config: dict[str, Any]) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
 def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_vocab_size(config["vocab_size"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -138,20 +114,20 @@ def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(_head_dim(config))
-    writer.add_value_length(_head_dim(config))
-    writer.add_rope_dimension_count(_head_dim(config))
-    writer.add_rope_freq_base(float(_rope(config)["rope_theta"]))
+    writer.add_key_length(head_dim(config))
+    writer.add_value_length(head_dim(config))
+    writer.add_rope_dimension_count(head_dim(config))
+    writer.add_rope_freq_base(float(rope(config)["rope_theta"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope_type = _rope(config).get("rope_type", "default")
-    if rope_type == "linear":
+    scaling = rope_type(rope(config))
+    if scaling == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(_rope(config)["factor"])
-    elif rope_type not in ("default", "llama3"):  # llama3 scaling travels as rope_freqs
+        writer.add_rope_scaling_factor(rope(config)["factor"])
+    elif scaling not in ("default", "llama3"):  # llama3 scaling travels as rope_freqs
         raise UserError(
             "format",
             "gguf",
-            f"this checkpoint's RoPE scaling {rope_type!r} is not supported by the GGUF export: "
+            f"this checkpoint's RoPE scaling {scaling!r} is not supported by the GGUF export: "
             "export format=merged and convert it with llama.cpp's convert_hf_to_gguf.py",
         )
 
@@ -206,8 +182,11 @@ def _pre_tokenizer(tokenizer: Any, merges: list[str]) -> str:
     """llama.cpp's name for the tokenizer's pre-tokenizer, found as llama.cpp's converter does."""
     ids = tokenizer.backend_tokenizer.encode(_CHECK_TEXT).ids  # as tokenizer.encode, unbounded
     digest = hashlib.sha256(str(ids).encode()).hexdigest()
-    if digest in _PRE_TOKENIZERS:
-        return _PRE_TOKENIZERS[digest]
+    known = {
+        h: name for f in FAMILIES.values() if f.gguf for h, name in f.gguf.pre_tokenizers.items()
+    }
+    if digest in known:
+        return known[digest]
     if not merges:
         # Without merges every byte is its own token however the text is split first.
         return "llama-bpe"
@@ -229,9 +208,10 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _tensors(
-    state_dict: dict[str, torch.Tensor], config: dict[str, Any], family: Family
+    state_dict: dict[str, torch.Tensor], config: dict[str, Any], family: GGUFFacts
 ) -> list[tuple[str, torch.Tensor]]:
-    names = gguf.get_tensor_name_map(family.arch, config["num_hidden_layers"])
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[family.arch]
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     out = []
     for hf_name, tensor in state_dict.items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
@@ -248,9 +228,9 @@ def _tensors(
         elif family.permute_qk and hf_name.endswith("k_proj.weight"):
             tensor = _permute(tensor, config["num_key_value_heads"])
         out.append((gguf_name, tensor))
-    rope = _rope(config)
-    if rope.get("rope_type") == "llama3":
-        out.append(("rope_freqs.weight", _llama3_rope_factors(rope, _head_dim(config))))
+    settings = rope(config)
+    if rope_type(settings) == "llama3":
+        out.append(("rope_freqs.weight", _llama3_rope_factors(settings, head_dim(config))))
     return out
 
 
