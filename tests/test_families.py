@@ -18,13 +18,21 @@ import torch
 from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.checkpoint import read_model_state
 from runner.components import instantiate
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
-from runner.families import builder_args, check_source_matches, family_named, family_of
+from runner.families import (
+    builder_args,
+    check_source_matches,
+    family_named,
+    family_of,
+    read_config,
+    tune_to_peft,
+)
 from runner.models import resolve_model
 from runner.paths import CONF_DIR
 from runner.preflight import estimate, print_estimate
@@ -78,6 +86,28 @@ def test_recipe_model_gives_transformers_logits(checkpoints: dict[str, Path], fa
     theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     vocab = theirs.config.vocab_size
     tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("family", ["llama3_2", "qwen2_5"])
+def test_an_adapter_in_peft_gives_the_lora_models_logits(checkpoints, family: str) -> None:
+    """Adapter names and layouts per family: Llama's q/k rows are permuted, Qwen2's are not."""
+    source = checkpoints[family]
+    lora = {"lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "lora_rank": 4}
+    recipe = resolved(source)
+    builder = {**recipe["model"], "_component_": recipe["lora_builder"], **lora, "lora_alpha": 8}
+    ours = instantiate(OmegaConf.create(builder))
+    ours.load_state_dict(read_model_state(source), strict=False)
+    torch.manual_seed(0)
+    adapter = {name: torch.randn_like(t) for name, t in ours.state_dict().items() if "lora" in name}
+    ours.load_state_dict(adapter, strict=False)
+    target = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    theirs = get_peft_model(theirs, LoraConfig(r=4, lora_alpha=8, target_modules=target))
+    set_peft_model_state_dict(theirs, tune_to_peft(adapter, read_config(source)))
+    tokens = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff <= 1e-4, diff
