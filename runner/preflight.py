@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.components import instantiate
 from runner.data import check_datasets, train_dataset
 from runner.errors import user_errors_pass_hydra
+from runner.optimizers import state_per_weight
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 
@@ -115,10 +116,11 @@ class Estimate:
 def estimate(recipe: dict[str, Any]) -> Estimate:
     """Parameter count (built on the meta device), memory per device and tokens per epoch.
 
-    Trained weights, their gradients and AdamW's two moments are in the parameter dtype and
-    sharded over the world (FSDP2); with LoRA, gradients and moments are the adapters' only, the
-    frozen base is in the compute dtype, and with QLoRA its projections take NF4's ~4.1 bits a
-    weight. bf16_mixed in one process also holds autocast's bf16 copy of the weights.
+    Trained weights, their gradients and the optimizer's state (AdamW: two moments, counted by
+    runner.optimizers) are in the parameter dtype and sharded over the world (FSDP2); with LoRA,
+    gradients and moments are the adapters' only, the frozen base is in the compute dtype, and
+    with QLoRA its projections take NF4's ~4.1 bits a weight. bf16_mixed in one process also
+    holds autocast's bf16 copy of the weights.
     Activations, in the compute dtype, follow Korthikanti et al. (2022) for the longest sample
     in a full batch, with layer inputs only under activation checkpointing, plus the fp32 logits.
     """
@@ -139,6 +141,8 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         frozen = parameters - quantized
         parameters += trainable
 
+    moments = state_per_weight(recipe["optimizer"])
+
     def state_bytes(dtype: str) -> tuple[int, int, int]:
         """Weights, gradients and optimizer state per device under `dtype`."""
         master, compute = BYTES[dtype]
@@ -146,7 +150,7 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         if master != compute and world == 1:
             weights += trainable * compute
         shard = trainable * master // world
-        return int(weights) // world, shard, 2 * shard
+        return int(weights) // world, shard, moments * shard
 
     weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe["dtype"])
     model_state = dict(
@@ -216,7 +220,12 @@ def print_estimate(recipe: dict[str, Any], found: Estimate) -> None:
         )
     print(f"weights        {_gib(found.weights_bytes)} per device")
     print(f"gradients      {_gib(found.gradients_bytes)} per device")
-    print(f"optimizer      {_gib(found.optimizer_bytes)} per device (AdamW, two moments)")
+    component = recipe["optimizer"]["_component_"].rpartition(".")[2]
+    moments = state_per_weight(recipe["optimizer"])
+    print(
+        f"optimizer      {_gib(found.optimizer_bytes)} per device ({component}, {moments} "
+        "state tensor(s) per weight)"
+    )
     if found.activations_bytes is None:
         print(
             f"activations    not estimated: the tokenizer of model.source={recipe['model_source']} "

@@ -20,6 +20,7 @@ from runner.evaluate import METRIC_MODES, TRAINING_METRIC_MODES
 from runner.hub import Hub, localize
 from runner.manifest import SECRET_KEY
 from runner.models import resolve_model
+from runner.optimizers import SCHEDULE_KEYS, split_option, state_per_weight
 from runner.platforms import resolve_launch
 from runner.resolvers import evaluates
 
@@ -241,19 +242,26 @@ def _plain_env(env: DictConfig) -> dict[str, str]:
     return {str(k): str(v) for k, v in env.items()}
 
 
-def _optimizer(optimizer: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    adamw = {
-        "_component_": "torch.optim.AdamW",
-        "lr": _float(optimizer.lr, "optimizer.lr", True),
-        "weight_decay": _float(optimizer.weight_decay, "optimizer.weight_decay", False),
-        "betas": list(optimizer.betas),
-        "eps": _float(optimizer.eps, "optimizer.eps", True),
-    }
+def _optimizer(optimizer: DictConfig, device: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The optimizer component of the chosen option with its arguments, and the schedule."""
+    option = OmegaConf.to_container(optimizer, resolve=True)
+    if "_component_" not in option:
+        raise UserError(
+            "optimizer._component_", None, "name the torch.optim class, e.g. torch.optim.AdamW"
+        )
+    missing = [key for key in SCHEDULE_KEYS if key not in option]
+    if missing:
+        raise UserError(f"optimizer.{missing[0]}", None, "every optimizer option sets it")
+    node, schedule = split_option(option)
+    node["lr"] = _float(node.get("lr"), "optimizer.lr", True)
+    if "fused" in node and node["fused"] is None:
+        node["fused"] = True if device == "cuda" else None
+    state_per_weight(node)  # builds it once: a refused argument fails here, not in training
     schedule = {
-        "warmup_steps": _int(optimizer.warmup_steps, "optimizer.warmup_steps", 0),
-        "cosine_decay": _bool(optimizer.cosine_decay, "optimizer.cosine_decay"),
+        "warmup_steps": _int(schedule["warmup_steps"], "optimizer.warmup_steps", 0),
+        "cosine_decay": _bool(schedule["cosine_decay"], "optimizer.cosine_decay"),
     }
-    return adamw, schedule
+    return node, schedule
 
 
 def _held_out(value: Any) -> float | None:
@@ -444,7 +452,7 @@ def resolve_recipe(
     device, nproc_per_node = resolve_device(cfg.compute)
     nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
     launch = resolve_launch(cfg.compute, nnodes)
-    optimizer, schedule = _optimizer(cfg.optimizer)
+    optimizer, schedule = _optimizer(cfg.optimizer, device)
     training, runtime = _training(cfg), _runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.
     hub = Hub.from_runtime(cfg.runtime, list(overrides))

@@ -1,0 +1,72 @@
+"""The optimizer group: each option names its torch.optim component; its arguments are checked
+before anything runs; the estimate counts the state the chosen optimizer keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.checkpoint import read_training_state
+from runner.errors import UserError
+from runner.optimizers import state_per_weight
+from tests.conftest import QUICK
+
+FOUR_STEPS = [
+    *QUICK,
+    "compute=cpu",
+    "dtype=fp32",
+    "max_steps=4",
+    "batch_size=4",
+    "eval.strategy=no",
+    "runtime.tensorboard=false",
+]
+
+
+@pytest.mark.parametrize(
+    ("node", "tensors"),
+    [
+        ({"_component_": "torch.optim.AdamW", "lr": 1e-3}, 2),
+        ({"_component_": "torch.optim.AdamW", "lr": 1e-3, "amsgrad": True}, 3),
+        ({"_component_": "torch.optim.SGD", "lr": 1e-2, "momentum": 0.9}, 1),
+        ({"_component_": "torch.optim.SGD", "lr": 1e-2}, 0),
+    ],
+)
+def test_state_per_weight_is_counted_from_the_optimizer_itself(node: dict, tensors: int) -> None:
+    assert state_per_weight(node) == tensors
+
+
+def test_an_argument_the_optimizer_refuses_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="torch.optim.AdamW refuses them"):
+        state_per_weight({"_component_": "torch.optim.AdamW", "lr": 1e-3, "betas": [0.9]})
+    with pytest.raises(UserError, match="does not take these arguments"):
+        state_per_weight({"_component_": "torch.optim.SGD", "lr": 1e-2, "betas": [0.9, 0.9]})
+    with pytest.raises(UserError, match="components may only come from"):
+        state_per_weight({"_component_": "os.system", "lr": 1e-2})
+
+
+def test_sgd_trains_and_keeps_its_momentum_in_the_checkpoint(runner_cli, tmp_path: Path) -> None:
+    run = tmp_path / "sgd"
+    result = runner_cli("train", *FOUR_STEPS, "optimizer=sgd", f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "_component_: torch.optim.SGD" in (run / "recipe.yaml").read_text()
+    state = read_training_state(run / "checkpoints" / "step_4")["optimizer"]["state"]
+    assert state and all(set(entry) == {"momentum_buffer"} for entry in state.values())
+
+
+def test_a_refused_optimizer_argument_stops_train_before_a_run_dir(
+    runner_cli, tmp_path: Path
+) -> None:
+    run = tmp_path / "bad"
+    result = runner_cli("train", *FOUR_STEPS, "optimizer.betas=[0.9]", f"hydra.run.dir={run}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "error: optimizer=" in result.stderr and "Traceback" not in result.stderr
+    assert not run.exists()
+
+
+def test_estimate_counts_the_chosen_optimizers_state(runner_cli) -> None:
+    adamw = runner_cli("estimate", "compute=cpu", "dtype=fp32")
+    sgd = runner_cli("estimate", "compute=cpu", "dtype=fp32", "optimizer=sgd")
+    assert adamw.returncode == sgd.returncode == 0, adamw.stderr + sgd.stderr
+    assert "(AdamW, 2 state tensor(s) per weight)" in adamw.stdout
+    assert "(SGD, 1 state tensor(s) per weight)" in sgd.stdout
