@@ -504,7 +504,7 @@ class FullFinetuneRecipe:
         """status.json's `best`: the best evaluation and its checkpoint (once saved)."""
         if self.best is None:
             return {}
-        checkpoint = self.run.checkpoints_dir / f"step_{self.best['step']}"
+        checkpoint = self.run.checkpoint_path(self.best["step"])
         return {"best": {**self.best, "checkpoint": str(checkpoint)}}
 
     def _record_eval(self, metrics: dict[str, float]) -> None:

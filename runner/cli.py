@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from runner import resolvers
 from runner.errors import UserError, UserErrorExit
 
 USAGE = """usage: runner COMMAND [hydra overrides] [--help]
@@ -29,12 +30,11 @@ commands:
 
 
 def _commands() -> dict[str, Callable[[], int | None]]:
-    def train() -> int:
-        from runner import sweep
+    def train() -> None:
+        # A sweep (-m) exits with its failed-job count, read from its summary.json (runner.sweep).
         from runner.train import main
 
         main()
-        return min(sweep.last_sweep_failures, 255)  # a sweep exits with its failed-job count
 
     def deploy() -> None:
         from runner.deploy import main
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Hydra raises instead of printing its own report, so every user error reads the same.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    resolvers.register()
     sys.argv = [f"runner {name}", *argv[1:]]
     try:
         code = commands[name]()

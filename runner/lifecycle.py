@@ -12,15 +12,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from runner.errors import UserError
-from runner.rundir import LOG_FILE, STATUS_FILE, RunDir
+from runner.rundir import FINAL_STATES, LOG_FILE, STATUS_FILE, RunDir, is_run_dir
 
 DEFAULT_ROOTS = ("outputs", "multirun")
-FINAL_STATES = ("completed", "failed", "cancelled")
 
 
 def _run_dir(path: Path, key: str = "RUN") -> RunDir:
     run = RunDir(path)
-    if not (run.path / STATUS_FILE).is_file():
+    if not is_run_dir(run.path):
         raise UserError(
             key,
             str(path),
@@ -50,19 +49,19 @@ def runs_table(runs: list[RunDir], base: Path) -> str:
     head = f"{'run':<44} {'state':<13} {'step':>11} {'loss':>8} {'best eval@step':>26} {'age':>5}"
     lines = [head]
     for run in runs:
-        status = run.read_status()
+        status = run.status()
         state, _ = run.effective_state()
         losses = list(run.losses().values())
-        best = run.best()
+        best = status.best
         where = os.path.relpath(run.path, base)
-        step = f"{status.get('step') or 0}/{status.get('total_steps') or '-'}"
+        step = f"{status.step or 0}/{status.total_steps or '-'}"
         loss = f"{losses[-1]:.4f}" if losses else "-"
         best_text = "-"
         if best is not None:
             best_text = f"{best['metric'].removeprefix('eval_')}={best['value']:.4g}@{best['step']}"
         lines.append(
             f"{where:<44} {state:<13} {step:>11} {loss:>8} {best_text:>26} "
-            f"{_age(status.get('updated_at')):>5}"
+            f"{_age(status.updated_at):>5}"
         )
     return "\n".join(lines)
 
@@ -95,26 +94,28 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     run = _run_dir(args.run)
-    status = run.read_status()
+    status = run.status()
     state, why = run.effective_state()
     if state in FINAL_STATES:
         raise UserError(
             "RUN", str(args.run), f"the run is already {state}" + (f" ({why})" if why else "")
         )
-    if status.get("host") != socket.gethostname():
+    if status.host != socket.gethostname():
         raise UserError(
             "RUN",
             str(args.run),
-            f"the run is on host {status.get('host')}; run `runner stop` there",
+            f"the run is on host {status.host}; run `runner stop` there",
         )
-    pid = status["launcher_pid"]
+    pid = status.launcher_pid
+    if pid is None:
+        raise UserError("RUN", str(args.run), "the run recorded no process to signal")
     os.kill(pid, signal.SIGTERM)
     print(f"asked process {pid} to save a checkpoint and stop")
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         state, _ = run.effective_state()
         if state in FINAL_STATES:
-            print(f"{run.path}: {state} at step {run.read_status().get('step')}")
+            print(f"{run.path}: {state} at step {run.status().step}")
             return 0 if state == "cancelled" else 1
         time.sleep(0.5)
     print(f"{run.path}: still {state} after {args.timeout:.0f} s", file=sys.stderr)
@@ -130,11 +131,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise UserError(
             "RUN", str(args.run), f"the run is still {state}; `runner stop {args.run}` first"
         )
-    from runner.train import main
+    from runner.cli import main
 
-    sys.argv = ["runner train", f"resume={run.path.resolve()}"]
-    main()
-    return 0
+    return main(["train", f"resume={run.path.resolve()}"])
 
 
 def main(command: str, argv: list[str]) -> int:

@@ -214,7 +214,7 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
     tolerance = tolerance or 0.0
 
     recorded_metrics = [r for r in recorded.read_metrics() if steps is None or r["step"] <= steps]
-    recorded_losses = {r["step"]: r["loss"] for r in recorded_metrics if "loss" in r}
+    recorded_losses = {s: v for s, v in recorded.losses().items() if steps is None or s <= steps}
     rerun_losses = rerun.losses()
     steps_compared = len(set(recorded_losses) & set(rerun_losses))
     drifts, largest = compare_metrics(recorded_metrics, rerun.read_metrics(), tolerance)

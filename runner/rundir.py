@@ -1,30 +1,63 @@
-"""The run directory contract: status file, metrics, and whole checkpoints (see DESIGN.md)."""
+"""The run directory contract (see DESIGN.md): the status record, metrics, whole checkpoints,
+and the sweeps made of run directories.
+
+Everything downstream (sweeps, deploy, export, repro, runs/logs/stop/resume) reads run
+directories through this module, so each rule (which checkpoint is whole, which is the best,
+which run of a sweep is the best) is written once.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import re
 import shutil
 import socket
 import threading
 import time
+import typing
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 STATES = ("created", "initializing", "running", "checkpointing", "completed", "failed", "cancelled")
+ACTIVE_STATES = ("created", "initializing", "running", "checkpointing")
+FINAL_STATES = ("completed", "failed", "cancelled")
 RECIPE_FILE = "recipe.yaml"
 HEARTBEAT_FILE = "heartbeat"
 LOG_FILE = "train.log"
-ACTIVE_STATES = ("created", "initializing", "running", "checkpointing")
 # A live run touches its heartbeat every HEARTBEAT_EVERY_S; older than HEARTBEAT_STALE_S is dead.
 HEARTBEAT_EVERY_S = 10.0
 HEARTBEAT_STALE_S = 120.0
 STATUS_FILE = "status.json"
+# Bumped when status.json changes meaning; files without a version read as version 0.
+STATUS_VERSION = 1
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+
+# The files of a checkpoint directory (checkpoints/step_<N>/), in Hugging Face's and PEFT's
+# names, so that transformers and peft load it as it is.
+HF_CONFIG_FILE = "config.json"
+MODEL_FILE = "model.safetensors"
+# A hub repo's weights in several files, listed by this index.
+SHARDED_INDEX = "model.safetensors.index.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
+TRAINING_STATE_FILE = "training_state.pt"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def now_iso() -> str:
@@ -36,6 +69,101 @@ def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+class Best(TypedDict):
+    """The best evaluation a run recorded by its objective, and the checkpoint saved at it."""
+
+    metric: str
+    mode: str
+    step: int
+    value: float
+    checkpoint: NotRequired[str]
+
+
+@dataclass(frozen=True)
+class Status:
+    """status.json: where a run is in its lifecycle. Unset fields are left out of the file."""
+
+    state: str = "unknown"
+    step: int | None = None
+    total_steps: int | None = None
+    first_loss: float | None = None
+    loss: float | None = None
+    eval: dict[str, float] | None = None  # the last evaluation: its step and each metric
+    best: Best | None = None
+    error: str | None = None
+    created_at: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    updated_at: str | None = None
+    heartbeat_at: str | None = None
+    host: str | None = None
+    pid: int | None = None  # the process that wrote this status
+    launcher_pid: int | None = None  # the process `runner stop` signals
+    version: int = 0
+
+    @classmethod
+    def from_json(cls, data: object) -> Status:
+        """The status a parsed status.json holds, of any version: a field that is missing or
+        of the wrong type reads as unset, and fields this version does not know are ignored."""
+        if not isinstance(data, dict):
+            return cls()
+        known = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known and _fits(k, v)})
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def _fits(name: str, value: object) -> bool:
+    """Whether `value` has the type of Status field `name` (a float field takes an int too)."""
+    if value is None or isinstance(value, bool):
+        return False
+    if name == "best":
+        return _is_best(value)
+    kind = _FIELD_KINDS[name]
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
+
+
+def _is_best(value: object) -> bool:
+    if not isinstance(value, dict):
+        return False
+    return (
+        isinstance(value.get("metric"), str)
+        and value.get("mode") in ("min", "max")
+        and isinstance(value.get("step"), int)
+        and number(value.get("value")) is not None
+    )
+
+
+def _field_kinds() -> dict[str, type]:
+    """Each Status field's type without its `| None`: str, int, float or dict."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(Status).items():
+        kind = (typing.get_args(hint) or (hint,))[0]
+        kinds[name] = typing.get_origin(kind) or kind
+    return kinds
+
+
+_FIELD_KINDS = _field_kinds()
+
+
+def number(value: object) -> float | None:
+    """`value` as a float when it is a number (not a bool); NaN stays NaN."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` is a training run directory (it has a status file)."""
+    return (path / STATUS_FILE).is_file()
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` is a checkpoint itself: a Hugging Face model or a PEFT adapter dir."""
+    return (path / HF_CONFIG_FILE).is_file() or (path / ADAPTER_CONFIG_FILE).is_file()
 
 
 class RunDir:
@@ -52,23 +180,36 @@ class RunDir:
     def checkpoints_dir(self) -> Path:
         return self.path / CHECKPOINTS_DIR
 
-    def read_status(self) -> dict[str, Any]:
-        path = self.path / STATUS_FILE
-        return json.loads(path.read_text()) if path.exists() else {}
+    # ---- status ---------------------------------------------------------------------------
+    def status(self) -> Status:
+        """The run's status; a missing or unreadable status.json reads as state `unknown`."""
+        try:
+            data = json.loads((self.path / STATUS_FILE).read_text())
+        except (OSError, ValueError):
+            return Status()
+        return Status.from_json(data)
 
-    def write_status(self, state: str, **fields: Any) -> dict[str, Any]:
+    def read_status(self) -> dict[str, Any]:
+        """The run's status as the JSON object status.json holds (its set fields)."""
+        return self.status().to_json()
+
+    def write_status(self, state: str, **fields: Any) -> Status:
         """Moves the run to `state`, keeping earlier fields and stamping times and heartbeat."""
         assert state in STATES, state
-        status = self.read_status()
+        status = self.status()
         now = now_iso()
-        status.setdefault("created_at", now)
+        changes: dict[str, Any] = {}
+        if status.created_at is None:
+            changes["created_at"] = now
         if state == "initializing":
-            status.update(started_at=now, ended_at=None, error=None)
-        if state in ("completed", "failed", "cancelled"):
-            status["ended_at"] = now
-        status.update(fields, state=state, updated_at=now, heartbeat_at=now)
-        status.update(host=socket.gethostname(), pid=os.getpid())
-        write_json_atomic(self.path / STATUS_FILE, status)
+            changes.update(started_at=now, ended_at=None, error=None)
+        if state in FINAL_STATES:
+            changes["ended_at"] = now
+        changes.update(fields)
+        changes.update(state=state, updated_at=now, heartbeat_at=now, version=STATUS_VERSION)
+        changes.update(host=socket.gethostname(), pid=os.getpid())
+        status = dataclasses.replace(status, **changes)
+        write_json_atomic(self.path / STATUS_FILE, status.to_json())
         return status
 
     def touch_heartbeat(self) -> None:
@@ -80,27 +221,37 @@ class RunDir:
 
     def effective_state(self) -> tuple[str, str | None]:
         """The recorded state, or `failed` with a reason when an active run's process is gone."""
-        status = self.read_status()
-        state = status.get("state", "unknown")
-        if state not in ACTIVE_STATES:
-            return state, None
-        pid = status.get("launcher_pid") or status.get("pid")
-        if status.get("host") == socket.gethostname() and pid and not _alive(pid):
+        status = self.status()
+        if status.state not in ACTIVE_STATES:
+            return status.state, None
+        pid = status.launcher_pid or status.pid
+        if status.host == socket.gethostname() and pid and not _alive(pid):
             return "failed", f"process {pid} is gone and the status was never updated"
         age = self.seconds_since_heartbeat()
         if age is not None and age > HEARTBEAT_STALE_S:
             return "failed", f"no heartbeat for {age:.0f} s"
-        return state, None
+        return status.state, None
 
+    # ---- metrics --------------------------------------------------------------------------
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        path = self.path / METRICS_FILE
-        if not path.exists():
+        """The lines of metrics.jsonl; one cut short (still being written) is skipped."""
+        try:
+            text = (self.path / METRICS_FILE).read_text()
+        except OSError:
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = []
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+        return records
 
     def losses(self) -> dict[int, float]:
         """Per-step training losses, by step, from metrics.jsonl."""
@@ -112,6 +263,11 @@ class RunDir:
         tmp = self.path / f".{METRICS_FILE}.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path / METRICS_FILE)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def checkpoint_path(self, step: int) -> Path:
+        """Where the whole checkpoint of `step` lives (once it is written)."""
+        return self.checkpoints_dir / f"step_{step}"
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Whole checkpoints as (step, path), oldest first; temporary ones are not listed."""
@@ -142,7 +298,7 @@ class RunDir:
 
         The checkpoint of `keep_step` (the run's best) is kept as well, whatever its age.
         """
-        final = self.checkpoints_dir / f"step_{step}"
+        final = self.checkpoint_path(step)
         if final.exists():  # the same step saved by an earlier attempt of this run
             _remove_tree(final)
         os.replace(tmp, final)
@@ -151,18 +307,76 @@ class RunDir:
                 _remove_tree(old)
         return final
 
-    def best(self) -> dict[str, Any] | None:
-        """The best evaluation the run recorded (metric, mode, step, value, checkpoint), if any."""
-        return self.read_status().get("best")
+    # ---- the best -------------------------------------------------------------------------
+    def best(self, metric: str | None = None, mode: str | None = None) -> Best | None:
+        """The best evaluation the run recorded (metric, mode, step, value, checkpoint), if any
+        and if it is by `metric` and `mode` (None: whichever)."""
+        best = self.status().best
+        if best is None or metric not in (None, best["metric"]) or mode not in (None, best["mode"]):
+            return None
+        return best
+
+    def best_checkpoint(self, metric: str | None = None, mode: str | None = None) -> Path | None:
+        """The run's best whole checkpoint by `metric` and `mode` (None: by its objective): its
+        recorded best's when that is by them and still kept; else, with both given, the whole
+        checkpoint whose step's metrics line has the best value of `metric`."""
+        checkpoints = dict(self.checkpoints())
+        best = self.best(metric, mode)
+        if best is not None and best["step"] in checkpoints:
+            return checkpoints[best["step"]]
+        if metric is None or mode is None:
+            return None
+        scores = {}
+        for record in self.read_metrics():
+            value = number(record.get(metric))
+            if record["step"] in checkpoints and value is not None and not math.isnan(value):
+                scores[record["step"]] = value
+        step = _pick(scores, mode)
+        return checkpoints[step] if step is not None else None
 
     def objective_value(self, metric: str) -> tuple[float, int] | None:
         """(value, step) that ranks this run by `metric`: its recorded best when that is by
-        `metric`, else the last value of `metric` in metrics.jsonl."""
-        best = self.best()
-        if best is not None and best["metric"] == metric:
-            return best["value"], best["step"]
-        scored = [r for r in self.read_metrics() if metric in r]
-        return (scored[-1][metric], scored[-1]["step"]) if scored else None
+        `metric`, else the last value of `metric` in metrics.jsonl (NaN if it diverged)."""
+        best = self.best(metric)
+        if best is not None:
+            return float(best["value"]), best["step"]
+        scored = [(number(r.get(metric)), r["step"]) for r in self.read_metrics()]
+        scored = [(value, step) for value, step in scored if value is not None]
+        return scored[-1] if scored else None
+
+
+def sweep_runs(sweep_dir: Path) -> list[RunDir]:
+    """The run directories directly inside a sweep directory, in job order (0, 1, ..., 10)."""
+    jobs = [child for child in sweep_dir.iterdir() if child.is_dir() and is_run_dir(child)]
+    jobs.sort(key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name))
+    return [RunDir(job) for job in jobs]
+
+
+def best_run(runs: list[RunDir], metric: str, mode: str) -> RunDir | None:
+    """The best run of a sweep: of the completed runs with a whole checkpoint, the one whose
+    objective value (`RunDir.objective_value`) is lowest (mode min) or highest (max).
+
+    A NaN value never wins; of equal values, the earlier run in `runs` does. The sweep summary
+    and deploy's choice of a sweep's run both use this rule.
+    """
+    scores = {}
+    for index, run in enumerate(runs):
+        scored = run.objective_value(metric)
+        if scored is None or math.isnan(scored[0]):
+            continue
+        if run.status().state == "completed" and run.checkpoints():
+            scores[index] = scored[0]
+    index = _pick(scores, mode)
+    return runs[index] if index is not None else None
+
+
+def _pick(scores: dict[int, float], mode: str) -> int | None:
+    """The key of the lowest (min) or highest (max) score; the first such key on a tie."""
+    assert mode in ("min", "max"), mode
+    if not scores:
+        return None
+    pick = min if mode == "min" else max
+    return pick(scores, key=lambda key: scores[key])
 
 
 def _alive(pid: int) -> bool:

@@ -6,6 +6,7 @@ when the sweep ends; it is built from the run directories alone.
 
 from __future__ import annotations
 
+import json
 import math
 from datetime import datetime
 from pathlib import Path
@@ -17,39 +18,37 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.rundir import RunDir, write_json_atomic
+from runner.rundir import RunDir, Status, best_run, sweep_runs, write_json_atomic
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_TABLE = "summary.md"
 LOSS_PLOT = "loss_curves.png"
-# Set when a sweep ends; `runner train -m` exits with it.
-last_sweep_failures = 0
 
 
-def _duration_s(status: dict[str, Any]) -> float | None:
-    if not (status.get("started_at") and status.get("ended_at")):
+def _duration_s(status: Status) -> float | None:
+    if not (status.started_at and status.ended_at):
         return None
-    start, end = (datetime.fromisoformat(status[k]) for k in ("started_at", "ended_at"))
+    start, end = (datetime.fromisoformat(t) for t in (status.started_at, status.ended_at))
     return (end - start).total_seconds()
 
 
 def job_row(run: RunDir, metric: str) -> dict[str, Any]:
     """What the summary says of one job, read from its run directory."""
-    status = run.read_status()
+    status = run.status()
     overrides_file = run.path / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
     losses = list(run.losses().values())
     # The run's recorded best by `metric` (its objective), else the last value of it.
     scored = run.objective_value(metric)
-    checkpoint = run.checkpoints_dir / f"step_{scored[1]}" if scored else None
+    checkpoint = run.checkpoint_path(scored[1]) if scored else None
     return {
         "job": run.path.name,
         "run_dir": str(run.path),
         "overrides": overrides,
-        "state": status.get("state", "unknown"),
-        "error": status.get("error"),
-        "step": status.get("step"),
-        "total_steps": status.get("total_steps"),
+        "state": status.state,
+        "error": status.error,
+        "step": status.step,
+        "total_steps": status.total_steps,
         "final_loss": losses[-1] if losses else None,
         "metric": scored[0] if scored else None,
         "metric_step": scored[1] if scored else None,
@@ -59,25 +58,24 @@ def job_row(run: RunDir, metric: str) -> dict[str, Any]:
 
 
 def summarize(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
-    """Rows for every job directory of a sweep, and the best completed one by `metric`."""
-    jobs = sorted(
-        (p for p in sweep_dir.iterdir() if p.is_dir() and (p / "status.json").exists()),
-        key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name),
-    )
-    rows = [job_row(RunDir(p), metric) for p in jobs]
-    scored = [r for r in rows if r["state"] == "completed" and r["metric"] is not None]
-    best = None
-    if scored:
-        pick = min if mode == "min" else max
-        best = pick(scored, key=lambda r: r["metric"])
+    """Rows for every job directory of a sweep, and the best run by `metric` (`best_run`)."""
+    runs = sweep_runs(sweep_dir)
+    rows = [job_row(run, metric) for run in runs]
+    best = best_run(runs, metric, mode)
     return {
         "sweep_dir": str(sweep_dir),
         "metric": metric,
         "mode": mode,
-        "best": best,
+        "best": rows[runs.index(best)] if best is not None else None,
         "failed": sum(r["state"] == "failed" for r in rows),
         "runs": rows,
     }
+
+
+def exit_code(sweep_dir: Path) -> int:
+    """What `runner train -m` exits with: the number of failed jobs its summary.json records."""
+    summary = json.loads((sweep_dir / SUMMARY_JSON).read_text())
+    return min(summary["failed"], 255)
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -163,10 +161,12 @@ class SweepSummary(Callback):
             write_summary(sweep_dir, config.objective.metric, config.objective.mode)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        global last_sweep_failures
         sweep_dir = Path(config.hydra.sweep.dir)
         summary = write_summary(sweep_dir, config.objective.metric, config.objective.mode)
         plot = plot_losses(sweep_dir, summary)
-        last_sweep_failures = summary["failed"]
         print(table(summary))
         print(f"sweep directory: {sweep_dir}\nsummary: {sweep_dir / SUMMARY_TABLE}\nplot: {plot}")
+        # Hydra's multirun returns nothing to its caller: the sweep's exit code leaves from here.
+        code = exit_code(sweep_dir)
+        if code:
+            raise SystemExit(code)

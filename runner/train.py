@@ -58,7 +58,7 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
     try:
         train(cfg, run_dir, overrides, keep_failed=True)
     except Exception as err:  # noqa: BLE001 - recorded in the run directory, reported below
-        if run.read_status().get("state") != "failed":
+        if run.status().state != "failed":
             run.write_status("failed", error=f"{type(err).__name__}: {err}")
         print(f"error: job {run_dir.name} ({' '.join(overrides)}): {err}", file=sys.stderr)
         return math.nan
@@ -85,7 +85,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
         run.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
     # `runner stop` signals this process: the run's launcher, whatever its world size.
-    run.write_status(run.read_status()["state"], launcher_pid=os.getpid())
+    run.write_status(run.status().state, launcher_pid=os.getpid())
     result = launch(recipe, run.recipe_path)
     _print_summary(run)
     return result
@@ -101,25 +101,31 @@ def _check_data(recipe: dict[str, Any]) -> None:
 
 def _print_summary(run: RunDir) -> None:
     """The run's outcome, read from its directory (whichever processes trained it)."""
-    status = run.read_status()
+    status = run.status()
     checkpoint = run.latest_checkpoint()
     lines = [f"run directory: {run.path}", f"checkpoint:    {checkpoint}"]
-    if status.get("first_loss") is not None and status.get("loss") is not None:
-        lines.insert(0, f"train loss:    {status['first_loss']:.4f} -> {status['loss']:.4f}")
-    evaluation = status.get("eval") or {}
+    if status.first_loss is not None and status.loss is not None:
+        lines.insert(0, f"train loss:    {status.first_loss:.4f} -> {status.loss:.4f}")
+    evaluation = status.eval or {}
     if "eval_exact_match" in evaluation:
         lines.insert(1, f"held-out exact match: {evaluation['eval_exact_match']:.1%}")
     if "eval_loss" in evaluation:
         lines.insert(1, f"eval loss:     {evaluation['eval_loss']:.4f}")
-    best = status.get("best")
+    best = status.best
     if best is not None:
         lines.append(
             f"best:          {best['metric']}={best['value']:.4g} at step {best['step']}, "
             f"{best['checkpoint']}"
         )
-    lines.append(f"status:        {status.get('state')} at step {status.get('step')}")
+    lines.append(f"status:        {status.state} at step {status.step}")
     lines.append(f"try next:      runner deploy checkpoint={checkpoint}")
     print("\n".join(lines), flush=True)
+
+
+def _share_cores(jobs: int) -> None:
+    """A job of a parallel sweep trains on its share of the cores; its processes inherit it."""
+    if jobs > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
@@ -128,6 +134,7 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
     if hydra_cfg.mode == RunMode.MULTIRUN:
+        _share_cores(hydra_cfg.launcher.get("n_jobs") or 1)
         return sweep_job(cfg, run_dir, overrides)
     with user_errors_pass_hydra():
         train(cfg, run_dir, overrides)

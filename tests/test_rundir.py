@@ -1,0 +1,108 @@
+"""The run directory contract as its readers see it: status, metrics, checkpoints, best run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.deploy.selection import choose_checkpoint
+from runner.rundir import STATUS_VERSION, RunDir, Status, best_run, sweep_runs
+from runner.sweep import exit_code, summarize, write_summary
+
+SELECT = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
+
+
+def fake_run(run_dir: Path, *, state: str, steps: list[int], metrics: list[dict]) -> RunDir:
+    run = RunDir(run_dir)
+    for step in steps:
+        run.checkpoint_path(step).mkdir(parents=True)
+        (run.checkpoint_path(step) / "config.json").write_text("{}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": state, "step": max(steps or [0])}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return run
+
+
+def test_a_written_status_round_trips_with_its_version(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    run.write_status("created", step=0, total_steps=8)
+    run.write_status("initializing")
+    best = {"metric": "eval_loss", "mode": "min", "step": 4, "value": 0.5, "checkpoint": "c"}
+    written = run.write_status("running", step=4, loss=1.25, eval={"step": 4}, best=best)
+    on_disk = json.loads((tmp_path / "status.json").read_text())
+    assert on_disk["version"] == STATUS_VERSION and "error" not in on_disk
+    assert run.status() == written and run.read_status() == on_disk
+    assert (written.state, written.step, written.total_steps) == ("running", 4, 8)
+    assert written.best == best
+    assert written.created_at and written.started_at and written.ended_at is None
+    with pytest.raises(TypeError):
+        run.write_status("running", stepp=5)  # a misspelled field is an error, not a new key
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", '{"state": "running", "st', "[1, 2]", "null"],
+    ids=["empty", "half-written", "not-an-object", "null"],
+)
+def test_an_unreadable_status_reads_as_unknown(tmp_path: Path, text: str) -> None:
+    (tmp_path / "status.json").write_text(text)
+    assert RunDir(tmp_path).status() == Status()
+    assert RunDir(tmp_path / "missing").status().state == "unknown"
+
+
+def test_an_older_status_file_reads_what_it_has(tmp_path: Path) -> None:
+    older = {"state": "completed", "step": 3, "pid": "12", "best": {"metric": "loss"}, "x": 1}
+    (tmp_path / "status.json").write_text(json.dumps(older))
+    status = RunDir(tmp_path).status()
+    assert (status.state, status.step, status.version) == ("completed", 3, 0)
+    assert status.pid is None and status.best is None  # wrong types read as unset
+
+
+def test_a_half_written_metrics_line_is_skipped(tmp_path: Path) -> None:
+    run = fake_run(tmp_path, state="running", steps=[], metrics=[{"step": 1, "loss": 2.0}])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "lo')
+    assert run.read_metrics() == [{"step": 1, "loss": 2.0}]
+    assert run.losses() == {1: 2.0}
+
+
+def test_the_sweep_summary_and_deploy_pick_the_same_run(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    nan = float("nan")
+    jobs = {
+        "0": ("completed", [10], 0.9),
+        "1": ("completed", [10], 0.4),
+        "2": ("failed", [10], 0.1),  # failed: never the best
+        "3": ("completed", [], 0.05),  # no whole checkpoint: never the best
+        "4": ("completed", [10], nan),  # diverged: NaN never wins
+        "10": ("completed", [10], 0.4),  # ties with job 1, which comes first
+    }
+    for job, (state, steps, value) in jobs.items():
+        metrics = [{"step": 5, "eval_loss": 0.01}, {"step": 10, "eval_loss": value}]
+        fake_run(sweep / job, state=state, steps=steps, metrics=metrics)
+    assert [run.path.name for run in sweep_runs(sweep)] == ["0", "1", "2", "3", "4", "10"]
+    best = best_run(sweep_runs(sweep), "eval_loss", "min")
+    assert best is not None and best.path.name == "1"
+    assert summarize(sweep, "eval_loss", "min")["best"]["job"] == "1"
+    chosen = choose_checkpoint(sweep, **SELECT)
+    assert chosen == sweep / "1" / "checkpoints" / "step_10"
+
+
+def test_a_sweep_exits_with_its_failed_job_count_from_disk(tmp_path: Path) -> None:
+    for job, state in (("0", "failed"), ("1", "completed"), ("2", "failed")):
+        fake_run(tmp_path / job, state=state, steps=[1], metrics=[{"step": 1, "loss": 1.0}])
+    write_summary(tmp_path, "loss", "min")
+    assert exit_code(tmp_path) == 2
+
+
+def test_selection_imports_no_training_stack() -> None:
+    code = "import sys, runner.deploy.selection; print(sorted(sys.modules))"
+    modules = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    for heavy in ("'torchtune'", "'datasets'", "'pyarrow'"):
+        assert heavy not in modules
