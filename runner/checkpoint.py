@@ -12,21 +12,16 @@ from safetensors.torch import load_file, save_file
 
 from runner.families import hf_to_tune, peft_to_tune, read_config, tune_to_hf, tune_to_peft
 
-MODEL_FILE = "model.safetensors"
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-# A hub repo's weights in several files, listed by this index.
-SHARDED_INDEX = "model.safetensors.index.json"
-TRAINING_STATE_FILE = "training_state.pt"
-GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
+# A checkpoint's file names are the run directory contract's, defined once in runner.rundir.
+from runner.rundir import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+    GENERATION_CONFIG,
+    HF_CONFIG_FILE,
+    MODEL_FILE,
+    SHARDED_INDEX,
+    TOKENIZER_FILES,
+    TRAINING_STATE_FILE,
 )
 
 
@@ -56,7 +51,7 @@ def write_hf_model(
     """config.json and model.safetensors in Hugging Face names and layouts."""
     hf_state = {k: v.contiguous() for k, v in tune_to_hf(model_state, hf_config).items()}
     save_file(hf_state, str(out_dir / MODEL_FILE), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    (out_dir / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
 def write_model_files(

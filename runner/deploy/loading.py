@@ -1,4 +1,7 @@
-"""Loading a checkpoint to serve: weights from safetensors only, never remote code."""
+"""Loading a checkpoint to serve: weights from safetensors only, never remote code.
+
+`load_hf_model` is the one Hugging Face model loader; `runner export` loads through it too.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
+from runner.rundir import ADAPTER_CONFIG_FILE, ADAPTER_FILE, HF_CONFIG_FILE, MODEL_FILE
 
 # The options of the `dtype` config group (conf/dtype/), shared with `runner train`.
 # The dtype group's options as served: bf16_mixed computes in bf16, and serving keeps no master
 # weights, so it serves as bf16.
 _DTYPES = {"bf16": "bfloat16", "bf16_mixed": "bfloat16", "fp32": "float32"}
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +51,17 @@ def load_tokenizer(checkpoint_dir: Path) -> Any:
 
 def lora_base_dir(checkpoint_dir: Path) -> Path | None:
     """The base model directory a LoRA checkpoint's adapter_config.json names, else None."""
-    path = checkpoint_dir / ADAPTER_CONFIG
+    path = checkpoint_dir / ADAPTER_CONFIG_FILE
     if not path.is_file():
         return None
     base = json.loads(path.read_text()).get("base_model_name_or_path")
-    if not base or not (Path(base) / "config.json").is_file():
+    if not base or not (Path(base) / HF_CONFIG_FILE).is_file():
         raise UserError(
             "checkpoint",
             str(checkpoint_dir),
             f"its LoRA adapter names the base model {base!r}, which is not a local directory "
             "with config.json; restore that directory (RUN/base_model/ for a random-init base) "
-            f"or set base_model_name_or_path in {ADAPTER_CONFIG}",
+            f"or set base_model_name_or_path in {ADAPTER_CONFIG_FILE}",
         )
     return Path(base)
 
@@ -94,22 +96,16 @@ def load_checkpoint(
     checkpoint_dir: Path, *, device: str, dtype: str, max_model_len: int | None
 ) -> LoadedModel:
     """Load a checkpoint for the transformers engine; the one place that knows checkpoint kinds."""
-    from transformers import AutoModelForCausalLM
-
     check_servable(checkpoint_dir)
     context = model_context_length(checkpoint_dir, max_model_len)
     tokenizer = load_tokenizer(checkpoint_dir)
     torch_device = resolve_device(device)
     base_dir = lora_base_dir(checkpoint_dir)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = load_hf_model(
         base_dir or checkpoint_dir,
+        adapter_dir=checkpoint_dir if base_dir is not None else None,
         dtype=resolve_dtype(dtype, torch_device),
-        use_safetensors=True,
-        trust_remote_code=False,
-        local_files_only=True,
     )
-    if base_dir is not None:
-        model = _merge_adapter(model, checkpoint_dir)
     model.to(torch_device).eval()
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -118,28 +114,41 @@ def load_checkpoint(
     return LoadedModel(model, tokenizer, frozenset(eos_ids), context)
 
 
-def _merge_adapter(base: Any, checkpoint_dir: Path) -> Any:
-    """The base with a LoRA checkpoint's PEFT adapter merged in (its rank from the config)."""
+def load_hf_model(model_dir: Path, *, adapter_dir: Path | None, dtype: Any) -> Any:
+    """A causal LM from a local Hugging Face model dir, in `dtype`, on the CPU: safetensors
+    weights only, no remote code, no hub access; with `adapter_dir`, its PEFT adapter merged in
+    (the rank from its adapter_config.json)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype,
+        use_safetensors=True,
+        trust_remote_code=False,
+        local_files_only=True,
+    )
+    if adapter_dir is None:
+        return model
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(base, checkpoint_dir, is_trainable=False)
+    model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
     config = model.peft_config["default"]
-    log.info("merging the LoRA adapter of %s (rank %d) into its base", checkpoint_dir, config.r)
+    log.info("merging the LoRA adapter of %s (rank %d) into its base", adapter_dir, config.r)
     return model.merge_and_unload()
 
 
 def check_servable(checkpoint_dir: Path, engine: str = "transformers") -> None:
     """Refuse what an engine may not load: pickled weights; adapters without their weights; and
     for vLLM, an adapter without merged weights."""
-    if (checkpoint_dir / ADAPTER_CONFIG).is_file():
-        if not (checkpoint_dir / ADAPTER_WEIGHTS).is_file():
+    if (checkpoint_dir / ADAPTER_CONFIG_FILE).is_file():
+        if not (checkpoint_dir / ADAPTER_FILE).is_file():
             raise UserError(
                 "checkpoint",
                 str(checkpoint_dir),
-                f"a LoRA checkpoint without {ADAPTER_WEIGHTS}; serve a whole checkpoint",
+                f"a LoRA checkpoint without {ADAPTER_FILE}; serve a whole checkpoint",
             )
         lora_base_dir(checkpoint_dir)
-        if engine == "vllm" and not (checkpoint_dir / "model.safetensors").is_file():
+        if engine == "vllm" and not (checkpoint_dir / MODEL_FILE).is_file():
             raise UserError(
                 "checkpoint",
                 str(checkpoint_dir),

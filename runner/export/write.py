@@ -16,23 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.deploy.selection import choose_checkpoint, is_run_dir
+from runner.deploy.selection import choose_checkpoint
 from runner.errors import UserError
+from runner.rundir import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+    GENERATION_CONFIG,
+    HF_CONFIG_FILE,
+    TOKENIZER_FILES,
+    is_run_dir,
+)
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("adapter", "merged", "gguf")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 QUANTIZATIONS = ("f16", "q8_0")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_FILE)
 # Copied beside the weights of every export, as a checkpoint has them.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
+MODEL_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def check_request(
             "gguf.quantization", quantization, f"choose one of: {', '.join(QUANTIZATIONS)}"
         )
     chosen = choose_checkpoint(Path(checkpoint), **select)
-    is_adapter = (chosen / "adapter_config.json").is_file()
+    is_adapter = (chosen / ADAPTER_CONFIG_FILE).is_file()
     if format == "adapter" and not is_adapter:
         raise UserError(
             "format",
@@ -111,10 +113,12 @@ def check_request(
         if missing:
             raise UserError("checkpoint", str(chosen), f"LoRA checkpoint without {missing}")
     base_dir = check_base(chosen, base) if is_adapter and format != "adapter" else None
+    if format != "adapter":
+        check_safetensors(base_dir or chosen)
     if format == "gguf":
         from runner.export.gguf_file import family_of
 
-        family_of(json.loads(((base_dir or chosen) / "config.json").read_text()))
+        family_of(json.loads(((base_dir or chosen) / HF_CONFIG_FILE).read_text()))
     variant = {"adapter": None, "merged": dtype, "gguf": quantization}[format]
     destination = Path(out) if out else default_destination(chosen, format, variant)
     if destination.exists() or destination.is_symlink():
@@ -128,9 +132,9 @@ def check_request(
 
 def check_base(checkpoint: Path, base: str | None) -> Path:
     """The base model dir a LoRA checkpoint merges into: `base=` or base_model_name_or_path."""
-    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    config = json.loads((checkpoint / ADAPTER_CONFIG_FILE).read_text())
     path = base or config.get("base_model_name_or_path")
-    if not path or not (Path(path) / "config.json").is_file():
+    if not path or not (Path(path) / HF_CONFIG_FILE).is_file():
         raise UserError(
             "base",
             path,
@@ -138,6 +142,17 @@ def check_base(checkpoint: Path, base: str | None) -> Path:
             "dir (config.json): pass base=<dir of the base model>",
         )
     return Path(path)
+
+
+def check_safetensors(model_dir: Path) -> None:
+    """Export loads safetensors weights only, as deploy does: never pickled .bin files."""
+    if not any(model_dir.glob("*.safetensors")):
+        raise UserError(
+            "checkpoint",
+            str(model_dir),
+            "no *.safetensors weights here; export loads safetensors only (never pickled .bin "
+            "files): re-save the model with safe_serialization=True",
+        )
 
 
 def default_destination(checkpoint: Path, format: str, variant: str | None) -> Path:
@@ -168,7 +183,7 @@ def staged(destination: Path) -> Iterator[Path]:
 def write_adapter(checkpoint: Path, out_dir: Path) -> None:
     """The PEFT adapter and tokenizer files, without the training state."""
     out_dir.mkdir()
-    for name in (*ADAPTER_FILES, *TOKENIZER_FILES, "README.md"):
+    for name in (*ADAPTER_FILES, *MODEL_FILES, "README.md"):
         if (checkpoint / name).is_file():
             shutil.copy2(checkpoint / name, out_dir / name)
 
@@ -184,8 +199,7 @@ def write_merged(checkpoint: Path, base: Path | None, out_dir: Path, *, dtype: s
 
 def write_gguf_file(checkpoint: Path, base: Path | None, path: Path, *, quantization: str) -> None:
     """One GGUF file of the (merged) model and its tokenizer."""
-    from transformers import AutoTokenizer
-
+    from runner.deploy.loading import load_tokenizer
     from runner.export.gguf_file import write_gguf
 
     model = load_model(checkpoint, base)
@@ -193,7 +207,7 @@ def write_gguf_file(checkpoint: Path, base: Path | None, path: Path, *, quantiza
         path,
         state_dict=model.state_dict(),
         config=model.config.to_dict(),
-        tokenizer=AutoTokenizer.from_pretrained(checkpoint),
+        tokenizer=load_tokenizer(checkpoint),
         quantization=quantization,
         name=checkpoint.parent.parent.name
         if is_run_dir(checkpoint.parent.parent)
@@ -204,18 +218,16 @@ def write_gguf_file(checkpoint: Path, base: Path | None, path: Path, *, quantiza
 def load_model(checkpoint: Path, base: Path | None) -> Any:
     """The checkpoint's model in float32 on the CPU; a LoRA adapter merged into its base."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from runner.deploy.loading import load_hf_model
 
     if base is None:
-        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    from peft import PeftModel
-
-    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    return PeftModel.from_pretrained(base_model, checkpoint).merge_and_unload()
+        return load_hf_model(checkpoint, adapter_dir=None, dtype=torch.float32)
+    return load_hf_model(base, adapter_dir=checkpoint, dtype=torch.float32)
 
 
 def copy_tokenizer(checkpoint: Path, out_dir: Path) -> None:
     """The checkpoint's tokenizer files and generation config, as they are."""
-    for name in TOKENIZER_FILES:
+    for name in MODEL_FILES:
         if (checkpoint / name).is_file():
             shutil.copy2(checkpoint / name, out_dir / name)
