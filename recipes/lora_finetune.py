@@ -2,8 +2,8 @@
 
     python -m runner.recipes.lora_finetune RUN_DIR/recipe.yaml
 
-The model is the model option's LoRA builder (`model.lora_builder`, torchtune's LoRA twin of its
-builder) with the method's arguments; with `quantize_base` (method=qlora) the base projections
+The model is the LoRA twin of the model's builder (named by its family, runner.families) with
+the method's arguments; with `quantize_base` (method=qlora) the base projections
 are NF4 tensors (torchao). The base comes from `model_source`, or from `seed` exactly as the full
 recipe initializes it, and is then written once to RUN/base_model/ in Hugging Face format: the
 base that each checkpoint's PEFT adapter names. Only adapter parameters train and enter the

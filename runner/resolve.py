@@ -111,15 +111,8 @@ def resolve_method(
         raise UserError("method.name", method.name, f"choose one of: {', '.join(RECIPES)}")
     if method.name == "full":
         return {"name": "full"}
+    # The family names the LoRA twin of every builder it offers (runner.families).
     builder, lora_builder = model["model"], model["lora_builder"]
-    if not lora_builder:
-        raise UserError(
-            "model.lora_builder",
-            lora_builder,
-            f"model={model_name} names no LoRA builder: add the dotted path of torchtune's "
-            "LoRA twin of its builder (e.g. torchtune.models.llama3_2.lora_llama3_2), or use "
-            "method=full",
-        )
     modules = method.lora_attn_modules
     if not OmegaConf.is_list(modules) or len(set(modules)) != len(modules):
         raise UserError(
