@@ -23,6 +23,7 @@ from runner.data import (
     training_splits,
 )
 from runner.errors import UserError
+from runner.models import resolve_model
 from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 from runner.resolve import _dataset
 from runner.tokenizer import ChatTokenizer
@@ -433,7 +434,8 @@ def test_bad_data_stops_runner_train_before_launch(runner_cli, tmp_path: Path) -
 def test_packed_and_unpacked_batches_give_the_same_per_token_loss(tmp_path: Path) -> None:
     """On a fixed model: the summed loss and the token count of the same samples agree."""
     torch.manual_seed(0)
-    model = instantiate(OmegaConf.create(compose_train([]).model.builder))
+    # The builder node as resolved: its family supplies the torchtune builder.
+    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model)["model"]))
     tok = tokenizer(96)
     base = [
         f"dataset.source={SAMPLE_DATA_DIR / 'validation.jsonl'}",
