@@ -32,12 +32,6 @@ from runner.families import (
 from runner.tokenizer import CHAT_FORMATS, ChatTokenizer, read_chat_template, template_mismatch
 
 
-def _positive(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise UserError(key, value, "give a number > 0")
-    return float(value)
-
-
 def _model_source(value: str | None) -> Path | None:
     """model.source as a local checkpoint directory (None: random init)."""
     if value is None:
@@ -127,26 +121,7 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
             raise
         source = None
     raw_config = json.loads((source / "config.json").read_text()) if source else None
-    config = read_config(source) if source else None
-    family = family_named(model.family) if model.family else None
-    if config is not None:
-        found = family_of(config, str(model.source))
-        if family is not None and found != family:
-            raise UserError(
-                "model.source",
-                model.source,
-                f"holds a {found.name} model but model.family={family.name}; pick the model "
-                f"option of this checkpoint, or model=hf",
-            )
-        family = found
-    derived = builder_args(family, config, str(model.source)) if config else None
-    if model.builder is None:
-        builder = {"_component_": family.builder, **derived}
-    else:
-        args = OmegaConf.to_container(model.builder, resolve=True)
-        builder = {"_component_": builder_component(family, args), **args}
-        if derived is not None:
-            check_source_matches(family, builder, derived, str(model.source))
+    family, builder = _family_and_builder(model, read_config(source) if source else None)
     if source is not None:
         _check_weights(source, builder)
     resolved = {
@@ -155,7 +130,8 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
         # Unresolved only for need_files=False: then the option's source as given, for display.
         "model_source": str(source) if source else model.source,
         "lora_builder": family.builders[builder["_component_"]],
-        "initializer_range": _positive(model.initializer_range, "model.initializer_range"),
+        # Bounded (> 0) by runner.schema.
+        "initializer_range": float(model.initializer_range),
         "hf_config": None,
         "tokenizer": None,
     }
@@ -164,22 +140,7 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
         if need_files:
             raise UserError("model.tokenizer", None, "give a tokenizer directory or model.source")
         return resolved
-    chat_format = model.chat_template or _default_chat_format(family, Path(tokenizer_dir))
-    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], chat_format)
-    mismatch = template_mismatch(tokenizer, str(tokenizer_dir)) if source else None
-    if mismatch:
-        raise UserError(
-            "model.chat_template",
-            tokenizer.chat_format,
-            f"renders chats other than the chat template of {tokenizer_dir} ({mismatch}); "
-            f"name the format it follows, one of: {', '.join(CHAT_FORMATS)}",
-        )
-    if tokenizer.vocab_size > builder["vocab_size"]:
-        raise UserError(
-            "model.builder.vocab_size",
-            builder["vocab_size"],
-            f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
-        )
+    tokenizer = _checked_tokenizer(model, family, builder, Path(tokenizer_dir), source)
     resolved["hf_config"] = (
         _source_config(raw_config)
         if raw_config
@@ -200,3 +161,56 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
         "date_string": tokenizer.date_string,
     }
     return resolved
+
+
+def _family_and_builder(
+    model: DictConfig, config: dict[str, Any] | None
+) -> tuple[Family, dict[str, Any]]:
+    """The model's family (its source's, which must agree with the option's) and builder node."""
+    family = family_named(model.family) if model.family else None
+    if config is not None:
+        found = family_of(config, str(model.source))
+        if family is not None and found != family:
+            raise UserError(
+                "model.source",
+                model.source,
+                f"holds a {found.name} model but model.family={family.name}; pick the model "
+                f"option of this checkpoint, or model=hf",
+            )
+        family = found
+    derived = builder_args(family, config, str(model.source)) if config else None
+    if model.builder is None:
+        return family, {"_component_": family.builder, **derived}
+    args = OmegaConf.to_container(model.builder, resolve=True)
+    builder = {"_component_": builder_component(family, args), **args}
+    if derived is not None:
+        check_source_matches(family, builder, derived, str(model.source))
+    return family, builder
+
+
+def _checked_tokenizer(
+    model: DictConfig,
+    family: Family,
+    builder: dict[str, Any],
+    tokenizer_dir: Path,
+    source: Path | None,
+) -> ChatTokenizer:
+    """The tokenizer, its chat format checked against a source's template, its vocabulary
+    against the builder's."""
+    chat_format = model.chat_template or _default_chat_format(family, tokenizer_dir)
+    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], chat_format)
+    mismatch = template_mismatch(tokenizer, str(tokenizer_dir)) if source else None
+    if mismatch:
+        raise UserError(
+            "model.chat_template",
+            tokenizer.chat_format,
+            f"renders chats other than the chat template of {tokenizer_dir} ({mismatch}); "
+            f"name the format it follows, one of: {', '.join(CHAT_FORMATS)}",
+        )
+    if tokenizer.vocab_size > builder["vocab_size"]:
+        raise UserError(
+            "model.builder.vocab_size",
+            builder["vocab_size"],
+            f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
+        )
+    return tokenizer

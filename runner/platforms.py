@@ -188,7 +188,7 @@ def run_dir(resume: Any, fresh: str, *, _root_: DictConfig) -> str:
     if resume:
         return str(resume)
     compute = _root_.compute
-    if "platform" not in compute:  # a single-machine compute option
+    if compute.get("platform") is None:  # a single-machine compute option
         return fresh
     found = detect(compute.platform)
     if found.job_id is not None:
@@ -235,12 +235,11 @@ def resolve_launch(compute: DictConfig, nnodes: int) -> dict[str, Any]:
         # One machine: the agent hosts the rendezvous on a free local port.
         "rdzv_endpoint": "localhost:0",
         "rdzv_timeout_s": None,
-        "max_restarts": _checked_int(compute.max_restarts, "compute.max_restarts", 0),
-        "collective_timeout_s": _checked_int(
-            compute.collective_timeout_s, "compute.collective_timeout_s", 1
-        ),
+        # Typed and bounded by runner.schema.
+        "max_restarts": compute.max_restarts,
+        "collective_timeout_s": compute.collective_timeout_s,
     }
-    if "platform" not in compute:
+    if compute.get("platform") is None:  # a single-machine compute option
         if nnodes != 1:
             raise UserError(
                 "compute.nnodes",
@@ -250,7 +249,7 @@ def resolve_launch(compute: DictConfig, nnodes: int) -> dict[str, Any]:
             )
         return launch
     launch["platform"] = compute.platform
-    launch["rdzv_timeout_s"] = _checked_int(compute.rdzv_timeout_s, "compute.rdzv_timeout_s", 1)
+    launch["rdzv_timeout_s"] = compute.rdzv_timeout_s
     if compute.rdzv_backend != "c10d":
         raise UserError("compute.rdzv_backend", compute.rdzv_backend, "only c10d is supported")
     if compute.node_rank is not None:

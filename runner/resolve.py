@@ -16,40 +16,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.data import COLUMNS, CONVERSATION_STYLES, KINDS, local_source, source_format
 from runner.errors import UserError
-from runner.evaluate import METRIC_MODES, TRAINING_METRIC_MODES
 from runner.hub import Hub, localize
 from runner.manifest import SECRET_KEY
+from runner.metrics import METRIC_MODES, TRAINING_METRIC_MODES
 from runner.models import resolve_model
 from runner.optimizers import SCHEDULE_KEYS, split_option, state_per_weight
 from runner.platforms import resolve_launch
 from runner.resolvers import evaluates
+from runner.schema import OptimizerKeys, typed
 
 log = logging.getLogger(__name__)
-
-
-def _int(value: Any, key: str, minimum: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        fix = f"give an integer >= {minimum}" + (" or null" if allow_none else "")
-        raise UserError(key, value, fix)
-    return value
-
-
-def _float(value: Any, key: str, positive: bool, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or (positive and value <= 0) or (not positive and value < 0):
-        fix = f"give a number {'> 0' if positive else '>= 0'}" + (" or null" if allow_none else "")
-        raise UserError(key, value, fix)
-    return float(value)
-
-
-def _bool(value: Any, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise UserError(key, value, "give true or false")
-    return value
 
 
 def resolve_device(compute: DictConfig) -> tuple[str, int]:
@@ -70,7 +46,8 @@ def resolve_device(compute: DictConfig) -> tuple[str, int]:
     nproc = compute.nproc_per_node
     if nproc == "auto":
         nproc = torch.cuda.device_count() if device == "cuda" else 1
-    nproc = _int(nproc, "compute.nproc_per_node", 1)
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise UserError("compute.nproc_per_node", nproc, "give an integer >= 1 or auto")
     if device == "cuda" and nproc > torch.cuda.device_count():
         raise UserError(
             "compute.nproc_per_node",
@@ -128,14 +105,14 @@ def resolve_method(
                 f"{name!r} is not an attention projection; choose among "
                 f"{', '.join(LORA_ATTN_MODULES)}",
             )
-    apply_to_mlp = _bool(method.apply_lora_to_mlp, "method.apply_lora_to_mlp")
+    apply_to_mlp = method.apply_lora_to_mlp
     if not modules and not apply_to_mlp:
         raise UserError(
             "method.lora_attn_modules",
             [],
             "name at least one projection, or set method.apply_lora_to_mlp=true",
         )
-    apply_to_output = _bool(method.apply_lora_to_output, "method.apply_lora_to_output")
+    apply_to_output = method.apply_lora_to_output
     if apply_to_output and builder.get("tie_word_embeddings"):
         raise UserError(
             "method.apply_lora_to_output",
@@ -143,10 +120,10 @@ def resolve_method(
             f"model={model_name} ties its output projection to the embeddings, which LoRA cannot "
             "adapt; leave it false",
         )
-    quantize_base = _bool(method.quantize_base, "method.quantize_base")
+    quantize_base = method.quantize_base
     if quantize_base:
         _check_nf4_shapes(builder, world_size)
-    dropout = _float(method.dropout, "method.dropout", False)
+    dropout = method.dropout
     if dropout >= 1:
         raise UserError("method.dropout", dropout, "give a probability in [0, 1)")
     source = model["model_source"]
@@ -158,14 +135,14 @@ def resolve_method(
             "lora_attn_modules": list(modules),
             "apply_lora_to_mlp": apply_to_mlp,
             "apply_lora_to_output": apply_to_output,
-            "lora_rank": _int(method.rank, "method.rank", 1),
-            "lora_alpha": _float(method.alpha, "method.alpha", True),
+            "lora_rank": method.rank,
+            "lora_alpha": method.alpha,
             "lora_dropout": dropout,
             "quantize_base": quantize_base,
         },
         # The Hugging Face base the adapter loads onto (adapter_config.json names it).
         "base_model_dir": str(base_model_dir.resolve()),
-        "save_merged": _bool(method.save_merged, "method.save_merged"),
+        "save_merged": method.save_merged,
     }
 
 
@@ -194,30 +171,24 @@ def _check_nf4_shapes(builder: dict[str, Any], world_size: int) -> None:
 
 def _training(cfg: DictConfig) -> dict[str, Any]:
     return {
-        "max_steps": _int(cfg.max_steps, "max_steps", 1, allow_none=True),
-        "epochs": _int(cfg.epochs, "epochs", 1),
-        "batch_size": _int(cfg.batch_size, "batch_size", 1),
-        "gradient_accumulation_steps": _int(
-            cfg.gradient_accumulation_steps, "gradient_accumulation_steps", 1
-        ),
-        "clip_grad_norm": _float(cfg.clip_grad_norm, "clip_grad_norm", True, allow_none=True),
-        "compile": _bool(cfg.compile, "compile"),
-        "activation_checkpointing": _bool(cfg.activation_checkpointing, "activation_checkpointing"),
+        "max_steps": cfg.max_steps,
+        "epochs": cfg.epochs,
+        "batch_size": cfg.batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "clip_grad_norm": cfg.clip_grad_norm,
+        "compile": cfg.compile,
+        "activation_checkpointing": cfg.activation_checkpointing,
     }
 
 
 def _runtime(runtime: DictConfig) -> dict[str, Any]:
     return {
-        "save_every_n_steps": _int(
-            runtime.save_every_n_steps, "runtime.save_every_n_steps", 1, allow_none=True
-        ),
-        "keep_last_n_checkpoints": _int(
-            runtime.keep_last_n_checkpoints, "runtime.keep_last_n_checkpoints", 1
-        ),
-        "log_every_n_steps": _int(runtime.log_every_n_steps, "runtime.log_every_n_steps", 1),
-        "tensorboard": _bool(runtime.tensorboard, "runtime.tensorboard"),
-        "progress_bar": _bool(runtime.progress_bar, "runtime.progress_bar"),
-        "deterministic": _bool(runtime.deterministic, "runtime.deterministic"),
+        "save_every_n_steps": runtime.save_every_n_steps,
+        "keep_last_n_checkpoints": runtime.keep_last_n_checkpoints,
+        "log_every_n_steps": runtime.log_every_n_steps,
+        "tensorboard": runtime.tensorboard,
+        "progress_bar": runtime.progress_bar,
+        "deterministic": runtime.deterministic,
         "env": _plain_env(runtime.env),
     }
 
@@ -242,18 +213,15 @@ def _optimizer(optimizer: DictConfig, device: str) -> tuple[dict[str, Any], dict
         raise UserError(
             "optimizer._component_", None, "name the torch.optim class, e.g. torch.optim.AdamW"
         )
-    missing = [key for key in SCHEDULE_KEYS if key not in option]
+    shared = ("lr", *SCHEDULE_KEYS)
+    missing = [key for key in shared if key not in option]
     if missing:
         raise UserError(f"optimizer.{missing[0]}", None, "every optimizer option sets it")
-    node, schedule = split_option(option)
-    node["lr"] = _float(node.get("lr"), "optimizer.lr", True)
+    checked = typed(OmegaConf.create({k: option[k] for k in shared}), OptimizerKeys, "optimizer.")
+    node, schedule = split_option({**option, **OmegaConf.to_container(checked)})
     if "fused" in node and node["fused"] is None:
         node["fused"] = True if device == "cuda" else None
     state_per_weight(node)  # builds it once: a refused argument fails here, not in training
-    schedule = {
-        "warmup_steps": _int(schedule["warmup_steps"], "optimizer.warmup_steps", 0),
-        "cosine_decay": _bool(schedule["cosine_decay"], "optimizer.cosine_decay"),
-    }
     return node, schedule
 
 
@@ -290,7 +258,7 @@ def _validation(dataset: DictConfig) -> dict[str, Any]:
         split = "train" if split is None else split
     return {
         "held_out": _held_out(held.held_out),
-        "seed": _int(held.seed, "dataset.validation.seed", 0),
+        "seed": held.seed,
         "split": None if split is None else str(split),
         "source": source,
     }
@@ -309,7 +277,7 @@ def _dataset(dataset: DictConfig, model_max_seq_len: int) -> dict[str, Any]:
             "a directory of them: json, jsonl, csv, parquet, arrow, text)",
         )
     source = local_source("dataset.source", str(dataset.source))
-    max_seq_len = _int(dataset.max_seq_len, "dataset.max_seq_len", 2, allow_none=True)
+    max_seq_len = dataset.max_seq_len
     if max_seq_len is not None and max_seq_len > model_max_seq_len:
         raise UserError(
             "dataset.max_seq_len",
@@ -340,12 +308,10 @@ def _dataset(dataset: DictConfig, model_max_seq_len: int) -> dict[str, Any]:
         "split": str(dataset.split),
         "column_map": {k: column_map[k] for k in COLUMNS[kind]},
         "conversation_style": chat_style,
-        "train_on_input": _bool(dataset.train_on_input, "dataset.train_on_input")
-        if prompted
-        else None,
+        "train_on_input": dataset.train_on_input if prompted else None,
         "new_system_prompt": dataset.new_system_prompt if prompted else None,
         "max_seq_len": max_seq_len or model_max_seq_len,
-        "packing": _bool(dataset.packing, "dataset.packing"),
+        "packing": dataset.packing,
         "validation": _validation(dataset),
     }
 
@@ -361,7 +327,7 @@ def _eval(cfg: DictConfig) -> dict[str, Any]:
         strategy = "no"
     if strategy not in EVAL_STRATEGIES:
         raise UserError("eval.strategy", strategy, f"choose one of: {', '.join(EVAL_STRATEGIES)}")
-    steps = _int(evaluation.steps, "eval.steps", 1, allow_none=True)
+    steps = evaluation.steps
     if strategy == "steps" and steps is None:
         raise UserError(
             "eval.steps", steps, "eval.strategy=steps needs an interval: give an integer >= 1"
@@ -388,10 +354,10 @@ def _eval(cfg: DictConfig) -> dict[str, Any]:
         "strategy": strategy,
         "steps": steps,
         "metrics": list(metrics),
-        "max_samples": _int(evaluation.max_samples, "eval.max_samples", 1, allow_none=True),
+        "max_samples": evaluation.max_samples,
         # Held-out prompts for eval_exact_match, and the longest answer generated.
-        "samples": _int(cfg.dataset.eval_samples, "dataset.eval_samples", 0),
-        "max_new_tokens": _int(cfg.dataset.eval_max_new_tokens, "dataset.eval_max_new_tokens", 1),
+        "samples": cfg.dataset.eval_samples,
+        "max_new_tokens": cfg.dataset.eval_max_new_tokens,
     }
 
 
@@ -442,8 +408,9 @@ def resolve_recipe(
     source is not on this machine from its option's builder alone (tokenizer and config.json
     left unresolved: None).
     """
+    cfg = typed(cfg)
     device, nproc_per_node = resolve_device(cfg.compute)
-    nnodes = _int(cfg.compute.nnodes, "compute.nnodes", 1)
+    nnodes = cfg.compute.nnodes
     launch = resolve_launch(cfg.compute, nnodes)
     optimizer, schedule = _optimizer(cfg.optimizer, device)
     training, runtime = _training(cfg), _runtime(cfg.runtime)
@@ -460,7 +427,7 @@ def resolve_recipe(
     evaluation = _eval(cfg)
     return {
         "run_dir": str(run_dir.resolve()),
-        "seed": _int(cfg.seed, "seed", 0),
+        "seed": cfg.seed,
         "device": device,
         "dtype": dtype,
         "recipe": RECIPES[method["name"]],

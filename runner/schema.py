@@ -1,0 +1,253 @@
+"""The typed schema of `runner train`'s composed config: one dataclass per config group.
+
+`typed(cfg)` merges the composed config into the schema, so a wrong type or an unknown key
+fails before anything runs, with the key named; then every bounded field is checked against
+the bound its field declares (`integer`, `number`, `flag`). Each message is one UserError
+naming the key, the value and the fix. What cannot be said per field (cross-field rules,
+files that must exist) is checked by runner.resolve, section by section.
+
+Open-ended sections stay dictionaries: `loss` and `optimizer` are a component's keyword
+arguments, `model.builder` a builder's, `runtime.env` environment variables.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, get_args
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from runner.errors import UserError
+
+# typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
+# ruff: noqa: UP006, UP035, UP045
+
+
+def integer(default: Optional[int], minimum: int) -> Any:
+    """An int field of at least `minimum` (an Optional one may be null)."""
+    return field(default=default, metadata={"minimum": minimum})
+
+
+def number(default: Optional[float], *, positive: bool) -> Any:
+    """A float field, > 0 when `positive`, else >= 0 (an Optional one may be null)."""
+    return field(default=default, metadata={"positive": positive})
+
+
+def flag(default: bool) -> Any:
+    return field(default=default, metadata={"flag": True})
+
+
+@dataclass
+class Runtime:
+    output_root: str = "outputs"
+    multirun_root: str = "multirun"
+    save_every_n_steps: Optional[int] = integer(200, 1)
+    keep_last_n_checkpoints: int = integer(2, 1)
+    log_every_n_steps: int = integer(10, 1)
+    tensorboard: bool = flag(True)
+    progress_bar: bool = flag(True)
+    deterministic: bool = flag(False)
+    env: Dict[str, str] = field(default_factory=dict)
+    cache_dir: str = MISSING
+    hf_token: Optional[str] = None
+    hub_model_ignore_patterns: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Model:
+    name: str = MISSING
+    family: Optional[str] = None
+    source: Optional[str] = None
+    tokenizer: Optional[str] = None
+    chat_template: Optional[str] = None
+    checkpoint_format: str = "hf"
+    initializer_range: float = number(0.02, positive=True)
+    builder: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class Validation:
+    # A percentage (5%) or a fraction (0.05): checked by runner.resolve.
+    held_out: Any = None
+    seed: int = integer(0, 0)
+    split: Optional[str] = None
+    source: Optional[str] = None
+
+
+@dataclass
+class Dataset:
+    name: str = MISSING
+    kind: str = MISSING
+    source: str = MISSING
+    format: Optional[str] = None
+    split: str = "train"
+    column_map: Dict[str, Optional[str]] = field(default_factory=dict)
+    conversation_style: Optional[str] = None
+    train_on_input: bool = flag(False)
+    new_system_prompt: Optional[str] = None
+    max_seq_len: Optional[int] = integer(None, 2)
+    packing: bool = flag(False)
+    validation: Validation = field(default_factory=Validation)
+    eval_samples: int = integer(200, 0)
+    eval_max_new_tokens: int = integer(12, 1)
+
+
+@dataclass
+class Dtype:
+    name: str = "auto"
+
+
+@dataclass
+class Compute:
+    device: str = "auto"
+    # An int, or auto; several keys come from the platform a multi-node job runs on.
+    nproc_per_node: Any = 1
+    nnodes: Any = 1
+    max_restarts: int = integer(0, 0)
+    collective_timeout_s: int = integer(600, 1)
+    platform: Optional[str] = None
+    detected: Any = None
+    node_rank: Any = None
+    master_addr: Any = None
+    master_port: Any = None
+    rdzv_backend: Optional[str] = None
+    rdzv_timeout_s: Optional[int] = integer(None, 1)
+
+
+@dataclass
+class Method:
+    name: str = "full"
+    rank: int = integer(8, 1)
+    alpha: float = number(16.0, positive=True)
+    dropout: float = number(0.0, positive=False)
+    lora_attn_modules: Any = field(default_factory=lambda: ["q_proj", "v_proj"])
+    apply_lora_to_mlp: bool = flag(False)
+    apply_lora_to_output: bool = flag(False)
+    quantize_base: bool = flag(False)
+    save_merged: bool = flag(False)
+
+
+@dataclass
+class Objective:
+    metric: str = MISSING
+    mode: str = "min"
+
+
+@dataclass
+class Eval:
+    # steps, epoch or no (YAML 1.1 reads a bare `no` as false): checked by runner.resolve.
+    strategy: Any = "steps"
+    steps: Optional[int] = integer(None, 1)
+    metrics: Any = field(default_factory=list)
+    max_samples: Optional[int] = integer(None, 1)
+
+
+@dataclass
+class Train:
+    """`runner train`: the config groups, then the training keys that belong to no group."""
+
+    runtime: Runtime = field(default_factory=Runtime)
+    model: Model = field(default_factory=Model)
+    dataset: Dataset = field(default_factory=Dataset)
+    dtype: Dtype = field(default_factory=Dtype)
+    loss: Dict[str, Any] = field(default_factory=dict)
+    compute: Compute = field(default_factory=Compute)
+    method: Method = field(default_factory=Method)
+    optimizer: Dict[str, Any] = field(default_factory=dict)
+    seed: int = integer(0, 0)
+    max_steps: Optional[int] = integer(None, 1)
+    epochs: int = integer(1, 1)
+    batch_size: int = integer(1, 1)
+    gradient_accumulation_steps: int = integer(1, 1)
+    clip_grad_norm: Optional[float] = number(None, positive=True)
+    compile: bool = flag(False)
+    activation_checkpointing: bool = flag(False)
+    resume: Optional[str] = None
+    objective: Objective = field(default_factory=Objective)
+    eval: Eval = field(default_factory=Eval)
+
+
+@dataclass
+class OptimizerKeys:
+    """The keys every optimizer option sets (its others are its component's arguments)."""
+
+    lr: float = number(MISSING, positive=True)
+    warmup_steps: int = integer(0, 0)
+    cosine_decay: bool = flag(True)
+
+
+def typed(cfg: DictConfig, schema: type = Train, prefix: str = "") -> DictConfig:
+    """`cfg` merged into `schema` (the composed `train` config into Train), every bounded field
+    checked; `prefix` is where `cfg` sits in the whole config, for the messages."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    except ConfigKeyError as err:
+        key = f"{prefix}{err.full_key}"
+        raise UserError(key, "", "no such key; `--cfg job` prints every key") from None
+    except ValidationError as err:
+        key = str(err.full_key)
+        given = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        raise UserError(f"{prefix}{key}", given, _fix(_field_of(schema, key))) from None
+    _check_bounds(schema, merged, cfg, prefix)
+    return merged
+
+
+def _field_of(schema: Any, key: str) -> Optional[dataclasses.Field]:
+    """The field of `schema` at a dotted key, if the schema types it."""
+    found = None
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(schema)} if schema else {}
+        found = fields.get(part)
+        if found is None:
+            return None
+        schema = _dataclass_named(found.type)
+    return found
+
+
+def _dataclass_named(annotation: Any) -> Optional[type]:
+    """The section dataclass a field's annotation is, if it is one."""
+    section = annotation if isinstance(annotation, type) else None
+    return section if dataclasses.is_dataclass(section) else None
+
+
+def _fix(spec: Optional[dataclasses.Field]) -> str:
+    """What to give instead, from the field's declared bound."""
+    if spec is None:
+        return "give a value of the type `--cfg job` shows"
+    optional = " or null" if type(None) in get_args(spec.type) else ""
+    if "minimum" in spec.metadata:
+        return f"give an integer >= {spec.metadata['minimum']}{optional}"
+    if "positive" in spec.metadata:
+        return f"give a number {'> 0' if spec.metadata['positive'] else '>= 0'}{optional}"
+    if "flag" in spec.metadata:
+        return "give true or false"
+    return f"give a value of type {spec.type}"
+
+
+def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> None:
+    """Each bounded field of `merged` within its bound; a flag given as a true boolean."""
+    for spec in dataclasses.fields(schema):
+        key = f"{prefix}{spec.name}"
+        if spec.name not in merged:
+            continue
+        raw = given.get(spec.name) if isinstance(given, DictConfig) else None
+        section = _dataclass_named(spec.type)
+        if section is not None:
+            _check_bounds(section, merged[spec.name], raw, f"{key}.")
+            continue
+        value = OmegaConf.select(merged, spec.name, throw_on_missing=False)
+        if value is None or not spec.metadata:
+            continue
+        if "flag" in spec.metadata:
+            # OmegaConf takes 3 or "yes" for true: only a boolean is one here.
+            if raw is not None and not isinstance(raw, bool):
+                raise UserError(key, raw, _fix(spec))
+            continue
+        minimum, positive = spec.metadata.get("minimum"), spec.metadata.get("positive")
+        too_small = (
+            (minimum is not None and value < minimum)
+            or (positive is True and value <= 0)
+            or (positive is False and value < 0)
+        )
+        if too_small:
+            raise UserError(key, value, _fix(spec))

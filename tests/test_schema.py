@@ -1,0 +1,61 @@
+"""runner.schema: the composed train config is typed, so a wrong type, an unknown key or a value
+out of its field's bound is one UserError naming the key, the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from runner.errors import UserError
+from runner.schema import Train, typed
+from tests.test_config import compose_train
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["batch_size=abc"], "batch_size='abc': give an integer >= 1"),
+        (["batch_size=2.5"], "batch_size=2.5: give an integer >= 1"),
+        (["max_steps=0"], "max_steps=0: give an integer >= 1 or null"),
+        (["seed=-1"], "seed=-1: give an integer >= 0"),
+        (["compile=3"], "compile=3: give true or false"),
+        (["runtime.deterministic=maybe"], "runtime.deterministic='maybe': give true or false"),
+        (["clip_grad_norm=0"], "clip_grad_norm=0.0: give a number > 0 or null"),
+        (["method=lora", "method.rank=0"], "method.rank=0: give an integer >= 1"),
+        (["method=lora", "method.dropout=-0.1"], "method.dropout=-0.1: give a number >= 0"),
+        (["dataset.eval_samples=-1"], "dataset.eval_samples=-1: give an integer >= 0"),
+        (["compute.collective_timeout_s=0"], "compute.collective_timeout_s=0: give an integer"),
+        (["model.initializer_range=0"], "model.initializer_range=0.0: give a number > 0"),
+    ],
+)
+def test_a_bad_value_names_key_value_and_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(UserError) as caught:
+        typed(compose_train(overrides))
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_every_option_of_every_group_fits_the_schema() -> None:
+    for overrides in (
+        [],
+        ["method=lora"],
+        ["method=qlora"],
+        ["compute=multi_node"],
+        ["dataset=chat", "dataset.source=x"],
+        ["dataset=text", "dataset.source=x"],
+        ["model=hf"],
+        ["optimizer=sgd", "loss=ce", "dtype=bf16_mixed"],
+    ):
+        cfg = typed(compose_train(overrides))
+        assert OmegaConf.get_type(cfg) is Train
+
+
+def test_an_unknown_key_is_refused() -> None:
+    cfg = OmegaConf.create({"batch_size": 4, "batch_sise": 4})
+    with pytest.raises(UserError, match="batch_sise"):
+        typed(cfg)
+
+
+def test_values_come_back_typed() -> None:
+    cfg = typed(compose_train(["batch_size=8", "optimizer.lr=1e-4", "clip_grad_norm=2"]))
+    assert cfg.batch_size == 8 and cfg.clip_grad_norm == 2.0
+    assert isinstance(cfg.clip_grad_norm, float)
