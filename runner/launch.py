@@ -117,7 +117,7 @@ def _elastic_launch(recipe: dict[str, Any], recipe_path: Path) -> None:
         raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure = min(err.failures.items())
-        error = run.read_status().get("error") or "see its output above"
+        error = run.status().error or "see its output above"
         print(
             f"training failed after {config.max_restarts} restart(s) (compute.max_restarts): "
             f"rank {rank} exited with {failure.exitcode}; {error}",
@@ -135,7 +135,7 @@ def _elastic_launch(recipe: dict[str, Any], recipe_path: Path) -> None:
         )
         raise SystemExit(1) from None
     # Workers stopped by SIGTERM end cleanly (no restart) and leave the run `cancelled`.
-    status = run.read_status()
-    if status.get("state") == "cancelled":
-        print(f"{status.get('error')}; status in {run.path}/status.json", file=sys.stderr)
+    status = run.status()
+    if status.state == "cancelled":
+        print(f"{status.error}; status in {run.path}/status.json", file=sys.stderr)
         raise SystemExit(EXIT_SIGTERM)

@@ -124,38 +124,24 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
     Activations, in the compute dtype, follow Korthikanti et al. (2022) for the longest sample
     in a full batch, with layer inputs only under activation checkpointing, plus the fp32 logits.
     """
-    with torch.device("meta"):
-        model = instantiate(OmegaConf.create(recipe["model"]))
-    parameters = sum(p.numel() for p in model.parameters())
+    counts = _parameter_counts(recipe)
     world = recipe["nproc_per_node"] * recipe["nnodes"]
-    trainable, frozen, quantized = parameters, 0, 0
-    method = recipe["method"]
-    if method["name"] != "full":
-        trainable = _adapter_parameters(recipe["model"], method["builder"])
-        if method["builder"]["quantize_base"]:
-            quantized = sum(
-                p.numel()
-                for name, p in model.layers.named_parameters()
-                if p.dim() == 2 and (".attn." in name or ".mlp." in name)
-            )
-        frozen = parameters - quantized
-        parameters += trainable
-
     moments = state_per_weight(recipe["optimizer"])
 
     def state_bytes(dtype: str) -> tuple[int, int, int]:
         """Weights, gradients and optimizer state per device under `dtype`."""
         master, compute = BYTES[dtype]
-        weights = trainable * master + frozen * compute + quantized * NF4_BYTES
+        weights = counts.trainable * master + counts.frozen * compute
+        weights += counts.quantized * NF4_BYTES
         if master != compute and world == 1:
-            weights += trainable * compute
-        shard = trainable * master // world
+            weights += counts.trainable * compute
+        shard = counts.trainable * master // world
         return int(weights) // world, shard, moments * shard
 
     weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe["dtype"])
     model_state = dict(
-        parameters=parameters,
-        trainable_parameters=trainable,
+        parameters=counts.parameters,
+        trainable_parameters=counts.trainable,
         world_size=world,
         weights_bytes=weights_bytes,
         gradients_bytes=gradients_bytes,
@@ -170,31 +156,65 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
             steps_per_epoch=None,
         )
     tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
-    train = train_dataset(recipe["dataset"], tokenizer)
-    lengths = [len(sample["tokens"]) for sample in train]
-    training, builder = recipe["training"], recipe["model"]
-    seq, batch = max(lengths), training["batch_size"]
-    hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
-    # Activation values (Korthikanti et al. count bytes at 2 a value).
-    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) / 2
-    kept = layers * seq * batch * hidden + per_layer
-    activations = kept if training["activation_checkpointing"] else layers * per_layer
-    logits = seq * batch * builder["vocab_size"] * 4
+    lengths = [len(sample["tokens"]) for sample in train_dataset(recipe["dataset"], tokenizer)]
+    values, logits_bytes = _activations(recipe, max(lengths))
 
     def activation_bytes(dtype: str) -> int:
-        return int(activations * BYTES[dtype][1] + logits)
+        return int(values * BYTES[dtype][1] + logits_bytes)
 
-    global_batch = batch * world * training["gradient_accumulation_steps"]
+    training = recipe["training"]
+    global_batch = training["batch_size"] * world * training["gradient_accumulation_steps"]
     return Estimate(
         **model_state,
         activations_bytes=activation_bytes(recipe["dtype"]),
         tokens_per_epoch=sum(lengths),
-        longest_sample=seq,
+        longest_sample=max(lengths),
         steps_per_epoch=len(lengths) // global_batch,
         total_by_dtype={
             dtype: sum(state_bytes(dtype)) + activation_bytes(dtype) for dtype in BYTES
         },
     )
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """Parameters of the model as trained: all, trained, frozen in the compute dtype, in NF4."""
+
+    parameters: int
+    trainable: int
+    frozen: int
+    quantized: int
+
+
+def _parameter_counts(recipe: dict[str, Any]) -> _Counts:
+    """The model's parameters (built on the meta device), with LoRA's adapters and frozen base."""
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create(recipe["model"]))
+    parameters = sum(p.numel() for p in model.parameters())
+    method = recipe["method"]
+    if method["name"] == "full":
+        return _Counts(parameters, parameters, 0, 0)
+    trainable = _adapter_parameters(recipe["model"], method["builder"])
+    quantized = 0
+    if method["builder"]["quantize_base"]:
+        quantized = sum(
+            p.numel()
+            for name, p in model.layers.named_parameters()
+            if p.dim() == 2 and (".attn." in name or ".mlp." in name)
+        )
+    return _Counts(parameters + trainable, trainable, parameters - quantized, quantized)
+
+
+def _activations(recipe: dict[str, Any], seq: int) -> tuple[float, int]:
+    """(activation values kept for backward, bytes of the fp32 logits) for a full batch of
+    `seq`-token samples (Korthikanti et al. count bytes at 2 a value)."""
+    training, builder = recipe["training"], recipe["model"]
+    batch = training["batch_size"]
+    hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
+    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) / 2
+    kept = layers * seq * batch * hidden + per_layer
+    values = kept if training["activation_checkpointing"] else layers * per_layer
+    return values, seq * batch * builder["vocab_size"] * 4
 
 
 def _adapter_parameters(builder: dict[str, Any], lora: dict[str, Any]) -> int:

@@ -156,11 +156,16 @@ def check_servable(checkpoint_dir: Path, engine: str = "transformers") -> None:
                 "method.save_merged=true, or serve it with engine=transformers",
             )
         return
-    if not any(checkpoint_dir.glob("*.safetensors")):
+    require_safetensors(checkpoint_dir, "deploy")
+
+
+def require_safetensors(model_dir: Path, command: str) -> None:
+    """Deploy and export load safetensors weights only, never pickled .bin files."""
+    if not any(model_dir.glob("*.safetensors")):
         raise UserError(
             "checkpoint",
-            str(checkpoint_dir),
-            "no *.safetensors weights here; deploy loads safetensors only (never pickled "
+            str(model_dir),
+            f"no *.safetensors weights here; {command} loads safetensors only (never pickled "
             ".bin files): re-save the model with safe_serialization=True",
         )
 

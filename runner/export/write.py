@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner.deploy.loading import require_safetensors
 from runner.deploy.selection import choose_checkpoint
 from runner.errors import UserError
 from runner.rundir import (
@@ -114,7 +115,7 @@ def check_request(
             raise UserError("checkpoint", str(chosen), f"LoRA checkpoint without {missing}")
     base_dir = check_base(chosen, base) if is_adapter and format != "adapter" else None
     if format != "adapter":
-        check_safetensors(base_dir or chosen)
+        require_safetensors(base_dir or chosen, "export")
     if format == "gguf":
         from runner.export.gguf_file import family_of
 
@@ -142,17 +143,6 @@ def check_base(checkpoint: Path, base: str | None) -> Path:
             "dir (config.json): pass base=<dir of the base model>",
         )
     return Path(path)
-
-
-def check_safetensors(model_dir: Path) -> None:
-    """Export loads safetensors weights only, as deploy does: never pickled .bin files."""
-    if not any(model_dir.glob("*.safetensors")):
-        raise UserError(
-            "checkpoint",
-            str(model_dir),
-            "no *.safetensors weights here; export loads safetensors only (never pickled .bin "
-            "files): re-save the model with safe_serialization=True",
-        )
 
 
 def default_destination(checkpoint: Path, format: str, variant: str | None) -> Path:
