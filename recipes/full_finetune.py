@@ -5,8 +5,8 @@
 It reads only the resolved recipe config. One process, or several under torch.distributed.run
 (gloo on CPU, nccl on GPU) with the model sharded by FSDP2's fully_shard. When the run directory
 already holds a whole checkpoint (a restart, or `runner train resume=RUN`), it continues from it.
-SIGTERM (a preemption, `runner stop`) makes every rank save at the next step boundary; the run
-ends `cancelled` and `runner train` exits 143.
+SIGTERM (a preemption, `runner stop`) or Ctrl-C makes every rank save at the next step boundary;
+the run ends `cancelled` and `runner train` exits 143 (130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,17 +16,15 @@ import logging
 import math
 import os
 import random
-import signal
 import sys
-import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from runner.recipes import process
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,14 +36,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from runner import determinism
 from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
 from runner.components import instantiate
 from runner.data import collate, eval_prompts, training_splits
 from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
-from runner.launch import EXIT_SIGTERM
-from runner.manifest import record_checkpoint, record_kernels
-from runner.rundir import LOG_FILE, Heartbeat, RunDir
+from runner.manifest import record_checkpoint
+from runner.rundir import RunDir
 from runner.tune import (
     CROSS_ENTROPY_IGNORE_IDX,
     TransformerSelfAttentionLayer,
@@ -64,8 +60,6 @@ PRECISIONS = {
     "bf16_mixed": (torch.float32, torch.bfloat16),
 }
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# Set by SIGTERM; the loop checks it at each step boundary (see FullFinetuneRecipe._stop_agreed).
-SIGTERM_RECEIVED = threading.Event()
 
 
 class FullFinetuneRecipe:
@@ -185,6 +179,11 @@ class FullFinetuneRecipe:
     # ---- train loop ---------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Runs optimizer steps until total_steps, checkpointing on the configured cadence."""
+        if self.step >= self.total_steps:
+            # Resumed from the final checkpoint (killed before the run was marked completed):
+            # nothing is left to train, and that checkpoint is kept as it is.
+            log.info("step %d of %d: nothing left to train", self.step, self.total_steps)
+            return {"first_loss": None, "last_loss": None}
         self._status("running", step=self.step, total_steps=self.total_steps, **self._best_field())
         log_every = self.cfg.runtime.log_every_n_steps
         save_every = self.cfg.runtime.save_every_n_steps
@@ -213,9 +212,12 @@ class FullFinetuneRecipe:
             bar.update(1)
             # A new best is saved at its step, whatever the checkpoint cadence.
             improved = self._eval_due() and self.evaluate()
-            stop = self.step in (self.total_steps, self.cfg.stop_at_step)
+            stop = self.step >= self.total_steps or self.step == self.cfg.stop_at_step
             if not stop and self._stop_agreed():
-                stop, self.stopped_by = True, f"stopped by SIGTERM at step {self.step}"
+                stop, self.stopped_by = (
+                    True,
+                    f"stopped by {process.STOP.signal.name} at step {self.step}",
+                )
             if stop or improved or (save_every and self.step % save_every == 0):
                 self.save_checkpoint()
             if stop:
@@ -225,7 +227,7 @@ class FullFinetuneRecipe:
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM; every rank joins, so all stop at the same step."""
-        flag = torch.tensor(float(SIGTERM_RECEIVED.is_set()), device=self.device)
+        flag = torch.tensor(float(process.STOP.is_set()), device=self.device)
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -534,98 +536,9 @@ class FullFinetuneRecipe:
             self.run.write_status(state, **fields)
 
 
-def _log_to_file(path: Path) -> None:
-    """Sends the recipe's log lines to the run's log file, unless Hydra already does."""
-    root = logging.getLogger()
-    if any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
-        return
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-
-
-def run(
-    recipe_path: str | Path, recipe_class: type[FullFinetuneRecipe] = FullFinetuneRecipe
-) -> dict[str, Any]:
-    """Runs the recipe at `recipe_path` in this process (one of several under torchrun)."""
-    cfg = OmegaConf.load(recipe_path)
-    if cfg.runtime.deterministic:
-        determinism.apply_in_process()
-    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
-    if distributed and not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if cfg.device == "cuda" else "gloo",
-            # A dead or hung peer ends the run with a timeout error instead of a hang.
-            timeout=timedelta(seconds=cfg.launch.collective_timeout_s),
-        )
-    if cfg.device == "cpu":
-        # OMP_NUM_THREADS where set (a parallel sweep's share, the pinned path), else a fair
-        # share of the cores for each of this machine's processes.
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        share = max(1, (os.cpu_count() or 1) // local_world)
-        torch.set_num_threads(int(threads) if threads.isdigit() else share)
-    recipe = recipe_class(cfg)
-    heartbeat = Heartbeat(recipe.run) if recipe.is_rank_zero else None
-    if recipe.is_rank_zero:
-        _log_to_file(recipe.run.path / LOG_FILE)
-        heartbeat.start()
-        record_kernels(recipe.run, determinism.kernel_settings())
-    SIGTERM_RECEIVED.clear()
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
-    try:
-        recipe.setup()
-        result = recipe.train()
-        if recipe.stopped_by is None:
-            result["eval"] = recipe.last_eval
-            result["best"] = recipe._best_field().get("best")
-            result["checkpoint"] = str(recipe.run.latest_checkpoint())
-            recipe._status("completed", step=recipe.step, total_steps=recipe.total_steps)
-        else:
-            reason = f"{recipe.stopped_by}, after saving its checkpoint"
-            recipe._status("cancelled", step=recipe.step, error=reason)
-    except BaseException as err:
-        state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
-        recipe._status(state, error=_error_message(err, cfg))
-        raise
-    finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
-        if heartbeat is not None:
-            heartbeat.stop()
-        recipe.cleanup()
-        if distributed:
-            dist.destroy_process_group()
-    if recipe.stopped_by is not None:
-        if recipe.is_rank_zero:
-            print(
-                f"{recipe.stopped_by}: checkpoint {recipe.run.latest_checkpoint()}; "
-                f"`runner resume {cfg.run_dir}` continues",
-                file=sys.stderr,
-            )
-        # A worker of the elastic agent ends cleanly, so that no agent restarts the group; the
-        # launcher reads `cancelled` and exits 143 itself (runner/launch.py).
-        if "TORCHELASTIC_RUN_ID" not in os.environ:
-            raise SystemExit(EXIT_SIGTERM)
-    return result
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    SIGTERM_RECEIVED.set()
-
-
-def _error_message(err: BaseException, cfg: DictConfig) -> str:
-    message = f"{type(err).__name__}: {err}"
-    # gloo reports a lost or silent peer as a plain RuntimeError naming itself.
-    from_backend = isinstance(err, RuntimeError) and ("gloo" in str(err) or "NCCL" in str(err))
-    if isinstance(err, dist.DistError) or from_backend:
-        return (
-            "lost contact with another rank (a dead or hung peer; collectives wait at most "
-            f"compute.collective_timeout_s={cfg.launch.collective_timeout_s} s): {message}"
-        )
-    return message
+def run(recipe_path: str | Path) -> dict[str, Any]:
+    """Runs the full fine-tune at `recipe_path` in this process (one of several under torchrun)."""
+    return process.run(recipe_path, FullFinetuneRecipe)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from runner.recipes import full_finetune
+from runner.recipes import process
 from runner.recipes.full_finetune import FullFinetuneRecipe
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -128,7 +128,7 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
 
 def run(recipe_path: str | Path) -> dict[str, Any]:
     """Runs the LoRA recipe at `recipe_path` in this process (one of several under torchrun)."""
-    return full_finetune.run(recipe_path, LoraFinetuneRecipe)
+    return process.run(recipe_path, LoraFinetuneRecipe)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [f"runner {name}", *argv[1:]]
     try:
         code = commands[name]()
+    except KeyboardInterrupt:
+        # A second Ctrl-C, or one outside a training loop (which saves and exits 130 itself).
+        print("interrupted", file=sys.stderr)
+        return 130
     except UserErrorExit as err:
         print(f"error: {err.error}", file=sys.stderr)
         return err.error.exit_code

@@ -185,6 +185,13 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
         raise UserError("--steps", steps, "give a number of steps >= 1")
     if tolerance is not None and tolerance < 0:
         raise UserError("--tolerance", tolerance, "give a relative tolerance >= 0")
+    rerun = _rerun(recorded, steps, out)
+    print(f"re-run directory: {rerun.path}")
+    return _compare(recorded, rerun, steps, tolerance)
+
+
+def _rerun(recorded: RunDir, steps: int | None, out: Path | None) -> RunDir:
+    """Trains the recorded recipe again, into `out` or a new directory beside the run."""
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     rerun = RunDir(out or recorded.path.with_name(f"{recorded.path.name}-repro-{stamp}"))
     if rerun.path.exists():
@@ -193,13 +200,16 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
     recipe = yaml.safe_load(recorded.recipe_path.read_text())
     recipe.update(run_dir=str(rerun.path.resolve()), stop_at_step=steps)
     rerun.recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    recorded_manifest = read_manifest(recorded)
-    write_manifest(rerun, build_manifest(recipe, recorded_manifest["overrides"], Path.cwd()))
+    overrides = read_manifest(recorded)["overrides"]
+    write_manifest(rerun, build_manifest(recipe, overrides, Path.cwd()))
     rerun.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
     launch(recipe, rerun.recipe_path)
-    rerun_manifest = read_manifest(rerun)
-    print(f"re-run directory: {rerun.path}")
+    return rerun
 
+
+def _compare(recorded: RunDir, rerun: RunDir, steps: int | None, tolerance: float | None) -> int:
+    """Prints what differs between the recorded run and its re-run; 1 on drift, else 0."""
+    recorded_manifest, rerun_manifest = read_manifest(recorded), read_manifest(rerun)
     recorded_path, rerun_path = kernel_path(recorded_manifest), kernel_path(rerun_manifest)
     moved = [k for k in recorded_path if recorded_path[k] != rerun_path[k]]
     same_path = recorded_manifest["deterministic"] or not moved

@@ -90,21 +90,7 @@ def resolve_method(
         return {"name": "full"}
     # The family names the LoRA twin of every builder it offers (runner.families).
     builder, lora_builder = model["model"], model["lora_builder"]
-    modules = method.lora_attn_modules
-    if not OmegaConf.is_list(modules) or len(set(modules)) != len(modules):
-        raise UserError(
-            "method.lora_attn_modules",
-            modules,
-            f"give a list of distinct names among {LORA_ATTN_MODULES}",
-        )
-    for name in modules:
-        if name not in LORA_ATTN_MODULES:
-            raise UserError(
-                "method.lora_attn_modules",
-                list(modules),
-                f"{name!r} is not an attention projection; choose among "
-                f"{', '.join(LORA_ATTN_MODULES)}",
-            )
+    modules = _lora_modules(method.lora_attn_modules)
     apply_to_mlp = method.apply_lora_to_mlp
     if not modules and not apply_to_mlp:
         raise UserError(
@@ -132,7 +118,7 @@ def resolve_method(
         "name": method.name,
         "builder": {
             "_component_": lora_builder,
-            "lora_attn_modules": list(modules),
+            "lora_attn_modules": modules,
             "apply_lora_to_mlp": apply_to_mlp,
             "apply_lora_to_output": apply_to_output,
             "lora_rank": method.rank,
@@ -144,6 +130,25 @@ def resolve_method(
         "base_model_dir": str(base_model_dir.resolve()),
         "save_merged": method.save_merged,
     }
+
+
+def _lora_modules(modules: Any) -> list[str]:
+    """method.lora_attn_modules: distinct attention projections."""
+    if not OmegaConf.is_list(modules) or len(set(modules)) != len(modules):
+        raise UserError(
+            "method.lora_attn_modules",
+            modules,
+            f"give a list of distinct names among {LORA_ATTN_MODULES}",
+        )
+    for name in modules:
+        if name not in LORA_ATTN_MODULES:
+            raise UserError(
+                "method.lora_attn_modules",
+                list(modules),
+                f"{name!r} is not an attention projection; choose among "
+                f"{', '.join(LORA_ATTN_MODULES)}",
+            )
+    return list(modules)
 
 
 def _check_nf4_shapes(builder: dict[str, Any], world_size: int) -> None:

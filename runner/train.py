@@ -77,6 +77,12 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
             )
         if not run.recipe_path.is_file():
             raise UserError("resume", cfg.resume, "not a run directory (it has no recipe.yaml)")
+        status, latest = run.status(), run.checkpoints()
+        if status.state == "completed" and latest and latest[-1][0] == status.step:
+            # Its final checkpoint is there (were it deleted, the run would train it again).
+            print(f"{run.path} completed at step {status.step}: nothing to train", flush=True)
+            _print_summary(run)
+            return None
         recipe = yaml.safe_load(run.recipe_path.read_text())
     else:
         recipe = resolve_recipe(cfg, run.path, overrides)

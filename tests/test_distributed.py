@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,6 +38,11 @@ ONE_BY_ONE = ["compute=cpu", "gradient_accumulation_steps=4"]
 ONE_BY_TWO = ["compute=multi_node", "compute.nproc_per_node=2", "gradient_accumulation_steps=2"]
 ONE_BY_FOUR = ["compute=cpu", "compute.nproc_per_node=4", "gradient_accumulation_steps=1"]
 RELATIVE = 1e-5
+# What each layout's `runner train` printed (filled by the layouts fixture).
+OUTPUTS: dict[str, str] = {}
+SUMMARY_LINE = re.compile(
+    r"^(train loss|eval loss|held-out exact match|run directory|checkpoint|best|status|try next):"
+)
 
 
 def free_port() -> int:
@@ -102,12 +108,23 @@ def layouts(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> di
     """The same 6 steps trained as 1x1, 1x2 and 2x2 (nodes x processes)."""
     root = tmp_path_factory.mktemp("layouts")
     runs = {name: root / name for name in ("1x1", "1x2", "2x2")}
-    train(env, root, runs["1x1"], *ONE_BY_ONE)
-    train(env, root, runs["1x2"], *ONE_BY_TWO)
+    OUTPUTS["1x1"] = train(env, root, runs["1x1"], *ONE_BY_ONE)
+    OUTPUTS["1x2"] = train(env, root, runs["1x2"], *ONE_BY_TWO)
     for code, output in two_nodes(env, root, runs["2x2"]):
         assert code == 0, output[-3000:]
         assert f"run directory: {runs['2x2']}" in output
     return runs
+
+
+def summary_labels(output: str) -> list[str]:
+    """The labels of the end-of-run summary's lines (runner.train), in order."""
+    return [line.split(":")[0] for line in output.splitlines() if SUMMARY_LINE.match(line)]
+
+
+def test_two_processes_print_the_summary_one_process_prints(layouts: dict[str, Path]) -> None:
+    one, two = summary_labels(OUTPUTS["1x1"]), summary_labels(OUTPUTS["1x2"])
+    assert one == two, (OUTPUTS["1x1"][-2000:], OUTPUTS["1x2"][-2000:])
+    assert one[0] == "train loss" and "checkpoint" in one and one[-1] == "try next"
 
 
 def test_two_nodes_finish_in_one_run_directory(layouts: dict[str, Path]) -> None:

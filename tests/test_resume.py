@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +64,54 @@ def test_resume_of_a_non_run_directory_is_a_user_error(runner_cli, tmp_path: Pat
     result = runner_cli("train", f"resume={tmp_path}")
     assert result.returncode == 2
     assert "not a run directory" in result.stderr
+
+
+def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(
+    runner_cli, tmp_path: Path
+) -> None:
+    """Completed, or killed after its final checkpoint but before it was marked completed."""
+    run = tmp_path / "run"
+    args = [*QUICK, "compute=cpu", "max_steps=4", "runtime.save_every_n_steps=2"]
+    result = runner_cli("train", *args, "eval.strategy=no", f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = run / "checkpoints" / "step_4" / "model.safetensors"
+    weights, metrics = final.read_bytes(), (run / "metrics.jsonl").read_text()
+
+    result = runner_cli("train", f"resume={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "completed at step 4: nothing to train" in result.stdout
+
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "state": "running"}))
+    result = runner_cli("train", f"resume={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+    assert final.read_bytes() == weights
+    assert (run / "metrics.jsonl").read_text() == metrics
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -> None:
+    """Ctrl-C does what SIGTERM does: a checkpoint at the stop step, `cancelled`, no traceback."""
+    run = tmp_path / "interrupted"
+    args = [*QUICK, "compute=cpu", "max_steps=400", "runtime.save_every_n_steps=null"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "train", *args, "runtime.log_every_n_steps=1"]
+        + ["eval.strategy=no", f"hydra.run.dir={run}"],
+        env={**hermetic_env, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "cancelled" and "SIGINT" in status["error"], status
+    checkpoint = run / "checkpoints" / f"step_{status['step']}"
+    assert (checkpoint / "model.safetensors").is_file() and 2 <= status["step"] < 400
