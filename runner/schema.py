@@ -200,11 +200,11 @@ def _field_of(schema: Any, key: str) -> Optional[dataclasses.Field]:
         found = fields.get(part)
         if found is None:
             return None
-        schema = _dataclass_named(found.type)
+        schema = _section(found.type)
     return found
 
 
-def _dataclass_named(annotation: Any) -> Optional[type]:
+def _section(annotation: Any) -> Optional[type]:
     """The section dataclass a field's annotation is, if it is one."""
     section = annotation if isinstance(annotation, type) else None
     return section if dataclasses.is_dataclass(section) else None
@@ -231,7 +231,7 @@ def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> 
         if spec.name not in merged:
             continue
         raw = given.get(spec.name) if isinstance(given, DictConfig) else None
-        section = _dataclass_named(spec.type)
+        section = _section(spec.type)
         if section is not None:
             _check_bounds(section, merged[spec.name], raw, f"{key}.")
             continue
