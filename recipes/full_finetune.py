@@ -122,6 +122,12 @@ class FullFinetuneRecipe:
         if hasattr(self.loss_fn, "num_output_chunks"):
             self.model.set_num_output_chunks(self.loss_fn.num_output_chunks)
         latest = self.run.latest_checkpoint()
+        if self.is_rank_zero:
+            for leftover in self.run.remove_leftovers():
+                log.info("removed %s, left by an interrupted save", leftover)
+            if latest is None and self.run.read_metrics():
+                # Restarted with no checkpoint: the steps are logged again from the first.
+                self.run.truncate_metrics(0)
         if latest is not None:
             self._load_training_state(latest)
         self.logger = self._build_logger()

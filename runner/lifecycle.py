@@ -68,6 +68,9 @@ def runs_table(runs: list[RunDir], base: Path) -> str:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     roots = args.dirs or [Path(d) for d in DEFAULT_ROOTS]
+    missing = [str(root) for root in args.dirs if not root.is_dir()]
+    if missing:
+        raise UserError("DIR", missing[0], "no such directory; give a directory that holds runs")
     runs = find_runs(roots)
     if not runs:
         print(f"no runs under {', '.join(map(str, roots))}")

@@ -284,6 +284,19 @@ class RunDir:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
+    def remove_leftovers(self) -> list[Path]:
+        """Removes what a killed save or prune left in checkpoints/ (.tmp-step_N, .deleting-*)."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = [
+            child
+            for child in self.checkpoints_dir.iterdir()
+            if child.is_dir() and child.name.startswith((".tmp-", ".deleting-"))
+        ]
+        for child in found:
+            shutil.rmtree(child)
+        return found
+
     def fresh_checkpoint_tmp(self, step: int) -> Path:
         """Where to write step `step`'s checkpoint; a leftover of a crashed save is removed."""
         tmp = self.checkpoints_dir / f".tmp-step_{step}"

@@ -24,7 +24,7 @@ from runner.launch import launch
 from runner.manifest import build_manifest, write_manifest
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
-from runner.rundir import RunDir
+from runner.rundir import STATES, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,10 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         run.recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
         run.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
-    # `runner stop` signals this process: the run's launcher, whatever its world size.
-    run.write_status(run.status().state, launcher_pid=os.getpid())
+    # `runner stop` signals this process: the run's launcher, whatever its world size. A run
+    # killed before its first status was written starts as `created`.
+    state = run.status().state
+    run.write_status(state if state in STATES else "created", launcher_pid=os.getpid())
     result = launch(recipe, run.recipe_path)
     _print_summary(run)
     return result

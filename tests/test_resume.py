@@ -115,3 +115,34 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -
     assert status["state"] == "cancelled" and "SIGINT" in status["error"], status
     checkpoint = run / "checkpoints" / f"step_{status['step']}"
     assert (checkpoint / "model.safetensors").is_file() and 2 <= status["step"] < 400
+
+
+def test_resume_after_a_kill_at_an_odd_moment(runner_cli, tmp_path: Path) -> None:
+    """Killed before status.json was written, mid-save (.tmp-) or mid-prune (.deleting-), or
+    restarted after checkpoints/ was deleted: resume works, cleans up, logs each step once."""
+    run = tmp_path / "run"
+    args = [*QUICK, "compute=cpu", "max_steps=4", "runtime.save_every_n_steps=2"]
+    args += ["runtime.log_every_n_steps=1", "eval.strategy=no", f"hydra.run.dir={run}"]
+    result = runner_cli("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    (run / "status.json").unlink()
+    for leftover in (".tmp-step_3", ".deleting-step_1"):
+        (run / "checkpoints" / leftover).mkdir()
+    result = runner_cli("train", f"resume={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+
+    shutil.rmtree(run / "checkpoints")
+    (run / "status.json").write_text(json.dumps({"state": "failed"}))
+    result = runner_cli("train", f"resume={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_runs_of_a_missing_directory_is_a_user_error(runner_cli, tmp_path: Path) -> None:
+    result = runner_cli("runs", str(tmp_path / "nowhere"))
+    assert result.returncode == 2
+    assert "error: DIR=" in result.stderr and "no such directory" in result.stderr
