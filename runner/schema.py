@@ -1,4 +1,5 @@
-"""The typed schema of `runner train`'s composed config: one dataclass per config group.
+"""The typed schemas of the composed configs: `runner train`'s (a dataclass per config group)
+and `runner deploy`'s.
 
 `typed(cfg)` merges the composed config into the schema, so a wrong type or an unknown key
 fails before anything runs, with the key named; then every bounded field is checked against
@@ -165,6 +166,64 @@ class Train:
     resume: Optional[str] = None
     objective: Objective = field(default_factory=Objective)
     eval: Eval = field(default_factory=Eval)
+
+
+@dataclass
+class Select:
+    checkpoint: str = "latest"
+    metric: Optional[str] = None
+    mode: Optional[str] = None
+
+
+@dataclass
+class TransformersEngine:
+    max_batch_size: int = integer(32, 1)
+
+
+@dataclass
+class VllmEngine:
+    max_num_seqs: int = integer(256, 1)
+    gpu_memory_utilization: float = number(0.9, positive=True)
+    tensor_parallel_size: int = integer(1, 1)
+
+
+@dataclass
+class ApiKey:
+    env: Optional[str] = None
+    file: Optional[str] = None
+
+
+@dataclass
+class Limits:
+    max_n: int = integer(8, 1)
+    max_tokens: int = integer(4096, 1)
+    default_max_tokens: int = integer(256, 1)
+    max_stop: int = integer(4, 1)
+    max_stop_chars: int = integer(256, 1)
+    max_body_bytes: int = integer(1048576, 1)
+
+
+@dataclass
+class Deploy:
+    """`runner deploy`: what to serve, the engine, the address, the key and the request caps."""
+
+    dtype: Dtype = field(default_factory=Dtype)
+    # A path or a list of them; a name or a list (runner.deploy.selection checks them).
+    checkpoint: Any = MISSING
+    served_model_name: Any = None
+    select: Select = field(default_factory=Select)
+    allowed_roots: List[str] = field(default_factory=list)
+    engine: str = "transformers"
+    device: str = "auto"
+    max_model_len: Optional[int] = integer(None, 1)
+    max_queue: int = integer(256, 1)
+    transformers: TransformersEngine = field(default_factory=TransformersEngine)
+    vllm: VllmEngine = field(default_factory=VllmEngine)
+    host: str = "127.0.0.1"
+    # 0 picks a free port.
+    port: int = integer(8000, 0)
+    api_key: ApiKey = field(default_factory=ApiKey)
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass

@@ -1,13 +1,15 @@
-"""runner.schema: the composed train config is typed, so a wrong type, an unknown key or a value
-out of its field's bound is one UserError naming the key, the value and the fix."""
+"""runner.schema: the composed train and deploy configs are typed, so a wrong type, an unknown
+key or a value out of its field's bound is one UserError naming the key, the value and the fix."""
 
 from __future__ import annotations
 
 import pytest
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner.errors import UserError
-from runner.schema import Train, typed
+from runner.paths import CONF_DIR
+from runner.schema import Deploy, Train, typed
 from tests.test_config import compose_train
 
 
@@ -59,3 +61,21 @@ def test_values_come_back_typed() -> None:
     cfg = typed(compose_train(["batch_size=8", "optimizer.lr=1e-4", "clip_grad_norm=2"]))
     assert cfg.batch_size == 8 and cfg.clip_grad_norm == 2.0
     assert isinstance(cfg.clip_grad_norm, float)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("port=abc", "port='abc': give an integer >= 0"),
+        ("port=-1", "port=-1: give an integer >= 0"),
+        ("max_queue=0", "max_queue=0: give an integer >= 1"),
+        ("limits.max_tokens=x", "limits.max_tokens='x': give an integer >= 1"),
+        ("vllm.gpu_memory_utilization=0", "vllm.gpu_memory_utilization=0.0: give a number > 0"),
+    ],
+)
+def test_deploy_config_is_typed_too(override: str, message: str) -> None:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("deploy", overrides=["checkpoint=unused", override])
+    with pytest.raises(UserError) as caught:
+        typed(cfg, Deploy)
+    assert str(caught.value).startswith(message), str(caught.value)

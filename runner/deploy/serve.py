@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
 from runner.deploy.server import ServedModel
 from runner.errors import UserError
+from runner.schema import Deploy, typed
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +43,7 @@ def prepare(cfg: DictConfig) -> tuple[Any, socket.socket]:
             "say what to serve: checkpoint=<checkpoint dir | run dir | sweep dir>, or a list "
             "checkpoint=[a,b] to serve several",
         )
-    counts = {f"limits.{key}": value for key, value in cfg.limits.items()}
-    check_counts(
-        {"max_queue": cfg.max_queue, "transformers.max_batch_size": cfg.transformers.max_batch_size}
-        | counts
-    )
+    cfg = typed(cfg, Deploy)
     api_key = read_api_key(env=cfg.api_key.env, file=cfg.api_key.file)
     if api_key is None and not is_loopback(cfg.host):
         log.warning("host=%s is reachable from other machines and no api_key is set", cfg.host)
@@ -73,13 +70,6 @@ def prepare(cfg: DictConfig) -> tuple[Any, socket.socket]:
         log.info("serving %s as model %r", model.path, model.name)
     log.info("OpenAI-compatible API at http://%s:%d/v1 (engine=%s)", host, port, cfg.engine)
     return app, sock
-
-
-def check_counts(values: dict[str, Any]) -> None:
-    """Refuse sizes and caps that are not whole numbers of at least 1."""
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(key, value, "use a whole number of at least 1")
 
 
 def read_api_key(*, env: str | None, file: str | None) -> str | None:
