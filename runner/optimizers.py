@@ -17,7 +17,7 @@ from runner.errors import UserError
 # Keys of an optimizer option that set the schedule: linear warmup over warmup_steps, then a
 # cosine decay to zero over the run's steps (cosine_decay) or a constant rate.
 SCHEDULE_KEYS = ("warmup_steps", "cosine_decay")
-# The probe's step count: one step creates every optimizer's per-weight state.
+# Weights in the probe parameter: one step on it creates every optimizer's per-weight state.
 _PROBE_WEIGHTS = 3
 
 
