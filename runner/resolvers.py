@@ -8,10 +8,12 @@ ours registers nothing. No resolver writes the environment.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.errors import UserError
 from runner.paths import ASSETS_DIR
 
 
@@ -40,10 +42,31 @@ def parallel_jobs() -> int:
     return torch.cuda.device_count() or os.cpu_count() or 1
 
 
+def check_resume(resume: Any, overrides: list[str]) -> None:
+    """resume=RUN continues RUN's recorded recipe: no other overrides, and RUN must be a run."""
+    from runner.rundir import RECIPE_FILE
+
+    extra = [o for o in overrides if not o.startswith("resume=")]
+    if extra:
+        raise UserError(
+            "resume",
+            resume,
+            f"a resumed run continues its recorded recipe; drop the other overrides {extra}",
+        )
+    if not (Path(str(resume)) / RECIPE_FILE).is_file():
+        raise UserError("resume", resume, f"not a run directory (it has no {RECIPE_FILE})")
+
+
 def run_dir(resume: Any, fresh: str, *, _root_: DictConfig) -> str:
-    """hydra.run.dir: the resumed run, else a fresh one that every node of the job agrees on."""
+    """hydra.run.dir: the resumed run, else a fresh one that every node of the job agrees on.
+
+    A resume= with other overrides, or of no run directory, fails here: before Hydra writes
+    its log file into it.
+    """
     from runner import platforms
 
+    if resume:
+        check_resume(resume, list(_root_.hydra.overrides.task))
     return platforms.run_dir(resume, fresh, _root_=_root_)
 
 

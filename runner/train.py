@@ -24,6 +24,7 @@ from runner.launch import launch
 from runner.manifest import build_manifest, write_manifest
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
+from runner.resolvers import check_resume
 from runner.rundir import STATES, RunDir
 
 log = logging.getLogger(__name__)
@@ -68,15 +69,7 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
 
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
     if cfg.resume is not None:
-        extra = [o for o in overrides if not o.startswith("resume=")]
-        if extra:
-            raise UserError(
-                "resume",
-                cfg.resume,
-                f"a resumed run continues its recorded recipe; drop the other overrides {extra}",
-            )
-        if not run.recipe_path.is_file():
-            raise UserError("resume", cfg.resume, "not a run directory (it has no recipe.yaml)")
+        check_resume(cfg.resume, overrides)
         status, latest = run.status(), run.checkpoints()
         if status.state == "completed" and latest and latest[-1][0] == status.step:
             # Its final checkpoint is there (were it deleted, the run would train it again).

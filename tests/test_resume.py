@@ -66,6 +66,17 @@ def test_resume_of_a_non_run_directory_is_a_user_error(runner_cli, tmp_path: Pat
     assert "not a run directory" in result.stderr
 
 
+def test_resume_of_a_missing_or_foreign_dir_writes_nothing(runner_cli, tmp_path: Path) -> None:
+    foreign, missing = tmp_path / "foreign", tmp_path / "missing"
+    foreign.mkdir()
+    for path in (foreign, missing):
+        result = runner_cli("train", f"resume={path}", cwd=tmp_path)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"error: resume='{path}': not a run directory" in result.stderr
+        assert "Traceback" not in result.stderr
+    assert not missing.exists() and list(foreign.iterdir()) == []
+
+
 def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(
     runner_cli, tmp_path: Path
 ) -> None:
