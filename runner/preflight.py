@@ -95,6 +95,8 @@ class Estimate:
     weights_bytes: int
     gradients_bytes: int
     optimizer_bytes: int
+    # Weight-sized tensors the optimizer keeps per trained weight (AdamW: 2).
+    optimizer_tensors_per_weight: int
     # None: the model's tokenizer is not on this machine, so the data is not measured.
     activations_bytes: int | None
     tokens_per_epoch: int | None
@@ -146,6 +148,7 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         weights_bytes=weights_bytes,
         gradients_bytes=gradients_bytes,
         optimizer_bytes=optimizer_bytes,
+        optimizer_tensors_per_weight=moments,
     )
     if recipe["tokenizer"] is None:
         return Estimate(
@@ -241,10 +244,9 @@ def print_estimate(recipe: dict[str, Any], found: Estimate) -> None:
     print(f"weights        {_gib(found.weights_bytes)} per device")
     print(f"gradients      {_gib(found.gradients_bytes)} per device")
     component = recipe["optimizer"]["_component_"].rpartition(".")[2]
-    moments = state_per_weight(recipe["optimizer"])
     print(
-        f"optimizer      {_gib(found.optimizer_bytes)} per device ({component}, {moments} "
-        "state tensor(s) per weight)"
+        f"optimizer      {_gib(found.optimizer_bytes)} per device ({component}, "
+        f"{found.optimizer_tensors_per_weight} state tensor(s) per weight)"
     )
     if found.activations_bytes is None:
         print(

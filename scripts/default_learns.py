@@ -15,7 +15,6 @@ figures come from this script.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -24,6 +23,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from runner.rundir import RunDir
 
 
 def train_one(seed: int, overrides: list[str], out: Path, env: dict[str, str]) -> dict:
@@ -37,8 +38,7 @@ def train_one(seed: int, overrides: list[str], out: Path, env: dict[str, str]) -
     if proc.returncode != 0:
         print(f"seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
         return {"seed": seed, "exact_match": None, "eval_loss": None, "wall_s": wall}
-    status = json.loads((run_dir / "status.json").read_text())
-    evaluation = status.get("eval") or {}
+    evaluation = RunDir(run_dir).status().eval or {}
     return {
         "seed": seed,
         "exact_match": evaluation.get("eval_exact_match"),
