@@ -372,6 +372,21 @@ BAD_REQUESTS = {
     "prompts times n over the cap": (_body(prompt=["a"] * 5, n=2), 400),
     "seed too large": (_body(seed=2**70), 400),
     "unsupported logprobs": (_body(logprobs=5), 400),
+    "unsupported top_k": (_body(top_k=40), 400),
+    "unsupported presence_penalty": (_body(presence_penalty=1.5), 400),
+    "temperature negative": (_body(temperature=-0.5), 400),
+    "temperature NaN": (_body().replace(b'"max_tokens"', b'"temperature": NaN, "max_tokens"'), 400),
+    "top_p Infinity": (_body().replace(b'"max_tokens"', b'"top_p": Infinity, "max_tokens"'), 400),
+    "top_p over 1": (_body(top_p=1.5), 400),
+    "max_tokens a fraction": (_body(max_tokens=1.5), 400),
+    "n negative": (_body(n=-2), 400),
+    "seed too small": (_body(seed=-(2**70)), 400),
+    "stop not text": (_body(stop=[1]), 400),
+    "stream not a bool": (_body(stream="maybe"), 400),
+    "lone surrogate in the prompt": (b'{"model": "tiny", "prompt": "a\\ud800b"}', 400),
+    "lone surrogate in a stop": (_body().replace(b'"hi"', b'"hi", "stop": ["\\udfff"]'), 400),
+    "lone surrogate in a key": (_body().replace(b'"hi"', b'"hi", "\\ud800": 1'), 400),
+    "JSON nested 5,000 deep": (_body(prompt="P").replace(b'"P"', b"[" * 5000 + b"]" * 5000), 400),
     "body over the size limit": (_body(prompt="x" * 100_000), 413),
 }
 
@@ -382,6 +397,35 @@ def test_malformed_and_oversize_completions_get_a_clear_4xx(base_url: str, name:
     status, _, payload = raw_request(base_url, "POST", "/v1/completions", body)
     assert status == expected, payload
     assert json.loads(payload)["error"]["message"]
+
+
+@pytest.mark.parametrize("depth", [65, 5000])
+def test_deeply_nested_json_is_a_400_that_says_so(base_url: str, depth: int) -> None:
+    # 65: parsed, then refused by the depth limit; 5,000: past the JSON decoder's own recursion.
+    nested = b"[" * depth + b"]" * depth
+    body = b'{"model": "tiny", "messages": ' + nested + b"}"
+    status, _, payload = raw_request(base_url, "POST", "/v1/chat/completions", body)
+    error = json.loads(payload)["error"]
+    assert status == 400
+    assert "more than 64 levels deep" in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_invalid_unicode_is_a_400_naming_the_field(base_url: str) -> None:
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}'
+    status, _, payload = raw_request(base_url, "POST", "/v1/chat/completions", body)
+    error = json.loads(payload)["error"]
+    assert (status, error["param"]) == (400, "messages")
+    assert "surrogate" in error["message"]
+
+
+def test_a_tiny_temperature_samples_greedily(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0)
+    for temperature in (1e-6, 1e-50, 5e-324):  # 1e-50 made nan probabilities: a 500
+        tiny = client.completions.create(
+            model="tiny", prompt="hello", max_tokens=8, temperature=temperature
+        )
+        assert tiny.choices[0].text == greedy.choices[0].text
 
 
 BAD_CHATS = {
@@ -404,6 +448,106 @@ def test_malformed_chats_get_400(base_url: str, name: str) -> None:
     body = json.dumps({"model": "tiny", **BAD_CHATS[name]}).encode()
     status, _, payload = raw_request(base_url, "POST", "/v1/chat/completions", body)
     assert status == 400, payload
+
+
+CHOICES = {  # request fields -> how many choices the answer has
+    "n=2": ({"prompt": "hi", "n": 2}, 2),
+    "two prompts": ({"prompt": ["hi", "the quick brown fox"]}, 2),
+    "two token prompts, n=3": ({"prompt": [[5, 6, 7], [8, 9]], "n": 3}, 6),
+    "chat, n=3": ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 3),
+}
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+@pytest.mark.parametrize("name", CHOICES)
+def test_each_choice_finishes_once_whole_and_streamed(base_url, name, max_tokens) -> None:
+    fields, count = CHOICES[name]
+    chat = "messages" in fields
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, **fields}
+    status, _, payload = raw_request(base_url, "POST", path, json.dumps(body).encode())
+    assert status == 200, payload  # max_tokens=1 was a KeyError: a 500, connection dropped
+    whole = json.loads(payload)
+    assert [choice["index"] for choice in whole["choices"]] == list(range(count))
+    assert all(choice["finish_reason"] for choice in whole["choices"])
+    if max_tokens == 1:
+        assert whole["usage"]["completion_tokens"] == count
+
+    body["stream"] = True
+    status, _, payload = raw_request(base_url, "POST", path, json.dumps(body).encode())
+    assert status == 200, payload
+    events = payload.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    texts, finishes = {i: "" for i in range(count)}, {i: [] for i in range(count)}
+    for event in events[:-2]:
+        for choice in json.loads(event.removeprefix("data: "))["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content", "") if chat else choice["text"]
+            if choice["finish_reason"]:
+                finishes[choice["index"]].append(choice["finish_reason"])
+    assert all(len(reasons) == 1 for reasons in finishes.values()), finishes  # was index 0 twice
+    whole_texts = [c["message"]["content"] if chat else c["text"] for c in whole["choices"]]
+    assert list(texts.values()) == whole_texts
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(base_url: str, client) -> None:
+    alone = client.completions.create(model="tiny", prompt="hello", max_tokens=60, temperature=0)
+    stream = iter(
+        client.completions.create(
+            model="tiny", prompt="hello", max_tokens=60, temperature=0, stream=True
+        )
+    )
+    text = next(stream).choices[0].text  # the stream is in the running batch now
+    # Refused before they reach the batch, and a tiny temperature that joins it (once a 500
+    # whose failed sampling step took every running stream down with it).
+    refused = [_body(temperature=-1), _body(top_p=0), _body(prompt="\ud800"), _body(n=0)]
+    for body in refused:
+        assert raw_request(base_url, "POST", "/v1/completions", body)[0] == 400
+    joined = client.completions.create(model="tiny", prompt="hi", max_tokens=8, temperature=1e-50)
+    assert joined.choices[0].finish_reason is not None
+    chunks = list(stream)  # an error event here would raise openai.APIError
+    text += "".join(chunk.choices[0].text for chunk in chunks)
+    assert text == alone.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == alone.choices[0].finish_reason
+
+
+def test_a_request_failing_inside_the_engine_fails_alone(run_dir: Path) -> None:
+    # Requests the server would refuse, handed to the engine directly: each fails its own
+    # request while the others, running or prefilled beside it, finish as if alone.
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.generation import EngineFailed, SamplingRequest
+    from runner.deploy.loading import load_checkpoint
+
+    path = run_dir / "checkpoints" / "step_10"
+    loaded = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8)
+
+    def request(prompt_ids: list[int], temperature: float = 0.0) -> list[SamplingRequest]:
+        return [SamplingRequest(prompt_ids, 30, temperature, 1.0, 0, [], 1, stream=True)]
+
+    async def text_of(handle) -> str:
+        return "".join([event.text async for event in handle.events()])
+
+    async def together() -> list[str | BaseException]:
+        events = engine.submit(request([5, 6, 7])).events()
+        first = await anext(events)  # this one is decoding in the batch now
+        failing = [
+            engine.submit(request([5, 6], temperature=1e-50)),  # nan probabilities
+            engine.submit(request([10**6])),  # no such token: its prefill fails
+        ]
+        beside = engine.submit(request([8, 9]))  # prefilled with the failing ones, or just after
+        rest = "".join([event.text async for event in events])
+        others = [text_of(beside), *(text_of(handle) for handle in failing)]
+        return [first.text + rest, *await asyncio.gather(*others, return_exceptions=True)]
+
+    async def alone() -> list[str]:
+        return [await text_of(engine.submit(request(ids))) for ids in ([5, 6, 7], [8, 9])]
+
+    try:
+        running, beside, *failed = asyncio.run(together())
+        assert [running, beside] == asyncio.run(alone())
+    finally:
+        engine.close()
+    assert all(isinstance(error, EngineFailed) for error in failed), failed
 
 
 def test_streamed_text_never_takes_back_what_it_sent() -> None:

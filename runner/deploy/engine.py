@@ -4,6 +4,9 @@ One background thread owns the model. Each iteration it admits waiting sequences
 left-padded prefill whose KV cache is merged into the running batch), decodes one token for
 every running sequence in a single forward pass, and drops the finished ones. A request that
 arrives while others are generating joins at the next step instead of waiting for them.
+
+A failure that belongs to one request (its prefill, its sampling, its text) fails that request
+alone; only a failed decode step, which all running sequences share, fails them all.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class _Sequence:
     finish_reason: str | None = None
     completion_tokens: int = 0
     events: list[ChoiceEvent] = field(default_factory=list)
+    error: EngineFailed | None = None  # set when this sequence alone failed
 
 
 class TransformersEngine:
@@ -101,14 +105,16 @@ class TransformersEngine:
             while (admitted := self._next_admissions()) is not None:
                 try:
                     if admitted:
-                        self._prefill(admitted)
+                        self._admit(admitted)
+                        # Sequences finished by their first token leave before the decode step.
+                        self._publish()
                     if self._running:
                         self._decode()
-                except Exception as error:  # a failed step fails its requests, not the server
+                        self._publish()
+                except Exception as error:  # a shared step: fail every request in it
                     log.exception("generation step failed")
                     self._fail([*self._running, *admitted], EngineFailed(str(error)))
                     self._reset_batch()
-                self._publish()
         self._fail([*self._running, *self._waiting], EngineFailed("the engine has shut down"))
 
     def _next_admissions(self) -> list[_Sequence] | None:
@@ -125,8 +131,32 @@ class TransformersEngine:
                     admitted.append(sequence)
             return admitted
 
-    def _prefill(self, admitted: list[_Sequence]) -> None:
-        """Run the new prompts together and merge their KV cache into the running batch."""
+    def _admit(self, admitted: list[_Sequence]) -> None:
+        """Prefill the admitted sequences into the batch; a failed prefill fails its own requests.
+
+        When several requests were prefilled together, each is tried again alone, so a bad one
+        fails without taking the others with it.
+        """
+        try:
+            prefilled = self._prefill(admitted)
+        except Exception as error:
+            requests: dict[int, list[_Sequence]] = {}
+            for sequence in admitted:
+                requests.setdefault(id(sequence.handle), []).append(sequence)
+            if len(requests) > 1:
+                for sequences in requests.values():
+                    self._admit(sequences)
+                return
+            log.exception("prefill failed")
+            self._fail(admitted, EngineFailed(str(error)))
+            return
+        self._join(admitted, *prefilled)
+
+    def _prefill(self, admitted: list[_Sequence]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Run the new prompts together: their KV cache, attention mask and first tokens.
+
+        Changes nothing in the running batch, so a failure here is the admitted sequences' own.
+        """
         from transformers import DynamicCache
 
         lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
@@ -146,7 +176,13 @@ class TransformersEngine:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1, :]
-        next_ids = self._sample(logits, admitted)
+        return cache, mask, self._sample(logits, admitted)
+
+    def _join(
+        self, admitted: list[_Sequence], cache: Any, mask: torch.Tensor, next_ids: torch.Tensor
+    ) -> None:
+        """Merge prefilled sequences into the running batch and record their first tokens."""
+        lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
         positions = torch.tensor(lengths, dtype=torch.long, device=self._device)
         if self._cache is None:
             self._cache, self._mask = batch_cache(cache), mask
@@ -191,34 +227,46 @@ class TransformersEngine:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = torch.empty_like(scaled).scatter_(1, order, sorted_logits.softmax(dim=-1))
         for position, row in enumerate(rows):
-            generator = sequences[row].generator
-            next_ids[row] = torch.multinomial(probs[position], 1, generator=generator)[0]
+            sequence = sequences[row]
+            try:
+                drawn = torch.multinomial(probs[position], 1, generator=sequence.generator)
+            except RuntimeError as error:  # e.g. nan probabilities: this row's, not the batch's
+                _fail_alone(sequence, error)
+                continue
+            next_ids[row] = drawn[0]
         return next_ids
 
     def _advance(self, sequences: list[_Sequence], token_ids: list[int]) -> None:
         """Record each sequence's new token and decide whether it has finished."""
         for sequence, token_id in zip(sequences, token_ids, strict=True):
-            sequence.completion_tokens += (
-                1  # the end-of-sequence token counts, as in OpenAI's usage
-            )
-            text = sequence.text
-            if token_id in self._eos_ids:
+            if sequence.error is not None:
+                continue
+            try:
+                self._advance_one(sequence, token_id)
+            except Exception as error:  # its detokenizing or stop sequences: its own failure
+                _fail_alone(sequence, error)
+
+    def _advance_one(self, sequence: _Sequence, token_id: int) -> None:
+        assert sequence.finish_reason is None, "a finished sequence left the batch"
+        sequence.completion_tokens += 1  # the end-of-sequence token counts, as in OpenAI's usage
+        text = sequence.text
+        if token_id in self._eos_ids:
+            sequence.finish_reason = "stop"
+        else:
+            text.push(token_id)
+            if text.stopped:
                 sequence.finish_reason = "stop"
-            else:
-                text.push(token_id)
-                if text.stopped:
-                    sequence.finish_reason = "stop"
-                elif sequence.completion_tokens >= sequence.request.max_tokens:
-                    sequence.finish_reason = "length"
-            if sequence.finish_reason is not None:
-                delta = text.finish()
-            else:
-                delta = text.ready() if sequence.request.stream else ""
-            if delta or sequence.finish_reason is not None:
-                event = ChoiceEvent(
-                    sequence.index, delta, sequence.finish_reason, sequence.completion_tokens
-                )
-                sequence.events.append(event)
+            elif sequence.completion_tokens >= sequence.request.max_tokens:
+                sequence.finish_reason = "length"
+        if sequence.finish_reason is not None:
+            delta = text.finish()
+        else:
+            delta = text.ready() if sequence.request.stream else ""
+        if delta or sequence.finish_reason is not None:
+            event = ChoiceEvent(
+                sequence.index, delta, sequence.finish_reason, sequence.completion_tokens
+            )
+            sequence.events.append(event)
 
     def _publish(self) -> None:
         """Send this step's events and remove finished or abandoned sequences from the batch."""
@@ -227,7 +275,9 @@ class TransformersEngine:
         for row, sequence in enumerate(self._running):
             outgoing.extend((sequence.handle, event) for event in sequence.events)
             sequence.events.clear()
-            if sequence.finish_reason is None and not sequence.handle.cancelled:
+            if sequence.error is not None:
+                outgoing.append((sequence.handle, sequence.error))
+            elif sequence.finish_reason is None and not sequence.handle.cancelled:
                 keep.append(row)
         deliver(outgoing)
         if len(keep) == len(self._running):
@@ -258,6 +308,12 @@ class TransformersEngine:
         self._mask = self._mask[:0, :0]
         self._next_ids = self._next_ids[:0]
         self._positions = self._positions[:0]
+
+
+def _fail_alone(sequence: _Sequence, error: Exception) -> None:
+    """Mark one sequence failed; the next publish tells its request and drops it from the batch."""
+    log.error("sequence %d of a request failed", sequence.index, exc_info=error)
+    sequence.error = EngineFailed(str(error))
 
 
 def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,10 +23,19 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
+    "top_k": (None, 0, -1),
     "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
 }
+
+# Arrays and objects nested deeper than this are refused; a real request nests about 5 deep.
+MAX_JSON_DEPTH = 64
+
+# Temperatures below this sample greedily. Sampling there is greedy but for exact ties anyway
+# (a logit gap of 0.001 becomes a factor of e^-100), and dividing float32 logits by a still
+# smaller temperature overflows them to inf, whose softmax is nan. vLLM draws the line here too.
+GREEDY_BELOW = 1e-5
 
 
 class ApiError(Exception):
@@ -70,7 +80,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity (which Python's json reads) are "not a finite number", not "above 2".
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -123,10 +134,20 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
-def parse_body(model: type[_Sampling], body: object) -> Any:
-    """Validate a decoded JSON body into a request model, or raise a 400 naming the field."""
+def parse_body(model: type[_Sampling], raw: bytes) -> Any:
+    """Decode and validate a request body into a request model, or raise a 400 naming the field.
+
+    Everything a client sends is checked here, before it reaches a tokenizer or an engine.
+    """
+    try:
+        body = json.loads(raw)
+    except RecursionError as error:  # the C decoder's own limit, well past MAX_JSON_DEPTH
+        raise _too_deep(param=None) from error
+    except ValueError as error:  # UnicodeDecodeError is a ValueError too
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from error
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _check_json_values(body)
     for key, neutral in _NEUTRAL_VALUES.items():
         if key in body and body[key] not in neutral:
             raise ApiError(400, f"{key} is not supported by this server", param=key)
@@ -138,25 +159,79 @@ def parse_body(model: type[_Sampling], body: object) -> Any:
         raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from error
 
 
-def sampling_request(
+def _check_json_values(body: dict[str, Any]) -> None:
+    """Refuse nesting past MAX_JSON_DEPTH and text that is not Unicode, naming the field.
+
+    JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer or UTF-8 encoder takes.
+    """
+    # Field names come off the stack first: an error names its field only once that is known good.
+    pending: list[tuple[object, int, str | None]] = [(v, 2, k) for k, v in body.items()]
+    pending += [(key, 1, None) for key in body]
+    while pending:
+        item, depth, field = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                bad = item[error.start].encode("unicode_escape").decode()
+                where = f"{field}: the text" if field else "a field name"
+                message = f"{where} holds a lone surrogate ({bad}), which is not Unicode"
+                raise ApiError(400, message, param=field) from error
+        elif isinstance(item, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep(param=field)
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            pending.extend((child, depth + 1, field) for child in children)
+
+
+def _too_deep(param: str | None) -> ApiError:
+    message = f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
+    return ApiError(400, message, param=param)
+
+
+def sampling_requests(
     params: _Sampling,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     *,
     max_tokens: int | None,
     limits: Limits,
     context: int,
     vocab_size: int,
-) -> SamplingRequest:
-    """Check one tokenized prompt against the model and the limits; the engine's request."""
-    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+) -> list[SamplingRequest]:
+    """Check the tokenized prompts against the model and the limits; the engine's requests."""
+    if not prompts:
+        raise ApiError(400, "the prompt is empty", param="prompt")
     n = params.n or 1
-    if n > limits.max_n:
-        raise ApiError(400, f"n is {n}; this server allows at most {limits.max_n}", param="n")
+    if len(prompts) * n > limits.max_n:
+        asked = f"n is {n}" if len(prompts) == 1 else f"prompts times n is {len(prompts) * n}"
+        raise ApiError(400, f"{asked}; this server allows at most {limits.max_n}", param="n")
+    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
     if len(stops) > limits.max_stop:
         raise ApiError(400, f"at most {limits.max_stop} stop sequences are allowed", param="stop")
     if any(not stop or len(stop) > limits.max_stop_chars for stop in stops):
         message = f"each stop sequence must have 1 to {limits.max_stop_chars} characters"
         raise ApiError(400, message, param="stop")
+    temperature = 1.0 if params.temperature is None else params.temperature
+    return [
+        SamplingRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=_tokens_to_generate(prompt_ids, max_tokens, limits, context, vocab_size),
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_p=1.0 if params.top_p is None else params.top_p,
+            seed=params.seed,
+            stop=stops,
+            n=n,
+            stream=bool(params.stream),
+        )
+        for prompt_ids in prompts
+    ]
+
+
+def _tokens_to_generate(
+    prompt_ids: list[int], max_tokens: int | None, limits: Limits, context: int, vocab_size: int
+) -> int:
+    """How many tokens one prompt may generate: max_tokens, or the default where it is left
+    out; a 400 when the prompt's token ids or that count do not fit the model."""
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if any(not 0 <= token_id < vocab_size for token_id in prompt_ids):
@@ -174,16 +249,7 @@ def sampling_request(
             "or lower max_tokens"
         )
         raise ApiError(400, message, param="max_tokens", code="context_length_exceeded")
-    return SamplingRequest(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=1.0 if params.temperature is None else params.temperature,
-        top_p=1.0 if params.top_p is None else params.top_p,
-        seed=params.seed,
-        stop=stops,
-        n=n,
-        stream=bool(params.stream),
-    )
+    return max_tokens
 
 
 def new_response_id(prefix: str) -> str:

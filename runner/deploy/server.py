@@ -74,7 +74,7 @@ def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await read_json(request, limits.max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.CompletionRequest, body)
         model = _find(by_name, params.model)
         prompts = await asyncio.to_thread(_tokenize_prompts, model.tokenizer, params.prompt)
@@ -82,7 +82,7 @@ def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = await read_json(request, limits.max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.ChatRequest, body)
         model = _find(by_name, params.model)
         prompt = await asyncio.to_thread(_render_chat, model.tokenizer, params.messages)
@@ -92,8 +92,8 @@ def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits)
     return app
 
 
-async def read_json(request: Request, max_bytes: int) -> object:
-    """The request body as JSON; 413 past `max_bytes`, 400 when it is not JSON."""
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body; 413 past `max_bytes`."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the request body is larger than {max_bytes} bytes")
@@ -102,10 +102,7 @@ async def read_json(request: Request, max_bytes: int) -> object:
         body += chunk
         if len(body) > max_bytes:
             raise ApiError(413, f"the request body is larger than {max_bytes} bytes")
-    try:
-        return json.loads(body)
-    except ValueError as error:  # UnicodeDecodeError is a ValueError too
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+    return bytes(body)
 
 
 class ApiKeyMiddleware:
@@ -142,23 +139,14 @@ async def _respond(
     chat: bool,
 ) -> Any:
     """Validate, queue and answer a (chat) completion, whole or as server-sent events."""
-    if not prompts:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    requests = [
-        protocol.sampling_request(
-            params,
-            prompt,
-            max_tokens=max_tokens,
-            limits=limits,
-            context=model.max_model_len,
-            vocab_size=len(model.tokenizer),
-        )
-        for prompt in prompts
-    ]
-    choices = sum(request.n for request in requests)
-    if choices > limits.max_n:
-        message = f"prompts times n is {choices}; this server allows at most {limits.max_n}"
-        raise ApiError(400, message, param="n")
+    requests = protocol.sampling_requests(
+        params,
+        prompts,
+        max_tokens=max_tokens,
+        limits=limits,
+        context=model.max_model_len,
+        vocab_size=len(model.tokenizer),
+    )
     assert model.engine is not None, "engines start with the app"
     try:
         handle = model.engine.submit(requests)
@@ -235,6 +223,9 @@ class _Answer:
                 yield _sse({**self.envelope(chunk=True), "choices": [], "usage": usage})
         except EngineFailed as error:
             yield _sse(ApiError(500, f"generation failed: {error}").body())
+        except Exception:  # headers are sent: end the stream cleanly rather than cut it off
+            log.exception("unexpected error streaming %s", self.id)
+            yield _sse(ApiError(500, "internal server error").body())
         finally:
             handle.cancel()  # a client that went away stops costing generation steps
         yield "data: [DONE]\n\n"

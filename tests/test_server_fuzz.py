@@ -1,0 +1,182 @@
+"""A hostile client against `runner deploy`: requests generated over the OpenAI request schema.
+
+Every field is sometimes right, sometimes the wrong type, an extreme number, odd text or missing.
+Whatever a request holds, the server answers it: a 2xx whose choices each finish once, or a 4xx
+with an OpenAI error body; never a 5xx, never a dropped connection.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.test_deploy import deploy_config, make_checkpoint, make_run, raw_request, serving
+
+# About 30 s on 2 CPU cores; derandomized, so every run sends the same requests.
+MAX_EXAMPLES = 600
+VOCAB_SIZE = 264  # the tiny checkpoint's
+
+ODD_TEXT = st.sampled_from(
+    ["", " ", "\x00", "\ud800", "a\udfffb", "🙂" * 8, "\u202e", "</s>", "<|eot_id|>", "x" * 300]
+)
+TEXT = st.text(max_size=24) | ODD_TEXT
+EXTREME_NUMBERS = st.sampled_from(
+    [0, -1, 1, 2, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, -0.0, 0.5, 1e-50,
+     5e-324, 1e308, float("nan"), float("inf"), float("-inf")]
+)  # fmt: skip
+NUMBERS = st.integers() | st.floats() | EXTREME_NUMBERS
+SCALARS = st.none() | st.booleans() | NUMBERS | TEXT
+ANY_JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def one_in(count: int, rare: st.SearchStrategy, usual: st.SearchStrategy) -> st.SearchStrategy:
+    """`rare` one time in `count`, else `usual` (st.one_of weighs its branches alike)."""
+    return st.integers(1, count).flatmap(lambda draw: rare if draw == 1 else usual)
+
+
+def field(right: st.SearchStrategy) -> st.SearchStrategy:
+    """A field's value: of the right type (odd text and edge values included) nine times in
+    ten, else anything at all."""
+    return one_in(10, ANY_JSON | EXTREME_NUMBERS, right)
+
+
+SAMPLING = {
+    "max_tokens": field(st.integers(1, 6)),
+    "temperature": field(st.floats(0, 2)),
+    "top_p": field(st.floats(0, 1, exclude_min=True)),
+    "n": field(st.integers(1, 4)),
+    "stop": field(TEXT | st.lists(TEXT, max_size=5)),
+    "seed": field(st.integers(-(2**63), 2**64 - 1)),
+    "stream": field(st.booleans()),
+    "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "user": field(TEXT),
+    # Unsupported, so right only at values that change nothing.
+    "logprobs": field(st.sampled_from([None, False, 0])),
+    "presence_penalty": field(st.sampled_from([None, 0, 0.0])),
+    "frequency_penalty": field(st.sampled_from([None, 0, 0.0])),
+    "logit_bias": field(st.sampled_from([None, {}])),
+    "top_k": field(st.sampled_from([None, 0, -1])),
+    "best_of": field(st.sampled_from([None, 1])),
+}
+TOKEN_IDS = st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=12)
+COMPLETION = {
+    "prompt": field(
+        TEXT
+        | st.lists(TEXT, min_size=1, max_size=3)
+        | TOKEN_IDS
+        | st.lists(TOKEN_IDS, min_size=1, max_size=3)
+    ),
+    "echo": field(st.sampled_from([None, False])),
+    "suffix": field(st.sampled_from([None, ""])),
+}
+TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})
+MESSAGE = st.fixed_dictionaries(
+    {"role": field(st.sampled_from(["system", "user", "assistant", "developer", "tool"]))},
+    optional={"content": field(TEXT | st.none() | st.lists(TEXT_PART, max_size=2)), "name": TEXT},
+)
+CHAT = {
+    "messages": field(st.lists(MESSAGE, min_size=1, max_size=3)),
+    "max_completion_tokens": field(st.integers(1, 6)),
+    "tools": field(st.sampled_from([None, []])),
+    "response_format": field(st.sampled_from([None, {"type": "text"}])),
+}
+
+
+def request_body(fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+    """A body that mostly names the model and the prompt, so that many get as far as
+    generating; else with any field missing, or not an object at all."""
+    model = field(st.just("tiny"))
+    named = st.fixed_dictionaries({"model": model, **fields}, optional=SAMPLING)
+    anything = st.fixed_dictionaries({}, optional={"model": model, **fields, **SAMPLING})
+    return one_in(5, anything | ANY_JSON, named)
+
+
+REQUESTS = st.one_of(
+    st.tuples(st.just("/v1/completions"), request_body(COMPLETION)),
+    st.tuples(st.just("/v1/chat/completions"), request_body(CHAT)),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    checkpoint = make_checkpoint(tmp_path_factory.mktemp("model") / "checkpoint")
+    run_dir = tmp_path_factory.mktemp("outputs") / "run"
+    run = make_run(run_dir, checkpoint, steps=[1], state="completed", metrics=[])
+    cfg = deploy_config(
+        f"checkpoint={run}",
+        "served_model_name=tiny",
+        "port=0",
+        # Small caps keep generation short: a fuzzed request costs milliseconds, not seconds.
+        "limits.max_tokens=6",
+        "limits.default_max_tokens=4",
+        "limits.max_n=4",
+        "limits.max_body_bytes=65536",
+    )
+    with serving(cfg) as url:
+        yield url
+
+
+def test_every_fuzzed_request_gets_a_2xx_or_a_well_formed_4xx(fuzz_url: str, capsys) -> None:
+    counts: Counter[str] = Counter()
+
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(request=REQUESTS)
+    def send(request: tuple[str, object]) -> None:
+        path, body = request
+        # json.dumps writes nan and inf as NaN and Infinity, which are not JSON but Python reads.
+        status, headers, payload = raw_request(
+            fuzz_url, "POST", path, json.dumps(body).encode(), key=None
+        )
+        counts["requests"] += 1
+        counts[f"{status // 100}xx"] += 1
+        assert status < 500, (status, payload)
+        if status >= 400:
+            error = json.loads(payload)["error"]
+            assert isinstance(error["message"], str) and error["message"], payload
+            assert error["type"] == "invalid_request_error", payload
+        elif headers["content-type"].startswith("text/event-stream"):
+            check_stream(payload)
+        else:
+            choices = json.loads(payload)["choices"]
+            assert [choice["index"] for choice in choices] == list(range(len(choices))), payload
+            assert all(choice["finish_reason"] for choice in choices), payload
+
+    try:
+        send()  # a dropped connection raises here, as a 5xx fails an assertion
+    finally:
+        with capsys.disabled():
+            summary = ", ".join(f"{key} {counts[key]}" for key in ("requests", "2xx", "4xx", "5xx"))
+            print(f"\nschema fuzz of runner deploy: {summary}")
+    assert counts["2xx"] > MAX_EXAMPLES // 10, counts  # the fuzz reaches generation, too
+    assert counts["4xx"] > MAX_EXAMPLES // 10, counts
+
+
+def check_stream(payload: bytes) -> None:
+    """Server-sent events that end in [DONE], carry no error, and finish each choice once."""
+    events = payload.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], payload
+    finished: Counter[int] = Counter()
+    seen = set()
+    for event in events[:-2]:
+        chunk = json.loads(event.removeprefix("data: "))
+        assert "error" not in chunk, payload
+        for choice in chunk["choices"]:
+            seen.add(choice["index"])
+            finished[choice["index"]] += choice["finish_reason"] is not None
+    assert seen == set(range(len(seen))), payload
+    assert all(finished[index] == 1 for index in seen), payload
