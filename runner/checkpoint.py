@@ -19,9 +19,10 @@ from runner.rundir import (
     GENERATION_CONFIG,
     HF_CONFIG_FILE,
     MODEL_FILE,
-    SHARDED_INDEX,
     TOKENIZER_FILES,
     TRAINING_STATE_FILE,
+    check_safetensors,
+    weight_files,
 )
 
 
@@ -122,18 +123,12 @@ def write_base_model(
     tmp.rename(out_dir)
 
 
-def weight_files(checkpoint_dir: Path) -> list[Path]:
-    """The safetensors files holding a checkpoint's weights (one, or the shards of an index)."""
-    if (checkpoint_dir / SHARDED_INDEX).is_file():
-        index = json.loads((checkpoint_dir / SHARDED_INDEX).read_text())
-        return [checkpoint_dir / name for name in sorted(set(index["weight_map"].values()))]
-    return [checkpoint_dir / MODEL_FILE]
-
-
 def read_model_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """Loads the weights of a checkpoint in torchtune's names (safetensors: no code runs)."""
+    """Loads the weights of a checkpoint in torchtune's names (safetensors: no code runs); a file
+    that is missing or cut short is a UserError naming it."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(checkpoint_dir):
+        check_safetensors(path, key="checkpoint")
         state.update(load_file(str(path)))
     return hf_to_tune(state, read_config(checkpoint_dir))
 
@@ -145,4 +140,5 @@ def read_training_state(checkpoint_dir: Path) -> dict[str, Any]:
 
 def read_adapter_state(checkpoint_dir: Path, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Loads a PEFT adapter of this run's model in torchtune's names (safetensors: no code runs)."""
+    check_safetensors(checkpoint_dir / ADAPTER_FILE, key="checkpoint")
     return peft_to_tune(load_file(str(checkpoint_dir / ADAPTER_FILE)), hf_config)

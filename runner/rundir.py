@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -18,10 +19,13 @@ import socket
 import threading
 import time
 import typing
+import zipfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
+
+from runner.errors import UserError
 
 STATES = ("created", "initializing", "running", "checkpointing", "completed", "failed", "cancelled")
 ACTIVE_STATES = ("created", "initializing", "running", "checkpointing")
@@ -58,6 +62,12 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
+# The largest header the safetensors library reads; a larger length is not a header's.
+_SAFETENSORS_MAX_HEADER = 100_000_000
+# A checkpoint whose files are damaged is renamed to this prefix + its name (kept to inspect).
+DAMAGED_PREFIX = ".damaged-"
+
+log = logging.getLogger(__name__)
 
 
 def now_iso() -> str:
@@ -69,6 +79,86 @@ def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def weight_files(checkpoint_dir: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights (one, or the shards of an index)."""
+    if (checkpoint_dir / SHARDED_INDEX).is_file():
+        index = json.loads((checkpoint_dir / SHARDED_INDEX).read_text())
+        return [checkpoint_dir / name for name in sorted(set(index["weight_map"].values()))]
+    return [checkpoint_dir / MODEL_FILE]
+
+
+def check_safetensors(path: Path, *, key: str) -> None:
+    """A UserError naming `path` (under config key `key`) unless it is a whole safetensors file:
+    one whose header parses and places every tensor's bytes within the file."""
+    problem = _safetensors_problem(path)
+    if problem:
+        raise UserError(key, str(path), f"{problem}; download, copy or save it again")
+
+
+def _safetensors_problem(path: Path) -> str:
+    """What is wrong with a safetensors file ("" if nothing), read from its header alone: 8 bytes
+    giving the header's length, the header (JSON), then the tensors' bytes it locates."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+            if not 2 <= header_size <= min(size - 8, _SAFETENSORS_MAX_HEADER):
+                return f"is cut short or not safetensors: a header of {header_size} bytes in {size}"
+            header = json.loads(f.read(header_size))
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as err:
+        return f"does not read ({err})"
+    except ValueError as err:  # not JSON, or not UTF-8
+        return f"is not safetensors: its header is not JSON ({err})"
+    if not isinstance(header, dict):
+        return "is not safetensors: its header is not a JSON object"
+    data_size = size - 8 - header_size
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = tensor.get("data_offsets") if isinstance(tensor, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(offset, int) for offset in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            return f"is not safetensors: tensor {name!r} has no [begin, end] data_offsets"
+        if offsets[1] > data_size:
+            end = 8 + header_size + offsets[1]
+            return f"is cut short: tensor {name!r} ends at byte {end}, the file at {size}"
+    return ""
+
+
+def _training_state_problem(path: Path) -> str:
+    """What is wrong with a training_state.pt ("" if nothing, or if there is none).
+
+    torch.save writes a zip archive whose central directory is the last thing in the file, so a
+    file cut short has none: zipfile finds that from the file's tail, without reading the state.
+    """
+    if not path.exists():
+        return ""
+    try:
+        with zipfile.ZipFile(path):
+            return ""
+    except (OSError, zipfile.BadZipFile) as err:
+        return f"is cut short or not written by torch.save ({err})"
+
+
+def checkpoint_problem(checkpoint: Path) -> str:
+    """What is wrong with a checkpoint's files ("" if nothing): each safetensors file and the
+    training state it holds. A file it lacks is not looked for: a checkpoint is committed whole,
+    by a rename, and its kind (full, LoRA, LoRA with merged weights) says which it holds."""
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem:
+            return f"{path} {problem}"
+    state = checkpoint / TRAINING_STATE_FILE
+    problem = _training_state_problem(state)
+    return f"{state} {problem}" if problem else ""
 
 
 class Best(TypedDict):
@@ -281,8 +371,20 @@ class RunDir:
         return sorted(found)
 
     def latest_checkpoint(self) -> Path | None:
-        found = self.checkpoints()
-        return found[-1][1] if found else None
+        """The newest whole checkpoint: the one resume, deploy and export pick.
+
+        A newer one whose files are damaged (cut short by a full disk or a killed copy) is set
+        aside as checkpoints/.damaged-step_N, with a warning naming the file, so that neither
+        resume nor pruning counts it again.
+        """
+        for _, checkpoint in reversed(self.checkpoints()):
+            # One linked in from elsewhere is not this run's to read or move: deploy checks
+            # where a link leads before it reads anything, and its loader checks the weights.
+            problem = "" if checkpoint.is_symlink() else checkpoint_problem(checkpoint)
+            if not problem:
+                return checkpoint
+            _set_aside(checkpoint, problem)
+        return None
 
     def remove_leftovers(self) -> list[Path]:
         """Removes what a killed save or prune left in checkpoints/ (.tmp-step_N, .deleting-*)."""
@@ -421,6 +523,30 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _set_aside(checkpoint: Path, problem: str) -> None:
+    """Renames a damaged checkpoint out of the listing; it stays there for the user to inspect."""
+    aside = checkpoint.with_name(f"{DAMAGED_PREFIX}{checkpoint.name}")
+    copies = 1
+    while aside.exists():  # set aside before: keep that one too
+        copies += 1
+        aside = checkpoint.with_name(f"{DAMAGED_PREFIX}{checkpoint.name}-{copies}")
+    try:
+        os.replace(checkpoint, aside)
+    except FileNotFoundError:
+        return  # another process of this run set it aside first, and warned
+    except OSError as err:
+        log.warning(
+            "checkpoint %s is damaged, skipped: %s (not set aside: %s)", checkpoint, problem, err
+        )
+        return
+    log.warning(
+        "checkpoint %s is damaged, set aside as %s (delete it when done): %s",
+        checkpoint.name,
+        aside,
+        problem,
+    )
 
 
 def _remove_tree(path: Path) -> None:

@@ -413,7 +413,14 @@ def test_an_unreadable_file_is_a_user_error(tmp_path: Path) -> None:
     broken.write_text('{"instruction": "x", "output": "y"}\n{not json\n')
     with pytest.raises(UserError) as err:
         check_datasets(data(f"dataset.source={broken}"), tokenizer())
-    assert err.value.key == "dataset.source" and "could not be read as" in err.value.fix
+    assert err.value.key == "dataset.source"
+    assert err.value.fix.startswith("line 2, column 2: not valid JSON (Expecting property name")
+    # Where no line is at fault, the reader's own message.
+    parquet = tmp_path / "broken.parquet"
+    parquet.write_bytes(b"not parquet")
+    with pytest.raises(UserError) as err:
+        check_datasets(data("dataset=instruct", f"dataset.source={parquet}"), tokenizer())
+    assert "could not be read as dataset.format=parquet" in err.value.fix
 
 
 def test_bad_data_stops_runner_train_before_launch(runner_cli, tmp_path: Path) -> None:

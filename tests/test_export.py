@@ -381,3 +381,29 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
     bare = runner_cli("export", f"checkpoint={full_checkpoint}", "dtype=bf16")
     assert bare.returncode == 2 and "write merged.dtype=bf16" in bare.stderr
     assert runner_cli("export", "--help").stdout.startswith("runner export:")
+
+
+def test_weights_cut_short_or_missing_are_named_before_anything_is_written(
+    runner_cli, full_checkpoint: Path, lora_checkpoint: Path, tmp_path: Path
+) -> None:
+    cut = tmp_path / "cut"
+    shutil.copytree(full_checkpoint, cut)
+    weights = cut / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 100)
+    for format in ("merged", "gguf"):
+        result = runner_cli("export", f"checkpoint={cut}", f"format={format}")
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert f"error: checkpoint='{weights}': is cut short: tensor " in result.stderr
+    # Weights under another name are not the model's: transformers would not find them.
+    weights.rename(cut / "other.safetensors")
+    with pytest.raises(UserError, match="is missing; download, copy or save it again") as caught:
+        run_export(cut, "merged")
+    assert caught.value.value == str(weights)
+    adapter = tmp_path / "adapter"
+    shutil.copytree(lora_checkpoint, adapter)
+    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 4)
+    for format in ("adapter", "merged"):
+        with pytest.raises(UserError, match="is cut short or not safetensors"):
+            run_export(adapter, format)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "cut"]

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from runner.deploy.selection import choose_checkpoint
-from runner.rundir import STATUS_VERSION, RunDir, Status, best_run, sweep_runs
+from runner.rundir import (
+    MODEL_FILE,
+    STATUS_VERSION,
+    TRAINING_STATE_FILE,
+    RunDir,
+    Status,
+    best_run,
+    sweep_runs,
+)
 from runner.sweep import exit_code, summarize, write_summary
 
 SELECT = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
@@ -106,3 +118,54 @@ def test_selection_imports_no_training_stack() -> None:
     ).stdout
     for heavy in ("'torchtune'", "'datasets'", "'pyarrow'"):
         assert heavy not in modules
+
+
+def whole_checkpoint(run: RunDir, step: int) -> Path:
+    """A checkpoint's weights and training state, written as the recipes write them."""
+    path = run.checkpoint_path(step)
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    save_file({"w": torch.full((64,), float(step))}, str(path / MODEL_FILE))
+    torch.save({"step": step}, path / TRAINING_STATE_FILE)
+    return path
+
+
+def cut_short(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def test_the_latest_checkpoint_is_the_newest_whole_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = RunDir(tmp_path)
+    for step in (2, 4, 6, 8):
+        whole_checkpoint(run, step)
+    cut_short(run.checkpoint_path(8) / MODEL_FILE)
+    cut_short(run.checkpoint_path(6) / TRAINING_STATE_FILE)
+    with caplog.at_level(logging.WARNING, logger="runner.rundir"):
+        assert run.latest_checkpoint() == run.checkpoint_path(4)
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        ".damaged-step_6",
+        ".damaged-step_8",
+        "step_2",
+        "step_4",
+    ]
+    assert [step for step, _ in run.checkpoints()] == [2, 4]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert f"{checkpoints / 'step_8' / MODEL_FILE} is cut short: tensor 'w' ends" in warnings[0]
+    assert f"{checkpoints / 'step_6' / TRAINING_STATE_FILE} is cut short" in warnings[1]
+    # Saved again and damaged again: the first damaged copy is kept beside the second.
+    whole_checkpoint(run, 8)
+    (run.checkpoint_path(8) / MODEL_FILE).write_bytes(b"")
+    assert run.latest_checkpoint() == run.checkpoint_path(4)
+    assert (checkpoints / ".damaged-step_8-2").is_dir()
+    # A checkpoint's kind says which files it holds; one it lacks is not looked for.
+    (run.checkpoint_path(4) / TRAINING_STATE_FILE).unlink()
+    assert run.latest_checkpoint() == run.checkpoint_path(4)
+    # Pruning after the next save counts whole checkpoints only.
+    tmp = run.fresh_checkpoint_tmp(10)
+    tmp.mkdir()
+    run.commit_checkpoint(tmp, 10, keep_last=2)
+    assert [step for step, _ in run.checkpoints()] == [4, 10]

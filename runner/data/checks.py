@@ -38,6 +38,30 @@ def _describe(value: Any) -> str:
     return f"{names.get(type(value), 'an object')} ({str(value)[:40]!r})"
 
 
+def _first_undecodable(values: pa.ChunkedArray) -> int:
+    """The index of the first value holding a string that is not UTF-8; -1 if none does.
+
+    Arrow's readers (JSON's among them) keep a string's bytes as the file has them; such a
+    string fails only when Python decodes it, so every value is decoded here, once.
+    """
+    try:
+        values.validate(full=True)
+        return -1
+    except pa.ArrowInvalid as err:
+        invalid = err
+    step = 1024  # decoded a block at a time; the block that fails, value by value
+    for start in range(0, len(values), step):
+        try:
+            values.slice(start, step).to_pylist()
+        except UnicodeDecodeError:
+            for index in range(start, min(start + step, len(values))):
+                try:
+                    values.slice(index, 1).to_pylist()
+                except UnicodeDecodeError:
+                    return index
+    raise AssertionError(f"Arrow finds the column invalid ({invalid}), Python decodes it all")
+
+
 def _first_bad_text(table: datasets.Dataset, column: str, required: bool) -> tuple[int, str]:
     """(index, what it holds) of the first value that is not text (or null, if `required`)."""
     values = table.data.column(column)
@@ -112,7 +136,8 @@ def _instruct_prompts(records: Records, data: Mapping[str, Any]) -> tuple[np.nda
 
 
 def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> None:
-    """Columns present, and every cell of the right type; `key` is the source's config key."""
+    """Columns present, every cell UTF-8 text where it holds text, and of the right type; `key`
+    is the source's config key."""
     table, kind, column_map = records.table, data["kind"], data["column_map"]
     for ours, required in COLUMNS[kind].items():
         theirs = column_map[ours]
@@ -127,6 +152,18 @@ def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> Non
                 theirs,
                 f"{records.parts[0][0][0]} has no column {theirs!r}; its columns are "
                 f"{table.column_names}; {fix}",
+            )
+        index = _first_undecodable(table.data.column(theirs))
+        if index >= 0:
+            file, row = records.where(index)
+            raise DataError(
+                key,
+                records.source,
+                file=file,
+                row=row,
+                column=theirs,
+                problem="holds bytes that are not UTF-8 text",
+                fix="save the file as UTF-8, or fix or drop the row",
             )
         if kind == "chat":
             continue

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import itertools
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -118,20 +120,119 @@ def split_files(key: str, source: str, data_format: str) -> dict[str, list[str]]
 
 
 def _read(key: str, source: str, data_format: str, files: list[str]) -> datasets.Dataset:
+    table = _read_if_any(key, source, data_format, files)
+    if table is None:
+        raise _no_records(key, source, files)
+    return table
+
+
+def _read_if_any(
+    key: str, source: str, data_format: str, files: list[str]
+) -> datasets.Dataset | None:
+    """The records of `files`, None if they hold none; a file that does not read is a UserError
+    naming it (and the line and column, for a text format)."""
+    if all(os.path.getsize(file) == 0 for file in files):
+        return None  # `datasets` would stop at its first file, with a StopIteration
     builder = BUILDERS[data_format]
     options: dict[str, Any] = {}
-    if builder == "csv":
-        # A CSV cell has no type: read every column as text (an empty cell is null).
-        with open(files[0], newline="") as f:
-            header = next(csv.reader(f), [])
-        options["features"] = datasets.Features({c: datasets.Value("string") for c in header})
     try:
-        return datasets.load_dataset(builder, data_files=files, split="train", **options)
+        if builder == "csv":
+            # A CSV cell has no type: read every column as text (an empty cell is null).
+            with open(files[0], newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), [])
+            options["features"] = datasets.Features({c: datasets.Value("string") for c in header})
+        reader = datasets.load_dataset_builder(builder, data_files=files, **options)
+        reader.download_and_prepare()
     except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
-        cause = err.__cause__ or err
-        raise UserError(
-            key, source, f"could not be read as dataset.format={data_format} ({cause})"
-        ) from err
+        raise _read_error(key, source, data_format, files, err) from err
+    if not reader.info.splits["train"].num_examples:
+        return None
+    return reader.as_dataset(split="train")
+
+
+def _no_records(key: str, source: str, files: list[str]) -> UserError:
+    if files == [source]:
+        return UserError(key, source, "has no records; give a data file that holds some")
+    return UserError(
+        key, source, f"its files {', '.join(files)} hold no records; give files that hold some"
+    )
+
+
+class LineError(UserError):
+    """A data file that does not read: names the file, the line and the column (from 1)."""
+
+    def __init__(
+        self, key: str, source: str, *, file: str, line: int, column: int, problem: str, fix: str
+    ) -> None:
+        self.file, self.line, self.column = file, line, column
+        where = "" if file == source else f"{file} "  # the file is the value already
+        super().__init__(key, source, f"{where}line {line}, column {column}: {problem}; {fix}")
+
+
+def _read_error(
+    key: str, source: str, data_format: str, files: list[str], err: Exception
+) -> UserError:
+    """What `datasets` could not read: the file, line and column at fault where a line of a text
+    format is found that is not UTF-8 (or not JSON), else the reader's own message."""
+    if data_format not in ("parquet", "arrow"):
+        for file in files:
+            found = _undecodable_line(file)
+            if found is None and data_format in ("json", "jsonl"):
+                found = _unparsable_json(file)
+            if found is not None:
+                line, column, problem, fix = found
+                return LineError(
+                    key, source, file=file, line=line, column=column, problem=problem, fix=fix
+                )
+    cause = err.__cause__ or err
+    return UserError(key, source, f"could not be read as dataset.format={data_format} ({cause})")
+
+
+def _undecodable_line(file: str) -> tuple[int, int, str, str] | None:
+    """(line, column, problem, fix) of the first line of `file` that is not UTF-8 text."""
+    with open(file, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                column = len(raw[: err.start].decode("utf-8")) + 1
+                problem = f"byte {raw[err.start]:#04x} is not UTF-8 text"
+                return number, column, problem, "save the file as UTF-8, or fix or drop the line"
+    return None
+
+
+def _unparsable_json(file: str) -> tuple[int, int, str, str] | None:
+    """(line, column, problem, fix) of the first line of a JSON-lines file that is not one JSON
+    object; for a file that is one JSON document (a list of records), where it stops parsing."""
+    fix = "fix or drop the line (a JSON-lines file holds one JSON object a line)"
+    with open(file, encoding="utf-8-sig") as f:
+        lines = ((number, line) for number, line in enumerate(f, 1) if line.strip())
+        first = next(lines, None)
+        if first is None:
+            return None
+        if not first[1].lstrip().startswith("["):
+            for number, line in itertools.chain([first], lines):
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as err:
+                    if number == first[0]:
+                        break  # perhaps one JSON document over several lines: read below
+                    return number, err.colno, _json_problem(err), fix
+                if not isinstance(value, dict):
+                    return number, 1, f"holds {json.dumps(value)[:40]}, not a JSON object", fix
+            else:
+                return None
+        f.seek(0)
+        try:
+            json.load(f)
+        except json.JSONDecodeError as err:
+            return err.lineno, err.colno, _json_problem(err), "fix the JSON there"
+    return None
+
+
+def _json_problem(err: json.JSONDecodeError) -> str:
+    # Some of json's messages end in "at", before the position it adds (given here apart).
+    return f"not valid JSON ({err.msg.removesuffix(' at')})"
 
 
 @dataclass
@@ -159,7 +260,8 @@ class Records:
         if len(files) == 1:
             return files[0], row + 1
         for file in files:
-            rows = len(_read("dataset.source", self.source, self.data_format, [file]))
+            table = _read_if_any("dataset.source", self.source, self.data_format, [file])
+            rows = 0 if table is None else len(table)
             if row < rows:
                 return file, row + 1
             row -= rows

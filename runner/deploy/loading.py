@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
-from runner.rundir import ADAPTER_CONFIG_FILE, ADAPTER_FILE, HF_CONFIG_FILE, MODEL_FILE
+from runner.rundir import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+    HF_CONFIG_FILE,
+    MODEL_FILE,
+    check_safetensors,
+    weight_files,
+)
 
 # The options of the `dtype` config group (conf/dtype/), shared with `runner train`.
 # The dtype group's options as served: bf16_mixed computes in bf16, and serving keeps no master
@@ -116,10 +123,14 @@ def load_checkpoint(
 
 def load_hf_model(model_dir: Path, *, adapter_dir: Path | None, dtype: Any) -> Any:
     """A causal LM from a local Hugging Face model dir, in `dtype`, on the CPU: safetensors
-    weights only, no remote code, no hub access; with `adapter_dir`, its PEFT adapter merged in
-    (the rank from its adapter_config.json)."""
+    weights only, each checked whole first, no remote code, no hub access; with `adapter_dir`,
+    its PEFT adapter merged in (the rank from its adapter_config.json)."""
     from transformers import AutoModelForCausalLM
 
+    for path in weight_files(model_dir):
+        check_safetensors(path, key="checkpoint")
+    if adapter_dir is not None:
+        check_safetensors(adapter_dir / ADAPTER_FILE, key="checkpoint")
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         dtype=dtype,
@@ -160,7 +171,8 @@ def check_servable(checkpoint_dir: Path, engine: str = "transformers") -> None:
 
 
 def require_safetensors(model_dir: Path, command: str) -> None:
-    """Deploy and export load safetensors weights only, never pickled .bin files."""
+    """Deploy and export load safetensors weights only, never pickled .bin files, and only
+    whole ones: each weight file there and not cut short."""
     if not any(model_dir.glob("*.safetensors")):
         raise UserError(
             "checkpoint",
@@ -168,6 +180,8 @@ def require_safetensors(model_dir: Path, command: str) -> None:
             f"no *.safetensors weights here; {command} loads safetensors only (never pickled "
             ".bin files): re-save the model with safe_serialization=True",
         )
+    for path in weight_files(model_dir):
+        check_safetensors(path, key="checkpoint")
 
 
 def resolve_device(device: str) -> Any:

@@ -25,6 +25,7 @@ from runner.rundir import (
     GENERATION_CONFIG,
     HF_CONFIG_FILE,
     TOKENIZER_FILES,
+    check_safetensors,
     is_run_dir,
 )
 
@@ -113,6 +114,7 @@ def check_request(
         missing = [name for name in ADAPTER_FILES if not (chosen / name).is_file()]
         if missing:
             raise UserError("checkpoint", str(chosen), f"LoRA checkpoint without {missing}")
+        check_safetensors(chosen / ADAPTER_FILE, key="checkpoint")
     base_dir = check_base(chosen, base) if is_adapter and format != "adapter" else None
     if format != "adapter":
         require_safetensors(base_dir or chosen, "export")

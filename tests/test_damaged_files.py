@@ -1,0 +1,271 @@
+"""Damaged input files: a data file with no records, a line that is not JSON or not UTF-8,
+weights cut short. Each is one error naming the file and where in it (exit 2 through the CLI, no
+traceback, nothing written); resume passes over a damaged newest checkpoint to the one before."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runner.data import DataError, check_datasets
+from runner.data.sources import LineError
+from runner.errors import UserError
+from runner.paths import SAMPLE_DATA_DIR
+from runner.rundir import check_safetensors, checkpoint_problem
+from tests.conftest import QUICK, losses
+from tests.fixtures import write_tiny_checkpoint
+from tests.test_data import data, tokenizer
+
+
+def sample_lines(count: int) -> list[str]:
+    return (SAMPLE_DATA_DIR / "train.jsonl").read_text().splitlines()[:count]
+
+
+def cut_short(path: Path) -> None:
+    """What a full disk or a killed copy leaves: the file's first half."""
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def one_error(result) -> str:
+    """The CLI's one error line, after checking that it failed as a user error should."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
+
+
+# ---- data files -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,content",
+    [
+        ("d.jsonl", ""),
+        ("d.jsonl", "\n\n"),
+        ("d.json", "[]"),
+        ("d.csv", "instruction,input,output\n"),
+        ("d.txt", ""),
+    ],
+    ids=["empty-jsonl", "blank-jsonl", "empty-json-list", "csv-header-only", "empty-txt"],
+)
+def test_a_data_file_without_records_is_named(tmp_path: Path, name: str, content: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(UserError) as err:
+        check_datasets(data("dataset=instruct", f"dataset.source={path}"), tokenizer())
+    assert (err.value.key, err.value.value) == ("dataset.source", str(path))
+    assert err.value.fix == "has no records; give a data file that holds some"
+
+
+def test_a_directory_of_empty_files_names_them(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    with pytest.raises(UserError) as err:
+        check_datasets(data(f"dataset.source={tmp_path / 'data'}"), tokenizer())
+    assert f"its files {tmp_path / 'data' / 'train.jsonl'} hold no records" in err.value.fix
+
+
+def test_an_empty_data_file_stops_runner_train(runner_cli, tmp_path: Path) -> None:
+    empty, out_root = tmp_path / "empty.jsonl", tmp_path / "outputs"
+    empty.write_text("")
+    result = runner_cli("train", f"dataset.source={empty}", f"runtime.output_root={out_root}")
+    assert one_error(result) == (
+        f"error: dataset.source='{empty}': has no records; give a data file that holds some"
+    )
+    assert not out_root.exists() or not any(out_root.rglob("status.json"))
+
+
+def test_a_malformed_json_line_is_named_by_line_and_column(runner_cli, tmp_path: Path) -> None:
+    lines = sample_lines(600)
+    lines[499] = '{"instruction": "Reverse:", "input": "abc", "output": cba}'
+    bad, out_root = tmp_path / "bad.jsonl", tmp_path / "outputs"
+    bad.write_text("\n".join(lines) + "\n")
+    result = runner_cli("train", f"dataset.source={bad}", f"runtime.output_root={out_root}")
+    column = lines[499].index("cba") + 1
+    assert one_error(result) == (
+        f"error: dataset.source='{bad}': line 500, column {column}: not valid JSON (Expecting "
+        "value); fix or drop the line (a JSON-lines file holds one JSON object a line)"
+    )
+    assert not out_root.exists() or not any(out_root.rglob("status.json"))
+
+
+def test_a_malformed_line_in_a_directory_names_its_file(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    good, bad = tmp_path / "data" / "train-0.jsonl", tmp_path / "data" / "train-1.jsonl"
+    good.write_text("\n".join(sample_lines(10)) + "\n")
+    line = '{"instruction": "Upper:", "input": "ab", "output": "AB",}'
+    bad.write_text(f"\n{line}\n")
+    with pytest.raises(LineError) as err:
+        check_datasets(data(f"dataset.source={tmp_path / 'data'}"), tokenizer())
+    column = line.index(",}") + 2
+    assert (err.value.file, err.value.line, err.value.column) == (str(bad), 2, column)
+    assert f"{bad} line 2, column {column}: not valid JSON (Expecting property" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name,text,line",
+    [
+        ("d.csv", "instruction,input,output\nUpper:,ab,AB\nUpper:,cd,CD\nUpper:,\xff,X\n", 4),
+        ("d.txt", "one\ntwo\nthr\xffee\n", 3),
+        ("d.json", '[\n  {"instruction": "Upper:", "input": "ab", "output": "A\xff"}\n]\n', 2),
+    ],
+    ids=["csv", "text", "json-document"],
+)
+def test_each_reader_names_the_line_that_is_not_utf8(
+    tmp_path: Path, name: str, text: str, line: int
+) -> None:
+    path = tmp_path / name
+    # \xff stands for a byte that no UTF-8 text holds.
+    path.write_bytes(text.encode("utf-8").replace(b"\xc3\xbf", b"\xff"))
+    with pytest.raises(LineError) as err:
+        check_datasets(data("dataset=instruct", f"dataset.source={path}"), tokenizer())
+    column = text.splitlines()[line - 1].index("\xff") + 1
+    assert (err.value.file, err.value.line, err.value.column) == (str(path), line, column)
+    assert err.value.fix.endswith(
+        "byte 0xff is not UTF-8 text; save the file as UTF-8, or fix or drop the line"
+    )
+
+
+def test_every_record_is_decoded_before_training(runner_cli, tmp_path: Path) -> None:
+    """JSON lines keep a string's bytes as they are: the check decodes every record, not only
+    those a run happens to draw."""
+    lines = [line.encode() for line in sample_lines(3000)]
+    lines[2499] = lines[2499].replace(b'"input": "', b'"input": "\xc3(', 1)
+    bad, out_root = tmp_path / "bad.jsonl", tmp_path / "outputs"
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError) as err:
+        check_datasets(data(f"dataset.source={bad}"), tokenizer())
+    assert (err.value.file, err.value.row, err.value.column) == (str(bad), 2500, "input")
+    # A slice without that record is fine: only the records a run reads are checked.
+    assert check_datasets(
+        data(f"dataset.source={bad}", "dataset.split='train[:2000]'"), tokenizer()
+    )
+    result = runner_cli("train", f"dataset.source={bad}", f"runtime.output_root={out_root}")
+    assert one_error(result) == (
+        f"error: dataset.source='{bad}': row 2500, column 'input': holds bytes that are not "
+        "UTF-8 text; save the file as UTF-8, or fix or drop the row"
+    )
+    assert not out_root.exists() or not any(out_root.rglob("status.json"))
+
+
+def test_a_conversation_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(40)
+    ]
+    lines = [json.dumps(row).encode() for row in rows]
+    lines[30] = lines[30].replace(b'"q30"', b'"q\xe930"')
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError) as err:
+        check_datasets(data("dataset=chat", f"dataset.source={path}"), tokenizer())
+    assert (err.value.row, err.value.column) == (31, "messages")
+
+
+# ---- weights --------------------------------------------------------------------------------
+def test_check_safetensors_reads_the_header_alone(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(8), "b": torch.ones(4, 4)}, str(path))
+    check_safetensors(path, key="checkpoint")
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-1])
+    with pytest.raises(UserError) as err:
+        check_safetensors(path, key="model.source")
+    assert (err.value.key, err.value.value) == ("model.source", str(path))
+    assert err.value.fix.startswith(f"is cut short: tensor 'b' ends at byte {len(whole)}")
+    path.write_bytes(b"\xff" * 8 + whole[8:])
+    with pytest.raises(UserError, match="is cut short or not safetensors"):
+        check_safetensors(path, key="checkpoint")
+    path.write_bytes(whole[:8] + b"x" + whole[9:])
+    with pytest.raises(UserError, match="its header is not JSON"):
+        check_safetensors(path, key="checkpoint")
+    with pytest.raises(UserError, match="is missing; download, copy or save it again"):
+        check_safetensors(tmp_path / "other.safetensors", key="checkpoint")
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("llama3_2", tmp_path_factory.mktemp("source") / "llama")
+
+
+def damaged_copy(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination)
+    cut_short(destination / "model.safetensors")
+    return destination / "model.safetensors"
+
+
+def test_deploy_names_a_weights_file_cut_short(runner_cli, tiny_source, tmp_path) -> None:
+    weights = damaged_copy(tiny_source, tmp_path / "damaged")
+    error = one_error(runner_cli("deploy", f"checkpoint={weights.parent}", "port=0"))
+    assert error.startswith(f"error: checkpoint='{weights}': is cut short: tensor ")
+    assert error.endswith("download, copy or save it again")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runner/models.py reads the source's headers with safe_open before any check: it "
+    "needs check_safetensors(path, key='model.source') in _check_weights",
+)
+def test_train_names_a_source_weights_file_cut_short(runner_cli, tiny_source, tmp_path) -> None:
+    weights = damaged_copy(tiny_source, tmp_path / "damaged")
+    out_root = tmp_path / "outputs"
+    result = runner_cli(
+        "train", "model=hf", f"model.source={weights.parent}", f"runtime.output_root={out_root}"
+    )
+    assert one_error(result).startswith(f"error: model.source='{weights}': is cut short: ")
+    assert not out_root.exists() or not any(out_root.rglob("status.json"))
+
+
+def test_resume_names_a_source_cut_short_since(runner_cli, tiny_source, tmp_path) -> None:
+    """A run reads its source's weights again when it resumes."""
+    source, run = tmp_path / "source", tmp_path / "run"
+    shutil.copytree(tiny_source, source)
+    args = [*QUICK, "compute=cpu", "max_steps=2", "batch_size=2", "eval.strategy=no"]
+    args += ["model=hf", f"model.source={source}", f"hydra.run.dir={run}"]
+    result = runner_cli("train", *args, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "state": "failed"}))
+    cut_short(source / "model.safetensors")
+    error = one_error(runner_cli("train", f"resume={run}"))
+    assert error.startswith(f"error: checkpoint='{source / 'model.safetensors'}': is cut short")
+
+
+# ---- resume ---------------------------------------------------------------------------------
+def test_resume_passes_over_a_damaged_newest_checkpoint(runner_cli, tmp_path: Path) -> None:
+    """Killed while its step-4 checkpoint's weights or training state were cut short: resume
+    sets that checkpoint aside, warns naming the file, and trains on from step 2 as if
+    interrupted there."""
+    straight = tmp_path / "straight"
+    args = [*QUICK, "compute=cpu", "max_steps=4", "runtime.save_every_n_steps=2"]
+    args += ["runtime.log_every_n_steps=1", "eval.strategy=no", f"hydra.run.dir={straight}"]
+    result = runner_cli("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("model.safetensors", "training_state.pt"):
+        run = tmp_path / f"cut-{name}"
+        shutil.copytree(straight, run)
+        recipe = (run / "recipe.yaml").read_text().replace(str(straight), str(run))
+        (run / "recipe.yaml").write_text(recipe)
+        status = json.loads((run / "status.json").read_text())
+        (run / "status.json").write_text(json.dumps({**status, "state": "failed"}))
+        cut_short(run / "checkpoints" / "step_4" / name)
+
+        result = runner_cli("train", f"resume={run}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        checkpoints = run / "checkpoints"
+        warning = f"checkpoint step_4 is damaged, set aside as {checkpoints / '.damaged-step_4'}"
+        assert warning in result.stderr
+        assert f"{checkpoints / 'step_4' / name} is cut short" in result.stderr
+        assert f"resuming from {checkpoints / 'step_2'} at step 2" in result.stderr
+        assert sorted(p.name for p in checkpoints.iterdir()) == [
+            ".damaged-step_4",
+            "step_2",
+            "step_4",
+        ]
+        assert checkpoint_problem(checkpoints / "step_4") == ""
+        assert losses(run) == losses(straight)
