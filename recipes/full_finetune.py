@@ -41,6 +41,7 @@ from runner.components import instantiate
 from runner.data import collate, eval_prompts, training_splits
 from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
 from runner.manifest import record_checkpoint
+from runner.optimizers import split_option
 from runner.rundir import RunDir
 from runner.tune import (
     CROSS_ENTROPY_IGNORE_IDX,
@@ -72,11 +73,13 @@ class FullFinetuneRecipe:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_rank_zero = self.rank == 0
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = torch.device(f"cuda:{local_rank}" if cfg.device == "cuda" else "cpu")
-        if cfg.device == "cuda":
+        self.device = torch.device(f"cuda:{local_rank}" if cfg.compute.device == "cuda" else "cpu")
+        if cfg.compute.device == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype, self.compute_dtype = PRECISIONS[cfg.dtype]
-        self.training = cfg.training
+        self.dtype, self.compute_dtype = PRECISIONS[cfg.dtype.name]
+        # The optimizer's component and arguments, and its schedule (runner.optimizers).
+        optimizer, self.schedule = split_option(OmegaConf.to_container(cfg.optimizer))
+        self.optimizer_node = OmegaConf.create(optimizer)
         self.step = 0
         self.epoch = 0
         self.batches_done_in_epoch = 0
@@ -95,7 +98,7 @@ class FullFinetuneRecipe:
         self._status("initializing")
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.tokenizer = instantiate(cfg.tokenizer)
+        self.tokenizer = instantiate(cfg.model.tokenizer)
         # resolve.py made sure that a run that evaluates has a validation split.
         self.dataset, self.validation = training_splits(
             cfg.dataset, self.tokenizer, validation=cfg.eval.strategy != "no"
@@ -103,20 +106,20 @@ class FullFinetuneRecipe:
         self.sampler = DistributedSampler(
             self.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=cfg.seed
         )
-        accumulation = self.training.gradient_accumulation_steps
+        accumulation = self.cfg.gradient_accumulation_steps
         self.steps_per_epoch = len(self.dataset) // (
-            self.training.batch_size * self.world_size * accumulation
+            self.cfg.batch_size * self.world_size * accumulation
         )
         if self.steps_per_epoch == 0:
             raise ValueError("the dataset is smaller than one global batch")
-        self.total_steps = self.steps_per_epoch * self.training.epochs
-        if self.training.max_steps is not None:
-            self.total_steps = min(self.total_steps, self.training.max_steps)
+        self.total_steps = self.steps_per_epoch * self.cfg.epochs
+        if self.cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, self.cfg.max_steps)
         self.model = self._build_model()
         # Every rank built the same initial weights; randomness from here on is per rank.
         torch.manual_seed(cfg.seed + self.rank)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = instantiate(cfg.optimizer, trainable)
+        self.optimizer = instantiate(self.optimizer_node, trainable)
         self.lr_scheduler = self._build_lr_scheduler()
         self.loss_fn = instantiate(cfg.loss)
         if hasattr(self.loss_fn, "num_output_chunks"):
@@ -135,15 +138,15 @@ class FullFinetuneRecipe:
     def _build_model(self) -> torch.nn.Module:
         cfg = self.cfg
         with set_default_dtype(self.dtype), self.device:
-            model = instantiate(cfg.model)
-            init_like_hf(model, cfg.initializer_range)
-        if cfg.model_source is not None:
-            model.load_state_dict(read_model_state(Path(cfg.model_source)))
+            model = instantiate(cfg.model.builder)
+            init_like_hf(model, cfg.model.initializer_range)
+        if cfg.model.source is not None:
+            model.load_state_dict(read_model_state(Path(cfg.model.source)))
         return self._prepare_model(model)
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Activation checkpointing, FSDP2 sharding over the ranks and compilation, as set."""
-        if self.training.activation_checkpointing:
+        if self.cfg.activation_checkpointing:
             set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
         if self.world_size > 1:
             policy = MixedPrecisionPolicy(
@@ -152,7 +155,7 @@ class FullFinetuneRecipe:
             for layer in model.layers:
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
-        if self.training.compile:
+        if self.cfg.compile:
             for layer in model.layers:
                 layer.compile()
         return model
@@ -165,12 +168,12 @@ class FullFinetuneRecipe:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
-        schedule = self.cfg.lr_schedule
-        if schedule.cosine_decay:
+        schedule = self.schedule
+        if schedule["cosine_decay"]:
             return get_cosine_schedule_with_warmup(
-                self.optimizer, schedule.warmup_steps, self.total_steps
+                self.optimizer, schedule["warmup_steps"], self.total_steps
             )
-        warmup = max(schedule.warmup_steps, 1)
+        warmup = max(schedule["warmup_steps"], 1)
         return torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
@@ -240,15 +243,15 @@ class FullFinetuneRecipe:
 
     def _epoch_batches(self) -> Any:
         """Yields lists of micro-batches (one list per optimizer step) from the saved position."""
-        accumulation = self.training.gradient_accumulation_steps
-        while self.epoch < self.training.epochs:
+        accumulation = self.cfg.gradient_accumulation_steps
+        while self.epoch < self.cfg.epochs:
             self.sampler.set_epoch(self.epoch)
-            per_rank = self.steps_per_epoch * accumulation * self.training.batch_size
+            per_rank = self.steps_per_epoch * accumulation * self.cfg.batch_size
             indices = list(self.sampler)[:per_rank]
-            start = self.batches_done_in_epoch * self.training.batch_size
+            start = self.batches_done_in_epoch * self.cfg.batch_size
             loader = DataLoader(
                 self.dataset,
-                batch_size=self.training.batch_size,
+                batch_size=self.cfg.batch_size,
                 sampler=indices[start:],
                 collate_fn=self._collate,
                 # Its own generator: a new iterator draws a seed from it, and drawing from the
@@ -298,8 +301,8 @@ class FullFinetuneRecipe:
         for param in self.model.parameters():
             if param.grad is not None:
                 param.grad.mul_(scale.to(param.grad.dtype))
-        if self.training.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.clip_grad_norm)
+        if self.cfg.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
@@ -351,7 +354,7 @@ class FullFinetuneRecipe:
                 "batches_done_in_epoch": self.batches_done_in_epoch,
                 # The data position in samples of the global order, whatever the world size.
                 "samples_done_in_epoch": self.batches_done_in_epoch
-                * self.training.batch_size
+                * self.cfg.batch_size
                 * self.world_size,
                 "optimizer": optimizer_state,
                 "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -382,11 +385,11 @@ class FullFinetuneRecipe:
         write_checkpoint(
             out_dir,
             model_state={k: v.to(torch.float32) for k, v in model_state.items()},
-            hf_config=OmegaConf.to_container(self.cfg.hf_config),
-            tokenizer_dir=Path(self.cfg.tokenizer.path),
+            hf_config=OmegaConf.to_container(self.cfg.model.hf_config),
+            tokenizer_dir=Path(self.cfg.model.tokenizer.path),
             training_state=training_state,
             stop_token_ids=self.tokenizer.stop_tokens,
-            source_dir=Path(self.cfg.model_source) if self.cfg.model_source else None,
+            source_dir=Path(self.cfg.model.source) if self.cfg.model.source else None,
         )
 
     def _load_model_weights(self, checkpoint: Path) -> None:
@@ -403,7 +406,7 @@ class FullFinetuneRecipe:
         self.best = state.get("best")
         self.epoch = state["epoch"]
         # Micro-batches of this rank: checkpoints move between world sizes at one global batch.
-        per_micro_batch = self.training.batch_size * self.world_size
+        per_micro_batch = self.cfg.batch_size * self.world_size
         if state["samples_done_in_epoch"] % per_micro_batch:
             raise ValueError(
                 f"{checkpoint} stopped {state['samples_done_in_epoch']} samples into an epoch, "
@@ -458,13 +461,13 @@ class FullFinetuneRecipe:
             if self.world_size > 1:
                 dist.all_reduce(sums)
             metrics |= {k: v for k, v in loss_metrics(sums).items() if k in wanted}
-        if "eval_exact_match" in wanted and self.cfg.eval.samples > 0:
-            prompts = eval_prompts(self.validation, self.tokenizer, self.cfg.eval.samples)
+        if "eval_exact_match" in wanted and self.cfg.dataset.eval_samples > 0:
+            prompts = eval_prompts(self.validation, self.tokenizer, self.cfg.dataset.eval_samples)
             metrics["eval_exact_match"] = exact_match(
                 self.model,
                 self.tokenizer,
                 prompts,
-                max_new_tokens=self.cfg.eval.max_new_tokens,
+                max_new_tokens=self.cfg.dataset.eval_max_new_tokens,
                 device=self.device,
             )
         return metrics
@@ -479,7 +482,7 @@ class FullFinetuneRecipe:
         count = len(self.validation)
         if self.cfg.eval.max_samples is not None:
             count = min(count, self.cfg.eval.max_samples)
-        size = self.training.batch_size
+        size = self.cfg.batch_size
         for batch in range(math.ceil(count / (size * self.world_size))):
             start = (batch * self.world_size + self.rank) * size
             indices = range(start, min(start + size, count))

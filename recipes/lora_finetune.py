@@ -4,7 +4,7 @@
 
 The model is the LoRA twin of the model's builder (named by its family, runner.families) with
 the method's arguments; with `quantize_base` (method=qlora) the base projections
-are NF4 tensors (torchao). The base comes from `model_source`, or from `seed` exactly as the full
+are NF4 tensors (torchao). The base comes from `model.source`, or from `seed` exactly as the full
 recipe initializes it, and is then written once to RUN/base_model/ in Hugging Face format: the
 base that each checkpoint's PEFT adapter names. Only adapter parameters train and enter the
 optimizer. Checkpoints hold adapter_config.json + adapter_model.safetensors (PEFT), tokenizer
@@ -58,7 +58,7 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
         torch.manual_seed(cfg.seed)
         # The frozen base in the compute dtype: only what trains needs master weights.
         with set_default_dtype(self.compute_dtype), self.device:
-            model = instantiate(OmegaConf.merge(cfg.model, cfg.method.builder))
+            model = instantiate(OmegaConf.merge(cfg.model.builder, cfg.method.builder))
         missing, unexpected = model.load_state_dict(base_state, strict=False)
         adapter = get_adapter_params(model)
         assert not unexpected and set(missing) <= set(adapter), (missing, unexpected)
@@ -69,27 +69,27 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
 
     def _base_model_state(self) -> dict[str, torch.Tensor]:
         """The base weights: the source's; else RUN/base_model, written from the seed once."""
-        if self.cfg.model_source is not None:
-            return read_model_state(Path(self.cfg.model_source))
+        if self.cfg.model.source is not None:
+            return read_model_state(Path(self.cfg.model.source))
         base_dir = Path(self.cfg.method.base_model_dir)
         if (base_dir / MODEL_FILE).is_file():
             return read_model_state(base_dir)
         with set_default_dtype(self.dtype), self.device:
-            base = instantiate(self.cfg.model)
-            init_like_hf(base, self.cfg.initializer_range)
+            base = instantiate(self.cfg.model.builder)
+            init_like_hf(base, self.cfg.model.initializer_range)
         state = {k: v.to("cpu", torch.float32) for k, v in base.state_dict().items()}
         if self.is_rank_zero:
             write_base_model(
                 base_dir,
                 model_state=state,
                 hf_config=self._hf_config(),
-                tokenizer_dir=Path(self.cfg.tokenizer.path),
+                tokenizer_dir=Path(self.cfg.model.tokenizer.path),
                 stop_token_ids=self.tokenizer.stop_tokens,
             )
         return state
 
     def _hf_config(self) -> dict[str, Any]:
-        return OmegaConf.to_container(self.cfg.hf_config)
+        return OmegaConf.to_container(self.cfg.model.hf_config)
 
     def _gather_model_state(self) -> dict[str, Any]:
         if self.cfg.method.builder.quantize_base and self.world_size > 1:
@@ -113,11 +113,11 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
             adapter_state={k: v.to(torch.float32) for k, v in adapter.items()},
             adapter_config=peft_adapter_config(lora, method.base_model_dir),
             hf_config=self._hf_config(),
-            tokenizer_dir=Path(self.cfg.tokenizer.path),
+            tokenizer_dir=Path(self.cfg.model.tokenizer.path),
             training_state=training_state,
             stop_token_ids=self.tokenizer.stop_tokens,
             merged_state=merged,
-            source_dir=Path(self.cfg.model_source) if self.cfg.model_source else None,
+            source_dir=Path(self.cfg.model.source) if self.cfg.model.source else None,
         )
 
     def _load_model_weights(self, checkpoint: Path) -> None:

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from runner import determinism
 from runner.manifest import record_kernels
 from runner.rundir import LOG_FILE, Heartbeat
+from runner.schema import read_recipe
 
 log = logging.getLogger("runner.recipe")
 
@@ -71,11 +72,11 @@ def _start_process(cfg: DictConfig) -> bool:
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed and not dist.is_initialized():
         dist.init_process_group(
-            "nccl" if cfg.device == "cuda" else "gloo",
+            "nccl" if cfg.compute.device == "cuda" else "gloo",
             # A dead or hung peer ends the run with a timeout error instead of a hang.
-            timeout=timedelta(seconds=cfg.launch.collective_timeout_s),
+            timeout=timedelta(seconds=cfg.compute.collective_timeout_s),
         )
-    if cfg.device == "cpu":
+    if cfg.compute.device == "cpu":
         # OMP_NUM_THREADS where set (a parallel sweep's share, the pinned path), else a fair
         # share of the cores for each of this machine's processes.
         threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -88,7 +89,7 @@ def _start_process(cfg: DictConfig) -> bool:
 def run(recipe_path: str | Path, recipe_class: type) -> dict[str, Any]:
     """Runs `recipe_class` on the recipe at `recipe_path` in this process (one of several under
     torchrun): process group, threads, log file, heartbeat, SIGTERM, and the final status."""
-    cfg = OmegaConf.load(recipe_path)
+    cfg = read_recipe(Path(recipe_path))
     distributed = _start_process(cfg)
     recipe = recipe_class(cfg)
     heartbeat = Heartbeat(recipe.run) if recipe.is_rank_zero else None
@@ -162,6 +163,6 @@ def _error_message(err: BaseException, cfg: DictConfig) -> str:
     if isinstance(err, dist.DistError) or from_backend:
         return (
             "lost contact with another rank (a dead or hung peer; collectives wait at most "
-            f"compute.collective_timeout_s={cfg.launch.collective_timeout_s} s): {message}"
+            f"compute.collective_timeout_s={cfg.compute.collective_timeout_s} s): {message}"
         )
     return message

@@ -13,6 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from runner.rundir import RunDir, write_json_atomic
 
 MANIFEST_FILE = "manifest.json"
@@ -107,12 +109,13 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
-def build_manifest(recipe: dict[str, Any], overrides: list[str], cwd: Path) -> dict[str, Any]:
+def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> dict[str, Any]:
     """Everything needed to tell, from the record alone, what a re-run would change."""
     import torch
 
+    recipe = OmegaConf.to_container(resolved)
     data = recipe["dataset"]
-    tokenizer_dir = Path(recipe["tokenizer"]["path"])
+    tokenizer_dir = Path(recipe["model"]["tokenizer"]["path"])
     return {
         "config": redact(recipe),
         "config_hash": config_hash(recipe),
@@ -135,9 +138,9 @@ def build_manifest(recipe: dict[str, Any], overrides: list[str], cwd: Path) -> d
         },
         "tokenizer_sha256": {p.name: sha256_file(p) for p in sorted(tokenizer_dir.glob("*.json"))},
         "seed": recipe["seed"],
-        "world_size": recipe["nproc_per_node"] * recipe["nnodes"],
+        "world_size": recipe["compute"]["nproc_per_node"] * recipe["compute"]["nnodes"],
         "deterministic": recipe["runtime"]["deterministic"],
-        "hardware": _hardware(recipe["device"]),
+        "hardware": _hardware(recipe["compute"]["device"]),
         "checkpoints": {},
     }
 

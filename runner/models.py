@@ -1,4 +1,4 @@
-"""The model group -> the recipe's model entries: builder, family, weights, config.json, tokenizer.
+"""The model group -> the recipe's model section: family, weights, builder, config.json, tokenizer.
 
 A source's config.json names its family (runner/families/) and, for a builder-less option
 (model=hf), the builder's arguments; an option's own builder arguments must build the same
@@ -103,7 +103,7 @@ def _source_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
-    """The recipe's model entries: builder, family, source, config.json and tokenizer.
+    """The recipe's model section: family, source, builder, config.json and tokenizer.
 
     A source's config.json names its family and, for a builder-less option (model=hf), the
     builder's arguments; an option's own builder must build the same model.
@@ -125,10 +125,11 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
     if source is not None:
         _check_weights(source, builder)
     resolved = {
-        "model": builder,
-        "model_family": family.name,
+        "name": model.name,
+        "family": family.name,
         # Unresolved only for need_files=False: then the option's source as given, for display.
-        "model_source": str(source) if source else model.source,
+        "source": str(source) if source else model.source,
+        "builder": builder,
         "lora_builder": family.builders[builder["_component_"]],
         # Bounded (> 0) by runner.schema.
         "initializer_range": float(model.initializer_range),

@@ -220,14 +220,15 @@ def refuse_torchrun_worker(env: Mapping[str, str] | None = None) -> None:
         )
 
 
-def _checked_int(value: Any, key: str, minimum: int) -> int:
+def checked_int(value: Any, key: str, minimum: int) -> int:
+    """A compute key the platform may fill (so typed Any in runner.schema), as an integer."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UserError(key, value, f"give an integer >= {minimum}")
     return value
 
 
 def resolve_launch(compute: DictConfig, nnodes: int) -> dict[str, Any]:
-    """The recipe's `launch` section: how processes meet (the same on every node)."""
+    """How the processes meet, for the recipe's compute section (the same on every node)."""
     refuse_torchrun_worker()
     launch = {
         # Where the node layout was read from: auto, none, or a platform's name.
@@ -253,7 +254,7 @@ def resolve_launch(compute: DictConfig, nnodes: int) -> dict[str, Any]:
     if compute.rdzv_backend != "c10d":
         raise UserError("compute.rdzv_backend", compute.rdzv_backend, "only c10d is supported")
     if compute.node_rank is not None:
-        node_rank = _checked_int(compute.node_rank, "compute.node_rank", 0)
+        node_rank = checked_int(compute.node_rank, "compute.node_rank", 0)
         if node_rank >= nnodes:
             raise UserError(
                 "compute.node_rank", node_rank, f"give 0 to {nnodes - 1} (compute.nnodes={nnodes})"
@@ -267,7 +268,7 @@ def resolve_launch(compute: DictConfig, nnodes: int) -> dict[str, Any]:
             f"compute.nnodes={nnodes} and no platform gives the rendezvous address; give "
             "compute.master_addr=HOST of node 0 (the same on every node)",
         )
-    port = _checked_int(compute.master_port, "compute.master_port", 1)
+    port = checked_int(compute.master_port, "compute.master_port", 1)
     host = str(compute.master_addr)
     launch["rdzv_endpoint"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return launch

@@ -8,18 +8,16 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import hydra
 import torch
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate
 from runner.data import check_datasets, train_dataset
 from runner.errors import user_errors_pass_hydra
-from runner.optimizers import state_per_weight
+from runner.optimizers import split_option, state_per_weight
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 
@@ -37,51 +35,51 @@ NO_OUTPUT = [
 ]
 
 
-def _recipe(cfg: DictConfig, fetch: bool = True) -> dict[str, Any]:
+def _recipe(cfg: DictConfig, fetch: bool = True) -> DictConfig:
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     with tempfile.TemporaryDirectory() as tmp:
         recipe = resolve_recipe(cfg, Path(tmp), overrides, fetch=fetch)
-    recipe["run_dir"] = "<new run directory>"
+    recipe.run_dir = "<new run directory>"
     return recipe
 
 
 def validate(cfg: DictConfig) -> None:
     """Prints the resolved recipe, then checks the model weights, tokenizer and data."""
     recipe = _recipe(cfg)
-    print(yaml.safe_dump(recipe, sort_keys=False))
-    source = recipe["model_source"]
-    weights = source or f"random init (seed {recipe['seed']})"
-    if source is not None:
-        weights += f" ({recipe['model_family']})"
-    tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
+    print(OmegaConf.to_yaml(recipe))
+    model = recipe.model
+    weights = model.source or f"random init (seed {recipe.seed})"
+    if model.source is not None:
+        weights += f" ({model.family})"
+    tokenizer = instantiate(model.tokenizer)
     print(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
     print(
-        f"ok  tokenizer  {recipe['tokenizer']['path']} ({tokenizer.vocab_size} tokens)"
+        f"ok  tokenizer  {model.tokenizer.path} ({tokenizer.vocab_size} tokens)"
         f"{_origin(recipe, 'model.tokenizer')}"
     )
-    data = recipe["dataset"]
+    data = recipe.dataset
     found = check_datasets(data, tokenizer)
     where = {
-        "train": f"{data['source']} [{data['split']}]{_origin(recipe, 'dataset.source')}",
+        "train": f"{data.source} [{data.split}]{_origin(recipe, 'dataset.source')}",
         "validation": _validation(recipe),
     }
     for split, records in found.items():
         print(f"ok  {split:<10} {where[split]} ({records} records)")
 
 
-def _validation(recipe: dict[str, Any]) -> str:
-    data = recipe["dataset"]
-    held = data["validation"]
-    if held["held_out"] is not None:
-        return f"{held['held_out']:.1%} of the train split, held out (seed {held['seed']})"
-    if held["source"] is None:
-        return f"{data['source']} [{held['split']}]{_origin(recipe, 'dataset.source')}"
-    return f"{held['source']} [{held['split']}]{_origin(recipe, 'dataset.validation.source')}"
+def _validation(recipe: DictConfig) -> str:
+    data = recipe.dataset
+    held = data.validation
+    if held.held_out is not None:
+        return f"{held.held_out:.1%} of the train split, held out (seed {held.seed})"
+    if held.source is None:
+        return f"{data.source} [{held.split}]{_origin(recipe, 'dataset.source')}"
+    return f"{held.source} [{held.split}]{_origin(recipe, 'dataset.validation.source')}"
 
 
-def _origin(recipe: dict[str, Any], key: str) -> str:
+def _origin(recipe: DictConfig, key: str) -> str:
     """' from hf://...@commit' where `key` came from the hub, else nothing."""
-    pinned = recipe["hub_sources"].get(key)
+    pinned = recipe.hub_sources.get(key)
     return f" from {pinned}" if pinned else ""
 
 
@@ -115,7 +113,7 @@ class Estimate:
         )
 
 
-def estimate(recipe: dict[str, Any]) -> Estimate:
+def estimate(recipe: DictConfig) -> Estimate:
     """Parameter count (built on the meta device), memory per device and tokens per epoch.
 
     Trained weights, their gradients and the optimizer's state (AdamW: two moments, counted by
@@ -127,8 +125,8 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
     in a full batch, with layer inputs only under activation checkpointing, plus the fp32 logits.
     """
     counts = _parameter_counts(recipe)
-    world = recipe["nproc_per_node"] * recipe["nnodes"]
-    moments = state_per_weight(recipe["optimizer"])
+    world = recipe.compute.nproc_per_node * recipe.compute.nnodes
+    moments = state_per_weight(split_option(OmegaConf.to_container(recipe.optimizer))[0])
 
     def state_bytes(dtype: str) -> tuple[int, int, int]:
         """Weights, gradients and optimizer state per device under `dtype`."""
@@ -140,7 +138,7 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         shard = counts.trainable * master // world
         return int(weights) // world, shard, moments * shard
 
-    weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe["dtype"])
+    weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe.dtype.name)
     model_state = dict(
         parameters=counts.parameters,
         trainable_parameters=counts.trainable,
@@ -150,7 +148,7 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
         optimizer_bytes=optimizer_bytes,
         optimizer_tensors_per_weight=moments,
     )
-    if recipe["tokenizer"] is None:
+    if recipe.model.tokenizer is None:
         return Estimate(
             **model_state,
             activations_bytes=None,
@@ -158,18 +156,17 @@ def estimate(recipe: dict[str, Any]) -> Estimate:
             longest_sample=None,
             steps_per_epoch=None,
         )
-    tokenizer = instantiate(OmegaConf.create(recipe["tokenizer"]))
-    lengths = [len(sample["tokens"]) for sample in train_dataset(recipe["dataset"], tokenizer)]
+    tokenizer = instantiate(recipe.model.tokenizer)
+    lengths = [len(sample["tokens"]) for sample in train_dataset(recipe.dataset, tokenizer)]
     values, logits_bytes = _activations(recipe, max(lengths))
 
     def activation_bytes(dtype: str) -> int:
         return int(values * BYTES[dtype][1] + logits_bytes)
 
-    training = recipe["training"]
-    global_batch = training["batch_size"] * world * training["gradient_accumulation_steps"]
+    global_batch = recipe.batch_size * world * recipe.gradient_accumulation_steps
     return Estimate(
         **model_state,
-        activations_bytes=activation_bytes(recipe["dtype"]),
+        activations_bytes=activation_bytes(recipe.dtype.name),
         tokens_per_epoch=sum(lengths),
         longest_sample=max(lengths),
         steps_per_epoch=len(lengths) // global_batch,
@@ -189,17 +186,17 @@ class _Counts:
     quantized: int
 
 
-def _parameter_counts(recipe: dict[str, Any]) -> _Counts:
+def _parameter_counts(recipe: DictConfig) -> _Counts:
     """The model's parameters (built on the meta device), with LoRA's adapters and frozen base."""
     with torch.device("meta"):
-        model = instantiate(OmegaConf.create(recipe["model"]))
+        model = instantiate(recipe.model.builder)
     parameters = sum(p.numel() for p in model.parameters())
-    method = recipe["method"]
-    if method["name"] == "full":
+    method = recipe.method
+    if method.name == "full":
         return _Counts(parameters, parameters, 0, 0)
-    trainable = _adapter_parameters(recipe["model"], method["builder"])
+    trainable = _adapter_parameters(recipe.model.builder, method.builder)
     quantized = 0
-    if method["builder"]["quantize_base"]:
+    if method.builder.quantize_base:
         quantized = sum(
             p.numel()
             for name, p in model.layers.named_parameters()
@@ -208,22 +205,21 @@ def _parameter_counts(recipe: dict[str, Any]) -> _Counts:
     return _Counts(parameters + trainable, trainable, parameters - quantized, quantized)
 
 
-def _activations(recipe: dict[str, Any], seq: int) -> tuple[float, int]:
+def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
     """(activation values kept for backward, bytes of the fp32 logits) for a full batch of
     `seq`-token samples (Korthikanti et al. count bytes at 2 a value)."""
-    training, builder = recipe["training"], recipe["model"]
-    batch = training["batch_size"]
+    builder, batch = recipe.model.builder, recipe.batch_size
     hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
     per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) / 2
     kept = layers * seq * batch * hidden + per_layer
-    values = kept if training["activation_checkpointing"] else layers * per_layer
+    values = kept if recipe.activation_checkpointing else layers * per_layer
     return values, seq * batch * builder["vocab_size"] * 4
 
 
-def _adapter_parameters(builder: dict[str, Any], lora: dict[str, Any]) -> int:
+def _adapter_parameters(builder: DictConfig, lora: DictConfig) -> int:
     """The parameters of the LoRA adapters the method adds to the model (built on meta)."""
     with torch.device("meta"):
-        model = instantiate(OmegaConf.create({**builder, **lora, "quantize_base": False}))
+        model = instantiate(OmegaConf.merge(builder, lora, {"quantize_base": False}))
     return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
 
 
@@ -231,33 +227,33 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB"
 
 
-def print_estimate(recipe: dict[str, Any], found: Estimate) -> None:
+def print_estimate(recipe: DictConfig, found: Estimate) -> None:
     print(
-        f"model          {found.parameters:,} parameters, {recipe['dtype']}, "
-        f"{recipe['device']} x {found.world_size}"
+        f"model          {found.parameters:,} parameters, {recipe.dtype.name}, "
+        f"{recipe.compute.device} x {found.world_size}"
     )
     if found.trainable_parameters != found.parameters:
         print(
             f"trained        {found.trainable_parameters:,} adapter parameters "
-            f"(method={recipe['method']['name']})"
+            f"(method={recipe.method.name})"
         )
     print(f"weights        {_gib(found.weights_bytes)} per device")
     print(f"gradients      {_gib(found.gradients_bytes)} per device")
-    component = recipe["optimizer"]["_component_"].rpartition(".")[2]
+    component = recipe.optimizer._component_.rpartition(".")[2]
     print(
         f"optimizer      {_gib(found.optimizer_bytes)} per device ({component}, "
         f"{found.optimizer_tensors_per_weight} state tensor(s) per weight)"
     )
     if found.activations_bytes is None:
         print(
-            f"activations    not estimated: the tokenizer of model.source={recipe['model_source']} "
+            f"activations    not estimated: the tokenizer of model.source={recipe.model.source} "
             "is not here to measure the data (`runner download` fetches it)"
         )
         print(f"total          at least {_gib(found.total_bytes)} per device")
         return
     print(
         f"activations    {_gib(found.activations_bytes)} per device (batch "
-        f"{recipe['training']['batch_size']} x {found.longest_sample} tokens)"
+        f"{recipe.batch_size} x {found.longest_sample} tokens)"
     )
     print(f"total          {_gib(found.total_bytes)} per device")
     print(

@@ -11,8 +11,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from runner.errors import UserError
 from runner.launch import launch
 from runner.manifest import (
@@ -23,6 +21,7 @@ from runner.manifest import (
     write_manifest,
 )
 from runner.rundir import RunDir
+from runner.schema import read_recipe, write_recipe
 
 MAX_ROWS = 20
 # The relative tolerance of a re-run on another kernel path when none is given: the float noise
@@ -196,13 +195,13 @@ def _rerun(recorded: RunDir, steps: int | None, out: Path | None) -> RunDir:
     rerun = RunDir(out or recorded.path.with_name(f"{recorded.path.name}-repro-{stamp}"))
     if rerun.path.exists():
         raise UserError("--out", str(rerun.path), "already exists; give a new directory")
+    recipe = read_recipe(recorded.recipe_path)
     rerun.path.mkdir(parents=True)
-    recipe = yaml.safe_load(recorded.recipe_path.read_text())
-    recipe.update(run_dir=str(rerun.path.resolve()), stop_at_step=steps)
-    rerun.recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    recipe.run_dir, recipe.stop_at_step = str(rerun.path.resolve()), steps
+    write_recipe(rerun.recipe_path, recipe)
     overrides = read_manifest(recorded)["overrides"]
     write_manifest(rerun, build_manifest(recipe, overrides, Path.cwd()))
-    rerun.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
+    rerun.write_status("created", step=0, total_steps=recipe.max_steps)
     launch(recipe, rerun.recipe_path)
     return rerun
 

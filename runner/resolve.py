@@ -21,9 +21,9 @@ from runner.manifest import SECRET_KEY
 from runner.metrics import METRIC_MODES, TRAINING_METRIC_MODES
 from runner.models import resolve_model
 from runner.optimizers import SCHEDULE_KEYS, split_option, state_per_weight
-from runner.platforms import resolve_launch
+from runner.platforms import checked_int, resolve_launch
 from runner.resolvers import evaluates
-from runner.schema import OptimizerKeys, typed
+from runner.schema import OptimizerKeys, recipe, typed
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +83,14 @@ NF4_WEIGHTS_PER_BLOCK = 64 * 256
 def resolve_method(
     method: DictConfig, model_name: str, model: dict[str, Any], run_dir: Path, world_size: int
 ) -> dict[str, Any]:
-    """The method section of the recipe: for LoRA, the builder arguments and the base's home."""
+    """The method section of the recipe: its recipe module; for LoRA, the adapter builder and
+    its arguments and the base's home."""
     if method.name not in RECIPES:
         raise UserError("method.name", method.name, f"choose one of: {', '.join(RECIPES)}")
     if method.name == "full":
-        return {"name": "full"}
+        return {"name": "full", "recipe": RECIPES["full"]}
     # The family names the LoRA twin of every builder it offers (runner.families).
-    builder, lora_builder = model["model"], model["lora_builder"]
+    builder, lora_builder = model["builder"], model["lora_builder"]
     modules = _lora_modules(method.lora_attn_modules)
     apply_to_mlp = method.apply_lora_to_mlp
     if not modules and not apply_to_mlp:
@@ -112,10 +113,11 @@ def resolve_method(
     dropout = method.dropout
     if dropout >= 1:
         raise UserError("method.dropout", dropout, "give a probability in [0, 1)")
-    source = model["model_source"]
+    source = model["source"]
     base_model_dir = run_dir / "base_model" if source is None else Path(source)
     return {
         "name": method.name,
+        "recipe": RECIPES[method.name],
         "builder": {
             "_component_": lora_builder,
             "lora_attn_modules": modules,
@@ -174,16 +176,16 @@ def _check_nf4_shapes(builder: dict[str, Any], world_size: int) -> None:
             )
 
 
-def _training(cfg: DictConfig) -> dict[str, Any]:
-    return {
-        "max_steps": cfg.max_steps,
-        "epochs": cfg.epochs,
-        "batch_size": cfg.batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "clip_grad_norm": cfg.clip_grad_norm,
-        "compile": cfg.compile,
-        "activation_checkpointing": cfg.activation_checkpointing,
-    }
+# The training keys that belong to no config group (typed and bounded by runner.schema).
+TRAINING_KEYS = (
+    "max_steps",
+    "epochs",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "clip_grad_norm",
+    "compile",
+    "activation_checkpointing",
+)
 
 
 def _runtime(runtime: DictConfig) -> dict[str, Any]:
@@ -211,8 +213,8 @@ def _plain_env(env: DictConfig) -> dict[str, str]:
     return {str(k): str(v) for k, v in env.items()}
 
 
-def _optimizer(optimizer: DictConfig, device: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The optimizer component of the chosen option with its arguments, and the schedule."""
+def _optimizer(optimizer: DictConfig, device: str) -> dict[str, Any]:
+    """The chosen option: its component, the component's arguments and the schedule keys."""
     option = OmegaConf.to_container(optimizer, resolve=True)
     if "_component_" not in option:
         raise UserError(
@@ -223,11 +225,12 @@ def _optimizer(optimizer: DictConfig, device: str) -> tuple[dict[str, Any], dict
     if missing:
         raise UserError(f"optimizer.{missing[0]}", None, "every optimizer option sets it")
     checked = typed(OmegaConf.create({k: option[k] for k in shared}), OptimizerKeys, "optimizer.")
-    node, schedule = split_option({**option, **OmegaConf.to_container(checked)})
-    if "fused" in node and node["fused"] is None:
-        node["fused"] = True if device == "cuda" else None
-    state_per_weight(node)  # builds it once: a refused argument fails here, not in training
-    return node, schedule
+    option.update(OmegaConf.to_container(checked))
+    if "fused" in option and option["fused"] is None:
+        option["fused"] = True if device == "cuda" else None
+    # Builds it once: a refused argument fails here, not in training.
+    state_per_weight(split_option(option)[0])
+    return option
 
 
 def _held_out(value: Any) -> float | None:
@@ -360,13 +363,12 @@ def _eval(cfg: DictConfig) -> dict[str, Any]:
         "steps": steps,
         "metrics": list(metrics),
         "max_samples": evaluation.max_samples,
-        # Held-out prompts for eval_exact_match, and the longest answer generated.
-        "samples": cfg.dataset.eval_samples,
-        "max_new_tokens": cfg.dataset.eval_max_new_tokens,
     }
 
 
-def _objective(objective: DictConfig, evaluation: dict[str, Any]) -> dict[str, str]:
+def _objective(
+    objective: DictConfig, evaluation: dict[str, Any], eval_samples: int
+) -> dict[str, str]:
     """The metric that picks the best checkpoint and the best job; it must be one a run records."""
     metric, mode = objective.metric, objective.mode
     modes = {**TRAINING_METRIC_MODES, **METRIC_MODES}
@@ -393,7 +395,7 @@ def _objective(objective: DictConfig, evaluation: dict[str, Any]) -> dict[str, s
                 metric,
                 f"not computed: add it to eval.metrics={evaluation['metrics']}",
             )
-        if metric == "eval_exact_match" and evaluation["samples"] == 0:
+        if metric == "eval_exact_match" and eval_samples == 0:
             raise UserError(
                 "objective.metric",
                 metric,
@@ -404,8 +406,8 @@ def _objective(objective: DictConfig, evaluation: dict[str, Any]) -> dict[str, s
 
 def resolve_recipe(
     cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (), fetch: bool = True
-) -> dict[str, Any]:
-    """The recipe config (torchtune `_component_` style) for a composed `train` config.
+) -> DictConfig:
+    """The recipe (runner.schema.Recipe) of a composed `train` config.
 
     hf:// sources become local paths in the cache, downloaded if need be; `overrides` make the
     `runner download ...` command that an error about a missing source names. fetch=False (a
@@ -415,42 +417,45 @@ def resolve_recipe(
     """
     cfg = typed(cfg)
     device, nproc_per_node = resolve_device(cfg.compute)
-    nnodes = cfg.compute.nnodes
-    launch = resolve_launch(cfg.compute, nnodes)
-    optimizer, schedule = _optimizer(cfg.optimizer, device)
-    training, runtime = _training(cfg), _runtime(cfg.runtime)
+    nnodes = checked_int(cfg.compute.nnodes, "compute.nnodes", 1)
+    compute = {
+        "device": device,
+        "nproc_per_node": nproc_per_node,
+        "nnodes": nnodes,
+        **resolve_launch(cfg.compute, nnodes),
+    }
+    optimizer = _optimizer(cfg.optimizer, device)
+    runtime = _runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.
     hub = Hub.from_runtime(cfg.runtime, list(overrides))
     cfg, hub_sources = localize(cfg, hub, only_cached=not fetch)
     model = resolve_model(cfg.model, need_files=fetch)
-    dtype = resolve_dtype(cfg.dtype.name, device)
     method = resolve_method(cfg.method, cfg.model.name, model, run_dir, nnodes * nproc_per_node)
-    dataset = _dataset(cfg.dataset, model["model"]["max_seq_len"])
+    dataset = {
+        **_dataset(cfg.dataset, model["builder"]["max_seq_len"]),
+        # Held-out prompts for eval_exact_match, and the longest answer generated.
+        "eval_samples": cfg.dataset.eval_samples,
+        "eval_max_new_tokens": cfg.dataset.eval_max_new_tokens,
+    }
     if model["tokenizer"] is not None:
         # Samples are cut at dataset.max_seq_len (the model's when null).
         model["tokenizer"]["max_seq_len"] = dataset["max_seq_len"]
     evaluation = _eval(cfg)
-    return {
-        "run_dir": str(run_dir.resolve()),
-        "seed": cfg.seed,
-        "device": device,
-        "dtype": dtype,
-        "recipe": RECIPES[method["name"]],
-        "method": method,
-        "nproc_per_node": nproc_per_node,
-        "nnodes": nnodes,
-        "launch": launch,
-        **model,
-        # Where each hf:// source came from, pinned to the commit that was used.
-        "hub_sources": hub_sources,
-        "dataset": dataset,
-        "eval": evaluation,
-        "objective": _objective(cfg.objective, evaluation),
-        "loss": OmegaConf.to_container(cfg.loss, resolve=True),
-        "optimizer": optimizer,
-        "lr_schedule": schedule,
-        "training": training,
-        "runtime": runtime,
-        # Set by `runner repro --steps N`: end after step N without changing the schedule.
-        "stop_at_step": None,
-    }
+    return recipe(
+        {
+            "run_dir": str(run_dir.resolve()),
+            "seed": cfg.seed,
+            "model": model,
+            "hub_sources": hub_sources,
+            "dataset": dataset,
+            "dtype": {"name": resolve_dtype(cfg.dtype.name, device)},
+            "loss": OmegaConf.to_container(cfg.loss, resolve=True),
+            "compute": compute,
+            "method": method,
+            "optimizer": optimizer,
+            "runtime": runtime,
+            "eval": evaluation,
+            "objective": _objective(cfg.objective, evaluation, cfg.dataset.eval_samples),
+            **{key: cfg[key] for key in TRAINING_KEYS},
+        }
+    )

@@ -13,6 +13,7 @@ arguments, `model.builder` a builder's, `runtime.env` environment variables.
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, get_args
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -233,6 +234,154 @@ class OptimizerKeys:
     lr: float = number(MISSING, positive=True)
     warmup_steps: int = integer(0, 0)
     cosine_decay: bool = flag(True)
+
+
+# ---- the recipe: what `runner train` resolved, as every training process reads it ------------
+# recipe.yaml keeps the sections and names of Train, each value resolved (`auto` made concrete,
+# hf:// sources made local paths, components named), plus what resolution derives (the builder,
+# tokenizer and config.json of the model; where the processes meet). Bumped when a key moves.
+RECIPE_VERSION = 2
+
+
+@dataclass
+class RecipeModel:
+    name: str = MISSING
+    family: str = MISSING
+    # A local checkpoint directory, or null: random init (initializer_range).
+    source: Optional[str] = None
+    # The torchtune builder and its arguments; the family's LoRA twin of the builder.
+    builder: Dict[str, Any] = MISSING
+    lora_builder: str = MISSING
+    initializer_range: float = 0.02
+    # config.json of the checkpoints the run writes; runner.tokenizer.ChatTokenizer and its
+    # arguments (model.chat_template resolved to a chat format). Null only in a dry run that
+    # has no tokenizer files (`runner estimate` of a model not downloaded).
+    hf_config: Optional[Dict[str, Any]] = None
+    tokenizer: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class RecipeValidation:
+    held_out: Optional[float] = None
+    seed: int = 0
+    split: Optional[str] = None
+    source: Optional[str] = None
+
+
+@dataclass
+class RecipeDataset:
+    kind: str = MISSING
+    format: str = MISSING
+    source: str = MISSING
+    split: str = "train"
+    column_map: Dict[str, Optional[str]] = field(default_factory=dict)
+    # Null where the dataset's kind has no such key.
+    conversation_style: Optional[str] = None
+    train_on_input: Optional[bool] = None
+    new_system_prompt: Optional[str] = None
+    max_seq_len: int = MISSING
+    packing: bool = False
+    validation: RecipeValidation = field(default_factory=RecipeValidation)
+    eval_samples: int = 0
+    eval_max_new_tokens: int = 12
+
+
+@dataclass
+class RecipeCompute:
+    device: str = MISSING
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    # Where the node layout was read from (none, or a platform's name) and how processes meet.
+    platform: str = "none"
+    rdzv_endpoint: str = "localhost:0"
+    rdzv_timeout_s: Optional[int] = None
+    max_restarts: int = 0
+    collective_timeout_s: int = 600
+
+
+@dataclass
+class RecipeMethod:
+    name: str = "full"
+    # The module that trains it (runner.resolve.RECIPES).
+    recipe: str = MISSING
+    # LoRA: the adapter builder and its arguments, the Hugging Face base the adapter loads onto.
+    builder: Optional[Dict[str, Any]] = None
+    base_model_dir: Optional[str] = None
+    save_merged: bool = False
+
+
+@dataclass
+class RecipeRuntime:
+    save_every_n_steps: Optional[int] = None
+    keep_last_n_checkpoints: int = 2
+    log_every_n_steps: int = 10
+    tensorboard: bool = True
+    progress_bar: bool = True
+    deterministic: bool = False
+    env: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RecipeEval:
+    strategy: str = "no"
+    steps: Optional[int] = None
+    metrics: List[str] = field(default_factory=list)
+    max_samples: Optional[int] = None
+
+
+@dataclass
+class Recipe:
+    """recipe.yaml: Train's sections and keys, resolved (see RECIPE_VERSION)."""
+
+    version: int = RECIPE_VERSION
+    run_dir: str = MISSING
+    seed: int = 0
+    model: RecipeModel = field(default_factory=RecipeModel)
+    # Where each hf:// source came from, pinned to the commit that was used.
+    hub_sources: Dict[str, Any] = field(default_factory=dict)
+    dataset: RecipeDataset = field(default_factory=RecipeDataset)
+    dtype: Dtype = field(default_factory=Dtype)
+    loss: Dict[str, Any] = field(default_factory=dict)
+    compute: RecipeCompute = field(default_factory=RecipeCompute)
+    method: RecipeMethod = field(default_factory=RecipeMethod)
+    # The option's component and arguments with its schedule keys (runner.optimizers).
+    optimizer: Dict[str, Any] = field(default_factory=dict)
+    runtime: RecipeRuntime = field(default_factory=RecipeRuntime)
+    eval: RecipeEval = field(default_factory=RecipeEval)
+    objective: Objective = field(default_factory=Objective)
+    max_steps: Optional[int] = None
+    epochs: int = 1
+    batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    clip_grad_norm: Optional[float] = None
+    compile: bool = False
+    activation_checkpointing: bool = False
+    # Set by `runner repro --steps N`: end after step N without changing the schedule.
+    stop_at_step: Optional[int] = None
+
+
+def recipe(values: dict[str, Any]) -> DictConfig:
+    """`values` as a typed Recipe (a key it does not know is a bug of runner's, not the user's)."""
+    return OmegaConf.merge(OmegaConf.structured(Recipe), values)
+
+
+def read_recipe(path: Path) -> DictConfig:
+    """A run's recipe.yaml, typed; one recorded before the layout changed is refused by name."""
+    values = OmegaConf.load(path)
+    version = values.get("version")
+    if version != RECIPE_VERSION:
+        raise UserError(
+            str(path),
+            f"version {version or 1}",
+            f"was written by another runner (recipe version {RECIPE_VERSION} here): train it "
+            "again from its overrides (manifest.json) with this one, or use the runner that "
+            "wrote it",
+        )
+    return recipe(values)
+
+
+def write_recipe(path: Path, resolved: DictConfig) -> None:
+    path.write_text(OmegaConf.to_yaml(resolved))
 
 
 def typed(cfg: DictConfig, schema: type = Train, prefix: str = "") -> DictConfig:

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from runner.components import instantiate
 from runner.data import check_datasets
@@ -26,6 +25,7 @@ from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 from runner.resolvers import check_resume
 from runner.rundir import STATES, RunDir
+from runner.schema import read_recipe, write_recipe
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +76,13 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
             print(f"{run.path} completed at step {status.step}: nothing to train", flush=True)
             _print_summary(run)
             return None
-        recipe = yaml.safe_load(run.recipe_path.read_text())
+        recipe = read_recipe(run.recipe_path)
     else:
         recipe = resolve_recipe(cfg, run.path, overrides)
         _check_data(recipe)
-        run.recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        write_recipe(run.recipe_path, recipe)
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
-        run.write_status("created", step=0, total_steps=recipe["training"]["max_steps"])
+        run.write_status("created", step=0, total_steps=recipe.max_steps)
     # `runner stop` signals this process: the run's launcher, whatever its world size. A run
     # killed before its first status was written starts as `created`.
     state = run.status().state
@@ -92,10 +92,10 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     return result
 
 
-def _check_data(recipe: dict[str, Any]) -> None:
+def _check_data(recipe: DictConfig) -> None:
     """Reads and checks every record of every split before anything starts."""
     started = time.perf_counter()
-    found = check_datasets(recipe["dataset"], instantiate(OmegaConf.create(recipe["tokenizer"])))
+    found = check_datasets(recipe.dataset, instantiate(recipe.model.tokenizer))
     records = ", ".join(f"{n} {split}" for split, n in found.items())
     log.info("data: %s records checked in %.1f s", records, time.perf_counter() - started)
 

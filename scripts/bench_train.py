@@ -81,18 +81,12 @@ class StepTimer:
 
 
 def run_ours(steps: int, batch_size: int, device: str, method: str) -> dict[str, float]:
-    from omegaconf import OmegaConf
     from runner.recipes.full_finetune import FullFinetuneRecipe
     from runner.recipes.lora_finetune import LoraFinetuneRecipe
 
-    from runner.rundir import RunDir
-
     recipe_class = FullFinetuneRecipe if method == "full" else LoraFinetuneRecipe
     with tempfile.TemporaryDirectory() as tmp:
-        RunDir(tmp).recipe_path.write_text(
-            OmegaConf.to_yaml(recipe_config(steps, batch_size, device, Path(tmp), method))
-        )
-        recipe = recipe_class(OmegaConf.load(Path(tmp) / "recipe.yaml"))
+        recipe = recipe_class(recipe_config(steps, batch_size, device, Path(tmp), method))
         recipe.setup()
         timer = StepTimer(device)
         step = recipe._optimizer_step
@@ -111,7 +105,6 @@ def run_ours(steps: int, batch_size: int, device: str, method: str) -> dict[str,
 def run_bare(steps: int, batch_size: int, device: str) -> dict[str, float]:
     """The hand-written loop: model, AdamW, cross-entropy, clip, step."""
     import torch
-    from omegaconf import OmegaConf
     from torch.utils.data import DataLoader
 
     from runner.components import instantiate
@@ -119,14 +112,14 @@ def run_bare(steps: int, batch_size: int, device: str) -> dict[str, float]:
     from runner.tune import init_like_hf, padded_collate_sft
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = OmegaConf.create(recipe_config(steps, batch_size, device, Path(tmp)))
+        cfg = recipe_config(steps, batch_size, device, Path(tmp))
     torch.manual_seed(cfg.seed)
-    tokenizer = instantiate(cfg.tokenizer)
+    tokenizer = instantiate(cfg.model.tokenizer)
     data = cfg.dataset
     dataset = train_dataset(data, tokenizer)
     with torch.device(device):
-        model = instantiate(cfg.model)
-        init_like_hf(model, cfg.initializer_range)
+        model = instantiate(cfg.model.builder)
+        init_like_hf(model, cfg.model.initializer_range)
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optimizer.lr,
@@ -149,7 +142,7 @@ def run_bare(steps: int, batch_size: int, device: str) -> dict[str, float]:
             logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1)
         )
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.clip_grad_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.step(tokens.numel())

@@ -59,14 +59,14 @@ def test_option_composes_and_resolves(
         if option == "hf":
             return
         recipe = resolve_recipe(cfg, tmp_path, fetch=False)
-        assert recipe["tokenizer"] is None and recipe["lora_builder"]
+        assert recipe.model.tokenizer is None and recipe.model.lora_builder
     else:
         recipe = resolve_recipe(cfg, tmp_path)
-    assert recipe["model"]["_component_"].startswith("torchtune.models.")
-    assert recipe["device"] in ("cpu", "cuda")
-    assert recipe["dtype"] in ("fp32", "bf16_mixed", "bf16")
+    assert recipe.model.builder._component_.startswith("torchtune.models.")
+    assert recipe.compute.device in ("cpu", "cuda")
+    assert recipe.dtype.name in ("fp32", "bf16_mixed", "bf16")
     if group == "dtype" and option != "auto":
-        assert recipe["dtype"] == option
+        assert recipe.dtype.name == option
     if group == "loss":
         assert recipe["loss"]["_component_"] == cfg.loss._component_
 
@@ -75,11 +75,15 @@ def test_defaults_pick_what_runs_here(tmp_path: Path) -> None:
     recipe = resolve_recipe(compose_train([]), tmp_path)
     if torch.cuda.is_available():
         # Mixed precision: bf16 compute over fp32 master weights, which keep small updates.
-        assert (recipe["device"], recipe["dtype"]) == ("cuda", "bf16_mixed")
+        assert (recipe.compute.device, recipe.dtype.name) == ("cuda", "bf16_mixed")
     else:
-        assert (recipe["device"], recipe["dtype"], recipe["nproc_per_node"]) == ("cpu", "fp32", 1)
+        assert (recipe.compute.device, recipe.dtype.name, recipe.compute.nproc_per_node) == (
+            "cpu",
+            "fp32",
+            1,
+        )
     # An explicit choice wins over the machine's default.
-    assert resolve_recipe(compose_train(["dtype=bf16"]), tmp_path)["dtype"] == "bf16"
+    assert resolve_recipe(compose_train(["dtype=bf16"]), tmp_path).dtype.name == "bf16"
 
 
 def test_help_lists_groups_and_options(runner_cli) -> None:

@@ -442,7 +442,7 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_loss(tmp_path: Path
     """On a fixed model: the summed loss and the token count of the same samples agree."""
     torch.manual_seed(0)
     # The builder node as resolved: its family supplies the torchtune builder.
-    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model)["model"]))
+    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model)["builder"]))
     tok = tokenizer(96)
     base = [
         f"dataset.source={SAMPLE_DATA_DIR / 'validation.jsonl'}",

@@ -74,14 +74,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @functools.cache
 def resolved(source: Path) -> dict:
-    """model=hf's recipe entries for a source (resolved once: it loads transformers' tokenizer)."""
+    """model=hf's recipe model section for a source."""
     return resolve_model(model_config(["model=hf", f"model.source={source}"]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recipe_model_gives_transformers_logits(checkpoints: dict[str, Path], family: str) -> None:
     source = checkpoints[family]
-    ours = instantiate(OmegaConf.create(resolved(source)["model"]))
+    ours = instantiate(OmegaConf.create(resolved(source)["builder"]))
     ours.load_state_dict(read_model_state(source))
     theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     vocab = theirs.config.vocab_size
@@ -97,7 +97,12 @@ def test_an_adapter_in_peft_gives_the_lora_models_logits(checkpoints, family: st
     source = checkpoints[family]
     lora = {"lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "lora_rank": 4}
     recipe = resolved(source)
-    builder = {**recipe["model"], "_component_": recipe["lora_builder"], **lora, "lora_alpha": 8}
+    builder = {
+        **recipe["builder"],
+        "_component_": recipe["lora_builder"],
+        **lora,
+        "lora_alpha": 8,
+    }
     ours = instantiate(OmegaConf.create(builder))
     ours.load_state_dict(read_model_state(source), strict=False)
     torch.manual_seed(0)
@@ -192,7 +197,7 @@ def test_runner_trains_a_source_of_each_family(
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint)
     before = AutoModelForCausalLM.from_pretrained(source)
     recipe = OmegaConf.load(run_dir / "recipe.yaml")
-    ours = instantiate(recipe.model)
+    ours = instantiate(recipe.model.builder)
     ours.load_state_dict(read_model_state(checkpoint))
     vocab = theirs.config.vocab_size
     tokens = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(1))
@@ -208,7 +213,7 @@ def test_runner_trains_a_source_of_each_family(
         add_generation_prompt=True,
         tokenize=False,
     )
-    trained_with = instantiate(recipe.tokenizer)
+    trained_with = instantiate(recipe.model.tokenizer)
     assert served.tokenizer.encode(rendered, add_special_tokens=False) == (
         trained_with.generation_prompt(messages(prompt))
     )
@@ -223,7 +228,7 @@ def test_every_model_option_gets_its_familys_builder_and_lora_twin() -> None:
         if model.builder is not None:
             recipe = resolve_model(model, need_files=False)
             builders = family_named(model.family).builders
-            assert recipe["lora_builder"] == builders[recipe["model"]["_component_"]], option
+            assert recipe["lora_builder"] == builders[recipe["builder"]["_component_"]], option
 
 
 # The published config.json of each zoo option's hub repo (the keys that shape the model).
@@ -412,13 +417,13 @@ def test_each_family_loads_from_a_hub_cache_snapshot(
         )
     recipe = resolve_recipe(cfg, tmp_path / "run")
     plain = resolved(checkpoints[family])
-    assert recipe["model_source"] == str(snapshot)
-    assert recipe["model"] == plain["model"] and recipe["model_family"] == plain["model_family"]
+    assert recipe.model.source == str(snapshot)
+    assert recipe.model.builder == plain["builder"] and recipe.model.family == plain["family"]
     cached, direct = read_model_state(snapshot), read_model_state(checkpoints[family])
     assert cached.keys() == direct.keys()
     assert all(torch.equal(cached[name], direct[name]) for name in direct)
     chat = messages(CHATS["system, user, assistant"])
-    ours = instantiate(OmegaConf.create(recipe["tokenizer"]))
+    ours = instantiate(recipe.model.tokenizer)
     theirs = instantiate(OmegaConf.create(plain["tokenizer"]))
     assert ours.tokenize_messages(chat) == theirs.tokenize_messages(chat)
 

@@ -149,8 +149,8 @@ def test_train_reads_model_tokenizer_and_data_from_the_hub_cache(hub_run, hub_en
     cache = Path(hub_env["HF_HOME"]) / "hub"
     model_dir = cache / "models--acme--tiny-llama" / "snapshots" / COMMIT
     data_dir = cache / "datasets--acme--words" / "snapshots" / COMMIT / "sub"
-    assert recipe["model_source"] == str(model_dir)
-    assert recipe["tokenizer"]["path"] == str(model_dir)
+    assert recipe["model"]["source"] == str(model_dir)
+    assert recipe["model"]["tokenizer"]["path"] == str(model_dir)
     assert recipe["dataset"]["source"] == str(data_dir / "train.jsonl")
     assert recipe["dataset"]["validation"]["source"] == str(data_dir / "validation.jsonl")
     assert recipe["hub_sources"] == {
@@ -273,7 +273,7 @@ def test_estimate_leaves_an_uncached_model_on_the_hub(
     source = "hf://acme/not-downloaded"
     cfg = compose_train([f"model.source={source}", f"runtime.cache_dir={tmp_path}"])
     recipe = resolve_recipe(cfg, tmp_path, fetch=False)
-    assert recipe["model_source"] == source and recipe["hub_sources"] == {}
+    assert recipe.model.source == source and recipe["hub_sources"] == {}
     assert list(tmp_path.iterdir()) == []
 
 

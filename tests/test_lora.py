@@ -117,7 +117,8 @@ def recipe_model(run: Path) -> torch.nn.Module:
 def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path) -> None:
     # The base: a Hugging Face checkpoint of model=tiny, written by transformers.
     source = tmp_path / "hf_tiny"
-    hf_config = resolve_recipe(compose_train(["compute=cpu"]), tmp_path)["hf_config"]
+    recipe = resolve_recipe(compose_train(["compute=cpu"]), tmp_path)
+    hf_config = OmegaConf.to_container(recipe.model.hf_config)
     torch.manual_seed(1)
     LlamaForCausalLM(LlamaConfig(**hf_config)).save_pretrained(source)
     run = tmp_path / "run"

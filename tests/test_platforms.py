@@ -67,10 +67,10 @@ def world(env: dict[str, str], monkeypatch, tmp_path: Path, *overrides: str) -> 
     recipe = resolve_recipe(cfg, tmp_path)
     run_dir = platforms.run_dir(None, "outputs/day/time", _root_=cfg)
     return {
-        "world": recipe["nnodes"] * recipe["nproc_per_node"],
-        "nnodes": recipe["nnodes"],
-        "nproc_per_node": recipe["nproc_per_node"],
-        "rdzv_endpoint": recipe["launch"]["rdzv_endpoint"],
+        "world": recipe.compute.nnodes * recipe.compute.nproc_per_node,
+        "nnodes": recipe.compute.nnodes,
+        "nproc_per_node": recipe.compute.nproc_per_node,
+        "rdzv_endpoint": recipe.compute.rdzv_endpoint,
         "run_dir": run_dir,
         "node_rank": cfg.compute.node_rank,
     }
@@ -129,8 +129,8 @@ def test_torchrun_variables_give_the_rendezvous(monkeypatch, tmp_path: Path) -> 
         monkeypatch.setenv(name, value)
     cfg = compose_train(["compute=multi_node"])
     recipe = resolve_recipe(cfg, tmp_path)
-    assert (recipe["nnodes"], cfg.compute.node_rank) == (4, 3)
-    assert recipe["launch"]["rdzv_endpoint"] == "10.0.0.9:23456"
+    assert (recipe.compute.nnodes, cfg.compute.node_rank) == (4, 3)
+    assert recipe.compute.rdzv_endpoint == "10.0.0.9:23456"
     # torchrun's variables name no job, so four nodes need an explicit shared run directory.
     with pytest.raises(UserError) as err:
         platforms.run_dir(None, "outputs/day/time", _root_=cfg)

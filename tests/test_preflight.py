@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from runner.components import instantiate
 from runner.preflight import estimate
@@ -32,7 +31,7 @@ def test_validate_reports_missing_data(runner_cli, tmp_path) -> None:
 def test_estimate_counts_parameters_and_optimizer_memory(tmp_path: Path) -> None:
     recipe = resolve_recipe(compose_train(["compute=cpu", "dtype=fp32", "batch_size=32"]), tmp_path)
     found = estimate(recipe)
-    model = instantiate(OmegaConf.create(recipe["model"]))
+    model = instantiate(recipe.model.builder)
     params = list(model.parameters())
     assert found.parameters == sum(p.numel() for p in params)
     optimizer = torch.optim.AdamW(params)

@@ -79,3 +79,15 @@ def test_deploy_config_is_typed_too(override: str, message: str) -> None:
     with pytest.raises(UserError) as caught:
         typed(cfg, Deploy)
     assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_a_recipe_of_another_layout_is_refused_by_name(tmp_path) -> None:
+    """recipe.yaml is read typed: one written before the layout changed (no version) is one
+    UserError naming the file, not a KeyError deep in a training process."""
+    from runner.schema import read_recipe
+
+    old = tmp_path / "recipe.yaml"
+    old.write_text("run_dir: /x\ndevice: cpu\ndtype: fp32\ntraining:\n  max_steps: 4\n")
+    with pytest.raises(UserError) as caught:
+        read_recipe(old)
+    assert str(caught.value).startswith(f"{old}='version 1': was written by another runner")

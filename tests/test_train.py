@@ -66,7 +66,7 @@ def test_run_directory_holds_the_contract(trained_run: Path) -> None:
         assert status[key]
     assert sorted(losses(trained_run)) == list(range(1, 25))
     recipe = OmegaConf.load(trained_run / "recipe.yaml")
-    assert recipe.device == "cpu" and recipe.dtype == "fp32"
+    assert recipe.compute.device == "cpu" and recipe.dtype.name == "fp32"
 
 
 def test_retention_keeps_the_last_whole_checkpoints(trained_run: Path) -> None:
@@ -94,7 +94,7 @@ def test_last_lines_say_where_things_are_and_what_next(trained_run: Path) -> Non
 def test_transformers_loads_the_checkpoint_with_equal_logits(trained_run: Path) -> None:
     checkpoint = trained_run / "checkpoints" / "step_24"
     recipe = OmegaConf.load(trained_run / "recipe.yaml")
-    ours = instantiate(recipe.model)
+    ours = instantiate(recipe.model.builder)
     ours.load_state_dict(read_model_state(checkpoint))
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint, use_safetensors=True)
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
