@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from runner.errors import UserError
 from runner.paths import CONF_DIR
+from runner.schema import Cluster, typed
 
 USAGE = """usage: runner cluster [train overrides] [cluster.KEY=VALUE ...]
 
@@ -131,13 +132,12 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
     """{"slurm": script, "kubeflow": manifest}, as cluster.print selects."""
     cluster_overrides = [o[len("cluster.") :] for o in overrides if o.startswith("cluster.")]
     train_overrides = [o for o in overrides if not o.startswith("cluster.")]
-    cluster = _compose("cluster", cluster_overrides)
+    cluster = typed(_compose("cluster", cluster_overrides), Cluster, "cluster.")
     if cluster.print not in ("both", "slurm", "kubeflow"):
         raise UserError("cluster.print", cluster.print, "choose both, slurm or kubeflow")
-    if isinstance(cluster.nodes, bool) or not isinstance(cluster.nodes, int) or cluster.nodes < 1:
-        raise UserError("cluster.nodes", cluster.nodes, "give the number of nodes, >= 1")
-    # Composing checks every train override (keys, options) before anything is written.
-    composed = _compose("train", _on_multi_node(train_overrides))
+    # Composing and typing check every train override (keys, options, types, bounds) before
+    # anything is written.
+    composed = typed(_compose("train", _on_multi_node(train_overrides)))
     explicit = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in train_overrides if "=" in o}
     if "compute.nnodes" in explicit and composed.compute.nnodes != cluster.nodes:
         raise UserError(

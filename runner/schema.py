@@ -1,5 +1,6 @@
-"""The typed schemas of the composed configs: `runner train`'s (a dataclass per config group)
-and `runner deploy`'s.
+"""The typed schemas of the composed configs: `runner train`'s (a dataclass per config group),
+`runner deploy`'s, `runner export`'s and `runner cluster`'s, and of the recipe `runner train`
+resolves.
 
 `typed(cfg)` merges the composed config into the schema, so a wrong type or an unknown key
 fails before anything runs, with the key named; then every bounded field is checked against
@@ -228,6 +229,58 @@ class Deploy:
 
 
 @dataclass
+class MergedExport:
+    dtype: str = "fp32"
+
+
+@dataclass
+class GgufExport:
+    quantization: str = "f16"
+
+
+@dataclass
+class Export:
+    """`runner export`: which checkpoint, in which format, where."""
+
+    checkpoint: str = MISSING
+    select: Select = field(default_factory=Select)
+    format: str = "merged"
+    merged: MergedExport = field(default_factory=MergedExport)
+    gguf: GgufExport = field(default_factory=GgufExport)
+    base: Optional[str] = None
+    out: Optional[str] = None
+
+
+@dataclass
+class Slurm:
+    partition: Optional[str] = None
+    time: str = "24:00:00"
+    cpus_per_task: int = integer(16, 1)
+    signal_before_end_s: int = integer(120, 0)
+    setup: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Kubeflow:
+    namespace: str = "default"
+    runtime: str = "torch-distributed"
+    image: Optional[str] = None
+
+
+@dataclass
+class Cluster:
+    """`runner cluster`: the job files for a multi-node run (its `cluster.` keys)."""
+
+    print: str = "both"
+    name: str = "runner-train"
+    nodes: int = integer(2, 1)
+    gpus_per_node: int = integer(8, 1)
+    shared_dir: str = "/shared/runs"
+    slurm: Slurm = field(default_factory=Slurm)
+    kubeflow: Kubeflow = field(default_factory=Kubeflow)
+
+
+@dataclass
 class OptimizerKeys:
     """The keys every optimizer option sets (its others are its component's arguments)."""
 
@@ -387,17 +440,34 @@ def write_recipe(path: Path, resolved: DictConfig) -> None:
 def typed(cfg: DictConfig, schema: type = Train, prefix: str = "") -> DictConfig:
     """`cfg` merged into `schema` (the composed `train` config into Train), every bounded field
     checked; `prefix` is where `cfg` sits in the whole config, for the messages."""
+    _check_sections(schema, cfg, prefix)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
     except ConfigKeyError as err:
-        key = f"{prefix}{err.full_key}"
-        raise UserError(key, "", "no such key; `--cfg job` prints every key") from None
+        given = OmegaConf.select(cfg, str(err.full_key), default="", throw_on_missing=False)
+        raise UserError(
+            f"{prefix}{err.full_key}", given, "no such key; `--cfg job` prints every key"
+        ) from None
     except ValidationError as err:
         key = str(err.full_key)
         given = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         raise UserError(f"{prefix}{key}", given, _fix(_field_of(schema, key))) from None
     _check_bounds(schema, merged, cfg, prefix)
     return merged
+
+
+def _check_sections(schema: type, given: DictConfig, prefix: str) -> None:
+    """Each section of `schema` given as a section (`merged=3` would fail the merge with no key
+    named)."""
+    for spec in dataclasses.fields(schema):
+        section = _section(spec.type)
+        if section is None or spec.name not in given:
+            continue
+        value = OmegaConf.select(given, spec.name, throw_on_missing=False)
+        key = f"{prefix}{spec.name}"
+        if not isinstance(value, DictConfig):
+            raise UserError(key, value, f"is a section: set its keys, e.g. {key}.KEY=VALUE")
+        _check_sections(section, value, f"{key}.")
 
 
 def _field_of(schema: Any, key: str) -> Optional[dataclasses.Field]:

@@ -320,6 +320,10 @@ def test_the_slurm_line_reads_its_node_from_slurm(runner_cli) -> None:
         (["cluster.print=kubeflow"], "cluster.kubeflow.image"),
         (["cluster.name=Bad_Name", "cluster.kubeflow.image=i"], "cluster.name"),
         (["cluster.print=pdf"], "cluster.print"),
+        # Typed by runner.schema.Cluster and Train before any file is printed.
+        (["cluster.nodes=0"], "cluster.nodes"),
+        (["cluster.slurm.cpus_per_task=many"], "cluster.slurm.cpus_per_task"),
+        (["batch_size=abc"], "batch_size"),
     ],
 )
 def test_cluster_refuses_what_cannot_run(args: list[str], key: str) -> None:

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from runner.errors import UserError
 from runner.paths import CONF_DIR
-from runner.schema import Deploy, Train, typed
+from runner.schema import Deploy, Export, Train, typed
 from tests.test_config import compose_train
 
 
@@ -91,3 +91,19 @@ def test_a_recipe_of_another_layout_is_refused_by_name(tmp_path) -> None:
     with pytest.raises(UserError) as caught:
         read_recipe(old)
     assert str(caught.value).startswith(f"{old}='version 1': was written by another runner")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("select.checkpoint=[1,2]", "select.checkpoint=[1, 2]: give a value of type"),
+        ("merged=3", "merged=3: is a section: set its keys, e.g. merged.KEY=VALUE"),
+        ("+colour=red", "colour='red': no such key"),
+    ],
+)
+def test_export_config_is_typed_too(override: str, message: str) -> None:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("export", overrides=["checkpoint=unused", override])
+    with pytest.raises(UserError) as caught:
+        typed(cfg, Export)
+    assert str(caught.value).startswith(message), str(caught.value)

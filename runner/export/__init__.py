@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.paths import CONF_DIR
+from runner.schema import Export, typed
 
 # Options that belong to one format, by the bare name a user may try first. (`dtype=` alone
 # would select `runner train`'s dtype group.)
@@ -30,6 +31,7 @@ def main(cfg: DictConfig) -> None:
 
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its per-file chatter names temp files
     with user_errors_pass_hydra():
+        cfg = typed(cfg, Export)
         if OmegaConf.is_missing(cfg, "checkpoint"):
             raise UserError(
                 "checkpoint", "???", "say what to export: checkpoint=<checkpoint | run | sweep dir>"
