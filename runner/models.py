@@ -29,6 +29,7 @@ from runner.families import (
     hf_to_tune,
     read_config,
 )
+from runner.rundir import check_safetensors
 from runner.tokenizer import CHAT_FORMATS, ChatTokenizer, read_chat_template, template_mismatch
 
 
@@ -63,6 +64,7 @@ def _check_weights(source: Path, builder: dict[str, Any]) -> None:
     and shape for shape (read from the safetensors headers: nothing is loaded)."""
     shapes = {}
     for path in weight_files(source):
+        check_safetensors(path, key="model.source")
         with safe_open(str(path), "pt") as weights:
             shapes.update({name: weights.get_slice(name).get_shape() for name in weights.keys()})  # noqa: SIM118
     with torch.device("meta"):

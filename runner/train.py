@@ -70,8 +70,8 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
     if cfg.resume is not None:
         check_resume(cfg.resume, overrides)
-        status, latest = run.status(), run.checkpoints()
-        if status.state == "completed" and latest and latest[-1][0] == status.step:
+        status, latest = run.status(), run.latest_checkpoint()
+        if status.state == "completed" and latest == run.checkpoint_path(status.step):
             # Its final checkpoint is there (were it deleted, the run would train it again).
             print(f"{run.path} completed at step {status.step}: nothing to train", flush=True)
             _print_summary(run)

@@ -206,11 +206,6 @@ def test_deploy_names_a_weights_file_cut_short(runner_cli, tiny_source, tmp_path
     assert error.endswith("download, copy or save it again")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runner/models.py reads the source's headers with safe_open before any check: it "
-    "needs check_safetensors(path, key='model.source') in _check_weights",
-)
 def test_train_names_a_source_weights_file_cut_short(runner_cli, tiny_source, tmp_path) -> None:
     weights = damaged_copy(tiny_source, tmp_path / "damaged")
     out_root = tmp_path / "outputs"
