@@ -9,6 +9,7 @@ the error. recipes/full_finetune.py and lora_finetune.py run through it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner import determinism
+from runner.launch import LAUNCHER_PID_ENV
 from runner.manifest import record_kernels
 from runner.rundir import LOG_FILE, Heartbeat
 from runner.schema import read_recipe
@@ -99,6 +101,7 @@ def run(recipe_path: str | Path, recipe_class: type) -> dict[str, Any]:
         record_kernels(recipe.run, determinism.kernel_settings())
     try:
         with _stop_signals():
+            _stop_with_launcher()
             recipe.setup()
             result = recipe.train()
         if recipe.stopped_by is None:
@@ -148,6 +151,30 @@ def _stop_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _stop_with_launcher() -> None:
+    """A worker of the elastic agent stops, as on SIGTERM, when its launcher dies (kill -9
+    included), instead of training on unseen, with nothing to report its end or keep a second
+    trainer out (runner.rundir.run_lock dies with the launcher).
+
+    The agent runs inside the launcher's process and starts the workers from its main thread,
+    which lives as long as the launcher: so the launcher is the parent whose death
+    PR_SET_PDEATHSIG reports. A launcher gone before the signal was asked for has left this
+    process to another parent, which the check after it sees.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("no parent-death signal (prctl: %s)", os.strerror(ctypes.get_errno()))
+    if os.getppid() != int(launcher):
+        STOP.request(signal.SIGTERM)
+
+
+# From <linux/prctl.h>.
+_PR_SET_PDEATHSIG = 1
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:

@@ -26,6 +26,9 @@ from omegaconf import DictConfig
 from runner import determinism, platforms
 from runner.rundir import RunDir
 
+# Tells a worker its launcher's process id, so that it stops when the launcher dies
+# (recipes/process.py).
+LAUNCHER_PID_ENV = "RUNNER_LAUNCHER_PID"
 # The exit status of a run stopped by SIGTERM after saving (128 + SIGTERM), as shells report it.
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
@@ -51,7 +54,8 @@ def launch(recipe: DictConfig, recipe_path: Path) -> dict[str, Any] | None:
     )
     if nnodes * nproc_per_node == 1 and compute.max_restarts == 0 and not deterministic:
         return importlib.import_module(recipe.method.recipe).run(recipe_path)
-    with _environment(determinism.pinned_environment() if deterministic else {}):
+    pinned = determinism.pinned_environment() if deterministic else {}
+    with _environment({**pinned, LAUNCHER_PID_ENV: str(os.getpid())}):
         _elastic_launch(recipe, recipe_path)
     return None
 

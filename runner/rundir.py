@@ -8,7 +8,10 @@ which run of a sweep is the best) is written once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import logging
 import math
@@ -20,6 +23,7 @@ import threading
 import time
 import typing
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,6 +37,8 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 RECIPE_FILE = "recipe.yaml"
 HEARTBEAT_FILE = "heartbeat"
 LOG_FILE = "train.log"
+# Held (flock) by the process that trains the run, for as long as it runs; see run_lock.
+LOCK_FILE = ".lock"
 # A live run touches its heartbeat every HEARTBEAT_EVERY_S; older than HEARTBEAT_STALE_S is dead.
 HEARTBEAT_EVERY_S = 10.0
 HEARTBEAT_STALE_S = 120.0
@@ -554,3 +560,40 @@ def _remove_tree(path: Path) -> None:
     doomed = path.with_name(f".deleting-{path.name}")
     os.replace(path, doomed)
     shutil.rmtree(doomed)
+
+
+class RunLocked(UserError):
+    """Another process trains this run directory (it holds the run's lock)."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, *, key: str) -> Iterator[None]:
+    """Keeps a second trainer out of `run_dir` while this process trains it: a UserError under
+    config key `key`, naming the process that holds the lock, if another already does.
+
+    flock ends with the process that took it, kill -9 included, so a dead trainer never leaves
+    the run locked. A file system without flock (some shared ones) runs unlocked, with a warning.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise RunLocked(
+                key,
+                str(run_dir),
+                f"the run is being trained by process {holder} (it holds {path}); wait for it "
+                f"to end, or `runner stop {run_dir}` and then resume it",
+            ) from None
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            log.warning("%s: no lock on this file system (%s); train it from one place", path, err)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ from runner.manifest import build_manifest, write_manifest
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 from runner.resolvers import check_resume
-from runner.rundir import STATES, RunDir
+from runner.rundir import STATES, RunDir, RunLocked, run_lock
 from runner.schema import read_recipe, write_recipe
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,11 @@ def train(
     run = RunDir(run_dir)
     new_here = not run.recipe_path.exists() and not run.checkpoints()
     try:
-        return _train(cfg, run, overrides)
-    except UserError:
+        with _trainer_lock(cfg, run):
+            return _train(cfg, run, overrides)
+    except UserError as err:
+        if isinstance(err, RunLocked):
+            raise  # the directory is another trainer's
         if new_here and cfg.resume is None and not keep_failed and not run.checkpoints():
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
@@ -65,6 +69,19 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
         return math.nan
     scored = run.objective_value(cfg.objective.metric)
     return float(scored[0]) if scored else math.nan
+
+
+def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextManager[None]:
+    """The run directory's lock (runner.rundir.run_lock) for the time this process trains it.
+
+    Only a single-node run takes it: every node's launcher of a multi-node run trains the same
+    shared directory, and the c10d rendezvous, not a rank known here, tells the nodes apart.
+    """
+    resumed = cfg.resume is not None and run.recipe_path.is_file()
+    nnodes = read_recipe(run.recipe_path).compute.nnodes if resumed else cfg.compute.nnodes
+    if str(nnodes) != "1":
+        return contextlib.nullcontext()
+    return run_lock(run.path, key="hydra.run.dir" if cfg.resume is None else "resume")
 
 
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
