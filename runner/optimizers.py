@@ -32,30 +32,50 @@ def state_per_weight(node: dict[str, Any]) -> int:
     """How many weight-sized tensors the optimizer keeps per trained weight (AdamW: 2, SGD with
     momentum: 1), found by building it on a probe parameter and stepping once.
 
-    A UserError naming the option's keys when the component refuses its arguments.
+    A UserError naming the argument the component refuses (or all of them, when it refuses
+    only their combination).
     """
     arguments = {k: v for k, v in node.items() if k != "_component_"}
     component = resolve_component(node["_component_"], "optimizer._component_")
-    probe = torch.nn.Parameter(torch.zeros(_PROBE_WEIGHTS))
     # The probe runs on the CPU, where fused kernels may not exist; the run's device has them.
     arguments.pop("fused", None)
     try:
-        optimizer = component([probe], **arguments)
-        probe.grad = torch.ones(_PROBE_WEIGHTS)
-        optimizer.step()
+        optimizer, probe = _step_once(component, arguments)
     except TypeError as err:
+        key, value = _culprit(component, arguments)
         raise UserError(
-            "optimizer",
-            arguments,
+            key,
+            value,
             f"{node['_component_']} does not take these arguments ({err}); drop or rename the "
             "key in the optimizer option",
         ) from None
     except (ValueError, IndexError, RuntimeError) as err:
+        key, value = _culprit(component, arguments)
         raise UserError(
-            "optimizer",
-            arguments,
+            key,
+            value,
             f"{node['_component_']} refuses them: {err}; give values it takes (see its "
             "documentation)",
         ) from None
     state = optimizer.state[probe].values()
     return sum(torch.is_tensor(t) and t.shape == probe.shape for t in state)
+
+
+def _step_once(component: Any, arguments: dict[str, Any]) -> tuple[Any, torch.nn.Parameter]:
+    """The optimizer built on a probe weight and stepped once, and the probe."""
+    probe = torch.nn.Parameter(torch.zeros(_PROBE_WEIGHTS))
+    optimizer = component([probe], **arguments)
+    probe.grad = torch.ones(_PROBE_WEIGHTS)
+    optimizer.step()
+    return optimizer, probe
+
+
+def _culprit(component: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
+    """The key and value of the one argument the component refuses on its own
+    (`optimizer.betas`, [0.9]); `optimizer` and all of them when none does alone."""
+    for name, value in arguments.items():
+        try:
+            _step_once(component, {"lr": arguments.get("lr", 1e-3), name: value})
+        except (TypeError, ValueError, IndexError, RuntimeError):
+            return f"optimizer.{name}", value
+    return "optimizer", arguments
