@@ -30,7 +30,7 @@ from runner.families import (
     read_config,
 )
 from runner.rundir import check_safetensors
-from runner.tokenizer import CHAT_FORMATS, ChatTokenizer, read_chat_template, template_mismatch
+from runner.tokenizer import ChatTokenizer
 
 
 def _model_source(value: str | None) -> Path | None:
@@ -93,11 +93,6 @@ def _check_weights(source: Path, builder: dict[str, Any]) -> None:
         )
 
 
-def _default_chat_format(family: Family, tokenizer_dir: Path) -> str | None:
-    """None (the tokenizer's chat template says) unless the tokenizer has none: the family's."""
-    return None if read_chat_template(tokenizer_dir) else family.chat_format
-
-
 def _source_config(config: dict[str, Any]) -> dict[str, Any]:
     """The source's config.json as checkpoints write it: weights are saved in fp32."""
     dtype_key = "dtype" if "dtype" in config else "torch_dtype"
@@ -143,7 +138,7 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
         if need_files:
             raise UserError("model.tokenizer", None, "give a tokenizer directory or model.source")
         return resolved
-    tokenizer = _checked_tokenizer(model, family, builder, Path(tokenizer_dir), source)
+    tokenizer = _checked_tokenizer(model, builder, Path(tokenizer_dir))
     resolved["hf_config"] = (
         _source_config(raw_config)
         if raw_config
@@ -159,7 +154,7 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
         "_component_": "runner.tokenizer.ChatTokenizer",
         "path": str(Path(tokenizer_dir).resolve()),
         "max_seq_len": builder["max_seq_len"],
-        "chat_format": tokenizer.chat_format,
+        "chat_template": tokenizer.chat_template_file,
         # Recorded, so every process and a later `runner repro` render the same date.
         "date_string": tokenizer.date_string,
     }
@@ -191,25 +186,28 @@ def _family_and_builder(
     return family, builder
 
 
-def _checked_tokenizer(
-    model: DictConfig,
-    family: Family,
-    builder: dict[str, Any],
-    tokenizer_dir: Path,
-    source: Path | None,
-) -> ChatTokenizer:
-    """The tokenizer, its chat format checked against a source's template, its vocabulary
-    against the builder's."""
-    chat_format = model.chat_template or _default_chat_format(family, tokenizer_dir)
-    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], chat_format)
-    mismatch = template_mismatch(tokenizer, str(tokenizer_dir)) if source else None
-    if mismatch:
+def _chat_template_file(value: str | None) -> str | None:
+    """model.chat_template as an absolute path to a template file (None: the tokenizer's own)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser().resolve()
+    if not path.is_file():
         raise UserError(
             "model.chat_template",
-            tokenizer.chat_format,
-            f"renders chats other than the chat template of {tokenizer_dir} ({mismatch}); "
-            f"name the format it follows, one of: {', '.join(CHAT_FORMATS)}",
+            value,
+            "is not a file; give the path of a Jinja chat template file (for a tokenizer that "
+            "has none), or null to use the tokenizer's own template",
         )
+    return str(path)
+
+
+def _checked_tokenizer(
+    model: DictConfig, builder: dict[str, Any], tokenizer_dir: Path
+) -> ChatTokenizer:
+    """The tokenizer with its chat template (the tokenizer's own unless model.chat_template
+    names a file), its vocabulary checked against the builder's."""
+    template = _chat_template_file(model.chat_template)
+    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], template)
     if tokenizer.vocab_size > builder["vocab_size"]:
         raise UserError(
             "model.builder.vocab_size",

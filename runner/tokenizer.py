@@ -1,18 +1,24 @@
-"""Chat tokenization that gives the ids of the model's own chat template.
+"""Chat tokenization with the checkpoint's own chat template, rendered by transformers.
 
-torchtune's ModelTokenizer protocol over a Hugging Face tokenizer.json (the `tokenizers`
-library). A chat format renders a conversation to the exact text the published Jinja template
-renders (for conversations without tools), and the text is encoded in one piece, as
-`transformers`' apply_chat_template does; so training, evaluation and `runner deploy` see the
-same ids. Each rendered piece carries its mask (True: no loss).
+A conversation is rendered to text by `transformers`' own apply_chat_template (its sandboxed
+Jinja environment, the template's own variables) and the text encoded in one piece without
+added special tokens, exactly as apply_chat_template(tokenize=True) does; so training,
+evaluation and `runner deploy` see the same ids for any published template.
+
+The loss mask is read from the rendering, with no knowledge of the template: each trained
+message's content is located by rendering the conversation again with that content replaced
+(a changed span is the content), and the end-of-turn token that closes it trains too; the
+header before it does not. A template that renders a turn one way when it ends the
+conversation and another way once later turns follow (one that drops `<think>` blocks from
+history, say) cannot be trained turn by turn: it is refused by name.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,141 +27,74 @@ from tokenizers import Tokenizer
 from runner.errors import UserError
 from runner.tune import CROSS_ENTROPY_IGNORE_IDX, Message, truncate
 
-# (text, masked): a run of the rendered conversation and whether it is excluded from the loss.
-Piece = tuple[str, bool]
-QWEN2_5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-# Llama 3.1's template dates its system block so when the caller gives no date; 3.2's uses today.
-LLAMA3_1_DATE = "26 Jul 2024"
-# Tokens that end a generation besides eos_token, where the vocabulary has them: the chat
-# formats' own ends of a turn and the end-of-text tokens.
-EXTRA_STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
+# Tokens that end a generation besides eos_token, where the vocabulary has them: the published
+# templates' ends of a turn (Llama 3, ChatML, Gemma, Phi-3) and the end-of-text tokens.
+EXTRA_STOP_TOKENS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+)
+# Two stand-ins for a message's content that differ in their first and in their last
+# character: whatever the content, one of them differs from it at each end, so the span
+# where a rendering changes is the content's exactly.
+_STAND_INS = ("QqRunnerContentqQ", "ZzRunnerContentzZ")
+# Llama 3.2's template, among others, writes today's date unless given date_string.
+_DATE_FORMAT = "%d %b %Y"
 
 
-def _llama3_headers(messages: list[Message], *, open_last: bool, trim: bool) -> list[Piece]:
-    pieces: list[Piece] = []
-    for i, message in enumerate(messages):
-        pieces.append((f"<|start_header_id|>{message.role}<|end_header_id|>\n\n", True))
-        text = message.text_content.strip() if trim else message.text_content
-        is_open = open_last and i == len(messages) - 1
-        pieces.append((text + ("" if is_open else "<|eot_id|>"), message.masked))
-    return pieces
-
-
-def _llama3(
-    messages: list[Message], *, open_last: bool, add_generation_prompt: bool, **_: Any
-) -> list[Piece]:
-    """Llama 3's headers, as the tiny model's template (and Llama 3.0's) renders them."""
-    pieces = _llama3_headers(messages, open_last=open_last, trim=False)
-    if add_generation_prompt:
-        pieces.append(("<|start_header_id|>assistant<|end_header_id|>\n\n", True))
-    return pieces
-
-
-def _llama3_dated(
-    messages: list[Message], *, open_last: bool, add_generation_prompt: bool, date_string: str
-) -> list[Piece]:
-    """Llama 3.1 / 3.2: a system block always, with the knowledge cutoff and today's date."""
-    system, masked = "", True
-    if messages and messages[0].role == "system":
-        system, masked = messages[0].text_content.strip(), messages[0].masked
-        messages = messages[1:]
-    preamble = (
-        "<|start_header_id|>system<|end_header_id|>\n\n"
-        f"Cutting Knowledge Date: December 2023\nToday Date: {date_string}\n\n"
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """A conversation as text, rendered by transformers' apply_chat_template (`tokenizer` is a
+    transformers tokenizer); encoded without added special tokens it gives the model's ids."""
+    return tokenizer.apply_chat_template(
+        list(messages),
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **template_kwargs,
     )
-    pieces: list[Piece] = [(preamble, True), (system + "<|eot_id|>", masked)]
-    pieces += _llama3_headers(messages, open_last=open_last, trim=True)
-    if add_generation_prompt:
-        pieces.append(("<|start_header_id|>assistant<|end_header_id|>\n\n", True))
-    return pieces
 
 
-def _chatml(
-    messages: list[Message], *, open_last: bool, add_generation_prompt: bool, **_: Any
-) -> list[Piece]:
-    """Qwen2.5's ChatML, with its default system prompt when the conversation has none."""
-    pieces: list[Piece] = []
-    if not messages or messages[0].role != "system":
-        pieces.append((f"<|im_start|>system\n{QWEN2_5_SYSTEM_PROMPT}<|im_end|>\n", True))
-    for i, message in enumerate(messages):
-        pieces.append((f"<|im_start|>{message.role}\n", True))
-        if open_last and i == len(messages) - 1:
-            pieces.append((message.text_content, message.masked))
+def load_hf_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer of a directory (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    low, high = 0, n  # the longest common prefix is in [low, high]
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
         else:
-            # The newline after <|im_end|> is never generated: it belongs to the next prompt.
-            pieces += [(message.text_content + "<|im_end|>", message.masked), ("\n", True)]
-    if add_generation_prompt:
-        pieces.append(("<|im_start|>assistant\n", True))
-    return pieces
+            high = mid - 1
+    return low
 
 
-def _mistral(
-    messages: list[Message], *, open_last: bool, add_generation_prompt: bool, **_: Any
-) -> list[Piece]:
-    """Mistral v0.3's [INST] format; as its template does, a system message joins the
-    conversation's last message only when that is the user's (a generation prompt)."""
-    system = None
-    if messages and messages[0].role == "system":
-        system, messages = messages[0].text_content, messages[1:]
-    pieces: list[Piece] = []
-    for i, message in enumerate(messages):
-        last = i == len(messages) - 1
-        if message.role == "user":
-            text = message.text_content
-            if last and system is not None:
-                text = f"{system}\n\n{text}"
-            pieces += [("[INST]", True), (" " + text, message.masked), ("[/INST]", True)]
-        elif message.role == "assistant":
-            end = "" if open_last and last else "</s>"
-            pieces.append((" " + message.text_content.strip() + end, message.masked))
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    low, high = 0, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[len(a) - mid :] == b[len(b) - mid :]:
+            low = mid
         else:
-            raise ValueError(f"Mistral's chat format has no role {message.role!r}")
-    return pieces
-
-
-# chat format name -> renderer. Names are what model.chat_template takes.
-CHAT_FORMATS: dict[str, Callable[..., list[Piece]]] = {
-    "llama3": _llama3,
-    "llama3_1": _llama3_dated,
-    "llama3_2": _llama3_dated,
-    "qwen2_5": _chatml,
-    "mistral": _mistral,
-}
-
-
-def read_chat_template(path: Path) -> str | None:
-    """The Jinja chat template of a tokenizer directory (tokenizer_config.json or its own file)."""
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: the default one
-        template = next((t["template"] for t in template if t["name"] == "default"), None)
-    return template
-
-
-def detect_chat_format(template: str | None) -> str | None:
-    """Which of CHAT_FORMATS a published chat template is, by the markers only it has."""
-    if not template:
-        return None
-    if "<|im_start|>" in template and QWEN2_5_SYSTEM_PROMPT in template:
-        return "qwen2_5"
-    if "<|start_header_id|>" in template:
-        if "Cutting Knowledge Date" not in template:
-            return "llama3"
-        return "llama3_2" if "strftime_now" in template else "llama3_1"
-    if "[INST]" in template:
-        return "mistral"
-    return None
-
-
-def default_date_string(chat_format: str) -> str | None:
-    """The date a dated format renders when the caller gives none, as the template does."""
-    if chat_format == "llama3_2":
-        return time.strftime("%d %b %Y")
-    if chat_format == "llama3_1":
-        return LLAMA3_1_DATE
-    return None
+            high = mid - 1
+    return low
 
 
 def _token_text(value: Any) -> str | None:
@@ -163,42 +102,56 @@ def _token_text(value: Any) -> str | None:
 
 
 class ChatTokenizer:
-    """A model's tokenizer.json and chat format, as torchtune's model transform."""
+    """A model's tokenizer and chat template, as torchtune's model transform.
+
+    chat_template: a Jinja template file, for a tokenizer that has none (None: the tokenizer's
+    own, from tokenizer_config.json or chat_template.jinja). date_string: the date the template
+    writes where it reads the clock (pinned, so every process and a repro render the same).
+    """
 
     def __init__(
         self,
         path: str,
         max_seq_len: int | None = None,
-        chat_format: str | None = None,
+        chat_template: str | None = None,
         date_string: str | None = None,
     ) -> None:
         directory = Path(path)
-        self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        # Offsets into the text, untrimmed: masks are read from them.
+        self._hf = load_hf_tokenizer(directory)
+        # A copy of its Rust tokenizer without the post-processor: offsets into the text as it
+        # is (untrimmed), and no special tokens added; the ids are the transformers tokenizer's.
+        self._tokenizer = Tokenizer.from_str(self._hf.backend_tokenizer.to_str())
         self._tokenizer.post_processor = None
-        config = json.loads((directory / "tokenizer_config.json").read_text())
         self.special_tokens = {
             token.content: token_id
             for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
         }
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.bos_id = self.special_tokens[self.bos_token] if self.bos_token else None
-        self.eos_id = self.special_tokens[_token_text(config["eos_token"])]
-        pad = _token_text(config.get("pad_token"))
-        self.pad_id = self.special_tokens[pad] if pad else self.eos_id
+        self.bos_token = _token_text(self._hf.bos_token)
+        self.bos_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self._tokenizer.token_to_id(_token_text(self._hf.eos_token))
+        pad = _token_text(self._hf.pad_token)
+        self.pad_id = self._tokenizer.token_to_id(pad) if pad else self.eos_id
         extra = [self.special_tokens[t] for t in EXTRA_STOP_TOKENS if t in self.special_tokens]
         self.stop_tokens = [self.eos_id] + [t for t in extra if t != self.eos_id]
-        self.chat_format = chat_format or detect_chat_format(read_chat_template(directory))
-        if self.chat_format not in CHAT_FORMATS:
-            raise UserError(
-                "model.chat_template",
-                self.chat_format,
-                f"the tokenizer in {directory} has no chat template runner knows; "
-                f"name one of: {', '.join(CHAT_FORMATS)}",
-            )
-        self._render = CHAT_FORMATS[self.chat_format]
-        self.date_string = date_string or default_date_string(self.chat_format)
+        ends = {self._tokenizer.id_to_token(t) for t in self.stop_tokens}
+        self._end_of_turn = re.compile(
+            r"\s*(?:" + "|".join(re.escape(t) for t in sorted(ends, key=len, reverse=True)) + ")"
+        )
+        self.chat_template_file = chat_template
+        self.template_name = chat_template or f"the chat template of {directory}"
+        self.template = self._template(directory, chat_template)
+        if date_string is None and self.template and "strftime_now" in self.template:
+            date_string = time.strftime(_DATE_FORMAT)
+        self.date_string = date_string
         self.max_seq_len = max_seq_len
+
+    def _template(self, directory: Path, chat_template: str | None) -> str | None:
+        if chat_template is not None:
+            return Path(chat_template).read_text()
+        template = self._hf.chat_template
+        if isinstance(template, dict):  # named templates: the default one
+            template = template.get("default")
+        return template or None
 
     @property
     def vocab_size(self) -> int:
@@ -212,39 +165,132 @@ class ChatTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def _encode_pieces(self, pieces: list[Piece]) -> tuple[list[int], list[bool]]:
-        """Encodes the pieces as one text; a token takes the mask of the piece it starts in."""
-        prefix = [(self.bos_token, True)] if self.bos_token else []
-        pieces = prefix + pieces
-        starts, position = [], 0
-        for text, _ in pieces:
-            starts.append(position)
-            position += len(text)
-        encoding = self._tokenizer.encode("".join(t for t, _ in pieces), add_special_tokens=False)
-        masks = [pieces[bisect.bisect_right(starts, start) - 1][1] for start, _ in encoding.offsets]
-        return encoding.ids, masks
+    def require_chat_template(self) -> None:
+        """A UserError unless there is a chat template to render conversations with."""
+        if self.template is None:
+            raise UserError(
+                "model.chat_template",
+                None,
+                f"{self.template_name} is missing: chat and instruct data are rendered with the "
+                "tokenizer's chat template and this tokenizer has none; give "
+                "model.chat_template=<a Jinja chat template file>, or train on dataset=text",
+            )
 
-    def _pieces(self, messages: list[Message], open_last: bool, generation: bool) -> list[Piece]:
-        return self._render(
-            messages,
-            open_last=open_last,
-            add_generation_prompt=generation,
-            date_string=self.date_string,
-        )
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The conversation as the chat template renders it (render_chat, with our settings)."""
+        self.require_chat_template()
+        dicts = [{"role": m.role, "content": m.text_content} for m in messages]
+        kwargs = {"date_string": self.date_string} if self.date_string else {}
+        try:
+            return render_chat(
+                self._hf,
+                dicts,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=self.template,
+                **kwargs,
+            )
+        except Exception as err:  # noqa: BLE001 - the template's raise_exception, Jinja errors
+            raise UserError(
+                "model.chat_template",
+                self.template_name,
+                f"the template refused a conversation of roles "
+                f"{[m.role for m in messages]} ({type(err).__name__}: {err}); give data it "
+                "accepts, or model.chat_template=<a Jinja chat template file>",
+            ) from err
+
+    def _encode(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+        """Ids of `text`; a token trains (mask False) where it covers a character of a span."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        offsets = encoding.offsets
+        mask = [True] * len(offsets)
+        ends = [end for _, end in offsets]
+        for span_start, span_end in spans:
+            # The first token ending after the span starts, on while tokens start before its end.
+            index = bisect.bisect_right(ends, span_start)
+            while index < len(offsets) and offsets[index][0] < span_end:
+                mask[index] = False
+                index += 1
+        return encoding.ids, mask
+
+    def _content_span(
+        self, messages: list[Message], index: int, text: str, open_last: bool
+    ) -> tuple[int, int]:
+        """Where message `index`'s content lies in `text`, the whole conversation rendered
+        (its last message left open if `open_last`).
+
+        The conversation is rendered with a stand-in for the content: the text before and after
+        the change is the template's. Where the content starts (or ends) with the stand-in's
+        own character the change looks shorter; the second stand-in settles that.
+        """
+        start, end = len(text), 0
+        for stand_in in _STAND_INS:
+            changed = list(messages)
+            changed[index] = Message(role=messages[index].role, content=stand_in)
+            other = self.render(changed, continue_final_message=open_last)
+            prefix = _common_prefix(text, other)
+            suffix = _common_suffix(text, other, min(len(text), len(other)) - prefix)
+            start, end = min(start, prefix), max(end, len(text) - suffix)
+            if other[prefix:].startswith(stand_in) and other[: len(other) - suffix].endswith(
+                stand_in
+            ):
+                break  # the change is the stand-in itself: its ends are the content's
+        return start, max(start, end)
+
+    def _check_history(self, messages: list[Message], index: int, text: str) -> None:
+        """A UserError unless the conversation up to turn `index` renders as the start of the
+        whole one: what the model saw when it wrote that turn is what it trains on."""
+        if not text.startswith(self.render(messages[: index + 1])):
+            raise UserError(
+                "model.chat_template",
+                self.template_name,
+                f"the template rewrites earlier turns: it renders {messages[index].role} turn "
+                f"{index + 1} one way when it ends the conversation and another once later turns "
+                "follow (it drops or changes history, e.g. <think> blocks), so a multi-turn "
+                "conversation cannot be trained turn by turn; give single-turn data, or "
+                "model.chat_template=<a template file that keeps history as it is>",
+            )
+
+    def _trained_spans(
+        self, messages: list[Message], text: str, open_last: bool
+    ) -> list[tuple[int, int]]:
+        """The character spans of `text` that train: each unmasked message's content, and the
+        end-of-turn token right after it (not for a message left open)."""
+        spans = []
+        last = len(messages) - 1
+        for index, message in enumerate(messages):
+            if message.masked:
+                continue
+            if index < last:
+                self._check_history(messages, index, text)
+            start, end = self._content_span(messages, index, text, open_last)
+            if not (open_last and index == last):
+                closing = self._end_of_turn.match(text, end)
+                end = closing.end() if closing else end
+            spans.append((start, end))
+        return spans
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         """Ids of a whole conversation, untruncated."""
-        return self._encode_pieces(self._pieces(messages, False, False))[0]
+        return self._encode(self.render(messages), [])[0]
 
     def tokenize_messages(
         self, messages: list[Message], add_end_tokens: bool = True
     ) -> tuple[list[int], list[bool]]:
         """Token ids and a mask (True: no loss) for a conversation.
 
-        Headers and the format's own text are always masked: they are the prompt's, not the
-        answer's. With add_end_tokens=False the last message is left open.
+        Only the content of unmasked messages and the end-of-turn token after each train.
+        With add_end_tokens=False the last message is left open.
         """
-        tokens, mask = self._encode_pieces(self._pieces(messages, not add_end_tokens, False))
+        messages = list(messages)
+        text = self.render(messages, continue_final_message=not add_end_tokens)
+        tokens, mask = self._encode(text, self._trained_spans(messages, text, not add_end_tokens))
         if self.max_seq_len and len(tokens) > self.max_seq_len:
             tokens = truncate(tokens, self.max_seq_len, self.eos_id if add_end_tokens else None)
             mask = truncate(mask, self.max_seq_len, True if add_end_tokens else None)
@@ -252,8 +298,7 @@ class ChatTokenizer:
 
     def generation_prompt(self, messages: list[Message]) -> list[int]:
         """Ids of `messages` and what the template adds to ask for the assistant's answer."""
-        tokens, _ = self._encode_pieces(self._pieces(messages, False, True))
-        return tokens
+        return self._encode(self.render(messages, add_generation_prompt=True), [])[0]
 
     def __call__(self, sample: dict[str, Any], inference: bool = False) -> dict[str, Any]:
         """torchtune's model transform: messages -> tokens, mask."""
@@ -262,40 +307,4 @@ class ChatTokenizer:
         return sample
 
 
-PROBE = [
-    Message(role="system", content="Be brief.", masked=True),
-    Message(role="user", content="Name a colour.", masked=True),
-    Message(role="assistant", content="Blue.", masked=False),
-]
-
-
-def template_mismatch(tokenizer: ChatTokenizer, path: str) -> str | None:
-    """How our ids differ from `transformers`' apply_chat_template on a probe chat, or None.
-
-    None too when transformers cannot render the template itself (nothing to compare with).
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        hf = AutoTokenizer.from_pretrained(path)
-    except Exception:  # noqa: BLE001 - a tokenizer transformers cannot load: no reference
-        return None
-    for name, chat in {"a conversation": PROBE, "a generation prompt": PROBE[:2]}.items():
-        generation = name == "a generation prompt"
-        try:
-            theirs = hf.apply_chat_template(
-                [{"role": m.role, "content": m.text_content} for m in chat],
-                add_generation_prompt=generation,
-                tokenize=True,
-                return_dict=False,
-                date_string=tokenizer.date_string,
-            )
-        except Exception:  # noqa: BLE001 - a template transformers cannot render: no reference
-            return None
-        ours = tokenizer.generation_prompt(chat) if generation else tokenizer.encode_chat(chat)
-        if list(theirs) != ours:
-            return f"for {name} the template gives {hf.decode(theirs)!r}"
-    return None
-
-
-__all__ = ["CHAT_FORMATS", "ChatTokenizer", "CROSS_ENTROPY_IGNORE_IDX", "detect_chat_format"]
+__all__ = ["ChatTokenizer", "CROSS_ENTROPY_IGNORE_IDX", "render_chat"]

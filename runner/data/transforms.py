@@ -110,6 +110,9 @@ class TokenizedSplit(Dataset):
         self.records = records
         self.kind = data["kind"]
         column_map = data["column_map"]
+        if self.kind != "text":
+            # Instruct records are rendered as a one-turn chat: both need the chat template.
+            tokenizer.require_chat_template()
         if self.kind == "instruct":
             self.message_transform: Any = InstructToMessages(
                 column_map, data["train_on_input"], data["new_system_prompt"]

@@ -2,7 +2,8 @@
 
 A family module (llama3.py, qwen2.py, mistral.py) defines FAMILY: its torchtune builders and
 their LoRA twins, how config.json maps to the builder's arguments and back, its weight names
-on both sides (PEFT adapter names included), its default chat format and its GGUF facts.
+on both sides (PEFT adapter names included) and its GGUF facts. Chats are rendered with the
+tokenizer's own chat template, never a family default.
 Adding a family is adding a module here and its options in conf/model/. A Hugging Face
 checkpoint's config.json names its family (`model_type`).
 """

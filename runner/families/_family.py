@@ -48,8 +48,6 @@ class Family:
     # torchtune builder -> its LoRA twin (same arguments plus the LoRA ones). The first builds
     # model=hf sources and every option whose builder node names no _component_.
     builders: dict[str, str]
-    # The chat format (runner/tokenizer.py) of a tokenizer that has no chat template.
-    chat_format: str
     # config.json -> builder arguments beyond SHARED_ARGS and rope_base (raises Unsupported)
     extra_args: Callable[[dict[str, Any]], dict[str, Any]]
     # builder arguments -> config.json keys beyond the shared ones (for a random-init model)

@@ -56,7 +56,6 @@ FAMILY = Family(
         # (lora_llama3_2 refuses apply_lora_to_output), so model=llama3_1_8b names it.
         "torchtune.models.llama3_1.llama3_1": "torchtune.models.llama3_1.lora_llama3_1",
     },
-    chat_format="llama3",
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(LLAMA_NAMES, permute_qk=True),

@@ -32,7 +32,6 @@ FAMILY = Family(
     model_type="mistral",
     architecture="MistralForCausalLM",
     builders={"torchtune.models.mistral.mistral": "torchtune.models.mistral.lora_mistral"},
-    chat_format="mistral",
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(LLAMA_NAMES, permute_qk=True),

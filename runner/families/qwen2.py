@@ -34,7 +34,6 @@ FAMILY = Family(
     model_type="qwen2",
     architecture="Qwen2ForCausalLM",
     builders={"torchtune.models.qwen2.qwen2": "torchtune.models.qwen2.lora_qwen2"},
-    chat_format="qwen2_5",
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(QWEN2_NAMES, permute_qk=False),

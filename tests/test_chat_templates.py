@@ -1,0 +1,369 @@
+# ruff: noqa: E501  (the chat templates are quoted as published)
+"""Published chat templates through runner's tokenizer: transformers' ids, masks read from the
+rendering, history-rewriting templates refused by name, and checkpoints whose template runner
+never saw (or that have none) train through the real CLI.
+
+Tokenizers and checkpoints are written by transformers (save_pretrained); the templates are the
+published ones, embedded as strings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from runner.errors import UserError
+from runner.models import resolve_model
+from runner.paths import CONF_DIR
+from runner.tokenizer import ChatTokenizer
+from runner.tune import Message
+from tests.conftest import losses
+from tests.fixtures import LLAMA3_1_TEMPLATE, LLAMA3_2_TEMPLATE, MISTRAL_TEMPLATE, QWEN2_5_TEMPLATE
+
+# HuggingFaceTB/SmolLM2-135M-Instruct: ChatML with a default system prompt, Llama architecture.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# google/gemma-2-2b-it: no system role; the assistant is "model".
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role "
+    "not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user')"
+    " != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}"
+    "{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+# Qwen/Qwen3-0.6B: earlier assistant turns lose their <think> block once a later user turn
+# follows, and the last one gets an (empty) one: a history-rewriting template.
+QWEN3_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+_LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
+_CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# name -> (template, special tokens, bos, eos, SentencePiece-style spaces, end of an answer)
+TEMPLATES = {
+    "smollm2": (SMOLLM2_TEMPLATE, _CHATML, "<|im_start|>", "<|im_end|>", False, "<|im_end|>"),
+    "qwen2_5": (QWEN2_5_TEMPLATE, _CHATML, None, "<|im_end|>", False, "<|im_end|>"),
+    "qwen3": (QWEN3_TEMPLATE, [*_CHATML, "<think>", "</think>"], None, "<|im_end|>", False, "<|im_end|>"),
+    "llama3_1": (LLAMA3_1_TEMPLATE, [*_LLAMA3, "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>", False, "<|eot_id|>"),
+    "llama3_2": (LLAMA3_2_TEMPLATE, [*_LLAMA3, "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>", False, "<|eot_id|>"),
+    "mistral": (MISTRAL_TEMPLATE, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", True, "</s>"),
+    "gemma2": (GEMMA2_TEMPLATE, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", True, "<end_of_turn>"),
+}  # fmt: skip
+CORPUS = [
+    "Reverse the word. Uppercase the word. hello olleh fox FOX dog god quick brown",
+    "You are a helpful assistant. Answer briefly. Cutting Knowledge Date: December 2023",
+    "system user assistant model Today Date: 26 Jul 2024 abcdefghijklmnopqrstuvwxyz",
+] * 20
+SYSTEM = [("system", "Answer briefly.")]
+CHAT = [
+    ("user", "Uppercase the word.\nfox"),
+    ("assistant", "FOX"),
+    ("user", "Reverse the word.\ndog"),
+    ("assistant", "god, reversed"),
+]
+
+
+def write_tokenizer(name: str, path: Path, with_template: bool = True) -> Path:
+    """A small BPE tokenizer with `name`'s special tokens and chat template, saved by
+    transformers (tokenizer.json, tokenizer_config.json and the template)."""
+    template, special, bos, eos, metaspace, _ = TEMPLATES[name]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>" if metaspace else None))
+    if metaspace:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+        alphabet = ["▁", *(chr(c) for c in range(32, 127)), "\n"]
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=360, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=bos,
+        eos_token=eos,
+        chat_template=template if with_template else None,
+    )
+    hf.save_pretrained(str(path))
+    return path
+
+
+def write_llama_checkpoint(name: str, path: Path, with_template: bool = True) -> Path:
+    """A tiny Llama-architecture checkpoint carrying `name`'s tokenizer (SmolLM2's layout)."""
+    write_tokenizer(name, path, with_template)
+    vocab = len(AutoTokenizer.from_pretrained(path))
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def to_messages(chat: list[tuple[str, str]]) -> list[Message]:
+    return [Message(role=role, content=text, masked=role != "assistant") for role, text in chat]
+
+
+def to_dicts(chat: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"role": role, "content": text} for role, text in chat]
+
+
+def trained_runs(tok: ChatTokenizer, tokens: list[int], mask: list[bool]) -> list[str]:
+    """The text of each run of consecutive trained tokens."""
+    runs, run = [], []
+    for token, masked in [*zip(tokens, mask, strict=True), (None, True)]:
+        if not masked:
+            run.append(token)
+        elif run:
+            runs, run = [*runs, tok.decode(run, skip_special_tokens=False)], []
+    return runs
+
+
+@pytest.fixture(scope="module")
+def tokenizers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("templates")
+    for name in TEMPLATES:
+        write_tokenizer(name, root / name)
+    return root
+
+
+@pytest.mark.parametrize("name", [n for n in TEMPLATES if n != "qwen3"])
+@pytest.mark.parametrize("system", [False, True], ids=["no system", "system"])
+def test_ids_and_masks_of_published_templates(tokenizers_dir: Path, name: str, system: bool):
+    ours = ChatTokenizer(str(tokenizers_dir / name))
+    hf = AutoTokenizer.from_pretrained(tokenizers_dir / name)
+    kwargs = {"date_string": ours.date_string} if ours.date_string else {}
+    chat = SYSTEM + CHAT if system else CHAT
+    if name == "gemma2" and system:
+        # Gemma 2's template refuses a system message; so do we, naming the template's reason.
+        with pytest.raises(UserError) as err:
+            ours.tokenize_messages(to_messages(chat))
+        assert err.value.key == "model.chat_template" and "System role not supported" in str(
+            err.value
+        )
+        return
+    for turns in (chat[: len(chat) - 2], chat):
+        tokens, mask = ours.tokenize_messages(to_messages(turns))
+        expected = hf.apply_chat_template(to_dicts(turns), return_dict=False, **kwargs)
+        assert tokens == list(expected)
+        # Exactly each answer and the end of its turn train; headers and prompts do not.
+        end = TEMPLATES[name][-1]
+        answers = [f"{text}{end}" for role, text in turns if role == "assistant"]
+        assert [run.strip() for run in trained_runs(ours, tokens, mask)] == answers
+        prompt = turns[:-1]
+        expected = hf.apply_chat_template(
+            to_dicts(prompt), add_generation_prompt=True, return_dict=False, **kwargs
+        )
+        assert ours.generation_prompt(to_messages(prompt)) == list(expected)
+
+
+def test_a_template_that_rewrites_history_is_refused_by_name(tokenizers_dir: Path) -> None:
+    ours = ChatTokenizer(str(tokenizers_dir / "qwen3"))
+    hf = AutoTokenizer.from_pretrained(tokenizers_dir / "qwen3")
+    # One turn renders as transformers renders it, the empty <think> block masked.
+    single = CHAT[:2]
+    tokens, mask = ours.tokenize_messages(to_messages(single))
+    assert tokens == list(hf.apply_chat_template(to_dicts(single), return_dict=False))
+    assert trained_runs(ours, tokens, mask) == ["FOX<|im_end|>"]
+    # Qwen3 renders an earlier answer without the <think> block it had as the last one.
+    with pytest.raises(UserError) as err:
+        ours.tokenize_messages(to_messages(CHAT))
+    assert err.value.key == "model.chat_template" and "rewrites earlier turns" in err.value.fix
+
+
+def test_train_on_input_trains_each_message_content(tokenizers_dir: Path) -> None:
+    ours = ChatTokenizer(str(tokenizers_dir / "smollm2"))
+    messages = [Message(role=r, content=t, masked=False) for r, t in SYSTEM + CHAT[:2]]
+    tokens, mask = ours.tokenize_messages(messages)
+    assert trained_runs(ours, tokens, mask) == [
+        "Answer briefly.<|im_end|>",
+        "Uppercase the word.\nfox<|im_end|>",
+        "FOX<|im_end|>",
+    ]
+
+
+def model_section(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return resolve_model(compose("train", overrides=overrides).model)
+
+
+def test_a_template_file_for_a_tokenizer_without_one(tmp_path: Path) -> None:
+    source = write_llama_checkpoint("smollm2", tmp_path / "bare", with_template=False)
+    resolved = model_section(["model=hf", f"model.source={source}"])
+    assert resolved["tokenizer"]["chat_template"] is None
+    template = tmp_path / "chatml.jinja"
+    template.write_text(SMOLLM2_TEMPLATE)
+    overrides = ["model=hf", f"model.source={source}", f"model.chat_template={template}"]
+    resolved = model_section(overrides)
+    assert resolved["tokenizer"]["chat_template"] == str(template)
+    ours = ChatTokenizer(**{k: v for k, v in resolved["tokenizer"].items() if k != "_component_"})
+    hf = AutoTokenizer.from_pretrained(source)
+    expected = hf.apply_chat_template(to_dicts(CHAT), chat_template=SMOLLM2_TEMPLATE)
+    assert ours.encode_chat(to_messages(CHAT)) == list(expected["input_ids"])
+    with pytest.raises(UserError) as err:
+        model_section(["model=hf", f"model.source={source}", "model.chat_template=llama3"])
+    assert err.value.key == "model.chat_template" and "Jinja chat template file" in err.value.fix
+
+
+TRAIN = [
+    "compute=cpu",
+    "dtype=fp32",
+    "max_steps=2",
+    "batch_size=2",
+    "dataset.eval_samples=2",
+    "runtime.progress_bar=false",
+    "runtime.tensorboard=false",
+    "runtime.log_every_n_steps=1",
+]
+
+
+def test_a_chatml_llama_checkpoint_validates_and_trains(runner_cli, tmp_path: Path) -> None:
+    source = write_llama_checkpoint("smollm2", tmp_path / "smollm2")
+    result = runner_cli("validate", "model=hf", f"model.source={source}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        "model=hf",
+        f"model.source={source}",
+        *TRAIN,
+        f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(losses(run_dir)) == [1, 2]
+    checkpoint = run_dir / "checkpoints" / "step_2"
+    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == SMOLLM2_TEMPLATE
+
+
+def test_text_data_needs_no_chat_template(runner_cli, tmp_path: Path) -> None:
+    source = write_llama_checkpoint("smollm2", tmp_path / "bare", with_template=False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"hello olleh fox FOX line {i}\n" for i in range(40)))
+    # Instruct data needs a template: one message naming the key and the ways out.
+    result = runner_cli("validate", "model=hf", f"model.source={source}")
+    assert result.returncode != 0 and "model.chat_template" in result.stderr
+    assert "dataset=text" in result.stderr and "Traceback" not in result.stderr
+    run_dir = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        "model=hf",
+        f"model.source={source}",
+        "dataset=text",
+        f"dataset.source={corpus}",
+        *TRAIN,
+        f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(losses(run_dir)) == [1, 2]
+    assert json.loads((run_dir / "checkpoints" / "step_2" / "config.json").read_text())
