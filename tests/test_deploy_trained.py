@@ -11,8 +11,11 @@ from pathlib import Path
 
 import openai
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from runner.components import instantiate
+from runner.tune import Message
 from tests.conftest import QUICK
 
 
@@ -72,6 +75,10 @@ def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, t
             out = model.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1] :]
         assert chat.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
         assert chat.usage.prompt_tokens == ids.shape[1]
+        # The prompt served is the one training rendered: the same template, the same ids.
+        trained_with = instantiate(OmegaConf.load(run / "recipe.yaml").model.tokenizer)
+        prompt = [Message(role=m["role"], content=m["content"]) for m in messages]
+        assert trained_with.generation_prompt(prompt) == ids[0].tolist()
     finally:
         server.terminate()
         server.wait(timeout=30)
