@@ -309,9 +309,11 @@ def _dataset(dataset: DictConfig, model_max_seq_len: int) -> dict[str, Any]:
             f"choose one of: {', '.join(CONVERSATION_STYLES)}",
         )
     prompted = kind != "text"
+    data_format = source_format("dataset.source", source, dataset.format)
     return {
         "kind": kind,
-        "format": source_format("dataset.source", source, dataset.format),
+        "format": data_format,
+        "xml": {"record": dataset.xml.record if data_format == "xml" else None},
         "source": source,
         "split": str(dataset.split),
         "column_map": {k: column_map[k] for k in COLUMNS[kind]},

@@ -78,11 +78,18 @@ class Validation:
 
 
 @dataclass
+class Xml:
+    # dataset.format=xml: the element of one record (null: each child of the root element).
+    record: Optional[str] = None
+
+
+@dataclass
 class Dataset:
     name: str = MISSING
     kind: str = MISSING
     source: str = MISSING
     format: Optional[str] = None
+    xml: Xml = field(default_factory=Xml)
     split: str = "train"
     column_map: Dict[str, Optional[str]] = field(default_factory=dict)
     conversation_style: Optional[str] = None
@@ -325,6 +332,7 @@ class RecipeValidation:
 class RecipeDataset:
     kind: str = MISSING
     format: str = MISSING
+    xml: Xml = field(default_factory=Xml)
     source: str = MISSING
     split: str = "train"
     column_map: Dict[str, Optional[str]] = field(default_factory=dict)

@@ -57,6 +57,7 @@ def data_config(kind: str, source: Path, max_seq_len: int) -> dict[str, Any]:
     return {
         "kind": kind,
         "format": "json",
+        "xml": {"record": None},
         "source": str(source),
         "split": "train",
         "column_map": column_map,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import datasets
 import pytest
@@ -63,7 +64,19 @@ def write(rows: list[dict[str, Any]], path: Path) -> Path:
         with datasets.arrow_writer.ArrowWriter(path=str(path)) as writer:
             writer.write_table(table.data.table)
             writer.finalize()
+    elif path.suffix == ".xml":
+        path.write_text(xml_document(rows))
     return path
+
+
+def xml_document(rows: list[dict[str, Any]], record: str = "record") -> str:
+    """`rows` as XML: a `record` element each, a child element per field."""
+    root = ElementTree.Element("records")
+    for row in rows:
+        element = ElementTree.SubElement(root, record)
+        for name, value in row.items():
+            ElementTree.SubElement(element, name).text = str(value)
+    return ElementTree.tostring(root, encoding="unicode")
 
 
 def data(*overrides: str) -> dict[str, Any]:
@@ -96,7 +109,7 @@ def trained_text(sample: dict[str, Any], tok: ChatTokenizer) -> str:
 def test_every_format_reads_the_same_samples_through_column_map(tmp_path: Path) -> None:
     rows, tok = records(12), tokenizer()
     samples = {}
-    for suffix in (".json", ".jsonl", ".csv", ".parquet", ".arrow"):
+    for suffix in (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".xml"):
         path = write(rows, tmp_path / f"data{suffix}")
         # format: null reads the extension; naming it explicitly reads the same.
         for fmt in ("null", suffix.lstrip(".")):
@@ -112,7 +125,42 @@ def test_every_format_reads_the_same_samples_through_column_map(tmp_path: Path) 
     assert "Reverse word 0.\nw0" in tok.decode(first[0]["tokens"])
     for name, got in samples.items():
         assert got == first, name
-    assert set(FORMATS) == {"json", "jsonl", "csv", "parquet", "arrow", "text"}
+    assert set(FORMATS) == {"json", "jsonl", "csv", "parquet", "arrow", "text", "xml"}
+
+
+def test_xml_reads_records_from_attributes_and_nested_elements(tmp_path: Path) -> None:
+    """dataset.format=xml: fields as attributes or child elements; dataset.xml.record names the
+    record element wherever it sits (null: each child of the root)."""
+    rows, tok = records(6), tokenizer()
+    jsonl = write(rows, tmp_path / "data.jsonl")
+    as_attributes = "".join(
+        f'<item prompt="{r["prompt"]}" context="{r["context"]}">'
+        f"<answer>{r['answer']}</answer></item>"
+        for r in rows
+    )
+    nested = tmp_path / "nested.xml"
+    nested.write_text(f"<export><meta><n>6</n></meta><items>{as_attributes}</items></export>")
+    expected = train_dataset(data("dataset=instruct", f"dataset.source={jsonl}", *RENAMED), tok)
+    got = train_dataset(
+        data("dataset=instruct", f"dataset.source={nested}", "dataset.xml.record=item", *RENAMED),
+        tok,
+    )
+    assert [got[i] for i in range(6)] == [expected[i] for i in range(6)]
+
+
+def test_bad_xml_names_the_file_line_column_or_record(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.xml"
+    broken.write_text("<records>\n<record><prompt>a</prompt>\n<answer>b</record>\n</records>\n")
+    with pytest.raises(UserError) as err:
+        check_datasets(data("dataset=instruct", f"dataset.source={broken}", *RENAMED), tokenizer())
+    assert str(err.value).startswith(f"dataset.source='{broken}': line 3, column ")
+    assert "not well-formed XML (mismatched tag)" in str(err.value)
+    rows = records(5)
+    del rows[3]["answer"]  # the fourth record has no answer element
+    missing = write(rows, tmp_path / "missing.xml")
+    with pytest.raises(DataError) as found:
+        check_datasets(data("dataset=instruct", f"dataset.source={missing}", *RENAMED), tokenizer())
+    assert (found.value.file, found.value.row, found.value.column) == (str(missing), 4, "answer")
 
 
 def test_text_trains_on_every_token_in_any_format(tmp_path: Path) -> None:

@@ -264,6 +264,7 @@ def checked_split(
         data_format=data["format"],
         split_key=split_key,
         split=split,
+        xml_record=data["xml"]["record"],
     )
     if len(records.table) == 0:
         raise UserError(

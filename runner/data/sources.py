@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import datasets
 import numpy as np
@@ -26,8 +27,10 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "parquet": (".parquet",),
     "arrow": (".arrow",),
     "text": (".txt",),
+    "xml": (".xml",),
 }
-# dataset.format -> the `datasets` builder that reads it.
+# dataset.format -> the `datasets` builder that reads it (xml: runner.data.sources reads it;
+# datasets' own xml builder yields each file as one string).
 BUILDERS = {
     "json": "json",
     "jsonl": "json",
@@ -119,20 +122,24 @@ def split_files(key: str, source: str, data_format: str) -> dict[str, list[str]]
     return splits
 
 
-def _read(key: str, source: str, data_format: str, files: list[str]) -> datasets.Dataset:
-    table = _read_if_any(key, source, data_format, files)
+def _read(
+    key: str, source: str, data_format: str, files: list[str], xml_record: str | None
+) -> datasets.Dataset:
+    table = _read_if_any(key, source, data_format, files, xml_record)
     if table is None:
         raise _no_records(key, source, files)
     return table
 
 
 def _read_if_any(
-    key: str, source: str, data_format: str, files: list[str]
+    key: str, source: str, data_format: str, files: list[str], xml_record: str | None = None
 ) -> datasets.Dataset | None:
     """The records of `files`, None if they hold none; a file that does not read is a UserError
     naming it (and the line and column, for a text format)."""
     if all(os.path.getsize(file) == 0 for file in files):
         return None  # `datasets` would stop at its first file, with a StopIteration
+    if data_format == "xml":
+        return _read_xml(key, source, files, xml_record)
     builder = BUILDERS[data_format]
     options: dict[str, Any] = {}
     try:
@@ -148,6 +155,43 @@ def _read_if_any(
     if not reader.info.splits["train"].num_examples:
         return None
     return reader.as_dataset(split="train")
+
+
+def _read_xml(
+    key: str, source: str, files: list[str], record: str | None
+) -> datasets.Dataset | None:
+    """The records of XML files: each `record` element (None: each child of the root element),
+    its fields its attributes and the text of its child elements, every value a string (a field
+    a record lacks is null), as a CSV cell is. Python's expat refuses entity expansion bombs
+    and fetches no external entity."""
+    rows = [row for file in files for row in _xml_rows(key, source, file, record)]
+    if not rows:
+        return None
+    columns = list(dict.fromkeys(name for row in rows for name in row))
+    return datasets.Dataset.from_dict(
+        {name: [row.get(name) for row in rows] for name in columns},
+        features=datasets.Features({name: datasets.Value("string") for name in columns}),
+    )
+
+
+def _xml_rows(key: str, source: str, file: str, record: str | None) -> list[dict[str, str]]:
+    try:
+        root = ElementTree.parse(file).getroot()
+    except ElementTree.ParseError as err:
+        found = _undecodable_line(file)
+        if found is None:
+            line, column = err.position
+            problem = f"not well-formed XML ({str(err).split(':')[0]})"
+            found = line, column + 1, problem, "fix the XML there"
+        line, column, problem, fix = found
+        raise LineError(
+            key, source, file=file, line=line, column=column, problem=problem, fix=fix
+        ) from None
+    elements = list(root) if record is None else list(root.iter(record))
+    return [
+        {**element.attrib, **{child.tag: "".join(child.itertext()) for child in element}}
+        for element in elements
+    ]
 
 
 def _no_records(key: str, source: str, files: list[str]) -> UserError:
@@ -247,6 +291,9 @@ class Records:
     # After filtering: the index before filtering of each row kept; None: nothing filtered.
     kept: np.ndarray | None = None
 
+    # dataset.xml.record: the element of one record (None: each child of the root).
+    xml_record: str | None = None
+
     def where(self, index: int) -> tuple[str, int]:
         """(file, row from 1) of record `index`."""
         if self.kept is not None:
@@ -260,7 +307,9 @@ class Records:
         if len(files) == 1:
             return files[0], row + 1
         for file in files:
-            table = _read_if_any("dataset.source", self.source, self.data_format, [file])
+            table = _read_if_any(
+                "dataset.source", self.source, self.data_format, [file], self.xml_record
+            )
             rows = 0 if table is None else len(table)
             if row < rows:
                 return file, row + 1
@@ -269,7 +318,13 @@ class Records:
 
 
 def load_records(
-    *, source_key: str, source: str, data_format: str, split_key: str, split: str
+    *,
+    source_key: str,
+    source: str,
+    data_format: str,
+    split_key: str,
+    split: str,
+    xml_record: str | None = None,
 ) -> Records:
     """The records of `split` (a split name, a slice like train[:95%], or parts joined by +)."""
     files_by_split = split_files(source_key, source, data_format)
@@ -292,7 +347,8 @@ def load_records(
                 "file holds only `train`); name one of them",
             )
     whole = {
-        name: _read(source_key, source, data_format, files_by_split[name]) for name in set(names)
+        name: _read(source_key, source, data_format, files_by_split[name], xml_record)
+        for name in set(names)
     }
     try:
         instructions = datasets.ReadInstruction.from_spec(split).to_absolute(
@@ -308,6 +364,6 @@ def load_records(
             tables.append(table.select(range(start, stop)))
             parts.append((files_by_split[instruction.splitname], start, stop - start))
     if not tables:  # an empty slice: reported by the caller
-        return Records(whole[names[0]].select([]), source, data_format, [])
+        return Records(whole[names[0]].select([]), source, data_format, [], None, xml_record)
     table = tables[0] if len(tables) == 1 else datasets.concatenate_datasets(tables)
-    return Records(table, source, data_format, parts)
+    return Records(table, source, data_format, parts, None, xml_record)
