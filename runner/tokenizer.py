@@ -244,8 +244,9 @@ class ChatTokenizer:
         return start, max(start, end)
 
     def _check_history(self, messages: list[Message], index: int, text: str) -> None:
-        """A UserError unless the conversation up to turn `index` renders as the start of the
-        whole one: what the model saw when it wrote that turn is what it trains on."""
+        """A UserError unless the conversation up to answer `index` renders as the start of the
+        whole one: what the model saw when it wrote that answer is what it trains on. (Prompts
+        may change: Mistral's template moves the system message onto the last user turn.)"""
         if not text.startswith(self.render(messages[: index + 1])):
             raise UserError(
                 "model.chat_template",
@@ -267,7 +268,7 @@ class ChatTokenizer:
         for index, message in enumerate(messages):
             if message.masked:
                 continue
-            if index < last:
+            if message.role == "assistant" and index < last:
                 self._check_history(messages, index, text)
             start, end = self._content_span(messages, index, text, open_last)
             if not (open_last and index == last):

@@ -280,15 +280,16 @@ def test_a_template_that_rewrites_history_is_refused_by_name(tokenizers_dir: Pat
     assert err.value.key == "model.chat_template" and "rewrites earlier turns" in err.value.fix
 
 
-def test_train_on_input_trains_each_message_content(tokenizers_dir: Path) -> None:
-    ours = ChatTokenizer(str(tokenizers_dir / "smollm2"))
-    messages = [Message(role=r, content=t, masked=False) for r, t in SYSTEM + CHAT[:2]]
+@pytest.mark.parametrize("name", ["smollm2", "mistral"])
+def test_train_on_input_trains_each_message_content(tokenizers_dir: Path, name: str) -> None:
+    ours = ChatTokenizer(str(tokenizers_dir / name))
+    messages = [Message(role=r, content=t, masked=False) for r, t in SYSTEM + CHAT]
     tokens, mask = ours.tokenize_messages(messages)
-    assert trained_runs(ours, tokens, mask) == [
-        "Answer briefly.<|im_end|>",
-        "Uppercase the word.\nfox<|im_end|>",
-        "FOX<|im_end|>",
-    ]
+    runs = [run.strip() for run in trained_runs(ours, tokens, mask)]
+    if name == "smollm2":  # every message closes with <|im_end|>
+        assert runs == [f"{text}<|im_end|>" for _, text in SYSTEM + CHAT]
+    else:  # [INST] user[/INST] answer</s>; a conversation ending in an answer has no system
+        assert runs == [f"{text}</s>" if role == "assistant" else text for role, text in CHAT]
 
 
 def model_section(overrides: list[str]) -> dict:
