@@ -1,0 +1,676 @@
+"""runner train beside the tools a user would pick instead: torchtune's `tune run`, the Hugging
+Face Trainer and a bare PyTorch loop, on the same checkpoint, data, batch and optimizer.
+
+    python scripts/bench_peers.py [--size default] [--repeats 3] [--steps 20] [--batch-size 16]
+
+At start it writes one LlamaForCausalLM checkpoint with transformers (random init, seed 0, the
+tiny tokenizer's vocabulary) and one instruct data file: records of the sample task that all
+tokenize to the same length (no padding, the same tokens in every step). Then each arm trains
+that checkpoint for --steps optimizer steps in its own subprocess, taking turns --repeats times
+with the order rotated (a neighbour on the machine hits all alike):
+
+- runner: `runner train model=hf model.source=CKPT dataset=instruct ...` through its CLI; step
+  times and losses from RUN/metrics.jsonl (logged every step), start-up from RUN/train.log;
+- tune: `tune run full_finetune_single_device --config tune.yaml`, FullModelHFCheckpointer on
+  CKPT, the llama3_2 builder with the checkpoint's dimensions, CEWithChunkedOutputLoss,
+  instruct_dataset on the same file; step times and losses from its DiskLogger file. Its
+  tokenizer is runner's ChatTokenizer (torchtune 0.6.1 has no model tokenizer for a Hugging
+  Face tokenizer.json), so both tokenize the same way, on the fly;
+- hf: transformers' Trainer on LlamaForCausalLM.from_pretrained(CKPT), fed the samples
+  tokenized once ahead of time, in the same order (a sequential sampler over runner's order);
+- bare: torchtune's builder loaded from CKPT, the same pre-tokenized batches, AdamW,
+  cross-entropy on the whole logits, clip, step.
+
+All: AdamW (lr, betas, eps, weight decay alike), constant lr with no warmup, clip at 1.0, fp32,
+one process, loss logged every step, runner's sample order (DistributedSampler, seed 0, epoch 0;
+tune shuffles the same way). tokens/s is the same for all: tokens per step (all non-padding)
+over the median step time after --warmup steps. Peak RSS is the arm's process tree's
+(os.wait4). Step-1 losses must agree within 1e-3, else the arms are not training alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = REPO / "runner" / "assets" / "tiny_tokenizer"
+SAMPLE_DATA = REPO / "runner" / "assets" / "sample" / "train.jsonl"
+ARMS = ("runner", "tune", "hf", "bare")
+# Llama shapes: hidden, layers, heads, kv heads, MLP width. default is ~25M parameters, so that
+# compute, not per-step overhead, decides on 2 CPU cores.
+SIZES = {
+    "tiny": (64, 2, 4, 2, 256),
+    "small": (256, 4, 8, 4, 1024),
+    "default": (512, 8, 8, 4, 1536),
+    "large": (768, 12, 12, 4, 2048),
+}
+OPTIMIZER = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+CLIP_GRAD_NORM = 1.0
+SEED = 0
+# Records of one shape: the same instruction and word length give the same token count.
+INSTRUCTION, WORD_LENGTH = "Reverse:", 5
+LOSS_TOLERANCE = 1e-3
+IGNORE_INDEX = -100
+
+
+# ---- setup: checkpoint, data, the order every arm trains in --------------------------------
+def write_checkpoint(directory: Path, size: str) -> int:
+    """A random LlamaForCausalLM (seed 0) and the tiny tokenizer in `directory`; its size."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runner.tokenizer import ChatTokenizer
+
+    hidden, layers, heads, kv_heads, mlp = SIZES[size]
+    tokenizer = ChatTokenizer(str(TOKENIZER_DIR))
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory, safe_serialization=True)
+    for file in TOKENIZER_DIR.iterdir():
+        shutil.copy(file, directory / file.name)
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_data(path: Path, count: int) -> None:
+    """`count` instruct records of the sample task, all one shape, as {input, output} lines."""
+    records = []
+    with open(SAMPLE_DATA) as f:
+        for line in f:
+            record = json.loads(line)
+            if record["instruction"] == INSTRUCTION and len(record["input"]) == WORD_LENGTH:
+                prompt = f"{record['instruction']}\n{record['input']}"
+                records.append({"input": prompt, "output": record["output"]})
+            if len(records) == count:
+                break
+    if len(records) < count:
+        raise SystemExit(f"{SAMPLE_DATA} has only {len(records)} records of one shape")
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def runner_order(count: int) -> list[int]:
+    """The sample order of runner's first epoch in one process (and of tune's, shuffled)."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(count), num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    sampler.set_epoch(0)
+    return list(sampler)
+
+
+def tokenize(checkpoint: Path, data: Path) -> list[dict[str, list[int]]]:
+    """Each record as runner tokenizes it: tokens and labels (-100 on the prompt), unshifted."""
+    from runner.data.transforms import InstructToMessages
+    from runner.tokenizer import ChatTokenizer
+    from runner.tune import SFTTransform
+
+    transform = SFTTransform(
+        InstructToMessages(
+            {"instruction": "input", "input": None, "output": "output"}, False, None
+        ),
+        ChatTokenizer(str(checkpoint)),
+    )
+    samples = []
+    for line in data.read_text().splitlines():
+        sample = transform(json.loads(line))
+        samples.append({"tokens": sample["tokens"], "labels": [int(x) for x in sample["labels"]]})
+    return samples
+
+
+def prepare(workdir: Path, size: str, steps: int, batch_size: int) -> dict:
+    """Writes checkpoint, data and the ordered pre-tokenized samples; the facts arms share."""
+    checkpoint, data = workdir / "checkpoint", workdir / "train.jsonl"
+    checkpoint.mkdir()
+    parameters = write_checkpoint(checkpoint, size)
+    count = steps * batch_size
+    write_data(data, count)
+    samples = tokenize(checkpoint, data)
+    ordered = [samples[i] for i in runner_order(count)]
+    lengths = {len(s["tokens"]) for s in samples}
+    trained = {sum(label != IGNORE_INDEX for label in s["labels"]) for s in samples}
+    assert len(lengths) == 1 and len(trained) == 1, (lengths, trained)
+    (workdir / "ordered_samples.json").write_text(json.dumps(ordered))
+    hidden, layers, heads, kv_heads, mlp = SIZES[size]
+    spec = {
+        "checkpoint": str(checkpoint),
+        "data": str(data),
+        "samples": str(workdir / "ordered_samples.json"),
+        "steps": steps,
+        "batch_size": batch_size,
+        "parameters": parameters,
+        "tokens_per_step": batch_size * lengths.pop(),
+        "trained_tokens_per_step": batch_size * trained.pop(),
+        "shape": {
+            "hidden": hidden,
+            "layers": layers,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "mlp": mlp,
+            "vocab": json.loads((checkpoint / "config.json").read_text())["vocab_size"],
+        },
+    }
+    (workdir / "spec.json").write_text(json.dumps(spec))
+    return spec
+
+
+# ---- the arms -------------------------------------------------------------------------------
+def runner_overrides(spec: dict) -> list[str]:
+    """runner train's overrides for the benchmark's checkpoint, data, batch and optimizer."""
+    return [
+        "model=hf",
+        f"model.source={spec['checkpoint']}",
+        "dataset=instruct",
+        f"dataset.source={spec['data']}",
+        "dataset.column_map.instruction=input",
+        "dataset.column_map.input=null",
+        "dataset.eval_samples=0",
+        "compute=cpu",
+        "dtype=fp32",
+        "method=full",
+        f"optimizer.lr={OPTIMIZER['lr']}",
+        f"optimizer.betas=[{OPTIMIZER['betas'][0]},{OPTIMIZER['betas'][1]}]",
+        f"optimizer.eps={OPTIMIZER['eps']}",
+        f"optimizer.weight_decay={OPTIMIZER['weight_decay']}",
+        "optimizer.warmup_steps=0",
+        "optimizer.cosine_decay=false",
+        "eval.strategy=no",
+        "runtime.save_every_n_steps=null",
+        "runtime.log_every_n_steps=1",
+        "runtime.progress_bar=false",
+        f"max_steps={spec['steps']}",
+        "epochs=1",
+        f"batch_size={spec['batch_size']}",
+        f"clip_grad_norm={CLIP_GRAD_NORM}",
+        f"seed={SEED}",
+    ]
+
+
+def runner_command(spec: dict, run_dir: Path) -> list[str]:
+    return ["runner", "train", *runner_overrides(spec), f"hydra.run.dir={run_dir}"]
+
+
+def tune_config(spec: dict, out: Path) -> str:
+    """torchtune's full_finetune_single_device config for the same model, data and optimizer."""
+    shape = spec["shape"]
+    config = {
+        "output_dir": str(out),
+        "model": {
+            "_component_": "torchtune.models.llama3_2.llama3_2",
+            "vocab_size": shape["vocab"],
+            "num_layers": shape["layers"],
+            "num_heads": shape["heads"],
+            "num_kv_heads": shape["kv_heads"],
+            "embed_dim": shape["hidden"],
+            "intermediate_dim": shape["mlp"],
+            "max_seq_len": 2048,
+            "rope_base": 500000,
+            "norm_eps": 1e-5,
+            # The checkpoint's config.json has no rope scaling.
+            "scale_factor": 1,
+            "tie_word_embeddings": False,
+        },
+        "tokenizer": {
+            "_component_": "runner.tokenizer.ChatTokenizer",
+            "path": spec["checkpoint"],
+            "max_seq_len": None,
+        },
+        "dataset": {
+            "_component_": "torchtune.datasets.instruct_dataset",
+            "source": "json",
+            "data_files": spec["data"],
+            "split": "train",
+            "column_map": {"input": "input", "output": "output"},
+            "train_on_input": False,
+            "packed": False,
+        },
+        "seed": SEED,
+        "shuffle": True,
+        "checkpointer": {
+            "_component_": "torchtune.training.FullModelHFCheckpointer",
+            "checkpoint_dir": spec["checkpoint"],
+            "checkpoint_files": ["model.safetensors"],
+            "recipe_checkpoint": None,
+            "output_dir": str(out),
+            "model_type": "LLAMA3",
+        },
+        "resume_from_checkpoint": False,
+        "batch_size": spec["batch_size"],
+        "epochs": 1,
+        "max_steps_per_epoch": spec["steps"],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "_component_": "torch.optim.AdamW",
+            **OPTIMIZER,
+            "betas": list(OPTIMIZER["betas"]),
+        },
+        "optimizer_in_bwd": False,
+        "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
+        "clip_grad_norm": CLIP_GRAD_NORM,
+        "compile": False,
+        "device": "cpu",
+        "dtype": "fp32",
+        "enable_activation_checkpointing": False,
+        "enable_activation_offloading": False,
+        "metric_logger": {
+            "_component_": "torchtune.training.metric_logging.DiskLogger",
+            "log_dir": str(out / "logs"),
+            "filename": "log.txt",
+        },
+        "log_every_n_steps": 1,
+        "log_peak_memory_stats": False,
+        "profiler": {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
+    }
+    return json.dumps(config, indent=2)  # JSON is YAML
+
+
+def tune_command(config: Path) -> list[str]:
+    return ["tune", "run", "full_finetune_single_device", "--config", str(config)]
+
+
+class StepClock:
+    """Wall time at the end of each optimizer step, from the start of training."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.ends: list[float] = []
+
+    def tick(self) -> None:
+        self.ends.append(time.perf_counter())
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip([self.start, *self.ends], self.ends, strict=False)]
+
+
+def run_hf(spec: dict, out: Path) -> dict:
+    """transformers' Trainer on the checkpoint, fed the ordered pre-tokenized samples."""
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    samples = json.loads(Path(spec["samples"]).read_text())
+    dataset = [{"input_ids": s["tokens"], "labels": s["labels"]} for s in samples]
+    clock = StepClock()
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.tick()
+
+    losses = []
+
+    class InOrder(Trainer):
+        # Trainer shuffles with its own sampler; the arms train in one order.
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+        # Its log rounds the loss to 4 digits; the step's own loss, unrounded.
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            losses.append(loss.detach())
+            return loss
+
+    def collate(batch: list[dict]) -> dict:
+        return {key: torch.tensor([s[key] for s in batch]) for key in ("input_ids", "labels")}
+
+    model = LlamaForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32)
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=spec["batch_size"],
+        max_steps=spec["steps"],
+        learning_rate=OPTIMIZER["lr"],
+        adam_beta1=OPTIMIZER["betas"][0],
+        adam_beta2=OPTIMIZER["betas"][1],
+        adam_epsilon=OPTIMIZER["eps"],
+        weight_decay=OPTIMIZER["weight_decay"],
+        optim="adamw_torch",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=CLIP_GRAD_NORM,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=SEED,
+        dataloader_num_workers=0,
+        dataloader_drop_last=True,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+    )
+    trainer = InOrder(
+        model=model, args=args, train_dataset=dataset, data_collator=collate, callbacks=[Clock()]
+    )
+    trainer.train()
+    return {"losses": [loss.item() for loss in losses], "step_times": clock.step_times()}
+
+
+def run_bare(spec: dict, out: Path) -> dict:
+    """The hand-written loop: torchtune's builder loaded from the checkpoint, AdamW, CE, clip."""
+    import torch
+    from safetensors.torch import load_file
+    from torchtune.models import convert_weights
+    from torchtune.models.llama3_2 import llama3_2
+
+    torch.manual_seed(SEED)
+    shape = spec["shape"]
+    model = llama3_2(
+        vocab_size=shape["vocab"],
+        num_layers=shape["layers"],
+        num_heads=shape["heads"],
+        num_kv_heads=shape["kv_heads"],
+        embed_dim=shape["hidden"],
+        intermediate_dim=shape["mlp"],
+        max_seq_len=2048,
+        rope_base=500000,
+        norm_eps=1e-5,
+        scale_factor=1,
+        tie_word_embeddings=False,
+    )
+    hf_state = load_file(Path(spec["checkpoint"]) / "model.safetensors")
+    model.load_state_dict(
+        convert_weights.hf_to_tune(
+            hf_state,
+            num_heads=shape["heads"],
+            num_kv_heads=shape["kv_heads"],
+            dim=shape["hidden"],
+        )
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    samples = json.loads(Path(spec["samples"]).read_text())
+    size = spec["batch_size"]
+    losses, clock = [], StepClock()
+    for step in range(spec["steps"]):
+        batch = samples[step * size : (step + 1) * size]
+        tokens = torch.tensor([s["tokens"] for s in batch])
+        labels = torch.tensor([s["labels"] for s in batch])
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)),
+            labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        clock.tick()
+    return {"losses": losses, "step_times": clock.step_times()}
+
+
+# ---- running an arm and reading what it recorded ------------------------------------------
+def run_child(command: list[str], log: Path, timeout_s: float) -> tuple[float, float]:
+    """Runs `command` to its end (output to `log`); its start time and its tree's peak RSS (MiB).
+
+    os.wait4 gives the child's own rusage, whose maxrss covers the processes it waited for.
+    """
+    start = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"{shlex.join(command)} exited {proc.returncode}:\n{tail}")
+    return start, usage.ru_maxrss / 1024
+
+
+STEP_LINE = re.compile(r"^\[([\d-]+ [\d:]+,\d+)\]\[runner\.recipe\]\[INFO\] - step (\d+)/")
+
+
+def read_runner(run_dir: Path, start: float) -> dict:
+    """Losses from metrics.jsonl; step times between the step lines of train.log (each step's
+    whole loop, its logging included); the first step's end from the start of the command."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    ends = []
+    for line in (run_dir / "train.log").read_text().splitlines():
+        match = STEP_LINE.match(line)
+        if match:
+            ends.append(datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    times = [ends[0] - start] + [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    return {"losses": losses, "step_times": times, "first_step_s": ends[0] - start}
+
+
+TUNE_VALUE = r"{}:(?:tensor\()?([-+\d.eE]+)"
+
+
+def read_tune(log_file: Path, trained_tokens_per_step: int) -> dict:
+    """Losses and step times from the DiskLogger file: a step's time is its trained (label)
+    tokens over the tokens_per_second_per_gpu that the recipe logs for it."""
+    losses, times = [], []
+    for line in log_file.read_text().splitlines():
+        loss = re.search(TUNE_VALUE.format("loss"), line)
+        rate = re.search(TUNE_VALUE.format("tokens_per_second_per_gpu"), line)
+        if loss and rate:
+            losses.append(float(loss[1]))
+            times.append(trained_tokens_per_step / float(rate[1]))
+    return {"losses": losses, "step_times": times}
+
+
+def run_arm(arm: str, workdir: Path, spec: dict, repeat: int, timeout_s: float) -> dict:
+    """One run of one arm in its own subprocess: losses, step times, peak RSS."""
+    out = workdir / f"{arm}-{repeat}"
+    out.mkdir()
+    log = out / "output.log"
+    if arm == "runner":
+        run_dir = out / "run"
+        start, rss = run_child(runner_command(spec, run_dir), log, timeout_s)
+        result = read_runner(run_dir, start)
+    elif arm == "tune":
+        config = out / "tune.yaml"
+        config.write_text(tune_config(spec, out / "tune"))
+        _, rss = run_child(tune_command(config), log, timeout_s)
+        result = read_tune(out / "tune" / "logs" / "log.txt", spec["trained_tokens_per_step"])
+    else:
+        command = [
+            sys.executable,
+            __file__,
+            "--arm",
+            arm,
+            "--workdir",
+            str(workdir),
+            "--out",
+            str(out),
+        ]
+        _, rss = run_child(command, log, timeout_s)
+        result = json.loads((out / "result.json").read_text())
+    if len(result["losses"]) != spec["steps"] or len(result["step_times"]) != spec["steps"]:
+        raise SystemExit(
+            f"{arm} logged {len(result['losses'])} losses and "
+            f"{len(result['step_times'])} step times, not {spec['steps']}; see {out}"
+        )
+    return {**result, "peak_rss_mib": rss}
+
+
+def cfg_job_latency(spec: dict, workdir: Path, times: int = 3) -> float:
+    """Median wall time of `runner train --cfg job` with the benchmark's overrides."""
+    command = runner_command(spec, workdir / "cfg-job-run")[:-1] + ["--cfg", "job"]
+    seconds = []
+    for _ in range(times):
+        start = time.perf_counter()
+        subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+# ---- report ---------------------------------------------------------------------------------
+def machine_facts() -> str:
+    import torch
+    import torchtune
+    import transformers
+
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"cpu: {cpu}; {usable} usable cores of {os.cpu_count()}; torch threads "
+        f"{torch.get_num_threads()}; load average {load}\n"
+        f"torch {torch.__version__}, torchtune {torchtune.__version__}, transformers "
+        f"{transformers.__version__}, python {platform.python_version()}"
+    )
+
+
+def summarize(results: dict[str, list[dict]], spec: dict, warmup: int) -> list[str]:
+    """The table: per arm s/step, tokens/s, peak RSS and step-1 loss; agreement and ratios."""
+    rows, lines = {}, []
+    for arm, runs in results.items():
+        per_run = [statistics.median(run["step_times"][warmup:]) for run in runs]
+        seconds = statistics.median(per_run)
+        rows[arm] = {
+            "s_step": seconds,
+            "tokens_s": spec["tokens_per_step"] / seconds,
+            "rss": max(run["peak_rss_mib"] for run in runs),
+            "loss1": runs[0]["losses"][0],
+            "spread": (min(per_run), max(per_run)),
+        }
+    lines.append(
+        f"{'arm':<8}{'tokens/s':>10}{'s/step':>9}{'peak RSS MiB':>14}"
+        f"{'step-1 loss':>13}   s/step per repeat"
+    )
+    for arm, row in rows.items():
+        runs = " ".join(f"{statistics.median(r['step_times'][warmup:]):.3f}" for r in results[arm])
+        lines.append(
+            f"{arm:<8}{row['tokens_s']:>10.0f}{row['s_step']:>9.3f}{row['rss']:>14.0f}"
+            f"{row['loss1']:>13.5f}   {runs}"
+        )
+    first_losses = [run["losses"][0] for runs in results.values() for run in runs]
+    gap = max(first_losses) - min(first_losses)
+    verdict = "AGREE" if gap <= LOSS_TOLERANCE else "DISAGREE"
+    lines.append(
+        f"step-1 loss: {verdict} (largest difference {gap:.2e} over every run; "
+        f"tolerance {LOSS_TOLERANCE:g})"
+    )
+    if "runner" in rows:
+        ratios = [
+            f"ours/{name} {rows['runner']['tokens_s'] / rows[arm]['tokens_s']:.2f}"
+            for arm, name in (("tune", "tune"), ("hf", "HF"), ("bare", "bare"))
+            if arm in rows
+        ]
+        lines.append("tokens/s ratios: " + "  ".join(ratios))
+    return lines
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=SIZES, default="default")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="first steps left out of the median step time (at least 1)",
+    )
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}"
+    )
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per arm run")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    # An arm's own process (hf, bare): reads WORKDIR/spec.json, writes OUT/result.json.
+    parser.add_argument("--arm", choices=("hf", "bare"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.arms = [a for a in args.arms.split(",") if a]
+    unknown = set(args.arms) - set(ARMS)
+    if unknown:
+        parser.error(f"--arms: unknown {sorted(unknown)}; choose from {','.join(ARMS)}")
+    if not 1 <= args.warmup < args.steps:
+        parser.error(f"--warmup {args.warmup}: give 1 <= warmup < --steps ({args.steps})")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.arm:
+        spec = json.loads((Path(args.workdir) / "spec.json").read_text())
+        run = run_hf if args.arm == "hf" else run_bare
+        Path(args.out, "result.json").write_text(json.dumps(run(spec, Path(args.out))))
+        return
+    print("$ python " + shlex.join([os.path.relpath(__file__), *argv]))
+    print(machine_facts(), flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
+    try:
+        spec = prepare(workdir, args.size, args.steps, args.batch_size)
+        length = spec["tokens_per_step"] // args.batch_size
+        print(
+            f"model: Llama, {spec['parameters'] / 1e6:.1f}M parameters ({args.size}: "
+            f"{spec['shape']}); batch {args.batch_size} x {length} tokens "
+            f"({spec['trained_tokens_per_step']} trained per step), {args.steps} steps, "
+            f"median over steps {args.warmup + 1}-{args.steps}, {args.repeats} repeats",
+            flush=True,
+        )
+        results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+        for repeat in range(args.repeats):
+            order = args.arms[repeat % len(args.arms) :] + args.arms[: repeat % len(args.arms)]
+            for arm in order:
+                start = time.perf_counter()
+                results[arm].append(run_arm(arm, workdir, spec, repeat, args.timeout))
+                print(
+                    f"  repeat {repeat + 1} {arm}: {time.perf_counter() - start:.1f}s wall",
+                    flush=True,
+                )
+        print("\n".join(summarize(results, spec, args.warmup)))
+        if "runner" in results:
+            first = statistics.median(run["first_step_s"] for run in results["runner"])
+            print(
+                f"start-up: runner train -> end of its first optimizer step {first:.2f}s "
+                f"(median of {args.repeats}); runner train --cfg job "
+                f"{cfg_job_latency(spec, workdir):.2f}s (median of 3)"
+            )
+        print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    finally:
+        if args.keep:
+            print(f"work directory kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
