@@ -243,11 +243,13 @@ class ChatTokenizer:
                 break  # the change is the stand-in itself: its ends are the content's
         return start, max(start, end)
 
-    def _check_history(self, messages: list[Message], index: int, text: str) -> None:
-        """A UserError unless the conversation up to answer `index` renders as the start of the
-        whole one: what the model saw when it wrote that answer is what it trains on. (Prompts
-        may change: Mistral's template moves the system message onto the last user turn.)"""
-        if not text.startswith(self.render(messages[: index + 1])):
+    def _check_history(self, messages: list[Message], index: int, text: str, end: int) -> None:
+        """A UserError unless the conversation up to answer `index` renders as `text` does up
+        to that answer's end (`end`): what the model saw when it wrote the answer, and the
+        answer, are what it trains on. What follows may differ (Phi-3's template closes a
+        conversation with eos_token), and so may prompts (Mistral's moves the system message
+        onto the last user turn)."""
+        if self.render(messages[: index + 1])[:end] != text[:end]:
             raise UserError(
                 "model.chat_template",
                 self.template_name,
@@ -268,12 +270,12 @@ class ChatTokenizer:
         for index, message in enumerate(messages):
             if message.masked:
                 continue
-            if message.role == "assistant" and index < last:
-                self._check_history(messages, index, text)
             start, end = self._content_span(messages, index, text, open_last)
             if not (open_last and index == last):
                 closing = self._end_of_turn.match(text, end)
                 end = closing.end() if closing else end
+            if message.role == "assistant" and index < last:
+                self._check_history(messages, index, text, end)
             spans.append((start, end))
         return spans
 

@@ -44,6 +44,65 @@ GEMMA2_TEMPLATE = (
     "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
+# microsoft/Phi-3-mini-4k-instruct: a whole conversation ends with eos_token.
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+# microsoft/phi-4: ChatML with <|im_sep|> after the role and no newlines.
+PHI4_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'system') %}"
+    "{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + message['content'] "
+    "+ '<|im_end|>'}}{% elif (message['role'] == 'assistant') %}"
+    "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
+)
+# google/gemma-3-1b-it: the system message joins the first user turn.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
 # Qwen/Qwen3-0.6B: earlier assistant turns lose their <think> block once a later user turn
 # follows, and the last one gets an (empty) one: a history-rewriting template.
 QWEN3_TEMPLATE = """{%- if tools %}
@@ -146,6 +205,9 @@ TEMPLATES = {
     "llama3_1": (LLAMA3_1_TEMPLATE, [*_LLAMA3, "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>", False, "<|eot_id|>"),
     "llama3_2": (LLAMA3_2_TEMPLATE, [*_LLAMA3, "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>", False, "<|eot_id|>"),
     "mistral": (MISTRAL_TEMPLATE, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", True, "</s>"),
+    "phi3": (PHI3_TEMPLATE, ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|user|>", "<|end|>"], "<s>", "<|endoftext|>", True, "<|end|>"),
+    "phi4": (PHI4_TEMPLATE, ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"], "<|endoftext|>", "<|im_end|>", False, "<|im_end|>"),
+    "gemma3": (GEMMA3_TEMPLATE, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", True, "<end_of_turn>"),
     "gemma2": (GEMMA2_TEMPLATE, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", True, "<end_of_turn>"),
 }  # fmt: skip
 CORPUS = [
