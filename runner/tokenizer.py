@@ -68,10 +68,25 @@ def render_chat(
 
 
 def load_hf_tokenizer(path: Path) -> Any:
-    """transformers' tokenizer of a directory (local files only)."""
+    """transformers' tokenizer of a directory (local files only); a UserError if it has none."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            "model.tokenizer",
+            str(path),
+            f"transformers cannot load a tokenizer from it ({err}); give a directory holding "
+            "tokenizer.json and tokenizer_config.json",
+        ) from err
+    if tokenizer.eos_token is None:
+        raise UserError(
+            "model.tokenizer",
+            str(path),
+            "its tokenizer has no eos_token; set eos_token in its tokenizer_config.json",
+        )
+    return tokenizer
 
 
 def _common_prefix(a: str, b: str) -> int:
