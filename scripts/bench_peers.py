@@ -64,6 +64,8 @@ SEED = 0
 INSTRUCTION, WORD_LENGTH = "Reverse:", 5
 LOSS_TOLERANCE = 1e-3
 IGNORE_INDEX = -100
+# A 1-minute load average above this before the run: say that the figures are noisy.
+QUIET_LOAD = 0.5
 
 
 # ---- setup: checkpoint, data, the order every arm trains in --------------------------------
@@ -635,6 +637,11 @@ def main(argv: list[str]) -> None:
         return
     print("$ python " + shlex.join([os.path.relpath(__file__), *argv]))
     print(machine_facts(), flush=True)
+    if os.getloadavg()[0] > QUIET_LOAD:
+        print(
+            f"WARNING: load average {os.getloadavg()[0]:.2f} > {QUIET_LOAD}: the machine is "
+            "not quiet; neighbours make step times noisy (compare ratios, not figures)"
+        )
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
     try:
         spec = prepare(workdir, args.size, args.steps, args.batch_size)
