@@ -16,6 +16,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from runner.config_errors import from_hydra_error
 from runner.errors import UserError
 from runner.paths import CONF_DIR
 from runner.schema import Cluster, typed
@@ -34,6 +35,19 @@ _K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 def _compose(config_name: str, overrides: list[str]) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name, overrides=overrides)
+
+
+def _compose_cluster(overrides: list[str]) -> DictConfig:
+    """The cluster config; a composition error names its key as the user typed it
+    (`cluster.gpus`, not `gpus`)."""
+    try:
+        return _compose("cluster", overrides)
+    except Exception as err:  # noqa: BLE001 - recast below if Hydra's, else re-raised
+        error = from_hydra_error(err)
+        if error is None:
+            raise
+        key = error.key if error.key in ("override", "config") else f"cluster.{error.key}"
+        raise UserError(key, error.value, error.fix) from None
 
 
 def _on_multi_node(train_overrides: list[str]) -> list[str]:
@@ -132,7 +146,7 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
     """{"slurm": script, "kubeflow": manifest}, as cluster.print selects."""
     cluster_overrides = [o[len("cluster.") :] for o in overrides if o.startswith("cluster.")]
     train_overrides = [o for o in overrides if not o.startswith("cluster.")]
-    cluster = typed(_compose("cluster", cluster_overrides), Cluster, "cluster.")
+    cluster = typed(_compose_cluster(cluster_overrides), Cluster, "cluster.")
     if cluster.print not in ("both", "slurm", "kubeflow"):
         raise UserError("cluster.print", cluster.print, "choose both, slurm or kubeflow")
     # Composing and typing check every train override (keys, options, types, bounds) before

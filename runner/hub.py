@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.paths import CONF_DIR
+from runner.schema import typed
 
 SCHEME = "hf://"
 URI_FORM = "hf://org/repo, hf://org/repo/path/in/repo or hf://org/repo@revision/path"
@@ -358,6 +359,8 @@ def localize(
 
 def download(cfg: DictConfig) -> None:
     """Fetches every hf:// source the composed config names into the cache; prints where."""
+    # The same config as `runner train`: a value it would refuse is refused before any fetch.
+    cfg = typed(cfg)
     hub = Hub.from_runtime(cfg.runtime, overrides=None)
     found = list(hub_values(cfg))
     if not found:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from runner.components import resolve_component
 from runner.data import COLUMNS, CONVERSATION_STYLES, KINDS, local_source, source_format
 from runner.errors import UserError
 from runner.hub import Hub, localize
@@ -233,6 +234,23 @@ def _optimizer(optimizer: DictConfig, device: str) -> dict[str, Any]:
     return option
 
 
+def _built_once(node: dict[str, Any], key: str) -> None:
+    """Builds a component node once (a builder on the meta device), so that a refused argument
+    (`loss.ignore_index=abc`, `model.builder.num_layers=abc`) fails here, not in training."""
+    arguments = {k: v for k, v in node.items() if k != "_component_"}
+    component = resolve_component(node.get("_component_"), f"{key}._component_")
+    try:
+        with torch.device("meta"):
+            component(**arguments)
+    except (TypeError, ValueError, AssertionError) as err:
+        raise UserError(
+            key,
+            arguments,
+            f"{node['_component_']} refuses them ({err}); give arguments it takes (see its "
+            "documentation)",
+        ) from None
+
+
 def _held_out(value: Any) -> float | None:
     """dataset.validation.held_out: a percentage (5%) or a fraction (0.05) -> the fraction."""
     if value is None:
@@ -432,6 +450,9 @@ def resolve_recipe(
     hub = Hub.from_runtime(cfg.runtime, list(overrides))
     cfg, hub_sources = localize(cfg, hub, only_cached=not fetch)
     model = resolve_model(cfg.model, need_files=fetch)
+    _built_once(model["builder"], "model.builder")
+    loss = OmegaConf.to_container(cfg.loss, resolve=True)
+    _built_once(loss, "loss")
     method = resolve_method(cfg.method, cfg.model.name, model, run_dir, nnodes * nproc_per_node)
     dataset = {
         **_dataset(cfg.dataset, model["builder"]["max_seq_len"]),
@@ -451,7 +472,7 @@ def resolve_recipe(
             "hub_sources": hub_sources,
             "dataset": dataset,
             "dtype": {"name": resolve_dtype(cfg.dtype.name, device)},
-            "loss": OmegaConf.to_container(cfg.loss, resolve=True),
+            "loss": loss,
             "compute": compute,
             "method": method,
             "optimizer": optimizer,

@@ -1,0 +1,284 @@
+"""A table of bad inputs over every command, each run through the real `runner` CLI.
+
+Each case must end as a user error does: exit 2, no traceback, one message naming the key or
+file given (`error: KEY=VALUE: FIX`), and no run directory that claims anything (no status.json
+written where the command ran, the input files untouched). The config checks are reached through
+`runner validate` or `runner estimate` where they are the same checks `runner train` makes, as
+those start no training and cost a subprocess the least; a few go through `runner train` itself
+to show it stops before a run directory exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from runner.paths import SAMPLE_DATA_DIR
+from tests.fixtures import write_tiny_checkpoint
+
+# A deploy or export that wrongly got past its checks would serve or write: not for long.
+TIMEOUT_S = 180
+
+
+class Case(NamedTuple):
+    id: str
+    argv: list[str]  # "{files}" is the directory of the input files below
+    names: list[str]  # what the message must name: the key and, for a file, its path
+
+
+def case(id: str, argv: str, *names: str) -> object:
+    return pytest.param(Case(id, argv.split(), list(names)), id=id)
+
+
+# ---- the table --------------------------------------------------------------------------------
+CASES = [
+    # unknown commands, options and keys
+    case("unknown-command", "trian", "command="),
+    case("unknown-key", "validate batch_sise=4", "batch_sise="),
+    case("not-key-value", "validate key=a=b", "override="),
+    case("unknown-hydra-flag", "validate --frobnicate", "--frobnicate"),
+    # model
+    case("model-option", "estimate model=gpt5", "model="),
+    case("model-hf-no-source", "estimate model=hf", "model.source="),
+    case("model-source-missing", "validate model=hf model.source=/no/such/ckpt", "model.source="),
+    case(
+        "model-source-file",
+        "validate model=hf model.source={files}/notes.txt",
+        "model.source=",
+        "{files}/notes.txt",
+    ),
+    case(
+        "model-source-empty-dir",
+        "validate model=hf model.source={files}/empty_dir",
+        "model.source=",
+        "{files}/empty_dir",
+    ),
+    case(
+        "model-weights-cut-short",
+        "train model=hf model.source={files}/cut_ckpt",
+        "model.source=",
+        "{files}/cut_ckpt",
+    ),
+    case("model-builder-type", "estimate model.builder.num_layers=abc", "model.builder"),
+    # dataset
+    case("data-missing", "validate dataset.source=/no/such/file.jsonl", "dataset.source="),
+    case(
+        "data-empty", "train dataset.source={files}/empty.jsonl", "dataset.source=", "empty.jsonl"
+    ),
+    case(
+        "data-malformed-line",
+        "validate dataset.source={files}/malformed.jsonl",
+        "dataset.source=",
+        "line 3",
+    ),
+    case(
+        "data-csv-as-jsonl",
+        "validate dataset.source={files}/csv_inside.jsonl",
+        "dataset.source=",
+        "line 1",
+    ),
+    case(
+        "data-not-utf8", "validate dataset.source={files}/latin1.jsonl", "dataset.source=", "row 2"
+    ),
+    case(
+        "data-wrong-columns",
+        "validate dataset.source={files}/qa.jsonl",
+        "dataset.column_map.instruction=",
+    ),
+    case(
+        "data-format-mismatch",
+        "validate dataset.source={files}/records.jsonl dataset.format=parquet",
+        "dataset.source=",
+    ),
+    case(
+        "data-chat-on-instruct",
+        "validate dataset=chat dataset.source={files}/records.jsonl",
+        "dataset.column_map",
+    ),
+    case(
+        "data-held-out-range",
+        "validate dataset=instruct dataset.source={files}/records.jsonl "
+        "dataset.validation.held_out=150%",
+        "dataset.validation.held_out=",
+    ),
+    # dtype and loss
+    case("dtype-option", "estimate dtype=bf61", "dtype="),
+    case("loss-option", "estimate loss=mse", "loss="),
+    case("loss-component", "estimate loss._component_=os.system", "loss._component_="),
+    case("loss-argument", "validate loss.ignore_index=abc", "loss"),
+    # compute
+    case(
+        "compute-nproc-zero",
+        "estimate compute=cpu compute.nproc_per_node=0",
+        "compute.nproc_per_node=",
+    ),
+    case("compute-device", "estimate compute=cpu compute.device=tpu", "compute.device="),
+    # method
+    case("method-rank", "estimate method=lora method.rank=0", "method.rank="),
+    case("method-dropout-high", "estimate method=lora method.dropout=1.5", "method.dropout="),
+    case(
+        "method-modules",
+        "estimate method=lora method.lora_attn_modules=[foo_proj]",
+        "method.lora_attn_modules=",
+    ),
+    # optimizer
+    case("optimizer-lr-type", "estimate optimizer.lr=fast", "optimizer.lr="),
+    case("optimizer-betas-short", "train optimizer.betas=[0.9]", "optimizer.betas"),
+    case("optimizer-betas-range", "estimate optimizer.betas=[1.5,0.9]", "optimizer.betas"),
+    case("optimizer-weight-decay", "estimate optimizer.weight_decay=-1", "optimizer.weight_decay"),
+    case("optimizer-argument", "estimate optimizer.momentum=0.9", "optimizer.momentum"),
+    case(
+        "optimizer-component", "estimate optimizer._component_=os.system", "optimizer._component_="
+    ),
+    # runtime
+    case(
+        "runtime-save-every", "estimate runtime.save_every_n_steps=0", "runtime.save_every_n_steps="
+    ),
+    case("runtime-tensorboard", "estimate runtime.tensorboard=maybe", "runtime.tensorboard="),
+    # eval and objective
+    case("eval-strategy", "estimate eval.strategy=sometimes", "eval.strategy="),
+    case("objective-mode", "estimate objective.mode=up", "objective.mode="),
+    # training keys
+    case("max-steps", "train max_steps=0", "max_steps="),
+    case("resume-missing", "train resume=/no/such/run", "resume="),
+    case("resume-not-a-run", "train resume={files}/not_a_run", "resume=", "{files}/not_a_run"),
+    # download
+    case("download-type", "download batch_size=abc", "batch_size="),
+    # deploy
+    case("deploy-no-checkpoint", "deploy", "checkpoint"),
+    case("deploy-port-type", "deploy checkpoint={files}/full_ckpt port=abc", "port="),
+    case("deploy-port-range", "deploy checkpoint={files}/full_ckpt port=-1", "port="),
+    case(
+        "deploy-not-a-checkpoint", "deploy checkpoint={files}/not_a_run", "checkpoint=", "not_a_run"
+    ),
+    case("deploy-cut-short", "deploy checkpoint={files}/cut_ckpt", "checkpoint=", "cut_ckpt"),
+    case("deploy-unknown-key", "deploy checkpoint={files}/full_ckpt prot=9000", "prot="),
+    # export
+    case("export-format", "export checkpoint={files}/full_ckpt format=onnx", "format="),
+    case(
+        "export-merged-dtype",
+        "export checkpoint={files}/full_ckpt merged.dtype=fp8",
+        "merged.dtype=",
+    ),
+    case("export-bare-dtype", "export checkpoint={files}/full_ckpt dtype=bf16", "dtype="),
+    case("export-no-weights", "export checkpoint={files}/no_weights", "checkpoint=", "no_weights"),
+    case("export-cut-short", "export checkpoint={files}/cut_ckpt", "checkpoint=", "cut_ckpt"),
+    # repro
+    case("repro-not-a-run", "repro {files}/not_a_run", "RUN_DIR=", "not_a_run"),
+    case("repro-steps-zero", "repro {files}/old_run --steps 0", "--steps"),
+    case("repro-tolerance", "repro {files}/old_run --tolerance -1", "--tolerance"),
+    case(
+        "repro-out-exists", "repro {files}/old_run --out {files}/not_a_run", "--out=", "not_a_run"
+    ),
+    case("repro-old-recipe", "repro {files}/old_run --out {files}/fresh", "recipe.yaml", "old_run"),
+    # lifecycle
+    case("runs-missing-dir", "runs /no/such/dir", "DIR=", "/no/such/dir"),
+    case("logs-not-a-run", "logs {files}/not_a_run", "RUN=", "not_a_run"),
+    case("stop-not-a-run", "stop {files}/not_a_run", "RUN=", "not_a_run"),
+    case("resume-completed", "resume {files}/old_run", "RUN=", "old_run"),
+    # cluster
+    case("cluster-nodes", "cluster cluster.nodes=0", "cluster.nodes="),
+    case("cluster-shared-dir", "cluster cluster.shared_dir=/shared/$HOME", "cluster.shared_dir="),
+    case("cluster-unknown-key", "cluster cluster.gpus=4", "cluster.gpus="),
+    case("cluster-train-key", "cluster batch_sise=3", "batch_sise="),
+]
+if not torch.cuda.is_available():
+    CASES.append(case("compute-gpu-without-one", "validate compute=gpu", "compute="))
+
+
+# ---- the input files -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bad (and the few good) inputs the table points at, made once."""
+    root = tmp_path_factory.mktemp("inputs")
+    good = (SAMPLE_DATA_DIR / "train.jsonl").read_text().splitlines()[:20]
+    (root / "records.jsonl").write_text("\n".join(good) + "\n")
+    (root / "empty.jsonl").write_text("")
+    (root / "malformed.jsonl").write_text("\n".join([*good[:2], '{"instruction": oops}']) + "\n")
+    (root / "csv_inside.jsonl").write_text("instruction,input,output\nUpper:,ab,AB\n")
+    (root / "latin1.jsonl").write_bytes(
+        (good[0] + "\n").encode()
+        + '{"instruction": "caf\xe9", "input": "", "output": "x"}\n'.encode("latin-1")
+    )
+    (root / "qa.jsonl").write_text('{"question": "1+1", "answer": "2"}\n' * 20)
+    (root / "notes.txt").write_text("not a checkpoint\n")
+    (root / "empty_dir").mkdir()
+    (root / "not_a_run").mkdir()
+    (root / "not_a_run" / "readme.txt").write_text("just a directory\n")
+
+    full = write_tiny_checkpoint("llama3_2", root / "full_ckpt")
+    cut = root / "cut_ckpt"
+    shutil.copytree(full, cut)
+    weights = cut / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    shutil.copytree(full, root / "no_weights")
+    (root / "no_weights" / "model.safetensors").unlink()
+
+    # A completed run recorded by a runner of an older recipe layout.
+    old = root / "old_run"
+    old.mkdir()
+    (old / "status.json").write_text(
+        json.dumps({"state": "completed", "step": 4, "total_steps": 4})
+    )
+    (old / "recipe.yaml").write_text("run_dir: old_run\nmodel: {name: tiny}\n")
+    (old / "manifest.json").write_text(json.dumps({"overrides": []}))
+    (old / "train.log").write_text("step 4/4\n")
+    return root
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under `root` with its size and modification time."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+    }
+
+
+# ---- the test --------------------------------------------------------------------------------
+OUTCOMES: list[tuple[str, bool]] = []
+
+
+@pytest.mark.parametrize("bad", CASES)
+def test_bad_input(bad: Case, files: Path, hermetic_env: dict[str, str], tmp_path: Path) -> None:
+    argv = [arg.replace("{files}", str(files)) for arg in bad.argv]
+    names = [name.replace("{files}", str(files)) for name in bad.names]
+    before = snapshot(files)
+    passed = False
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "runner", *argv],
+            cwd=tmp_path,
+            env=hermetic_env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        stderr = proc.stderr
+        assert proc.returncode == 2, f"exit {proc.returncode}\n{stderr[-3000:]}"
+        assert "Traceback" not in stderr, stderr[-3000:]
+        errors = [line for line in stderr.splitlines() if "error: " in line]
+        assert len(errors) == 1, stderr[-3000:]
+        for name in names:
+            assert name in errors[0], f"{name!r} not in {errors[0]!r}"
+        claimed = list(tmp_path.rglob("status.json"))
+        assert not claimed, f"a run directory was left: {claimed}"
+        assert snapshot(files) == before, "an input was changed or written into"
+        passed = True
+    finally:
+        OUTCOMES.append((bad.id, passed))
+
+
+def test_print_the_count() -> None:
+    """The table's count, for the closing note of issue 20 (run after the cases above)."""
+    failed = [id for id, passed in OUTCOMES if not passed]
+    print(
+        f"\nbad-input table: {len(OUTCOMES)} cases, {len(OUTCOMES) - len(failed)} passed, "
+        f"{len(failed)} failed" + (f" ({', '.join(failed)})" if failed else "")
+    )
