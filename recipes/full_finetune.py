@@ -387,10 +387,16 @@ class FullFinetuneRecipe:
             model_state={k: v.to(torch.float32) for k, v in model_state.items()},
             hf_config=OmegaConf.to_container(self.cfg.model.hf_config),
             tokenizer_dir=Path(self.cfg.model.tokenizer.path),
+            chat_template=self._chat_template(),
             training_state=training_state,
             stop_token_ids=self.tokenizer.stop_tokens,
             source_dir=Path(self.cfg.model.source) if self.cfg.model.source else None,
         )
+
+    def _chat_template(self) -> Path | None:
+        """model.chat_template's file, which every checkpoint keeps (None: the tokenizer's)."""
+        template = self.cfg.model.tokenizer.chat_template
+        return None if template is None else Path(template)
 
     def _load_model_weights(self, checkpoint: Path) -> None:
         model_state = {k: v.to(self.dtype) for k, v in read_model_state(checkpoint).items()}

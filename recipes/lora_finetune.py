@@ -84,6 +84,7 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
                 model_state=state,
                 hf_config=self._hf_config(),
                 tokenizer_dir=Path(self.cfg.model.tokenizer.path),
+                chat_template=self._chat_template(),
                 stop_token_ids=self.tokenizer.stop_tokens,
             )
         return state
@@ -114,6 +115,7 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
             adapter_config=peft_adapter_config(lora, method.base_model_dir),
             hf_config=self._hf_config(),
             tokenizer_dir=Path(self.cfg.model.tokenizer.path),
+            chat_template=self._chat_template(),
             training_state=training_state,
             stop_token_ids=self.tokenizer.stop_tokens,
             merged_state=merged,

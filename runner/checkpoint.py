@@ -16,6 +16,7 @@ from runner.families import hf_to_tune, peft_to_tune, read_config, tune_to_hf, t
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
+    CHAT_TEMPLATE_FILE,
     GENERATION_CONFIG,
     HF_CONFIG_FILE,
     MODEL_FILE,
@@ -35,6 +36,7 @@ def write_checkpoint(
     training_state: dict[str, Any],
     stop_token_ids: list[int],
     source_dir: Path | None = None,
+    chat_template: Path | None = None,
 ) -> None:
     """Writes a directory that `transformers` loads as it is, plus training_state.pt.
 
@@ -42,7 +44,7 @@ def write_checkpoint(
     """
     out_dir.mkdir(parents=True, exist_ok=False)
     write_hf_model(out_dir, model_state, hf_config)
-    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids, source_dir)
+    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids, source_dir, chat_template)
     torch.save(training_state, out_dir / TRAINING_STATE_FILE)
 
 
@@ -61,10 +63,14 @@ def write_model_files(
     tokenizer_dir: Path,
     stop_token_ids: list[int],
     source_dir: Path | None = None,
+    chat_template: Path | None = None,
 ) -> None:
     """What every checkpoint holds beside its weights: generation config and tokenizer files.
 
-    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json.
+    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json. A
+    `chat_template` file (model.chat_template, for a tokenizer without one) is written as
+    chat_template.jinja, where transformers reads it, so deploy and export render chats as the
+    run trained on them.
     """
     if source_dir is not None and (source_dir / GENERATION_CONFIG).is_file():
         shutil.copy2(source_dir / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
@@ -78,6 +84,8 @@ def write_model_files(
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, out_dir / name)
+    if chat_template is not None:
+        shutil.copy2(chat_template, out_dir / CHAT_TEMPLATE_FILE)
 
 
 def write_lora_checkpoint(
@@ -91,6 +99,7 @@ def write_lora_checkpoint(
     stop_token_ids: list[int],
     merged_state: dict[str, torch.Tensor] | None,
     source_dir: Path | None = None,
+    chat_template: Path | None = None,
 ) -> None:
     """A PEFT adapter (adapter_config.json, adapter_model.safetensors) that peft loads onto the
     base named by adapter_config's base_model_name_or_path; with `merged_state`, also the merged
@@ -101,7 +110,7 @@ def write_lora_checkpoint(
     (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n")
     if merged_state is not None:
         write_hf_model(out_dir, merged_state, hf_config)
-    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids, source_dir)
+    write_model_files(out_dir, hf_config, tokenizer_dir, stop_token_ids, source_dir, chat_template)
     torch.save(training_state, out_dir / TRAINING_STATE_FILE)
 
 
@@ -112,6 +121,7 @@ def write_base_model(
     hf_config: dict[str, Any],
     tokenizer_dir: Path,
     stop_token_ids: list[int],
+    chat_template: Path | None = None,
 ) -> None:
     """A whole Hugging Face model directory, written under a temporary name and renamed."""
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
@@ -119,7 +129,7 @@ def write_base_model(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     write_hf_model(tmp, model_state, hf_config)
-    write_model_files(tmp, hf_config, tokenizer_dir, stop_token_ids)
+    write_model_files(tmp, hf_config, tokenizer_dir, stop_token_ids, chat_template=chat_template)
     tmp.rename(out_dir)
 
 

@@ -59,11 +59,13 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
 GENERATION_CONFIG = "generation_config.json"
 TRAINING_STATE_FILE = "training_state.pt"
+# Where transformers reads a chat template kept apart from tokenizer_config.json.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "chat_template.jinja",
+    CHAT_TEMPLATE_FILE,
     "tokenizer.model",
     "vocab.json",
     "merges.txt",

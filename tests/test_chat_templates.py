@@ -430,3 +430,25 @@ def test_text_data_needs_no_chat_template(runner_cli, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(run_dir)) == [1, 2]
     assert json.loads((run_dir / "checkpoints" / "step_2" / "config.json").read_text())
+
+
+def test_a_template_file_trains_and_every_checkpoint_keeps_it(runner_cli, tmp_path: Path) -> None:
+    """model.chat_template=FILE for a tokenizer without one: the checkpoint carries the file as
+    chat_template.jinja, so what deploy and export render is what trained."""
+    source = write_llama_checkpoint("smollm2", tmp_path / "bare", with_template=False)
+    template = tmp_path / "chatml.jinja"
+    template.write_text(SMOLLM2_TEMPLATE)
+    run_dir = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        "model=hf",
+        f"model.source={source}",
+        f"model.chat_template={template}",
+        *TRAIN,
+        f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = run_dir / "checkpoints" / "step_2"
+    assert (checkpoint / "chat_template.jinja").read_text() == SMOLLM2_TEMPLATE
+    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == SMOLLM2_TEMPLATE
