@@ -300,7 +300,7 @@ class OptimizerKeys:
 # recipe.yaml keeps the sections and names of Train, each value resolved (`auto` made concrete,
 # hf:// sources made local paths, components named), plus what resolution derives (the builder,
 # tokenizer and config.json of the model; where the processes meet). Bumped when a key moves.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 
 @dataclass
@@ -314,7 +314,7 @@ class RecipeModel:
     lora_builder: str = MISSING
     initializer_range: float = 0.02
     # config.json of the checkpoints the run writes; runner.tokenizer.ChatTokenizer and its
-    # arguments (model.chat_template resolved to a chat format). Null only in a dry run that
+    # arguments (its path, and model.chat_template's file or null). Null only in a dry run that
     # has no tokenizer files (`runner estimate` of a model not downloaded).
     hf_config: Optional[Dict[str, Any]] = None
     tokenizer: Optional[Dict[str, Any]] = None
