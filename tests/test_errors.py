@@ -27,8 +27,8 @@ CASES = [
     ),
     (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
     (
-        ["dataset.format=xml"],
-        ["dataset.format='xml'", "choose one of: json, jsonl, csv, parquet, arrow, text"],
+        ["dataset.format=yaml"],
+        ["dataset.format='yaml'", "choose one of: json, jsonl, csv, parquet, arrow, text, xml"],
     ),
 ]
 if not torch.cuda.is_available():
