@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
@@ -152,9 +153,12 @@ class FullFinetuneRecipe:
             policy = MixedPrecisionPolicy(
                 param_dtype=self.compute_dtype, reduce_dtype=torch.float32
             )
+            # fully_shard's default mesh is CUDA whenever CUDA is visible, which would move a
+            # compute=cpu run's weights onto the GPU: the mesh is on the run's device.
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
             for layer in model.layers:
-                fully_shard(layer, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
         if self.cfg.compile:
             for layer in model.layers:
                 layer.compile()
