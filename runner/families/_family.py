@@ -54,6 +54,10 @@ class Family:
     extra_config: Callable[[dict[str, Any]], dict[str, Any]]
     weights: WeightNames
     gguf: GGUFFacts | None  # None: no GGUF export
+    # config.json hidden_act values the builders' MLP computes (Gemma's GeGLU is gelu-tanh).
+    activations: tuple[str, ...] = ("silu",)
+    # Whether the builders take head_dim (Gemma's is not hidden_size / num_attention_heads).
+    own_head_dim: bool = False
 
     @property
     def builder(self) -> str:
