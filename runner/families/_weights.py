@@ -89,15 +89,19 @@ def _rename(name: str, table: dict[str, str]) -> str:
     pattern = f"{name[: match.start()]}.{{}}.{name[match.end() :]}" if match else name
     if pattern not in table:
         raise KeyError(f"unexpected weight {name!r}: not a weight of this model family")
-    return table[pattern].format(*[match.group(1)] * table[pattern].count("{}")) if match else (
-        table[pattern]
+    return (
+        table[pattern].format(*[match.group(1)] * table[pattern].count("{}"))
+        if match
+        else (table[pattern])
     )
 
 
 def _rows(tune_names: tuple[str, ...], dims: AttentionDims, total: int) -> list[int]:
     """Row counts of the torchtune weights fused in one Hugging Face weight of `total` rows:
     q/k/v by their head counts, any other parts (gate and up) in equal shares."""
-    heads = [_qk_heads(n, dims) or (dims.num_kv_heads if ".attn.v_proj." in n else 0) for n in tune_names]
+    heads = [
+        _qk_heads(n, dims) or (dims.num_kv_heads if ".attn.v_proj." in n else 0) for n in tune_names
+    ]
     if all(heads):
         return [h * dims.head_dim for h in heads]
     return [total // len(tune_names)] * len(tune_names)
@@ -131,7 +135,9 @@ def to_tune(
         if name.endswith("rotary_emb.inv_freq") or (tied and name in TIED):
             continue
         tune_names = names.to_tune_parts(name)
-        pieces = value.split(_rows(tune_names, dims, value.shape[0])) if len(tune_names) > 1 else [value]
+        pieces = (
+            value.split(_rows(tune_names, dims, value.shape[0])) if len(tune_names) > 1 else [value]
+        )
         for tune_name, piece in zip(tune_names, pieces, strict=True):
             heads = _qk_heads(tune_name, dims)
             if names.permute_qk and heads and tune_name.endswith(".weight"):

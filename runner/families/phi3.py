@@ -25,7 +25,10 @@ PHI3_NAMES = {
         "layers.{}.attn.k_proj.weight",
         "layers.{}.attn.v_proj.weight",
     ),
-    "model.layers.{}.mlp.gate_up_proj.weight": ("layers.{}.mlp.w1.weight", "layers.{}.mlp.w3.weight"),
+    "model.layers.{}.mlp.gate_up_proj.weight": (
+        "layers.{}.mlp.w1.weight",
+        "layers.{}.mlp.w3.weight",
+    ),
 }
 
 
