@@ -1,8 +1,8 @@
 """The model families runner fine-tunes, one module each, found here.
 
 A family module (llama3.py, qwen2.py, mistral.py) defines FAMILY: its torchtune builders and
-their LoRA twins, how config.json maps to the builder's arguments and back, its weight names
-on both sides (PEFT adapter names included) and its GGUF facts. Chats are rendered with the
+their LoRA twins, how config.json maps to the builder's arguments and back, and its weight
+names on both sides (PEFT adapter names included). Chats are rendered with the
 tokenizer's own chat template, never a family default.
 Adding a family is adding a module here and its options in conf/model/. A Hugging Face
 checkpoint's config.json names its family (`model_type`).
@@ -30,7 +30,6 @@ from runner.families._builder import (
 from runner.families._family import (
     SHARED_ARGS,
     Family,
-    GGUFFacts,
     attention_dims,
     head_dim,
     rope,
@@ -40,7 +39,6 @@ from runner.families._family import (
 __all__ = [
     "FAMILIES",
     "Family",
-    "GGUFFacts",
     "builder_args",
     "builder_component",
     "check_source_matches",

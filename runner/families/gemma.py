@@ -70,7 +70,6 @@ FAMILY = Family(
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(LLAMA_NAMES, permute_qk=True),
-    gguf=None,
     activations=GELU_TANH,
     own_head_dim=True,
 )

@@ -131,7 +131,6 @@ FAMILY = Family(
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(GEMMA2_NAMES, permute_qk=True),
-    gguf=None,
     activations=GELU_TANH,
     own_head_dim=True,
 )

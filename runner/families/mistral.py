@@ -35,6 +35,4 @@ FAMILY = Family(
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(LLAMA_NAMES, permute_qk=True),
-    # Its tokenizer is SentencePiece, which the GGUF export does not write.
-    gguf=None,
 )

@@ -63,5 +63,4 @@ FAMILY = Family(
     extra_config=config_keys,
     # Phi-3 rotates halves on both sides.
     weights=WeightNames(PHI3_NAMES, permute_qk=False),
-    gguf=None,
 )
