@@ -19,10 +19,10 @@ import torch
 from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.checkpoint import read_model_state
+from runner.checkpoint import read_adapter_state, read_model_state, write_lora_checkpoint
 from runner.components import instantiate
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
@@ -38,7 +38,7 @@ from runner.models import resolve_model
 from runner.paths import CONF_DIR
 from runner.preflight import estimate, print_estimate
 from runner.resolve import resolve_recipe
-from runner.tune import Message
+from runner.tune import Message, peft_adapter_config
 from tests.conftest import losses
 from tests.fixtures import (
     FAMILIES,
@@ -125,6 +125,58 @@ def test_an_adapter_in_peft_gives_the_lora_models_logits(checkpoints, family: st
     with torch.no_grad():
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("family", ["phi3", "phi4"])
+def test_adapters_of_fused_projections_load_in_peft(checkpoints, family: str, tmp_path) -> None:
+    """Phi-3's Hugging Face model fuses q/k/v (qkv_proj) and gate/up (gate_up_proj): the LoRA
+    checkpoint adapts the fused modules (k not adapted: its rows' update is zero), peft loads it
+    onto transformers' model with the LoRA model's logits, and it reads back unchanged."""
+    source = checkpoints[family]
+    lora = {
+        "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
+        "apply_lora_to_mlp": True,
+        "apply_lora_to_output": True,
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.0,
+    }
+    recipe = resolved(source)
+    ours = instantiate(
+        OmegaConf.create({**recipe["builder"], "_component_": recipe["lora_builder"], **lora})
+    )
+    ours.load_state_dict(read_model_state(source), strict=False)
+    torch.manual_seed(0)
+    # Adapters as large as the weights (std 0.1), not N(0, 1) on every projection: logits in the
+    # hundreds would put fp32 rounding of the fused and split matmuls above 1e-4.
+    adapter = {
+        name: 0.1 * torch.randn_like(t) for name, t in ours.state_dict().items() if "lora" in name
+    }
+    ours.load_state_dict(adapter, strict=False)
+    hf_config = read_config(source)
+    write_lora_checkpoint(
+        tmp_path / "step_1",
+        adapter_state=adapter,
+        adapter_config=peft_adapter_config(lora, str(source)),
+        hf_config=hf_config,
+        tokenizer_dir=source,
+        training_state={},
+        stop_token_ids=[0],
+        merged_state=None,
+    )
+    config = json.loads((tmp_path / "step_1" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == [
+        "down_proj", "gate_up_proj", "lm_head", "o_proj", "qkv_proj"
+    ]  # fmt: skip
+    theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    theirs = PeftModel.from_pretrained(theirs, tmp_path / "step_1")
+    tokens = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    back = read_adapter_state(tmp_path / "step_1", hf_config)
+    assert back.keys() == adapter.keys()
+    assert all(torch.equal(back[name], adapter[name]) for name in adapter)
 
 
 def chats(

@@ -49,6 +49,7 @@ __all__ = [
     "head_dim",
     "hf_config",
     "hf_to_tune",
+    "peft_config",
     "peft_to_tune",
     "read_config",
     "rope",
@@ -135,3 +136,10 @@ def peft_to_tune(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict
     """PEFT adapter names and layouts -> torchtune's: the inverse of tune_to_peft."""
     family = BY_MODEL_TYPE[config["model_type"]]
     return _weights.from_peft(state, family.weights, attention_dims(config))
+
+
+def peft_config(adapter_config: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """PEFT's adapter_config.json for the Hugging Face model of `config`: a family whose model
+    fuses projections (Phi-3) adapts the fused modules at the parts' summed rank and alpha."""
+    family = BY_MODEL_TYPE[config["model_type"]]
+    return _weights.peft_config(adapter_config, family.weights)

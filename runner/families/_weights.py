@@ -186,33 +186,125 @@ def _split(name: str, suffixes: dict[str, str]) -> tuple[str, str]:
 def to_peft(
     state: dict[str, torch.Tensor], names: WeightNames, dims: AttentionDims
 ) -> dict[str, torch.Tensor]:
-    """torchtune adapter names and layouts -> PEFT's, onto the Hugging Face model."""
+    """torchtune adapter names and layouts -> PEFT's, onto the Hugging Face model.
+
+    Adapters of modules Hugging Face fuses (Phi-3's q/k/v in qkv_proj) become one adapter of
+    the fused module: A stacks the parts' A, B holds each part's B on its own rows and rank
+    columns (zeros for a part not adapted), so B @ A is each part's update on its rows. Its rank
+    is the parts' sum; peft_config gives it the alpha that keeps alpha / rank.
+    """
     converted = {}
+    fused: dict[str, list[dict[str, torch.Tensor]]] = {}
     for name, value in state.items():
         module, suffix = _split(name, PEFT_SUFFIXES)
         heads = _qk_heads(name, dims)
         if names.permute_qk and heads and suffix == "lora_b.weight":
             value = pairs_to_halves(value, heads, dims.head_dim)
-        hf_name, _, count = names.to_hf_part(f"{module}.weight")
-        if count > 1:
-            raise FusedAdapterError(module, hf_name)
+        hf_name, index, count = names.to_hf_part(f"{module}.weight")
         hf_module = hf_name.removesuffix(".weight")
-        converted[f"{PEFT_PREFIX}{hf_module}.{PEFT_SUFFIXES[suffix]}"] = value
+        if count == 1:
+            converted[f"{PEFT_PREFIX}{hf_module}.{PEFT_SUFFIXES[suffix]}"] = value
+        elif suffix == "magnitude":
+            raise FusedAdapterError(module, hf_name)
+        else:
+            fused.setdefault(hf_module, [{} for _ in range(count)])[index][suffix] = value
+    for hf_module, parts in fused.items():
+        rows = _rows(names.to_tune_parts(f"{hf_module}.weight"), dims, _present_rows(parts))
+        a, b = _fuse_adapter(parts, rows)
+        converted[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = a
+        converted[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = b
     return converted
+
+
+def _present_rows(parts: list[dict[str, torch.Tensor]]) -> int:
+    """The fused weight's rows, for parts in equal shares (gate and up): from one part's B."""
+    b = next(p["lora_b.weight"] for p in parts if p)
+    return b.shape[0] * len(parts)
+
+
+def _fuse_adapter(
+    parts: list[dict[str, torch.Tensor]], rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    present = next(p for p in parts if p)
+    rank, width = present["lora_a.weight"].shape
+    dtype = present["lora_a.weight"].dtype
+    a = torch.zeros(rank * len(parts), width, dtype=dtype)
+    b = torch.zeros(sum(rows), rank * len(parts), dtype=dtype)
+    start = 0
+    for index, (part, count) in enumerate(zip(parts, rows, strict=True)):
+        if part:
+            a[index * rank : (index + 1) * rank] = part["lora_a.weight"]
+            b[start : start + count, index * rank : (index + 1) * rank] = part["lora_b.weight"]
+        start += count
+    return a, b
 
 
 def from_peft(
     state: dict[str, torch.Tensor], names: WeightNames, dims: AttentionDims
 ) -> dict[str, torch.Tensor]:
-    """PEFT adapter names and layouts -> torchtune's: the inverse of to_peft."""
+    """PEFT adapter names and layouts -> torchtune's: the inverse of to_peft (a fused module's
+    parts whose A is all zeros were not adapted, and are left out)."""
     ours = {peft: tune for tune, peft in PEFT_SUFFIXES.items()}
     converted = {}
     for name, value in state.items():
         hf_module, suffix = _split(name.removeprefix(PEFT_PREFIX), ours)
-        module = names.to_tune(f"{hf_module}.weight").removesuffix(".weight")
-        tune_name = f"{module}.{ours[suffix]}"
+        modules = [n.removesuffix(".weight") for n in names.to_tune_parts(f"{hf_module}.weight")]
+        if len(modules) > 1:
+            converted.update(_unfuse_adapter(state, name, modules, suffix, dims))
+            continue
+        tune_name = f"{modules[0]}.{ours[suffix]}"
         heads = _qk_heads(tune_name, dims)
         if names.permute_qk and heads and suffix == "lora_B.weight":
             value = halves_to_pairs(value, heads, dims.head_dim)
         converted[tune_name] = value
     return converted
+
+
+def _unfuse_adapter(
+    state: dict[str, torch.Tensor],
+    name: str,
+    modules: list[str],
+    suffix: str,
+    dims: AttentionDims,
+) -> dict[str, torch.Tensor]:
+    """One fused module's A or B -> its parts' (the inverse of _fuse_adapter)."""
+    a = state[name.replace("lora_B.weight", "lora_A.weight")]
+    rank = a.shape[0] // len(modules)
+    b = state[name.replace("lora_A.weight", "lora_B.weight")]
+    rows = _rows(tuple(f"{m}.weight" for m in modules), dims, b.shape[0])
+    converted, start = {}, 0
+    for index, (module, count) in enumerate(zip(modules, rows, strict=True)):
+        ranks = slice(index * rank, (index + 1) * rank)
+        if a[ranks].any():
+            if suffix == "lora_A.weight":
+                converted[f"{module}.lora_a.weight"] = a[ranks]
+            else:
+                converted[f"{module}.lora_b.weight"] = b[start : start + count, ranks]
+        start += count
+    return converted
+
+
+def peft_config(config: dict, names: WeightNames) -> dict:
+    """PEFT's adapter_config.json for the Hugging Face model: targets that Hugging Face fuses
+    become the fused module, its rank and alpha the parts' sum (the same alpha / rank)."""
+    targets = list(config["target_modules"])
+    short = {hf: hf.split(".")[-2] for hf in names.hf_to_tune}
+    llama = {tune: hf for hf, tune in LLAMA_NAMES.items()}
+    rank_pattern, alpha_pattern = dict(config.get("rank_pattern") or {}), {}
+    for hf, tune in names.hf_to_tune.items():
+        if isinstance(tune, str):
+            continue
+        parts = [llama[t].split(".")[-2] for t in tune]
+        if any(p in targets for p in parts):
+            targets = [t for t in targets if t not in parts] + [short[hf]]
+            rank_pattern[short[hf]] = config["r"] * len(parts)
+            alpha_pattern[short[hf]] = config["lora_alpha"] * len(parts)
+    if not alpha_pattern:
+        return config
+    alpha_pattern = {**(config.get("alpha_pattern") or {}), **alpha_pattern}
+    return {
+        **config,
+        "target_modules": targets,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+    }
