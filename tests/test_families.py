@@ -514,6 +514,33 @@ PUBLISHED = {
         "sliding_window": None,
         "tie_word_embeddings": False,
     },
+    **{
+        option: {
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 32,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": None,
+            "tie_word_embeddings": False,
+            **published,
+        }
+        for option, published in {
+            "llama2_7b": {
+                "vocab_size": 32000,
+                "max_position_embeddings": 4096,
+                "rope_theta": 10000.0,
+            },
+            "code_llama2_7b": {
+                "vocab_size": 32016,
+                "max_position_embeddings": 16384,
+                "rope_theta": 1000000,
+            },
+        }.items()
+    },
     "mistral_7b": {
         "model_type": "mistral",
         "vocab_size": 32768,
@@ -538,7 +565,7 @@ def test_zoo_option_builds_its_hub_repos_model(option: str) -> None:
     model = model_config([f"model={option}"])
     # The instruct (chat) checkpoints; Phi-4 has no base release beside it.
     assert model.source.startswith("hf://")
-    assert re.search(r"-Instruct|-instruct|-it$", model.source) or option == "phi4"
+    assert re.search(r"-Instruct|-instruct|-it$|-chat-", model.source) or option == "phi4"
     config = PUBLISHED[option]
     family = family_of(config, model.source)
     assert family.name == model.family
@@ -550,6 +577,26 @@ def test_zoo_option_builds_its_hub_repos_model(option: str) -> None:
         model.source,
     )
     assert model.builder.max_seq_len == config["max_position_embeddings"]
+
+
+# Parameter counts of the hub repos (their model cards and safetensors index totals).
+PARAMETERS = {
+    "gemma_2b": 2_506_172_416,
+    "gemma2_2b": 2_614_341_888,
+    "phi3_mini": 3_821_079_552,
+    "phi4": 14_659_507_200,
+    "smollm2_135m": 134_515_008,
+    "llama2_7b": 6_738_415_616,
+    "llama3_3_70b": 70_553_706_496,
+}
+
+
+@pytest.mark.parametrize("option", sorted(PARAMETERS))
+def test_zoo_option_has_its_hub_repos_parameter_count(option: str) -> None:
+    builder = resolve_model(model_config([f"model={option}"]), need_files=False)["builder"]
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create(builder))
+    assert sum(p.numel() for p in model.parameters()) == PARAMETERS[option]
 
 
 def test_estimate_of_a_zoo_option_needs_no_download(capsys, tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """The model families runner fine-tunes, one module each, found here.
 
-A family module (llama3.py, qwen2.py, mistral.py) defines FAMILY: its torchtune builders and
-their LoRA twins, how config.json maps to the builder's arguments and back, and its weight
-names on both sides (PEFT adapter names included). Chats are rendered with the
-tokenizer's own chat template, never a family default.
+A family module (llama3.py, qwen2.py, mistral.py, gemma.py, gemma2.py, phi3.py) defines
+FAMILY: its torchtune builders and their LoRA twins, how config.json maps to the builder's
+arguments and back, and its weight names on both sides (PEFT adapter names included). Chats are
+rendered with the tokenizer's own chat template, never a family default.
 Adding a family is adding a module here and its options in conf/model/. A Hugging Face
 checkpoint's config.json names its family (`model_type`).
 """
