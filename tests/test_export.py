@@ -20,6 +20,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from runner.errors import UserError
@@ -344,6 +346,44 @@ def test_gguf_of_gemma_gemma2_phi3_decodes_like_transformers(family: str, tmp_pa
             error = (llama_cpp_logits(llm, ids) - expected).abs().max()
             assert error < 0.02 * expected.abs().max(), text
             assert llama_cpp_greedy(llm, ids, n=4) == greedy(model, ids, n=4), text
+
+
+@pytest.mark.slow
+def test_gguf_of_an_architecture_runner_has_no_family_for(tmp_path: Path) -> None:
+    """Qwen3 (q/k norms, its own head_dim): gguf's tables name it and its tensors, and
+    llama.cpp gives transformers' logits."""
+    checkpoint = tmp_path / "qwen3" / "step_4"
+    config = Qwen3Config(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=256,
+        eos_token_id=260,
+    )
+    torch.manual_seed(2)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # HF initializes norms to one; make the q/k norms count
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(1, 0.2)
+    model.save_pretrained(checkpoint)
+    add_tokenizer_files(checkpoint)
+    out = run_export(checkpoint, "gguf", out=str(tmp_path / "qwen3.gguf"))
+    model = load(checkpoint)
+    with llama_cpp_model(out) as llm:
+        assert llm.metadata["general.architecture"] == "qwen3"
+        for ids in token_ids():
+            expected = logits(model, ids)[-1]
+            error = (llama_cpp_logits(llm, ids) - expected).abs().max()
+            assert error < 0.02 * expected.abs().max()
 
 
 @pytest.mark.slow
