@@ -561,13 +561,13 @@ def _more_tokenizers(family: str) -> tuple[Tokenizer, dict[str, Any]]:
     return tokenizer, config
 
 
-def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer) -> Any:
+def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer, width: int = 64) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     dims = {
         "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -684,10 +684,11 @@ def _more_model_configs(family: str, dims: dict[str, Any], tokenizer: Tokenizer)
     )
 
 
-def write_tiny_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
+def write_tiny_checkpoint(family: str, path: Path, seed: int = 0, width: int = 64) -> Path:
     """A tiny random checkpoint of `family` in Hugging Face's layout, written by transformers.
 
-    family: one of FAMILIES (a published model's name, FAMILY_OF gives its family). Returns
+    family: one of FAMILIES (a published model's name, FAMILY_OF gives its family). width:
+    hidden_size (256 makes every projection a whole number of QLoRA's NF4 blocks). Returns
     `path`.
     """
     from transformers import AutoModelForCausalLM
@@ -697,7 +698,7 @@ def write_tiny_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
     tokenizer, tokenizer_config = _tokenizer(family)
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    config = _model_config(family, tokenizer.get_vocab_size(), tokenizer)
+    config = _model_config(family, tokenizer.get_vocab_size(), tokenizer, width)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random norms and biases, so that a wrongly mapped one changes the logits.
