@@ -20,7 +20,7 @@ from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from runner.checkpoint import read_adapter_state, read_model_state, write_lora_checkpoint
 from runner.components import instantiate
@@ -31,7 +31,9 @@ from runner.families import (
     check_source_matches,
     family_named,
     family_of,
+    hf_config,
     read_config,
+    tune_to_hf,
     tune_to_peft,
 )
 from runner.models import resolve_model
@@ -333,6 +335,53 @@ def test_runner_fine_tunes_adapters_of_the_new_families(
         ours.load_state_dict(read_adapter_state(checkpoint, read_config(source)), strict=False)
         with torch.no_grad():
             assert (ours(tokens) - theirs).abs().max().item() <= 1e-4
+
+
+SMALL = {
+    "vocab_size": 96,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 64,
+    "intermediate_dim": 128,
+    "max_seq_len": 512,
+}
+# family -> its builder's arguments beyond SMALL (model.source=null: a random-init model).
+RANDOM_INIT = {
+    "llama3": {"scale_factor": 32, "tie_word_embeddings": True},
+    "qwen2": {"tie_word_embeddings": False},
+    "mistral": {},
+    "gemma": {"head_dim": 32},
+    "gemma2": {"head_dim": 32, "sliding_window_size": 8, "query_pre_attn_scalar": 24},
+    "phi3": {"rope_base": 250000},
+}
+
+
+@pytest.mark.parametrize("family", sorted(RANDOM_INIT))
+def test_a_random_init_model_is_saved_as_the_same_transformers_model(family: str) -> None:
+    """The config.json written for a builder (hf_config) and the weights in Hugging Face's
+    names and layouts (tune_to_hf) are a transformers model with the builder's logits."""
+    builder = {"_component_": family_named(family).builder, **SMALL, **RANDOM_INIT[family]}
+    config = hf_config(
+        family_named(family), builder, initializer_range=0.02, bos_token_id=1, eos_token_id=2
+    )
+    torch.manual_seed(0)
+    ours = instantiate(OmegaConf.create(builder))
+    with torch.no_grad():
+        for parameter in ours.parameters():
+            parameter.normal_(0, 0.2)
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    missing, unexpected = theirs.load_state_dict(
+        tune_to_hf(ours.state_dict(), config), strict=False
+    )
+    # A tied output projection is the embeddings' own weight: not saved.
+    assert not unexpected and set(missing) <= (
+        {"lm_head.weight"} if config["tie_word_embeddings"] else set()
+    )
+    tokens = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert diff <= 1e-4, diff
 
 
 def test_every_model_option_gets_its_familys_builder_and_lora_twin() -> None:

@@ -51,7 +51,13 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
-    return {"sliding_window": None, "rope_scaling": None, "partial_rotary_factor": 1.0}
+    # Phi3Config's default pad_token_id (32000) is past a smaller vocabulary's end.
+    return {
+        "sliding_window": None,
+        "rope_scaling": None,
+        "partial_rotary_factor": 1.0,
+        "pad_token_id": None,
+    }
 
 
 FAMILY = Family(
