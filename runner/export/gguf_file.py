@@ -69,11 +69,13 @@ PERMUTE_QK = {"llama"}
 # Norms Hugging Face applies as (1 + weight), which llama.cpp stores with the 1 added.
 NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
 # Token ids llama.cpp's pre-tokenizer is named by (the hash of the check text's ids), for the
-# byte-level BPE tokenizers of the families runner fine-tunes (Llama 3, Qwen2/Qwen3).
+# byte-level BPE tokenizers of the checkpoints runner fine-tunes (Llama 3, Qwen2/Qwen3, SmolLM2).
 PRE_TOKENIZERS = {
     "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
     "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
     "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",
+    # SmolLM's tokenizer (HuggingFaceTB/SmolLM-135M), which SmolLM2 keeps.
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",
 }
 
 
@@ -303,7 +305,8 @@ def _pre_tokenizer(tokenizer: Any, merges: list[str]) -> str:
     raise UserError(
         "format",
         "gguf",
-        "this tokenizer's pre-tokenizer is not one the GGUF export knows (Llama 3, Qwen2): "
+        "this tokenizer's pre-tokenizer is not one the GGUF export knows (Llama 3, Qwen2, "
+        "SmolLM2): "
         "export format=merged and convert it with llama.cpp's convert_hf_to_gguf.py",
     )
 
