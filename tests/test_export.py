@@ -319,6 +319,8 @@ def make_family_checkpoint(family: str, path: Path) -> Path:
     return path
 
 
+# llama.cpp runs Mistral as its llama architecture.
+ARCHITECTURES = {"mistral": "llama"}
 # Texts in the SentencePiece-style fixture tokenizers' alphabet (printable ASCII, spaces).
 SENTENCEPIECE_TEXTS = [
     "Reverse the word. hello",
@@ -328,16 +330,16 @@ SENTENCEPIECE_TEXTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma", "gemma2", "phi3"])
-def test_gguf_of_gemma_gemma2_phi3_decodes_like_transformers(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "phi3", "mistral"])
+def test_gguf_of_sentencepiece_families_decodes_like_transformers(family: str, tmp_path: Path):
     """gguf's tables name the architecture and tensors; llama.cpp's layout fixes (Gemma's norms
-    + 1, Gemma 2's soft-caps and sliding window, Phi-3's fused projections) hold; the
-    SentencePiece-style vocabulary tokenizes as transformers does."""
+    + 1, Gemma 2's soft-caps and sliding window, Phi-3's fused projections, Mistral's q/k rows
+    as llama's) hold; the SentencePiece-style vocabulary tokenizes as transformers does."""
     checkpoint = make_family_checkpoint(family, tmp_path / family)
     out = run_export(checkpoint, "gguf", out=str(tmp_path / f"{family}.gguf"))
     model, tokenizer = load(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
     with llama_cpp_model(out) as llm:
-        assert llm.metadata["general.architecture"] == family
+        assert llm.metadata["general.architecture"] == ARCHITECTURES.get(family, family)
         assert llm.metadata["tokenizer.chat_template"] == tokenizer.chat_template
         for text in SENTENCEPIECE_TEXTS:
             ids = tokenizer(text).input_ids
