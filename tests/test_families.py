@@ -767,6 +767,34 @@ def test_each_family_loads_from_a_hub_cache_snapshot(
     assert ours.tokenize_messages(chat) == theirs.tokenize_messages(chat)
 
 
+@pytest.mark.parametrize(
+    "family,edit,named",
+    [
+        # transformers' Gemma 2 reads "gelu" as the exact GELU; torchtune's MLP is gelu-tanh.
+        ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation=gelu"),
+        ("gemma2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window"),
+        ("gemma", {"tie_word_embeddings": False}, "tie_word_embeddings=false"),
+        ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        (
+            "phi3",
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}},
+            "longrope",
+        ),
+    ],
+)
+def test_a_setting_torchtune_does_not_build_is_a_user_error(
+    checkpoints: dict[str, Path], tmp_path: Path, family: str, edit: dict, named: str
+) -> None:
+    source = tmp_path / family
+    shutil.copytree(checkpoints[family], source)
+    config = json.loads((source / "config.json").read_text())
+    config.pop("rope_parameters", None)  # transformers 5 keeps RoPE settings here too
+    (source / "config.json").write_text(json.dumps({**config, **edit, "rope_theta": 10000.0}))
+    with pytest.raises(UserError) as err:
+        resolve_model(model_config(["model=hf", f"model.source={source}"]))
+    assert err.value.key == "model.source" and named in err.value.fix, err.value.fix
+
+
 def test_a_family_runner_does_not_build_is_a_user_error(tmp_path: Path) -> None:
     source = tmp_path / "gpt2"
     source.mkdir()

@@ -142,7 +142,9 @@ def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any], arch: gguf.MOD
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_key_length(dim)
     writer.add_value_length(dim)
-    writer.add_rope_dimension_count(int(dim * settings.get("partial_rotary_factor", 1.0)))
+    # transformers 5 keeps partial_rotary_factor in rope_parameters, 4 at the top level.
+    partial = settings.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(int(dim * partial))
     writer.add_rope_freq_base(float(settings["rope_theta"]))
     if "rms_norm_eps" in config:
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])

@@ -29,8 +29,9 @@ def builder_args(family: Family, config: dict[str, Any], source: str) -> dict[st
     """The builder arguments (without _component_) that build the model a config.json describes."""
     dim = head_dim(config)
     try:
-        if config["hidden_act"] not in family.activations:
-            raise Unsupported(f"hidden_act={config['hidden_act']}")
+        activation = config.get(family.activation_key)
+        if activation not in family.activations:
+            raise Unsupported(f"{family.activation_key}={activation}")
         if not family.own_head_dim and dim * config["num_attention_heads"] != config["hidden_size"]:
             raise Unsupported(f"head_dim={dim} (not hidden_size / num_attention_heads)")
         extra = family.extra_args(config)

@@ -40,8 +40,10 @@ class Family:
     # builder arguments -> config.json keys beyond the shared ones (for a random-init model)
     extra_config: Callable[[dict[str, Any]], dict[str, Any]]
     weights: WeightNames
-    # config.json hidden_act values the builders' MLP computes (Gemma's GeGLU is gelu-tanh).
+    # config.json hidden_act values the builders' MLP computes (Gemma's GeGLU is gelu-tanh),
+    # and the key transformers reads it from (Gemma 2: hidden_activation).
     activations: tuple[str, ...] = ("silu",)
+    activation_key: str = "hidden_act"
     # Whether the builders take head_dim (Gemma's is not hidden_size / num_attention_heads).
     own_head_dim: bool = False
 

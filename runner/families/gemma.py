@@ -26,9 +26,6 @@ def check_gemma(config: dict[str, Any]) -> None:
 
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
     check_gemma(config)
-    activation = config.get("hidden_activation") or config["hidden_act"]
-    if activation not in GELU_TANH:
-        raise Unsupported(f"hidden_activation={activation}")
     return {"head_dim": head_dim(config)}
 
 

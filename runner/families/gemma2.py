@@ -13,7 +13,7 @@ import torch
 
 from runner.families._family import Family, Unsupported, head_dim
 from runner.families._weights import LLAMA_NAMES, WeightNames
-from runner.families.gemma import GELU_TANH, check_gemma, refuse_output_lora
+from runner.families.gemma import check_gemma, refuse_output_lora
 
 # A Gemma 2 layer norms the attention and MLP outputs too (torchtune's sa_scale, mlp_scale).
 GEMMA2_NAMES = {
@@ -35,9 +35,6 @@ def _sliding_layers(config: dict[str, Any]) -> bool:
 
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
     check_gemma(config)
-    activation = config.get("hidden_activation") or config["hidden_act"]
-    if activation not in GELU_TANH:
-        raise Unsupported(f"hidden_activation={activation}")
     if not config.get("sliding_window") or not _sliding_layers(config):
         raise Unsupported(
             f"sliding_window={config.get('sliding_window')} on layers {config.get('layer_types')}"
@@ -131,6 +128,8 @@ FAMILY = Family(
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(GEMMA2_NAMES, permute_qk=True),
-    activations=GELU_TANH,
+    # transformers' Gemma 2 reads hidden_activation, and "gelu" there is the exact GELU.
+    activations=("gelu_pytorch_tanh",),
+    activation_key="hidden_activation",
     own_head_dim=True,
 )

@@ -36,8 +36,10 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
     settings = rope(config)
     if rope_type(settings) != "default":
         raise Unsupported(f"rope scaling {settings}")
-    if not math.isclose(settings.get("partial_rotary_factor", 1.0), 1.0):
-        raise Unsupported(f"partial_rotary_factor={settings['partial_rotary_factor']}")
+    # transformers 5 keeps it in rope_parameters, 4 at the top level.
+    partial = settings.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if not math.isclose(partial, 1.0):
+        raise Unsupported(f"partial_rotary_factor={partial}")
     if config["tie_word_embeddings"]:
         raise Unsupported("tie_word_embeddings=true")
     window = config.get("sliding_window")
