@@ -44,11 +44,14 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
         raise Unsupported("tie_word_embeddings=true")
     window = config.get("sliding_window")
     if window is not None and window < config["max_position_embeddings"]:
+        # torchtune's phi3 attends to the whole sequence: the same model as the window's for
+        # sequences up to the window, so sequences are cut there (Phi-3 mini: 2047 tokens).
         warnings.warn(
-            f"sliding_window={window} is ignored: torchtune's phi3 attends to the whole sequence "
-            "(the same model for sequences up to the window)",
+            f"sequences are truncated to sliding_window={window} tokens: torchtune's phi3 "
+            "attends to the whole sequence, which is the same model up to the window",
             stacklevel=2,
         )
+        return {"max_seq_len": window}
     return {}
 
 
