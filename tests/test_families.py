@@ -797,6 +797,27 @@ def test_a_setting_torchtune_does_not_build_is_a_user_error(
     assert err.value.key == "model.source" and named in err.value.fix, err.value.fix
 
 
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_sliding_window_ends_the_sequences_where_the_model_is_exact(
+    checkpoints: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    """torchtune's mistral and phi3 attend to the whole sequence: the windowed model's equal up
+    to the window, where the recipe's sequences end."""
+    source = tmp_path / family
+    shutil.copytree(checkpoints[family], source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    with pytest.warns(UserWarning, match="truncated to sliding_window=16"):
+        recipe = resolve_model(model_config(["model=hf", f"model.source={source}"]))
+    assert recipe["builder"]["max_seq_len"] == recipe["tokenizer"]["max_seq_len"] == 16
+    ours = instantiate(OmegaConf.create(recipe["builder"]))
+    ours.load_state_dict(read_model_state(source))
+    theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max().item() <= 1e-4
+
+
 def test_a_family_runner_does_not_build_is_a_user_error(tmp_path: Path) -> None:
     source = tmp_path / "gpt2"
     source.mkdir()
