@@ -432,8 +432,8 @@ def test_each_family_loads_from_a_hub_cache_snapshot(
 def test_a_family_runner_does_not_build_is_a_user_error(tmp_path: Path) -> None:
     source = tmp_path / "gpt2"
     source.mkdir()
-    (source / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (source / "config.json").write_text(json.dumps({"model_type": "t5"}))
     (source / "model.safetensors").write_bytes(b"")
     with pytest.raises(UserError) as err:
         resolve_model(model_config(["model=hf", f"model.source={source}"]))
-    assert err.value.key == "model.source" and "gpt2" in err.value.fix
+    assert err.value.key == "model.source" and "t5" in err.value.fix
