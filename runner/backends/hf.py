@@ -219,7 +219,14 @@ class TransformersBackend(Backend):
         from peft import LoraConfig
 
         self.targets = self._lora_targets(lm, lora)
+        # GPT-2's Conv1D keeps its weight as (in, out): peft's fan_in_fan_out.
+        fan_in_fan_out = any(
+            type(m).__name__ == "Conv1D"
+            for n, m in lm.named_modules()
+            if any(n == t or n.endswith(f".{t}") for t in self.targets)
+        )
         return LoraConfig(
+            fan_in_fan_out=fan_in_fan_out,
             r=lora["lora_rank"],
             lora_alpha=lora["lora_alpha"],
             lora_dropout=lora["lora_dropout"],

@@ -1,0 +1,178 @@
+"""The transformers backend: architectures no runner family builds (Qwen3, GPT-2) train through
+transformers' own model class in the same recipe, on 1 and 2 CPU processes, resume exactly, save
+checkpoints transformers loads, train LoRA adapters peft loads, serve and export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from peft import PeftModel
+from torch.utils.data import DistributedSampler
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from runner.components import instantiate
+from runner.data import collate, training_splits
+from runner.errors import UserError
+from runner.export.write import export
+from runner.paths import CONF_DIR
+from runner.resolve import resolve_recipe
+from runner.tune import CROSS_ENTROPY_IGNORE_IDX
+from tests.conftest import QUICK, losses
+from tests.fixtures import write_tiny_checkpoint
+from tests.hf_backend_fixtures import ARCHITECTURES, write_arch_checkpoint
+from tests.test_deploy_trained import free_port
+
+CPU = ["compute=cpu", "dtype=fp32"]
+# Small and quick: 4 records a rank a step, 8 validation records, no generation.
+FAST = [
+    *QUICK,
+    "batch_size=4",
+    "runtime.log_every_n_steps=1",
+    "dataset.eval_samples=0",
+    "eval.max_samples=8",
+]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    return {arch: write_arch_checkpoint(arch, root / arch) for arch in ARCHITECTURES}
+
+
+def model_args(source: Path) -> list[str]:
+    return ["model=hf", f"model.source={source}", *CPU]
+
+
+def hf_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+
+
+def first_batch(run: Path, world_size: int) -> dict[str, torch.Tensor]:
+    """The first optimizer step's records of every rank, as one batch (right padding and
+    causal attention: each record's logits do not depend on the others')."""
+    recipe = OmegaConf.load(run / "recipe.yaml")
+    tokenizer = instantiate(recipe.model.tokenizer)
+    dataset, _ = training_splits(recipe.dataset, tokenizer, validation=True)
+    samples = []
+    for rank in range(world_size):
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=recipe.seed
+        )
+        samples += [dataset[i] for i in list(sampler)[: recipe.batch_size]]
+    return collate(samples, packed=False, padding_idx=tokenizer.pad_id)
+
+
+def transformers_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """transformers' own loss (it shifts the labels itself) on a runner batch (shifted)."""
+    ignore = torch.full_like(batch["labels"][:, :1], CROSS_ENTROPY_IGNORE_IDX)
+    labels = torch.cat([ignore, batch["labels"][:, :-1]], dim=1)
+    with torch.no_grad():
+        return model(input_ids=batch["tokens"], labels=labels).loss.item()
+
+
+def transformers_eval_loss(model: torch.nn.Module, run: Path) -> float:
+    """eval_loss over the run's validation batches (runner's order), by transformers' model."""
+    recipe = OmegaConf.load(run / "recipe.yaml")
+    tokenizer = instantiate(recipe.model.tokenizer)
+    _, validation = training_splits(recipe.dataset, tokenizer, validation=True)
+    records = [validation[i] for i in range(min(len(validation), recipe.eval.max_samples))]
+    total, count = 0.0, 0
+    for start in range(0, len(records), recipe.batch_size):
+        batch = collate(
+            records[start : start + recipe.batch_size], packed=False, padding_idx=tokenizer.pad_id
+        )
+        with torch.no_grad():
+            logits = model(input_ids=batch["tokens"]).logits
+        total += F.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum"
+        ).item()
+        count += int((batch["labels"] != CROSS_ENTROPY_IGNORE_IDX).sum())
+    return total / count
+
+
+def eval_losses(run: Path) -> dict[int, float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["eval_loss"] for r in map(json.loads, lines) if "eval_loss" in r}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_trains_as_transformers_computes_and_resumes_exactly(
+    arch: str, sources: dict[str, Path], runner_cli, tmp_path: Path
+) -> None:
+    """Step 1's loss is transformers' loss on the same batch; the checkpoint, loaded by
+    transformers, has the trained model's eval loss; a resumed run repeats the straight one."""
+    straight = tmp_path / "straight"
+    result = runner_cli(
+        "train",
+        *model_args(sources[arch]),
+        *FAST,
+        "max_steps=4",
+        "runtime.save_every_n_steps=2",
+        "eval.strategy=steps",
+        "eval.steps=4",
+        f"hydra.run.dir={straight}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    recipe = OmegaConf.load(straight / "recipe.yaml")
+    assert recipe.model.backend == "transformers" and recipe.model.family is None
+    # fp32 on both sides; the two sum the same per-token losses in another order.
+    assert losses(straight)[1] == pytest.approx(
+        transformers_loss(hf_model(sources[arch]), first_batch(straight, 1)), abs=1e-5
+    )
+    checkpoint = straight / "checkpoints" / "step_4"
+    assert json.loads((checkpoint / "config.json").read_text())["model_type"] == arch
+    assert eval_losses(straight)[4] == pytest.approx(
+        transformers_eval_loss(hf_model(checkpoint), straight), abs=1e-5
+    )
+    # Cut after the step-2 checkpoint, resumed: the same losses, bit for bit.
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(straight, interrupted)
+    shutil.rmtree(interrupted / "checkpoints" / "step_4")
+    text = (interrupted / "recipe.yaml").read_text().replace(str(straight), str(interrupted))
+    (interrupted / "recipe.yaml").write_text(text)
+    result = runner_cli("train", f"resume={interrupted}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stderr
+    assert losses(interrupted) == losses(straight)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_trains_on_two_processes_with_activation_checkpointing(
+    arch: str, sources: dict[str, Path], runner_cli, tmp_path: Path
+) -> None:
+    """FSDP2 shards each decoder layer over 2 gloo processes; step 1's loss is transformers'
+    loss over both ranks' records; the gathered checkpoint loads in transformers."""
+    run = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        *model_args(sources[arch]),
+        *FAST,
+        "compute.nproc_per_node=2",
+        "activation_checkpointing=true",
+        "max_steps=2",
+        "eval.strategy=no",
+        f"hydra.run.dir={run}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # fp32; sums over ranks and tokens in another order than transformers' mean.
+    assert losses(run)[1] == pytest.approx(
+        transformers_loss(hf_model(sources[arch]), first_batch(run, 2)), abs=1e-5
+    )
+    trained = hf_model(run / "checkpoints" / "step_2")
+    source = hf_model(sources[arch])
+    assert trained.state_dict().keys() == source.state_dict().keys()
+    assert any(
+        not torch.equal(trained.state_dict()[k], v) for k, v in source.state_dict().items()
+    )
