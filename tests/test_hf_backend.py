@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from peft import PeftModel
+from safetensors.torch import load_file
 from torch.utils.data import DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,6 +174,166 @@ def test_trains_on_two_processes_with_activation_checkpointing(
     trained = hf_model(run / "checkpoints" / "step_2")
     source = hf_model(sources[arch])
     assert trained.state_dict().keys() == source.state_dict().keys()
-    assert any(
-        not torch.equal(trained.state_dict()[k], v) for k, v in source.state_dict().items()
+    assert any(not torch.equal(trained.state_dict()[k], v) for k, v in source.state_dict().items())
+
+
+# ---- LoRA through peft: adapters peft loads, deploy, export ---------------------------------
+LORA = ["method=lora", "method.apply_lora_to_mlp=true", "method.save_merged=true"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(
+    sources: dict[str, Path], hermetic_env: dict[str, str], tmp_path_factory
+) -> dict[str, Path]:
+    """A 2-step LoRA run of each architecture (evaluated at its last step)."""
+    runs = {}
+    for arch in ARCHITECTURES:
+        run = tmp_path_factory.mktemp(f"lora_{arch}") / "run"
+        args = [*model_args(sources[arch]), *FAST, *LORA, "max_steps=2", "eval.strategy=steps"]
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "runner",
+                "train",
+                *args,
+                "eval.steps=2",
+                f"hydra.run.dir={run}",
+            ],
+            cwd=run.parent,
+            env=hermetic_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[arch] = run
+    return runs
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_lora_writes_an_adapter_peft_loads(
+    arch: str, sources: dict[str, Path], lora_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """peft loads the adapter onto the source and gets the trained model's eval loss; the merged
+    weights (the checkpoint's and `runner export` merged) are that model's."""
+    run = lora_runs[arch]
+    checkpoint = run / "checkpoints" / "step_2"
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(sources[arch])
+    assert config["peft_type"] == "LORA" and config["r"] == 8
+    peft_model = PeftModel.from_pretrained(hf_model(sources[arch]), checkpoint).eval()
+    trained = {k: v for k, v in peft_model.state_dict().items() if "lora_B" in k}
+    assert trained and all(v.abs().sum() > 0 for v in trained.values())  # B starts at zero
+    # fp32; transformers sums the validation losses in another order than the recipe.
+    assert eval_losses(run)[2] == pytest.approx(transformers_eval_loss(peft_model, run), abs=1e-5)
+    select = {"checkpoint": "latest", "metric": "loss", "mode": "min"}
+    out = export(
+        checkpoint=str(checkpoint),
+        select=select,
+        format="merged",
+        dtype="fp32",
+        quantization="f16",
+        base=None,
+        out=str(tmp_path / "merged"),
     )
+    ids = first_batch(run, 1)["tokens"][:2]
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+        # Merged weights differ from base + adapter by fp32 rounding of W + BA.
+        got = hf_model(out)(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    merged = load_file(str(checkpoint / "model.safetensors"))
+    assert all(
+        torch.equal(merged[k], v) for k, v in load_file(str(out / "model.safetensors")).items()
+    )
+
+
+def test_deploy_serves_a_lora_checkpoint(lora_runs: dict[str, Path], hermetic_env, tmp_path):
+    """`runner deploy` answers as transformers' generate does with peft's merged model."""
+    checkpoint = lora_runs["qwen3"] / "checkpoints" / "step_2"
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "runner", "deploy", f"checkpoint={checkpoint}", f"port={port}"],
+        cwd=tmp_path,
+        env=hermetic_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        name = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Reverse the word.\nlemon"}]
+        chat = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=8, temperature=0
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    base = json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"]
+    model = PeftModel.from_pretrained(hf_model(Path(base)), checkpoint).merge_and_unload().eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
+    )
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
+    assert chat.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
+
+
+# ---- which backend, and what it refuses ---------------------------------------------------
+
+
+def resolved(*overrides: str, tmp_path: Path):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides))
+    return resolve_recipe(cfg, tmp_path / "run")
+
+
+def test_validate_and_estimate_name_the_backend_and_why(sources, runner_cli, tmp_path) -> None:
+    llama = write_tiny_checkpoint("llama3_2", tmp_path / "llama")
+    result = runner_cli("validate", *model_args(sources["gpt2"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "ok  backend    transformers: model_type 'gpt2' has no runner family; transformers' "
+        "GPT2LMHeadModel" in result.stdout
+    )
+    result = runner_cli("estimate", *model_args(sources["qwen3"]), "method=lora")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "backend        transformers: model_type 'qwen3' has no runner family" in result.stdout
+    assert "adapter parameters (method=lora)" in result.stdout
+    result = runner_cli("estimate", *model_args(llama))
+    assert "backend        torchtune: model_type 'llama' is runner's llama3 family" in result.stdout
+    recipe = resolved(*model_args(llama), "model.backend=transformers", tmp_path=tmp_path)
+    assert recipe.model.backend == "transformers"
+    assert recipe.model.backend_reason.startswith("model.backend=transformers")
+
+
+@pytest.mark.parametrize(
+    "overrides,key,fix",
+    [
+        (["dataset.packing=true"], "dataset.packing", "set dataset.packing=false"),
+        (
+            ["method=qlora"],
+            "method",
+            "needs a CUDA GPU, and this run is on the CPU; use method=lora",
+        ),
+        (["model.backend=torchtune"], "model.source", "use model.backend=auto"),
+        (["model.backend=keras"], "model.backend", "choose auto, torchtune or transformers"),
+    ],
+)
+def test_what_the_transformers_backend_refuses(sources, tmp_path, overrides, key, fix) -> None:
+    with pytest.raises(UserError) as err:
+        resolved(*model_args(sources["qwen3"]), *overrides, tmp_path=tmp_path)
+    assert err.value.key == key and fix in err.value.fix
