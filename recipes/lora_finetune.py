@@ -2,9 +2,10 @@
 
     python -m runner.recipes.lora_finetune RUN_DIR/recipe.yaml
 
-The model is the LoRA twin of the model's builder (named by its family, runner.families) with
-the method's arguments; with `quantize_base` (method=qlora) the base projections
-are NF4 tensors (torchao). The base comes from `model.source`, or from `seed` exactly as the full
+The model comes from its backend (runner.backends): with torchtune's, the LoRA twin of the
+model's builder (named by its family, runner.families) with the method's arguments, and with
+`quantize_base` (method=qlora) NF4 base projections (torchao); with transformers', peft's LoRA on
+transformers' model class. The base comes from `model.source`, or from `seed` exactly as the full
 recipe initializes it, and is then written once to RUN/base_model/ in Hugging Face format: the
 base that each checkpoint's PEFT adapter names. Only adapter parameters train and enter the
 optimizer. Checkpoints hold adapter_config.json + adapter_model.safetensors (PEFT), tokenizer

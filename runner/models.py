@@ -1,4 +1,8 @@
-"""The model group -> the recipe's model section: family, weights, builder, config.json, tokenizer.
+"""The model group -> the recipe's model section: backend, family, weights, builder, config.json,
+tokenizer.
+
+The backend (runner.backends) is torchtune's where a runner family builds the source's
+model_type (or the option's family), transformers' for any other causal LM it implements.
 
 A source's config.json names its family (runner/families/) and, for a builder-less option
 (model=hf), the builder's arguments; an option's own builder arguments must build the same
