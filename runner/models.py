@@ -37,6 +37,7 @@ from runner.families import (
     read_config,
 )
 from runner.rundir import check_safetensors
+from runner.schema import Model, typed
 from runner.tokenizer import ChatTokenizer
 
 
@@ -112,6 +113,8 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
     A source's config.json names its family and, for a builder-less option (model=hf), the
     builder's arguments; an option's own builder must build the same model.
     """
+    # A composed model section as runner.schema types it (its defaults filled in).
+    model = typed(model, Model, "model.")
     if model.checkpoint_format != "hf":
         raise UserError("model.checkpoint_format", model.checkpoint_format, "only hf is supported")
     if model.builder is None and model.source is None:
