@@ -1,6 +1,6 @@
 """Tokens/s and peak memory of the torchtune backend beside the transformers backend.
 
-    python scripts/bench_backends.py [--steps 12] [--batch-size 4] [--warmup 2] [--device cpu]
+    python scripts/bench_backends.py [--steps 6] [--batch-size 4] [--warmup 1] [--device cpu]
 
 One Llama checkpoint (written by transformers, about 25M parameters, the test tokenizer) is
 trained through `runner train model=hf model.source=DIR` with model.backend=torchtune (the llama3
@@ -78,9 +78,9 @@ def parameter_count(source: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2, help="steps left out of tokens/s")
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of tokens/s")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))

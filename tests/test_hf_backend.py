@@ -184,6 +184,25 @@ def test_trains_on_two_processes_with_activation_checkpointing(
     assert any(not torch.equal(trained[k], v) for k, v in source.items())
 
 
+def test_compiled_layers_train_as_transformers_computes(sources, runner_cli, tmp_path) -> None:
+    """compile=true compiles each decoder layer; step 1's loss is still transformers'."""
+    run = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        *model_args(sources["qwen3"]),
+        *FAST,
+        "compile=true",
+        "max_steps=1",
+        "eval.strategy=no",
+        f"hydra.run.dir={run}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Inductor's fused kernels round differently from eager's, within fp32 noise.
+    assert losses(run)[1] == pytest.approx(
+        transformers_loss(hf_model(sources["qwen3"]), first_batch(run, 1)), abs=1e-5
+    )
+
+
 # ---- LoRA through peft: adapters peft loads, deploy, export ---------------------------------
 LORA = ["method=lora", "method.apply_lora_to_mlp=true", "method.save_merged=true"]
 
