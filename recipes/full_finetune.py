@@ -37,7 +37,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from runner.checkpoint import read_model_state, read_training_state, write_checkpoint
+from runner.backends import backend_for
+from runner.checkpoint import read_training_state, write_checkpoint
 from runner.components import instantiate
 from runner.data import collate, eval_prompts, training_splits
 from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
@@ -46,11 +47,8 @@ from runner.optimizers import split_option
 from runner.rundir import RunDir
 from runner.tune import (
     CROSS_ENTROPY_IGNORE_IDX,
-    TransformerSelfAttentionLayer,
     get_cosine_schedule_with_warmup,
-    init_like_hf,
     set_activation_checkpointing,
-    set_default_dtype,
 )
 
 log = logging.getLogger("runner.recipe")
@@ -78,6 +76,8 @@ class FullFinetuneRecipe:
         if cfg.compute.device == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype, self.compute_dtype = PRECISIONS[cfg.dtype.name]
+        # How the model is built, sharded and saved: torchtune's or transformers' (model.backend).
+        self.backend = backend_for(cfg.model)
         # The optimizer's component and arguments, and its schedule (runner.optimizers).
         optimizer, self.schedule = split_option(OmegaConf.to_container(cfg.optimizer))
         self.optimizer_node = OmegaConf.create(optimizer)
@@ -137,18 +137,12 @@ class FullFinetuneRecipe:
         self.logger = self._build_logger()
 
     def _build_model(self) -> torch.nn.Module:
-        cfg = self.cfg
-        with set_default_dtype(self.dtype), self.device:
-            model = instantiate(cfg.model.builder)
-            init_like_hf(model, cfg.model.initializer_range)
-        if cfg.model.source is not None:
-            model.load_state_dict(read_model_state(Path(cfg.model.source)))
-        return self._prepare_model(model)
+        return self._prepare_model(self.backend.build(self.device, self.dtype))
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Activation checkpointing, FSDP2 sharding over the ranks and compilation, as set."""
         if self.cfg.activation_checkpointing:
-            set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+            set_activation_checkpointing(model, auto_wrap_policy=self.backend.layer_classes(model))
         if self.world_size > 1:
             policy = MixedPrecisionPolicy(
                 param_dtype=self.compute_dtype, reduce_dtype=torch.float32
@@ -156,11 +150,11 @@ class FullFinetuneRecipe:
             # fully_shard's default mesh is CUDA whenever CUDA is visible, which would move a
             # compute=cpu run's weights onto the GPU: the mesh is on the run's device.
             mesh = init_device_mesh(self.device.type, (self.world_size,))
-            for layer in model.layers:
+            for layer in self.backend.layers(model):
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
         if self.cfg.compile:
-            for layer in model.layers:
+            for layer in self.backend.layers(model):
                 layer.compile()
         return model
 
@@ -388,7 +382,9 @@ class FullFinetuneRecipe:
     ) -> None:
         write_checkpoint(
             out_dir,
-            model_state={k: v.to(torch.float32) for k, v in model_state.items()},
+            model_state=self.backend.to_hf(
+                {k: v.to(torch.float32) for k, v in model_state.items()}
+            ),
             hf_config=OmegaConf.to_container(self.cfg.model.hf_config),
             tokenizer_dir=Path(self.cfg.model.tokenizer.path),
             chat_template=self._chat_template(),
@@ -403,7 +399,9 @@ class FullFinetuneRecipe:
         return None if template is None else Path(template)
 
     def _load_model_weights(self, checkpoint: Path) -> None:
-        model_state = {k: v.to(self.dtype) for k, v in read_model_state(checkpoint).items()}
+        model_state = {
+            k: v.to(self.dtype) for k, v in self.backend.read_weights(checkpoint).items()
+        }
         set_model_state_dict(self.model, model_state, options=FULL)
 
     def _load_training_state(self, checkpoint: Path) -> None:

@@ -2,9 +2,10 @@
 
     python -m runner.recipes.lora_finetune RUN_DIR/recipe.yaml
 
-The model is the LoRA twin of the model's builder (named by its family, runner.families) with
-the method's arguments; with `quantize_base` (method=qlora) the base projections
-are NF4 tensors (torchao). The base comes from `model.source`, or from `seed` exactly as the full
+The model comes from its backend (runner.backends): with torchtune's, the LoRA twin of the
+model's builder (named by its family, runner.families) with the method's arguments, and with
+`quantize_base` (method=qlora) NF4 base projections (torchao); with transformers', peft's LoRA on
+transformers' model class. The base comes from `model.source`, or from `seed` exactly as the full
 recipe initializes it, and is then written once to RUN/base_model/ in Hugging Face format: the
 base that each checkpoint's PEFT adapter names. Only adapter parameters train and enter the
 optimizer. Checkpoints hold adapter_config.json + adapter_model.safetensors (PEFT), tokenizer
@@ -25,24 +26,8 @@ from runner.recipes import process
 from runner.recipes.full_finetune import FullFinetuneRecipe
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from runner.checkpoint import (
-    MODEL_FILE,
-    read_adapter_state,
-    read_model_state,
-    write_base_model,
-    write_lora_checkpoint,
-)
-from runner.components import instantiate
-from runner.tune import (
-    gather_cpu_state_dict,
-    get_adapter_params,
-    get_adapter_state_dict,
-    get_merged_lora_ckpt,
-    init_like_hf,
-    peft_adapter_config,
-    set_default_dtype,
-    set_trainable_params,
-)
+from runner.checkpoint import MODEL_FILE, write_base_model, write_lora_checkpoint
+from runner.tune import gather_cpu_state_dict
 
 # Adapter weights load into a model whose base is already in place.
 ADAPTER_ONLY = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
@@ -52,36 +37,30 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
     """Trains low-rank adapters on a frozen (optionally NF4-quantized) base."""
 
     def _build_model(self) -> torch.nn.Module:
-        cfg = self.cfg
-        base_state = self._base_model_state()
-        # The adapters' own init draws from the seed, whether the base was built or read.
-        torch.manual_seed(cfg.seed)
         # The frozen base in the compute dtype: only what trains needs master weights.
-        with set_default_dtype(self.compute_dtype), self.device:
-            model = instantiate(OmegaConf.merge(cfg.model.builder, cfg.method.builder))
-        missing, unexpected = model.load_state_dict(base_state, strict=False)
-        adapter = get_adapter_params(model)
-        assert not unexpected and set(missing) <= set(adapter), (missing, unexpected)
-        for param in adapter.values():
-            param.data = param.data.to(self.dtype)
-        set_trainable_params(model, adapter)
+        model = self.backend.build_lora(
+            self.cfg.method.builder,
+            self.device,
+            self.dtype,
+            self.compute_dtype,
+            base_state=self._base_model_state,
+            seed=self.cfg.seed,
+        )
         return self._prepare_model(model)
 
     def _base_model_state(self) -> dict[str, torch.Tensor]:
         """The base weights: the source's; else RUN/base_model, written from the seed once."""
         if self.cfg.model.source is not None:
-            return read_model_state(Path(self.cfg.model.source))
+            return self.backend.read_weights(Path(self.cfg.model.source))
         base_dir = Path(self.cfg.method.base_model_dir)
         if (base_dir / MODEL_FILE).is_file():
-            return read_model_state(base_dir)
-        with set_default_dtype(self.dtype), self.device:
-            base = instantiate(self.cfg.model.builder)
-            init_like_hf(base, self.cfg.model.initializer_range)
+            return self.backend.read_weights(base_dir)
+        base = self.backend.build(self.device, self.dtype)
         state = {k: v.to("cpu", torch.float32) for k, v in base.state_dict().items()}
         if self.is_rank_zero:
             write_base_model(
                 base_dir,
-                model_state=state,
+                model_state=self.backend.to_hf(state),
                 hf_config=self._hf_config(),
                 tokenizer_dir=Path(self.cfg.model.tokenizer.path),
                 chat_template=self._chat_template(),
@@ -104,15 +83,17 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
     ) -> None:
         method = self.cfg.method
         lora = OmegaConf.to_container(method.builder)
-        adapter = get_adapter_state_dict(model_state)
+        adapter = self.backend.adapter_state(model_state)
         merged = None
         if method.save_merged:
             merged = {k: v.to(torch.float32) for k, v in model_state.items()}
-            merged = get_merged_lora_ckpt(merged, lora["lora_rank"], lora["lora_alpha"])
+            merged = self.backend.merged_hf_state(merged, lora)
         write_lora_checkpoint(
             out_dir,
-            adapter_state={k: v.to(torch.float32) for k, v in adapter.items()},
-            adapter_config=peft_adapter_config(lora, method.base_model_dir),
+            adapter_state=self.backend.adapter_to_peft(
+                {k: v.to(torch.float32) for k, v in adapter.items()}
+            ),
+            adapter_config=self.backend.peft_config(lora, method.base_model_dir),
             hf_config=self._hf_config(),
             tokenizer_dir=Path(self.cfg.model.tokenizer.path),
             chat_template=self._chat_template(),
@@ -123,7 +104,7 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
         )
 
     def _load_model_weights(self, checkpoint: Path) -> None:
-        adapter = read_adapter_state(checkpoint, self._hf_config())
+        adapter = self.backend.read_adapter(checkpoint)
         adapter = {k: v.to(self.dtype) for k, v in adapter.items()}
         set_model_state_dict(self.model, adapter, options=ADAPTER_ONLY)
 

@@ -10,14 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from runner.families import (
-    hf_to_tune,
-    peft_config,
-    peft_to_tune,
-    read_config,
-    tune_to_hf,
-    tune_to_peft,
-)
+from runner.families import hf_to_tune, peft_to_tune, read_config
 
 # A checkpoint's file names are the run directory contract's, defined once in runner.rundir.
 from runner.rundir import (
@@ -47,7 +40,8 @@ def write_checkpoint(
 ) -> None:
     """Writes a directory that `transformers` loads as it is, plus training_state.pt.
 
-    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json.
+    `model_state` is in Hugging Face names (the backend's to_hf). A model fine-tuned from
+    `source_dir` keeps that checkpoint's generation_config.json.
     """
     out_dir.mkdir(parents=True, exist_ok=False)
     write_hf_model(out_dir, model_state, hf_config)
@@ -58,8 +52,8 @@ def write_checkpoint(
 def write_hf_model(
     out_dir: Path, model_state: dict[str, torch.Tensor], hf_config: dict[str, Any]
 ) -> None:
-    """config.json and model.safetensors in Hugging Face names and layouts."""
-    hf_state = {k: v.contiguous() for k, v in tune_to_hf(model_state, hf_config).items()}
+    """config.json and model.safetensors; `model_state` is in Hugging Face names and layouts."""
+    hf_state = {k: v.contiguous() for k, v in model_state.items()}
     save_file(hf_state, str(out_dir / MODEL_FILE), metadata={"format": "pt"})
     (out_dir / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
 
@@ -110,11 +104,11 @@ def write_lora_checkpoint(
 ) -> None:
     """A PEFT adapter (adapter_config.json, adapter_model.safetensors) that peft loads onto the
     base named by adapter_config's base_model_name_or_path; with `merged_state`, also the merged
-    weights as config.json + model.safetensors."""
+    weights as config.json + model.safetensors. `adapter_state` is in PEFT's names, `merged_state`
+    in Hugging Face's (the backend's)."""
     out_dir.mkdir(parents=True, exist_ok=False)
-    peft_state = {k: v.contiguous() for k, v in tune_to_peft(adapter_state, hf_config).items()}
+    peft_state = {k: v.contiguous() for k, v in adapter_state.items()}
     save_file(peft_state, str(out_dir / ADAPTER_FILE), metadata={"format": "pt"})
-    adapter_config = peft_config(adapter_config, hf_config)
     (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n")
     if merged_state is not None:
         write_hf_model(out_dir, merged_state, hf_config)
@@ -131,7 +125,8 @@ def write_base_model(
     stop_token_ids: list[int],
     chat_template: Path | None = None,
 ) -> None:
-    """A whole Hugging Face model directory, written under a temporary name and renamed."""
+    """A whole Hugging Face model directory (`model_state` in Hugging Face names), written
+    under a temporary name and renamed."""
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     if tmp.exists():
         shutil.rmtree(tmp)

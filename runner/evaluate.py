@@ -1,5 +1,9 @@
 """Metrics on the validation split: loss, perplexity and token accuracy of the answer tokens,
-and the exact-match score of greedy answers to held-out prompts."""
+and the exact-match score of greedy answers to held-out prompts.
+
+The model is either backend's (runner.backends): torchtune's decoder or transformers' model in
+runner.backends.hf.CausalLM, both called as `model(tokens)` -> logits, or a list of logits
+chunks along the sequence under chunked cross-entropy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The model group -> the recipe's model section: family, weights, builder, config.json, tokenizer.
+"""The model group -> the recipe's model section: backend, family, weights, builder, config.json,
+tokenizer.
+
+The backend (runner.backends) is torchtune's where a runner family builds the source's
+model_type (or the option's family), transformers' for any other causal LM it implements.
 
 A source's config.json names its family (runner/families/) and, for a builder-less option
 (model=hf), the builder's arguments; an option's own builder arguments must build the same
@@ -15,10 +19,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
+from runner.backends import BACKENDS
+from runner.backends.hf import check_transformers_weights, transformers_builder
 from runner.checkpoint import weight_files
 from runner.components import instantiate
 from runner.errors import UserError
 from runner.families import (
+    FAMILIES,
     Family,
     builder_args,
     builder_component,
@@ -30,6 +37,7 @@ from runner.families import (
     read_config,
 )
 from runner.rundir import check_safetensors
+from runner.schema import Model, typed
 from runner.tokenizer import ChatTokenizer
 
 
@@ -105,6 +113,8 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
     A source's config.json names its family and, for a builder-less option (model=hf), the
     builder's arguments; an option's own builder must build the same model.
     """
+    # A composed model section as runner.schema types it (its defaults filled in).
+    model = typed(model, Model, "model.")
     if model.checkpoint_format != "hf":
         raise UserError("model.checkpoint_format", model.checkpoint_format, "only hf is supported")
     if model.builder is None and model.source is None:
@@ -118,16 +128,23 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
             raise
         source = None
     raw_config = json.loads((source / "config.json").read_text()) if source else None
-    family, builder = _family_and_builder(model, read_config(source) if source else None)
-    if source is not None:
-        _check_weights(source, builder)
+    backend, reason = _backend(model, raw_config)
+    if backend == "transformers":
+        family, builder = None, transformers_builder(source)
+        check_transformers_weights(source, builder)
+    else:
+        family, builder = _family_and_builder(model, read_config(source) if source else None)
+        if source is not None:
+            _check_weights(source, builder)
     resolved = {
         "name": model.name,
-        "family": family.name,
+        "backend": backend,
+        "backend_reason": reason,
+        "family": family.name if family else None,
         # Unresolved only for need_files=False: then the option's source as given, for display.
         "source": str(source) if source else model.source,
         "builder": builder,
-        "lora_builder": family.builders[builder["_component_"]],
+        "lora_builder": family.builders[builder["_component_"]] if family else None,
         # Bounded (> 0) by runner.schema.
         "initializer_range": float(model.initializer_range),
         "hf_config": None,
@@ -159,6 +176,57 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
         "date_string": tokenizer.date_string,
     }
     return resolved
+
+
+def _backend(model: DictConfig, config: dict[str, Any] | None) -> tuple[str, str]:
+    """(backend, why): torchtune where a runner family builds config.json's model_type (or the
+    option's family, with no source), transformers for another causal LM that transformers
+    implements; model.backend may insist on one."""
+    wanted = model.backend
+    if wanted not in ("auto", *BACKENDS):
+        raise UserError("model.backend", wanted, f"choose auto, {' or '.join(BACKENDS)}")
+    if config is None:
+        if wanted == "transformers":
+            raise UserError(
+                "model.backend",
+                wanted,
+                "transformers builds a model from its checkpoint: give model.source=DIR, or "
+                "model.backend=auto",
+            )
+        return "torchtune", f"model={model.name} is runner's {model.family} family (random init)"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    family = {f.model_type: f for f in FAMILIES.values()}.get(model_type)
+    if family is not None and wanted != "transformers":
+        return "torchtune", f"model_type {model_type!r} is runner's {family.name} family"
+    known = ", ".join(f"{f.model_type} ({f.name})" for f in FAMILIES.values())
+    if wanted == "torchtune" or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(
+            "model.source",
+            model.source,
+            f"its config.json has model_type={model_type!r}, which "
+            + (
+                "no runner family builds (model.backend=torchtune); use model.backend=auto"
+                if wanted == "torchtune" and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                else f"neither a runner family ({known}) nor transformers' "
+                "AutoModelForCausalLM builds (runner runs no remote code); give a checkpoint "
+                "of a causal LM architecture that transformers implements"
+            ),
+        )
+    if model.family is not None or model.builder is not None:
+        raise UserError(
+            "model",
+            model.name,
+            f"is an option of runner's {model.family} family, and model.source holds a "
+            f"{model_type!r} model; give model=hf model.source={model.source}",
+        )
+    why = (
+        "model.backend=transformers"
+        if family
+        else f"model_type {model_type!r} has no runner family"
+    )
+    return "transformers", f"{why}; transformers' {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}"
 
 
 def _family_and_builder(

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from runner.backends import Backend, backend_for
 from runner.components import instantiate
 from runner.data import check_datasets, train_dataset
 from runner.errors import user_errors_pass_hydra
@@ -49,10 +49,11 @@ def validate(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(recipe))
     model = recipe.model
     weights = model.source or f"random init (seed {recipe.seed})"
-    if model.source is not None:
+    if model.source is not None and model.family is not None:
         weights += f" ({model.family})"
     tokenizer = instantiate(model.tokenizer)
     print(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
+    print(f"ok  backend    {model.backend}: {model.backend_reason}")
     print(
         f"ok  tokenizer  {model.tokenizer.path} ({tokenizer.vocab_size} tokens)"
         f"{_origin(recipe, 'model.tokenizer')}"
@@ -187,20 +188,23 @@ class _Counts:
 
 
 def _parameter_counts(recipe: DictConfig) -> _Counts:
-    """The model's parameters (built on the meta device), with LoRA's adapters and frozen base."""
-    with torch.device("meta"):
-        model = instantiate(recipe.model.builder)
+    """The model's parameters (built on the meta device by its backend), with LoRA's adapters
+    and frozen base."""
+    backend = backend_for(recipe.model)
+    model = backend.meta_model(None)
     parameters = sum(p.numel() for p in model.parameters())
     method = recipe.method
     if method.name == "full":
         return _Counts(parameters, parameters, 0, 0)
-    trainable = _adapter_parameters(recipe.model.builder, method.builder)
+    trainable = _adapter_parameters(backend, method.builder)
     quantized = 0
     if method.builder.quantize_base:
+        # The projections of the decoder layers (2-D weights; norms are 1-D).
         quantized = sum(
             p.numel()
-            for name, p in model.layers.named_parameters()
-            if p.dim() == 2 and (".attn." in name or ".mlp." in name)
+            for layer in backend.layers(model)
+            for name, p in layer.named_parameters()
+            if p.dim() == 2 and "norm" not in name
         )
     return _Counts(parameters + trainable, trainable, parameters - quantized, quantized)
 
@@ -216,10 +220,9 @@ def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
     return values, seq * batch * builder["vocab_size"] * 4
 
 
-def _adapter_parameters(builder: DictConfig, lora: DictConfig) -> int:
+def _adapter_parameters(backend: Backend, lora: DictConfig) -> int:
     """The parameters of the LoRA adapters the method adds to the model (built on meta)."""
-    with torch.device("meta"):
-        model = instantiate(OmegaConf.merge(builder, lora, {"quantize_base": False}))
+    model = backend.meta_model(lora)
     return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
 
 
@@ -232,6 +235,7 @@ def print_estimate(recipe: DictConfig, found: Estimate) -> None:
         f"model          {found.parameters:,} parameters, {recipe.dtype.name}, "
         f"{recipe.compute.device} x {found.world_size}"
     )
+    print(f"backend        {recipe.model.backend}: {recipe.model.backend_reason}")
     if found.trainable_parameters != found.parameters:
         print(
             f"trained        {found.trainable_parameters:,} adapter parameters "

@@ -6,6 +6,7 @@ naming the key, the value and the fix.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,7 +83,12 @@ NF4_WEIGHTS_PER_BLOCK = 64 * 256
 
 
 def resolve_method(
-    method: DictConfig, model_name: str, model: dict[str, Any], run_dir: Path, world_size: int
+    method: DictConfig,
+    model_name: str,
+    model: dict[str, Any],
+    run_dir: Path,
+    world_size: int,
+    device: str,
 ) -> dict[str, Any]:
     """The method section of the recipe: its recipe module; for LoRA, the adapter builder and
     its arguments and the base's home."""
@@ -109,7 +115,9 @@ def resolve_method(
             "adapt; leave it false",
         )
     quantize_base = method.quantize_base
-    if quantize_base:
+    if quantize_base and model["backend"] == "transformers":
+        _check_bitsandbytes(model, device, world_size)
+    elif quantize_base:
         _check_nf4_shapes(builder, world_size)
     dropout = method.dropout
     if dropout >= 1:
@@ -120,7 +128,8 @@ def resolve_method(
         "name": method.name,
         "recipe": RECIPES[method.name],
         "builder": {
-            "_component_": lora_builder,
+            # The torchtune backend's LoRA builder; the transformers backend's adapters are peft's.
+            **({"_component_": lora_builder} if lora_builder else {}),
             "lora_attn_modules": modules,
             "apply_lora_to_mlp": apply_to_mlp,
             "apply_lora_to_output": apply_to_output,
@@ -133,6 +142,25 @@ def resolve_method(
         "base_model_dir": str(base_model_dir.resolve()),
         "save_merged": method.save_merged,
     }
+
+
+def _check_bitsandbytes(model: dict[str, Any], device: str, world_size: int) -> None:
+    """QLoRA of a transformers model quantizes its base with bitsandbytes, which needs CUDA (and
+    one process: its 4-bit weights do not shard with FSDP2)."""
+    why = None
+    if device != "cuda":
+        why = "bitsandbytes' 4-bit base needs a CUDA GPU, and this run is on the CPU"
+    elif world_size > 1:
+        why = f"bitsandbytes' 4-bit base does not shard over {world_size} processes"
+    elif importlib.util.find_spec("bitsandbytes") is None:
+        why = "bitsandbytes is not installed (pip install bitsandbytes)"
+    if why is not None:
+        raise UserError(
+            "method",
+            "qlora",
+            f"model.source={model['source']} trains through transformers ({model['backend_reason']}"
+            f"), whose QLoRA base is bitsandbytes': {why}; use method=lora",
+        )
 
 
 def _lora_modules(modules: Any) -> list[str]:
@@ -453,13 +481,23 @@ def resolve_recipe(
     _built_once(model["builder"], "model.builder")
     loss = OmegaConf.to_container(cfg.loss, resolve=True)
     _built_once(loss, "loss")
-    method = resolve_method(cfg.method, cfg.model.name, model, run_dir, nnodes * nproc_per_node)
+    method = resolve_method(
+        cfg.method, cfg.model.name, model, run_dir, nnodes * nproc_per_node, device
+    )
     dataset = {
         **_dataset(cfg.dataset, model["builder"]["max_seq_len"]),
         # Held-out prompts for eval_exact_match, and the longest answer generated.
         "eval_samples": cfg.dataset.eval_samples,
         "eval_max_new_tokens": cfg.dataset.eval_max_new_tokens,
     }
+    if dataset["packing"] and model["backend"] == "transformers":
+        raise UserError(
+            "dataset.packing",
+            True,
+            f"model.source={model['source']} trains through transformers' own model class "
+            f"({model['backend_reason']}), which runner gives no per-document block-causal mask; "
+            "set dataset.packing=false",
+        )
     if model["tokenizer"] is not None:
         # Samples are cut at dataset.max_seq_len (the model's when null).
         model["tokenizer"]["max_seq_len"] = dataset["max_seq_len"]

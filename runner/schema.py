@@ -66,6 +66,9 @@ class Model:
     checkpoint_format: str = "hf"
     initializer_range: float = number(0.02, positive=True)
     builder: Optional[Dict[str, Any]] = None
+    # auto: torchtune's builder where a runner family builds the model, else transformers' own
+    # model class (runner.backends); torchtune or transformers to insist.
+    backend: str = "auto"
 
 
 @dataclass
@@ -300,18 +303,23 @@ class OptimizerKeys:
 # recipe.yaml keeps the sections and names of Train, each value resolved (`auto` made concrete,
 # hf:// sources made local paths, components named), plus what resolution derives (the builder,
 # tokenizer and config.json of the model; where the processes meet). Bumped when a key moves.
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 
 
 @dataclass
 class RecipeModel:
     name: str = MISSING
-    family: str = MISSING
+    # torchtune (a runner family's builder) or transformers (AutoModelForCausalLM), and why.
+    backend: str = MISSING
+    backend_reason: str = MISSING
+    # The runner family (null: the transformers backend, which builds config.json's model_type).
+    family: Optional[str] = None
     # A local checkpoint directory, or null: random init (initializer_range).
     source: Optional[str] = None
-    # The torchtune builder and its arguments; the family's LoRA twin of the builder.
+    # The builder and its arguments (torchtune's; for transformers runner.backends.hf.from_config
+    # with the sizes read from config.json); the family's LoRA twin of the builder (torchtune's).
     builder: Dict[str, Any] = MISSING
-    lora_builder: str = MISSING
+    lora_builder: Optional[str] = None
     initializer_range: float = 0.02
     # config.json of the checkpoints the run writes; runner.tokenizer.ChatTokenizer and its
     # arguments (its path, and model.chat_template's file or null). Null only in a dry run that

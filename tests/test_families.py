@@ -32,6 +32,7 @@ from runner.families import (
     family_named,
     family_of,
     hf_config,
+    peft_config,
     read_config,
     tune_to_hf,
     tune_to_peft,
@@ -158,8 +159,8 @@ def test_adapters_of_fused_projections_load_in_peft(checkpoints, family: str, tm
     hf_config = read_config(source)
     write_lora_checkpoint(
         tmp_path / "step_1",
-        adapter_state=adapter,
-        adapter_config=peft_adapter_config(lora, str(source)),
+        adapter_state=tune_to_peft(adapter, hf_config),
+        adapter_config=peft_config(peft_adapter_config(lora, str(source)), hf_config),
         hf_config=hf_config,
         tokenizer_dir=source,
         training_state={},
@@ -821,8 +822,8 @@ def test_a_sliding_window_ends_the_sequences_where_the_model_is_exact(
 def test_a_family_runner_does_not_build_is_a_user_error(tmp_path: Path) -> None:
     source = tmp_path / "gpt2"
     source.mkdir()
-    (source / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (source / "config.json").write_text(json.dumps({"model_type": "t5"}))
     (source / "model.safetensors").write_bytes(b"")
     with pytest.raises(UserError) as err:
         resolve_model(model_config(["model=hf", f"model.source={source}"]))
-    assert err.value.key == "model.source" and "gpt2" in err.value.fix
+    assert err.value.key == "model.source" and "t5" in err.value.fix
