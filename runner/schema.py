@@ -47,7 +47,11 @@ class Runtime:
     save_every_n_steps: Optional[int] = integer(200, 1)
     keep_last_n_checkpoints: int = integer(2, 1)
     log_every_n_steps: int = integer(10, 1)
-    tensorboard: bool = flag(True)
+    # Checked by runner.trackers.check_loggers (names, installed packages).
+    loggers: List[str] = field(default_factory=list)
+    project: str = "runner"
+    # Replaced by `loggers`; set, it is refused with the migration (runner.resolve).
+    tensorboard: Optional[bool] = None
     progress_bar: bool = flag(True)
     deterministic: bool = flag(False)
     env: Dict[str, str] = field(default_factory=dict)
@@ -300,7 +304,7 @@ class OptimizerKeys:
 # recipe.yaml keeps the sections and names of Train, each value resolved (`auto` made concrete,
 # hf:// sources made local paths, components named), plus what resolution derives (the builder,
 # tokenizer and config.json of the model; where the processes meet). Bumped when a key moves.
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 
 
 @dataclass
@@ -376,7 +380,8 @@ class RecipeRuntime:
     save_every_n_steps: Optional[int] = None
     keep_last_n_checkpoints: int = 2
     log_every_n_steps: int = 10
-    tensorboard: bool = True
+    loggers: List[str] = field(default_factory=list)
+    project: str = "runner"
     progress_bar: bool = True
     deterministic: bool = False
     env: Dict[str, str] = field(default_factory=dict)

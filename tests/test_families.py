@@ -178,7 +178,7 @@ def test_runner_trains_a_source_of_each_family(
         "batch_size=2",
         "dataset.eval_samples=2",
         "runtime.progress_bar=false",
-        "runtime.tensorboard=false",
+        "runtime.loggers=[]",
         "runtime.log_every_n_steps=1",
         f"hydra.run.dir={run_dir}",
         env={"OMP_NUM_THREADS": "1"},
