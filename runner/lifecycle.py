@@ -127,7 +127,10 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
     pid = status.launcher_pid
     if pid is None:
         raise UserError(key, str(run.path), "the run recorded no process to signal")
-    os.kill(pid, sig)
+    if sig == signal.SIGKILL and os.getpgid(pid) == pid:
+        os.killpg(pid, sig)  # the launcher leads its group: its workers go with it
+    else:
+        os.kill(pid, sig)
     return pid
 
 

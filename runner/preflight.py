@@ -292,10 +292,15 @@ def validate_main(cfg: DictConfig) -> None:
         validate(cfg)
 
 
+def estimated(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[DictConfig, Estimate]:
+    """The resolved recipe and its Estimate. The builder gives the parameter count: an
+    uncached hf:// model is not downloaded. `overrides`: as for `check`."""
+    recipe = _recipe(cfg, fetch=False, overrides=overrides)
+    return recipe, estimate(recipe)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def estimate_main(cfg: DictConfig) -> None:
     """Hydra entry point of `runner estimate`."""
     with user_errors_pass_hydra():
-        # The builder gives the parameter count: an uncached hf:// model is not downloaded.
-        recipe = _recipe(cfg, fetch=False)
-        print_estimate(recipe, estimate(recipe))
+        print_estimate(*estimated(cfg))
