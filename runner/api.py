@@ -158,11 +158,12 @@ class Run:
 
     def status(self) -> Status:
         """status.json as runner.rundir.Status, with the state `runner runs` shows: `failed`
-        when its process is gone without saying so. A launch refused before it wrote its
-        status reads `failed` with the error it printed."""
-        exited = self._process is not None and self._process.poll() is not None
+        when its process is gone without saying so. A run launched here reads `created` until
+        it writes its status, and `failed`, with the error it printed, if it was refused."""
         status = self.dir.status()
-        if status.state == "unknown" and exited:
+        if status.state == "unknown" and self._process is not None:
+            if self._process.poll() is None:
+                return Status(state="created")  # resolving its recipe, checking its data
             error = _last_error(_console(self.path)) or f"exit code {self._process.returncode}"
             return Status(state="failed", error=error)
         state, why = self.dir.effective_state()
