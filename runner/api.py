@@ -252,10 +252,12 @@ class LogStream:
         self._partial = ""
 
     def _lines(self, last: bool) -> list[str]:
-        text = self._partial + self.reader.read()
-        lines = text.split("\n")
-        self._partial = "" if last else lines.pop()
-        return [line for line in lines if line or not last]
+        lines = (self._partial + self.reader.read()).split("\n")
+        # The text after the last newline: a line still being written, or "" (the log's end).
+        self._partial = lines.pop()
+        if last and self._partial:
+            lines.append(self._partial)
+        return lines
 
     def __iter__(self) -> Iterator[str]:
         while True:

@@ -26,7 +26,7 @@ BASE = [
     "eval.strategy=no",
     "dataset.eval_samples=0",
 ]
-STEPS = 60
+STEPS = 30
 
 
 def wait_for_step(run: api.Run, step: int, timeout: float = 300) -> None:
