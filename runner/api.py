@@ -365,7 +365,8 @@ class Deployment:
         return self.url
 
     def stop(self, timeout: float = 60.0) -> int:
-        """Drains and stops the server (SIGTERM); its exit code."""
+        """Drains and stops the server (SIGTERM); its exit code. uvicorn raises the signal again
+        once it has shut down cleanly, so a clean stop is -SIGTERM (-15), as for `kill`."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)

@@ -54,6 +54,11 @@ def wandb_records(run_dir: Path) -> list[Any]:
     return records
 
 
+def key(item: Any) -> str:
+    """A wandb history or summary item's name (wandb writes most as a one-part nested key)."""
+    return item.key or "/".join(item.nested_key)
+
+
 def series(records: list[dict[str, Any]], names: set[str]) -> dict[str, list[tuple[int, float]]]:
     found: dict[str, list[tuple[int, float]]] = {}
     for record in records:
@@ -85,8 +90,13 @@ def tracked_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env: dict[str
     return run
 
 
-def test_wandb_and_mlflow_receive_the_series_of_metrics_jsonl(tracked_run: Path) -> None:
+def test_wandb_and_mlflow_receive_the_series_of_metrics_jsonl(
+    tracked_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from mlflow.tracking import MlflowClient
+
+    for name, value in tracker_env(tracked_run.parent).items():
+        monkeypatch.setenv(name, value)
 
     metrics = RunDir(tracked_run).read_metrics()
     names = {name for record in metrics for name in record} - {"step"}
@@ -97,13 +107,12 @@ def test_wandb_and_mlflow_receive_the_series_of_metrics_jsonl(tracked_run: Path)
     history = []
     for record in wandb_records(tracked_run):
         if record.WhichOneof("record_type") == "history":
-            row = {item.key: json.loads(item.value_json) for item in record.history.item}
+            row = {key(item): json.loads(item.value_json) for item in record.history.item}
             history.append({**row, "step": row["_step"]})
     assert series(history, names) == expected
 
     run_id = json.loads((tracked_run / trackers.TRACKERS_FILE).read_text())["mlflow_run_id"]
-    tmp = tracked_run.parent
-    client = MlflowClient(tracking_uri=tracker_env(tmp)["MLFLOW_TRACKING_URI"])
+    client = MlflowClient()
     logged = {
         name: [(m.step, m.value) for m in client.get_metric_history(run_id, name)] for name in names
     }
@@ -114,8 +123,9 @@ def test_wandb_and_mlflow_receive_the_series_of_metrics_jsonl(tracked_run: Path)
     assert mlflow_run.data.tags["best_checkpoint"] == best["checkpoint"]
     assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.params["seed"] == "0"
     summaries = [r.summary for r in wandb_records(tracked_run) if r.HasField("summary")]
-    wandb_best = [json.loads(u.value_json) for s in summaries for u in s.update if u.key]
-    assert best["checkpoint"] in wandb_best
+    wandb_best = {key(u): json.loads(u.value_json) for s in summaries for u in s.update}
+    assert wandb_best["best_checkpoint"] == best["checkpoint"]
+    assert wandb_best["best_step"] == best["step"]
 
 
 def test_no_secret_reaches_a_tracker(tracked_run: Path) -> None:
