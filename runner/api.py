@@ -134,9 +134,15 @@ def launch(
     """Starts `runner train OVERRIDES` in a new directory under runtime.output_root and returns
     at once; the Run reports how it goes. A bad override or option raises here; what training
     finds later (a missing file, a bad record) ends the run `failed`, with the message."""
+    resumes = [o for o in overrides if o.startswith("resume=")]
+    if resumes:
+        raise UserError(
+            "resume",
+            resumes[0].removeprefix("resume="),
+            "launch starts a new run; continue one with api.Run(RUN).resume()",
+        )
     base = Path(cwd or Path.cwd())
-    root = base / str(compose(overrides).runtime.output_root)
-    path = _new_dir(root)
+    path = _new_dir(base / str(compose(overrides).runtime.output_root))
     args = ["train", *overrides, f"hydra.run.dir={path}"]
     return Run(path, _process=_start(args, _console(path), base, env), _cwd=base)
 
