@@ -108,6 +108,8 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     assert problem.key == "model" and "tiny" in problem.fix
     with pytest.raises(UserError, match="no such option"):
         api.launch(["model=nope"], cwd=workdir, env=hermetic_env)
+    with pytest.raises(UserError, match=r"Run\(RUN\).resume\(\)"):
+        api.launch([f"resume={workdir}"], cwd=workdir, env=hermetic_env)
     # Found by the training process: the run fails with the message; its directory is gone.
     run = api.launch([*BASE, f"dataset.source={missing}"], cwd=workdir, env=hermetic_env)
     status = run.wait(timeout=300)
