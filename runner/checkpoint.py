@@ -10,7 +10,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from runner.families import hf_to_tune, peft_to_tune, read_config, tune_to_hf, tune_to_peft
+from runner.families import (
+    hf_to_tune,
+    peft_config,
+    peft_to_tune,
+    read_config,
+    tune_to_hf,
+    tune_to_peft,
+)
 
 # A checkpoint's file names are the run directory contract's, defined once in runner.rundir.
 from runner.rundir import (
@@ -107,6 +114,7 @@ def write_lora_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=False)
     peft_state = {k: v.contiguous() for k, v in tune_to_peft(adapter_state, hf_config).items()}
     save_file(peft_state, str(out_dir / ADAPTER_FILE), metadata={"format": "pt"})
+    adapter_config = peft_config(adapter_config, hf_config)
     (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n")
     if merged_state is not None:
         write_hf_model(out_dir, merged_state, hf_config)

@@ -24,6 +24,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from runner.chat import render_chat
 from runner.errors import UserError
 from runner.tune import CROSS_ENTROPY_IGNORE_IDX, Message, truncate
 
@@ -44,27 +45,6 @@ EXTRA_STOP_TOKENS = (
 _STAND_INS = ("QqRunnerContentqQ", "ZzRunnerContentzZ")
 # Llama 3.2's template, among others, writes today's date unless given date_string.
 _DATE_FORMAT = "%d %b %Y"
-
-
-def render_chat(
-    tokenizer: Any,
-    messages: Sequence[dict[str, Any]],
-    *,
-    add_generation_prompt: bool = False,
-    continue_final_message: bool = False,
-    chat_template: str | None = None,
-    **template_kwargs: Any,
-) -> str:
-    """A conversation as text, rendered by transformers' apply_chat_template (`tokenizer` is a
-    transformers tokenizer); encoded without added special tokens it gives the model's ids."""
-    return tokenizer.apply_chat_template(
-        list(messages),
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        tokenize=False,
-        **template_kwargs,
-    )
 
 
 def load_hf_tokenizer(path: Path) -> Any:

@@ -17,13 +17,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.components import instantiate
-from runner.data import check_datasets
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.launch import launch
 from runner.manifest import build_manifest, write_manifest
 from runner.paths import CONF_DIR
-from runner.resolve import resolve_recipe
 from runner.resolvers import check_resume
 from runner.rundir import STATES, RunDir, RunLocked, run_lock
 from runner.schema import read_recipe, write_recipe
@@ -95,6 +92,10 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
             return None
         recipe = read_recipe(run.recipe_path)
     else:
+        # torch, transformers and datasets load here, not at import: `runner train --help` and
+        # `--cfg job` (Hydra prints and exits before calling main) stay fast.
+        from runner.resolve import resolve_recipe
+
         recipe = resolve_recipe(cfg, run.path, overrides)
         _check_data(recipe)
         write_recipe(run.recipe_path, recipe)
@@ -111,6 +112,9 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
 
 def _check_data(recipe: DictConfig) -> None:
     """Reads and checks every record of every split before anything starts."""
+    from runner.components import instantiate
+    from runner.data import check_datasets
+
     started = time.perf_counter()
     found = check_datasets(recipe.dataset, instantiate(recipe.model.tokenizer))
     records = ", ".join(f"{n} {split}" for split, n in found.items())

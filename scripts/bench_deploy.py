@@ -1,10 +1,14 @@
-"""Benchmark `runner deploy`: output tokens/s and latency at concurrency 1, 8 and 32.
+"""Benchmark `runner deploy`: output tokens/s and latency at each concurrency (1, 8, 32).
 
-Beside it, in the same run, the baseline: sequential `transformers` generate on the same model,
-prompts and token budget. Without --checkpoint it builds the tiny model (conf/model/tiny.yaml's
-shape, random weights) in a temporary directory.
+Beside it, in the same run and on the same device and dtype as the server: `transformers`'
+own `generate`, greedy, at a static batch of each concurrency (batch 1 is the sequential
+baseline). Without --checkpoint it builds the tiny model (conf/model/tiny.yaml's shape, random
+weights) in a temporary directory.
 
-    python scripts/bench_deploy.py [--checkpoint DIR] [--max-tokens 64] [--requests 32]
+    python scripts/bench_deploy.py [--checkpoint DIR] [--device auto] [--dtype auto]
+        [--concurrency 1,8,32] [--max-tokens 64] [--requests 32]
+
+On a GPU, e.g. `--checkpoint DIR --concurrency 1,8,32,128 --max-tokens 128 --requests 128`.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ import openai
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from runner.deploy.loading import resolve_device, resolve_dtype
 from runner.paths import TINY_TOKENIZER_DIR
 
-CONCURRENCY = (1, 8, 32)
 WORDS = "the model reads a prompt and writes an answer one token at a time".split()
 
 
@@ -88,27 +92,57 @@ def prompts(count: int) -> list[str]:
     ]
 
 
-def load_baseline(checkpoint: Path) -> tuple[Any, Any]:
-    """The model and tokenizer for the baseline, loaded as `transformers` users load them."""
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, use_safetensors=True).eval()
-    model.generate(torch.tensor([tokenizer.encode("warm up")]), max_new_tokens=4, do_sample=False)
+def load_baseline(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model and tokenizer for the baseline, loaded as `transformers` users load them, on
+    the server's device and dtype; the tokenizer pads on the left, as batched generate needs."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, use_safetensors=True, dtype=dtype)
+    model = model.to(device).eval()
+    warm = tokenizer(["warm up"], return_tensors="pt").to(device)
+    model.generate(**warm, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return model, tokenizer
 
 
-def sequential_generate(model: Any, tokenizer: Any, texts: list[str], max_tokens: int) -> Result:
-    """The baseline: one `generate` call after another, greedy."""
-    ids = [torch.tensor([tokenizer.encode(text)]) for text in texts]
+def batched_generate(
+    model: Any, tokenizer: Any, texts: list[str], max_tokens: int, batch_size: int
+) -> Result:
+    """The baseline: `generate` over static batches of `batch_size` prompts, greedy; a batch's
+    latency is each of its requests' latency. Tokens past a sequence's end are not counted."""
     latencies, tokens = [], 0
     start = time.perf_counter()
     with torch.inference_mode():
-        for prompt in ids:
+        for first in range(0, len(texts), batch_size):
+            batch = texts[first : first + batch_size]
+            inputs = tokenizer(batch, return_tensors="pt", padding=True).to(model.device)
             began = time.perf_counter()
-            output = model.generate(prompt, max_new_tokens=max_tokens, do_sample=False)
-            latencies.append(time.perf_counter() - began)
-            tokens += output.shape[1] - prompt.shape[1]
+            output = model.generate(
+                **inputs,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            _synchronize(model.device)
+            latencies += [time.perf_counter() - began] * len(batch)
+            new = output[:, inputs["input_ids"].shape[1] :]
+            tokens += sum(_generated_length(row, tokenizer) for row in new.tolist())
     wall = time.perf_counter() - start
-    return Result("transformers generate, sequential", 1, latencies, tokens, wall)
+    return Result(f"transformers generate, batch {batch_size}", batch_size, latencies, tokens, wall)
+
+
+def _generated_length(row: list[int], tokenizer: Any) -> int:
+    """Tokens generated up to and including the first end of sequence (the rest is padding)."""
+    stops = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    for index, token in enumerate(row):
+        if token in stops:
+            return index + 1
+    return len(row)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 async def load(url: str, texts: list[str], max_tokens: int, concurrency: int) -> Result:
@@ -137,10 +171,14 @@ async def load(url: str, texts: list[str], max_tokens: int, concurrency: int) ->
     return Result("runner deploy", concurrency, latencies, tokens, wall)
 
 
-def start_server(checkpoint: Path) -> tuple[subprocess.Popen, str]:
+def start_server(
+    checkpoint: Path, device: str, dtype: str, max_batch_size: int
+) -> tuple[subprocess.Popen, str]:
     """`runner deploy` in its own process (so client and server do not share one GIL)."""
     command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={checkpoint}", "port=0"]
     command += ["served_model_name=bench", "max_queue=4096", "limits.max_n=1"]
+    command += [f"device={device}", f"dtype={dtype}"]
+    command += [f"transformers.max_batch_size={max_batch_size}"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in process.stdout:
         if match := re.search(r"API at (http://\S+)/v1", line):
@@ -161,54 +199,78 @@ def start_server(checkpoint: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not answer /health")
 
 
-def report(results: list[Result], baseline: Result) -> None:
-    """The figures, one row per configuration, with the ratio to the baseline's tokens/s."""
+def report(results: list[Result], baselines: list[Result]) -> None:
+    """One row per configuration: the server beside `generate` at the same batch, and both
+    against sequential `generate` (batch 1)."""
     columns = ["concurrency", "requests", "tokens/s", "p50 ms", "p90 ms", "p99 ms"]
     print(f"{'':36} {columns[0]:>11} {columns[1]:>8} {columns[2]:>9}", end=" ")
-    print(" ".join(f"{column:>8}" for column in columns[3:]), f"{'vs sequential':>13}")
-    for result in [baseline, *results]:
-        ratio = result.tokens_per_s / baseline.tokens_per_s
+    print(" ".join(f"{column:>8}" for column in columns[3:]), f"{'vs batch 1':>11}")
+    sequential = baselines[0]
+    for result in [row for pair in zip(baselines, results, strict=True) for row in pair]:
+        ratio = result.tokens_per_s / sequential.tokens_per_s
         print(
             f"{result.label:36} {result.concurrency:>11} {len(result.latencies_s):>8} "
             f"{result.tokens_per_s:>9.0f} {result.percentile_ms(50):>8.0f} "
-            f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} {ratio:>12.1f}x"
+            f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} {ratio:>10.1f}x"
         )
 
 
-def main() -> None:
-    """Run the baseline, then the server at each concurrency, and print the comparison."""
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (both sides)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16"
+    )
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated; 1 comes first")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency")
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each (best kept)")
     args = parser.parse_args()
+    args.concurrency = sorted({1, *(int(c) for c in args.concurrency.split(","))})
+    return args
+
+
+def main() -> None:
+    """Both sides at each concurrency, interleaved over repeats, and the comparison."""
+    args = _arguments()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
-        texts = prompts(max(args.requests, max(CONCURRENCY)))
+        texts = prompts(max(args.requests, max(args.concurrency)))
         print(
-            f"checkpoint {checkpoint}: {len(texts)} requests per concurrency, "
-            f"{args.max_tokens} new tokens each, greedy, {torch.get_num_threads()} torch threads"
+            f"checkpoint {checkpoint} on {device} ({name}), {dtype}: {len(texts)} requests per "
+            f"concurrency, {args.max_tokens} new tokens each, greedy, "
+            f"{torch.get_num_threads()} torch threads"
         )
-        model, tokenizer = load_baseline(checkpoint)
-        process, url = start_server(checkpoint)
-        baselines, runs = [], {concurrency: [] for concurrency in CONCURRENCY}
+        model, tokenizer = load_baseline(checkpoint, device, dtype)
+        process, url = start_server(checkpoint, str(device), args.dtype, max(args.concurrency))
+        baselines = {concurrency: [] for concurrency in args.concurrency}
+        runs = {concurrency: [] for concurrency in args.concurrency}
         try:
             # Repeats, interleaved, keep the best of each: other work on a shared machine only
             # ever slows a measurement down.
             for _ in range(args.repeats):
-                baselines.append(sequential_generate(model, tokenizer, texts, args.max_tokens))
-                for concurrency, results in runs.items():
-                    results.append(asyncio.run(load(url, texts, args.max_tokens, concurrency)))
+                for concurrency in args.concurrency:
+                    baselines[concurrency].append(
+                        batched_generate(model, tokenizer, texts, args.max_tokens, concurrency)
+                    )
+                    runs[concurrency].append(
+                        asyncio.run(load(url, texts, args.max_tokens, concurrency))
+                    )
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(timeout=30)
-    baseline = max(baselines, key=lambda result: result.tokens_per_s)
-    results = [max(results, key=lambda result: result.tokens_per_s) for results in runs.values()]
+
+    def best(results: list[Result]) -> Result:
+        return max(results, key=lambda result: result.tokens_per_s)
+
     print(f"best of {args.repeats} interleaved repeats:")
-    report(results, baseline)
-    ratio = results[CONCURRENCY.index(8)].tokens_per_s / baseline.tokens_per_s
-    print(f"concurrency 8: {ratio:.1f}x sequential generate (target >= 4x)")
+    report(
+        [best(runs[c]) for c in args.concurrency], [best(baselines[c]) for c in args.concurrency]
+    )
 
 
 if __name__ == "__main__":

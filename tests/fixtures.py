@@ -27,7 +27,31 @@ from tokenizers import (
     trainers,
 )
 
-FAMILIES = ("llama3_2", "llama3_1", "qwen2_5", "mistral")
+FAMILIES = (
+    "llama3_2",
+    "llama3_1",
+    "qwen2_5",
+    "mistral",
+    "gemma",
+    "gemma2",
+    "phi3",
+    "phi4",
+    "smollm2",
+)
+# The model family (runner/families/) each fixture family is a checkpoint of.
+FAMILY_OF = {
+    "llama3_2": "llama3",
+    "llama3_1": "llama3",
+    "smollm2": "llama3",
+    "qwen2_5": "qwen2",
+    "mistral": "mistral",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "phi3": "phi3",
+    "phi4": "phi3",
+}
+# Fixture families whose chat template refuses a system message.
+NO_SYSTEM_ROLE = ("gemma", "gemma2")
 
 # The chat templates as published in the model repos' tokenizer_config.json
 # (meta-llama/Llama-3.2-1B-Instruct, meta-llama/Llama-3.1-8B-Instruct,
@@ -300,6 +324,43 @@ MISTRAL_TEMPLATE = """{%- if messages[0]["role"] == "system" %}
 {%- endfor %}
 """
 
+# google/gemma-2b-it and google/gemma-2-2b-it (the same template): no system role; the
+# assistant is "model".
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role "
+    "not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user')"
+    " != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}"
+    "{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+# microsoft/Phi-3-mini-4k-instruct: a whole conversation ends with eos_token.
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+# microsoft/phi-4: ChatML with <|im_sep|> after the role and no newlines.
+PHI4_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'system') %}"
+    "{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + message['content'] "
+    "+ '<|im_end|>'}}{% elif (message['role'] == 'assistant') %}"
+    "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
+)
+# HuggingFaceTB/SmolLM2-135M-Instruct: ChatML with a default system prompt.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # The pre-tokenizer split patterns of Llama 3's tiktoken and Qwen2's tokenizer.json.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -433,16 +494,80 @@ def _tokenizer(family: str) -> tuple[Tokenizer, dict[str, Any]]:
             "chat_template": MISTRAL_TEMPLATE,
         }
         return tokenizer, config
-    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+    return _more_tokenizers(family)
 
 
-def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer) -> Any:
+_GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+_PHI3_SPECIAL = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<|endoftext|>",
+    "<|assistant|>",
+    "<|system|>",
+    "<|user|>",
+    "<|end|>",
+]
+_PHI4_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>", "<|dummy_87|>"]
+_SMOLLM2_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _more_tokenizers(family: str) -> tuple[Tokenizer, dict[str, Any]]:
+    """Gemma's and Phi-3's SentencePiece-style tokenizers, Phi-4's and SmolLM2's byte-level."""
+    if family in ("gemma", "gemma2"):
+        tokenizer = _metaspace(_GEMMA_SPECIAL, 300)
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)]
+        )
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "pad_token": "<pad>",
+            "unk_token": "<unk>",
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1000000000000000019884624838656,
+            "chat_template": GEMMA_TEMPLATE,
+        }
+        return tokenizer, config
+    if family == "phi3":
+        tokenizer = _metaspace(_PHI3_SPECIAL, 300)
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": "<unk>",
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 4096,
+            "chat_template": PHI3_TEMPLATE,
+        }
+        return tokenizer, config
+    special = _PHI4_SPECIAL if family == "phi4" else _SMOLLM2_SPECIAL
+    if family not in ("phi4", "smollm2"):
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+    tokenizer = _byte_level(_LLAMA3_SPLIT, 320)
+    tokenizer.add_special_tokens(special)
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>" if family == "phi4" else "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|dummy_87|>" if family == "phi4" else "<|im_end|>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 16384 if family == "phi4" else 8192,
+        "chat_template": PHI4_TEMPLATE if family == "phi4" else SMOLLM2_TEMPLATE,
+    }
+    return tokenizer, config
+
+
+def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer, width: int = 64) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     dims = {
         "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -482,6 +607,8 @@ def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer) -> Any:
             bos_token_id=tokenizer.token_to_id("<|endoftext|>"),
             eos_token_id=tokenizer.token_to_id("<|im_end|>"),
         )
+    if family in ("gemma", "gemma2", "phi3", "phi4", "smollm2"):
+        return _more_model_configs(family, dims, tokenizer)
     return MistralConfig(
         **dims,
         head_dim=16,
@@ -495,10 +622,74 @@ def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer) -> Any:
     )
 
 
-def write_tiny_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
+def _more_model_configs(family: str, dims: dict[str, Any], tokenizer: Tokenizer) -> Any:
+    from transformers import Gemma2Config, GemmaConfig, LlamaConfig, Phi3Config
+
+    ids = tokenizer.token_to_id
+    if family == "gemma":
+        # Gemma's head_dim is its own (2B: 256 with hidden_size 2048 and 8 heads).
+        return GemmaConfig(
+            **{**dims, "hidden_act": "gelu_pytorch_tanh"},
+            head_dim=32,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            bos_token_id=ids("<bos>"),
+            eos_token_id=ids("<eos>"),
+            pad_token_id=ids("<pad>"),
+        )
+    if family == "gemma2":
+        # A window of 8 tokens, so that the sliding-window layers attend differently in a test.
+        return Gemma2Config(
+            **{**dims, "hidden_act": "gelu_pytorch_tanh"},
+            hidden_activation="gelu_pytorch_tanh",
+            head_dim=32,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            tie_word_embeddings=True,
+            bos_token_id=ids("<bos>"),
+            eos_token_id=[ids("<eos>"), ids("<end_of_turn>")],
+            pad_token_id=ids("<pad>"),
+        )
+    if family in ("phi3", "phi4"):
+        phi3 = family == "phi3"
+        return Phi3Config(
+            **dims,
+            max_position_embeddings=4096 if phi3 else 16384,
+            original_max_position_embeddings=4096 if phi3 else 16384,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0 if phi3 else 250000.0,
+            # Phi-3 mini's window is the whole 4K context less one; Phi-4 has none.
+            sliding_window=2047 if phi3 else None,
+            tie_word_embeddings=False,
+            bos_token_id=ids("<s>") if phi3 else ids("<|endoftext|>"),
+            eos_token_id=ids("<|endoftext|>") if phi3 else ids("<|im_end|>"),
+            pad_token_id=ids("<|endoftext|>") if phi3 else ids("<|dummy_87|>"),
+        )
+    # SmolLM2: the Llama architecture with plain RoPE and tied embeddings.
+    return LlamaConfig(
+        **dims,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=ids("<|im_start|>"),
+        eos_token_id=ids("<|im_end|>"),
+    )
+
+
+def write_tiny_checkpoint(family: str, path: Path, seed: int = 0, width: int = 64) -> Path:
     """A tiny random checkpoint of `family` in Hugging Face's layout, written by transformers.
 
-    family: one of FAMILIES (llama3_2, llama3_1, qwen2_5, mistral). Returns `path`.
+    family: one of FAMILIES (a published model's name, FAMILY_OF gives its family). width:
+    hidden_size (256 makes every projection a whole number of QLoRA's NF4 blocks). Returns
+    `path`.
     """
     from transformers import AutoModelForCausalLM
 
@@ -507,7 +698,7 @@ def write_tiny_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
     tokenizer, tokenizer_config = _tokenizer(family)
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    config = _model_config(family, tokenizer.get_vocab_size(), tokenizer)
+    config = _model_config(family, tokenizer.get_vocab_size(), tokenizer, width)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random norms and biases, so that a wrongly mapped one changes the logits.

@@ -20,12 +20,15 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from runner.errors import UserError
 from runner.export.write import export
 from runner.families import FAMILIES, hf_config
 from runner.paths import TINY_TOKENIZER_DIR
+from tests.fixtures import write_tiny_checkpoint
 
 # Token ids fed to both sides, so the comparison does not depend on either tokenizer; the texts
 # also check that llama.cpp's tokenizer gives the ids transformers' gives. They are picked so that
@@ -298,6 +301,93 @@ def test_gguf_f16_decodes_like_transformers(request, family: str, tmp_path: Path
             assert llama_cpp_greedy(llm, ids) == greedy(model, ids)
 
 
+def make_family_checkpoint(family: str, path: Path) -> Path:
+    """A tiny checkpoint of a fixture family (tests/fixtures.py, its published chat template),
+    its matrices drawn wide (as tiny_config's are), so that greedy decoding has clear winners:
+    seed 3 gives every step of SENTENCEPIECE_TEXTS a margin above 0.1."""
+    write_tiny_checkpoint(family, path)
+    model = load(path)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 2:
+                parameter.normal_(0, 0.4)
+    if family == "gemma2":
+        # llama.cpp scales Gemma 2's attention by 1/sqrt(head_dim) (gguf_file._add_gemma2).
+        model.config.query_pre_attn_scalar = model.config.head_dim
+    model.save_pretrained(path)
+    return path
+
+
+# llama.cpp runs Mistral as its llama architecture.
+ARCHITECTURES = {"mistral": "llama"}
+# Texts in the SentencePiece-style fixture tokenizers' alphabet (printable ASCII, spaces).
+SENTENCEPIECE_TEXTS = [
+    "Reverse the word. hello",
+    "The quick brown fox jumps over the lazy dog",
+    "Uppercase the word. fox",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "phi3", "mistral"])
+def test_gguf_of_sentencepiece_families_decodes_like_transformers(family: str, tmp_path: Path):
+    """gguf's tables name the architecture and tensors; llama.cpp's layout fixes (Gemma's norms
+    + 1, Gemma 2's soft-caps and sliding window, Phi-3's fused projections, Mistral's q/k rows
+    as llama's) hold; the SentencePiece-style vocabulary tokenizes as transformers does."""
+    checkpoint = make_family_checkpoint(family, tmp_path / family)
+    out = run_export(checkpoint, "gguf", out=str(tmp_path / f"{family}.gguf"))
+    model, tokenizer = load(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+    with llama_cpp_model(out) as llm:
+        assert llm.metadata["general.architecture"] == ARCHITECTURES.get(family, family)
+        assert llm.metadata["tokenizer.chat_template"] == tokenizer.chat_template
+        for text in SENTENCEPIECE_TEXTS:
+            ids = tokenizer(text).input_ids
+            assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids, text
+            expected = logits(model, ids)[-1]
+            error = (llama_cpp_logits(llm, ids) - expected).abs().max()
+            assert error < 0.02 * expected.abs().max(), text
+            assert llama_cpp_greedy(llm, ids, n=4) == greedy(model, ids, n=4), text
+
+
+@pytest.mark.slow
+def test_gguf_of_an_architecture_runner_has_no_family_for(tmp_path: Path) -> None:
+    """Qwen3 (q/k norms, its own head_dim): gguf's tables name it and its tensors, and
+    llama.cpp gives transformers' logits."""
+    checkpoint = tmp_path / "qwen3" / "step_4"
+    config = Qwen3Config(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=256,
+        eos_token_id=260,
+    )
+    torch.manual_seed(2)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # HF initializes norms to one; make the q/k norms count
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(1, 0.2)
+    model.save_pretrained(checkpoint)
+    add_tokenizer_files(checkpoint)
+    out = run_export(checkpoint, "gguf", out=str(tmp_path / "qwen3.gguf"))
+    model = load(checkpoint)
+    with llama_cpp_model(out) as llm:
+        assert llm.metadata["general.architecture"] == "qwen3"
+        for ids in token_ids():
+            expected = logits(model, ids)[-1]
+            error = (llama_cpp_logits(llm, ids) - expected).abs().max()
+            assert error < 0.02 * expected.abs().max()
+
+
 @pytest.mark.slow
 def test_gguf_of_a_lora_checkpoint_is_the_merged_model(lora_checkpoint: Path, tmp_path: Path):
     out = run_export(lora_checkpoint, "gguf", out=str(tmp_path / "lora.gguf"))
@@ -370,13 +460,16 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
     assert done.stdout.splitlines()[-1] == str(out) and out.read_bytes()[:4] == b"GGUF"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
-    qwen3 = tmp_path / "qwen3"
-    shutil.copytree(full_checkpoint, qwen3)
-    config = json.loads((qwen3 / "config.json").read_text())
-    (qwen3 / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForCausalLM"]}))
-    refused = runner_cli("export", f"checkpoint={qwen3}", "format=gguf")
-    assert refused.returncode == 2 and "LlamaForCausalLM" in refused.stderr
-    assert not (tmp_path / "qwen3-gguf-f16.gguf").exists()
+    # An architecture gguf's tables do not know (OPT): one error naming the checkpoint.
+    opt = tmp_path / "opt"
+    shutil.copytree(full_checkpoint, opt)
+    config = json.loads((opt / "config.json").read_text())
+    config |= {"model_type": "opt", "architectures": ["OPTForCausalLM"]}
+    (opt / "config.json").write_text(json.dumps(config))
+    refused = runner_cli("export", f"checkpoint={opt}", "format=gguf")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"checkpoint='{opt}'" in refused.stderr and "model_type='opt'" in refused.stderr
+    assert not (tmp_path / "opt-gguf-f16.gguf").exists()
 
     bare = runner_cli("export", f"checkpoint={full_checkpoint}", "dtype=bf16")
     assert bare.returncode == 2 and "write merged.dtype=bf16" in bare.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,10 +19,10 @@ import torch
 from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from runner.checkpoint import read_model_state
+from runner.checkpoint import read_adapter_state, read_model_state, write_lora_checkpoint
 from runner.components import instantiate
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
@@ -30,16 +31,24 @@ from runner.families import (
     check_source_matches,
     family_named,
     family_of,
+    hf_config,
     read_config,
+    tune_to_hf,
     tune_to_peft,
 )
 from runner.models import resolve_model
 from runner.paths import CONF_DIR
 from runner.preflight import estimate, print_estimate
 from runner.resolve import resolve_recipe
-from runner.tune import Message
+from runner.tune import Message, peft_adapter_config
 from tests.conftest import losses
-from tests.fixtures import FAMILIES, write_hub_snapshot, write_tiny_checkpoint
+from tests.fixtures import (
+    FAMILIES,
+    FAMILY_OF,
+    NO_SYSTEM_ROLE,
+    write_hub_snapshot,
+    write_tiny_checkpoint,
+)
 
 ZOO = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 CHATS = {
@@ -81,6 +90,7 @@ def resolved(source: Path) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recipe_model_gives_transformers_logits(checkpoints: dict[str, Path], family: str) -> None:
     source = checkpoints[family]
+    assert resolved(source)["family"] == FAMILY_OF[family]
     ours = instantiate(OmegaConf.create(resolved(source)["builder"]))
     ours.load_state_dict(read_model_state(source))
     theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
@@ -91,9 +101,10 @@ def test_recipe_model_gives_transformers_logits(checkpoints: dict[str, Path], fa
     assert diff <= 1e-4, diff
 
 
-@pytest.mark.parametrize("family", ["llama3_2", "qwen2_5"])
+@pytest.mark.parametrize("family", ["llama3_2", "qwen2_5", "gemma", "gemma2"])
 def test_an_adapter_in_peft_gives_the_lora_models_logits(checkpoints, family: str) -> None:
-    """Adapter names and layouts per family: Llama's q/k rows are permuted, Qwen2's are not."""
+    """Adapter names and layouts per family: Llama's and Gemma's q/k rows are permuted, Qwen2's
+    are not."""
     source = checkpoints[family]
     lora = {"lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "lora_rank": 4}
     recipe = resolved(source)
@@ -118,6 +129,67 @@ def test_an_adapter_in_peft_gives_the_lora_models_logits(checkpoints, family: st
     assert diff <= 1e-4, diff
 
 
+@pytest.mark.parametrize("family", ["phi3", "phi4"])
+def test_adapters_of_fused_projections_load_in_peft(checkpoints, family: str, tmp_path) -> None:
+    """Phi-3's Hugging Face model fuses q/k/v (qkv_proj) and gate/up (gate_up_proj): the LoRA
+    checkpoint adapts the fused modules (k not adapted: its rows' update is zero), peft loads it
+    onto transformers' model with the LoRA model's logits, and it reads back unchanged."""
+    source = checkpoints[family]
+    lora = {
+        "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
+        "apply_lora_to_mlp": True,
+        "apply_lora_to_output": True,
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.0,
+    }
+    recipe = resolved(source)
+    ours = instantiate(
+        OmegaConf.create({**recipe["builder"], "_component_": recipe["lora_builder"], **lora})
+    )
+    ours.load_state_dict(read_model_state(source), strict=False)
+    torch.manual_seed(0)
+    # Adapters as large as the weights (std 0.1), not N(0, 1) on every projection: logits in the
+    # hundreds would put fp32 rounding of the fused and split matmuls above 1e-4.
+    adapter = {
+        name: 0.1 * torch.randn_like(t) for name, t in ours.state_dict().items() if "lora" in name
+    }
+    ours.load_state_dict(adapter, strict=False)
+    hf_config = read_config(source)
+    write_lora_checkpoint(
+        tmp_path / "step_1",
+        adapter_state=adapter,
+        adapter_config=peft_adapter_config(lora, str(source)),
+        hf_config=hf_config,
+        tokenizer_dir=source,
+        training_state={},
+        stop_token_ids=[0],
+        merged_state=None,
+    )
+    config = json.loads((tmp_path / "step_1" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == [
+        "down_proj", "gate_up_proj", "lm_head", "o_proj", "qkv_proj"
+    ]  # fmt: skip
+    theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    theirs = PeftModel.from_pretrained(theirs, tmp_path / "step_1")
+    tokens = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    back = read_adapter_state(tmp_path / "step_1", hf_config)
+    assert back.keys() == adapter.keys()
+    assert all(torch.equal(back[name], adapter[name]) for name in adapter)
+
+
+def chats(
+    examples: dict[str, list[tuple[str, str]]], family: str
+) -> dict[str, list[tuple[str, str]]]:
+    """The examples a family's chat template renders: Gemma's refuses a system message."""
+    if family not in NO_SYSTEM_ROLE:
+        return examples
+    return {name: chat for name, chat in examples.items() if chat[0][0] != "system"}
+
+
 def messages(chat: list[tuple[str, str]], train_on_input: bool = False) -> list[Message]:
     return [
         Message(role=role, content=text, masked=role != "assistant" and not train_on_input)
@@ -131,7 +203,7 @@ def test_tokenizer_gives_the_chat_templates_ids(checkpoints: dict[str, Path], fa
     ours = instantiate(OmegaConf.create(resolved(source)["tokenizer"]))
     hf = AutoTokenizer.from_pretrained(source)
     # The model transform the recipe runs, and transformers' own rendering of the conversation.
-    for name, chat in CHATS.items():
+    for name, chat in chats(CHATS, family).items():
         tokens, mask = ours.tokenize_messages(messages(chat))
         dicts = [{"role": role, "content": text} for role, text in chat]
         expected = hf.apply_chat_template(dicts, tokenize=True, return_dict=False)
@@ -146,8 +218,9 @@ def test_tokenizer_gives_the_chat_templates_ids(checkpoints: dict[str, Path], fa
         runs += [run] if run else []
         answers = [text.strip() for role, text in chat if role == "assistant"]
         assert [hf.decode(r, skip_special_tokens=True).strip() for r in runs] == answers, name
-        assert all(r[-1] == ours.eos_id for r in runs), name
-    for name, chat in PROMPTS.items():
+        # Each answer ends with its end-of-turn token (Gemma's <end_of_turn>, Phi-3's <|end|>).
+        assert all(r[-1] in ours.stop_tokens for r in runs), name
+    for name, chat in chats(PROMPTS, family).items():
         dicts = [{"role": role, "content": text} for role, text in chat]
         expected = hf.apply_chat_template(
             dicts, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -164,7 +237,7 @@ def test_train_on_input_trains_on_the_prompt_too(checkpoints: dict[str, Path], f
     assert sum(not m for m in unmasked) > sum(not m for m in masked) + 5
 
 
-@pytest.mark.parametrize("family", ["llama3_2", "qwen2_5", "mistral"])
+@pytest.mark.parametrize("family", ["llama3_2", "qwen2_5", "mistral", "gemma2", "phi3", "smollm2"])
 def test_runner_trains_a_source_of_each_family(
     checkpoints: dict[str, Path], family: str, runner_cli, tmp_path: Path
 ) -> None:
@@ -207,7 +280,7 @@ def test_runner_trains_a_source_of_each_family(
         assert (before(tokens).logits - logits).abs().max().item() > 1e-4  # it trained
     # `runner deploy` loads it, and renders a chat into the ids training used for the prompt.
     served = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
-    prompt = PROMPTS["system, user"]
+    prompt = PROMPTS["user" if family in NO_SYSTEM_ROLE else "system, user"]
     rendered = served.tokenizer.apply_chat_template(
         [{"role": role, "content": text} for role, text in prompt],
         add_generation_prompt=True,
@@ -218,6 +291,97 @@ def test_runner_trains_a_source_of_each_family(
         trained_with.generation_prompt(messages(prompt))
     )
     assert trained_with.eos_id in served.eos_token_ids
+
+
+@pytest.mark.parametrize(
+    "family,method", [("gemma2", "lora"), ("phi3", "lora"), ("gemma", "qlora"), ("phi3", "qlora")]
+)
+def test_runner_fine_tunes_adapters_of_the_new_families(
+    family: str, method: str, runner_cli, tmp_path: Path
+) -> None:
+    """LoRA and QLoRA (NF4 needs projections of whole 16384-weight blocks: width 256) train, and
+    the adapter peft loads onto transformers' model gives the recipe's logits (LoRA) or differs
+    from the base (QLoRA, whose base the recipe holds in NF4)."""
+    source = write_tiny_checkpoint(family, tmp_path / family, width=256)
+    run_dir = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        "model=hf",
+        f"model.source={source}",
+        f"method={method}",
+        "method.apply_lora_to_mlp=true",
+        "compute=cpu",
+        "dtype=fp32",
+        "max_steps=2",
+        "batch_size=2",
+        "dataset.eval_samples=2",
+        "runtime.progress_bar=false",
+        "runtime.tensorboard=false",
+        f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = run_dir / "checkpoints" / "step_2"
+    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokens = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(tokens).logits
+        theirs = PeftModel.from_pretrained(base, checkpoint)(tokens).logits
+    assert (theirs - before).abs().max().item() > 1e-4  # it trained
+    if method == "lora":
+        recipe = OmegaConf.load(run_dir / "recipe.yaml")
+        ours = instantiate(OmegaConf.merge(recipe.model.builder, recipe.method.builder))
+        ours.load_state_dict(read_model_state(source), strict=False)
+        ours.load_state_dict(read_adapter_state(checkpoint, read_config(source)), strict=False)
+        with torch.no_grad():
+            assert (ours(tokens) - theirs).abs().max().item() <= 1e-4
+
+
+SMALL = {
+    "vocab_size": 96,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 64,
+    "intermediate_dim": 128,
+    "max_seq_len": 512,
+}
+# family -> its builder's arguments beyond SMALL (model.source=null: a random-init model).
+RANDOM_INIT = {
+    "llama3": {"scale_factor": 32, "tie_word_embeddings": True},
+    "qwen2": {"tie_word_embeddings": False},
+    "mistral": {},
+    "gemma": {"head_dim": 32},
+    "gemma2": {"head_dim": 32, "sliding_window_size": 8, "query_pre_attn_scalar": 24},
+    "phi3": {"rope_base": 250000},
+}
+
+
+@pytest.mark.parametrize("family", sorted(RANDOM_INIT))
+def test_a_random_init_model_is_saved_as_the_same_transformers_model(family: str) -> None:
+    """The config.json written for a builder (hf_config) and the weights in Hugging Face's
+    names and layouts (tune_to_hf) are a transformers model with the builder's logits."""
+    builder = {"_component_": family_named(family).builder, **SMALL, **RANDOM_INIT[family]}
+    config = hf_config(
+        family_named(family), builder, initializer_range=0.02, bos_token_id=1, eos_token_id=2
+    )
+    torch.manual_seed(0)
+    ours = instantiate(OmegaConf.create(builder))
+    with torch.no_grad():
+        for parameter in ours.parameters():
+            parameter.normal_(0, 0.2)
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    missing, unexpected = theirs.load_state_dict(
+        tune_to_hf(ours.state_dict(), config), strict=False
+    )
+    # A tied output projection is the embeddings' own weight: not saved.
+    assert not unexpected and set(missing) <= (
+        {"lm_head.weight"} if config["tie_word_embeddings"] else set()
+    )
+    tokens = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert diff <= 1e-4, diff
 
 
 def test_every_model_option_gets_its_familys_builder_and_lora_twin() -> None:
@@ -257,6 +421,24 @@ _QWEN = {
     "rope_theta": 1000000.0,
     "use_sliding_window": False,
     "sliding_window": 32768,
+}
+_GEMMA = {
+    "vocab_size": 256000,
+    "head_dim": 256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+}
+_GEMMA2 = {
+    "model_type": "gemma2",
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
 }
 PUBLISHED = {
     "llama3_2_1b": {
@@ -318,6 +500,140 @@ PUBLISHED = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": False,
     },
+    "llama3_3_70b": {
+        **_LLAMA,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 80,
+        "rope_scaling": {**_LLAMA_ROPE, "factor": 8.0},
+        "tie_word_embeddings": False,
+    },
+    **{
+        f"smollm2_{size}": {
+            **_LLAMA,
+            "vocab_size": 49152,
+            "max_position_embeddings": 8192,
+            "rope_scaling": None,
+            "tie_word_embeddings": True,
+            **dims,
+        }
+        for size, dims in {
+            "135m": {
+                "hidden_size": 576,
+                "intermediate_size": 1536,
+                "num_attention_heads": 9,
+                "num_hidden_layers": 30,
+                "num_key_value_heads": 3,
+                "rope_theta": 100000,
+            },
+            "360m": {
+                "hidden_size": 960,
+                "intermediate_size": 2560,
+                "num_attention_heads": 15,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 5,
+                "rope_theta": 100000,
+            },
+            "1_7b": {
+                "hidden_size": 2048,
+                "intermediate_size": 8192,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 24,
+                "num_key_value_heads": 32,
+                "rope_theta": 130000,
+            },
+        }.items()
+    },
+    "gemma_2b": {
+        **_GEMMA,
+        "model_type": "gemma",
+        "hidden_act": "gelu",
+        "hidden_size": 2048,
+        "intermediate_size": 16384,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 18,
+        "num_key_value_heads": 1,
+    },
+    "gemma2_2b": {
+        **_GEMMA,
+        **_GEMMA2,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 4,
+    },
+    "gemma2_9b": {
+        **_GEMMA,
+        **_GEMMA2,
+        "hidden_size": 3584,
+        "intermediate_size": 14336,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 42,
+        "num_key_value_heads": 8,
+    },
+    "phi3_mini": {
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "hidden_act": "silu",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "sliding_window": 2047,
+        "tie_word_embeddings": False,
+    },
+    "phi4": {
+        "model_type": "phi3",
+        "vocab_size": 100352,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "intermediate_size": 17920,
+        "num_attention_heads": 40,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 10,
+        "max_position_embeddings": 16384,
+        "original_max_position_embeddings": 16384,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 250000,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    **{
+        option: {
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 32,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": None,
+            "tie_word_embeddings": False,
+            **published,
+        }
+        for option, published in {
+            "llama2_7b": {
+                "vocab_size": 32000,
+                "max_position_embeddings": 4096,
+                "rope_theta": 10000.0,
+            },
+            "code_llama2_7b": {
+                "vocab_size": 32016,
+                "max_position_embeddings": 16384,
+                "rope_theta": 1000000,
+            },
+        }.items()
+    },
     "mistral_7b": {
         "model_type": "mistral",
         "vocab_size": 32768,
@@ -340,7 +656,9 @@ PUBLISHED = {
 @pytest.mark.parametrize("option", sorted(PUBLISHED))
 def test_zoo_option_builds_its_hub_repos_model(option: str) -> None:
     model = model_config([f"model={option}"])
-    assert model.source.startswith("hf://") and "-Instruct" in model.source
+    # The instruct (chat) checkpoints; Phi-4 has no base release beside it.
+    assert model.source.startswith("hf://")
+    assert re.search(r"-Instruct|-instruct|-it$|-chat-", model.source) or option == "phi4"
     config = PUBLISHED[option]
     family = family_of(config, model.source)
     assert family.name == model.family
@@ -351,7 +669,29 @@ def test_zoo_option_builds_its_hub_repos_model(option: str) -> None:
         builder_args(family, config, ""),
         model.source,
     )
-    assert model.builder.max_seq_len == config["max_position_embeddings"]
+    # Phi-3 mini's sequences end at its sliding window (runner/families/phi3.py).
+    window = config.get("sliding_window") if config["model_type"] == "phi3" else None
+    assert model.builder.max_seq_len == (window or config["max_position_embeddings"])
+
+
+# Parameter counts of the hub repos (their model cards and safetensors index totals).
+PARAMETERS = {
+    "gemma_2b": 2_506_172_416,
+    "gemma2_2b": 2_614_341_888,
+    "phi3_mini": 3_821_079_552,
+    "phi4": 14_659_507_200,
+    "smollm2_135m": 134_515_008,
+    "llama2_7b": 6_738_415_616,
+    "llama3_3_70b": 70_553_706_496,
+}
+
+
+@pytest.mark.parametrize("option", sorted(PARAMETERS))
+def test_zoo_option_has_its_hub_repos_parameter_count(option: str) -> None:
+    builder = resolve_model(model_config([f"model={option}"]), need_files=False)["builder"]
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create(builder))
+    assert sum(p.numel() for p in model.parameters()) == PARAMETERS[option]
 
 
 def test_estimate_of_a_zoo_option_needs_no_download(capsys, tmp_path: Path) -> None:
@@ -423,10 +763,59 @@ def test_each_family_loads_from_a_hub_cache_snapshot(
     cached, direct = read_model_state(snapshot), read_model_state(checkpoints[family])
     assert cached.keys() == direct.keys()
     assert all(torch.equal(cached[name], direct[name]) for name in direct)
-    chat = messages(CHATS["system, user, assistant"])
+    chat = messages(CHATS["user, assistant, user, assistant"])
     ours = instantiate(recipe.model.tokenizer)
     theirs = instantiate(OmegaConf.create(plain["tokenizer"]))
     assert ours.tokenize_messages(chat) == theirs.tokenize_messages(chat)
+
+
+@pytest.mark.parametrize(
+    "family,edit,named",
+    [
+        # transformers' Gemma 2 reads "gelu" as the exact GELU; torchtune's MLP is gelu-tanh.
+        ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation=gelu"),
+        ("gemma2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window"),
+        ("gemma", {"tie_word_embeddings": False}, "tie_word_embeddings=false"),
+        ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        (
+            "phi3",
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}},
+            "longrope",
+        ),
+    ],
+)
+def test_a_setting_torchtune_does_not_build_is_a_user_error(
+    checkpoints: dict[str, Path], tmp_path: Path, family: str, edit: dict, named: str
+) -> None:
+    source = tmp_path / family
+    shutil.copytree(checkpoints[family], source)
+    config = json.loads((source / "config.json").read_text())
+    config.pop("rope_parameters", None)  # transformers 5 keeps RoPE settings here too
+    (source / "config.json").write_text(json.dumps({**config, **edit, "rope_theta": 10000.0}))
+    with pytest.raises(UserError) as err:
+        resolve_model(model_config(["model=hf", f"model.source={source}"]))
+    assert err.value.key == "model.source" and named in err.value.fix, err.value.fix
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_sliding_window_ends_the_sequences_where_the_model_is_exact(
+    checkpoints: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    """torchtune's mistral and phi3 attend to the whole sequence: the windowed model's equal up
+    to the window, where the recipe's sequences end."""
+    source = tmp_path / family
+    shutil.copytree(checkpoints[family], source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    with pytest.warns(UserWarning, match="truncated to sliding_window=16"):
+        recipe = resolve_model(model_config(["model=hf", f"model.source={source}"]))
+    assert recipe["builder"]["max_seq_len"] == recipe["tokenizer"]["max_seq_len"] == 16
+    ours = instantiate(OmegaConf.create(recipe["builder"]))
+    ours.load_state_dict(read_model_state(source))
+    theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max().item() <= 1e-4
 
 
 def test_a_family_runner_does_not_build_is_a_user_error(tmp_path: Path) -> None:

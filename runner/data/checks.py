@@ -211,6 +211,17 @@ def _check_conversations(
     return sizes, messages
 
 
+def _template_tokens(tokenizer: Any) -> int:
+    """The tokens the chat template gives an empty system, user, assistant conversation; for a
+    template that refuses a system message (Gemma's), an empty user, assistant one."""
+    try:
+        empty = [Message(role=r, content="") for r in ("system", "user", "assistant")]
+        return len(tokenizer.tokenize_messages(empty)[0])
+    except UserError:
+        empty = [Message(role=r, content="") for r in ("user", "assistant")]
+        return len(tokenizer.tokenize_messages(empty)[0])
+
+
 def _check_trainable(
     split: TokenizedSplit,
     records: Records,
@@ -226,9 +237,7 @@ def _check_trainable(
     max_seq_len are tokenized.
     """
     max_seq_len = data["max_seq_len"]
-    empty = [Message(role=r, content="") for r in ("system", "user", "assistant")]
-    template, _ = tokenizer.tokenize_messages(empty)
-    bound = 1 + prompt_bytes + (prompt_messages + 1) * (len(template) + 2)
+    bound = 1 + prompt_bytes + (prompt_messages + 1) * (_template_tokens(tokenizer) + 2)
     for index in np.flatnonzero(bound >= max_seq_len - 2):
         sample = split[int(index)]
         if any(label != CROSS_ENTROPY_IGNORE_IDX for label in sample["labels"]):

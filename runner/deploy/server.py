@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from runner.chat import render_chat
 from runner.deploy import protocol
 from runner.deploy.generation import Engine, EngineFailed, QueueFull, RequestHandle
 from runner.deploy.protocol import ApiError, Limits
@@ -270,10 +271,10 @@ def _render_chat(tokenizer: Any, messages: list[protocol.ChatMessage]) -> list[i
         message = "this model has no chat template: use /v1/completions with a plain prompt"
         raise ApiError(400, message, param="messages")
     try:
-        text = tokenizer.apply_chat_template(
+        text = render_chat(
+            tokenizer,
             [message.as_template_input() for message in messages],
             add_generation_prompt=True,
-            tokenize=False,
         )
     except Exception as error:  # the template's own checks (raise_exception) and Jinja errors
         raise ApiError(400, f"the chat template refused these messages: {error}") from error

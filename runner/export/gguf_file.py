@@ -1,9 +1,11 @@
-"""A GGUF file (llama.cpp's format) from a Hugging Face Llama or Qwen2 model, with `gguf`.
+"""A GGUF file (llama.cpp's format) from a Hugging Face causal LM, with `gguf`.
 
-The layout follows llama.cpp's own converter (convert_hf_to_gguf.py): the same metadata keys,
-tensor names, q/k permutation for the llama architecture, rope_freqs for Llama 3 RoPE scaling,
-and the same rule for which tensors stay F32. What differs by family (llama.cpp architecture,
-q/k permutation, pre-tokenizer hashes) is each family's `gguf` facts (runner/families/).
+The architecture and tensor names come from gguf's own tables (gguf.MODEL_ARCH_NAMES,
+gguf.get_tensor_name_map), so any architecture llama.cpp knows exports. The layout follows
+llama.cpp's converter (convert_hf_to_gguf.py): the same metadata keys, the q/k permutation of
+its llama architecture, Gemma's norms stored with their 1 added, rope_freqs for Llama 3 RoPE
+scaling, and the same rule for which tensors stay F32. Tokenizers: byte-level BPE ("gpt2") and
+SentencePiece-style BPE ("llama", its merge order written as scores).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType, TokenType
 
 from runner.errors import UserError
-from runner.families import FAMILIES, GGUFFacts, head_dim, rope, rope_type
+from runner.families import head_dim, rope, rope_type
 
 # quantization= option -> the file type recorded in the header and the type of 2-D weights.
 QUANTIZATIONS = {
@@ -29,7 +31,7 @@ QUANTIZATIONS = {
 
 
 # llama.cpp picks its pre-tokenizer (the regex split before BPE) by name. Its converter names it
-# by hashing the token ids of this text; each family lists the hashes of its tokenizers.
+# by hashing the token ids of this text (PRE_TOKENIZERS).
 _CHECK_TEXT = (
     "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d"
     "\U0001f32b\ufe0f (multiple emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 "
@@ -58,19 +60,39 @@ class _Writer(gguf.GGUFWriter):
         return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
-def family_of(config: dict[str, Any]) -> GGUFFacts:
-    """The llama.cpp facts of a config.json's family; other families are a user error."""
-    exportable = {f.architecture: f.gguf for f in FAMILIES.values() if f.gguf is not None}
-    architectures = config.get("architectures") or []
-    for name in architectures:
-        if name in exportable:
-            return exportable[name]
-    raise UserError(
-        "format",
-        "gguf",
-        f"GGUF export supports {', '.join(exportable)}; this checkpoint is {architectures}: "
-        "export format=merged and convert it with llama.cpp's convert_hf_to_gguf.py",
-    )
+# config.json model_type -> llama.cpp architecture, where llama.cpp's name differs (its
+# converter registers these Hugging Face architectures on those models).
+ARCH_ALIASES = {"mistral": "llama", "phi": "phi2", "gpt_neox": "gptneox", "cohere": "command-r"}
+# llama.cpp's graph rotates adjacent pairs for these and Hugging Face rotates halves: its
+# converter permutes q and k rows (LlamaModel.permute).
+PERMUTE_QK = {"llama"}
+# Norms Hugging Face applies as (1 + weight), which llama.cpp stores with the 1 added.
+NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
+# Token ids llama.cpp's pre-tokenizer is named by (the hash of the check text's ids), for the
+# byte-level BPE tokenizers of the checkpoints runner fine-tunes (Llama 3, Qwen2/Qwen3, SmolLM2).
+PRE_TOKENIZERS = {
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
+    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",
+    # SmolLM's tokenizer (HuggingFaceTB/SmolLM-135M), which SmolLM2 keeps.
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",
+}
+
+
+def gguf_arch(config: dict[str, Any], checkpoint: Path | str) -> gguf.MODEL_ARCH:
+    """llama.cpp's architecture of a config.json, from gguf's table; a UserError if none."""
+    model_type = config.get("model_type")
+    by_name = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+    name = ARCH_ALIASES.get(model_type, model_type)
+    if name not in by_name:
+        raise UserError(
+            "checkpoint",
+            str(checkpoint),
+            f"its config.json has model_type={model_type!r} ({config.get('architectures')}), an "
+            "architecture llama.cpp does not know (gguf's MODEL_ARCH_NAMES): export format=merged "
+            "instead",
+        )
+    return by_name[name]
 
 
 def write_gguf(
@@ -83,14 +105,14 @@ def write_gguf(
     name: str,
 ) -> None:
     """Write a model (Hugging Face names, fp32) and its tokenizer as one GGUF file."""
-    family = family_of(config)
+    arch = gguf_arch(config, name)
     file_type, weight_type = QUANTIZATIONS[quantization]
-    writer = _Writer(path, family.arch)
+    writer = _Writer(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(name)
     writer.add_file_type(file_type)
-    _add_hparams(writer, config)
+    _add_hparams(writer, config, arch)
     _add_tokenizer(writer, tokenizer, vocab_size=config["vocab_size"])
-    for gguf_name, tensor in _tensors(state_dict, config, family):
+    for gguf_name, tensor in _tensors(state_dict, config, arch):
         data = tensor.to(torch.float32).numpy()
         # As llama.cpp's converter: 1-D tensors and norms stay F32, matrices take the quant type.
         qtype = GGMLQuantizationType.F32 if data.ndim <= 1 else weight_type
@@ -106,64 +128,89 @@ def write_gguf(
     writer.close()
 
 
-def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any], arch: gguf.MODEL_ARCH) -> None:
+    """The hyperparameters llama.cpp's converter writes for every model, and per architecture."""
+    heads = config["num_attention_heads"]
+    dim = head_dim(config)
+    settings = rope(config)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(head_dim(config))
-    writer.add_value_length(head_dim(config))
-    writer.add_rope_dimension_count(head_dim(config))
-    writer.add_rope_freq_base(float(rope(config)["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    scaling = rope_type(rope(config))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_key_length(dim)
+    writer.add_value_length(dim)
+    # transformers 5 keeps partial_rotary_factor in rope_parameters, 4 at the top level.
+    partial = settings.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(int(dim * partial))
+    writer.add_rope_freq_base(float(settings["rope_theta"]))
+    if "rms_norm_eps" in config:
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    else:
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+    scaling = rope_type(settings)
     if scaling == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope(config)["factor"])
-    elif scaling not in ("default", "llama3"):  # llama3 scaling travels as rope_freqs
+        writer.add_rope_scaling_factor(settings["factor"])
+    elif scaling not in ("default", "llama3") or (scaling == "llama3" and arch not in _LLAMA):
+        # llama3 scaling travels as rope_freqs (_tensors)
         raise UserError(
             "format",
             "gguf",
             f"this checkpoint's RoPE scaling {scaling!r} is not supported by the GGUF export: "
             "export format=merged and convert it with llama.cpp's convert_hf_to_gguf.py",
         )
+    if arch == gguf.MODEL_ARCH.GEMMA2:
+        _add_gemma2(writer, config)
+    elif arch == gguf.MODEL_ARCH.PHI3:
+        writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+        # llama.cpp reads 0 as no window (Phi-4).
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+    elif config.get("sliding_window") and arch in (gguf.MODEL_ARCH.GEMMA3,):
+        writer.add_sliding_window(config["sliding_window"])
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Any, *, vocab_size: int) -> None:
-    """Byte-level BPE vocabulary, merges, special ids and chat template ("gpt2" in llama.cpp)."""
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = spec["model"]
-    if model["type"] != "BPE" or "ByteLevel" not in json.dumps(spec["decoder"]):
+_LLAMA = (gguf.MODEL_ARCH.LLAMA,)
+
+
+def _add_gemma2(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+    # llama.cpp scales Gemma 2's attention by 1/sqrt(head_dim), or for its 27B (46 layers) by
+    # 1/sqrt(hidden_size / heads); it does not read query_pre_attn_scalar.
+    scalar = config["query_pre_attn_scalar"]
+    theirs = (
+        config["hidden_size"] // config["num_attention_heads"]
+        if config["num_hidden_layers"] == 46
+        else head_dim(config)
+    )
+    if scalar != theirs:
         raise UserError(
             "format",
             "gguf",
-            f"the GGUF export handles byte-level BPE tokenizers (Llama 3, Qwen2); this one is "
-            f"{model['type']}: export format=merged and convert with llama.cpp's converter",
+            f"this Gemma 2 checkpoint's query_pre_attn_scalar={scalar} is not the attention "
+            f"scale llama.cpp gives it (1/sqrt({theirs})): export format=merged instead",
         )
-    by_id = {index: text for text, index in tokenizer.get_vocab().items()}
-    added = tokenizer.added_tokens_decoder
-    tokens, types = [], []
-    for index in range(vocab_size):
-        if index not in by_id:
-            tokens.append(f"[PAD{index}]")
-            types.append(TokenType.UNUSED)
-        elif index in added:
-            tokens.append(added[index].content)
-            types.append(TokenType.CONTROL if added[index].special else TokenType.USER_DEFINED)
-        else:
-            tokens.append(by_id[index])
-            types.append(TokenType.NORMAL)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer(tokenizer, merges))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_key_value(
-        gguf.Keys.Tokenizer.MERGES, merges, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING
-    )
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Any, *, vocab_size: int) -> None:
+    """The vocabulary (byte-level BPE or SentencePiece-style), special ids and chat template."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model["type"] == "BPE" and "ByteLevel" in json.dumps(spec["decoder"]):
+        _add_byte_level_bpe(writer, tokenizer, model, vocab_size)
+    elif model["type"] == "BPE" and "Metaspace" in json.dumps(spec):
+        _add_sentencepiece_bpe(writer, tokenizer, spec, vocab_size)
+    else:
+        raise UserError(
+            "format",
+            "gguf",
+            f"the GGUF export handles byte-level and SentencePiece-style BPE tokenizers; this one "
+            f"is {model['type']}: export format=merged and convert with llama.cpp's converter",
+        )
     for kind in ("bos", "eos", "pad", "unk"):
         token_id = getattr(tokenizer, f"{kind}_token_id")
         if token_id is not None:
@@ -178,22 +225,90 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Any, *, vocab_size: int) 
         writer.add_chat_template(tokenizer.chat_template)
 
 
+def _token_list(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[TokenType]]:
+    """Every id's token text and llama.cpp type; ids past the tokenizer's are padding."""
+    by_id = {index: text for text, index in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for index in range(vocab_size):
+        if index not in by_id:
+            tokens.append(f"[PAD{index}]")
+            types.append(TokenType.UNUSED)
+        elif index in added:
+            tokens.append(added[index].content)
+            types.append(TokenType.CONTROL if added[index].special else TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[index])
+            is_byte = len(by_id[index]) == 6 and by_id[index].startswith("<0x")
+            types.append(TokenType.BYTE if is_byte else TokenType.NORMAL)
+    return tokens, types
+
+
+def _add_byte_level_bpe(
+    writer: gguf.GGUFWriter, tokenizer: Any, model: dict[str, Any], vocab_size: int
+) -> None:
+    """Byte-level BPE vocabulary and merges ("gpt2" in llama.cpp)."""
+    tokens, types = _token_list(tokenizer, vocab_size)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer(tokenizer, merges))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_key_value(
+        gguf.Keys.Tokenizer.MERGES, merges, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING
+    )
+
+
+def _add_sentencepiece_bpe(
+    writer: gguf.GGUFWriter, tokenizer: Any, spec: dict[str, Any], vocab_size: int
+) -> None:
+    """A SentencePiece-style BPE (▁ for spaces) as llama.cpp's "llama" tokenizer.
+
+    llama.cpp merges the adjacent pair whose merged token scores highest, leftmost first;
+    Hugging Face's BPE merges the pair of lowest merge rank, leftmost first. A merged token's
+    score is minus the rank of the merge that makes it, so the two merge in the same order.
+    """
+    tokens, types = _token_list(tokenizer, vocab_size)
+    rank = {}
+    for index, merge in enumerate(spec["model"]["merges"]):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault(left + right, index)
+    scores = [-float(rank.get(token, 0)) for token in tokens]
+    prepend = [
+        node.get("prepend_scheme", "always" if node.get("add_prefix_space") else "never")
+        for node in _nodes(spec.get("pre_tokenizer"))
+        if node.get("type") == "Metaspace"
+    ]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(bool(prepend) and prepend[0] != "never")
+
+
+def _nodes(node: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A tokenizer.json component and those a Sequence of it holds."""
+    if not node:
+        return []
+    inner = node.get("pretokenizers") or node.get("normalizers") or []
+    return [node, *(n for child in inner for n in _nodes(child))]
+
+
 def _pre_tokenizer(tokenizer: Any, merges: list[str]) -> str:
     """llama.cpp's name for the tokenizer's pre-tokenizer, found as llama.cpp's converter does."""
     ids = tokenizer.backend_tokenizer.encode(_CHECK_TEXT).ids  # as tokenizer.encode, unbounded
     digest = hashlib.sha256(str(ids).encode()).hexdigest()
-    known = {
-        h: name for f in FAMILIES.values() if f.gguf for h, name in f.gguf.pre_tokenizers.items()
-    }
-    if digest in known:
-        return known[digest]
+    if digest in PRE_TOKENIZERS:
+        return PRE_TOKENIZERS[digest]
     if not merges:
         # Without merges every byte is its own token however the text is split first.
         return "llama-bpe"
     raise UserError(
         "format",
         "gguf",
-        "this tokenizer's pre-tokenizer is not one the GGUF export knows (Llama 3, Qwen2): "
+        "this tokenizer's pre-tokenizer is not one the GGUF export knows (Llama 3, Qwen2, "
+        "SmolLM2): "
         "export format=merged and convert it with llama.cpp's convert_hf_to_gguf.py",
     )
 
@@ -208,10 +323,11 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _tensors(
-    state_dict: dict[str, torch.Tensor], config: dict[str, Any], family: GGUFFacts
+    state_dict: dict[str, torch.Tensor], config: dict[str, Any], arch: gguf.MODEL_ARCH
 ) -> list[tuple[str, torch.Tensor]]:
-    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[family.arch]
+    """GGUF names (gguf's TensorNameMap) and llama.cpp's layouts of the model's tensors."""
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]
     out = []
     for hf_name, tensor in state_dict.items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
@@ -223,10 +339,12 @@ def _tensors(
             raise UserError(
                 "format", "gguf", f"no GGUF name for tensor {hf_name}: export format=merged instead"
             )
-        if family.permute_qk and hf_name.endswith("q_proj.weight"):
+        if arch_name in PERMUTE_QK and hf_name.endswith("q_proj.weight"):
             tensor = _permute(tensor, config["num_attention_heads"])
-        elif family.permute_qk and hf_name.endswith("k_proj.weight"):
+        elif arch_name in PERMUTE_QK and hf_name.endswith("k_proj.weight"):
             tensor = _permute(tensor, config["num_key_value_heads"])
+        elif arch_name in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+            tensor = tensor.to(torch.float32) + 1
         out.append((gguf_name, tensor))
     settings = rope(config)
     if rope_type(settings) == "llama3":

@@ -119,9 +119,11 @@ def check_request(
     if format != "adapter":
         require_safetensors(base_dir or chosen, "export")
     if format == "gguf":
-        from runner.export.gguf_file import family_of
+        from runner.export.gguf_file import gguf_arch
 
-        family_of(json.loads(((base_dir or chosen) / HF_CONFIG_FILE).read_text()))
+        gguf_arch(
+            json.loads(((base_dir or chosen) / HF_CONFIG_FILE).read_text()), base_dir or chosen
+        )
     variant = {"adapter": None, "merged": dtype, "gguf": quantization}[format]
     destination = Path(out) if out else default_destination(chosen, format, variant)
     if destination.exists() or destination.is_symlink():

@@ -1,9 +1,9 @@
 """The model families runner fine-tunes, one module each, found here.
 
-A family module (llama3.py, qwen2.py, mistral.py) defines FAMILY: its torchtune builders and
-their LoRA twins, how config.json maps to the builder's arguments and back, its weight names
-on both sides (PEFT adapter names included) and its GGUF facts. Chats are rendered with the
-tokenizer's own chat template, never a family default.
+A family module (llama3.py, qwen2.py, mistral.py, gemma.py, gemma2.py, phi3.py) defines
+FAMILY: its torchtune builders and their LoRA twins, how config.json maps to the builder's
+arguments and back, and its weight names on both sides (PEFT adapter names included). Chats are
+rendered with the tokenizer's own chat template, never a family default.
 Adding a family is adding a module here and its options in conf/model/. A Hugging Face
 checkpoint's config.json names its family (`model_type`).
 """
@@ -30,7 +30,6 @@ from runner.families._builder import (
 from runner.families._family import (
     SHARED_ARGS,
     Family,
-    GGUFFacts,
     attention_dims,
     head_dim,
     rope,
@@ -40,7 +39,6 @@ from runner.families._family import (
 __all__ = [
     "FAMILIES",
     "Family",
-    "GGUFFacts",
     "builder_args",
     "builder_component",
     "check_source_matches",
@@ -51,6 +49,7 @@ __all__ = [
     "head_dim",
     "hf_config",
     "hf_to_tune",
+    "peft_config",
     "peft_to_tune",
     "read_config",
     "rope",
@@ -137,3 +136,10 @@ def peft_to_tune(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict
     """PEFT adapter names and layouts -> torchtune's: the inverse of tune_to_peft."""
     family = BY_MODEL_TYPE[config["model_type"]]
     return _weights.from_peft(state, family.weights, attention_dims(config))
+
+
+def peft_config(adapter_config: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """PEFT's adapter_config.json for the Hugging Face model of `config`: a family whose model
+    fuses projections (Phi-3) adapts the fused modules at the parts' summed rank and alpha."""
+    family = BY_MODEL_TYPE[config["model_type"]]
+    return _weights.peft_config(adapter_config, family.weights)

@@ -29,9 +29,10 @@ def builder_args(family: Family, config: dict[str, Any], source: str) -> dict[st
     """The builder arguments (without _component_) that build the model a config.json describes."""
     dim = head_dim(config)
     try:
-        if config["hidden_act"] != "silu":
-            raise Unsupported(f"hidden_act={config['hidden_act']}")
-        if dim * config["num_attention_heads"] != config["hidden_size"]:
+        activation = config.get(family.activation_key)
+        if activation not in family.activations:
+            raise Unsupported(f"{family.activation_key}={activation}")
+        if not family.own_head_dim and dim * config["num_attention_heads"] != config["hidden_size"]:
             raise Unsupported(f"head_dim={dim} (not hidden_size / num_attention_heads)")
         extra = family.extra_args(config)
     except Unsupported as err:
@@ -99,10 +100,11 @@ def hf_config(
         "model_type": family.model_type,
         **{theirs: args[ours] for ours, theirs in SHARED_ARGS.items()},
         "head_dim": args["embed_dim"] // args["num_heads"],
-        "hidden_act": "silu",
+        "hidden_act": family.activations[0],
         "rope_theta": float(args["rope_base"]),
-        **family.extra_config(args),
         "tie_word_embeddings": args["tie_word_embeddings"],
+        # Last, so that a family sets what its builders fix (Gemma: head_dim, tied embeddings).
+        **family.extra_config(args),
         "initializer_range": initializer_range,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,

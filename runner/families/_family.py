@@ -25,19 +25,6 @@ class Unsupported(ValueError):
     """A config.json setting that the family's torchtune builder does not build."""
 
 
-@dataclass(frozen=True)
-class GGUFFacts:
-    """How a family's Hugging Face checkpoint maps onto llama.cpp (runner/export/gguf_file.py)."""
-
-    arch: str  # llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES)
-    # llama.cpp's llama graph rotates adjacent pairs; Hugging Face's Llama rotates halves, so
-    # q and k rows are permuted back. Qwen2 uses the halves ("neox") rotation on both sides.
-    permute_qk: bool
-    # llama.cpp picks its pre-tokenizer by the hash of the token ids of a check text; the hashes
-    # of this family's tokenizers and llama.cpp's names for them.
-    pre_tokenizers: dict[str, str]
-
-
 @dataclass(frozen=True, eq=False)
 class Family:
     """Everything runner knows about one model family; one module of runner/families each."""
@@ -53,7 +40,12 @@ class Family:
     # builder arguments -> config.json keys beyond the shared ones (for a random-init model)
     extra_config: Callable[[dict[str, Any]], dict[str, Any]]
     weights: WeightNames
-    gguf: GGUFFacts | None  # None: no GGUF export
+    # config.json hidden_act values the builders' MLP computes (Gemma's GeGLU is gelu-tanh),
+    # and the key transformers reads it from (Gemma 2: hidden_activation).
+    activations: tuple[str, ...] = ("silu",)
+    activation_key: str = "hidden_act"
+    # Whether the builders take head_dim (Gemma's is not hidden_size / num_attention_heads).
+    own_head_dim: bool = False
 
     @property
     def builder(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from runner.families._family import Family, GGUFFacts, Unsupported, rope, rope_type
+from runner.families._family import Family, Unsupported, rope, rope_type
 from runner.families._weights import LLAMA_NAMES, WeightNames
 
 # torchtune's Llama3ScaledRoPE has these fixed; a config.json with others needs another model.
@@ -59,11 +59,4 @@ FAMILY = Family(
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(LLAMA_NAMES, permute_qk=True),
-    gguf=GGUFFacts(
-        arch="llama",
-        permute_qk=True,
-        pre_tokenizers={
-            "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
-        },
-    ),
 )

@@ -14,12 +14,16 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
         raise Unsupported(f"rope scaling {rope(config)}")
     if config["tie_word_embeddings"]:
         raise Unsupported("tie_word_embeddings=true")
-    if config.get("sliding_window") is not None:
+    window = config.get("sliding_window")
+    if window is not None and window < config["max_position_embeddings"]:
+        # torchtune's mistral attends to the whole sequence: the same model as the window's for
+        # sequences up to the window, so sequences are cut there (Mistral 7B v0.1: 4096).
         warnings.warn(
-            f"sliding_window={config['sliding_window']} is ignored: torchtune's mistral attends "
-            "to the whole sequence (the same model for sequences up to the window)",
+            f"sequences are truncated to sliding_window={window} tokens: torchtune's mistral "
+            "attends to the whole sequence, which is the same model up to the window",
             stacklevel=2,
         )
+        return {"max_seq_len": window}
     return {}
 
 
@@ -35,6 +39,4 @@ FAMILY = Family(
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(LLAMA_NAMES, permute_qk=True),
-    # Its tokenizer is SentencePiece, which the GGUF export does not write.
-    gguf=None,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.families._family import Family, GGUFFacts, Unsupported, rope, rope_type
+from runner.families._family import Family, Unsupported, rope, rope_type
 from runner.families._weights import LLAMA_NAMES, WeightNames
 
 # Llama's layout plus biases on the q, k and v projections.
@@ -37,13 +37,4 @@ FAMILY = Family(
     extra_args=builder_args,
     extra_config=config_keys,
     weights=WeightNames(QWEN2_NAMES, permute_qk=False),
-    gguf=GGUFFacts(
-        arch="qwen2",
-        permute_qk=False,
-        pre_tokenizers={
-            "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
-            # Qwen3's tokenizer, which llama.cpp also names qwen2.
-            "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",
-        },
-    ),
 )
