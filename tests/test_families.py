@@ -316,7 +316,7 @@ def test_runner_fine_tunes_adapters_of_the_new_families(
         "batch_size=2",
         "dataset.eval_samples=2",
         "runtime.progress_bar=false",
-        "runtime.tensorboard=false",
+        "runtime.loggers=[]",
         f"hydra.run.dir={run_dir}",
         env={"OMP_NUM_THREADS": "1"},
     )
