@@ -37,6 +37,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
+from runner import trackers
 from runner.backends import backend_for
 from runner.checkpoint import read_training_state, write_checkpoint
 from runner.components import instantiate
@@ -177,11 +178,15 @@ class FullFinetuneRecipe:
         )
 
     def _build_logger(self) -> Any:
-        if not (self.is_rank_zero and self.cfg.runtime.tensorboard):
+        """The trackers of runtime.loggers (rank 0 only; metrics.jsonl is written apart)."""
+        if not self.is_rank_zero:
             return None
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(log_dir=str(self.run.path / "tensorboard"))
+        return trackers.build(
+            list(self.cfg.runtime.loggers),
+            run_dir=self.run.path,
+            config=OmegaConf.to_container(self.cfg, resolve=True),
+            project=self.cfg.runtime.project,
+        )
 
     # ---- train loop ---------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -328,9 +333,8 @@ class FullFinetuneRecipe:
             values["tokens_per_s"],
         )
         if self.logger is not None:
-            for key, value in record.items():
-                if key != "step":
-                    self.logger.add_scalar(f"train/{key}", value, self.step)
+            scalars = {k: v for k, v in record.items() if k != "step"}
+            self.logger.metrics("train", scalars, self.step)
         self._status("running", step=self.step, total_steps=self.total_steps, loss=values["loss"])
 
     # ---- checkpoint ---------------------------------------------------------------------
@@ -534,8 +538,7 @@ class FullFinetuneRecipe:
             " ".join(f"{name} {value:.4f}" for name, value in metrics.items()),
         )
         if self.logger is not None:
-            for name, value in metrics.items():
-                self.logger.add_scalar(f"eval/{name.removeprefix('eval_')}", value, self.step)
+            self.logger.metrics("eval", metrics, self.step)
         self._status(
             "running",
             step=self.step,
@@ -545,8 +548,13 @@ class FullFinetuneRecipe:
 
     # ---- end ----------------------------------------------------------------------------
     def cleanup(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
+        """Tells the trackers the best checkpoint (when saved) and how the run ended."""
+        if self.logger is None:
+            return
+        best = self._best_field().get("best")
+        if best is not None and Path(best["checkpoint"]).is_dir():
+            self.logger.best_checkpoint(best)
+        self.logger.close(self.run.status().state)
 
     def _status(self, state: str, **fields: Any) -> None:
         if self.is_rank_zero:

@@ -79,61 +79,98 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+class LogReader:
+    """Reads a run's train.log from where the last read ended (the log may not exist yet)."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run, self.position = run, 0
+
+    def read(self) -> str:
+        """The text appended since the last read ("" if none)."""
+        log_file = self.run.path / LOG_FILE
+        if not log_file.exists():
+            return ""
+        with open(log_file) as f:
+            f.seek(self.position)
+            text = f.read()
+            self.position = f.tell()
+        return text
+
+    def ended(self) -> bool:
+        """Whether the run is over, so that nothing more will be written."""
+        return self.run.effective_state()[0] in FINAL_STATES
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
-    run = _run_dir(args.run)
-    log_file = run.path / LOG_FILE
-    position = 0
+    reader = LogReader(_run_dir(args.run))
     while True:
-        if log_file.exists():
-            with open(log_file) as f:
-                f.seek(position)
-                sys.stdout.write(f.read())
-                sys.stdout.flush()
-                position = f.tell()
-        if not args.follow or run.effective_state()[0] in FINAL_STATES:
+        sys.stdout.write(reader.read())
+        sys.stdout.flush()
+        if not args.follow or reader.ended():
             return 0
         time.sleep(args.interval)
 
 
-def cmd_stop(args: argparse.Namespace) -> int:
-    run = _run_dir(args.run)
+def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) -> int:
+    """Signals the process that trains `run` (SIGTERM: save a checkpoint and end as cancelled);
+    a UserError under `key` if the run is over, elsewhere or recorded no process. Its pid."""
     status = run.status()
     state, why = run.effective_state()
     if state in FINAL_STATES:
         raise UserError(
-            "RUN", str(args.run), f"the run is already {state}" + (f" ({why})" if why else "")
+            key, str(run.path), f"the run is already {state}" + (f" ({why})" if why else "")
         )
     if status.host != socket.gethostname():
         raise UserError(
-            "RUN",
-            str(args.run),
-            f"the run is on host {status.host}; run `runner stop` there",
+            key, str(run.path), f"the run is on host {status.host}; run `runner stop` there"
         )
     pid = status.launcher_pid
     if pid is None:
-        raise UserError("RUN", str(args.run), "the run recorded no process to signal")
-    os.kill(pid, signal.SIGTERM)
-    print(f"asked process {pid} to save a checkpoint and stop")
-    deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
+        raise UserError(key, str(run.path), "the run recorded no process to signal")
+    if sig == signal.SIGKILL and os.getpgid(pid) == pid:
+        os.killpg(pid, sig)  # the launcher leads its group: its workers go with it
+    else:
+        os.kill(pid, sig)
+    return pid
+
+
+def wait_until_final(run: RunDir, timeout: float | None, interval: float = 0.5) -> str:
+    """The run's state once it is final (completed, failed, cancelled), or its state when
+    `timeout` seconds have passed (None: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
         state, _ = run.effective_state()
-        if state in FINAL_STATES:
-            print(f"{run.path}: {state} at step {run.status().step}")
-            return 0 if state == "cancelled" else 1
-        time.sleep(0.5)
+        if state in FINAL_STATES or (deadline is not None and time.monotonic() >= deadline):
+            return state
+        time.sleep(interval)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    run = _run_dir(args.run)
+    pid = request_stop(run)
+    print(f"asked process {pid} to save a checkpoint and stop")
+    state = wait_until_final(run, args.timeout)
+    if state in FINAL_STATES:
+        print(f"{run.path}: {state} at step {run.status().step}")
+        return 0 if state == "cancelled" else 1
     print(f"{run.path}: still {state} after {args.timeout:.0f} s", file=sys.stderr)
     return 1
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
-    run = _run_dir(args.run)
+def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
+    """A UserError under `key` unless `run` ended cancelled or failed (so it can go on)."""
     state, _ = run.effective_state()
     if state == "completed":
-        raise UserError("RUN", str(args.run), "the run is already completed")
+        raise UserError(key, str(run.path), "the run is already completed")
     if state not in FINAL_STATES:
         raise UserError(
-            "RUN", str(args.run), f"the run is still {state}; `runner stop {args.run}` first"
+            key, str(run.path), f"the run is still {state}; `runner stop {run.path}` first"
         )
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    run = _run_dir(args.run)
+    check_resumable(run)
     from runner.cli import main
 
     return main(["train", f"resume={run.path.resolve()}"])

@@ -6,8 +6,10 @@ Both compose exactly what `runner train` would (same config, same overrides) and
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -35,8 +37,9 @@ NO_OUTPUT = [
 ]
 
 
-def _recipe(cfg: DictConfig, fetch: bool = True) -> DictConfig:
-    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+def _recipe(cfg: DictConfig, fetch: bool = True, overrides: list[str] | None = None) -> DictConfig:
+    if overrides is None:
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     with tempfile.TemporaryDirectory() as tmp:
         recipe = resolve_recipe(cfg, Path(tmp), overrides, fetch=fetch)
     recipe.run_dir = "<new run directory>"
@@ -45,16 +48,30 @@ def _recipe(cfg: DictConfig, fetch: bool = True) -> DictConfig:
 
 def validate(cfg: DictConfig) -> None:
     """Prints the resolved recipe, then checks the model weights, tokenizer and data."""
-    recipe = _recipe(cfg)
-    print(OmegaConf.to_yaml(recipe))
+    check(cfg, report=print)
+
+
+def check(
+    cfg: DictConfig,
+    overrides: list[str] | None = None,
+    report: Callable[[str], Any] | None = None,
+) -> tuple[DictConfig, dict[str, int]]:
+    """The resolved recipe and the records found in each split, after checking weights,
+    tokenizer and every record (raises the first UserError); each finding goes to `report`.
+
+    `overrides`: those `cfg` was composed with (None: Hydra's, inside a Hydra app).
+    """
+    say = report or (lambda line: None)
+    recipe = _recipe(cfg, overrides=overrides)
+    say(OmegaConf.to_yaml(recipe))
     model = recipe.model
     weights = model.source or f"random init (seed {recipe.seed})"
     if model.source is not None and model.family is not None:
         weights += f" ({model.family})"
     tokenizer = instantiate(model.tokenizer)
-    print(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
-    print(f"ok  backend    {model.backend}: {model.backend_reason}")
-    print(
+    say(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
+    say(f"ok  backend    {model.backend}: {model.backend_reason}")
+    say(
         f"ok  tokenizer  {model.tokenizer.path} ({tokenizer.vocab_size} tokens)"
         f"{_origin(recipe, 'model.tokenizer')}"
     )
@@ -65,7 +82,8 @@ def validate(cfg: DictConfig) -> None:
         "validation": _validation(recipe),
     }
     for split, records in found.items():
-        print(f"ok  {split:<10} {where[split]} ({records} records)")
+        say(f"ok  {split:<10} {where[split]} ({records} records)")
+    return recipe, found
 
 
 def _validation(recipe: DictConfig) -> str:
@@ -278,10 +296,15 @@ def validate_main(cfg: DictConfig) -> None:
         validate(cfg)
 
 
+def estimated(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[DictConfig, Estimate]:
+    """The resolved recipe and its Estimate. The builder gives the parameter count: an
+    uncached hf:// model is not downloaded. `overrides`: as for `check`."""
+    recipe = _recipe(cfg, fetch=False, overrides=overrides)
+    return recipe, estimate(recipe)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def estimate_main(cfg: DictConfig) -> None:
     """Hydra entry point of `runner estimate`."""
     with user_errors_pass_hydra():
-        # The builder gives the parameter count: an uncached hf:// model is not downloaded.
-        recipe = _recipe(cfg, fetch=False)
-        print_estimate(recipe, estimate(recipe))
+        print_estimate(*estimated(cfg))

@@ -26,6 +26,7 @@ from runner.optimizers import SCHEDULE_KEYS, split_option, state_per_weight
 from runner.platforms import checked_int, resolve_launch
 from runner.resolvers import evaluates
 from runner.schema import OptimizerKeys, recipe, typed
+from runner.trackers import check_loggers
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +219,20 @@ TRAINING_KEYS = (
 
 
 def _runtime(runtime: DictConfig) -> dict[str, Any]:
+    if runtime.tensorboard is not None:
+        fix = "[tensorboard]" if runtime.tensorboard else "[]"
+        raise UserError(
+            "runtime.tensorboard",
+            runtime.tensorboard,
+            f"replaced by runtime.loggers: write runtime.loggers={fix}",
+        )
+    check_loggers(list(runtime.loggers))
     return {
         "save_every_n_steps": runtime.save_every_n_steps,
         "keep_last_n_checkpoints": runtime.keep_last_n_checkpoints,
         "log_every_n_steps": runtime.log_every_n_steps,
-        "tensorboard": runtime.tensorboard,
+        "loggers": list(runtime.loggers),
+        "project": runtime.project,
         "progress_bar": runtime.progress_bar,
         "deterministic": runtime.deterministic,
         "env": _plain_env(runtime.env),

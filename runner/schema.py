@@ -47,7 +47,11 @@ class Runtime:
     save_every_n_steps: Optional[int] = integer(200, 1)
     keep_last_n_checkpoints: int = integer(2, 1)
     log_every_n_steps: int = integer(10, 1)
-    tensorboard: bool = flag(True)
+    # Checked by runner.trackers.check_loggers (names, installed packages).
+    loggers: List[str] = field(default_factory=list)
+    project: str = "runner"
+    # Replaced by `loggers`; set, it is refused with the migration (runner.resolve).
+    tensorboard: Optional[bool] = None
     progress_bar: bool = flag(True)
     deterministic: bool = flag(False)
     env: Dict[str, str] = field(default_factory=dict)
@@ -384,7 +388,8 @@ class RecipeRuntime:
     save_every_n_steps: Optional[int] = None
     keep_last_n_checkpoints: int = 2
     log_every_n_steps: int = 10
-    tensorboard: bool = True
+    loggers: List[str] = field(default_factory=list)
+    project: str = "runner"
     progress_bar: bool = True
     deterministic: bool = False
     env: Dict[str, str] = field(default_factory=dict)

@@ -48,7 +48,7 @@ def train(source: Path, backend: str, args: argparse.Namespace, out: Path) -> di
         "runtime.save_every_n_steps=null",
         "runtime.log_every_n_steps=1",
         "runtime.progress_bar=false",
-        "runtime.tensorboard=false",
+        "runtime.loggers=[]",
         f"hydra.run.dir={run}",
     ]
     log = out / f"{backend}.log"

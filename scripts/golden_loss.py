@@ -34,7 +34,7 @@ OVERRIDES = [
     "runtime.save_every_n_steps=null",
     "runtime.deterministic=true",
     "runtime.progress_bar=false",
-    "runtime.tensorboard=false",
+    "runtime.loggers=[]",
     "dataset.eval_samples=0",
 ]
 

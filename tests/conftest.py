@@ -16,7 +16,7 @@ from runner.rundir import RunDir
 # Fast settings for the tiny model; every test that trains starts from these.
 QUICK = [
     "runtime.progress_bar=false",
-    "runtime.tensorboard=true",
+    "runtime.loggers=[tensorboard]",
     "dataset.eval_samples=16",
     "eval.max_samples=64",
 ]

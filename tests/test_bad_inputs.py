@@ -142,7 +142,7 @@ CASES = [
     case(
         "runtime-save-every", "estimate runtime.save_every_n_steps=0", "runtime.save_every_n_steps="
     ),
-    case("runtime-tensorboard", "estimate runtime.tensorboard=maybe", "runtime.tensorboard="),
+    case("runtime-loggers", "estimate runtime.loggers=[maybe]", "runtime.loggers="),
     # eval and objective
     case("eval-strategy", "estimate eval.strategy=sometimes", "eval.strategy="),
     case("objective-mode", "estimate objective.mode=up", "objective.mode="),

@@ -384,7 +384,7 @@ TRAIN = [
     "batch_size=2",
     "dataset.eval_samples=2",
     "runtime.progress_bar=false",
-    "runtime.tensorboard=false",
+    "runtime.loggers=[]",
     "runtime.log_every_n_steps=1",
 ]
 

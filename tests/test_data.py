@@ -533,7 +533,7 @@ def test_training_with_packing_through_the_cli(runner_cli, tmp_path: Path) -> No
         "runtime.log_every_n_steps=1",
         "runtime.save_every_n_steps=null",
         "runtime.progress_bar=false",
-        "runtime.tensorboard=false",
+        "runtime.loggers=[]",
         f"hydra.run.dir={run}",
         env={"OMP_NUM_THREADS": "1"},
     )

@@ -26,7 +26,7 @@ from tests.conftest import losses
 STEPS = 6
 BASE = [
     "runtime.progress_bar=false",
-    "runtime.tensorboard=false",
+    "runtime.loggers=[]",
     "dataset.eval_samples=0",
     "eval.max_samples=32",
     f"max_steps={STEPS}",

@@ -224,7 +224,7 @@ def test_epoch_strategy_evaluates_at_each_epoch_end(hermetic_env, tmp_path: Path
         hermetic_env,
         run,
         "runtime.progress_bar=false",
-        "runtime.tensorboard=false",
+        "runtime.loggers=[]",
         f"dataset.source={data}",
         "batch_size=8",
         "epochs=2",

@@ -252,7 +252,7 @@ def test_runner_trains_a_source_of_each_family(
         "batch_size=2",
         "dataset.eval_samples=2",
         "runtime.progress_bar=false",
-        "runtime.tensorboard=false",
+        "runtime.loggers=[]",
         "runtime.log_every_n_steps=1",
         f"hydra.run.dir={run_dir}",
         env={"OMP_NUM_THREADS": "1"},
@@ -317,7 +317,7 @@ def test_runner_fine_tunes_adapters_of_the_new_families(
         "batch_size=2",
         "dataset.eval_samples=2",
         "runtime.progress_bar=false",
-        "runtime.tensorboard=false",
+        "runtime.loggers=[]",
         f"hydra.run.dir={run_dir}",
         env={"OMP_NUM_THREADS": "1"},
     )

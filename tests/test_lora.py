@@ -35,7 +35,7 @@ TRAIN = [
     "optimizer.lr=1e-2",
     "optimizer.warmup_steps=1",
     "runtime.log_every_n_steps=1",
-    "runtime.tensorboard=false",
+    "runtime.loggers=[]",
     "dataset.eval_samples=0",
     "method.save_merged=true",
 ]

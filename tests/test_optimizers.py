@@ -19,7 +19,7 @@ FOUR_STEPS = [
     "max_steps=4",
     "batch_size=4",
     "eval.strategy=no",
-    "runtime.tensorboard=false",
+    "runtime.loggers=[]",
 ]
 
 

@@ -28,7 +28,7 @@ SMALL_STEPS = [
     "optimizer.warmup_steps=0",
     "optimizer.cosine_decay=false",
     "runtime.save_every_n_steps=null",
-    "runtime.tensorboard=false",
+    "runtime.loggers=[]",
     "eval.strategy=no",
 ]
 

@@ -21,7 +21,7 @@ from runner.schema import Deploy, typed
 
 log = logging.getLogger(__name__)
 
-_ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -152,8 +152,8 @@ def load_served_models(
     )
     from runner.deploy.vllm_engine import VllmEngine, require_vllm
 
-    if engine not in _ENGINES:
-        raise UserError("engine", engine, f"use one of {', '.join(_ENGINES)}")
+    if engine not in ENGINES:
+        raise UserError("engine", engine, f"use one of {', '.join(ENGINES)}")
     models = []
     for checkpoint in checkpoints:
         if engine == "transformers":

@@ -1,0 +1,439 @@
+"""runner.api: the `runner` commands as a Python API, for services that put runner behind their
+own front (a job service, a notebook, a scheduler).
+
+Every function runs the code the CLI runs: `validate` and `estimate` compose conf/ in this
+process and call runner.preflight; `launch`, `sweep` and `deploy` start `python -m runner ...`
+as a detached process in a session of its own, so that training outlives the caller; a `Run` is
+a handle on a run directory (the contract of DESIGN.md) and reads it through runner.rundir and
+runner.lifecycle, as `runner runs | logs | stop | resume` do.
+
+    from runner import api
+
+    problems = api.validate(["max_steps=100"])     # [] or the UserErrors, not raised
+    run = api.launch(["max_steps=100"])            # returns at once
+    for line in run.logs(follow=True): print(line)
+    status = run.wait()                            # runner.rundir.Status, state `completed`
+
+The console output of each process started here (what `runner train` prints, its `error:` line
+included) goes to a file beside its directory: `.<name>.console.log`. It outlives a launch whose
+run directory was removed because its config was refused, and that is where the error is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner import lifecycle, preflight, resolvers
+from runner.errors import UserError
+from runner.paths import CONF_DIR
+from runner.rundir import FINAL_STATES, STATES, RunDir, Status
+from runner.sweep import SUMMARY_JSON
+
+_HYDRA = threading.Lock()  # Hydra's compose API keeps global state
+_URL_LINE = re.compile(r"OpenAI-compatible API at (http://\S+)")
+_CONFIG_GROUPS = ("model", "dataset", "method", "dtype", "compute", "optimizer", "loss")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this installation of runner offers: the options of each config group (conf/), the
+    deploy engines, the trackers and the lifecycle states a run goes through."""
+
+    models: tuple[str, ...]
+    datasets: tuple[str, ...]
+    methods: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    compute: tuple[str, ...]
+    optimizers: tuple[str, ...]
+    losses: tuple[str, ...]
+    engines: tuple[str, ...]
+    loggers: tuple[str, ...]
+    states: tuple[str, ...]
+
+
+def capabilities() -> Capabilities:
+    """The options this installation offers, read from conf/ and the code that serves them."""
+    from runner.deploy.serve import ENGINES
+    from runner.trackers import TRACKERS
+
+    def options(group: str) -> tuple[str, ...]:
+        return tuple(sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml")))
+
+    groups = dict(zip(_CONFIG_GROUPS, map(options, _CONFIG_GROUPS), strict=True))
+    return Capabilities(
+        models=groups["model"],
+        datasets=groups["dataset"],
+        methods=groups["method"],
+        dtypes=groups["dtype"],
+        compute=groups["compute"],
+        optimizers=groups["optimizer"],
+        losses=groups["loss"],
+        engines=tuple(ENGINES),
+        loggers=tuple(TRACKERS),
+        states=STATES,
+    )
+
+
+def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
+    """conf/`config_name` composed with `overrides`, as `runner train` composes it; a bad
+    override or option raises the UserError the CLI would print."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from runner.cli import as_user_error
+
+    resolvers.register()
+    with _HYDRA, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            return hydra_compose(config_name, overrides=list(overrides))
+        except Exception as err:  # noqa: BLE001 - recast as the CLI does, re-raised otherwise
+            user_error = as_user_error(err)
+            if user_error is None:
+                raise
+            raise user_error from None
+
+
+def validate(overrides: Sequence[str]) -> list[UserError]:
+    """The problems `runner validate` would report for `overrides` (config, weights, tokenizer,
+    every data record), as UserErrors, not raised: [] when it would train. The checks build on
+    one another, so the list holds the first problem found."""
+    try:
+        preflight.check(compose(overrides), list(overrides))
+    except UserError as err:
+        return [err]
+    return []
+
+
+def estimate(overrides: Sequence[str]) -> preflight.Estimate:
+    """`runner estimate`: parameters, memory per device and tokens per epoch (raises a
+    UserError for a bad config)."""
+    return preflight.estimated(compose(overrides), list(overrides))[1]
+
+
+def launch(
+    overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
+) -> Run:
+    """Starts `runner train OVERRIDES` in a new directory under runtime.output_root and returns
+    at once; the Run reports how it goes. A bad override or option raises here; what training
+    finds later (a missing file, a bad record) ends the run `failed`, with the message."""
+    resumes = [o for o in overrides if o.startswith("resume=")]
+    if resumes:
+        raise UserError(
+            "resume",
+            resumes[0].removeprefix("resume="),
+            "launch starts a new run; continue one with api.Run(RUN).resume()",
+        )
+    base = Path(cwd or Path.cwd())
+    path = _new_dir(base / str(compose(overrides).runtime.output_root))
+    args = ["train", *overrides, f"hydra.run.dir={path}"]
+    return Run(path, _process=_start(args, _console(path), base, env), _cwd=base)
+
+
+class Run:
+    """A training run, by its directory: launched here, or any run directory (`Run(path)`)."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, _process: Any = None, _cwd: Path | None = None
+    ) -> None:
+        self.path = Path(path).resolve()
+        self.dir = RunDir(self.path)
+        self._process: subprocess.Popen[bytes] | None = _process
+        # Where its command ran: relative paths in its config are read from there.
+        self._cwd = _cwd or Path.cwd()
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r})"
+
+    def status(self) -> Status:
+        """status.json as runner.rundir.Status, with the state `runner runs` shows: `failed`
+        when its process is gone without saying so. A run launched here reads `created` until
+        it writes its status, and `failed`, with the error it printed, if it was refused."""
+        status = self.dir.status()
+        if status.state == "unknown" and self._process is not None:
+            if self._process.poll() is None:
+                return Status(state="created")  # resolving its recipe, checking its data
+            error = _last_error(_console(self.path)) or f"exit code {self._process.returncode}"
+            return Status(state="failed", error=error)
+        state, why = self.dir.effective_state()
+        if state != status.state:
+            status = dataclasses.replace(status, state=state, error=why)
+        return status
+
+    def done(self) -> bool:
+        """Whether the run has ended (and the process started here has exited)."""
+        if self._process is not None and self._process.poll() is None:
+            return False
+        return self.status().state in FINAL_STATES
+
+    def wait(self, timeout: float | None = None, interval: float = 0.5) -> Status:
+        """The final status once the run ends; TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.path} is still {self.status().state}")
+            time.sleep(interval)
+        return self.status()
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The lines of metrics.jsonl: training metrics and evaluations, by step."""
+        return self.dir.read_metrics()
+
+    def logs(self, follow: bool = False, interval: float = 0.5) -> LogStream:
+        """train.log's lines; with `follow`, new lines as they come, until the run ends. Iterate
+        it with `for` or `async for`."""
+        return LogStream(lifecycle.LogReader(self.dir), self.done, follow, interval)
+
+    def console(self) -> str:
+        """What the processes started here printed (the summary, an `error:` line)."""
+        path = _console(self.path)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self, save_checkpoint: bool = True, timeout: float | None = 300.0) -> Status:
+        """`runner stop`: SIGTERM, so the run saves a checkpoint and ends `cancelled`.
+
+        save_checkpoint=False kills it at once (SIGKILL to its process group: the launcher and,
+        where they share it, its workers), so it loses the steps since its last checkpoint,
+        and records it `cancelled` with the step it had logged.
+        """
+        if save_checkpoint:
+            lifecycle.request_stop(self.dir, key="run")
+            return self.wait(timeout)
+        pid = lifecycle.request_stop(self.dir, key="run", sig=signal.SIGKILL)
+        step = self.dir.status().step
+        _wait_gone(pid, self._process)
+        latest = self.dir.latest_checkpoint()
+        self.dir.write_status(
+            "cancelled",
+            error=f"killed without a checkpoint at step {step}; resume continues from {latest}",
+        )
+        return self.status()
+
+    def resume(self, checkpoint: str | os.PathLike[str] | None = None) -> Run:
+        """`runner resume`: continues a cancelled or failed run from its latest whole checkpoint
+        (`checkpoint`, when given, must be that one: training goes on from the newest state)."""
+        lifecycle.check_resumable(self.dir, key="run")
+        if checkpoint is not None:
+            latest = self.dir.latest_checkpoint()
+            if latest is None or Path(checkpoint).resolve() != latest.resolve():
+                raise UserError(
+                    "checkpoint",
+                    str(checkpoint),
+                    f"a run resumes from its latest whole checkpoint ({latest}); to go on from "
+                    "an earlier one, train a new run from it (model.source=<that checkpoint>)",
+                )
+        args = ["train", f"resume={self.path}"]
+        self._process = _start(args, _console(self.path), self._cwd, None)
+        return self
+
+
+class LogStream:
+    """The lines of a run's log, read as they are written: an iterator and an async iterator."""
+
+    def __init__(
+        self,
+        reader: lifecycle.LogReader,
+        ended: Callable[[], bool],
+        follow: bool,
+        interval: float,
+    ) -> None:
+        self.reader, self.ended, self.follow, self.interval = reader, ended, follow, interval
+        self._partial = ""
+
+    def _lines(self, last: bool) -> list[str]:
+        lines = (self._partial + self.reader.read()).split("\n")
+        # The text after the last newline: a line still being written, or "" (the log's end).
+        self._partial = lines.pop()
+        if last and self._partial:
+            lines.append(self._partial)
+        return lines
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            last = not self.follow or self.ended()
+            yield from self._lines(last)
+            if last:
+                return
+            time.sleep(self.interval)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        while True:
+            last = not self.follow or await asyncio.to_thread(self.ended)
+            for line in self._lines(last):
+                yield line
+            if last:
+                return
+            await asyncio.sleep(self.interval)
+
+
+def sweep(
+    overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
+) -> Sweep:
+    """`runner train -m OVERRIDES` (e.g. optimizer.lr=1e-3,2e-3) in a new sweep directory under
+    runtime.multirun_root; returns at once."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    plain = [o.input_line for o in parsed if not o.is_sweep_override()]
+    base = Path(cwd or Path.cwd())
+    path = _new_dir(base / str(compose(plain).runtime.multirun_root))
+    args = ["train", "-m", *overrides, f"hydra.sweep.dir={path}"]
+    return Sweep(path, _process=_start(args, _console(path), base, env))
+
+
+class Sweep:
+    """A sweep, by its directory: one Run per job, and the summary runner.sweep writes."""
+
+    def __init__(self, path: str | os.PathLike[str], *, _process: Any = None) -> None:
+        self.path = Path(path).resolve()
+        self._process: subprocess.Popen[bytes] | None = _process
+
+    def runs(self) -> list[Run]:
+        from runner.rundir import sweep_runs
+
+        return [Run(job.path) for job in sweep_runs(self.path)] if self.path.is_dir() else []
+
+    def summary(self) -> dict[str, Any] | None:
+        """summary.json (jobs, their state and metric, the best), once a job has ended."""
+        path = self.path / SUMMARY_JSON
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def best(self) -> Run | None:
+        """The best job by the sweep's objective (runner.rundir.best_run), if any."""
+        best = (self.summary() or {}).get("best")
+        return Run(best["run_dir"]) if best else None
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The summary once the sweep process has ended; TimeoutError after `timeout` s."""
+        if self._process is not None:
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"sweep {self.path} is still running") from None
+        return self.summary()
+
+
+def deploy(
+    overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
+) -> Deployment:
+    """`runner deploy OVERRIDES` (checkpoint=<run, checkpoint or sweep dir>, port=0 for any free
+    port); returns at once: Deployment.wait_ready() gives its URL."""
+    compose(overrides, "deploy")
+    handle, name = tempfile.mkstemp(prefix="runner-deploy-", suffix=".log")
+    os.close(handle)
+    console, base = Path(name), Path(cwd or Path.cwd())
+    return Deployment(_start(["deploy", *overrides], console, base, env), console)
+
+
+class Deployment:
+    """A running `runner deploy`: its OpenAI-compatible URL once ready, and stop()."""
+
+    def __init__(self, process: subprocess.Popen[bytes], console: Path) -> None:
+        self.process, self.console_path = process, console
+        self.url: str | None = None
+
+    def console(self) -> str:
+        return self.console_path.read_text(errors="replace") if self.console_path.exists() else ""
+
+    def wait_ready(self, timeout: float = 300.0) -> str:
+        """The base URL (http://host:port/v1) once the models are loaded and it serves; a
+        UserError with the server's message if it ended instead."""
+        deadline = time.monotonic() + timeout
+        while self.url is None:
+            found = _URL_LINE.search(self.console())
+            if found:
+                self.url = found.group(1)
+            elif self.process.poll() is not None:
+                error = _last_error(self.console_path) or f"exit code {self.process.returncode}"
+                raise UserError("deploy", "ended", error)
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"runner deploy not ready after {timeout:.0f} s")
+            else:
+                time.sleep(0.2)
+        _wait_health(self.url.removesuffix("/v1") + "/health", deadline)
+        return self.url
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """Drains and stops the server (SIGTERM); its exit code. uvicorn raises the signal again
+        once it has shut down cleanly, so a clean stop is -SIGTERM (-15), as for `kill`."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def _new_dir(root: Path) -> Path:
+    """A directory under `root` named by date and time, made here so no other launch takes it."""
+    now = datetime.now()
+    path = root / now.strftime("%Y-%m-%d") / f"{now:%H-%M-%S}-{uuid.uuid4().hex[:6]}"
+    path.mkdir(parents=True)
+    return path.resolve()
+
+
+def _console(path: Path) -> Path:
+    return path.with_name(f".{path.name}.console.log")
+
+
+def _start(args: list[str], console: Path, cwd: Path, env: Any) -> subprocess.Popen[bytes]:
+    """`python -m runner ARGS` detached: its own session, output appended to `console`."""
+    with open(console, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runner", *args],
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _last_error(console: Path) -> str | None:
+    """The message of the last `error: ...` line a runner command printed."""
+    if not console.exists():
+        return None
+    errors = [line for line in console.read_text().splitlines() if line.startswith("error: ")]
+    return errors[-1].removeprefix("error: ") if errors else None
+
+
+def _wait_gone(pid: int, process: subprocess.Popen[bytes] | None) -> None:
+    """Until process `pid` has exited (reaping it when it was started here)."""
+    while True:
+        if process is not None and process.pid == pid:
+            process.wait()
+            return
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+
+
+def _wait_health(url: str, deadline: float) -> None:
+    import urllib.request
+
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} does not answer") from None
+        time.sleep(0.2)

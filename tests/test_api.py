@@ -1,0 +1,181 @@
+"""runner.api end to end: real detached `runner train | deploy` processes on the tiny model, CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from runner import api
+from runner.errors import UserError
+from runner.paths import CONF_DIR
+
+# One process on the CPU, a loss line every step, no evaluation: the runs are short.
+BASE = [
+    "compute=cpu",
+    "dtype=fp32",
+    "runtime.progress_bar=false",
+    "runtime.loggers=[]",
+    "runtime.log_every_n_steps=1",
+    "runtime.save_every_n_steps=null",
+    "eval.strategy=no",
+    "dataset.eval_samples=0",
+]
+STEPS = 30
+
+
+def wait_for_step(run: api.Run, step: int, timeout: float = 300) -> None:
+    """Until `run` has logged `step` (it must still be running then)."""
+    deadline = time.monotonic() + timeout
+    while max(run.dir.losses(), default=0) < step:
+        assert not run.done() and time.monotonic() < deadline, (run.status(), run.console())
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("api")
+
+
+@pytest.fixture(scope="module")
+def straight(workdir: Path, hermetic_env: dict[str, str]) -> tuple[api.Run, list[str]]:
+    """A whole run through the API, its log followed while it trains."""
+    run = api.launch([*BASE, f"max_steps={STEPS}"], cwd=workdir, env=hermetic_env)
+    assert run.status().state in ("created", "initializing", "running")
+    followed = list(run.logs(follow=True, interval=0.2))
+    run.wait(timeout=600)
+    return run, followed
+
+
+def test_a_run_launched_through_the_api_trains_to_completion(straight, workdir: Path) -> None:
+    run, followed = straight
+    status = run.status()
+    assert status.state == "completed" and status.step == STEPS, status
+    assert run.path.parent.parent == workdir / "outputs"  # runtime.output_root/<date>/<time>-id
+    losses = run.dir.losses()
+    assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS] == status.loss
+    assert losses[STEPS] < losses[1]  # it learns
+    assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
+    # Following the log while it trained saw what the log holds at the end, line for line.
+    assert followed == list(run.logs()) and f"step {STEPS}/{STEPS}" in followed[-1]
+
+    async def collect() -> list[str]:
+        return [line async for line in run.logs(follow=True)]
+
+    assert asyncio.run(collect()) == followed
+    assert f"status:        completed at step {STEPS}" in run.console()
+    assert api.Run(run.path).status() == status  # a handle on the directory reads the same
+
+
+def test_stop_and_resume_through_the_api_give_the_straight_run_losses(
+    straight, workdir: Path, hermetic_env: dict[str, str]
+) -> None:
+    run = api.launch([*BASE, f"max_steps={STEPS}"], cwd=workdir, env=hermetic_env)
+    wait_for_step(run, 3)
+    stopped = run.stop()  # SIGTERM: a checkpoint at the step it stopped at
+    assert stopped.state == "cancelled" and "SIGTERM" in stopped.error, stopped
+    assert [step for step, _ in run.dir.checkpoints()] == [stopped.step] and stopped.step < STEPS
+    with pytest.raises(UserError, match="already cancelled"):
+        run.stop()
+    run.resume()
+    wait_for_step(run, stopped.step + 3)
+    killed = run.stop(save_checkpoint=False)  # SIGKILL: the steps since step_<stopped> are lost
+    assert killed.state == "cancelled" and "killed without a checkpoint" in killed.error, killed
+    assert [step for step, _ in run.dir.checkpoints()] == [stopped.step]
+    with pytest.raises(UserError, match="latest whole checkpoint"):
+        run.resume(checkpoint=workdir)
+    final = run.resume(checkpoint=run.dir.checkpoint_path(stopped.step)).wait(timeout=600)
+    assert final.state == "completed" and final.step == STEPS, (final, run.console()[-3000:])
+    # The same process count and kernels on the same machine: bit-identical losses.
+    assert run.dir.losses() == straight[0].dir.losses()
+
+
+def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
+    workdir: Path, hermetic_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    missing = workdir / "missing.jsonl"
+    assert api.validate([*BASE, "max_steps=2"]) == []
+    (problem,) = api.validate([*BASE, f"dataset.source={missing}"])
+    assert problem.key == "dataset.source" and "no such file" in problem.fix
+    (problem,) = api.validate(["model=nope"])
+    assert problem.key == "model" and "tiny" in problem.fix
+    with pytest.raises(UserError, match="no such option"):
+        api.launch(["model=nope"], cwd=workdir, env=hermetic_env)
+    with pytest.raises(UserError, match=r"Run\(RUN\).resume\(\)"):
+        api.launch([f"resume={workdir}"], cwd=workdir, env=hermetic_env)
+    # Found by the training process: the run fails with the message; its directory is gone.
+    run = api.launch([*BASE, f"dataset.source={missing}"], cwd=workdir, env=hermetic_env)
+    status = run.wait(timeout=300)
+    assert status.state == "failed" and status.error.startswith("dataset.source="), status
+    assert not run.path.exists()
+
+
+def test_capabilities_and_estimate_read_what_the_cli_reads(runner_cli) -> None:
+    found = api.capabilities()
+    assert found.models == tuple(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+    assert {"tiny", "hf"} <= set(found.models) and {"full", "lora", "qlora"} == set(found.methods)
+    assert {"tensorboard", "wandb", "mlflow", "jsonl"} == set(found.loggers)
+    assert "transformers" in found.engines and "cancelled" in found.states
+    estimate = api.estimate(["compute=cpu", "method=lora"])
+    printed = runner_cli("estimate", "compute=cpu", "method=lora").stdout
+    assert f"{estimate.parameters:,} parameters" in printed
+    assert f"{estimate.trainable_parameters:,} adapter parameters" in printed
+
+
+def test_the_readme_job_service_runs_a_job(
+    workdir: Path, hermetic_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastapi.testclient import TestClient
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HOME"):
+        monkeypatch.setenv(key, hermetic_env[key])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.chdir(workdir)
+    path = Path(__file__).parents[1] / "scripts" / "job_service.py"
+    spec = importlib.util.spec_from_file_location("job_service", path)
+    service = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(service)
+    client = TestClient(service.app)
+
+    refused = client.post("/jobs", json=["model=nope"])
+    assert refused.status_code == 422 and "model='nope'" in refused.json()["detail"][0]
+    created = client.post("/jobs", json=[*BASE, "max_steps=8"])
+    assert created.status_code == 201, created.text
+    job = created.json()["id"]
+    log = client.get(f"/jobs/{job}/logs").text  # streamed until the run ends
+    assert "step 8/8" in log
+    assert client.get(f"/jobs/{job}").json()["state"] == "completed"
+    assert [m["step"] for m in client.get(f"/jobs/{job}/metrics").json()] == list(range(1, 9))
+    again = client.delete(f"/jobs/{job}")
+    assert again.status_code == 409 and "already completed" in again.json()["detail"]
+    assert client.get("/jobs/nope").status_code == 404
+
+
+def test_a_sweep_and_a_deployment_of_its_best_run(
+    workdir: Path, hermetic_env: dict[str, str]
+) -> None:
+    sweep = api.sweep(
+        [*BASE, "max_steps=4", "optimizer.lr=1e-3,2e-3"], cwd=workdir, env=hermetic_env
+    )
+    summary = sweep.wait(timeout=600)
+    assert summary is not None and [r["state"] for r in summary["runs"]] == ["completed"] * 2
+    best = sweep.best()
+    assert best is not None and best.path in [run.path for run in sweep.runs()]
+    deployment = api.deploy(
+        [f"checkpoint={best.path}", "port=0", "device=cpu"], cwd=workdir, env=hermetic_env
+    )
+    try:
+        url = deployment.wait_ready(timeout=300)
+        with urllib.request.urlopen(f"{url}/models", timeout=30) as response:
+            models = json.load(response)
+        assert [m["id"] for m in models["data"]] == [str(best.path)]
+    finally:
+        code = deployment.stop()
+    assert code == -signal.SIGTERM and "Application shutdown complete" in deployment.console()

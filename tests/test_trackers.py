@@ -1,0 +1,188 @@
+"""runtime.loggers: wandb (offline) and MLflow (a local file store) get what metrics.jsonl gets,
+the best checkpoint's path and a redacted config; a missing package is a user error up front."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner import trackers
+from runner.manifest import REDACTED
+from runner.rundir import RunDir
+from tests.conftest import QUICK
+
+SENTINEL = "sentinel-7d1e-not-for-trackers"
+TRACKED = ["runtime.loggers=[tensorboard,wandb,mlflow]"]
+
+
+def tracker_env(tmp_path: Path) -> dict[str, str]:
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
+        # MLflow 3 keeps its file store (all that mlflow-skinny needs) behind this switch.
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+    }
+
+
+def wandb_records(run_dir: Path) -> list[Any]:
+    """The records of the run's offline wandb file: a LevelDB-style log of protobufs (32 KiB
+    blocks of chunks, each with a 7-byte header: CRC, length, type) after a 7-byte file header."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, position, block, chunks, records = path.read_bytes(), 7, 32768, b"", []
+    assert data.startswith(b":W&B")
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # the block's tail is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:
+            break
+        chunk = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        chunks = chunk if kind in (1, 2) else chunks + chunk  # full, first | middle, last
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+    return records
+
+
+def key(item: Any) -> str:
+    """A wandb history or summary item's name (wandb writes most as a one-part nested key)."""
+    return item.key or "/".join(item.nested_key)
+
+
+def series(records: list[dict[str, Any]], names: set[str]) -> dict[str, list[tuple[int, float]]]:
+    found: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        for name in names & set(record):
+            found.setdefault(name, []).append((record["step"], record[name]))
+    return found
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env: dict[str, str]) -> Path:
+    import subprocess
+    import sys
+
+    tmp = tmp_path_factory.mktemp("tracked")
+    run = tmp / "run"
+    args = [*QUICK, *TRACKED, "compute=cpu", "dtype=fp32", "max_steps=12"]
+    args += ["runtime.log_every_n_steps=3", "eval.steps=6", "eval.max_samples=16"]
+    # A secret the run can read (runtime.hf_token=env:HF_TOKEN) that no tracker may receive.
+    env = {**hermetic_env, **tracker_env(tmp), "HF_TOKEN": SENTINEL}
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "train", *args, f"hydra.run.dir={run}"],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def test_wandb_and_mlflow_receive_the_series_of_metrics_jsonl(
+    tracked_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    for name, value in tracker_env(tracked_run.parent).items():
+        monkeypatch.setenv(name, value)
+
+    metrics = RunDir(tracked_run).read_metrics()
+    names = {name for record in metrics for name in record} - {"step"}
+    assert {"loss", "lr", "tokens_per_s", "eval_loss", "eval_token_accuracy"} <= names
+    expected = series(metrics, names)
+    assert [step for step, _ in expected["eval_loss"]] == [6, 12]
+
+    history = []
+    for record in wandb_records(tracked_run):
+        if record.WhichOneof("record_type") == "history":
+            row = {key(item): json.loads(item.value_json) for item in record.history.item}
+            history.append({**row, "step": row["_step"]})
+    assert series(history, names) == expected
+
+    run_id = json.loads((tracked_run / trackers.TRACKERS_FILE).read_text())["mlflow_run_id"]
+    client = MlflowClient()
+    logged = {
+        name: [(m.step, m.value) for m in client.get_metric_history(run_id, name)] for name in names
+    }
+    assert {name: sorted(points) for name, points in logged.items()} == expected
+
+    best = RunDir(tracked_run).status().best
+    mlflow_run = client.get_run(run_id)
+    assert mlflow_run.data.tags["best_checkpoint"] == best["checkpoint"]
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.params["seed"] == "0"
+    summaries = [r.summary for r in wandb_records(tracked_run) if r.HasField("summary")]
+    wandb_best = {key(u): json.loads(u.value_json) for s in summaries for u in s.update}
+    assert wandb_best["best_checkpoint"] == best["checkpoint"]
+    assert wandb_best["best_step"] == best["step"]
+
+
+def test_no_secret_reaches_a_tracker(tracked_run: Path) -> None:
+    """Neither the environment's secret (HF_TOKEN) nor anything else with it is written."""
+    leaked = [
+        p
+        for p in tracked_run.parent.rglob("*")
+        if p.is_file() and SENTINEL.encode() in p.read_bytes()
+    ]
+    assert leaked == []
+
+
+def test_the_config_is_redacted_before_a_tracker_sees_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    for key, value in tracker_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    config = {"seed": 0, "hub": {"token": SENTINEL}, "deploy": {"api_key": SENTINEL}}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sent = trackers.build(
+        ["tensorboard", "wandb", "mlflow"], run_dir=run_dir, config=config, project="redaction"
+    )
+    sent.metrics("train", {"loss": 1.5}, 1)
+    sent.close("completed")
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files and not [p for p in files if SENTINEL.encode() in p.read_bytes()]
+    run_id = json.loads((run_dir / trackers.TRACKERS_FILE).read_text())["mlflow_run_id"]
+    params = MlflowClient().get_run(run_id).data.params
+    assert params["hub.token"] == REDACTED and params["deploy.api_key"] == REDACTED
+
+
+def test_a_missing_tracker_package_is_a_user_error_before_anything_is_written(
+    runner_cli, tmp_path: Path
+) -> None:
+    # Python's own way to make a package unimportable: a None in sys.modules, set at start-up.
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None\n")
+    out = tmp_path / "out"
+    result = runner_cli(
+        "train",
+        "runtime.loggers=[mlflow]",
+        f"runtime.output_root={out}",
+        env={"PYTHONPATH": str(hide)},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "runtime.loggers=['mlflow']" in result.stderr
+    assert "pip install 'runner[mlflow]'" in result.stderr and "Traceback" not in result.stderr
+    assert not [p for p in out.rglob("*") if p.is_file()]  # Hydra's empty date folder at most
+    result = runner_cli("validate", "runtime.loggers=[wandb,wandb]")
+    assert result.returncode == 2 and "listed twice" in result.stderr
+
+
+def test_runtime_tensorboard_is_refused_with_its_replacement(runner_cli) -> None:
+    result = runner_cli("validate", "runtime.tensorboard=false")
+    assert result.returncode == 2
+    assert "replaced by runtime.loggers: write runtime.loggers=[]" in result.stderr
