@@ -13,13 +13,29 @@ import pytest
 from runner import resolvers
 from runner.rundir import RunDir
 
-# Fast settings for the tiny model; every test that trains starts from these.
+# Fast settings for the tiny model; every test that trains starts from these. They mean the CPU
+# in fp32 on any machine (compute=auto and dtype=auto pick CUDA and bf16_mixed where a GPU is
+# visible); a later override on the same line wins, as Hydra keeps the last.
 QUICK = [
+    "compute=cpu",
+    "dtype=fp32",
     "runtime.progress_bar=false",
     "runtime.tensorboard=true",
     "dataset.eval_samples=16",
     "eval.max_samples=64",
 ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run where CUDA is visible and are skipped elsewhere (CI has no GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="session")
