@@ -41,6 +41,9 @@ def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, t
             f"checkpoint={run}",
             f"port={port}",
             "served_model_name=[tiny]",
+            # The reference below is transformers' fp32 generate on the CPU.
+            "device=cpu",
+            "dtype=fp32",
         ],
         cwd=tmp_path,
         env=hermetic_env,
