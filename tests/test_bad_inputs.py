@@ -252,13 +252,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def forked_cli(hermetic_env: dict[str, str]):
-    cli = ForkedCli(hermetic_env)
-    yield cli
-    cli.close()
-
-
 def run_case(
     bad: Case, argv: list[str], cwd: Path, env: dict[str, str], forked_cli: ForkedCli
 ) -> subprocess.CompletedProcess | Forked:

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.rundir import RunDir
-from tests.conftest import losses
+from tests.conftest import QUICK, losses
 from tests.test_resume import straight_then_resumed
 
 pytestmark = pytest.mark.gpu
@@ -124,6 +124,25 @@ def test_deterministic_resume_repeats_the_losses_bit_for_bit(runner_cli, tmp_pat
     )
     assert sorted(resumed) == sorted(straight) and len(straight) > 0
     assert resumed == straight  # exact float equality, step by step
+
+
+def test_cpu_processes_stay_on_the_cpu_where_a_gpu_is_visible(runner_cli, tmp_path: Path) -> None:
+    """compute=cpu with two processes beside a visible GPU: FSDP2's default mesh would be CUDA
+    and put the weights on cuda:0 (issue 17's device defect); the run shards over a CPU mesh."""
+    run = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        *QUICK,
+        "compute.nproc_per_node=2",
+        "max_steps=2",
+        "batch_size=4",
+        "dataset.eval_samples=0",
+        "runtime.log_every_n_steps=1",
+        f"hydra.run.dir={run}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert OmegaConf.load(run / "recipe.yaml").compute.device == "cpu"
+    assert sorted(losses(run)) == [1, 2]
 
 
 # ---- one run on the machine's defaults, shared: checkpoints, eval, deploy ----------------------
