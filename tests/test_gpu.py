@@ -72,10 +72,19 @@ def check_learned_on_cuda(run: Path, dtype: str) -> None:
 
 
 def transformers_logits(checkpoint: Path) -> torch.Tensor:
-    """The checkpoint loaded by transformers onto the GPU in bf16: logits of a fixed batch."""
-    model = AutoModelForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.bfloat16, use_safetensors=True
-    )
+    """The checkpoint loaded by transformers onto the GPU in bf16 (a LoRA one by peft, onto the
+    base its adapter_config.json names, as tests/test_lora.py loads it): logits of a batch."""
+    adapter = checkpoint / "adapter_config.json"
+    if adapter.is_file():
+        from peft import PeftModel
+
+        base = json.loads(adapter.read_text())["base_model_name_or_path"]
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        model = PeftModel.from_pretrained(model, checkpoint)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.bfloat16, use_safetensors=True
+        )
     model = model.to("cuda").eval()
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
