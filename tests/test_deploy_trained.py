@@ -52,7 +52,7 @@ def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, t
         text=True,
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             assert server.poll() is None, server.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "the server did not come up"

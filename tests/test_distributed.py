@@ -235,7 +235,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(env, tmp_path: Path, target: s
     args = [*BASE, *ONE_BY_TWO, "max_steps=400", "runtime.save_every_n_steps=null"]
     proc = start(env, tmp_path, *args, f"hydra.run.dir={run_dir}")
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
