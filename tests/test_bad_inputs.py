@@ -6,6 +6,11 @@ written where the command ran, the input files untouched). The config checks are
 `runner validate` or `runner estimate` where they are the same checks `runner train` makes, as
 those start no training and cost a subprocess the least; a few go through `runner train` itself
 to show it stops before a run directory exists.
+
+Most cases run in a process forked from a server that imported torch, transformers and Hydra once
+(tests/cli_forks.py): still the real `runner.cli.main`, one process per case with its own exit
+status and output, without ~5 s of imports each. The cases in SUBPROCESS run as a user runs them,
+`python -m runner ...` from a fresh interpreter, one per command family.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pytest
 import torch
 
 from runner.paths import SAMPLE_DATA_DIR
+from tests.cli_forks import Forked, ForkedCli
 from tests.fixtures import write_tiny_checkpoint
 
 # A deploy or export that wrongly got past its checks would serve or write: not for long.
@@ -192,6 +198,18 @@ CASES = [
 ]
 if not torch.cuda.is_available():
     CASES.append(case("compute-gpu-without-one", "validate compute=gpu", "compute="))
+# Run from a fresh interpreter, as `runner` itself is: one case of each kind of command.
+SUBPROCESS = {
+    "unknown-command",
+    "unknown-key",
+    "model-weights-cut-short",
+    "data-empty",
+    "deploy-cut-short",
+    "export-cut-short",
+    "repro-not-a-run",
+    "logs-not-a-run",
+    "cluster-nodes",
+}
 
 
 # ---- the input files -------------------------------------------------------------------------
@@ -234,6 +252,22 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def run_case(
+    bad: Case, argv: list[str], cwd: Path, env: dict[str, str], forked_cli: ForkedCli
+) -> subprocess.CompletedProcess | Forked:
+    """`runner ARGV` in `cwd`: from a fresh interpreter for the SUBPROCESS cases, else forked."""
+    if bad.id not in SUBPROCESS:
+        return forked_cli(argv, cwd, TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """Every path under `root` with its size and modification time."""
     return {
@@ -246,20 +280,15 @@ OUTCOMES: list[tuple[str, bool]] = []
 
 
 @pytest.mark.parametrize("bad", CASES)
-def test_bad_input(bad: Case, files: Path, hermetic_env: dict[str, str], tmp_path: Path) -> None:
+def test_bad_input(
+    bad: Case, files: Path, hermetic_env: dict[str, str], forked_cli: ForkedCli, tmp_path: Path
+) -> None:
     argv = [arg.replace("{files}", str(files)) for arg in bad.argv]
     names = [name.replace("{files}", str(files)) for name in bad.names]
     before = snapshot(files)
     passed = False
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "runner", *argv],
-            cwd=tmp_path,
-            env=hermetic_env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
+        proc = run_case(bad, argv, tmp_path, hermetic_env, forked_cli)
         stderr = proc.stderr
         assert proc.returncode == 2, f"exit {proc.returncode}\n{stderr[-3000:]}"
         assert "Traceback" not in stderr, stderr[-3000:]

@@ -75,9 +75,10 @@ def make_run(
 
 
 def deploy_config(*overrides: str) -> DictConfig:
-    """conf/deploy.yaml composed with overrides, as `runner deploy` composes it."""
+    """conf/deploy.yaml composed with overrides, as `runner deploy` composes it; served on the
+    CPU in fp32 (the references below are fp32 CPU generations) unless an override says else."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("deploy", overrides=list(overrides))
+        return compose("deploy", overrides=["device=cpu", "dtype=fp32", *overrides])
 
 
 @contextlib.contextmanager

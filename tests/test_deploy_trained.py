@@ -41,6 +41,9 @@ def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, t
             f"checkpoint={run}",
             f"port={port}",
             "served_model_name=[tiny]",
+            # The reference below is transformers' fp32 generate on the CPU.
+            "device=cpu",
+            "dtype=fp32",
         ],
         cwd=tmp_path,
         env=hermetic_env,
@@ -49,7 +52,7 @@ def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, t
         text=True,
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             assert server.poll() is None, server.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "the server did not come up"

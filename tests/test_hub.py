@@ -131,6 +131,8 @@ def hub_run(tmp_path_factory: pytest.TempPathFactory, hub_env) -> tuple[Path, st
     cwd = tmp_path_factory.mktemp("hub_run")
     run_dir = cwd / "run"
     quick = [
+        "compute=cpu",
+        "dtype=fp32",
         "runtime.progress_bar=false",
         "dataset.eval_samples=0",
         "max_steps=2",

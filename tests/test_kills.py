@@ -31,8 +31,9 @@ ARGS = [
     "runtime.save_every_n_steps=3",
     "runtime.log_every_n_steps=1",
 ]
-# Tries at a moment that a busy machine can let slip by (the first, between two file writes).
-TRIES = 3
+# Tries at a moment that a busy machine can let slip by (the first, between two file writes);
+# the suite runs two workers at once (pytest -n 2), so the machine is busier than one run makes it.
+TRIES = 5
 
 
 @dataclass
@@ -84,10 +85,10 @@ def start(env: dict[str, str], output: Path, *args: str) -> subprocess.Popen:
 
 def kill_at(moment: Moment, proc: subprocess.Popen, run_dir: Path, output: Path) -> None:
     """kill -9 of `proc` as soon as `moment` is reached (an AssertionError if it ends first)."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a guard against a hang (pytest -n 2 on a busy machine)
     while not moment.reached(run_dir, output.read_text()):
         assert proc.poll() is None, f"exit {proc.returncode} before {moment.name}:\n" + tail(output)
-        assert time.monotonic() < deadline, f"{moment.name} not reached in 120 s"
+        assert time.monotonic() < deadline, f"{moment.name} not reached in 300 s"
         time.sleep(moment.poll_s)
     proc.kill()
     proc.wait()

@@ -63,7 +63,8 @@ def compose_train(overrides: list[str]):
 def world(env: dict[str, str], monkeypatch, tmp_path: Path, *overrides: str) -> dict:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    cfg = compose_train(["compute=multi_node", *overrides])
+    # The layout, not the device: on the CPU, also where GPUs are visible (fewer than it asks).
+    cfg = compose_train(["compute=multi_node", "compute.device=cpu", *overrides])
     recipe = resolve_recipe(cfg, tmp_path)
     run_dir = platforms.run_dir(None, "outputs/day/time", _root_=cfg)
     return {
@@ -127,7 +128,7 @@ def test_platform_variables_give_the_world(platform, monkeypatch, tmp_path: Path
 def test_torchrun_variables_give_the_rendezvous(monkeypatch, tmp_path: Path) -> None:
     for name, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(name, value)
-    cfg = compose_train(["compute=multi_node"])
+    cfg = compose_train(["compute=multi_node", "compute.device=cpu"])
     recipe = resolve_recipe(cfg, tmp_path)
     assert (recipe.compute.nnodes, cfg.compute.node_rank) == (4, 3)
     assert recipe.compute.rdzv_endpoint == "10.0.0.9:23456"
@@ -192,7 +193,8 @@ def test_impossible_layouts_are_user_errors(env, overrides, key, monkeypatch, tm
         monkeypatch.setenv(name, value)
     # A variable read while resolving the config comes wrapped; the CLI unwraps it the same way.
     with pytest.raises(Exception) as err:
-        resolve_recipe(compose_train(["compute=multi_node", *overrides]), tmp_path)
+        cfg = compose_train(["compute=multi_node", "compute.device=cpu", *overrides])
+        resolve_recipe(cfg, tmp_path)
     assert as_user_error(err.value).key == key
 
 

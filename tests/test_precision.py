@@ -3,6 +3,8 @@ rounds away, and works with every method, several processes and resume (on CPU, 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,44 +35,48 @@ SMALL_STEPS = [
 ]
 
 
-def changed_fraction(runner_cli, tmp_path: Path, dtype: str) -> float:
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> dict[str, Path]:
+    """4 small steps in bf16_mixed and in pure bf16, and for each a run at lr 1e-30 that keeps
+    the initial weights (the same seed initializes the same weights)."""
+    root = tmp_path_factory.mktemp("small_steps")
+    runs = {}
+    for dtype in ("bf16_mixed", "bf16"):
+        for name, lr in ((dtype, []), (f"{dtype}-init", ["optimizer.lr=1e-30"])):
+            runs[name] = root / name
+            proc = subprocess.run(
+                [sys.executable, "-m", "runner", "train", *SMALL_STEPS, f"dtype={dtype}", *lr]
+                + [f"hydra.run.dir={runs[name]}"],
+                cwd=root,
+                env=hermetic_env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+    return runs
+
+
+def changed_fraction(small_runs: dict[str, Path], dtype: str) -> float:
     """The fraction of the first attention projection's weights that 4 small steps changed."""
-    run = tmp_path / dtype
-    result = runner_cli("train", *SMALL_STEPS, f"dtype={dtype}", f"hydra.run.dir={run}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    checkpoint = run / "checkpoints" / "step_4"
-    trained = load_file(checkpoint / "model.safetensors")
     name = "model.layers.0.self_attn.q_proj.weight"
-    # The same seed initializes the same weights: re-create them to compare.
-    initial = tmp_path / f"{dtype}-init"
-    result = runner_cli(
-        "train", *SMALL_STEPS, f"dtype={dtype}", "optimizer.lr=1e-30", f"hydra.run.dir={initial}"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    before = load_file(initial / "checkpoints" / "step_4" / "model.safetensors")[name]
+    final = "checkpoints/step_4/model.safetensors"
+    trained = load_file(small_runs[dtype] / final)
+    before = load_file(small_runs[f"{dtype}-init"] / final)[name]
     # Checkpoints hold the trained parameters in float32 (bf16 values exactly, for pure bf16).
     assert trained[name].dtype == torch.float32
     return (trained[name] != before).float().mean().item()
 
 
-def test_mixed_precision_keeps_updates_that_pure_bf16_rounds_away(
-    runner_cli, tmp_path: Path
-) -> None:
-    mixed = changed_fraction(runner_cli, tmp_path, "bf16_mixed")
-    pure = changed_fraction(runner_cli, tmp_path, "bf16")
+def test_mixed_precision_keeps_updates_that_pure_bf16_rounds_away(small_runs) -> None:
+    mixed = changed_fraction(small_runs, "bf16_mixed")
+    pure = changed_fraction(small_runs, "bf16")
     assert mixed > 0.9, mixed
     assert pure < 0.2, pure
 
 
-def test_mixed_precision_keeps_fp32_master_weights_and_optimizer_state(
-    runner_cli, tmp_path: Path
-) -> None:
-    run = tmp_path / "run"
-    result = runner_cli(
-        "train", *SMALL_STEPS, "dtype=bf16_mixed", "max_steps=2", f"hydra.run.dir={run}"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    state = read_training_state(run / "checkpoints" / "step_2")
+def test_mixed_precision_keeps_fp32_master_weights_and_optimizer_state(small_runs) -> None:
+    state = read_training_state(small_runs["bf16_mixed"] / "checkpoints" / "step_4")
     moments = [
         value
         for per_param in state["optimizer"]["state"].values()

@@ -13,7 +13,7 @@ from tests.test_config import compose_train
 
 
 def test_validate_prints_the_recipe_and_checks_and_writes_nothing(runner_cli, tmp_path) -> None:
-    result = runner_cli("validate", "batch_size=7")
+    result = runner_cli("validate", "compute=cpu", "dtype=fp32", "batch_size=7")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "batch_size: 7" in result.stdout
     assert "_component_: torchtune.models.llama3_2.llama3_2" in result.stdout
@@ -57,7 +57,7 @@ def test_estimate_shards_over_the_world_and_halves_in_bf16(tmp_path: Path) -> No
 
 
 def test_estimate_cli(runner_cli) -> None:
-    result = runner_cli("estimate")
+    result = runner_cli("estimate", "compute=cpu", "dtype=fp32")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "1,051,776 parameters, fp32, cpu x 1" in result.stdout
     assert "optimizer steps per epoch" in result.stdout

@@ -51,9 +51,28 @@ def train_on_own_data(
     return run
 
 
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> Path:
+    """The deterministic one-process run, trained once for this module: the match test reads
+    it; the drift test changes its files and puts each back."""
+    root = tmp_path_factory.mktemp("one_process")
+
+    def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "runner", *args]
+        environment = {**hermetic_env, **(env or {})}
+        return subprocess.run(
+            command, cwd=root, env=environment, capture_output=True, text=True, timeout=600
+        )
+
+    return train_on_own_data(cli, root, "compute=cpu", "compute.nproc_per_node=1")
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_repro_of_a_fresh_run_matches(runner_cli, tmp_path: Path, nproc: int) -> None:
-    run = train_on_own_data(runner_cli, tmp_path, "compute=cpu", f"compute.nproc_per_node={nproc}")
+def test_repro_of_a_fresh_run_matches(runner_cli, tmp_path: Path, nproc: int, request) -> None:
+    if nproc == 1:
+        run = request.getfixturevalue("one_process_run")
+    else:
+        run = train_on_own_data(runner_cli, tmp_path, "compute=cpu", "compute.nproc_per_node=2")
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["world_size"] == nproc and manifest["deterministic"] is True
     assert set(manifest["checkpoints"]) == {"2", "4"}
@@ -63,9 +82,20 @@ def test_repro_of_a_fresh_run_matches(runner_cli, tmp_path: Path, nproc: int) ->
     assert "repro: match (4 logged steps" in result.stdout
 
 
-def test_drift_is_reported_with_its_reason(runner_cli, tmp_path: Path) -> None:
-    run = train_on_own_data(runner_cli, tmp_path)
+def test_drift_is_reported_with_its_reason(runner_cli, tmp_path: Path, one_process_run) -> None:
+    run = one_process_run
+    train_file = run.parent / "data" / "train.jsonl"  # train_on_own_data's copy
+    originals = {path: path.read_bytes() for path in (run / "recipe.yaml", run / "manifest.json")}
+    originals[train_file] = train_file.read_bytes()
+    try:
+        reported_drifts(runner_cli, tmp_path, run, train_file)
+    finally:  # the run is shared: as it was, whatever happened here
+        for path, content in originals.items():
+            path.write_bytes(content)
 
+
+def reported_drifts(runner_cli, tmp_path: Path, run: Path, train_file: Path) -> None:
+    """A changed config, package version and data file: each named as the reason."""
     # A changed learning rate in the recorded config.
     recipe = (run / "recipe.yaml").read_text()
     (run / "recipe.yaml").write_text(recipe.replace("lr: 0.002", "lr: 0.003"))
@@ -85,7 +115,6 @@ def test_drift_is_reported_with_its_reason(runner_cli, tmp_path: Path) -> None:
     assert "loss at step" not in result.stdout  # the numbers themselves still agree
 
     # A changed data file at the recorded path.
-    train_file = tmp_path / "data" / "train.jsonl"
     lines = train_file.read_text().splitlines()
     train_file.write_text("\n".join(reversed(lines)) + "\n")
     result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "data2"))

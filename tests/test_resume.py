@@ -114,7 +114,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -
         stderr=subprocess.PIPE,
         text=True,
     )
-    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 180
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 600
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)

@@ -1,0 +1,140 @@
+"""The real `runner` CLI, one forked process per command, for tables of many short commands.
+
+Each command still runs in a process of its own, through `runner.cli.main` exactly as
+`python -m runner` calls it, with its own working directory, stdout, stderr and exit status; what
+it saves is the ~5 s of importing torch, transformers and Hydra, which this server does once
+before it forks. Nothing runs torch compute in the server itself, so forking it is safe.
+
+Protocol (one JSON object per line): the client writes {"argv": [...], "cwd": "...",
+"timeout_s": N}; the server answers {"returncode": N, "stdout": "...", "stderr": "..."}, with
+returncode negative (the signal) when the command was killed, as subprocess reports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+# What the subcommands import lazily; imported here once so that each fork starts warm.
+PRELOAD = (
+    "torch",
+    "transformers",
+    "hydra",
+    "runner.cli",
+    "runner.train",
+    "runner.preflight",
+    "runner.hub",
+    "runner.deploy",
+    "runner.export",
+    "runner.repro",
+    "runner.lifecycle",
+    "runner.cluster",
+)
+
+
+def _child(argv: list[str], cwd: str, stdout: str, stderr: str) -> None:
+    """Runs `runner ARGV` in this (forked) process and exits with its status; never returns."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        os.chdir(cwd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's stdin carries the requests
+        for fd, path in ((1, stdout), (2, stderr)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = [str(Path(sys.modules["runner.cli"].__file__).with_name("__main__.py")), *argv]
+        from runner.cli import main
+
+        code = main()
+    except SystemExit as exit:  # as the interpreter maps sys.exit's argument to a status
+        if isinstance(exit.code, int) or exit.code is None:
+            code = exit.code or 0
+        else:
+            print(exit.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - reported as an uncaught exception would be
+        traceback.print_exc()
+        code = 1
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
+
+
+def _wait(pid: int, timeout_s: float) -> int:
+    """The child's status as subprocess reports it; kills its process group past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.02)
+
+
+def serve() -> None:
+    """Answers commands read from stdin until it closes."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints of the server must not corrupt the answers
+    with tempfile.TemporaryDirectory() as scratch:
+        stdout, stderr = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
+        for line in sys.stdin:
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _child(request["argv"], request["cwd"], stdout, stderr)
+            code = _wait(pid, request["timeout_s"])
+            with open(stdout, errors="replace") as out, open(stderr, errors="replace") as err:
+                answer = {"returncode": code, "stdout": out.read(), "stderr": err.read()}
+            answers.write(json.dumps(answer) + "\n")
+            answers.flush()
+
+
+@dataclass
+class Forked:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class ForkedCli:
+    """The client: `cli(argv, cwd)` runs one command in the server and returns its outcome."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.server = subprocess.Popen(
+            [sys.executable, __file__],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def __call__(self, argv: list[str], cwd: Path, timeout_s: float) -> Forked:
+        request = {"argv": argv, "cwd": str(cwd), "timeout_s": timeout_s}
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.flush()
+        line = self.server.stdout.readline()
+        assert line, f"the CLI fork server ended (exit {self.server.poll()})"
+        return Forked(**json.loads(line))
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    serve()
