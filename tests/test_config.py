@@ -14,6 +14,7 @@ from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 
 from runner.errors import UserError
+from runner.families import family_named
 from runner.paths import CONF_DIR, SAMPLE_DATA_DIR
 from runner.resolve import resolve_recipe
 
@@ -62,7 +63,8 @@ def test_option_composes_and_resolves(
         assert recipe.model.tokenizer is None and recipe.model.lora_builder
     else:
         recipe = resolve_recipe(cfg, tmp_path)
-    assert recipe.model.builder._component_.startswith("torchtune.models.")
+    # One of its family's builders: torchtune's, or a wrapper of one (Gemma 2's logit cap).
+    assert recipe.model.builder._component_ in family_named(recipe.model.family).builders
     assert recipe.compute.device in ("cpu", "cuda")
     assert recipe.dtype.name in ("fp32", "bf16_mixed", "bf16")
     if group == "dtype" and option != "auto":

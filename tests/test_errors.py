@@ -9,7 +9,7 @@ import torch
 
 CASES = [
     # (overrides, text the message must contain)
-    (["model=gpt5"], ["model='gpt5'", "no such option; choose one of: hf, llama3_1_8b"]),
+    (["model=gpt5"], ["model='gpt5'", "no such option; choose one of: code_llama2_7b, gemma2_2b"]),
     (["dtype=bf61"], ["dtype='bf61'", "did you mean 'bf16'"]),
     (["batch_sise=4"], ["batch_sise='4'", "did you mean 'batch_size'"]),
     (["optimizer.lrr=0.1"], ["optimizer.lrr='0.1'", "did you mean 'lr'"]),
