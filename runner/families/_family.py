@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,3 +87,20 @@ def rope(config: dict[str, Any]) -> dict[str, Any]:
 
 def rope_type(rope: dict[str, Any]) -> str:
     return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def cut_at_window(config: dict[str, Any], builder: str) -> dict[str, Any]:
+    """{"max_seq_len": window} where config.json's sliding window is shorter than the context.
+
+    torchtune's `builder` attends to the whole sequence: the same model as the window's for
+    sequences up to the window, so sequences are cut there (Phi-3 mini: 2047, Mistral v0.1: 4096).
+    """
+    window = config.get("sliding_window")
+    if window is None or window >= config["max_position_embeddings"]:
+        return {}
+    warnings.warn(
+        f"sequences are truncated to sliding_window={window} tokens: torchtune's {builder} "
+        "attends to the whole sequence, which is the same model up to the window",
+        stacklevel=3,
+    )
+    return {"max_seq_len": window}

@@ -8,10 +8,9 @@ is this family's builder at Phi-4's dimensions (torchtune's phi4_14b is the same
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
-from runner.families._family import Family, Unsupported, rope, rope_type
+from runner.families._family import Family, Unsupported, cut_at_window, rope, rope_type
 from runner.families._weights import LLAMA_NAMES, WeightNames
 
 PHI3_NAMES = {
@@ -42,17 +41,7 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
         raise Unsupported(f"partial_rotary_factor={partial}")
     if config["tie_word_embeddings"]:
         raise Unsupported("tie_word_embeddings=true")
-    window = config.get("sliding_window")
-    if window is not None and window < config["max_position_embeddings"]:
-        # torchtune's phi3 attends to the whole sequence: the same model as the window's for
-        # sequences up to the window, so sequences are cut there (Phi-3 mini: 2047 tokens).
-        warnings.warn(
-            f"sequences are truncated to sliding_window={window} tokens: torchtune's phi3 "
-            "attends to the whole sequence, which is the same model up to the window",
-            stacklevel=2,
-        )
-        return {"max_seq_len": window}
-    return {}
+    return cut_at_window(config, "phi3")
 
 
 def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
