@@ -827,3 +827,52 @@ def test_a_family_runner_does_not_build_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         resolve_model(model_config(["model=hf", f"model.source={source}"]))
     assert err.value.key == "model.source" and "t5" in err.value.fix
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deploy_answers_as_transformers_generate_does(
+    checkpoints: dict[str, Path], family: str
+) -> None:
+    """`runner deploy`'s engine, two prompts of different lengths decoded in one batch past
+    Gemma 2's 8-token window, gives each the greedy continuation transformers' generate gives
+    it alone."""
+    import asyncio
+
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.generation import SamplingRequest
+    from runner.deploy.kv_cache import check_supported
+
+    loaded = load_checkpoint(checkpoints[family], device="cpu", dtype="fp32", max_model_len=None)
+    check_supported(loaded.model)
+    vocab = loaded.model.config.vocab_size
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, vocab, (length,), generator=generator) for length in (13, 5)]
+    engine = TransformersEngine(loaded, max_batch_size=4, max_queue=4)
+
+    async def served() -> list[tuple[str, int]]:
+        handles = [
+            engine.submit([SamplingRequest(p.tolist(), 20, 0.0, 1.0, 0, [], 1, stream=False)])
+            for p in prompts
+        ]
+        finals = [[event async for event in handle.events()][-1] for handle in handles]
+        return [(event.text, event.completion_tokens) for event in finals]
+
+    try:
+        answers = asyncio.run(served())
+    finally:
+        engine.close()
+    for prompt, (text, count) in zip(prompts, answers, strict=True):
+        stops = sorted(loaded.eos_token_ids)
+        with torch.no_grad():
+            output = loaded.model.generate(
+                prompt[None],
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=20,
+                do_sample=False,
+                eos_token_id=stops,
+                pad_token_id=stops[0],
+            )
+        new = output[0, len(prompt) :].tolist()
+        assert count == len(new)
+        ended = new[:-1] if new[-1] in loaded.eos_token_ids else new
+        assert text == loaded.tokenizer.decode(ended, skip_special_tokens=True)

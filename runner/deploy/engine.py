@@ -167,7 +167,10 @@ class TransformersEngine:
             input_ids[row, width - lengths[row] :] = torch.tensor(sequence.request.prompt_ids)
             mask[row, width - lengths[row] :] = 1
         input_ids, mask = input_ids.to(self._device), mask.to(self._device)
-        cache = DynamicCache(config=self._model.config)
+        # Full-attention layers throughout: a sliding-window layer keeps every token here, and
+        # the model's own sliding-window mask (built from config.json for those layers) hides
+        # what lies outside the window, so rows of any length share one left-padded cache.
+        cache = DynamicCache()
         logits = self._model(
             input_ids=input_ids,
             attention_mask=mask,

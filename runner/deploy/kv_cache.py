@@ -80,15 +80,19 @@ def batch_cache(prefilled: Cache) -> Cache:
 
 
 def check_supported(model: Any) -> None:
-    """Refuse models whose cache is not plain full attention, the only kind BatchLayer holds."""
+    """Refuse models whose cache holds more than keys and values of attention (linear attention,
+    state-space layers): BatchLayer holds full attention, and sliding-window attention as full
+    attention under the model's sliding-window mask."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+    kinds = (DynamicLayer, DynamicSlidingWindowLayer)
+    if any(type(layer) not in kinds for layer in DynamicCache(config=model.config).layers):
         raise UserError(
             "engine",
             "transformers",
-            f"{type(model).__name__} uses sliding-window or other non-standard attention "
-            "caches, which this engine does not batch: serve it with engine=vllm",
+            f"{type(model).__name__} keeps a cache other than attention keys and values, "
+            "which this engine does not batch: serve it with engine=vllm",
         )
 
 
