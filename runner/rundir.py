@@ -82,11 +82,16 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Writes JSON under a temporary name and renames it, so readers never see half a file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Writes under a temporary name and renames it, so readers (and a run killed mid-write,
+    then resumed) never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def weight_files(checkpoint_dir: Path) -> list[Path]:

@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from runner.errors import UserError
+from runner.rundir import write_text_atomic
 
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP006, UP035, UP045
@@ -455,7 +456,9 @@ def read_recipe(path: Path) -> DictConfig:
 
 
 def write_recipe(path: Path, resolved: DictConfig) -> None:
-    path.write_text(OmegaConf.to_yaml(resolved))
+    # Whole or absent: a run killed while writing it resumes from a readable recipe, or was
+    # never started.
+    write_text_atomic(path, OmegaConf.to_yaml(resolved))
 
 
 def typed(cfg: DictConfig, schema: type = Train, prefix: str = "") -> DictConfig:
