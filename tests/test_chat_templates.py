@@ -24,43 +24,17 @@ from runner.paths import CONF_DIR
 from runner.tokenizer import ChatTokenizer
 from runner.tune import Message
 from tests.conftest import losses
-from tests.fixtures import LLAMA3_1_TEMPLATE, LLAMA3_2_TEMPLATE, MISTRAL_TEMPLATE, QWEN2_5_TEMPLATE
+from tests.fixtures import (
+    GEMMA_TEMPLATE,
+    LLAMA3_1_TEMPLATE,
+    LLAMA3_2_TEMPLATE,
+    MISTRAL_TEMPLATE,
+    PHI3_TEMPLATE,
+    PHI4_TEMPLATE,
+    QWEN2_5_TEMPLATE,
+    SMOLLM2_TEMPLATE,
+)
 
-# HuggingFaceTB/SmolLM2-135M-Instruct: ChatML with a default system prompt, Llama architecture.
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-# google/gemma-2-2b-it: no system role; the assistant is "model".
-GEMMA2_TEMPLATE = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role "
-    "not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user')"
-    " != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
-    "user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}"
-    "{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
-    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
-)
-# microsoft/Phi-3-mini-4k-instruct: a whole conversation ends with eos_token.
-PHI3_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + "
-    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + "
-    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
-    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
-)
-# microsoft/phi-4: ChatML with <|im_sep|> after the role and no newlines.
-PHI4_TEMPLATE = (
-    "{% for message in messages %}{% if (message['role'] == 'system') %}"
-    "{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
-    "{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + message['content'] "
-    "+ '<|im_end|>'}}{% elif (message['role'] == 'assistant') %}"
-    "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
-)
 # google/gemma-3-1b-it: the system message joins the first user turn.
 GEMMA3_TEMPLATE = """{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}
@@ -208,7 +182,7 @@ TEMPLATES = {
     "phi3": (PHI3_TEMPLATE, ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|user|>", "<|end|>"], "<s>", "<|endoftext|>", True, "<|end|>"),
     "phi4": (PHI4_TEMPLATE, ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"], "<|endoftext|>", "<|im_end|>", False, "<|im_end|>"),
     "gemma3": (GEMMA3_TEMPLATE, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", True, "<end_of_turn>"),
-    "gemma2": (GEMMA2_TEMPLATE, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", True, "<end_of_turn>"),
+    "gemma2": (GEMMA_TEMPLATE, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", True, "<end_of_turn>"),
 }  # fmt: skip
 CORPUS = [
     "Reverse the word. Uppercase the word. hello olleh fox FOX dog god quick brown",
