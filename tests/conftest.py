@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,3 +116,44 @@ def runner_cli(hermetic_env: dict[str, str], forked_cli: ForkedCli, tmp_path: Pa
 def losses(run_dir: Path) -> dict[int, float]:
     """Per-step training losses recorded in a run directory's metrics.jsonl."""
     return RunDir(run_dir).losses()
+
+
+def free_port() -> int:
+    """A loopback port free now (a server started right after binds it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def deploy_server(
+    args: list[str], *, cwd: Path, env: dict[str, str], up_within_s: float
+) -> Iterator[str]:
+    """`runner deploy ARGS` on a free port in its own process, once /health answers: its base
+    URL; terminated on leaving. An AssertionError with its output if it exits or is not up in
+    `up_within_s`."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "runner", "deploy", *args, f"port={port}"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + up_within_s
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                with urllib.request.urlopen(f"{url}/health") as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -16,13 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.components import instantiate
 from runner.tune import Message
-from tests.conftest import QUICK
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.conftest import QUICK, deploy_server
 
 
 def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, tmp_path) -> None:
@@ -31,38 +20,10 @@ def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, t
         "train", *QUICK, "max_steps=40", "dataset.eval_samples=0", f"hydra.run.dir={run}"
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "runner",
-            "deploy",
-            f"checkpoint={run}",
-            f"port={port}",
-            "served_model_name=[tiny]",
-            # The reference below is transformers' fp32 generate on the CPU.
-            "device=cpu",
-            "dtype=fp32",
-        ],
-        cwd=tmp_path,
-        env=hermetic_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, server.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    # The reference below is transformers' fp32 generate on the CPU.
+    served = [f"checkpoint={run}", "served_model_name=[tiny]", "device=cpu", "dtype=fp32"]
+    with deploy_server(served, cwd=tmp_path, env=hermetic_env, up_within_s=300) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         assert [m.id for m in client.models.list().data] == ["tiny"]
         messages = [{"role": "user", "content": "Reverse the word.\nlemon"}]
         chat = client.chat.completions.create(
@@ -82,6 +43,3 @@ def test_deploy_serves_a_checkpoint_the_suite_trains(runner_cli, hermetic_env, t
         trained_with = instantiate(OmegaConf.load(run / "recipe.yaml").model.tokenizer)
         prompt = [Message(role=m["role"], content=m["content"]) for m in messages]
         assert trained_with.generation_prompt(prompt) == ids[0].tolist()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from runner.rundir import RunDir
-from tests.conftest import losses
+from tests.conftest import free_port, losses
 
 STEPS = 6
 # The layouts run on CPU processes in fp32, also where a GPU is visible (compute=multi_node's
@@ -51,12 +50,6 @@ OUTPUTS: dict[str, str] = {}
 SUMMARY_LINE = re.compile(
     r"^(train loss|eval loss|held-out exact match|run directory|checkpoint|best|status|try next):"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(env: dict[str, str], cwd: Path, *args: str) -> subprocess.Popen:

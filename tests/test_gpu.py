@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.rundir import RunDir
-from tests.conftest import QUICK, losses
+from tests.conftest import QUICK, deploy_server, losses
 from tests.test_resume import straight_then_resumed
 
 pytestmark = pytest.mark.gpu
@@ -190,37 +187,13 @@ def test_eval_on_cuda_records_finite_metrics(auto_run: Path) -> None:
         assert 0 <= line["eval_token_accuracy"] <= 1
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_deploy_serves_on_cuda(auto_run: Path, hermetic_env: dict[str, str]) -> None:
     import openai
 
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "runner", "deploy", f"checkpoint={auto_run}", f"port={port}"]
-        + ["device=cuda", "served_model_name=[tiny]"],
-        cwd=auto_run.parent.parent,
-        env=hermetic_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, server.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    served = [f"checkpoint={auto_run}", "device=cuda", "served_model_name=[tiny]"]
+    cwd = auto_run.parent.parent
+    with deploy_server(served, cwd=cwd, env=hermetic_env, up_within_s=180) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         assert [m.id for m in client.models.list().data] == ["tiny"]
         messages = [{"role": "user", "content": "Reverse the word.\nlemon"}]
         answers = [
@@ -238,6 +211,3 @@ def test_deploy_serves_on_cuda(auto_run: Path, hermetic_env: dict[str, str]) -> 
             assert 1 <= answer.usage.completion_tokens <= 10
         # Greedy decoding on the same device and batch: the same text twice.
         assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
-    finally:
-        server.terminate()
-        server.wait(timeout=30)

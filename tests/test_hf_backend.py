@@ -8,8 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -30,10 +28,9 @@ from runner.export.write import export
 from runner.paths import CONF_DIR
 from runner.resolve import resolve_recipe
 from runner.tune import CROSS_ENTROPY_IGNORE_IDX
-from tests.conftest import QUICK, losses
+from tests.conftest import QUICK, deploy_server, losses
 from tests.fixtures import write_tiny_checkpoint
 from tests.hf_backend_fixtures import ARCHITECTURES, write_arch_checkpoint
-from tests.test_deploy_trained import free_port
 
 CPU = ["compute=cpu", "dtype=fp32"]
 # Small and quick: 4 records a rank a step, 8 validation records, no generation.
@@ -278,35 +275,14 @@ def test_lora_writes_an_adapter_peft_loads(
 def test_deploy_serves_a_lora_checkpoint(lora_runs: dict[str, Path], hermetic_env, tmp_path):
     """`runner deploy` answers as transformers' generate does with peft's merged model."""
     checkpoint = lora_runs["qwen3"] / "checkpoints" / "step_2"
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "runner", "deploy", f"checkpoint={checkpoint}", f"port={port}"],
-        cwd=tmp_path,
-        env=hermetic_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, server.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    served = [f"checkpoint={checkpoint}"]
+    with deploy_server(served, cwd=tmp_path, env=hermetic_env, up_within_s=180) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         name = client.models.list().data[0].id
         messages = [{"role": "user", "content": "Reverse the word.\nlemon"}]
         chat = client.chat.completions.create(
             model=name, messages=messages, max_tokens=8, temperature=0
         )
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     base = json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"]
     model = PeftModel.from_pretrained(hf_model(Path(base)), checkpoint).merge_and_unload().eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
