@@ -252,7 +252,7 @@ def _plain_env(env: DictConfig) -> dict[str, str]:
     return {str(k): str(v) for k, v in env.items()}
 
 
-def _optimizer(optimizer: DictConfig, device: str) -> dict[str, Any]:
+def _optimizer(optimizer: DictConfig) -> dict[str, Any]:
     """The chosen option: its component, the component's arguments and the schedule keys."""
     option = OmegaConf.to_container(optimizer, resolve=True)
     if "_component_" not in option:
@@ -266,7 +266,9 @@ def _optimizer(optimizer: DictConfig, device: str) -> dict[str, Any]:
     checked = typed(OmegaConf.create({k: option[k] for k in shared}), OptimizerKeys, "optimizer.")
     option.update(OmegaConf.to_container(checked))
     if "fused" in option and option["fused"] is None:
-        option["fused"] = True if device == "cuda" else None
+        # PyTorch's fused kernel, on CPU as on CUDA: one pass over each weight instead of a
+        # dozen elementwise ops (AdamW's step is 3x faster on CPU; scripts/bench_peers.py).
+        option["fused"] = True
     # Builds it once: a refused argument fails here, not in training.
     state_per_weight(split_option(option)[0])
     return option
@@ -482,7 +484,7 @@ def resolve_recipe(
         "nnodes": nnodes,
         **resolve_launch(cfg.compute, nnodes),
     }
-    optimizer = _optimizer(cfg.optimizer, device)
+    optimizer = _optimizer(cfg.optimizer)
     runtime = _runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.
     hub = Hub.from_runtime(cfg.runtime, list(overrides))
