@@ -1,4 +1,4 @@
-"""The real `runner` CLI, one forked process per command, for tables of many short commands.
+"""The real `runner` CLI, one forked process per command.
 
 Each command still runs in a process of its own, through `runner.cli.main` exactly as
 `python -m runner` calls it, with its own working directory, stdout, stderr and exit status; what
@@ -30,8 +30,12 @@ PRELOAD = (
     "torch",
     "transformers",
     "hydra",
+    "torchtune",
+    "datasets",
     "runner.cli",
     "runner.train",
+    "runner.recipes.full_finetune",
+    "runner.recipes.lora_finetune",
     "runner.preflight",
     "runner.hub",
     "runner.deploy",

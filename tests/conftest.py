@@ -75,11 +75,14 @@ def forked_cli(hermetic_env: dict[str, str]) -> Iterator[ForkedCli]:
     cli.close()
 
 
-# Commands that start no training: a process forked from the warm server runs them (the same
-# `runner.cli.main`, exit status and output), sparing each ~5 s of imports. Trainings, and any
-# call with its own environment (read by torch and huggingface_hub at import), start a fresh
-# interpreter as a user's `runner` does.
+# A process forked from the warm server runs each command (the same `runner.cli.main`, exit
+# status and output), sparing each ~4 s of imports; a training of one process runs in it as in
+# a user's `runner`, and several processes start under elastic_launch as fresh interpreters.
+# A call with its own environment (read by torch and huggingface_hub at import) starts a fresh
+# interpreter.
 FORKED_COMMANDS = {
+    "train",
+    "repro",
     "validate",
     "estimate",
     "download",
