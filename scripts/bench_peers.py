@@ -11,6 +11,8 @@ with the order rotated (a neighbour on the machine hits all alike):
 
 - runner: `runner train model=hf model.source=CKPT dataset=instruct ...` through its CLI; step
   times and losses from RUN/metrics.jsonl (logged every step), start-up from RUN/train.log;
+- compiled: the same with `compile=true` (inductor compiles each decoder layer; its first steps
+  are slow, and the median after --warmup leaves them out);
 - tune: `tune run full_finetune_single_device --config tune.yaml`, FullModelHFCheckpointer on
   CKPT, the llama3_2 builder with the checkpoint's dimensions, CEWithChunkedOutputLoss,
   instruct_dataset on the same file; step times and losses from its DiskLogger file. Its
@@ -48,7 +50,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "runner" / "assets" / "tiny_tokenizer"
 SAMPLE_DATA = REPO / "runner" / "assets" / "sample" / "train.jsonl"
-ARMS = ("runner", "tune", "hf", "bare")
+ARMS = ("runner", "compiled", "tune", "hf", "bare")
+# runner with `compile=true` (inductor on each decoder layer; off by default: it costs seconds
+# of start-up that only runs of hundreds of steps recoup).
+COMPILED = ["compile=true"]
 # Llama shapes: hidden, layers, heads, kv heads, MLP width. default is ~25M parameters, so that
 # compute, not per-step overhead, decides on 2 CPU cores.
 SIZES = {
@@ -214,8 +219,8 @@ def runner_overrides(spec: dict) -> list[str]:
     ]
 
 
-def runner_command(spec: dict, run_dir: Path) -> list[str]:
-    return ["runner", "train", *runner_overrides(spec), f"hydra.run.dir={run_dir}"]
+def runner_command(spec: dict, run_dir: Path, extra: list[str] = ()) -> list[str]:
+    return ["runner", "train", *runner_overrides(spec), *extra, f"hydra.run.dir={run_dir}"]
 
 
 def tune_config(spec: dict, out: Path) -> str:
@@ -492,9 +497,10 @@ def run_arm(arm: str, workdir: Path, spec: dict, repeat: int, timeout_s: float) 
     out = workdir / f"{arm}-{repeat}"
     out.mkdir()
     log = out / "output.log"
-    if arm == "runner":
+    if arm in ("runner", "compiled"):
         run_dir = out / "run"
-        start, rss = run_child(runner_command(spec, run_dir), log, timeout_s)
+        extra = COMPILED if arm == "compiled" else []
+        start, rss = run_child(runner_command(spec, run_dir, extra), log, timeout_s)
         result = read_runner(run_dir, start)
     elif arm == "tune":
         config = out / "tune.yaml"
@@ -520,6 +526,27 @@ def run_arm(arm: str, workdir: Path, spec: dict, repeat: int, timeout_s: float) 
             f"{len(result['step_times'])} step times, not {spec['steps']}; see {out}"
         )
     return {**result, "peak_rss_mib": rss}
+
+
+def tiny_first_step(workdir: Path, times: int = 3) -> float:
+    """Median time from `runner train` on the embedded default (the tiny model, its sample
+    data; on the CPU in fp32, as every arm here) to the end of its first optimizer step."""
+    seconds = []
+    for repeat in range(times):
+        run_dir = workdir / f"tiny-{repeat}"
+        command = [
+            "runner",
+            "train",
+            "compute=cpu",
+            "dtype=fp32",
+            "max_steps=1",
+            "eval.strategy=no",
+            "runtime.progress_bar=false",
+            f"hydra.run.dir={run_dir}",
+        ]
+        start, _ = run_child(command, workdir / f"tiny-{repeat}.log", 600)
+        seconds.append(read_runner(run_dir, start)["first_step_s"])
+    return statistics.median(seconds)
 
 
 def cfg_job_latency(spec: dict, workdir: Path, times: int = 3) -> float:
@@ -571,13 +598,13 @@ def summarize(results: dict[str, list[dict]], spec: dict, warmup: int) -> list[s
             "spread": (min(per_run), max(per_run)),
         }
     lines.append(
-        f"{'arm':<8}{'tokens/s':>10}{'s/step':>9}{'peak RSS MiB':>14}"
+        f"{'arm':<10}{'tokens/s':>10}{'s/step':>9}{'peak RSS MiB':>14}"
         f"{'step-1 loss':>13}   s/step per repeat"
     )
     for arm, row in rows.items():
         runs = " ".join(f"{statistics.median(r['step_times'][warmup:]):.3f}" for r in results[arm])
         lines.append(
-            f"{arm:<8}{row['tokens_s']:>10.0f}{row['s_step']:>9.3f}{row['rss']:>14.0f}"
+            f"{arm:<10}{row['tokens_s']:>10.0f}{row['s_step']:>9.3f}{row['rss']:>14.0f}"
             f"{row['loss1']:>13.5f}   {runs}"
         )
     first_losses = [run["losses"][0] for runs in results.values() for run in runs]
@@ -587,13 +614,14 @@ def summarize(results: dict[str, list[dict]], spec: dict, warmup: int) -> list[s
         f"step-1 loss: {verdict} (largest difference {gap:.2e} over every run; "
         f"tolerance {LOSS_TOLERANCE:g})"
     )
-    if "runner" in rows:
-        ratios = [
-            f"ours/{name} {rows['runner']['tokens_s'] / rows[arm]['tokens_s']:.2f}"
-            for arm, name in (("tune", "tune"), ("hf", "HF"), ("bare", "bare"))
-            if arm in rows
-        ]
-        lines.append("tokens/s ratios: " + "  ".join(ratios))
+    for ours in ("runner", "compiled"):
+        if ours in rows:
+            ratios = [
+                f"ours/{name} {rows[ours]['tokens_s'] / rows[arm]['tokens_s']:.2f}"
+                for arm, name in (("tune", "tune"), ("hf", "HF"), ("bare", "bare"))
+                if arm in rows
+            ]
+            lines.append(f"tokens/s ratios, {ours}: " + "  ".join(ratios))
     return lines
 
 
@@ -667,8 +695,9 @@ def main(argv: list[str]) -> None:
         if "runner" in results:
             first = statistics.median(run["first_step_s"] for run in results["runner"])
             print(
-                f"start-up: runner train -> end of its first optimizer step {first:.2f}s "
-                f"(median of {args.repeats}); runner train --cfg job "
+                f"start-up: runner train -> end of its first optimizer step {first:.2f}s here "
+                f"(median of {args.repeats}), {tiny_first_step(workdir):.2f}s on the embedded "
+                f"default (median of 3); runner train --cfg job "
                 f"{cfg_job_latency(spec, workdir):.2f}s (median of 3)"
             )
         print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
