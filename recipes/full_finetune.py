@@ -42,6 +42,7 @@ from runner.backends import backend_for
 from runner.checkpoint import read_training_state, write_checkpoint
 from runner.components import instantiate
 from runner.data import collate, eval_prompts, training_splits
+from runner.errors import Diverged
 from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
 from runner.manifest import record_checkpoint
 from runner.optimizers import split_option
@@ -206,20 +207,24 @@ class FullFinetuneRecipe:
             dynamic_ncols=True,
         )
         first_loss = last_loss = None
+        # Each step's loss stays on the device until it is read (the first step, a logged one,
+        # before a save): no host sync in the other steps.
+        unread: list[torch.Tensor] = []
         window_tokens, window_start = 0, time.perf_counter()
         for batches in self._epoch_batches():
             loss, tokens = self._optimizer_step(batches)
             self.step += 1
             window_tokens += tokens
-            last_loss = loss
+            unread.append(loss)
             if first_loss is None:
-                first_loss = loss
+                first_loss = last_loss = self._read_losses(unread)
                 # The summary that `runner train` prints reads the run's first loss from here.
-                self._status("running", step=self.step, first_loss=loss)
+                self._status("running", step=self.step, first_loss=first_loss)
             if self.step % log_every == 0 or self.step == self.total_steps:
+                last_loss = self._read_losses(unread) if unread else last_loss
                 tokens_per_s = window_tokens / (time.perf_counter() - window_start)
-                self._log({"loss": loss, "tokens_per_s": tokens_per_s})
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                self._log({"loss": last_loss, "tokens_per_s": tokens_per_s})
+                bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
                 window_tokens, window_start = 0, time.perf_counter()
             bar.update(1)
             # A new best is saved at its step, whatever the checkpoint cadence.
@@ -231,6 +236,7 @@ class FullFinetuneRecipe:
                     f"stopped by {process.STOP.signal.name} at step {self.step}",
                 )
             if stop or improved or (save_every and self.step % save_every == 0):
+                last_loss = self._read_losses(unread) if unread else last_loss
                 self.save_checkpoint()
             if stop:
                 break
@@ -239,9 +245,10 @@ class FullFinetuneRecipe:
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got SIGTERM; every rank joins, so all stop at the same step."""
+        if self.world_size == 1:  # no collective, and no device round trip in each step
+            return process.STOP.is_set()
         flag = torch.tensor(float(process.STOP.is_set()), device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def _epoch_batches(self) -> Any:
@@ -279,8 +286,9 @@ class FullFinetuneRecipe:
             on_cuda=self.device.type == "cuda",
         )
 
-    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-        """One optimizer step over micro-batches; the loss is normalized by all ranks' tokens."""
+    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+        """One optimizer step over micro-batches: its loss (normalized by all ranks' tokens, on
+        the device, unread) and the tokens it saw."""
         loss_sum = torch.zeros((), device=self.device)
         num_tokens = torch.zeros((), device=self.device)
         seen_tokens = 0
@@ -309,10 +317,19 @@ class FullFinetuneRecipe:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        loss = (loss_sum / num_tokens.clamp(min=1)).item()
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step + 1}")
-        return loss, seen_tokens * self.world_size
+        return (loss_sum / num_tokens.clamp(min=1)).detach(), seen_tokens * self.world_size
+
+    def _read_losses(self, unread: list[torch.Tensor]) -> float:
+        """The steps' losses read from the device at once (and forgotten); the last of them.
+        A non-finite one fails the run, naming its step, before anything is saved."""
+        values = torch.stack([torch.as_tensor(loss, dtype=torch.float32) for loss in unread])
+        values = values.cpu().tolist()
+        first_step = self.step - len(values) + 1
+        unread.clear()
+        for step, value in enumerate(values, first_step):
+            if not math.isfinite(value):
+                raise Diverged(self.cfg.optimizer.lr, value, step)
+        return values[-1]
 
     def _loss(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
         if isinstance(logits, list):  # chunked output, for CEWithChunkedOutputLoss

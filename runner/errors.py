@@ -34,3 +34,16 @@ class UserErrorExit(SystemExit):
     def __init__(self, error: UserError) -> None:
         super().__init__(error.exit_code)
         self.error = error
+
+
+class Diverged(UserError):
+    """The training loss became inf or nan: the run's directory (its metrics and log) is kept."""
+
+    def __init__(self, lr: float, value: float, step: int) -> None:
+        super().__init__(
+            "optimizer.lr",
+            lr,
+            f"the training loss is {value} at step {step}; lower the learning rate (or raise "
+            "optimizer.warmup_steps, keep clip_grad_norm set); the last checkpoint, if any, is "
+            "from before it",
+        )

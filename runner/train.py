@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.errors import UserError, user_errors_pass_hydra
+from runner.errors import Diverged, UserError, user_errors_pass_hydra
 from runner.launch import launch
 from runner.manifest import build_manifest, write_manifest
 from runner.paths import CONF_DIR
@@ -43,8 +43,8 @@ def train(
         with _trainer_lock(cfg, run):
             return _train(cfg, run, overrides)
     except UserError as err:
-        if isinstance(err, RunLocked):
-            raise  # the directory is another trainer's
+        if isinstance(err, (RunLocked, Diverged)):
+            raise  # the directory is another trainer's, or a run's that trained
         if new_here and cfg.resume is None and not keep_failed and not run.checkpoints():
             shutil.rmtree(run_dir, ignore_errors=True)
         raise

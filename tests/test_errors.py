@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.rundir import RunDir
+from tests.conftest import QUICK
+
 CASES = [
     # (overrides, text the message must contain)
     (["model=gpt5"], ["model='gpt5'", "no such option; choose one of: code_llama2_7b, gemma2_2b"]),
@@ -68,3 +71,27 @@ def test_a_secret_in_runtime_env_is_refused_unwritten(runner_cli, tmp_path: Path
         [p.read_text() for p in out_root.rglob("*") if p.is_file()] if out_root.exists() else []
     )
     assert not any("hf_s3cr3t" in text for text in written)
+
+
+def test_a_diverged_run_is_one_clear_message_and_keeps_its_directory(
+    runner_cli, tmp_path: Path
+) -> None:
+    """lr=1e30 makes the weights overflow: the loss, read a few steps late (no host sync in each
+    step), is reported at the first step where it is nan, and the run's log and status stay."""
+    run_dir = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        *QUICK,
+        "max_steps=6",
+        "optimizer.lr=1e30",
+        "optimizer.warmup_steps=0",
+        "eval.strategy=no",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert error_lines[0].startswith("error: optimizer.lr=1e+30: the training loss is nan at step")
+    status = RunDir(run_dir).status()
+    assert status.state == "failed" and "lower the learning rate" in status.error
+    assert (run_dir / "train.log").is_file() and not RunDir(run_dir).checkpoints()
