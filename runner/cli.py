@@ -19,6 +19,7 @@ commands:
   download fetch the hf:// models and datasets a config names into the cache, ahead of time
   deploy   serve checkpoints behind an OpenAI-compatible API
   export   write a checkpoint as a LoRA adapter, a merged model, or a GGUF file
+  push     upload an export or a checkpoint to a Hugging Face hub repo, with a model card
   repro    re-run a recorded run and compare; exit 1 on drift (for CI)
   runs     list runs and sweep jobs: state, step, loss, best eval, age
   logs     print or follow (-f) a run's log
@@ -62,6 +63,11 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         sys.argv += preflight.NO_OUTPUT
         hub.download_main()
 
+    def push() -> int:
+        from runner.publish import main
+
+        return main(sys.argv[1:])
+
     def repro() -> int:
         from runner.repro import main
 
@@ -88,6 +94,7 @@ def _commands() -> dict[str, Callable[[], int | None]]:
         "download": download,
         "deploy": deploy,
         "export": export,
+        "push": push,
         "repro": repro,
         **lifecycle_commands,
         "cluster": cluster,

@@ -264,6 +264,9 @@ class Export:
     gguf: GgufExport = field(default_factory=GgufExport)
     base: Optional[str] = None
     out: Optional[str] = None
+    push_to: Optional[str] = None
+    private: bool = flag(True)
+    hf_token: Optional[str] = "env:HF_TOKEN"
 
 
 @dataclass

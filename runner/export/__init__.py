@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +37,7 @@ def main(cfg: DictConfig) -> None:
             raise UserError(
                 "checkpoint", "???", "say what to export: checkpoint=<checkpoint | run | sweep dir>"
             )
+        push = _push_request(cfg)
         path = export(
             checkpoint=str(cfg.checkpoint),
             select=dict(cfg.select),
@@ -46,3 +48,21 @@ def main(cfg: DictConfig) -> None:
             out=cfg.out,
         )
         print(path)
+        if push is not None:
+            from runner.deploy.selection import choose_checkpoint
+            from runner.publish import push as upload
+
+            target, token = push
+            # The checkpoint export chose: the model card describes the run it came from.
+            chosen = choose_checkpoint(Path(cfg.checkpoint), **cfg.select)
+            print(upload(path, target, token=token, private=cfg.private, checkpoint=chosen))
+
+
+def _push_request(cfg: DictConfig) -> tuple | None:
+    """push_to and hf_token checked before anything is written (None: no push)."""
+    if cfg.push_to is None:
+        return None
+    from runner.hub import TokenRef
+    from runner.publish import parse_target
+
+    return parse_target(cfg.push_to, "push_to"), TokenRef.parse(cfg.hf_token, key="hf_token")

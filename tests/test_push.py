@@ -1,0 +1,261 @@
+"""Publishing to a hub: `runner export ... push_to=hf://...` and `runner push`, against a loopback
+hub that speaks the upload protocol huggingface_hub uses (repo creation, branches, preupload,
+the LFS batch API, commits). HF_HUB_DISABLE_XET=1 keeps the client on the LFS protocol: Xet
+storage needs the hub's CAS service, which a loopback server does not have.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUICK
+
+SECRET = "hf_pushTestSecretValue0123456789"
+LFS_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
+class UploadHub(BaseHTTPRequestHandler):
+    """Repos in memory: {repo id: {"private": bool, "branches": {name: {path: bytes}}}}."""
+
+    repos: dict[str, dict] = {}
+    lfs: dict[str, bytes] = {}
+    lfs_puts: list[str] = []
+    authorizations: set[str | None] = set()
+    fail_commits = 0
+
+    def do_POST(self) -> None:
+        self.authorizations.add(self.headers.get("authorization"))
+        path, body = self.path.split("?")[0], self._body()
+        if path == "/api/repos/create":
+            request = json.loads(body)
+            repo_id = f"{request['organization']}/{request['name']}"
+            if repo_id in self.repos:
+                url = f"{self._endpoint()}/{repo_id}"  # as the hub answers
+                return self._json({"error": "You already created this model repo", "url": url}, 409)
+            private = request.get("visibility") == "private"
+            self.repos[repo_id] = {"private": private, "branches": {"main": {}}}
+            return self._json({"url": f"{self._endpoint()}/{repo_id}", "name": repo_id})
+        if path == "/api/validate-yaml":
+            return self._json({})
+        if path.endswith(".git/info/lfs/objects/batch"):
+            return self._lfs_batch(json.loads(body))
+        parts = path.split("/")  # /api/models/org/name/<verb>/<revision>
+        repo = self.repos.get(f"{parts[3]}/{parts[4]}") if len(parts) > 6 else None
+        if repo is None:
+            return self._json(
+                {"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"}
+            )
+        verb, revision = parts[5], parts[6]
+        if verb == "branch":
+            if revision in repo["branches"]:
+                return self._json({"error": "branch exists"}, 409)
+            repo["branches"][revision] = dict(repo["branches"]["main"])
+            return self._json({})
+        if verb == "preupload":
+            files = repo["branches"].get(revision, {})
+            answer = [self._upload_mode(f["path"], files) for f in json.loads(body)["files"]]
+            return self._json({"files": answer, "commitOid": "0" * 40})
+        if verb == "commit":
+            return self._commit(repo, revision, body)
+        return self._json({"error": f"no route {path}"}, 404)
+
+    def do_PUT(self) -> None:
+        oid = self.path.rsplit("/", 1)[-1]
+        data = self._body()
+        assert hashlib.sha256(data).hexdigest() == oid
+        self.lfs[oid] = data
+        self.lfs_puts.append(oid)
+        self._send(200, b"", {})
+
+    def _upload_mode(self, path: str, files: dict[str, bytes]) -> dict:
+        lfs = path.endswith(LFS_SUFFIXES)
+        there = files.get(path)
+        oid = None
+        if there is not None:
+            oid = hashlib.sha256(there).hexdigest() if lfs else _git_oid(there)
+        mode = "lfs" if lfs else "regular"
+        return {"path": path, "uploadMode": mode, "shouldIgnore": False, "oid": oid}
+
+    def _lfs_batch(self, request: dict) -> None:
+        objects = []
+        for item in request["objects"]:
+            answer = {"oid": item["oid"], "size": item["size"]}
+            if item["oid"] not in self.lfs:
+                href = f"{self._endpoint()}/lfs-upload/{item['oid']}"
+                answer["actions"] = {"upload": {"href": href}}
+            objects.append(answer)
+        self._json({"transfer": "basic", "objects": objects})
+
+    def _commit(self, repo: dict, revision: str, body: bytes) -> None:
+        if UploadHub.fail_commits:
+            UploadHub.fail_commits -= 1
+            return self._json({"error": "the hub is busy, try again"}, 500)
+        files = dict(repo["branches"][revision])
+        for line in body.decode().splitlines():
+            entry = json.loads(line)
+            value = entry["value"]
+            if entry["key"] == "file":
+                files[value["path"]] = base64.b64decode(value["content"])
+            elif entry["key"] == "lfsFile":
+                files[value["path"]] = self.lfs[value["oid"]]
+        repo["branches"][revision] = files
+        sha = hashlib.sha1(repr(sorted(files)).encode()).hexdigest()
+        url = f"{self._endpoint()}/{self.path.split('/')[3]}/{self.path.split('/')[4]}"
+        self._json({"commitUrl": f"{url}/commit/{sha}", "commitOid": sha})
+
+    def _endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _body(self) -> bytes:
+        data = self.rfile.read(int(self.headers.get("content-length", 0)))
+        return gzip.decompress(data) if self.headers.get("content-encoding") == "gzip" else data
+
+    def _json(self, body: object, status: int = 200, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        self._send(status, data, {"Content-Type": "application/json", **(headers or {})})
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _git_oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def hub_env(hermetic_env) -> Iterator[dict[str, str]]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), UploadHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield {
+        **hermetic_env,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        "PUSH_TOKEN": SECRET,
+    }
+    server.shutdown()
+
+
+def cli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> Path:
+    run = tmp_path_factory.mktemp("push") / "run"
+    trained = cli(
+        hermetic_env,
+        run.parent,
+        "train",
+        *QUICK,
+        "max_steps=4",
+        "eval.strategy=no",
+        f"hydra.run.dir={run}",
+    )
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    return run
+
+
+def test_export_push_to_lands_in_a_private_repo_with_its_model_card(
+    hub_env, run_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "merged"
+    result = cli(
+        hub_env,
+        tmp_path,
+        "export",
+        f"checkpoint={run_dir}",
+        "format=merged",
+        f"out={out}",
+        "push_to=hf://acme/pushed",
+        "hf_token=env:PUSH_TOKEN",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1].startswith(
+        f"{hub_env['HF_ENDPOINT']}/acme/pushed/commit/"
+    )
+    repo = UploadHub.repos["acme/pushed"]
+    files = repo["branches"]["main"]
+    assert repo["private"]
+    for local in out.iterdir():
+        assert files[local.name] == local.read_bytes(), local.name
+    assert hashlib.sha256(files["model.safetensors"]).hexdigest() in UploadHub.lfs  # via LFS
+    card = files["README.md"].decode()
+    assert card.startswith("---\nlibrary_name: transformers\n") and "  - full\n" in card
+    assert "| learning rate |" in card and "- training loss " in card
+    assert "runner train compute=cpu dtype=fp32" in card and "max_steps=4" in card
+    assert f"Bearer {SECRET}" in UploadHub.authorizations
+    assert SECRET not in result.stdout + result.stderr
+    assert not any(SECRET.encode() in p.read_bytes() for p in out.iterdir())
+
+
+def test_a_push_cut_short_resumes_without_sending_the_weights_again(
+    hub_env, run_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "merged"
+    exported = cli(hub_env, tmp_path, "export", f"checkpoint={run_dir}", f"out={out}")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    UploadHub.lfs.clear()  # the first test pushed the same weights
+    UploadHub.lfs_puts.clear()
+    UploadHub.fail_commits = 1
+    argv = ["push", str(out), "hf://acme/resumed@dev", "--public", "--hf-token", "env:PUSH_TOKEN"]
+    cut = cli(hub_env, tmp_path, *argv)
+    assert cut.returncode == 2, cut.stderr[-2000:]
+    error = [line for line in cut.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "HTTP 500" in error[0] and "Traceback" not in cut.stderr
+    assert f"`runner push {out} hf://acme/resumed@dev` pushes again" in error[0]
+    weights = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    assert UploadHub.lfs_puts == [weights]  # uploaded before the commit failed
+    again = cli(hub_env, tmp_path, *argv)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert UploadHub.lfs_puts == [weights]  # not sent again
+    repo = UploadHub.repos["acme/resumed"]
+    assert not repo["private"] and repo["branches"]["main"] == {}
+    assert repo["branches"]["dev"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("push_to=acme/model", "push_to='acme/model'"),
+        ("push_to=hf://acme/model/sub", "hf://org/name[@branch]"),
+        (f"hf_token={SECRET}", "never the token itself"),
+    ],
+)
+def test_a_bad_push_is_refused_before_anything_is_written(
+    hub_env, run_dir: Path, tmp_path: Path, override: str, expected: str
+) -> None:
+    out = tmp_path / "merged"
+    argv = ["export", f"checkpoint={run_dir}", f"out={out}", "push_to=hf://acme/x", override]
+    result = cli(hub_env, tmp_path, *argv)
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and expected in error[0], result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    assert not out.exists()
