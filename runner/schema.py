@@ -246,6 +246,7 @@ class Deploy:
 @dataclass
 class MergedExport:
     dtype: str = "fp32"
+    quantization: Optional[str] = None
 
 
 @dataclass

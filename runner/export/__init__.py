@@ -43,6 +43,7 @@ def main(cfg: DictConfig) -> None:
             select=dict(cfg.select),
             format=cfg.format,
             dtype=cfg.merged.dtype,
+            merged_quantization=cfg.merged.quantization,
             quantization=cfg.gguf.quantization,
             base=cfg.base,
             out=cfg.out,

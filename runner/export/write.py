@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 FORMATS = ("adapter", "merged", "gguf")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 QUANTIZATIONS = ("f16", "q8_0")
+# merged.quantization: null, or NF4 through bitsandbytes (transformers' BitsAndBytesConfig).
+MERGED_QUANTIZATIONS = ("nf4",)
 ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_FILE)
 # Copied beside the weights of every export, as a checkpoint has them.
 MODEL_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
@@ -46,6 +48,7 @@ class ExportRequest:
     checkpoint: Path
     format: str
     variant: str | None  # the dtype (merged) or quantization (gguf)
+    merged_quantization: str | None  # nf4, or None
     base: Path | None  # the base model of a LoRA checkpoint when it gets merged
     destination: Path
 
@@ -59,6 +62,7 @@ def export(
     quantization: str,
     base: str | None,
     out: str | None,
+    merged_quantization: str | None = None,
 ) -> Path:
     """Export one checkpoint; returns the path written (a directory, or a .gguf file)."""
     request = check_request(
@@ -67,6 +71,7 @@ def export(
         format=format,
         dtype=dtype,
         quantization=quantization,
+        merged_quantization=merged_quantization,
         base=base,
         out=out,
     )
@@ -75,7 +80,13 @@ def export(
         if request.format == "adapter":
             write_adapter(request.checkpoint, tmp)
         elif request.format == "merged":
-            write_merged(request.checkpoint, request.base, tmp, dtype=request.variant)
+            write_merged(
+                request.checkpoint,
+                request.base,
+                tmp,
+                dtype=request.variant,
+                quantization=request.merged_quantization,
+            )
         else:
             write_gguf_file(request.checkpoint, request.base, tmp, quantization=request.variant)
     log.info("exported %s as %s to %s", request.checkpoint, request.format, request.destination)
@@ -91,12 +102,15 @@ def check_request(
     quantization: str,
     base: str | None,
     out: str | None,
+    merged_quantization: str | None = None,
 ) -> ExportRequest:
     """Every user error, before anything is loaded or written."""
     if format not in FORMATS:
         raise UserError("format", format, f"choose one of: {', '.join(FORMATS)}")
     if format == "merged" and dtype not in DTYPES:
         raise UserError("merged.dtype", dtype, f"choose one of: {', '.join(DTYPES)}")
+    if format == "merged" and merged_quantization is not None:
+        check_merged_quantization(merged_quantization)
     if format == "gguf" and quantization not in QUANTIZATIONS:
         raise UserError(
             "gguf.quantization", quantization, f"choose one of: {', '.join(QUANTIZATIONS)}"
@@ -125,14 +139,34 @@ def check_request(
             json.loads(((base_dir or chosen) / HF_CONFIG_FILE).read_text()), base_dir or chosen
         )
     variant = {"adapter": None, "merged": dtype, "gguf": quantization}[format]
-    destination = Path(out) if out else default_destination(chosen, format, variant)
+    merged_quantization = merged_quantization if format == "merged" else None
+    suffix = f"{variant}-{merged_quantization}" if merged_quantization else variant
+    destination = Path(out) if out else default_destination(chosen, format, suffix)
     if destination.exists() or destination.is_symlink():
         raise UserError(
             "out", str(destination), "already exists: remove it, or name another out=PATH"
         )
     if out and not destination.parent.is_dir():
         raise UserError("out", out, f"no such directory {destination.parent}: create it first")
-    return ExportRequest(chosen, format, variant, base_dir, destination)
+    return ExportRequest(chosen, format, variant, merged_quantization, base_dir, destination)
+
+
+def check_merged_quantization(quantization: str) -> None:
+    """nf4 needs bitsandbytes (the `quant` extra)."""
+    import importlib.util
+
+    if quantization not in MERGED_QUANTIZATIONS:
+        raise UserError(
+            "merged.quantization",
+            quantization,
+            f"choose null or one of: {', '.join(MERGED_QUANTIZATIONS)}",
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(
+            "merged.quantization",
+            quantization,
+            "needs bitsandbytes: pip install 'runner[quant]' (or drop the key for 16/32-bit)",
+        )
 
 
 def check_base(checkpoint: Path, base: str | None) -> Path:
@@ -182,13 +216,45 @@ def write_adapter(checkpoint: Path, out_dir: Path) -> None:
             shutil.copy2(checkpoint / name, out_dir / name)
 
 
-def write_merged(checkpoint: Path, base: Path | None, out_dir: Path, *, dtype: str) -> None:
-    """A Hugging Face model dir (safetensors) in `dtype`, with the adapter merged if any."""
+def write_merged(
+    checkpoint: Path,
+    base: Path | None,
+    out_dir: Path,
+    *,
+    dtype: str,
+    quantization: str | None = None,
+) -> None:
+    """A Hugging Face model dir (safetensors) in `dtype`, with the adapter merged if any; with
+    quantization=nf4, its linear layers in 4 bits (bitsandbytes) computing in `dtype`."""
     import torch
 
     model = load_model(checkpoint, base).to(getattr(torch, DTYPES[dtype]))
-    model.save_pretrained(out_dir, safe_serialization=True)
+    if quantization is None:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        with contextlib.ExitStack() as stack:
+            import tempfile
+
+            full = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=out_dir.parent)))
+            model.save_pretrained(full, safe_serialization=True)
+            del model
+            quantize_nf4(full, out_dir, compute_dtype=getattr(torch, DTYPES[dtype]))
     copy_tokenizer(checkpoint, out_dir)
+
+
+def quantize_nf4(model_dir: Path, out_dir: Path, *, compute_dtype: Any) -> None:
+    """The model at `model_dir` loaded by transformers with NF4 weights (bitsandbytes, on the
+    CPU) and saved as such: its config records the quantization, so from_pretrained loads it
+    4-bit again. Embeddings, norms and the output head stay in compute_dtype."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=config, device_map="cpu", dtype=compute_dtype
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
 
 
 def write_gguf_file(checkpoint: Path, base: Path | None, path: Path, *, quantization: str) -> None:
