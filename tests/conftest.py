@@ -91,6 +91,7 @@ FORKED_COMMANDS = {
     "runs",
     "logs",
     "stop",
+    "resume",
     "cluster",
 }
 
