@@ -205,6 +205,12 @@ class DPORecipe(PreferenceMixin, FullFinetuneRecipe):
     _base_model_state = LoraFinetuneRecipe._base_model_state
     _hf_config = LoraFinetuneRecipe._hf_config
 
+    def setup(self) -> None:
+        super().setup()
+        # The reference computes its logits in the same chunks as the policy, so that the two
+        # agree to the bit while their weights do (at the start, every reward is exactly 0).
+        self.reference.set_num_output_chunks(getattr(self.loss_fn, "num_output_chunks", 0))
+
     def _build_model(self) -> torch.nn.Module:
         base = None if self.cfg.model.source is not None else self._base_model_state()
         policy = self.backend.build(self.device, self.dtype)

@@ -146,7 +146,9 @@ def collate_preference(samples: list[dict[str, Any]], *, padding_idx: int) -> di
     return collate(rows, packed=False, padding_idx=padding_idx)
 
 
-def answer_log_probs(logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+def answer_log_probs(
+    logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor
+) -> torch.Tensor:
     """Sum over each row of the log-probability of its label tokens (ignored positions add 0).
 
     `logits` may be the chunks over the sequence that a chunked-loss model returns.
