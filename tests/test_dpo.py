@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.paths import ASSETS_DIR
-from tests.conftest import QUICK, losses
+from tests.conftest import QUICK, deploy_server, losses
 from tests.test_resume import straight_then_resumed
 
 PAIRS = ASSETS_DIR / "preference" / "train.jsonl"
@@ -184,6 +185,39 @@ def test_logged_dpo_loss_is_the_direct_computation(runs, method: str) -> None:
     policy, reference = load(method, run, STEPS - 1)
     loss, _ = dpo_terms(policy, reference, tokenizer, batch)
     assert losses(run)[STEPS] == pytest.approx(loss, abs=1e-5)
+
+
+def test_dpo_checkpoints_export_and_deploy_as_sft_ones(
+    runs, runner_cli, hermetic_env, tmp_path: Path
+) -> None:
+    # The LoRA DPO adapter, merged by `runner export`, gives the adapter's logits.
+    merged = tmp_path / "merged"
+    run = runs["lora_dpo"]
+    result = runner_cli(
+        "export", f"checkpoint={run}", "select.checkpoint=best", "format=merged", f"out={merged}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = json.loads((run / "status.json").read_text())["best"]
+    policy, _ = load("lora_dpo", run, best["step"])
+    exported = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    ids = torch.tensor([list(b"Upper:\nabc")])
+    with torch.no_grad():
+        # fp32 merge of B @ A into W reorders the sums: equal within 1e-4.
+        torch.testing.assert_close(exported(ids).logits, policy(ids).logits, atol=1e-4, rtol=0)
+    # The full DPO run's best checkpoint answers through `runner deploy`.
+    served = [f"checkpoint={runs['dpo']}", "select.checkpoint=best", "served_model_name=[dpo]"]
+    served += ["device=cpu", "dtype=fp32"]
+    with deploy_server(served, cwd=tmp_path, env=hermetic_env, up_within_s=300) as url:
+        messages = [{"role": "user", "content": "Upper:\nabc"}]
+        body = {"model": "dpo", "messages": messages, "max_tokens": 4}
+        request = urllib.request.Request(
+            f"{url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request) as response:
+            answer = json.loads(response.read())
+    assert answer["choices"][0]["message"]["role"] == "assistant"
 
 
 @pytest.mark.parametrize("method", list(METHODS))
