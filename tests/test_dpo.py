@@ -193,11 +193,9 @@ def test_dpo_checkpoints_export_and_deploy_as_sft_ones(
     # The LoRA DPO adapter, merged by `runner export`, gives the adapter's logits.
     merged = tmp_path / "merged"
     run = runs["lora_dpo"]
-    result = runner_cli(
-        "export", f"checkpoint={run}", "select.checkpoint=best", "format=merged", f"out={merged}"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
     best = json.loads((run / "status.json").read_text())["best"]
+    result = runner_cli("export", f"checkpoint={best['checkpoint']}", f"out={merged}")
+    assert result.returncode == 0, result.stderr[-3000:]
     policy, _ = load("lora_dpo", run, best["step"])
     exported = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     ids = torch.tensor([list(b"Upper:\nabc")])
