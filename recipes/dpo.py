@@ -95,8 +95,8 @@ def pair_sums(
 class PreferenceMixin:
     """What DPO changes in a recipe: pairs as batches, the step's loss, the reward metrics."""
 
-    # The reward metrics of the last optimizer step, logged with its loss.
-    reward_metrics: dict[str, float] = {}
+    # The reward means of the last optimizer step (on the device, read when it is logged).
+    step_rewards: torch.Tensor | None = None
 
     def _collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return collate_preference(samples, padding_idx=self.tokenizer.pad_id)
@@ -126,9 +126,9 @@ class PreferenceMixin:
             label_smoothing=method.label_smoothing,
         )
 
-    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-        """One optimizer step over micro-batches of pairs; the loss is the mean over all ranks'
-        pairs."""
+    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+        """One optimizer step over micro-batches of pairs: its loss (the mean over all ranks'
+        pairs, on the device, unread) and the tokens it saw."""
         sums = torch.zeros(len(PAIR_SUMS), device=self.device)
         num_pairs = torch.zeros((), device=self.device)
         seen_tokens = 0
@@ -152,15 +152,15 @@ class PreferenceMixin:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        means = dict(zip(PAIR_SUMS, (sums / num_pairs).tolist(), strict=True))
-        loss = means.pop("loss")
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step + 1}")
-        self.reward_metrics = means
-        return loss, seen_tokens * self.world_size
+        means = sums / num_pairs
+        # No host sync here: the loop reads the loss when it logs or saves (and fails the run
+        # on a non-finite one), _log the rewards.
+        self.step_rewards = means[1:]
+        return means[0], seen_tokens * self.world_size
 
     def _log(self, values: dict[str, float]) -> None:
-        super()._log({**values, **self.reward_metrics})
+        rewards = dict(zip(PAIR_SUMS[1:], self.step_rewards.tolist(), strict=True))
+        super()._log({**values, **rewards})
 
     # ---- evaluation ---------------------------------------------------------------------
     def _eval_metrics(self) -> dict[str, float]:
