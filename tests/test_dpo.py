@@ -284,6 +284,24 @@ def test_ultrafeedback_layout_reads_conversations(runner_cli, tmp_path: Path) ->
     assert "[test_prefs] (8 records)" in result.stdout
 
 
+def test_loss_variants_match_torchtunes_and_their_formulas() -> None:
+    from runner.recipes.dpo import preference_loss
+    from torchtune.rlhf.loss import DPOLoss, RSOLoss
+
+    logps = [torch.randn(16, generator=torch.Generator().manual_seed(i)) * 5 for i in range(4)]
+    margin = (logps[0] - logps[1]) - (logps[2] - logps[3])
+    for smoothing in (0.0, 0.2):
+        ours = preference_loss(*logps, loss="sigmoid", beta=0.3, label_smoothing=smoothing)
+        theirs = DPOLoss(beta=0.3, label_smoothing=smoothing)(*logps)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ours = preference_loss(*logps, loss="hinge", beta=0.3, label_smoothing=0.0)
+    for a, b in zip(ours, RSOLoss(gamma=0.3)(*logps), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ipo, _, _ = preference_loss(*logps, loss="ipo", beta=0.3, label_smoothing=0.0)
+    torch.testing.assert_close(ipo, (margin - 1 / 0.6) ** 2)
+
+
 def user_error(result) -> str:
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
