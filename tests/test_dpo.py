@@ -346,3 +346,8 @@ def test_bad_preference_inputs_are_refused_by_name(runner_cli, tmp_path: Path) -
         runner_cli("validate", *quick, "method=dpo", "dataset=preference", f"dataset.source={odd}")
     )
     assert "row 1, column 'chosen'" in message and "assistant" in message
+    # A prompt that fills dataset.max_seq_len leaves no answer token to score.
+    message = user_error(
+        runner_cli("validate", *quick, "method=dpo", "dataset=preference", "dataset.max_seq_len=20")
+    )
+    assert "dataset.max_seq_len=20" in message and "no token of the answer is left" in message

@@ -212,8 +212,13 @@ def _check_conversations(
     return sizes, messages
 
 
-def _check_preferences(records: Records, data: Mapping[str, Any], *, key: str) -> None:
-    """Every record gives a chosen and a rejected conversation that end in an answer."""
+def _check_preferences(
+    records: Records, data: Mapping[str, Any], tokenizer: Any, *, key: str
+) -> None:
+    """Every record gives a chosen and a rejected conversation that end in an answer, and
+    truncation to dataset.max_seq_len leaves a token of each answer (tokenized only where the
+    bytes before the answer could come near it, as _check_trainable does)."""
+    max_seq_len, per_message = data["max_seq_len"], _template_tokens(tokenizer) + 2
     transform = PreferenceToMessages(
         data["column_map"], data["conversation_style"], data["new_system_prompt"]
     )
@@ -227,18 +232,30 @@ def _check_preferences(records: Records, data: Mapping[str, Any], *, key: str) -
     for index in range(len(table)):
         sample = {name: values[index] for name, values in columns.items()}
         for side in SIDES:
-            _, problem = transform.messages(sample, side)
+            messages, problem = transform.messages(sample, side)
+            where = {"column": data["column_map"][side]}
             if problem:
-                file, row = records.where(index)
+                where["file"], where["row"] = records.where(index)
                 raise DataError(
                     key,
                     records.source,
-                    file=file,
-                    row=row,
-                    column=data["column_map"][side],
+                    **where,
                     problem=problem,
                     fix="fix or drop the row (dataset.column_map names the prompt, chosen and "
                     "rejected columns; dataset.conversation_style the message format)",
+                )
+            before = sum(len(m.text_content.encode()) for m in messages[:-1])
+            if 1 + before + len(messages) * per_message < max_seq_len - 2:
+                continue
+            if all(tokenizer.tokenize_messages(messages)[1]):
+                where["file"], where["row"] = records.where(index)
+                raise DataError(
+                    "dataset.max_seq_len",
+                    max_seq_len,
+                    **where,
+                    problem=f"no token of the answer is left after truncation to {max_seq_len} "
+                    "tokens (what comes before it fills them)",
+                    fix="raise dataset.max_seq_len, shorten the prompt, or drop the row",
                 )
 
 
@@ -325,7 +342,7 @@ def checked_split(
             )
     records.table = records.table.select_columns([c for c in column_map.values() if c])
     if kind == "preference":
-        _check_preferences(records, data, key=source_key)
+        _check_preferences(records, data, tokenizer, key=source_key)
         return PreferenceSplit(records.table, data, tokenizer)
     tokenized = TokenizedSplit(records.table, data, tokenizer)
     if kind == "chat":
