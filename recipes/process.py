@@ -3,7 +3,7 @@
 The process group (gloo on CPU, nccl on GPU, with the collective timeout), CPU threads, the
 pinned kernel path, the log file, the heartbeat, SIGTERM (the loop saves at the next step
 boundary, see STOP), and the run's final state: completed, cancelled or failed with
-the error. recipes/full_finetune.py and lora_finetune.py run through it.
+the error. recipes/full_finetune.py, lora_finetune.py and dpo.py run through it.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def estimate(recipe: DictConfig) -> Estimate:
             steps_per_epoch=None,
         )
     tokenizer = instantiate(recipe.model.tokenizer)
-    lengths = [len(sample["tokens"]) for sample in train_dataset(recipe.dataset, tokenizer)]
+    lengths = [_sample_tokens(sample) for sample in train_dataset(recipe.dataset, tokenizer)]
     values, logits_bytes = _activations(recipe, max(lengths))
 
     def activation_bytes(dtype: str) -> int:
@@ -212,8 +212,9 @@ def _parameter_counts(recipe: DictConfig) -> _Counts:
     model = backend.meta_model(None)
     parameters = sum(p.numel() for p in model.parameters())
     method = recipe.method
-    if method.name == "full":
-        return _Counts(parameters, parameters, 0, 0)
+    if method.builder is None:  # full, dpo: every parameter trains
+        # DPO holds a frozen reference copy of the weights besides.
+        return _Counts(parameters, parameters, parameters if method.name == "dpo" else 0, 0)
     trainable = _adapter_parameters(backend, method.builder)
     quantized = 0
     if method.builder.quantize_base:
@@ -225,6 +226,14 @@ def _parameter_counts(recipe: DictConfig) -> _Counts:
             if p.dim() == 2 and "norm" not in name
         )
     return _Counts(parameters + trainable, trainable, parameters - quantized, quantized)
+
+
+def _sample_tokens(sample: dict[str, Any]) -> int:
+    """A sample's tokens; a preference pair's forward holds both answers (as one sequence of
+    their joint length here: an upper bound on its activations)."""
+    if "tokens" in sample:
+        return len(sample["tokens"])
+    return len(sample["chosen_tokens"]) + len(sample["rejected_tokens"])
 
 
 def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:

@@ -16,11 +16,23 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import resolve_component
-from runner.data import COLUMNS, CONVERSATION_STYLES, KINDS, local_source, source_format
+from runner.data import (
+    COLUMNS,
+    CONVERSATION_STYLES,
+    KINDS,
+    SFT_KINDS,
+    local_source,
+    source_format,
+)
 from runner.errors import UserError
 from runner.hub import Hub, localize
 from runner.manifest import SECRET_KEY
-from runner.metrics import METRIC_MODES, TRAINING_METRIC_MODES
+from runner.metrics import (
+    METRIC_MODES,
+    PREFERENCE_METRICS,
+    SFT_METRICS,
+    TRAINING_METRIC_MODES,
+)
 from runner.models import resolve_model
 from runner.optimizers import SCHEDULE_KEYS, split_option, state_per_weight
 from runner.platforms import checked_int, resolve_launch
@@ -77,7 +89,13 @@ RECIPES = {
     "full": "runner.recipes.full_finetune",
     "lora": "runner.recipes.lora_finetune",
     "qlora": "runner.recipes.lora_finetune",
+    "dpo": "runner.recipes.dpo",
+    "lora_dpo": "runner.recipes.dpo",
+    "qlora_dpo": "runner.recipes.dpo",
 }
+# The methods that train on preference pairs (dataset.kind=preference), and their losses.
+PREFERENCE_METHODS = ("dpo", "lora_dpo", "qlora_dpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 # torchao's NF4: blocks of 64 weights, their scalers quantized again in blocks of 256.
 NF4_WEIGHTS_PER_BLOCK = 64 * 256
@@ -92,11 +110,22 @@ def resolve_method(
     device: str,
 ) -> dict[str, Any]:
     """The method section of the recipe: its recipe module; for LoRA, the adapter builder and
-    its arguments and the base's home."""
+    its arguments and the base's home; for DPO, its loss and the reference's home."""
     if method.name not in RECIPES:
         raise UserError("method.name", method.name, f"choose one of: {', '.join(RECIPES)}")
+    preference = _preference(method) if method.name in PREFERENCE_METHODS else {}
+    source = model["source"]
+    base_model_dir = run_dir / "base_model" if source is None else Path(source)
     if method.name == "full":
         return {"name": "full", "recipe": RECIPES["full"]}
+    if method.name == "dpo":
+        # The frozen reference: the weights training starts from.
+        return {
+            "name": "dpo",
+            "recipe": RECIPES["dpo"],
+            "base_model_dir": str(base_model_dir.resolve()),
+            **preference,
+        }
     # The family names the LoRA twin of every builder it offers (runner.families).
     builder, lora_builder = model["builder"], model["lora_builder"]
     modules = _lora_modules(method.lora_attn_modules)
@@ -123,8 +152,6 @@ def resolve_method(
     dropout = method.dropout
     if dropout >= 1:
         raise UserError("method.dropout", dropout, "give a probability in [0, 1)")
-    source = model["source"]
-    base_model_dir = run_dir / "base_model" if source is None else Path(source)
     return {
         "name": method.name,
         "recipe": RECIPES[method.name],
@@ -142,7 +169,50 @@ def resolve_method(
         # The Hugging Face base the adapter loads onto (adapter_config.json names it).
         "base_model_dir": str(base_model_dir.resolve()),
         "save_merged": method.save_merged,
+        **preference,
     }
+
+
+def _preference(method: DictConfig) -> dict[str, Any]:
+    """The DPO loss keys, checked (beta > 0 is the schema's bound)."""
+    if method.loss not in PREFERENCE_LOSSES:
+        raise UserError(
+            "method.loss", method.loss, f"choose one of: {', '.join(PREFERENCE_LOSSES)}"
+        )
+    smoothing = method.label_smoothing
+    if not 0 <= smoothing < 0.5:
+        raise UserError(
+            "method.label_smoothing",
+            smoothing,
+            "give the assumed share of mislabelled pairs, in [0, 0.5)",
+        )
+    if smoothing and method.loss != "sigmoid":
+        raise UserError(
+            "method.label_smoothing",
+            smoothing,
+            f"only method.loss=sigmoid smooths labels; set it to 0.0 with loss={method.loss}",
+        )
+    return {"loss": method.loss, "beta": method.beta, "label_smoothing": smoothing}
+
+
+def _check_pairing(method: str, dataset: DictConfig) -> None:
+    """Preference methods train on preference pairs, supervised methods on anything else."""
+    if method in PREFERENCE_METHODS and dataset.kind != "preference":
+        raise UserError(
+            "dataset",
+            dataset.name,
+            f"method={method} trains on preference pairs (a prompt, a chosen and a rejected "
+            f"answer) and dataset={dataset.name} is kind={dataset.kind}: give a preference "
+            "dataset (dataset=preference [dataset.source=PATH], ultrafeedback or orca_dpo)",
+        )
+    if method not in PREFERENCE_METHODS and dataset.kind not in SFT_KINDS:
+        raise UserError(
+            "method",
+            method,
+            f"dataset={dataset.name} holds preference pairs, which only the preference methods "
+            f"train on: use method=dpo, lora_dpo or qlora_dpo (or a dataset of kind "
+            f"{', '.join(SFT_KINDS)} for method={method})",
+        )
 
 
 def _check_bitsandbytes(model: dict[str, Any], device: str, world_size: int) -> None:
@@ -359,14 +429,19 @@ def _dataset(dataset: DictConfig, model_max_seq_len: int) -> dict[str, Any]:
                 f"dataset.kind={kind} needs "
                 f"the column that holds {ours}: dataset.column_map.{ours}=<column>",
             )
-    chat_style = dataset.conversation_style if kind == "chat" else None
-    if kind == "chat" and chat_style not in CONVERSATION_STYLES:
+    conversations = kind in ("chat", "preference")
+    chat_style = dataset.conversation_style if conversations else None
+    if conversations and chat_style not in CONVERSATION_STYLES:
         raise UserError(
             "dataset.conversation_style",
             chat_style,
             f"choose one of: {', '.join(CONVERSATION_STYLES)}",
         )
-    prompted = kind != "text"
+    if kind == "preference" and dataset.packing:
+        raise UserError(
+            "dataset.packing", True, "preference pairs are not packed; set dataset.packing=false"
+        )
+    prompted = kind in ("instruct", "chat")
     data_format = source_format("dataset.source", source, dataset.format)
     return {
         "kind": kind,
@@ -377,7 +452,7 @@ def _dataset(dataset: DictConfig, model_max_seq_len: int) -> dict[str, Any]:
         "column_map": {k: column_map[k] for k in COLUMNS[kind]},
         "conversation_style": chat_style,
         "train_on_input": dataset.train_on_input if prompted else None,
-        "new_system_prompt": dataset.new_system_prompt if prompted else None,
+        "new_system_prompt": dataset.new_system_prompt if kind != "text" else None,
         "max_seq_len": max_seq_len or model_max_seq_len,
         "packing": dataset.packing,
         "validation": _validation(dataset),
@@ -407,6 +482,16 @@ def _eval(cfg: DictConfig) -> dict[str, Any]:
         if name not in METRIC_MODES:
             raise UserError(
                 "eval.metrics", name, f"no such metric; choose from: {', '.join(METRIC_MODES)}"
+            )
+    preference = cfg.method.name in PREFERENCE_METHODS
+    for name in metrics:
+        if name in (SFT_METRICS if preference else PREFERENCE_METRICS):
+            other = "supervised methods" if preference else "preference methods (method=dpo)"
+            raise UserError(
+                "eval.metrics",
+                name,
+                f"is a metric of {other}; method={cfg.method.name} computes "
+                f"{', '.join(cfg.method.eval_metrics)}",
             )
     if strategy != "no" and not metrics:
         raise UserError("eval.metrics", [], "name at least one metric, or set eval.strategy=no")
@@ -476,6 +561,7 @@ def resolve_recipe(
     left unresolved: None).
     """
     cfg = typed(cfg)
+    _check_pairing(cfg.method.name, cfg.dataset)
     device, nproc_per_node = resolve_device(cfg.compute)
     nnodes = checked_int(cfg.compute.nnodes, "compute.nnodes", 1)
     compute = {

@@ -143,6 +143,12 @@ class Method:
     apply_lora_to_output: bool = flag(False)
     quantize_base: bool = flag(False)
     save_merged: bool = flag(False)
+    # The metrics eval.metrics defaults to (conf/method/*.yaml).
+    eval_metrics: List[str] = field(default_factory=list)
+    # Preference methods (dpo, lora_dpo, qlora_dpo); checked by runner.resolve.
+    beta: float = number(0.1, positive=True)
+    loss: str = "sigmoid"
+    label_smoothing: float = number(0.0, positive=False)
 
 
 @dataclass
@@ -382,10 +388,15 @@ class RecipeMethod:
     name: str = "full"
     # The module that trains it (runner.resolve.RECIPES).
     recipe: str = MISSING
-    # LoRA: the adapter builder and its arguments, the Hugging Face base the adapter loads onto.
+    # LoRA: the adapter builder and its arguments, the Hugging Face base the adapter loads onto
+    # (and DPO's reference, the weights it starts from).
     builder: Optional[Dict[str, Any]] = None
     base_model_dir: Optional[str] = None
     save_merged: bool = False
+    # Preference methods: the loss, its beta and label smoothing (null for the others).
+    loss: Optional[str] = None
+    beta: Optional[float] = None
+    label_smoothing: Optional[float] = None
 
 
 @dataclass

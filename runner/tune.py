@@ -24,6 +24,7 @@ from torchtune.models import convert_weights
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
 from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.modules.peft import (
+    disable_adapter,
     get_adapter_params,
     get_adapter_state_dict,
     get_lora_module_names,
@@ -39,6 +40,7 @@ from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
+    "disable_adapter",
     "gather_cpu_state_dict",
     "get_adapter_params",
     "get_adapter_state_dict",

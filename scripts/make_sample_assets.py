@@ -51,6 +51,7 @@ TASKS = {
 }
 TRAIN_RECORDS = 32000
 VALIDATION_RECORDS = 200
+PREFERENCE_RECORDS = 4000
 
 
 def write_tokenizer(out_dir: Path) -> None:
@@ -119,7 +120,31 @@ def write_sample_dataset(out_dir: Path) -> None:
                 f.write(json.dumps(record) + "\n")
 
 
+def write_preference_dataset(out_dir: Path, exclude: set[str]) -> None:
+    """Pairs of the sample task: chosen the right answer, rejected the word unchanged."""
+    rng = random.Random(1)
+    words = [w for w in make_words(rng, 2 * PREFERENCE_RECORDS, exclude) if w != w[::-1]]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "train.jsonl", "w") as f:
+        for record in records(rng, words[:PREFERENCE_RECORDS]):
+            pair = {
+                "prompt": f"{record['instruction']}\n{record['input']}",
+                "chosen": record["output"],
+                "rejected": record["input"],
+            }
+            f.write(json.dumps(pair) + "\n")
+
+
+def sample_words(sample_dir: Path) -> set[str]:
+    return {
+        json.loads(line)["input"]
+        for split in ("train", "validation")
+        for line in (sample_dir / f"{split}.jsonl").read_text().splitlines()
+    }
+
+
 if __name__ == "__main__":
     write_tokenizer(ASSETS / "tiny_tokenizer")
     write_sample_dataset(ASSETS / "sample")
-    print(f"wrote {ASSETS / 'tiny_tokenizer'} and {ASSETS / 'sample'}")
+    write_preference_dataset(ASSETS / "preference", exclude=sample_words(ASSETS / "sample"))
+    print(f"wrote {ASSETS / 'tiny_tokenizer'}, {ASSETS / 'sample'} and {ASSETS / 'preference'}")

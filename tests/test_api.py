@@ -120,7 +120,8 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
 def test_capabilities_and_estimate_read_what_the_cli_reads(runner_cli) -> None:
     found = api.capabilities()
     assert found.models == tuple(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
-    assert {"tiny", "hf"} <= set(found.models) and {"full", "lora", "qlora"} == set(found.methods)
+    methods = {"full", "lora", "qlora", "dpo", "lora_dpo", "qlora_dpo"}
+    assert {"tiny", "hf"} <= set(found.models) and methods == set(found.methods)
     assert {"tensorboard", "wandb", "mlflow", "jsonl"} == set(found.loggers)
     assert "transformers" in found.engines and "cancelled" in found.states
     estimate = api.estimate(["compute=cpu", "method=lora"])

@@ -15,14 +15,33 @@ from hydra import compose, initialize_config_dir
 
 from runner.errors import UserError
 from runner.families import family_named
-from runner.paths import CONF_DIR, SAMPLE_DATA_DIR
+from runner.paths import ASSETS_DIR, CONF_DIR, SAMPLE_DATA_DIR
 from runner.resolve import resolve_recipe
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF_DIR / g).glob("*.yaml"))]
 NEEDS_CUDA = {("compute", "gpu"), ("compute", "multi_gpu")}
 # model=tiny's k/v projections hold half an NF4 block (tests/test_lora.py checks the message).
-NEEDS_OVERRIDES = {("method", "qlora"): ["model.builder.num_kv_heads=8"]}
+PREFERENCE_FILE = ASSETS_DIR / "preference" / "train.jsonl"
+# The hub's preference sets, read from the shipped pairs: one file, one split, a prompt column.
+HUB_PREFERENCE = [
+    "method=dpo",
+    f"dataset.source={PREFERENCE_FILE}",
+    "dataset.split=train",
+    "dataset.validation.split=null",
+    "dataset.validation.held_out=5%",
+    "dataset.column_map.prompt=prompt",
+]
+NEEDS_OVERRIDES = {
+    ("method", "qlora"): ["model.builder.num_kv_heads=8"],
+    # Preference methods train on preference pairs, preference datasets need one of them.
+    ("method", "dpo"): ["dataset=preference"],
+    ("method", "lora_dpo"): ["dataset=preference"],
+    ("method", "qlora_dpo"): ["dataset=preference", "model.builder.num_kv_heads=8"],
+    ("dataset", "preference"): ["method=dpo", f"dataset.source={PREFERENCE_FILE}"],
+    ("dataset", "ultrafeedback"): HUB_PREFERENCE,
+    ("dataset", "orca_dpo"): HUB_PREFERENCE,
+}
 
 
 def compose_train(overrides: list[str]):

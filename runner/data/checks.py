@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, ConversationStyle
+from runner.data.preference import SIDES, PreferenceSplit, PreferenceToMessages
 from runner.data.sources import Records, load_records
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
@@ -165,8 +166,8 @@ def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> Non
                 problem="holds bytes that are not UTF-8 text",
                 fix="save the file as UTF-8, or fix or drop the row",
             )
-        if kind == "chat":
-            continue
+        if kind == "chat" or (kind == "preference" and ours in SIDES):
+            continue  # conversations (or text): checked record by record
         index, found = _first_bad_text(table, theirs, required)
         if index >= 0:
             file, row = records.where(index)
@@ -209,6 +210,53 @@ def _check_conversations(
                 fix="fix or drop the row (dataset.conversation_style names the message format)",
             )
     return sizes, messages
+
+
+def _check_preferences(
+    records: Records, data: Mapping[str, Any], tokenizer: Any, *, key: str
+) -> None:
+    """Every record gives a chosen and a rejected conversation that end in an answer, and
+    truncation to dataset.max_seq_len leaves a token of each answer (tokenized only where the
+    bytes before the answer could come near it, as _check_trainable does)."""
+    max_seq_len, per_message = data["max_seq_len"], _template_tokens(tokenizer) + 2
+    transform = PreferenceToMessages(
+        data["column_map"], data["conversation_style"], data["new_system_prompt"]
+    )
+    table = records.table
+    columns = {}
+    for name in {c for c in data["column_map"].values() if c}:
+        values = table.data.column(name)
+        plain = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+        plain = plain or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+        columns[name] = values.to_pylist() if plain else table[name]
+    for index in range(len(table)):
+        sample = {name: values[index] for name, values in columns.items()}
+        for side in SIDES:
+            messages, problem = transform.messages(sample, side)
+            where = {"column": data["column_map"][side]}
+            if problem:
+                where["file"], where["row"] = records.where(index)
+                raise DataError(
+                    key,
+                    records.source,
+                    **where,
+                    problem=problem,
+                    fix="fix or drop the row (dataset.column_map names the prompt, chosen and "
+                    "rejected columns; dataset.conversation_style the message format)",
+                )
+            before = sum(len(m.text_content.encode()) for m in messages[:-1])
+            if 1 + before + len(messages) * per_message < max_seq_len - 2:
+                continue
+            if all(tokenizer.tokenize_messages(messages)[1]):
+                where["file"], where["row"] = records.where(index)
+                raise DataError(
+                    "dataset.max_seq_len",
+                    max_seq_len,
+                    **where,
+                    problem=f"no token of the answer is left after truncation to {max_seq_len} "
+                    "tokens (what comes before it fills them)",
+                    fix="raise dataset.max_seq_len, shorten the prompt, or drop the row",
+                )
 
 
 def _template_tokens(tokenizer: Any) -> int:
@@ -265,7 +313,7 @@ def checked_split(
     source: str,
     split_key: str,
     split: str,
-) -> TokenizedSplit:
+) -> TokenizedSplit | PreferenceSplit:
     """The records of one split spec, read and checked whole, ready to tokenize on access."""
     records = load_records(
         source_key=source_key,
@@ -293,6 +341,9 @@ def checked_split(
                 f"{source} has only blank lines in this split; give a split that holds some text",
             )
     records.table = records.table.select_columns([c for c in column_map.values() if c])
+    if kind == "preference":
+        _check_preferences(records, data, tokenizer, key=source_key)
+        return PreferenceSplit(records.table, data, tokenizer)
     tokenized = TokenizedSplit(records.table, data, tokenizer)
     if kind == "chat":
         sizes, messages = _check_conversations(records, data, key=source_key)

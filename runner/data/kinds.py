@@ -1,21 +1,27 @@
-"""The three kinds of record (dataset.kind), their columns and the two conversation styles.
+"""The kinds of record (dataset.kind), their columns and the two conversation styles.
 
 - instruct: instruction (+ input) -> output, as [system?, user, assistant] chat messages;
 - chat: a column of conversations, OpenAI style [{role, content}] or ShareGPT [{from, value}];
-- text: plain text where every token trains (completion data; format=text reads a line a record).
+- text: plain text where every token trains (completion data; format=text reads a line a record);
+- preference: a prompt and two answers to it, the chosen and the rejected (method=dpo); each
+  answer is text, or a conversation that ends in it (runner.data.preference).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("instruct", "chat", "text")
+KINDS = ("instruct", "chat", "text", "preference")
 # Our column names per kind (dataset.column_map maps them to the file's); None: optional.
 COLUMNS: dict[str, dict[str, bool]] = {
     "instruct": {"instruction": True, "input": False, "output": True},
     "chat": {"messages": True},
     "text": {"text": True},
+    "preference": {"prompt": False, "chosen": True, "rejected": True},
 }
+# The kinds that supervised methods (full, lora, qlora) train on; preference methods (dpo,
+# lora_dpo, qlora_dpo) take only kind=preference.
+SFT_KINDS = ("instruct", "chat", "text")
 
 
 @dataclass(frozen=True)

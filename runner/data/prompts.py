@@ -19,11 +19,11 @@ class EvalPrompt:
 def eval_prompts(dataset: TokenizedSplit, tokenizer: Any, limit: int) -> list[EvalPrompt]:
     """The first `limit` records of a split as generation prompts with their references.
 
-    Plain text has no answer to compare: no prompts.
+    Plain text has no answer to compare, nor a preference pair a single reference: no prompts.
     """
     transform = dataset.message_transform
     prompts = []
-    if dataset.kind == "text":
+    if dataset.kind not in ("instruct", "chat"):
         return prompts
     for index in range(min(limit, len(dataset))):
         sample = dataset.records[index]

@@ -37,10 +37,10 @@ def _held_out(
     order = np.random.default_rng(seed).permutation(total)
     chosen = np.zeros(total, dtype=bool)
     chosen[order[:count]] = True
-    records = tokenized.records
+    records, split = tokenized.records, type(tokenized)
     return (
-        TokenizedSplit(records.select(np.flatnonzero(~chosen)), data, tokenizer),
-        TokenizedSplit(records.select(np.flatnonzero(chosen)), data, tokenizer),
+        split(records.select(np.flatnonzero(~chosen)), data, tokenizer),
+        split(records.select(np.flatnonzero(chosen)), data, tokenizer),
     )
 
 
