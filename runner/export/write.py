@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,13 +233,11 @@ def write_merged(
     if quantization is None:
         model.save_pretrained(out_dir, safe_serialization=True)
     else:
-        with contextlib.ExitStack() as stack:
-            import tempfile
-
-            full = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=out_dir.parent)))
+        # The merged weights at full width first, beside the staged output, then quantized.
+        with tempfile.TemporaryDirectory(prefix=".nf4-source-", dir=out_dir.parent) as full:
             model.save_pretrained(full, safe_serialization=True)
             del model
-            quantize_nf4(full, out_dir, compute_dtype=getattr(torch, DTYPES[dtype]))
+            quantize_nf4(Path(full), out_dir, compute_dtype=getattr(torch, DTYPES[dtype]))
     copy_tokenizer(checkpoint, out_dir)
 
 
