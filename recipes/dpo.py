@@ -144,14 +144,7 @@ class PreferenceMixin:
             dist.all_reduce(num_pairs)
         # FSDP averages gradients over ranks; scaling by world/pairs makes it a per-pair mean.
         scale = self.world_size / num_pairs
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale.to(param.grad.dtype))
-        if self.cfg.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
+        self._apply_gradients(scale)
         means = sums / num_pairs
         # No host sync here: the loop reads the loss when it logs or saves (and fails the run
         # on a non-finite one), _log the rewards.

@@ -309,6 +309,11 @@ class FullFinetuneRecipe:
             dist.all_reduce(loss_sum)
         # FSDP averages gradients over ranks; scaling by world/tokens makes it a per-token mean.
         scale = self.world_size / num_tokens.clamp(min=1)
+        self._apply_gradients(scale)
+        return (loss_sum / num_tokens.clamp(min=1)).detach(), seen_tokens * self.world_size
+
+    def _apply_gradients(self, scale: torch.Tensor) -> None:
+        """Scales the accumulated gradients, clips them, steps optimizer and schedule."""
         for param in self.model.parameters():
             if param.grad is not None:
                 param.grad.mul_(scale.to(param.grad.dtype))
@@ -317,7 +322,6 @@ class FullFinetuneRecipe:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return (loss_sum / num_tokens.clamp(min=1)).detach(), seen_tokens * self.world_size
 
     def _read_losses(self, unread: list[torch.Tensor]) -> float:
         """The steps' losses read from the device at once (and forgotten); the last of them.
