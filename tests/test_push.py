@@ -14,21 +14,23 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import QUICK
+from tests.test_hub import LoopbackHub, _git_oid
 
 SECRET = "hf_pushTestSecretValue0123456789"
 LFS_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 
 
-class UploadHub(BaseHTTPRequestHandler):
-    """Repos in memory: {repo id: {"private": bool, "branches": {name: {path: bytes}}}}."""
+class UploadHub(LoopbackHub):
+    """test_hub's loopback hub, taking uploads: repos in memory, {repo id: {"private": bool,
+    "branches": {name: {path: bytes}}}}."""
 
-    repos: dict[str, dict] = {}
+    uploaded: dict[str, dict] = {}
     lfs: dict[str, bytes] = {}
     lfs_puts: list[str] = []
     authorizations: set[str | None] = set()
@@ -40,18 +42,18 @@ class UploadHub(BaseHTTPRequestHandler):
         if path == "/api/repos/create":
             request = json.loads(body)
             repo_id = f"{request['organization']}/{request['name']}"
-            if repo_id in self.repos:
+            if repo_id in self.uploaded:
                 url = f"{self._endpoint()}/{repo_id}"  # as the hub answers
                 return self._json({"error": "You already created this model repo", "url": url}, 409)
             private = request.get("visibility") == "private"
-            self.repos[repo_id] = {"private": private, "branches": {"main": {}}}
+            self.uploaded[repo_id] = {"private": private, "branches": {"main": {}}}
             return self._json({"url": f"{self._endpoint()}/{repo_id}", "name": repo_id})
         if path == "/api/validate-yaml":
             return self._json({})
         if path.endswith(".git/info/lfs/objects/batch"):
             return self._lfs_batch(json.loads(body))
         parts = path.split("/")  # /api/models/org/name/<verb>/<revision>
-        repo = self.repos.get(f"{parts[3]}/{parts[4]}") if len(parts) > 6 else None
+        repo = self.uploaded.get(f"{parts[3]}/{parts[4]}") if len(parts) > 6 else None
         if repo is None:
             return self._json(
                 {"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"}
@@ -125,20 +127,6 @@ class UploadHub(BaseHTTPRequestHandler):
         data = json.dumps(body).encode()
         self._send(status, data, {"Content-Type": "application/json", **(headers or {})})
 
-    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        self.send_response(status)
-        for name, value in {**headers, "Content-Length": str(len(body))}.items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-def _git_oid(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
 
 @pytest.fixture(scope="module")
 def hub_env(hermetic_env) -> Iterator[dict[str, str]]:
@@ -200,7 +188,7 @@ def test_export_push_to_lands_in_a_private_repo_with_its_model_card(
     assert result.stdout.splitlines()[-1].startswith(
         f"{hub_env['HF_ENDPOINT']}/acme/pushed/commit/"
     )
-    repo = UploadHub.repos["acme/pushed"]
+    repo = UploadHub.uploaded["acme/pushed"]
     files = repo["branches"]["main"]
     assert repo["private"]
     for local in out.iterdir():
@@ -235,7 +223,7 @@ def test_a_push_cut_short_resumes_without_sending_the_weights_again(
     again = cli(hub_env, tmp_path, *argv)
     assert again.returncode == 0, again.stderr[-2000:]
     assert UploadHub.lfs_puts == [weights]  # not sent again
-    repo = UploadHub.repos["acme/resumed"]
+    repo = UploadHub.uploaded["acme/resumed"]
     assert not repo["private"] and repo["branches"]["main"] == {}
     assert repo["branches"]["dev"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
 
