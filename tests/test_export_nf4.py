@@ -17,14 +17,17 @@ from tests.test_export import SELECT, logits, make_lora_checkpoint, make_run, to
 bitsandbytes = pytest.importorskip("bitsandbytes")  # in the test extra; `quant` for users
 
 
-def run_nf4(checkpoint: Path, out: Path) -> Path:
-    options = {"dtype": "fp32", "quantization": "f16", "base": None, "out": str(out)}
+def merged(checkpoint: Path, out: Path, quantization: str | None) -> Path:
+    """`runner export format=merged merged.quantization=QUANTIZATION out=OUT`, in fp32."""
     return export(
         checkpoint=str(checkpoint),
         select=SELECT,
         format="merged",
-        merged_quantization="nf4",
-        **options,
+        dtype="fp32",
+        quantization="f16",
+        base=None,
+        out=str(out),
+        merged_quantization=quantization,
     )
 
 
@@ -34,22 +37,14 @@ def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
-def test_nf4_loads_in_4_bits_and_stays_close(
+def test_nf4_loads_in_4_bits_as_transformers_quantizes(
     kind: str, full_checkpoint: Path, tmp_path: Path
 ) -> None:
     checkpoint = full_checkpoint
     if kind == "lora":
         checkpoint = make_lora_checkpoint(tmp_path / "lora" / "step_4", full_checkpoint)
-    reference = export(
-        checkpoint=str(checkpoint),
-        select=SELECT,
-        format="merged",
-        dtype="fp32",
-        quantization="f16",
-        base=None,
-        out=str(tmp_path / "fp32"),
-    )
-    out = run_nf4(checkpoint, tmp_path / "nf4")
+    reference = merged(checkpoint, tmp_path / "fp32", None)
+    out = merged(checkpoint, tmp_path / "nf4", "nf4")
     model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu").eval()
     layer = model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, bitsandbytes.nn.Linear4bit) and layer.weight.dtype == torch.uint8
@@ -71,16 +66,7 @@ def test_nf4_loads_in_4_bits_and_stays_close(
         assert torch.equal(logits(model, ids), logits(on_load, ids))
 
 
-def test_nf4_is_refused_by_name_for_other_formats_and_values(full_checkpoint: Path, tmp_path: Path):
+def test_another_merged_quantization_is_refused_by_name(full_checkpoint: Path, tmp_path: Path):
     with pytest.raises(UserError, match="merged.quantization='int3'.*choose null or one of: nf4"):
-        export(
-            checkpoint=str(full_checkpoint),
-            select=SELECT,
-            format="merged",
-            dtype="fp32",
-            quantization="f16",
-            base=None,
-            out=str(tmp_path / "x"),
-            merged_quantization="int3",
-        )
+        merged(full_checkpoint, tmp_path / "x", "int3")
     assert not (tmp_path / "x").exists()
