@@ -411,6 +411,56 @@ def test_gguf_q8_0_loads_and_generates(full_checkpoint: Path, tmp_path: Path) ->
             assert error < 0.1 * expected.abs().max()  # 8-bit blocks: coarser than f16
 
 
+# Every gguf.quantization, smallest file last: llama.cpp makes all but f16 and q8_0.
+GGUF_TYPES = ("f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "q2_k")
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint whose matrices have rows of 256 and 512, which llama.cpp's K-quants need
+    (on the tiny model's 64-wide rows it falls back to q8_0 and q4_0 blocks)."""
+    run_dir = tmp_path_factory.mktemp("wide")
+    checkpoint = run_dir / "checkpoints" / "step_4"
+    wide = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**(tiny_config() | wide))).save_pretrained(checkpoint)
+    add_tokenizer_files(checkpoint)
+    (run_dir / "status.json").write_text(json.dumps({"state": "completed", "step": 4}))
+    return checkpoint
+
+
+def test_every_gguf_type_loads_in_llama_cpp_and_shrinks_in_order(
+    wide_checkpoint: Path, tmp_path: Path
+) -> None:
+    model = load(wide_checkpoint)
+    template = AutoTokenizer.from_pretrained(wide_checkpoint).chat_template
+    sizes, errors = {}, {}
+    for quantization in GGUF_TYPES:
+        out = run_export(
+            wide_checkpoint, "gguf", quantization=quantization, out=str(tmp_path / quantization)
+        )
+        sizes[quantization] = out.stat().st_size
+        with llama_cpp_model(out) as llm:
+            assert llm.metadata["tokenizer.chat_template"] == template
+            relative = []
+            for text, ids in zip(TEXTS, token_ids(), strict=True):
+                assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
+                assert len(llama_cpp_greedy(llm, ids)) == NEW_TOKENS
+                expected = logits(model, ids)[-1]
+                error = (llama_cpp_logits(llm, ids) - expected).abs().max()
+                relative.append(float(error / expected.abs().max()))
+        errors[quantization] = sum(relative) / len(relative)
+    assert abs(sizes["bf16"] - sizes["f16"]) < 0.01 * sizes["f16"]  # both 16 bits a weight
+    shrinking = [sizes[q] for q in GGUF_TYPES[1:]]
+    assert shrinking == sorted(shrinking, reverse=True) and len(set(shrinking)) == len(shrinking)
+    # The logits move further from the fp32 model's as the bits go: f16 and bf16 round each
+    # weight, q8_0 keeps 8 bits a block, the 4-6 bit types (whose order among themselves these
+    # random weights do not fix) move more, 2 bits the most.
+    middle = [errors[q] for q in ("q6_k", "q5_k_m", "q4_k_m", "q4_0")]
+    assert errors["f16"] < errors["bf16"] < errors["q8_0"] < min(middle)
+    assert max(middle) < errors["q2_k"]
+
+
 # --- user errors --------------------------------------------------------------------------
 
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,52 @@ from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType, TokenType
 from runner.errors import UserError
 from runner.families import head_dim, rope, rope_type
 
-# quantization= option -> the file type recorded in the header and the type of 2-D weights.
+# The types this writer makes itself -> the file type recorded in the header and the type of
+# 2-D weights. f32 is the source that llama.cpp's quantizer reads for the other types.
 QUANTIZATIONS = {
+    "f32": (LlamaFileType.ALL_F32, GGMLQuantizationType.F32),
     "f16": (LlamaFileType.MOSTLY_F16, GGMLQuantizationType.F16),
     "q8_0": (LlamaFileType.MOSTLY_Q8_0, GGMLQuantizationType.Q8_0),
 }
+# gguf.quantization= types that llama.cpp's own quantizer (llama_model_quantize) makes, by its
+# LLAMA_FTYPE_MOSTLY_* name. No importance matrix. K-quants need rows of 256; where a matrix's
+# rows are shorter (a small model), llama.cpp falls back to a type whose blocks fit (q8_0 for
+# q6_k, q4_0 or q5_0 for the 2-5 bit K-quants) and says so on stderr.
+LLAMA_CPP_TYPES = {
+    "bf16": "BF16",
+    "q6_k": "Q6_K",
+    "q5_k_m": "Q5_K_M",
+    "q4_k_m": "Q4_K_M",
+    "q4_0": "Q4_0",
+    "q2_k": "Q2_K",
+}
+
+
+def quantize_with_llama_cpp(source: Path, out: Path, quantization: str) -> None:
+    """`source` (an f32 GGUF file) quantized to `quantization` at `out` by llama.cpp."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{LLAMA_CPP_TYPES[quantization]}")
+    params.nthread = max(1, len(os.sched_getaffinity(0)))
+    # llama.cpp writes a line per tensor to stderr: only its warnings (a matrix falling back to
+    # another type) and errors are passed on.
+    with tempfile.TemporaryFile() as captured:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            code = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        said = captured.read().decode(errors="replace").splitlines()
+    for line in said:
+        if line.startswith("warning") or "error" in line.lower():
+            print(line, file=sys.stderr)
+    if code != 0:
+        raise RuntimeError(f"llama.cpp's quantizer failed ({code}) on {source}")
 
 
 # llama.cpp picks its pre-tokenizer (the regex split before BPE) by name. Its converter names it

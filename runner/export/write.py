@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("adapter", "merged", "gguf")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-QUANTIZATIONS = ("f16", "q8_0")
+# gguf.quantization: f16 and q8_0 written here; the others by llama.cpp's quantizer from an f32
+# file (the llama_cpp extra).
+QUANTIZATIONS = ("f16", "q8_0", "bf16", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "q2_k")
 # merged.quantization: null, or NF4 through bitsandbytes (transformers' BitsAndBytesConfig).
 MERGED_QUANTIZATIONS = ("nf4",)
 ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_FILE)
@@ -90,7 +92,16 @@ def export(
             )
         else:
             write_gguf_file(request.checkpoint, request.base, tmp, quantization=request.variant)
-    log.info("exported %s as %s to %s", request.checkpoint, request.format, request.destination)
+    size = sum(p.stat().st_size for p in request.destination.rglob("*") if p.is_file())
+    if request.destination.is_file():
+        size = request.destination.stat().st_size
+    log.info(
+        "exported %s as %s to %s (%.1f MB)",
+        request.checkpoint,
+        request.format,
+        request.destination,
+        size / 1e6,
+    )
     return request.destination
 
 
@@ -112,10 +123,8 @@ def check_request(
         raise UserError("merged.dtype", dtype, f"choose one of: {', '.join(DTYPES)}")
     if format == "merged" and merged_quantization is not None:
         check_merged_quantization(merged_quantization)
-    if format == "gguf" and quantization not in QUANTIZATIONS:
-        raise UserError(
-            "gguf.quantization", quantization, f"choose one of: {', '.join(QUANTIZATIONS)}"
-        )
+    if format == "gguf":
+        check_gguf_quantization(quantization)
     chosen = choose_checkpoint(Path(checkpoint), **select)
     is_adapter = (chosen / ADAPTER_CONFIG_FILE).is_file()
     if format == "adapter" and not is_adapter:
@@ -150,6 +159,25 @@ def check_request(
     if out and not destination.parent.is_dir():
         raise UserError("out", out, f"no such directory {destination.parent}: create it first")
     return ExportRequest(chosen, format, variant, merged_quantization, base_dir, destination)
+
+
+def check_gguf_quantization(quantization: str) -> None:
+    """A known type; llama.cpp's quantizer at hand for the types it makes."""
+    import importlib.util
+
+    from runner.export.gguf_file import LLAMA_CPP_TYPES
+
+    if quantization not in QUANTIZATIONS:
+        raise UserError(
+            "gguf.quantization", quantization, f"choose one of: {', '.join(QUANTIZATIONS)}"
+        )
+    if quantization in LLAMA_CPP_TYPES and importlib.util.find_spec("llama_cpp") is None:
+        raise UserError(
+            "gguf.quantization",
+            quantization,
+            "is made by llama.cpp's quantizer: pip install 'runner[llama_cpp]' (builds "
+            "llama.cpp, a few minutes), or use f16 or q8_0",
+        )
 
 
 def check_merged_quantization(quantization: str) -> None:
@@ -259,19 +287,28 @@ def quantize_nf4(model_dir: Path, out_dir: Path, *, compute_dtype: Any) -> None:
 def write_gguf_file(checkpoint: Path, base: Path | None, path: Path, *, quantization: str) -> None:
     """One GGUF file of the (merged) model and its tokenizer."""
     from runner.deploy.loading import load_tokenizer
-    from runner.export.gguf_file import write_gguf
+    from runner.export.gguf_file import LLAMA_CPP_TYPES, quantize_with_llama_cpp, write_gguf
 
     model = load_model(checkpoint, base)
+    by_llama_cpp = quantization in LLAMA_CPP_TYPES
+    # llama.cpp's quantizer reads an f32 file, written beside the staged output.
+    source = path.with_name(f".{path.name}.f32") if by_llama_cpp else path
     write_gguf(
-        path,
+        source,
         state_dict=model.state_dict(),
         config=model.config.to_dict(),
         tokenizer=load_tokenizer(checkpoint),
-        quantization=quantization,
+        quantization="f32" if by_llama_cpp else quantization,
         name=checkpoint.parent.parent.name
         if is_run_dir(checkpoint.parent.parent)
         else checkpoint.name,
     )
+    if by_llama_cpp:
+        del model
+        try:
+            quantize_with_llama_cpp(source, path, quantization)
+        finally:
+            source.unlink(missing_ok=True)
 
 
 def load_model(checkpoint: Path, base: Path | None) -> Any:
