@@ -509,6 +509,15 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == str(out) and out.read_bytes()[:4] == b"GGUF"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    # The size, and the file's greedy answer to one user turn, from llama.cpp.
+    size = out.stat().st_size / 1e6
+    assert f"as gguf to {out} ({size:.1f} MB)" in done.stdout
+    with llama_cpp_model(out) as llm:
+        turn = [{"role": "user", "content": "Hello!"}]
+        expected = llm.create_chat_completion(messages=turn, max_tokens=16, temperature=0)
+    assert f"llama.cpp, greedy: 'Hello!' -> {expected['choices'][0]['message']['content']!r}" in (
+        done.stderr
+    )
 
     # An architecture gguf's tables do not know (OPT): one error naming the checkpoint.
     opt = tmp_path / "opt"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import hydra
@@ -49,6 +50,8 @@ def main(cfg: DictConfig) -> None:
             out=cfg.out,
         )
         print(path)
+        if cfg.format == "gguf":
+            _print_sample(path)
         if push is not None:
             from runner.deploy.selection import choose_checkpoint
             from runner.publish import push as upload
@@ -57,6 +60,17 @@ def main(cfg: DictConfig) -> None:
             # The checkpoint export chose: the model card describes the run it came from.
             chosen = choose_checkpoint(Path(cfg.checkpoint), **cfg.select)
             print(upload(path, target, token=token, private=cfg.private, checkpoint=chosen))
+
+
+def _print_sample(path: Path) -> None:
+    """A greedy answer from llama.cpp (on stderr: stdout is the path), where it is installed."""
+    from runner.export.gguf_file import greedy_sample
+
+    answer = greedy_sample(path)
+    if answer is None:
+        print("(no sample: llama-cpp-python is not installed)", file=sys.stderr)
+    else:
+        print(f"llama.cpp, greedy: 'Hello!' -> {answer!r}", file=sys.stderr)
 
 
 def _push_request(cfg: DictConfig) -> tuple | None:

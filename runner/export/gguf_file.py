@@ -74,6 +74,23 @@ def quantize_with_llama_cpp(source: Path, out: Path, quantization: str) -> None:
         raise RuntimeError(f"llama.cpp's quantizer failed ({code}) on {source}")
 
 
+def greedy_sample(path: Path, prompt: str = "Hello!", max_tokens: int = 16) -> str | None:
+    """The file's greedy answer to one user turn, rendered with its own chat template by
+    llama.cpp; None without llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
+    try:
+        answer = llm.create_chat_completion(
+            messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0
+        )
+    finally:
+        llm.close()
+    return answer["choices"][0]["message"]["content"]
+
+
 # llama.cpp picks its pre-tokenizer (the regex split before BPE) by name. Its converter names it
 # by hashing the token ids of this text (PRE_TOKENIZERS).
 _CHECK_TEXT = (
