@@ -25,7 +25,6 @@ recipe's; checkpoints are in their format.
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,18 +175,10 @@ class PreferenceMixin:
         return {name: value for name, value in metrics.items() if name in self.cfg.eval.metrics}
 
     def _validation_pairs(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
-        """This rank's share of the held-out pairs in batches of batch_size, with the number of
-        pairs that count: the same split as the full recipe's _validation_batches, a rank left
-        without pairs running one that counts for nothing (each forward is a collective)."""
-        count = len(self.validation)
-        if self.cfg.eval.max_samples is not None:
-            count = min(count, self.cfg.eval.max_samples)
-        size = self.cfg.batch_size
-        for batch in range(math.ceil(count / (size * self.world_size))):
-            start = (batch * self.world_size + self.rank) * size
-            indices = range(start, min(start + size, count))
-            samples = [self.validation[i] for i in indices] or [self.validation[0]]
-            yield self._collate(samples), len(indices)
+        """This rank's share of the held-out pairs, collated, with the number that count (the
+        full recipe's split: _validation_shares)."""
+        for samples, counted in self._validation_shares():
+            yield self._collate(samples), counted
 
 
 class DPORecipe(PreferenceMixin, FullFinetuneRecipe):

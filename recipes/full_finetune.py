@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -505,12 +506,13 @@ class FullFinetuneRecipe:
             )
         return metrics
 
-    def _validation_batches(self) -> Any:
-        """This rank's share of the validation records, in batches of batch_size.
+    def _validation_shares(self) -> Iterator[tuple[list[Any], int]]:
+        """This rank's share of the validation records, in batches of batch_size, with how
+        many of each batch count.
 
         Batch b of rank r holds records [(b * world + r) * batch_size, ...) of the first
-        eval.max_samples. Every rank runs the same number of forwards: a rank left without
-        records runs one record with every label ignored, which adds nothing to the sums.
+        eval.max_samples. Every rank runs the same number of forwards (each is a collective
+        under FSDP): a rank left without records gets one record that counts for nothing.
         """
         count = len(self.validation)
         if self.cfg.eval.max_samples is not None:
@@ -519,7 +521,12 @@ class FullFinetuneRecipe:
         for batch in range(math.ceil(count / (size * self.world_size))):
             start = (batch * self.world_size + self.rank) * size
             indices = range(start, min(start + size, count))
-            samples = [self.validation[i] for i in indices] or [self.validation[0]]
+            yield [self.validation[i] for i in indices] or [self.validation[0]], len(indices)
+
+    def _validation_batches(self) -> Any:
+        """This rank's validation batches (_validation_shares); a record that counts for
+        nothing has every label ignored, which adds nothing to the sums."""
+        for samples, counted in self._validation_shares():
             # The validation split is never packed.
             batch = collate(
                 samples,
@@ -527,7 +534,7 @@ class FullFinetuneRecipe:
                 padding_idx=self.tokenizer.pad_id,
                 on_cuda=self.device.type == "cuda",
             )
-            if len(indices) == 0:
+            if counted == 0:
                 batch["labels"].fill_(CROSS_ENTROPY_IGNORE_IDX)
             yield batch
 
