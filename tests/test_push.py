@@ -10,8 +10,6 @@ import base64
 import gzip
 import hashlib
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
@@ -20,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUICK
-from tests.test_hub import LoopbackHub, _git_oid
+from tests.test_hub import LoopbackHub, _git_oid, cli
 
 SECRET = "hf_pushTestSecretValue0123456789"
 LFS_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
@@ -141,17 +139,6 @@ def hub_env(hermetic_env) -> Iterator[dict[str, str]]:
         "PUSH_TOKEN": SECRET,
     }
     server.shutdown()
-
-
-def cli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.fixture(scope="module")
