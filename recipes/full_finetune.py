@@ -283,6 +283,7 @@ class FullFinetuneRecipe:
         return collate(
             samples,
             packed=self.cfg.dataset.packing,
+            padding_free=self.cfg.dataset.padding_free,
             padding_idx=self.tokenizer.pad_id,
             on_cuda=self.device.type == "cuda",
         )

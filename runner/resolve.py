@@ -459,6 +459,31 @@ def _dataset(dataset: DictConfig, model_max_seq_len: int) -> dict[str, Any]:
     }
 
 
+def _padding_free(dataset: dict[str, Any], padding_free: bool | None, model: dict) -> bool:
+    """Whether each batch is packed into rows (dataset.padding_free; null: wherever that is
+    correct: SFT data, unpacked, on torchtune's models, which take a block-causal mask)."""
+    for key, value in (("packing", dataset["packing"]), ("padding_free", padding_free)):
+        if value and model["backend"] == "transformers":
+            raise UserError(
+                f"dataset.{key}",
+                True,
+                f"model.source={model['source']} trains through transformers' own model class "
+                f"({model['backend_reason']}), which runner gives no per-document block-causal "
+                f"mask; set dataset.{key}=false",
+            )
+    if padding_free and dataset["kind"] == "preference":
+        raise UserError(
+            "dataset.padding_free",
+            True,
+            "preference pairs are batched padded; set dataset.padding_free=false",
+        )
+    if dataset["packing"]:  # packs are rows already
+        return False
+    if padding_free is not None:
+        return padding_free
+    return model["backend"] != "transformers" and dataset["kind"] != "preference"
+
+
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 
@@ -588,14 +613,7 @@ def resolve_recipe(
         "eval_samples": cfg.dataset.eval_samples,
         "eval_max_new_tokens": cfg.dataset.eval_max_new_tokens,
     }
-    if dataset["packing"] and model["backend"] == "transformers":
-        raise UserError(
-            "dataset.packing",
-            True,
-            f"model.source={model['source']} trains through transformers' own model class "
-            f"({model['backend_reason']}), which runner gives no per-document block-causal mask; "
-            "set dataset.packing=false",
-        )
+    dataset["padding_free"] = _padding_free(dataset, cfg.dataset.padding_free, model)
     if model["tokenizer"] is not None:
         # Samples are cut at dataset.max_seq_len (the model's when null).
         model["tokenizer"]["max_seq_len"] = dataset["max_seq_len"]

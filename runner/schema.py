@@ -105,6 +105,8 @@ class Dataset:
     new_system_prompt: Optional[str] = None
     max_seq_len: Optional[int] = integer(None, 2)
     packing: bool = flag(False)
+    # Null: on wherever it is correct (runner.resolve._padding_free).
+    padding_free: Optional[bool] = flag(None)
     validation: Validation = field(default_factory=Validation)
     eval_samples: int = integer(200, 0)
     eval_max_new_tokens: int = integer(12, 1)
@@ -365,6 +367,7 @@ class RecipeDataset:
     new_system_prompt: Optional[str] = None
     max_seq_len: int = MISSING
     packing: bool = False
+    padding_free: bool = False
     validation: RecipeValidation = field(default_factory=RecipeValidation)
     eval_samples: int = 0
     eval_max_new_tokens: int = 12
@@ -537,7 +540,7 @@ def _fix(spec: Optional[dataclasses.Field]) -> str:
     if "positive" in spec.metadata:
         return f"give a number {'> 0' if spec.metadata['positive'] else '>= 0'}{optional}"
     if "flag" in spec.metadata:
-        return "give true or false"
+        return f"give true or false{optional}"
     return f"give a value of type {spec.type}"
 
 

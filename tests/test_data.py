@@ -519,6 +519,42 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_loss(tmp_path: Path
     assert loss_packed == pytest.approx(loss_plain, rel=1e-5)
 
 
+def test_padding_free_batches_train_each_token_as_padded_batches_do(tmp_path: Path) -> None:
+    """Samples of mixed lengths packed into rows as long as the longest: fewer rows, and every
+    trained token's loss the same as padded (attention stays within each sample, positions
+    restart); the multiset of per-token losses shows a leak across samples."""
+    torch.manual_seed(0)
+    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model)["builder"]))
+    tok = tokenizer(256)
+    lines = (SAMPLE_DATA_DIR / "validation.jsonl").read_text().splitlines()[:60]
+    words = [json.loads(line)["input"] for line in lines]
+    rows = [
+        {"instruction": "Reverse:", "input": " ".join(words[:n]), "output": words[n]}
+        for n in (40, 3, 17, 1, 9, 25, 2, 12)
+    ]
+    source = write(rows, tmp_path / "mixed.jsonl")
+    samples = list(train_dataset(data(f"dataset.source={source}"), tok))
+
+    def token_losses(padding_free: bool) -> tuple[torch.Tensor, int]:
+        batch = collate(samples, packed=False, padding_free=padding_free, padding_idx=tok.pad_id)
+        extra = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
+        with torch.no_grad():
+            logits = model(batch["tokens"], **extra)
+        labels = batch["labels"].reshape(-1)
+        trained = labels != CROSS_ENTROPY_IGNORE_IDX
+        each = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1))[trained], labels[trained], reduction="none"
+        )
+        return each.sort().values, batch["tokens"].shape[0]
+
+    padded, padded_rows = token_losses(False)
+    packed, packed_rows = token_losses(True)
+    assert padded_rows == len(samples) and packed_rows <= len(samples) // 2
+    # The same tokens; float32 sums in another order (other row shapes): 1e-5 relative.
+    assert packed.shape == padded.shape
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+
+
 def test_training_with_packing_through_the_cli(runner_cli, tmp_path: Path) -> None:
     run = tmp_path / "run"
     result = runner_cli(

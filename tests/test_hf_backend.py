@@ -319,6 +319,9 @@ def test_validate_and_estimate_name_the_backend_and_why(sources, runner_cli, tmp
     assert "backend        torchtune: model_type 'llama' is runner's llama3 family" in result.stdout
     recipe = resolved(*model_args(llama), "model.backend=transformers", tmp_path=tmp_path)
     assert recipe.model.backend == "transformers"
+    # Padding-free batches need torchtune's block-causal mask: padded in transformers' classes.
+    assert not recipe.dataset.padding_free
+    assert resolved(*model_args(llama), tmp_path=tmp_path).dataset.padding_free
     assert recipe.model.backend_reason.startswith("model.backend=transformers")
 
 
@@ -326,6 +329,7 @@ def test_validate_and_estimate_name_the_backend_and_why(sources, runner_cli, tmp
     "overrides,key,fix",
     [
         (["dataset.packing=true"], "dataset.packing", "set dataset.packing=false"),
+        (["dataset.padding_free=true"], "dataset.padding_free", "set dataset.padding_free=false"),
         (
             ["method=qlora"],
             "method",

@@ -55,7 +55,7 @@ class CausalLM(nn.Module):
         input_pos: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         if mask is not None or input_pos is not None:
-            # runner.resolve refuses dataset.packing=true for this backend.
+            # runner.resolve refuses dataset.packing and padding_free for this backend.
             raise ValueError("the transformers backend takes no packed batches")
         lm = self.causal_lm()
         hidden = lm.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state

@@ -140,14 +140,23 @@ class TokenizedSplit(Dataset):
 
 
 def collate(
-    samples: list[dict[str, Any]], *, packed: bool, padding_idx: int, on_cuda: bool = False
+    samples: list[dict[str, Any]],
+    *,
+    packed: bool,
+    padding_idx: int,
+    padding_free: bool = False,
+    on_cuda: bool = False,
 ) -> dict[str, Any]:
     """A batch whose labels are each position's next token (packs add mask and input_pos).
 
-    Every sample starts with a masked token (BOS), so a pack's shifted labels never cross from
-    one sample into the next. A pack's block-causal mask is a flex-attention BlockMask for a
-    model on a (recent) GPU, else a dense mask for SDPA, which the CPU runs.
+    `packed`: the samples are PackedDataset's packs. `padding_free`: the samples are packed
+    here, into as few rows as the longest of them holds (pack_rows). Every sample starts with a
+    masked token (BOS), so a pack's shifted labels never cross from one sample into the next. A
+    pack's block-causal mask is a flex-attention BlockMask for a model on a (recent) GPU, else a
+    dense mask for SDPA, which the CPU runs.
     """
+    if padding_free and not packed:
+        samples, packed = pack_rows(samples, padding_idx), True
     if packed:
         batch = padded_collate_packed(samples)
         if not on_cuda:
@@ -160,3 +169,41 @@ def collate(
     ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
     batch["labels"] = torch.hstack((labels[:, 1:], ignore))
     return batch
+
+
+def pack_rows(samples: list[dict[str, Any]], padding_idx: int) -> list[dict[str, torch.Tensor]]:
+    """The samples of one batch as packs: first-fit decreasing into rows as long as the longest
+    sample, each padded to that length (the padding one more sequence, as PackedDataset pads).
+
+    The batch trains the same tokens as padded to its longest sample, with the same loss, in at
+    most as many rows of the same length: the pad positions that padding adds are not computed.
+    """
+    lengths = [len(s["tokens"]) for s in samples]
+    width = max(lengths)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(samples)), key=lambda i: (-lengths[i], i)):
+        row = next((r for r, free in enumerate(room) if free >= lengths[index]), None)
+        if row is None:
+            rows.append([])
+            room.append(width)
+            row = len(rows) - 1
+        rows[row].append(index)
+        room[row] -= lengths[index]
+    packs = []
+    for row, free in zip(rows, room):
+        seq_lens = [lengths[i] for i in row] + ([free] if free else [])
+        packs.append(
+            {
+                "tokens": torch.tensor(
+                    [t for i in row for t in samples[i]["tokens"]] + [padding_idx] * free
+                ),
+                "labels": torch.tensor(
+                    [t for i in row for t in samples[i]["labels"]]
+                    + [CROSS_ENTROPY_IGNORE_IDX] * free
+                ),
+                "input_pos": torch.cat([torch.arange(n) for n in seq_lens]),
+                "seq_lens": torch.tensor(seq_lens),
+            }
+        )
+    return packs
