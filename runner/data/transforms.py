@@ -191,7 +191,7 @@ def pack_rows(samples: list[dict[str, Any]], padding_idx: int) -> list[dict[str,
         rows[row].append(index)
         room[row] -= lengths[index]
     packs = []
-    for row, free in zip(rows, room):
+    for row, free in zip(rows, room, strict=True):
         seq_lens = [lengths[i] for i in row] + ([free] if free else [])
         packs.append(
             {
