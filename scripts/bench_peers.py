@@ -1,41 +1,52 @@
 """runner train beside the tools a user would pick instead: torchtune's `tune run`, the Hugging
-Face Trainer and a bare PyTorch loop, on the same checkpoint, data, batch and optimizer.
+Face Trainer and a bare PyTorch loop, on the same checkpoint, data, batches and optimizer.
 
-    python scripts/bench_peers.py [--size default] [--repeats 3] [--steps 20] [--batch-size 16]
+    python scripts/bench_peers.py [--size default] [--lengths mixed] [--repeats 3] [--steps 12]
 
 At start it writes one LlamaForCausalLM checkpoint with transformers (random init, seed 0, the
-tiny tokenizer's vocabulary) and one instruct data file: records of the sample task that all
-tokenize to the same length (no padding, the same tokens in every step). Then each arm trains
-that checkpoint for --steps optimizer steps in its own subprocess, taking turns --repeats times
-with the order rotated (a neighbour on the machine hits all alike):
+tiny tokenizer's vocabulary) and one instruct data file of the sample task's words: with
+--lengths mixed (the default) records of many lengths, k words each with k log-normal (a long
+right tail, as real instruction data has), so that a batch padded to its longest sample is
+mostly pad; with --lengths fixed all of one length, so that nothing pads and only per-step
+overhead differs. Then each arm trains that checkpoint for --steps optimizer steps of the same
+samples in its own subprocess, taking turns --repeats times with the order rotated (a neighbour
+on the machine hits all alike), each as its user gets it by default:
 
-- runner: `runner train model=hf model.source=CKPT dataset=instruct ...` through its CLI; step
-  times and losses from RUN/metrics.jsonl (logged every step), start-up from RUN/train.log;
+- runner: `runner train model=hf model.source=CKPT dataset=instruct ...` through its CLI; its
+  default dataset.padding_free packs each batch into rows as long as its longest sample. Step
+  times from the step lines of RUN/train.log, losses from RUN/metrics.jsonl (logged every step);
 - compiled: the same with `compile=true` (inductor compiles each decoder layer; its first steps
   are slow, and the median after --warmup leaves them out);
 - tune: `tune run full_finetune_single_device --config tune.yaml`, FullModelHFCheckpointer on
   CKPT, the llama3_2 builder with the checkpoint's dimensions, CEWithChunkedOutputLoss,
-  instruct_dataset on the same file; step times and losses from its DiskLogger file. Its
-  tokenizer is runner's ChatTokenizer (torchtune 0.6.1 has no model tokenizer for a Hugging
-  Face tokenizer.json), so both tokenize the same way, on the fly;
+  instruct_dataset on the same file (its default packed: False: each batch padded to its
+  longest sample); step times and losses from its DiskLogger file. Its tokenizer is runner's
+  ChatTokenizer (torchtune 0.6.1 has no model tokenizer for a Hugging Face tokenizer.json), so
+  both tokenize the same way, on the fly;
 - hf: transformers' Trainer on LlamaForCausalLM.from_pretrained(CKPT), fed the samples
-  tokenized once ahead of time, in the same order (a sequential sampler over runner's order);
-- bare: torchtune's builder loaded from CKPT, the same pre-tokenized batches, AdamW,
-  cross-entropy on the whole logits, clip, step.
+  tokenized once ahead of time, in the same order (a sequential sampler over runner's order),
+  each batch padded to its longest sample (its padding-free collator needs flash-attention 2,
+  a CUDA kernel);
+- bare: a hand-written loop over runner's own batches (the same padding-free rows): torchtune's
+  builder loaded from CKPT, AdamW, cross-entropy on the whole logits, clip, step. ours/bare is
+  runner's overhead over the same arithmetic.
 
 All: AdamW (lr, betas, eps, weight decay alike), constant lr with no warmup, clip at 1.0, fp32,
 one process, loss logged every step, runner's sample order (DistributedSampler, seed 0, epoch 0;
-tune shuffles the same way). tokens/s is the same for all: tokens per step (all non-padding)
-over the median step time after --warmup steps. Peak RSS is the arm's process tree's
-(os.wait4). Step-1 losses must agree within 1e-3, else the arms are not training alike.
+tune shuffles the same way). tokens/s is the same for all: the samples' tokens (no padding) of
+the steps after --warmup over those steps' time, median over repeats. Peak RSS is the arm's
+process tree's (os.wait4). Step-1 losses must agree within 1e-3, else the arms are not
+training alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import random
 import re
 import shlex
 import shutil
@@ -65,8 +76,13 @@ SIZES = {
 OPTIMIZER = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 CLIP_GRAD_NORM = 1.0
 SEED = 0
-# Records of one shape: the same instruction and word length give the same token count.
+# Records of the sample task's words. fixed: one shape (the same instruction and word length
+# give the same token count: no arm pads). mixed: k words a record, k drawn from a log-normal
+# (the long right tail of instruction data such as alpaca's, shorter, so that a 2-core run ends
+# in minutes), clipped to [1, MAX_WORDS]: a batch padded to its longest sample is mostly pad.
 INSTRUCTION, WORD_LENGTH = "Reverse:", 5
+LENGTHS = ("mixed", "fixed")
+MEDIAN_WORDS, SIGMA, MAX_WORDS = 3.5, 0.9, 30
 LOSS_TOLERANCE = 1e-3
 IGNORE_INDEX = -100
 # A 1-minute load average above this before the run: say that the figures are noisy.
@@ -107,19 +123,27 @@ def write_checkpoint(directory: Path, size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def write_data(path: Path, count: int) -> None:
-    """`count` instruct records of the sample task, all one shape, as {input, output} lines."""
-    records = []
-    with open(SAMPLE_DATA) as f:
-        for line in f:
-            record = json.loads(line)
-            if record["instruction"] == INSTRUCTION and len(record["input"]) == WORD_LENGTH:
-                prompt = f"{record['instruction']}\n{record['input']}"
-                records.append({"input": prompt, "output": record["output"]})
-            if len(records) == count:
-                break
-    if len(records) < count:
-        raise SystemExit(f"{SAMPLE_DATA} has only {len(records)} records of one shape")
+def write_data(path: Path, count: int, lengths: str) -> None:
+    """`count` instruct records of the sample task, as {input, output} lines: all one shape
+    (fixed), or of k words each with k drawn from a seeded log-normal (mixed)."""
+    rows = [json.loads(line) for line in SAMPLE_DATA.read_text().splitlines()]
+    if lengths == "fixed":
+        rows = [r for r in rows if r["instruction"] == INSTRUCTION]
+        rows = [r for r in rows if len(r["input"]) == WORD_LENGTH][:count]
+        if len(rows) < count:
+            raise SystemExit(f"{SAMPLE_DATA} has only {len(rows)} records of one shape")
+        records = [
+            {"input": f"{r['instruction']}\n{r['input']}", "output": r["output"]} for r in rows
+        ]
+    else:
+        draw = random.Random(SEED)
+        words = [r["input"] for r in rows]
+        records = []
+        for _ in range(count):
+            k = min(MAX_WORDS, max(1, round(draw.lognormvariate(math.log(MEDIAN_WORDS), SIGMA))))
+            chosen = draw.sample(words, k)
+            answer = " ".join(word[::-1] for word in reversed(chosen))
+            records.append({"input": f"{INSTRUCTION}\n{' '.join(chosen)}", "output": answer})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -151,19 +175,21 @@ def tokenize(checkpoint: Path, data: Path) -> list[dict[str, list[int]]]:
     return samples
 
 
-def prepare(workdir: Path, size: str, steps: int, batch_size: int) -> dict:
+def prepare(workdir: Path, size: str, steps: int, batch_size: int, lengths: str) -> dict:
     """Writes checkpoint, data and the ordered pre-tokenized samples; the facts arms share."""
+    from runner.tokenizer import ChatTokenizer
+
     checkpoint, data = workdir / "checkpoint", workdir / "train.jsonl"
     checkpoint.mkdir()
     parameters = write_checkpoint(checkpoint, size)
     count = steps * batch_size
-    write_data(data, count)
+    write_data(data, count, lengths)
     samples = tokenize(checkpoint, data)
     ordered = [samples[i] for i in runner_order(count)]
-    lengths = {len(s["tokens"]) for s in samples}
-    trained = {sum(label != IGNORE_INDEX for label in s["labels"]) for s in samples}
-    assert len(lengths) == 1 and len(trained) == 1, (lengths, trained)
+    if lengths == "fixed":
+        assert len({len(s["tokens"]) for s in samples}) == 1
     (workdir / "ordered_samples.json").write_text(json.dumps(ordered))
+    batches = [ordered[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
     hidden, layers, heads, kv_heads, mlp = SIZES[size]
     spec = {
         "checkpoint": str(checkpoint),
@@ -171,9 +197,17 @@ def prepare(workdir: Path, size: str, steps: int, batch_size: int) -> dict:
         "samples": str(workdir / "ordered_samples.json"),
         "steps": steps,
         "batch_size": batch_size,
+        "lengths": lengths,
         "parameters": parameters,
-        "tokens_per_step": batch_size * lengths.pop(),
-        "trained_tokens_per_step": batch_size * trained.pop(),
+        "pad_id": ChatTokenizer(str(checkpoint)).pad_id,
+        "sample_tokens": sorted(len(s["tokens"]) for s in samples),
+        # Each step's samples' tokens (no padding), the trained (label) ones, and the tokens of
+        # the batch padded to its longest sample.
+        "tokens_per_step": [sum(len(s["tokens"]) for s in b) for b in batches],
+        "trained_per_step": [
+            sum(label != IGNORE_INDEX for s in b for label in s["labels"]) for b in batches
+        ],
+        "padded_per_step": [len(b) * max(len(s["tokens"]) for s in b) for b in batches],
         "shape": {
             "hidden": hidden,
             "layers": layers,
@@ -346,7 +380,18 @@ def run_hf(spec: dict, out: Path) -> dict:
             return loss
 
     def collate(batch: list[dict]) -> dict:
-        return {key: torch.tensor([s[key] for s in batch]) for key in ("input_ids", "labels")}
+        """Padded on the right to the longest sample, as DataCollatorForSeq2Seq pads; no
+        attention mask: under the causal mask no real token sees the pad after it."""
+        width = max(len(s["input_ids"]) for s in batch)
+        pads = [width - len(s["input_ids"]) for s in batch]
+        return {
+            "input_ids": torch.tensor(
+                [s["input_ids"] + [spec["pad_id"]] * n for s, n in zip(batch, pads, strict=True)]
+            ),
+            "labels": torch.tensor(
+                [s["labels"] + [IGNORE_INDEX] * n for s, n in zip(batch, pads, strict=True)]
+            ),
+        }
 
     model = LlamaForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32)
     args = TrainingArguments(
@@ -386,6 +431,8 @@ def run_bare(spec: dict, out: Path) -> dict:
     from torchtune.models import convert_weights
     from torchtune.models.llama3_2 import llama3_2
 
+    from runner.data.transforms import collate
+
     torch.manual_seed(SEED)
     shape = spec["shape"]
     model = llama3_2(
@@ -415,13 +462,17 @@ def run_bare(spec: dict, out: Path) -> dict:
     size = spec["batch_size"]
     losses, clock = [], StepClock()
     for step in range(spec["steps"]):
-        batch = samples[step * size : (step + 1) * size]
-        tokens = torch.tensor([s["tokens"] for s in batch])
-        labels = torch.tensor([s["labels"] for s in batch])
-        logits = model(tokens)
+        # runner's batches: padding-free rows, labels shifted to each position's next token.
+        batch = collate(
+            samples[step * size : (step + 1) * size],
+            packed=False,
+            padding_free=True,
+            padding_idx=spec["pad_id"],
+        )
+        logits = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"])
         loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)),
-            labels[:, 1:].reshape(-1),
+            logits.reshape(-1, logits.size(-1)),
+            batch["labels"].reshape(-1),
             ignore_index=IGNORE_INDEX,
         )
         loss.backward()
@@ -479,16 +530,17 @@ def read_runner(run_dir: Path, start: float) -> dict:
 TUNE_VALUE = r"{}:(?:tensor\()?([-+\d.eE]+)"
 
 
-def read_tune(log_file: Path, trained_tokens_per_step: int) -> dict:
+def read_tune(log_file: Path, trained_per_step: list[int]) -> dict:
     """Losses and step times from the DiskLogger file: a step's time is its trained (label)
     tokens over the tokens_per_second_per_gpu that the recipe logs for it."""
-    losses, times = [], []
+    losses, rates = [], []
     for line in log_file.read_text().splitlines():
         loss = re.search(TUNE_VALUE.format("loss"), line)
         rate = re.search(TUNE_VALUE.format("tokens_per_second_per_gpu"), line)
         if loss and rate:
             losses.append(float(loss[1]))
-            times.append(trained_tokens_per_step / float(rate[1]))
+            rates.append(float(rate[1]))
+    times = [tokens / rate for tokens, rate in zip(trained_per_step, rates, strict=False)]
     return {"losses": losses, "step_times": times}
 
 
@@ -506,7 +558,7 @@ def run_arm(arm: str, workdir: Path, spec: dict, repeat: int, timeout_s: float) 
         config = out / "tune.yaml"
         config.write_text(tune_config(spec, out / "tune"))
         _, rss = run_child(tune_command(config), log, timeout_s)
-        result = read_tune(out / "tune" / "logs" / "log.txt", spec["trained_tokens_per_step"])
+        result = read_tune(out / "tune" / "logs" / "log.txt", spec["trained_per_step"])
     else:
         command = [
             sys.executable,
@@ -585,14 +637,18 @@ def machine_facts() -> str:
 
 
 def summarize(results: dict[str, list[dict]], spec: dict, warmup: int) -> list[str]:
-    """The table: per arm s/step, tokens/s, peak RSS and step-1 loss; agreement and ratios."""
+    """The table: per arm tokens/s (the samples' tokens, no padding, over the time of the steps
+    after warm-up; median over repeats), median s/step, peak RSS and step-1 loss; agreement
+    and ratios."""
     rows, lines = {}, []
+    tokens = sum(spec["tokens_per_step"][warmup:])
     for arm, runs in results.items():
         per_run = [statistics.median(run["step_times"][warmup:]) for run in runs]
         seconds = statistics.median(per_run)
         rows[arm] = {
             "s_step": seconds,
-            "tokens_s": spec["tokens_per_step"] / seconds,
+            # The same tokens for every arm: the samples' own, over the time of those steps.
+            "tokens_s": statistics.median(tokens / sum(r["step_times"][warmup:]) for r in runs),
             "rss": max(run["peak_rss_mib"] for run in runs),
             "loss1": runs[0]["losses"][0],
             "spread": (min(per_run), max(per_run)),
@@ -625,11 +681,27 @@ def summarize(results: dict[str, list[dict]], spec: dict, warmup: int) -> list[s
     return lines
 
 
+def describe(spec: dict, args: argparse.Namespace) -> str:
+    """Model, data lengths, padding share, steps and repeats, in two lines."""
+    lengths = spec["sample_tokens"]
+    pad = 1 - sum(spec["tokens_per_step"]) / sum(spec["padded_per_step"])
+    return (
+        f"model: Llama, {spec['parameters'] / 1e6:.1f}M parameters ({args.size}: "
+        f"{spec['shape']}); {args.steps} steps of {args.batch_size} samples, median over steps "
+        f"{args.warmup + 1}-{args.steps}, {args.repeats} repeats\n"
+        f"data ({args.lengths}): sample tokens min {lengths[0]}, median "
+        f"{statistics.median(lengths):.0f}, max {lengths[-1]}; "
+        f"{statistics.mean(spec['tokens_per_step']):.0f} tokens a step, "
+        f"{statistics.mean(spec['trained_per_step']):.0f} trained; padded to each batch's "
+        f"longest sample, {pad:.0%} of a batch is pad"
+    )
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=SIZES, default="default")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument(
         "--warmup",
         type=int,
@@ -637,6 +709,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="first steps left out of the median step time (at least 1)",
     )
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--lengths",
+        choices=LENGTHS,
+        default="mixed",
+        help="mixed: samples of many lengths, as real data (padding costs the padded arms); "
+        "fixed: all one length (no arm pads: the per-step overhead alone)",
+    )
     parser.add_argument(
         "--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}"
     )
@@ -672,15 +751,8 @@ def main(argv: list[str]) -> None:
         )
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
     try:
-        spec = prepare(workdir, args.size, args.steps, args.batch_size)
-        length = spec["tokens_per_step"] // args.batch_size
-        print(
-            f"model: Llama, {spec['parameters'] / 1e6:.1f}M parameters ({args.size}: "
-            f"{spec['shape']}); batch {args.batch_size} x {length} tokens "
-            f"({spec['trained_tokens_per_step']} trained per step), {args.steps} steps, "
-            f"median over steps {args.warmup + 1}-{args.steps}, {args.repeats} repeats",
-            flush=True,
-        )
+        spec = prepare(workdir, args.size, args.steps, args.batch_size, args.lengths)
+        print(describe(spec, args), flush=True)
         results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
         for repeat in range(args.repeats):
             order = args.arms[repeat % len(args.arms) :] + args.arms[: repeat % len(args.arms)]
