@@ -528,10 +528,11 @@ class FullFinetuneRecipe:
         """This rank's validation batches (_validation_shares); a record that counts for
         nothing has every label ignored, which adds nothing to the sums."""
         for samples, counted in self._validation_shares():
-            # The validation split is never packed.
+            # The validation split is never packed (padding-free, where training is).
             batch = collate(
                 samples,
                 packed=False,
+                padding_free=self.cfg.dataset.padding_free,
                 padding_idx=self.tokenizer.pad_id,
                 on_cuda=self.device.type == "cuda",
             )

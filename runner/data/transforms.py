@@ -139,6 +139,9 @@ class TokenizedSplit(Dataset):
         return self._prepare(self.records[index])
 
 
+PACK_KEYS = ("tokens", "labels", "input_pos")
+
+
 def collate(
     samples: list[dict[str, Any]],
     *,
@@ -151,13 +154,18 @@ def collate(
 
     `packed`: the samples are PackedDataset's packs. `padding_free`: the samples are packed
     here, into as few rows as the longest of them holds (pack_rows). Every sample starts with a
-    masked token (BOS), so a pack's shifted labels never cross from one sample into the next. A
-    pack's block-causal mask is a flex-attention BlockMask for a model on a (recent) GPU, else a
-    dense mask for SDPA, which the CPU runs.
+    masked token (BOS), so a pack's shifted labels never cross from one sample into the next.
+    PackedDataset's block-causal mask is a flex-attention BlockMask for a model on a (recent)
+    GPU, else a dense mask for SDPA, which the CPU runs. Padding-free rows get the dense mask on
+    every device: torchtune compiles flex attention for one sequence length, and each batch's
+    rows have their own (a new compile each, until dynamo gives up). Where no two samples share
+    a row, the batch is padded as usual: the same rows, and attention needs no mask.
     """
-    if padding_free and not packed:
-        samples, packed = pack_rows(samples, padding_idx), True
-    if packed:
+    packs = pack_rows(samples, padding_idx) if padding_free and not packed else None
+    if packs is not None and len(packs) < len(samples):
+        batch = {key: torch.stack([p[key] for p in packs]) for key in PACK_KEYS}
+        batch["mask"] = create_block_causal_mask([p["seq_lens"] for p in packs])
+    elif packed:
         batch = padded_collate_packed(samples)
         if not on_cuda:
             batch["mask"] = create_block_causal_mask([s["seq_lens"] for s in samples])
