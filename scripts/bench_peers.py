@@ -29,7 +29,9 @@ on the machine hits all alike), each as its user gets it by default:
   a CUDA kernel);
 - bare: a hand-written loop over runner's own batches (the same padding-free rows): torchtune's
   builder loaded from CKPT, AdamW, cross-entropy on the whole logits, clip, step. ours/bare is
-  runner's overhead over the same arithmetic.
+  runner's overhead over the same arithmetic;
+- padded (only when --arms names it): runner with `dataset.padding_free=false`, each batch
+  padded to its longest sample: ours/padded is what padding-free batches buy.
 
 All: AdamW (lr, betas, eps, weight decay alike), constant lr with no warmup, clip at 1.0, fp32,
 one process, loss logged every step, runner's sample order (DistributedSampler, seed 0, epoch 0;
@@ -61,10 +63,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "runner" / "assets" / "tiny_tokenizer"
 SAMPLE_DATA = REPO / "runner" / "assets" / "sample" / "train.jsonl"
-ARMS = ("runner", "compiled", "tune", "hf", "bare")
-# runner with `compile=true` (inductor on each decoder layer; off by default: it costs seconds
-# of start-up that only runs of hundreds of steps recoup).
-COMPILED = ["compile=true"]
+ARMS = ("runner", "compiled", "tune", "hf", "bare", "padded")
+DEFAULT_ARMS = ARMS[:5]
+# runner's arms besides its defaults: `compile=true` (inductor on each decoder layer; off by
+# default: it costs seconds of start-up that only runs of hundreds of steps recoup), and
+# `dataset.padding_free=false` (each batch padded to its longest sample, as before
+# padding-free batches: what they buy; not run unless --arms names it).
+RUNNER_ARMS = {"runner": [], "compiled": ["compile=true"], "padded": ["dataset.padding_free=false"]}
 # Llama shapes: hidden, layers, heads, kv heads, MLP width. default is ~25M parameters, so that
 # compute, not per-step overhead, decides on 2 CPU cores.
 SIZES = {
@@ -462,14 +467,16 @@ def run_bare(spec: dict, out: Path) -> dict:
     size = spec["batch_size"]
     losses, clock = [], StepClock()
     for step in range(spec["steps"]):
-        # runner's batches: padding-free rows, labels shifted to each position's next token.
+        # runner's batches: padding-free rows (padded where no two samples share a row), labels
+        # shifted to each position's next token.
         batch = collate(
             samples[step * size : (step + 1) * size],
             packed=False,
             padding_free=True,
             padding_idx=spec["pad_id"],
         )
-        logits = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"])
+        packed = {key: batch[key] for key in ("mask", "input_pos") if key in batch}
+        logits = model(batch["tokens"], **packed)
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)),
             batch["labels"].reshape(-1),
@@ -549,10 +556,9 @@ def run_arm(arm: str, workdir: Path, spec: dict, repeat: int, timeout_s: float) 
     out = workdir / f"{arm}-{repeat}"
     out.mkdir()
     log = out / "output.log"
-    if arm in ("runner", "compiled"):
+    if arm in RUNNER_ARMS:
         run_dir = out / "run"
-        extra = COMPILED if arm == "compiled" else []
-        start, rss = run_child(runner_command(spec, run_dir, extra), log, timeout_s)
+        start, rss = run_child(runner_command(spec, run_dir, RUNNER_ARMS[arm]), log, timeout_s)
         result = read_runner(run_dir, start)
     elif arm == "tune":
         config = out / "tune.yaml"
@@ -674,7 +680,12 @@ def summarize(results: dict[str, list[dict]], spec: dict, warmup: int) -> list[s
         if ours in rows:
             ratios = [
                 f"ours/{name} {rows[ours]['tokens_s'] / rows[arm]['tokens_s']:.2f}"
-                for arm, name in (("tune", "tune"), ("hf", "HF"), ("bare", "bare"))
+                for arm, name in (
+                    ("tune", "tune"),
+                    ("hf", "HF"),
+                    ("bare", "bare"),
+                    ("padded", "padded"),
+                )
                 if arm in rows
             ]
             lines.append(f"tokens/s ratios, {ours}: " + "  ".join(ratios))
@@ -717,7 +728,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "fixed: all one length (no arm pads: the per-step overhead alone)",
     )
     parser.add_argument(
-        "--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}"
+        "--arms",
+        default=",".join(DEFAULT_ARMS),
+        help=f"comma-separated subset of {','.join(ARMS)} (default: all but padded)",
     )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per arm run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
