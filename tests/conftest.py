@@ -62,8 +62,9 @@ def hermetic_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """No hub access, caches in a temporary directory, one thread per process."""
     home = tmp_path_factory.mktemp("hf_home")
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(home))
-    env.pop("OMP_NUM_THREADS", None)
+    # One thread per process: two xdist workers share the cores, and a second thread per
+    # process would only wait on the other worker's (OpenMP spins while it waits).
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(home), OMP_NUM_THREADS="1")
     return env
 
 

@@ -135,9 +135,8 @@ def test_the_readme_job_service_runs_a_job(
 ) -> None:
     from fastapi.testclient import TestClient
 
-    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HOME"):
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HOME", "OMP_NUM_THREADS"):
         monkeypatch.setenv(key, hermetic_env[key])
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.chdir(workdir)
     path = Path(__file__).parents[1] / "scripts" / "job_service.py"
     spec = importlib.util.spec_from_file_location("job_service", path)
