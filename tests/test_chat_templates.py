@@ -374,7 +374,6 @@ def test_a_chatml_llama_checkpoint_validates_and_trains(runner_cli, tmp_path: Pa
         f"model.source={source}",
         *TRAIN,
         f"hydra.run.dir={run_dir}",
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(run_dir)) == [1, 2]
@@ -399,7 +398,6 @@ def test_text_data_needs_no_chat_template(runner_cli, tmp_path: Path) -> None:
         f"dataset.source={corpus}",
         *TRAIN,
         f"hydra.run.dir={run_dir}",
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(run_dir)) == [1, 2]
@@ -420,7 +418,6 @@ def test_a_template_file_trains_and_every_checkpoint_keeps_it(runner_cli, tmp_pa
         f"model.chat_template={template}",
         *TRAIN,
         f"hydra.run.dir={run_dir}",
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = run_dir / "checkpoints" / "step_2"

@@ -222,7 +222,7 @@ def test_resume_names_a_source_cut_short_since(runner_cli, tiny_source, tmp_path
     shutil.copytree(tiny_source, source)
     args = [*QUICK, "compute=cpu", "max_steps=2", "batch_size=2", "eval.strategy=no"]
     args += ["model=hf", f"model.source={source}", f"hydra.run.dir={run}"]
-    result = runner_cli("train", *args, env={"OMP_NUM_THREADS": "1"})
+    result = runner_cli("train", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     status = json.loads((run / "status.json").read_text())
     (run / "status.json").write_text(json.dumps({**status, "state": "failed"}))

@@ -571,7 +571,6 @@ def test_training_with_packing_through_the_cli(runner_cli, tmp_path: Path) -> No
         "runtime.progress_bar=false",
         "runtime.loggers=[]",
         f"hydra.run.dir={run}",
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     found = losses(run)

@@ -101,18 +101,15 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def env(hermetic_env: dict[str, str]) -> dict[str, str]:
-    return {**hermetic_env, "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def layouts(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def layouts(
+    hermetic_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     """The same 6 steps trained as 1x1, 1x2 and 2x2 (nodes x processes)."""
     root = tmp_path_factory.mktemp("layouts")
     runs = {name: root / name for name in ("1x1", "1x2", "2x2")}
-    OUTPUTS["1x1"] = train(env, root, runs["1x1"], *ONE_BY_ONE)
-    OUTPUTS["1x2"] = train(env, root, runs["1x2"], *ONE_BY_TWO)
-    for code, output in two_nodes(env, root, runs["2x2"]):
+    OUTPUTS["1x1"] = train(hermetic_env, root, runs["1x1"], *ONE_BY_ONE)
+    OUTPUTS["1x2"] = train(hermetic_env, root, runs["1x2"], *ONE_BY_TWO)
+    for code, output in two_nodes(hermetic_env, root, runs["2x2"]):
         assert code == 0, output[-3000:]
         assert f"run directory: {runs['2x2']}" in output
     return runs
@@ -173,13 +170,13 @@ def resumed_on(env, layouts, tmp_path: Path, source: str, *layout: str) -> dict[
     return losses(run_dir)
 
 
-def test_checkpoint_of_four_ranks_resumes_on_one(env, layouts, tmp_path: Path) -> None:
-    resumed = resumed_on(env, layouts, tmp_path, "2x2", *ONE_BY_ONE)
+def test_checkpoint_of_four_ranks_resumes_on_one(hermetic_env, layouts, tmp_path: Path) -> None:
+    resumed = resumed_on(hermetic_env, layouts, tmp_path, "2x2", *ONE_BY_ONE)
     assert_close(resumed, losses(layouts["1x1"]))
 
 
-def test_checkpoint_of_one_rank_resumes_on_four(env, layouts, tmp_path: Path) -> None:
-    resumed = resumed_on(env, layouts, tmp_path, "1x1", *ONE_BY_FOUR)
+def test_checkpoint_of_one_rank_resumes_on_four(hermetic_env, layouts, tmp_path: Path) -> None:
+    resumed = resumed_on(hermetic_env, layouts, tmp_path, "1x1", *ONE_BY_FOUR)
     assert_close(resumed, losses(layouts["1x1"]))
 
 
@@ -204,14 +201,14 @@ if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT"
 
 
 def test_killed_worker_restarts_the_group_and_ends_with_the_same_loss(
-    env, layouts, tmp_path: Path
+    hermetic_env, layouts, tmp_path: Path
 ) -> None:
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(KILL_RANK_1)
-    path = ":".join(p for p in (str(hooks), env.get("PYTHONPATH", "")) if p)
+    path = ":".join(p for p in (str(hooks), hermetic_env.get("PYTHONPATH", "")) if p)
     run_dir = tmp_path / "killed"
-    output = train({**env, "PYTHONPATH": path}, tmp_path, run_dir, *ONE_BY_TWO)
+    output = train({**hermetic_env, "PYTHONPATH": path}, tmp_path, run_dir, *ONE_BY_TWO)
     assert f"resuming from {run_dir / 'checkpoints' / 'step_3'} at step 3" in output
     assert output.count("failed (exitcode") == 1, output[-3000:]  # one restart was enough
     status = json.loads((run_dir / "status.json").read_text())
@@ -221,12 +218,14 @@ def test_killed_worker_restarts_the_group_and_ends_with_the_same_loss(
 
 
 @pytest.mark.parametrize("target", ["launcher", "one worker"])
-def test_sigterm_saves_a_checkpoint_and_exits_143(env, tmp_path: Path, target: str) -> None:
+def test_sigterm_saves_a_checkpoint_and_exits_143(
+    hermetic_env, tmp_path: Path, target: str
+) -> None:
     """SIGTERM to `runner train` (the agent passes it on), or to rank 0 alone (a preempted node:
     the others must stop with it, not restart the group)."""
     run_dir = tmp_path / "preempted"
     args = [*BASE, *ONE_BY_TWO, "max_steps=400", "runtime.save_every_n_steps=null"]
-    proc = start(env, tmp_path, *args, f"hydra.run.dir={run_dir}")
+    proc = start(hermetic_env, tmp_path, *args, f"hydra.run.dir={run_dir}")
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -247,7 +246,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(env, tmp_path: Path, target: s
     assert "resuming from" not in output  # stopped, not restarted
 
 
-def test_baseten_variables_need_no_flags(env, tmp_path: Path) -> None:
+def test_baseten_variables_need_no_flags(hermetic_env, tmp_path: Path) -> None:
     checkpoint_dir = tmp_path / "bt_checkpoints"
     baseten = {
         "BT_GROUP_SIZE": "1",
@@ -256,7 +255,7 @@ def test_baseten_variables_need_no_flags(env, tmp_path: Path) -> None:
         "BT_TRAINING_JOB_ID": "job42",
         "BT_CHECKPOINT_DIR": str(checkpoint_dir),
     }
-    code, output = finish(start({**env, **baseten}, tmp_path, *BASE, "compute=multi_node"))
+    code, output = finish(start({**hermetic_env, **baseten}, tmp_path, *BASE, "compute=multi_node"))
     assert code == 0, output[-3000:]
     run_dir = checkpoint_dir / "baseten-job42"
     assert f"run directory: {run_dir}" in output

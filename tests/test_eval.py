@@ -58,7 +58,7 @@ METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_exact_ma
 def train(env: dict[str, str], run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "runner", "train", *overrides, f"hydra.run.dir={run_dir}"],
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,

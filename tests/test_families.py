@@ -255,7 +255,6 @@ def test_runner_trains_a_source_of_each_family(
         "runtime.loggers=[]",
         "runtime.log_every_n_steps=1",
         f"hydra.run.dir={run_dir}",
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(run_dir)) == [1, 2]
@@ -319,7 +318,6 @@ def test_runner_fine_tunes_adapters_of_the_new_families(
         "runtime.progress_bar=false",
         "runtime.loggers=[]",
         f"hydra.run.dir={run_dir}",
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = run_dir / "checkpoints" / "step_2"

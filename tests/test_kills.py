@@ -99,10 +99,11 @@ def tail(output: Path) -> str:
 
 
 def test_kill_9_at_chosen_moments_then_resume(hermetic_env, tmp_path: Path) -> None:
-    env = {**hermetic_env, "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     straight_dir, run_dir = tmp_path / "straight", tmp_path / "killed"
-    straight = start(env, tmp_path / "straight.out", *ARGS, f"hydra.run.dir={straight_dir}")
+    straight = start(
+        hermetic_env, tmp_path / "straight.out", *ARGS, f"hydra.run.dir={straight_dir}"
+    )
     hits: dict[str, bool] = {}
     logged: dict[str, dict[int, float]] = {}  # the losses on disk after each kill
     for index, moment in enumerate(MOMENTS):
@@ -110,15 +111,15 @@ def test_kill_9_at_chosen_moments_then_resume(hermetic_env, tmp_path: Path) -> N
         for _ in range(TRIES if index == 0 else 1):
             if index == 0:
                 shutil.rmtree(run_dir, ignore_errors=True)
-                proc = start(env, output, *ARGS, f"hydra.run.dir={run_dir}")
+                proc = start(hermetic_env, output, *ARGS, f"hydra.run.dir={run_dir}")
             else:
-                proc = start(env, output, f"resume={run_dir}")
+                proc = start(hermetic_env, output, f"resume={run_dir}")
             kill_at(moment, proc, run_dir, output)
             if moment.hit(run_dir):
                 break
         hits[moment.name], logged[moment.name] = moment.hit(run_dir), losses(run_dir)
     output = tmp_path / "final.out"
-    final = start(env, output, f"resume={run_dir}")
+    final = start(hermetic_env, output, f"resume={run_dir}")
     assert final.wait(timeout=300) == 0, tail(output)
     assert straight.wait(timeout=300) == 0, tail(tmp_path / "straight.out")
     assert f"completed at step {STEPS}: nothing to train" in output.read_text(), tail(output)

@@ -106,7 +106,7 @@ def start_two_processes(env: dict[str, str], run_dir: Path) -> tuple[subprocess.
     """A 2-process CPU run under the elastic agent, once it has logged 2 steps; its workers."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "runner", "train", *TWO_PROCESSES, f"hydra.run.dir={run_dir}"],
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

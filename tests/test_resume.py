@@ -109,7 +109,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -
     proc = subprocess.Popen(
         [sys.executable, "-m", "runner", "train", *args, "runtime.log_every_n_steps=1"]
         + ["eval.strategy=no", f"hydra.run.dir={run}"],
-        env={**hermetic_env, "OMP_NUM_THREADS": "1"},
+        env=hermetic_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

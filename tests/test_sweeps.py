@@ -72,7 +72,6 @@ def test_submitit_launcher_through_its_local_executor(runner_cli, tmp_path: Path
         *TINY_JOB,
         "optimizer.lr=1e-3,3e-3",
         f"hydra.sweep.dir={sweep}",
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["state"] for r in summary_of(sweep)["runs"]] == ["completed", "completed"]
@@ -91,7 +90,6 @@ def test_optuna_search_optimizes_the_objective(runner_cli, tmp_path: Path) -> No
         "optimizer.lr=tag(log, interval(1e-4, 1e-2))",
         *TINY_JOB,
         f"hydra.sweep.dir={sweep}",
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = summary_of(sweep)["runs"]
