@@ -33,13 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from runner.recipes import process
+
+from runner.config.schema import read_recipe
+from runner.data import answer_log_probs, collate_preference
+from runner.models.torchtune_boundary import disable_adapter
 from runner.recipes.full_finetune import FullFinetuneRecipe
 from runner.recipes.lora_finetune import LoraFinetuneRecipe
-
-from runner.data import answer_log_probs, collate_preference
-from runner.schema import read_recipe
-from runner.tune import disable_adapter
+from runner.train import process
 
 # The per-pair quantities summed over a step or an evaluation, in this order.
 PAIR_SUMS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin")
@@ -68,7 +68,7 @@ def preference_loss(
     elif loss == "hinge":
         losses = torch.relu(1 - beta * margin)
     else:
-        raise AssertionError(f"runner.resolve lets no loss {loss!r} through")
+        raise AssertionError(f"runner.config.resolve lets no loss {loss!r} through")
     chosen_rewards = beta * (policy_chosen - reference_chosen).detach()
     rejected_rewards = beta * (policy_rejected - reference_rejected).detach()
     return losses, chosen_rewards, rejected_rewards

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from runner.recipes import process
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,21 +37,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from runner import trackers
-from runner.backends import backend_for
-from runner.checkpoint import read_training_state, write_checkpoint
-from runner.components import instantiate
+from runner.config.components import instantiate
 from runner.data import collate, eval_prompts, training_splits
 from runner.errors import Diverged
-from runner.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
-from runner.manifest import record_checkpoint
-from runner.optimizers import split_option
-from runner.rundir import RunDir
-from runner.tune import (
+from runner.models.backends import backend_for
+from runner.models.checkpoint import read_training_state, write_checkpoint
+from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
     get_cosine_schedule_with_warmup,
     set_activation_checkpointing,
 )
+from runner.rundir import RunDir
+from runner.rundir.manifest import record_checkpoint
+from runner.train import process, trackers
+from runner.train.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
+from runner.train.optimizers import split_option
 
 log = logging.getLogger("runner.recipe")
 # The dtype group: (dtype of the trained parameters, gradients and optimizer state; compute dtype).
@@ -81,7 +80,7 @@ class FullFinetuneRecipe:
         self.dtype, self.compute_dtype = PRECISIONS[cfg.dtype.name]
         # How the model is built, sharded and saved: torchtune's or transformers' (model.backend).
         self.backend = backend_for(cfg.model)
-        # The optimizer's component and arguments, and its schedule (runner.optimizers).
+        # The optimizer's component and arguments, and its schedule (runner.train.optimizers).
         optimizer, self.schedule = split_option(OmegaConf.to_container(cfg.optimizer))
         self.optimizer_node = OmegaConf.create(optimizer)
         self.step = 0

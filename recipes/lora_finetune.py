@@ -2,8 +2,8 @@
 
     python -m runner.recipes.lora_finetune RUN_DIR/recipe.yaml
 
-The model comes from its backend (runner.backends): with torchtune's, the LoRA twin of the
-model's builder (named by its family, runner.families) with the method's arguments, and with
+The model comes from its backend (runner.models.backends): with torchtune's, the LoRA twin of the
+model's builder (named by its family, runner.models.families) with the method's arguments, and with
 `quantize_base` (method=qlora) NF4 base projections (torchao); with transformers', peft's LoRA on
 transformers' model class. The base comes from `model.source`, or from `seed` exactly as the full
 recipe initializes it, and is then written once to RUN/base_model/ in Hugging Face format: the
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from runner.recipes import process
-from runner.recipes.full_finetune import FullFinetuneRecipe
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from runner.checkpoint import MODEL_FILE, write_base_model, write_lora_checkpoint
-from runner.tune import gather_cpu_state_dict
+from runner.models.checkpoint import MODEL_FILE, write_base_model, write_lora_checkpoint
+from runner.models.torchtune_boundary import gather_cpu_state_dict
+from runner.recipes.full_finetune import FullFinetuneRecipe
+from runner.train import process
 
 # Adapter weights load into a model whose base is already in place.
 ADAPTER_ONLY = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)

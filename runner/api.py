@@ -2,10 +2,10 @@
 own front (a job service, a notebook, a scheduler).
 
 Every function runs the code the CLI runs: `validate` and `estimate` compose conf/ in this
-process and call runner.preflight; `launch`, `sweep` and `deploy` start `python -m runner ...`
+process and call runner.train.preflight; `launch`, `sweep` and `deploy` start `python -m runner ...`
 as a detached process in a session of its own, so that training outlives the caller; a `Run` is
 a handle on a run directory (the contract of DESIGN.md) and reads it through runner.rundir and
-runner.lifecycle, as `runner runs | logs | stop | resume` do.
+runner.train.lifecycle, as `runner runs | logs | stop | resume` do.
 
     from runner import api
 
@@ -41,11 +41,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from runner import lifecycle, preflight, resolvers
+from runner.config import interpolations
 from runner.errors import UserError
 from runner.paths import CONF_DIR
 from runner.rundir import FINAL_STATES, STATES, RunDir, Status
-from runner.sweep import SUMMARY_JSON
+from runner.train import lifecycle, preflight
+from runner.train.sweep import SUMMARY_JSON
 
 _HYDRA = threading.Lock()  # Hydra's compose API keeps global state
 _URL_LINE = re.compile(r"OpenAI-compatible API at (http://\S+)")
@@ -72,7 +73,7 @@ class Capabilities:
 def capabilities() -> Capabilities:
     """The options this installation offers, read from conf/ and the code that serves them."""
     from runner.deploy.serve import ENGINES
-    from runner.trackers import TRACKERS
+    from runner.train.trackers import TRACKERS
 
     def options(group: str) -> tuple[str, ...]:
         return tuple(sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml")))
@@ -100,7 +101,7 @@ def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
 
     from runner.cli import as_user_error
 
-    resolvers.register()
+    interpolations.register()
     with _HYDRA, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
             return hydra_compose(config_name, overrides=list(overrides))
@@ -299,7 +300,7 @@ def sweep(
 
 
 class Sweep:
-    """A sweep, by its directory: one Run per job, and the summary runner.sweep writes."""
+    """A sweep, by its directory: one Run per job, and the summary runner.train.sweep writes."""
 
     def __init__(self, path: str | os.PathLike[str], *, _process: Any = None) -> None:
         self.path = Path(path).resolve()

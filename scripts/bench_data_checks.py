@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.data import CROSS_ENTROPY_IGNORE_IDX, check_datasets, train_dataset
+from runner.models.tokenizer import ChatTokenizer
 from runner.paths import TINY_TOKENIZER_DIR
-from runner.tokenizer import ChatTokenizer
 
 WORDS = "the a model data train token word answer question reverse upper case list".split()
 

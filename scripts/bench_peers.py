@@ -100,7 +100,7 @@ def write_checkpoint(directory: Path, size: str) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from runner.tokenizer import ChatTokenizer
+    from runner.models.tokenizer import ChatTokenizer
 
     hidden, layers, heads, kv_heads, mlp = SIZES[size]
     tokenizer = ChatTokenizer(str(TOKENIZER_DIR))
@@ -164,8 +164,8 @@ def runner_order(count: int) -> list[int]:
 def tokenize(checkpoint: Path, data: Path) -> list[dict[str, list[int]]]:
     """Each record as runner tokenizes it: tokens and labels (-100 on the prompt), unshifted."""
     from runner.data.transforms import InstructToMessages
-    from runner.tokenizer import ChatTokenizer
-    from runner.tune import SFTTransform
+    from runner.models.tokenizer import ChatTokenizer
+    from runner.models.torchtune_boundary import SFTTransform
 
     transform = SFTTransform(
         InstructToMessages(
@@ -182,7 +182,7 @@ def tokenize(checkpoint: Path, data: Path) -> list[dict[str, list[int]]]:
 
 def prepare(workdir: Path, size: str, steps: int, batch_size: int, lengths: str) -> dict:
     """Writes checkpoint, data and the ordered pre-tokenized samples; the facts arms share."""
-    from runner.tokenizer import ChatTokenizer
+    from runner.models.tokenizer import ChatTokenizer
 
     checkpoint, data = workdir / "checkpoint", workdir / "train.jsonl"
     checkpoint.mkdir()
@@ -283,7 +283,7 @@ def tune_config(spec: dict, out: Path) -> str:
             "tie_word_embeddings": False,
         },
         "tokenizer": {
-            "_component_": "runner.tokenizer.ChatTokenizer",
+            "_component_": "runner.models.tokenizer.ChatTokenizer",
             "path": spec["checkpoint"],
             "max_seq_len": None,
         },

@@ -7,7 +7,7 @@ number of steps, each in a fresh subprocess so that peak memory is its own, taki
 `--repeats` times and reporting medians (a neighbour on the machine hits all alike). The bare
 loop is what a person writes by hand: no logging, no status file, no checkpoint; it trains every
 parameter, like method=full. Every row uses tiny with 8 kv heads, so that each base projection
-holds whole NF4 blocks for qlora (see runner.resolve._check_nf4_shapes).
+holds whole NF4 blocks for qlora (see runner.config.resolve._check_nf4_shapes).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def peak_memory_mb(device: str) -> float:
 def recipe_config(steps: int, batch_size: int, device: str, run_dir: Path, method: str = "full"):
     from hydra import compose, initialize_config_dir
 
-    from runner import resolvers
+    from runner.config import interpolations
+    from runner.config.resolve import resolve_recipe
     from runner.paths import CONF_DIR
-    from runner.resolve import resolve_recipe
 
     overrides = [
         f"max_steps={steps}",
@@ -54,7 +54,7 @@ def recipe_config(steps: int, batch_size: int, device: str, run_dir: Path, metho
         f"method={method}",
         *MODEL,
     ]
-    resolvers.register()
+    interpolations.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return resolve_recipe(compose("train", overrides=overrides), run_dir)
 
@@ -107,9 +107,9 @@ def run_bare(steps: int, batch_size: int, device: str) -> dict[str, float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from runner.components import instantiate
+    from runner.config.components import instantiate
     from runner.data import train_dataset
-    from runner.tune import init_like_hf, padded_collate_sft
+    from runner.models.torchtune_boundary import init_like_hf, padded_collate_sft
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = recipe_config(steps, batch_size, device, Path(tmp))

@@ -62,7 +62,7 @@ def main() -> int:
         args.golden.write_text(json.dumps({"overrides": OVERRIDES, "losses": losses}, indent=2))
         print(f"wrote {len(losses)} losses to {args.golden}")
         return 0
-    from runner.repro import compare_losses, print_report
+    from runner.train.repro import compare_losses, print_report
 
     stored = json.loads(args.golden.read_text())
     drifts = compare_losses(

@@ -32,8 +32,8 @@ SPECIAL_TOKENS = [
     "<|reserved_special_token_0|>",
     "<|reserved_special_token_1|>",
 ]
-# Llama 3's chat format, without the date preamble; runner.tokenizer.ChatTokenizer produces the
-# same ids in training.
+# Llama 3's chat format, without the date preamble; runner.models.tokenizer.ChatTokenizer produces
+# the same ids in training.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' "

@@ -33,16 +33,16 @@ PRELOAD = (
     "torchtune",
     "datasets",
     "runner.cli",
-    "runner.train",
+    "runner.train.job",
     "runner.recipes.full_finetune",
     "runner.recipes.lora_finetune",
-    "runner.preflight",
-    "runner.hub",
+    "runner.train.preflight",
+    "runner.hub.download",
     "runner.deploy",
     "runner.export",
-    "runner.repro",
-    "runner.lifecycle",
-    "runner.cluster",
+    "runner.train.repro",
+    "runner.train.lifecycle",
+    "runner.train.cluster",
 )
 
 

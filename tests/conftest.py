@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import resolvers
+from runner.config import interpolations
 from runner.rundir import RunDir
 from tests.cli_forks import ForkedCli
 
@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True, scope="session")
 def _resolvers() -> None:
     """Tests that compose conf/ themselves need the runner_* resolvers, as the CLI registers."""
-    resolvers.register()
+    interpolations.register()
 
 
 @dataclass

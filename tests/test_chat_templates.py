@@ -19,10 +19,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from runner.errors import UserError
-from runner.models import resolve_model
+from runner.models.resolve import resolve_model
+from runner.models.tokenizer import ChatTokenizer
+from runner.models.torchtune_boundary import Message
 from runner.paths import CONF_DIR
-from runner.tokenizer import ChatTokenizer
-from runner.tune import Message
 from tests.conftest import losses
 from tests.fixtures import (
     GEMMA_TEMPLATE,

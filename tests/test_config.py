@@ -13,10 +13,10 @@ import torch
 from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 
+from runner.config.resolve import resolve_recipe
 from runner.errors import UserError
-from runner.families import family_named
+from runner.models.families import family_named
 from runner.paths import ASSETS_DIR, CONF_DIR, SAMPLE_DATA_DIR
-from runner.resolve import resolve_recipe
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF_DIR / g).glob("*.yaml"))]
@@ -163,7 +163,7 @@ def test_non_editable_install_finds_configs_recipes_and_assets(tmp_path: Path) -
         capture_output=True,
     )
     code = (
-        "import runner.paths as p, runner.resolve as r, runner.resolvers as rs\n"
+        "import runner.paths as p, runner.config.resolve as r, runner.config.interpolations as rs\n"
         "from hydra import compose, initialize_config_dir as i\n"
         "rs.register()\n"
         "with i(config_dir=str(p.CONF_DIR), version_base='1.3'):\n"

@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.components import instantiate
-from runner.tune import Message
+from runner.config.components import instantiate
+from runner.models.torchtune_boundary import Message
 from tests.conftest import QUICK, deploy_server
 
 

@@ -116,7 +116,7 @@ def layouts(
 
 
 def summary_labels(output: str) -> list[str]:
-    """The labels of the end-of-run summary's lines (runner.train), in order."""
+    """The labels of the end-of-run summary's lines (runner.train.job), in order."""
     return [line.split(":")[0] for line in output.splitlines() if SUMMARY_LINE.match(line)]
 
 

@@ -19,13 +19,13 @@ from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from runner.config.resolve import resolve_recipe
 from runner.deploy.selection import choose_checkpoint
 from runner.errors import UserError
-from runner.lifecycle import runs_table
 from runner.paths import ASSETS_DIR, CONF_DIR
-from runner.resolve import resolve_recipe
 from runner.rundir import RunDir
-from runner.sweep import summarize
+from runner.train.lifecycle import runs_table
+from runner.train.sweep import summarize
 from tests.conftest import losses
 
 STEPS = 12

@@ -26,7 +26,7 @@ from transformers import (
 
 from runner.errors import UserError
 from runner.export.write import export
-from runner.families import FAMILIES, hf_config
+from runner.models.families import FAMILIES, hf_config
 from runner.paths import TINY_TOKENIZER_DIR
 from tests.fixtures import write_tiny_checkpoint
 

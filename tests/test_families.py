@@ -22,11 +22,12 @@ from omegaconf import OmegaConf
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from runner.checkpoint import read_adapter_state, read_model_state, write_lora_checkpoint
-from runner.components import instantiate
+from runner.config.components import instantiate
+from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
-from runner.families import (
+from runner.models.checkpoint import read_adapter_state, read_model_state, write_lora_checkpoint
+from runner.models.families import (
     builder_args,
     check_source_matches,
     family_named,
@@ -37,11 +38,10 @@ from runner.families import (
     tune_to_hf,
     tune_to_peft,
 )
-from runner.models import resolve_model
+from runner.models.resolve import resolve_model
+from runner.models.torchtune_boundary import Message, peft_adapter_config
 from runner.paths import CONF_DIR
-from runner.preflight import estimate, print_estimate
-from runner.resolve import resolve_recipe
-from runner.tune import Message, peft_adapter_config
+from runner.train.preflight import estimate, print_estimate
 from tests.conftest import losses
 from tests.fixtures import (
     FAMILIES,
@@ -742,8 +742,8 @@ def test_a_chat_template_that_is_not_a_file_is_a_user_error(checkpoints) -> None
 def test_each_family_loads_from_a_hub_cache_snapshot(
     family: str, checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """hf://org/name, offline, through runner.hub and the cache layout huggingface_hub keeps:
-    the same model, weights and tokenizer as the plain directory."""
+    """hf://org/name, offline, through runner.hub.download and the cache layout huggingface_hub
+    keeps: the same model, weights and tokenizer as the plain directory."""
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     snapshot = write_hub_snapshot(family, tmp_path / "hub", f"acme/tiny-{family}")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -21,13 +21,13 @@ from safetensors.torch import load_file
 from torch.utils.data import DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.components import instantiate
+from runner.config.components import instantiate
+from runner.config.resolve import resolve_recipe
 from runner.data import collate, training_splits
 from runner.errors import UserError
 from runner.export.write import export
+from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.paths import CONF_DIR
-from runner.resolve import resolve_recipe
-from runner.tune import CROSS_ENTROPY_IGNORE_IDX
 from tests.conftest import QUICK, deploy_server, losses
 from tests.fixtures import write_tiny_checkpoint
 from tests.hf_backend_fixtures import ARCHITECTURES, write_arch_checkpoint

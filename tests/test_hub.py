@@ -24,12 +24,12 @@ from huggingface_hub import constants
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from runner.config.resolve import resolve_recipe
 from runner.errors import UserError
-from runner.families import FAMILIES, hf_config
-from runner.hub import Hub, TokenRef, default_cache_dir, localize, parse_uri
+from runner.hub.download import Hub, TokenRef, default_cache_dir, localize, parse_uri
+from runner.models.families import FAMILIES, hf_config
+from runner.models.tokenizer import ChatTokenizer
 from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
-from runner.resolve import resolve_recipe
-from runner.tokenizer import ChatTokenizer
 from tests.conftest import losses
 from tests.test_config import compose_train
 

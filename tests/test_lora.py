@@ -10,15 +10,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from peft import PeftModel
-from runner.recipes.lora_finetune import LoraFinetuneRecipe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
-from runner.families import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
-from runner.preflight import estimate
-from runner.resolve import resolve_recipe
+from runner.models.families import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
+from runner.recipes.lora_finetune import LoraFinetuneRecipe
+from runner.train.preflight import estimate
 from tests.conftest import QUICK, losses
 from tests.test_config import compose_train
 from tests.test_resume import straight_then_resumed

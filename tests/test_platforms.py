@@ -12,12 +12,12 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner import platforms
 from runner.cli import as_user_error
-from runner.cluster import cluster_files
+from runner.config import platforms
+from runner.config.resolve import resolve_recipe
 from runner.errors import UserError
 from runner.paths import CONF_DIR
-from runner.resolve import resolve_recipe
+from runner.train.cluster import cluster_files
 
 PREFIXES = ("PET_", "BT_", "SLURM_", "TORCHELASTIC_")
 TORCHRUN = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE")
@@ -322,7 +322,7 @@ def test_the_slurm_line_reads_its_node_from_slurm(runner_cli) -> None:
         (["cluster.print=kubeflow"], "cluster.kubeflow.image"),
         (["cluster.name=Bad_Name", "cluster.kubeflow.image=i"], "cluster.name"),
         (["cluster.print=pdf"], "cluster.print"),
-        # Typed by runner.schema.Cluster and Train before any file is printed.
+        # Typed by runner.config.schema.Cluster and Train before any file is printed.
         (["cluster.nodes=0"], "cluster.nodes"),
         (["cluster.slurm.cpus_per_task=many"], "cluster.slurm.cpus_per_task"),
         (["batch_size=abc"], "batch_size"),

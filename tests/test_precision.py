@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runner.checkpoint import read_training_state
-from runner.preflight import estimate
-from runner.resolve import resolve_recipe
+from runner.config.resolve import resolve_recipe
+from runner.models.checkpoint import read_training_state
+from runner.train.preflight import estimate
 from tests.conftest import QUICK
 from tests.test_config import compose_train
 from tests.test_lora import QLORA

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from runner import determinism
 from runner.errors import UserError
 from runner.paths import SAMPLE_DATA_DIR
-from runner.repro import compare_losses, compare_metrics
+from runner.train import determinism
+from runner.train.repro import compare_losses, compare_metrics
 from tests.conftest import QUICK, losses
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_losses.json"

@@ -23,7 +23,7 @@ from runner.rundir import (
     best_run,
     sweep_runs,
 )
-from runner.sweep import exit_code, summarize, write_summary
+from runner.train.sweep import exit_code, summarize, write_summary
 
 SELECT = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
 

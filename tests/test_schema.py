@@ -1,5 +1,6 @@
-"""runner.schema: the composed train and deploy configs are typed, so a wrong type, an unknown
-key or a value out of its field's bound is one UserError naming the key, the value and the fix."""
+"""runner.config.schema: the composed train and deploy configs are typed, so a wrong type, an
+unknown key or a value out of its field's bound is one UserError naming the key, the value and
+the fix."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from runner.config.schema import Deploy, Export, Train, typed
 from runner.errors import UserError
 from runner.paths import CONF_DIR
-from runner.schema import Deploy, Export, Train, typed
 from tests.test_config import compose_train
 
 
@@ -84,7 +85,7 @@ def test_deploy_config_is_typed_too(override: str, message: str) -> None:
 def test_a_recipe_of_another_layout_is_refused_by_name(tmp_path) -> None:
     """recipe.yaml is read typed: one written before the layout changed (no version) is one
     UserError naming the file, not a KeyError deep in a training process."""
-    from runner.schema import read_recipe
+    from runner.config.schema import read_recipe
 
     old = tmp_path / "recipe.yaml"
     old.write_text("run_dir: /x\ndevice: cpu\ndtype: fp32\ntraining:\n  max_steps: 4\n")

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from runner import trackers
-from runner.manifest import REDACTED
 from runner.rundir import RunDir
+from runner.rundir.manifest import REDACTED
+from runner.train import trackers
 from tests.conftest import QUICK
 
 SENTINEL = "sentinel-7d1e-not-for-trackers"

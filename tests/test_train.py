@@ -10,11 +10,11 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.checkpoint import read_model_state
-from runner.components import instantiate
+from runner.config.components import instantiate
+from runner.models.checkpoint import read_model_state
+from runner.models.tokenizer import ChatTokenizer
+from runner.models.torchtune_boundary import Message
 from runner.rundir import STATES
-from runner.tokenizer import ChatTokenizer
-from runner.tune import Message
 from tests.conftest import QUICK, losses
 
 

@@ -18,7 +18,7 @@ from runner.data.preference import SIDES, PreferenceSplit, PreferenceToMessages
 from runner.data.sources import Records, load_records
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
-from runner.tune import CROSS_ENTROPY_IGNORE_IDX, Message
+from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message
 
 
 class DataError(UserError):

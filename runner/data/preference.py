@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from runner.data.kinds import CONVERSATION_STYLES
 from runner.data.transforms import collate
-from runner.tune import CROSS_ENTROPY_IGNORE_IDX, Message
+from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message
 
 SIDES = ("chosen", "rejected")
 

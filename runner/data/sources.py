@@ -45,8 +45,8 @@ SPLIT_PART = re.compile(r"^\s*([\w.-]+)\s*(\[[^\]]*\])?\s*$")
 def local_source(key: str, source: str) -> str:
     """The absolute local path of a dataset source: a data file or a directory of them.
 
-    runner.hub has already turned hf:// sources into paths in the cache, except for a dry run
-    that downloads nothing (`runner estimate`).
+    runner.hub.download has already turned hf:// sources into paths in the cache, except for a dry
+    run that downloads nothing (`runner estimate`).
     """
     if source.startswith("hf://"):
         raise UserError(

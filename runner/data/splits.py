@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from runner.data.checks import checked_split
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
-from runner.tune import PackedDataset
+from runner.models.torchtune_boundary import PackedDataset
 
 
 def _held_out(

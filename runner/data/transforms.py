@@ -9,7 +9,7 @@ import datasets
 import torch
 from torch.utils.data import Dataset
 
-from runner.tune import (
+from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
     Message,
     OpenAIToMessages,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import UserError
-from runner.metrics import known_mode
 from runner.rundir import RunDir, best_run, is_checkpoint_dir, is_run_dir, sweep_runs
+from runner.rundir.metrics import known_mode
 
 _MODES = ("min", "max")
 _CHECKPOINT_CHOICES = ("latest", "best")

@@ -14,10 +14,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.config.schema import Deploy, typed
+from runner.deploy.routes import ServedModel
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
-from runner.deploy.server import ServedModel
 from runner.errors import UserError
-from runner.schema import Deploy, typed
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def deploy(cfg: DictConfig) -> None:
 def prepare(cfg: DictConfig) -> tuple[Any, socket.socket]:
     """Everything before serving: the API key, the bound socket, the loaded models, the app."""
     from runner.deploy.protocol import Limits
-    from runner.deploy.server import build_app
+    from runner.deploy.routes import build_app
 
     if OmegaConf.is_missing(cfg, "checkpoint"):
         raise UserError(

@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType, TokenType
 
 from runner.errors import UserError
-from runner.families import head_dim, rope, rope_type
+from runner.models.families import head_dim, rope, rope_type
 
 # The types this writer makes itself -> the file type recorded in the header and the type of
 # 2-D weights. f32 is the source that llama.cpp's quantizer reads for the other types.

@@ -1,0 +1,111 @@
+"""The `runner` command: dispatches to each subcommand's Hydra app, reports user errors once."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import sys
+
+from runner.config import interpolations
+from runner.errors import UserError, UserErrorExit
+
+USAGE = """usage: runner COMMAND [hydra overrides] [--help]
+
+commands:
+  train    compose config groups, resolve a recipe, train and checkpoint
+  validate print the resolved recipe; check that weights, tokenizer and data are there
+  estimate parameters, memory per device and tokens per epoch, before training
+  download fetch the hf:// models and datasets a config names into the cache, ahead of time
+  deploy   serve checkpoints behind an OpenAI-compatible API
+  export   write a checkpoint as a LoRA adapter, a merged model, or a GGUF file
+  push     upload an export or a checkpoint to a Hugging Face hub repo, with a model card
+  repro    re-run a recorded run and compare; exit 1 on drift (for CI)
+  runs     list runs and sweep jobs: state, step, loss, best eval, age
+  logs     print or follow (-f) a run's log
+  stop     ask a run to save a checkpoint and end as cancelled
+  resume   continue a cancelled or failed run from its last whole checkpoint
+  cluster  print the Slurm batch script and Kubeflow TrainJob of a multi-node run (dry run)
+
+`runner COMMAND --help` lists the command's config groups and options."""
+
+
+# Each command is a module of this package, imported only when it runs (`runner --help` stays
+# light): a Hydra command's module has `app` (its @hydra.main), the others `main(argv)`.
+HYDRA_COMMANDS = ("train", "validate", "estimate", "download", "deploy", "export")
+LIFECYCLE_COMMANDS = ("runs", "logs", "stop", "resume")
+COMMANDS = (*HYDRA_COMMANDS, "push", "repro", *LIFECYCLE_COMMANDS, "cluster")
+
+
+def _run(name: str, argv: list[str]) -> int | None:
+    """Runs command `name` with the arguments after its name."""
+    if name == "resume":
+        from runner.cli.lifecycle import resume_argv
+
+        name, *argv = resume_argv(argv)
+    if name in LIFECYCLE_COMMANDS:
+        from runner.cli.lifecycle import main as lifecycle_main
+
+        return lifecycle_main(name, argv)
+    module = importlib.import_module(f"runner.cli.{name}")
+    if name not in HYDRA_COMMANDS:
+        return module.main(argv)
+    if name == "export":
+        module.check_argv(argv)
+    if name in ("validate", "estimate", "download"):
+        from runner.cli.no_output import NO_OUTPUT
+
+        argv = [*argv, *NO_OUTPUT]
+    # Hydra's app reads its overrides and flags (-m, --cfg, --help) from sys.argv, and names
+    # itself by sys.argv[0] in its --help.
+    sys.argv = [f"runner {name}", *argv]
+    return module.app()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `runner` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"did you mean `runner {close[0]}`? " if close else ""
+        print(
+            f"error: command={name!r}: {hint}choose one of: {', '.join(COMMANDS)}", file=sys.stderr
+        )
+        return 2
+    # Hydra raises instead of printing its own report, so every user error reads the same.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    interpolations.register()
+    try:
+        code = _run(name, argv[1:])
+    except KeyboardInterrupt:
+        # A second Ctrl-C, or one outside a training loop (which saves and exits 130 itself).
+        print("interrupted", file=sys.stderr)
+        return 130
+    except UserErrorExit as err:
+        print(f"error: {err.error}", file=sys.stderr)
+        return err.error.exit_code
+    except Exception as err:  # noqa: BLE001 - classified below, re-raised if not a user error
+        user_error = as_user_error(err)
+        if user_error is None:
+            raise
+        print(f"error: {user_error}", file=sys.stderr)
+        return user_error.exit_code
+    return code or 0
+
+
+def as_user_error(err: BaseException) -> UserError | None:
+    """Our UserError, or a Hydra/OmegaConf composition error recast as one; None otherwise."""
+    from runner.config.hydra_errors import from_hydra_error
+
+    while err is not None:
+        if isinstance(err, UserError):
+            return err
+        converted = from_hydra_error(err)
+        if converted is not None:
+            return converted
+        err = err.__cause__ or err.__context__
+    return None

@@ -1,0 +1,18 @@
+"""`runner download [overrides]`: the hf:// models and datasets a config names, into the cache."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from runner.errors import user_errors_pass_hydra
+from runner.paths import CONF_DIR
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def app(cfg: DictConfig) -> None:
+    """Hydra entry point of `runner download`."""
+    from runner.hub.download import download
+
+    with user_errors_pass_hydra():
+        download(cfg)

@@ -1,0 +1,83 @@
+"""`runner export`: a checkpoint as a LoRA adapter, a merged model, or a GGUF file."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config.schema import Export, typed
+from runner.errors import UserError, user_errors_pass_hydra
+from runner.paths import CONF_DIR
+
+# Options that belong to one format, by the bare name a user may try first. (`dtype=` alone
+# would select `runner train`'s dtype group.)
+_NAMESPACED = {"dtype": "merged.dtype", "quantization": "gguf.quantization"}
+
+
+def check_argv(argv: list[str]) -> None:
+    """Point a bare dtype= or quantization= at the key it means, before Hydra's own error."""
+    for argument in argv:
+        key, _, value = argument.partition("=")
+        if key in _NAMESPACED:
+            raise UserError(key, value, f"write {_NAMESPACED[key]}={value}")
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
+def app(cfg: DictConfig) -> None:
+    """Entry of `runner export [overrides]`."""
+    from runner.export.write import export
+
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # its per-file chatter names temp files
+    with user_errors_pass_hydra():
+        cfg = typed(cfg, Export)
+        if OmegaConf.is_missing(cfg, "checkpoint"):
+            raise UserError(
+                "checkpoint", "???", "say what to export: checkpoint=<checkpoint | run | sweep dir>"
+            )
+        push = _push_request(cfg)
+        path = export(
+            checkpoint=str(cfg.checkpoint),
+            select=dict(cfg.select),
+            format=cfg.format,
+            dtype=cfg.merged.dtype,
+            merged_quantization=cfg.merged.quantization,
+            quantization=cfg.gguf.quantization,
+            base=cfg.base,
+            out=cfg.out,
+        )
+        print(path)
+        if cfg.format == "gguf":
+            _print_sample(path)
+        if push is not None:
+            from runner.deploy.selection import choose_checkpoint
+            from runner.hub.push import push as upload
+
+            target, token = push
+            # The checkpoint export chose: the model card describes the run it came from.
+            chosen = choose_checkpoint(Path(cfg.checkpoint), **cfg.select)
+            print(upload(path, target, token=token, private=cfg.private, checkpoint=chosen))
+
+
+def _print_sample(path: Path) -> None:
+    """A greedy answer from llama.cpp (on stderr: stdout is the path), where it is installed."""
+    from runner.export.gguf_file import greedy_sample
+
+    answer = greedy_sample(path)
+    if answer is None:
+        print("(no sample: llama-cpp-python is not installed)", file=sys.stderr)
+    else:
+        print(f"llama.cpp, greedy: 'Hello!' -> {answer!r}", file=sys.stderr)
+
+
+def _push_request(cfg: DictConfig) -> tuple | None:
+    """push_to and hf_token checked before anything is written (None: no push)."""
+    if cfg.push_to is None:
+        return None
+    from runner.hub.download import TokenRef
+    from runner.hub.push import parse_target
+
+    return parse_target(cfg.push_to, "push_to"), TokenRef.parse(cfg.hf_token, key="hf_token")

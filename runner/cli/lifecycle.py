@@ -1,0 +1,98 @@
+"""`runner runs | logs | stop | resume`: the lifecycle of runs on this machine or a shared disk."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from runner.errors import UserError
+from runner.rundir import FINAL_STATES
+from runner.train.lifecycle import (
+    DEFAULT_ROOTS,
+    LogReader,
+    check_resumable,
+    find_runs,
+    request_stop,
+    run_dir_at,
+    runs_table,
+    wait_until_final,
+)
+
+
+def main(command: str, argv: list[str]) -> int:
+    """Entry point of `runner runs|logs|stop`."""
+    parser = argparse.ArgumentParser(prog=f"runner {command}")
+    if command == "runs":
+        parser.description = "List runs and sweep jobs with state, step, loss, best eval, age."
+        parser.add_argument(
+            "dirs",
+            nargs="*",
+            type=Path,
+            metavar="DIR",
+            help="directories to search (default: ./outputs ./multirun)",
+        )
+    else:
+        parser.add_argument("run", type=Path, metavar="RUN", help="a run directory")
+    if command == "logs":
+        parser.description = "Print a run's log; -f follows it until the run ends."
+        parser.add_argument("-f", "--follow", action="store_true")
+        parser.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    if command == "stop":
+        parser.description = "Ask a run to save a checkpoint and end as cancelled."
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=300.0,
+            help="seconds to wait for it to stop (default 300)",
+        )
+    args = parser.parse_args(argv)
+    return {"runs": cmd_runs, "logs": cmd_logs, "stop": cmd_stop}[command](args)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    roots = args.dirs or [Path(d) for d in DEFAULT_ROOTS]
+    missing = [str(root) for root in args.dirs if not root.is_dir()]
+    if missing:
+        raise UserError("DIR", missing[0], "no such directory; give a directory that holds runs")
+    runs = find_runs(roots)
+    if not runs:
+        print(f"no runs under {', '.join(map(str, roots))}")
+        return 0
+    print(runs_table(runs, Path.cwd()))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    reader = LogReader(run_dir_at(args.run))
+    while True:
+        sys.stdout.write(reader.read())
+        sys.stdout.flush()
+        if not args.follow or reader.ended():
+            return 0
+        time.sleep(args.interval)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    run = run_dir_at(args.run)
+    pid = request_stop(run)
+    print(f"asked process {pid} to save a checkpoint and stop")
+    state = wait_until_final(run, args.timeout)
+    if state in FINAL_STATES:
+        print(f"{run.path}: {state} at step {run.status().step}")
+        return 0 if state == "cancelled" else 1
+    print(f"{run.path}: still {state} after {args.timeout:.0f} s", file=sys.stderr)
+    return 1
+
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """`runner resume RUN`: the `runner train` arguments that continue RUN, once it is checked."""
+    parser = argparse.ArgumentParser(
+        prog="runner resume",
+        description="Continue a cancelled or failed run from its last whole checkpoint.",
+    )
+    parser.add_argument("run", type=Path, metavar="RUN", help="a run directory")
+    run = run_dir_at(parser.parse_args(argv).run)
+    check_resumable(run)
+    return ["train", f"resume={run.path.resolve()}"]

@@ -1,0 +1,35 @@
+"""`runner push PATH hf://org/name[@branch]`: upload an export or a checkpoint, with its card."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from runner.errors import UserError
+from runner.hub.download import SCHEME, TokenRef
+from runner.hub.push import parse_target, push
+from runner.rundir import is_checkpoint_dir
+
+
+def main(argv: list[str]) -> int:
+    """`runner push PATH hf://org/name[@branch]`: prints the commit URL."""
+    parser = argparse.ArgumentParser(
+        prog="runner push",
+        description="Upload an export or a checkpoint to a Hugging Face hub repo, with a model "
+        "card; pushing again sends only what the hub does not have.",
+    )
+    parser.add_argument("path", help="an export (directory or .gguf file) or a checkpoint dir")
+    parser.add_argument("to", help=f"{SCHEME}org/name[@branch]")
+    parser.add_argument("--public", action="store_true", help="create the repo public")
+    parser.add_argument(
+        "--hf-token", default="env:HF_TOKEN", help="env:NAME or file:PATH (never the token)"
+    )
+    args = parser.parse_args(argv)
+    path = Path(args.path)
+    if not path.exists():
+        raise UserError("path", args.path, "no such file or directory: give an export's path")
+    target = parse_target(args.to, "to")
+    token = TokenRef.parse(args.hf_token, key="--hf-token")
+    checkpoint = path if is_checkpoint_dir(path) else None
+    print(push(path, target, token=token, private=not args.public, checkpoint=checkpoint))
+    return 0

@@ -1,0 +1,102 @@
+"""The `${runner_*:...}` interpolations the configs in conf/ use.
+
+Registered by one explicit call, `register()`, from the entry points (the `runner` command,
+and whatever composes conf/ itself: the tests, scripts/bench_train.py); importing a module of
+ours registers nothing. No resolver writes the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import UserError
+from runner.paths import ASSETS_DIR
+
+
+def has_validation(validation: Any) -> bool:
+    """Whether dataset.validation names a split to evaluate on."""
+    return any(validation[key] is not None for key in ("held_out", "split", "source"))
+
+
+def evaluates(strategy: Any, validation: Any) -> bool:
+    """Whether a run evaluates: eval.strategy is not `no` and the dataset has a validation split."""
+    return strategy not in ("no", False) and has_validation(validation)
+
+
+def objective_metric(strategy: Any, validation: Any) -> str:
+    """objective.metric's default: the eval loss when the run evaluates, else the training loss."""
+    return "eval_loss" if evaluates(strategy, validation) else "loss"
+
+
+def parallel_jobs() -> int:
+    """Jobs to run at once on this machine (hydra/launcher=parallel): one per GPU, else per core.
+
+    Each job's training processes take an equal share of the cores (runner.train.job).
+    """
+    import torch
+
+    return torch.cuda.device_count() or os.cpu_count() or 1
+
+
+def check_resume(resume: Any, overrides: list[str]) -> None:
+    """resume=RUN continues RUN's recorded recipe: no other overrides, and RUN must be a run."""
+    from runner.rundir import RECIPE_FILE
+
+    extra = [o for o in overrides if not o.startswith("resume=")]
+    if extra:
+        raise UserError(
+            "resume",
+            resume,
+            f"a resumed run continues its recorded recipe; drop the other overrides {extra}",
+        )
+    if not (Path(str(resume)) / RECIPE_FILE).is_file():
+        raise UserError("resume", resume, f"not a run directory (it has no {RECIPE_FILE})")
+
+
+def run_dir(resume: Any, fresh: str, *, _root_: DictConfig) -> str:
+    """hydra.run.dir: the resumed run, else a fresh one that every node of the job agrees on.
+
+    A resume= with other overrides, or of no run directory, fails here: before Hydra writes
+    its log file into it.
+    """
+    from runner.config import platforms
+
+    if resume:
+        check_resume(resume, list(_root_.hydra.overrides.task))
+    return platforms.run_dir(resume, fresh, _root_=_root_)
+
+
+def platform_value(platform: str, key: str, default: Any) -> Any:
+    """`${runner_platform:PLATFORM,KEY,DEFAULT}`: the platform's value for compute.KEY."""
+    from runner.config import platforms
+
+    return platforms.platform_value(platform, key, default)
+
+
+def hub_cache() -> str:
+    """runtime.cache_dir's default: where hf:// sources are downloaded."""
+    from runner.hub.download import default_cache_dir
+
+    return default_cache_dir()
+
+
+RESOLVERS = {
+    "runner_asset": lambda name: str(ASSETS_DIR / name),
+    "runner_run_dir": run_dir,
+    # A resumed run keeps the .hydra/ record of the run that created it.
+    "runner_hydra_subdir": lambda resume: None if resume else ".hydra",
+    "runner_objective": objective_metric,
+    "runner_parallel_jobs": parallel_jobs,
+    "runner_platform": platform_value,
+    "runner_hub_cache": hub_cache,
+}
+
+
+def register() -> None:
+    """Registers every runner_* resolver with OmegaConf (again: a no-op)."""
+    for name, resolver in RESOLVERS.items():
+        OmegaConf.register_new_resolver(name, resolver, replace=True)

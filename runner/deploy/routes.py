@@ -1,0 +1,298 @@
+"""The HTTP side: an OpenAI-compatible FastAPI app over one engine per served model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runner.deploy import protocol
+from runner.deploy.generation import Engine, EngineFailed, QueueFull, RequestHandle
+from runner.deploy.protocol import ApiError, Limits
+from runner.models.chat_template import render_chat
+
+log = logging.getLogger(__name__)
+
+# Seconds a client is told to wait (Retry-After) when the queue is full.
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServedModel:
+    """A model the server answers for: its tokenizer, context and (once started) engine."""
+
+    name: str
+    tokenizer: Any
+    max_model_len: int
+    start_engine: Callable[[], Engine]
+    engine: Engine | None = None
+
+
+def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits) -> FastAPI:
+    """The ASGI app; engines start with the app's lifespan and stop with it."""
+    by_name = {model.name: model for model in models}
+    created = protocol.now()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for model in models:
+            model.engine = model.start_engine()
+        try:
+            yield
+        finally:
+            for model in models:
+                if model.engine is not None:
+                    await asyncio.to_thread(model.engine.close)
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_exception_handler(ApiError, _api_error_response)
+    app.add_exception_handler(HTTPException, _http_error_response)
+    app.add_exception_handler(Exception, _internal_error_response)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(m, created) for m in models]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> dict[str, Any]:
+        return _model_card(_find(by_name, name), created)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await read_body(request, limits.max_body_bytes)
+        params = protocol.parse_body(protocol.CompletionRequest, body)
+        model = _find(by_name, params.model)
+        prompts = await asyncio.to_thread(_tokenize_prompts, model.tokenizer, params.prompt)
+        return await _respond(model, params, prompts, params.max_tokens, limits, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await read_body(request, limits.max_body_bytes)
+        params = protocol.parse_body(protocol.ChatRequest, body)
+        model = _find(by_name, params.model)
+        prompt = await asyncio.to_thread(_render_chat, model.tokenizer, params.messages)
+        max_tokens = params.max_completion_tokens or params.max_tokens
+        return await _respond(model, params, [prompt], max_tokens, limits, chat=True)
+
+    return app
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body; 413 past `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the request body is larger than {max_bytes} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise ApiError(413, f"the request body is larger than {max_bytes} bytes")
+    return bytes(body)
+
+
+class ApiKeyMiddleware:
+    """Refuses every request but GET /health that lacks `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan" or (scope["type"] == "http" and scope["path"] == "/health"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        # compare_digest takes as long for a wrong key as for a right one of the same length.
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._key):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return  # a websocket closes without being accepted
+        error = ApiError(401, "a valid API key is required", code="invalid_api_key")
+        response = JSONResponse(error.body(), 401, {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+async def _respond(
+    model: ServedModel,
+    params: Any,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    limits: Limits,
+    *,
+    chat: bool,
+) -> Any:
+    """Validate, queue and answer a (chat) completion, whole or as server-sent events."""
+    requests = protocol.sampling_requests(
+        params,
+        prompts,
+        max_tokens=max_tokens,
+        limits=limits,
+        context=model.max_model_len,
+        vocab_size=len(model.tokenizer),
+    )
+    assert model.engine is not None, "engines start with the app"
+    try:
+        handle = model.engine.submit(requests)
+    except QueueFull as error:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        message = f"the server is busy ({error}): retry after {RETRY_AFTER_S}s"
+        raise ApiError(429, message, code="queue_full", headers=headers) from error
+    except EngineFailed as error:
+        raise ApiError(503, str(error)) from error
+    prompt_tokens = sum(len(prompt) for prompt in prompts)
+    kind = "chatcmpl" if chat else "cmpl"
+    answer = _Answer(protocol.new_response_id(kind), model.name, protocol.now(), chat)
+    if params.stream:
+        events = answer.stream(handle, prompt_tokens, params.wants_usage_chunk())
+        # No caching or proxy buffering: each event should reach the client as it is made.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return await answer.whole(handle, prompt_tokens)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """The fixed parts of one response: its id, model, creation time and kind."""
+
+    id: str
+    model: str
+    created: int
+    chat: bool
+
+    def envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        kind = f"{kind}.chunk" if chunk and self.chat else kind
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    async def whole(self, handle: RequestHandle, prompt_tokens: int) -> dict[str, Any]:
+        texts: dict[int, list[str]] = {index: [] for index in range(handle.n)}
+        finish: dict[int, str | None] = {}
+        tokens: dict[int, int] = {}
+        try:
+            async for event in handle.events():
+                texts[event.index].append(event.text)
+                finish[event.index] = event.finish_reason
+                tokens[event.index] = event.completion_tokens
+        except EngineFailed as error:
+            raise ApiError(500, f"generation failed: {error}") from error
+        finally:
+            handle.cancel()
+        make = protocol.chat_choice if self.chat else protocol.completion_choice
+        choices = [make(i, "".join(texts[i]), finish[i]) for i in range(handle.n)]
+        usage = protocol.usage(prompt_tokens, sum(tokens.values()))
+        return {**self.envelope(chunk=False), "choices": choices, "usage": usage}
+
+    async def stream(
+        self, handle: RequestHandle, prompt_tokens: int, include_usage: bool
+    ) -> AsyncIterator[str]:
+        tokens: dict[int, int] = {}
+        try:
+            if self.chat:
+                role = {"role": "assistant", "content": ""}
+                choices = [protocol.chat_chunk_choice(i, role, None) for i in range(handle.n)]
+                yield _sse({**self.envelope(chunk=True), "choices": choices})
+            async for event in handle.events():
+                tokens[event.index] = event.completion_tokens
+                if self.chat:
+                    delta = {"content": event.text} if event.text else {}
+                    choice = protocol.chat_chunk_choice(event.index, delta, event.finish_reason)
+                else:
+                    choice = protocol.completion_choice(
+                        event.index, event.text, event.finish_reason
+                    )
+                yield _sse({**self.envelope(chunk=True), "choices": [choice]})
+            if include_usage:
+                usage = protocol.usage(prompt_tokens, sum(tokens.values()))
+                yield _sse({**self.envelope(chunk=True), "choices": [], "usage": usage})
+        except EngineFailed as error:
+            yield _sse(ApiError(500, f"generation failed: {error}").body())
+        except Exception:  # headers are sent: end the stream cleanly rather than cut it off
+            log.exception("unexpected error streaming %s", self.id)
+            yield _sse(ApiError(500, "internal server error").body())
+        finally:
+            handle.cancel()  # a client that went away stops costing generation steps
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _find(by_name: dict[str, ServedModel], name: str) -> ServedModel:
+    if name not in by_name:
+        served = ", ".join(sorted(by_name))
+        message = f"the model {name!r} does not exist; this server serves: {served}"
+        raise ApiError(404, message, param="model", code="model_not_found")
+    return by_name[name]
+
+
+def _model_card(model: ServedModel, created: int) -> dict[str, Any]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "runner",
+        "max_model_len": model.max_model_len,
+    }
+
+
+def _tokenize_prompts(tokenizer: Any, prompt: str | list[Any]) -> list[list[int]]:
+    """Token ids of each prompt: a string, a list of strings, token ids, or lists of them."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=True)]
+    if prompt and all(isinstance(item, int) for item in prompt):
+        return [list(prompt)]
+    return [
+        tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
+        for item in prompt
+    ]
+
+
+def _render_chat(tokenizer: Any, messages: list[protocol.ChatMessage]) -> list[int]:
+    if not tokenizer.chat_template:
+        message = "this model has no chat template: use /v1/completions with a plain prompt"
+        raise ApiError(400, message, param="messages")
+    try:
+        text = render_chat(
+            tokenizer,
+            [message.as_template_input() for message in messages],
+            add_generation_prompt=True,
+        )
+    except Exception as error:  # the template's own checks (raise_exception) and Jinja errors
+        raise ApiError(400, f"the chat template refused these messages: {error}") from error
+    # The template writes the special tokens (begin_of_text) itself.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _api_error_response(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, ApiError)
+    return JSONResponse(error.body(), error.status, error.headers)
+
+
+async def _http_error_response(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, HTTPException)
+    api_error = ApiError(error.status_code, str(error.detail))
+    return JSONResponse(api_error.body(), error.status_code, error.headers)
+
+
+async def _internal_error_response(request: Request, error: Exception) -> JSONResponse:
+    log.error("unexpected error serving %s", request.url.path, exc_info=error)
+    return JSONResponse(ApiError(500, "internal server error").body(), 500)

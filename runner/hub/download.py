@@ -1,0 +1,370 @@
+"""hf:// sources: models and datasets on the Hugging Face hub, resolved to local files.
+
+`hf://org/repo[@revision][/path]` names a repo, or a directory or single file in it (as
+Kubeflow's initializers take them). Everything lands in one cache per project
+(`runtime.cache_dir`), in huggingface_hub's own layout (models--org--name/snapshots/<commit>/),
+so a cache filled by `hf download` serves `runner` and the other way round.
+The hub token comes by reference (`runtime.hf_token`: env:NAME or file:PATH) and is read here,
+only when a download asks for it: never into a config, a run directory or a log.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import validate_repo_id
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config.schema import typed
+from runner.errors import UserError
+
+SCHEME = "hf://"
+URI_FORM = "hf://org/repo, hf://org/repo/path/in/repo or hf://org/repo@revision/path"
+# The config groups whose hf:// values name hub repos, and the kind of repo they name.
+REPO_TYPES = {"model": "model", "dataset": "dataset"}
+# The hub's own spelling of a repo type in a URI (hf://datasets/org/repo).
+TYPE_PREFIXES = {"models": "model", "datasets": "dataset"}
+# Local paths that nothing downstream checks before a process starts.
+LOCAL_CHECKED = ("model.source", "model.tokenizer")
+
+
+def default_cache_dir() -> str:
+    """Baseten's read-write project cache when there is one, else huggingface_hub's own."""
+    baseten = os.environ.get("BT_RW_CACHE_DIR")
+    if baseten:
+        return str(Path(baseten) / "huggingface" / "hub")
+    return constants.HF_HUB_CACHE  # HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """A parsed hf:// URI: a repo of a type, an optional revision and a path inside it."""
+
+    uri: str
+    repo_id: str
+    repo_type: str
+    revision: str | None
+    path: str
+
+    @property
+    def web_url(self) -> str:
+        prefix = "" if self.repo_type == "model" else "datasets/"
+        return f"{constants.ENDPOINT}/{prefix}{self.repo_id}"
+
+    def pinned(self, commit: str) -> str:
+        """This source at a fixed commit: hf://org/repo@<commit>[/path]."""
+        return f"{SCHEME}{self.repo_id}@{commit}" + (f"/{self.path}" if self.path else "")
+
+    def describe(self) -> str:
+        what = f"{self.repo_type} repo {self.repo_id}"
+        if self.revision:
+            what += f" at revision {self.revision}"
+        return f"{self.path!r} in the {what}" if self.path else f"the {what}"
+
+
+def is_hub_uri(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(SCHEME)
+
+
+def parse_uri(uri: str, *, key: str, repo_type: str) -> HubSource:
+    """Splits hf://org/repo[@revision][/path]; a malformed URI is a UserError naming `key`."""
+    parts = uri[len(SCHEME) :].strip("/").split("/")
+    if parts[0] in TYPE_PREFIXES and len(parts) >= 3:
+        if TYPE_PREFIXES[parts[0]] != repo_type:
+            raise UserError(
+                key, uri, f"names a {TYPE_PREFIXES[parts[0]]} repo; give a {repo_type} repo"
+            )
+        parts = parts[1:]
+    if len(parts) < 2 or "" in parts or ".." in parts:
+        raise UserError(key, uri, f"give {URI_FORM}")
+    name, at, revision = parts[1].partition("@")
+    if at and not revision:
+        raise UserError(key, uri, f"the revision after @ is empty; give {URI_FORM}")
+    repo_id = f"{parts[0]}/{name}"
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise UserError(key, uri, f"{repo_id!r} is not a hub repo id ({err})") from None
+    return HubSource(uri, repo_id, repo_type, revision or None, "/".join(parts[2:]))
+
+
+@dataclass(frozen=True)
+class TokenRef:
+    """Where the hub token is, never the token: env:NAME, file:PATH, or null (hub login)."""
+
+    ref: str | None
+
+    @classmethod
+    def parse(cls, value: Any, key: str = "runtime.hf_token") -> TokenRef:
+        if value is None:
+            return cls(None)
+        kind, _, where = str(value).partition(":")
+        if kind not in ("env", "file") or not where:
+            raise UserError(
+                key,
+                "<hidden>",
+                "give a reference to the token, env:NAME or file:PATH (or null for the login of "
+                "`hf auth login`), never the token itself",
+            )
+        return cls(str(value))
+
+    def read(self) -> str | None:
+        """The token, or None where the reference points at nothing (huggingface_hub's login)."""
+        if self.ref is None:
+            return None
+        kind, _, where = self.ref.partition(":")
+        if kind == "env":
+            return os.environ.get(where) or None
+        path = Path(where).expanduser()
+        return (path.read_text().strip() or None) if path.is_file() else None
+
+    def state(self) -> str:
+        """How the token stands, in words, for an error message (never its value)."""
+        if self.ref is None:
+            return "no token reference was given (runtime.hf_token=null)"
+        kind, _, where = self.ref.partition(":")
+        if self.read() is not None:
+            return f"the token from runtime.hf_token={self.ref} has no access to it"
+        if kind == "env":
+            return f"no token was given (runtime.hf_token={self.ref}, and {where} is not set)"
+        return f"no token was given (runtime.hf_token={self.ref}, and {where} is missing or empty)"
+
+
+class NotCachedError(UserError):
+    """A hub source that is not in the cache while the hub is out of reach."""
+
+    def __init__(self, key: str, source: HubSource, fix: str, cause: Exception | None) -> None:
+        super().__init__(key, source.uri, fix)
+        self.source, self.cause = source, cause
+
+
+@dataclass(frozen=True)
+class Hub:
+    """The project's cache, the token reference, and the command that fills the cache."""
+
+    cache_dir: Path
+    token: TokenRef
+    model_ignore_patterns: tuple[str, ...]
+    # `runner download ...` with this run's overrides; None inside `runner download` itself.
+    download_command: str | None
+
+    @classmethod
+    def from_runtime(cls, runtime: DictConfig, overrides: list[str] | None) -> Hub:
+        return cls(
+            cache_dir=Path(runtime.cache_dir).expanduser(),
+            token=TokenRef.parse(runtime.hf_token),
+            model_ignore_patterns=tuple(runtime.hub_model_ignore_patterns),
+            download_command=(
+                None
+                if overrides is None
+                else " ".join(["runner download", *(shlex.quote(o) for o in overrides)])
+            ),
+        )
+
+    def local_path(self, source: str, *, key: str, repo_type: str) -> Path:
+        """The local file or directory for `source`: a local path as it is, else from the cache.
+
+        A hub source is fetched into the cache when missing and the hub is reachable; otherwise
+        the UserError names `key`, the repo, what is missing and the command that fetches it.
+        """
+        if is_hub_uri(source):
+            return self.fetch(parse_uri(source, key=key, repo_type=repo_type), key=key)[0]
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise UserError(key, source, f"no such file or directory; give a path or {URI_FORM}")
+        return path.absolute()
+
+    def fetch(self, source: HubSource, *, key: str, only_cached: bool = False) -> tuple[Path, str]:
+        """(local path, commit) of a hub source: from the cache, else downloaded into it.
+
+        The path is the cache's snapshot entry (a symlink to the blob, for a file): resolving
+        it would lose the file's name.
+        """
+        try:
+            snapshot = Path(self._snapshot(source, only_cached))
+        except GatedRepoError as err:
+            raise UserError(key, source.uri, self._gated(source)) from err
+        except RepositoryNotFoundError as err:
+            raise UserError(key, source.uri, self._not_found(source)) from err
+        except RevisionNotFoundError as err:
+            raise UserError(
+                key,
+                source.uri,
+                f"{source.repo_id} has no revision {source.revision!r}; {self._tree(source)}",
+            ) from err
+        except LocalEntryNotFoundError as err:
+            fix = self.not_cached([(key, source)], err)
+            raise NotCachedError(key, source, fix, err) from err
+        except HfHubHTTPError as err:
+            raise UserError(key, source.uri, self._refused(source, err)) from err
+        local = snapshot / source.path if source.path else snapshot
+        if local.exists():
+            return local, snapshot.name
+        if constants.HF_HUB_OFFLINE or only_cached:
+            raise NotCachedError(key, source, self.not_cached([(key, source)], None), None)
+        raise UserError(
+            key,
+            source.uri,
+            f"{source.repo_id} has no file or directory {source.path!r}; {self._tree(source)}",
+        )
+
+    def _snapshot(self, source: HubSource, only_cached: bool) -> str:
+        patterns = [source.path, f"{source.path}/*"] if source.path else None
+        # A whole model repo skips what training never reads; a path asked for is taken as it is.
+        whole_model = source.repo_type == "model" and not source.path
+        ignore = list(self.model_ignore_patterns) if whole_model else None
+        return snapshot_download(
+            source.repo_id,
+            repo_type=source.repo_type,
+            revision=source.revision,
+            cache_dir=self.cache_dir,
+            token=self.token.read(),
+            allow_patterns=patterns,
+            ignore_patterns=ignore,
+            local_files_only=only_cached,
+        )
+
+    def _then_fetch(self) -> str:
+        if self.download_command is None:
+            return "then run this command again"
+        return f"then fetch it with `{self.download_command}`"
+
+    def _gated(self, source: HubSource) -> str:
+        return (
+            f"{source.repo_id} is gated and {self.token.state()}; accept its licence at "
+            f"{source.web_url} with your hub account, give a token of that account by reference "
+            "(export HF_TOKEN=<token> for runtime.hf_token=env:HF_TOKEN, or "
+            f"runtime.hf_token=file:/run/secrets/hf_token), {self._then_fetch()}"
+        )
+
+    def _not_found(self, source: HubSource) -> str:
+        return (
+            f"the hub has no {source.repo_type} repo {source.repo_id}, or it is private and "
+            f"{self.token.state()}; check the name at {source.web_url}, or give a token with "
+            "access by reference (runtime.hf_token=env:NAME or file:PATH)"
+        )
+
+    def _refused(self, source: HubSource, err: HfHubHTTPError) -> str:
+        status = err.response.status_code if err.response is not None else "?"
+        return (
+            f"the hub refused {source.describe()} (HTTP {status}) and it is not in the cache "
+            f"{self.cache_dir}; {self.token.state()}; give a valid token by reference "
+            f"(runtime.hf_token), {self._then_fetch()}"
+        )
+
+    def _tree(self, source: HubSource) -> str:
+        return f"see {source.web_url}/tree/{source.revision or 'main'} for what it holds"
+
+    def not_cached(self, missing: list[tuple[str, HubSource]], err: Exception | None) -> str:
+        """What is missing from the cache, why the hub is out of reach, what fetches it."""
+        first = f"{missing[0][1].describe()} is not in the cache {self.cache_dir}"
+        others = "".join(f", nor is {source.describe()} ({key})" for key, source in missing[1:])
+        it = "them" if len(missing) > 1 else "it"
+        elsewhere = f"run this where the hub is reachable and copy the cache to {self.cache_dir}"
+        if constants.HF_HUB_OFFLINE:
+            reason, how = "HF_HUB_OFFLINE=1 keeps runner off the hub", "unset HF_HUB_OFFLINE"
+            elsewhere = f"{how}, or {elsewhere}"
+        else:
+            cause = err.__cause__ if err is not None and err.__cause__ is not None else err
+            reason = f"the hub ({constants.ENDPOINT}) is out of reach ({type(cause).__name__})"
+            how = "check the network"
+        if self.download_command is None:
+            return f"{first}{others}, and {reason}; {elsewhere}"
+        return (
+            f"{first}{others}, and {reason}; fetch {it} with `{self.download_command}` where "
+            f"the hub is reachable, into the same cache (runtime.cache_dir, BT_RW_CACHE_DIR or "
+            f"HF_HOME), or {how}"
+        )
+
+
+def hub_values(cfg: DictConfig) -> Iterator[tuple[str, str, str]]:
+    """(key, value, repo type) for each hf:// value under the model and dataset groups."""
+
+    def walk(node: Any, key: str) -> Iterator[tuple[str, Any]]:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                yield from walk(value, f"{key}.{name}")
+        else:
+            yield key, node
+
+    for group, repo_type in REPO_TYPES.items():
+        if group not in cfg:
+            continue
+        for key, value in walk(OmegaConf.to_container(cfg[group], resolve=True), group):
+            values = value if isinstance(value, list) else [value]
+            if any(is_hub_uri(v) for v in values):
+                yield key, value, repo_type
+
+
+def localize(
+    cfg: DictConfig, hub: Hub, only_cached: bool = False
+) -> tuple[DictConfig, dict[str, str]]:
+    """A copy of `cfg` with each hf:// source replaced by its local path in the cache.
+
+    Returns the copy and {key: the hf:// URI pinned to the commit it resolved to}. Every source
+    missing from the cache of a machine off the hub is named in one message. only_cached (for
+    a dry run that must not download, like `runner estimate`) resolves what is cached and
+    leaves the other hf:// values as they are.
+    """
+    local = copy.deepcopy(cfg)
+    pinned: dict[str, str] = {}
+    missing: list[NotCachedError] = []
+    for key, value, repo_type in hub_values(cfg):
+        found = []
+        for item in value if isinstance(value, list) else [value]:
+            if not is_hub_uri(item):
+                found.append(item)
+                continue
+            source = parse_uri(item, key=key, repo_type=repo_type)
+            try:
+                path, commit = hub.fetch(source, key=key, only_cached=only_cached)
+            except NotCachedError as err:
+                if only_cached:
+                    found.append(item)
+                else:
+                    missing.append(err)
+                continue
+            found.append(str(path))
+            pinned[key] = source.pinned(commit)
+        if not missing:
+            resolved = found if isinstance(value, list) else found[0]
+            OmegaConf.update(local, key, resolved, merge=False)
+    if missing:
+        first = missing[0]
+        fix = hub.not_cached([(e.key, e.source) for e in missing], first.cause)
+        raise NotCachedError(first.key, first.source, fix, first.cause)
+    for key in LOCAL_CHECKED:
+        value = OmegaConf.select(local, key)
+        if value is not None and not is_hub_uri(value):
+            hub.local_path(value, key=key, repo_type="model")
+    return local, pinned
+
+
+def download(cfg: DictConfig) -> None:
+    """Fetches every hf:// source the composed config names into the cache; prints where."""
+    # The same config as `runner train`: a value it would refuse is refused before any fetch.
+    cfg = typed(cfg)
+    hub = Hub.from_runtime(cfg.runtime, overrides=None)
+    found = list(hub_values(cfg))
+    if not found:
+        print("nothing to download: every model and dataset source is local (or random init)")
+        return
+    local, pinned = localize(cfg, hub)
+    for key, value, _ in found:
+        print(f"{key:<24} {pinned.get(key, value)}\n{'':<24} -> {OmegaConf.select(local, key)}")
+    print(f"cache: {hub.cache_dir}")

@@ -1,0 +1,229 @@
+"""Publishing: an export (or a checkpoint) uploaded to a Hugging Face hub repo, with a model card.
+
+    runner export checkpoint=RUN format=merged push_to=hf://org/name[@branch]
+    runner push PATH hf://org/name[@branch] [--public] [--hf-token env:NAME|file:PATH]
+
+The repo is created private unless asked otherwise (an existing repo keeps its visibility); a
+branch that does not exist is created from main. The token comes by reference, as everywhere
+in runner, and reaches huggingface_hub only in memory. One commit holds the files and README.md,
+a model card written from the run the files came from (base model, data, method, the key
+hyperparameters, final metrics, the `runner train` command). A push cut short is resumed by
+pushing again: large files already on the hub are not sent again (the hub's LFS batch answer
+says so), and files whose content is already there are left out of the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from runner.errors import UserError
+from runner.hub.download import HubSource, TokenRef, parse_uri
+from runner.rundir import (
+    ADAPTER_CONFIG_FILE,
+    CHECKPOINTS_DIR,
+    RunDir,
+    is_run_dir,
+)
+from runner.rundir.manifest import MANIFEST_FILE
+
+CARD_FILE = "README.md"
+
+
+def parse_target(uri: str, key: str) -> HubSource:
+    """push_to's hf://org/name[@branch]: a model repo, no path inside it."""
+    target = parse_uri(str(uri), key=key, repo_type="model")
+    if target.path or target.repo_type != "model":
+        raise UserError(
+            key, uri, "name a model repo and optionally a branch: hf://org/name[@branch]"
+        )
+    return target
+
+
+def source_run(path: Path, checkpoint: Path | None = None) -> RunDir | None:
+    """The run a checkpoint or an export came from: the checkpoint's run, or the run whose
+    exports/ holds the export; None when it cannot be told."""
+    for candidate in (checkpoint, path):
+        if candidate is None:
+            continue
+        candidate = candidate.resolve()
+        for parent in candidate.parents:
+            if parent.name in (CHECKPOINTS_DIR, "exports") and is_run_dir(parent.parent):
+                return RunDir(parent.parent)
+    return None
+
+
+def push(
+    path: Path,
+    target: HubSource,
+    *,
+    token: TokenRef,
+    private: bool = True,
+    checkpoint: Path | None = None,
+) -> str:
+    """Uploads `path` (a directory's files, or one file) and its model card in one commit to
+    `target`; returns the commit's URL. A refused or failed push is one UserError."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    files = _files(path)
+    card = model_card(path, target, files, source_run(path, checkpoint))
+    operations = [CommitOperationAdd(name, str(local)) for name, local in files.items()]
+    if CARD_FILE not in files:
+        operations.append(CommitOperationAdd(CARD_FILE, card.encode()))
+    api = HfApi(token=token.read())
+    try:
+        api.create_repo(target.repo_id, private=private, exist_ok=True)
+        if target.revision:
+            api.create_branch(target.repo_id, branch=target.revision, exist_ok=True)
+        commit = api.create_commit(
+            target.repo_id,
+            operations,
+            commit_message=f"runner: upload {path.name}",
+            revision=target.revision,
+        )
+    except HfHubHTTPError as err:
+        status = err.response.status_code if err.response is not None else "no answer"
+        fix = f"the hub refused the push (HTTP {status}: {_reason(err)})"
+        if status in (401, 403):
+            fix += f"; {token.state()} or it cannot write to {target.repo_id}"
+        raise UserError("push_to", target.uri, f"{fix}; {_again(path, target)}") from None
+    except OSError as err:  # a connection that failed or broke off
+        raise UserError(
+            "push_to", target.uri, f"the upload broke off ({err}); {_again(path, target)}"
+        ) from None
+    return commit.commit_url
+
+
+def _again(path: Path, target: HubSource) -> str:
+    return (
+        f"`runner push {shlex.quote(str(path))} {target.uri}` pushes again, sending only what "
+        "the hub does not have"
+    )
+
+
+def _reason(err: Exception) -> str:
+    response = getattr(err, "response", None)
+    try:
+        return json.loads(response.text)["error"] if response is not None else str(err)
+    except (ValueError, KeyError, TypeError):
+        return str(err).splitlines()[0]
+
+
+def _files(path: Path) -> dict[str, Path]:
+    """{path in the repo: local file}: a directory's files (hidden ones left out), or the file."""
+    if path.is_file():
+        return {path.name: path}
+    if not path.is_dir():
+        raise UserError("path", str(path), "no such file or directory: give an export's path")
+    files = {
+        str(p.relative_to(path)): p
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    }
+    if not files:
+        raise UserError("path", str(path), "the directory holds no files to push")
+    return files
+
+
+# ---- the model card -----------------------------------------------------------------------
+def model_card(path: Path, target: HubSource, files: dict[str, Path], run: RunDir | None) -> str:
+    """README.md for the repo: YAML front matter (base_model, datasets, library_name, tags) and
+    what the run did, read from its recipe.yaml, manifest.json and metrics.jsonl."""
+    recipe = _recipe(run)
+    adapter = (path / ADAPTER_CONFIG_FILE).is_file() if path.is_dir() else False
+    gguf = any(name.endswith(".gguf") for name in files)
+    library = "gguf" if gguf else ("peft" if adapter else "transformers")
+    base = _hub_id(recipe, "model.source")
+    data = _hub_id(recipe, "dataset.source")
+    method = recipe.get("method", {}).get("name")
+    front = ["---", f"library_name: {library}"]
+    if base:
+        front.append(f"base_model: {base}")
+    if data:
+        front += ["datasets:", f"  - {data}"]
+    tags = ["runner", *([method] if method else []), *(["gguf"] if gguf else [])]
+    front += ["tags:", *[f"  - {tag}" for tag in tags], "---", ""]
+    lines = [*front, f"# {target.repo_id.split('/')[-1]}", ""]
+    if run is None:
+        lines += [f"`{path.name}`, uploaded with runner; the run it came from is not known.", ""]
+    else:
+        lines += _run_sections(run, recipe, base, data)
+    lines += ["## Files", "", "| file | bytes |", "| --- | ---: |"]
+    lines += [f"| `{name}` | {local.stat().st_size:,} |" for name, local in files.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _recipe(run: RunDir | None) -> dict[str, Any]:
+    if run is None or not run.recipe_path.is_file():
+        return {}
+    import yaml
+
+    return yaml.safe_load(run.recipe_path.read_text()) or {}
+
+
+def _hub_id(recipe: dict[str, Any], key: str) -> str | None:
+    """org/name of a key that named an hf:// source, else None."""
+    uri = (recipe.get("hub_sources") or {}).get(key)
+    if not uri:
+        return None
+    return parse_uri(uri, key=key, repo_type=key.split(".")[0]).repo_id
+
+
+def _run_sections(
+    run: RunDir, recipe: dict[str, Any], base: str | None, data: str | None
+) -> list[str]:
+    model, dataset = recipe.get("model", {}), recipe.get("dataset", {})
+    method = recipe.get("method", {})
+    model_name = base or model.get("source") or model.get("name")
+    lines = [
+        f"Fine-tuned from `{model_name}` on `{data or dataset.get('source')}` with "
+        f"[runner](https://pypi.org/project/runner/) ({method.get('name')}).",
+        "",
+        "## Training",
+        "",
+        "| key | value |",
+        "| --- | --- |",
+    ]
+    keys = {
+        "method": method.get("name"),
+        "learning rate": recipe.get("optimizer", {}).get("lr"),
+        "batch size per device": recipe.get("batch_size"),
+        "gradient accumulation": recipe.get("gradient_accumulation_steps"),
+        "max steps": recipe.get("max_steps"),
+        "epochs": recipe.get("epochs"),
+        "precision": recipe.get("dtype", {}).get("name"),
+        "seed": recipe.get("seed"),
+    }
+    if "rank" in method:
+        keys.update({"LoRA rank": method.get("rank"), "LoRA alpha": method.get("alpha")})
+    lines += [f"| {key} | {value} |" for key, value in keys.items() if value is not None]
+    lines += ["", "## Results", "", *_results(run), ""]
+    manifest = run.path / MANIFEST_FILE
+    if manifest.is_file():
+        overrides = json.loads(manifest.read_text()).get("overrides", [])
+        command = shlex.join(["runner", "train", *overrides])
+        lines += ["## Reproduce", "", "```", command, "```", ""]
+    return lines
+
+
+def _results(run: RunDir) -> list[str]:
+    records = run.read_metrics()
+    losses = [r for r in records if "loss" in r]
+    evals = [r for r in records if any(k.startswith("eval_") for k in r)]
+    lines = []
+    if losses:
+        lines.append(f"- training loss {losses[-1]['loss']:.4f} at step {losses[-1]['step']}")
+    if evals:
+        metrics = ", ".join(
+            f"{k} {v:.4f}"
+            for k, v in evals[-1].items()
+            if k.startswith("eval_") and isinstance(v, float)
+        )
+        lines.append(f"- at step {evals[-1]['step']}: {metrics}")
+    return lines or ["- no metrics recorded"]
+
+
+# ---- `runner push` --------------------------------------------------------------------------

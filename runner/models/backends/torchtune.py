@@ -1,0 +1,104 @@
+"""torchtune's backend: a runner family's builder (runner/families/), weights converted to and
+from Hugging Face's names by the family."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from runner.config.components import instantiate
+from runner.models.backends.base import Backend
+from runner.models.checkpoint import read_adapter_state, read_model_state
+from runner.models.families import peft_config, tune_to_hf, tune_to_peft
+from runner.models.torchtune_boundary import (
+    TransformerSelfAttentionLayer,
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_merged_lora_ckpt,
+    init_like_hf,
+    peft_adapter_config,
+    set_default_dtype,
+    set_trainable_params,
+)
+
+
+class TorchtuneBackend(Backend):
+    """torchtune's TransformerDecoder, built by the family's builder (model.builder)."""
+
+    def _hf_config(self) -> dict[str, Any]:
+        return OmegaConf.to_container(self.model_cfg.hf_config)
+
+    def build(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        cfg = self.model_cfg
+        with set_default_dtype(dtype), device:
+            model = instantiate(cfg.builder)
+            init_like_hf(model, cfg.initializer_range)
+        if cfg.source is not None:
+            model.load_state_dict(read_model_state(Path(cfg.source)))
+        return model
+
+    def layers(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.layers)
+
+    def layer_classes(self, model: nn.Module) -> set[type]:
+        return {TransformerSelfAttentionLayer}
+
+    def meta_model(self, lora: dict[str, Any] | None) -> nn.Module:
+        node = self.model_cfg.builder
+        if lora is not None:
+            node = OmegaConf.merge(node, lora, {"quantize_base": False})
+        with torch.device("meta"):
+            return instantiate(node)
+
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tune_to_hf(state, self._hf_config())
+
+    def read_weights(self, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+        return read_model_state(checkpoint_dir)
+
+    def build_lora(
+        self,
+        lora: dict[str, Any],
+        device: torch.device,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        base_state: Callable[[], dict[str, torch.Tensor]],
+        seed: int,
+    ) -> nn.Module:
+        state = base_state()
+        # The adapters' own init draws from the seed, whether the base was built or read.
+        torch.manual_seed(seed)
+        # The frozen base in the compute dtype: only what trains needs master weights.
+        with set_default_dtype(compute_dtype), device:
+            model = instantiate(OmegaConf.merge(self.model_cfg.builder, lora))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        adapter = get_adapter_params(model)
+        assert not unexpected and set(missing) <= set(adapter), (missing, unexpected)
+        for param in adapter.values():
+            param.data = param.data.to(dtype)
+        set_trainable_params(model, adapter)
+        return model
+
+    def adapter_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return get_adapter_state_dict(state)
+
+    def adapter_to_peft(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tune_to_peft(adapter, self._hf_config())
+
+    def read_adapter(self, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+        return read_adapter_state(checkpoint_dir, self._hf_config())
+
+    def peft_config(self, lora: dict[str, Any], base_dir: str) -> dict[str, Any]:
+        # A family whose Hugging Face model fuses projections (Phi-3) adapts the fused modules.
+        return peft_config(peft_adapter_config(lora, base_dir), self._hf_config())
+
+    def merged_hf_state(
+        self, state: dict[str, torch.Tensor], lora: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        merged = get_merged_lora_ckpt(state, lora["lora_rank"], lora["lora_alpha"])
+        return self.to_hf(merged)

@@ -1,0 +1,32 @@
+"""A conversation as the checkpoint's chat template renders it: the one rendering that training
+(runner.models.tokenizer), evaluation and `runner deploy` share.
+
+Kept apart from runner.models.tokenizer, which loads torchtune, so that the server renders chats
+with the same function without importing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """A conversation as text, rendered by transformers' apply_chat_template (`tokenizer` is a
+    transformers tokenizer); encoded without added special tokens it gives the model's ids."""
+    return tokenizer.apply_chat_template(
+        list(messages),
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **template_kwargs,
+    )

@@ -1,0 +1,62 @@
+"""Llama 3 (3, 3.1, 3.2): config.json model_type "llama"."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from runner.models.families._family import Family, Unsupported, rope, rope_type
+from runner.models.families._weights import LLAMA_NAMES, WeightNames
+
+# torchtune's Llama3ScaledRoPE has these fixed; a config.json with others needs another model.
+LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def builder_args(config: dict[str, Any]) -> dict[str, Any]:
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise Unsupported(f"{key}=true")
+    settings = rope(config)
+    if rope_type(settings) == "default":
+        # Llama3ScaledRoPE with factor 1 leaves every frequency as it is.
+        return {"scale_factor": 1, "tie_word_embeddings": config["tie_word_embeddings"]}
+    if rope_type(settings) != "llama3" or any(
+        not math.isclose(settings[k], v) for k, v in LLAMA3_ROPE.items()
+    ):
+        raise Unsupported(f"rope scaling {settings}")
+    return {
+        "scale_factor": settings["factor"],
+        "tie_word_embeddings": config["tie_word_embeddings"],
+    }
+
+
+def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": float(builder["scale_factor"]),
+            **LLAMA3_ROPE,
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+FAMILY = Family(
+    name="llama3",
+    model_type="llama",
+    architecture="LlamaForCausalLM",
+    builders={
+        "torchtune.models.llama3_2.llama3_2": "torchtune.models.llama3_2.lora_llama3_2",
+        # The same model without tied embeddings; its LoRA twin can adapt the output projection
+        # (lora_llama3_2 refuses apply_lora_to_output), so model=llama3_1_8b names it.
+        "torchtune.models.llama3_1.llama3_1": "torchtune.models.llama3_1.lora_llama3_1",
+    },
+    extra_args=builder_args,
+    extra_config=config_keys,
+    weights=WeightNames(LLAMA_NAMES, permute_qk=True),
+)

@@ -1,0 +1,285 @@
+"""The model group -> the recipe's model section: backend, family, weights, builder, config.json,
+tokenizer.
+
+The backend (runner.models.backends) is torchtune's where a runner family builds the source's
+model_type (or the option's family), transformers' for any other causal LM it implements.
+
+A source's config.json names its family (runner/families/) and, for a builder-less option
+(model=hf), the builder's arguments; an option's own builder arguments must build the same
+model. The family supplies the torchtune builder and its LoRA twin.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
+
+from runner.config.components import instantiate
+from runner.config.schema import Model, typed
+from runner.errors import UserError
+from runner.models.backends import BACKENDS
+from runner.models.backends.transformers import check_transformers_weights, transformers_builder
+from runner.models.checkpoint import weight_files
+from runner.models.families import (
+    FAMILIES,
+    Family,
+    builder_args,
+    builder_component,
+    check_source_matches,
+    family_named,
+    family_of,
+    hf_config,
+    hf_to_tune,
+    read_config,
+)
+from runner.models.tokenizer import ChatTokenizer
+from runner.rundir import check_safetensors
+
+
+def _model_source(value: str | None) -> Path | None:
+    """model.source as a local checkpoint directory (None: random init)."""
+    if value is None:
+        return None
+    if str(value).startswith("hf://"):
+        # Only a dry run (fetch=False) gets here: runner.hub.download.localize has made every
+        # cached or fetched hf:// source a local path.
+        raise UserError("model.source", value, "is not in the cache; `runner download` fetches it")
+    path = Path(value).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise UserError(
+            "model.source",
+            value,
+            "is not a Hugging Face checkpoint directory (no config.json); give a directory "
+            "holding config.json, safetensors weights and tokenizer files, or hf://org/name",
+        )
+    if not all(f.is_file() for f in weight_files(path)):
+        raise UserError(
+            "model.source",
+            value,
+            "has no safetensors weights (model.safetensors or an index of shards); save the "
+            "model with save_pretrained(safe_serialization=True)",
+        )
+    return path
+
+
+def _check_weights(source: Path, builder: dict[str, Any]) -> None:
+    """A UserError naming model.source unless its weights fit the builder's model, name for name
+    and shape for shape (read from the safetensors headers: nothing is loaded)."""
+    shapes = {}
+    for path in weight_files(source):
+        check_safetensors(path, key="model.source")
+        with safe_open(str(path), "pt") as weights:
+            shapes.update({name: weights.get_slice(name).get_shape() for name in weights.keys()})  # noqa: SIM118
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.create(builder))
+        ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        try:
+            theirs = hf_to_tune(
+                {name: torch.empty(shape) for name, shape in shapes.items()}, read_config(source)
+            )
+            theirs = {name: tuple(t.shape) for name, t in theirs.items()}
+        except (RuntimeError, KeyError, ValueError) as err:
+            theirs = {"<unreadable>": (str(err),)}
+    problems = [f"no {name}" for name in sorted(set(ours) - set(theirs))]
+    problems += [f"unexpected {name}" for name in sorted(set(theirs) - set(ours))]
+    problems += [
+        f"{name} is {list(theirs[name])}, the builder's {list(shape)}"
+        for name, shape in ours.items()
+        if name in theirs and theirs[name] != shape
+    ]
+    if problems:
+        raise UserError(
+            "model.source",
+            str(source),
+            f"its weights do not fit the model its config.json describes ({'; '.join(problems[:3])}"
+            f"{'; ...' if len(problems) > 3 else ''}); re-save the checkpoint with save_pretrained",
+        )
+
+
+def _source_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The source's config.json as checkpoints write it: weights are saved in fp32."""
+    dtype_key = "dtype" if "dtype" in config else "torch_dtype"
+    return {**config, dtype_key: "float32"}
+
+
+def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
+    """The recipe's model section: family, source, builder, config.json and tokenizer.
+
+    A source's config.json names its family and, for a builder-less option (model=hf), the
+    builder's arguments; an option's own builder must build the same model.
+    """
+    # A composed model section as runner.config.schema types it (its defaults filled in).
+    model = typed(model, Model, "model.")
+    if model.checkpoint_format != "hf":
+        raise UserError("model.checkpoint_format", model.checkpoint_format, "only hf is supported")
+    if model.builder is None and model.source is None:
+        raise UserError(
+            "model.source", None, f"model={model.name} takes model.source=<dir or hf://org/name>"
+        )
+    try:
+        source = _model_source(model.source)
+    except UserError:
+        if need_files or model.builder is None:
+            raise
+        source = None
+    raw_config = json.loads((source / "config.json").read_text()) if source else None
+    backend, reason = _backend(model, raw_config)
+    if backend == "transformers":
+        family, builder = None, transformers_builder(source)
+        check_transformers_weights(source, builder)
+    else:
+        family, builder = _family_and_builder(model, read_config(source) if source else None)
+        if source is not None:
+            _check_weights(source, builder)
+    resolved = {
+        "name": model.name,
+        "backend": backend,
+        "backend_reason": reason,
+        "family": family.name if family else None,
+        # Unresolved only for need_files=False: then the option's source as given, for display.
+        "source": str(source) if source else model.source,
+        "builder": builder,
+        "lora_builder": family.builders[builder["_component_"]] if family else None,
+        # Bounded (> 0) by runner.config.schema.
+        "initializer_range": float(model.initializer_range),
+        "hf_config": None,
+        "tokenizer": None,
+    }
+    tokenizer_dir = model.tokenizer or source
+    if tokenizer_dir is None:
+        if need_files:
+            raise UserError("model.tokenizer", None, "give a tokenizer directory or model.source")
+        return resolved
+    tokenizer = _checked_tokenizer(model, builder, Path(tokenizer_dir))
+    resolved["hf_config"] = (
+        _source_config(raw_config)
+        if raw_config
+        else hf_config(
+            family,
+            builder,
+            initializer_range=model.initializer_range,
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+        )
+    )
+    resolved["tokenizer"] = {
+        "_component_": "runner.models.tokenizer.ChatTokenizer",
+        "path": str(Path(tokenizer_dir).resolve()),
+        "max_seq_len": builder["max_seq_len"],
+        "chat_template": tokenizer.chat_template_file,
+        # Recorded, so every process and a later `runner repro` render the same date.
+        "date_string": tokenizer.date_string,
+    }
+    return resolved
+
+
+def _backend(model: DictConfig, config: dict[str, Any] | None) -> tuple[str, str]:
+    """(backend, why): torchtune where a runner family builds config.json's model_type (or the
+    option's family, with no source), transformers for another causal LM that transformers
+    implements; model.backend may insist on one."""
+    wanted = model.backend
+    if wanted not in ("auto", *BACKENDS):
+        raise UserError("model.backend", wanted, f"choose auto, {' or '.join(BACKENDS)}")
+    if config is None:
+        if wanted == "transformers":
+            raise UserError(
+                "model.backend",
+                wanted,
+                "transformers builds a model from its checkpoint: give model.source=DIR, or "
+                "model.backend=auto",
+            )
+        return "torchtune", f"model={model.name} is runner's {model.family} family (random init)"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    family = {f.model_type: f for f in FAMILIES.values()}.get(model_type)
+    if family is not None and wanted != "transformers":
+        return "torchtune", f"model_type {model_type!r} is runner's {family.name} family"
+    known = ", ".join(f"{f.model_type} ({f.name})" for f in FAMILIES.values())
+    if wanted == "torchtune" or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(
+            "model.source",
+            model.source,
+            f"its config.json has model_type={model_type!r}, which "
+            + (
+                "no runner family builds (model.backend=torchtune); use model.backend=auto"
+                if wanted == "torchtune" and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                else f"neither a runner family ({known}) nor transformers' "
+                "AutoModelForCausalLM builds (runner runs no remote code); give a checkpoint "
+                "of a causal LM architecture that transformers implements"
+            ),
+        )
+    if model.family is not None or model.builder is not None:
+        raise UserError(
+            "model",
+            model.name,
+            f"is an option of runner's {model.family} family, and model.source holds a "
+            f"{model_type!r} model; give model=hf model.source={model.source}",
+        )
+    why = (
+        "model.backend=transformers"
+        if family
+        else f"model_type {model_type!r} has no runner family"
+    )
+    return "transformers", f"{why}; transformers' {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}"
+
+
+def _family_and_builder(
+    model: DictConfig, config: dict[str, Any] | None
+) -> tuple[Family, dict[str, Any]]:
+    """The model's family (its source's, which must agree with the option's) and builder node."""
+    family = family_named(model.family) if model.family else None
+    if config is not None:
+        found = family_of(config, str(model.source))
+        if family is not None and found != family:
+            raise UserError(
+                "model.source",
+                model.source,
+                f"holds a {found.name} model but model.family={family.name}; pick the model "
+                f"option of this checkpoint, or model=hf",
+            )
+        family = found
+    derived = builder_args(family, config, str(model.source)) if config else None
+    if model.builder is None:
+        return family, {"_component_": family.builder, **derived}
+    args = OmegaConf.to_container(model.builder, resolve=True)
+    builder = {"_component_": builder_component(family, args), **args}
+    if derived is not None:
+        check_source_matches(family, builder, derived, str(model.source))
+    return family, builder
+
+
+def _chat_template_file(value: str | None) -> str | None:
+    """model.chat_template as an absolute path to a template file (None: the tokenizer's own)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser().resolve()
+    if not path.is_file():
+        raise UserError(
+            "model.chat_template",
+            value,
+            "is not a file; give the path of a Jinja chat template file (for a tokenizer that "
+            "has none), or null to use the tokenizer's own template",
+        )
+    return str(path)
+
+
+def _checked_tokenizer(
+    model: DictConfig, builder: dict[str, Any], tokenizer_dir: Path
+) -> ChatTokenizer:
+    """The tokenizer with its chat template (the tokenizer's own unless model.chat_template
+    names a file), its vocabulary checked against the builder's."""
+    template = _chat_template_file(model.chat_template)
+    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], template)
+    if tokenizer.vocab_size > builder["vocab_size"]:
+        raise UserError(
+            "model.builder.vocab_size",
+            builder["vocab_size"],
+            f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
+        )
+    return tokenizer

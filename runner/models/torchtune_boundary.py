@@ -1,0 +1,100 @@
+"""The boundary to torchtune: every torchtune import in runner and recipes/ goes through here.
+
+torchtune is pinned at 0.6.1 and no longer developed; swapping one of these pieces for another
+library's touches this file only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torchtune.models.gemma as gemma_builders
+import torchtune.models.gemma2 as gemma2_builders
+from torch import nn
+from torchtune.data import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    Message,
+    OpenAIToMessages,
+    ShareGPTToMessages,
+    padded_collate_packed,
+    padded_collate_sft,
+)
+from torchtune.data._utils import truncate
+from torchtune.datasets import PackedDataset
+from torchtune.datasets._sft import SFTTransform
+from torchtune.models import convert_weights
+from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune.modules.attention_utils import create_block_causal_mask
+from torchtune.modules.peft import (
+    disable_adapter,
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+)
+from torchtune.training import (
+    gather_cpu_state_dict,
+    set_activation_checkpointing,
+    set_default_dtype,
+)
+from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+
+__all__ = [
+    "CROSS_ENTROPY_IGNORE_IDX",
+    "disable_adapter",
+    "gather_cpu_state_dict",
+    "gemma_builders",
+    "gemma2_builders",
+    "get_adapter_params",
+    "get_adapter_state_dict",
+    "get_merged_lora_ckpt",
+    "peft_adapter_config",
+    "set_trainable_params",
+    "Message",
+    "OpenAIToMessages",
+    "PackedDataset",
+    "SFTTransform",
+    "ShareGPTToMessages",
+    "TransformerDecoder",
+    "TransformerSelfAttentionLayer",
+    "create_block_causal_mask",
+    "get_cosine_schedule_with_warmup",
+    "init_like_hf",
+    "padded_collate_packed",
+    "padded_collate_sft",
+    "set_activation_checkpointing",
+    "set_default_dtype",
+    "truncate",
+]
+
+
+def init_like_hf(model: nn.Module, initializer_range: float) -> None:
+    """Hugging Face's init: N(0, initializer_range) for linear and embedding weights, zero biases.
+
+    torchtune's builders leave embeddings at N(0, 1), which starts the loss near 240.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=initializer_range)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+
+def peft_adapter_config(lora: dict[str, Any], base_model_name_or_path: str) -> dict[str, Any]:
+    """PEFT's adapter_config.json for the arguments of a torchtune LoRA builder."""
+    modules = get_lora_module_names(
+        list(lora["lora_attn_modules"]), lora["apply_lora_to_mlp"], lora["apply_lora_to_output"]
+    )
+    return convert_weights.tune_to_peft_adapter_config(
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": lora["lora_rank"],
+            "lora_alpha": lora["lora_alpha"],
+            "lora_dropout": lora["lora_dropout"],
+            "bias": "none",
+            "target_modules": modules,
+        },
+        base_model_name_or_path=base_model_name_or_path,
+    )

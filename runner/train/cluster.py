@@ -1,0 +1,170 @@
+"""`runner cluster`: the Slurm batch script and Kubeflow TrainJob manifest of a multi-node run.
+
+Both run the same `runner train compute=multi_node [train overrides]` line once per node; each
+node reads its place from the scheduler's variables (runner/platforms.py), so the line carries no
+node-specific flags. A dry run: the files are printed, nothing is submitted.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from runner.config.hydra_errors import from_hydra_error
+from runner.config.schema import Cluster, typed
+from runner.errors import UserError
+from runner.paths import CONF_DIR
+
+USAGE = """usage: runner cluster [train overrides] [cluster.KEY=VALUE ...]
+
+Prints a Slurm batch script and a Kubeflow Trainer TrainJob manifest that run
+`runner train compute=multi_node [train overrides]` on every node. Nothing is submitted:
+  runner cluster cluster.print=slurm cluster.nodes=4 max_steps=2000 > job.sbatch; sbatch job.sbatch
+
+The cluster keys and their defaults (conf/cluster.yaml):
+"""
+_K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _compose(config_name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=overrides)
+
+
+def _compose_cluster(overrides: list[str]) -> DictConfig:
+    """The cluster config; a composition error names its key as the user typed it
+    (`cluster.gpus`, not `gpus`)."""
+    try:
+        return _compose("cluster", overrides)
+    except Exception as err:  # noqa: BLE001 - recast below if Hydra's, else re-raised
+        error = from_hydra_error(err)
+        if error is None:
+            raise
+        key = error.key if error.key in ("override", "config") else f"cluster.{error.key}"
+        raise UserError(key, error.value, error.fix) from None
+
+
+def _on_multi_node(train_overrides: list[str]) -> list[str]:
+    """The user's train overrides, on compute=multi_node."""
+    for override in train_overrides:
+        key, _, value = override.partition("=")
+        if key == "compute" and value != "multi_node":
+            raise UserError("compute", value, "runner cluster runs compute=multi_node; drop it")
+        if key in ("hydra.run.dir", "resume"):
+            raise UserError(key, value, "runner cluster names the run directory (shared_dir)")
+    rest = [o for o in train_overrides if o != "compute=multi_node"]
+    return ["compute=multi_node", *rest]
+
+
+def train_command(train_overrides: list[str], run_dir: str) -> list[str]:
+    """The line every node runs: `runner train` on compute=multi_node, in one run directory."""
+    return ["runner", "train", *_on_multi_node(train_overrides), f"hydra.run.dir={run_dir}"]
+
+
+def slurm_script(cluster: DictConfig, command: list[str]) -> str:
+    """An sbatch script: one task per node, each running `command`."""
+    slurm = cluster.slurm
+    options = {
+        "job-name": cluster.name,
+        "nodes": cluster.nodes,
+        "ntasks-per-node": 1,
+        "gpus-per-node": cluster.gpus_per_node or None,
+        "cpus-per-task": slurm.cpus_per_task,
+        "time": slurm.time,
+        "partition": slurm.partition,
+        "signal": f"TERM@{slurm.signal_before_end_s}",
+        "requeue": "",
+        "open-mode": "append",
+        "output": f"{cluster.name}-%j.out",
+    }
+    lines = [
+        "#!/bin/bash",
+        "# Written by `runner cluster`: one `runner train` per node, which reads SLURM_NNODES,",
+        "# SLURM_NODEID and SLURM_JOB_NODELIST and starts its processes with torch.distributed's",
+        "# elastic agent. SIGTERM (preemption, time limit) saves a checkpoint; a requeued job",
+        "# resumes from it in the same run directory.",
+    ]
+    for key, value in options.items():
+        if value is not None:
+            lines.append(f"#SBATCH --{key}" + (f"={value}" if value != "" else ""))
+    lines += ["", "set -euo pipefail", *slurm.setup]
+    # Every argument is quoted for the shell; the run directory is double-quoted so that each
+    # node expands ${SLURM_JOB_ID}.
+    *args, run_dir = command
+    if re.search(r'["`\\]|\$(?!\{SLURM_JOB_ID\})', run_dir):
+        raise UserError("cluster.shared_dir", run_dir, 'give a path without " ` \\ or $')
+    quoted = " ".join(shlex.quote(a) for a in args)
+    lines.append(f'srun --ntasks-per-node=1 --kill-on-bad-exit=1 {quoted} "{run_dir}"')
+    return "\n".join(lines) + "\n"
+
+
+def trainjob_manifest(cluster: DictConfig, command: list[str], nproc: Any) -> str:
+    """A Kubeflow Trainer TrainJob: numNodes pods, each running `command`."""
+    kubeflow = cluster.kubeflow
+    if kubeflow.image is None:
+        raise UserError(
+            "cluster.kubeflow.image",
+            None,
+            "give a container image with runner installed, or cluster.print=slurm",
+        )
+    if not _K8S_NAME.match(cluster.name) or len(cluster.name) > 63:
+        raise UserError(
+            "cluster.name",
+            cluster.name,
+            "a TrainJob name is lower-case letters, digits and '-', starting with a letter",
+        )
+    trainer: dict[str, Any] = {
+        "image": kubeflow.image,
+        "command": command,
+        "numNodes": cluster.nodes,
+    }
+    if isinstance(nproc, int):
+        trainer["numProcPerNode"] = nproc
+    if cluster.gpus_per_node:
+        trainer["resourcesPerNode"] = {"limits": {"nvidia.com/gpu": cluster.gpus_per_node}}
+    manifest = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": cluster.name, "namespace": kubeflow.namespace},
+        "spec": {"runtimeRef": {"name": kubeflow.runtime}, "trainer": trainer},
+    }
+    header = (
+        "# Written by `runner cluster`: every node runs `runner train`, which reads PET_NNODES,\n"
+        "# PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT and PET_NPROC_PER_NODE. The run\n"
+        f"# directory's storage ({cluster.shared_dir}) must be mounted on every node.\n"
+    )
+    return header + yaml.safe_dump(manifest, sort_keys=False)
+
+
+def cluster_files(overrides: list[str]) -> dict[str, str]:
+    """{"slurm": script, "kubeflow": manifest}, as cluster.print selects."""
+    cluster_overrides = [o[len("cluster.") :] for o in overrides if o.startswith("cluster.")]
+    train_overrides = [o for o in overrides if not o.startswith("cluster.")]
+    cluster = typed(_compose_cluster(cluster_overrides), Cluster, "cluster.")
+    if cluster.print not in ("both", "slurm", "kubeflow"):
+        raise UserError("cluster.print", cluster.print, "choose both, slurm or kubeflow")
+    # Composing and typing check every train override (keys, options, types, bounds) before
+    # anything is written.
+    composed = typed(_compose("train", _on_multi_node(train_overrides)))
+    explicit = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in train_overrides if "=" in o}
+    if "compute.nnodes" in explicit and composed.compute.nnodes != cluster.nodes:
+        raise UserError(
+            "compute.nnodes",
+            composed.compute.nnodes,
+            f"cluster.nodes={cluster.nodes} sets the node count; drop compute.nnodes",
+        )
+    nproc = composed.compute.nproc_per_node if "compute.nproc_per_node" in explicit else None
+    files = {}
+    if cluster.print in ("both", "slurm"):
+        run_dir = f"{cluster.shared_dir}/{cluster.name}-${{SLURM_JOB_ID}}"
+        files["slurm"] = slurm_script(cluster, train_command(train_overrides, run_dir))
+    if cluster.print in ("both", "kubeflow"):
+        run_dir = f"{cluster.shared_dir}/{cluster.name}"
+        command = train_command(train_overrides, run_dir)
+        files["kubeflow"] = trainjob_manifest(cluster, command, nproc)
+    return files

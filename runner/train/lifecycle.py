@@ -1,0 +1,134 @@
+"""The lifecycle of runs on this machine or a shared disk: find, list, stop, check for resume.
+
+`runner runs | logs | stop | resume` (runner.cli.lifecycle) and runner.api use these.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from runner.errors import UserError
+from runner.rundir import FINAL_STATES, LOG_FILE, STATUS_FILE, RunDir, is_run_dir
+
+DEFAULT_ROOTS = ("outputs", "multirun")
+
+
+def run_dir_at(path: Path, key: str = "RUN") -> RunDir:
+    run = RunDir(path)
+    if not is_run_dir(run.path):
+        raise UserError(
+            key,
+            str(path),
+            "not a run directory (no status.json); `runner runs` lists the runs here",
+        )
+    return run
+
+
+def find_runs(roots: list[Path]) -> list[RunDir]:
+    """Run directories under `roots`, newest first."""
+    found = {p.parent for root in roots if root.is_dir() for p in root.rglob(STATUS_FILE)}
+    return [RunDir(p) for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
+def _age(iso: str | None) -> str:
+    if not iso:
+        return "-"
+    seconds = (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def runs_table(runs: list[RunDir], base: Path) -> str:
+    """One line per run: where, state, step of total, last loss, recorded best eval, age."""
+    head = f"{'run':<44} {'state':<13} {'step':>11} {'loss':>8} {'best eval@step':>26} {'age':>5}"
+    lines = [head]
+    for run in runs:
+        status = run.status()
+        state, _ = run.effective_state()
+        losses = list(run.losses().values())
+        best = status.best
+        where = os.path.relpath(run.path, base)
+        step = f"{status.step or 0}/{status.total_steps or '-'}"
+        loss = f"{losses[-1]:.4f}" if losses else "-"
+        best_text = "-"
+        if best is not None:
+            best_text = f"{best['metric'].removeprefix('eval_')}={best['value']:.4g}@{best['step']}"
+        lines.append(
+            f"{where:<44} {state:<13} {step:>11} {loss:>8} {best_text:>26} "
+            f"{_age(status.updated_at):>5}"
+        )
+    return "\n".join(lines)
+
+
+class LogReader:
+    """Reads a run's train.log from where the last read ended (the log may not exist yet)."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run, self.position = run, 0
+
+    def read(self) -> str:
+        """The text appended since the last read ("" if none)."""
+        log_file = self.run.path / LOG_FILE
+        if not log_file.exists():
+            return ""
+        with open(log_file) as f:
+            f.seek(self.position)
+            text = f.read()
+            self.position = f.tell()
+        return text
+
+    def ended(self) -> bool:
+        """Whether the run is over, so that nothing more will be written."""
+        return self.run.effective_state()[0] in FINAL_STATES
+
+
+def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) -> int:
+    """Signals the process that trains `run` (SIGTERM: save a checkpoint and end as cancelled);
+    a UserError under `key` if the run is over, elsewhere or recorded no process. Its pid."""
+    status = run.status()
+    state, why = run.effective_state()
+    if state in FINAL_STATES:
+        raise UserError(
+            key, str(run.path), f"the run is already {state}" + (f" ({why})" if why else "")
+        )
+    if status.host != socket.gethostname():
+        raise UserError(
+            key, str(run.path), f"the run is on host {status.host}; run `runner stop` there"
+        )
+    pid = status.launcher_pid
+    if pid is None:
+        raise UserError(key, str(run.path), "the run recorded no process to signal")
+    if sig == signal.SIGKILL and os.getpgid(pid) == pid:
+        os.killpg(pid, sig)  # the launcher leads its group: its workers go with it
+    else:
+        os.kill(pid, sig)
+    return pid
+
+
+def wait_until_final(run: RunDir, timeout: float | None, interval: float = 0.5) -> str:
+    """The run's state once it is final (completed, failed, cancelled), or its state when
+    `timeout` seconds have passed (None: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        state, _ = run.effective_state()
+        if state in FINAL_STATES or (deadline is not None and time.monotonic() >= deadline):
+            return state
+        time.sleep(interval)
+
+
+def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
+    """A UserError under `key` unless `run` ended cancelled or failed (so it can go on)."""
+    state, _ = run.effective_state()
+    if state == "completed":
+        raise UserError(key, str(run.path), "the run is already completed")
+    if state not in FINAL_STATES:
+        raise UserError(
+            key, str(run.path), f"the run is still {state}; `runner stop {run.path}` first"
+        )

@@ -1,0 +1,81 @@
+"""The optimizer group: the component an option names, its arguments checked before training.
+
+An option (conf/optimizer/*.yaml) names a torch.optim class in `_component_`; its other keys are
+that class's keyword arguments, but for the learning-rate schedule's keys (SCHEDULE_KEYS), which
+every optimizer shares. Adding an optimizer is adding a YAML file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from runner.config.components import resolve_component
+from runner.errors import UserError
+
+# Keys of an optimizer option that set the schedule: linear warmup over warmup_steps, then a
+# cosine decay to zero over the run's steps (cosine_decay) or a constant rate.
+SCHEDULE_KEYS = ("warmup_steps", "cosine_decay")
+# Weights in the probe parameter: one step on it creates every optimizer's per-weight state.
+_PROBE_WEIGHTS = 3
+
+
+def split_option(option: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An optimizer option -> (the component node: _component_ and its arguments, the schedule)."""
+    option = dict(option)
+    schedule = {key: option.pop(key) for key in SCHEDULE_KEYS}
+    return option, schedule
+
+
+def state_per_weight(node: dict[str, Any]) -> int:
+    """How many weight-sized tensors the optimizer keeps per trained weight (AdamW: 2, SGD with
+    momentum: 1), found by building it on a probe parameter and stepping once.
+
+    A UserError naming the argument the component refuses (or all of them, when it refuses
+    only their combination).
+    """
+    arguments = {k: v for k, v in node.items() if k != "_component_"}
+    component = resolve_component(node["_component_"], "optimizer._component_")
+    # Fused or not, the state per weight is the same; the probe uses the default kernel.
+    arguments.pop("fused", None)
+    try:
+        optimizer, probe = _step_once(component, arguments)
+    except TypeError as err:
+        key, value = _culprit(component, arguments)
+        raise UserError(
+            key,
+            value,
+            f"{node['_component_']} does not take these arguments ({err}); drop or rename the "
+            "key in the optimizer option",
+        ) from None
+    except (ValueError, IndexError, RuntimeError) as err:
+        key, value = _culprit(component, arguments)
+        raise UserError(
+            key,
+            value,
+            f"{node['_component_']} refuses them: {err}; give values it takes (see its "
+            "documentation)",
+        ) from None
+    state = optimizer.state[probe].values()
+    return sum(torch.is_tensor(t) and t.shape == probe.shape for t in state)
+
+
+def _step_once(component: Any, arguments: dict[str, Any]) -> tuple[Any, torch.nn.Parameter]:
+    """The optimizer built on a probe weight and stepped once, and the probe."""
+    probe = torch.nn.Parameter(torch.zeros(_PROBE_WEIGHTS))
+    optimizer = component([probe], **arguments)
+    probe.grad = torch.ones(_PROBE_WEIGHTS)
+    optimizer.step()
+    return optimizer, probe
+
+
+def _culprit(component: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
+    """The key and value of the one argument the component refuses on its own
+    (`optimizer.betas`, [0.9]); `optimizer` and all of them when none does alone."""
+    for name, value in arguments.items():
+        try:
+            _step_once(component, {"lr": arguments.get("lr", 1e-3), name: value})
+        except (TypeError, ValueError, IndexError, RuntimeError):
+            return f"optimizer.{name}", value
+    return "optimizer", arguments

@@ -1,0 +1,295 @@
+"""`runner validate` and `runner estimate`: look before you leap, before any accelerator time.
+
+Both compose exactly what `runner train` would (same config, same overrides) and write nothing.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config.components import instantiate
+from runner.config.resolve import resolve_recipe
+from runner.data import check_datasets, train_dataset
+from runner.models.backends import Backend, backend_for
+from runner.train.optimizers import split_option, state_per_weight
+
+# Bytes a value of each dtype option: (trained parameters, their gradients and AdamW moments;
+# compute: frozen weights, activations).
+BYTES = {"fp32": (4, 4), "bf16_mixed": (4, 2), "bf16": (2, 2)}
+# torchao's NF4: 4 bits a weight, an int8 scaler per 64 weights, an fp32 one per 256 scalers.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def _recipe(cfg: DictConfig, fetch: bool = True, overrides: list[str] | None = None) -> DictConfig:
+    if overrides is None:
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = resolve_recipe(cfg, Path(tmp), overrides, fetch=fetch)
+    recipe.run_dir = "<new run directory>"
+    return recipe
+
+
+def validate(cfg: DictConfig) -> None:
+    """Prints the resolved recipe, then checks the model weights, tokenizer and data."""
+    check(cfg, report=print)
+
+
+def check(
+    cfg: DictConfig,
+    overrides: list[str] | None = None,
+    report: Callable[[str], Any] | None = None,
+) -> tuple[DictConfig, dict[str, int]]:
+    """The resolved recipe and the records found in each split, after checking weights,
+    tokenizer and every record (raises the first UserError); each finding goes to `report`.
+
+    `overrides`: those `cfg` was composed with (None: Hydra's, inside a Hydra app).
+    """
+    say = report or (lambda line: None)
+    recipe = _recipe(cfg, overrides=overrides)
+    say(OmegaConf.to_yaml(recipe))
+    model = recipe.model
+    weights = model.source or f"random init (seed {recipe.seed})"
+    if model.source is not None and model.family is not None:
+        weights += f" ({model.family})"
+    tokenizer = instantiate(model.tokenizer)
+    say(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
+    say(f"ok  backend    {model.backend}: {model.backend_reason}")
+    say(
+        f"ok  tokenizer  {model.tokenizer.path} ({tokenizer.vocab_size} tokens)"
+        f"{_origin(recipe, 'model.tokenizer')}"
+    )
+    data = recipe.dataset
+    found = check_datasets(data, tokenizer)
+    where = {
+        "train": f"{data.source} [{data.split}]{_origin(recipe, 'dataset.source')}",
+        "validation": _validation(recipe),
+    }
+    for split, records in found.items():
+        say(f"ok  {split:<10} {where[split]} ({records} records)")
+    return recipe, found
+
+
+def _validation(recipe: DictConfig) -> str:
+    data = recipe.dataset
+    held = data.validation
+    if held.held_out is not None:
+        return f"{held.held_out:.1%} of the train split, held out (seed {held.seed})"
+    if held.source is None:
+        return f"{data.source} [{held.split}]{_origin(recipe, 'dataset.source')}"
+    return f"{held.source} [{held.split}]{_origin(recipe, 'dataset.validation.source')}"
+
+
+def _origin(recipe: DictConfig, key: str) -> str:
+    """' from hf://...@commit' where `key` came from the hub, else nothing."""
+    pinned = recipe.hub_sources.get(key)
+    return f" from {pinned}" if pinned else ""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a run will need per device, and how much data an epoch is."""
+
+    parameters: int
+    trainable_parameters: int
+    world_size: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    # Weight-sized tensors the optimizer keeps per trained weight (AdamW: 2).
+    optimizer_tensors_per_weight: int
+    # None: the model's tokenizer is not on this machine, so the data is not measured.
+    activations_bytes: int | None
+    tokens_per_epoch: int | None
+    longest_sample: int | None
+    steps_per_epoch: int | None
+    # The total per device under each dtype option, for comparison (None as activations_bytes).
+    total_by_dtype: dict[str, int] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.weights_bytes
+            + self.gradients_bytes
+            + self.optimizer_bytes
+            + (self.activations_bytes or 0)
+        )
+
+
+def estimate(recipe: DictConfig) -> Estimate:
+    """Parameter count (built on the meta device), memory per device and tokens per epoch.
+
+    Trained weights, their gradients and the optimizer's state (AdamW: two moments, counted by
+    runner.train.optimizers) are in the parameter dtype and sharded over the world (FSDP2); with
+    LoRA, gradients and moments are the adapters' only, the frozen base is in the compute dtype, and
+    with QLoRA its projections take NF4's ~4.1 bits a weight. bf16_mixed in one process also
+    holds autocast's bf16 copy of the weights.
+    Activations, in the compute dtype, follow Korthikanti et al. (2022) for the longest sample
+    in a full batch, with layer inputs only under activation checkpointing, plus the fp32 logits.
+    """
+    counts = _parameter_counts(recipe)
+    world = recipe.compute.nproc_per_node * recipe.compute.nnodes
+    moments = state_per_weight(split_option(OmegaConf.to_container(recipe.optimizer))[0])
+
+    def state_bytes(dtype: str) -> tuple[int, int, int]:
+        """Weights, gradients and optimizer state per device under `dtype`."""
+        master, compute = BYTES[dtype]
+        weights = counts.trainable * master + counts.frozen * compute
+        weights += counts.quantized * NF4_BYTES
+        if master != compute and world == 1:
+            weights += counts.trainable * compute
+        shard = counts.trainable * master // world
+        return int(weights) // world, shard, moments * shard
+
+    weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe.dtype.name)
+    model_state = dict(
+        parameters=counts.parameters,
+        trainable_parameters=counts.trainable,
+        world_size=world,
+        weights_bytes=weights_bytes,
+        gradients_bytes=gradients_bytes,
+        optimizer_bytes=optimizer_bytes,
+        optimizer_tensors_per_weight=moments,
+    )
+    if recipe.model.tokenizer is None:
+        return Estimate(
+            **model_state,
+            activations_bytes=None,
+            tokens_per_epoch=None,
+            longest_sample=None,
+            steps_per_epoch=None,
+        )
+    tokenizer = instantiate(recipe.model.tokenizer)
+    lengths = [_sample_tokens(sample) for sample in train_dataset(recipe.dataset, tokenizer)]
+    values, logits_bytes = _activations(recipe, max(lengths))
+
+    def activation_bytes(dtype: str) -> int:
+        return int(values * BYTES[dtype][1] + logits_bytes)
+
+    global_batch = recipe.batch_size * world * recipe.gradient_accumulation_steps
+    return Estimate(
+        **model_state,
+        activations_bytes=activation_bytes(recipe.dtype.name),
+        tokens_per_epoch=sum(lengths),
+        longest_sample=max(lengths),
+        steps_per_epoch=len(lengths) // global_batch,
+        total_by_dtype={
+            dtype: sum(state_bytes(dtype)) + activation_bytes(dtype) for dtype in BYTES
+        },
+    )
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """Parameters of the model as trained: all, trained, frozen in the compute dtype, in NF4."""
+
+    parameters: int
+    trainable: int
+    frozen: int
+    quantized: int
+
+
+def _parameter_counts(recipe: DictConfig) -> _Counts:
+    """The model's parameters (built on the meta device by its backend), with LoRA's adapters
+    and frozen base."""
+    backend = backend_for(recipe.model)
+    model = backend.meta_model(None)
+    parameters = sum(p.numel() for p in model.parameters())
+    method = recipe.method
+    if method.builder is None:  # full, dpo: every parameter trains
+        # DPO holds a frozen reference copy of the weights besides.
+        return _Counts(parameters, parameters, parameters if method.name == "dpo" else 0, 0)
+    trainable = _adapter_parameters(backend, method.builder)
+    quantized = 0
+    if method.builder.quantize_base:
+        # The projections of the decoder layers (2-D weights; norms are 1-D).
+        quantized = sum(
+            p.numel()
+            for layer in backend.layers(model)
+            for name, p in layer.named_parameters()
+            if p.dim() == 2 and "norm" not in name
+        )
+    return _Counts(parameters + trainable, trainable, parameters - quantized, quantized)
+
+
+def _sample_tokens(sample: dict[str, Any]) -> int:
+    """A sample's tokens; a preference pair's forward holds both answers (as one sequence of
+    their joint length here: an upper bound on its activations)."""
+    if "tokens" in sample:
+        return len(sample["tokens"])
+    return len(sample["chosen_tokens"]) + len(sample["rejected_tokens"])
+
+
+def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
+    """(activation values kept for backward, bytes of the fp32 logits) for a full batch of
+    `seq`-token samples (Korthikanti et al. count bytes at 2 a value)."""
+    builder, batch = recipe.model.builder, recipe.batch_size
+    hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
+    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) / 2
+    kept = layers * seq * batch * hidden + per_layer
+    values = kept if recipe.activation_checkpointing else layers * per_layer
+    return values, seq * batch * builder["vocab_size"] * 4
+
+
+def _adapter_parameters(backend: Backend, lora: DictConfig) -> int:
+    """The parameters of the LoRA adapters the method adds to the model (built on meta)."""
+    model = backend.meta_model(lora)
+    return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def print_estimate(recipe: DictConfig, found: Estimate) -> None:
+    print(
+        f"model          {found.parameters:,} parameters, {recipe.dtype.name}, "
+        f"{recipe.compute.device} x {found.world_size}"
+    )
+    print(f"backend        {recipe.model.backend}: {recipe.model.backend_reason}")
+    if found.trainable_parameters != found.parameters:
+        print(
+            f"trained        {found.trainable_parameters:,} adapter parameters "
+            f"(method={recipe.method.name})"
+        )
+    print(f"weights        {_gib(found.weights_bytes)} per device")
+    print(f"gradients      {_gib(found.gradients_bytes)} per device")
+    component = recipe.optimizer._component_.rpartition(".")[2]
+    print(
+        f"optimizer      {_gib(found.optimizer_bytes)} per device ({component}, "
+        f"{found.optimizer_tensors_per_weight} state tensor(s) per weight)"
+    )
+    if found.activations_bytes is None:
+        print(
+            f"activations    not estimated: the tokenizer of model.source={recipe.model.source} "
+            "is not here to measure the data (`runner download` fetches it)"
+        )
+        print(f"total          at least {_gib(found.total_bytes)} per device")
+        return
+    print(
+        f"activations    {_gib(found.activations_bytes)} per device (batch "
+        f"{recipe.batch_size} x {found.longest_sample} tokens)"
+    )
+    print(f"total          {_gib(found.total_bytes)} per device")
+    print(
+        "by dtype       "
+        + ", ".join(f"{name} {_gib(total)}" for name, total in found.total_by_dtype.items())
+        + " per device"
+    )
+    print(
+        f"data           {found.tokens_per_epoch:,} tokens per epoch, "
+        f"{found.steps_per_epoch:,} optimizer steps per epoch"
+    )
+
+
+def estimated(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[DictConfig, Estimate]:
+    """The resolved recipe and its Estimate. The builder gives the parameter count: an
+    uncached hf:// model is not downloaded. `overrides`: as for `check`."""
+    recipe = _recipe(cfg, fetch=False, overrides=overrides)
+    return recipe, estimate(recipe)
