@@ -37,7 +37,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from runner.config.components import instantiate
+from runner.components import instantiate
+from runner.config.optimizer import split_option
 from runner.data import collate, eval_prompts, training_splits
 from runner.errors import Diverged
 from runner.models.backends import backend_for
@@ -51,7 +52,6 @@ from runner.rundir import RunDir
 from runner.rundir.manifest import record_checkpoint
 from runner.train import process, trackers
 from runner.train.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
-from runner.train.optimizers import split_option
 
 log = logging.getLogger("runner.recipe")
 # The dtype group: (dtype of the trained parameters, gradients and optimizer state; compute dtype).
@@ -80,7 +80,7 @@ class FullFinetuneRecipe:
         self.dtype, self.compute_dtype = PRECISIONS[cfg.dtype.name]
         # How the model is built, sharded and saved: torchtune's or transformers' (model.backend).
         self.backend = backend_for(cfg.model)
-        # The optimizer's component and arguments, and its schedule (runner.train.optimizers).
+        # The optimizer's component and arguments, and its schedule (runner.config.optimizer).
         optimizer, self.schedule = split_option(OmegaConf.to_container(cfg.optimizer))
         self.optimizer_node = OmegaConf.create(optimizer)
         self.step = 0

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -45,8 +45,11 @@ from runner.config import interpolations
 from runner.errors import UserError
 from runner.paths import CONF_DIR
 from runner.rundir import FINAL_STATES, STATES, RunDir, Status
-from runner.train import lifecycle, preflight
+from runner.train import lifecycle
 from runner.train.sweep import SUMMARY_JSON
+
+if TYPE_CHECKING:
+    from runner.train.preflight import Estimate
 
 _HYDRA = threading.Lock()  # Hydra's compose API keeps global state
 _URL_LINE = re.compile(r"OpenAI-compatible API at (http://\S+)")
@@ -72,8 +75,8 @@ class Capabilities:
 
 def capabilities() -> Capabilities:
     """The options this installation offers, read from conf/ and the code that serves them."""
+    from runner.config.loggers import TRACKERS
     from runner.deploy.serve import ENGINES
-    from runner.train.trackers import TRACKERS
 
     def options(group: str) -> tuple[str, ...]:
         return tuple(sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml")))
@@ -99,7 +102,7 @@ def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from runner.cli import as_user_error
+    from runner.config.hydra_errors import as_user_error
 
     interpolations.register()
     with _HYDRA, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -116,17 +119,21 @@ def validate(overrides: Sequence[str]) -> list[UserError]:
     """The problems `runner validate` would report for `overrides` (config, weights, tokenizer,
     every data record), as UserErrors, not raised: [] when it would train. The checks build on
     one another, so the list holds the first problem found."""
+    from runner.train.preflight import check
+
     try:
-        preflight.check(compose(overrides), list(overrides))
+        check(compose(overrides), list(overrides))
     except UserError as err:
         return [err]
     return []
 
 
-def estimate(overrides: Sequence[str]) -> preflight.Estimate:
+def estimate(overrides: Sequence[str]) -> Estimate:
     """`runner estimate`: parameters, memory per device and tokens per epoch (raises a
     UserError for a bad config)."""
-    return preflight.estimated(compose(overrides), list(overrides))[1]
+    from runner.train.preflight import estimated
+
+    return estimated(compose(overrides), list(overrides))[1]
 
 
 def launch(

@@ -107,7 +107,7 @@ def run_bare(steps: int, batch_size: int, device: str) -> dict[str, float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from runner.config.components import instantiate
+    from runner.components import instantiate
     from runner.data import train_dataset
     from runner.models.torchtune_boundary import init_like_hf, padded_collate_sft
 

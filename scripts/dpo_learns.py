@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from runner.config.components import instantiate
+from runner.components import instantiate
 from runner.data import answer_log_probs, collate_preference, training_splits
 
 LEARNING_RATES = {"dpo": "1e-3", "lora_dpo": "1e-2", "qlora_dpo": "1e-2"}

@@ -18,8 +18,8 @@ from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from runner.config.model import resolve_model
 from runner.errors import UserError
-from runner.models.resolve import resolve_model
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message
 from runner.paths import CONF_DIR

@@ -12,7 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from runner.config.components import instantiate
+from runner.components import instantiate
+from runner.config.model import resolve_model
 from runner.config.resolve import _dataset
 from runner.data import (
     FORMATS,
@@ -25,7 +26,6 @@ from runner.data import (
     training_splits,
 )
 from runner.errors import UserError
-from runner.models.resolve import resolve_model
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR

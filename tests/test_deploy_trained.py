@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.config.components import instantiate
+from runner.components import instantiate
 from runner.models.torchtune_boundary import Message
 from tests.conftest import QUICK, deploy_server
 

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from runner.config.components import instantiate
+from runner.components import instantiate
+from runner.config.model import resolve_model
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
@@ -38,7 +39,6 @@ from runner.models.families import (
     tune_to_hf,
     tune_to_peft,
 )
-from runner.models.resolve import resolve_model
 from runner.models.torchtune_boundary import Message, peft_adapter_config
 from runner.paths import CONF_DIR
 from runner.train.preflight import estimate, print_estimate

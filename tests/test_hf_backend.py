@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.config.components import instantiate
+from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
 from runner.data import collate, training_splits
 from runner.errors import UserError

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from runner.config.optimizer import state_per_weight
 from runner.errors import UserError
 from runner.models.checkpoint import read_training_state
-from runner.train.optimizers import state_per_weight
 from tests.conftest import QUICK
 
 FOUR_STEPS = [

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from runner.config.components import instantiate
+from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
 from runner.train.preflight import estimate
 from tests.test_config import compose_train

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.config.components import instantiate
+from runner.components import instantiate
 from runner.models.checkpoint import read_model_state
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message

@@ -8,7 +8,8 @@ import os
 import sys
 
 from runner.config import interpolations
-from runner.errors import UserError, UserErrorExit
+from runner.config.hydra_errors import as_user_error
+from runner.errors import UserErrorExit
 
 USAGE = """usage: runner COMMAND [hydra overrides] [--help]
 
@@ -95,17 +96,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {user_error}", file=sys.stderr)
         return user_error.exit_code
     return code or 0
-
-
-def as_user_error(err: BaseException) -> UserError | None:
-    """Our UserError, or a Hydra/OmegaConf composition error recast as one; None otherwise."""
-    from runner.config.hydra_errors import from_hydra_error
-
-    while err is not None:
-        if isinstance(err, UserError):
-            return err
-        converted = from_hydra_error(err)
-        if converted is not None:
-            return converted
-        err = err.__cause__ or err.__context__
-    return None

@@ -12,7 +12,9 @@ from runner.paths import CONF_DIR
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def app(cfg: DictConfig) -> None:
     """Hydra entry point of `runner download`."""
+    from runner.config.schema import typed
     from runner.hub.download import download
 
     with user_errors_pass_hydra():
-        download(cfg)
+        # The same config as `runner train`: a value it would refuse is refused before any fetch.
+        download(typed(cfg))

@@ -46,3 +46,15 @@ def from_hydra_error(err: BaseException) -> UserError | None:
             )
         return UserError("override", message, f"{OVERRIDE_FORMS}; `--help` lists the groups")
     return None
+
+
+def as_user_error(err: BaseException) -> UserError | None:
+    """Our UserError, or a Hydra/OmegaConf composition error recast as one; None otherwise."""
+    while err is not None:
+        if isinstance(err, UserError):
+            return err
+        converted = from_hydra_error(err)
+        if converted is not None:
+            return converted
+        err = err.__cause__ or err.__context__
+    return None

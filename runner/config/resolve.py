@@ -15,8 +15,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.components import resolve_component
+from runner.components import resolve_component
 from runner.config.interpolations import evaluates
+from runner.config.loggers import check_loggers
+from runner.config.model import resolve_model
+from runner.config.optimizer import SCHEDULE_KEYS, split_option, state_per_weight
 from runner.config.platforms import checked_int, resolve_launch
 from runner.config.schema import OptimizerKeys, recipe, typed
 from runner.data import (
@@ -29,7 +32,6 @@ from runner.data import (
 )
 from runner.errors import UserError
 from runner.hub.download import Hub, localize
-from runner.models.resolve import resolve_model
 from runner.rundir.manifest import SECRET_KEY
 from runner.rundir.metrics import (
     METRIC_MODES,
@@ -37,8 +39,6 @@ from runner.rundir.metrics import (
     SFT_METRICS,
     TRAINING_METRIC_MODES,
 )
-from runner.train.optimizers import SCHEDULE_KEYS, split_option, state_per_weight
-from runner.train.trackers import check_loggers
 
 log = logging.getLogger(__name__)
 

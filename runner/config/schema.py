@@ -438,7 +438,7 @@ class Recipe:
     loss: Dict[str, Any] = field(default_factory=dict)
     compute: RecipeCompute = field(default_factory=RecipeCompute)
     method: RecipeMethod = field(default_factory=RecipeMethod)
-    # The option's component and arguments with its schedule keys (runner.train.optimizers).
+    # The option's component and arguments with its schedule keys (runner.config.optimizer).
     optimizer: Dict[str, Any] = field(default_factory=dict)
     runtime: RecipeRuntime = field(default_factory=RecipeRuntime)
     eval: RecipeEval = field(default_factory=RecipeEval)

@@ -30,7 +30,6 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.schema import typed
 from runner.errors import UserError
 
 SCHEME = "hf://"
@@ -356,9 +355,8 @@ def localize(
 
 
 def download(cfg: DictConfig) -> None:
-    """Fetches every hf:// source the composed config names into the cache; prints where."""
-    # The same config as `runner train`: a value it would refuse is refused before any fetch.
-    cfg = typed(cfg)
+    """Fetches every hf:// source the typed config (runner.config.schema.typed) names into the
+    cache; prints where."""
     hub = Hub.from_runtime(cfg.runtime, overrides=None)
     found = list(hub_values(cfg))
     if not found:

@@ -112,7 +112,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
 
 def _check_data(recipe: DictConfig) -> None:
     """Reads and checks every record of every split before anything starts."""
-    from runner.config.components import instantiate
+    from runner.components import instantiate
     from runner.data import check_datasets
 
     started = time.perf_counter()

@@ -14,11 +14,11 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.components import instantiate
+from runner.components import instantiate
+from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
 from runner.data import check_datasets, train_dataset
 from runner.models.backends import Backend, backend_for
-from runner.train.optimizers import split_option, state_per_weight
 
 # Bytes a value of each dtype option: (trained parameters, their gradients and AdamW moments;
 # compute: frozen weights, activations).
@@ -126,7 +126,7 @@ def estimate(recipe: DictConfig) -> Estimate:
     """Parameter count (built on the meta device), memory per device and tokens per epoch.
 
     Trained weights, their gradients and the optimizer's state (AdamW: two moments, counted by
-    runner.train.optimizers) are in the parameter dtype and sharded over the world (FSDP2); with
+    runner.config.optimizer) are in the parameter dtype and sharded over the world (FSDP2); with
     LoRA, gradients and moments are the adapters' only, the frozen base is in the compute dtype, and
     with QLoRA its projections take NF4's ~4.1 bits a weight. bf16_mixed in one process also
     holds autocast's bf16 copy of the weights.

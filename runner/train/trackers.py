@@ -14,47 +14,19 @@ kept in the run directory's trackers.json), and logs the steps since its last ch
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.errors import UserError
+from runner.config.loggers import check_loggers
 from runner.rundir.manifest import redact
 
 log = logging.getLogger(__name__)
 
-# Each tracker name and the package (and extra of runner) it needs; None: always installed.
-TRACKERS: dict[str, tuple[str, str] | None] = {
-    "jsonl": None,
-    "tensorboard": None,
-    "wandb": ("wandb", "runner[wandb]"),
-    "mlflow": ("mlflow", "runner[mlflow]"),
-}
 # Where a run keeps the ids of its tracker runs, so that a resumed run logs to the same one.
 TRACKERS_FILE = "trackers.json"
-
-
-def check_loggers(loggers: list[str], *, key: str = "runtime.loggers") -> None:
-    """A UserError for an unknown or repeated tracker name, or one whose package is missing."""
-    for name in loggers:
-        if name not in TRACKERS:
-            raise UserError(key, list(loggers), f"{name!r} is no tracker; use any of {_names()}")
-        if list(loggers).count(name) > 1:
-            raise UserError(key, list(loggers), f"{name!r} is listed twice; list it once")
-        needs = TRACKERS[name]
-        if needs is not None and importlib.util.find_spec(needs[0]) is None:
-            raise UserError(
-                key,
-                list(loggers),
-                f"{name} needs the {needs[0]} package: pip install '{needs[1]}'",
-            )
-
-
-def _names() -> str:
-    return ", ".join(TRACKERS)
 
 
 class Tracker(Protocol):

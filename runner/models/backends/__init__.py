@@ -1,6 +1,6 @@
 """The two model backends behind one interface: torchtune's builders, transformers' model classes.
 
-A recipe asks the backend of its model section (`model.backend`, which runner.models.resolve
+A recipe asks the backend of its model section (`model.backend`, which runner.config.model
 decided) for everything that depends on how the model is built, and never branches on its name:
 
 - `build(model, device, dtype)`: the model, with its weights (model.source's, or a random init),

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.config.components import instantiate
+from runner.components import instantiate
 from runner.models.backends.base import Backend
 from runner.models.checkpoint import read_adapter_state, read_model_state
 from runner.models.families import peft_config, tune_to_hf, tune_to_peft

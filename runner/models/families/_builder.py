@@ -6,7 +6,7 @@ import inspect
 import math
 from typing import Any
 
-from runner.config.components import resolve_component
+from runner.components import resolve_component
 from runner.errors import UserError
 from runner.models.families._family import SHARED_ARGS, Family, Unsupported, head_dim, rope
 

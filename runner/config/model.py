@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
-from runner.config.components import instantiate
+from runner.components import instantiate
 from runner.config.schema import Model, typed
 from runner.errors import UserError
 from runner.models.backends import BACKENDS

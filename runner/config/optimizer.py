@@ -1,4 +1,4 @@
-"""The optimizer group: the component an option names, its arguments checked before training.
+"""The optimizer section: the component an option names, its arguments checked before training.
 
 An option (conf/optimizer/*.yaml) names a torch.optim class in `_component_`; its other keys are
 that class's keyword arguments, but for the learning-rate schedule's keys (SCHEDULE_KEYS), which
@@ -7,12 +7,13 @@ every optimizer shares. Adding an optimizer is adding a YAML file.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from runner.config.components import resolve_component
+from runner.components import resolve_component
 from runner.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # Keys of an optimizer option that set the schedule: linear warmup over warmup_steps, then a
 # cosine decay to zero over the run's steps (cosine_decay) or a constant rate.
@@ -35,6 +36,8 @@ def state_per_weight(node: dict[str, Any]) -> int:
     A UserError naming the argument the component refuses (or all of them, when it refuses
     only their combination).
     """
+    import torch
+
     arguments = {k: v for k, v in node.items() if k != "_component_"}
     component = resolve_component(node["_component_"], "optimizer._component_")
     # Fused or not, the state per weight is the same; the probe uses the default kernel.
@@ -63,6 +66,8 @@ def state_per_weight(node: dict[str, Any]) -> int:
 
 def _step_once(component: Any, arguments: dict[str, Any]) -> tuple[Any, torch.nn.Parameter]:
     """The optimizer built on a probe weight and stepped once, and the probe."""
+    import torch
+
     probe = torch.nn.Parameter(torch.zeros(_PROBE_WEIGHTS))
     optimizer = component([probe], **arguments)
     probe.grad = torch.ones(_PROBE_WEIGHTS)

@@ -1,0 +1,157 @@
+"""The light paths stay light: `runner --help`, every `runner COMMAND --help` and `import
+runner.api` load no torch, torchtune, transformers or datasets (each checked in a fresh
+interpreter, as a user's shell starts one); and the package's imports run one way, with no
+circle."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.cli import COMMANDS
+
+HEAVY = ("torch", "torchtune", "transformers", "datasets")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _loaded_after(statement: str) -> list[str]:
+    """The heavy packages in sys.modules after `statement` runs in a fresh interpreter."""
+    probe = (
+        f"import sys\n{statement}\n"
+        "import json\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _help(argv: list[str]) -> str:
+    return (
+        "import contextlib, io\n"
+        "from runner.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        f"    main({argv!r})"
+    )
+
+
+def test_import_of_the_python_api_loads_no_heavy_package() -> None:
+    assert _loaded_after("import runner.api") == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in COMMANDS]])
+def test_help_loads_no_heavy_package(argv: list[str]) -> None:
+    assert _loaded_after(_help(argv)) == []
+
+
+def _imports(path: Path) -> set[str]:
+    """The runner modules that `path` imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("runner.")}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """runner's modules (recipes/ as runner.recipes) and the runner modules each imports."""
+    paths = {}
+    for path in [*(ROOT / "runner").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[0] == "recipes":
+            parts.insert(0, "runner")
+        if parts[-1] == "__init__":
+            parts.pop()
+        paths[".".join(parts)] = path
+    # A package's __init__ taking names from its modules (`from runner.x import y`): no circle.
+    return {
+        name: {m for m in _imports(path) if m in paths} - {name} for name, path in paths.items()
+    }
+
+
+def test_no_import_circle() -> None:
+    """A module never imports one that imports it, directly or through others."""
+    graph = _module_graph()
+
+    def reached(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    circles = sorted(name for name in graph if name in reached(name))
+    assert circles == []
+
+
+# The folders of runner/ in the order a job flows through them (README, Architecture): a module
+# imports from its own folder and from folders after its own, never before. runner.api is the
+# Python front beside the CLI; errors, paths and components are the ground every folder stands on.
+FLOW = (
+    "cli",
+    "api",
+    "recipes",
+    "train",
+    "export",
+    "deploy",
+    "config",
+    "hub",
+    "data",
+    "models",
+    "rundir",
+    "components",
+    "paths",
+    "errors",
+)
+
+
+def _folder(module: str) -> str:
+    """runner.train.launch -> train; `python -m runner` (runner.__main__) is the CLI."""
+    name = module.split(".")[1] if "." in module else "runner"
+    return "cli" if name == "__main__" else name
+
+
+def test_imports_run_down_the_flow() -> None:
+    upward = sorted(
+        f"{name} -> {imported}"
+        for name, imports in _module_graph().items()
+        for imported in imports
+        if _folder(name) in FLOW and FLOW.index(_folder(imported)) < FLOW.index(_folder(name))
+    )
+    assert upward == []
+
+
+def test_nothing_imports_the_cli() -> None:
+    graph = _module_graph()
+    importers = sorted(
+        name
+        for name, imported in graph.items()
+        if _folder(name) != "cli" and any(m.startswith("runner.cli") for m in imported)
+    )
+    assert importers == []
+
+
+def test_every_torchtune_import_goes_through_the_boundary() -> None:
+    boundary = ROOT / "runner" / "models" / "torchtune_boundary.py"
+    importers = []
+    for path in [*(ROOT / "runner").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if path != boundary and any(n.split(".")[0] == "torchtune" for n in names):
+                importers.append(str(path.relative_to(ROOT)))
+    assert importers == []
