@@ -115,6 +115,7 @@ class Estimate:
 
     @property
     def total_bytes(self) -> int:
+        """Everything per device: weights, gradients, optimizer state and activations (if any)."""
         return (
             self.weights_bytes
             + self.gradients_bytes
@@ -139,6 +140,7 @@ def estimate(recipe: DictConfig) -> Estimate:
     moments = state_per_weight(split_option(_plain(recipe.optimizer))[0])
 
     def state_bytes(dtype: str) -> tuple[int, int, int]:
+        """Weights, gradients and optimizer state per device under `dtype`."""
         return _state_bytes(counts, world, moments, dtype)
 
     weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe.dtype.name)
@@ -276,6 +278,7 @@ def _gib(n: int) -> str:
 
 
 def print_estimate(recipe: DictConfig, found: Estimate) -> None:
+    """What `runner estimate` prints: the model, the memory per device by part, the data."""
     print(
         f"model          {found.parameters:,} parameters, {recipe.dtype.name}, "
         f"{recipe.compute.device} x {found.world_size}"
