@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from runner.errors import UserError
-from runner.export.write import export
+from runner.export.write import ExportRequest, export
 from runner.models.families import FAMILIES, hf_config
 from runner.paths import TINY_TOKENIZER_DIR
 from tests.fixtures import write_tiny_checkpoint
@@ -178,8 +178,16 @@ def greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
 
 
 def run_export(checkpoint: Path, format: str, **options) -> Path:
-    arguments = {"dtype": "fp32", "quantization": "f16", "base": None, "out": None} | options
-    return export(checkpoint=str(checkpoint), select=SELECT, format=format, **arguments)
+    arguments = {
+        "dtype": "fp32",
+        "quantization": "f16",
+        "merged_quantization": None,
+        "base": None,
+        "out": None,
+    } | options
+    return export(
+        ExportRequest(checkpoint=str(checkpoint), select=SELECT, format=format, **arguments)
+    )
 
 
 # --- merged -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from runner.errors import UserError
-from runner.export.write import export
+from runner.export.write import ExportRequest, export
 from tests.test_export import SELECT, logits, make_lora_checkpoint, make_run, token_ids
 
 bitsandbytes = pytest.importorskip("bitsandbytes")  # in the test extra; `quant` for users
@@ -20,14 +20,16 @@ bitsandbytes = pytest.importorskip("bitsandbytes")  # in the test extra; `quant`
 def merged(checkpoint: Path, out: Path, quantization: str | None) -> Path:
     """`runner export format=merged merged.quantization=QUANTIZATION out=OUT`, in fp32."""
     return export(
-        checkpoint=str(checkpoint),
-        select=SELECT,
-        format="merged",
-        dtype="fp32",
-        quantization="f16",
-        base=None,
-        out=str(out),
-        merged_quantization=quantization,
+        ExportRequest(
+            checkpoint=str(checkpoint),
+            select=SELECT,
+            format="merged",
+            dtype="fp32",
+            quantization="f16",
+            base=None,
+            out=str(out),
+            merged_quantization=quantization,
+        )
     )
 
 

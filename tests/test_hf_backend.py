@@ -25,7 +25,7 @@ from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
 from runner.data import collate, training_splits
 from runner.errors import UserError
-from runner.export.write import export
+from runner.export.write import ExportRequest, export
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.paths import CONF_DIR
 from tests.conftest import QUICK, deploy_server, losses
@@ -252,13 +252,16 @@ def test_lora_writes_an_adapter_peft_loads(
     assert eval_losses(run)[2] == pytest.approx(transformers_eval_loss(peft_model, run), abs=1e-5)
     select = {"checkpoint": "latest", "metric": "loss", "mode": "min"}
     out = export(
-        checkpoint=str(checkpoint),
-        select=select,
-        format="merged",
-        dtype="fp32",
-        quantization="f16",
-        base=None,
-        out=str(tmp_path / "merged"),
+        ExportRequest(
+            checkpoint=str(checkpoint),
+            select=select,
+            format="merged",
+            dtype="fp32",
+            quantization="f16",
+            merged_quantization=None,
+            base=None,
+            out=str(tmp_path / "merged"),
+        )
     )
     ids = first_batch(run, 1)["tokens"][:2]
     with torch.no_grad():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -12,6 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config.schema import Export, typed
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.paths import CONF_DIR
+
+if TYPE_CHECKING:  # imported where used: runner.export loads what `--help` must not
+    from runner.export.write import ExportRequest
 
 # Options that belong to one format, by the bare name a user may try first. (`dtype=` alone
 # would select `runner train`'s dtype group.)
@@ -39,16 +43,8 @@ def app(cfg: DictConfig) -> None:
                 "checkpoint", "???", "say what to export: checkpoint=<checkpoint | run | sweep dir>"
             )
         push = _push_request(cfg)
-        path = export(
-            checkpoint=str(cfg.checkpoint),
-            select=dict(cfg.select),
-            format=cfg.format,
-            dtype=cfg.merged.dtype,
-            merged_quantization=cfg.merged.quantization,
-            quantization=cfg.gguf.quantization,
-            base=cfg.base,
-            out=cfg.out,
-        )
+        request = _export_request(cfg)
+        path = export(request)
         print(path)
         if cfg.format == "gguf":
             _print_sample(path)
@@ -58,8 +54,27 @@ def app(cfg: DictConfig) -> None:
 
             target, token = push
             # The checkpoint export chose: the model card describes the run it came from.
-            chosen = choose_checkpoint(Path(cfg.checkpoint), **cfg.select)
+            chosen = choose_checkpoint(Path(request.checkpoint), **request.select)
             print(upload(path, target, token=token, private=cfg.private, checkpoint=chosen))
+
+
+def _export_request(cfg: DictConfig) -> ExportRequest:
+    """The request the typed `runner export` config makes."""
+    from runner.export.write import ExportRequest, Selection
+
+    select = Selection(
+        checkpoint=cfg.select.checkpoint, metric=cfg.select.metric, mode=cfg.select.mode
+    )
+    return ExportRequest(
+        checkpoint=str(cfg.checkpoint),
+        select=select,
+        format=cfg.format,
+        dtype=cfg.merged.dtype,
+        quantization=cfg.gguf.quantization,
+        merged_quantization=cfg.merged.quantization,
+        base=cfg.base,
+        out=cfg.out,
+    )
 
 
 def _print_sample(path: Path) -> None:

@@ -88,6 +88,7 @@ def greedy_sample(path: Path, prompt: str = "Hello!", max_tokens: int = 16) -> s
         )
     finally:
         llm.close()
+    assert isinstance(answer, dict), type(answer)  # without stream=True: one response
     return answer["choices"][0]["message"]["content"]
 
 
@@ -144,7 +145,7 @@ def gguf_arch(config: dict[str, Any], checkpoint: Path | str) -> gguf.MODEL_ARCH
     """llama.cpp's architecture of a config.json, from gguf's table; a UserError if none."""
     model_type = config.get("model_type")
     by_name = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
-    name = ARCH_ALIASES.get(model_type, model_type)
+    name = ARCH_ALIASES.get(model_type, model_type) if isinstance(model_type, str) else None
     if name not in by_name:
         raise UserError(
             "checkpoint",
@@ -330,7 +331,7 @@ def _add_sentencepiece_bpe(
     score is minus the rank of the merge that makes it, so the two merge in the same order.
     """
     tokens, types = _token_list(tokenizer, vocab_size)
-    rank = {}
+    rank: dict[str, int] = {}
     for index, merge in enumerate(spec["model"]["merges"]):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         rank.setdefault(left + right, index)

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from runner.deploy.loading import require_safetensors
 from runner.deploy.selection import choose_checkpoint
@@ -44,121 +44,133 @@ ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_FILE)
 MODEL_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
 
 
+class Selection(TypedDict):
+    """Which checkpoint a run or sweep dir stands for (`select.`, as `runner deploy` chooses)."""
+
+    checkpoint: str  # latest or best
+    metric: str | None
+    mode: str | None
+
+
 @dataclass(frozen=True)
 class ExportRequest:
-    """A checked `runner export` request."""
+    """A `runner export` request as the user gave it: conf/export.yaml's keys, unchecked."""
+
+    checkpoint: str  # a checkpoint, run or sweep dir
+    select: Selection
+    format: str
+    dtype: str  # merged.dtype
+    quantization: str  # gguf.quantization
+    merged_quantization: str | None  # merged.quantization: nf4, or None
+    base: str | None  # the base model dir of a LoRA checkpoint (None: the adapter's own)
+    out: str | None  # where to write (None: default_destination)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """A checked request: the checkpoint chosen, the base it merges into, where to write."""
 
     checkpoint: Path
-    format: str
-    variant: str | None  # the dtype (merged) or quantization (gguf)
-    merged_quantization: str | None  # nf4, or None
     base: Path | None  # the base model of a LoRA checkpoint when it gets merged
     destination: Path
 
 
-def export(
-    *,
-    checkpoint: str,
-    select: dict[str, str],
-    format: str,
-    dtype: str,
-    quantization: str,
-    base: str | None,
-    out: str | None,
-    merged_quantization: str | None = None,
-) -> Path:
+def export(request: ExportRequest) -> Path:
     """Export one checkpoint; returns the path written (a directory, or a .gguf file)."""
-    request = check_request(
-        checkpoint=checkpoint,
-        select=select,
-        format=format,
-        dtype=dtype,
-        quantization=quantization,
-        merged_quantization=merged_quantization,
-        base=base,
-        out=out,
-    )
-    request.destination.parent.mkdir(exist_ok=True)  # RUN/exports/ the first time
-    with staged(request.destination) as tmp:
+    plan = check_request(request)
+    plan.destination.parent.mkdir(exist_ok=True)  # RUN/exports/ the first time
+    with staged(plan.destination) as tmp:
         if request.format == "adapter":
-            write_adapter(request.checkpoint, tmp)
+            write_adapter(plan.checkpoint, tmp)
         elif request.format == "merged":
             write_merged(
-                request.checkpoint,
-                request.base,
+                plan.checkpoint,
+                plan.base,
                 tmp,
-                dtype=request.variant,
+                dtype=request.dtype,
                 quantization=request.merged_quantization,
             )
         else:
-            write_gguf_file(request.checkpoint, request.base, tmp, quantization=request.variant)
-    size = sum(p.stat().st_size for p in request.destination.rglob("*") if p.is_file())
-    if request.destination.is_file():
-        size = request.destination.stat().st_size
+            write_gguf_file(plan.checkpoint, plan.base, tmp, quantization=request.quantization)
+    size = sum(p.stat().st_size for p in plan.destination.rglob("*") if p.is_file())
+    if plan.destination.is_file():
+        size = plan.destination.stat().st_size
     log.info(
         "exported %s as %s to %s (%.1f MB)",
-        request.checkpoint,
+        plan.checkpoint,
         request.format,
-        request.destination,
+        plan.destination,
         size / 1e6,
     )
-    return request.destination
+    return plan.destination
 
 
-def check_request(
-    *,
-    checkpoint: str,
-    select: dict[str, str],
-    format: str,
-    dtype: str,
-    quantization: str,
-    base: str | None,
-    out: str | None,
-    merged_quantization: str | None = None,
-) -> ExportRequest:
+def check_request(request: ExportRequest) -> ExportPlan:
     """Every user error, before anything is loaded or written."""
-    if format not in FORMATS:
-        raise UserError("format", format, f"choose one of: {', '.join(FORMATS)}")
-    if format == "merged" and dtype not in DTYPES:
-        raise UserError("merged.dtype", dtype, f"choose one of: {', '.join(DTYPES)}")
-    if format == "merged" and merged_quantization is not None:
-        check_merged_quantization(merged_quantization)
-    if format == "gguf":
-        check_gguf_quantization(quantization)
-    chosen = choose_checkpoint(Path(checkpoint), **select)
-    is_adapter = (chosen / ADAPTER_CONFIG_FILE).is_file()
+    check_options(request)
+    chosen = choose_checkpoint(Path(request.checkpoint), **request.select)
+    base = check_checkpoint(chosen, request.format, request.base)
+    return ExportPlan(chosen, base, check_destination(request, chosen))
+
+
+def check_options(request: ExportRequest) -> None:
+    """The format and the options of that format, before any file is read."""
+    if request.format not in FORMATS:
+        raise UserError("format", request.format, f"choose one of: {', '.join(FORMATS)}")
+    if request.format == "merged" and request.dtype not in DTYPES:
+        raise UserError("merged.dtype", request.dtype, f"choose one of: {', '.join(DTYPES)}")
+    if request.format == "merged" and request.merged_quantization is not None:
+        check_merged_quantization(request.merged_quantization)
+    if request.format == "gguf":
+        check_gguf_quantization(request.quantization)
+
+
+def check_checkpoint(checkpoint: Path, format: str, base: str | None) -> Path | None:
+    """The chosen checkpoint's files, whole and fit for `format`; returns the base model dir a
+    LoRA checkpoint merges into (None: nothing to merge)."""
+    is_adapter = (checkpoint / ADAPTER_CONFIG_FILE).is_file()
     if format == "adapter" and not is_adapter:
         raise UserError(
             "format",
             format,
-            f"{chosen} is a full checkpoint (config.json, no adapter_config.json), it has no "
+            f"{checkpoint} is a full checkpoint (config.json, no adapter_config.json), it has no "
             "adapter to export: use format=merged or format=gguf",
         )
     if is_adapter:
-        missing = [name for name in ADAPTER_FILES if not (chosen / name).is_file()]
+        missing = [name for name in ADAPTER_FILES if not (checkpoint / name).is_file()]
         if missing:
-            raise UserError("checkpoint", str(chosen), f"LoRA checkpoint without {missing}")
-        check_safetensors(chosen / ADAPTER_FILE, key="checkpoint")
-    base_dir = check_base(chosen, base) if is_adapter and format != "adapter" else None
+            raise UserError("checkpoint", str(checkpoint), f"LoRA checkpoint without {missing}")
+        check_safetensors(checkpoint / ADAPTER_FILE, key="checkpoint")
+    base_dir = check_base(checkpoint, base) if is_adapter and format != "adapter" else None
+    model_dir = base_dir or checkpoint
     if format != "adapter":
-        require_safetensors(base_dir or chosen, "export")
+        require_safetensors(model_dir, "export")
     if format == "gguf":
         from runner.export.gguf_file import gguf_arch
 
-        gguf_arch(
-            json.loads(((base_dir or chosen) / HF_CONFIG_FILE).read_text()), base_dir or chosen
-        )
-    variant = {"adapter": None, "merged": dtype, "gguf": quantization}[format]
-    merged_quantization = merged_quantization if format == "merged" else None
-    suffix = f"{variant}-{merged_quantization}" if merged_quantization else variant
-    destination = Path(out) if out else default_destination(chosen, format, suffix)
+        gguf_arch(json.loads((model_dir / HF_CONFIG_FILE).read_text()), model_dir)
+    return base_dir
+
+
+def check_destination(request: ExportRequest, checkpoint: Path) -> Path:
+    """Where the export goes (`out`, or default_destination), which must not exist yet."""
+    # The dtype (merged) or quantization (gguf), and merged's nf4, name the default destination.
+    variant = {"merged": request.dtype, "gguf": request.quantization}.get(request.format)
+    quantization = request.merged_quantization if request.format == "merged" else None
+    suffix = f"{variant}-{quantization}" if quantization else variant
+    if request.out:
+        destination = Path(request.out)
+    else:
+        destination = default_destination(checkpoint, request.format, suffix)
     if destination.exists() or destination.is_symlink():
         raise UserError(
             "out", str(destination), "already exists: remove it, or name another out=PATH"
         )
-    if out and not destination.parent.is_dir():
-        raise UserError("out", out, f"no such directory {destination.parent}: create it first")
-    return ExportRequest(chosen, format, variant, merged_quantization, base_dir, destination)
+    if request.out and not destination.parent.is_dir():
+        raise UserError(
+            "out", request.out, f"no such directory {destination.parent}: create it first"
+        )
+    return destination
 
 
 def check_gguf_quantization(quantization: str) -> None:

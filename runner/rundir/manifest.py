@@ -11,11 +11,12 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.rundir import RunDir, write_json_atomic
+from runner.rundir.io import write_json_atomic
+from runner.rundir.run import RunDir
 
 MANIFEST_FILE = "manifest.json"
 PACKAGES = (
@@ -37,6 +38,56 @@ REDACTED = "<redacted>"
 RUN_SPECIFIC_KEYS = ("run_dir", "stop_at_step")
 
 
+class GitState(TypedDict):
+    """The commit checked out where the run was launched, and whether its tree had changes."""
+
+    commit: str
+    dirty: bool
+
+
+class TorchBuild(TypedDict):
+    """The torch build: its version, the CUDA it was built for (None: CPU only), its commit."""
+
+    version: str
+    cuda: str | None
+    git: str
+
+
+class Hardware(TypedDict):
+    """The device a run computed on, and the CPU kernel path (ATen's) it used."""
+
+    device: str
+    name: str
+    cores: int | None
+    cpu_capability: str
+
+
+class DataFile(TypedDict):
+    """A data source and its sha256 (`sha256_data`)."""
+
+    path: str
+    sha256: str
+
+
+class Manifest(TypedDict):
+    """manifest.json as a run starts it; record_checkpoint and record_kernels add to it."""
+
+    config: dict[str, Any]
+    config_hash: str
+    overrides: list[str]
+    packages: dict[str, str | None]
+    python: str
+    torch_build: TorchBuild
+    git: GitState | None
+    data: dict[str, DataFile]
+    tokenizer_sha256: dict[str, str]
+    seed: int
+    world_size: int
+    deterministic: bool
+    hardware: Hardware
+    checkpoints: dict[str, dict[str, str]]
+
+
 def redact(value: Any, key: str = "") -> Any:
     """A copy of a config with the values of secret-looking keys replaced."""
     if isinstance(value, dict):
@@ -47,6 +98,7 @@ def redact(value: Any, key: str = "") -> Any:
 
 
 def sha256_file(path: Path) -> str:
+    """A file's sha256, read a MiB at a time."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -70,7 +122,7 @@ def config_hash(recipe: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
-def _git(cwd: Path) -> dict[str, Any] | None:
+def _git(cwd: Path) -> GitState | None:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True
@@ -83,7 +135,7 @@ def _git(cwd: Path) -> dict[str, Any] | None:
     return {"commit": commit, "dirty": bool(dirty)}
 
 
-def _hardware(device: str) -> dict[str, Any]:
+def _hardware(device: str) -> Hardware:
     import torch
 
     kind = torch.cuda.get_device_name() if device == "cuda" else platform.processor()
@@ -109,11 +161,18 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
-def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> dict[str, Any]:
+def _plain(resolved: DictConfig) -> dict[str, Any]:
+    """The recipe as plain JSON values; its top level maps section names to sections."""
+    recipe = OmegaConf.to_container(resolved)
+    assert isinstance(recipe, dict), type(recipe)
+    return {str(key): value for key, value in recipe.items()}
+
+
+def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> Manifest:
     """Everything needed to tell, from the record alone, what a re-run would change."""
     import torch
 
-    recipe = OmegaConf.to_container(resolved)
+    recipe = _plain(resolved)
     data = recipe["dataset"]
     tokenizer_dir = Path(recipe["model"]["tokenizer"]["path"])
     return {
@@ -145,11 +204,13 @@ def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> dic
     }
 
 
-def write_manifest(run: RunDir, manifest: dict[str, Any]) -> None:
+def write_manifest(run: RunDir, manifest: Manifest | dict[str, Any]) -> None:
+    """Writes the run's manifest.json (whole, or not at all)."""
     write_json_atomic(run.path / MANIFEST_FILE, manifest)
 
 
 def read_manifest(run: RunDir) -> dict[str, Any]:
+    """The run's manifest.json as written: a Manifest, with what was recorded since."""
     return json.loads((run.path / MANIFEST_FILE).read_text())
 
 

@@ -5,11 +5,12 @@ Both compose exactly what `runner train` would (same config, same overrides) and
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -114,6 +115,7 @@ class Estimate:
 
     @property
     def total_bytes(self) -> int:
+        """Everything per device: weights, gradients, optimizer state and activations (if any)."""
         return (
             self.weights_bytes
             + self.gradients_bytes
@@ -135,20 +137,14 @@ def estimate(recipe: DictConfig) -> Estimate:
     """
     counts = _parameter_counts(recipe)
     world = recipe.compute.nproc_per_node * recipe.compute.nnodes
-    moments = state_per_weight(split_option(OmegaConf.to_container(recipe.optimizer))[0])
+    moments = state_per_weight(split_option(_plain(recipe.optimizer))[0])
 
     def state_bytes(dtype: str) -> tuple[int, int, int]:
         """Weights, gradients and optimizer state per device under `dtype`."""
-        master, compute = BYTES[dtype]
-        weights = counts.trainable * master + counts.frozen * compute
-        weights += counts.quantized * NF4_BYTES
-        if master != compute and world == 1:
-            weights += counts.trainable * compute
-        shard = counts.trainable * master // world
-        return int(weights) // world, shard, moments * shard
+        return _state_bytes(counts, world, moments, dtype)
 
     weights_bytes, gradients_bytes, optimizer_bytes = state_bytes(recipe.dtype.name)
-    model_state = dict(
+    model_only = Estimate(
         parameters=counts.parameters,
         trainable_parameters=counts.trainable,
         world_size=world,
@@ -156,33 +152,67 @@ def estimate(recipe: DictConfig) -> Estimate:
         gradients_bytes=gradients_bytes,
         optimizer_bytes=optimizer_bytes,
         optimizer_tensors_per_weight=moments,
+        activations_bytes=None,
+        tokens_per_epoch=None,
+        longest_sample=None,
+        steps_per_epoch=None,
     )
     if recipe.model.tokenizer is None:
-        return Estimate(
-            **model_state,
-            activations_bytes=None,
-            tokens_per_epoch=None,
-            longest_sample=None,
-            steps_per_epoch=None,
-        )
-    tokenizer = instantiate(recipe.model.tokenizer)
-    lengths = [_sample_tokens(sample) for sample in train_dataset(recipe.dataset, tokenizer)]
-    values, logits_bytes = _activations(recipe, max(lengths))
-
-    def activation_bytes(dtype: str) -> int:
-        return int(values * BYTES[dtype][1] + logits_bytes)
-
+        return model_only
+    data = _measure_data(recipe)
     global_batch = recipe.batch_size * world * recipe.gradient_accumulation_steps
-    return Estimate(
-        **model_state,
-        activations_bytes=activation_bytes(recipe.dtype.name),
-        tokens_per_epoch=sum(lengths),
-        longest_sample=max(lengths),
-        steps_per_epoch=len(lengths) // global_batch,
+    return dataclasses.replace(
+        model_only,
+        activations_bytes=data.activations_bytes(recipe.dtype.name),
+        tokens_per_epoch=sum(data.lengths),
+        longest_sample=max(data.lengths),
+        steps_per_epoch=len(data.lengths) // global_batch,
         total_by_dtype={
-            dtype: sum(state_bytes(dtype)) + activation_bytes(dtype) for dtype in BYTES
+            dtype: sum(state_bytes(dtype)) + data.activations_bytes(dtype) for dtype in BYTES
         },
     )
+
+
+def _state_bytes(counts: _Counts, world: int, moments: int, dtype: str) -> tuple[int, int, int]:
+    """Weights, gradients and optimizer state per device under `dtype`."""
+    master, compute = BYTES[dtype]
+    weights = counts.trainable * master + counts.frozen * compute + counts.quantized * NF4_BYTES
+    if master != compute and world == 1:
+        weights += counts.trainable * compute
+    shard = counts.trainable * master // world
+    return int(weights) // world, shard, moments * shard
+
+
+@dataclass(frozen=True)
+class _Data:
+    """The training split as measured: each sample's tokens, and the activations of a full batch
+    of the longest (values kept for backward, and the fp32 logits' bytes)."""
+
+    lengths: list[int]
+    activation_values: float
+    logits_bytes: int
+
+    def activations_bytes(self, dtype: str) -> int:
+        """The activations' bytes, their values in `dtype`'s compute dtype."""
+        return int(self.activation_values * BYTES[dtype][1] + self.logits_bytes)
+
+
+def _measure_data(recipe: DictConfig) -> _Data:
+    """Reads and tokenizes the training split as training does (packed if dataset.packing)."""
+    tokenizer = instantiate(recipe.model.tokenizer)
+    # torch's Dataset declares no __iter__; the splits (tokenized records, torchtune's packs)
+    # are sequences of samples, read by index until IndexError.
+    samples = cast("Iterable[dict[str, Any]]", train_dataset(recipe.dataset, tokenizer))
+    lengths = [_sample_tokens(sample) for sample in samples]
+    values, logits_bytes = _activations(recipe, max(lengths))
+    return _Data(lengths, values, logits_bytes)
+
+
+def _plain(node: DictConfig) -> dict[str, Any]:
+    """A config section as plain dicts and lists, keyed by its (string) keys."""
+    container = OmegaConf.to_container(node)
+    assert isinstance(container, dict), type(container)
+    return {str(key): value for key, value in container.items()}
 
 
 @dataclass(frozen=True)
@@ -239,7 +269,7 @@ def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
 
 def _adapter_parameters(backend: Backend, lora: DictConfig) -> int:
     """The parameters of the LoRA adapters the method adds to the model (built on meta)."""
-    model = backend.meta_model(lora)
+    model = backend.meta_model(_plain(lora))
     return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
 
 
@@ -248,6 +278,7 @@ def _gib(n: int) -> str:
 
 
 def print_estimate(recipe: DictConfig, found: Estimate) -> None:
+    """What `runner estimate` prints: the model, the memory per device by part, the data."""
     print(
         f"model          {found.parameters:,} parameters, {recipe.dtype.name}, "
         f"{recipe.compute.device} x {found.world_size}"
@@ -277,6 +308,7 @@ def print_estimate(recipe: DictConfig, found: Estimate) -> None:
         f"{recipe.batch_size} x {found.longest_sample} tokens)"
     )
     print(f"total          {_gib(found.total_bytes)} per device")
+    assert found.total_by_dtype is not None  # measured with the activations
     print(
         "by dtype       "
         + ", ".join(f"{name} {_gib(total)}" for name, total in found.total_by_dtype.items())

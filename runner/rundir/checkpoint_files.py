@@ -1,0 +1,120 @@
+"""The files of a checkpoint directory (checkpoints/step_<N>/), and whether they are whole.
+
+The names are Hugging Face's and PEFT's, so that transformers and peft load a checkpoint as it
+is; the checks read headers and tails only, never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+from runner.errors import UserError
+
+HF_CONFIG_FILE = "config.json"
+MODEL_FILE = "model.safetensors"
+# A hub repo's weights in several files, listed by this index.
+SHARDED_INDEX = "model.safetensors.index.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
+TRAINING_STATE_FILE = "training_state.pt"
+# Where transformers reads a chat template kept apart from tokenizer_config.json.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    CHAT_TEMPLATE_FILE,
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+# The largest header the safetensors library reads; a larger length is not a header's.
+_SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` is a checkpoint itself: a Hugging Face model or a PEFT adapter dir."""
+    return (path / HF_CONFIG_FILE).is_file() or (path / ADAPTER_CONFIG_FILE).is_file()
+
+
+def weight_files(checkpoint_dir: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights (one, or the shards of an index)."""
+    if (checkpoint_dir / SHARDED_INDEX).is_file():
+        index = json.loads((checkpoint_dir / SHARDED_INDEX).read_text())
+        return [checkpoint_dir / name for name in sorted(set(index["weight_map"].values()))]
+    return [checkpoint_dir / MODEL_FILE]
+
+
+def check_safetensors(path: Path, *, key: str) -> None:
+    """A UserError naming `path` (under config key `key`) unless it is a whole safetensors file:
+    one whose header parses and places every tensor's bytes within the file."""
+    problem = _safetensors_problem(path)
+    if problem:
+        raise UserError(key, str(path), f"{problem}; download, copy or save it again")
+
+
+def checkpoint_problem(checkpoint: Path) -> str:
+    """What is wrong with a checkpoint's files ("" if nothing): each safetensors file and the
+    training state it holds. A file it lacks is not looked for: a checkpoint is committed whole,
+    by a rename, and its kind (full, LoRA, LoRA with merged weights) says which it holds."""
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem:
+            return f"{path} {problem}"
+    state = checkpoint / TRAINING_STATE_FILE
+    problem = _training_state_problem(state)
+    return f"{state} {problem}" if problem else ""
+
+
+def _safetensors_problem(path: Path) -> str:
+    """What is wrong with a safetensors file ("" if nothing), read from its header alone: 8 bytes
+    giving the header's length, the header (JSON), then the tensors' bytes it locates."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+            if not 2 <= header_size <= min(size - 8, _SAFETENSORS_MAX_HEADER):
+                return f"is cut short or not safetensors: a header of {header_size} bytes in {size}"
+            header = json.loads(f.read(header_size))
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as err:
+        return f"does not read ({err})"
+    except ValueError as err:  # not JSON, or not UTF-8
+        return f"is not safetensors: its header is not JSON ({err})"
+    if not isinstance(header, dict):
+        return "is not safetensors: its header is not a JSON object"
+    data_size = size - 8 - header_size
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = tensor.get("data_offsets") if isinstance(tensor, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(offset, int) for offset in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            return f"is not safetensors: tensor {name!r} has no [begin, end] data_offsets"
+        if offsets[1] > data_size:
+            end = 8 + header_size + offsets[1]
+            return f"is cut short: tensor {name!r} ends at byte {end}, the file at {size}"
+    return ""
+
+
+def _training_state_problem(path: Path) -> str:
+    """What is wrong with a training_state.pt ("" if nothing, or if there is none).
+
+    torch.save writes a zip archive whose central directory is the last thing in the file, so a
+    file cut short has none: zipfile finds that from the file's tail, without reading the state.
+    """
+    if not path.exists():
+        return ""
+    try:
+        with zipfile.ZipFile(path):
+            return ""
+    except (OSError, zipfile.BadZipFile) as err:
+        return f"is cut short or not written by torch.save ({err})"

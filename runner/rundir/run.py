@@ -1,0 +1,315 @@
+"""One run's directory (see DESIGN.md, the run directory contract): its status, metrics and
+whole checkpoints, and which of them is the latest and the best.
+
+Everything downstream (sweeps, deploy, export, repro, runs/logs/stop/resume) reads runs through
+RunDir, so each rule (which checkpoint is whole, which is the best) is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from runner.rundir.checkpoint_files import checkpoint_problem
+from runner.rundir.io import now_iso, write_json_atomic
+from runner.rundir.status import (
+    ACTIVE_STATES,
+    FINAL_STATES,
+    STATES,
+    STATUS_FILE,
+    STATUS_VERSION,
+    Best,
+    Status,
+    number,
+)
+
+RECIPE_FILE = "recipe.yaml"
+HEARTBEAT_FILE = "heartbeat"
+LOG_FILE = "train.log"
+# A live run touches its heartbeat every HEARTBEAT_EVERY_S; older than HEARTBEAT_STALE_S is dead.
+HEARTBEAT_EVERY_S = 10.0
+HEARTBEAT_STALE_S = 120.0
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+_CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+# A checkpoint whose files are damaged is renamed to this prefix + its name (kept to inspect).
+DAMAGED_PREFIX = ".damaged-"
+
+# The package's logger (runner.rundir), which log lines named before the package had modules.
+log = logging.getLogger(__package__)
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` is a training run directory (it has a status file)."""
+    return (path / STATUS_FILE).is_file()
+
+
+class RunDir:
+    """One run's directory; every downstream command reads runs through this."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @property
+    def recipe_path(self) -> Path:
+        """The run's recipe.yaml."""
+        return self.path / RECIPE_FILE
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        """The directory holding the run's checkpoints (step_<N>/)."""
+        return self.path / CHECKPOINTS_DIR
+
+    # ---- status ---------------------------------------------------------------------------
+    def status(self) -> Status:
+        """The run's status; a missing or unreadable status.json reads as state `unknown`."""
+        try:
+            data = json.loads((self.path / STATUS_FILE).read_text())
+        except (OSError, ValueError):
+            return Status()
+        return Status.from_json(data)
+
+    def read_status(self) -> dict[str, Any]:
+        """The run's status as the JSON object status.json holds (its set fields)."""
+        return self.status().to_json()
+
+    def write_status(self, state: str, **fields: Any) -> Status:
+        """Moves the run to `state`, keeping earlier fields and stamping times and heartbeat."""
+        assert state in STATES, state
+        status = self.status()
+        now = now_iso()
+        changes: dict[str, Any] = {}
+        if status.created_at is None:
+            changes["created_at"] = now
+        if state == "initializing":
+            changes.update(started_at=now, ended_at=None, error=None)
+        if state in FINAL_STATES:
+            changes["ended_at"] = now
+        changes.update(fields)
+        changes.update(state=state, updated_at=now, heartbeat_at=now, version=STATUS_VERSION)
+        changes.update(host=socket.gethostname(), pid=os.getpid())
+        status = dataclasses.replace(status, **changes)
+        write_json_atomic(self.path / STATUS_FILE, status.to_json())
+        return status
+
+    def touch_heartbeat(self) -> None:
+        """Marks the run alive now (the heartbeat file's mtime)."""
+        (self.path / HEARTBEAT_FILE).touch()
+
+    def seconds_since_heartbeat(self) -> float | None:
+        """How long ago the run last marked itself alive (None: it never did)."""
+        path = self.path / HEARTBEAT_FILE
+        return time.time() - path.stat().st_mtime if path.exists() else None
+
+    def effective_state(self) -> tuple[str, str | None]:
+        """The recorded state, or `failed` with a reason when an active run's process is gone."""
+        status = self.status()
+        if status.state not in ACTIVE_STATES:
+            return status.state, None
+        pid = status.launcher_pid or status.pid
+        if status.host == socket.gethostname() and pid and not _alive(pid):
+            return "failed", f"process {pid} is gone and the status was never updated"
+        age = self.seconds_since_heartbeat()
+        if age is not None and age > HEARTBEAT_STALE_S:
+            return "failed", f"no heartbeat for {age:.0f} s"
+        return status.state, None
+
+    # ---- metrics --------------------------------------------------------------------------
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        """Adds one line (one step's record) to metrics.jsonl."""
+        with open(self.path / METRICS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """The lines of metrics.jsonl; one cut short (still being written) is skipped."""
+        try:
+            text = (self.path / METRICS_FILE).read_text()
+        except OSError:
+            return []
+        records = []
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+        return records
+
+    def losses(self) -> dict[int, float]:
+        """Per-step training losses, by step, from metrics.jsonl."""
+        return {r["step"]: r["loss"] for r in self.read_metrics() if "loss" in r}
+
+    def truncate_metrics(self, last_step: int) -> None:
+        """Drops metric lines past `last_step`: a resumed run logs those steps again."""
+        kept = [r for r in self.read_metrics() if r["step"] <= last_step]
+        tmp = self.path / f".{METRICS_FILE}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path / METRICS_FILE)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def checkpoint_path(self, step: int) -> Path:
+        """Where the whole checkpoint of `step` lives (once it is written)."""
+        return self.checkpoints_dir / f"step_{step}"
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Whole checkpoints as (step, path), oldest first; temporary ones are not listed."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = []
+        for child in self.checkpoints_dir.iterdir():
+            match = _CHECKPOINT_NAME.match(child.name)
+            if match and child.is_dir():
+                found.append((int(match.group(1)), child))
+        return sorted(found)
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest whole checkpoint: the one resume, deploy and export pick.
+
+        A newer one whose files are damaged (cut short by a full disk or a killed copy) is set
+        aside as checkpoints/.damaged-step_N, with a warning naming the file, so that neither
+        resume nor pruning counts it again.
+        """
+        for _, checkpoint in reversed(self.checkpoints()):
+            # One linked in from elsewhere is not this run's to read or move: deploy checks
+            # where a link leads before it reads anything, and its loader checks the weights.
+            problem = "" if checkpoint.is_symlink() else checkpoint_problem(checkpoint)
+            if not problem:
+                return checkpoint
+            _set_aside(checkpoint, problem)
+        return None
+
+    def remove_leftovers(self) -> list[Path]:
+        """Removes what a killed save or prune left in checkpoints/ (.tmp-step_N, .deleting-*)."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = [
+            child
+            for child in self.checkpoints_dir.iterdir()
+            if child.is_dir() and child.name.startswith((".tmp-", ".deleting-"))
+        ]
+        for child in found:
+            shutil.rmtree(child)
+        return found
+
+    def fresh_checkpoint_tmp(self, step: int) -> Path:
+        """Where to write step `step`'s checkpoint; a leftover of a crashed save is removed."""
+        tmp = self.checkpoints_dir / f".tmp-step_{step}"
+        if tmp.exists():
+            _remove_tree(tmp)
+        return tmp
+
+    def commit_checkpoint(
+        self, tmp: Path, step: int, keep_last: int, keep_step: int | None = None
+    ) -> Path:
+        """Renames a fully written checkpoint into place, then prunes to the last `keep_last`.
+
+        The checkpoint of `keep_step` (the run's best) is kept as well, whatever its age.
+        """
+        final = self.checkpoint_path(step)
+        if final.exists():  # the same step saved by an earlier attempt of this run
+            _remove_tree(final)
+        os.replace(tmp, final)
+        for old_step, old in self.checkpoints()[: -max(keep_last, 1)]:
+            if old_step != keep_step:
+                _remove_tree(old)
+        return final
+
+    # ---- the best -------------------------------------------------------------------------
+    def best(self, metric: str | None = None, mode: str | None = None) -> Best | None:
+        """The best evaluation the run recorded (metric, mode, step, value, checkpoint), if any
+        and if it is by `metric` and `mode` (None: whichever)."""
+        best = self.status().best
+        if best is None or metric not in (None, best["metric"]) or mode not in (None, best["mode"]):
+            return None
+        return best
+
+    def best_checkpoint(self, metric: str | None = None, mode: str | None = None) -> Path | None:
+        """The run's best whole checkpoint by `metric` and `mode` (None: by its objective): its
+        recorded best's when that is by them and still kept; else, with both given, the whole
+        checkpoint whose step's metrics line has the best value of `metric`."""
+        checkpoints = dict(self.checkpoints())
+        best = self.best(metric, mode)
+        if best is not None and best["step"] in checkpoints:
+            return checkpoints[best["step"]]
+        if metric is None or mode is None:
+            return None
+        scores = {}
+        for record in self.read_metrics():
+            value = number(record.get(metric))
+            if record["step"] in checkpoints and value is not None and not math.isnan(value):
+                scores[record["step"]] = value
+        step = best_key(scores, mode)
+        return checkpoints[step] if step is not None else None
+
+    def objective_value(self, metric: str) -> tuple[float, int] | None:
+        """(value, step) that ranks this run by `metric`: its recorded best when that is by
+        `metric`, else the last value of `metric` in metrics.jsonl (NaN if it diverged)."""
+        best = self.best(metric)
+        if best is not None:
+            return float(best["value"]), best["step"]
+        scored = [
+            (value, record["step"])
+            for record in self.read_metrics()
+            if (value := number(record.get(metric))) is not None
+        ]
+        return scored[-1] if scored else None
+
+
+def best_key(scores: dict[int, float], mode: str) -> int | None:
+    """The key of the lowest (min) or highest (max) score; the first such key on a tie."""
+    assert mode in ("min", "max"), mode
+    if not scores:
+        return None
+    pick = min if mode == "min" else max
+    return pick(scores, key=lambda key: scores[key])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _set_aside(checkpoint: Path, problem: str) -> None:
+    """Renames a damaged checkpoint out of the listing; it stays there for the user to inspect."""
+    aside = checkpoint.with_name(f"{DAMAGED_PREFIX}{checkpoint.name}")
+    copies = 1
+    while aside.exists():  # set aside before: keep that one too
+        copies += 1
+        aside = checkpoint.with_name(f"{DAMAGED_PREFIX}{checkpoint.name}-{copies}")
+    try:
+        os.replace(checkpoint, aside)
+    except FileNotFoundError:
+        return  # another process of this run set it aside first, and warned
+    except OSError as err:
+        log.warning(
+            "checkpoint %s is damaged, skipped: %s (not set aside: %s)", checkpoint, problem, err
+        )
+        return
+    log.warning(
+        "checkpoint %s is damaged, set aside as %s (delete it when done): %s",
+        checkpoint.name,
+        aside,
+        problem,
+    )
+
+
+def _remove_tree(path: Path) -> None:
+    # Rename first so a crash mid-delete leaves a name that is never picked up.
+    doomed = path.with_name(f".deleting-{path.name}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)

@@ -1,0 +1,105 @@
+"""status.json: where a run is in its lifecycle, and the best evaluation it recorded.
+
+Read leniently: a file of any version, or cut short, reads as a Status (unknown fields left out,
+a field of the wrong type unset), since `runner runs` lists whatever it finds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, NotRequired, TypedDict
+
+STATES = ("created", "initializing", "running", "checkpointing", "completed", "failed", "cancelled")
+ACTIVE_STATES = ("created", "initializing", "running", "checkpointing")
+FINAL_STATES = ("completed", "failed", "cancelled")
+STATUS_FILE = "status.json"
+# Bumped when status.json changes meaning; files without a version read as version 0.
+STATUS_VERSION = 1
+
+
+class Best(TypedDict):
+    """The best evaluation a run recorded by its objective, and the checkpoint saved at it."""
+
+    metric: str
+    mode: str
+    step: int
+    value: float
+    checkpoint: NotRequired[str]
+
+
+@dataclass(frozen=True)
+class Status:
+    """status.json: where a run is in its lifecycle. Unset fields are left out of the file."""
+
+    state: str = "unknown"
+    step: int | None = None
+    total_steps: int | None = None
+    first_loss: float | None = None
+    loss: float | None = None
+    eval: dict[str, float] | None = None  # the last evaluation: its step and each metric
+    best: Best | None = None
+    error: str | None = None
+    created_at: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    updated_at: str | None = None
+    heartbeat_at: str | None = None
+    host: str | None = None
+    pid: int | None = None  # the process that wrote this status
+    launcher_pid: int | None = None  # the process `runner stop` signals
+    version: int = 0
+
+    @classmethod
+    def from_json(cls, data: object) -> Status:
+        """The status a parsed status.json holds, of any version: a field that is missing or
+        of the wrong type reads as unset, and fields this version does not know are ignored."""
+        if not isinstance(data, dict):
+            return cls()
+        known = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known and _fits(k, v)})
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object status.json holds: the set fields."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def number(value: object) -> float | None:
+    """`value` as a float when it is a number (not a bool); NaN stays NaN."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _fits(name: str, value: object) -> bool:
+    """Whether `value` has the type of Status field `name` (a float field takes an int too)."""
+    if value is None or isinstance(value, bool):
+        return False
+    if name == "best":
+        return _is_best(value)
+    kind = _FIELD_KINDS[name]
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
+
+
+def _is_best(value: object) -> bool:
+    if not isinstance(value, dict):
+        return False
+    return (
+        isinstance(value.get("metric"), str)
+        and value.get("mode") in ("min", "max")
+        and isinstance(value.get("step"), int)
+        and number(value.get("value")) is not None
+    )
+
+
+def _field_kinds() -> dict[str, type]:
+    """Each Status field's type without its `| None`: str, int, float or dict."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(Status).items():
+        kind = (typing.get_args(hint) or (hint,))[0]
+        kinds[name] = typing.get_origin(kind) or kind
+    return kinds
+
+
+_FIELD_KINDS = _field_kinds()

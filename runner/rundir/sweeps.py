@@ -1,0 +1,33 @@
+"""A sweep directory: the run directories of one multirun, and which of them is the best."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from runner.rundir.run import RunDir, best_key, is_run_dir
+
+
+def sweep_runs(sweep_dir: Path) -> list[RunDir]:
+    """The run directories directly inside a sweep directory, in job order (0, 1, ..., 10)."""
+    jobs = [child for child in sweep_dir.iterdir() if child.is_dir() and is_run_dir(child)]
+    jobs.sort(key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name))
+    return [RunDir(job) for job in jobs]
+
+
+def best_run(runs: list[RunDir], metric: str, mode: str) -> RunDir | None:
+    """The best run of a sweep: of the completed runs with a whole checkpoint, the one whose
+    objective value (`RunDir.objective_value`) is lowest (mode min) or highest (max).
+
+    A NaN value never wins; of equal values, the earlier run in `runs` does. The sweep summary
+    and deploy's choice of a sweep's run both use this rule.
+    """
+    scores = {}
+    for index, run in enumerate(runs):
+        scored = run.objective_value(metric)
+        if scored is None or math.isnan(scored[0]):
+            continue
+        if run.status().state == "completed" and run.checkpoints():
+            scores[index] = scored[0]
+    best = best_key(scores, mode)
+    return runs[best] if best is not None else None
