@@ -76,7 +76,7 @@ class TransformersEngine:
     def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
         """Queue the prompts' sequences; raises QueueFull when they do not all fit."""
         handle = RequestHandle(n=sum(request.n for request in requests))
-        sequences = []
+        sequences: list[_Sequence] = []
         for request in requests:
             base_seed = random.getrandbits(63) if request.seed is None else request.seed
             for choice in range(request.n):
@@ -124,7 +124,7 @@ class TransformersEngine:
                 self._wake.wait()
             if self._closed:
                 return None
-            admitted = []
+            admitted: list[_Sequence] = []
             while self._waiting and len(self._running) + len(admitted) < self._max_batch_size:
                 sequence = self._waiting.popleft()
                 if not sequence.handle.cancelled:

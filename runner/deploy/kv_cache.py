@@ -23,6 +23,15 @@ _MIN_ROOM = 64
 class BatchLayer(DynamicLayer):
     """One layer's keys and values, [batch, heads, tokens, head_dim], in a growable buffer."""
 
+    # Set from the first call on, unlike DynamicLayer's, which are None until its first update.
+    keys: torch.Tensor
+    values: torch.Tensor
+    # The buffers, and the token positions [_start, _end) in them that keys and values view.
+    _key_buffer: torch.Tensor
+    _value_buffer: torch.Tensor
+    _start: int
+    _end: int
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
@@ -76,7 +85,13 @@ class BatchLayer(DynamicLayer):
 
 def batch_cache(prefilled: Cache) -> Cache:
     """A cache of BatchLayers holding what a prefill wrote into an ordinary DynamicCache."""
-    return Cache(layers=[BatchLayer(layer.keys, layer.values) for layer in prefilled.layers])
+    return Cache(layers=[_batch_layer(layer) for layer in prefilled.layers])
+
+
+def _batch_layer(layer: object) -> BatchLayer:
+    # check_supported let through only models whose every layer caches keys and values.
+    assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
+    return BatchLayer(layer.keys, layer.values)
 
 
 def check_supported(model: Any) -> None:

@@ -140,12 +140,13 @@ def load_hf_model(model_dir: Path, *, adapter_dir: Path | None, dtype: Any) -> A
     )
     if adapter_dir is None:
         return model
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
 
-    model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
-    config = model.peft_config["default"]
+    adapted = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+    config = adapted.peft_config["default"]
+    assert isinstance(config, LoraConfig), "runner writes LoRA adapters only"
     log.info("merging the LoRA adapter of %s (rank %d) into its base", adapter_dir, config.r)
-    return model.merge_and_unload()
+    return adapted.merge_and_unload()
 
 
 def check_servable(checkpoint_dir: Path, engine: str = "transformers") -> None:

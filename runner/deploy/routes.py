@@ -40,8 +40,20 @@ class ServedModel:
 
 def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits) -> FastAPI:
     """The ASGI app; engines start with the app's lifespan and stop with it."""
-    by_name = {model.name: model for model in models}
-    created = protocol.now()
+    app = FastAPI(lifespan=_lifespan(models), docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_exception_handler(ApiError, _api_error_response)
+    app.add_exception_handler(HTTPException, _http_error_response)
+    app.add_exception_handler(Exception, _internal_error_response)
+    _add_routes(app, models, limits)
+    return app
+
+
+def _lifespan(
+    models: list[ServedModel],
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start every model's engine when the server starts; close them when it stops."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,12 +66,14 @@ def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits)
                 if model.engine is not None:
                     await asyncio.to_thread(model.engine.close)
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_exception_handler(ApiError, _api_error_response)
-    app.add_exception_handler(HTTPException, _http_error_response)
-    app.add_exception_handler(Exception, _internal_error_response)
+    return lifespan
+
+
+def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None:
+    """GET /health, /v1/models and /v1/models/{name}; POST /v1/completions and
+    /v1/chat/completions."""
+    by_name = {model.name: model for model in models}
+    created = protocol.now()
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -89,8 +103,6 @@ def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits)
         prompt = await asyncio.to_thread(_render_chat, model.tokenizer, params.messages)
         max_tokens = params.max_completion_tokens or params.max_tokens
         return await _respond(model, params, [prompt], max_tokens, limits, chat=True)
-
-    return app
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -132,7 +144,7 @@ class ApiKeyMiddleware:
 
 async def _respond(
     model: ServedModel,
-    params: Any,
+    params: protocol.SamplingBody,
     prompts: list[list[int]],
     max_tokens: int | None,
     limits: Limits,
