@@ -21,7 +21,7 @@ import datasets
 import torch
 from torch.utils.data import Dataset
 
-from runner.data.kinds import CONVERSATION_STYLES
+from runner.data.kinds import CONVERSATION_STYLES, required_column
 from runner.data.transforms import collate
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message
 
@@ -52,7 +52,7 @@ class PreferenceToMessages:
         prompt = sample[prompt_column] if prompt_column is not None else None
         if prompt is not None and not isinstance(prompt, str):
             return [], f"the prompt is {_describe(prompt)}, not text"
-        answer = sample[self.column_map[side]]
+        answer = sample[required_column(self.column_map, side)]
         if isinstance(answer, str):
             if prompt is None:
                 return [], (

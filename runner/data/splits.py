@@ -12,18 +12,22 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from runner.data.checks import checked_split
+from runner.data.preference import PreferenceSplit
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import PackedDataset
 
+# A split of records, tokenized on access: supervised (instruct, chat, text) or preference.
+Split = TokenizedSplit | PreferenceSplit
+
 
 def _held_out(
-    tokenized: TokenizedSplit,
+    tokenized: Split,
     fraction: float,
     seed: int,
     data: Mapping[str, Any],
     tokenizer: Any,
-) -> tuple[TokenizedSplit, TokenizedSplit]:
+) -> tuple[Split, Split]:
     """(train, validation): `fraction` of the records, drawn with `seed`, kept in file order."""
     total = len(tokenized)
     count = round(total * fraction)
@@ -46,7 +50,7 @@ def _held_out(
 
 def _splits(
     data: Mapping[str, Any], tokenizer: Any, *, validation: bool
-) -> tuple[TokenizedSplit, TokenizedSplit | None]:
+) -> tuple[Split, Split | None]:
     """(train, validation or None), unpacked; without `validation` only the training split."""
     held = data["validation"]
     train = checked_split(
@@ -81,7 +85,7 @@ def _splits(
 # ---- what the recipe, the checks and eval read ----------------------------------------------
 def training_splits(
     data: Mapping[str, Any], tokenizer: Any, *, validation: bool
-) -> tuple[Dataset, TokenizedSplit | None]:
+) -> tuple[Dataset, Split | None]:
     """The training split, packed when dataset.packing, and the validation split (never packed),
     or None without `validation` or when the dataset has none. Reads each split once."""
     train, held = _splits(data, tokenizer, validation=validation)
