@@ -83,15 +83,35 @@ class BatchLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, self._start : self._end]
 
 
-def batch_cache(prefilled: Cache) -> Cache:
-    """A cache of BatchLayers holding what a prefill wrote into an ordinary DynamicCache."""
-    return Cache(layers=[_batch_layer(layer) for layer in prefilled.layers])
+class BatchCache(Cache):
+    """The running batch's cache: a BatchLayer per layer, whose rows join and leave together."""
+
+    def __init__(self, prefilled: Cache) -> None:
+        """A cache holding what a prefill wrote into an ordinary DynamicCache."""
+        self._batch_layers = [BatchLayer(*_keys_and_values(layer)) for layer in prefilled.layers]
+        super().__init__(layers=[*self._batch_layers])
+
+    def append_rows(self, prefilled: Cache) -> None:
+        """Add the sequences of another prefill after the current ones."""
+        for layer, new_layer in zip(self._batch_layers, prefilled.layers, strict=True):
+            layer.append_rows(*_keys_and_values(new_layer))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows in `index`, in that order."""
+        for layer in self._batch_layers:
+            layer.select_rows(index)
+
+    def drop_left(self, count: int) -> None:
+        """Forget the first `count` token positions (padding in every row)."""
+        for layer in self._batch_layers:
+            layer.drop_left(count)
 
 
-def _batch_layer(layer: object) -> BatchLayer:
-    # check_supported let through only models whose every layer caches keys and values.
+def _keys_and_values(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a prefill's layer holds; check_supported let through only models whose every layer
+    caches attention keys and values."""
     assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
-    return BatchLayer(layer.keys, layer.values)
+    return layer.keys, layer.values
 
 
 def check_supported(model: Any) -> None:

@@ -9,7 +9,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import UserError
 from runner.rundir import (
@@ -21,9 +21,13 @@ from runner.rundir import (
     weight_files,
 )
 
-# The options of the `dtype` config group (conf/dtype/), shared with `runner train`.
-# The dtype group's options as served: bf16_mixed computes in bf16, and serving keeps no master
-# weights, so it serves as bf16.
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# The options of the `dtype` config group (conf/dtype/, shared with `runner train`) as served,
+# besides auto: bf16_mixed computes in bf16, and serving keeps no master weights, so it serves
+# as bf16.
 _DTYPES = {"bf16": "bfloat16", "bf16_mixed": "bfloat16", "fp32": "float32"}
 
 log = logging.getLogger(__name__)
@@ -33,13 +37,13 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     """A model ready to generate, with what the server needs to know about it."""
 
-    model: Any
-    tokenizer: Any
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_model_len: int
 
 
-def load_tokenizer(checkpoint_dir: Path) -> Any:
+def load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
     """The checkpoint's own tokenizer (and chat template), from local files only."""
     from transformers import AutoTokenizer
 
@@ -121,7 +125,9 @@ def load_checkpoint(
     return LoadedModel(model, tokenizer, frozenset(eos_ids), context)
 
 
-def load_hf_model(model_dir: Path, *, adapter_dir: Path | None, dtype: Any) -> Any:
+def load_hf_model(
+    model_dir: Path, *, adapter_dir: Path | None, dtype: torch.dtype
+) -> PreTrainedModel:
     """A causal LM from a local Hugging Face model dir, in `dtype`, on the CPU: safetensors
     weights only, each checked whole first, no remote code, no hub access; with `adapter_dir`,
     its PEFT adapter merged in (the rank from its adapter_config.json)."""

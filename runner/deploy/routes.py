@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,6 +20,9 @@ from runner.deploy import protocol
 from runner.deploy.generation import Engine, EngineFailed, QueueFull, RequestHandle
 from runner.deploy.protocol import ApiError, Limits
 from runner.models.chat_template import render_chat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ class ServedModel:
     """A model the server answers for: its tokenizer, context and (once started) engine."""
 
     name: str
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     start_engine: Callable[[], Engine]
     engine: Engine | None = None
@@ -57,6 +60,7 @@ def _lifespan(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        """Engines up while the server runs."""
         for model in models:
             model.engine = model.start_engine()
         try:
@@ -77,18 +81,22 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        """Liveness, without an API key."""
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
+        """Every served model, as OpenAI lists models."""
         return {"object": "list", "data": [_model_card(m, created) for m in models]}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict[str, Any]:
+        """One served model by name; 404 if none."""
         return _model_card(_find(by_name, name), created)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
+        """A text completion of a prompt (or several)."""
         body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.CompletionRequest, body)
         model = _find(by_name, params.model)
@@ -97,6 +105,7 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        """The assistant's answer to a conversation."""
         body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.ChatRequest, body)
         model = _find(by_name, params.model)
@@ -190,11 +199,13 @@ class _Answer:
     chat: bool
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
+        """The fields every response or chunk starts with."""
         kind = "chat.completion" if self.chat else "text_completion"
         kind = f"{kind}.chunk" if chunk and self.chat else kind
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     async def whole(self, handle: RequestHandle, prompt_tokens: int) -> dict[str, Any]:
+        """The whole response, once every choice has finished."""
         texts: dict[int, list[str]] = {index: [] for index in range(handle.n)}
         finish: dict[int, str | None] = {}
         tokens: dict[int, int] = {}
@@ -215,6 +226,7 @@ class _Answer:
     async def stream(
         self, handle: RequestHandle, prompt_tokens: int, include_usage: bool
     ) -> AsyncIterator[str]:
+        """The response as server-sent events, ending in [DONE]."""
         tokens: dict[int, int] = {}
         try:
             if self.chat:
@@ -266,7 +278,9 @@ def _model_card(model: ServedModel, created: int) -> dict[str, Any]:
     }
 
 
-def _tokenize_prompts(tokenizer: Any, prompt: str | list[Any]) -> list[list[int]]:
+def _tokenize_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[Any]
+) -> list[list[int]]:
     """Token ids of each prompt: a string, a list of strings, token ids, or lists of them."""
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt, add_special_tokens=True)]
@@ -278,7 +292,9 @@ def _tokenize_prompts(tokenizer: Any, prompt: str | list[Any]) -> list[list[int]
     ]
 
 
-def _render_chat(tokenizer: Any, messages: list[protocol.ChatMessage]) -> list[int]:
+def _render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[protocol.ChatMessage]
+) -> list[int]:
     if not tokenizer.chat_template:
         message = "this model has no chat template: use /v1/completions with a plain prompt"
         raise ApiError(400, message, param="messages")
