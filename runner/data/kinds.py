@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 KINDS = ("instruct", "chat", "text", "preference")
-# Our column names per kind (dataset.column_map maps them to the file's); None: optional.
+# Our column names per kind (dataset.column_map maps them to the file's): whether required.
 COLUMNS: dict[str, dict[str, bool]] = {
     "instruct": {"instruction": True, "input": False, "output": True},
     "chat": {"messages": True},

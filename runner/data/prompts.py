@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runner.data.preference import PreferenceSplit
 from runner.data.transforms import InstructToMessages, TokenizedSplit
+
+if TYPE_CHECKING:
+    from runner.models.tokenizer import ChatTokenizer
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,7 @@ class EvalPrompt:
 
 
 def eval_prompts(
-    dataset: TokenizedSplit | PreferenceSplit, tokenizer: Any, limit: int
+    dataset: TokenizedSplit | PreferenceSplit, tokenizer: ChatTokenizer, limit: int
 ) -> list[EvalPrompt]:
     """The first `limit` records of a split as generation prompts with their references.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
@@ -20,6 +20,9 @@ from runner.models.torchtune_boundary import (
     padded_collate_packed,
     padded_collate_sft,
 )
+
+if TYPE_CHECKING:
+    from runner.models.tokenizer import ChatTokenizer
 
 
 class InstructToMessages:
@@ -95,7 +98,7 @@ class TextToTokens:
     BOS is masked so that, packed after another sample, nothing learns to predict a new start.
     """
 
-    def __init__(self, tokenizer: Any, column: str, max_seq_len: int) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, column: str, max_seq_len: int) -> None:
         self.tokenizer, self.column, self.max_seq_len = tokenizer, column, max_seq_len
 
     def __call__(self, sample: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,7 +113,9 @@ class TokenizedSplit(Dataset):
     Each item has tokens, mask and labels (the token where it trains, else the ignore index).
     """
 
-    def __init__(self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: Any) -> None:
+    def __init__(
+        self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: ChatTokenizer
+    ) -> None:
         self.records = records
         self.kind = data["kind"]
         column_map = data["column_map"]
