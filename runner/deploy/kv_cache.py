@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicLayer
+from transformers import Cache, DynamicLayer, PreTrainedModel
 
 from runner.errors import UserError
 
@@ -114,7 +114,7 @@ def _keys_and_values(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
-def check_supported(model: Any) -> None:
+def check_supported(model: PreTrainedModel) -> None:
     """Refuse models whose cache holds more than keys and values of attention (linear attention,
     state-space layers): BatchLayer holds full attention, and sliding-window attention as full
     attention under the model's sliding-window mask."""

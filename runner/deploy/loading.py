@@ -9,7 +9,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.errors import UserError
 from runner.rundir import (
@@ -117,7 +117,9 @@ def load_checkpoint(
         adapter_dir=checkpoint_dir if base_dir is not None else None,
         dtype=resolve_dtype(dtype, torch_device),
     )
-    model.to(torch_device).eval()
+    # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), which mypy reads
+    # as the unbound function: it expects the model where the device goes.
+    model.to(torch_device).eval()  # type: ignore[arg-type]
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
@@ -191,7 +193,7 @@ def require_safetensors(model_dir: Path, command: str) -> None:
         check_safetensors(path, key="checkpoint")
 
 
-def resolve_device(device: str) -> Any:
+def resolve_device(device: str) -> torch.device:
     """`auto` is the GPU when there is one, else the CPU."""
     import torch
 
@@ -206,7 +208,7 @@ def resolve_device(device: str) -> Any:
     return torch_device
 
 
-def resolve_dtype(dtype: str, device: Any) -> Any:
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The torch dtype for a dtype option: auto is fp32 on the CPU, bf16 on a GPU."""
     import torch
 

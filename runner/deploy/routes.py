@@ -159,7 +159,7 @@ async def _respond(
     limits: Limits,
     *,
     chat: bool,
-) -> Any:
+) -> StreamingResponse | dict[str, Any]:
     """Validate, queue and answer a (chat) completion, whole or as server-sent events."""
     requests = protocol.sampling_requests(
         params,

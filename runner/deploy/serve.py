@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import keyword_arguments
@@ -33,7 +34,7 @@ def deploy(cfg: DictConfig) -> None:
     run_server(app, sock)
 
 
-def prepare(cfg: DictConfig) -> tuple[Any, socket.socket]:
+def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     """Everything before serving: the API key, the bound socket, the loaded models, the app."""
     from runner.deploy.protocol import Limits
     from runner.deploy.routes import build_app
@@ -226,7 +227,7 @@ def _vllm_model(
     return ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, start)
 
 
-def run_server(app: Any, sock: socket.socket) -> None:
+def run_server(app: FastAPI, sock: socket.socket) -> None:
     """Serve `app` on the bound socket until SIGINT/SIGTERM, then drain and stop the engines."""
     import uvicorn
 
