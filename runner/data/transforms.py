@@ -113,6 +113,9 @@ class TokenizedSplit(Dataset):
     Each item has tokens, mask and labels (the token where it trains, else the ignore index).
     """
 
+    # Records -> messages, for instruct and chat; None for text, which is tokenized directly.
+    message_transform: InstructToMessages | ChatToMessages | None
+
     def __init__(
         self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: ChatTokenizer
     ) -> None:
@@ -123,7 +126,6 @@ class TokenizedSplit(Dataset):
             # Instruct records are rendered as a one-turn chat: both need the chat template.
             tokenizer.require_chat_template()
         if self.kind == "instruct":
-            self.message_transform: InstructToMessages | ChatToMessages | None
             self.message_transform = InstructToMessages(
                 column_map, data["train_on_input"], data["new_system_prompt"]
             )
