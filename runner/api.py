@@ -79,6 +79,7 @@ def capabilities() -> Capabilities:
     from runner.deploy.serve import ENGINES
 
     def options(group: str) -> tuple[str, ...]:
+        """The options of a config group: its YAML files' names."""
         return tuple(sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml")))
 
     groups = dict(zip(_CONFIG_GROUPS, map(options, _CONFIG_GROUPS), strict=True))
@@ -299,7 +300,7 @@ def sweep(
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    plain = [o.input_line for o in parsed if not o.is_sweep_override()]
+    plain = [line for line, o in zip(overrides, parsed, strict=True) if not o.is_sweep_override()]
     base = Path(cwd or Path.cwd())
     path = _new_dir(base / str(compose(plain).runtime.multirun_root))
     args = ["train", "-m", *overrides, f"hydra.sweep.dir={path}"]
@@ -314,6 +315,7 @@ class Sweep:
         self._process: subprocess.Popen[bytes] | None = _process
 
     def runs(self) -> list[Run]:
+        """One Run per job of the sweep, none before its directory exists."""
         from runner.rundir import sweep_runs
 
         return [Run(job.path) for job in sweep_runs(self.path)] if self.path.is_dir() else []
@@ -358,6 +360,7 @@ class Deployment:
         self.url: str | None = None
 
     def console(self) -> str:
+        """What the server process has printed so far."""
         return self.console_path.read_text(errors="replace") if self.console_path.exists() else ""
 
     def wait_ready(self, timeout: float = 300.0) -> str:

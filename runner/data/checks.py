@@ -6,7 +6,7 @@ Each problem is one UserError naming the file, the row (counting records from 1)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -19,6 +19,9 @@ from runner.data.sources import Records, load_records
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message
+
+if TYPE_CHECKING:
+    from runner.models.tokenizer import ChatTokenizer
 
 
 class DataError(UserError):
@@ -213,7 +216,7 @@ def _check_conversations(
 
 
 def _check_preferences(
-    records: Records, data: Mapping[str, Any], tokenizer: Any, *, key: str
+    records: Records, data: Mapping[str, Any], tokenizer: ChatTokenizer, *, key: str
 ) -> None:
     """Every record gives a chosen and a rejected conversation that end in an answer, and
     truncation to dataset.max_seq_len leaves a token of each answer (tokenized only where the
@@ -259,7 +262,7 @@ def _check_preferences(
                 )
 
 
-def _template_tokens(tokenizer: Any) -> int:
+def _template_tokens(tokenizer: ChatTokenizer) -> int:
     """The tokens the chat template gives an empty system, user, assistant conversation; for a
     template that refuses a system message (Gemma's), an empty user, assistant one."""
     try:
@@ -276,7 +279,7 @@ def _check_trainable(
     prompt_bytes: np.ndarray,
     prompt_messages: np.ndarray | int,
     data: Mapping[str, Any],
-    tokenizer: Any,
+    tokenizer: ChatTokenizer,
 ) -> None:
     """No sample is left with nothing to train on after truncation to dataset.max_seq_len.
 
@@ -307,7 +310,7 @@ def _check_trainable(
 
 def checked_split(
     data: Mapping[str, Any],
-    tokenizer: Any,
+    tokenizer: ChatTokenizer,
     *,
     source_key: str,
     source: str,

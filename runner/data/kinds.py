@@ -9,10 +9,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 KINDS = ("instruct", "chat", "text", "preference")
-# Our column names per kind (dataset.column_map maps them to the file's); None: optional.
+# Our column names per kind (dataset.column_map maps them to the file's): whether required.
 COLUMNS: dict[str, dict[str, bool]] = {
     "instruct": {"instruction": True, "input": False, "output": True},
     "chat": {"messages": True},
@@ -22,6 +23,14 @@ COLUMNS: dict[str, dict[str, bool]] = {
 # The kinds that supervised methods (full, lora, qlora) train on; preference methods (dpo,
 # lora_dpo, qlora_dpo) take only kind=preference.
 SFT_KINDS = ("instruct", "chat", "text")
+
+
+def required_column(column_map: Mapping[str, str | None], ours: str) -> str:
+    """The file's column for one of ours that the kind requires (never null: the checks of
+    runner.data.checks refuse a split that leaves it unmapped before anything reads it)."""
+    theirs = column_map[ours]
+    assert theirs is not None, f"dataset.column_map.{ours} is required"
+    return theirs
 
 
 @dataclass(frozen=True)

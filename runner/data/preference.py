@@ -15,15 +15,18 @@ DPO compares the two answers, and what comes before them is the same on both sid
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
 from torch.utils.data import Dataset
 
-from runner.data.kinds import CONVERSATION_STYLES
+from runner.data.kinds import CONVERSATION_STYLES, required_column
 from runner.data.transforms import collate
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message
+
+if TYPE_CHECKING:
+    from runner.models.tokenizer import ChatTokenizer
 
 SIDES = ("chosen", "rejected")
 
@@ -52,7 +55,7 @@ class PreferenceToMessages:
         prompt = sample[prompt_column] if prompt_column is not None else None
         if prompt is not None and not isinstance(prompt, str):
             return [], f"the prompt is {_describe(prompt)}, not text"
-        answer = sample[self.column_map[side]]
+        answer = sample[required_column(self.column_map, side)]
         if isinstance(answer, str):
             if prompt is None:
                 return [], (
@@ -112,7 +115,9 @@ class PreferenceSplit(Dataset):
 
     kind = "preference"
 
-    def __init__(self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: Any) -> None:
+    def __init__(
+        self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: ChatTokenizer
+    ) -> None:
         tokenizer.require_chat_template()
         self.records, self.tokenizer = records, tokenizer
         self.message_transform = PreferenceToMessages(

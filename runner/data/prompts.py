@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from runner.data.transforms import TokenizedSplit
+from runner.data.preference import PreferenceSplit
+from runner.data.transforms import InstructToMessages, TokenizedSplit
+
+if TYPE_CHECKING:
+    from runner.models.tokenizer import ChatTokenizer
 
 
 @dataclass(frozen=True)
@@ -16,21 +20,23 @@ class EvalPrompt:
     reference: str
 
 
-def eval_prompts(dataset: TokenizedSplit, tokenizer: Any, limit: int) -> list[EvalPrompt]:
+def eval_prompts(
+    dataset: TokenizedSplit | PreferenceSplit, tokenizer: ChatTokenizer, limit: int
+) -> list[EvalPrompt]:
     """The first `limit` records of a split as generation prompts with their references.
 
     Plain text has no answer to compare, nor a preference pair a single reference: no prompts.
     """
+    if not isinstance(dataset, TokenizedSplit) or dataset.message_transform is None:
+        return []
     transform = dataset.message_transform
     prompts = []
-    if dataset.kind not in ("instruct", "chat"):
-        return prompts
     for index in range(min(limit, len(dataset))):
         sample = dataset.records[index]
-        if dataset.kind == "instruct":
+        if isinstance(transform, InstructToMessages):
             prompt, reference = transform.prompt_messages(sample), transform.reference(sample)
         else:
-            messages, answer = transform.prompt_and_answer(sample)
-            prompt, reference = messages, answer.text_content
+            prompt, answer = transform.prompt_and_answer(sample)
+            reference = answer.text_content
         prompts.append(EvalPrompt(tokenizer.generation_prompt(prompt), reference))
     return prompts

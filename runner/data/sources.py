@@ -83,7 +83,7 @@ def source_format(key: str, source: str, data_format: str | None) -> str:
         return data_format
     path = Path(source)
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    found = {_format_of(p) for p in files} - {None}
+    found = {found for p in files if (found := _format_of(p)) is not None}
     if len(found) != 1:
         what = (
             f"holds files of several formats {sorted(found)}"

@@ -6,24 +6,31 @@ Each is read and checked whole once per call, so a process that calls once reads
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from runner.data.checks import checked_split
+from runner.data.preference import PreferenceSplit
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import PackedDataset
 
+if TYPE_CHECKING:
+    from runner.models.tokenizer import ChatTokenizer
+
+# A split of records, tokenized on access: supervised (instruct, chat, text) or preference.
+Split = TokenizedSplit | PreferenceSplit
+
 
 def _held_out(
-    tokenized: TokenizedSplit,
+    tokenized: Split,
     fraction: float,
     seed: int,
     data: Mapping[str, Any],
-    tokenizer: Any,
-) -> tuple[TokenizedSplit, TokenizedSplit]:
+    tokenizer: ChatTokenizer,
+) -> tuple[Split, Split]:
     """(train, validation): `fraction` of the records, drawn with `seed`, kept in file order."""
     total = len(tokenized)
     count = round(total * fraction)
@@ -45,8 +52,8 @@ def _held_out(
 
 
 def _splits(
-    data: Mapping[str, Any], tokenizer: Any, *, validation: bool
-) -> tuple[TokenizedSplit, TokenizedSplit | None]:
+    data: Mapping[str, Any], tokenizer: ChatTokenizer, *, validation: bool
+) -> tuple[Split, Split | None]:
     """(train, validation or None), unpacked; without `validation` only the training split."""
     held = data["validation"]
     train = checked_split(
@@ -80,8 +87,8 @@ def _splits(
 
 # ---- what the recipe, the checks and eval read ----------------------------------------------
 def training_splits(
-    data: Mapping[str, Any], tokenizer: Any, *, validation: bool
-) -> tuple[Dataset, TokenizedSplit | None]:
+    data: Mapping[str, Any], tokenizer: ChatTokenizer, *, validation: bool
+) -> tuple[Dataset, Split | None]:
     """The training split, packed when dataset.packing, and the validation split (never packed),
     or None without `validation` or when the dataset has none. Reads each split once."""
     train, held = _splits(data, tokenizer, validation=validation)
@@ -95,13 +102,13 @@ def training_splits(
     return train, held
 
 
-def train_dataset(data: Mapping[str, Any], tokenizer: Any) -> Dataset:
+def train_dataset(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> Dataset:
     """The training split alone (the recipe's `dataset` section), packed when dataset.packing."""
     train, _ = training_splits(data, tokenizer, validation=False)
     return train
 
 
-def check_datasets(data: Mapping[str, Any], tokenizer: Any) -> dict[str, int]:
+def check_datasets(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> dict[str, int]:
     """Reads and checks every split whole; records per split. Raises one UserError if not."""
     train, validation = _splits(data, tokenizer, validation=True)
     found = {"train": len(train)}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
 from torch.utils.data import Dataset
 
+from runner.data.kinds import required_column
 from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
     Message,
@@ -20,6 +21,9 @@ from runner.models.torchtune_boundary import (
     padded_collate_sft,
 )
 
+if TYPE_CHECKING:
+    from runner.models.tokenizer import ChatTokenizer
+
 
 class InstructToMessages:
     """One record -> [system?, user (instruction, then input if any), assistant (output)]."""
@@ -30,14 +34,16 @@ class InstructToMessages:
         train_on_input: bool,
         new_system_prompt: str | None,
     ) -> None:
-        self.column_map = dict(column_map)
+        self.instruction_column = required_column(column_map, "instruction")
+        self.input_column = column_map["input"]
+        self.output_column = required_column(column_map, "output")
         self.train_on_input = train_on_input
         self.new_system_prompt = new_system_prompt
 
     def user_text(self, sample: Mapping[str, Any]) -> str:
-        instruction = sample[self.column_map["instruction"]]
-        input_column = self.column_map["input"]
-        extra = sample[input_column] if input_column is not None else None
+        """The user's message: the instruction, then the input on a line of its own if any."""
+        instruction = sample[self.instruction_column]
+        extra = sample[self.input_column] if self.input_column is not None else None
         return f"{instruction}\n{extra}" if extra else instruction
 
     def prompt_messages(self, sample: Mapping[str, Any]) -> list[Message]:
@@ -49,7 +55,8 @@ class InstructToMessages:
         return [*messages, user]
 
     def reference(self, sample: Mapping[str, Any]) -> str:
-        return sample[self.column_map["output"]]
+        """The answer the record gives (its output column)."""
+        return sample[self.output_column]
 
     def __call__(self, sample: Mapping[str, Any]) -> dict[str, Any]:
         answer = Message(role="assistant", content=self.reference(sample), masked=False)
@@ -91,7 +98,7 @@ class TextToTokens:
     BOS is masked so that, packed after another sample, nothing learns to predict a new start.
     """
 
-    def __init__(self, tokenizer: Any, column: str, max_seq_len: int) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, column: str, max_seq_len: int) -> None:
         self.tokenizer, self.column, self.max_seq_len = tokenizer, column, max_seq_len
 
     def __call__(self, sample: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,7 +113,12 @@ class TokenizedSplit(Dataset):
     Each item has tokens, mask and labels (the token where it trains, else the ignore index).
     """
 
-    def __init__(self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: Any) -> None:
+    # Records -> messages, for instruct and chat; None for text, which is tokenized directly.
+    message_transform: InstructToMessages | ChatToMessages | None
+
+    def __init__(
+        self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: ChatTokenizer
+    ) -> None:
         self.records = records
         self.kind = data["kind"]
         column_map = data["column_map"]
@@ -114,7 +126,7 @@ class TokenizedSplit(Dataset):
             # Instruct records are rendered as a one-turn chat: both need the chat template.
             tokenizer.require_chat_template()
         if self.kind == "instruct":
-            self.message_transform: Any = InstructToMessages(
+            self.message_transform = InstructToMessages(
                 column_map, data["train_on_input"], data["new_system_prompt"]
             )
             self._prepare = SFTTransform(self.message_transform, tokenizer)
@@ -199,15 +211,15 @@ def pack_rows(samples: list[dict[str, Any]], padding_idx: int) -> list[dict[str,
         rows[row].append(index)
         room[row] -= lengths[index]
     packs = []
-    for row, free in zip(rows, room, strict=True):
-        seq_lens = [lengths[i] for i in row] + ([free] if free else [])
+    for members, free in zip(rows, room, strict=True):
+        seq_lens = [lengths[i] for i in members] + ([free] if free else [])
         packs.append(
             {
                 "tokens": torch.tensor(
-                    [t for i in row for t in samples[i]["tokens"]] + [padding_idx] * free
+                    [t for i in members for t in samples[i]["tokens"]] + [padding_idx] * free
                 ),
                 "labels": torch.tensor(
-                    [t for i in row for t in samples[i]["labels"]]
+                    [t for i in members for t in samples[i]["labels"]]
                     + [CROSS_ENTROPY_IGNORE_IDX] * free
                 ),
                 "input_pos": torch.cat([torch.arange(n) for n in seq_lens]),

@@ -16,9 +16,9 @@ import logging
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from transformers import Cache
 
 from runner.deploy.generation import (
     ChoiceEvent,
@@ -28,7 +28,7 @@ from runner.deploy.generation import (
     SamplingRequest,
     deliver,
 )
-from runner.deploy.kv_cache import batch_cache
+from runner.deploy.kv_cache import BatchCache
 from runner.deploy.loading import LoadedModel
 from runner.deploy.text import TextStream
 
@@ -66,7 +66,7 @@ class TransformersEngine:
         self._wake = threading.Condition()
         self._closed = False
         self._running: list[_Sequence] = []
-        self._cache: Any = None  # the running batch's KV cache (BatchLayers), left-padded
+        self._cache: BatchCache | None = None  # the running batch's KV cache, left-padded
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self._device)
         self._next_ids = torch.zeros(0, dtype=torch.long, device=self._device)
         self._positions = torch.zeros(0, dtype=torch.long, device=self._device)
@@ -76,7 +76,7 @@ class TransformersEngine:
     def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
         """Queue the prompts' sequences; raises QueueFull when they do not all fit."""
         handle = RequestHandle(n=sum(request.n for request in requests))
-        sequences = []
+        sequences: list[_Sequence] = []
         for request in requests:
             base_seed = random.getrandbits(63) if request.seed is None else request.seed
             for choice in range(request.n):
@@ -124,7 +124,7 @@ class TransformersEngine:
                 self._wake.wait()
             if self._closed:
                 return None
-            admitted = []
+            admitted: list[_Sequence] = []
             while self._waiting and len(self._running) + len(admitted) < self._max_batch_size:
                 sequence = self._waiting.popleft()
                 if not sequence.handle.cancelled:
@@ -152,7 +152,7 @@ class TransformersEngine:
             return
         self._join(admitted, *prefilled)
 
-    def _prefill(self, admitted: list[_Sequence]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _prefill(self, admitted: list[_Sequence]) -> tuple[Cache, torch.Tensor, torch.Tensor]:
         """Run the new prompts together: their KV cache, attention mask and first tokens.
 
         Changes nothing in the running batch, so a failure here is the admitted sequences' own.
@@ -182,18 +182,17 @@ class TransformersEngine:
         return cache, mask, self._sample(logits, admitted)
 
     def _join(
-        self, admitted: list[_Sequence], cache: Any, mask: torch.Tensor, next_ids: torch.Tensor
+        self, admitted: list[_Sequence], cache: Cache, mask: torch.Tensor, next_ids: torch.Tensor
     ) -> None:
         """Merge prefilled sequences into the running batch and record their first tokens."""
         lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
         positions = torch.tensor(lengths, dtype=torch.long, device=self._device)
         if self._cache is None:
-            self._cache, self._mask = batch_cache(cache), mask
+            self._cache, self._mask = BatchCache(cache), mask
         else:
-            for layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
-                layer.append_rows(new_layer.keys, new_layer.values)
+            self._cache.append_rows(cache)
             merged = max(self._mask.shape[1], mask.shape[1])
-            self._mask = torch.cat([_pad_left(self._mask, merged), _pad_left(mask, merged)])
+            self._mask = torch.cat([_pad_mask(self._mask, merged), _pad_mask(mask, merged)])
         self._running.extend(admitted)
         self._next_ids = torch.cat([self._next_ids, next_ids])
         self._positions = torch.cat([self._positions, positions])
@@ -288,18 +287,17 @@ class TransformersEngine:
         if not keep:
             self._reset_batch()
             return
+        assert self._cache is not None, "running sequences have a cache"
         index = torch.tensor(keep, device=self._device)
         self._running = [self._running[row] for row in keep]
-        for layer in self._cache.layers:
-            layer.select_rows(index)
+        self._cache.select_rows(index)
         self._mask = self._mask[index]
         self._next_ids = self._next_ids[index]
         self._positions = self._positions[index]
         # Columns that are padding in every remaining row are dead weight in each step.
         first = int(self._mask.any(dim=0).int().argmax())
         if first:
-            for layer in self._cache.layers:
-                layer.drop_left(first)
+            self._cache.drop_left(first)
             self._mask = self._mask[:, first:]
 
     def _fail(self, sequences: list[_Sequence], error: Exception) -> None:
@@ -319,5 +317,6 @@ def _fail_alone(sequence: _Sequence, error: Exception) -> None:
     sequence.error = EngineFailed(str(error))
 
 
-def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
+def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """An attention mask [rows, tokens] left-padded with zeros to `width` tokens."""
     return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))

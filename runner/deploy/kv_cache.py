@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicLayer
+from transformers import Cache, DynamicLayer, PreTrainedModel
 
 from runner.errors import UserError
 
@@ -22,6 +22,15 @@ _MIN_ROOM = 64
 
 class BatchLayer(DynamicLayer):
     """One layer's keys and values, [batch, heads, tokens, head_dim], in a growable buffer."""
+
+    # Set from the first call on, unlike DynamicLayer's, which are None until its first update.
+    keys: torch.Tensor
+    values: torch.Tensor
+    # The buffers, and the token positions [_start, _end) in them that keys and values view.
+    _key_buffer: torch.Tensor
+    _value_buffer: torch.Tensor
+    _start: int
+    _end: int
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
@@ -74,12 +83,38 @@ class BatchLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, self._start : self._end]
 
 
-def batch_cache(prefilled: Cache) -> Cache:
-    """A cache of BatchLayers holding what a prefill wrote into an ordinary DynamicCache."""
-    return Cache(layers=[BatchLayer(layer.keys, layer.values) for layer in prefilled.layers])
+class BatchCache(Cache):
+    """The running batch's cache: a BatchLayer per layer, whose rows join and leave together."""
+
+    def __init__(self, prefilled: Cache) -> None:
+        """A cache holding what a prefill wrote into an ordinary DynamicCache."""
+        self._batch_layers = [BatchLayer(*_keys_and_values(layer)) for layer in prefilled.layers]
+        super().__init__(layers=[*self._batch_layers])
+
+    def append_rows(self, prefilled: Cache) -> None:
+        """Add the sequences of another prefill after the current ones."""
+        for layer, new_layer in zip(self._batch_layers, prefilled.layers, strict=True):
+            layer.append_rows(*_keys_and_values(new_layer))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows in `index`, in that order."""
+        for layer in self._batch_layers:
+            layer.select_rows(index)
+
+    def drop_left(self, count: int) -> None:
+        """Forget the first `count` token positions (padding in every row)."""
+        for layer in self._batch_layers:
+            layer.drop_left(count)
 
 
-def check_supported(model: Any) -> None:
+def _keys_and_values(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a prefill's layer holds; check_supported let through only models whose every layer
+    caches attention keys and values."""
+    assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
+    return layer.keys, layer.values
+
+
+def check_supported(model: PreTrainedModel) -> None:
     """Refuse models whose cache holds more than keys and values of attention (linear attention,
     state-space layers): BatchLayer holds full attention, and sliding-window attention as full
     attention under the model's sliding-window mask."""

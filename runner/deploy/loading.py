@@ -9,7 +9,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runner.errors import UserError
 from runner.rundir import (
@@ -21,9 +21,13 @@ from runner.rundir import (
     weight_files,
 )
 
-# The options of the `dtype` config group (conf/dtype/), shared with `runner train`.
-# The dtype group's options as served: bf16_mixed computes in bf16, and serving keeps no master
-# weights, so it serves as bf16.
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# The options of the `dtype` config group (conf/dtype/, shared with `runner train`) as served,
+# besides auto: bf16_mixed computes in bf16, and serving keeps no master weights, so it serves
+# as bf16.
 _DTYPES = {"bf16": "bfloat16", "bf16_mixed": "bfloat16", "fp32": "float32"}
 
 log = logging.getLogger(__name__)
@@ -33,13 +37,13 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     """A model ready to generate, with what the server needs to know about it."""
 
-    model: Any
-    tokenizer: Any
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_model_len: int
 
 
-def load_tokenizer(checkpoint_dir: Path) -> Any:
+def load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
     """The checkpoint's own tokenizer (and chat template), from local files only."""
     from transformers import AutoTokenizer
 
@@ -113,7 +117,9 @@ def load_checkpoint(
         adapter_dir=checkpoint_dir if base_dir is not None else None,
         dtype=resolve_dtype(dtype, torch_device),
     )
-    model.to(torch_device).eval()
+    # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), which mypy reads
+    # as the unbound function: it expects the model where the device goes.
+    model.to(torch_device).eval()  # type: ignore[arg-type]
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
@@ -121,7 +127,9 @@ def load_checkpoint(
     return LoadedModel(model, tokenizer, frozenset(eos_ids), context)
 
 
-def load_hf_model(model_dir: Path, *, adapter_dir: Path | None, dtype: Any) -> Any:
+def load_hf_model(
+    model_dir: Path, *, adapter_dir: Path | None, dtype: torch.dtype
+) -> PreTrainedModel:
     """A causal LM from a local Hugging Face model dir, in `dtype`, on the CPU: safetensors
     weights only, each checked whole first, no remote code, no hub access; with `adapter_dir`,
     its PEFT adapter merged in (the rank from its adapter_config.json)."""
@@ -140,12 +148,13 @@ def load_hf_model(model_dir: Path, *, adapter_dir: Path | None, dtype: Any) -> A
     )
     if adapter_dir is None:
         return model
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
 
-    model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
-    config = model.peft_config["default"]
+    adapted = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+    config = adapted.peft_config["default"]
+    assert isinstance(config, LoraConfig), "runner writes LoRA adapters only"
     log.info("merging the LoRA adapter of %s (rank %d) into its base", adapter_dir, config.r)
-    return model.merge_and_unload()
+    return adapted.merge_and_unload()
 
 
 def check_servable(checkpoint_dir: Path, engine: str = "transformers") -> None:
@@ -184,7 +193,7 @@ def require_safetensors(model_dir: Path, command: str) -> None:
         check_safetensors(path, key="checkpoint")
 
 
-def resolve_device(device: str) -> Any:
+def resolve_device(device: str) -> torch.device:
     """`auto` is the GPU when there is one, else the CPU."""
     import torch
 
@@ -199,7 +208,7 @@ def resolve_device(device: str) -> Any:
     return torch_device
 
 
-def resolve_dtype(dtype: str, device: Any) -> Any:
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The torch dtype for a dtype option: auto is fp32 on the CPU, bf16 on a GPU."""
     import torch
 

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -79,7 +79,9 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class _Sampling(BaseModel):
+class SamplingBody(BaseModel):
+    """What both request bodies share: the model asked for and how to sample."""
+
     # NaN and Infinity (which Python's json reads) are "not a finite number", not "above 2".
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -98,7 +100,10 @@ class _Sampling(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Sampling):
+BodyT = TypeVar("BodyT", bound=SamplingBody)
+
+
+class CompletionRequest(SamplingBody):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -127,14 +132,14 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content}
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingBody):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
-def parse_body(model: type[_Sampling], raw: bytes) -> Any:
+def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
     """Decode and validate a request body into a request model, or raise a 400 naming the field.
 
     Everything a client sends is checked here, before it reaches a tokenizer or an engine.
@@ -190,7 +195,7 @@ def _too_deep(param: str | None) -> ApiError:
 
 
 def sampling_requests(
-    params: _Sampling,
+    params: SamplingBody,
     prompts: list[list[int]],
     *,
     max_tokens: int | None,
@@ -282,6 +287,8 @@ def chat_choice(index: int, text: str, finish_reason: str | None) -> dict[str, A
     return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
 
 
-def chat_chunk_choice(index: int, delta: dict[str, str], finish_reason: str | None) -> dict:
+def chat_chunk_choice(
+    index: int, delta: dict[str, str], finish_reason: str | None
+) -> dict[str, Any]:
     """One choice of a streamed chat completion chunk."""
     return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}

@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,6 +20,9 @@ from runner.deploy import protocol
 from runner.deploy.generation import Engine, EngineFailed, QueueFull, RequestHandle
 from runner.deploy.protocol import ApiError, Limits
 from runner.models.chat_template import render_chat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ class ServedModel:
     """A model the server answers for: its tokenizer, context and (once started) engine."""
 
     name: str
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     start_engine: Callable[[], Engine]
     engine: Engine | None = None
@@ -40,11 +43,24 @@ class ServedModel:
 
 def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits) -> FastAPI:
     """The ASGI app; engines start with the app's lifespan and stop with it."""
-    by_name = {model.name: model for model in models}
-    created = protocol.now()
+    app = FastAPI(lifespan=_lifespan(models), docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_exception_handler(ApiError, _api_error_response)
+    app.add_exception_handler(HTTPException, _http_error_response)
+    app.add_exception_handler(Exception, _internal_error_response)
+    _add_routes(app, models, limits)
+    return app
+
+
+def _lifespan(
+    models: list[ServedModel],
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start every model's engine when the server starts; close them when it stops."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        """Engines up while the server runs."""
         for model in models:
             model.engine = model.start_engine()
         try:
@@ -54,27 +70,33 @@ def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits)
                 if model.engine is not None:
                     await asyncio.to_thread(model.engine.close)
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_exception_handler(ApiError, _api_error_response)
-    app.add_exception_handler(HTTPException, _http_error_response)
-    app.add_exception_handler(Exception, _internal_error_response)
+    return lifespan
+
+
+def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None:
+    """GET /health, /v1/models and /v1/models/{name}; POST /v1/completions and
+    /v1/chat/completions."""
+    by_name = {model.name: model for model in models}
+    created = protocol.now()
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        """Liveness, without an API key."""
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
+        """Every served model, as OpenAI lists models."""
         return {"object": "list", "data": [_model_card(m, created) for m in models]}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict[str, Any]:
+        """One served model by name; 404 if none."""
         return _model_card(_find(by_name, name), created)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
+        """A text completion of a prompt (or several)."""
         body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.CompletionRequest, body)
         model = _find(by_name, params.model)
@@ -83,14 +105,13 @@ def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        """The assistant's answer to a conversation."""
         body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.ChatRequest, body)
         model = _find(by_name, params.model)
         prompt = await asyncio.to_thread(_render_chat, model.tokenizer, params.messages)
         max_tokens = params.max_completion_tokens or params.max_tokens
         return await _respond(model, params, [prompt], max_tokens, limits, chat=True)
-
-    return app
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -132,13 +153,13 @@ class ApiKeyMiddleware:
 
 async def _respond(
     model: ServedModel,
-    params: Any,
+    params: protocol.SamplingBody,
     prompts: list[list[int]],
     max_tokens: int | None,
     limits: Limits,
     *,
     chat: bool,
-) -> Any:
+) -> StreamingResponse | dict[str, Any]:
     """Validate, queue and answer a (chat) completion, whole or as server-sent events."""
     requests = protocol.sampling_requests(
         params,
@@ -178,11 +199,13 @@ class _Answer:
     chat: bool
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
+        """The fields every response or chunk starts with."""
         kind = "chat.completion" if self.chat else "text_completion"
         kind = f"{kind}.chunk" if chunk and self.chat else kind
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     async def whole(self, handle: RequestHandle, prompt_tokens: int) -> dict[str, Any]:
+        """The whole response, once every choice has finished."""
         texts: dict[int, list[str]] = {index: [] for index in range(handle.n)}
         finish: dict[int, str | None] = {}
         tokens: dict[int, int] = {}
@@ -203,6 +226,7 @@ class _Answer:
     async def stream(
         self, handle: RequestHandle, prompt_tokens: int, include_usage: bool
     ) -> AsyncIterator[str]:
+        """The response as server-sent events, ending in [DONE]."""
         tokens: dict[int, int] = {}
         try:
             if self.chat:
@@ -254,7 +278,9 @@ def _model_card(model: ServedModel, created: int) -> dict[str, Any]:
     }
 
 
-def _tokenize_prompts(tokenizer: Any, prompt: str | list[Any]) -> list[list[int]]:
+def _tokenize_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[Any]
+) -> list[list[int]]:
     """Token ids of each prompt: a string, a list of strings, token ids, or lists of them."""
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt, add_special_tokens=True)]
@@ -266,7 +292,9 @@ def _tokenize_prompts(tokenizer: Any, prompt: str | list[Any]) -> list[list[int]
     ]
 
 
-def _render_chat(tokenizer: Any, messages: list[protocol.ChatMessage]) -> list[int]:
+def _render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[protocol.ChatMessage]
+) -> list[int]:
     if not tokenizer.chat_template:
         message = "this model has no chat template: use /v1/completions with a plain prompt"
         raise ApiError(400, message, param="messages")

@@ -9,11 +9,14 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI
 from omegaconf import DictConfig, OmegaConf
 
+from runner.components import keyword_arguments
 from runner.config.schema import Deploy, typed
 from runner.deploy.routes import ServedModel
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
@@ -31,7 +34,7 @@ def deploy(cfg: DictConfig) -> None:
     run_server(app, sock)
 
 
-def prepare(cfg: DictConfig) -> tuple[Any, socket.socket]:
+def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     """Everything before serving: the API key, the bound socket, the loaded models, the app."""
     from runner.deploy.protocol import Limits
     from runner.deploy.routes import build_app
@@ -61,8 +64,8 @@ def prepare(cfg: DictConfig) -> tuple[Any, socket.socket]:
         dtype=cfg.dtype.name,
         max_model_len=cfg.max_model_len,
         max_queue=cfg.max_queue,
-        transformers_options=OmegaConf.to_container(cfg.transformers),
-        vllm_options=OmegaConf.to_container(cfg.vllm),
+        transformers_options=keyword_arguments(cfg.transformers),
+        vllm_options=keyword_arguments(cfg.vllm),
     )
     app = build_app(models, api_key=api_key, limits=Limits(**cfg.limits))
     host, port = sock.getsockname()[:2]
@@ -137,57 +140,94 @@ def load_served_models(
     dtype: str,
     max_model_len: int | None,
     max_queue: int,
-    transformers_options: Any,
-    vllm_options: Any,
+    transformers_options: Mapping[str, Any],
+    vllm_options: Mapping[str, Any],
 ) -> list[ServedModel]:
     """Load each checkpoint for `engine`; engines themselves start inside the server."""
+    if engine not in ENGINES:
+        raise UserError("engine", engine, f"use one of {', '.join(ENGINES)}")
+    if engine == "transformers":
+        return [
+            _transformers_model(
+                checkpoint,
+                device=device,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                max_queue=max_queue,
+                options=transformers_options,
+            )
+            for checkpoint in checkpoints
+        ]
+    return [
+        _vllm_model(
+            checkpoint,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_queue=max_queue,
+            options=vllm_options,
+        )
+        for checkpoint in checkpoints
+    ]
+
+
+def _transformers_model(
+    checkpoint: ServedCheckpoint,
+    *,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+    max_queue: int,
+    options: Mapping[str, Any],
+) -> ServedModel:
+    """A checkpoint loaded here, for a TransformersEngine (the `transformers` options)."""
     from runner.deploy.engine import TransformersEngine
     from runner.deploy.kv_cache import check_supported
+    from runner.deploy.loading import load_checkpoint
+
+    loaded = load_checkpoint(
+        checkpoint.path, device=device, dtype=dtype, max_model_len=max_model_len
+    )
+    check_supported(loaded.model)
+    start = functools.partial(TransformersEngine, loaded, max_queue=max_queue, **options)
+    return ServedModel(checkpoint.name, loaded.tokenizer, loaded.max_model_len, start)
+
+
+def _vllm_model(
+    checkpoint: ServedCheckpoint,
+    *,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+    max_queue: int,
+    options: Mapping[str, Any],
+) -> ServedModel:
+    """A checkpoint checked here and loaded by vLLM when its engine starts (`vllm` options)."""
     from runner.deploy.loading import (
         check_servable,
-        load_checkpoint,
         load_tokenizer,
         model_context_length,
         vllm_dtype,
     )
     from runner.deploy.vllm_engine import VllmEngine, require_vllm
 
-    if engine not in ENGINES:
-        raise UserError("engine", engine, f"use one of {', '.join(ENGINES)}")
-    models = []
-    for checkpoint in checkpoints:
-        if engine == "transformers":
-            loaded = load_checkpoint(
-                checkpoint.path, device=device, dtype=dtype, max_model_len=max_model_len
-            )
-            check_supported(loaded.model)
-            start = functools.partial(
-                TransformersEngine, loaded, max_queue=max_queue, **transformers_options
-            )
-            models.append(
-                ServedModel(checkpoint.name, loaded.tokenizer, loaded.max_model_len, start)
-            )
-            continue
-        require_vllm()
-        if device != "auto":
-            log.warning(
-                "device=%s is ignored with engine=vllm, which places the model itself", device
-            )
-        check_servable(checkpoint.path, engine="vllm")
-        context = model_context_length(checkpoint.path, max_model_len)
-        start = functools.partial(
-            VllmEngine,
-            checkpoint.path,
-            max_model_len=context,
-            max_queue=max_queue,
-            dtype=vllm_dtype(dtype),
-            **vllm_options,
-        )
-        models.append(ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, start))
-    return models
+    require_vllm()
+    if device != "auto":
+        log.warning("device=%s is ignored with engine=vllm, which places the model itself", device)
+    check_servable(checkpoint.path, engine="vllm")
+    context = model_context_length(checkpoint.path, max_model_len)
+    start = functools.partial(
+        VllmEngine,
+        checkpoint.path,
+        max_model_len=context,
+        max_queue=max_queue,
+        dtype=vllm_dtype(dtype),
+        **options,
+    )
+    return ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, start)
 
 
-def run_server(app: Any, sock: socket.socket) -> None:
+def run_server(app: FastAPI, sock: socket.socket) -> None:
     """Serve `app` on the bound socket until SIGINT/SIGTERM, then drain and stop the engines."""
     import uvicorn
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _INCOMPLETE = "\ufffd"
 
@@ -15,7 +18,9 @@ class TextStream:
     never sees text that is later taken back.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str], incremental: bool) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, stop: list[str], incremental: bool
+    ) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
         # Neither streamed nor watched for stop sequences: decoded once, at the end.
@@ -56,7 +61,9 @@ class TextStream:
         return self.ready()
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+        text = self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+        assert isinstance(text, str), "one sequence of ids decodes to one text"
+        return text
 
     def _append(self, delta: str) -> None:
         searched = len(self._text)

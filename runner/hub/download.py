@@ -62,6 +62,7 @@ class HubSource:
 
     @property
     def web_url(self) -> str:
+        """The repo's page on the hub."""
         prefix = "" if self.repo_type == "model" else "datasets/"
         return f"{constants.ENDPOINT}/{prefix}{self.repo_id}"
 
@@ -70,6 +71,7 @@ class HubSource:
         return f"{SCHEME}{self.repo_id}@{commit}" + (f"/{self.path}" if self.path else "")
 
     def describe(self) -> str:
+        """The source in words, for messages."""
         what = f"{self.repo_type} repo {self.repo_id}"
         if self.revision:
             what += f" at revision {self.revision}"
@@ -77,6 +79,7 @@ class HubSource:
 
 
 def is_hub_uri(value: Any) -> bool:
+    """Whether a config value is an hf:// URI."""
     return isinstance(value, str) and value.startswith(SCHEME)
 
 
@@ -110,6 +113,7 @@ class TokenRef:
 
     @classmethod
     def parse(cls, value: Any, key: str = "runtime.hf_token") -> TokenRef:
+        """A runtime.hf_token value checked to be a reference; a UserError if not."""
         if value is None:
             return cls(None)
         kind, _, where = str(value).partition(":")
@@ -164,6 +168,7 @@ class Hub:
 
     @classmethod
     def from_runtime(cls, runtime: DictConfig, overrides: list[str] | None) -> Hub:
+        """The hub settings of the `runtime` section."""
         return cls(
             cache_dir=Path(runtime.cache_dir).expanduser(),
             token=TokenRef.parse(runtime.hf_token),
@@ -295,6 +300,7 @@ def hub_values(cfg: DictConfig) -> Iterator[tuple[str, str, str]]:
     """(key, value, repo type) for each hf:// value under the model and dataset groups."""
 
     def walk(node: Any, key: str) -> Iterator[tuple[str, Any]]:
+        """(key, value) of every leaf under `node`."""
         if isinstance(node, dict):
             for name, value in node.items():
                 yield from walk(value, f"{key}.{name}")

@@ -8,11 +8,14 @@ with the same function without importing it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def render_chat(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[dict[str, Any]],
     *,
     add_generation_prompt: bool = False,
@@ -20,9 +23,9 @@ def render_chat(
     chat_template: str | None = None,
     **template_kwargs: Any,
 ) -> str:
-    """A conversation as text, rendered by transformers' apply_chat_template (`tokenizer` is a
-    transformers tokenizer); encoded without added special tokens it gives the model's ids."""
-    return tokenizer.apply_chat_template(
+    """A conversation as text, rendered by transformers' apply_chat_template; encoded without
+    added special tokens it gives the model's ids."""
+    text = tokenizer.apply_chat_template(
         list(messages),
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
@@ -30,3 +33,5 @@ def render_chat(
         tokenize=False,
         **template_kwargs,
     )
+    assert isinstance(text, str), "apply_chat_template(tokenize=False) renders text"
+    return text

@@ -123,12 +123,12 @@ class ChatTokenizer:
         }
         self.bos_token = _token_text(self._hf.bos_token)
         self.bos_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
-        self.eos_id = self._tokenizer.token_to_id(_token_text(self._hf.eos_token))
+        self.eos_id = self._eos_id(directory)
         pad = _token_text(self._hf.pad_token)
         self.pad_id = self._tokenizer.token_to_id(pad) if pad else self.eos_id
         extra = [self.special_tokens[t] for t in EXTRA_STOP_TOKENS if t in self.special_tokens]
         self.stop_tokens = [self.eos_id] + [t for t in extra if t != self.eos_id]
-        ends = {self._tokenizer.id_to_token(t) for t in self.stop_tokens}
+        ends = {e for t in self.stop_tokens if (e := self._tokenizer.id_to_token(t)) is not None}
         self._end_of_turn = re.compile(
             r"\s*(?:" + "|".join(re.escape(t) for t in sorted(ends, key=len, reverse=True)) + ")"
         )
@@ -140,6 +140,19 @@ class ChatTokenizer:
         self.date_string = date_string
         self.max_seq_len = max_seq_len
 
+    def _eos_id(self, directory: Path) -> int:
+        """The id of eos_token (load_hf_tokenizer refused a tokenizer without one)."""
+        eos_token = _token_text(self._hf.eos_token)
+        eos_id = self._tokenizer.token_to_id(eos_token) if eos_token else None
+        if eos_id is None:
+            raise UserError(
+                "model.tokenizer",
+                str(directory),
+                f"its eos_token {eos_token!r} is not in its vocabulary; set eos_token in its "
+                "tokenizer_config.json to a token of tokenizer.json",
+            )
+        return eos_id
+
     def _template(self, directory: Path, chat_template: str | None) -> str | None:
         if chat_template is not None:
             return Path(chat_template).read_text()
@@ -150,14 +163,18 @@ class ChatTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Tokens in the vocabulary, added tokens included."""
         return self._tokenizer.get_vocab_size()
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        """Ids of plain `text` (no chat template), between BOS and EOS as asked."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        bos = [self.bos_id] if add_bos and self.bos_id is not None else []
+        bos_id = self.bos_id
+        bos = [bos_id] if add_bos and bos_id is not None else []
         return bos + ids + ([self.eos_id] if add_eos else [])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `token_ids`."""
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def require_chat_template(self) -> None:

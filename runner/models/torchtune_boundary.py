@@ -77,8 +77,8 @@ def init_like_hf(model: nn.Module, initializer_range: float) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=initializer_range)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
 
 def peft_adapter_config(lora: dict[str, Any], base_model_name_or_path: str) -> dict[str, Any]:

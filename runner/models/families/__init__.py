@@ -75,6 +75,7 @@ assert len(BY_MODEL_TYPE) == len(FAMILIES), "two families read the same model_ty
 
 
 def family_named(name: str, key: str = "model.family") -> Family:
+    """The family of a model.family value; a UserError naming `key` if none."""
     if name not in FAMILIES:
         raise UserError(key, name, f"choose one of: {', '.join(FAMILIES)}")
     return FAMILIES[name]

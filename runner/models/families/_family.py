@@ -28,7 +28,7 @@ class Unsupported(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Family:
-    """Everything runner knows about one model family; one module of runner/families each."""
+    """Everything runner knows about one model family; one module of runner/models/families each."""
 
     name: str
     model_type: str  # config.json's model_type
@@ -50,18 +50,22 @@ class Family:
 
     @property
     def builder(self) -> str:
+        """The torchtune builder of the whole model."""
         return next(iter(self.builders))
 
     @property
     def lora_builder(self) -> str:
+        """The builder's LoRA twin."""
         return self.builders[self.builder]
 
 
 def head_dim(config: dict[str, Any]) -> int:
+    """Channels per attention head: config.json's head_dim, else hidden_size / heads."""
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
 def attention_dims(config: dict[str, Any]) -> AttentionDims:
+    """The attention shape of a config.json, for the weight converters."""
     return AttentionDims(
         num_heads=config["num_attention_heads"],
         num_kv_heads=config["num_key_value_heads"],
@@ -77,6 +81,7 @@ def rope(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def rope_type(rope: dict[str, Any]) -> str:
+    """The RoPE scaling type of `rope` settings; default without scaling."""
     return rope.get("rope_type") or rope.get("type") or "default"
 
 

@@ -8,6 +8,7 @@ its module names with PEFT's suffixes.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -57,12 +58,13 @@ class WeightNames:
     k_proj and v_proj rows, one after the other): its table entry is then a tuple.
     """
 
-    hf_to_tune: dict[str, str | tuple[str, ...]]
+    hf_to_tune: Mapping[str, str | tuple[str, ...]]
     # torchtune's Llama RoPE rotates adjacent pairs and Hugging Face's rotates halves, so the
     # rows of q_proj and k_proj are permuted between them; Qwen2 rotates halves on both sides.
     permute_qk: bool
 
     def to_tune(self, name: str) -> str:
+        """The torchtune name of a Hugging Face weight that is not fused."""
         names = self.to_tune_parts(name)
         if len(names) != 1:
             raise KeyError(f"{name!r} holds {', '.join(names)}: fused on the Hugging Face side")
@@ -74,6 +76,7 @@ class WeightNames:
         return tuple(parts.split("|"))
 
     def to_hf(self, name: str) -> str:
+        """The Hugging Face weight that holds a torchtune one."""
         return self.to_hf_part(name)[0]
 
     def to_hf_part(self, name: str) -> tuple[str, int, int]:
@@ -167,8 +170,9 @@ def to_hf(
         hf_name, index, count = names.to_hf_part(name)
         fused.setdefault(hf_name, [None] * count)[index] = value
     for hf_name, parts in fused.items():
-        assert all(p is not None for p in parts), f"{hf_name}: a fused part is missing"
-        converted[hf_name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        present = [part for part in parts if part is not None]
+        assert len(present) == len(parts), f"{hf_name}: a fused part is missing"
+        converted[hf_name] = present[0] if len(present) == 1 else torch.cat(present)
     return converted
 
 

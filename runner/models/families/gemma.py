@@ -25,11 +25,13 @@ def check_gemma(config: dict[str, Any]) -> None:
 
 
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> builder arguments beyond the shared ones; Unsupported where it cannot."""
     check_gemma(config)
     return {"head_dim": head_dim(config)}
 
 
 def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
+    """Builder arguments -> config.json keys beyond the shared ones (for a random-init model)."""
     return {
         "head_dim": builder["head_dim"],
         "hidden_act": "gelu_pytorch_tanh",

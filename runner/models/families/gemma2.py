@@ -34,6 +34,7 @@ def _sliding_layers(config: dict[str, Any]) -> bool:
 
 
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> builder arguments beyond the shared ones; Unsupported where it cannot."""
     check_gemma(config)
     if not config.get("sliding_window") or not _sliding_layers(config):
         raise Unsupported(
@@ -49,6 +50,7 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
+    """Builder arguments -> config.json keys beyond the shared ones (for a random-init model)."""
     return {
         "head_dim": builder["head_dim"],
         "hidden_act": "gelu_pytorch_tanh",

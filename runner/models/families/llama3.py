@@ -17,6 +17,7 @@ LLAMA3_ROPE = {
 
 
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> builder arguments beyond the shared ones; Unsupported where it cannot."""
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise Unsupported(f"{key}=true")
@@ -35,6 +36,7 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
+    """Builder arguments -> config.json keys beyond the shared ones (for a random-init model)."""
     return {
         "rope_scaling": {
             "rope_type": "llama3",

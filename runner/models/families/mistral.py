@@ -9,6 +9,7 @@ from runner.models.families._weights import LLAMA_NAMES, WeightNames
 
 
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> builder arguments beyond the shared ones; Unsupported where it cannot."""
     if rope_type(rope(config)) != "default":
         raise Unsupported(f"rope scaling {rope(config)}")
     if config["tie_word_embeddings"]:
@@ -17,6 +18,7 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
+    """Builder arguments -> config.json keys beyond the shared ones (for a random-init model)."""
     return {"sliding_window": None}
 
 

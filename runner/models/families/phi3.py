@@ -13,7 +13,7 @@ from typing import Any
 from runner.models.families._family import Family, Unsupported, cut_at_window, rope, rope_type
 from runner.models.families._weights import LLAMA_NAMES, WeightNames
 
-PHI3_NAMES = {
+PHI3_NAMES: dict[str, str | tuple[str, ...]] = {
     **{
         k: v
         for k, v in LLAMA_NAMES.items()
@@ -32,6 +32,7 @@ PHI3_NAMES = {
 
 
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> builder arguments beyond the shared ones; Unsupported where it cannot."""
     settings = rope(config)
     if rope_type(settings) != "default":
         raise Unsupported(f"rope scaling {settings}")
@@ -45,6 +46,7 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
+    """Builder arguments -> config.json keys beyond the shared ones (for a random-init model)."""
     # Phi3Config's default pad_token_id (32000) is past a smaller vocabulary's end.
     return {
         "sliding_window": None,

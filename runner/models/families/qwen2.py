@@ -18,6 +18,7 @@ QWEN2_NAMES = {
 
 
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> builder arguments beyond the shared ones; Unsupported where it cannot."""
     if rope_type(rope(config)) != "default":
         raise Unsupported(f"rope scaling {rope(config)}")
     if config.get("use_sliding_window"):
@@ -26,6 +27,7 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
+    """Builder arguments -> config.json keys beyond the shared ones (for a random-init model)."""
     return {"use_sliding_window": False, "sliding_window": None}
 
 
