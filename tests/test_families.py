@@ -808,7 +808,7 @@ def test_a_sliding_window_ends_the_sequences_where_the_model_is_exact(
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
     with pytest.warns(UserWarning, match="truncated to sliding_window=16"):
-        recipe = resolve_model(model_config(["model=hf", f"model.source={source}"]))
+        recipe = asdict(resolve_model(model_config(["model=hf", f"model.source={source}"])))
     assert recipe["builder"]["max_seq_len"] == recipe["tokenizer"]["max_seq_len"] == 16
     ours = instantiate(OmegaConf.create(recipe["builder"]))
     ours.load_state_dict(read_model_state(source))

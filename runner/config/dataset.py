@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from runner.config.fields import flag, integer
+from runner.config.fields import flag, integer, typed_as
 from runner.config.model import ModelRecipe
 from runner.errors import UserError
 
@@ -91,6 +91,8 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
     padding_free())."""
     from runner.data import KINDS, local_source, source_format
 
+    # A composed dataset section as Dataset types it (its defaults filled in).
+    dataset = typed_as(dataset, Dataset, "dataset.")
     kind = dataset.kind
     if kind not in KINDS:
         raise UserError("dataset.kind", kind, f"choose one of: {', '.join(KINDS)}")
