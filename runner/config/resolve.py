@@ -9,6 +9,7 @@ together into the recipe (runner.config.schema.Recipe).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -21,7 +22,7 @@ from runner.config.method import check_pairing, resolve_method
 from runner.config.model import ModelRecipe, resolve_model
 from runner.config.optimizer import resolve_optimizer
 from runner.config.runtime import resolve_runtime
-from runner.config.schema import Recipe, typed
+from runner.config.schema import Recipe, Training, typed
 from runner.hub.download import Hub, localize
 
 
@@ -64,14 +65,8 @@ def resolve_recipe(
         runtime=runtime,
         eval=evaluation,
         objective=resolve_objective(cfg.objective, evaluation, cfg.dataset.eval_samples),
-        # The training keys that belong to no group (typed and bounded by Train).
-        max_steps=cfg.max_steps,
-        epochs=cfg.epochs,
-        batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        clip_grad_norm=cfg.clip_grad_norm,
-        compile=cfg.compile,
-        activation_checkpointing=cfg.activation_checkpointing,
+        # The training keys that belong to no group, as given (typed and bounded by Train).
+        **{key.name: cfg[key.name] for key in fields(Training)},
     )
     typed_recipe: DictConfig = OmegaConf.structured(resolved)
     return typed_recipe

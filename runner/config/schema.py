@@ -33,8 +33,21 @@ from runner.rundir import write_text_atomic
 
 
 @dataclass
-class Train:
-    """`runner train`: the config groups, then the training keys that belong to no group."""
+class Training:
+    """The training keys that belong to no config group; the recipe records them as given."""
+
+    max_steps: Optional[int] = integer(None, 1)
+    epochs: int = integer(1, 1)
+    batch_size: int = integer(1, 1)
+    gradient_accumulation_steps: int = integer(1, 1)
+    clip_grad_norm: Optional[float] = number(None, positive=True)
+    compile: bool = flag(False)
+    activation_checkpointing: bool = flag(False)
+
+
+@dataclass
+class Train(Training):
+    """`runner train`: the training keys that belong to no group, and the config groups."""
 
     runtime: Runtime = field(default_factory=Runtime)
     model: Model = field(default_factory=Model)
@@ -45,13 +58,6 @@ class Train:
     method: Method = field(default_factory=Method)
     optimizer: Dict[str, Any] = field(default_factory=dict)
     seed: int = integer(0, 0)
-    max_steps: Optional[int] = integer(None, 1)
-    epochs: int = integer(1, 1)
-    batch_size: int = integer(1, 1)
-    gradient_accumulation_steps: int = integer(1, 1)
-    clip_grad_norm: Optional[float] = number(None, positive=True)
-    compile: bool = flag(False)
-    activation_checkpointing: bool = flag(False)
     resume: Optional[str] = None
     objective: Objective = field(default_factory=Objective)
     eval: Eval = field(default_factory=Eval)
@@ -179,8 +185,8 @@ RECIPE_VERSION = 4
 
 
 @dataclass
-class Recipe:
-    """recipe.yaml: Train's sections and keys, resolved (see RECIPE_VERSION)."""
+class RecipeSections:
+    """The head of recipe.yaml: what names the run, then each section of Train, resolved."""
 
     version: int = RECIPE_VERSION
     run_dir: str = MISSING
@@ -198,13 +204,14 @@ class Recipe:
     runtime: RuntimeRecipe = field(default_factory=RuntimeRecipe)
     eval: EvalRecipe = field(default_factory=EvalRecipe)
     objective: Objective = field(default_factory=Objective)
-    max_steps: Optional[int] = None
-    epochs: int = 1
-    batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    clip_grad_norm: Optional[float] = None
-    compile: bool = False
-    activation_checkpointing: bool = False
+
+
+# A dataclass takes its bases' fields in reverse method resolution order: recipe.yaml lists the
+# sections (RecipeSections), then the training keys (Training), then stop_at_step.
+@dataclass
+class Recipe(Training, RecipeSections):
+    """recipe.yaml: Train's sections and keys, resolved (see RECIPE_VERSION)."""
+
     # Set by `runner repro --steps N`: end after step N without changing the schedule.
     stop_at_step: Optional[int] = None
 
