@@ -153,7 +153,7 @@ def _rendezvous(compute: DictConfig, nnodes: int) -> str:
             raise UserError(
                 "compute.node_rank", node_rank, f"give 0 to {nnodes - 1} (compute.nnodes={nnodes})"
             )
-    if nnodes == 1:
+    if nnodes == 1:  # one node hosts the rendezvous itself, as on one machine
         return ComputeRecipe.rdzv_endpoint
     if compute.master_addr is None:
         raise UserError(
