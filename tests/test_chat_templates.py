@@ -10,6 +10,7 @@ published ones, embedded as strings.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -330,7 +331,7 @@ def test_train_on_input_trains_each_message_content(tokenizers_dir: Path, name: 
 
 def model_section(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return resolve_model(compose("train", overrides=overrides).model)
+        return asdict(resolve_model(compose("train", overrides=overrides).model))
 
 
 def test_a_template_file_for_a_tokenizer_without_one(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -13,8 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.components import instantiate
+from runner.config.dataset import resolve_dataset
 from runner.config.model import resolve_model
-from runner.config.resolve import _dataset
 from runner.data import (
     FORMATS,
     DataError,
@@ -81,7 +82,7 @@ def xml_document(rows: list[dict[str, Any]], record: str = "record") -> str:
 
 def data(*overrides: str) -> dict[str, Any]:
     """The recipe's dataset section for `overrides`, through the real config groups."""
-    return _dataset(compose_train(list(overrides)).dataset, MODEL_MAX)
+    return asdict(resolve_dataset(compose_train(list(overrides)).dataset, MODEL_MAX))
 
 
 def tokenizer(max_seq_len: int = MODEL_MAX) -> ChatTokenizer:
@@ -490,7 +491,7 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_loss(tmp_path: Path
     """On a fixed model: the summed loss and the token count of the same samples agree."""
     torch.manual_seed(0)
     # The builder node as resolved: its family supplies the torchtune builder.
-    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model)["builder"]))
+    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model).builder))
     tok = tokenizer(96)
     base = [
         f"dataset.source={SAMPLE_DATA_DIR / 'validation.jsonl'}",
@@ -524,7 +525,7 @@ def test_padding_free_batches_train_each_token_as_padded_batches_do(tmp_path: Pa
     trained token's loss the same as padded (attention stays within each sample, positions
     restart); the multiset of per-token losses shows a leak across samples."""
     torch.manual_seed(0)
-    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model)["builder"]))
+    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model).builder))
     tok = tokenizer(256)
     lines = (SAMPLE_DATA_DIR / "validation.jsonl").read_text().splitlines()[:60]
     words = [json.loads(line)["input"] for line in lines]

@@ -12,6 +12,7 @@ import functools
 import json
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @functools.cache
 def resolved(source: Path) -> dict:
     """model=hf's recipe model section for a source."""
-    return resolve_model(model_config(["model=hf", f"model.source={source}"]))
+    return asdict(resolve_model(model_config(["model=hf", f"model.source={source}"])))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -389,7 +390,7 @@ def test_every_model_option_gets_its_familys_builder_and_lora_twin() -> None:
         for key in ("family", "source", "tokenizer", "chat_template", "checkpoint_format"):
             assert key in model, (option, key)
         if model.builder is not None:
-            recipe = resolve_model(model, need_files=False)
+            recipe = asdict(resolve_model(model, need_files=False))
             builders = family_named(model.family).builders
             assert recipe["lora_builder"] == builders[recipe["builder"]["_component_"]], option
 
@@ -687,7 +688,7 @@ PARAMETERS = {
 
 @pytest.mark.parametrize("option", sorted(PARAMETERS))
 def test_zoo_option_has_its_hub_repos_parameter_count(option: str) -> None:
-    builder = resolve_model(model_config([f"model={option}"]), need_files=False)["builder"]
+    builder = resolve_model(model_config([f"model={option}"]), need_files=False).builder
     with torch.device("meta"):
         model = instantiate(OmegaConf.create(builder))
     assert sum(p.numel() for p in model.parameters()) == PARAMETERS[option]
@@ -807,7 +808,7 @@ def test_a_sliding_window_ends_the_sequences_where_the_model_is_exact(
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
     with pytest.warns(UserWarning, match="truncated to sliding_window=16"):
-        recipe = resolve_model(model_config(["model=hf", f"model.source={source}"]))
+        recipe = asdict(resolve_model(model_config(["model=hf", f"model.source={source}"])))
     assert recipe["builder"]["max_seq_len"] == recipe["tokenizer"]["max_seq_len"] == 16
     ours = instantiate(OmegaConf.create(recipe["builder"]))
     ours.load_state_dict(read_model_state(source))

@@ -12,6 +12,7 @@ from runner.config.schema import Deploy, Export, Train, typed
 from runner.errors import UserError
 from runner.paths import CONF_DIR
 from tests.test_config import compose_train
+from tests.test_imports import _loaded_after
 
 
 @pytest.mark.parametrize(
@@ -108,3 +109,10 @@ def test_export_config_is_typed_too(override: str, message: str) -> None:
     with pytest.raises(UserError) as caught:
         typed(cfg, Export)
     assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_the_schemas_import_light() -> None:
+    """Each section's module imports torch, transformers or datasets only inside the functions
+    that use them, so the commands that only type a config (export, deploy, cluster) start
+    fast."""
+    assert _loaded_after("import runner.config.schema") == []

@@ -50,11 +50,12 @@ def from_hydra_error(err: BaseException) -> UserError | None:
 
 def as_user_error(err: BaseException) -> UserError | None:
     """Our UserError, or a Hydra/OmegaConf composition error recast as one; None otherwise."""
-    while err is not None:
-        if isinstance(err, UserError):
-            return err
-        converted = from_hydra_error(err)
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, UserError):
+            return cause
+        converted = from_hydra_error(cause)
         if converted is not None:
             return converted
-        err = err.__cause__ or err.__context__
+        cause = cause.__cause__ or cause.__context__
     return None

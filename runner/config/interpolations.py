@@ -8,6 +8,7 @@ ours registers nothing. No resolver writes the environment.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def hub_cache() -> str:
     return default_cache_dir()
 
 
-RESOLVERS = {
+RESOLVERS: dict[str, Callable[..., Any]] = {
     "runner_asset": lambda name: str(ASSETS_DIR / name),
     "runner_run_dir": run_dir,
     # A resumed run keeps the .hydra/ record of the run that created it.

@@ -12,37 +12,70 @@ model. The family supplies the torchtune builder and its LoRA twin.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
-import torch
-from omegaconf import DictConfig, OmegaConf
-from safetensors import safe_open
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from runner.components import instantiate
-from runner.config.schema import Model, typed
+from runner.config.fields import number, typed_as
 from runner.errors import UserError
-from runner.models.backends import BACKENDS
-from runner.models.backends.transformers import check_transformers_weights, transformers_builder
-from runner.models.checkpoint import weight_files
-from runner.models.families import (
-    FAMILIES,
-    Family,
-    builder_args,
-    builder_component,
-    check_source_matches,
-    family_named,
-    family_of,
-    hf_config,
-    hf_to_tune,
-    read_config,
-)
-from runner.models.tokenizer import ChatTokenizer
-from runner.rundir import check_safetensors
+
+if TYPE_CHECKING:
+    from runner.models.families import Family
+    from runner.models.tokenizer import ChatTokenizer
+
+# typing's Optional/Dict: the forms OmegaConf 2.3 reads in structured-config annotations.
+# ruff: noqa: UP006, UP035, UP045
+
+
+@dataclass
+class Model:
+    """The model group, as the user types it."""
+
+    name: str = MISSING
+    family: Optional[str] = None
+    source: Optional[str] = None
+    tokenizer: Optional[str] = None
+    chat_template: Optional[str] = None
+    checkpoint_format: str = "hf"
+    initializer_range: float = number(0.02, positive=True)
+    builder: Optional[Dict[str, Any]] = None
+    # auto: torchtune's builder where a runner family builds the model, else transformers' own
+    # model class (runner.models.backends); torchtune or transformers to insist.
+    backend: str = "auto"
+
+
+@dataclass
+class ModelRecipe:
+    """The recipe's model section: the backend, the weights, the builder, config.json and the
+    tokenizer, resolved."""
+
+    name: str = MISSING
+    # torchtune (a runner family's builder) or transformers (AutoModelForCausalLM), and why.
+    backend: str = MISSING
+    backend_reason: str = MISSING
+    # The runner family (null: the transformers backend, which builds config.json's model_type).
+    family: Optional[str] = None
+    # A local checkpoint directory, or null: random init (initializer_range).
+    source: Optional[str] = None
+    # The builder and its arguments (torchtune's; for transformers
+    # runner.models.backends.transformers.from_config with the sizes read from config.json); the
+    # family's LoRA twin of the builder (torchtune's).
+    builder: Dict[str, Any] = MISSING
+    lora_builder: Optional[str] = None
+    initializer_range: float = 0.02
+    # config.json of the checkpoints the run writes; runner.models.tokenizer.ChatTokenizer and its
+    # arguments (its path, and model.chat_template's file or null). Null only in a dry run that
+    # has no tokenizer files (`runner estimate` of a model not downloaded).
+    hf_config: Optional[Dict[str, Any]] = None
+    tokenizer: Optional[Dict[str, Any]] = None
 
 
 def _model_source(value: str | None) -> Path | None:
     """model.source as a local checkpoint directory (None: random init)."""
+    from runner.models.checkpoint import weight_files
+
     if value is None:
         return None
     if str(value).startswith("hf://"):
@@ -67,9 +100,21 @@ def _model_source(value: str | None) -> Path | None:
     return path
 
 
-def _check_weights(source: Path, builder: dict[str, Any]) -> None:
-    """A UserError naming model.source unless its weights fit the builder's model, name for name
-    and shape for shape (read from the safetensors headers: nothing is loaded)."""
+# Weight name -> shape (or, for a checkpoint that cannot be read, the reason).
+Shapes = dict[str, tuple[Any, ...]]
+
+
+def _weight_shapes(source: Path, builder: dict[str, Any]) -> tuple[Shapes, Shapes]:
+    """(the builder's weight shapes, the source's in torchtune's names), read from the
+    safetensors headers and a model on the meta device: nothing is loaded."""
+    import torch
+    from safetensors import safe_open
+
+    from runner.components import instantiate
+    from runner.models.checkpoint import weight_files
+    from runner.models.families import hf_to_tune, read_config
+    from runner.rundir import check_safetensors
+
     shapes = {}
     for path in weight_files(source):
         check_safetensors(path, key="model.source")
@@ -79,12 +124,18 @@ def _check_weights(source: Path, builder: dict[str, Any]) -> None:
         model = instantiate(OmegaConf.create(builder))
         ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         try:
-            theirs = hf_to_tune(
-                {name: torch.empty(shape) for name, shape in shapes.items()}, read_config(source)
-            )
-            theirs = {name: tuple(t.shape) for name, t in theirs.items()}
+            empty = {name: torch.empty(shape) for name, shape in shapes.items()}
+            converted = hf_to_tune(empty, read_config(source))
+            theirs: Shapes = {name: tuple(t.shape) for name, t in converted.items()}
         except (RuntimeError, KeyError, ValueError) as err:
             theirs = {"<unreadable>": (str(err),)}
+    return ours, theirs
+
+
+def _check_weights(source: Path, builder: dict[str, Any]) -> None:
+    """A UserError naming model.source unless its weights fit the builder's model, name for name
+    and shape for shape."""
+    ours, theirs = _weight_shapes(source, builder)
     problems = [f"no {name}" for name in sorted(set(ours) - set(theirs))]
     problems += [f"unexpected {name}" for name in sorted(set(theirs) - set(ours))]
     problems += [
@@ -107,14 +158,14 @@ def _source_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, dtype_key: "float32"}
 
 
-def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
+def resolve_model(model: DictConfig, need_files: bool = True) -> ModelRecipe:
     """The recipe's model section: family, source, builder, config.json and tokenizer.
 
     A source's config.json names its family and, for a builder-less option (model=hf), the
     builder's arguments; an option's own builder must build the same model.
     """
-    # A composed model section as runner.config.schema types it (its defaults filled in).
-    model = typed(model, Model, "model.")
+    # A composed model section as Model types it (its defaults filled in).
+    model = typed_as(model, Model, "model.")
     if model.checkpoint_format != "hf":
         raise UserError("model.checkpoint_format", model.checkpoint_format, "only hf is supported")
     if model.builder is None and model.source is None:
@@ -128,49 +179,18 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
             raise
         source = None
     raw_config = json.loads((source / "config.json").read_text()) if source else None
-    backend, reason = _backend(model, raw_config)
-    if backend == "transformers":
-        family, builder = None, transformers_builder(source)
-        check_transformers_weights(source, builder)
-    else:
-        family, builder = _family_and_builder(model, read_config(source) if source else None)
-        if source is not None:
-            _check_weights(source, builder)
-    resolved = {
-        "name": model.name,
-        "backend": backend,
-        "backend_reason": reason,
-        "family": family.name if family else None,
-        # Unresolved only for need_files=False: then the option's source as given, for display.
-        "source": str(source) if source else model.source,
-        "builder": builder,
-        "lora_builder": family.builders[builder["_component_"]] if family else None,
-        # Bounded (> 0) by runner.config.schema.
-        "initializer_range": float(model.initializer_range),
-        "hf_config": None,
-        "tokenizer": None,
-    }
+    resolved, family = _built_model(model, source, raw_config)
     tokenizer_dir = model.tokenizer or source
     if tokenizer_dir is None:
         if need_files:
             raise UserError("model.tokenizer", None, "give a tokenizer directory or model.source")
         return resolved
-    tokenizer = _checked_tokenizer(model, builder, Path(tokenizer_dir))
-    resolved["hf_config"] = (
-        _source_config(raw_config)
-        if raw_config
-        else hf_config(
-            family,
-            builder,
-            initializer_range=model.initializer_range,
-            bos_token_id=tokenizer.bos_id,
-            eos_token_id=tokenizer.eos_id,
-        )
-    )
-    resolved["tokenizer"] = {
+    tokenizer = _checked_tokenizer(model, resolved.builder, Path(tokenizer_dir))
+    resolved.hf_config = _hf_config(resolved, family, raw_config, tokenizer)
+    resolved.tokenizer = {
         "_component_": "runner.models.tokenizer.ChatTokenizer",
         "path": str(Path(tokenizer_dir).resolve()),
-        "max_seq_len": builder["max_seq_len"],
+        "max_seq_len": resolved.builder["max_seq_len"],
         "chat_template": tokenizer.chat_template_file,
         # Recorded, so every process and a later `runner repro` render the same date.
         "date_string": tokenizer.date_string,
@@ -178,10 +198,72 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> dict[str, Any]:
     return resolved
 
 
+def _built_model(
+    model: DictConfig, source: Path | None, raw_config: dict[str, Any] | None
+) -> tuple[ModelRecipe, Family | None]:
+    """The model section without its tokenizer and config.json, and the runner family that
+    builds it (None: transformers does)."""
+    from runner.models.backends.transformers import (
+        check_transformers_weights,
+        transformers_builder,
+    )
+    from runner.models.families import read_config
+
+    backend, reason = _backend(model, raw_config)
+    family: Family | None = None
+    if backend == "transformers":
+        # _backend picks transformers only for a source's config.json.
+        assert source is not None
+        builder = transformers_builder(source)
+        check_transformers_weights(source, builder)
+    else:
+        family, builder = _family_and_builder(model, read_config(source) if source else None)
+        if source is not None:
+            _check_weights(source, builder)
+    resolved = ModelRecipe(
+        name=model.name,
+        backend=backend,
+        backend_reason=reason,
+        family=family.name if family else None,
+        # Unresolved only for need_files=False: then the option's source as given, for display.
+        source=str(source) if source else model.source,
+        builder=builder,
+        lora_builder=family.builders[builder["_component_"]] if family else None,
+        # Bounded (> 0) by Model.
+        initializer_range=float(model.initializer_range),
+    )
+    return resolved, family
+
+
+def _hf_config(
+    model: ModelRecipe,
+    family: Family | None,
+    raw_config: dict[str, Any] | None,
+    tokenizer: ChatTokenizer,
+) -> dict[str, Any]:
+    """config.json of the checkpoints: the source's, or the family's for a random init."""
+    from runner.models.families import hf_config
+
+    if raw_config:
+        return _source_config(raw_config)
+    # Without a source the family's builder makes the model (_built_model).
+    assert family is not None
+    return hf_config(
+        family,
+        model.builder,
+        initializer_range=model.initializer_range,
+        bos_token_id=tokenizer.bos_id,
+        # hf_config types it int; a tokenizer without an eos token is recorded as null, as ever.
+        eos_token_id=tokenizer.eos_id,  # type: ignore[arg-type]
+    )
+
+
 def _backend(model: DictConfig, config: dict[str, Any] | None) -> tuple[str, str]:
     """(backend, why): torchtune where a runner family builds config.json's model_type (or the
     option's family, with no source), transformers for another causal LM that transformers
     implements; model.backend may insist on one."""
+    from runner.models.backends import BACKENDS
+
     wanted = model.backend
     if wanted not in ("auto", *BACKENDS):
         raise UserError("model.backend", wanted, f"choose auto, {' or '.join(BACKENDS)}")
@@ -194,9 +276,15 @@ def _backend(model: DictConfig, config: dict[str, Any] | None) -> tuple[str, str
                 "model.backend=auto",
             )
         return "torchtune", f"model={model.name} is runner's {model.family} family (random init)"
+    return _source_backend(model, wanted, config.get("model_type"))
+
+
+def _source_backend(model: DictConfig, wanted: str, model_type: Any) -> tuple[str, str]:
+    """_backend of a source whose config.json names `model_type` (or none: None)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_type = config.get("model_type")
+    from runner.models.families import FAMILIES
+
     family = {f.model_type: f for f in FAMILIES.values()}.get(model_type)
     if family is not None and wanted != "transformers":
         return "torchtune", f"model_type {model_type!r} is runner's {family.name} family"
@@ -233,6 +321,14 @@ def _family_and_builder(
     model: DictConfig, config: dict[str, Any] | None
 ) -> tuple[Family, dict[str, Any]]:
     """The model's family (its source's, which must agree with the option's) and builder node."""
+    from runner.models.families import (
+        builder_args,
+        builder_component,
+        check_source_matches,
+        family_named,
+        family_of,
+    )
+
     family = family_named(model.family) if model.family else None
     if config is not None:
         found = family_of(config, str(model.source))
@@ -244,14 +340,24 @@ def _family_and_builder(
                 f"option of this checkpoint, or model=hf",
             )
         family = found
+    # A model option names its family, a source's config.json names it otherwise.
+    assert family is not None
     derived = builder_args(family, config, str(model.source)) if config else None
     if model.builder is None:
+        assert derived is not None  # resolve_model refuses no builder and no source
         return family, {"_component_": family.builder, **derived}
-    args = OmegaConf.to_container(model.builder, resolve=True)
+    args = _plain_dict(model.builder)
     builder = {"_component_": builder_component(family, args), **args}
     if derived is not None:
         check_source_matches(family, builder, derived, str(model.source))
     return family, builder
+
+
+def _plain_dict(node: DictConfig) -> dict[str, Any]:
+    """A mapping section (model.builder, loss) as a plain dict, interpolations resolved."""
+    plain = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(plain, dict)
+    return {str(key): value for key, value in plain.items()}
 
 
 def _chat_template_file(value: str | None) -> str | None:
@@ -274,6 +380,8 @@ def _checked_tokenizer(
 ) -> ChatTokenizer:
     """The tokenizer with its chat template (the tokenizer's own unless model.chat_template
     names a file), its vocabulary checked against the builder's."""
+    from runner.models.tokenizer import ChatTokenizer
+
     template = _chat_template_file(model.chat_template)
     tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], template)
     if tokenizer.vocab_size > builder["vocab_size"]:

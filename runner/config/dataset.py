@@ -1,0 +1,233 @@
+"""The dataset group: the source and its format, the columns, the sample shape, the validation
+split; checked against the dataset's kind and the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from runner.config.fields import flag, integer, typed_as
+from runner.config.model import ModelRecipe
+from runner.errors import UserError
+
+# typing's Optional/Dict: the forms OmegaConf 2.3 reads in structured-config annotations.
+# ruff: noqa: UP006, UP035, UP045
+
+
+@dataclass
+class Validation:
+    """dataset.validation: a held-out share of the train split, a split, or a separate source."""
+
+    # A percentage (5%) or a fraction (0.05): checked by resolve_dataset.
+    held_out: Any = None
+    seed: int = integer(0, 0)
+    split: Optional[str] = None
+    source: Optional[str] = None
+
+
+@dataclass
+class ValidationRecipe(Validation):
+    """The recipe's dataset.validation: held_out as a fraction, a source as a local path."""
+
+    held_out: Optional[float] = None
+
+
+@dataclass
+class Xml:
+    # dataset.format=xml: the element of one record (null: each child of the root element).
+    record: Optional[str] = None
+
+
+@dataclass
+class Dataset:
+    """The dataset group, as the user types it."""
+
+    name: str = MISSING
+    kind: str = MISSING
+    source: str = MISSING
+    format: Optional[str] = None
+    xml: Xml = field(default_factory=Xml)
+    split: str = "train"
+    column_map: Dict[str, Optional[str]] = field(default_factory=dict)
+    conversation_style: Optional[str] = None
+    train_on_input: bool = flag(False)
+    new_system_prompt: Optional[str] = None
+    max_seq_len: Optional[int] = integer(None, 2)
+    packing: bool = flag(False)
+    # Null: on wherever it is correct (padding_free).
+    padding_free: Optional[bool] = flag(None)
+    validation: Validation = field(default_factory=Validation)
+    eval_samples: int = integer(200, 0)
+    eval_max_new_tokens: int = integer(12, 1)
+
+
+@dataclass
+class DatasetRecipe:
+    """The recipe's dataset section: every key present; those of other kinds are null."""
+
+    kind: str = MISSING
+    format: str = MISSING
+    xml: Xml = field(default_factory=Xml)
+    source: str = MISSING
+    split: str = "train"
+    column_map: Dict[str, Optional[str]] = field(default_factory=dict)
+    # Null where the dataset's kind has no such key.
+    conversation_style: Optional[str] = None
+    train_on_input: Optional[bool] = None
+    new_system_prompt: Optional[str] = None
+    max_seq_len: int = MISSING
+    packing: bool = False
+    padding_free: bool = False
+    validation: ValidationRecipe = field(default_factory=ValidationRecipe)
+    # Held-out prompts for eval_exact_match, and the longest answer generated.
+    eval_samples: int = 0
+    eval_max_new_tokens: int = 12
+
+
+def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecipe:
+    """The dataset section of the recipe (padding_free is decided with the model:
+    padding_free())."""
+    from runner.data import KINDS, local_source, source_format
+
+    # A composed dataset section as Dataset types it (its defaults filled in).
+    dataset = typed_as(dataset, Dataset, "dataset.")
+    kind = dataset.kind
+    if kind not in KINDS:
+        raise UserError("dataset.kind", kind, f"choose one of: {', '.join(KINDS)}")
+    if OmegaConf.is_missing(dataset, "source"):
+        raise UserError(
+            "dataset.source",
+            "???",
+            f"dataset={dataset.name} reads your data: give dataset.source=PATH (a data file or "
+            "a directory of them: json, jsonl, csv, parquet, arrow, text)",
+        )
+    source = local_source("dataset.source", str(dataset.source))
+    max_seq_len = dataset.max_seq_len
+    if max_seq_len is not None and max_seq_len > model_max_seq_len:
+        raise UserError(
+            "dataset.max_seq_len",
+            max_seq_len,
+            f"the model takes at most {model_max_seq_len} tokens; give at most that, or null",
+        )
+    column_map = _column_map(kind, dataset.column_map)
+    chat_style = _conversation_style(kind, dataset.conversation_style)
+    if kind == "preference" and dataset.packing:
+        raise UserError(
+            "dataset.packing", True, "preference pairs are not packed; set dataset.packing=false"
+        )
+    data_format = source_format("dataset.source", source, dataset.format)
+    return DatasetRecipe(
+        kind=kind,
+        format=data_format,
+        xml=Xml(record=dataset.xml.record if data_format == "xml" else None),
+        source=source,
+        split=str(dataset.split),
+        column_map=column_map,
+        conversation_style=chat_style,
+        train_on_input=dataset.train_on_input if kind in ("instruct", "chat") else None,
+        new_system_prompt=dataset.new_system_prompt if kind != "text" else None,
+        max_seq_len=max_seq_len or model_max_seq_len,
+        packing=dataset.packing,
+        validation=_validation(dataset.validation),
+        eval_samples=dataset.eval_samples,
+        eval_max_new_tokens=dataset.eval_max_new_tokens,
+    )
+
+
+def _column_map(kind: str, given: DictConfig) -> dict[str, str | None]:
+    """dataset.column_map: the column of each of the kind's fields (a required one named)."""
+    from runner.data import COLUMNS
+
+    column_map = {str(k): v for k, v in given.items()}
+    for ours, required in COLUMNS[kind].items():
+        if ours not in column_map or (required and column_map[ours] is None):
+            raise UserError(
+                f"dataset.column_map.{ours}",
+                column_map.get(ours),
+                f"dataset.kind={kind} needs "
+                f"the column that holds {ours}: dataset.column_map.{ours}=<column>",
+            )
+    return {k: column_map[k] for k in COLUMNS[kind]}
+
+
+def _conversation_style(kind: str, style: str | None) -> str | None:
+    """dataset.conversation_style of a kind of conversations (None for the other kinds)."""
+    from runner.data import CONVERSATION_STYLES
+
+    if kind not in ("chat", "preference"):
+        return None
+    if style not in CONVERSATION_STYLES:
+        raise UserError(
+            "dataset.conversation_style",
+            style,
+            f"choose one of: {', '.join(CONVERSATION_STYLES)}",
+        )
+    return style
+
+
+def _held_out(value: Any) -> float | None:
+    """dataset.validation.held_out: a percentage (5%) or a fraction (0.05) -> the fraction."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        fraction = -1.0
+    if isinstance(value, bool) or not 0 < fraction < 1:
+        raise UserError(
+            "dataset.validation.held_out", value, "give a percentage such as 5% (or 0.05), or null"
+        )
+    return fraction
+
+
+def _validation(held: DictConfig) -> ValidationRecipe:
+    """dataset.validation: one of a held-out share, a split or a source."""
+    from runner.data import local_source
+
+    given = [k for k in ("held_out", "split", "source") if held[k] is not None]
+    if given and given != ["held_out"] and "held_out" in given:
+        raise UserError(
+            "dataset.validation.held_out",
+            held.held_out,
+            f"set either held_out or a split/source, not both (also set: {given[1:]}); "
+            "override the other with null",
+        )
+    source, split = held.source, held.split
+    if source is not None:
+        source = local_source("dataset.validation.source", str(source))
+        # A separate file is read whole unless a split of it is named.
+        split = "train" if split is None else split
+    return ValidationRecipe(
+        held_out=_held_out(held.held_out),
+        seed=held.seed,
+        split=None if split is None else str(split),
+        source=source,
+    )
+
+
+def padding_free(dataset: DatasetRecipe, given: bool | None, model: ModelRecipe) -> bool:
+    """Whether each batch is packed into rows (dataset.padding_free; null: wherever that is
+    correct: SFT data, unpacked, on torchtune's models, which take a block-causal mask)."""
+    for key, value in (("packing", dataset.packing), ("padding_free", given)):
+        if value and model.backend == "transformers":
+            raise UserError(
+                f"dataset.{key}",
+                True,
+                f"model.source={model.source} trains through transformers' own model class "
+                f"({model.backend_reason}), which runner gives no per-document block-causal "
+                f"mask; set dataset.{key}=false",
+            )
+    if given and dataset.kind == "preference":
+        raise UserError(
+            "dataset.padding_free",
+            True,
+            "preference pairs are batched padded; set dataset.padding_free=false",
+        )
+    if dataset.packing:  # packs are rows already
+        return False
+    if given is not None:
+        return given
+    return model.backend != "transformers" and dataset.kind != "preference"

@@ -1,0 +1,141 @@
+"""Bounded fields of the config schemas, and `typed_as`: a composed config merged into a schema.
+
+`typed_as(cfg, schema)` merges the composed config into the schema, so a wrong type or an
+unknown key fails before anything runs, with the key named; then every bounded field is checked
+against the bound its field declares (`integer`, `number`, `flag`). Each message is one UserError
+naming the key, the value and the fix. What cannot be said per field (cross-field rules, files
+that must exist) is checked by the section's own module (runner.config.dataset, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any, get_args, get_type_hints
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from runner.errors import UserError
+
+
+def integer(default: int | None, minimum: int) -> Any:
+    """An int field of at least `minimum` (an Optional one may be null)."""
+    return field(default=default, metadata={"minimum": minimum})
+
+
+def number(default: float | None, *, positive: bool) -> Any:
+    """A float field, > 0 when `positive`, else >= 0 (an Optional one may be null)."""
+    return field(default=default, metadata={"positive": positive})
+
+
+def flag(default: bool | None) -> Any:
+    """A bool field given as a true boolean (an Optional one may be null)."""
+    return field(default=default, metadata={"flag": True})
+
+
+def typed_as(cfg: DictConfig, schema: type, prefix: str = "") -> DictConfig:
+    """`cfg` merged into `schema`, every bounded field checked; `prefix` is where `cfg` sits in
+    the whole config, for the messages."""
+    _check_sections(schema, cfg, prefix)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    except ConfigKeyError as err:
+        given = OmegaConf.select(cfg, str(err.full_key), default="", throw_on_missing=False)
+        raise UserError(
+            f"{prefix}{err.full_key}", given, "no such key; `--cfg job` prints every key"
+        ) from None
+    except ValidationError as err:
+        key = str(err.full_key)
+        given = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        raise UserError(f"{prefix}{key}", given, _fix(_field_of(schema, key))) from None
+    assert isinstance(merged, DictConfig)  # a dataclass merges into a DictConfig
+    _check_bounds(schema, merged, cfg, prefix)
+    return merged
+
+
+# A schema field and its annotation, resolved (the modules that declare schemas postpone their
+# annotations, so Field.type is a string there).
+TypedField = tuple[dataclasses.Field[Any], Any]
+
+
+def _fields(schema: type) -> list[TypedField]:
+    """The fields of `schema`, each with its annotation resolved."""
+    hints = get_type_hints(schema)
+    return [(spec, hints[spec.name]) for spec in dataclasses.fields(schema)]
+
+
+def _check_sections(schema: type, given: DictConfig, prefix: str) -> None:
+    """Each section of `schema` given as a section (`merged=3` would fail the merge with no key
+    named)."""
+    for spec, annotation in _fields(schema):
+        section = _section(annotation)
+        if section is None or spec.name not in given:
+            continue
+        value = OmegaConf.select(given, spec.name, throw_on_missing=False)
+        key = f"{prefix}{spec.name}"
+        if not isinstance(value, DictConfig):
+            raise UserError(key, value, f"is a section: set its keys, e.g. {key}.KEY=VALUE")
+        _check_sections(section, value, f"{key}.")
+
+
+def _field_of(schema: type | None, key: str) -> TypedField | None:
+    """The field of `schema` at a dotted key, if the schema types it."""
+    found = None
+    for part in key.split("."):
+        fields = {spec.name: (spec, hint) for spec, hint in _fields(schema)} if schema else {}
+        found = fields.get(part)
+        if found is None:
+            return None
+        schema = _section(found[1])
+    return found
+
+
+def _section(annotation: Any) -> type | None:
+    """The section dataclass a field's annotation is, if it is one."""
+    section = annotation if isinstance(annotation, type) else None
+    return section if dataclasses.is_dataclass(section) else None
+
+
+def _fix(typed_field: TypedField | None) -> str:
+    """What to give instead, from the field's declared bound."""
+    if typed_field is None:
+        return "give a value of the type `--cfg job` shows"
+    spec, annotation = typed_field
+    optional = " or null" if type(None) in get_args(annotation) else ""
+    if "minimum" in spec.metadata:
+        return f"give an integer >= {spec.metadata['minimum']}{optional}"
+    if "positive" in spec.metadata:
+        return f"give a number {'> 0' if spec.metadata['positive'] else '>= 0'}{optional}"
+    if "flag" in spec.metadata:
+        return f"give true or false{optional}"
+    return f"give a value of type {annotation}"
+
+
+def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> None:
+    """Each bounded field of `merged` within its bound; a flag given as a true boolean."""
+    for spec, annotation in _fields(schema):
+        key = f"{prefix}{spec.name}"
+        if spec.name not in merged:
+            continue
+        raw = given.get(spec.name) if isinstance(given, DictConfig) else None
+        section = _section(annotation)
+        if section is not None:
+            _check_bounds(section, merged[spec.name], raw, f"{key}.")
+            continue
+        value = OmegaConf.select(merged, spec.name, throw_on_missing=False)
+        if value is None or not spec.metadata:
+            continue
+        if "flag" in spec.metadata:
+            # OmegaConf takes 3 or "yes" for true: only a boolean is one here.
+            if raw is not None and not isinstance(raw, bool):
+                raise UserError(key, raw, _fix((spec, annotation)))
+            continue
+        minimum, positive = spec.metadata.get("minimum"), spec.metadata.get("positive")
+        too_small = (
+            (minimum is not None and value < minimum)
+            or (positive is True and value <= 0)
+            or (positive is False and value < 0)
+        )
+        if too_small:
+            raise UserError(key, value, _fix((spec, annotation)))

@@ -1,0 +1,40 @@
+"""The loss group, and the check every component node of the recipe passes: it builds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.components import resolve_component
+from runner.errors import UserError
+
+
+def resolve_loss(loss: DictConfig) -> dict[str, Any]:
+    """The loss component and its arguments, built once."""
+    node = OmegaConf.to_container(loss, resolve=True)
+    assert isinstance(node, dict)  # the loss group is a mapping
+    resolved = {str(key): value for key, value in node.items()}
+    built_once(resolved, "loss")
+    return resolved
+
+
+def built_once(node: dict[str, Any], key: str) -> None:
+    """Builds a component node once (a builder on the meta device), so that a refused argument
+    (`loss.ignore_index=abc`, `model.builder.num_layers=abc`) fails here, not in training."""
+    import torch
+
+    arguments = {k: v for k, v in node.items() if k != "_component_"}
+    # None when the node names none: resolve_component refuses it by name.
+    path: Any = node.get("_component_")
+    component = resolve_component(path, f"{key}._component_")
+    try:
+        with torch.device("meta"):
+            component(**arguments)
+    except (TypeError, ValueError, AssertionError) as err:
+        raise UserError(
+            key,
+            arguments,
+            f"{node['_component_']} refuses them ({err}); give arguments it takes (see its "
+            "documentation)",
+        ) from None

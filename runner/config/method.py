@@ -1,0 +1,241 @@
+"""The method group: which parameters train and how (full, LoRA, QLoRA, DPO and its LoRA forms),
+and the recipe module that trains each."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from runner.config.compute import ComputeRecipe
+from runner.config.fields import flag, integer, number
+from runner.config.model import ModelRecipe
+from runner.errors import UserError
+
+# typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
+# ruff: noqa: UP006, UP035, UP045
+
+# The recipe module that trains each method.
+RECIPES = {
+    "full": "runner.recipes.full_finetune",
+    "lora": "runner.recipes.lora_finetune",
+    "qlora": "runner.recipes.lora_finetune",
+    "dpo": "runner.recipes.dpo",
+    "lora_dpo": "runner.recipes.dpo",
+    "qlora_dpo": "runner.recipes.dpo",
+}
+# The methods that train on preference pairs (dataset.kind=preference), and their losses.
+PREFERENCE_METHODS = ("dpo", "lora_dpo", "qlora_dpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
+LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+# torchao's NF4: blocks of 64 weights, their scalers quantized again in blocks of 256.
+NF4_WEIGHTS_PER_BLOCK = 64 * 256
+
+
+@dataclass
+class Method:
+    """The method group, as the user types it."""
+
+    name: str = "full"
+    rank: int = integer(8, 1)
+    alpha: float = number(16.0, positive=True)
+    dropout: float = number(0.0, positive=False)
+    lora_attn_modules: Any = field(default_factory=lambda: ["q_proj", "v_proj"])
+    apply_lora_to_mlp: bool = flag(False)
+    apply_lora_to_output: bool = flag(False)
+    quantize_base: bool = flag(False)
+    save_merged: bool = flag(False)
+    # The metrics eval.metrics defaults to (conf/method/*.yaml).
+    eval_metrics: List[str] = field(default_factory=list)
+    # Preference methods (dpo, lora_dpo, qlora_dpo); checked by resolve_method.
+    beta: float = number(0.1, positive=True)
+    loss: str = "sigmoid"
+    label_smoothing: float = number(0.0, positive=False)
+
+
+@dataclass
+class MethodRecipe:
+    """The recipe's method section: the recipe module, and what it needs of the method."""
+
+    name: str = "full"
+    # The module that trains it (RECIPES).
+    recipe: str = MISSING
+    # LoRA: the adapter builder and its arguments, the Hugging Face base the adapter loads onto
+    # (and DPO's reference, the weights it starts from).
+    builder: Optional[Dict[str, Any]] = None
+    base_model_dir: Optional[str] = None
+    save_merged: bool = False
+    # Preference methods: the loss, its beta and label smoothing (null for the others).
+    loss: Optional[str] = None
+    beta: Optional[float] = None
+    label_smoothing: Optional[float] = None
+
+
+def resolve_method(
+    method: DictConfig, model: ModelRecipe, run_dir: Path, compute: ComputeRecipe
+) -> MethodRecipe:
+    """The method section of the recipe: its recipe module; for LoRA, the adapter builder and
+    its arguments and the base's home; for DPO, its loss and the reference's home."""
+    if method.name not in RECIPES:
+        raise UserError("method.name", method.name, f"choose one of: {', '.join(RECIPES)}")
+    resolved = MethodRecipe(name=method.name, recipe=RECIPES[method.name])
+    if method.name == "full":
+        return resolved
+    if method.name in PREFERENCE_METHODS:
+        _check_preference(method)
+        resolved.loss, resolved.beta = method.loss, method.beta
+        resolved.label_smoothing = method.label_smoothing
+    # The Hugging Face base the adapter loads onto (adapter_config.json names it); DPO's frozen
+    # reference, the weights training starts from.
+    source = Path(run_dir / "base_model" if model.source is None else model.source)
+    resolved.base_model_dir = str(source.resolve())
+    if method.name == "dpo":
+        return resolved
+    world_size = compute.nnodes * compute.nproc_per_node
+    resolved.builder = _adapter_builder(method, model, world_size, compute.device)
+    resolved.save_merged = method.save_merged
+    return resolved
+
+
+def _adapter_builder(
+    method: DictConfig, model: ModelRecipe, world_size: int, device: str
+) -> dict[str, Any]:
+    """The LoRA builder node: the family's LoRA twin of the model's builder (torchtune's; the
+    transformers backend's adapters are peft's) and the adapter's arguments, checked."""
+    modules = _lora_modules(method.lora_attn_modules)
+    if not modules and not method.apply_lora_to_mlp:
+        raise UserError(
+            "method.lora_attn_modules",
+            [],
+            "name at least one projection, or set method.apply_lora_to_mlp=true",
+        )
+    if method.apply_lora_to_output and model.builder.get("tie_word_embeddings"):
+        raise UserError(
+            "method.apply_lora_to_output",
+            True,
+            f"model={model.name} ties its output projection to the embeddings, which LoRA cannot "
+            "adapt; leave it false",
+        )
+    if method.quantize_base and model.backend == "transformers":
+        _check_bitsandbytes(model, device, world_size)
+    elif method.quantize_base:
+        _check_nf4_shapes(model.builder, world_size)
+    if method.dropout >= 1:
+        raise UserError("method.dropout", method.dropout, "give a probability in [0, 1)")
+    return {
+        **({"_component_": model.lora_builder} if model.lora_builder else {}),
+        "lora_attn_modules": modules,
+        "apply_lora_to_mlp": method.apply_lora_to_mlp,
+        "apply_lora_to_output": method.apply_lora_to_output,
+        "lora_rank": method.rank,
+        "lora_alpha": method.alpha,
+        "lora_dropout": method.dropout,
+        "quantize_base": method.quantize_base,
+    }
+
+
+def _check_preference(method: DictConfig) -> None:
+    """The DPO loss keys (beta > 0 is Method's bound)."""
+    if method.loss not in PREFERENCE_LOSSES:
+        raise UserError(
+            "method.loss", method.loss, f"choose one of: {', '.join(PREFERENCE_LOSSES)}"
+        )
+    smoothing = method.label_smoothing
+    if not 0 <= smoothing < 0.5:
+        raise UserError(
+            "method.label_smoothing",
+            smoothing,
+            "give the assumed share of mislabelled pairs, in [0, 0.5)",
+        )
+    if smoothing and method.loss != "sigmoid":
+        raise UserError(
+            "method.label_smoothing",
+            smoothing,
+            f"only method.loss=sigmoid smooths labels; set it to 0.0 with loss={method.loss}",
+        )
+
+
+def check_pairing(method: str, dataset: DictConfig) -> None:
+    """Preference methods train on preference pairs, supervised methods on anything else."""
+    from runner.data import SFT_KINDS
+
+    if method in PREFERENCE_METHODS and dataset.kind != "preference":
+        raise UserError(
+            "dataset",
+            dataset.name,
+            f"method={method} trains on preference pairs (a prompt, a chosen and a rejected "
+            f"answer) and dataset={dataset.name} is kind={dataset.kind}: give a preference "
+            "dataset (dataset=preference [dataset.source=PATH], ultrafeedback or orca_dpo)",
+        )
+    if method not in PREFERENCE_METHODS and dataset.kind not in SFT_KINDS:
+        raise UserError(
+            "method",
+            method,
+            f"dataset={dataset.name} holds preference pairs, which only the preference methods "
+            f"train on: use method=dpo, lora_dpo or qlora_dpo (or a dataset of kind "
+            f"{', '.join(SFT_KINDS)} for method={method})",
+        )
+
+
+def _check_bitsandbytes(model: ModelRecipe, device: str, world_size: int) -> None:
+    """QLoRA of a transformers model quantizes its base with bitsandbytes, which needs CUDA (and
+    one process: its 4-bit weights do not shard with FSDP2)."""
+    why = None
+    if device != "cuda":
+        why = "bitsandbytes' 4-bit base needs a CUDA GPU, and this run is on the CPU"
+    elif world_size > 1:
+        why = f"bitsandbytes' 4-bit base does not shard over {world_size} processes"
+    elif importlib.util.find_spec("bitsandbytes") is None:
+        why = "bitsandbytes is not installed (pip install bitsandbytes)"
+    if why is not None:
+        raise UserError(
+            "method",
+            "qlora",
+            f"model.source={model.source} trains through transformers ({model.backend_reason}"
+            f"), whose QLoRA base is bitsandbytes': {why}; use method=lora",
+        )
+
+
+def _lora_modules(modules: Any) -> list[str]:
+    """method.lora_attn_modules: distinct attention projections."""
+    if not OmegaConf.is_list(modules) or len(set(modules)) != len(modules):
+        raise UserError(
+            "method.lora_attn_modules",
+            modules,
+            f"give a list of distinct names among {LORA_ATTN_MODULES}",
+        )
+    for name in modules:
+        if name not in LORA_ATTN_MODULES:
+            raise UserError(
+                "method.lora_attn_modules",
+                list(modules),
+                f"{name!r} is not an attention projection; choose among "
+                f"{', '.join(LORA_ATTN_MODULES)}",
+            )
+    return [str(name) for name in modules]
+
+
+def _check_nf4_shapes(builder: dict[str, Any], world_size: int) -> None:
+    """NF4 quantizes whole blocks only: every base projection needs a multiple of 16384 weights,
+    and of 16384 x world size when FSDP2 shards it over the ranks."""
+    embed, head_dim = builder["embed_dim"], builder["embed_dim"] // builder["num_heads"]
+    shapes = {
+        "model.builder.embed_dim": embed * embed,
+        "model.builder.num_kv_heads": builder["num_kv_heads"] * head_dim * embed,
+        "model.builder.intermediate_dim": (builder.get("intermediate_dim") or 0) * embed,
+    }
+    block = NF4_WEIGHTS_PER_BLOCK * world_size
+    over = f" ({NF4_WEIGHTS_PER_BLOCK} x {world_size} processes)" if world_size > 1 else ""
+    for key, weights in shapes.items():
+        if weights % block:
+            raise UserError(
+                key,
+                builder[key.rpartition(".")[2]],
+                f"method=qlora quantizes each base projection to NF4 in blocks of {block} "
+                f"weights{over}, and this one has {weights}; pick a size that makes it a "
+                "multiple (e.g. model.builder.num_kv_heads=8 for model=tiny in one process), "
+                "or use method=lora",
+            )

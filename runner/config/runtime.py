@@ -1,0 +1,84 @@
+"""The runtime group: where runs go, how they log and checkpoint, their environment.
+
+The recipe's runtime section is what the training processes need of it (RuntimeRecipe); the
+group as the user types it adds where runs are written and how hf:// sources are fetched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig
+
+from runner.config.fields import flag, integer
+from runner.config.loggers import check_loggers
+from runner.errors import UserError
+from runner.rundir.manifest import SECRET_KEY
+
+# typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
+# ruff: noqa: UP006, UP035, UP045
+
+
+@dataclass
+class RuntimeRecipe:
+    """The recipe's runtime section: checkpoint cadence, logging, environment."""
+
+    save_every_n_steps: Optional[int] = integer(200, 1)
+    keep_last_n_checkpoints: int = integer(2, 1)
+    log_every_n_steps: int = integer(10, 1)
+    # Checked by runner.config.loggers.check_loggers (names, installed packages).
+    loggers: List[str] = field(default_factory=list)
+    project: str = "runner"
+    progress_bar: bool = flag(True)
+    deterministic: bool = flag(False)
+    env: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Runtime(RuntimeRecipe):
+    """The runtime group: the recipe's keys, and where runs go and sources come from."""
+
+    output_root: str = "outputs"
+    multirun_root: str = "multirun"
+    # Replaced by `loggers`; set, it is refused with the migration (resolve_runtime).
+    tensorboard: Optional[bool] = None
+    cache_dir: str = MISSING
+    hf_token: Optional[str] = None
+    hub_model_ignore_patterns: List[str] = field(default_factory=list)
+
+
+def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
+    """The recipe's runtime section: trackers checked, runtime.env free of secrets."""
+    if runtime.tensorboard is not None:
+        fix = "[tensorboard]" if runtime.tensorboard else "[]"
+        raise UserError(
+            "runtime.tensorboard",
+            runtime.tensorboard,
+            f"replaced by runtime.loggers: write runtime.loggers={fix}",
+        )
+    check_loggers(list(runtime.loggers))
+    return RuntimeRecipe(
+        save_every_n_steps=runtime.save_every_n_steps,
+        keep_last_n_checkpoints=runtime.keep_last_n_checkpoints,
+        log_every_n_steps=runtime.log_every_n_steps,
+        loggers=list(runtime.loggers),
+        project=runtime.project,
+        progress_bar=runtime.progress_bar,
+        deterministic=runtime.deterministic,
+        env=_plain_env(runtime.env),
+    )
+
+
+def _plain_env(env: DictConfig) -> dict[str, str]:
+    """runtime.env is recorded in the run directory, so it may not carry secrets."""
+    plain = {str(key): str(value) for key, value in env.items()}
+    for name in plain:
+        if SECRET_KEY.search(name):
+            raise UserError(
+                f"runtime.env.{name}",
+                "<hidden>",
+                "looks like a secret, and runtime.env is written to the run directory; export "
+                "it in the environment of `runner train` instead (training processes inherit it)",
+            )
+    return plain
