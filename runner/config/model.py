@@ -253,8 +253,7 @@ def _hf_config(
         model.builder,
         initializer_range=model.initializer_range,
         bos_token_id=tokenizer.bos_id,
-        # hf_config types it int; a tokenizer without an eos token is recorded as null, as ever.
-        eos_token_id=tokenizer.eos_id,  # type: ignore[arg-type]
+        eos_token_id=tokenizer.eos_id,
     )
 
 
