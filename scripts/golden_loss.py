@@ -3,9 +3,9 @@
     python scripts/golden_loss.py            # exit 0 on a match, 1 on drift (run by .ci/run)
     python scripts/golden_loss.py --update   # rewrite the stored file after an intended change
 
-runtime.deterministic=true pins the kernel path (runner/determinism.py: ATen's AVX2 kernels, one
-thread, MKL's reproducible mode), so the numbers are the same on any x86-64 machine with AVX2,
-with or without AVX-512, whatever its core count; nothing needs setting by hand.
+runtime.deterministic=true pins the kernel path (runner/train/determinism.py: ATen's AVX2
+kernels, one thread, MKL's reproducible mode), so the numbers are the same on any x86-64 machine
+with AVX2, with or without AVX-512, whatever its core count; nothing needs setting by hand.
 """
 
 from __future__ import annotations
