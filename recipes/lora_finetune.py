@@ -40,9 +40,9 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
         # The frozen base in the compute dtype: only what trains needs master weights.
         model = self.backend.build_lora(
             self.cfg.method.builder,
-            self.device,
-            self.dtype,
-            self.compute_dtype,
+            self.place.device,
+            self.place.dtype,
+            self.place.compute_dtype,
             base_state=self._base_model_state,
             seed=self.cfg.seed,
         )
@@ -55,7 +55,7 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
         base_dir = Path(self.cfg.method.base_model_dir)
         if (base_dir / MODEL_FILE).is_file():
             return self.backend.read_weights(base_dir)
-        base = self.backend.build(self.device, self.dtype)
+        base = self.backend.build(self.place.device, self.place.dtype)
         state = {k: v.to("cpu", torch.float32) for k, v in base.state_dict().items()}
         if self.is_rank_zero:
             write_base_model(
@@ -68,11 +68,8 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
             )
         return state
 
-    def _hf_config(self) -> dict[str, Any]:
-        return OmegaConf.to_container(self.cfg.model.hf_config)
-
     def _gather_model_state(self) -> dict[str, Any]:
-        if self.cfg.method.builder.quantize_base and self.world_size > 1:
+        if self.cfg.method.builder.quantize_base and self.place.world_size > 1:
             # torch's full-state-dict API cannot gather NF4 shards; torchtune's gather can (the
             # state is rank 0's only: the other ranks write nothing).
             return gather_cpu_state_dict(self.model, self.is_rank_zero)
@@ -105,7 +102,7 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
 
     def _load_model_weights(self, checkpoint: Path) -> None:
         adapter = self.backend.read_adapter(checkpoint)
-        adapter = {k: v.to(self.dtype) for k, v in adapter.items()}
+        adapter = {k: v.to(self.place.dtype) for k, v in adapter.items()}
         set_model_state_dict(self.model, adapter, options=ADAPTER_ONLY)
 
 

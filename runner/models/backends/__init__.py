@@ -5,7 +5,7 @@ decided) for everything that depends on how the model is built, and never branch
 
 - `build(model, device, dtype)`: the model, with its weights (model.source's, or a random init),
   as an nn.Module called `model(tokens, mask=None, input_pos=None)` that returns logits, or a
-  list of logits chunks along the sequence after `set_num_output_chunks(n)` (for
+  list of logits chunks along the sequence after `set_output_chunks(model, n)` (for
   CEWithChunkedOutputLoss);
 - `layers(model)` / `layer_classes(model)`: the decoder layers, which FSDP2 shards one by one
   and activation checkpointing wraps;
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.models.backends.base import Backend
+from runner.models.backends.base import Backend, set_output_chunks
 
-__all__ = ["BACKENDS", "Backend", "backend_for"]
+__all__ = ["BACKENDS", "Backend", "backend_for", "set_output_chunks"]
 
 BACKENDS = ("torchtune", "transformers")
 

@@ -5,10 +5,24 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+
+@runtime_checkable
+class ChunkedOutput(Protocol):
+    """Either backend's model: its logits whole (0) or in chunks along the sequence."""
+
+    def set_num_output_chunks(self, num_output_chunks: int) -> None: ...
+
+
+def set_output_chunks(model: nn.Module, num_output_chunks: int) -> None:
+    """Has `model` return its logits in `num_output_chunks` chunks along the sequence, as
+    CEWithChunkedOutputLoss takes them (0: whole)."""
+    assert isinstance(model, ChunkedOutput), f"{type(model).__name__} is no backend's model"
+    model.set_num_output_chunks(num_output_chunks)
 
 
 class Backend(ABC):
