@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from runner.models.backends import LoraBuild
 from runner.models.checkpoint import MODEL_FILE, write_base_model, write_lora_checkpoint
 from runner.models.torchtune_boundary import gather_cpu_state_dict
 from runner.recipes.full_finetune import FullFinetuneRecipe
@@ -38,14 +39,15 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
 
     def _build_model(self) -> torch.nn.Module:
         # The frozen base in the compute dtype: only what trains needs master weights.
-        model = self.backend.build_lora(
-            self.cfg.method.builder,
-            self.place.device,
-            self.place.dtype,
-            self.place.compute_dtype,
+        build = LoraBuild(
+            lora=self.cfg.method.builder,
+            device=self.place.device,
+            dtype=self.place.dtype,
+            compute_dtype=self.place.compute_dtype,
             base_state=self._base_model_state,
             seed=self.cfg.seed,
         )
+        model = self.backend.build_lora(build)
         return self._prepare_model(model)
 
     def _base_model_state(self) -> dict[str, torch.Tensor]:

@@ -11,8 +11,8 @@ decided) for everything that depends on how the model is built, and never branch
   and activation checkpointing wraps;
 - `to_hf(state)` / `read_weights(dir)`: the model's state in Hugging Face names (checkpoints)
   and back;
-- LoRA: `build_lora`, `adapter_state`, `adapter_to_peft`, `read_adapter`, `peft_config`,
-  `merged_hf_state`; and `meta_model` for counting parameters without weights.
+- LoRA: `build_lora` (of one LoraBuild), `adapter_state`, `adapter_to_peft`, `read_adapter`,
+  `peft_config`, `merged_hf_state`; and `meta_model` for counting parameters without weights.
 
 torchtune's backend is the default wherever a runner family (runner/families/) builds the model;
 any other causal LM that transformers implements goes through transformers' own class.
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.models.backends.base import Backend, set_output_chunks
+from runner.models.backends.base import Backend, LoraBuild, set_output_chunks
 
-__all__ = ["BACKENDS", "Backend", "backend_for", "set_output_chunks"]
+__all__ = ["BACKENDS", "Backend", "LoraBuild", "backend_for", "set_output_chunks"]
 
 BACKENDS = ("torchtune", "transformers")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from runner.models.backends.base import Backend
+from runner.models.backends.base import Backend, LoraBuild
 from runner.rundir import ADAPTER_FILE, check_safetensors, weight_files
 
 PREFIX = "hf."
@@ -192,30 +192,22 @@ class TransformersBackend(Backend):
         return state
 
     # ---- LoRA ---------------------------------------------------------------------------
-    def build_lora(
-        self,
-        lora: dict[str, Any],
-        device: torch.device,
-        dtype: torch.dtype,
-        compute_dtype: torch.dtype,
-        base_state: Callable[[], dict[str, torch.Tensor]],
-        seed: int,
-    ) -> nn.Module:
+    def build_lora(self, build: LoraBuild) -> nn.Module:
         from peft import get_peft_model
 
         # The frozen base in the compute dtype (NF4 with quantize_base, bitsandbytes').
-        lm = self._load(device, compute_dtype, quantize=lora["quantize_base"])
-        config = self._lora_config(lm, lora)
+        lm = self._load(build.device, build.compute_dtype, quantize=build.lora["quantize_base"])
+        config = self._lora_config(lm, build.lora)
         # The adapters' own init draws from the seed.
-        torch.manual_seed(seed)
+        torch.manual_seed(build.seed)
         model = CausalLM(get_peft_model(lm, config))
         for param in model.parameters():
             if param.requires_grad:
-                param.data = param.data.to(dtype)
+                param.data = param.data.to(build.dtype)
         self.tied = _tied(model)
         return model
 
-    def _lora_config(self, lm: nn.Module, lora: dict[str, Any]) -> Any:
+    def _lora_config(self, lm: nn.Module, lora: Mapping[str, Any]) -> Any:
         from peft import LoraConfig
 
         self.targets = self._lora_targets(lm, lora)
@@ -235,7 +227,7 @@ class TransformersBackend(Backend):
             task_type="CAUSAL_LM",
         )
 
-    def _lora_targets(self, lm: nn.Module, lora: dict[str, Any]) -> list[str]:
+    def _lora_targets(self, lm: nn.Module, lora: Mapping[str, Any]) -> list[str]:
         """peft's target_modules (name suffixes) for method.lora_attn_modules, apply_lora_to_mlp
         and apply_lora_to_output. An attention block with fused input projections (GPT-2's
         c_attn) adapts them for any of q_proj, k_proj, v_proj."""
