@@ -38,9 +38,10 @@ from runner.config.schema import read_recipe
 from runner.data import answer_log_probs, collate_preference
 from runner.models.backends import set_output_chunks
 from runner.models.torchtune_boundary import disable_adapter
-from runner.recipes.full_finetune import FullFinetuneRecipe
-from runner.recipes.lora_finetune import LoraFinetuneRecipe
 from runner.train import parallel, process
+
+from .full_finetune import FullFinetuneRecipe
+from .lora_finetune import LoraFinetuneRecipe
 
 # The per-pair quantities summed over a step or an evaluation, in this order.
 PAIR_SUMS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin")
@@ -135,7 +136,7 @@ class PreferenceMixin(FullFinetuneRecipe):
         for batch in batches:
             with parallel.autocast(self.place):
                 losses, chosen, rejected = self._pair_terms(batch)
-            losses.sum().backward()
+            losses.sum().backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             sums += pair_sums(losses, chosen, rejected)
             num_pairs += losses.numel()
             seen_tokens += batch["tokens"].numel()
@@ -151,6 +152,7 @@ class PreferenceMixin(FullFinetuneRecipe):
         return means[0], seen_tokens * self.place.world_size
 
     def _log(self, values: dict[str, float]) -> None:
+        assert self.step_rewards is not None, "a step is logged after it is taken"
         rewards = dict(zip(PAIR_SUMS[1:], self.step_rewards.tolist(), strict=True))
         super()._log({**values, **rewards})
 
@@ -183,10 +185,6 @@ class PreferenceMixin(FullFinetuneRecipe):
 
 class DPORecipe(PreferenceMixin, FullFinetuneRecipe):
     """DPO of every parameter against a frozen copy of the starting weights."""
-
-    # The starting weights: model.source's, else RUN/base_model, written from the seed once
-    # (the base a LoRA run writes, the same weights a full run starts from).
-    _base_model_state = LoraFinetuneRecipe._base_model_state
 
     def setup(self) -> None:
         super().setup()
@@ -224,11 +222,14 @@ class LoraDPORecipe(PreferenceMixin, LoraFinetuneRecipe):
         finally:
             self.model.train(was_training)
 
-    def _adapters_off(self) -> contextlib.AbstractContextManager:
+    def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
         peft_model = getattr(self.model, "hf", None)  # the transformers backend's peft model
+        adapters_off: contextlib.AbstractContextManager[None]
         if peft_model is not None and hasattr(peft_model, "disable_adapter"):
-            return peft_model.disable_adapter()
-        return disable_adapter(self.model)
+            adapters_off = peft_model.disable_adapter()
+        else:
+            adapters_off = disable_adapter(self.model)
+        return adapters_off
 
 
 def run(recipe_path: str | Path) -> dict[str, Any]:

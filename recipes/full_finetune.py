@@ -30,7 +30,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from runner.components import instantiate
 from runner.data import TokenizedSplit, collate, eval_prompts, training_splits
 from runner.models.backends import backend_for, set_output_chunks
-from runner.models.checkpoint import read_training_state, write_checkpoint
+from runner.models.checkpoint import (
+    MODEL_FILE,
+    read_training_state,
+    write_base_model,
+    write_checkpoint,
+)
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.rundir import RunDir
 from runner.train import checkpointing, parallel, process
@@ -132,6 +137,27 @@ class FullFinetuneRecipe:
             on_cuda=self.place.device.type == "cuda",
         )
 
+    def _base_model_state(self) -> dict[str, torch.Tensor]:
+        """The starting weights that LoRA adapts and DPO's reference keeps: model.source's, else
+        RUN/base_model, written from the seed once (the weights a full run starts from)."""
+        if self.cfg.model.source is not None:
+            return self.backend.read_weights(Path(self.cfg.model.source))
+        base_dir = Path(self.cfg.method.base_model_dir)
+        if (base_dir / MODEL_FILE).is_file():
+            return self.backend.read_weights(base_dir)
+        base = self.backend.build(self.place.device, self.place.dtype)
+        state = {k: v.to("cpu", torch.float32) for k, v in base.state_dict().items()}
+        if self.is_rank_zero:
+            write_base_model(
+                base_dir,
+                model_state=self.backend.to_hf(state),
+                hf_config=self._hf_config(),
+                tokenizer_dir=Path(self.cfg.model.tokenizer.path),
+                chat_template=self._chat_template(),
+                stop_token_ids=self.tokenizer.stop_tokens,
+            )
+        return state
+
     def _resume(self) -> None:
         """Continues from the run's latest whole checkpoint, if any; clears what an
         interrupted save or an earlier attempt left behind."""
@@ -212,7 +238,7 @@ class FullFinetuneRecipe:
             with parallel.autocast(self.place):
                 logits = self.model(tokens, **packed)
                 loss = self._loss(logits, labels) * batch_tokens
-            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
+            loss.backward()
             loss_sum += loss.detach()
             num_tokens += batch_tokens
             seen_tokens += tokens.numel()
@@ -295,8 +321,8 @@ class FullFinetuneRecipe:
 
     def _load_model_weights(self, checkpoint: Path) -> None:
         weights = self.backend.read_weights(checkpoint)
-        model_state = {k: v.to(self.place.dtype) for k, v in weights.items()}
-        set_model_state_dict(self.model, dict(model_state), options=FULL)
+        dtype = self.place.dtype
+        set_model_state_dict(self.model, {k: v.to(dtype) for k, v in weights.items()}, options=FULL)
 
     def _load_training_state(self, checkpoint: Path) -> None:
         state = read_training_state(checkpoint)

@@ -4,10 +4,10 @@ from Hugging Face's names by the family."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from runner.components import instantiate
@@ -30,7 +30,7 @@ class TorchtuneBackend(Backend):
     """torchtune's TransformerDecoder, built by the family's builder (model.builder)."""
 
     def _hf_config(self) -> dict[str, Any]:
-        return OmegaConf.to_container(self.model_cfg.hf_config)
+        return cast(dict[str, Any], OmegaConf.to_container(self.model_cfg.hf_config))
 
     def build(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         cfg = self.model_cfg
@@ -42,7 +42,9 @@ class TorchtuneBackend(Backend):
         return model
 
     def layers(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.layers)
+        layers = model.get_submodule("layers")
+        assert isinstance(layers, nn.ModuleList), "torchtune's decoder keeps its layers in one"
+        return list(layers)
 
     def layer_classes(self, model: nn.Module) -> set[type]:
         return {TransformerSelfAttentionLayer}
@@ -66,7 +68,9 @@ class TorchtuneBackend(Backend):
         torch.manual_seed(build.seed)
         # The frozen base in the compute dtype: only what trains needs master weights.
         with set_default_dtype(build.compute_dtype), build.device:
-            model = instantiate(OmegaConf.merge(self.model_cfg.builder, build.lora))
+            node = OmegaConf.merge(self.model_cfg.builder, build.lora)
+            assert isinstance(node, DictConfig)  # a merge of mappings
+            model = instantiate(node)
         missing, unexpected = model.load_state_dict(state, strict=False)
         adapter = get_adapter_params(model)
         assert not unexpected and set(missing) <= set(adapter), (missing, unexpected)
