@@ -36,10 +36,12 @@ import torch.nn.functional as F
 
 from runner.config.schema import read_recipe
 from runner.data import answer_log_probs, collate_preference
+from runner.models.backends import set_output_chunks
 from runner.models.torchtune_boundary import disable_adapter
-from runner.recipes.full_finetune import FullFinetuneRecipe
-from runner.recipes.lora_finetune import LoraFinetuneRecipe
-from runner.train import process
+from runner.train import parallel, process
+
+from .full_finetune import FullFinetuneRecipe
+from .lora_finetune import LoraFinetuneRecipe
 
 # The per-pair quantities summed over a step or an evaluation, in this order.
 PAIR_SUMS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin")
@@ -91,7 +93,7 @@ def pair_sums(
     )
 
 
-class PreferenceMixin:
+class PreferenceMixin(FullFinetuneRecipe):
     """What DPO changes in a recipe: pairs as batches, the step's loss, the reward metrics."""
 
     # The reward means of the last optimizer step (on the device, read when it is logged).
@@ -108,8 +110,8 @@ class PreferenceMixin:
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, chosen reward, rejected reward) of each pair of a batch."""
-        tokens = batch["tokens"].to(self.device)
-        labels = batch["labels"].to(self.device)
+        tokens = batch["tokens"].to(self.place.device)
+        labels = batch["labels"].to(self.place.device)
         policy = answer_log_probs(self.model(tokens), labels)
         with torch.no_grad():
             reference = answer_log_probs(self._reference_forward(tokens), labels)
@@ -128,37 +130,37 @@ class PreferenceMixin:
     def _optimizer_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
         """One optimizer step over micro-batches of pairs: its loss (the mean over all ranks'
         pairs, on the device, unread) and the tokens it saw."""
-        sums = torch.zeros(len(PAIR_SUMS), device=self.device)
-        num_pairs = torch.zeros((), device=self.device)
+        sums = torch.zeros(len(PAIR_SUMS), device=self.place.device)
+        num_pairs = torch.zeros((), device=self.place.device)
         seen_tokens = 0
         for batch in batches:
-            with self._autocast():
+            with parallel.autocast(self.place):
                 losses, chosen, rejected = self._pair_terms(batch)
-            losses.sum().backward()
+            losses.sum().backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             sums += pair_sums(losses, chosen, rejected)
             num_pairs += losses.numel()
             seen_tokens += batch["tokens"].numel()
-        if self.world_size > 1:
+        if self.place.world_size > 1:
             dist.all_reduce(sums)
             dist.all_reduce(num_pairs)
         # FSDP averages gradients over ranks; scaling by world/pairs makes it a per-pair mean.
-        scale = self.world_size / num_pairs
-        self._apply_gradients(scale)
+        self.optim.step(self.model, self.place.world_size / num_pairs)
         means = sums / num_pairs
         # No host sync here: the loop reads the loss when it logs or saves (and fails the run
         # on a non-finite one), _log the rewards.
         self.step_rewards = means[1:]
-        return means[0], seen_tokens * self.world_size
+        return means[0], seen_tokens * self.place.world_size
 
     def _log(self, values: dict[str, float]) -> None:
+        assert self.step_rewards is not None, "a step is logged after it is taken"
         rewards = dict(zip(PAIR_SUMS[1:], self.step_rewards.tolist(), strict=True))
         super()._log({**values, **rewards})
 
     # ---- evaluation ---------------------------------------------------------------------
     def _eval_metrics(self) -> dict[str, float]:
         """The DPO loss and the rewards over the held-out pairs (every rank gets them)."""
-        sums = torch.zeros(len(PAIR_SUMS), device=self.device)
-        num_pairs = torch.zeros((), device=self.device)
+        sums = torch.zeros(len(PAIR_SUMS), device=self.place.device)
+        num_pairs = torch.zeros((), device=self.place.device)
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
@@ -167,7 +169,7 @@ class PreferenceMixin:
                 sums += pair_sums(losses[:count], chosen[:count], rejected[:count])
                 num_pairs += count
         self.model.train(was_training)
-        if self.world_size > 1:
+        if self.place.world_size > 1:
             dist.all_reduce(sums)
             dist.all_reduce(num_pairs)
         means = (sums / num_pairs.clamp(min=1)).tolist()
@@ -184,23 +186,18 @@ class PreferenceMixin:
 class DPORecipe(PreferenceMixin, FullFinetuneRecipe):
     """DPO of every parameter against a frozen copy of the starting weights."""
 
-    # The starting weights: model.source's, else RUN/base_model, written from the seed once
-    # (the base a LoRA run writes, the same weights a full run starts from).
-    _base_model_state = LoraFinetuneRecipe._base_model_state
-    _hf_config = LoraFinetuneRecipe._hf_config
-
     def setup(self) -> None:
         super().setup()
         # The reference computes its logits in the same chunks as the policy, so that the two
         # agree to the bit while their weights do (at the start, every reward is exactly 0).
-        self.reference.set_num_output_chunks(getattr(self.loss_fn, "num_output_chunks", 0))
+        set_output_chunks(self.reference, getattr(self.loss_fn, "num_output_chunks", 0))
 
     def _build_model(self) -> torch.nn.Module:
         base = None if self.cfg.model.source is not None else self._base_model_state()
-        policy = self.backend.build(self.device, self.dtype)
-        reference = self.backend.build(self.device, self.dtype)
+        policy = self.backend.build(self.place.device, self.place.dtype)
+        reference = self.backend.build(self.place.device, self.place.dtype)
         if base is not None:
-            base = {k: v.to(self.dtype) for k, v in base.items()}
+            base = {k: v.to(self.place.dtype) for k, v in base.items()}
             policy.load_state_dict(base)
             reference.load_state_dict(base)
         reference.requires_grad_(False)
@@ -225,11 +222,14 @@ class LoraDPORecipe(PreferenceMixin, LoraFinetuneRecipe):
         finally:
             self.model.train(was_training)
 
-    def _adapters_off(self) -> contextlib.AbstractContextManager:
+    def _adapters_off(self) -> contextlib.AbstractContextManager[None]:
         peft_model = getattr(self.model, "hf", None)  # the transformers backend's peft model
+        adapters_off: contextlib.AbstractContextManager[None]
         if peft_model is not None and hasattr(peft_model, "disable_adapter"):
-            return peft_model.disable_adapter()
-        return disable_adapter(self.model)
+            adapters_off = peft_model.disable_adapter()
+        else:
+            adapters_off = disable_adapter(self.model)
+        return adapters_off
 
 
 def run(recipe_path: str | Path) -> dict[str, Any]:

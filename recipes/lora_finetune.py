@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from runner.models.checkpoint import MODEL_FILE, write_base_model, write_lora_checkpoint
+from runner.models.backends import LoraBuild
+from runner.models.checkpoint import write_lora_checkpoint
 from runner.models.torchtune_boundary import gather_cpu_state_dict
-from runner.recipes.full_finetune import FullFinetuneRecipe
 from runner.train import process
+
+from .full_finetune import FullFinetuneRecipe
 
 # Adapter weights load into a model whose base is already in place.
 ADAPTER_ONLY = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
@@ -38,51 +40,30 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
 
     def _build_model(self) -> torch.nn.Module:
         # The frozen base in the compute dtype: only what trains needs master weights.
-        model = self.backend.build_lora(
-            self.cfg.method.builder,
-            self.device,
-            self.dtype,
-            self.compute_dtype,
+        build = LoraBuild(
+            lora=self.cfg.method.builder,
+            device=self.place.device,
+            dtype=self.place.dtype,
+            compute_dtype=self.place.compute_dtype,
             base_state=self._base_model_state,
             seed=self.cfg.seed,
         )
+        model = self.backend.build_lora(build)
         return self._prepare_model(model)
 
-    def _base_model_state(self) -> dict[str, torch.Tensor]:
-        """The base weights: the source's; else RUN/base_model, written from the seed once."""
-        if self.cfg.model.source is not None:
-            return self.backend.read_weights(Path(self.cfg.model.source))
-        base_dir = Path(self.cfg.method.base_model_dir)
-        if (base_dir / MODEL_FILE).is_file():
-            return self.backend.read_weights(base_dir)
-        base = self.backend.build(self.device, self.dtype)
-        state = {k: v.to("cpu", torch.float32) for k, v in base.state_dict().items()}
-        if self.is_rank_zero:
-            write_base_model(
-                base_dir,
-                model_state=self.backend.to_hf(state),
-                hf_config=self._hf_config(),
-                tokenizer_dir=Path(self.cfg.model.tokenizer.path),
-                chat_template=self._chat_template(),
-                stop_token_ids=self.tokenizer.stop_tokens,
-            )
-        return state
-
-    def _hf_config(self) -> dict[str, Any]:
-        return OmegaConf.to_container(self.cfg.model.hf_config)
-
     def _gather_model_state(self) -> dict[str, Any]:
-        if self.cfg.method.builder.quantize_base and self.world_size > 1:
+        if self.cfg.method.builder.quantize_base and self.place.world_size > 1:
             # torch's full-state-dict API cannot gather NF4 shards; torchtune's gather can (the
             # state is rank 0's only: the other ranks write nothing).
-            return gather_cpu_state_dict(self.model, self.is_rank_zero)
+            gathered: dict[str, Any] = gather_cpu_state_dict(self.model, self.is_rank_zero)
+            return gathered
         return super()._gather_model_state()
 
     def _write_checkpoint(
         self, out_dir: Path, model_state: dict[str, Any], training_state: dict[str, Any]
     ) -> None:
         method = self.cfg.method
-        lora = OmegaConf.to_container(method.builder)
+        lora = cast(dict[str, Any], OmegaConf.to_container(method.builder))
         adapter = self.backend.adapter_state(model_state)
         merged = None
         if method.save_merged:
@@ -105,8 +86,10 @@ class LoraFinetuneRecipe(FullFinetuneRecipe):
 
     def _load_model_weights(self, checkpoint: Path) -> None:
         adapter = self.backend.read_adapter(checkpoint)
-        adapter = {k: v.to(self.dtype) for k, v in adapter.items()}
-        set_model_state_dict(self.model, adapter, options=ADAPTER_ONLY)
+        dtype = self.place.dtype
+        set_model_state_dict(
+            self.model, {k: v.to(dtype) for k, v in adapter.items()}, options=ADAPTER_ONLY
+        )
 
 
 def run(recipe_path: str | Path) -> dict[str, Any]:

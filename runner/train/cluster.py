@@ -138,7 +138,8 @@ def trainjob_manifest(cluster: DictConfig, command: list[str], nproc: Any) -> st
         "# PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT and PET_NPROC_PER_NODE. The run\n"
         f"# directory's storage ({cluster.shared_dir}) must be mounted on every node.\n"
     )
-    return header + yaml.safe_dump(manifest, sort_keys=False)
+    body: str = yaml.safe_dump(manifest, sort_keys=False)
+    return header + body
 
 
 def cluster_files(overrides: list[str]) -> dict[str, str]:

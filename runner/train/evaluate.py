@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from runner.data import EvalPrompt
+from runner.data import EvalPrompt, TokenizedSplit
 
 # Which way each metric is better lives in runner.rundir.metrics (no torch); re-exported here.
 from runner.rundir.metrics import METRIC_MODES as METRIC_MODES
 from runner.rundir.metrics import TRAINING_METRIC_MODES as TRAINING_METRIC_MODES
+from runner.train.parallel import Placement
 
 # The metrics of the loss pass (the rest come from generation).
 LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy")
@@ -134,3 +135,52 @@ def exact_match(
         model, tokenizer, [p.tokens for p in prompts], max_new_tokens=max_new_tokens, device=device
     )
     return sum(a == p.reference for a, p in zip(answers, prompts, strict=True)) / len(prompts)
+
+
+def eval_due(
+    strategy: str, *, every: int, step: int, total_steps: int, steps_per_epoch: int
+) -> bool:
+    """Whether eval.strategy (`no`, `steps` every `every` steps, `epoch`) asks for an
+    evaluation after `step` (always after the last)."""
+    if strategy == "no":
+        return False
+    if step == total_steps:
+        return True
+    if strategy == "steps":
+        return step % every == 0
+    return step % steps_per_epoch == 0
+
+
+def validation_shares(
+    validation: TokenizedSplit, *, max_samples: int | None, batch_size: int, place: Placement
+) -> Iterator[tuple[list[Any], int]]:
+    """This rank's share of the validation records, in batches of batch_size, with how many
+    of each batch count.
+
+    Batch b of rank r holds records [(b * world + r) * batch_size, ...) of the first
+    eval.max_samples. Every rank runs the same number of forwards (each is a collective under
+    FSDP): a rank left without records gets one record that counts for nothing.
+    """
+    count = len(validation)
+    if max_samples is not None:
+        count = min(count, max_samples)
+    world = place.world_size
+    for batch in range(math.ceil(count / (batch_size * world))):
+        start = (batch * world + place.rank) * batch_size
+        indices = range(start, min(start + batch_size, count))
+        yield [validation[i] for i in indices] or [validation[0]], len(indices)
+
+
+def new_best(
+    best: dict[str, Any] | None, metrics: dict[str, float], *, metric: str, mode: str, step: int
+) -> dict[str, Any] | None:
+    """The objective's new best (metric, mode, step, value) when `metrics` of `step` beat
+    `best` (mode `min` or `max`), else None."""
+    value = metrics.get(metric)
+    if value is None or math.isnan(value):
+        return None
+    if best is not None:
+        better = value < best["value"] if mode == "min" else value > best["value"]
+        if not better:
+            return None
+    return {"metric": metric, "mode": mode, "step": step, "value": value}

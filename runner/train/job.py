@@ -85,7 +85,8 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     if cfg.resume is not None:
         check_resume(cfg.resume, overrides)
         status, latest = run.status(), run.latest_checkpoint()
-        if status.state == "completed" and latest == run.checkpoint_path(status.step):
+        step = status.step if status.state == "completed" else None
+        if step is not None and latest == run.checkpoint_path(step):
             # Its final checkpoint is there (were it deleted, the run would train it again).
             print(f"{run.path} completed at step {status.step}: nothing to train", flush=True)
             _print_summary(run)

@@ -54,7 +54,8 @@ def launch(recipe: DictConfig, recipe_path: Path) -> dict[str, Any] | None:
         platforms.detect(compute.platform).describe(),
     )
     if nnodes * nproc_per_node == 1 and compute.max_restarts == 0 and not deterministic:
-        return importlib.import_module(recipe.method.recipe).run(recipe_path)
+        result: dict[str, Any] = importlib.import_module(recipe.method.recipe).run(recipe_path)
+        return result
     pinned = determinism.pinned_environment() if deterministic else {}
     with _environment({**pinned, LAUNCHER_PID_ENV: str(os.getpid())}):
         _elastic_launch(recipe, recipe_path)

@@ -15,27 +15,28 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner.config.schema import read_recipe
-from runner.rundir import LOG_FILE, Heartbeat
+from runner.rundir import LOG_FILE, Heartbeat, RunDir
 from runner.rundir.manifest import record_kernels
 from runner.train import determinism
 from runner.train.launch import LAUNCHER_PID_ENV
+from runner.train.progress import Reporter
 
 log = logging.getLogger("runner.recipe")
 
 
 class StopRequest:
     """Set by SIGTERM (a preemption, `runner stop`) or SIGINT (Ctrl-C); the loop checks it at
-    each step boundary (FullFinetuneRecipe._stop_agreed) and saves a checkpoint before it stops."""
+    each step boundary (FullFinetuneRecipe._stop_due) and saves a checkpoint before it stops."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -88,14 +89,46 @@ def _start_process(cfg: DictConfig) -> bool:
     return distributed
 
 
-def run(recipe_path: str | Path, recipe_class: type) -> dict[str, Any]:
+class Recipe(Protocol):
+    """What a process needs of a recipe (recipes/full_finetune.py's FullFinetuneRecipe)."""
+
+    @property
+    def run(self) -> RunDir: ...
+
+    @property
+    def reporter(self) -> Reporter: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def total_steps(self) -> int: ...
+
+    @property
+    def stopped_by(self) -> str | None:
+        """Why the loop stopped before total_steps (SIGTERM), or None."""
+
+    @property
+    def last_eval(self) -> dict[str, float] | None: ...
+
+    def setup(self) -> None: ...
+
+    def train(self) -> dict[str, Any]: ...
+
+    def best_checkpoint(self) -> dict[str, Any] | None: ...
+
+    def cleanup(self) -> None: ...
+
+
+def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -> dict[str, Any]:
     """Runs `recipe_class` on the recipe at `recipe_path` in this process (one of several under
     torchrun): process group, threads, log file, heartbeat, SIGTERM, and the final status."""
     cfg = read_recipe(Path(recipe_path))
     distributed = _start_process(cfg)
     recipe = recipe_class(cfg)
-    heartbeat = Heartbeat(recipe.run) if recipe.is_rank_zero else None
-    if recipe.is_rank_zero:
+    status, rank_zero = recipe.reporter.status, recipe.reporter.is_rank_zero
+    heartbeat = Heartbeat(recipe.run) if rank_zero else None
+    if heartbeat is not None:
         _log_to_file(recipe.run.path / LOG_FILE)
         heartbeat.start()
         record_kernels(recipe.run, determinism.kernel_settings())
@@ -106,15 +139,15 @@ def run(recipe_path: str | Path, recipe_class: type) -> dict[str, Any]:
             result = recipe.train()
         if recipe.stopped_by is None:
             result["eval"] = recipe.last_eval
-            result["best"] = recipe._best_field().get("best")
+            result["best"] = recipe.best_checkpoint()
             result["checkpoint"] = str(recipe.run.latest_checkpoint())
-            recipe._status("completed", step=recipe.step, total_steps=recipe.total_steps)
+            status("completed", step=recipe.step, total_steps=recipe.total_steps)
         else:
             reason = f"{recipe.stopped_by}, after saving its checkpoint"
-            recipe._status("cancelled", step=recipe.step, error=reason)
+            status("cancelled", step=recipe.step, error=reason)
     except BaseException as err:
         state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
-        recipe._status(state, error=_error_message(err, cfg))
+        status(state, error=_error_message(err, cfg))
         raise
     finally:
         if heartbeat is not None:
@@ -123,7 +156,7 @@ def run(recipe_path: str | Path, recipe_class: type) -> dict[str, Any]:
         if distributed:
             dist.destroy_process_group()
     if recipe.stopped_by is not None:
-        if recipe.is_rank_zero:
+        if rank_zero:
             print(
                 f"{recipe.stopped_by}: checkpoint {recipe.run.latest_checkpoint()}; "
                 f"`runner resume {cfg.run_dir}` continues",

@@ -89,7 +89,8 @@ def compare_metrics(
     Returns the drifts and the largest relative difference of each metric.
     """
     by_step = {(r["step"], k): v for r in recorded for k, v in r.items() if k != "step"}
-    drifts, largest = [], {}
+    drifts: list[Drift] = []
+    largest: dict[str, float] = {}
     for row in rerun:
         for metric, value in row.items():
             if metric == "step" or metric in TIMING_METRICS:

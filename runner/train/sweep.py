@@ -75,7 +75,8 @@ def summarize(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
 def exit_code(sweep_dir: Path) -> int:
     """What `runner train -m` exits with: the number of failed jobs its summary.json records."""
     summary = json.loads((sweep_dir / SUMMARY_JSON).read_text())
-    return min(summary["failed"], 255)
+    failed: int = summary["failed"]
+    return min(failed, 255)
 
 
 def _fmt(value: Any, digits: int = 4) -> str:

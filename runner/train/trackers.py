@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,7 +66,11 @@ def build(loggers: list[str], *, run_dir: Path, config: dict[str, Any], project:
     """The trackers `loggers` names for the run in `run_dir`, each sent the redacted `config`."""
     check_loggers(loggers)
     config = redact(config)
-    builders = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": MLflow}
+    builders: dict[str, Callable[[Path, dict[str, Any], str], Tracker]] = {
+        "tensorboard": TensorBoard,
+        "wandb": Wandb,
+        "mlflow": MLflow,
+    }
     return Trackers(
         [builders[name](run_dir, config, project) for name in loggers if name in builders]
     )
@@ -143,8 +148,8 @@ class MLflow:
         self.client = MlflowClient()
         ids_file = run_dir / TRACKERS_FILE
         ids = json.loads(ids_file.read_text()) if ids_file.is_file() else {}
-        self.run_id = ids.get("mlflow_run_id")
-        if self.run_id is None:
+        run_id: str | None = ids.get("mlflow_run_id")
+        if run_id is None:
             experiment = self.client.get_experiment_by_name(project)
             experiment_id = (
                 experiment.experiment_id
@@ -152,14 +157,15 @@ class MLflow:
                 else self.client.create_experiment(project)
             )
             run = self.client.create_run(experiment_id, run_name=str(run_dir))
-            self.run_id = run.info.run_id
-            ids_file.write_text(json.dumps({**ids, "mlflow_run_id": self.run_id}) + "\n")
-            self.client.log_dict(self.run_id, config, "config.json")
+            run_id = run.info.run_id
+            ids_file.write_text(json.dumps({**ids, "mlflow_run_id": run_id}) + "\n")
+            self.client.log_dict(run_id, config, "config.json")
             params = [Param(name, str(value)) for name, value in flatten(config).items()]
             for start in range(0, len(params), 100):  # MLflow takes 100 params a batch
-                self.client.log_batch(self.run_id, params=params[start : start + 100])
+                self.client.log_batch(run_id, params=params[start : start + 100])
         else:
-            self.client.update_run(self.run_id, status="RUNNING")
+            self.client.update_run(run_id, status="RUNNING")
+        self.run_id: str = run_id
 
     def metrics(self, kind: str, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

@@ -3,12 +3,42 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+
+@runtime_checkable
+class ChunkedOutput(Protocol):
+    """Either backend's model: its logits whole (0) or in chunks along the sequence."""
+
+    def set_num_output_chunks(self, num_output_chunks: int) -> None: ...
+
+
+def set_output_chunks(model: nn.Module, num_output_chunks: int) -> None:
+    """Has `model` return its logits in `num_output_chunks` chunks along the sequence, as
+    CEWithChunkedOutputLoss takes them (0: whole)."""
+    assert isinstance(model, ChunkedOutput), f"{type(model).__name__} is no backend's model"
+    model.set_num_output_chunks(num_output_chunks)
+
+
+@dataclass(frozen=True)
+class LoraBuild:
+    """What `Backend.build_lora` builds: the method's LoRA arguments (method.builder), the
+    device, the adapters' dtype and the frozen base's compute dtype, where the base weights
+    come from, and the seed of the adapters' init."""
+
+    lora: Mapping[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+    # The base weights in the model's names, read or built only when asked for.
+    base_state: Callable[[], dict[str, torch.Tensor]]
+    seed: int
 
 
 class Backend(ABC):
@@ -47,18 +77,10 @@ class Backend(ABC):
 
     # ---- LoRA ---------------------------------------------------------------------------
     @abstractmethod
-    def build_lora(
-        self,
-        lora: dict[str, Any],
-        device: torch.device,
-        dtype: torch.dtype,
-        compute_dtype: torch.dtype,
-        base_state: Callable[[], dict[str, torch.Tensor]],
-        seed: int,
-    ) -> nn.Module:
-        """The model with trainable adapters in `dtype` (drawn from the current RNG) on a
-        frozen base in `compute_dtype`: model.source's, else `base_state()` (model names).
-        The adapters' init draws from `seed`, set after the base is read or built."""
+    def build_lora(self, build: LoraBuild) -> nn.Module:
+        """The model with trainable adapters in `build.dtype` on a frozen base in
+        `build.compute_dtype`: model.source's, else `build.base_state()` (model names).
+        The adapters' init draws from `build.seed`, set after the base is read or built."""
 
     @abstractmethod
     def adapter_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

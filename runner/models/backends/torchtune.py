@@ -3,16 +3,15 @@ from Hugging Face's names by the family."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from runner.components import instantiate
-from runner.models.backends.base import Backend
+from runner.models.backends.base import Backend, LoraBuild
 from runner.models.checkpoint import read_adapter_state, read_model_state
 from runner.models.families import peft_config, tune_to_hf, tune_to_peft
 from runner.models.torchtune_boundary import (
@@ -31,7 +30,7 @@ class TorchtuneBackend(Backend):
     """torchtune's TransformerDecoder, built by the family's builder (model.builder)."""
 
     def _hf_config(self) -> dict[str, Any]:
-        return OmegaConf.to_container(self.model_cfg.hf_config)
+        return cast(dict[str, Any], OmegaConf.to_container(self.model_cfg.hf_config))
 
     def build(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         cfg = self.model_cfg
@@ -43,7 +42,9 @@ class TorchtuneBackend(Backend):
         return model
 
     def layers(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.layers)
+        layers = model.get_submodule("layers")
+        assert isinstance(layers, nn.ModuleList), "torchtune's decoder keeps its layers in one"
+        return list(layers)
 
     def layer_classes(self, model: nn.Module) -> set[type]:
         return {TransformerSelfAttentionLayer}
@@ -61,26 +62,20 @@ class TorchtuneBackend(Backend):
     def read_weights(self, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         return read_model_state(checkpoint_dir)
 
-    def build_lora(
-        self,
-        lora: dict[str, Any],
-        device: torch.device,
-        dtype: torch.dtype,
-        compute_dtype: torch.dtype,
-        base_state: Callable[[], dict[str, torch.Tensor]],
-        seed: int,
-    ) -> nn.Module:
-        state = base_state()
+    def build_lora(self, build: LoraBuild) -> nn.Module:
+        state = build.base_state()
         # The adapters' own init draws from the seed, whether the base was built or read.
-        torch.manual_seed(seed)
+        torch.manual_seed(build.seed)
         # The frozen base in the compute dtype: only what trains needs master weights.
-        with set_default_dtype(compute_dtype), device:
-            model = instantiate(OmegaConf.merge(self.model_cfg.builder, lora))
+        with set_default_dtype(build.compute_dtype), build.device:
+            node = OmegaConf.merge(self.model_cfg.builder, build.lora)
+            assert isinstance(node, DictConfig)  # a merge of mappings
+            model = instantiate(node)
         missing, unexpected = model.load_state_dict(state, strict=False)
         adapter = get_adapter_params(model)
         assert not unexpected and set(missing) <= set(adapter), (missing, unexpected)
         for param in adapter.values():
-            param.data = param.data.to(dtype)
+            param.data = param.data.to(build.dtype)
         set_trainable_params(model, adapter)
         return model
 

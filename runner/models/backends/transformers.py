@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from runner.models.backends.base import Backend
+from runner.models.backends.base import Backend, LoraBuild
 from runner.rundir import ADAPTER_FILE, check_safetensors, weight_files
+
+if TYPE_CHECKING:  # transformers loads only when a model of this backend is built
+    from transformers import PreTrainedModel
 
 PREFIX = "hf."
 # The output projection of an attention block, by the names transformers' models give it.
@@ -44,9 +47,11 @@ class CausalLM(nn.Module):
     def set_num_output_chunks(self, num_output_chunks: int) -> None:
         self.num_output_chunks = num_output_chunks
 
-    def causal_lm(self) -> nn.Module:
+    def causal_lm(self) -> PreTrainedModel:
         """The transformers model (under peft's wrappers, if any)."""
-        return self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
+        base_model = getattr(self.hf, "get_base_model", None)
+        # peft types get_base_model as returning any nn.Module; it is the model it wraps.
+        return cast("PreTrainedModel", self.hf if base_model is None else base_model())
 
     def forward(
         self,
@@ -72,10 +77,12 @@ class CausalLM(nn.Module):
         cap = getattr(config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        if getattr(config, "logits_scaling", None):
-            logits = logits / config.logits_scaling
-        if getattr(config, "logit_scale", None):
-            logits = logits * config.logit_scale
+        scaling = getattr(config, "logits_scaling", None)
+        if scaling:
+            logits = logits / scaling
+        scale = getattr(config, "logit_scale", None)
+        if scale:
+            logits = logits * scale
         return logits
 
 
@@ -127,7 +134,7 @@ class TransformersBackend(Backend):
         from transformers import AutoModelForCausalLM
 
         source = self.model_cfg.source
-        extra = {}
+        extra: dict[str, Any] = {}
         if quantize:
             from transformers import BitsAndBytesConfig
 
@@ -135,7 +142,9 @@ class TransformersBackend(Backend):
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
             )
             extra["device_map"] = {"": device}
-        model, info = AutoModelForCausalLM.from_pretrained(
+        # With output_loading_info, from_pretrained returns (model, info), which its annotation
+        # does not say.
+        loaded = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=dtype,
             use_safetensors=True,
@@ -144,9 +153,13 @@ class TransformersBackend(Backend):
             output_loading_info=True,
             **extra,
         )
+        model, info = cast(tuple["PreTrainedModel", dict[str, list[str]]], loaded)
         if info["missing_keys"]:
             raise ValueError(f"{source} lacks weights {sorted(info['missing_keys'])[:5]}")
-        return model if quantize else model.to(device)
+        if quantize:
+            return model
+        # transformers' decorator on PreTrainedModel.to hides that it is a bound method.
+        return model.to(device)  # type: ignore[arg-type]
 
     def build(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         model = CausalLM(self._load(device, dtype))
@@ -155,7 +168,7 @@ class TransformersBackend(Backend):
 
     def _layer_class_names(self, model: nn.Module) -> set[str]:
         lm = model.causal_lm() if isinstance(model, CausalLM) else model
-        return set(lm._no_split_modules or ())
+        return set(getattr(lm, "_no_split_modules", None) or ())
 
     def layers(self, model: nn.Module) -> list[nn.Module]:
         names = self._layer_class_names(model)
@@ -176,7 +189,8 @@ class TransformersBackend(Backend):
         from peft import get_peft_model
 
         with torch.device("meta"):
-            return CausalLM(get_peft_model(model.hf, self._lora_config(model.hf, lora)))
+            lm = model.causal_lm()
+            return CausalLM(get_peft_model(lm, self._lora_config(lm, lora)))
 
     # ---- checkpoints --------------------------------------------------------------------
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -192,30 +206,22 @@ class TransformersBackend(Backend):
         return state
 
     # ---- LoRA ---------------------------------------------------------------------------
-    def build_lora(
-        self,
-        lora: dict[str, Any],
-        device: torch.device,
-        dtype: torch.dtype,
-        compute_dtype: torch.dtype,
-        base_state: Callable[[], dict[str, torch.Tensor]],
-        seed: int,
-    ) -> nn.Module:
+    def build_lora(self, build: LoraBuild) -> nn.Module:
         from peft import get_peft_model
 
         # The frozen base in the compute dtype (NF4 with quantize_base, bitsandbytes').
-        lm = self._load(device, compute_dtype, quantize=lora["quantize_base"])
-        config = self._lora_config(lm, lora)
+        lm = self._load(build.device, build.compute_dtype, quantize=build.lora["quantize_base"])
+        config = self._lora_config(lm, build.lora)
         # The adapters' own init draws from the seed.
-        torch.manual_seed(seed)
+        torch.manual_seed(build.seed)
         model = CausalLM(get_peft_model(lm, config))
         for param in model.parameters():
             if param.requires_grad:
-                param.data = param.data.to(dtype)
+                param.data = param.data.to(build.dtype)
         self.tied = _tied(model)
         return model
 
-    def _lora_config(self, lm: nn.Module, lora: dict[str, Any]) -> Any:
+    def _lora_config(self, lm: PreTrainedModel, lora: Mapping[str, Any]) -> Any:
         from peft import LoraConfig
 
         self.targets = self._lora_targets(lm, lora)
@@ -235,7 +241,7 @@ class TransformersBackend(Backend):
             task_type="CAUSAL_LM",
         )
 
-    def _lora_targets(self, lm: nn.Module, lora: dict[str, Any]) -> list[str]:
+    def _lora_targets(self, lm: PreTrainedModel, lora: Mapping[str, Any]) -> list[str]:
         """peft's target_modules (name suffixes) for method.lora_attn_modules, apply_lora_to_mlp
         and apply_lora_to_output. An attention block with fused input projections (GPT-2's
         c_attn) adapts them for any of q_proj, k_proj, v_proj."""
@@ -275,7 +281,7 @@ class TransformersBackend(Backend):
 
     def peft_config(self, lora: dict[str, Any], base_dir: str) -> dict[str, Any]:
         with torch.device("meta"):
-            lm = from_config(self.model_cfg.source).hf
+            lm = from_config(self.model_cfg.source).causal_lm()
         config = self._lora_config(lm, lora).to_dict()
         config["base_model_name_or_path"] = base_dir
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
@@ -331,7 +337,7 @@ def check_transformers_weights(source: Path, builder: dict[str, Any]) -> None:
         with safe_open(str(path), "pt") as weights:
             names.update(weights.keys())
     with torch.device("meta"):
-        lm = from_config(str(source)).hf
+        lm = from_config(str(source)).causal_lm()
     tied = _tied(lm)
     prefix = f"{lm.base_model_prefix}."
     missing = [

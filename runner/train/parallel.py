@@ -1,0 +1,100 @@
+"""Where a training process runs and how its model is spread over the ranks: the rank, the
+device, the precision of the dtype group, FSDP2 sharding, activation checkpointing, compilation,
+and the step-boundary vote on stopping."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from runner.models.backends import Backend
+from runner.models.torchtune_boundary import set_activation_checkpointing
+
+# The dtype group: (dtype of the trained parameters, gradients and optimizer state; compute dtype).
+# bf16_mixed keeps fp32 master weights, which small AdamW updates do not round away.
+PRECISIONS = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "bf16_mixed": (torch.float32, torch.bfloat16),
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's rank among world_size, its device and the dtype group's two dtypes."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+
+    @property
+    def is_rank_zero(self) -> bool:
+        """Whether this process writes the run directory (status, metrics, checkpoints)."""
+        return self.rank == 0
+
+
+def placement(device: str, precision: str) -> Placement:
+    """This process's place: compute.device (`cuda`: the local rank's GPU) and dtype.name."""
+    distributed = dist.is_initialized()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    here = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(here)
+    dtype, compute_dtype = PRECISIONS[precision]
+    return Placement(
+        rank=dist.get_rank() if distributed else 0,
+        world_size=dist.get_world_size() if distributed else 1,
+        device=here,
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+    )
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    backend: Backend,
+    place: Placement,
+    *,
+    activation_checkpointing: bool,
+    compile: bool,
+) -> torch.nn.Module:
+    """Activation checkpointing, FSDP2 sharding over the ranks and compilation, as set."""
+    if activation_checkpointing:
+        set_activation_checkpointing(model, auto_wrap_policy=backend.layer_classes(model))
+    if place.world_size > 1:
+        policy = MixedPrecisionPolicy(param_dtype=place.compute_dtype, reduce_dtype=torch.float32)
+        # fully_shard's default mesh is CUDA whenever CUDA is visible, which would move a
+        # compute=cpu run's weights onto the GPU: the mesh is on the run's device.
+        mesh = init_device_mesh(place.device.type, (place.world_size,))
+        for layer in backend.layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    if compile:
+        for layer in backend.layers(model):
+            layer.compile()
+    return model
+
+
+def autocast(place: Placement) -> contextlib.AbstractContextManager[object]:
+    """Mixed precision in one process: bf16 compute over the fp32 parameters (sharded over
+    several processes, FSDP2's policy casts them instead)."""
+    if place.compute_dtype == place.dtype or place.world_size > 1:
+        return contextlib.nullcontext()
+    return torch.autocast(place.device.type, dtype=place.compute_dtype)
+
+
+def any_rank(flag: bool, place: Placement) -> bool:
+    """Whether `flag` is set on any rank; every rank joins, so all agree at the same step."""
+    if place.world_size == 1:  # no collective, and no device round trip in each step
+        return flag
+    votes = torch.tensor(float(flag), device=place.device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    return bool(votes.item())
