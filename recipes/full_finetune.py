@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from runner.components import instantiate
-from runner.data import TokenizedSplit, collate, eval_prompts, training_splits
+from runner.data import Split, collate, eval_prompts, training_splits
 from runner.models.backends import backend_for, set_output_chunks
 from runner.models.checkpoint import (
     MODEL_FILE,
@@ -391,7 +391,7 @@ class FullFinetuneRecipe:
             )
         return metrics
 
-    def _validation_split(self) -> TokenizedSplit:
+    def _validation_split(self) -> Split:
         assert self.validation is not None, "runner.config.resolve: evaluation needs a split"
         return self.validation
 

@@ -20,7 +20,7 @@ from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, KINDS, SFT_KINDS
 from runner.data.preference import PreferenceSplit, answer_log_probs, collate_preference
 from runner.data.prompts import EvalPrompt, eval_prompts
 from runner.data.sources import FORMATS, local_source, source_format
-from runner.data.splits import check_datasets, train_dataset, training_splits
+from runner.data.splits import Split, check_datasets, train_dataset, training_splits
 from runner.data.transforms import CROSS_ENTROPY_IGNORE_IDX, TokenizedSplit, collate
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "KINDS",
     "SFT_KINDS",
     "PreferenceSplit",
+    "Split",
     "answer_log_probs",
     "collate_preference",
     "DataError",

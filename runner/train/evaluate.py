@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runner.data import EvalPrompt, TokenizedSplit
+from runner.data import EvalPrompt, Split
 
 # Which way each metric is better lives in runner.rundir.metrics (no torch); re-exported here.
 from runner.rundir.metrics import METRIC_MODES as METRIC_MODES
@@ -152,7 +152,7 @@ def eval_due(
 
 
 def validation_shares(
-    validation: TokenizedSplit, *, max_samples: int | None, batch_size: int, place: Placement
+    validation: Split, *, max_samples: int | None, batch_size: int, place: Placement
 ) -> Iterator[tuple[list[Any], int]]:
     """This rank's share of the validation records, in batches of batch_size, with how many
     of each batch count.
