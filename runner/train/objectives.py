@@ -54,6 +54,8 @@ class Supervised:
     # Whether the weights build a reference model for it.
     wants_reference = False
 
+    # Every objective takes the same arguments (runner.train.methods builds either); this one
+    # reads the dataset section (packing, padding-free, exact-match samples), not the method's.
     def __init__(
         self, place: Placement, tokenizer: Any, *, dataset: DictConfig, method: DictConfig
     ) -> None:
@@ -157,6 +159,7 @@ class Preference:
 
     wants_reference = True
 
+    # Reads the method section (loss, beta, label smoothing); pairs are never packed.
     def __init__(
         self, place: Placement, tokenizer: Any, *, dataset: DictConfig, method: DictConfig
     ) -> None:
