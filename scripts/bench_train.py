@@ -81,12 +81,10 @@ class StepTimer:
 
 
 def run_ours(steps: int, batch_size: int, device: str, method: str) -> dict[str, float]:
-    from runner.recipes.full_finetune import FullFinetuneRecipe
-    from runner.recipes.lora_finetune import LoraFinetuneRecipe
+    from runner.recipes.finetune import FinetuneRecipe
 
-    recipe_class = FullFinetuneRecipe if method == "full" else LoraFinetuneRecipe
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = recipe_class(recipe_config(steps, batch_size, device, Path(tmp), method))
+        recipe = FinetuneRecipe(recipe_config(steps, batch_size, device, Path(tmp), method))
         recipe.setup()
         timer = StepTimer(device)
         step = recipe._optimizer_step

@@ -147,8 +147,7 @@ def test_non_editable_install_finds_configs_recipes_and_assets(tmp_path: Path) -
     for name in (
         "runner/conf/train.yaml",
         "runner/conf/model/tiny.yaml",
-        "runner/recipes/full_finetune.py",
-        "runner/recipes/lora_finetune.py",
+        "runner/recipes/finetune.py",
         "runner/conf/method/qlora.yaml",
         "runner/deploy/__init__.py",
         "runner/deploy/routes.py",

@@ -17,7 +17,7 @@ from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
 from runner.models.families import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
-from runner.recipes.lora_finetune import LoraFinetuneRecipe
+from runner.recipes.finetune import FinetuneRecipe
 from runner.train.preflight import estimate
 from tests.conftest import QUICK, losses
 from tests.test_config import compose_train
@@ -108,7 +108,7 @@ def check_trained_adapters_only(
 
 def recipe_model(run: Path) -> torch.nn.Module:
     """Our recipe's model (base + the latest checkpoint's adapter), as a resumed run builds it."""
-    recipe = LoraFinetuneRecipe(OmegaConf.load(run / "recipe.yaml"))
+    recipe = FinetuneRecipe(OmegaConf.load(run / "recipe.yaml"))
     recipe.setup()
     recipe.model.set_num_output_chunks(0)  # whole logits, not the chunks the loss wants
     return recipe.model.eval()

@@ -1,5 +1,5 @@
-"""The method group: which parameters train and how (full, LoRA, QLoRA, DPO and its LoRA forms),
-and the recipe module that trains each."""
+"""The method group: which parameters train and how (full, LoRA, QLoRA, DPO and its LoRA forms)
+(runner.train.methods trains each)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from runner.config.compute import ComputeRecipe
 from runner.config.fields import flag, integer, number
@@ -18,15 +18,8 @@ from runner.errors import UserError
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP006, UP035, UP045
 
-# The recipe module that trains each method.
-RECIPES = {
-    "full": "runner.recipes.full_finetune",
-    "lora": "runner.recipes.lora_finetune",
-    "qlora": "runner.recipes.lora_finetune",
-    "dpo": "runner.recipes.dpo",
-    "lora_dpo": "runner.recipes.dpo",
-    "qlora_dpo": "runner.recipes.dpo",
-}
+# The methods (runner.train.methods pairs each with what trains and what its loss is made of).
+METHOD_NAMES = ("full", "lora", "qlora", "dpo", "lora_dpo", "qlora_dpo")
 # The methods that train on preference pairs (dataset.kind=preference), and their losses.
 PREFERENCE_METHODS = ("dpo", "lora_dpo", "qlora_dpo")
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
@@ -58,11 +51,9 @@ class Method:
 
 @dataclass
 class MethodRecipe:
-    """The recipe's method section: the recipe module, and what it needs of the method."""
+    """The recipe's method section: what the training loop needs of the method."""
 
     name: str = "full"
-    # The module that trains it (RECIPES).
-    recipe: str = MISSING
     # LoRA: the adapter builder and its arguments, the Hugging Face base the adapter loads onto
     # (and DPO's reference, the weights it starts from).
     builder: Optional[Dict[str, Any]] = None
@@ -77,11 +68,11 @@ class MethodRecipe:
 def resolve_method(
     method: DictConfig, model: ModelRecipe, run_dir: Path, compute: ComputeRecipe
 ) -> MethodRecipe:
-    """The method section of the recipe: its recipe module; for LoRA, the adapter builder and
-    its arguments and the base's home; for DPO, its loss and the reference's home."""
-    if method.name not in RECIPES:
-        raise UserError("method.name", method.name, f"choose one of: {', '.join(RECIPES)}")
-    resolved = MethodRecipe(name=method.name, recipe=RECIPES[method.name])
+    """The method section of the recipe: for LoRA, the adapter builder and its arguments and the
+    base's home; for DPO, its loss and the reference's home."""
+    if method.name not in METHOD_NAMES:
+        raise UserError("method.name", method.name, f"choose one of: {', '.join(METHOD_NAMES)}")
+    resolved = MethodRecipe(name=method.name)
     if method.name == "full":
         return resolved
     if method.name in PREFERENCE_METHODS:

@@ -28,8 +28,10 @@ from runner.rundir import RunDir
 from runner.train import determinism
 
 # Tells a worker its launcher's process id, so that it stops when the launcher dies
-# (recipes/process.py).
+# (runner/train/process.py).
 LAUNCHER_PID_ENV = "RUNNER_LAUNCHER_PID"
+# The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
+RECIPE_MODULE = "runner.recipes.finetune"
 # The exit status of a run stopped by SIGTERM after saving (128 + SIGTERM), as shells report it.
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
@@ -54,7 +56,7 @@ def launch(recipe: DictConfig, recipe_path: Path) -> dict[str, Any] | None:
         platforms.detect(compute.platform).describe(),
     )
     if nnodes * nproc_per_node == 1 and compute.max_restarts == 0 and not deterministic:
-        result: dict[str, Any] = importlib.import_module(recipe.method.recipe).run(recipe_path)
+        result: dict[str, Any] = importlib.import_module(RECIPE_MODULE).run(recipe_path)
         return result
     pinned = determinism.pinned_environment() if deterministic else {}
     with _environment({**pinned, LAUNCHER_PID_ENV: str(os.getpid())}):
@@ -116,9 +118,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path) -> None:
     # store per attempt, hosted by rank 0, starts each attempt clean.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        elastic_launch(config, entrypoint=sys.executable)(
-            "-m", recipe.method.recipe, str(recipe_path)
-        )
+        elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
         name = signal.Signals(err.sigval).name

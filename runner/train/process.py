@@ -3,7 +3,7 @@
 The process group (gloo on CPU, nccl on GPU, with the collective timeout), CPU threads, the
 pinned kernel path, the log file, the heartbeat, SIGTERM (the loop saves at the next step
 boundary, see STOP), and the run's final state: completed, cancelled or failed with
-the error. recipes/full_finetune.py, lora_finetune.py and dpo.py run through it.
+the error. recipes/finetune.py runs through it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ log = logging.getLogger("runner.recipe")
 
 class StopRequest:
     """Set by SIGTERM (a preemption, `runner stop`) or SIGINT (Ctrl-C); the loop checks it at
-    each step boundary (FullFinetuneRecipe._stop_due) and saves a checkpoint before it stops."""
+    each step boundary (FinetuneRecipe._stop_due) and saves a checkpoint before it stops."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -90,7 +90,7 @@ def _start_process(cfg: DictConfig) -> bool:
 
 
 class Recipe(Protocol):
-    """What a process needs of a recipe (recipes/full_finetune.py's FullFinetuneRecipe)."""
+    """What a process needs of a recipe (recipes/finetune.py's FinetuneRecipe)."""
 
     @property
     def run(self) -> RunDir: ...

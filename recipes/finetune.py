@@ -1,10 +1,15 @@
-"""Full fine-tune recipe: setup -> train loop -> checkpoint, in the torchtune style.
+"""The fine-tune recipe of every method: setup -> train loop -> checkpoint, in the torchtune style.
 
-    python -m runner.recipes.full_finetune RUN_DIR/recipe.yaml
+    python -m runner.recipes.finetune RUN_DIR/recipe.yaml
 
-It reads only the resolved recipe config. One process, or several under torch.distributed.run
-(gloo on CPU, nccl on GPU) with the model sharded by FSDP2's fully_shard. When the run directory
-already holds a whole checkpoint (a restart, or `runner train resume=RUN`), it continues from it.
+It reads only the resolved recipe config. The method (`method.name`, runner.train.methods) is a
+pair of strategies: what trains and how it is built, saved and loaded (every parameter, or LoRA
+adapters on a frozen base: runner.train.weights), and what the loss is made of (supervised
+cross-entropy, or a preference loss against a reference: runner.train.objectives).
+
+One process, or several under torch.distributed.run (gloo on CPU, nccl on GPU) with the model
+sharded by FSDP2's fully_shard. When the run directory already holds a whole checkpoint (a
+restart, or `runner train resume=RUN`), it continues from it.
 SIGTERM (a preemption, `runner stop`) or Ctrl-C makes every rank save at the next step boundary;
 the run ends `cancelled` and `runner train` exits 143 (130 for Ctrl-C).
 
@@ -20,44 +25,29 @@ import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from omegaconf import DictConfig
 
 from runner.components import instantiate
-from runner.data import Split, collate, eval_prompts, training_splits
+from runner.data import Split, training_splits
 from runner.models.backends import backend_for, set_output_chunks
-from runner.models.checkpoint import (
-    MODEL_FILE,
-    read_training_state,
-    write_base_model,
-    write_checkpoint,
-)
-from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
+from runner.models.checkpoint import read_training_state
 from runner.rundir import RunDir
 from runner.train import checkpointing, parallel, process
 from runner.train.batches import Batch, EpochBatches
-from runner.train.checkpointing import FULL
-from runner.train.evaluate import (
-    LOSS_METRICS,
-    eval_due,
-    exact_match,
-    loss_metrics,
-    loss_sums,
-    new_best,
-    validation_shares,
-)
+from runner.train.evaluate import eval_due, new_best, validation_shares
+from runner.train.methods import METHODS
 from runner.train.optimizer import Optimization
 from runner.train.progress import Reporter, StepLosses, Throughput, progress_bar
+from runner.train.weights import model_files
 
 log = logging.getLogger("runner.recipe")
 
 
-class FullFinetuneRecipe:
-    """Trains every parameter of a decoder on an instruction dataset."""
+class FinetuneRecipe:
+    """Trains a decoder by its method: what trains, and on what loss (runner.train.methods)."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -67,6 +57,7 @@ class FullFinetuneRecipe:
         self.is_rank_zero = self.place.is_rank_zero
         # How the model is built, sharded and saved: torchtune's or transformers' (model.backend).
         self.backend = backend_for(cfg.model)
+        self.method = METHODS[cfg.method.name]
         self.reporter = Reporter(self.run, is_rank_zero=self.is_rank_zero)
         self.step = 0
         self.total_steps = 0
@@ -85,13 +76,20 @@ class FullFinetuneRecipe:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.tokenizer = instantiate(cfg.model.tokenizer)
+        files = model_files(cfg.model, self.tokenizer.stop_tokens)
+        self.weights = self.method.weights(
+            self.backend, self.place, files, method=cfg.method, seed=cfg.seed
+        )
+        self.objective = self.method.objective(
+            self.place, self.tokenizer, dataset=cfg.dataset, method=cfg.method
+        )
         # resolve.py made sure that a run that evaluates has a validation split.
         dataset, self.validation = training_splits(
             cfg.dataset, self.tokenizer, validation=cfg.eval.strategy != "no"
         )
         self.data = EpochBatches(
             dataset,
-            self._collate,
+            self.objective.collate,
             self.place,
             batch_size=cfg.batch_size,
             accumulation=cfg.gradient_accumulation_steps,
@@ -101,7 +99,9 @@ class FullFinetuneRecipe:
         self.total_steps = self.data.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.model = self._build_model()
+        self.model, reference = self.weights.build(
+            self._prepare_model, reference=self.objective.wants_reference
+        )
         # Every rank built the same initial weights; randomness from here on is per rank.
         torch.manual_seed(cfg.seed + self.place.rank)
         self.optim = Optimization(
@@ -110,14 +110,12 @@ class FullFinetuneRecipe:
             total_steps=self.total_steps,
             clip_grad_norm=cfg.clip_grad_norm,
         )
-        self.loss_fn = instantiate(cfg.loss)
-        if hasattr(self.loss_fn, "num_output_chunks"):
-            set_output_chunks(self.model, self.loss_fn.num_output_chunks)
+        loss_fn = instantiate(cfg.loss)
+        if hasattr(loss_fn, "num_output_chunks"):
+            set_output_chunks(self.model, loss_fn.num_output_chunks)
+        self.objective.attach(self.model, loss_fn, reference)
         self._resume()
         self.reporter.start_trackers(cfg)
-
-    def _build_model(self) -> torch.nn.Module:
-        return self._prepare_model(self.backend.build(self.place.device, self.place.dtype))
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return parallel.prepare_model(
@@ -127,36 +125,6 @@ class FullFinetuneRecipe:
             activation_checkpointing=self.cfg.activation_checkpointing,
             compile=self.cfg.compile,
         )
-
-    def _collate(self, samples: list[dict[str, Any]]) -> Batch:
-        return collate(
-            samples,
-            packed=self.cfg.dataset.packing,
-            padding_free=self.cfg.dataset.padding_free,
-            padding_idx=self.tokenizer.pad_id,
-            on_cuda=self.place.device.type == "cuda",
-        )
-
-    def _base_model_state(self) -> dict[str, torch.Tensor]:
-        """The starting weights that LoRA adapts and DPO's reference keeps: model.source's, else
-        RUN/base_model, written from the seed once (the weights a full run starts from)."""
-        if self.cfg.model.source is not None:
-            return self.backend.read_weights(Path(self.cfg.model.source))
-        base_dir = Path(self.cfg.method.base_model_dir)
-        if (base_dir / MODEL_FILE).is_file():
-            return self.backend.read_weights(base_dir)
-        base = self.backend.build(self.place.device, self.place.dtype)
-        state = {k: v.to("cpu", torch.float32) for k, v in base.state_dict().items()}
-        if self.is_rank_zero:
-            write_base_model(
-                base_dir,
-                model_state=self.backend.to_hf(state),
-                hf_config=self._hf_config(),
-                tokenizer_dir=Path(self.cfg.model.tokenizer.path),
-                chat_template=self._chat_template(),
-                stop_token_ids=self.tokenizer.stop_tokens,
-            )
-        return state
 
     def _resume(self) -> None:
         """Continues from the run's latest whole checkpoint, if any; clears what an
@@ -224,42 +192,14 @@ class FullFinetuneRecipe:
         return False
 
     def _optimizer_step(self, batches: list[Batch]) -> tuple[torch.Tensor, int]:
-        """One optimizer step over micro-batches: its loss (normalized by all ranks' tokens, on
-        the device, unread) and the tokens it saw."""
-        device, world_size = self.place.device, self.place.world_size
-        loss_sum = torch.zeros((), device=device)
-        num_tokens = torch.zeros((), device=device)
-        seen_tokens = 0
-        for batch in batches:
-            tokens = batch["tokens"].to(device)
-            labels = batch["labels"].to(device)
-            batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
-            packed = {k: batch[k].to(device) for k in ("mask", "input_pos") if k in batch}
-            with parallel.autocast(self.place):
-                logits = self.model(tokens, **packed)
-                loss = self._loss(logits, labels) * batch_tokens
-            loss.backward()
-            loss_sum += loss.detach()
-            num_tokens += batch_tokens
-            seen_tokens += tokens.numel()
-        if world_size > 1:
-            dist.all_reduce(num_tokens)
-            dist.all_reduce(loss_sum)
-        # FSDP averages gradients over ranks; scaling by world/tokens makes it a per-token mean.
-        self.optim.step(self.model, world_size / num_tokens.clamp(min=1))
-        return (loss_sum / num_tokens.clamp(min=1)).detach(), seen_tokens * world_size
-
-    def _loss(
-        self, logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor
-    ) -> torch.Tensor:
-        if isinstance(logits, list):  # chunked output, for CEWithChunkedOutputLoss
-            return cast(torch.Tensor, self.loss_fn(logits, labels))
-        flat = logits.reshape(-1, logits.size(-1)).float()
-        return cast(torch.Tensor, self.loss_fn(flat, labels.reshape(-1)))
+        """One optimizer step over a step's micro-batches: its loss (on the device, unread)
+        and the tokens it saw (the objective's)."""
+        return self.objective.step(batches, self.optim)
 
     def _log(self, values: dict[str, float]) -> None:
-        """A logged step: its loss and throughput (and what a method adds), and the lr."""
-        self.reporter.step(self.step, self.total_steps, {**values, "lr": self.optim.lr})
+        """A logged step: its loss and throughput (and what the objective adds), and the lr."""
+        logged = {**values, **self.objective.logged(), "lr": self.optim.lr}
+        self.reporter.step(self.step, self.total_steps, logged)
 
     def _status_running(self, **fields: Any) -> None:
         self.reporter.status("running", step=self.step, total_steps=self.total_steps, **fields)
@@ -268,7 +208,7 @@ class FullFinetuneRecipe:
     def save_checkpoint(self) -> None:
         """Gathers full weights and optimizer state (every rank joins), rank 0 writes them."""
         self.reporter.status("checkpointing", step=self.step, total_steps=self.total_steps)
-        model_state = self._gather_model_state()
+        model_state = self.weights.gather(self.model)
         optimizer_state = self.optim.state(self.model)
         rng_per_rank = checkpointing.rng_per_rank(self.place)
         if self.is_rank_zero:
@@ -283,50 +223,16 @@ class FullFinetuneRecipe:
             checkpointing.commit(
                 self.run,
                 self.step,
-                lambda out_dir: self._write_checkpoint(out_dir, model_state, training_state),
+                lambda out_dir: self.weights.write(out_dir, model_state, training_state),
                 keep_last_n=self.cfg.runtime.keep_last_n_checkpoints,
                 keep_step=self.best["step"] if self.best else None,
             )
         checkpointing.barrier(self.place)
         self._status_running(**self._best_field())
 
-    def _gather_model_state(self) -> dict[str, Any]:
-        """Full weights on the CPU of every rank (every rank joins)."""
-        return get_model_state_dict(self.model, options=FULL)
-
-    def _write_checkpoint(
-        self, out_dir: Path, model_state: dict[str, Any], training_state: dict[str, Any]
-    ) -> None:
-        write_checkpoint(
-            out_dir,
-            model_state=self.backend.to_hf(
-                {k: v.to(torch.float32) for k, v in model_state.items()}
-            ),
-            hf_config=self._hf_config(),
-            tokenizer_dir=Path(self.cfg.model.tokenizer.path),
-            chat_template=self._chat_template(),
-            training_state=training_state,
-            stop_token_ids=self.tokenizer.stop_tokens,
-            source_dir=Path(self.cfg.model.source) if self.cfg.model.source else None,
-        )
-
-    def _hf_config(self) -> dict[str, Any]:
-        """model.hf_config: the config.json that every checkpoint holds."""
-        return cast(dict[str, Any], OmegaConf.to_container(self.cfg.model.hf_config))
-
-    def _chat_template(self) -> Path | None:
-        """model.chat_template's file, which every checkpoint keeps (None: the tokenizer's)."""
-        template = self.cfg.model.tokenizer.chat_template
-        return None if template is None else Path(template)
-
-    def _load_model_weights(self, checkpoint: Path) -> None:
-        weights = self.backend.read_weights(checkpoint)
-        dtype = self.place.dtype
-        set_model_state_dict(self.model, {k: v.to(dtype) for k, v in weights.items()}, options=FULL)
-
     def _load_training_state(self, checkpoint: Path) -> None:
         state = read_training_state(checkpoint)
-        self._load_model_weights(checkpoint)
+        self.weights.load(self.model, checkpoint)
         self.optim.restore(self.model, state)
         self.step = state["step"]
         # A training state written without evaluation has no best.
@@ -354,7 +260,9 @@ class FullFinetuneRecipe:
         metrics; rank 0 writes them. The model goes back to training mode unchanged.
         """
         with parallel.autocast(self.place):
-            metrics = self._eval_metrics()
+            metrics = self.objective.eval_metrics(
+                self._validation_shares(), self._validation_split(), wanted=self.cfg.eval.metrics
+            )
         self.last_eval = metrics
         objective = self.cfg.objective
         best = new_best(
@@ -364,32 +272,6 @@ class FullFinetuneRecipe:
             self.best = best
         self.reporter.evaluation(self.step, self.total_steps, metrics)
         return best is not None
-
-    def _eval_metrics(self) -> dict[str, float]:
-        wanted = self.cfg.eval.metrics
-        metrics: dict[str, float] = {}
-        device = self.place.device
-        if any(name in wanted for name in LOSS_METRICS):
-            sums = loss_sums(
-                self.model,
-                self._validation_batches(),
-                ignore_index=CROSS_ENTROPY_IGNORE_IDX,
-                device=device,
-            )
-            if self.place.world_size > 1:
-                dist.all_reduce(sums)
-            metrics |= {k: v for k, v in loss_metrics(sums).items() if k in wanted}
-        if "eval_exact_match" in wanted and self.cfg.dataset.eval_samples > 0:
-            samples = self.cfg.dataset.eval_samples
-            prompts = eval_prompts(self._validation_split(), self.tokenizer, samples)
-            metrics["eval_exact_match"] = exact_match(
-                self.model,
-                self.tokenizer,
-                prompts,
-                max_new_tokens=self.cfg.dataset.eval_max_new_tokens,
-                device=device,
-            )
-        return metrics
 
     def _validation_split(self) -> Split:
         assert self.validation is not None, "runner.config.resolve: evaluation needs a split"
@@ -403,22 +285,6 @@ class FullFinetuneRecipe:
             batch_size=self.cfg.batch_size,
             place=self.place,
         )
-
-    def _validation_batches(self) -> Iterator[Batch]:
-        """This rank's validation batches; a record that counts for nothing has every label
-        ignored, which adds nothing to the sums."""
-        for samples, counted in self._validation_shares():
-            # The validation split is never packed (padding-free, where training is).
-            batch = collate(
-                samples,
-                packed=False,
-                padding_free=self.cfg.dataset.padding_free,
-                padding_idx=self.tokenizer.pad_id,
-                on_cuda=self.place.device.type == "cuda",
-            )
-            if counted == 0:
-                batch["labels"].fill_(CROSS_ENTROPY_IGNORE_IDX)
-            yield batch
 
     # ---- end ----------------------------------------------------------------------------
     def best_checkpoint(self) -> dict[str, Any] | None:
@@ -437,8 +303,8 @@ class FullFinetuneRecipe:
 
 
 def run(recipe_path: str | Path) -> dict[str, Any]:
-    """Runs the full fine-tune at `recipe_path` in this process (one of several under torchrun)."""
-    return process.run(recipe_path, FullFinetuneRecipe)
+    """Runs the recipe at `recipe_path` in this process (one of several under torchrun)."""
+    return process.run(recipe_path, FinetuneRecipe)
 
 
 if __name__ == "__main__":
