@@ -39,7 +39,7 @@ from runner.train import checkpointing, parallel, process
 from runner.train.batches import Batch, EpochBatches
 from runner.train.evaluate import eval_due, new_best, validation_shares
 from runner.train.methods import METHODS
-from runner.train.optimizer import Optimization
+from runner.train.optimization import Optimization
 from runner.train.progress import Reporter, StepLosses, Throughput, progress_bar
 from runner.train.weights import model_files
 

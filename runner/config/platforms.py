@@ -216,5 +216,5 @@ def refuse_torchrun_worker(env: Mapping[str, str] | None = None) -> None:
             "runner train is running inside a torchrun worker; it starts the elastic agent "
             "itself: run `runner train compute=multi_node ...` once per node instead, or run "
             "a resolved recipe under your torchrun: "
-            "torchrun ... -m runner.recipes.full_finetune RUN/recipe.yaml",
+            "torchrun ... -m runner.recipes.finetune RUN/recipe.yaml",
         )

@@ -180,8 +180,9 @@ class Cluster:
 # ---- the recipe: what `runner train` resolved, as every training process reads it ------------
 # recipe.yaml keeps the sections and names of Train, each value resolved (`auto` made concrete,
 # hf:// sources made local paths, components named), plus what resolution derives (the builder,
-# tokenizer and config.json of the model; where the processes meet). Bumped when a key moves.
-RECIPE_VERSION = 4
+# tokenizer and config.json of the model; where the processes meet). Bumped when a key moves or
+# goes (5: method.recipe went; one recipe loop runs every method).
+RECIPE_VERSION = 5
 
 
 @dataclass

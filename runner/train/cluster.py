@@ -1,8 +1,8 @@
 """`runner cluster`: the Slurm batch script and Kubeflow TrainJob manifest of a multi-node run.
 
 Both run the same `runner train compute=multi_node [train overrides]` line once per node; each
-node reads its place from the scheduler's variables (runner/platforms.py), so the line carries no
-node-specific flags. A dry run: the files are printed, nothing is submitted.
+node reads its place from the scheduler's variables (runner/config/platforms.py), so the line
+carries no node-specific flags. A dry run: the files are printed, nothing is submitted.
 """
 
 from __future__ import annotations

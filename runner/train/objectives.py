@@ -37,7 +37,7 @@ from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.train import parallel
 from runner.train.batches import Batch
 from runner.train.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
-from runner.train.optimizer import Optimization
+from runner.train.optimization import Optimization
 from runner.train.parallel import Placement
 
 # The reference model's logits for some tokens (no gradients are taken through it).

@@ -163,7 +163,7 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
                 file=sys.stderr,
             )
         # A worker of the elastic agent ends cleanly, so that no agent restarts the group; the
-        # launcher reads `cancelled` and exits 143 itself (runner/launch.py).
+        # launcher reads `cancelled` and exits 143 itself (runner/train/launch.py).
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             raise SystemExit(128 + STOP.signal)  # 143 for SIGTERM, 130 for Ctrl-C
     return result
