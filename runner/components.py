@@ -25,13 +25,13 @@ def resolve_component(path: str, key: str = "_component_") -> Any:
 
 def instantiate(node: DictConfig, *args: Any, **kwargs: Any) -> Any:
     """Calls node._component_ with the node's other keys as keyword arguments."""
-    params = keyword_arguments(node, resolve=True)
+    params = plain_dict(node, resolve=True)
     component = resolve_component(params.pop("_component_"))
     return component(*args, **params, **kwargs)
 
 
-def keyword_arguments(node: DictConfig, *, resolve: bool = False) -> dict[str, Any]:
-    """A config section as plain keyword arguments (its keys are strings, as YAML's are)."""
+def plain_dict(node: DictConfig, *, resolve: bool = False) -> dict[str, Any]:
+    """A config section as a plain dict (its keys are strings, as YAML's are; its values plain)."""
     section = OmegaConf.to_container(node, resolve=resolve)
     assert isinstance(section, dict), "a config section is a mapping"
     return {str(key): value for key, value in section.items()}

@@ -36,6 +36,14 @@ commands:
 HYDRA_COMMANDS = ("train", "validate", "estimate", "download", "deploy", "export")
 LIFECYCLE_COMMANDS = ("runs", "logs", "stop", "resume")
 COMMANDS = (*HYDRA_COMMANDS, "push", "repro", *LIFECYCLE_COMMANDS, "cluster")
+# Hydra writes nothing for the commands that only look (validate, estimate, download): no run
+# directory, no log file.
+NO_OUTPUT = [
+    "hydra.output_subdir=null",
+    "hydra.run.dir=.",
+    "hydra/job_logging=disabled",
+    "hydra/hydra_logging=disabled",
+]
 
 
 def _run(name: str, argv: list[str]) -> int | None:
@@ -54,8 +62,6 @@ def _run(name: str, argv: list[str]) -> int | None:
     if name == "export":
         module.check_argv(argv)
     if name in ("validate", "estimate", "download"):
-        from runner.cli.no_output import NO_OUTPUT
-
         argv = [*argv, *NO_OUTPUT]
     # Hydra's app reads its overrides and flags (-m, --cfg, --help) from sys.argv, and names
     # itself by sys.argv[0] in its --help.

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from runner.components import resolve_component
+from runner.components import plain_dict, resolve_component
 from runner.errors import UserError
 
 
 def resolve_loss(loss: DictConfig) -> dict[str, Any]:
     """The loss component and its arguments, built once."""
-    node = OmegaConf.to_container(loss, resolve=True)
-    assert isinstance(node, dict)  # the loss group is a mapping
-    resolved = {str(key): value for key, value in node.items()}
+    resolved = plain_dict(loss, resolve=True)
     built_once(resolved, "loss")
     return resolved
 

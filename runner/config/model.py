@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from runner.components import plain_dict
 from runner.config.fields import number, typed_as
 from runner.errors import UserError
 
@@ -345,18 +346,11 @@ def _family_and_builder(
     if model.builder is None:
         assert derived is not None  # resolve_model refuses no builder and no source
         return family, {"_component_": family.builder, **derived}
-    args = _plain_dict(model.builder)
+    args = plain_dict(model.builder, resolve=True)
     builder = {"_component_": builder_component(family, args), **args}
     if derived is not None:
         check_source_matches(family, builder, derived, str(model.source))
     return family, builder
-
-
-def _plain_dict(node: DictConfig) -> dict[str, Any]:
-    """A mapping section (model.builder, loss) as a plain dict, interpolations resolved."""
-    plain = OmegaConf.to_container(node, resolve=True)
-    assert isinstance(plain, dict)
-    return {str(key): value for key, value in plain.items()}
 
 
 def _chat_template_file(value: str | None) -> str | None:

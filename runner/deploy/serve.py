@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 from omegaconf import DictConfig, OmegaConf
 
-from runner.components import keyword_arguments
+from runner.components import plain_dict
 from runner.config.schema import Deploy, typed
 from runner.deploy.routes import ServedModel
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
@@ -64,8 +64,8 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
         dtype=cfg.dtype.name,
         max_model_len=cfg.max_model_len,
         max_queue=cfg.max_queue,
-        transformers_options=keyword_arguments(cfg.transformers),
-        vllm_options=keyword_arguments(cfg.vllm),
+        transformers_options=plain_dict(cfg.transformers),
+        vllm_options=plain_dict(cfg.vllm),
     )
     app = build_app(models, api_key=api_key, limits=Limits(**cfg.limits))
     host, port = sock.getsockname()[:2]

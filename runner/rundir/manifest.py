@@ -13,8 +13,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypedDict
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from runner.components import plain_dict
 from runner.rundir.io import write_json_atomic
 from runner.rundir.run import RunDir
 
@@ -161,18 +162,11 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
-def _plain(resolved: DictConfig) -> dict[str, Any]:
-    """The recipe as plain JSON values; its top level maps section names to sections."""
-    recipe = OmegaConf.to_container(resolved)
-    assert isinstance(recipe, dict), type(recipe)
-    return {str(key): value for key, value in recipe.items()}
-
-
 def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> Manifest:
     """Everything needed to tell, from the record alone, what a re-run would change."""
     import torch
 
-    recipe = _plain(resolved)
+    recipe = plain_dict(resolved)
     data = recipe["dataset"]
     tokenizer_dir = Path(recipe["model"]["tokenizer"]["path"])
     return {

@@ -4,7 +4,7 @@ schedule, and one optimizer step from accumulated gradients."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from runner.components import instantiate
+from runner.components import instantiate, plain_dict
 from runner.config.optimizer import split_option
 from runner.models.torchtune_boundary import get_cosine_schedule_with_warmup
 from runner.train.checkpointing import FULL
@@ -30,7 +30,7 @@ class Optimization:
         total_steps: int,
         clip_grad_norm: float | None,
     ) -> None:
-        settings, schedule = split_option(cast(dict[str, Any], OmegaConf.to_container(optimizer)))
+        settings, schedule = split_option(plain_dict(optimizer))
         self.optimizer: torch.optim.Optimizer = instantiate(OmegaConf.create(settings), parameters)
         self.lr_scheduler = _lr_scheduler(self.optimizer, schedule, total_steps)
         self.clip_grad_norm = clip_grad_norm

@@ -15,7 +15,7 @@ from typing import Any, cast
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from runner.components import instantiate
+from runner.components import instantiate, plain_dict
 from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
 from runner.data import check_datasets, train_dataset
@@ -137,7 +137,7 @@ def estimate(recipe: DictConfig) -> Estimate:
     """
     counts = _parameter_counts(recipe)
     world = recipe.compute.nproc_per_node * recipe.compute.nnodes
-    moments = state_per_weight(split_option(_plain(recipe.optimizer))[0])
+    moments = state_per_weight(split_option(plain_dict(recipe.optimizer))[0])
 
     def state_bytes(dtype: str) -> tuple[int, int, int]:
         """Weights, gradients and optimizer state per device under `dtype`."""
@@ -208,13 +208,6 @@ def _measure_data(recipe: DictConfig) -> _Data:
     return _Data(lengths, values, logits_bytes)
 
 
-def _plain(node: DictConfig) -> dict[str, Any]:
-    """A config section as plain dicts and lists, keyed by its (string) keys."""
-    container = OmegaConf.to_container(node)
-    assert isinstance(container, dict), type(container)
-    return {str(key): value for key, value in container.items()}
-
-
 @dataclass(frozen=True)
 class _Counts:
     """Parameters of the model as trained: all, trained, frozen in the compute dtype, in NF4."""
@@ -269,7 +262,7 @@ def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
 
 def _adapter_parameters(backend: Backend, lora: DictConfig) -> int:
     """The parameters of the LoRA adapters the method adds to the model (built on meta)."""
-    model = backend.meta_model(_plain(lora))
+    model = backend.meta_model(plain_dict(lora))
     return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
 
 

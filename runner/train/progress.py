@@ -10,12 +10,13 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
+from runner.components import plain_dict
 from runner.errors import Diverged
 from runner.rundir import RunDir
 from runner.train import trackers
@@ -39,7 +40,7 @@ class Reporter:
         self.trackers = trackers.build(
             list(cfg.runtime.loggers),
             run_dir=self.run.path,
-            config=cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)),
+            config=plain_dict(cfg, resolve=True),
             project=cfg.runtime.project,
         )
 

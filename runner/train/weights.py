@@ -22,10 +22,10 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from runner.components import plain_dict
 from runner.models.backends import Backend, LoraBuild
 from runner.models.checkpoint import (
     MODEL_FILE,
@@ -67,7 +68,7 @@ def model_files(model: DictConfig, stop_token_ids: list[int]) -> ModelFiles:
     """The ModelFiles of a recipe's model section and its tokenizer's stop tokens."""
     template = model.tokenizer.chat_template
     return ModelFiles(
-        hf_config=cast(dict[str, Any], OmegaConf.to_container(model.hf_config)),
+        hf_config=plain_dict(model.hf_config),
         tokenizer_dir=Path(model.tokenizer.path),
         chat_template=None if template is None else Path(template),
         stop_token_ids=stop_token_ids,
@@ -189,7 +190,7 @@ class LoraWeights(FullWeights):
     ) -> None:
         """Writes the PEFT adapter (and the merged model with method.save_merged) (rank 0)."""
         files, backend = self.files, self.backend
-        lora = cast(dict[str, Any], OmegaConf.to_container(self.method.builder))
+        lora = plain_dict(self.method.builder)
         adapter = backend.adapter_state(model_state)
         merged = None
         if self.method.save_merged:

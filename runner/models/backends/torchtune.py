@@ -4,13 +4,13 @@ from Hugging Face's names by the family."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner.components import instantiate
+from runner.components import instantiate, plain_dict
 from runner.models.backends.base import Backend, LoraBuild
 from runner.models.checkpoint import read_adapter_state, read_model_state
 from runner.models.families import peft_config, tune_to_hf, tune_to_peft
@@ -30,7 +30,7 @@ class TorchtuneBackend(Backend):
     """torchtune's TransformerDecoder, built by the family's builder (model.builder)."""
 
     def _hf_config(self) -> dict[str, Any]:
-        return cast(dict[str, Any], OmegaConf.to_container(self.model_cfg.hf_config))
+        return plain_dict(self.model_cfg.hf_config)
 
     def build(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         cfg = self.model_cfg
