@@ -621,7 +621,7 @@ def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off() -> None:
     sock.close()
 
 
-def test_deploy_command_serves_until_interrupted(run_dir: Path) -> None:
+def test_deploy_command_serves_until_interrupted(run_dir: Path, reference) -> None:
     env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
     command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={run_dir}", "port=0"]
     process = subprocess.Popen(
@@ -645,8 +645,14 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path) -> None:
                     break
             time.sleep(0.05)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
-        response = client.completions.create(model=str(run_dir), prompt="hi", max_tokens=3)
-        assert response.usage.completion_tokens == 3
+        # Greedy, so the answer is transformers' own (a sampled one may stop at eos early).
+        response = client.completions.create(
+            model=str(run_dir), prompt="hi", max_tokens=3, temperature=0
+        )
+        tokenizer, generate = reference
+        assert (response.choices[0].text, response.usage.completion_tokens) == generate(
+            tokenizer.encode("hi"), 3
+        )
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
     finally:
