@@ -5,9 +5,15 @@ Each command still runs in a process of its own, through `runner.cli.main` exact
 it saves is the ~5 s of importing torch, transformers and Hydra, which this server does once
 before it forks. Nothing runs torch compute in the server itself, so forking it is safe.
 
+The server is for the CPU alone. A CUDA context cannot survive a fork, and importing torchtune
+asks for the GPU's compute capability, which creates one; so the server starts with no GPU
+visible (CUDA_VISIBLE_DEVICES empty), checks that CUDA stayed uninitialised, and tests marked
+`gpu` run the CLI in fresh interpreters instead (tests/conftest.py).
+
 Protocol (one JSON object per line): the client writes {"argv": [...], "cwd": "...",
 "timeout_s": N}; the server answers {"returncode": N, "stdout": "...", "stderr": "..."}, with
-returncode negative (the signal) when the command was killed, as subprocess reports it.
+returncode negative (the signal) when the command was killed, as subprocess reports it. A
+request {"probe": true} is answered with what the server's own process sees of CUDA.
 """
 
 from __future__ import annotations
@@ -87,16 +93,31 @@ def _wait(pid: int, timeout_s: float) -> int:
         time.sleep(0.02)
 
 
+def _cuda() -> dict[str, object]:
+    """What this process sees of CUDA, without initialising it."""
+    import torch
+
+    return {
+        "initialized": torch.cuda.is_initialized(),
+        "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
 def serve() -> None:
     """Answers commands read from stdin until it closes."""
     for name in PRELOAD:
         importlib.import_module(name)
+    assert not _cuda()["initialized"], "a preloaded module initialised CUDA: forks would fail"
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints of the server must not corrupt the answers
     with tempfile.TemporaryDirectory() as scratch:
         stdout, stderr = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         for line in sys.stdin:
             request = json.loads(line)
+            if request.get("probe"):
+                answers.write(json.dumps(_cuda()) + "\n")
+                answers.flush()
+                continue
             pid = os.fork()
             if pid == 0:
                 _child(request["argv"], request["cwd"], stdout, stderr)
@@ -120,7 +141,7 @@ class ForkedCli:
     def __init__(self, env: dict[str, str]) -> None:
         self.server = subprocess.Popen(
             [sys.executable, __file__],
-            env=env,
+            env={**env, "CUDA_VISIBLE_DEVICES": ""},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -133,6 +154,12 @@ class ForkedCli:
         line = self.server.stdout.readline()
         assert line, f"the CLI fork server ended (exit {self.server.poll()})"
         return Forked(**json.loads(line))
+
+    def probe(self) -> dict[str, object]:
+        """What the server's process sees of CUDA."""
+        self.server.stdin.write(json.dumps({"probe": True}) + "\n")
+        self.server.stdin.flush()
+        return json.loads(self.server.stdout.readline())
 
     def close(self) -> None:
         self.server.stdin.close()

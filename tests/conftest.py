@@ -79,7 +79,8 @@ def forked_cli(hermetic_env: dict[str, str]) -> Iterator[ForkedCli]:
 # A process forked from the warm server runs each command (the same `runner.cli.main`, exit
 # status and output), sparing each ~4 s of imports; a training of one process runs in it as in
 # a user's `runner`, and several processes start under elastic_launch as fresh interpreters.
-# A call with its own environment (read by torch and huggingface_hub at import) starts a fresh
+# A call with its own environment (read by torch and huggingface_hub at import), and every call
+# of a test marked `gpu` (the server sees no GPU: tests/cli_forks.py), starts a fresh
 # interpreter.
 FORKED_COMMANDS = {
     "train",
@@ -97,12 +98,24 @@ FORKED_COMMANDS = {
 }
 
 
+def forks(node: pytest.Item, args: tuple[str, ...], env: dict[str, str] | None) -> bool:
+    """Whether `runner_cli(*args, env=env)` in the test `node` runs in the fork server."""
+    if node.get_closest_marker("gpu") is not None:
+        return False
+    return env is None and bool(args) and args[0] in FORKED_COMMANDS
+
+
 @pytest.fixture
-def runner_cli(hermetic_env: dict[str, str], forked_cli: ForkedCli, tmp_path: Path):
+def runner_cli(
+    request: pytest.FixtureRequest,
+    hermetic_env: dict[str, str],
+    forked_cli: ForkedCli,
+    tmp_path: Path,
+):
     """Runs `runner ARGS...` as a user would; returns exit code and output."""
 
     def run(*args: str, cwd: Path = tmp_path, env: dict[str, str] | None = None) -> Result:
-        if env is None and args and args[0] in FORKED_COMMANDS:
+        if forks(request.node, args, env):
             forked = forked_cli(list(args), cwd, timeout_s=600)
             return Result(forked.returncode, forked.stdout, forked.stderr)
         proc = subprocess.run(
