@@ -95,6 +95,7 @@ class FinetuneRecipe:
             accumulation=cfg.gradient_accumulation_steps,
             epochs=cfg.epochs,
             seed=cfg.seed,
+            num_workers=cfg.dataset.num_workers,
         )
         self.total_steps = self.data.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:

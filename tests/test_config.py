@@ -103,6 +103,8 @@ def test_defaults_pick_what_runs_here(tmp_path: Path) -> None:
             "fp32",
             1,
         )
+    # Loader workers where the device leaves the CPU free to prepare batches.
+    assert recipe.dataset.num_workers == (2 if torch.cuda.is_available() else 0)
     # An explicit choice wins over the machine's default.
     assert resolve_recipe(compose_train(["dtype=bf16"]), tmp_path).dtype.name == "bf16"
 

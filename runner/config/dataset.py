@@ -58,6 +58,9 @@ class Dataset:
     packing: bool = flag(False)
     # Null: on wherever it is correct (padding_free).
     padding_free: Optional[bool] = flag(None)
+    # Processes that tokenize and collate batches beside each training process (null: by device,
+    # loader_workers()).
+    num_workers: Optional[int] = integer(None, 0)
     validation: Validation = field(default_factory=Validation)
     eval_samples: int = integer(200, 0)
     eval_max_new_tokens: int = integer(12, 1)
@@ -80,6 +83,7 @@ class DatasetRecipe:
     max_seq_len: int = MISSING
     packing: bool = False
     padding_free: bool = False
+    num_workers: int = 0
     validation: ValidationRecipe = field(default_factory=ValidationRecipe)
     # Held-out prompts for eval_exact_match, and the longest answer generated.
     eval_samples: int = 0
@@ -206,6 +210,15 @@ def _validation(held: DictConfig) -> ValidationRecipe:
         split=None if split is None else str(split),
         source=source,
     )
+
+
+def loader_workers(given: int | None, device: str) -> int:
+    """dataset.num_workers; null: none on the CPU, where a worker's tokenizing takes a core from
+    the training's own threads (scripts/bench_loader.py), and 2 per process on CUDA, where the
+    CPU would otherwise prepare each batch while the GPU waits."""
+    if given is not None:
+        return given
+    return 0 if device == "cpu" else 2
 
 
 def padding_free(dataset: DatasetRecipe, given: bool | None, model: ModelRecipe) -> bool:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.compute import Dtype, resolve_compute, resolve_dtype
-from runner.config.dataset import DatasetRecipe, padding_free, resolve_dataset
+from runner.config.compute import ComputeRecipe, Dtype, resolve_compute, resolve_dtype
+from runner.config.dataset import DatasetRecipe, loader_workers, padding_free, resolve_dataset
 from runner.config.evaluation import resolve_eval, resolve_objective
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_pairing, resolve_method
@@ -49,7 +49,7 @@ def resolve_recipe(
     built_once(model.builder, "model.builder")
     loss = resolve_loss(cfg.loss)
     method = resolve_method(cfg.method, model, run_dir, compute)
-    dataset = _dataset(cfg.dataset, model)
+    dataset = _dataset(cfg.dataset, model, compute)
     evaluation = resolve_eval(cfg)
     resolved = Recipe(
         run_dir=str(run_dir.resolve()),
@@ -72,11 +72,12 @@ def resolve_recipe(
     return typed_recipe
 
 
-def _dataset(dataset: DictConfig, model: ModelRecipe) -> DatasetRecipe:
-    """The dataset section, checked against the model (its length, its backend's batching); the
-    tokenizer cuts samples at its max_seq_len."""
+def _dataset(dataset: DictConfig, model: ModelRecipe, compute: ComputeRecipe) -> DatasetRecipe:
+    """The dataset section, checked against the model (its length, its backend's batching) and
+    the device (its loader workers); the tokenizer cuts samples at its max_seq_len."""
     resolved = resolve_dataset(dataset, model.builder["max_seq_len"])
     resolved.padding_free = padding_free(resolved, dataset.padding_free, model)
+    resolved.num_workers = loader_workers(dataset.num_workers, compute.device)
     if model.tokenizer is not None:
         # Samples are cut at dataset.max_seq_len (the model's when null).
         model.tokenizer["max_seq_len"] = resolved.max_seq_len

@@ -3,6 +3,7 @@ micro-batches (one group per optimizer step), from the saved position onwards.""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,10 @@ class EpochBatches:
         accumulation: int,
         epochs: int,
         seed: int,
+        num_workers: int = 0,
     ) -> None:
         self.dataset = dataset
+        self.num_workers = num_workers
         self.collate = collate
         self.world_size = place.world_size
         self.batch_size = batch_size
@@ -61,6 +64,8 @@ class EpochBatches:
                 batch_size=self.batch_size,
                 sampler=indices[start:],
                 collate_fn=self.collate,
+                num_workers=self.num_workers,
+                worker_init_fn=_leave_signals_to_the_trainer,
                 # Its own generator: a new iterator draws a seed from it, and drawing from the
                 # global RNG would shift dropout after a resume (which restores that RNG).
                 generator=torch.Generator(),
@@ -96,3 +101,12 @@ class EpochBatches:
                 "the global batch it was written with"
             )
         self.batches_done_in_epoch = state["samples_done_in_epoch"] // per_micro_batch
+
+
+def _leave_signals_to_the_trainer(_worker_id: int) -> None:
+    """A loader worker ignores SIGTERM and SIGINT: `runner stop` signals the launcher's whole
+    process group and Ctrl-C the terminal's, and a worker killed by either would fail the
+    training process's next batch before it saves its checkpoint. The trainer ends its workers
+    as it exits (and each ends on its own when the trainer is gone)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
