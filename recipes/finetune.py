@@ -128,8 +128,9 @@ class FinetuneRecipe:
         )
 
     def _resume(self) -> None:
-        """Continues from the run's latest whole checkpoint, if any; clears what an
-        interrupted save or an earlier attempt left behind."""
+        """Continues from the run's latest whole checkpoint, else from the checkpoint of another
+        run that load_checkpoint names, if any; clears what an interrupted save or an earlier
+        attempt left behind."""
         latest = self.run.latest_checkpoint()
         if self.is_rank_zero:
             for leftover in self.run.remove_leftovers():
@@ -137,6 +138,9 @@ class FinetuneRecipe:
             if latest is None and self.run.read_metrics():
                 # Restarted with no checkpoint: the steps are logged again from the first.
                 self.run.truncate_metrics(0)
+        if latest is None and self.cfg.resume_from is not None:
+            # load_checkpoint: another run's checkpoint, read where it is (a mount, read-only).
+            latest = Path(self.cfg.resume_from)
         if latest is not None:
             self._load_training_state(latest)
 

@@ -85,6 +85,20 @@ def hub_cache() -> str:
     return default_cache_dir()
 
 
+def mounted_checkpoint() -> str | None:
+    """load_checkpoint.path's default: the checkpoint the platform mounted, if any."""
+    from runner.config import load_checkpoint
+
+    return load_checkpoint.mounted()
+
+
+def load_mode(path: Any) -> str | None:
+    """load_checkpoint.mode's default: what load_checkpoint.path is."""
+    from runner.config import load_checkpoint
+
+    return load_checkpoint.mode(path)
+
+
 RESOLVERS: dict[str, Callable[..., Any]] = {
     "runner_asset": lambda name: str(ASSETS_DIR / name),
     "runner_run_dir": run_dir,
@@ -94,6 +108,8 @@ RESOLVERS: dict[str, Callable[..., Any]] = {
     "runner_parallel_jobs": parallel_jobs,
     "runner_platform": platform_value,
     "runner_hub_cache": hub_cache,
+    "runner_mounted_checkpoint": mounted_checkpoint,
+    "runner_load_mode": load_mode,
 }
 
 

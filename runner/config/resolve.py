@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config.compute import ComputeRecipe, Dtype, resolve_compute, resolve_dtype
 from runner.config.dataset import DatasetRecipe, loader_workers, padding_free, resolve_dataset
 from runner.config.evaluation import resolve_eval, resolve_objective
+from runner.config.load_checkpoint import resolve_load_checkpoint
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_pairing, resolve_method
 from runner.config.model import ModelRecipe, resolve_model
@@ -38,6 +39,9 @@ def resolve_recipe(
     left unresolved: None).
     """
     cfg = typed(cfg)
+    loaded_weights, resume_from = resolve_load_checkpoint(cfg, overrides)
+    if loaded_weights is not None:
+        cfg.model.source = loaded_weights
     check_pairing(cfg.method.name, cfg.dataset)
     compute = resolve_compute(cfg.compute)
     optimizer = resolve_optimizer(cfg.optimizer)
@@ -65,6 +69,7 @@ def resolve_recipe(
         runtime=runtime,
         eval=evaluation,
         objective=resolve_objective(cfg.objective, evaluation, cfg.dataset.eval_samples),
+        resume_from=resume_from,
         # The training keys that belong to no group, as given (typed and bounded by Train).
         **{key.name: cfg[key.name] for key in fields(Training)},
     )

@@ -46,6 +46,14 @@ class Training:
 
 
 @dataclass
+class LoadCheckpoint:
+    """load_checkpoint: a checkpoint to start from (runner.config.load_checkpoint)."""
+
+    path: Optional[str] = None
+    mode: Optional[str] = None
+
+
+@dataclass
 class Train(Training):
     """`runner train`: the training keys that belong to no group, and the config groups."""
 
@@ -59,6 +67,7 @@ class Train(Training):
     optimizer: Dict[str, Any] = field(default_factory=dict)
     seed: int = integer(0, 0)
     resume: Optional[str] = None
+    load_checkpoint: LoadCheckpoint = field(default_factory=LoadCheckpoint)
     objective: Objective = field(default_factory=Objective)
     eval: Eval = field(default_factory=Eval)
 
@@ -215,6 +224,9 @@ class Recipe(Training, RecipeSections):
 
     # Set by `runner repro --steps N`: end after step N without changing the schedule.
     stop_at_step: Optional[int] = None
+    # load_checkpoint in mode resume: another run's checkpoint to start from (the run's own
+    # latest whole checkpoint, where it has one, wins).
+    resume_from: Optional[str] = None
 
 
 def read_recipe(path: Path) -> DictConfig:

@@ -18,9 +18,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.schema import read_recipe, write_recipe
-from runner.errors import Diverged, UserError
+from runner.errors import Diverged
 from runner.rundir import STATES, RunDir, RunLocked, run_lock
 from runner.rundir.manifest import build_manifest, write_manifest
 from runner.train.launch import launch
@@ -42,9 +43,11 @@ def train(
     try:
         with _trainer_lock(cfg, run):
             return _train(cfg, run, overrides)
-    except UserError as err:
-        if isinstance(err, (RunLocked, Diverged)):
-            raise  # the directory is another trainer's, or a run's that trained
+    except Exception as err:
+        # Bad input, ours or met in an interpolation (a ${runner_*:} of the config).
+        user_error = as_user_error(err)
+        if user_error is None or isinstance(user_error, (RunLocked, Diverged)):
+            raise  # a bug; or the directory is another trainer's, or a run's that trained
         if new_here and cfg.resume is None and not keep_failed and not run.checkpoints():
             shutil.rmtree(run_dir, ignore_errors=True)
         raise

@@ -1,0 +1,122 @@
+"""load_checkpoint: a checkpoint a new run starts from, given or mounted by the platform.
+
+`load_checkpoint.path` is either a runner run directory, which the new run continues from its
+latest whole checkpoint (weights, optimizer, data position and step, read there and written in
+the new run directory: mode `resume`), or a model checkpoint (config.json and safetensors
+weights, as a step_N of a run or a published model is), whose weights the new run trains from as
+its model.source (mode `weights`). Its default is what the platform mounted: Baseten puts the
+checkpoints a job asked to load under BT_LOAD_CHECKPOINT_DIR; with one there, the job starts
+from it. A run that has checkpoints of its own (a restarted job) continues from those instead.
+`runner train --cfg job --resolve` shows the path and the mode.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.errors import UserError
+from runner.rundir import RECIPE_FILE, RunDir, checkpoint_problem, is_run_dir
+
+MOUNT_VAR = "BT_LOAD_CHECKPOINT_DIR"
+MODES = ("resume", "weights")
+
+
+def _mode(path: Path) -> str | None:
+    """resume (a run directory), weights (a model checkpoint) or None (neither)."""
+    if is_run_dir(path) and (path / RECIPE_FILE).is_file():
+        return "resume"
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "weights"
+    return None
+
+
+def mounted() -> str | None:
+    """load_checkpoint.path's default: the one checkpoint under BT_LOAD_CHECKPOINT_DIR (the
+    mount itself or a directory up to two levels below it), or None where nothing is mounted."""
+    mount = os.environ.get(MOUNT_VAR)
+    if not mount or not Path(mount).is_dir():
+        return None
+    root = Path(mount)
+    found: list[Path] = []
+    level = [root]
+    for _ in range(3):
+        below = []
+        for path in level:
+            if _mode(path) is not None:
+                found.append(path)
+            elif path.is_dir():
+                below.extend(sorted(p for p in path.iterdir() if p.is_dir()))
+        level = below
+    if len(found) > 1:
+        raise UserError(
+            "load_checkpoint.path",
+            f"${{{MOUNT_VAR}}}={mount}",
+            f"{len(found)} checkpoints are mounted there ({', '.join(map(str, found))}); "
+            "name the one to start from: load_checkpoint.path=PATH",
+        )
+    return str(found[0]) if found else None
+
+
+def mode(path: Any) -> str | None:
+    """load_checkpoint.mode: what load_checkpoint.path is (None where it is null)."""
+    if path is None:
+        return None
+    found = _mode(Path(str(path)))
+    if found is None:
+        raise UserError(
+            "load_checkpoint.path",
+            path,
+            "neither a runner run directory (with recipe.yaml and status.json) nor a model "
+            "checkpoint (config.json and *.safetensors); give one of those, or null",
+        )
+    return found
+
+
+def latest_whole_checkpoint(run: Path) -> Path:
+    """The newest whole checkpoint of a loaded run, read-only (a mount is not ours to tidy)."""
+    for _, checkpoint in reversed(RunDir(run).checkpoints()):
+        if not checkpoint_problem(checkpoint):
+            return checkpoint
+    raise UserError(
+        "load_checkpoint.path",
+        str(run),
+        "the run has no whole checkpoint to continue from; give a run that saved one, or null",
+    )
+
+
+def resolve_load_checkpoint(
+    cfg: DictConfig, overrides: Sequence[str]
+) -> tuple[str | None, str | None]:
+    """(model.source, resume_from) that load_checkpoint makes: the weights to train from in place
+    of the model option's source, or the checkpoint of another run to continue from."""
+    section = cfg.load_checkpoint
+    if section.path is None:
+        return None, None
+    path = Path(str(section.path)).resolve()
+    found = mode(path)
+    if section.mode not in MODES or (section.mode == "resume" and found != "resume"):
+        raise UserError(
+            "load_checkpoint.mode",
+            section.mode,
+            f"load_checkpoint.path={path} is a {'run' if found == 'resume' else 'model checkpoint'}"
+            f"; give {' or '.join(MODES) if found == 'resume' else 'weights'} (or leave the "
+            "default, which is what the path is)",
+        )
+    if section.mode == "weights":
+        if found == "resume":  # the weights of the run's latest whole checkpoint
+            path = latest_whole_checkpoint(path)
+        given = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") == "model.source"]
+        if given:
+            raise UserError(
+                "load_checkpoint.path",
+                str(path),
+                f"and {given[0]} both name the weights to start from; set "
+                "load_checkpoint.path=null to train from model.source",
+            )
+        return str(path), None
+    return None, str(latest_whole_checkpoint(path))

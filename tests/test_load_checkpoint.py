@@ -1,0 +1,112 @@
+"""load_checkpoint: a new run starts from another run or a model checkpoint, given or mounted by
+the platform (Baseten's BT_LOAD_CHECKPOINT_DIR)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import QUICK, losses
+
+STEPS = [
+    *QUICK,
+    "max_steps=4",
+    "runtime.save_every_n_steps=2",
+    "runtime.log_every_n_steps=1",
+    "dataset.eval_samples=0",
+    "gradient_accumulation_steps=2",
+    "batch_size=8",
+]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, forked_cli) -> Path:
+    """Four steps, checkpointed at steps 2 and 4."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    result = forked_cli(["train", *STEPS, f"hydra.run.dir={run}"], run.parent, timeout_s=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def mount_with(tmp_path: Path, *entries: tuple[str, Path]) -> dict[str, str]:
+    """A BT_LOAD_CHECKPOINT_DIR holding copies of `entries` (name, source) under a job folder."""
+    mount = tmp_path / "loaded_checkpoints"
+    for name, source in entries:
+        shutil.copytree(source, mount / "job-1" / name)
+    return {"BT_LOAD_CHECKPOINT_DIR": str(mount)}
+
+
+def test_a_mounted_run_is_continued_in_the_new_run(runner_cli, straight: Path, tmp_path: Path):
+    """The mounted run stopped after its step-2 checkpoint; the new job continues it with the
+    uninterrupted run's losses and leaves the mount as it was."""
+    env = mount_with(tmp_path, ("run", straight))
+    loaded = tmp_path / "loaded_checkpoints" / "job-1" / "run"
+    shutil.rmtree(loaded / "checkpoints" / "step_4")
+    shown = runner_cli("train", *STEPS, "--cfg", "job", "--resolve", env=env)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    section = OmegaConf.create(shown.stdout).load_checkpoint
+    assert (section.path, section.mode) == (str(loaded), "resume")
+    before = sorted(str(p.relative_to(loaded)) for p in loaded.rglob("*"))
+    run = tmp_path / "new"
+    result = runner_cli("train", *STEPS, f"hydra.run.dir={run}", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {loaded / 'checkpoints' / 'step_2'}" in result.stderr
+    assert sorted(losses(run)) == [3, 4]
+    assert losses(run) == {step: losses(straight)[step] for step in (3, 4)}  # bit for bit
+    assert sorted(str(p.relative_to(loaded)) for p in loaded.rglob("*")) == before
+
+
+def test_a_mounted_model_checkpoint_is_the_model_source(
+    runner_cli, straight: Path, tmp_path: Path
+) -> None:
+    env = mount_with(tmp_path, ("step_4", straight / "checkpoints" / "step_4"))
+    loaded = tmp_path / "loaded_checkpoints" / "job-1" / "step_4"
+    run = tmp_path / "new"
+    result = runner_cli("train", *STEPS, "max_steps=1", f"hydra.run.dir={run}", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    recipe = OmegaConf.load(run / "recipe.yaml")
+    assert (recipe.model.source, recipe.resume_from) == (str(loaded), None)
+    assert sorted(losses(run)) == [1]
+    # Trained from the step-4 weights: its first loss is below the first of the run that made them.
+    assert losses(run)[1] < losses(straight)[1]
+
+
+def test_a_run_given_with_mode_weights_gives_its_latest_weights(
+    runner_cli, straight: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "new"
+    given = [f"load_checkpoint.path={straight}", "load_checkpoint.mode=weights"]
+    result = runner_cli("train", *STEPS, *given, "max_steps=1", f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert OmegaConf.load(run / "recipe.yaml").model.source == str(
+        straight / "checkpoints" / "step_4"
+    )
+
+
+@pytest.mark.parametrize(
+    "case", ["two_mounted", "not_a_checkpoint", "both_sources", "resume_a_model"]
+)
+def test_what_cannot_be_started_from_is_refused_by_name(
+    runner_cli, straight: Path, tmp_path: Path, case: str
+) -> None:
+    step = straight / "checkpoints" / "step_4"
+    env, extra = None, []
+    if case == "two_mounted":
+        env = mount_with(tmp_path, ("a", step), ("b", straight))
+        wanted = "2 checkpoints are mounted there"
+    elif case == "not_a_checkpoint":
+        extra, wanted = [f"load_checkpoint.path={tmp_path}"], "neither a runner run directory"
+    elif case == "both_sources":
+        env = mount_with(tmp_path, ("step_4", step))
+        extra, wanted = [f"model.source={step}"], "both name the weights to start from"
+    else:
+        extra = [f"load_checkpoint.path={step}", "load_checkpoint.mode=resume"]
+        wanted = "is a model checkpoint; give weights"
+    run = tmp_path / "new"
+    result = runner_cli("train", *STEPS, *extra, f"hydra.run.dir={run}", env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "load_checkpoint." in result.stderr and wanted in result.stderr, result.stderr
+    assert not run.exists()
