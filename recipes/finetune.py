@@ -31,12 +31,13 @@ import torch
 from omegaconf import DictConfig
 
 from runner.components import instantiate
-from runner.data import Split, training_splits
+from runner.data import Split, training_splits, validation_split
+from runner.data.stream import StreamSplit
 from runner.models.backends import backend_for, set_output_chunks
 from runner.models.checkpoint import read_training_state
 from runner.rundir import RunDir
 from runner.train import checkpointing, parallel, process
-from runner.train.batches import Batch, EpochBatches
+from runner.train.batches import Batch, EpochBatches, StreamBatches
 from runner.train.evaluate import eval_due, new_best, validation_shares
 from runner.train.methods import METHODS
 from runner.train.optimization import Optimization
@@ -83,20 +84,7 @@ class FinetuneRecipe:
         self.objective = self.method.objective(
             self.place, self.tokenizer, dataset=cfg.dataset, method=cfg.method
         )
-        # resolve.py made sure that a run that evaluates has a validation split.
-        dataset, self.validation = training_splits(
-            cfg.dataset, self.tokenizer, validation=cfg.eval.strategy != "no"
-        )
-        self.data = EpochBatches(
-            dataset,
-            self.objective.collate,
-            self.place,
-            batch_size=cfg.batch_size,
-            accumulation=cfg.gradient_accumulation_steps,
-            epochs=cfg.epochs,
-            seed=cfg.seed,
-            num_workers=cfg.dataset.num_workers,
-        )
+        self.data = self._batches()
         self.total_steps = self.data.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -117,6 +105,39 @@ class FinetuneRecipe:
         self.objective.attach(self.model, loss_fn, reference)
         self._resume()
         self.reporter.start_trackers(cfg)
+
+    def _batches(self) -> EpochBatches | StreamBatches:
+        """The training batches, of the split read whole or as a stream; sets self.validation
+        (resolve.py made sure that a run that evaluates has a validation split)."""
+        cfg, tokenizer = self.cfg, self.tokenizer
+        evaluates = cfg.eval.strategy != "no"
+        common = {"batch_size": cfg.batch_size, "accumulation": cfg.gradient_accumulation_steps}
+        if cfg.dataset.streaming:
+            self.validation = validation_split(cfg.dataset, tokenizer) if evaluates else None
+
+            def reader(index: int, readers: int) -> StreamSplit:
+                return StreamSplit(
+                    cfg.dataset, tokenizer, reader=index, readers=readers, seed=cfg.seed
+                )
+
+            return StreamBatches(
+                reader,
+                self.objective.collate,
+                self.place,
+                **common,
+                max_steps=cfg.max_steps,
+                num_workers=cfg.dataset.num_workers,
+            )
+        dataset, self.validation = training_splits(cfg.dataset, tokenizer, validation=evaluates)
+        return EpochBatches(
+            dataset,
+            self.objective.collate,
+            self.place,
+            **common,
+            epochs=cfg.epochs,
+            seed=cfg.seed,
+            num_workers=cfg.dataset.num_workers,
+        )
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return parallel.prepare_model(
@@ -216,10 +237,11 @@ class FinetuneRecipe:
         model_state = self.weights.gather(self.model)
         optimizer_state = self.optim.state(self.model)
         rng_per_rank = checkpointing.rng_per_rank(self.place)
+        position = self.data.position()
         if self.is_rank_zero:
             training_state = {
                 "step": self.step,
-                **self.data.position(),
+                **position,
                 **optimizer_state,
                 "rng_per_rank": rng_per_rank,
                 "world_size": self.place.world_size,

@@ -61,6 +61,10 @@ class Dataset:
     # Processes that tokenize and collate batches beside each training process (null: by device,
     # loader_workers()).
     num_workers: Optional[int] = integer(None, 0)
+    # Read the training split as a stream (runner.data.stream), shuffled in windows of
+    # shuffle_buffer records of each reader's share.
+    streaming: bool = flag(False)
+    shuffle_buffer: int = integer(10000, 1)
     validation: Validation = field(default_factory=Validation)
     eval_samples: int = integer(200, 0)
     eval_max_new_tokens: int = integer(12, 1)
@@ -84,6 +88,8 @@ class DatasetRecipe:
     packing: bool = False
     padding_free: bool = False
     num_workers: int = 0
+    streaming: bool = False
+    shuffle_buffer: int = 10000
     validation: ValidationRecipe = field(default_factory=ValidationRecipe)
     # Held-out prompts for eval_exact_match, and the longest answer generated.
     eval_samples: int = 0
@@ -122,6 +128,8 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
             "dataset.packing", True, "preference pairs are not packed; set dataset.packing=false"
         )
     data_format = source_format("dataset.source", source, dataset.format)
+    if dataset.streaming:
+        _check_stream(dataset, data_format)
     return DatasetRecipe(
         kind=kind,
         format=data_format,
@@ -134,10 +142,50 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
         new_system_prompt=dataset.new_system_prompt if kind != "text" else None,
         max_seq_len=max_seq_len or model_max_seq_len,
         packing=dataset.packing,
+        streaming=dataset.streaming,
+        shuffle_buffer=dataset.shuffle_buffer,
         validation=_validation(dataset.validation),
         eval_samples=dataset.eval_samples,
         eval_max_new_tokens=dataset.eval_max_new_tokens,
     )
+
+
+def _check_stream(dataset: DictConfig, data_format: str) -> None:
+    """What a stream cannot do: whole-split packing, pairs, XML, a share held out of it."""
+    refusals = [
+        ("kind", dataset.kind == "preference", "preference pairs are read whole"),
+        ("format", data_format == "xml", "XML files are parsed whole"),
+        (
+            "packing",
+            dataset.packing,
+            "a stream is packed batch by batch (dataset.padding_free), not ahead of training",
+        ),
+        (
+            "validation.held_out",
+            dataset.validation.held_out is not None,
+            "a share cannot be held out of a stream; name a validation split or source",
+        ),
+    ]
+    for key, refused, why in refusals:
+        if refused:
+            value = data_format if key == "format" else OmegaConf.select(dataset, key)
+            raise UserError(
+                f"dataset.{key}", value, f"{why}; set it otherwise, or dataset.streaming=false"
+            )
+
+
+def check_stream_steps(streaming: bool, max_steps: int | None, eval_strategy: str) -> None:
+    """A stream has no length: max_steps ends the run, and there is no epoch to evaluate at."""
+    if streaming and max_steps is None:
+        raise UserError(
+            "max_steps", None, "dataset.streaming=true: a stream has no length; give max_steps=N"
+        )
+    if streaming and eval_strategy == "epoch":
+        raise UserError(
+            "eval.strategy",
+            "epoch",
+            "dataset.streaming=true: a stream has no epochs; give eval.strategy=steps or no",
+        )
 
 
 def _column_map(kind: str, given: DictConfig) -> dict[str, str | None]:

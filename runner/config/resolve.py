@@ -15,7 +15,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config.compute import ComputeRecipe, Dtype, resolve_compute, resolve_dtype
-from runner.config.dataset import DatasetRecipe, loader_workers, padding_free, resolve_dataset
+from runner.config.dataset import (
+    DatasetRecipe,
+    check_stream_steps,
+    loader_workers,
+    padding_free,
+    resolve_dataset,
+)
 from runner.config.evaluation import resolve_eval, resolve_objective
 from runner.config.load_checkpoint import resolve_load_checkpoint
 from runner.config.loss import built_once, resolve_loss
@@ -55,6 +61,7 @@ def resolve_recipe(
     method = resolve_method(cfg.method, model, run_dir, compute)
     dataset = _dataset(cfg.dataset, model, compute)
     evaluation = resolve_eval(cfg)
+    check_stream_steps(dataset.streaming, cfg.max_steps, evaluation.strategy)
     resolved = Recipe(
         run_dir=str(run_dir.resolve()),
         seed=cfg.seed,

@@ -7,6 +7,7 @@
   file, the row (counting records from 1) and the column;
 - transforms: records -> tokenized samples, and samples -> batches;
 - splits: the training and validation splits of a run, each read and checked once;
+- stream: a training split read as a stream, window by window (dataset.streaming);
 - prompts: validation records as generation prompts for eval;
 - preference: preference records (prompt, chosen, rejected) -> tokenized pairs -> batches.
 
@@ -20,7 +21,13 @@ from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, KINDS, SFT_KINDS
 from runner.data.preference import PreferenceSplit, answer_log_probs, collate_preference
 from runner.data.prompts import EvalPrompt, eval_prompts
 from runner.data.sources import FORMATS, local_source, source_format
-from runner.data.splits import Split, check_datasets, train_dataset, training_splits
+from runner.data.splits import (
+    Split,
+    check_datasets,
+    train_dataset,
+    training_splits,
+    validation_split,
+)
 from runner.data.transforms import CROSS_ENTROPY_IGNORE_IDX, TokenizedSplit, collate
 
 __all__ = [
@@ -44,4 +51,5 @@ __all__ = [
     "source_format",
     "train_dataset",
     "training_splits",
+    "validation_split",
 ]

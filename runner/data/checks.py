@@ -330,7 +330,22 @@ def checked_split(
         raise UserError(
             split_key, split, f"{source} has no records in this split; give a split that holds some"
         )
-    check_records(records, data, key=source_key)
+    checked = checked_records(records, data, tokenizer, key=source_key)
+    if checked is None:
+        raise UserError(
+            split_key,
+            split,
+            f"{source} has only blank lines in this split; give a split that holds some text",
+        )
+    return checked
+
+
+def checked_records(
+    records: Records, data: Mapping[str, Any], tokenizer: ChatTokenizer, *, key: str
+) -> TokenizedSplit | PreferenceSplit | None:
+    """`records` checked, ready to tokenize on access; None where only blank text is left.
+    `key` is the source's config key, for the messages."""
+    check_records(records, data, key=key)
     kind, column_map = data["kind"], data["column_map"]
     if kind == "text":
         text = records.table.data.column(column_map["text"])
@@ -338,18 +353,14 @@ def checked_split(
         records.kept = np.flatnonzero(~blank)
         records.table = records.table.select(records.kept)
         if len(records.table) == 0:
-            raise UserError(
-                split_key,
-                split,
-                f"{source} has only blank lines in this split; give a split that holds some text",
-            )
+            return None
     records.table = records.table.select_columns([c for c in column_map.values() if c])
     if kind == "preference":
-        _check_preferences(records, data, tokenizer, key=source_key)
+        _check_preferences(records, data, tokenizer, key=key)
         return PreferenceSplit(records.table, data, tokenizer)
     tokenized = TokenizedSplit(records.table, data, tokenizer)
     if kind == "chat":
-        sizes, messages = _check_conversations(records, data, key=source_key)
+        sizes, messages = _check_conversations(records, data, key=key)
         _check_trainable(tokenized, records, sizes, messages, data, tokenizer)
     elif kind == "instruct":
         sizes, count = _instruct_prompts(records, data)

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ BUILDERS = {
     "arrow": "arrow",
     "text": "text",
 }
+# Records read from a streamed file at a time.
+STREAM_CHUNK = 1000
 SPLIT_PART = re.compile(r"^\s*([\w.-]+)\s*(\[[^\]]*\])?\s*$")
 
 
@@ -120,6 +123,49 @@ def split_files(key: str, source: str, data_format: str) -> dict[str, list[str]]
             "give a file or directory of them, or set dataset.format",
         )
     return splits
+
+
+def stream_files(key: str, source: str, data_format: str, split_key: str, split: str) -> list[str]:
+    """The files of a split (or of splits joined by +) to read as a stream, which takes no slice."""
+    files_by_split = split_files(key, source, data_format)
+    names = [part.strip() for part in split.split("+")]
+    for name in names:
+        match = SPLIT_PART.match(name)
+        if match is None or match.group(2) or name not in files_by_split:
+            raise UserError(
+                split_key,
+                split,
+                f"a stream reads whole splits, and {source} has the split(s) "
+                f"{sorted(files_by_split)}: name one of them (no slice)",
+            )
+    return [file for name in names for file in files_by_split[name]]
+
+
+def stream_records(key: str, source: str, data_format: str, file: str) -> Iterator[dict[str, Any]]:
+    """The records of one data file in order, read as a stream (datasets' IterableDataset): only
+    a chunk of the file is in memory at a time. A file that does not read is a UserError naming
+    it (and the line and column, for a text format)."""
+    if os.path.getsize(file) == 0:
+        return
+    builder = BUILDERS[data_format]
+    options: dict[str, Any] = {}
+    if builder == "csv":
+        # A CSV cell has no type: read every column as text (an empty cell is null).
+        with open(file, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), [])
+        options["features"] = datasets.Features({c: datasets.Value("string") for c in header})
+    try:
+        stream = datasets.load_dataset(
+            builder, data_files=[file], split="train", streaming=True, **options
+        )
+        # In batches: `iter` reads the whole file also in a DataLoader worker, where iterating
+        # the stream itself would give each worker only some of the files.
+        for batch in stream.iter(batch_size=STREAM_CHUNK):
+            columns = list(batch)
+            for row in range(len(batch[columns[0]]) if columns else 0):
+                yield {column: batch[column][row] for column in columns}
+    except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
+        raise _read_error(key, source, data_format, [file], err) from err
 
 
 def _read(

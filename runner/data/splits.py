@@ -67,14 +67,21 @@ def _splits(
     if held["held_out"] is not None:
         train, held_out = _held_out(train, held["held_out"], held["seed"], data, tokenizer)
         return train, held_out if validation else None
-    if not validation or (held["source"] is None and held["split"] is None):
-        return train, None
+    return train, validation_split(data, tokenizer) if validation else None
+
+
+def validation_split(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> Split | None:
+    """The validation split named by a split or a separate source, read and checked whole; None
+    where there is none (a held-out share is drawn from the training split: _splits)."""
+    held = data["validation"]
+    if held["source"] is None and held["split"] is None:
+        return None
     # A separate source, or a named split of the training source.
     if held["source"] is not None:
         source_key, source = "dataset.validation.source", held["source"]
     else:
         source_key, source = "dataset.source", data["source"]
-    checked = checked_split(
+    return checked_split(
         data,
         tokenizer,
         source_key=source_key,
@@ -82,7 +89,6 @@ def _splits(
         split_key="dataset.validation.split",
         split=held["split"],
     )
-    return train, checked
 
 
 # ---- what the recipe, the checks and eval read ----------------------------------------------
@@ -109,7 +115,11 @@ def train_dataset(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> Dataset:
 
 
 def check_datasets(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> dict[str, int]:
-    """Reads and checks every split whole; records per split. Raises one UserError if not."""
+    """Reads and checks every split whole; records per split. Raises one UserError if not.
+    A streamed training split is checked as it is read (runner.data.stream): only validation."""
+    if data["streaming"]:
+        held = validation_split(data, tokenizer)
+        return {} if held is None else {"validation": len(held)}
     train, validation = _splits(data, tokenizer, validation=True)
     found = {"train": len(train)}
     if validation is not None:

@@ -1,5 +1,6 @@
-"""The training data in optimizer steps: this rank's share of each epoch, in groups of
-micro-batches (one group per optimizer step), from the saved position onwards."""
+"""The training data in optimizer steps: this rank's share of each epoch (EpochBatches) or of a
+stream (StreamBatches), in groups of micro-batches (one group per optimizer step), from the
+saved position onwards."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+import torch.distributed as dist
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    get_worker_info,
+)
 
+from runner.data.stream import START, Position, StreamSplit
+from runner.errors import UserError
 from runner.train.parallel import Placement
 
 Batch = dict[str, torch.Tensor]
@@ -91,6 +101,13 @@ class EpochBatches:
 
     def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
         """Continues from a training state's position (written at any world size)."""
+        if "stream" in state:
+            raise UserError(
+                "dataset.streaming",
+                False,
+                f"{checkpoint} was written by a run that read its data as a stream; resume it "
+                "with dataset.streaming=true",
+            )
         self.epoch = state["epoch"]
         # Micro-batches of this rank: checkpoints move between world sizes at one global batch.
         per_micro_batch = self.batch_size * self.world_size
@@ -101,6 +118,120 @@ class EpochBatches:
                 "the global batch it was written with"
             )
         self.batches_done_in_epoch = state["samples_done_in_epoch"] // per_micro_batch
+
+
+# The stream reader of a rank: StreamSplit(reader=rank, readers=world size) of the split.
+MakeReader = Callable[[int, int], StreamSplit]
+
+
+class _RankStream(IterableDataset[tuple[Batch, Position]]):
+    """This rank's micro-batches from `position` on, each with the position after it. With K
+    DataLoader workers, worker w makes the batches w, w + K, ... (counted from `position`, as
+    the loader takes them in turn from worker 0): each reads the rank's whole share and
+    tokenizes only its own batches' samples."""
+
+    def __init__(
+        self,
+        make_reader: MakeReader,
+        collate: Callable[[list[dict[str, Any]]], Batch],
+        place: Placement,
+        *,
+        batch_size: int,
+        position: Position,
+    ) -> None:
+        self.make_reader, self.collate, self.batch_size = make_reader, collate, batch_size
+        self.rank, self.world_size, self.position = place.rank, place.world_size, position
+
+    def __iter__(self) -> Iterator[tuple[Batch, Position]]:
+        worker = get_worker_info()
+        workers, me = (worker.num_workers, worker.id) if worker is not None else (1, 0)
+
+        def mine(count: int) -> bool:
+            return (count // self.batch_size) % workers == me
+
+        reader = self.make_reader(self.rank, self.world_size)
+        pending: list[dict[str, Any]] = []
+        for count, (sample, position) in enumerate(reader.samples(self.position, mine)):
+            if sample is not None:
+                pending.append(sample)
+            if (count + 1) % self.batch_size == 0 and pending:
+                yield self.collate(pending), position
+                pending = []
+
+
+class StreamBatches:
+    """A stream in global batches of batch_size x ranks x accumulation samples, max_steps of
+    them (a stream has no length). The position of each rank's reader
+    (runner.data.stream.Position) goes into every checkpoint, so that a resumed run reads on
+    from the next sample of each, on as many processes (with any number of workers)."""
+
+    def __init__(
+        self,
+        make_reader: MakeReader,
+        collate: Callable[[list[dict[str, Any]]], Batch],
+        place: Placement,
+        *,
+        batch_size: int,
+        accumulation: int,
+        max_steps: int,
+        num_workers: int,
+    ) -> None:
+        self.make_reader, self.collate, self.place = make_reader, collate, place
+        self.batch_size, self.accumulation = batch_size, accumulation
+        self.num_workers = num_workers
+        # One "epoch": the run (evaluation by epoch is refused for a stream).
+        self.steps_per_epoch = max_steps
+        self.reader_position: Position = START
+
+    def __iter__(self) -> Iterator[list[Batch]]:
+        stream = _RankStream(
+            self.make_reader,
+            self.collate,
+            self.place,
+            batch_size=self.batch_size,
+            position=self.reader_position,
+        )
+        loader = DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            worker_init_fn=_leave_signals_to_the_trainer,
+        )
+        group = []
+        for batch, position in loader:
+            group.append(batch)
+            if len(group) == self.accumulation:
+                self.reader_position = (position[0], position[1], position[2])
+                yield group
+                group = []
+
+    def position(self) -> dict[str, Any]:
+        """The training state's stream position: each rank's reader's (every rank joins)."""
+        gathered: list[Any] = [list(self.reader_position)]
+        if self.place.world_size > 1:
+            gathered = [None] * self.place.world_size
+            dist.all_gather_object(gathered, list(self.reader_position))
+        return {"stream": gathered}
+
+    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """Continues each rank's reader from its position (as many processes only)."""
+        if "stream" not in state:
+            raise UserError(
+                "dataset.streaming",
+                True,
+                f"{checkpoint} was written by a run that read its data whole; resume it with "
+                "dataset.streaming=false",
+            )
+        saved = state["stream"]
+        if len(saved) != self.place.world_size:
+            raise UserError(
+                "compute.nproc_per_node",
+                self.place.world_size,
+                f"{checkpoint} read its stream with {len(saved)} process(es), each its own share "
+                "of the records; resume it on as many",
+            )
+        epoch, window, index = saved[self.place.rank]
+        self.reader_position = (epoch, window, index)
 
 
 def _leave_signals_to_the_trainer(_worker_id: int) -> None:

@@ -121,8 +121,14 @@ def _check_data(recipe: DictConfig) -> None:
 
     started = time.perf_counter()
     found = check_datasets(recipe.dataset, instantiate(recipe.model.tokenizer))
-    records = ", ".join(f"{n} {split}" for split, n in found.items())
+    records = ", ".join(f"{n} {split}" for split, n in found.items()) or "no"
     log.info("data: %s records checked in %.1f s", records, time.perf_counter() - started)
+    if recipe.dataset.streaming:
+        log.warning(
+            "dataset.streaming: the training split is checked window by window as it is read "
+            "(%d records of each reader at a time); a bad record stops the run there",
+            recipe.dataset.shuffle_buffer,
+        )
 
 
 def _print_summary(run: RunDir) -> None:

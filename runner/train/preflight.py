@@ -159,6 +159,19 @@ def estimate(recipe: DictConfig) -> Estimate:
     )
     if recipe.model.tokenizer is None:
         return model_only
+    if recipe.dataset.streaming:
+        # A stream is not read ahead: a batch of samples of max_seq_len tokens bounds it.
+        values, logits_bytes = _activations(recipe, recipe.dataset.max_seq_len)
+        streamed = _Data([], values, logits_bytes)
+        return dataclasses.replace(
+            model_only,
+            activations_bytes=streamed.activations_bytes(recipe.dtype.name),
+            longest_sample=recipe.dataset.max_seq_len,
+            total_by_dtype={
+                dtype: sum(state_bytes(dtype)) + streamed.activations_bytes(dtype)
+                for dtype in BYTES
+            },
+        )
     data = _measure_data(recipe)
     global_batch = recipe.batch_size * world * recipe.gradient_accumulation_steps
     return dataclasses.replace(
@@ -307,6 +320,9 @@ def print_estimate(recipe: DictConfig, found: Estimate) -> None:
         + ", ".join(f"{name} {_gib(total)}" for name, total in found.total_by_dtype.items())
         + " per device"
     )
+    if found.tokens_per_epoch is None or found.steps_per_epoch is None:
+        print(f"data           a stream, read as it trains ({recipe.max_steps:,} steps)")
+        return
     print(
         f"data           {found.tokens_per_epoch:,} tokens per epoch, "
         f"{found.steps_per_epoch:,} optimizer steps per epoch"

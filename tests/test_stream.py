@@ -1,0 +1,184 @@
+"""dataset.streaming: records read as they come, sharded across processes, checked window by
+window, resumed exactly; the same batches with any number of loader workers."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runner.data.stream import START, StreamSplit
+from runner.errors import UserError
+from tests.conftest import QUICK, losses
+from tests.test_data import data, tokenizer, trained_text, write
+
+RECORDS = 120
+
+
+def corpus(tmp_path: Path, count: int = RECORDS, files: int = 3) -> Path:
+    """`count` instruct records (answer a<i>) over `files` parquet files of a directory, named
+    as the hub names a train split's shards."""
+    folder = tmp_path / "corpus"
+    rows = [
+        {"instruction": f"Reverse word {i}.", "input": "", "output": f"a{i}"} for i in range(count)
+    ]
+    per_file = -(-count // files)
+    for n in range(files):
+        shard = folder / f"train-{n:05d}-of-{files:05d}.parquet"
+        write(rows[n * per_file : (n + 1) * per_file], shard)
+    return folder
+
+
+def answers(split: StreamSplit, count: int) -> list[str]:
+    tok = tokenizer()
+    found = []
+    for sample, _ in split.samples(START, lambda n: True):
+        found.append(trained_text(sample, tok).removesuffix("<|eot_id|>"))
+        if len(found) == count:
+            return found
+    raise AssertionError("the stream ended")
+
+
+def stream_data(folder: Path, *overrides: str) -> dict:
+    return data(
+        "dataset=instruct",
+        f"dataset.source={folder}",
+        "dataset.format=parquet",
+        "dataset.streaming=true",
+        "dataset.shuffle_buffer=16",
+        *overrides,
+    )
+
+
+def test_each_process_reads_its_own_share_and_together_all(tmp_path: Path) -> None:
+    folder = corpus(tmp_path)
+    recipe = stream_data(folder)
+    shares = [
+        answers(StreamSplit(recipe, tokenizer(), reader=rank, readers=3, seed=0), RECORDS // 3)
+        for rank in range(3)
+    ]
+    seen = [answer for share in shares for answer in share]
+    assert sorted(seen) == sorted(f"a{i}" for i in range(RECORDS))  # each once, none twice
+    # Shuffled within windows of 16 records of each share: not in file order.
+    assert shares[0] != sorted(shares[0], key=lambda a: int(a[1:]))
+    # The next pass is shuffled anew.
+    split = StreamSplit(recipe, tokenizer(), reader=0, readers=3, seed=0)
+    both = answers(split, 2 * (RECORDS // 3))
+    assert sorted(both[: RECORDS // 3]) == sorted(both[RECORDS // 3 :])
+    assert both[: RECORDS // 3] != both[RECORDS // 3 :]
+
+
+def test_a_resumed_reader_continues_with_the_next_sample(tmp_path: Path) -> None:
+    recipe = stream_data(corpus(tmp_path, files=1))
+    whole = StreamSplit(recipe, tokenizer(), reader=1, readers=2, seed=3)
+    positions, straight = [], []
+    for sample, position in whole.samples(START, lambda n: True):
+        straight.append(sample["tokens"])
+        positions.append(position)
+        if len(straight) == 100:  # past a pass of 60 records
+            break
+    for cut in (5, 16, 59, 60, 77):
+        again = StreamSplit(recipe, tokenizer(), reader=1, readers=2, seed=3)
+        rest = [
+            s["tokens"]
+            for s, _ in zip_n(again.samples(positions[cut - 1], lambda n: True), 100 - cut)
+        ]
+        assert rest == straight[cut:], cut
+
+
+def zip_n(items, count: int) -> list:
+    found = []
+    for item in items:
+        found.append(item)
+        if len(found) == count:
+            break
+    return found
+
+
+def test_a_bad_record_mid_stream_names_its_file_and_row(tmp_path: Path) -> None:
+    folder = tmp_path / "corpus"
+    rows = [
+        {"instruction": f"Reverse word {i}.", "input": "", "output": f"a{i}"} for i in range(80)
+    ]
+    rows[57]["output"] = None
+    write(rows, folder / "train.jsonl")
+    split = StreamSplit(
+        stream_data(folder, "dataset.format=jsonl"), tokenizer(), reader=0, readers=1, seed=0
+    )
+    taken = 0
+    with pytest.raises(UserError, match=r"train.jsonl row 58, column 'output'") as caught:
+        for _ in split.samples(START, lambda n: True):
+            taken += 1
+    assert taken == 48  # the three whole windows of 16 before it trained
+    assert caught.value.key == "dataset.source"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("dataset.packing=true", "dataset.packing"),
+        ("dataset.validation.held_out=5%", "dataset.validation.held_out"),
+    ],
+)
+def test_what_a_stream_cannot_do_is_refused_by_name(tmp_path: Path, override: str, key: str):
+    with pytest.raises(UserError) as caught:
+        stream_data(corpus(tmp_path, files=1), override)
+    assert caught.value.key == key and "dataset.streaming=false" in str(caught.value)
+
+
+STREAM = [
+    *QUICK,
+    "dataset=instruct",
+    "dataset.format=parquet",
+    "dataset.streaming=true",
+    "dataset.shuffle_buffer=32",
+    "runtime.log_every_n_steps=1",
+    "dataset.eval_samples=0",
+    "eval.strategy=no",
+    "batch_size=4",
+]
+
+
+def test_a_stream_needs_max_steps_and_whole_splits(runner_cli, tmp_path: Path) -> None:
+    folder = corpus(tmp_path)
+    for extra, wanted in (
+        (["max_steps=null"], "max_steps=None: dataset.streaming=true: a stream has no length"),
+        (["max_steps=2", "dataset.split='train[:50%]'"], "a stream reads whole splits"),
+    ):
+        result = runner_cli("train", *STREAM, f"dataset.source={folder}", *extra)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert wanted in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("nproc, workers", [(1, 2), (2, 0)])
+def test_a_killed_stream_resumes_with_the_straight_runs_losses(
+    runner_cli, tmp_path: Path, nproc: int, workers: int
+) -> None:
+    """8 steps straight; the same cut after its step-4 checkpoint and resumed: the same per-step
+    losses, bit for bit; and with loader workers, the same as with none."""
+    folder = corpus(tmp_path)
+    common = [*STREAM, f"dataset.source={folder}", f"compute.nproc_per_node={nproc}"]
+    common += ["max_steps=8", "runtime.save_every_n_steps=4"]
+
+    def train(run: Path, *extra: str) -> dict[int, float]:
+        result = runner_cli("train", *common, *extra, f"hydra.run.dir={run}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return losses(run)
+
+    straight_dir = tmp_path / "straight"
+    straight = train(straight_dir, f"dataset.num_workers={workers}")
+    assert sorted(straight) == list(range(1, 9))
+    if workers:
+        assert train(tmp_path / "none", "dataset.num_workers=0") == straight
+    # The same run killed right after its step-4 checkpoint: drop what came later.
+    cut = tmp_path / "cut"
+    shutil.copytree(straight_dir, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_8")
+    (cut / "recipe.yaml").write_text(
+        (cut / "recipe.yaml").read_text().replace(str(straight_dir), str(cut))
+    )
+    resumed = runner_cli("train", f"resume={cut}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {cut / 'checkpoints' / 'step_4'}" in resumed.stderr
+    assert losses(cut) == straight
