@@ -875,3 +875,26 @@ def test_deploy_answers_as_transformers_generate_does(
         assert count == len(new)
         ended = new[:-1] if new[-1] in loaded.eos_token_ids else new
         assert text == loaded.tokenizer.decode(ended, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_on_the_output_projection_builds_where_untied_and_is_refused_where_tied(
+    checkpoints: dict[str, Path], family: str, tmp_path: Path
+) -> None:
+    """method.apply_lora_to_output: refused before launch, naming the key, where the output
+    projection is the embeddings (Gemma's always); built by the family's LoRA twin elsewhere
+    (Llama 3.2's builder untied included, which torchtune's lora_llama3_2 refuses)."""
+    source = checkpoints[family]
+    overrides = ["compute=cpu", "model=hf", f"model.source={source}", "method=lora"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, "method.apply_lora_to_output=true"])
+    if read_config(source)["tie_word_embeddings"]:
+        with pytest.raises(UserError) as err:
+            resolve_recipe(cfg, tmp_path / "run")
+        assert err.value.key == "method.apply_lora_to_output"
+        assert "ties its output projection" in err.value.fix
+        return
+    recipe = resolve_recipe(cfg, tmp_path / "run")
+    with torch.device("meta"):
+        model = instantiate(OmegaConf.merge(recipe.model.builder, recipe.method.builder))
+    assert hasattr(model.output, "lora_a"), type(model.output)
