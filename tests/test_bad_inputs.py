@@ -135,6 +135,16 @@ CASES = [
         "estimate method=lora method.lora_attn_modules=[foo_proj]",
         "method.lora_attn_modules=",
     ),
+    case(
+        "method-mlp-adapters-only",
+        "estimate method=lora method.lora_attn_modules=[] method.apply_lora_to_mlp=true",
+        "method.lora_attn_modules=",
+    ),
+    case(
+        "method-output-tied",
+        "train method=lora method.apply_lora_to_output=true model.builder.tie_word_embeddings=true",
+        "method.apply_lora_to_output=",
+    ),
     # optimizer
     case("optimizer-lr-type", "estimate optimizer.lr=fast", "optimizer.lr="),
     case("optimizer-betas-short", "train optimizer.betas=[0.9]", "optimizer.betas"),

@@ -24,6 +24,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from runner.components import instantiate
+from runner.config.dataset import check_packing
 from runner.config.model import resolve_model
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
@@ -898,3 +899,16 @@ def test_lora_on_the_output_projection_builds_where_untied_and_is_refused_where_
     with torch.device("meta"):
         model = instantiate(OmegaConf.merge(recipe.model.builder, recipe.method.builder))
     assert hasattr(model.output, "lora_a"), type(model.output)
+
+
+def test_packing_gemma2_on_a_gpu_is_refused_before_launch(checkpoints: dict[str, Path]) -> None:
+    """Packs on a GPU get flex attention's block mask, on which torchtune's Gemma 2 attention
+    raises NotImplementedError mid-training; refused by name instead (CPU packs: a dense mask)."""
+    gemma2 = resolve_model(model_config(["model=hf", f"model.source={checkpoints['gemma2']}"]))
+    with pytest.raises(UserError) as err:
+        check_packing(True, gemma2, "cuda")
+    assert err.value.key == "dataset.packing" and "dataset.packing=false" in err.value.fix
+    check_packing(True, gemma2, "cpu")
+    check_packing(False, gemma2, "cuda")
+    llama = resolve_model(model_config(["model=hf", f"model.source={checkpoints['llama3_1']}"]))
+    check_packing(True, llama, "cuda")

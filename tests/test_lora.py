@@ -248,6 +248,19 @@ def test_bad_method_keys_name_key_value_and_fix(overrides, key, fix, tmp_path: P
     assert err.value.key == key and fix in err.value.fix, str(err.value)
 
 
+def test_lora_settings_the_builder_refuses_are_refused_before_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever torchtune's LoRA builder refuses that no check of ours names fails at resolve
+    time, naming the method, not in the training process (here: the tying check switched off)."""
+    monkeypatch.setattr("runner.config.method._ties_embeddings", lambda model: False)
+    overrides = ["compute=cpu", "method=lora", "method.apply_lora_to_output=true"]
+    tied = [*overrides, "model.builder.tie_word_embeddings=true"]
+    with pytest.raises(UserError) as err:
+        resolve_recipe(compose_train(tied), tmp_path)
+    assert err.value.key == "method" and "lora_llama3_2 refuses" in err.value.fix, str(err.value)
+
+
 def test_a_bad_method_key_ends_the_cli_with_one_message(runner_cli, tmp_path: Path) -> None:
     result = runner_cli("train", "method=lora", "method.lora_attn_modules=[q_proj,qkv]")
     assert result.returncode == 2, result.stderr[-2000:]

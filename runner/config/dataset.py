@@ -208,6 +208,23 @@ def _validation(held: DictConfig) -> ValidationRecipe:
     )
 
 
+def check_packing(packing: bool, model: ModelRecipe, device: str) -> None:
+    """Packs on a GPU get flex attention's block mask, which some families' torchtune attention
+    does not take (Gemma 2's)."""
+    from runner.models.families import family_named
+
+    if not packing or device != "cuda" or model.backend != "torchtune" or model.family is None:
+        return
+    if not family_named(model.family).block_mask:
+        raise UserError(
+            "dataset.packing",
+            True,
+            f"torchtune's {model.family} attention takes no flex-attention block mask, which "
+            "packs get on a GPU; set dataset.packing=false (dataset.padding_free packs each "
+            "batch with a dense mask)",
+        )
+
+
 def padding_free(dataset: DatasetRecipe, given: bool | None, model: ModelRecipe) -> bool:
     """Whether each batch is packed into rows (dataset.padding_free; null: wherever that is
     correct: SFT data, unpacked, on torchtune's models, which take a block-causal mask)."""

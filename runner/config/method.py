@@ -118,7 +118,7 @@ def _adapter_builder(
         _check_nf4_shapes(model.builder, world_size)
     if method.dropout >= 1:
         raise UserError("method.dropout", method.dropout, "give a probability in [0, 1)")
-    return {
+    lora = {
         **({"_component_": model.lora_builder} if model.lora_builder else {}),
         "lora_attn_modules": modules,
         "apply_lora_to_mlp": method.apply_lora_to_mlp,
@@ -128,6 +128,30 @@ def _adapter_builder(
         "lora_dropout": method.dropout,
         "quantize_base": method.quantize_base,
     }
+    if model.lora_builder:
+        _check_lora_builds(method.name, {**model.builder, **lora})
+    return lora
+
+
+def _check_lora_builds(name: str, node: dict[str, Any]) -> None:
+    """Builds the LoRA model once on the meta device, so that whatever else torchtune's LoRA
+    builder refuses fails here, by name, not in the training process (NF4 is checked above)."""
+    import torch
+
+    from runner.components import resolve_component
+
+    builder = resolve_component(node["_component_"], "method")
+    arguments = {k: v for k, v in node.items() if k != "_component_"}
+    try:
+        with torch.device("meta"):
+            builder(**{**arguments, "quantize_base": False})
+    except (TypeError, ValueError, AssertionError) as err:
+        raise UserError(
+            "method",
+            name,
+            f"{node['_component_']} refuses the method's LoRA settings ({err}); change "
+            "method.lora_attn_modules, apply_lora_to_mlp or apply_lora_to_output",
+        ) from None
 
 
 def _ties_embeddings(model: ModelRecipe) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config.compute import Dtype, resolve_compute, resolve_dtype
-from runner.config.dataset import DatasetRecipe, padding_free, resolve_dataset
+from runner.config.dataset import DatasetRecipe, check_packing, padding_free, resolve_dataset
 from runner.config.evaluation import resolve_eval, resolve_objective
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_pairing, resolve_method
@@ -50,6 +50,7 @@ def resolve_recipe(
     loss = resolve_loss(cfg.loss)
     method = resolve_method(cfg.method, model, run_dir, compute)
     dataset = _dataset(cfg.dataset, model)
+    check_packing(dataset.packing, model, compute.device)
     evaluation = resolve_eval(cfg)
     resolved = Recipe(
         run_dir=str(run_dir.resolve()),

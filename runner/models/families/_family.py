@@ -50,6 +50,9 @@ class Family:
     # Whether the output projection is the embeddings whatever the builder's arguments (Gemma's
     # builders take no tie_word_embeddings).
     always_tied: bool = False
+    # Whether its attention takes flex attention's block mask, the mask of packs on a GPU
+    # (torchtune's Gemma 2 attention raises NotImplementedError on one).
+    block_mask: bool = True
 
     @property
     def builder(self) -> str:

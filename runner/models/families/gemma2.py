@@ -137,4 +137,5 @@ FAMILY = Family(
     activation_key="hidden_activation",
     own_head_dim=True,
     always_tied=True,
+    block_mask=False,
 )
