@@ -195,6 +195,12 @@ CASES = [
         "repro-out-exists", "repro {files}/old_run --out {files}/not_a_run", "--out=", "not_a_run"
     ),
     case("repro-old-recipe", "repro {files}/old_run --out {files}/fresh", "recipe.yaml", "old_run"),
+    # argparse's own refusals, worded as the Hydra commands' are
+    case("repro-steps-type", "repro {files}/old_run --steps abc", "--steps='abc'", "an integer"),
+    case("repro-no-run-dir", "repro", "RUN_DIR=", "usage: runner repro"),
+    case("push-no-target", "push {files}/full_ckpt", "to=", "usage: runner push"),
+    case("logs-unknown-flag", "logs {files}/old_run -n 3", "argument='-n 3'"),
+    case("stop-timeout-type", "stop {files}/old_run --timeout soon", "--timeout='soon'"),
     # lifecycle
     case("runs-missing-dir", "runs /no/such/dir", "DIR=", "/no/such/dir"),
     case("logs-not-a-run", "logs {files}/not_a_run", "RUN=", "not_a_run"),
