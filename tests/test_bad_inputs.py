@@ -168,6 +168,8 @@ CASES = [
     case("resume-not-a-run", "train resume={files}/not_a_run", "resume=", "{files}/not_a_run"),
     # download
     case("download-type", "download batch_size=abc", "batch_size="),
+    case("download-model-no-source", "download model=hf", "model.source="),
+    case("download-dataset-no-source", "download dataset=instruct", "dataset.source="),
     # deploy
     case("deploy-no-checkpoint", "deploy", "checkpoint"),
     case("deploy-port-type", "deploy checkpoint={files}/full_ckpt port=abc", "port="),

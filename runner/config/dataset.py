@@ -86,6 +86,17 @@ class DatasetRecipe:
     eval_max_new_tokens: int = 12
 
 
+def check_dataset_source_given(dataset: DictConfig) -> None:
+    """A UserError naming dataset.source where the option needs the user's data and has none."""
+    if OmegaConf.is_missing(dataset, "source"):
+        raise UserError(
+            "dataset.source",
+            "???",
+            f"dataset={dataset.name} reads your data: give dataset.source=PATH (a data file or "
+            "a directory of them: json, jsonl, csv, parquet, arrow, text)",
+        )
+
+
 def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecipe:
     """The dataset section of the recipe (padding_free is decided with the model:
     padding_free())."""
@@ -96,13 +107,7 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
     kind = dataset.kind
     if kind not in KINDS:
         raise UserError("dataset.kind", kind, f"choose one of: {', '.join(KINDS)}")
-    if OmegaConf.is_missing(dataset, "source"):
-        raise UserError(
-            "dataset.source",
-            "???",
-            f"dataset={dataset.name} reads your data: give dataset.source=PATH (a data file or "
-            "a directory of them: json, jsonl, csv, parquet, arrow, text)",
-        )
+    check_dataset_source_given(dataset)
     source = local_source("dataset.source", str(dataset.source))
     max_seq_len = dataset.max_seq_len
     if max_seq_len is not None and max_seq_len > model_max_seq_len:

@@ -159,6 +159,14 @@ def _source_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, dtype_key: "float32"}
 
 
+def check_model_source_given(model: DictConfig) -> None:
+    """A UserError naming model.source where the option builds nothing without one (model=hf)."""
+    if model.builder is None and model.source is None:
+        raise UserError(
+            "model.source", None, f"model={model.name} takes model.source=<dir or hf://org/name>"
+        )
+
+
 def resolve_model(model: DictConfig, need_files: bool = True) -> ModelRecipe:
     """The recipe's model section: family, source, builder, config.json and tokenizer.
 
@@ -169,10 +177,7 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> ModelRecipe:
     model = typed_as(model, Model, "model.")
     if model.checkpoint_format != "hf":
         raise UserError("model.checkpoint_format", model.checkpoint_format, "only hf is supported")
-    if model.builder is None and model.source is None:
-        raise UserError(
-            "model.source", None, f"model={model.name} takes model.source=<dir or hf://org/name>"
-        )
+    check_model_source_given(model)
     try:
         source = _model_source(model.source)
     except UserError:
