@@ -26,7 +26,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from runner.paths import SAMPLE_DATA_DIR
+from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 from tests.cli_forks import Forked, ForkedCli
 from tests.fixtures import write_tiny_checkpoint
 
@@ -74,6 +74,20 @@ CASES = [
         "{files}/cut_ckpt",
     ),
     case("model-builder-type", "estimate model.builder.num_layers=abc", "model.builder"),
+    # token ids against the model's embedding rows
+    case("vocab-too-small", "validate model.builder.vocab_size=200", "model.builder.vocab_size="),
+    case(
+        "tokenizer-ids-past-vocab",
+        "train model.tokenizer={files}/sparse_tokenizer",
+        "model.builder.vocab_size=264",
+        "token ids up to 5000",
+    ),
+    case(
+        "tokenizer-of-another-model",
+        "validate model=hf model.source={files}/full_ckpt model.tokenizer={files}/sparse_tokenizer",
+        "model.tokenizer=",
+        "{files}/sparse_tokenizer",
+    ),
     # dataset
     case("data-missing", "validate dataset.source=/no/such/file.jsonl", "dataset.source="),
     case(
@@ -249,6 +263,17 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "empty_dir").mkdir()
     (root / "not_a_run").mkdir()
     (root / "not_a_run" / "readme.txt").write_text("just a directory\n")
+
+    # A tokenizer whose eos token's id (5000) is past its vocabulary's size (264): the model's
+    # embedding (model=tiny: 264 rows) needs a row for every id, not for len(tokenizer).
+    sparse = root / "sparse_tokenizer"
+    shutil.copytree(TINY_TOKENIZER_DIR, sparse)
+    tokenizer = json.loads((sparse / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["<|eot_id|>"] = 5000
+    for token in tokenizer["added_tokens"]:
+        if token["content"] == "<|eot_id|>":
+            token["id"] = 5000
+    (sparse / "tokenizer.json").write_text(json.dumps(tokenizer))
 
     full = write_tiny_checkpoint("llama3_2", root / "full_ckpt")
     cut = root / "cut_ckpt"
