@@ -161,6 +161,8 @@ CASES = [
     ),
     # optimizer
     case("optimizer-lr-type", "estimate optimizer.lr=fast", "optimizer.lr="),
+    case("optimizer-lr-string", "estimate optimizer.lr='1e-3'", "optimizer.lr='1e-3'"),
+    case("max-steps-string", "estimate max_steps='12'", "max_steps='12'", "an integer"),
     case("optimizer-betas-short", "train optimizer.betas=[0.9]", "optimizer.betas"),
     case("optimizer-betas-range", "estimate optimizer.betas=[1.5,0.9]", "optimizer.betas"),
     case("optimizer-weight-decay", "estimate optimizer.weight_decay=-1", "optimizer.weight_decay"),
@@ -188,6 +190,7 @@ CASES = [
     case("deploy-no-checkpoint", "deploy", "checkpoint"),
     case("deploy-port-type", "deploy checkpoint={files}/full_ckpt port=abc", "port="),
     case("deploy-port-range", "deploy checkpoint={files}/full_ckpt port=-1", "port="),
+    case("deploy-port-string", "deploy checkpoint={files}/full_ckpt port='8000'", "port='8000'"),
     case(
         "deploy-not-a-checkpoint", "deploy checkpoint={files}/not_a_run", "checkpoint=", "not_a_run"
     ),
