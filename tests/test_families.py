@@ -889,16 +889,21 @@ def test_lora_on_the_output_projection_builds_where_untied_and_is_refused_where_
     overrides = ["compute=cpu", "model=hf", f"model.source={source}", "method=lora"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, "method.apply_lora_to_output=true"])
-    if read_config(source)["tie_word_embeddings"]:
+    tied = read_config(source)["tie_word_embeddings"]
+    if tied:
         with pytest.raises(UserError) as err:
             resolve_recipe(cfg, tmp_path / "run")
         assert err.value.key == "method.apply_lora_to_output"
         assert "ties its output projection" in err.value.fix
-        return
+        cfg.method.apply_lora_to_output = False
     recipe = resolve_recipe(cfg, tmp_path / "run")
     with torch.device("meta"):
-        model = instantiate(OmegaConf.merge(recipe.model.builder, recipe.method.builder))
-    assert hasattr(model.output, "lora_a"), type(model.output)
+        full = instantiate(recipe.model.builder)
+        lora = instantiate(OmegaConf.merge(recipe.model.builder, recipe.method.builder))
+    # The LoRA model ties as the full model does: the same base weights, the adapters beside.
+    base = {name for name in lora.state_dict() if ".lora_" not in name}
+    assert base == set(full.state_dict()), base ^ set(full.state_dict())
+    assert hasattr(lora.output, "lora_a") != tied, type(lora.output)
 
 
 def test_packing_gemma2_on_a_gpu_is_refused_before_launch(checkpoints: dict[str, Path]) -> None:
