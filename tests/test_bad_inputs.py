@@ -26,7 +26,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from runner.paths import SAMPLE_DATA_DIR
+from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 from tests.cli_forks import Forked, ForkedCli
 from tests.fixtures import write_tiny_checkpoint
 
@@ -74,6 +74,20 @@ CASES = [
         "{files}/cut_ckpt",
     ),
     case("model-builder-type", "estimate model.builder.num_layers=abc", "model.builder"),
+    # token ids against the model's embedding rows
+    case("vocab-too-small", "validate model.builder.vocab_size=200", "model.builder.vocab_size="),
+    case(
+        "tokenizer-ids-past-vocab",
+        "train model.tokenizer={files}/sparse_tokenizer",
+        "model.builder.vocab_size=264",
+        "token ids up to 5000",
+    ),
+    case(
+        "tokenizer-of-another-model",
+        "validate model=hf model.source={files}/full_ckpt model.tokenizer={files}/sparse_tokenizer",
+        "model.tokenizer=",
+        "{files}/sparse_tokenizer",
+    ),
     # dataset
     case("data-missing", "validate dataset.source=/no/such/file.jsonl", "dataset.source="),
     case(
@@ -135,8 +149,20 @@ CASES = [
         "estimate method=lora method.lora_attn_modules=[foo_proj]",
         "method.lora_attn_modules=",
     ),
+    case(
+        "method-mlp-adapters-only",
+        "estimate method=lora method.lora_attn_modules=[] method.apply_lora_to_mlp=true",
+        "method.lora_attn_modules=",
+    ),
+    case(
+        "method-output-tied",
+        "train method=lora method.apply_lora_to_output=true model.builder.tie_word_embeddings=true",
+        "method.apply_lora_to_output=",
+    ),
     # optimizer
     case("optimizer-lr-type", "estimate optimizer.lr=fast", "optimizer.lr="),
+    case("optimizer-lr-string", "estimate optimizer.lr='1e-3'", "optimizer.lr='1e-3'"),
+    case("max-steps-string", "estimate max_steps='12'", "max_steps='12'", "an integer"),
     case("optimizer-betas-short", "train optimizer.betas=[0.9]", "optimizer.betas"),
     case("optimizer-betas-range", "estimate optimizer.betas=[1.5,0.9]", "optimizer.betas"),
     case("optimizer-weight-decay", "estimate optimizer.weight_decay=-1", "optimizer.weight_decay"),
@@ -158,10 +184,13 @@ CASES = [
     case("resume-not-a-run", "train resume={files}/not_a_run", "resume=", "{files}/not_a_run"),
     # download
     case("download-type", "download batch_size=abc", "batch_size="),
+    case("download-model-no-source", "download model=hf", "model.source="),
+    case("download-dataset-no-source", "download dataset=instruct", "dataset.source="),
     # deploy
     case("deploy-no-checkpoint", "deploy", "checkpoint"),
     case("deploy-port-type", "deploy checkpoint={files}/full_ckpt port=abc", "port="),
     case("deploy-port-range", "deploy checkpoint={files}/full_ckpt port=-1", "port="),
+    case("deploy-port-string", "deploy checkpoint={files}/full_ckpt port='8000'", "port='8000'"),
     case(
         "deploy-not-a-checkpoint", "deploy checkpoint={files}/not_a_run", "checkpoint=", "not_a_run"
     ),
@@ -185,6 +214,12 @@ CASES = [
         "repro-out-exists", "repro {files}/old_run --out {files}/not_a_run", "--out=", "not_a_run"
     ),
     case("repro-old-recipe", "repro {files}/old_run --out {files}/fresh", "recipe.yaml", "old_run"),
+    # argparse's own refusals, worded as the Hydra commands' are
+    case("repro-steps-type", "repro {files}/old_run --steps abc", "--steps='abc'", "an integer"),
+    case("repro-no-run-dir", "repro", "RUN_DIR=", "usage: runner repro"),
+    case("push-no-target", "push {files}/full_ckpt", "to=", "usage: runner push"),
+    case("logs-unknown-flag", "logs {files}/old_run -n 3", "argument='-n 3'"),
+    case("stop-timeout-type", "stop {files}/old_run --timeout soon", "--timeout='soon'"),
     # lifecycle
     case("runs-missing-dir", "runs /no/such/dir", "DIR=", "/no/such/dir"),
     case("logs-not-a-run", "logs {files}/not_a_run", "RUN=", "not_a_run"),
@@ -231,6 +266,17 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "empty_dir").mkdir()
     (root / "not_a_run").mkdir()
     (root / "not_a_run" / "readme.txt").write_text("just a directory\n")
+
+    # A tokenizer whose eos token's id (5000) is past its vocabulary's size (264): the model's
+    # embedding (model=tiny: 264 rows) needs a row for every id, not for len(tokenizer).
+    sparse = root / "sparse_tokenizer"
+    shutil.copytree(TINY_TOKENIZER_DIR, sparse)
+    tokenizer = json.loads((sparse / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["<|eot_id|>"] = 5000
+    for token in tokenizer["added_tokens"]:
+        if token["content"] == "<|eot_id|>":
+            token["id"] = 5000
+    (sparse / "tokenizer.json").write_text(json.dumps(tokenizer))
 
     full = write_tiny_checkpoint("llama3_2", root / "full_ckpt")
     cut = root / "cut_ckpt"

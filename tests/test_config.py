@@ -188,3 +188,30 @@ def test_non_editable_install_finds_configs_recipes_and_assets(tmp_path: Path) -
         str(site / "runner" / "recipes"),
         str(site / "runner" / "assets" / "sample" / "train.jsonl"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fix"),
+    [
+        ("max_steps", "12", "give an integer >= 1 or null"),
+        ("batch_size", "abc", "give an integer >= 1"),
+        ("batch_size", 4.0, "give an integer >= 1"),
+        ("seed", True, "give an integer >= 0"),
+        ("eval.steps", "10", "give an integer >= 1 or null"),
+        ("method.rank", "4", "give an integer >= 1"),
+        ("method.alpha", "16", "give a number > 0"),
+        ("model.initializer_range", "0.02", "give a number > 0"),
+        ("optimizer.lr", "1e-3", "give a number > 0"),
+        ("optimizer.lr", "fast", "give a number > 0"),
+    ],
+)
+def test_a_typed_field_refuses_a_value_of_another_type(key, value, fix, tmp_path: Path) -> None:
+    """What a YAML file quotes ("12") or an override gives as a string stays one: OmegaConf would
+    convert it, the schema refuses it by name."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_train(["compute=cpu", "method=lora"])
+    OmegaConf.update(cfg, key, value, force_add=True)
+    with pytest.raises(UserError) as err:
+        resolve_recipe(cfg, tmp_path)
+    assert (err.value.key, err.value.value, err.value.fix) == (key, value, fix)

@@ -24,6 +24,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from runner.components import instantiate
+from runner.config.dataset import check_packing
 from runner.config.model import resolve_model
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
@@ -875,3 +876,44 @@ def test_deploy_answers_as_transformers_generate_does(
         assert count == len(new)
         ended = new[:-1] if new[-1] in loaded.eos_token_ids else new
         assert text == loaded.tokenizer.decode(ended, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_on_the_output_projection_builds_where_untied_and_is_refused_where_tied(
+    checkpoints: dict[str, Path], family: str, tmp_path: Path
+) -> None:
+    """method.apply_lora_to_output: refused before launch, naming the key, where the output
+    projection is the embeddings (Gemma's always); built by the family's LoRA twin elsewhere
+    (Llama 3.2's builder untied included, which torchtune's lora_llama3_2 refuses)."""
+    source = checkpoints[family]
+    overrides = ["compute=cpu", "model=hf", f"model.source={source}", "method=lora"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, "method.apply_lora_to_output=true"])
+    tied = read_config(source)["tie_word_embeddings"]
+    if tied:
+        with pytest.raises(UserError) as err:
+            resolve_recipe(cfg, tmp_path / "run")
+        assert err.value.key == "method.apply_lora_to_output"
+        assert "ties its output projection" in err.value.fix
+        cfg.method.apply_lora_to_output = False
+    recipe = resolve_recipe(cfg, tmp_path / "run")
+    with torch.device("meta"):
+        full = instantiate(recipe.model.builder)
+        lora = instantiate(OmegaConf.merge(recipe.model.builder, recipe.method.builder))
+    # The LoRA model ties as the full model does: the same base weights, the adapters beside.
+    base = {name for name in lora.state_dict() if ".lora_" not in name}
+    assert base == set(full.state_dict()), base ^ set(full.state_dict())
+    assert hasattr(lora.output, "lora_a") != tied, type(lora.output)
+
+
+def test_packing_gemma2_on_a_gpu_is_refused_before_launch(checkpoints: dict[str, Path]) -> None:
+    """Packs on a GPU get flex attention's block mask, on which torchtune's Gemma 2 attention
+    raises NotImplementedError mid-training; refused by name instead (CPU packs: a dense mask)."""
+    gemma2 = resolve_model(model_config(["model=hf", f"model.source={checkpoints['gemma2']}"]))
+    with pytest.raises(UserError) as err:
+        check_packing(True, gemma2, "cuda")
+    assert err.value.key == "dataset.packing" and "dataset.packing=false" in err.value.fix
+    check_packing(True, gemma2, "cpu")
+    check_packing(False, gemma2, "cuda")
+    llama = resolve_model(model_config(["model=hf", f"model.source={checkpoints['llama3_1']}"]))
+    check_packing(True, llama, "cuda")

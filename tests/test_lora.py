@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from peft import PeftModel
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
@@ -140,6 +141,29 @@ def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path
     assert (served_logits - ours).abs().max() <= 1e-4
 
 
+def test_lora_adapts_the_default_models_own_output_projection(tmp_path: Path) -> None:
+    """model=tiny's output projection is its own (README): method.apply_lora_to_output adapts it,
+    with peft's logits for the adapter on lm_head, though torchtune's lora_llama3_2 refuses it."""
+    overrides = ["compute=cpu", "method=lora", "method.apply_lora_to_output=true"]
+    recipe = resolve_recipe(compose_train(overrides), tmp_path)
+    torch.manual_seed(0)
+    ours = instantiate(OmegaConf.merge(recipe.model.builder, recipe.method.builder)).eval()
+    state = ours.state_dict()
+    adapter = {k: 0.1 * torch.randn_like(v) for k, v in state.items() if "lora" in k}
+    ours.load_state_dict(adapter, strict=False)
+    assert any(k.startswith("output.lora_") for k in adapter), sorted(adapter)
+    hf_config = OmegaConf.to_container(recipe.model.hf_config)
+    base = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
+    base.load_state_dict(tune_to_hf({k: v for k, v in state.items() if "lora" not in k}, hf_config))
+    target = ["q_proj", "v_proj", "lm_head"]
+    theirs = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=target)).eval()
+    set_peft_model_state_dict(theirs, tune_to_peft(adapter, hf_config))
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours.set_num_output_chunks(0)
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() <= 1e-4
+
+
 def test_qlora_trains_adapters_on_an_nf4_base(runner_cli, tmp_path: Path) -> None:
     run = tmp_path / "run"
     checkpoint = train(runner_cli, run, *QLORA)
@@ -189,7 +213,13 @@ def test_adapter_names_and_layouts_round_trip() -> None:
         (
             ["method=lora", "method.lora_attn_modules=[]"],
             "method.lora_attn_modules",
-            "method.apply_lora_to_mlp=true",
+            "name at least one attention projection",
+        ),
+        (
+            # torchtune's LoRA attention builders refuse an empty list, MLP adapters or not.
+            ["method=lora", "method.lora_attn_modules=[]", "method.apply_lora_to_mlp=true"],
+            "method.lora_attn_modules",
+            "name at least one attention projection",
         ),
         (
             [
@@ -216,6 +246,19 @@ def test_bad_method_keys_name_key_value_and_fix(overrides, key, fix, tmp_path: P
     with pytest.raises(UserError) as err:
         resolve_recipe(compose_train(["compute=cpu", *overrides]), tmp_path)
     assert err.value.key == key and fix in err.value.fix, str(err.value)
+
+
+def test_lora_settings_the_builder_refuses_are_refused_before_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever torchtune's LoRA builder refuses that no check of ours names fails at resolve
+    time, naming the method, not in the training process (here: the tying check switched off)."""
+    monkeypatch.setattr("runner.config.method._ties_embeddings", lambda model: False)
+    overrides = ["compute=cpu", "method=lora", "method.apply_lora_to_output=true"]
+    tied = [*overrides, "model.builder.tie_word_embeddings=true"]
+    with pytest.raises(UserError) as err:
+        resolve_recipe(compose_train(tied), tmp_path)
+    assert err.value.key == "method" and "lora_llama3_2 refuses" in err.value.fix, str(err.value)
 
 
 def test_a_bad_method_key_ends_the_cli_with_one_message(runner_cli, tmp_path: Path) -> None:

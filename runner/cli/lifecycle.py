@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
 from runner.rundir import FINAL_STATES
 from runner.train.lifecycle import (
@@ -23,7 +24,7 @@ from runner.train.lifecycle import (
 
 def main(command: str, argv: list[str]) -> int:
     """Entry point of `runner runs|logs|stop`."""
-    parser = argparse.ArgumentParser(prog=f"runner {command}")
+    parser = ArgumentParser(prog=f"runner {command}")
     if command == "runs":
         parser.description = "List runs and sweep jobs with state, step, loss, best eval, age."
         parser.add_argument(
@@ -88,7 +89,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def resume_argv(argv: list[str]) -> list[str]:
     """`runner resume RUN`: the `runner train` arguments that continue RUN, once it is checked."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="runner resume",
         description="Continue a cancelled or failed run from its last whole checkpoint.",
     )

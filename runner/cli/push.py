@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
 from runner.hub.download import SCHEME, TokenRef
 from runner.hub.push import parse_target, push
@@ -13,7 +13,7 @@ from runner.rundir import is_checkpoint_dir
 
 def main(argv: list[str]) -> int:
     """`runner push PATH hf://org/name[@branch]`: prints the commit URL."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="runner push",
         description="Upload an export or a checkpoint to a Hugging Face hub repo, with a model "
         "card; pushing again sends only what the hub does not have.",

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from runner.cli.arguments import ArgumentParser
 from runner.train.repro import CROSS_PATH_TOLERANCE, repro
 
 
 def main(argv: list[str]) -> int:
     """Entry point of `runner repro`."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="runner repro",
         description="Re-run a recorded run and compare per-step losses, checkpoint hashes and "
         "the manifest. Exit 0 on a match, 1 on drift, 2 on a user error.",

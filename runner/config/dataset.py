@@ -96,6 +96,17 @@ class DatasetRecipe:
     eval_max_new_tokens: int = 12
 
 
+def check_dataset_source_given(dataset: DictConfig) -> None:
+    """A UserError naming dataset.source where the option needs the user's data and has none."""
+    if OmegaConf.is_missing(dataset, "source"):
+        raise UserError(
+            "dataset.source",
+            "???",
+            f"dataset={dataset.name} reads your data: give dataset.source=PATH (a data file or "
+            "a directory of them: json, jsonl, csv, parquet, arrow, text)",
+        )
+
+
 def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecipe:
     """The dataset section of the recipe (padding_free is decided with the model:
     padding_free())."""
@@ -106,13 +117,7 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
     kind = dataset.kind
     if kind not in KINDS:
         raise UserError("dataset.kind", kind, f"choose one of: {', '.join(KINDS)}")
-    if OmegaConf.is_missing(dataset, "source"):
-        raise UserError(
-            "dataset.source",
-            "???",
-            f"dataset={dataset.name} reads your data: give dataset.source=PATH (a data file or "
-            "a directory of them: json, jsonl, csv, parquet, arrow, text)",
-        )
+    check_dataset_source_given(dataset)
     source = local_source("dataset.source", str(dataset.source))
     max_seq_len = dataset.max_seq_len
     if max_seq_len is not None and max_seq_len > model_max_seq_len:
@@ -267,6 +272,23 @@ def loader_workers(given: int | None, device: str) -> int:
     if given is not None:
         return given
     return 0 if device == "cpu" else 2
+
+
+def check_packing(packing: bool, model: ModelRecipe, device: str) -> None:
+    """Packs on a GPU get flex attention's block mask, which some families' torchtune attention
+    does not take (Gemma 2's)."""
+    from runner.models.families import family_named
+
+    if not packing or device != "cuda" or model.backend != "torchtune" or model.family is None:
+        return
+    if not family_named(model.family).block_mask:
+        raise UserError(
+            "dataset.packing",
+            True,
+            f"torchtune's {model.family} attention takes no flex-attention block mask, which "
+            "packs get on a GPU; set dataset.packing=false (dataset.padding_free packs each "
+            "batch with a dense mask)",
+        )
 
 
 def padding_free(dataset: DatasetRecipe, given: bool | None, model: ModelRecipe) -> bool:

@@ -109,7 +109,25 @@ def _fix(typed_field: TypedField | None) -> str:
         return f"give a number {'> 0' if spec.metadata['positive'] else '>= 0'}{optional}"
     if "flag" in spec.metadata:
         return f"give true or false{optional}"
+    kind = _number_type(annotation)
+    if kind is not None:
+        return f"give {'an integer' if kind is int else 'a number'}{optional}"
     return f"give a value of type {annotation}"
+
+
+def _number_type(annotation: Any) -> type | None:
+    """int or float for a field annotated so (Optional or not); None for any other field."""
+    kinds = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
+    return kinds[0] if len(kinds) == 1 and kinds[0] in (int, float) else None
+
+
+def _given_as(raw: Any, kind: type | None) -> bool:
+    """Whether a value as given is of the field's number type: an int for an int, an int or a
+    float for a float, never a string or a boolean (None: not given, or not a number field)."""
+    if raw is None or kind is None:
+        return True
+    allowed = (int,) if kind is int else (int, float)
+    return isinstance(raw, allowed) and not isinstance(raw, bool)
 
 
 def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> None:
@@ -124,7 +142,12 @@ def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> 
             _check_bounds(section, merged[spec.name], raw, f"{key}.")
             continue
         value = OmegaConf.select(merged, spec.name, throw_on_missing=False)
-        if value is None or not spec.metadata:
+        if value is None:
+            continue
+        if not _given_as(raw, _number_type(annotation)):
+            # OmegaConf converts "12" (a quoted YAML value, max_steps='12') to 12: not here.
+            raise UserError(key, raw, _fix((spec, annotation)))
+        if not spec.metadata:
             continue
         if "flag" in spec.metadata:
             # OmegaConf takes 3 or "yes" for true: only a boolean is one here.

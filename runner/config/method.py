@@ -97,13 +97,15 @@ def _adapter_builder(
     """The LoRA builder node: the family's LoRA twin of the model's builder (torchtune's; the
     transformers backend's adapters are peft's) and the adapter's arguments, checked."""
     modules = _lora_modules(method.lora_attn_modules)
-    if not modules and not method.apply_lora_to_mlp:
+    if not modules and (model.backend == "torchtune" or not method.apply_lora_to_mlp):
+        # torchtune's LoRA attention builders refuse an empty list; peft's MLP alone is fine.
         raise UserError(
             "method.lora_attn_modules",
             [],
-            "name at least one projection, or set method.apply_lora_to_mlp=true",
+            "name at least one attention projection (e.g. [q_proj,v_proj])"
+            + ("" if model.backend == "torchtune" else ", or set method.apply_lora_to_mlp=true"),
         )
-    if method.apply_lora_to_output and model.builder.get("tie_word_embeddings"):
+    if method.apply_lora_to_output and _ties_embeddings(model):
         raise UserError(
             "method.apply_lora_to_output",
             True,
@@ -116,7 +118,7 @@ def _adapter_builder(
         _check_nf4_shapes(model.builder, world_size)
     if method.dropout >= 1:
         raise UserError("method.dropout", method.dropout, "give a probability in [0, 1)")
-    return {
+    lora = {
         **({"_component_": model.lora_builder} if model.lora_builder else {}),
         "lora_attn_modules": modules,
         "apply_lora_to_mlp": method.apply_lora_to_mlp,
@@ -126,6 +128,41 @@ def _adapter_builder(
         "lora_dropout": method.dropout,
         "quantize_base": method.quantize_base,
     }
+    if model.lora_builder:
+        _check_lora_builds(method.name, {**model.builder, **lora})
+    return lora
+
+
+def _check_lora_builds(name: str, node: dict[str, Any]) -> None:
+    """Builds the LoRA model once on the meta device, so that whatever else torchtune's LoRA
+    builder refuses fails here, by name, not in the training process (NF4 is checked above)."""
+    import torch
+
+    from runner.components import resolve_component
+
+    builder = resolve_component(node["_component_"], "method")
+    arguments = {k: v for k, v in node.items() if k != "_component_"}
+    try:
+        with torch.device("meta"):
+            builder(**{**arguments, "quantize_base": False})
+    except (TypeError, ValueError, AssertionError) as err:
+        raise UserError(
+            "method",
+            name,
+            f"{node['_component_']} refuses the method's LoRA settings ({err}); change "
+            "method.lora_attn_modules, apply_lora_to_mlp or apply_lora_to_output",
+        ) from None
+
+
+def _ties_embeddings(model: ModelRecipe) -> bool:
+    """Whether the model's output projection is its embeddings: torchtune's builder's arguments
+    with its defaults say (Gemma's always), transformers' config.json."""
+    from runner.models.families import family_named, ties_embeddings
+
+    if model.backend != "torchtune":
+        return bool(model.builder["tie_word_embeddings"])
+    assert model.family is not None, "torchtune's backend builds a runner family"
+    return ties_embeddings(family_named(model.family), model.builder)
 
 
 def _check_preference(method: DictConfig) -> None:

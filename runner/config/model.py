@@ -159,6 +159,14 @@ def _source_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, dtype_key: "float32"}
 
 
+def check_model_source_given(model: DictConfig) -> None:
+    """A UserError naming model.source where the option builds nothing without one (model=hf)."""
+    if model.builder is None and model.source is None:
+        raise UserError(
+            "model.source", None, f"model={model.name} takes model.source=<dir or hf://org/name>"
+        )
+
+
 def resolve_model(model: DictConfig, need_files: bool = True) -> ModelRecipe:
     """The recipe's model section: family, source, builder, config.json and tokenizer.
 
@@ -169,10 +177,7 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> ModelRecipe:
     model = typed_as(model, Model, "model.")
     if model.checkpoint_format != "hf":
         raise UserError("model.checkpoint_format", model.checkpoint_format, "only hf is supported")
-    if model.builder is None and model.source is None:
-        raise UserError(
-            "model.source", None, f"model={model.name} takes model.source=<dir or hf://org/name>"
-        )
+    check_model_source_given(model)
     try:
         source = _model_source(model.source)
     except UserError:
@@ -377,10 +382,27 @@ def _checked_tokenizer(
 
     template = _chat_template_file(model.chat_template)
     tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], template)
-    if tokenizer.vocab_size > builder["vocab_size"]:
+    rows = builder["vocab_size"]
+    if tokenizer.max_token_id >= rows:
+        fits = (
+            f"token ids up to {tokenizer.max_token_id}, and the model's embedding has {rows} rows"
+        )
+        if model.builder is not None:
+            raise UserError(
+                "model.builder.vocab_size",
+                rows,
+                f"the tokenizer gives {fits}; give at least {tokenizer.max_token_id + 1}",
+            )
+        if model.tokenizer is not None:
+            raise UserError(
+                "model.tokenizer",
+                model.tokenizer,
+                f"it gives {fits} (model.source's vocab_size); give the model's own tokenizer",
+            )
         raise UserError(
-            "model.builder.vocab_size",
-            builder["vocab_size"],
-            f"the tokenizer has {tokenizer.vocab_size} tokens; give at least that many",
+            "model.source",
+            model.source,
+            f"its tokenizer gives {fits} (config.json's vocab_size); give a checkpoint whose "
+            "tokenizer and weights belong together",
         )
     return tokenizer

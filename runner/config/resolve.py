@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config.compute import ComputeRecipe, Dtype, resolve_compute, resolve_dtype
 from runner.config.dataset import (
     DatasetRecipe,
+    check_packing,
     check_stream_steps,
     loader_workers,
     padding_free,
@@ -89,6 +90,7 @@ def _dataset(dataset: DictConfig, model: ModelRecipe, compute: ComputeRecipe) ->
     the device (its loader workers); the tokenizer cuts samples at its max_seq_len."""
     resolved = resolve_dataset(dataset, model.builder["max_seq_len"])
     resolved.padding_free = padding_free(resolved, dataset.padding_free, model)
+    check_packing(resolved.packing, model, compute.device)
     resolved.num_workers = loader_workers(dataset.num_workers, compute.device)
     if model.tokenizer is not None:
         # Samples are cut at dataset.max_seq_len (the model's when null).

@@ -166,6 +166,12 @@ class ChatTokenizer:
         """Tokens in the vocabulary, added tokens included."""
         return self._tokenizer.get_vocab_size()
 
+    @property
+    def max_token_id(self) -> int:
+        """The highest id the tokenizer gives: the model's embedding needs a row for it, and the
+        ids of added tokens need not follow the vocabulary's (so not vocab_size - 1)."""
+        return max(self._tokenizer.get_vocab(with_added_tokens=True).values())
+
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         """Ids of plain `text` (no chat template), between BOS and EOS as asked."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids

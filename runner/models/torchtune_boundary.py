@@ -10,6 +10,8 @@ from typing import Any
 
 import torchtune.models.gemma as gemma_builders
 import torchtune.models.gemma2 as gemma2_builders
+import torchtune.models.llama3_1 as llama3_1_builders
+import torchtune.models.llama3_2 as llama3_2_builders
 from torch import nn
 from torchtune.data import (
     CROSS_ENTROPY_IGNORE_IDX,
@@ -46,6 +48,8 @@ __all__ = [
     "gather_cpu_state_dict",
     "gemma_builders",
     "gemma2_builders",
+    "llama3_1_builders",
+    "llama3_2_builders",
     "get_adapter_params",
     "get_adapter_state_dict",
     "get_merged_lora_ckpt",

@@ -26,6 +26,7 @@ from runner.models.families._builder import (
     check_source_matches,
     full_builder_args,
     hf_config,
+    ties_embeddings,
 )
 from runner.models.families._family import (
     SHARED_ARGS,
@@ -54,6 +55,7 @@ __all__ = [
     "read_config",
     "rope",
     "rope_type",
+    "ties_embeddings",
     "tune_to_hf",
     "tune_to_peft",
 ]

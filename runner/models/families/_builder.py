@@ -59,6 +59,11 @@ def full_builder_args(family: Family, builder: dict[str, Any]) -> dict[str, Any]
     return {"tie_word_embeddings": False, **defaults, **args}
 
 
+def ties_embeddings(family: Family, builder: dict[str, Any]) -> bool:
+    """Whether a builder node's model ties its output projection to the embeddings."""
+    return family.always_tied or bool(full_builder_args(family, builder)["tie_word_embeddings"])
+
+
 def check_source_matches(
     family: Family, builder: dict[str, Any], derived: dict[str, Any], source: str
 ) -> None:

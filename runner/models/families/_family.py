@@ -47,6 +47,12 @@ class Family:
     activation_key: str = "hidden_act"
     # Whether the builders take head_dim (Gemma's is not hidden_size / num_attention_heads).
     own_head_dim: bool = False
+    # Whether the output projection is the embeddings whatever the builder's arguments (Gemma's
+    # builders take no tie_word_embeddings).
+    always_tied: bool = False
+    # Whether its attention takes flex attention's block mask, the mask of packs on a GPU
+    # (torchtune's Gemma 2 attention raises NotImplementedError on one).
+    block_mask: bool = True
 
     @property
     def builder(self) -> str:

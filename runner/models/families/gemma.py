@@ -71,4 +71,5 @@ FAMILY = Family(
     weights=WeightNames(LLAMA_NAMES, permute_qk=True),
     activations=GELU_TANH,
     own_head_dim=True,
+    always_tied=True,
 )

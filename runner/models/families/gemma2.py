@@ -136,4 +136,6 @@ FAMILY = Family(
     activations=("gelu_pytorch_tanh",),
     activation_key="hidden_activation",
     own_head_dim=True,
+    always_tied=True,
+    block_mask=False,
 )

@@ -48,14 +48,37 @@ def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def lora_llama3_2(
+    *,
+    apply_lora_to_output: bool = False,
+    tie_word_embeddings: bool = True,
+    scale_factor: int = 32,
+    **args: Any,
+) -> Any:
+    """torchtune's lora_llama3_2, but LoRA on an untied output projection: torchtune's refuses
+    apply_lora_to_output even there, and lora_llama3_1 builds that same model (tied, it stays
+    refused: method.py says so before launch)."""
+    from runner.models.torchtune_boundary import llama3_1_builders, llama3_2_builders
+
+    if apply_lora_to_output and not tie_word_embeddings:
+        return llama3_1_builders.lora_llama3_1(
+            apply_lora_to_output=True, scale_factor=scale_factor, **args
+        )
+    return llama3_2_builders.lora_llama3_2(
+        apply_lora_to_output=apply_lora_to_output,
+        tie_word_embeddings=tie_word_embeddings,
+        scale_factor=scale_factor,
+        **args,
+    )
+
+
 FAMILY = Family(
     name="llama3",
     model_type="llama",
     architecture="LlamaForCausalLM",
     builders={
-        "torchtune.models.llama3_2.llama3_2": "torchtune.models.llama3_2.lora_llama3_2",
-        # The same model without tied embeddings; its LoRA twin can adapt the output projection
-        # (lora_llama3_2 refuses apply_lora_to_output), so model=llama3_1_8b names it.
+        "torchtune.models.llama3_2.llama3_2": "runner.models.families.llama3.lora_llama3_2",
+        # The same model without tied embeddings (model=llama3_1_8b names it).
         "torchtune.models.llama3_1.llama3_1": "torchtune.models.llama3_1.lora_llama3_1",
     },
     extra_args=builder_args,

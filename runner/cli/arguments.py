@@ -1,0 +1,43 @@
+"""argparse for the commands that are not Hydra apps (push, repro, runs, logs, stop, resume): its
+errors are UserErrors, `error: KEY=VALUE: FIX` like every other command's."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import NoReturn
+
+from runner.errors import UserError
+
+# argparse's wording for a value its `type` refuses -> what to give instead.
+TYPE_NAMES = {"int": "an integer", "float": "a number"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser whose errors raise a UserError naming the argument and value."""
+
+    def error(self, message: str) -> NoReturn:
+        raise argument_error(message, self.prog, self.format_usage())
+
+
+def _key(argument: str) -> str:
+    """An argument as argparse names it ("-f/--follow", "RUN") -> its longest spelling."""
+    return max(argument.split("/"), key=len)
+
+
+def argument_error(message: str, prog: str, usage: str) -> UserError:
+    """argparse's message -> a UserError naming the argument, its value and the fix."""
+    see = " ".join(usage.split())  # "usage: runner logs [-h] [-f] RUN", on one line
+    if m := re.fullmatch(r"argument (.+?): invalid (\w+) value: '(.*)'", message):
+        wanted = TYPE_NAMES.get(m[2], f"a {m[2]}")
+        return UserError(_key(m[1]), m[3], f"give {wanted}")
+    if m := re.fullmatch(r"argument (.+?): invalid choice: '(.*)' \(choose from (.*)\)", message):
+        return UserError(_key(m[1]), m[2], f"choose one of: {m[3]}")
+    if m := re.fullmatch(r"argument (.+?): expected (.*)", message):
+        return UserError(_key(m[1]), None, f"give it {m[2]} ({see})")
+    if m := re.fullmatch(r"the following arguments are required: (.*)", message):
+        missing = m[1].split(", ")
+        return UserError(_key(missing[0]), None, f"missing: give {' and '.join(missing)} ({see})")
+    if m := re.fullmatch(r"unrecognized arguments: (.*)", message):
+        return UserError("argument", m[1], f"`{prog}` takes no such argument ({see})")
+    return UserError("arguments", message, see)
