@@ -51,22 +51,23 @@ def stream_data(folder: Path, *overrides: str) -> dict:
     )
 
 
-def test_each_process_reads_its_own_share_and_together_all(tmp_path: Path) -> None:
-    folder = corpus(tmp_path)
-    recipe = stream_data(folder)
+@pytest.mark.parametrize("readers", [3, 2], ids=["by-file", "by-record"])
+def test_each_process_reads_its_own_share_and_together_all(tmp_path: Path, readers: int) -> None:
+    """3 shards: to 3 processes a shard each, to 2 every other record."""
+    recipe = stream_data(corpus(tmp_path))
+    share = RECORDS // readers
     shares = [
-        answers(StreamSplit(recipe, tokenizer(), reader=rank, readers=3, seed=0), RECORDS // 3)
-        for rank in range(3)
+        answers(StreamSplit(recipe, tokenizer(), reader=rank, readers=readers, seed=0), share)
+        for rank in range(readers)
     ]
-    seen = [answer for share in shares for answer in share]
+    seen = [answer for answers_ in shares for answer in answers_]
     assert sorted(seen) == sorted(f"a{i}" for i in range(RECORDS))  # each once, none twice
     # Shuffled within windows of 16 records of each share: not in file order.
     assert shares[0] != sorted(shares[0], key=lambda a: int(a[1:]))
     # The next pass is shuffled anew.
-    split = StreamSplit(recipe, tokenizer(), reader=0, readers=3, seed=0)
-    both = answers(split, 2 * (RECORDS // 3))
-    assert sorted(both[: RECORDS // 3]) == sorted(both[RECORDS // 3 :])
-    assert both[: RECORDS // 3] != both[RECORDS // 3 :]
+    both = answers(StreamSplit(recipe, tokenizer(), reader=0, readers=readers, seed=0), 2 * share)
+    assert sorted(both[:share]) == sorted(both[share:])
+    assert both[:share] != both[share:]
 
 
 def test_a_resumed_reader_continues_with_the_next_sample(tmp_path: Path) -> None:

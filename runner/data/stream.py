@@ -1,16 +1,17 @@
 """A training split read as a stream (dataset.streaming): records as they come, never the whole
 split in memory or in a cache.
 
-The split's files are read in order, one chunk at a time, as one sequence of records. Each
-reader (a rank) takes every `readers`-th record from its own offset, so that no two ranks see the
-same record. A reader cuts its share into windows of dataset.shuffle_buffer records, checks each
-window as the map-style checks check a whole split (a bad record names its file and row), and
-shuffles it (seeded by the seed, the pass over the data, the reader and the window). Its
-DataLoader workers each read the rank's whole share and tokenize only the samples of their own
-batches, so the batches are the same with any number of workers. Where a reader is in its share
-is a Position: the pass, the window and the next sample in it. A resumed reader reads its share
-up to that window again (reading, not tokenizing), then continues with that sample: the same
-records in the same order as had it never stopped.
+The split's files are read in order, one chunk at a time. Each reader (a rank) reads its own
+files where they divide evenly among the readers (a sharded corpus: no rank reads another's), and
+otherwise takes every `readers`-th record of them all from its own offset; either way no two
+ranks see the same record. A reader cuts its share into windows of dataset.shuffle_buffer
+records, checks each window as the map-style checks check a whole split (a bad record names its
+file and row), and shuffles it (seeded by the seed, the pass over the data, the reader and the
+window). Its DataLoader workers each read the rank's whole share and tokenize only the samples
+of their own batches, so the batches are the same with any number of workers. Where a reader is
+in its share is a Position: the pass, the window and the next sample in it. A resumed reader
+reads its share up to that window again (reading, not tokenizing), then continues with that
+sample: the same records in the same order as had it never stopped.
 """
 
 from __future__ import annotations
@@ -69,15 +70,18 @@ class StreamSplit:
         )
 
     def _windows(self) -> Iterator[list[Located]]:
-        """This reader's share of one pass over the split, in windows."""
+        """This reader's share of one pass over the split, in windows: its own files where they
+        divide evenly among the readers (it reads no other), else every readers-th record."""
+        by_file = len(self.files) % self.readers == 0
+        files = self.files[self.reader :: self.readers] if by_file else self.files
         share: list[Located] = []
         index = 0
-        for file in self.files:
+        for file in files:
             records = stream_records(
                 "dataset.source", self.data["source"], self.data["format"], file
             )
             for row, record in enumerate(records, 1):
-                if index % self.readers == self.reader:
+                if by_file or index % self.readers == self.reader:
                     share.append((file, row, record))
                     if len(share) == self.window:
                         yield share
