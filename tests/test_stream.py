@@ -3,6 +3,7 @@ window, resumed exactly; the same batches with any number of loader workers."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -113,6 +114,35 @@ def test_a_bad_record_mid_stream_names_its_file_and_row(tmp_path: Path) -> None:
             taken += 1
     assert taken == 48  # the three whole windows of 16 before it trained
     assert caught.value.key == "dataset.source"
+
+
+def test_a_bad_record_mid_stream_stops_the_run_there(runner_cli, tmp_path: Path) -> None:
+    """Steps 1-12 train on the three windows before it; the run ends failed, naming the record,
+    with its whole checkpoints and nothing half-written."""
+    folder = tmp_path / "corpus"
+    rows = [
+        {"instruction": f"Reverse word {i}.", "input": "", "output": f"a{i}"} for i in range(80)
+    ]
+    rows[57]["output"] = None
+    write(rows, folder / "train.jsonl")
+    run = tmp_path / "run"
+    stream = [a for a in STREAM if not a.startswith(("dataset.format", "dataset.shuffle_buffer"))]
+    result = runner_cli(
+        "train",
+        *stream,
+        f"dataset.source={folder}",
+        "dataset.shuffle_buffer=16",
+        "max_steps=20",
+        "runtime.save_every_n_steps=4",
+        f"hydra.run.dir={run}",
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "train.jsonl row 58, column 'output'" in result.stderr, result.stderr[-3000:]
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and "row 58" in status["error"], status
+    assert sorted(losses(run)) == list(range(1, 13))
+    # Whole checkpoints only (the last 2 kept), nothing half-written.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_12", "step_8"]
 
 
 @pytest.mark.parametrize(
