@@ -170,7 +170,8 @@ def shows_bar(progress_bar: bool | str, stream: TextIO) -> bool:
 
 class Console:
     """What rank 0 shows on stderr as the steps go: tqdm's bar, its postfix the last logged
-    loss and throughput; or, with no bar, each logged step's line (train.log's) as it comes."""
+    loss and throughput, each evaluation's line above it; or, with no bar, each logged step's
+    and evaluation's line (train.log's) as it comes."""
 
     def __init__(self, *, step: int, total_steps: int, bar: bool) -> None:
         self.total_steps = total_steps
@@ -192,14 +193,16 @@ class Console:
         return str(timedelta(seconds=round(left)))
 
     def logged(self, line: str, values: dict[str, float]) -> None:
-        """A logged step or evaluation: its line (no bar), or the bar's postfix (a step's loss
-        and throughput in `values`)."""
+        """A logged step or evaluation: its line (no bar); with the bar, a step's loss and
+        throughput (`values`) in its postfix, an evaluation's line above it."""
         if self.bar is None:
             print(line, file=sys.stderr, flush=True)
         elif "loss" in values:
             self.bar.set_postfix(
                 loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:,.0f}"
             )
+        else:
+            self.bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
         """The bar's last state stays on the terminal."""
