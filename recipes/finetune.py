@@ -15,7 +15,7 @@ the run ends `cancelled` and `runner train` exits 143 (130 for Ctrl-C).
 
 The pieces around the loop live in runner/train by what they do: parallel (rank, device,
 precision, sharding), batches (the data in optimizer steps), optimizer (optimizer and schedule),
-progress (status, metrics, trackers, progress bar), evaluate, checkpointing.
+progress (status, metrics, trackers, the console), evaluate, checkpointing.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from runner.train.batches import Batch, EpochBatches, StreamBatches
 from runner.train.evaluate import eval_due, new_best, validation_shares
 from runner.train.methods import METHODS
 from runner.train.optimization import Optimization
-from runner.train.progress import Reporter, StepLosses, Throughput, progress_bar
+from runner.train.progress import Reporter, StepLosses, Throughput
 from runner.train.weights import model_files
 
 log = logging.getLogger("runner.recipe")
@@ -175,8 +175,9 @@ class FinetuneRecipe:
             return {"first_loss": None, "last_loss": None}
         self._status_running(**self._best_field())
         save_every = self.cfg.runtime.save_every_n_steps
-        shown = self.is_rank_zero and self.cfg.runtime.progress_bar
-        bar = progress_bar(step=self.step, total_steps=self.total_steps, shown=shown)
+        self.reporter.start_console(
+            step=self.step, total_steps=self.total_steps, progress_bar=self.cfg.runtime.progress_bar
+        )
         losses, throughput = StepLosses(self.cfg.optimizer.lr), Throughput()
         for batches in self.data:
             loss, tokens = self._optimizer_step(batches)
@@ -189,10 +190,7 @@ class FinetuneRecipe:
             if self.step % self.cfg.runtime.log_every_n_steps == 0 or self._last_step():
                 values = {"loss": losses.read(self.step), "tokens_per_s": throughput.read()}
                 self._log(values)
-                bar.set_postfix(
-                    loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:,.0f}"
-                )
-            bar.update(1)
+            self.reporter.advance()
             # A new best is saved at its step, whatever the checkpoint cadence.
             improved = self._eval_due() and self.evaluate()
             stop = self._stop_due()
@@ -201,7 +199,6 @@ class FinetuneRecipe:
                 self.save_checkpoint()
             if stop:
                 break
-        bar.close()
         return {"first_loss": losses.first, "last_loss": losses.last}
 
     def _last_step(self) -> bool:

@@ -131,6 +131,23 @@ def runner_cli(
     return run
 
 
+@contextlib.contextmanager
+def transformers_warnings() -> Iterator[list[str]]:
+    """The messages transformers' loggers warn with inside the block (its library logger does
+    not propagate to the root logger that caplog watches)."""
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        library.removeHandler(handler)
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """Per-step training losses recorded in a run directory's metrics.jsonl."""
     return RunDir(run_dir).losses()

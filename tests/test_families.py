@@ -41,10 +41,11 @@ from runner.models.families import (
     tune_to_hf,
     tune_to_peft,
 )
+from runner.models.families.llama3 import LLAMA3_ROPE
 from runner.models.torchtune_boundary import Message, peft_adapter_config
 from runner.paths import CONF_DIR
 from runner.train.preflight import estimate, print_estimate
-from tests.conftest import losses
+from tests.conftest import losses, transformers_warnings
 from tests.fixtures import (
     FAMILIES,
     FAMILY_OF,
@@ -356,6 +357,32 @@ RANDOM_INIT = {
     "gemma2": {"head_dim": 32, "sliding_window_size": 8, "query_pre_attn_scalar": 24},
     "phi3": {"rope_base": 250000},
 }
+
+
+def test_a_llama3_config_json_of_a_short_context_loads_quietly_and_rotates_the_same() -> None:
+    """model=tiny's context, 8192, is Llama 3's original one, which transformers warns about at
+    every load of the published keys; the config.json written halves them together instead:
+    no warning, and transformers' RoPE frequencies the same as the published keys', bit for bit
+    (torchtune's are the builder's; the test above compares the logits)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    builder = OmegaConf.to_container(model_config(["model=tiny"]).builder)
+    written = hf_config(
+        family_named("llama3"), builder, initializer_range=0.02, bos_token_id=1, eos_token_id=2
+    )
+    published = {**written, "rope_scaling": {**written["rope_scaling"], **LLAMA3_ROPE}}
+    assert written["max_position_embeddings"] == 8192
+    with transformers_warnings() as warned:
+        config = AutoConfig.for_model(**written)
+    assert not warned, warned
+    with transformers_warnings() as warned:
+        published_config = AutoConfig.for_model(**published)
+    assert any("original_max_position_embeddings" in message for message in warned), warned
+    frequencies = ROPE_INIT_FUNCTIONS["llama3"]
+    assert torch.equal(frequencies(config, "cpu")[0], frequencies(published_config, "cpu")[0])
+    # Read back, the written config.json is the builder's model (raises if not).
+    family = family_named("llama3")
+    check_source_matches(family, builder, builder_args(family, written, ""), "config.json")
 
 
 @pytest.mark.parametrize("family", sorted(RANDOM_INIT))

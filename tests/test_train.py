@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,20 +14,27 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.components import instantiate
+from runner.config.runtime import resolve_runtime
+from runner.errors import UserError
 from runner.models.checkpoint import read_model_state
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message
 from runner.rundir import STATES
-from tests.conftest import QUICK, losses
+from runner.train.progress import shows_bar
+from tests.conftest import QUICK, losses, transformers_warnings
+from tests.test_config import compose_train
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> Path:
-    """One short real training run shared by the tests of this module."""
+    """One short real training run shared by the tests of this module: the console as CI, nohup
+    or Slurm has it (stdout and stderr pipes, runtime.progress_bar's default, auto), and a
+    datasets cache of its own, so that the sample's splits are generated in this run."""
     import subprocess
     import sys
 
     run_dir = tmp_path_factory.mktemp("run") / "run"
+    datasets_cache = tmp_path_factory.mktemp("datasets_cache")
     proc = subprocess.run(
         [
             sys.executable,
@@ -32,19 +42,21 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> Path:
             "runner",
             "train",
             *QUICK,
+            "runtime.progress_bar=auto",
             "max_steps=24",
             "runtime.save_every_n_steps=8",
             "runtime.keep_last_n_checkpoints=2",
             "runtime.log_every_n_steps=1",
             f"hydra.run.dir={run_dir}",
         ],
-        env=hermetic_env,
+        env={**hermetic_env, "HF_DATASETS_CACHE": str(datasets_cache)},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir / "stdout.txt").write_text(proc.stdout)
+    (run_dir / "stderr.txt").write_text(proc.stderr)
     return run_dir
 
 
@@ -91,12 +103,60 @@ def test_last_lines_say_where_things_are_and_what_next(trained_run: Path) -> Non
     assert "held-out exact match:" in out and "runner deploy checkpoint=" in out
 
 
+def _console(run_dir: Path) -> str:
+    return (run_dir / "stdout.txt").read_text() + (run_dir / "stderr.txt").read_text()
+
+
+def test_console_without_a_terminal_gets_a_line_per_logged_step(trained_run: Path) -> None:
+    console = _console(trained_run)
+    assert "\r" not in console
+    steps = [line for line in console.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == [f"{n}/24" for n in range(1, 25)]
+    pattern = r"step 24/24 loss \d+\.\d{4} lr \S+ tokens/s \d+ eta 0:00:00"
+    assert re.fullmatch(pattern, steps[-1]), steps[-1]
+    # The same lines, timestamped, in train.log.
+    assert steps[-1] in (trained_run / "train.log").read_text()
+
+
+def test_console_holds_no_third_party_noise(trained_run: Path) -> None:
+    console = _console(trained_run)
+    for noise in (
+        "Detected no triton",  # torchao, at import, on a machine without Triton
+        "Generating train split",  # datasets' progress bars, reading the sample's files
+        "original_max_position_embeddings",  # transformers on a llama3 config.json
+    ):
+        assert noise not in console, noise
+    if importlib.util.find_spec("triton") is None:
+        assert "Detected no triton" in (trained_run / "train.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("setting", "terminal", "bar"),
+    [("auto", True, True), ("auto", False, False), (True, False, True), (False, True, False)],
+)
+def test_progress_bar_auto_draws_a_bar_only_on_a_terminal(
+    setting: bool | str, terminal: bool, bar: bool
+) -> None:
+    class Stream(io.StringIO):
+        def isatty(self) -> bool:
+            return terminal
+
+    assert shows_bar(setting, Stream()) is bar
+
+
+def test_progress_bar_takes_true_false_or_auto() -> None:
+    with pytest.raises(UserError, match="runtime.progress_bar='yes': give true, false or auto"):
+        resolve_runtime(compose_train(["runtime.progress_bar=yes"]).runtime)
+
+
 def test_transformers_loads_the_checkpoint_with_equal_logits(trained_run: Path) -> None:
     checkpoint = trained_run / "checkpoints" / "step_24"
     recipe = OmegaConf.load(trained_run / "recipe.yaml")
     ours = instantiate(recipe.model.builder)
     ours.load_state_dict(read_model_state(checkpoint))
-    theirs = AutoModelForCausalLM.from_pretrained(checkpoint, use_safetensors=True)
+    with transformers_warnings() as warned:
+        theirs = AutoModelForCausalLM.from_pretrained(checkpoint, use_safetensors=True)
+    assert not warned, warned
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()

@@ -7,7 +7,7 @@ group as the user types it adds where runs are written and how hf:// sources are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig
 
@@ -30,7 +30,9 @@ class RuntimeRecipe:
     # Checked by runner.config.loggers.check_loggers (names, installed packages).
     loggers: List[str] = field(default_factory=list)
     project: str = "runner"
-    progress_bar: bool = flag(True)
+    # true, false or auto (a bar only where the console is a terminal); auto stays auto in the
+    # recipe, as the console is the training process's, not the run's (runner.train.progress).
+    progress_bar: Any = "auto"
     deterministic: bool = flag(False)
     env: Dict[str, str] = field(default_factory=dict)
 
@@ -58,6 +60,8 @@ def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
             f"replaced by runtime.loggers: write runtime.loggers={fix}",
         )
     check_loggers(list(runtime.loggers))
+    if not (isinstance(runtime.progress_bar, bool) or runtime.progress_bar == "auto"):
+        raise UserError("runtime.progress_bar", runtime.progress_bar, "give true, false or auto")
     return RuntimeRecipe(
         save_every_n_steps=runtime.save_every_n_steps,
         keep_last_n_checkpoints=runtime.keep_last_n_checkpoints,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 import json
@@ -195,12 +196,27 @@ def _read_if_any(
                 header = next(csv.reader(f), [])
             options["features"] = datasets.Features({c: datasets.Value("string") for c in header})
         reader = datasets.load_dataset_builder(builder, data_files=files, **options)
-        reader.download_and_prepare()
+        with _no_progress_bars():
+            reader.download_and_prepare()
     except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
         raise _read_error(key, source, data_format, files, err) from err
     if not reader.info.splits["train"].num_examples:
         return None
     return reader.as_dataset(split="train")
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without datasets' "Generating train split" bars: noise on the console of every first
+    read of a file (and carriage returns in a log file); the job logs the records it read and
+    how long the check took."""
+    shown = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def _read_xml(

@@ -6,8 +6,25 @@ library's touches this file only.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+
+class _TritonNotice(logging.Filter):
+    """torchao, which torchtune imports, warns at import on every machine without Triton (every
+    CPU one) that some of its kernels will not work; runner uses none of them. The line is
+    demoted to INFO: train.log keeps it, the console (WARNING and up) does not."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Detected no triton" in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+logging.getLogger("torchao.kernel.intmm").addFilter(_TritonNotice())
+
+# torchtune's imports come after the filter: torchao warns as it is imported.
+# ruff: noqa: E402
 import torchtune.models.gemma as gemma_builders
 import torchtune.models.gemma2 as gemma2_builders
 import torchtune.models.llama3_1 as llama3_1_builders

@@ -16,6 +16,34 @@ LLAMA3_ROPE = {
 }
 
 
+def _wavelengths(settings: dict[str, Any]) -> tuple[float, float]:
+    """The wavelengths between which Llama 3 scaling blends (original context / high and / low
+    frequency factor): with the factor, all that its frequencies depend on (transformers'
+    _compute_llama3_parameters, torchtune's Llama3ScaledRoPE, vLLM's and llama.cpp's alike)."""
+    context = settings["original_max_position_embeddings"]
+    return context / settings["high_freq_factor"], context / settings["low_freq_factor"]
+
+
+def llama3_rope(max_seq_len: int) -> dict[str, Any]:
+    """LLAMA3_ROPE as config.json gives it for a context of `max_seq_len`.
+
+    transformers warns on every load of a config whose original_max_position_embeddings is not
+    below max_position_embeddings (model=tiny: 8192 and 8192). There the three keys are halved
+    together until it is: their ratios, the wavelengths, stay exactly the same (halving is exact
+    in floating point), and so do the frequencies, bit for bit.
+    """
+    rope = dict(LLAMA3_ROPE)
+    context = rope["original_max_position_embeddings"]
+    while context >= max_seq_len and context > 1:
+        context //= 2
+        rope = {
+            "low_freq_factor": rope["low_freq_factor"] / 2,
+            "high_freq_factor": rope["high_freq_factor"] / 2,
+            "original_max_position_embeddings": context,
+        }
+    return rope
+
+
 def builder_args(config: dict[str, Any]) -> dict[str, Any]:
     """config.json -> builder arguments beyond the shared ones; Unsupported where it cannot."""
     for key in ("attention_bias", "mlp_bias"):
@@ -26,7 +54,8 @@ def builder_args(config: dict[str, Any]) -> dict[str, Any]:
         # Llama3ScaledRoPE with factor 1 leaves every frequency as it is.
         return {"scale_factor": 1, "tie_word_embeddings": config["tie_word_embeddings"]}
     if rope_type(settings) != "llama3" or any(
-        not math.isclose(settings[k], v) for k, v in LLAMA3_ROPE.items()
+        not math.isclose(theirs, ours)
+        for theirs, ours in zip(_wavelengths(settings), _wavelengths(LLAMA3_ROPE), strict=True)
     ):
         raise Unsupported(f"rope scaling {settings}")
     return {
@@ -41,7 +70,7 @@ def config_keys(builder: dict[str, Any]) -> dict[str, Any]:
         "rope_scaling": {
             "rope_type": "llama3",
             "factor": float(builder["scale_factor"]),
-            **LLAMA3_ROPE,
+            **llama3_rope(builder["max_seq_len"]),
         },
         "attention_bias": False,
         "mlp_bias": False,
