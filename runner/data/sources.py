@@ -142,6 +142,16 @@ def stream_files(key: str, source: str, data_format: str, split_key: str, split:
     return [file for name in names for file in files_by_split[name]]
 
 
+def _options(builder: str, file: str) -> dict[str, Any]:
+    """The `datasets` builder's options for `file`: a CSV cell has no type, so every column of a
+    CSV file is read as text (an empty cell is null)."""
+    if builder != "csv":
+        return {}
+    with open(file, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return {"features": datasets.Features({c: datasets.Value("string") for c in header})}
+
+
 def stream_records(key: str, source: str, data_format: str, file: str) -> Iterator[dict[str, Any]]:
     """The records of one data file in order, read as a stream (datasets' IterableDataset): only
     a chunk of the file is in memory at a time. A file that does not read is a UserError naming
@@ -149,15 +159,9 @@ def stream_records(key: str, source: str, data_format: str, file: str) -> Iterat
     if os.path.getsize(file) == 0:
         return
     builder = BUILDERS[data_format]
-    options: dict[str, Any] = {}
-    if builder == "csv":
-        # A CSV cell has no type: read every column as text (an empty cell is null).
-        with open(file, newline="", encoding="utf-8") as f:
-            header = next(csv.reader(f), [])
-        options["features"] = datasets.Features({c: datasets.Value("string") for c in header})
     try:
         stream = datasets.load_dataset(
-            builder, data_files=[file], split="train", streaming=True, **options
+            builder, data_files=[file], split="train", streaming=True, **_options(builder, file)
         )
         # In batches: `iter` reads the whole file also in a DataLoader worker, where iterating
         # the stream itself would give each worker only some of the files.
@@ -188,13 +192,8 @@ def _read_if_any(
     if data_format == "xml":
         return _read_xml(key, source, files, xml_record)
     builder = BUILDERS[data_format]
-    options: dict[str, Any] = {}
     try:
-        if builder == "csv":
-            # A CSV cell has no type: read every column as text (an empty cell is null).
-            with open(files[0], newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), [])
-            options["features"] = datasets.Features({c: datasets.Value("string") for c in header})
+        options = _options(builder, files[0])
         reader = datasets.load_dataset_builder(builder, data_files=files, **options)
         with _no_progress_bars():
             reader.download_and_prepare()
