@@ -161,7 +161,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         )
         raise SystemExit(1) from None
     except RendezvousError as err:
-        message = _rendezvous_failure(err, recipe.compute, node_rank)
+        message = _rendezvous_failure(err, recipe.compute, node_rank, run.latest_checkpoint())
         # Every node that reports it writes the same; a node that lost its group has no rank 0.
         run.write_status("failed", error=message)
         print(message, file=sys.stderr)
@@ -173,22 +173,26 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         raise SystemExit(EXIT_SIGTERM)
 
 
-def _rendezvous_failure(err: Exception, compute: DictConfig, node_rank: int | None) -> str:
+def _rendezvous_failure(
+    err: Exception, compute: DictConfig, node_rank: int | None, latest: Path | None
+) -> str:
     """What went wrong in the rendezvous, in the user's words, with what to do."""
     from runner.train.rendezvous import NodesDisagree, NodesMissing
 
     where = f"at {compute.rdzv_endpoint}"
     within = f"within compute.rdzv_timeout_s={compute.rdzv_timeout_s} s"
+    resume = (
+        f"start the job again on every node to resume from {latest}"
+        if latest is not None
+        else "start the job again on every node"
+    )
     if isinstance(err, NodesDisagree):
         return (
             f"the nodes that met {where} train different runs: {err}; start the same "
-            "`runner train` line on every node, with the same hydra.run.dir"
+            "`runner train` line (the same overrides and hydra.run.dir) on every node"
         )
     if isinstance(err, NodesMissing) and err.after_loss:
-        return (
-            f"{err} {within}; the run stops at its latest whole checkpoint: start the job "
-            "again on every node to resume from it"
-        )
+        return f"{err} {within}; the run stops here: {resume}"
     if isinstance(err, NodesMissing):
         return (
             f"the {compute.nnodes} nodes did not all meet {where} {within} ({err}); start the "
@@ -203,6 +207,5 @@ def _rendezvous_failure(err: Exception, compute: DictConfig, node_rank: int | No
         return f"node 0 could not host the rendezvous store {where} ({why}); is the port in use?"
     return (
         f"lost the rendezvous store {where}, which node 0 hosts ({why}): node 0 was lost, "
-        f"stopped or not started {within}; start the job again on every node to resume from "
-        "its latest whole checkpoint"
+        f"stopped or not started {within}; {resume}"
     )

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
@@ -121,13 +122,16 @@ class IdentifiedRendezvous(RendezvousHandler):
         return self._inner.use_agent_store
 
     def next_rendezvous(self) -> RendezvousInfo:
-        # Which waiting agent is which node, for the message of a rendezvous that times out.
-        self._store.set(self._agent_key, json.dumps(asdict(self._identity)))
         try:
+            # Which waiting agent is which node, for the message of a rendezvous that times out.
+            self._store.set(self._agent_key, json.dumps(asdict(self._identity)))
             info = self._inner.next_rendezvous()
+            self._members = self._introduce(info)
         except RendezvousTimeoutError as err:
             raise NodesMissing(self._missing(), after_loss=bool(self._members)) from err
-        self._members = self._introduce(info)
+        except (ValueError, RuntimeError, TimeoutError) as err:
+            # As torch's c10d backend reports a store it cannot reach.
+            raise RendezvousConnectionError(f"the rendezvous store is gone: {err}") from err
         return info
 
     def _introduce(self, info: RendezvousInfo) -> dict[int, NodeIdentity]:
