@@ -206,6 +206,6 @@ def _rendezvous_failure(
     if node_rank == 0:
         return f"node 0 could not host the rendezvous store {where} ({why}); is the port in use?"
     return (
-        f"lost the rendezvous store {where}, which node 0 hosts ({why}): node 0 was lost, "
-        f"stopped or not started {within}; {resume}"
+        f"lost the rendezvous store {where}, which node 0 hosts: node 0 was lost or stopped, or "
+        f"did not start {within} ({why}); {resume}"
     )
