@@ -379,3 +379,28 @@ def test_nodes_with_different_run_directories_fail_at_once(hermetic_env, tmp_pat
         assert str(dirs[0]) in output and str(dirs[1]) in output
         status = json.loads((run_dir / "status.json").read_text())
         assert status["state"] == "failed" and str(dirs[1 - dirs.index(run_dir)]) in status["error"]
+
+
+def test_sigterm_to_one_node_stops_every_node_at_once(hermetic_env, tmp_path: Path) -> None:
+    """A node preempted alone (`runner stop` there, an evicted pod): every rank saves, and the
+    other node ends too, not held for 300 s in torch's exit barrier by the stopped agent."""
+    run_dir = tmp_path / "preempted"
+    args = node_args(free_port(), "max_steps=400", "runtime.save_every_n_steps=null")
+    nodes = [
+        start(hermetic_env, tmp_path, *args, f"hydra.run.dir={run_dir}", f"compute.node_rank={r}")
+        for r in (0, 1)
+    ]
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline
+        time.sleep(0.1)
+    signalled = time.monotonic()
+    os.kill(nodes[1].pid, signal.SIGTERM)
+    results = [finish(node) for node in nodes]
+    assert time.monotonic() - signalled < 120
+    for code, output in results:
+        assert code == 143, output[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
+    assert (run_dir / "checkpoints" / f"step_{status['step']}" / "model.safetensors").is_file()

@@ -148,6 +148,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
+        _check_out()
         name = signal.Signals(err.sigval).name
         print(f"stopped by {name}; status in {recipe.run_dir}/status.json", file=sys.stderr)
         raise SystemExit(128 + int(err.sigval)) from None
@@ -171,6 +172,16 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     if status.state == "cancelled":
         print(f"{status.error}; status in {run.path}/status.json", file=sys.stderr)
         raise SystemExit(EXIT_SIGTERM)
+
+
+def _check_out() -> None:
+    """Lets the other nodes' agents, whose workers stopped with ours, end at once."""
+    from runner.train import rendezvous
+
+    try:
+        rendezvous.check_out()
+    except Exception as err:  # noqa: BLE001 - they wait out torch's exit barrier instead
+        log.warning("could not check out of the agents' exit barrier: %s", err)
 
 
 def _rendezvous_failure(

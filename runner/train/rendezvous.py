@@ -11,7 +11,10 @@ the meeting; this handler wraps it, registered with torch's rendezvous registry 
   did not come back (a lost node the others waited for);
 - the store that holds the rendezvous lives with node rank 0 whenever that rank is known
   (`is_host`), never with whichever node happened to start first, so that losing another node
-  never takes the store with it.
+  never takes the store with it;
+- an agent stopped by a signal checks in at the agents' exit barrier (check_out), which torch
+  skips on that path, so that the other nodes' agents, whose workers stopped with it, do not
+  wait there for it (300 s).
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
     create_backend,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 BACKEND = "runner-c10d"
 # The rendezvous parameter that carries this node's identity (JSON) to the handler.
 IDENTITY_PARAMETER = "runner_identity"
 _KEEP_ALIVE_S, _KEEP_ALIVE_ATTEMPTS = 5, 3  # torch's defaults (dynamic_rendezvous.create_handler)
+# The key of the elastic agents' exit barrier (torch.distributed.elastic.agent.server.api).
+_EXIT_BARRIER = "torchelastic/agent/terminal_state"
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,8 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     backend, store = create_backend(params)
     keep_alive = params.get_as_int("keep_alive_interval", _KEEP_ALIVE_S) or _KEEP_ALIVE_S
     attempts = params.get_as_int("keep_alive_max_attempt", _KEEP_ALIVE_ATTEMPTS)
-    return IdentifiedRendezvous(
+    global _agent_handler
+    _agent_handler = IdentifiedRendezvous(
         create_handler(store, backend, params),
         store=store,
         backend=backend,
@@ -92,6 +99,17 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
         nnodes=params.max_nodes,
         dead_after=timedelta(seconds=keep_alive * (attempts or _KEEP_ALIVE_ATTEMPTS)),
     )
+    return _agent_handler
+
+
+# The handler of this process's elastic agent (a launcher runs one), for check_out.
+_agent_handler: IdentifiedRendezvous | None = None
+
+
+def check_out() -> None:
+    """Checks this node in at the agents' exit barrier after its agent stopped on a signal."""
+    if _agent_handler is not None:
+        _agent_handler.check_out()
 
 
 class IdentifiedRendezvous(RendezvousHandler):
@@ -111,8 +129,9 @@ class IdentifiedRendezvous(RendezvousHandler):
         self._identity, self._nnodes, self._dead_after = identity, nnodes, dead_after
         # The torch node descriptor's address and pid (dynamic_rendezvous._NodeDesc).
         self._agent_key = _agent_key(socket.getfqdn(), os.getpid())
-        # Who was in the group the last time it met: {group rank: identity}.
+        # Who was in the group the last time it met: {group rank: identity}, and its store.
         self._members: dict[int, NodeIdentity] = {}
+        self._round_store: Store | None = None
 
     def get_backend(self) -> str:
         return BACKEND
@@ -126,13 +145,18 @@ class IdentifiedRendezvous(RendezvousHandler):
             # Which waiting agent is which node, for the message of a rendezvous that times out.
             self._store.set(self._agent_key, json.dumps(asdict(self._identity)))
             info = self._inner.next_rendezvous()
-            self._members = self._introduce(info)
+            self._members, self._round_store = self._introduce(info), info.store
         except RendezvousTimeoutError as err:
             raise NodesMissing(self._missing(), after_loss=bool(self._members)) from err
         except (ValueError, RuntimeError, TimeoutError) as err:
             # As torch's c10d backend reports a store it cannot reach.
             raise RendezvousConnectionError(f"the rendezvous store is gone: {err}") from err
         return info
+
+    def check_out(self) -> None:
+        """What torch's exit barrier does for an agent, without waiting for the others."""
+        if self._round_store is not None:
+            _barrier_nonblocking(self._round_store, len(self._members), _EXIT_BARRIER)
 
     def _introduce(self, info: RendezvousInfo) -> dict[int, NodeIdentity]:
         """Each node's identity, read from the round's store; NodesDisagree if any differs."""
