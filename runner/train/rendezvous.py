@@ -97,6 +97,8 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
         backend=backend,
         identity=identity,
         nnodes=params.max_nodes,
+        # The address in torch's node descriptor (dynamic_rendezvous._NodeDescGenerator).
+        agent_addr=params.local_addr or socket.getfqdn(),
         dead_after=timedelta(seconds=keep_alive * (attempts or _KEEP_ALIVE_ATTEMPTS)),
     )
     return _agent_handler
@@ -123,12 +125,13 @@ class IdentifiedRendezvous(RendezvousHandler):
         backend: C10dRendezvousBackend,
         identity: NodeIdentity,
         nnodes: int,
+        agent_addr: str,
         dead_after: timedelta,
     ) -> None:
         self._inner, self._store, self._backend = inner, store, backend
         self._identity, self._nnodes, self._dead_after = identity, nnodes, dead_after
-        # The torch node descriptor's address and pid (dynamic_rendezvous._NodeDesc).
-        self._agent_key = _agent_key(socket.getfqdn(), os.getpid())
+        # This agent as torch's rendezvous state names it (dynamic_rendezvous._NodeDesc).
+        self._agent_key = _agent_key(agent_addr, os.getpid())
         # Who was in the group the last time it met: {group rank: identity}, and its store.
         self._members: dict[int, NodeIdentity] = {}
         self._round_store: Store | None = None
