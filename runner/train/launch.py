@@ -77,6 +77,7 @@ def node_rank_of(compute: DictConfig, recipe: DictConfig) -> int | None:
     platform (None where neither says, and c10d alone tells the nodes apart)."""
     if recipe.compute.nnodes == 1:
         return 0
+    # A resume composes the default compute group, which has no node_rank.
     given = compute.node_rank if "node_rank" in compute else None
     if given is None:
         given = platforms.detect(recipe.compute.platform).values.get("node_rank")
