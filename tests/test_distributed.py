@@ -68,20 +68,24 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     return proc.returncode, out + err
 
 
-def two_nodes(env: dict[str, str], cwd: Path, run_dir: Path, *extra: str) -> list[tuple[int, str]]:
-    """Starts `runner train` twice, as nodes 0 and 1 of a c10d rendezvous on 127.0.0.1."""
-    args = [
+def node_args(port: int, *extra: str) -> list[str]:
+    """The `runner train` line of one of two nodes x two processes meeting at 127.0.0.1:port."""
+    return [
         *BASE,
         "compute=multi_node",
         "compute.device=cpu",
         "compute.nnodes=2",
         "compute.nproc_per_node=2",
         "compute.master_addr=127.0.0.1",
-        f"compute.master_port={free_port()}",
+        f"compute.master_port={port}",
         "gradient_accumulation_steps=1",
-        f"hydra.run.dir={run_dir}",
         *extra,
     ]
+
+
+def two_nodes(env: dict[str, str], cwd: Path, run_dir: Path, *extra: str) -> list[tuple[int, str]]:
+    """Starts `runner train` twice, as nodes 0 and 1 of a c10d rendezvous on 127.0.0.1."""
+    args = node_args(free_port(), f"hydra.run.dir={run_dir}", *extra)
     nodes = [start(env, cwd, *args, f"compute.node_rank={rank}") for rank in (0, 1)]
     return [finish(node) for node in nodes]
 
@@ -262,3 +266,141 @@ def test_baseten_variables_need_no_flags(hermetic_env, tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / f"step_{STEPS}" / "model.safetensors").is_file()
     log = (run_dir / "train.log").read_text()
     assert "baseten: nnodes=1 (BT_GROUP_SIZE), node_rank=0 (BT_NODE_RANK)" in log
+
+
+# Loaded by every Python process of the node a test loses (first on its PYTHONPATH there): in
+# that node's first life, its local rank 0 kills the node's whole process tree (launcher,
+# agent and workers) with SIGKILL in its 5th optimizer step, after the step-3 checkpoint.
+LOSE_NODE = """
+import os
+_marker = os.environ.get("RUNNER_TEST_LOSE_NODE")
+if _marker and os.environ.get("LOCAL_RANK") == "0" and not os.path.exists(_marker):
+    import glob
+    import signal
+    import torch.optim
+
+    _step, _calls = torch.optim.AdamW.step, [0]
+
+    def _tree(pid):
+        children = []
+        for path in glob.glob(f"/proc/{pid}/task/*/children"):
+            children += [int(c) for c in open(path).read().split()]
+        return [pid] + [p for child in children for p in _tree(child)]
+
+    def step(self, *args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == 5:
+            open(_marker, "w").close()
+            for pid in _tree(int(os.environ["RUNNER_LAUNCHER_PID"])):
+                os.kill(pid, signal.SIGKILL)
+        return _step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step
+"""
+
+
+def losing_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """`env` for the node that the LOSE_NODE hook kills once."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(LOSE_NODE)
+    path = ":".join(p for p in (str(hooks), env.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path, "RUNNER_TEST_LOSE_NODE": str(tmp_path / "node-lost")}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, within_s: float = 300) -> None:
+    deadline = time.monotonic() + within_s
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+
+
+def test_a_lost_node_started_again_rejoins_and_the_run_ends_with_the_same_losses(
+    hermetic_env, layouts, tmp_path: Path
+) -> None:
+    """Node 1 is lost after the step-3 checkpoint; its line started again joins node 0's
+    restarted group, which resumes from the checkpoint."""
+    run_dir = tmp_path / "rejoined"
+    args = [*node_args(free_port(), "compute.rdzv_timeout_s=90"), f"hydra.run.dir={run_dir}"]
+    node0 = start(hermetic_env, tmp_path, *args, "compute.node_rank=0")
+    lost_env = losing_env(hermetic_env, tmp_path)
+    node1 = start(lost_env, tmp_path, *args, "compute.node_rank=1")
+    assert node1.wait(timeout=300) == -signal.SIGKILL
+    assert node0.poll() is None  # waiting for the lost node
+    node1 = start(lost_env, tmp_path, *args, "compute.node_rank=1")  # the same line again
+    (code0, out0), (code1, out1) = finish(node0), finish(node1)
+    assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_3'} at step 3" in out0 + out1
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("completed", STEPS)
+    assert status["launcher_pid"] == node0.pid  # the returning node left node 0's status be
+    assert losses(run_dir) == losses(layouts["2x2"])  # exact: same layout, from the checkpoint
+
+
+def test_a_node_that_does_not_come_back_fails_the_run_naming_it(
+    hermetic_env, tmp_path: Path
+) -> None:
+    """Node 1 starts first (torch alone would host the rendezvous store there) and is lost for
+    good: node 0, which hosts the store, ends within the rendezvous timeout, naming node 1."""
+    run_dir, timeout_s = tmp_path / "lost", 30
+    port = free_port()
+    args = [*node_args(port, f"compute.rdzv_timeout_s={timeout_s}"), f"hydra.run.dir={run_dir}"]
+    node1 = start(losing_env(hermetic_env, tmp_path), tmp_path, *args, "compute.node_rank=1")
+    wait_for(run_dir / "status.json", node1)  # written just before its launch
+    node0 = start(hermetic_env, tmp_path, *args, "compute.node_rank=0")
+    assert node1.wait(timeout=300) == -signal.SIGKILL
+    lost_at = time.monotonic()
+    code, output = finish(node0)
+    waited = time.monotonic() - lost_at
+    assert code == 1, output[-3000:]
+    assert timeout_s <= waited < timeout_s + 45, waited
+    assert "node 1 (" in output and "left the group and did not come back" in output, output[-3000:]
+    assert f"compute.rdzv_timeout_s={timeout_s}" in output
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "node 1 (" in status["error"], status
+    assert (run_dir / "checkpoints" / "step_3" / "model.safetensors").is_file()
+
+
+def test_nodes_with_different_run_directories_fail_at_once(hermetic_env, tmp_path: Path) -> None:
+    """They meet (on the rendezvous address they share), compare and stop, long before
+    compute.rdzv_timeout_s."""
+    dirs = [tmp_path / "run-a", tmp_path / "run-b"]
+    args = node_args(free_port(), "compute.rdzv_timeout_s=600")
+    started = time.monotonic()
+    nodes = [
+        start(hermetic_env, tmp_path, *args, f"compute.node_rank={rank}", f"hydra.run.dir={d}")
+        for rank, d in enumerate(dirs)
+    ]
+    results = [finish(node) for node in nodes]
+    assert time.monotonic() - started < 300
+    for (code, output), run_dir in zip(results, dirs, strict=True):
+        assert code == 1, output[-3000:]
+        assert "train different runs" in output and "run directory" in output, output[-3000:]
+        assert str(dirs[0]) in output and str(dirs[1]) in output
+        status = json.loads((run_dir / "status.json").read_text())
+        assert status["state"] == "failed" and str(dirs[1 - dirs.index(run_dir)]) in status["error"]
+
+
+def test_sigterm_to_one_node_stops_every_node_at_once(hermetic_env, tmp_path: Path) -> None:
+    """A node preempted alone (`runner stop` there, an evicted pod): every rank saves, and the
+    other node ends too, not held for 300 s in torch's exit barrier by the stopped agent."""
+    run_dir = tmp_path / "preempted"
+    args = node_args(free_port(), "max_steps=400", "runtime.save_every_n_steps=null")
+    nodes = [
+        start(hermetic_env, tmp_path, *args, f"hydra.run.dir={run_dir}", f"compute.node_rank={r}")
+        for r in (0, 1)
+    ]
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline
+        time.sleep(0.1)
+    signalled = time.monotonic()
+    os.kill(nodes[1].pid, signal.SIGTERM)
+    results = [finish(node) for node in nodes]
+    assert time.monotonic() - signalled < 120
+    for code, output in results:
+        assert code == 143, output[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
+    assert (run_dir / "checkpoints" / f"step_{status['step']}" / "model.safetensors").is_file()

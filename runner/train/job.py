@@ -22,9 +22,9 @@ from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged
-from runner.rundir import STATES, RunDir, RunLocked, run_lock
+from runner.rundir import STATES, RunDir, RunLocked, is_run_dir, run_lock
 from runner.rundir.manifest import build_manifest, write_manifest
-from runner.train.launch import launch
+from runner.train.launch import launch, node_rank_of
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +104,17 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         _check_data(recipe)
         write_recipe(run.recipe_path, recipe)
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
-        run.write_status("created", step=0, total_steps=recipe.max_steps)
-    # `runner stop` signals this process: the run's launcher, whatever its world size. A run
-    # killed before its first status was written starts as `created`.
-    state = run.status().state
-    run.write_status(state if state in STATES else "created", launcher_pid=os.getpid())
-    result = launch(recipe, run.recipe_path)
+    node_rank = node_rank_of(cfg.compute, recipe)
+    # On several nodes the status is node 0's (then global rank 0's): another node, or one that
+    # rejoins a running group, leaves it be.
+    if node_rank == 0 or not is_run_dir(run.path):
+        if cfg.resume is None:
+            run.write_status("created", step=0, total_steps=recipe.max_steps)
+        # `runner stop` signals this process: the run's launcher, whatever its world size. A
+        # run killed before its first status was written starts as `created`.
+        state = run.status().state
+        run.write_status(state if state in STATES else "created", launcher_pid=os.getpid())
+    result = launch(recipe, run.recipe_path, node_rank)
     _print_summary(run)
     return result
 

@@ -1,9 +1,12 @@
 """Starts the recipe: in this process, or under torch.distributed's elastic agent.
 
 On several nodes the same `runner train` line runs on each; every node's agent meets the others
-in a c10d rendezvous at the recipe's `compute.rdzv_endpoint`, under a run id derived from the run
-directory (the same on every node by construction). A failed worker makes the agents restart the
-whole group (up to `compute.max_restarts`), which resumes from the latest whole checkpoint.
+in a c10d rendezvous at the recipe's `compute.rdzv_endpoint` (runner.train.rendezvous: torch's
+c10d handler, plus each node's identity), under a run id derived from what the nodes share: the
+platform's job id where there is one, else the rendezvous address. The store lives with node
+rank 0. A failed worker or a lost node makes the agents restart the whole group (up to
+`compute.max_restarts`); a lost node started again with the same line joins it, and the group
+resumes from the latest whole checkpoint.
 A deterministic run always starts fresh worker processes, so that the pinned kernel path
 (runner.train.determinism) is in their environment before torch loads.
 """
@@ -16,6 +19,7 @@ import importlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from runner.components import plain_dict
 from runner.config import platforms
 from runner.rundir import RunDir
 from runner.train import determinism
@@ -38,10 +43,13 @@ EXIT_SIGTERM = 128 + signal.SIGTERM
 log = logging.getLogger(__name__)
 
 
-def launch(recipe: DictConfig, recipe_path: Path) -> dict[str, Any] | None:
+def launch(
+    recipe: DictConfig, recipe_path: Path, node_rank: int | None = None
+) -> dict[str, Any] | None:
     """Runs the recipe; one process without restarts runs in-process, more under elastic_launch.
 
-    Returns the recipe's result when it ran in this process. A run stopped by SIGTERM exits 143.
+    `node_rank`: this node's place in a multi-node run, where known (node_rank_of). Returns the
+    recipe's result when it ran in this process. A run stopped by SIGTERM exits 143.
     """
     os.environ.update(recipe.runtime.env)
     compute = recipe.compute
@@ -60,8 +68,20 @@ def launch(recipe: DictConfig, recipe_path: Path) -> dict[str, Any] | None:
         return result
     pinned = determinism.pinned_environment() if deterministic else {}
     with _environment({**pinned, LAUNCHER_PID_ENV: str(os.getpid())}):
-        _elastic_launch(recipe, recipe_path)
+        _elastic_launch(recipe, recipe_path, node_rank)
     return None
+
+
+def node_rank_of(compute: DictConfig, recipe: DictConfig) -> int | None:
+    """This node's rank: 0 on one node; else compute.node_rank as given or read from the
+    platform (None where neither says, and c10d alone tells the nodes apart)."""
+    if recipe.compute.nnodes == 1:
+        return 0
+    # A resume composes the default compute group, which has no node_rank.
+    given = compute.node_rank if "node_rank" in compute else None
+    if given is None:
+        given = platforms.detect(recipe.compute.platform).values.get("node_rank")
+    return None if given is None else int(given)
 
 
 @contextlib.contextmanager
@@ -79,24 +99,32 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _rendezvous_config(recipe: DictConfig) -> Any:
+def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
+    from runner.rundir.manifest import config_hash
+    from runner.train import rendezvous
+
     compute = recipe.compute
-    rdzv_configs = {}
+    identity = rendezvous.NodeIdentity(
+        node_rank=node_rank,
+        host=socket.gethostname(),
+        run_dir=recipe.run_dir,
+        config_hash=config_hash(plain_dict(recipe)),
+    )
+    rdzv_configs = rendezvous.parameters(identity)
     if compute.rdzv_timeout_s is not None:
         # join: how long the nodes wait for each other; read: for the store to come up.
-        rdzv_configs = {
-            "join_timeout": compute.rdzv_timeout_s,
-            "read_timeout": compute.rdzv_timeout_s,
-        }
-    run_id = "runner-" + hashlib.sha256(recipe.run_dir.encode()).hexdigest()[:16]
+        rdzv_configs["join_timeout"] = rdzv_configs["read_timeout"] = compute.rdzv_timeout_s
+    # What every node of one job shares; the run directories are compared once they meet.
+    shared = platforms.detect(compute.platform).job_id or compute.rdzv_endpoint
+    rendezvous.register()
     return LaunchConfig(
         min_nodes=compute.nnodes,
         max_nodes=compute.nnodes,
         nproc_per_node=compute.nproc_per_node,
-        run_id=run_id,
-        rdzv_backend="c10d",
+        run_id="runner-" + hashlib.sha256(shared.encode()).hexdigest()[:16],
+        rdzv_backend=rendezvous.BACKEND,
         rdzv_endpoint=compute.rdzv_endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=compute.max_restarts,
@@ -104,13 +132,13 @@ def _rendezvous_config(recipe: DictConfig) -> Any:
     )
 
 
-def _elastic_launch(recipe: DictConfig, recipe_path: Path) -> None:
+def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    config = _rendezvous_config(recipe)
+    config = _rendezvous_config(recipe, node_rank)
     log.info("rendezvous: c10d at %s, run id %s", config.rdzv_endpoint, config.run_id)
     run = RunDir(recipe.run_dir)
     # The agent's shared TCPStore outlives a restart with the last attempt's keys, so restarted
@@ -121,6 +149,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path) -> None:
         elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
+        _check_out()
         name = signal.Signals(err.sigval).name
         print(f"stopped by {name}; status in {recipe.run_dir}/status.json", file=sys.stderr)
         raise SystemExit(128 + int(err.sigval)) from None
@@ -134,17 +163,61 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path) -> None:
         )
         raise SystemExit(1) from None
     except RendezvousError as err:
-        why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        print(
-            f"the {config.min_nodes} nodes did not all meet at {config.rdzv_endpoint} within "
-            f"compute.rdzv_timeout_s={recipe.compute.rdzv_timeout_s} s ({why}); start the "
-            "same `runner train` line on every node, with the same compute.master_addr, "
-            "compute.master_port and run directory",
-            file=sys.stderr,
-        )
+        message = _rendezvous_failure(err, recipe.compute, node_rank, run.latest_checkpoint())
+        # Every node that reports it writes the same; a node that lost its group has no rank 0.
+        run.write_status("failed", error=message)
+        print(message, file=sys.stderr)
         raise SystemExit(1) from None
     # Workers stopped by SIGTERM end cleanly (no restart) and leave the run `cancelled`.
     status = run.status()
     if status.state == "cancelled":
         print(f"{status.error}; status in {run.path}/status.json", file=sys.stderr)
         raise SystemExit(EXIT_SIGTERM)
+
+
+def _check_out() -> None:
+    """Lets the other nodes' agents, whose workers stopped with ours, end at once."""
+    from runner.train import rendezvous
+
+    try:
+        rendezvous.check_out()
+    except Exception as err:  # noqa: BLE001 - they wait out torch's exit barrier instead
+        log.warning("could not check out of the agents' exit barrier: %s", err)
+
+
+def _rendezvous_failure(
+    err: Exception, compute: DictConfig, node_rank: int | None, latest: Path | None
+) -> str:
+    """What went wrong in the rendezvous, in the user's words, with what to do."""
+    from runner.train.rendezvous import NodesDisagree, NodesMissing
+
+    where = f"at {compute.rdzv_endpoint}"
+    within = f"within compute.rdzv_timeout_s={compute.rdzv_timeout_s} s"
+    resume = (
+        f"start the job again on every node to resume from {latest}"
+        if latest is not None
+        else "start the job again on every node"
+    )
+    if isinstance(err, NodesDisagree):
+        return (
+            f"the nodes that met {where} train different runs: {err}; start the same "
+            "`runner train` line (the same overrides and hydra.run.dir) on every node"
+        )
+    if isinstance(err, NodesMissing) and err.after_loss:
+        return f"{err} {within}; the run stops here: {resume}"
+    if isinstance(err, NodesMissing):
+        return (
+            f"the {compute.nnodes} nodes did not all meet {where} {within} ({err}); start the "
+            "same `runner train` line on every node, with the same compute.master_addr and "
+            "compute.master_port"
+        )
+    why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    cause = err.__cause__
+    if cause is not None:
+        why += f" ({type(cause).__name__}: {cause})"
+    if node_rank == 0:
+        return f"node 0 could not host the rendezvous store {where} ({why}); is the port in use?"
+    return (
+        f"lost the rendezvous store {where}, which node 0 hosts: node 0 was lost or stopped, or "
+        f"did not start {within} ({why}); {resume}"
+    )

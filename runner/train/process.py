@@ -134,7 +134,7 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         record_kernels(recipe.run, determinism.kernel_settings())
     try:
         with _stop_signals():
-            _stop_with_launcher()
+            _stop_with_launcher(several_nodes=cfg.compute.nnodes > 1)
             recipe.setup()
             result = recipe.train()
         if recipe.stopped_by is None:
@@ -186,10 +186,14 @@ def _stop_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _stop_with_launcher() -> None:
+def _stop_with_launcher(*, several_nodes: bool) -> None:
     """A worker of the elastic agent stops, as on SIGTERM, when its launcher dies (kill -9
     included), instead of training on unseen, with nothing to report its end or keep a second
     trainer out (runner.rundir.run_lock dies with the launcher).
+
+    On several nodes it dies at once instead (SIGKILL): its node has left the rendezvous with
+    its agent, and a stop that all ranks agree on would end the other nodes' groups as
+    `cancelled`, where their agents should restart the group for the node to rejoin.
 
     The agent runs inside the launcher's process and starts the workers from its main thread,
     which lives as long as the launcher: so the launcher is the parent whose death
@@ -199,10 +203,13 @@ def _stop_with_launcher() -> None:
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if launcher is None or not sys.platform.startswith("linux"):
         return
+    death = signal.SIGKILL if several_nodes else signal.SIGTERM
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, death, 0, 0, 0) != 0:
         log.warning("no parent-death signal (prctl: %s)", os.strerror(ctypes.get_errno()))
     if os.getppid() != int(launcher):
+        if several_nodes:
+            os.kill(os.getpid(), signal.SIGKILL)
         STOP.request(signal.SIGTERM)
 
 
