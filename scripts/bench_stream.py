@@ -4,14 +4,15 @@ step, at growing corpus sizes, with 2 training processes.
     python scripts/bench_stream.py [--sizes-gb 0.5 1 2] [--steps 30] [--repeats 3]
 
 It writes a text corpus of random words (letters and spaces, 1500 bytes a record) as
-uncompressed parquet shards of 128 MB, as large as the largest of --sizes-gb, and points each
-size at the first shards that hold it. Each arm is `runner train dataset=text` on the tiny model
-with 2 processes (compute.nproc_per_node=2, one thread each), batch 8 of samples cut at 256
-tokens, --steps steps, no evaluation, no checkpoint:
+uncompressed parquet shards of 128 MB (row groups of 8192 records), as large as the largest of
+--sizes-gb, and points each size at the first shards that hold it. Each arm is `runner train
+dataset=text` on the tiny model with 2 processes (compute.nproc_per_node=2, one thread each),
+batch 8 of samples cut at 256 tokens, --steps steps, no evaluation, no checkpoint:
 
 - stream: dataset.streaming=true (shuffle windows of 10000 records of each process's share);
 - map: the default, which reads and checks the whole split before the first step (datasets
-  writes it to its Arrow cache, here a scratch directory) and memory-maps it in each process.
+  writes it to its Arrow cache, a fresh scratch directory for each run) and memory-maps it in
+  each process.
 
 The arms take turns --repeats times per size. tokens/s is the median of a run's logged per-step
 figures after its first 5 steps; peak RSS is the largest single process of the run's tree (the
@@ -40,6 +41,8 @@ import pyarrow.parquet as pq
 RECORD_BYTES = 1500
 SHARD_BYTES = 128 * 2**20
 WARMUP = 5
+# Records per parquet row group (12 MB), the unit a reader loads at a time.
+ROW_GROUP = 8192
 
 
 def write_corpus(folder: Path, total_bytes: int) -> list[tuple[Path, int]]:
@@ -83,6 +86,8 @@ def run_arm(arm: str, corpus: Path, args: argparse.Namespace, scratch: Path) -> 
     command += ["eval.strategy=no", "dataset.eval_samples=0", f"hydra.run.dir={run}"]
     if arm == "stream":
         command += ["dataset.streaming=true"]
+    # A fresh datasets cache for each run: the map arm reads its corpus whole every time.
+    shutil.rmtree(scratch / "hf", ignore_errors=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(scratch / "hf")}
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -125,7 +130,6 @@ def main() -> None:
                 arms = args.arms if repeat % 2 == 0 else list(reversed(args.arms))
                 for arm in arms:
                     results.setdefault((arm, size), []).append(run_arm(arm, corpus, args, scratch))
-                shutil.rmtree(scratch / "hf", ignore_errors=True)
     print(
         f"2 processes x 1 thread, tiny model, batch 8 x 256 tokens, {args.steps} steps, "
         f"{args.repeats} repeats: median [min-max]"
