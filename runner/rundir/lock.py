@@ -54,6 +54,7 @@ def run_lock(run_dir: Path, *, key: str) -> Iterator[None]:
         yield
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    outer = os.environ.get(RUN_LOCK_ENV)
     try:
         if _enter(fd, path, run_dir, key):
             os.ftruncate(fd, 0)
@@ -67,7 +68,10 @@ def run_lock(run_dir: Path, *, key: str) -> Iterator[None]:
     finally:
         if _held.get(path) == fd:
             del _held[path]
-            os.environ.pop(RUN_LOCK_ENV, None)
+            if outer is None:
+                os.environ.pop(RUN_LOCK_ENV, None)
+            else:
+                os.environ[RUN_LOCK_ENV] = outer
         os.close(fd)
 
 
