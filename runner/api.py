@@ -44,7 +44,7 @@ from omegaconf import DictConfig
 from runner.config import interpolations
 from runner.errors import UserError
 from runner.paths import CONF_DIR
-from runner.rundir import FINAL_STATES, STATES, RunDir, Status
+from runner.rundir import FINAL_STATES, STATES, STOPPING, RunDir, Status
 from runner.train import lifecycle
 from runner.train.sweep import SUMMARY_JSON
 
@@ -93,7 +93,7 @@ def capabilities() -> Capabilities:
         losses=groups["loss"],
         engines=tuple(ENGINES),
         loggers=tuple(TRACKERS),
-        states=STATES,
+        states=(*STATES, STOPPING),
     )
 
 
@@ -173,7 +173,8 @@ class Run:
 
     def status(self) -> Status:
         """status.json as runner.rundir.Status, with the state `runner runs` shows: `failed`
-        when its process is gone without saying so. A run launched here reads `created` until
+        when its processes are gone without saying so, `stopping` while its workers outlive
+        their launcher (RunDir.effective_state). A run launched here reads `created` until
         it writes its status, and `failed`, with the error it printed, if it was refused."""
         status = self.dir.status()
         if status.state == "unknown" and self._process is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -11,6 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from runner.rundir import RunDir, RunLocked, run_lock
 from tests.conftest import QUICK
 
 LONG_JOB = [
@@ -136,16 +140,17 @@ def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def test_a_second_trainer_is_kept_out_and_workers_die_with_their_launcher(
+def test_a_run_is_kept_from_a_second_trainer_until_its_last_process_is_gone(
     runner_cli, hermetic_env, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "outputs" / "two"
     proc, workers = start_two_processes(hermetic_env, run_dir)
     assert len(workers) == 2
+    hydra_files = {p: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
     # Frozen, the run writes nothing itself: whatever changes is the second trainer's doing.
     for pid in (proc.pid, *workers):
         os.kill(pid, signal.SIGSTOP)
-    before, recipe = snapshot(run_dir), (run_dir / "recipe.yaml").read_text()
+    before = snapshot(run_dir)
     try:
         second = runner_cli("train", f"resume={run_dir}")
         assert second.returncode == 2, second.stderr[-3000:]
@@ -153,24 +158,142 @@ def test_a_second_trainer_is_kept_out_and_workers_die_with_their_launcher(
         assert f"trained by process {proc.pid}" in second.stderr
         assert "Traceback" not in second.stderr
         assert snapshot(run_dir) == before
-        into = runner_cli("train", *TWO_PROCESSES, f"hydra.run.dir={run_dir}")
-        assert into.returncode == 2 and f"trained by process {proc.pid}" in into.stderr
-        assert (run_dir / "recipe.yaml").read_text() == recipe
+        # A new run pointed at it is refused before Hydra writes its .hydra/ or log there.
+        into = runner_cli("train", *TWO_PROCESSES, "seed=7", f"hydra.run.dir={run_dir}")
+        assert {p: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == hydra_files
+        assert snapshot(run_dir) == before
+        assert into.returncode == 2, into.stderr[-3000:]
+        assert f"hydra.run.dir='{run_dir}'" in into.stderr
+        assert f"trained by process {proc.pid}" in into.stderr
+        assert "give another hydra.run.dir" in into.stderr
+        # The launcher dies (kill -9); its workers, frozen still, hold the run's lock on.
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()  # not its output: the workers hold the pipe open
+        listing = runner_cli("runs", str(tmp_path / "outputs"))
+        (line,) = [ln for ln in listing.stdout.splitlines() if "two" in ln]
+        assert line.split()[1] == "stopping", listing.stdout
+        third = runner_cli("train", f"resume={run_dir}")
+        assert third.returncode == 2, third.stderr[-3000:]
+        assert f"the workers of process {proc.pid}" in third.stderr
+        with open(run_dir / ".lock") as lock, pytest.raises(BlockingIOError):
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert snapshot(run_dir) == before
     finally:
         for pid in (proc.pid, *workers):
-            os.kill(pid, signal.SIGCONT)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    deadline = time.monotonic() + 30
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    # Told by the parent-death signal, the workers stop as on SIGTERM: they save and record the
+    # run cancelled. Until they exit it reads `stopping`, never `failed`; then what they recorded.
+    seen, deadline = [], time.monotonic() + 120
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.2)
+        seen.append(RunDir(run_dir).effective_state()[0])
+        time.sleep(0.01)
     assert not any(alive(pid) for pid in workers), "workers outlived their launcher"
+    proc.communicate()
+    assert set(seen) <= {"stopping", "cancelled"} and seen[0] == "stopping", seen
     status = state_of(run_dir)
-    # Told by the parent-death signal, they stopped as on SIGTERM: saved, and ended cancelled.
     assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
+    assert RunDir(run_dir).effective_state() == ("cancelled", None)
     assert (run_dir / "checkpoints" / f"step_{status['step']}").is_dir()
-    with open(run_dir / ".lock") as lock:  # and the lock went with the launcher
+    with open(run_dir / ".lock") as lock:  # and the lock went with the last of them
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+# A launcher and the workers it starts, holding a run's lock as runner train's do, without the
+# training: the launcher takes it, starts the WORKER script given twice and prints their pids;
+# each worker joins the lock when told (a go_* file).
+LAUNCHER = """
+import os, subprocess, sys, time
+from pathlib import Path
+from runner.rundir import run_lock
+with run_lock(Path(sys.argv[1]), key="hydra.run.dir"):
+    workers = [
+        subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1], name, str(os.getpid())])
+        for name in (("early", "late") if sys.argv[2:] else ())
+    ]
+    print(*[w.pid for w in workers], flush=True)
+    time.sleep(600)
+"""
+WORKER = """
+import sys, time
+from pathlib import Path
+from runner.rundir import join_run_lock
+run_dir, name, launcher = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+while not (run_dir / f"go_{name}").exists():
+    time.sleep(0.01)
+(run_dir / f"tmp_{name}").write_text(str(join_run_lock(launcher)))
+(run_dir / f"tmp_{name}").rename(run_dir / f"joined_{name}")
+time.sleep(600)
+"""
+
+
+def start_launcher(run_dir: Path, *worker: str) -> tuple[subprocess.Popen, list[int]]:
+    """A LAUNCHER holding `run_dir`'s lock, with its WORKERs if given; their pids."""
+    command = [sys.executable, "-c", LAUNCHER, str(run_dir), *worker]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    return launcher, [int(pid) for pid in launcher.stdout.readline().split()]
+
+
+def joined(run_dir: Path, name: str) -> bool:
+    """Whether a WORKER, told to join now, holds the lock."""
+    (run_dir / f"go_{name}").touch()
+    deadline = time.monotonic() + 60
+    while not (run_dir / f"joined_{name}").exists():
+        assert time.monotonic() < deadline, f"worker {name} never tried to join"
+        time.sleep(0.01)
+    return (run_dir / f"joined_{name}").read_text() == "True"
+
+
+def test_workers_hold_the_run_lock_after_their_launcher_dies(tmp_path: Path) -> None:
+    run_dir, run = tmp_path / "run", RunDir(tmp_path / "run")
+    launcher, workers = start_launcher(run_dir, WORKER)
+    try:
+        run.write_status("running", step=3, launcher_pid=launcher.pid)
+        assert joined(run_dir, "early")
+        launcher.kill()
+        launcher.wait()
+        # Its worker holds the lock on: the run reads `stopping`, and no trainer can take it.
+        assert run.effective_state()[0] == "stopping"
+        with pytest.raises(RunLocked, match=f"the workers of process {launcher.pid}"):
+            with run_lock(run_dir, key="resume"):
+                pass
+        # A worker that would join after its launcher died leaves the run alone.
+        assert not joined(run_dir, "late")
+        assert run.effective_state()[0] == "stopping"
+    finally:
+        for pid in (launcher.pid, *workers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while run.effective_state()[0] == "stopping" and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the kernel has closed the killed worker's files
+    # With no process of it left and nothing recorded, it failed; a trainer may take it now.
+    gone = f"process {launcher.pid} is gone and the status was never updated"
+    assert run.effective_state() == ("failed", gone)
+    with run_lock(run_dir, key="resume"):
+        pass
+
+
+def test_a_new_run_into_a_locked_run_dir_leaves_its_record_alone(runner_cli, tmp_path) -> None:
+    run_dir = tmp_path / "held"
+    (run_dir / ".hydra").mkdir(parents=True)
+    record = {name: f"the holder's {name}\n".encode() for name in ("config.yaml", "overrides.yaml")}
+    for name, text in record.items():
+        (run_dir / ".hydra" / name).write_bytes(text)
+    holder, _ = start_launcher(run_dir)
+    try:
+        into = runner_cli("train", *QUICK, "max_steps=1", f"hydra.run.dir={run_dir}")
+    finally:
+        holder.kill()
+        holder.wait()
+    # Hydra wrote nothing there: the lock was taken before it writes .hydra/ and train.log.
+    assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == record
+    assert not (run_dir / "train.log").exists()
+    assert into.returncode == 2, into.stderr[-3000:]
+    assert f"hydra.run.dir='{run_dir}': the run is being trained by process {holder.pid}" in (
+        into.stderr
+    )
+    assert "give another hydra.run.dir" in into.stderr and "Traceback" not in into.stderr
 
 
 def test_ctrl_c_of_a_two_process_run_saves_and_exits_130(hermetic_env, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ with an OpenAI error body; never a 5xx, never a dropped connection.
 
 from __future__ import annotations
 
+import http.client
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -164,6 +165,46 @@ def test_every_fuzzed_request_gets_a_2xx_or_a_well_formed_4xx(fuzz_url: str, cap
             print(f"\nschema fuzz of runner deploy: {summary}")
     assert counts["2xx"] > MAX_EXAMPLES // 10, counts  # the fuzz reaches generation, too
     assert counts["4xx"] > MAX_EXAMPLES // 10, counts
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",  # what a web page's fetch() sends without a CORS preflight
+        "text/plain; charset=utf-8",
+        "application/x-www-form-urlencoded",  # an HTML form, and curl -d
+        "multipart/form-data; boundary=x",
+        None,
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_body_not_declared_json_is_a_415(fuzz_url: str, path: str, content_type) -> None:
+    body = {"model": "tiny", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    status, payload = post(fuzz_url, path, json.dumps(body).encode(), content_type)
+    assert status == 415, payload
+    error = json.loads(payload)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_media_type"
+    assert "Content-Type: application/json" in error["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
+def test_json_with_parameters_or_in_capitals_is_served(fuzz_url: str, content_type) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    status, payload = post(fuzz_url, "/v1/completions", body, content_type)
+    assert status == 200, payload
+    assert json.loads(payload)["choices"][0]["finish_reason"]
+
+
+def post(base_url: str, path: str, body: bytes, content_type: str | None) -> tuple[int, bytes]:
+    """Status and body of a POST with this Content-Type (None: no such header)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    connection.request("POST", path, body=body, headers=headers)
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response.status, payload
 
 
 def check_stream(payload: bytes) -> None:

@@ -37,10 +37,11 @@ HYDRA_COMMANDS = ("train", "validate", "estimate", "download", "deploy", "export
 LIFECYCLE_COMMANDS = ("runs", "logs", "stop", "resume")
 COMMANDS = (*HYDRA_COMMANDS, "push", "repro", *LIFECYCLE_COMMANDS, "cluster")
 # Hydra writes nothing for the commands that only look (validate, estimate, download): no run
-# directory, no log file.
+# directory, no log file, no run lock.
 NO_OUTPUT = [
     "hydra.output_subdir=null",
     "hydra.run.dir=.",
+    "~hydra.callbacks.run_lock",
     "hydra/job_logging=disabled",
     "hydra/hydra_logging=disabled",
 ]

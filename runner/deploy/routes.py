@@ -115,7 +115,17 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request body; 413 past `max_bytes`."""
+    """The request body, declared as JSON; 415 if it is not, 413 past `max_bytes`.
+
+    A browser sends a POST of text/plain, form or multipart data from any web page without
+    asking first (no CORS preflight), so a server on 127.0.0.1 without an API key would take
+    orders from every page its user visits; a JSON body can come only from a client that means it.
+    """
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        given = f"Content-Type {media_type}" if media_type else "no Content-Type"
+        message = f"the request body must be JSON: send Content-Type: application/json ({given})"
+        raise ApiError(415, message, code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the request body is larger than {max_bytes} bytes")

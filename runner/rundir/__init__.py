@@ -3,7 +3,8 @@ and the sweeps made of run directories.
 
 The names other modules use, from the modules that define them: io (atomic writes),
 checkpoint_files (a checkpoint's files and their checks), status (status.json), run (RunDir),
-sweeps (a sweep's runs and its best), liveness (a trainer's lock and heartbeat).
+sweeps (a sweep's runs and its best), lock (the run lock every process of a run holds),
+liveness (the heartbeat).
 """
 
 # A face: every name is imported to be imported from here, none to be used here.
@@ -26,7 +27,15 @@ from runner.rundir.checkpoint_files import (
     weight_files,
 )
 from runner.rundir.io import write_json_atomic, write_text_atomic
-from runner.rundir.liveness import Heartbeat, RunLocked, run_lock
+from runner.rundir.liveness import Heartbeat
+from runner.rundir.lock import RunLocked, join_run_lock, run_lock
 from runner.rundir.run import CHECKPOINTS_DIR, LOG_FILE, RECIPE_FILE, RunDir, is_run_dir
-from runner.rundir.status import FINAL_STATES, STATES, STATUS_FILE, STATUS_VERSION, Status
+from runner.rundir.status import (
+    FINAL_STATES,
+    STATES,
+    STATUS_FILE,
+    STATUS_VERSION,
+    STOPPING,
+    Status,
+)
 from runner.rundir.sweeps import best_run, sweep_runs

@@ -21,12 +21,14 @@ from typing import Any
 
 from runner.rundir.checkpoint_files import checkpoint_problem
 from runner.rundir.io import now_iso, write_json_atomic
+from runner.rundir.lock import lock_held, pid_alive
 from runner.rundir.status import (
     ACTIVE_STATES,
     FINAL_STATES,
     STATES,
     STATUS_FILE,
     STATUS_VERSION,
+    STOPPING,
     Best,
     Status,
     number,
@@ -111,13 +113,32 @@ class RunDir:
         return time.time() - path.stat().st_mtime if path.exists() else None
 
     def effective_state(self) -> tuple[str, str | None]:
-        """The recorded state, or `failed` with a reason when an active run's process is gone."""
+        """The state of the run as its processes stand, with the reason where it is not the
+        recorded one: the one reading of it that `runner runs`, stop, resume and the API share.
+
+        A final state recorded is the state. An active one stands while any process of the run
+        holds its lock, but reads `stopping` once the launcher is gone (its workers are saving
+        and will record how the run ended); with no process of it left (lock free, or where the
+        lock cannot tell: launcher gone, or no heartbeat for HEARTBEAT_STALE_S) it reads
+        `failed`, as the run ended without saying so.
+        """
         status = self.status()
         if status.state not in ACTIVE_STATES:
             return status.state, None
         pid = status.launcher_pid or status.pid
-        if status.host == socket.gethostname() and pid and not _alive(pid):
+        here = status.host == socket.gethostname()
+        gone = here and pid is not None and not pid_alive(pid)
+        # From another machine a free lock proves nothing: some shared file systems keep flock
+        # to the machine that took it.
+        held = lock_held(self.path) if here else None
+        if held:
+            if gone:
+                return STOPPING, f"its launcher, process {pid}, is gone; its workers are saving"
+            return status.state, None
+        if gone:
             return "failed", f"process {pid} is gone and the status was never updated"
+        if held is False:
+            return "failed", "no process of the run is left and the status was never updated"
         age = self.seconds_since_heartbeat()
         if age is not None and age > HEARTBEAT_STALE_S:
             return "failed", f"no heartbeat for {age:.0f} s"
@@ -272,16 +293,6 @@ def best_key(scores: dict[int, float], mode: str) -> int | None:
         return None
     pick = min if mode == "min" else max
     return pick(scores, key=lambda key: scores[key])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _set_aside(checkpoint: Path, problem: str) -> None:

@@ -14,6 +14,9 @@ from typing import Any, NotRequired, TypedDict
 STATES = ("created", "initializing", "running", "checkpointing", "completed", "failed", "cancelled")
 ACTIVE_STATES = ("created", "initializing", "running", "checkpointing")
 FINAL_STATES = ("completed", "failed", "cancelled")
+# Shown, never recorded: the run's launcher is gone and its workers, which still hold the run's
+# lock, are saving a checkpoint before they record how the run ended (RunDir.effective_state).
+STOPPING = "stopping"
 STATUS_FILE = "status.json"
 # Bumped when status.json changes meaning; files without a version read as version 0.
 STATUS_VERSION = 1

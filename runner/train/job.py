@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.schema import read_recipe, write_recipe
-from runner.errors import Diverged
+from runner.errors import Diverged, user_errors_pass_hydra
 from runner.rundir import STATES, RunDir, RunLocked, is_run_dir, run_lock
 from runner.rundir.manifest import build_manifest, write_manifest
 from runner.train.launch import launch, node_rank_of
@@ -71,8 +72,27 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
     return float(scored[0]) if scored else math.nan
 
 
+class RunDirLock(Callback):
+    """Hydra callback of `runner train` (not of -m): takes the run directory's lock before Hydra
+    writes into it (.hydra/, train.log), so that a hydra.run.dir or resume= naming a run that
+    another process trains is refused with that run untouched. The job then finds it held."""
+
+    def __init__(self) -> None:
+        self._lock = contextlib.ExitStack()
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
+        with user_errors_pass_hydra():
+            run = RunDir(str(config.hydra.run.dir))  # as Hydra resolves it: ${now:} is cached
+            self._lock.enter_context(_trainer_lock(config, run))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._lock.close()
+
+
 def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextManager[None]:
-    """The run directory's lock (runner.rundir.run_lock) for the time this process trains it.
+    """The run directory's lock (runner.rundir.run_lock) for the time this process trains it;
+    the workers it starts hold it too, until they exit.
 
     Only a single-node run takes it: every node's launcher of a multi-node run trains the same
     shared directory, and the c10d rendezvous, not a rank known here, tells the nodes apart.

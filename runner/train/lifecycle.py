@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from runner.errors import UserError
-from runner.rundir import FINAL_STATES, LOG_FILE, STATUS_FILE, RunDir, is_run_dir
+from runner.rundir import FINAL_STATES, LOG_FILE, STATUS_FILE, STOPPING, RunDir, is_run_dir
 
 DEFAULT_ROOTS = ("outputs", "multirun")
 
@@ -94,7 +94,7 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
     a UserError under `key` if the run is over, elsewhere or recorded no process. Its pid."""
     status = run.status()
     state, why = run.effective_state()
-    if state in FINAL_STATES:
+    if state in (*FINAL_STATES, STOPPING):
         raise UserError(
             key, str(run.path), f"the run is already {state}" + (f" ({why})" if why else "")
         )
@@ -125,9 +125,15 @@ def wait_until_final(run: RunDir, timeout: float | None, interval: float = 0.5) 
 
 def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
     """A UserError under `key` unless `run` ended cancelled or failed (so it can go on)."""
-    state, _ = run.effective_state()
+    state, why = run.effective_state()
     if state == "completed":
         raise UserError(key, str(run.path), "the run is already completed")
+    if state == STOPPING:
+        raise UserError(
+            key,
+            str(run.path),
+            f"the run is stopping ({why}); resume it once `runner runs` shows it has ended",
+        )
     if state not in FINAL_STATES:
         raise UserError(
             key, str(run.path), f"the run is still {state}; `runner stop {run.path}` first"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner.config.schema import read_recipe
-from runner.rundir import LOG_FILE, Heartbeat, RunDir
+from runner.rundir import LOG_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.train import determinism
 from runner.train.launch import LAUNCHER_PID_ENV
@@ -124,6 +124,7 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
     """Runs `recipe_class` on the recipe at `recipe_path` in this process (one of several under
     torchrun): process group, threads, log file, heartbeat, SIGTERM, and the final status."""
     cfg = read_recipe(Path(recipe_path))
+    _join_launcher_lock()
     distributed = _start_process(cfg)
     recipe = recipe_class(cfg)
     status, rank_zero = recipe.reporter.status, recipe.reporter.is_rank_zero
@@ -186,10 +187,20 @@ def _stop_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def _join_launcher_lock() -> None:
+    """A worker of the elastic agent holds the run's lock beside its launcher until it exits,
+    so that no other trainer can take the run while it still writes there, even once the
+    launcher is gone; a worker whose launcher died before it joined ends without writing."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is not None and not join_run_lock(int(launcher)):
+        print(f"launcher {launcher} is gone: this worker leaves the run alone", file=sys.stderr)
+        raise SystemExit(1)
+
+
 def _stop_with_launcher(*, several_nodes: bool) -> None:
     """A worker of the elastic agent stops, as on SIGTERM, when its launcher dies (kill -9
-    included), instead of training on unseen, with nothing to report its end or keep a second
-    trainer out (runner.rundir.run_lock dies with the launcher).
+    included), instead of training on unseen with nothing to report its end: it saves, records
+    the run cancelled and exits, which frees the run's lock (_join_launcher_lock).
 
     On several nodes it dies at once instead (SIGKILL): its node has left the rendezvous with
     its agent, and a stop that all ranks agree on would end the other nodes' groups as
