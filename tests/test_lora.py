@@ -234,12 +234,6 @@ def test_adapter_names_and_layouts_round_trip() -> None:
         (["method=lora", "method.alpha=-1"], "method.alpha", "number > 0"),
         (["method=lora", "method.dropout=1.5"], "method.dropout", "[0, 1)"),
         (["method=lora", "method.save_merged=maybe"], "method.save_merged", "true or false"),
-        (["method=qlora"], "model.builder.num_kv_heads", "model.builder.num_kv_heads=8"),
-        (
-            [*QLORA, "compute.nproc_per_node=2"],
-            "model.builder.embed_dim",
-            "blocks of 32768 weights (16384 x 2 processes)",
-        ),
     ],
 )
 def test_bad_method_keys_name_key_value_and_fix(overrides, key, fix, tmp_path: Path) -> None:
