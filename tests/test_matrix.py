@@ -150,3 +150,41 @@ def test_qlora_trains_a_model_of_576_wide_projections(data, runner_cli, tmp_path
     assert all(math.isfinite(v) for v in losses(run_dir).values())
     base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     PeftModel.from_pretrained(base, run_dir / "checkpoints" / "step_2")
+
+
+def test_a_cpu_bitsandbytes_base_passes_gradients_after_an_eval_forward(
+    sources: dict[str, Path],
+) -> None:
+    """bitsandbytes repacks a 4-bit weight for its CPU inference kernel (no backward) on the first
+    eval-mode forward without grad, as an evaluation or DPO's reference runs; runner's QLoRA base
+    opts out, so the adapters below an unadapted projection (o_proj) still get gradients."""
+    from types import SimpleNamespace
+
+    from runner.models.backends.base import LoraBuild
+    from runner.models.backends.transformers import TransformersBackend
+
+    backend = TransformersBackend(SimpleNamespace(source=str(sources["qwen3"])))
+    lora = {
+        "lora_attn_modules": ["q_proj", "v_proj"],
+        "apply_lora_to_mlp": False,
+        "apply_lora_to_output": False,
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.0,
+        "quantize_base": True,
+    }
+    cpu = torch.device("cpu")
+    model = backend.build_lora(
+        LoraBuild(lora, cpu, torch.float32, torch.float32, base_state=dict, seed=0)
+    )
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        model(tokens)
+    model.train()
+    model(tokens).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "layers.0" in n and "lora_A" in n}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values()), grads
