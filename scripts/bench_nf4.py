@@ -20,9 +20,10 @@ SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))
 
 
 def torchao_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, float, object]:
+    from torchao.dtypes.nf4tensor import linear_nf4
+
     from runner.models.nf4 import NF4_BLOCK, scaler_block
     from runner.models.torchtune_boundary import to_nf4
-    from torchao.dtypes.nf4tensor import linear_nf4
 
     block = scaler_block(weight.numel(), 1)
     assert block is not None
@@ -74,9 +75,7 @@ def main() -> None:
             restored, per_weight, forward = quantize(weight)
             error = ((restored.float() - weight).norm() / weight.norm()).item()
             ms = timed(forward, x.clone(), args.repeats)
-            print(
-                f"{rows}x{columns:<7} {name:<34} {error:>10.4f} {per_weight:>8.3f} {ms:>10.2f}"
-            )
+            print(f"{rows}x{columns:<7} {name:<34} {error:>10.4f} {per_weight:>8.3f} {ms:>10.2f}")
 
 
 if __name__ == "__main__":

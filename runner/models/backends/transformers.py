@@ -162,7 +162,7 @@ class TransformersBackend(Backend):
             # kernel has no backward, so training after it would stop gradients at the base.
             for module in model.modules():
                 if hasattr(module, "support_avx512bf16_for_cpu"):
-                    module.support_avx512bf16_for_cpu = False
+                    setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010
             return model
         # transformers' decorator on PreTrainedModel.to hides that it is a bound method.
         return model.to(device)  # type: ignore[arg-type]
