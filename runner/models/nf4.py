@@ -18,6 +18,8 @@ from torch import nn
 
 NF4_BLOCK = 64
 SCALER_BLOCK = 256
+# torchtune's module names in Hugging Face's words (the names a user's config.json model has).
+HF_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj", "output_proj": "o_proj"}
 
 
 @dataclass(frozen=True)
@@ -105,5 +107,6 @@ def describe(projections: list[Projection]) -> str:
         else:
             how = f"in NF4 (blocks of 64, scalers in blocks of {projection.scaler_block})"
         rows, columns = projection.shape
-        kinds.setdefault(how, set()).add(f"{projection.name.split('.')[-1]} {rows}x{columns}")
+        short = projection.name.split(".")[-1]
+        kinds.setdefault(how, set()).add(f"{HF_NAMES.get(short, short)} {rows}x{columns}")
     return "; ".join(f"{how}: {', '.join(sorted(names))}" for how, names in kinds.items())
