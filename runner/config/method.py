@@ -148,7 +148,7 @@ def _quantization(lora: dict[str, Any], model: ModelRecipe, world_size: int) -> 
         return BITSANDBYTES_NF4
     with torch.device("meta"):
         meta = instantiate(OmegaConf.create({**model.builder, **lora, "quantize_base": False}))
-    return "torchao: " + describe(base_projections(meta, world_size))
+    return "torchao: " + describe(base_projections(meta, world_size), world_size)
 
 
 def _check_lora_builds(name: str, node: dict[str, Any]) -> None:

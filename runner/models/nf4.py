@@ -98,12 +98,17 @@ def quantize_base(model: nn.Module, world_size: int) -> list[Projection]:
     return projections
 
 
-def describe(projections: list[Projection]) -> str:
+def describe(projections: list[Projection], world_size: int) -> str:
     """One line: which projections are in NF4 (with which scaler block) and which are not."""
+    whole = (
+        "blocks of 64 weights"
+        if world_size == 1
+        else f"blocks of {NF4_BLOCK} x {SCALER_BLOCK} weights on each of {world_size} processes"
+    )
     kinds: dict[str, set[str]] = {}
     for projection in projections:
         if projection.scaler_block is None:
-            how = "in the compute dtype (not whole blocks of 64 weights)"
+            how = f"in the compute dtype (not whole {whole})"
         else:
             how = f"in NF4 (blocks of 64, scalers in blocks of {projection.scaler_block})"
         rows, columns = projection.shape

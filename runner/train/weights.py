@@ -47,7 +47,8 @@ from runner.train.checkpointing import FULL
 from runner.train.objectives import Reference
 from runner.train.parallel import Placement
 
-log = logging.getLogger(__name__)
+# The recipe's logger: train.log's, in every process layout (runner.train.process).
+log = logging.getLogger("runner.recipe")
 # Adapter weights load into a model whose base is already in place.
 ADAPTER_ONLY = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
 # Shards a built model and wraps it as the run asks (runner.train.parallel.prepare_model).
