@@ -7,7 +7,7 @@ number of steps, each in a fresh subprocess so that peak memory is its own, taki
 `--repeats` times and reporting medians (a neighbour on the machine hits all alike). The bare
 loop is what a person writes by hand: no logging, no status file, no checkpoint; it trains every
 parameter, like method=full. Every row uses tiny with 8 kv heads, so that each base projection
-holds whole NF4 blocks for qlora (see runner.config.resolve._check_nf4_shapes).
+holds whole NF4 blocks of default size for qlora (runner.models.nf4).
 """
 
 from __future__ import annotations

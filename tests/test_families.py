@@ -302,7 +302,7 @@ def test_runner_trains_a_source_of_each_family(
 def test_runner_fine_tunes_adapters_of_the_new_families(
     family: str, method: str, runner_cli, tmp_path: Path
 ) -> None:
-    """LoRA and QLoRA (NF4 needs projections of whole 16384-weight blocks: width 256) train, and
+    """LoRA and QLoRA (width 256: every projection whole NF4 blocks of 64 x 256) train, and
     the adapter peft loads onto transformers' model gives the recipe's logits (LoRA) or differs
     from the base (QLoRA, whose base the recipe holds in NF4)."""
     source = write_tiny_checkpoint(family, tmp_path / family, width=256)

@@ -334,9 +334,9 @@ def test_validate_and_estimate_name_the_backend_and_why(sources, runner_cli, tmp
         (["dataset.packing=true"], "dataset.packing", "set dataset.packing=false"),
         (["dataset.padding_free=true"], "dataset.padding_free", "set dataset.padding_free=false"),
         (
-            ["method=qlora"],
+            ["method=qlora", "compute.nproc_per_node=2"],
             "method",
-            "needs a CUDA GPU, and this run is on the CPU; use method=lora",
+            "bitsandbytes' 4-bit base does not shard over 2 processes; use method=lora",
         ),
         (["model.backend=torchtune"], "model.source", "use model.backend=auto"),
         (["model.backend=keras"], "model.backend", "choose auto, torchtune or transformers"),

@@ -234,12 +234,6 @@ def test_adapter_names_and_layouts_round_trip() -> None:
         (["method=lora", "method.alpha=-1"], "method.alpha", "number > 0"),
         (["method=lora", "method.dropout=1.5"], "method.dropout", "[0, 1)"),
         (["method=lora", "method.save_merged=maybe"], "method.save_merged", "true or false"),
-        (["method=qlora"], "model.builder.num_kv_heads", "model.builder.num_kv_heads=8"),
-        (
-            [*QLORA, "compute.nproc_per_node=2"],
-            "model.builder.embed_dim",
-            "blocks of 32768 weights (16384 x 2 processes)",
-        ),
     ],
 )
 def test_bad_method_keys_name_key_value_and_fix(overrides, key, fix, tmp_path: Path) -> None:
@@ -280,3 +274,26 @@ def test_estimate_counts_adapter_gradients_and_an_nf4_base(tmp_path: Path) -> No
     assert lora.optimizer_bytes == 2 * lora.trainable_parameters * 4
     assert lora.gradients_bytes < full.gradients_bytes / 50
     assert qlora.weights_bytes < lora.weights_bytes / 3
+
+
+def test_nf4_takes_a_scaler_block_that_divides_and_keeps_the_rest_in_the_compute_dtype() -> None:
+    """torchao's NF4 for any projection of whole blocks of 64 weights (the largest scaler block
+    up to 256 that divides its blocks; whole 64 x 256 blocks per rank when sharded); one of
+    another size stays in the compute dtype, and both train their inputs' gradients."""
+    from torch import nn
+
+    from runner.models.nf4 import quantize_base, scaler_block
+
+    assert scaler_block(576 * 576, 1) == 216  # SmolLM2-135M's q_proj: 5184 blocks of 64
+    assert scaler_block(1536 * 576, 1) == 256
+    assert scaler_block(7 * 10, 1) is None
+    assert scaler_block(64 * 512, 2) == 256 and scaler_block(576 * 576, 2) is None
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 7))])
+    found = {p.name: p.scaler_block for p in quantize_base(model, world_size=1)}
+    assert found == {"layers.0.0": 24, "layers.0.1": None}
+    assert type(model.layers[0][0]).__name__ == "FrozenNF4Linear"
+    assert type(model.layers[0][1]) is nn.Linear
+    x = torch.randn(3, 64, requires_grad=True)
+    model.layers[0](x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0

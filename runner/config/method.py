@@ -24,8 +24,9 @@ METHOD_NAMES = ("full", "lora", "qlora", "dpo", "lora_dpo", "qlora_dpo")
 PREFERENCE_METHODS = ("dpo", "lora_dpo", "qlora_dpo")
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
-# torchao's NF4: blocks of 64 weights, their scalers quantized again in blocks of 256.
-NF4_WEIGHTS_PER_BLOCK = 64 * 256
+# method.quantize_base through transformers' backend: bitsandbytes' NF4, every linear
+# projection of the decoder layers in blocks of 64 (any shape), the output head kept as loaded.
+BITSANDBYTES_NF4 = "bitsandbytes: in NF4 (blocks of 64): every linear projection of the layers"
 
 
 @dataclass
@@ -63,6 +64,8 @@ class MethodRecipe:
     loss: Optional[str] = None
     beta: Optional[float] = None
     label_smoothing: Optional[float] = None
+    # QLoRA: which base projections are in NF4 and which stay in the compute dtype (one line).
+    quantization: Optional[str] = None
 
 
 def resolve_method(
@@ -87,6 +90,8 @@ def resolve_method(
         return resolved
     world_size = compute.nnodes * compute.nproc_per_node
     resolved.builder = _adapter_builder(method, model, world_size, compute.device)
+    if method.quantize_base:
+        resolved.quantization = _quantization(resolved.builder, model, world_size)
     resolved.save_merged = method.save_merged
     return resolved
 
@@ -114,8 +119,6 @@ def _adapter_builder(
         )
     if method.quantize_base and model.backend == "transformers":
         _check_bitsandbytes(model, device, world_size)
-    elif method.quantize_base:
-        _check_nf4_shapes(model.builder, world_size)
     if method.dropout >= 1:
         raise UserError("method.dropout", method.dropout, "give a probability in [0, 1)")
     lora = {
@@ -133,9 +136,24 @@ def _adapter_builder(
     return lora
 
 
+def _quantization(lora: dict[str, Any], model: ModelRecipe, world_size: int) -> str:
+    """What QLoRA keeps in NF4: with torchtune's backend, each base projection whose weights
+    make whole NF4 blocks (runner.models.nf4), the others in the compute dtype."""
+    import torch
+
+    from runner.components import instantiate
+    from runner.models.nf4 import base_projections, describe
+
+    if model.backend == "transformers":
+        return BITSANDBYTES_NF4
+    with torch.device("meta"):
+        meta = instantiate(OmegaConf.create({**model.builder, **lora, "quantize_base": False}))
+    return "torchao: " + describe(base_projections(meta, world_size), world_size)
+
+
 def _check_lora_builds(name: str, node: dict[str, Any]) -> None:
     """Builds the LoRA model once on the meta device, so that whatever else torchtune's LoRA
-    builder refuses fails here, by name, not in the training process (NF4 is checked above)."""
+    builder refuses fails here, by name, not in the training process."""
     import torch
 
     from runner.components import resolve_component
@@ -209,12 +227,11 @@ def check_pairing(method: str, dataset: DictConfig) -> None:
 
 
 def _check_bitsandbytes(model: ModelRecipe, device: str, world_size: int) -> None:
-    """QLoRA of a transformers model quantizes its base with bitsandbytes, which needs CUDA (and
-    one process: its 4-bit weights do not shard with FSDP2)."""
+    """QLoRA of a transformers model quantizes its base with bitsandbytes, whose 4-bit kernels
+    (forward and backward) run on CUDA and on the CPU, in one process: its 4-bit weights do not
+    shard with FSDP2."""
     why = None
-    if device != "cuda":
-        why = "bitsandbytes' 4-bit base needs a CUDA GPU, and this run is on the CPU"
-    elif world_size > 1:
+    if world_size > 1:
         why = f"bitsandbytes' 4-bit base does not shard over {world_size} processes"
     elif importlib.util.find_spec("bitsandbytes") is None:
         why = "bitsandbytes is not installed (pip install bitsandbytes)"
@@ -244,26 +261,3 @@ def _lora_modules(modules: Any) -> list[str]:
                 f"{', '.join(LORA_ATTN_MODULES)}",
             )
     return [str(name) for name in modules]
-
-
-def _check_nf4_shapes(builder: dict[str, Any], world_size: int) -> None:
-    """NF4 quantizes whole blocks only: every base projection needs a multiple of 16384 weights,
-    and of 16384 x world size when FSDP2 shards it over the ranks."""
-    embed, head_dim = builder["embed_dim"], builder["embed_dim"] // builder["num_heads"]
-    shapes = {
-        "model.builder.embed_dim": embed * embed,
-        "model.builder.num_kv_heads": builder["num_kv_heads"] * head_dim * embed,
-        "model.builder.intermediate_dim": (builder.get("intermediate_dim") or 0) * embed,
-    }
-    block = NF4_WEIGHTS_PER_BLOCK * world_size
-    over = f" ({NF4_WEIGHTS_PER_BLOCK} x {world_size} processes)" if world_size > 1 else ""
-    for key, weights in shapes.items():
-        if weights % block:
-            raise UserError(
-                key,
-                builder[key.rpartition(".")[2]],
-                f"method=qlora quantizes each base projection to NF4 in blocks of {block} "
-                f"weights{over}, and this one has {weights}; pick a size that makes it a "
-                "multiple (e.g. model.builder.num_kv_heads=8 for model=tiny in one process), "
-                "or use method=lora",
-            )

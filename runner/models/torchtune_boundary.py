@@ -30,6 +30,7 @@ import torchtune.models.gemma2 as gemma2_builders
 import torchtune.models.llama3_1 as llama3_1_builders
 import torchtune.models.llama3_2 as llama3_2_builders
 from torch import nn
+from torchao.dtypes.nf4tensor import to_nf4
 from torchtune.data import (
     CROSS_ENTROPY_IGNORE_IDX,
     Message,
@@ -44,7 +45,9 @@ from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
 from torchtune.modules.attention_utils import create_block_causal_mask
+from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import (
+    LoRALinear,
     disable_adapter,
     get_adapter_params,
     get_adapter_state_dict,
@@ -61,6 +64,8 @@ from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
+    "FrozenNF4Linear",
+    "LoRALinear",
     "disable_adapter",
     "gather_cpu_state_dict",
     "gemma_builders",
@@ -86,6 +91,7 @@ __all__ = [
     "padded_collate_sft",
     "set_activation_checkpointing",
     "set_default_dtype",
+    "to_nf4",
     "truncate",
 ]
 

@@ -26,6 +26,7 @@ from runner.errors import Diverged, user_errors_pass_hydra
 from runner.rundir import STATES, RunDir, RunLocked, is_run_dir, run_lock
 from runner.rundir.manifest import build_manifest, write_manifest
 from runner.train.launch import launch, node_rank_of
+from runner.train.lifecycle import preference_rewards
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,14 @@ def _print_summary(run: RunDir) -> None:
     evaluation = status.eval or {}
     if "eval_exact_match" in evaluation:
         lines.insert(1, f"held-out exact match: {evaluation['eval_exact_match']:.1%}")
+    rewards = preference_rewards(run)
+    for split, label in (("eval", "held-out"), ("train", "train")):
+        if f"{split}_accuracy" in rewards:
+            lines.insert(
+                1,
+                f"{label} reward accuracy: {rewards[f'{split}_accuracy']:.1%}, "
+                f"reward margin: {rewards[f'{split}_margin']:.4f}",
+            )
     if "eval_loss" in evaluation:
         lines.insert(1, f"eval loss:     {evaluation['eval_loss']:.4f}")
     best = status.best

@@ -45,9 +45,34 @@ def _age(iso: str | None) -> str:
     return f"{seconds:.0f}s"
 
 
+def preference_rewards(run: RunDir) -> dict[str, float]:
+    """A preference run's implicit-reward accuracy and margin: the last training step's
+    (train_accuracy, train_margin) and the last evaluation's (eval_accuracy, eval_margin), those
+    it recorded; empty for a supervised run."""
+    found: dict[str, float] = {}
+    for record in run.read_metrics():
+        for split, prefix in (("train", ""), ("eval", "eval_")):
+            for what in ("accuracy", "margin"):
+                if f"{prefix}rewards_{what}" in record:
+                    found[f"{split}_{what}"] = float(record[f"{prefix}rewards_{what}"])
+    return found
+
+
+def _rewards_text(rewards: dict[str, float]) -> str:
+    """'acc 62%, margin 0.41' of the eval pairs where evaluated, else of the training pairs."""
+    split = "eval" if "eval_accuracy" in rewards else "train"
+    if f"{split}_accuracy" not in rewards:
+        return "-"
+    return f"acc {rewards[f'{split}_accuracy']:.0%} margin {rewards[f'{split}_margin']:.3g}"
+
+
 def runs_table(runs: list[RunDir], base: Path) -> str:
-    """One line per run: where, state, step of total, last loss, recorded best eval, age."""
-    head = f"{'run':<44} {'state':<13} {'step':>11} {'loss':>8} {'best eval@step':>26} {'age':>5}"
+    """One line per run: where, state, step of total, last loss, recorded best eval, a
+    preference run's reward accuracy and margin, age."""
+    head = (
+        f"{'run':<44} {'state':<13} {'step':>11} {'loss':>8} {'best eval@step':>26} "
+        f"{'rewards':>24} {'age':>5}"
+    )
     lines = [head]
     for run in runs:
         status = run.status()
@@ -60,8 +85,9 @@ def runs_table(runs: list[RunDir], base: Path) -> str:
         best_text = "-"
         if best is not None:
             best_text = f"{best['metric'].removeprefix('eval_')}={best['value']:.4g}@{best['step']}"
+        rewards = _rewards_text(preference_rewards(run))
         lines.append(
-            f"{where:<44} {state:<13} {step:>11} {loss:>8} {best_text:>26} "
+            f"{where:<44} {state:<13} {step:>11} {loss:>8} {best_text:>26} {rewards:>24} "
             f"{_age(status.updated_at):>5}"
         )
     return "\n".join(lines)

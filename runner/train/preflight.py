@@ -62,6 +62,8 @@ def check(
     tokenizer = instantiate(model.tokenizer)
     say(f"ok  weights    {weights}{_origin(recipe, 'model.source')}")
     say(f"ok  backend    {model.backend}: {model.backend_reason}")
+    if recipe.method.quantization is not None:
+        say(f"ok  base       {recipe.method.quantization}")
     say(
         f"ok  tokenizer  {model.tokenizer.path} ({tokenizer.vocab_size} tokens)"
         f"{_origin(recipe, 'model.tokenizer')}"
@@ -243,7 +245,18 @@ def _parameter_counts(recipe: DictConfig) -> _Counts:
         return _Counts(parameters, parameters, parameters if method.name == "dpo" else 0, 0)
     trainable = _adapter_parameters(backend, method.builder)
     quantized = 0
-    if method.builder.quantize_base:
+    if method.builder.quantize_base and recipe.model.backend == "torchtune":
+        # Those of the base projections whose weights make whole NF4 blocks (runner.models.nf4).
+        from runner.models.nf4 import base_projections
+
+        world_size = recipe.compute.nnodes * recipe.compute.nproc_per_node
+        adapted = backend.meta_model(method.builder)
+        quantized = sum(
+            p.shape[0] * p.shape[1]
+            for p in base_projections(adapted, world_size)
+            if p.scaler_block is not None
+        )
+    elif method.builder.quantize_base:
         # The projections of the decoder layers (2-D weights; norms are 1-D).
         quantized = sum(
             p.numel()

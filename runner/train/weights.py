@@ -19,6 +19,7 @@ reference of full DPO is a frozen copy of it; LoRA's is the same model with its 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ from runner.train.checkpointing import FULL
 from runner.train.objectives import Reference
 from runner.train.parallel import Placement
 
+# The recipe's logger: train.log's, in every process layout (runner.train.process).
+log = logging.getLogger("runner.recipe")
 # Adapter weights load into a model whose base is already in place.
 ADAPTER_ONLY = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
 # Shards a built model and wraps it as the run asks (runner.train.parallel.prepare_model).
@@ -171,7 +174,10 @@ class LoraWeights(FullWeights):
             compute_dtype=self.place.compute_dtype,
             base_state=self.base_state,
             seed=self.seed,
+            world_size=self.place.world_size,
         )
+        if self.method.quantization is not None and self.place.is_rank_zero:
+            log.info("QLoRA base: %s", self.method.quantization)
         model = prepare(self.backend.build_lora(build))
         return model, (lambda tokens: _base_forward(model, tokens)) if reference else None
 

@@ -39,6 +39,8 @@ class LoraBuild:
     # The base weights in the model's names, read or built only when asked for.
     base_state: Callable[[], dict[str, torch.Tensor]]
     seed: int
+    # The processes the model is sharded over (which NF4 blocks a base projection can take).
+    world_size: int = 1
 
 
 class Backend(ABC):

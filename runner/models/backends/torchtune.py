@@ -14,6 +14,7 @@ from runner.components import instantiate, plain_dict
 from runner.models.backends.base import Backend, LoraBuild
 from runner.models.checkpoint import read_adapter_state, read_model_state
 from runner.models.families import peft_config, tune_to_hf, tune_to_peft
+from runner.models.nf4 import SCALER_BLOCK, base_projections, quantize_base
 from runner.models.torchtune_boundary import (
     TransformerSelfAttentionLayer,
     get_adapter_params,
@@ -64,16 +65,26 @@ class TorchtuneBackend(Backend):
 
     def build_lora(self, build: LoraBuild) -> nn.Module:
         state = build.base_state()
+        lora = dict(build.lora)
+        # torchtune's builder quantizes every base projection to NF4 in torchao's default blocks
+        # as it builds; where one does not divide into them, the base is built in the compute
+        # dtype and quantized after loading, projection by projection (runner.models.nf4).
+        projections = base_projections(self.meta_model(lora), build.world_size)
+        after = lora["quantize_base"] and any(p.scaler_block != SCALER_BLOCK for p in projections)
         # The adapters' own init draws from the seed, whether the base was built or read.
         torch.manual_seed(build.seed)
         # The frozen base in the compute dtype: only what trains needs master weights.
         with set_default_dtype(build.compute_dtype), build.device:
-            node = OmegaConf.merge(self.model_cfg.builder, build.lora)
+            node = OmegaConf.merge(
+                self.model_cfg.builder, lora, {"quantize_base": not after and lora["quantize_base"]}
+            )
             assert isinstance(node, DictConfig)  # a merge of mappings
             model = instantiate(node)
         missing, unexpected = model.load_state_dict(state, strict=False)
         adapter = get_adapter_params(model)
         assert not unexpected and set(missing) <= set(adapter), (missing, unexpected)
+        if after:
+            quantize_base(model, build.world_size)
         for param in adapter.values():
             param.data = param.data.to(build.dtype)
         set_trainable_params(model, adapter)

@@ -157,6 +157,12 @@ class TransformersBackend(Backend):
         if info["missing_keys"]:
             raise ValueError(f"{source} lacks weights {sorted(info['missing_keys'])[:5]}")
         if quantize:
+            # bitsandbytes repacks a 4-bit weight for its CPU inference kernel the first time it
+            # runs in eval mode without grad (an evaluation, DPO's reference), for good; that
+            # kernel has no backward, so training after it would stop gradients at the base.
+            for module in model.modules():
+                if hasattr(module, "support_avx512bf16_for_cpu"):
+                    setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010
             return model
         # transformers' decorator on PreTrainedModel.to hides that it is a bound method.
         return model.to(device)  # type: ignore[arg-type]
