@@ -266,9 +266,10 @@ def _validation(held: DictConfig) -> ValidationRecipe:
 
 
 def loader_workers(given: int | None, device: str) -> int:
-    """dataset.num_workers; null: none on the CPU, where a worker's tokenizing takes a core from
-    the training's own threads (scripts/bench_loader.py), and 2 per process on CUDA, where the
-    CPU would otherwise prepare each batch while the GPU waits."""
+    """dataset.num_workers; null: none on the CPU, where workers share the cores the training
+    computes on and measured within the runs' spread of none on two cores (scripts/bench_loader.py:
+    1.09x and 1.10x median, ranges overlapping), and 2 per process on CUDA, where the CPU would
+    otherwise prepare each batch while the GPU waits."""
     if given is not None:
         return given
     return 0 if device == "cpu" else 2
