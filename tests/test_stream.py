@@ -171,7 +171,9 @@ STREAM = [
 ]
 
 
-def test_a_stream_needs_max_steps_and_whole_splits(runner_cli, tmp_path: Path) -> None:
+def test_a_stream_needs_max_steps_and_whole_splits_and_validate_says_it_is_one(
+    runner_cli, tmp_path: Path
+) -> None:
     folder = corpus(tmp_path)
     for extra, wanted in (
         (["max_steps=null"], "max_steps=None: dataset.streaming=true: a stream has no length"),
@@ -180,6 +182,9 @@ def test_a_stream_needs_max_steps_and_whole_splits(runner_cli, tmp_path: Path) -
         result = runner_cli("train", *STREAM, f"dataset.source={folder}", *extra)
         assert result.returncode == 2, result.stderr[-2000:]
         assert wanted in result.stderr, result.stderr
+    validated = runner_cli("validate", *STREAM, f"dataset.source={folder}", "max_steps=2")
+    assert validated.returncode == 0, validated.stderr[-2000:]
+    assert "a stream, checked window by window (32 records" in validated.stdout
 
 
 @pytest.mark.parametrize("nproc, workers", [(1, 2), (2, 0)])

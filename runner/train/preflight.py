@@ -74,6 +74,11 @@ def check(
         "train": f"{data.source} [{data.split}]{_origin(recipe, 'dataset.source')}",
         "validation": _validation(recipe),
     }
+    if data.streaming:
+        say(
+            f"--  {'train':<10} {where['train']}: a stream, checked window by window "
+            f"({data.shuffle_buffer} records of each process at a time) as it trains"
+        )
     for split, records in found.items():
         say(f"ok  {split:<10} {where[split]} ({records} records)")
     return recipe, found
