@@ -125,10 +125,11 @@ MakeReader = Callable[[int, int], StreamSplit]
 
 
 class _RankStream(IterableDataset[tuple[Batch, Position]]):
-    """This rank's micro-batches from `position` on, each with the position after it. With K
-    DataLoader workers, worker w makes the batches w, w + K, ... (counted from `position`, as
-    the loader takes them in turn from worker 0): each reads the rank's whole share and
-    tokenizes only its own batches' samples."""
+    """This rank's micro-batches from `position` (where an iteration starts: StreamBatches moves
+    it on as the batches are trained) on, each with the position after it. With K DataLoader
+    workers, worker w makes the batches w, w + K, ... (counted from `position`, as the loader
+    takes them in turn from worker 0): each reads the rank's whole share and tokenizes only its
+    own batches' samples."""
 
     def __init__(
         self,
@@ -137,10 +138,10 @@ class _RankStream(IterableDataset[tuple[Batch, Position]]):
         place: Placement,
         *,
         batch_size: int,
-        position: Position,
     ) -> None:
         self.make_reader, self.collate, self.batch_size = make_reader, collate, batch_size
-        self.rank, self.world_size, self.position = place.rank, place.world_size, position
+        self.rank, self.world_size = place.rank, place.world_size
+        self.position: Position = START
 
     def __iter__(self) -> Iterator[tuple[Batch, Position]]:
         worker = get_worker_info()
@@ -176,23 +177,14 @@ class StreamBatches:
         max_steps: int,
         num_workers: int,
     ) -> None:
-        self.make_reader, self.collate, self.place = make_reader, collate, place
-        self.batch_size, self.accumulation = batch_size, accumulation
-        self.num_workers = num_workers
+        self.place, self.accumulation, self.num_workers = place, accumulation, num_workers
+        self.stream = _RankStream(make_reader, collate, place, batch_size=batch_size)
         # One "epoch": the run (evaluation by epoch is refused for a stream).
         self.steps_per_epoch = max_steps
-        self.reader_position: Position = START
 
     def __iter__(self) -> Iterator[list[Batch]]:
-        stream = _RankStream(
-            self.make_reader,
-            self.collate,
-            self.place,
-            batch_size=self.batch_size,
-            position=self.reader_position,
-        )
         loader = DataLoader(
-            stream,
+            self.stream,
             batch_size=None,
             num_workers=self.num_workers,
             worker_init_fn=_leave_signals_to_the_trainer,
@@ -201,16 +193,16 @@ class StreamBatches:
         for batch, position in loader:
             group.append(batch)
             if len(group) == self.accumulation:
-                self.reader_position = (position[0], position[1], position[2])
+                self.stream.position = (position[0], position[1], position[2])
                 yield group
                 group = []
 
     def position(self) -> dict[str, Any]:
         """The training state's stream position: each rank's reader's (every rank joins)."""
-        gathered: list[Any] = [list(self.reader_position)]
+        gathered: list[Any] = [list(self.stream.position)]
         if self.place.world_size > 1:
             gathered = [None] * self.place.world_size
-            dist.all_gather_object(gathered, list(self.reader_position))
+            dist.all_gather_object(gathered, list(self.stream.position))
         return {"stream": gathered}
 
     def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
@@ -231,7 +223,7 @@ class StreamBatches:
                 "of the records; resume it on as many",
             )
         epoch, window, index = saved[self.place.rank]
-        self.reader_position = (epoch, window, index)
+        self.stream.position = (epoch, window, index)
 
 
 def _leave_signals_to_the_trainer(_worker_id: int) -> None:
