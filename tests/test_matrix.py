@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from runner.config.method import METHOD_NAMES, PREFERENCE_METHODS
 from runner.rundir import RunDir
 from runner.train.lifecycle import runs_table
-from tests.conftest import losses
+from tests.conftest import QUICK, losses
 from tests.fixtures import FAMILIES, _model_config, _tokenizer, write_tiny_checkpoint
 from tests.hf_backend_fixtures import ARCHITECTURES, write_arch_checkpoint
 
@@ -27,14 +27,15 @@ MODELS = (*FAMILIES, *ARCHITECTURES)
 # Pairs refused before launch: (key, words of the reason). None today: every method trains
 # every model.
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {}
-QUICK = [
-    "compute=cpu",
-    "dtype=fp32",
+# The suite's quick settings, smaller still: two steps of two samples, no tracker, no generated
+# answers (each preference option has none; the SFT data says so again).
+MATRIX = [
+    *QUICK,
     "max_steps=2",
     "batch_size=2",
-    "runtime.progress_bar=false",
     "runtime.loggers=[]",
     "runtime.log_every_n_steps=1",
+    "dataset.eval_samples=0",
     "eval.max_samples=4",
 ]
 
@@ -88,7 +89,7 @@ def test_each_method_trains_each_model_or_is_refused_by_name(
         "model=hf",
         f"model.source={source}",
         f"method={method}",
-        *QUICK,
+        *MATRIX,
         *data[kind],
         f"hydra.run.dir={run_dir}",
     )
@@ -135,7 +136,7 @@ def test_qlora_trains_a_model_of_576_wide_projections(data, runner_cli, tmp_path
         "model=hf",
         f"model.source={source}",
         "method=qlora",
-        *QUICK,
+        *MATRIX,
         *data["sft"],
         "eval.strategy=no",
     ]
