@@ -30,6 +30,10 @@ QUICK = [
     "dataset.eval_samples=16",
     "eval.max_samples=64",
 ]
+# `runner estimate` tokenizes the whole training split to count its tokens (4-5 s for the sample
+# data's 32,000 records); the estimate tests check the model's, optimizer's and dtypes' figures,
+# which a slice of the split gives as well.
+ESTIMATE_DATA = "dataset.split='train[:512]'"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -15,6 +15,7 @@ import pytest
 from runner import api
 from runner.errors import UserError
 from runner.paths import CONF_DIR
+from tests.conftest import ESTIMATE_DATA
 
 # One process on the CPU, a loss line every step, no evaluation: the runs are short.
 BASE = [
@@ -124,8 +125,8 @@ def test_capabilities_and_estimate_read_what_the_cli_reads(runner_cli) -> None:
     assert {"tiny", "hf"} <= set(found.models) and methods == set(found.methods)
     assert {"tensorboard", "wandb", "mlflow", "jsonl"} == set(found.loggers)
     assert "transformers" in found.engines and "cancelled" in found.states
-    estimate = api.estimate(["compute=cpu", "method=lora"])
-    printed = runner_cli("estimate", "compute=cpu", "method=lora").stdout
+    estimate = api.estimate(["compute=cpu", "method=lora", ESTIMATE_DATA])
+    printed = runner_cli("estimate", "compute=cpu", "method=lora", ESTIMATE_DATA).stdout
     assert f"{estimate.parameters:,} parameters" in printed
     assert f"{estimate.trainable_parameters:,} adapter parameters" in printed
 

@@ -28,7 +28,7 @@ from runner.errors import UserError
 from runner.export.write import ExportRequest, export
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.paths import CONF_DIR
-from tests.conftest import QUICK, deploy_server, losses
+from tests.conftest import ESTIMATE_DATA, QUICK, deploy_server, losses
 from tests.fixtures import write_tiny_checkpoint
 from tests.hf_backend_fixtures import ARCHITECTURES, write_arch_checkpoint
 
@@ -314,11 +314,11 @@ def test_validate_and_estimate_name_the_backend_and_why(sources, runner_cli, tmp
         "ok  backend    transformers: model_type 'gpt2' has no runner family; transformers' "
         "GPT2LMHeadModel" in result.stdout
     )
-    result = runner_cli("estimate", *model_args(sources["qwen3"]), "method=lora")
+    result = runner_cli("estimate", *model_args(sources["qwen3"]), "method=lora", ESTIMATE_DATA)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "backend        transformers: model_type 'qwen3' has no runner family" in result.stdout
     assert "adapter parameters (method=lora)" in result.stdout
-    result = runner_cli("estimate", *model_args(llama))
+    result = runner_cli("estimate", *model_args(llama), ESTIMATE_DATA)
     assert "backend        torchtune: model_type 'llama' is runner's llama3 family" in result.stdout
     recipe = resolved(*model_args(llama), "model.backend=transformers", tmp_path=tmp_path)
     assert recipe.model.backend == "transformers"

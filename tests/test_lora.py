@@ -20,7 +20,7 @@ from runner.errors import UserError
 from runner.models.families import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
 from runner.recipes.finetune import FinetuneRecipe
 from runner.train.preflight import estimate
-from tests.conftest import QUICK, losses
+from tests.conftest import ESTIMATE_DATA, QUICK, losses
 from tests.test_config import compose_train
 from tests.test_resume import straight_then_resumed
 
@@ -264,7 +264,9 @@ def test_a_bad_method_key_ends_the_cli_with_one_message(runner_cli, tmp_path: Pa
 
 def test_estimate_counts_adapter_gradients_and_an_nf4_base(tmp_path: Path) -> None:
     found = {
-        method: estimate(resolve_recipe(compose_train(["compute=cpu", *QLORA[1:], m]), tmp_path))
+        method: estimate(
+            resolve_recipe(compose_train(["compute=cpu", *QLORA[1:], m, ESTIMATE_DATA]), tmp_path)
+        )
         for method, m in [("full", "method=full"), ("lora", "method=lora"), ("qlora", QLORA[0])]
     }
     full, lora, qlora = found["full"], found["lora"], found["qlora"]

@@ -10,7 +10,7 @@ import pytest
 from runner.config.optimizer import state_per_weight
 from runner.errors import UserError
 from runner.models.checkpoint import read_training_state
-from tests.conftest import QUICK
+from tests.conftest import ESTIMATE_DATA, QUICK
 
 FOUR_STEPS = [
     *QUICK,
@@ -66,8 +66,8 @@ def test_a_refused_optimizer_argument_stops_train_before_a_run_dir(
 
 
 def test_estimate_counts_the_chosen_optimizers_state(runner_cli) -> None:
-    adamw = runner_cli("estimate", "compute=cpu", "dtype=fp32")
-    sgd = runner_cli("estimate", "compute=cpu", "dtype=fp32", "optimizer=sgd")
+    adamw = runner_cli("estimate", "compute=cpu", "dtype=fp32", ESTIMATE_DATA)
+    sgd = runner_cli("estimate", "compute=cpu", "dtype=fp32", "optimizer=sgd", ESTIMATE_DATA)
     assert adamw.returncode == sgd.returncode == 0, adamw.stderr + sgd.stderr
     assert "(AdamW, 2 state tensor(s) per weight)" in adamw.stdout
     assert "(SGD, 1 state tensor(s) per weight)" in sgd.stdout

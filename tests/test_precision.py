@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from runner.config.resolve import resolve_recipe
 from runner.models.checkpoint import read_training_state
 from runner.train.preflight import estimate
-from tests.conftest import QUICK
+from tests.conftest import ESTIMATE_DATA, QUICK
 from tests.test_config import compose_train
 from tests.test_lora import QLORA
 from tests.test_resume import straight_then_resumed
@@ -105,7 +105,11 @@ def test_mixed_precision_resumes_exactly(runner_cli, tmp_path: Path, extra: list
 
 def test_estimate_prices_each_precision(tmp_path: Path) -> None:
     found = {
-        dtype: estimate(resolve_recipe(compose_train(["compute=cpu", f"dtype={dtype}"]), tmp_path))
+        dtype: estimate(
+            resolve_recipe(
+                compose_train(["compute=cpu", f"dtype={dtype}", ESTIMATE_DATA]), tmp_path
+            )
+        )
         for dtype in ("fp32", "bf16_mixed", "bf16")
     }
     params = found["fp32"].parameters
