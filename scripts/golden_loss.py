@@ -52,6 +52,19 @@ def train_losses() -> dict[str, float]:
         return {str(step): loss for step, loss in RunDir(Path(tmp) / "run").losses().items()}
 
 
+def check(losses: dict[str, float], golden: Path) -> int:
+    """Compares `losses` with the stored file, step by step and exactly; prints the report and
+    returns the exit status (0 on a match, 1 on drift)."""
+    from runner.train.repro import compare_losses, print_report
+
+    stored = json.loads(golden.read_text())
+    drifts = compare_losses(
+        {int(k): v for k, v in stored["losses"].items()}, {int(k): v for k, v in losses.items()}
+    )
+    print_report(drifts, f"{len(losses)} steps equal to {golden.name}")
+    return 1 if drifts else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--update", action="store_true", help="rewrite the stored losses")
@@ -62,14 +75,7 @@ def main() -> int:
         args.golden.write_text(json.dumps({"overrides": OVERRIDES, "losses": losses}, indent=2))
         print(f"wrote {len(losses)} losses to {args.golden}")
         return 0
-    from runner.train.repro import compare_losses, print_report
-
-    stored = json.loads(args.golden.read_text())
-    drifts = compare_losses(
-        {int(k): v for k, v in stored["losses"].items()}, {int(k): v for k, v in losses.items()}
-    )
-    print_report(drifts, f"{len(losses)} steps equal to {args.golden.name}")
-    return 1 if drifts else 0
+    return check(losses, args.golden)
 
 
 if __name__ == "__main__":

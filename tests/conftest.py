@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -155,6 +157,16 @@ def transformers_warnings() -> Iterator[list[str]]:
 def losses(run_dir: Path) -> dict[int, float]:
     """Per-step training losses recorded in a run directory's metrics.jsonl."""
     return RunDir(run_dir).losses()
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/NAME.py imported as a module (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import signal
 import time
@@ -15,7 +14,7 @@ import pytest
 from runner import api
 from runner.errors import UserError
 from runner.paths import CONF_DIR
-from tests.conftest import ESTIMATE_DATA
+from tests.conftest import ESTIMATE_DATA, load_script
 
 # One process on the CPU, a loss line every step, no evaluation: the runs are short.
 BASE = [
@@ -139,10 +138,7 @@ def test_the_readme_job_service_runs_a_job(
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HOME", "OMP_NUM_THREADS"):
         monkeypatch.setenv(key, hermetic_env[key])
     monkeypatch.chdir(workdir)
-    path = Path(__file__).parents[1] / "scripts" / "job_service.py"
-    spec = importlib.util.spec_from_file_location("job_service", path)
-    service = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(service)
+    service = load_script("job_service")
     client = TestClient(service.app)
 
     refused = client.post("/jobs", json=["model=nope"])
