@@ -35,9 +35,15 @@ from pathlib import Path
 PRELOAD = (
     "torch",
     "transformers",
+    # transformers' Auto classes: their first import scans every model's module for its names
+    # (several seconds), which each fork would otherwise repeat.
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.auto.modeling_auto",
     "hydra",
     "torchtune",
     "datasets",
+    # What datasets' builders patch for streaming, on every load of a data file.
+    "scipy.io",
     "runner.cli",
     "runner.train.job",
     "runner.recipes.finetune",

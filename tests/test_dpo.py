@@ -5,8 +5,6 @@ reference, resume is exact, two processes train, and bad inputs are refused by n
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.paths import ASSETS_DIR
+from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK, deploy_server, losses
 from tests.test_resume import straight_then_resumed
 
@@ -55,24 +54,19 @@ METHODS = {
 REWARDS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin")
 
 
-def train(env: dict[str, str], run: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", "train", *overrides, f"hydra.run.dir={run}"],
-        cwd=run.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def train(cli: ForkedCli, run: Path, *overrides: str) -> Forked:
+    """`runner train` forked from the suite's warm CLI server (a module fixture's runs)."""
+    run.parent.mkdir(parents=True, exist_ok=True)
+    return cli(["train", *overrides, f"hydra.run.dir={run}"], run.parent, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
-def runs(hermetic_env, tmp_path_factory) -> dict[str, Path]:
+def runs(forked_cli: ForkedCli, tmp_path_factory) -> dict[str, Path]:
     """A DPO and a LoRA DPO run on the shipped pairs, shared by the tests below."""
     root = tmp_path_factory.mktemp("dpo")
     out = {}
     for name, overrides in METHODS.items():
-        result = train(hermetic_env, root / name, *TRAIN, *overrides)
+        result = train(forked_cli, root / name, *TRAIN, *overrides)
         assert result.returncode == 0, result.stderr[-3000:]
         out[name] = root / name
     return out

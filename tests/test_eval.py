@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from runner.paths import ASSETS_DIR, CONF_DIR
 from runner.rundir import RunDir
 from runner.train.lifecycle import runs_table
 from runner.train.sweep import summarize
+from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import losses
 
 STEPS = 12
@@ -55,24 +54,21 @@ EVAL_OFF = ["eval.strategy=no"]
 METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_exact_match")
 
 
-def train(env: dict[str, str], run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "runner", "train", *overrides, f"hydra.run.dir={run_dir}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def train(cli: ForkedCli, run_dir: Path, *overrides: str) -> Forked:
+    """`runner train` forked from the suite's warm CLI server; it must succeed."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    argv = ["train", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = cli(argv, run_dir.parent, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eval_runs")
-    proc = train(hermetic_env, root / "on", *JOB, *EVAL_ON)
+    proc = train(forked_cli, root / "on", *JOB, *EVAL_ON)
     (root / "on" / "stdout.txt").write_text(proc.stdout)
-    train(hermetic_env, root / "off", *JOB, *EVAL_OFF)
+    train(forked_cli, root / "off", *JOB, *EVAL_OFF)
     return {"on": root / "on", "off": root / "off"}
 
 
@@ -200,14 +196,14 @@ def test_a_sweep_ranks_runs_by_their_recorded_best(runs, tmp_path: Path) -> None
     assert summary["runs"][1]["metric"] is None
 
 
-def test_resume_keeps_the_best(runs, hermetic_env, tmp_path: Path) -> None:
+def test_resume_keeps_the_best(runs, forked_cli: ForkedCli, tmp_path: Path) -> None:
     # The run as if it had died after its best checkpoint: only that one is left. The same
     # command on its directory continues from there.
     run = tmp_path / "resumed"
     shutil.copytree(runs["on"], run, symlinks=True)
     best = RunDir(run).best()
     shutil.rmtree(run / "checkpoints" / f"step_{STEPS}")
-    proc = train(hermetic_env, run, *JOB, *EVAL_ON)
+    proc = train(forked_cli, run, *JOB, *EVAL_ON)
     checkpoint = str(run / "checkpoints" / f"step_{best['step']}")
     assert f"resuming from {checkpoint} at step {best['step']}" in proc.stderr
     # A fresh best would be the first evaluation after the resume; the restored one is kept.
@@ -216,14 +212,14 @@ def test_resume_keeps_the_best(runs, hermetic_env, tmp_path: Path) -> None:
     assert eval_lines(run) == eval_lines(runs["on"])
 
 
-def test_epoch_strategy_evaluates_at_each_epoch_end(hermetic_env, tmp_path: Path) -> None:
+def test_epoch_strategy_evaluates_at_each_epoch_end(forked_cli: ForkedCli, tmp_path: Path) -> None:
     # 32 records at batch 8: 4 steps an epoch.
     records = (ASSETS_DIR / "sample" / "train.jsonl").read_text().splitlines()[:32]
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(records) + "\n")
     run = tmp_path / "run"
     train(
-        hermetic_env,
+        forked_cli,
         run,
         "runtime.progress_bar=false",
         "runtime.loggers=[]",

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
@@ -28,6 +26,7 @@ from runner.errors import UserError
 from runner.export.write import ExportRequest, export
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.paths import CONF_DIR
+from tests.cli_forks import ForkedCli
 from tests.conftest import ESTIMATE_DATA, QUICK, deploy_server, losses
 from tests.fixtures import write_tiny_checkpoint
 from tests.hf_backend_fixtures import ARCHITECTURES, write_arch_checkpoint
@@ -205,30 +204,14 @@ LORA = ["method=lora", "method.apply_lora_to_mlp=true", "method.save_merged=true
 
 
 @pytest.fixture(scope="module")
-def lora_runs(
-    sources: dict[str, Path], hermetic_env: dict[str, str], tmp_path_factory
-) -> dict[str, Path]:
+def lora_runs(sources: dict[str, Path], forked_cli: ForkedCli, tmp_path_factory) -> dict[str, Path]:
     """A 2-step LoRA run of each architecture (evaluated at its last step)."""
     runs = {}
     for arch in ARCHITECTURES:
         run = tmp_path_factory.mktemp(f"lora_{arch}") / "run"
         args = [*model_args(sources[arch]), *FAST, *LORA, "max_steps=2", "eval.strategy=steps"]
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "runner",
-                "train",
-                *args,
-                "eval.steps=2",
-                f"hydra.run.dir={run}",
-            ],
-            cwd=run.parent,
-            env=hermetic_env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        argv = ["train", *args, "eval.steps=2", f"hydra.run.dir={run}"]
+        proc = forked_cli(argv, run.parent, timeout_s=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[arch] = run
     return runs

@@ -3,8 +3,6 @@ rounds away, and works with every method, several processes and resume (on CPU, 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from safetensors.torch import load_file
 from runner.config.resolve import resolve_recipe
 from runner.models.checkpoint import read_training_state
 from runner.train.preflight import estimate
+from tests.cli_forks import ForkedCli
 from tests.conftest import ESTIMATE_DATA, QUICK
 from tests.test_config import compose_train
 from tests.test_lora import QLORA
@@ -36,7 +35,7 @@ SMALL_STEPS = [
 
 
 @pytest.fixture(scope="module")
-def small_runs(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> dict[str, Path]:
+def small_runs(tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli) -> dict[str, Path]:
     """4 small steps in bf16_mixed and in pure bf16, and for each a run at lr 1e-30 that keeps
     the initial weights (the same seed initializes the same weights)."""
     root = tmp_path_factory.mktemp("small_steps")
@@ -44,15 +43,8 @@ def small_runs(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> dict[s
     for dtype in ("bf16_mixed", "bf16"):
         for name, lr in ((dtype, []), (f"{dtype}-init", ["optimizer.lr=1e-30"])):
             runs[name] = root / name
-            proc = subprocess.run(
-                [sys.executable, "-m", "runner", "train", *SMALL_STEPS, f"dtype={dtype}", *lr]
-                + [f"hydra.run.dir={runs[name]}"],
-                cwd=root,
-                env=hermetic_env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            argv = ["train", *SMALL_STEPS, f"dtype={dtype}", *lr, f"hydra.run.dir={runs[name]}"]
+            proc = forked_cli(argv, root, timeout_s=600)
             assert proc.returncode == 0, proc.stderr[-3000:]
     return runs
 

@@ -9,6 +9,7 @@ import torch
 from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
 from runner.train.preflight import estimate
+from tests.conftest import ESTIMATE_DATA
 from tests.test_config import compose_train
 
 
@@ -45,10 +46,13 @@ def test_estimate_counts_parameters_and_optimizer_memory(tmp_path: Path) -> None
 
 
 def test_estimate_shards_over_the_world_and_halves_in_bf16(tmp_path: Path) -> None:
-    one = estimate(resolve_recipe(compose_train(["compute=cpu", "dtype=fp32"]), tmp_path))
+    one = estimate(
+        resolve_recipe(compose_train(["compute=cpu", "dtype=fp32", ESTIMATE_DATA]), tmp_path)
+    )
     two = estimate(
         resolve_recipe(
-            compose_train(["compute=cpu", "compute.nproc_per_node=2", "dtype=bf16"]), tmp_path
+            compose_train(["compute=cpu", "compute.nproc_per_node=2", "dtype=bf16", ESTIMATE_DATA]),
+            tmp_path,
         )
     )
     assert two.world_size == 2
@@ -57,7 +61,7 @@ def test_estimate_shards_over_the_world_and_halves_in_bf16(tmp_path: Path) -> No
 
 
 def test_estimate_cli(runner_cli) -> None:
-    result = runner_cli("estimate", "compute=cpu", "dtype=fp32")
+    result = runner_cli("estimate", "compute=cpu", "dtype=fp32", ESTIMATE_DATA)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "1,051,776 parameters, fp32, cpu x 1" in result.stdout
     assert "optimizer steps per epoch" in result.stdout

@@ -15,6 +15,7 @@ from runner.errors import UserError
 from runner.paths import SAMPLE_DATA_DIR
 from runner.train import determinism
 from runner.train.repro import compare_losses, compare_metrics
+from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK, load_script, losses
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_losses.json"
@@ -52,17 +53,14 @@ def train_on_own_data(
 
 
 @pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> Path:
+def one_process_run(tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli) -> Path:
     """The deterministic one-process run, trained once for this module: the match test reads
     it; the drift test changes its files and puts each back."""
     root = tmp_path_factory.mktemp("one_process")
 
-    def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "runner", *args]
-        environment = {**hermetic_env, **(env or {})}
-        return subprocess.run(
-            command, cwd=root, env=environment, capture_output=True, text=True, timeout=600
-        )
+    def cli(*args: str, env: dict | None = None) -> Forked:
+        assert env is None  # a fork inherits the server's environment
+        return forked_cli(list(args), root, timeout_s=600)
 
     return train_on_own_data(cli, root, "compute=cpu", "compute.nproc_per_node=1")
 
