@@ -51,6 +51,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> None:
+    """What a test computes in its own process runs on one thread, as its subprocesses do
+    (hermetic_env): two xdist workers share the cores, and a second thread in each would only
+    spin waiting for the other worker's."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _resolvers() -> None:
     """Tests that compose conf/ themselves need the runner_* resolvers, as the CLI registers."""
     interpolations.register()
