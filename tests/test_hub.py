@@ -7,6 +7,7 @@ way huggingface_hub writes it (blobs/<sha256>, snapshots/<commit>/<path> -> blob
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -26,15 +27,18 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from runner.config.resolve import resolve_recipe
+from runner.data.stream import START, StreamSplit
 from runner.errors import UserError
 from runner.hub.download import Hub, TokenRef, default_cache_dir, localize, parse_uri
 from runner.models.families import FAMILIES, hf_config
 from runner.models.tokenizer import ChatTokenizer
 from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
+from runner.train.preflight import check
 from tests.conftest import QUICK, losses
 from tests.test_config import compose_train
+from tests.test_data import data as dataset_section
+from tests.test_data import tokenizer, trained_text
 
-ROOT = Path(__file__).resolve().parent.parent
 COMMIT = "5f3e6b2c1a0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
 MODEL = "hf://acme/tiny-llama"
 DATA = "hf://acme/words"
@@ -531,18 +535,15 @@ STREAMED = [
 def test_a_streamed_split_is_read_from_the_hub_and_never_downloaded(
     online_env, tmp_path: Path
 ) -> None:
-    """`runner validate` says so; `runner train` reads the shards from the hub in byte ranges,
-    with the token of the reference, and only the validation split (read whole) is cached."""
+    """`runner train` reads its shard from the hub in byte ranges, with the token of the
+    reference, and only the validation split (read whole) lands in the cache."""
     home, token_file = tmp_path / "hf_home", tmp_path / "hf_token"
     token_file.write_text(SECRET)
+    # datasets online, without its request to S3 for each file it reads (a download count).
     env = {**online_env, "HF_HOME": str(home), "HF_DATASETS_OFFLINE": "0"}
+    env["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
     overrides = [*STREAMED, f"runtime.hf_token=file:{token_file}"]
     url = f"hf://datasets/acme/corpus@{COMMIT}/data"
-    validated = cli(env, tmp_path, "validate", *overrides)
-    assert validated.returncode == 0, (validated.stderr[-3000:], LoopbackHub.requests)
-    assert (
-        f"--  train      {url} [train]: a stream from the hub, its files read" in validated.stdout
-    )
     LoopbackHub.requests.clear()
     LoopbackHub.authorizations.clear()
     run_dir = tmp_path / "run"
@@ -566,45 +567,64 @@ def test_a_streamed_split_is_read_from_the_hub_and_never_downloaded(
         assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
 
 
-SHARES = """
-import itertools, json, sys
-from runner.data.stream import START, StreamSplit
-from runner.errors import UserError
-from tests.test_data import data, tokenizer, trained_text
+@pytest.fixture
+def hub_in_process(online_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process on the loopback hub: huggingface_hub and datasets read HF_ENDPOINT (and
+    offline mode) as they are imported, so their copies are set here."""
+    import datasets
 
-def answers(source, rank):
-    recipe = data("dataset=instruct", f"dataset.source={source}", "dataset.format=jsonl",
-                  "dataset.streaming=true", "dataset.shuffle_buffer=16")
-    split = StreamSplit(recipe, tokenizer(), reader=rank, readers=2, seed=0)
-    samples = itertools.islice(split.samples(START, lambda n: True), 40)
-    return sorted(trained_text(s, tokenizer()).removesuffix("<|eot_id|>") for s, _ in samples)
-
-shares = [answers(sys.argv[1], rank) for rank in (0, 1)]
-try:
-    answers(sys.argv[2], 1)
-except UserError as err:
-    print(json.dumps({"shares": shares, "error": str(err)}))
-"""
+    endpoint = online_env["HF_ENDPOINT"]
+    template = f"{endpoint}/{{repo_id}}/resolve/{{revision}}/{{filename}}"
+    for module, name, value in (
+        (constants, "ENDPOINT", endpoint),
+        (constants, "HUGGINGFACE_CO_URL_TEMPLATE", template),
+        (constants, "HF_HUB_OFFLINE", False),
+        (datasets.config, "HF_ENDPOINT", endpoint),
+        (datasets.config, "HF_HUB_OFFLINE", False),
+        (datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False),  # a request to S3 per file read
+    ):
+        monkeypatch.setattr(module, name, value)
 
 
-def test_two_processes_stream_their_own_shards_of_a_hub_split(online_env) -> None:
+def test_validate_says_the_split_streams_from_the_hub(hub_in_process, tmp_path: Path) -> None:
+    """The recipe keeps the split on the hub at its commit; only the validation split is
+    downloaded (into runtime.cache_dir), and `runner validate`'s check says it is a stream."""
+    cache = tmp_path / "hub"
+    cfg = compose_train([*STREAMED, f"runtime.cache_dir={cache}", "runtime.hf_token=null"])
+    said: list[str] = []
+    recipe, found = check(cfg, overrides=[], report=said.append)
+    url = f"hf://datasets/acme/corpus@{COMMIT}/data"
+    line = f"--  train      {url} [train]: a stream from the hub, its files read as it trains"
+    assert [found for found in said if found.startswith(line)], said[1:]
+    assert found == {"validation": 8}
+    assert recipe.dataset.source == url and recipe.dataset.format == "json"  # from .jsonl
+    assert recipe.hub_sources["dataset.source"] == f"hf://acme/corpus@{COMMIT}/data"
+    snapshot = cache / "datasets--acme--corpus" / "snapshots" / COMMIT
+    assert recipe.dataset.validation.source == str(snapshot / "data")
+    files = [path.name for path in cache.rglob("*") if path.is_file() and "snapshots" in path.parts]
+    assert files == ["validation.jsonl"]
+
+
+def test_two_processes_stream_their_own_shards_of_a_hub_split(hub_in_process) -> None:
     """Each of two readers reads one shard from the hub (no record twice, none missed), and a
-    bad record names its hub file and row. In a fresh interpreter: huggingface_hub and datasets
-    read HF_ENDPOINT as they are imported."""
-    url, bad = (f"hf://datasets/acme/{repo}@{COMMIT}/data" for repo in ("corpus", "bad"))
-    env = {**online_env, "HF_DATASETS_OFFLINE": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SHARES, url, bad],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.splitlines()[-1])
-    assert [set(share) for share in found["shares"]] == [
+    bad record names its hub file and row."""
+
+    def answers(repo: str, rank: int) -> set[str]:
+        recipe = dataset_section(
+            "dataset=instruct",
+            f"dataset.source=hf://datasets/acme/{repo}@{COMMIT}/data",
+            "dataset.format=jsonl",
+            "dataset.streaming=true",
+            "dataset.shuffle_buffer=16",
+        )
+        split = StreamSplit(recipe, tokenizer(), reader=rank, readers=2, seed=0)
+        samples = itertools.islice(split.samples(START, lambda n: True), 40)
+        return {trained_text(s, tokenizer()).removesuffix("<|eot_id|>") for s, _ in samples}
+
+    assert [answers("corpus", rank) for rank in (0, 1)] == [
         {f"a{i}" for i in range(0, 40)},
         {f"a{i}" for i in range(40, 80)},
     ]
-    assert f"{bad}/train-00001-of-00002.jsonl row 21, column 'output'" in found["error"]
+    bad = f"hf://datasets/acme/bad@{COMMIT}/data/train-00001-of-00002.jsonl"
+    with pytest.raises(UserError, match=f"{bad} row 21, column 'output'"):
+        answers("bad", 1)
