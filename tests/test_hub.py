@@ -467,6 +467,7 @@ def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: 
         "download",
         *model,
         f"dataset.source={DATA}/sub",  # a directory of the repo
+        "dataset.streaming=true",  # fetched whole all the same, for a run off the hub
         f"runtime.hf_token=file:{token_file}",
     )
     assert fetched.returncode == 0, fetched.stderr[-2000:]
@@ -478,6 +479,7 @@ def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: 
     assert (snapshot / "config.json").read_bytes() == served["config.json"]
     assert not (snapshot / "original").exists()  # runtime.hub_model_ignore_patterns
     assert (data / "sub" / "validation.jsonl").is_file() and not (data / "README.md").exists()
+    assert (data / "sub" / "train.jsonl").is_file()
     assert set(LoopbackHub.authorizations) == {f"Bearer {SECRET}"}
     assert SECRET not in fetched.stdout + fetched.stderr
     offline = cli({**env, "HF_HUB_OFFLINE": "1"}, tmp_path, "validate", *model, HUB_TRAIN[2])
@@ -628,3 +630,23 @@ def test_two_processes_stream_their_own_shards_of_a_hub_split(hub_in_process) ->
     bad = f"hf://datasets/acme/bad@{COMMIT}/data/train-00001-of-00002.jsonl"
     with pytest.raises(UserError, match=f"{bad} row 21, column 'output'"):
         answers("bad", 1)
+
+
+def test_off_the_hub_a_stream_reads_the_cached_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HF_HUB_OFFLINE=1, or a hub out of reach: the copy `runner download` cached, pinned."""
+    cache = tmp_path / "hub"
+    cache_repo(cache, "dataset", "acme/corpus", CORPUS)
+    cfg = compose_train([*STREAMED, f"runtime.cache_dir={cache}"])
+    hub = Hub.from_runtime(cfg.runtime, [])
+    cached = str(cache / "datasets--acme--corpus" / "snapshots" / COMMIT / "data")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert localize(cfg, hub) == (
+        OmegaConf.merge(cfg, {"dataset": {"source": cached}}),
+        {"dataset.source": f"hf://acme/corpus@{COMMIT}/data"},
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: closed
+    local, _ = localize(cfg, hub)
+    assert local.dataset.source == cached

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import os
 import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,7 +223,6 @@ class Hub:
         """(hf://datasets/org/repo@<commit>/path, commit) of a dataset source to stream: the
         revision resolved and the path found on the hub, nothing downloaded. Where the hub is
         out of reach, the cached copy's path (fetch): a UserError if there is none."""
-        import httpx  # huggingface_hub's HTTP client: its errors are the network's
         from huggingface_hub import HfApi, HfFileSystem
 
         token = self.token.read()
@@ -233,7 +233,7 @@ class Hub:
                 )
                 url = source.hub_url(str(info.sha))
                 found = HfFileSystem(token=token).exists(url)
-        except (OSError, httpx.TransportError):
+        except _out_of_reach():
             return self.fetch(source, key=key, only_cached=True)
         if not found:
             raise self._no_path(source, key)
@@ -334,6 +334,13 @@ class Hub:
             f"the hub is reachable, into the same cache (runtime.cache_dir, BT_RW_CACHE_DIR or "
             f"HF_HOME), or {how}"
         )
+
+
+def _out_of_reach() -> tuple[type[Exception], ...]:
+    """The errors that mean the hub is out of reach: those of whichever HTTP client this
+    huggingface_hub imported (httpx, httpx2; requests' are OSErrors)."""
+    clients = (sys.modules.get(name) for name in ("httpx", "httpx2"))
+    return (OSError, *(client.TransportError for client in clients if client is not None))
 
 
 def hub_values(cfg: DictConfig) -> Iterator[tuple[str, str, str]]:
