@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from runner.components import instantiate
 from runner.data import Split, training_splits, validation_split
 from runner.data.stream import StreamSplit
+from runner.hub.download import TokenRef
 from runner.models.backends import backend_for, set_output_chunks
 from runner.models.checkpoint import read_training_state
 from runner.rundir import RunDir
@@ -115,9 +116,17 @@ class FinetuneRecipe:
         if cfg.dataset.streaming:
             self.validation = validation_split(cfg.dataset, tokenizer) if evaluates else None
 
+            # Read here, in the training process, from its reference: never in the recipe.
+            token = TokenRef.parse(cfg.runtime.hf_token).read()
+
             def reader(index: int, readers: int) -> StreamSplit:
                 return StreamSplit(
-                    cfg.dataset, tokenizer, reader=index, readers=readers, seed=cfg.seed
+                    cfg.dataset,
+                    tokenizer,
+                    reader=index,
+                    readers=readers,
+                    seed=cfg.seed,
+                    token=token,
                 )
 
             return StreamBatches(

@@ -7,6 +7,7 @@ way huggingface_hub writes it (blobs/<sha256>, snapshots/<commit>/<path> -> blob
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, unquote
 
 import pytest
 import torch
@@ -25,13 +27,17 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from runner.config.resolve import resolve_recipe
+from runner.data.stream import START, StreamSplit
 from runner.errors import UserError
 from runner.hub.download import Hub, TokenRef, default_cache_dir, localize, parse_uri
 from runner.models.families import FAMILIES, hf_config
 from runner.models.tokenizer import ChatTokenizer
 from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
-from tests.conftest import losses
+from runner.train.preflight import check
+from tests.conftest import QUICK, losses
 from tests.test_config import compose_train
+from tests.test_data import data as dataset_section
+from tests.test_data import tokenizer, trained_text
 
 COMMIT = "5f3e6b2c1a0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
 MODEL = "hf://acme/tiny-llama"
@@ -301,42 +307,64 @@ def test_token_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 class LoopbackHub(BaseHTTPRequestHandler):
-    """The few hub routes snapshot_download uses, on 127.0.0.1, with the hub's error headers.
+    """The hub routes that snapshot_download and HfFileSystem use (a revision, a tree listing,
+    paths-info, a file whole or in a byte range), on 127.0.0.1, with the hub's error headers.
 
-    huggingface_hub itself turns its answers into files in the cache or into its own
-    GatedRepoError / RepositoryNotFoundError; the tests never reach the real hub.
+    huggingface_hub itself turns its answers into files in the cache, into what HfFileSystem
+    reads, or into its own GatedRepoError / RepositoryNotFoundError; the tests never reach the
+    real hub. `requests` records each request's method, path and Range header.
     """
 
     repos: dict[tuple[str, str], dict[str, bytes]] = {}
     authorizations: list[str | None] = []
+    requests: list[tuple[str, str, str | None]] = []
 
     def do_HEAD(self) -> None:
         self.do_GET()
 
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+        self.requests.append(("POST", self.path, None))
+        for (repo_type, repo_id), files in self.repos.items():
+            if self.path.startswith(f"/api/{repo_type}s/{repo_id}/paths-info/{COMMIT}"):
+                form = parse_qs(body)
+                wanted = json.loads(body)["paths"] if body.startswith("{") else form["paths"]
+                return self._json([e for e in _tree(files, "", True) if e["path"] in wanted])
+        return self._send(404, b"{}", {"X-Error-Code": "RepoNotFound"})
+
     def do_GET(self) -> None:
         self.authorizations.append(self.headers.get("authorization"))
-        path = self.path.split("?")[0]
+        self.requests.append((self.command, self.path, self.headers.get("range")))
+        path, _, query = unquote(self.path).partition("?")
         for (repo_type, repo_id), files in self.repos.items():
             plural = f"{repo_type}s"
             web = "" if repo_type == "model" else f"/{plural}"
-            if path == f"/api/{plural}/{repo_id}/revision/main":
+            info = f"/api/{plural}/{repo_id}"
+            if path in (info, f"{info}/revision/main", f"{info}/revision/{COMMIT}"):
                 return self._json({"id": repo_id, "sha": COMMIT})
-            if path == f"/api/{plural}/{repo_id}/tree/{COMMIT}":
-                return self._json(
-                    [
-                        {"type": "file", "path": name, "size": len(data), "oid": _git_oid(data)}
-                        for name, data in files.items()
-                    ]
-                )
+            tree = f"/api/{plural}/{repo_id}/tree/{COMMIT}"
+            if path == tree or path.startswith(f"{tree}/"):
+                recursive = "recursive=true" in query.lower()
+                return self._json(_tree(files, path[len(tree) + 1 :], recursive))
             if path.startswith(f"/api/{plural}/{repo_id}/revision/"):
                 return self._send(404, b"{}", {"X-Error-Code": "RevisionNotFound"})
             prefix = f"{web}/{repo_id}/resolve/{COMMIT}/"
             if path.startswith(prefix) and path[len(prefix) :] in files:
-                data = files[path[len(prefix) :]]
-                return self._send(200, data, {"X-Repo-Commit": COMMIT, "ETag": _git_oid(data)})
+                return self._file(files[path[len(prefix) :]])
         if "/acme/gated" in path:
             return self._send(403, b"{}", {"X-Error-Code": "GatedRepo"})
         return self._send(404, b"{}", {"X-Error-Code": "RepoNotFound"})
+
+    def _file(self, data: bytes) -> None:
+        """A file, or the bytes of its Range (as HfFileSystem reads a file: a block at a time)."""
+        headers = {"X-Repo-Commit": COMMIT, "ETag": _git_oid(data), "Accept-Ranges": "bytes"}
+        asked = self.headers.get("range")
+        if asked is None:
+            return self._send(200, data, headers)
+        first, _, last = asked.removeprefix("bytes=").partition("-")
+        start, end = int(first), min(int(last or len(data) - 1), len(data) - 1)
+        headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+        return self._send(206, data[start : end + 1], headers)
 
     def _json(self, body: object) -> None:
         self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -353,6 +381,45 @@ class LoopbackHub(BaseHTTPRequestHandler):
         pass
 
 
+def _tree(files: dict[str, bytes], folder: str, recursive: bool) -> list[dict[str, object]]:
+    """The hub's listing of `folder`: its files and folders (recursive: all below it)."""
+    found: dict[str, dict[str, object]] = {}
+    base = f"{folder}/" if folder else ""
+    for name, data in files.items():
+        if not name.startswith(base):
+            continue
+        parts = name[len(base) :].split("/")
+        for depth in range(1, len(parts) if recursive else 1):
+            below = base + "/".join(parts[:depth])
+            found.setdefault(below, {"type": "directory", "path": below, "oid": "0" * 40})
+        if recursive or len(parts) == 1:
+            found[name] = {"type": "file", "path": name, "size": len(data), "oid": _git_oid(data)}
+        else:
+            found.setdefault(
+                base + parts[0], {"type": "directory", "path": base + parts[0], "oid": "0" * 40}
+            )
+    return list(found.values())
+
+
+def _records(first: int, count: int) -> bytes:
+    """JSON lines of `count` instruct records from `first` on, answer a<i>."""
+    rows = [
+        {"instruction": f"Reverse word {i}.", "input": "", "output": f"a{i}"}
+        for i in range(first, first + count)
+    ]
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+# A corpus to stream: its train split in two shards (one per process of two), and a validation
+# split.
+CORPUS = {
+    "README.md": b"# corpus\n",
+    "data/train-00000-of-00002.jsonl": _records(0, 40),
+    "data/train-00001-of-00002.jsonl": _records(40, 40),
+    "data/validation.jsonl": _records(80, 8),
+}
+
+
 def _git_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -362,6 +429,12 @@ def online_env(hermetic_env, repos) -> Iterator[dict[str, str]]:
     """hermetic_env online, against a loopback hub that serves `repos` and a gated repo."""
     LoopbackHub.repos = {
         **repos,
+        ("dataset", "acme/corpus"): CORPUS,
+        ("dataset", "acme/bad"): {
+            **CORPUS,
+            "data/train-00001-of-00002.jsonl": _records(40, 20)
+            + b'{"instruction": "Reverse word 60.", "input": "", "output": null}\n',
+        },
         ("model", "acme/tiny-llama"): {
             **repos[("model", "acme/tiny-llama")],
             "original/consolidated.00.pth": b"weights in another format",
@@ -394,6 +467,7 @@ def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: 
         "download",
         *model,
         f"dataset.source={DATA}/sub",  # a directory of the repo
+        "dataset.streaming=true",  # fetched whole all the same, for a run off the hub
         f"runtime.hf_token=file:{token_file}",
     )
     assert fetched.returncode == 0, fetched.stderr[-2000:]
@@ -405,6 +479,7 @@ def test_download_fills_the_cache_ahead_of_an_offline_run(online_env, tmp_path: 
     assert (snapshot / "config.json").read_bytes() == served["config.json"]
     assert not (snapshot / "original").exists()  # runtime.hub_model_ignore_patterns
     assert (data / "sub" / "validation.jsonl").is_file() and not (data / "README.md").exists()
+    assert (data / "sub" / "train.jsonl").is_file()
     assert set(LoopbackHub.authorizations) == {f"Bearer {SECRET}"}
     assert SECRET not in fetched.stdout + fetched.stderr
     offline = cli({**env, "HF_HUB_OFFLINE": "1"}, tmp_path, "validate", *model, HUB_TRAIN[2])
@@ -442,3 +517,136 @@ def test_a_missing_repo_or_file_is_named(online_env, tmp_path: Path, source, exp
     result = cli(env, tmp_path, "download", f"dataset.source={source}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"error: dataset.source='{source}': {expected}" in result.stderr
+
+
+STREAMED = [
+    *QUICK,
+    "dataset=instruct",
+    "dataset.source=hf://acme/corpus/data",
+    "dataset.streaming=true",
+    "dataset.shuffle_buffer=16",
+    "dataset.validation.split=validation",
+    "dataset.eval_samples=0",
+    "eval.strategy=no",
+    "batch_size=4",
+    "max_steps=3",
+    "runtime.log_every_n_steps=1",
+]
+
+
+def test_a_streamed_split_is_read_from_the_hub_and_never_downloaded(
+    online_env, tmp_path: Path
+) -> None:
+    """`runner train` reads its shard from the hub in byte ranges, with the token of the
+    reference, and only the validation split (read whole) lands in the cache."""
+    home, token_file = tmp_path / "hf_home", tmp_path / "hf_token"
+    token_file.write_text(SECRET)
+    # datasets online, without its request to S3 for each file it reads (a download count).
+    env = {**online_env, "HF_HOME": str(home), "HF_DATASETS_OFFLINE": "0"}
+    env["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
+    overrides = [*STREAMED, f"runtime.hf_token=file:{token_file}"]
+    url = f"hf://datasets/acme/corpus@{COMMIT}/data"
+    LoopbackHub.requests.clear()
+    LoopbackHub.authorizations.clear()
+    run_dir = tmp_path / "run"
+    trained = cli(env, tmp_path, "train", *overrides, f"hydra.run.dir={run_dir}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    assert recipe["dataset"]["source"] == url
+    assert recipe["hub_sources"]["dataset.source"] == f"hf://acme/corpus@{COMMIT}/data"
+    # Its 12 samples are in the first shard: read in byte ranges, never whole.
+    reads = [(path, asked) for method, path, asked in LoopbackHub.requests if method == "GET"]
+    shard = [asked for path, asked in reads if path.endswith("/data/train-00000-of-00002.jsonl")]
+    assert shard and all(asked is not None and asked.startswith("bytes=") for asked in shard)
+    assert set(LoopbackHub.authorizations) == {f"Bearer {SECRET}"}
+    cached = [path for path in home.rglob("*") if path.is_file()]
+    contents = {path.read_bytes() for path in cached}
+    assert CORPUS["data/validation.jsonl"] in contents
+    assert not {CORPUS[f"data/train-0000{n}-of-00002.jsonl"] for n in (0, 1)} & contents
+    assert not [path for path in cached if "train-0000" in path.name]
+    for path in [*run_dir.rglob("*"), *cached]:
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+
+
+@pytest.fixture
+def hub_in_process(online_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process on the loopback hub: huggingface_hub and datasets read HF_ENDPOINT (and
+    offline mode) as they are imported, so their copies are set here."""
+    import datasets
+
+    endpoint = online_env["HF_ENDPOINT"]
+    template = f"{endpoint}/{{repo_id}}/resolve/{{revision}}/{{filename}}"
+    for module, name, value in (
+        (constants, "ENDPOINT", endpoint),
+        (constants, "HUGGINGFACE_CO_URL_TEMPLATE", template),
+        (constants, "HF_HUB_OFFLINE", False),
+        (datasets.config, "HF_ENDPOINT", endpoint),
+        (datasets.config, "HF_HUB_OFFLINE", False),
+        (datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False),  # a request to S3 per file read
+    ):
+        monkeypatch.setattr(module, name, value)
+
+
+def test_validate_says_the_split_streams_from_the_hub(hub_in_process, tmp_path: Path) -> None:
+    """The recipe keeps the split on the hub at its commit; only the validation split is
+    downloaded (into runtime.cache_dir), and `runner validate`'s check says it is a stream."""
+    cache = tmp_path / "hub"
+    cfg = compose_train([*STREAMED, f"runtime.cache_dir={cache}", "runtime.hf_token=null"])
+    said: list[str] = []
+    recipe, found = check(cfg, overrides=[], report=said.append)
+    url = f"hf://datasets/acme/corpus@{COMMIT}/data"
+    line = f"--  train      {url} [train]: a stream from the hub, its files read as it trains"
+    assert [found for found in said if found.startswith(line)], said[1:]
+    assert found == {"validation": 8}
+    assert recipe.dataset.source == url and recipe.dataset.format == "json"  # from .jsonl
+    assert recipe.hub_sources["dataset.source"] == f"hf://acme/corpus@{COMMIT}/data"
+    snapshot = cache / "datasets--acme--corpus" / "snapshots" / COMMIT
+    assert recipe.dataset.validation.source == str(snapshot / "data")
+    files = [path.name for path in cache.rglob("*") if path.is_file() and "snapshots" in path.parts]
+    assert files == ["validation.jsonl"]
+
+
+def test_two_processes_stream_their_own_shards_of_a_hub_split(hub_in_process) -> None:
+    """Each of two readers reads one shard from the hub (no record twice, none missed), and a
+    bad record names its hub file and row."""
+
+    def answers(repo: str, rank: int) -> set[str]:
+        recipe = dataset_section(
+            "dataset=instruct",
+            f"dataset.source=hf://datasets/acme/{repo}@{COMMIT}/data",
+            "dataset.format=jsonl",
+            "dataset.streaming=true",
+            "dataset.shuffle_buffer=16",
+        )
+        split = StreamSplit(recipe, tokenizer(), reader=rank, readers=2, seed=0)
+        samples = itertools.islice(split.samples(START, lambda n: True), 40)
+        return {trained_text(s, tokenizer()).removesuffix("<|eot_id|>") for s, _ in samples}
+
+    assert [answers("corpus", rank) for rank in (0, 1)] == [
+        {f"a{i}" for i in range(0, 40)},
+        {f"a{i}" for i in range(40, 80)},
+    ]
+    bad = f"hf://datasets/acme/bad@{COMMIT}/data/train-00001-of-00002.jsonl"
+    with pytest.raises(UserError, match=f"{bad} row 21, column 'output'"):
+        answers("bad", 1)
+
+
+def test_off_the_hub_a_stream_reads_the_cached_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HF_HUB_OFFLINE=1, or a hub out of reach: the copy `runner download` cached, pinned."""
+    cache = tmp_path / "hub"
+    cache_repo(cache, "dataset", "acme/corpus", CORPUS)
+    cfg = compose_train([*STREAMED, f"runtime.cache_dir={cache}"])
+    hub = Hub.from_runtime(cfg.runtime, [])
+    cached = str(cache / "datasets--acme--corpus" / "snapshots" / COMMIT / "data")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert localize(cfg, hub) == (
+        OmegaConf.merge(cfg, {"dataset": {"source": cached}}),
+        {"dataset.source": f"hf://acme/corpus@{COMMIT}/data"},
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: closed
+    local, _ = localize(cfg, hub)
+    assert local.dataset.source == cached

@@ -35,6 +35,9 @@ class RuntimeRecipe:
     progress_bar: Any = "auto"
     deterministic: bool = flag(False)
     env: Dict[str, str] = field(default_factory=dict)
+    # Where the hub token is (env:NAME, file:PATH; null: huggingface_hub's login), never the
+    # token: a training split streamed from the hub reads its files with it.
+    hf_token: Optional[str] = None
 
 
 @dataclass
@@ -46,7 +49,6 @@ class Runtime(RuntimeRecipe):
     # Replaced by `loggers`; set, it is refused with the migration (resolve_runtime).
     tensorboard: Optional[bool] = None
     cache_dir: str = MISSING
-    hf_token: Optional[str] = None
     hub_model_ignore_patterns: List[str] = field(default_factory=list)
 
 
@@ -71,6 +73,7 @@ def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
         progress_bar=runtime.progress_bar,
         deterministic=runtime.deterministic,
         env=_plain_env(runtime.env),
+        hf_token=runtime.hf_token,
     )
 
 

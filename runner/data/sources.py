@@ -1,4 +1,9 @@
-"""Data sources -> records: a file or a directory, its format, its splits, a split spec's rows."""
+"""Data sources -> records: a file or a directory, its format, its splits, a split spec's rows.
+
+A source is a local path, or (a training split streamed from the hub) the hub's URL of a file or
+directory at a commit, hf://datasets/org/repo@<commit>/path, which runner.hub.download makes: its
+files are listed and read through huggingface_hub's HfFileSystem, never downloaded whole.
+"""
 
 from __future__ import annotations
 
@@ -44,14 +49,43 @@ BUILDERS = {
 # Records read from a streamed file at a time.
 STREAM_CHUNK = 1000
 SPLIT_PART = re.compile(r"^\s*([\w.-]+)\s*(\[[^\]]*\])?\s*$")
+# A dataset repo's file or directory pinned to a commit, as runner.hub.download streams it.
+HUB_STREAM = re.compile(r"^hf://datasets/[^/@]+/[^/@]+@[0-9a-f]{40}(/|$)")
+
+
+def is_remote(source: str) -> bool:
+    """Whether `source` is a hub file or directory streamed from the hub (HUB_STREAM)."""
+    return HUB_STREAM.match(source) is not None
+
+
+def _hub_files(token: str | None) -> Any:
+    """huggingface_hub's file system (HF_ENDPOINT's hub), with the token (None: its login)."""
+    from huggingface_hub import HfFileSystem, constants
+
+    # The endpoint named: a file system is cached by its arguments, and HF_ENDPOINT may differ.
+    return HfFileSystem(token=token, endpoint=constants.ENDPOINT)
+
+
+def _open(file: str, token: str | None, mode: str = "rb", **options: Any) -> Any:
+    """A local file, or a hub file read in ranges as it is read (nothing cached on disk)."""
+    if is_remote(file):
+        return _hub_files(token).open(file, mode, **options)
+    return open(file, mode, **options)
+
+
+def _size(file: str, token: str | None) -> int:
+    return int(_hub_files(token).size(file)) if is_remote(file) else os.path.getsize(file)
 
 
 def local_source(key: str, source: str) -> str:
     """The absolute local path of a dataset source: a data file or a directory of them.
 
-    runner.hub.download has already turned hf:// sources into paths in the cache, except for a dry
-    run that downloads nothing (`runner estimate`).
+    runner.hub.download has already turned hf:// sources into paths in the cache (or, for a
+    streamed training split, into the hub's URL at a commit: kept as it is), except for a dry run
+    that downloads nothing (`runner estimate`).
     """
+    if is_remote(source):
+        return source
     if source.startswith("hf://"):
         raise UserError(
             key,
@@ -79,14 +113,18 @@ def _format_of(path: Path) -> str | None:
     return next((f for f, exts in FORMATS.items() if suffix in exts), None)
 
 
-def source_format(key: str, source: str, data_format: str | None) -> str:
+def source_format(key: str, source: str, data_format: str | None, token: str | None = None) -> str:
     """dataset.format, or, when it is null, the format the source's file extensions name."""
     if data_format is not None:
         if data_format not in FORMATS:
             raise UserError("dataset.format", data_format, f"choose one of: {', '.join(FORMATS)}")
         return data_format
-    path = Path(source)
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    if is_remote(source):
+        hub = _hub_files(token)
+        files = [Path(source)] if hub.isfile(source) else [Path(f) for f in hub.find(source)]
+    else:
+        path = Path(source)
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     found = {found for p in files if (found := _format_of(p)) is not None}
     if len(found) != 1:
         what = (
@@ -102,16 +140,24 @@ def source_format(key: str, source: str, data_format: str | None) -> str:
     return found.pop()
 
 
-def split_files(key: str, source: str, data_format: str) -> dict[str, list[str]]:
+def split_files(
+    key: str, source: str, data_format: str, token: str | None = None
+) -> dict[str, list[str]]:
     """{split name: data files}: a file is the split `train`; a directory's files are named
-    by split the way the Hugging Face hub names them (train-*.parquet, data/validation.json...)."""
-    path = Path(source)
-    if path.is_file():
-        return {"train": [str(path)]}
+    by split the way the Hugging Face hub names them (train-*.parquet, data/validation.json...).
+    A hub directory is listed on the hub (`token`: its token), its files left there."""
+    remote = is_remote(source)
+    if _hub_files(token).isfile(source) if remote else Path(source).is_file():
+        return {"train": [source]}
     extensions = list(FORMATS[data_format])
+    # datasets lists an hf:// directory through HfFileSystem, with this token.
+    listing = {"download_config": datasets.DownloadConfig(token=token)} if remote else {}
     try:
         found = DataFilesDict.from_patterns(
-            get_data_patterns(str(path)), base_path=str(path), allowed_extensions=extensions
+            get_data_patterns(source, **listing),
+            base_path=source,
+            allowed_extensions=extensions,
+            **listing,
         )
     except FileNotFoundError:
         found = {}
@@ -126,9 +172,11 @@ def split_files(key: str, source: str, data_format: str) -> dict[str, list[str]]
     return splits
 
 
-def stream_files(key: str, source: str, data_format: str, split_key: str, split: str) -> list[str]:
+def stream_files(
+    key: str, source: str, data_format: str, split_key: str, split: str, token: str | None = None
+) -> list[str]:
     """The files of a split (or of splits joined by +) to read as a stream, which takes no slice."""
-    files_by_split = split_files(key, source, data_format)
+    files_by_split = split_files(key, source, data_format, token)
     names = [part.strip() for part in split.split("+")]
     for name in names:
         match = SPLIT_PART.match(name)
@@ -142,26 +190,34 @@ def stream_files(key: str, source: str, data_format: str, split_key: str, split:
     return [file for name in names for file in files_by_split[name]]
 
 
-def _options(builder: str, file: str) -> dict[str, Any]:
+def _options(builder: str, file: str, token: str | None = None) -> dict[str, Any]:
     """The `datasets` builder's options for `file`: a CSV cell has no type, so every column of a
     CSV file is read as text (an empty cell is null)."""
     if builder != "csv":
         return {}
-    with open(file, newline="", encoding="utf-8") as f:
+    with _open(file, token, "r", newline="", encoding="utf-8") as f:
         header = next(csv.reader(f), [])
     return {"features": datasets.Features({c: datasets.Value("string") for c in header})}
 
 
-def stream_records(key: str, source: str, data_format: str, file: str) -> Iterator[dict[str, Any]]:
+def stream_records(
+    key: str, source: str, data_format: str, file: str, token: str | None = None
+) -> Iterator[dict[str, Any]]:
     """The records of one data file in order, read as a stream (datasets' IterableDataset): only
-    a chunk of the file is in memory at a time. A file that does not read is a UserError naming
-    it (and the line and column, for a text format)."""
-    if os.path.getsize(file) == 0:
+    a chunk of the file is in memory at a time (of a hub file, read in ranges from the hub). A
+    file that does not read is a UserError naming it (and the line and column, for a text
+    format)."""
+    if _size(file, token) == 0:
         return
     builder = BUILDERS[data_format]
     try:
         stream = datasets.load_dataset(
-            builder, data_files=[file], split="train", streaming=True, **_options(builder, file)
+            builder,
+            data_files=[file],
+            split="train",
+            streaming=True,
+            token=token,
+            **_options(builder, file, token),
         )
         # In batches: `iter` reads the whole file also in a DataLoader worker, where iterating
         # the stream itself would give each worker only some of the files.
@@ -170,7 +226,7 @@ def stream_records(key: str, source: str, data_format: str, file: str) -> Iterat
             for row in range(len(batch[columns[0]]) if columns else 0):
                 yield {column: batch[column][row] for column in columns}
     except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
-        raise _read_error(key, source, data_format, [file], err) from err
+        raise _read_error(key, source, data_format, [file], err, token) from err
 
 
 def _read(
@@ -275,15 +331,21 @@ class LineError(UserError):
 
 
 def _read_error(
-    key: str, source: str, data_format: str, files: list[str], err: Exception
+    key: str,
+    source: str,
+    data_format: str,
+    files: list[str],
+    err: Exception,
+    token: str | None = None,
 ) -> UserError:
     """What `datasets` could not read: the file, line and column at fault where a line of a text
-    format is found that is not UTF-8 (or not JSON), else the reader's own message."""
+    format is found that is not UTF-8 (or not JSON), else the reader's own message. A hub file
+    is read again from the hub to find them."""
     if data_format not in ("parquet", "arrow"):
         for file in files:
-            found = _undecodable_line(file)
+            found = _undecodable_line(file, token)
             if found is None and data_format in ("json", "jsonl"):
-                found = _unparsable_json(file)
+                found = _unparsable_json(file, token)
             if found is not None:
                 line, column, problem, fix = found
                 return LineError(
@@ -293,9 +355,9 @@ def _read_error(
     return UserError(key, source, f"could not be read as dataset.format={data_format} ({cause})")
 
 
-def _undecodable_line(file: str) -> tuple[int, int, str, str] | None:
+def _undecodable_line(file: str, token: str | None = None) -> tuple[int, int, str, str] | None:
     """(line, column, problem, fix) of the first line of `file` that is not UTF-8 text."""
-    with open(file, "rb") as f:
+    with _open(file, token) as f:
         for number, raw in enumerate(f, 1):
             try:
                 raw.decode("utf-8")
@@ -306,11 +368,11 @@ def _undecodable_line(file: str) -> tuple[int, int, str, str] | None:
     return None
 
 
-def _unparsable_json(file: str) -> tuple[int, int, str, str] | None:
+def _unparsable_json(file: str, token: str | None = None) -> tuple[int, int, str, str] | None:
     """(line, column, problem, fix) of the first line of a JSON-lines file that is not one JSON
     object; for a file that is one JSON document (a list of records), where it stops parsing."""
     fix = "fix or drop the line (a JSON-lines file holds one JSON object a line)"
-    with open(file, encoding="utf-8-sig") as f:
+    with _open(file, token, "r", encoding="utf-8-sig") as f:
         lines = ((number, line) for number, line in enumerate(f, 1) if line.strip())
         first = next(lines, None)
         if first is None:

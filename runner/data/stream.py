@@ -1,5 +1,6 @@
 """A training split read as a stream (dataset.streaming): records as they come, never the whole
-split in memory or in a cache.
+split in memory or in a cache; from the hub (a source hf://datasets/org/repo@<commit>/path), the
+files are read in ranges from the hub, never downloaded whole.
 
 The split's files are read in order, one chunk at a time. Each reader (a rank) reads its own
 files where they divide evenly among the readers (a sharded corpus: no rank reads another's), and
@@ -61,12 +62,15 @@ class StreamSplit:
         reader: int,
         readers: int,
         seed: int,
+        token: str | None = None,
     ) -> None:
         self.data, self.tokenizer = data, tokenizer
         self.reader, self.readers, self.seed = reader, readers, seed
         self.window = data["shuffle_buffer"]
+        # The hub token, for a split streamed from the hub (None: huggingface_hub's login).
+        self.token = token
         self.files = stream_files(
-            "dataset.source", data["source"], data["format"], "dataset.split", data["split"]
+            "dataset.source", data["source"], data["format"], "dataset.split", data["split"], token
         )
 
     def _windows(self) -> Iterator[list[Located]]:
@@ -78,7 +82,7 @@ class StreamSplit:
         index = 0
         for file in files:
             records = stream_records(
-                "dataset.source", self.data["source"], self.data["format"], file
+                "dataset.source", self.data["source"], self.data["format"], file, self.token
             )
             for row, record in enumerate(records, 1):
                 if by_file or index % self.readers == self.reader:

@@ -10,9 +10,11 @@ only when a download asks for it: never into a config, a run directory or a log.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,8 @@ URI_FORM = "hf://org/repo, hf://org/repo/path/in/repo or hf://org/repo@revision/
 REPO_TYPES = {"model": "model", "dataset": "dataset"}
 # The hub's own spelling of a repo type in a URI (hf://datasets/org/repo).
 TYPE_PREFIXES = {"models": "model", "datasets": "dataset"}
+# The source that dataset.streaming reads as a stream: from the hub, it is not downloaded.
+STREAMED = "dataset.source"
 # Local paths that nothing downstream checks before a process starts.
 LOCAL_CHECKED = ("model.source", "model.tokenizer")
 
@@ -65,6 +69,13 @@ class HubSource:
         """The repo's page on the hub."""
         prefix = "" if self.repo_type == "model" else "datasets/"
         return f"{constants.ENDPOINT}/{prefix}{self.repo_id}"
+
+    def hub_url(self, commit: str) -> str:
+        """This source at a fixed commit as huggingface_hub's file system names it (what a
+        stream reads): hf://datasets/org/repo@<commit>[/path]."""
+        return f"{SCHEME}{self.repo_type}s/{self.repo_id}@{commit}" + (
+            f"/{self.path}" if self.path else ""
+        )
 
     def pinned(self, commit: str) -> str:
         """This source at a fixed commit: hf://org/repo@<commit>[/path]."""
@@ -199,8 +210,40 @@ class Hub:
         The path is the cache's snapshot entry (a symlink to the blob, for a file): resolving
         it would lose the file's name.
         """
-        try:
+        with self.refusals(source, key):
             snapshot = Path(self._snapshot(source, only_cached))
+        local = snapshot / source.path if source.path else snapshot
+        if local.exists():
+            return local, snapshot.name
+        if constants.HF_HUB_OFFLINE or only_cached:
+            raise NotCachedError(key, source, self.not_cached([(key, source)], None), None)
+        raise self._no_path(source, key)
+
+    def stream(self, source: HubSource, *, key: str) -> tuple[str | Path, str]:
+        """(hf://datasets/org/repo@<commit>/path, commit) of a dataset source to stream: the
+        revision resolved and the path found on the hub, nothing downloaded. Where the hub is
+        out of reach, the cached copy's path (fetch): a UserError if there is none."""
+        from huggingface_hub import HfApi, HfFileSystem
+
+        token = self.token.read()
+        try:
+            with self.refusals(source, key):
+                info = HfApi(token=token).repo_info(
+                    source.repo_id, repo_type=source.repo_type, revision=source.revision
+                )
+                url = source.hub_url(str(info.sha))
+                found = HfFileSystem(token=token).exists(url)
+        except _out_of_reach():
+            return self.fetch(source, key=key, only_cached=True)
+        if not found:
+            raise self._no_path(source, key)
+        return url, str(info.sha)
+
+    @contextlib.contextmanager
+    def refusals(self, source: HubSource, key: str) -> Iterator[None]:
+        """huggingface_hub's errors about `source` as UserErrors naming `key` and the fix."""
+        try:
+            yield
         except GatedRepoError as err:
             raise UserError(key, source.uri, self._gated(source)) from err
         except RepositoryNotFoundError as err:
@@ -216,12 +259,9 @@ class Hub:
             raise NotCachedError(key, source, fix, err) from err
         except HfHubHTTPError as err:
             raise UserError(key, source.uri, self._refused(source, err)) from err
-        local = snapshot / source.path if source.path else snapshot
-        if local.exists():
-            return local, snapshot.name
-        if constants.HF_HUB_OFFLINE or only_cached:
-            raise NotCachedError(key, source, self.not_cached([(key, source)], None), None)
-        raise UserError(
+
+    def _no_path(self, source: HubSource, key: str) -> UserError:
+        return UserError(
             key,
             source.uri,
             f"{source.repo_id} has no file or directory {source.path!r}; {self._tree(source)}",
@@ -296,6 +336,13 @@ class Hub:
         )
 
 
+def _out_of_reach() -> tuple[type[Exception], ...]:
+    """The errors that mean the hub is out of reach: those of whichever HTTP client this
+    huggingface_hub imported (httpx, httpx2; requests' are OSErrors)."""
+    clients = (sys.modules.get(name) for name in ("httpx", "httpx2"))
+    return (OSError, *(client.TransportError for client in clients if client is not None))
+
+
 def hub_values(cfg: DictConfig) -> Iterator[tuple[str, str, str]]:
     """(key, value, repo type) for each hf:// value under the model and dataset groups."""
 
@@ -317,18 +364,21 @@ def hub_values(cfg: DictConfig) -> Iterator[tuple[str, str, str]]:
 
 
 def localize(
-    cfg: DictConfig, hub: Hub, only_cached: bool = False
+    cfg: DictConfig, hub: Hub, only_cached: bool = False, stream: bool = True
 ) -> tuple[DictConfig, dict[str, str]]:
     """A copy of `cfg` with each hf:// source replaced by its local path in the cache.
 
     Returns the copy and {key: the hf:// URI pinned to the commit it resolved to}. Every source
     missing from the cache of a machine off the hub is named in one message. only_cached (for
     a dry run that must not download, like `runner estimate`) resolves what is cached and
-    leaves the other hf:// values as they are.
+    leaves the other hf:// values as they are. With `stream`, a training split read as a
+    stream (dataset.streaming) is left on the hub, at its commit (Hub.stream): its files are
+    read from there as it trains, except where the hub is out of reach and it is cached.
     """
     local = copy.deepcopy(cfg)
     pinned: dict[str, str] = {}
     missing: list[NotCachedError] = []
+    streamed = STREAMED if stream and OmegaConf.select(cfg, "dataset.streaming") else None
     for key, value, repo_type in hub_values(cfg):
         found = []
         for item in value if isinstance(value, list) else [value]:
@@ -337,7 +387,10 @@ def localize(
                 continue
             source = parse_uri(item, key=key, repo_type=repo_type)
             try:
-                path, commit = hub.fetch(source, key=key, only_cached=only_cached)
+                if key == streamed and not constants.HF_HUB_OFFLINE:
+                    path, commit = hub.stream(source, key=key)
+                else:
+                    path, commit = hub.fetch(source, key=key, only_cached=only_cached)
             except NotCachedError as err:
                 if only_cached:
                     found.append(item)
@@ -353,11 +406,51 @@ def localize(
         first = missing[0]
         fix = hub.not_cached([(e.key, e.source) for e in missing], first.cause)
         raise NotCachedError(first.key, first.source, fix, first.cause)
+    if streamed and str(OmegaConf.select(local, streamed)).startswith(f"{SCHEME}datasets/"):
+        _streamed_from_the_hub(local, hub, pinned, download=not only_cached)
     for key in LOCAL_CHECKED:
         value = OmegaConf.select(local, key)
         if value is not None and not is_hub_uri(value):
             hub.local_path(value, key=key, repo_type="model")
     return local, pinned
+
+
+def _streamed_from_the_hub(
+    local: DictConfig, hub: Hub, pinned: dict[str, str], *, download: bool
+) -> None:
+    """What the hub's listing decides for a training split streamed from it: dataset.format
+    where it is null, and a validation split named of the same source, which is read whole:
+    its files alone are downloaded (with `download`) and read from the cache."""
+    from runner.data.sources import source_format, split_files  # datasets: not for --help
+
+    data, token = local.dataset, hub.token.read()
+    data.format = source_format(STREAMED, data.source, data.format, token)
+    held = data.validation
+    if held.source is not None or held.split is None or not download:
+        return
+    files = split_files(STREAMED, data.source, data.format, token)
+    names = [part.strip().split("[")[0] for part in str(held.split).split("+")]
+    if any(name not in files for name in names):
+        raise UserError(
+            "dataset.validation.split",
+            held.split,
+            f"{pinned[STREAMED]} has the split(s) {sorted(files)}: name one of them",
+        )
+    source = parse_uri(pinned[STREAMED], key=STREAMED, repo_type="dataset")
+    commit = str(source.revision)
+    repo = f"{SCHEME}datasets/{source.repo_id}@{commit}"
+    wanted = [file.removeprefix(f"{repo}/") for name in names for file in files[name]]
+    with hub.refusals(source, STREAMED):
+        snapshot = snapshot_download(
+            source.repo_id,
+            repo_type="dataset",
+            revision=commit,
+            cache_dir=hub.cache_dir,
+            token=token,
+            allow_patterns=wanted,
+        )
+    held.source = str(Path(snapshot) / source.path)
+    pinned["dataset.validation.source"] = pinned[STREAMED]
 
 
 def download(cfg: DictConfig) -> None:
@@ -368,7 +461,8 @@ def download(cfg: DictConfig) -> None:
     if not found:
         print("nothing to download: every model and dataset source is local (or random init)")
         return
-    local, pinned = localize(cfg, hub)
+    # Everything, a streamed split too: what this command fetches, an offline run reads.
+    local, pinned = localize(cfg, hub, stream=False)
     for key, value, _ in found:
         print(f"{key:<24} {pinned.get(key, value)}\n{'':<24} -> {OmegaConf.select(local, key)}")
     print(f"cache: {hub.cache_dir}")

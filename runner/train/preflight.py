@@ -19,6 +19,7 @@ from runner.components import instantiate, plain_dict
 from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
 from runner.data import check_datasets, train_dataset
+from runner.data.sources import is_remote
 from runner.models.backends import Backend, backend_for
 
 # Bytes a value of each dtype option: (trained parameters, their gradients and AdamW moments;
@@ -70,13 +71,14 @@ def check(
     )
     data = recipe.dataset
     found = check_datasets(data, tokenizer)
-    where = {
-        "train": f"{data.source} [{data.split}]{_origin(recipe, 'dataset.source')}",
-        "validation": _validation(recipe),
-    }
+    # A split streamed from the hub is named by its hub URL at the commit already.
+    from_hub = is_remote(data.source)
+    origin = "" if from_hub else _origin(recipe, "dataset.source")
+    where = {"train": f"{data.source} [{data.split}]{origin}", "validation": _validation(recipe)}
     if data.streaming:
+        read = " from the hub, its files read as it trains, never downloaded" if from_hub else ""
         say(
-            f"--  {'train':<10} {where['train']}: a stream, checked window by window "
+            f"--  {'train':<10} {where['train']}: a stream{read}, checked window by window "
             f"({data.shuffle_buffer} records of each process at a time) as it trains"
         )
     for split, records in found.items():
