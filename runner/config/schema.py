@@ -189,9 +189,10 @@ class Cluster:
 # ---- the recipe: what `runner train` resolved, as every training process reads it ------------
 # recipe.yaml keeps the sections and names of Train, each value resolved (`auto` made concrete,
 # hf:// sources made local paths, components named), plus what resolution derives (the builder,
-# tokenizer and config.json of the model; where the processes meet). Bumped when a key moves or
-# goes (5: method.recipe went; one recipe loop runs every method).
-RECIPE_VERSION = 5
+# tokenizer and config.json of the model; where the processes meet). Bumped when a key moves,
+# goes or comes (5: method.recipe went; one recipe loop runs every method. 6: runtime.hf_token
+# came, the reference a stream from the hub reads its token through).
+RECIPE_VERSION = 6
 
 
 @dataclass
