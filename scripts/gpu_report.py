@@ -1,6 +1,7 @@
 """Every GPU figure the project claims, in one command and one table, within 25 minutes.
 
-    python scripts/gpu_report.py [--out gpu_report] [--budget-min 25] [--only train,deploy,pytest]
+    python scripts/gpu_report.py [--out outputs/gpu_report] [--budget-min 25]
+        [--only train,deploy,pytest] [--checkpoint DIR]
 
 On one CUDA GPU, with nothing but the project and its wheels (no network): the training
 benchmark on a 1B Llama (conf/model/llama3_2_1b.yaml's dimensions, random init, the tiny
@@ -69,6 +70,11 @@ class Stage:
     status: str
     seconds: float
     log: Path
+
+
+def slug(name: str) -> str:
+    """A stage's name as a file name: `train runner eager` -> train_runner_eager."""
+    return re.sub(r"\W+", "_", name)
 
 
 def peak_bf16(device_name: str) -> tuple[str, float] | None:
@@ -169,17 +175,19 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     bare += ["--dtype", "bf16", "--batch-size", str(args.batch_size), "--seq-len"]
     bare += [str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     train = [py, "-m", "runner", "train"]
-    checkpoint = out / "train_runner_eager" / "checkpoints" / f"step_{args.warmup + args.steps}"
+    checkpoint = args.checkpoint or (
+        out / slug("train runner eager") / "checkpoints" / f"step_{args.warmup + args.steps}"
+    )
     deploy = [py, str(ROOT / "scripts" / "bench_deploy.py"), "--checkpoint", str(checkpoint)]
     deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
     deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
     deploy += ["--repeats", "1"]
     return {
         "train runner eager": train
-        + train_overrides(args, text, False, out / "train_runner_eager"),
+        + train_overrides(args, text, False, out / slug("train runner eager")),
         "train bare eager": bare,
         "train runner compiled": train
-        + train_overrides(args, text, True, out / "train_runner_compiled"),
+        + train_overrides(args, text, True, out / slug("train runner compiled")),
         "train bare compiled": [*bare, "--compile"],
         "deploy": deploy,
         # The project's ini options ask for pytest-xdist, which the GPU wheels do not bring.
@@ -217,8 +225,7 @@ def train_figures(stage: Stage, out: Path, warmup: int) -> tuple[float, list[flo
     """A train arm's tokens/s and its windows' tokens/s, or None where the arm gave none."""
     try:
         if "runner" in stage.name:
-            folder = out / stage.name.replace("train ", "train_").replace(" ", "_")
-            return runner_rate((folder / "metrics.jsonl").read_text(), warmup)
+            return runner_rate((out / slug(stage.name) / "metrics.jsonl").read_text(), warmup)
         result = json.loads(stage.log.read_text().strip().splitlines()[-1])
         return result["tokens_per_s"], result["window_tokens_per_s"]
     except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError):
@@ -298,7 +305,9 @@ def write_text(path: Path, lines: int) -> None:
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked: an error names the flag and exits 2 before anything runs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("gpu_report"), help="logs and report")
+    parser.add_argument(
+        "--out", type=Path, default=Path("outputs/gpu_report"), help="logs and report"
+    )
     parser.add_argument("--budget-min", type=float, default=25.0, help="all stages together")
     parser.add_argument("--only", default="train,deploy,pytest", help="of train,deploy,pytest")
     parser.add_argument("--batch-size", type=int, default=4, help="rows per training step")
@@ -308,6 +317,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,8,32,128", help="deploy's, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=64, help="deploy: new tokens each")
     parser.add_argument("--requests", type=int, default=128, help="deploy: per concurrency")
+    parser.add_argument(
+        "--checkpoint", type=Path, help="deploy: a checkpoint (default: the runner eager arm's)"
+    )
     args = parser.parse_args(argv)
     for flag in ("budget_min", "batch_size", "seq_len", "warmup", "steps", "max_tokens"):
         if getattr(args, flag) <= 0:
@@ -320,6 +332,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     if not groups or any(group not in GROUPS for group in groups):
         parser.error(f"--only {args.only!r}: give some of {','.join(GROUPS)}, comma-separated")
     args.stages = [name for name in SHARES if any(name in GROUPS[g] for g in groups)]
+    if "deploy" in groups and "train" not in groups and args.checkpoint is None:
+        parser.error("--only without train serves no checkpoint: give --checkpoint DIR")
     return args
 
 
@@ -354,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     lines, stages = commands(args, out), []
     for name, end in zip(args.stages, budgets(args.stages, args.budget_min * 60), strict=True):
         left = end - (time.perf_counter() - started)
-        log = out / f"{name.replace(' ', '_').replace('-', '')}.log"
+        log = out / f"{slug(name)}.log"
         stages.append(run_stage(name, lines[name], log, left))
         print(f"{name}: {stages[-1].status} in {stages[-1].seconds:.0f} s ({log})", flush=True)
     report = (

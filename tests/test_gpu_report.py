@@ -64,6 +64,7 @@ def test_defaults_run_every_stage_in_budget_order() -> None:
         10,
         30,
     )
+    assert gpu_report.arguments(["--only", "deploy", "--checkpoint", "c"]).stages == ["deploy"]
     assert gpu_report.arguments(["--only", "pytest,train"]).stages == [
         "train runner eager",
         "train bare eager",
@@ -83,6 +84,7 @@ def test_defaults_run_every_stage_in_budget_order() -> None:
         (["--budget-min", "-1"], "--budget-min -1.0"),
         (["--requests", "0"], "--requests 0"),
         (["--warmup", "two"], "--warmup"),
+        (["--only", "deploy"], "give --checkpoint DIR"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], named: str, capsys) -> None:
@@ -223,3 +225,19 @@ def test_the_bare_torchtune_loop_trains_the_tiny_model_on_the_cpu() -> None:
     assert gpu_bare.windows(10, 25) == [10, 10, 5]
     # 25 steps in 10/100 + 10/50 + 5/25 s: 50 steps per second.
     assert gpu_bare.overall_rate([10, 10, 5], [100.0, 50.0, 25.0]) == pytest.approx(50.0, rel=1e-12)
+
+
+def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
+    lines = gpu_report.commands(gpu_report.arguments([]), tmp_path)
+    runner = lines["train runner eager"]
+    for override in ["compute=gpu", "dtype=bf16", "compile=false", "max_steps=40"]:
+        assert override in runner
+    assert "runtime.log_every_n_steps=10" in runner  # a window per warm-up's worth of steps
+    assert f"hydra.run.dir={tmp_path / 'train_runner_eager'}" in runner
+    assert "compile=true" in lines["train runner compiled"]
+    assert lines["train bare compiled"][-1] == "--compile"
+    deploy = " ".join(lines["deploy"])
+    checkpoint = tmp_path / "train_runner_eager" / "checkpoints" / "step_40"
+    assert (
+        f"--checkpoint {checkpoint} --device cuda --dtype bf16 --concurrency 1,8,32,128" in deploy
+    )
