@@ -142,11 +142,20 @@ def deploy_rows(log: str) -> list[dict]:
     return rows
 
 
-def train_overrides(args: argparse.Namespace, text: Path, compile: bool, run: Path) -> list[str]:
-    """`runner train` at 1B, random init, the tiny tokenizer, packed generated text, pure bf16
-    on one GPU, logging (so reading its losses) once per warm-up-sized window, no evaluation."""
+def train_overrides(
+    args: argparse.Namespace,
+    text: Path,
+    compile: bool,
+    run: Path,
+    *,
+    where: tuple[str, str, str] = (MODEL, "gpu", "bf16"),
+) -> list[str]:
+    """`runner train` at 1B (`where`: model, compute, dtype), random init, the tiny tokenizer,
+    packed generated text, pure bf16 on one GPU, logging (so reading its losses) once per
+    warm-up-sized window, no evaluation, no checkpoint before the last step."""
+    model, compute, dtype = where
     return [
-        f"model={MODEL}",
+        f"model={model}",
         "model.source=null",
         "model.tokenizer='${runner_asset:tiny_tokenizer}'",
         "dataset=text",
@@ -154,8 +163,8 @@ def train_overrides(args: argparse.Namespace, text: Path, compile: bool, run: Pa
         "dataset.packing=true",
         f"dataset.max_seq_len={args.seq_len}",
         f"batch_size={args.batch_size}",
-        "compute=gpu",
-        "dtype=bf16",
+        f"compute={compute}",
+        f"dtype={dtype}",
         f"compile={str(compile).lower()}",
         f"max_steps={args.warmup + args.steps}",
         f"runtime.log_every_n_steps={args.warmup}",
@@ -294,12 +303,13 @@ def budgets(names: list[str], total_s: float) -> list[float]:
 
 
 def write_text(path: Path, lines: int) -> None:
-    """Generated plain text (300 words a line, from a fixed vocabulary and seed) to pack."""
+    """Generated plain text (60 words, about 400 tokens, a line; a fixed vocabulary and seed)
+    to pack: rows of --seq-len tokens hold several lines each."""
     import random
 
     chooser = random.Random(0)
     words = "alpha beta gamma delta runner token model train config sweep deploy layer".split()
-    path.write_text("".join(" ".join(chooser.choices(words, k=300)) + "\n" for _ in range(lines)))
+    path.write_text("".join(" ".join(chooser.choices(words, k=60)) + "\n" for _ in range(lines)))
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -358,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    # Enough rows for every step of a training arm, packed.
+    # Lines of about 375 tokens: a quarter more than every step of a training arm packs.
     write_text(
-        out / "text.txt", args.batch_size * args.seq_len * (args.warmup + args.steps) // 1000 + 8
+        out / "text.txt", args.batch_size * args.seq_len * (args.warmup + args.steps) // 300 + 8
     )
     params = param_count(builder_dims(MODEL))
     found = peak_bf16(device_name)

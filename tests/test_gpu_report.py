@@ -241,3 +241,17 @@ def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
     assert (
         f"--checkpoint {checkpoint} --device cuda --dtype bf16 --concurrency 1,8,32,128" in deploy
     )
+
+
+def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> None:
+    """The training arm's own overrides on the CPU (the tiny model, fp32): its metrics.jsonl
+    gives one window per 2 warm-up-sized steps after the warm-up, the last one shorter."""
+    argv = ["--batch-size", "2", "--seq-len", "64", "--warmup", "2", "--steps", "3"]
+    args, text, run = gpu_report.arguments(argv), tmp_path / "text.txt", tmp_path / "run"
+    gpu_report.write_text(text, 8)
+    overrides = gpu_report.train_overrides(args, text, False, run, where=("tiny", "cpu", "fp32"))
+    result = runner_cli("train", *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rate, per_window = gpu_report.runner_rate((run / "metrics.jsonl").read_text(), 2)
+    assert len(per_window) == 2  # steps 3-4 and step 5
+    assert rate == pytest.approx(gpu_bare.overall_rate([2, 1], per_window), rel=1e-12)
