@@ -230,6 +230,22 @@ def run_stage(name: str, command: list[str], log: Path, budget_s: float) -> Stag
     return Stage(name, status, time.perf_counter() - started, log)
 
 
+def skip_reason(command: list[str]) -> str | None:
+    """Why a stage cannot start (deploy's checkpoint missing: the runner eager arm failed or
+    overran before saving it), or None."""
+    if "--checkpoint" in command:
+        checkpoint = Path(command[command.index("--checkpoint") + 1])
+        if not checkpoint.is_dir():
+            return f"no checkpoint at {checkpoint} to serve"
+    return None
+
+
+def skipped(name: str, reason: str, log: Path) -> Stage:
+    """A stage not run, its reason in its log (where the table reads it)."""
+    log.write_text(reason + "\n")
+    return Stage(name, "skipped", 0.0, log)
+
+
 def train_figures(stage: Stage, out: Path, warmup: int) -> tuple[float, list[float]] | None:
     """A train arm's tokens/s and its windows' tokens/s, or None where the arm gave none."""
     try:
@@ -248,7 +264,9 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
     rates: dict[str, float] = {}
     for stage in stages:
         head = f"{stage.name:28} {stage.status:20} {stage.seconds:>5.0f}"
-        if stage.name.startswith("train"):
+        if stage.status == "skipped":
+            lines.append(f"{head} {'':>10} {'':>6}  {stage.log.read_text().strip()}")
+        elif stage.name.startswith("train"):
             found = train_figures(stage, out, warmup)
             if found is None:
                 lines.append(f"{head} {'-':>10} {'-':>6}  no timed window in its log")
@@ -379,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, end in zip(args.stages, budgets(args.stages, args.budget_min * 60), strict=True):
         left = end - (time.perf_counter() - started)
         log = out / f"{slug(name)}.log"
-        stages.append(run_stage(name, lines[name], log, left))
+        reason = skip_reason(lines[name])
+        stages.append(
+            skipped(name, reason, log) if reason else run_stage(name, lines[name], log, left)
+        )
         print(f"{name}: {stages[-1].status} in {stages[-1].seconds:.0f} s ({log})", flush=True)
     report = (
         heading(args, device_name, params)
