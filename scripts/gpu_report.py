@@ -321,13 +321,14 @@ def budgets(names: list[str], total_s: float) -> list[float]:
 
 
 def write_text(path: Path, lines: int) -> None:
-    """Generated plain text (60 words, about 400 tokens, a line; a fixed vocabulary and seed)
-    to pack: rows of --seq-len tokens hold several lines each."""
+    """Generated plain text (20 words, about 125 tokens, a line; a fixed vocabulary and seed)
+    to pack: a line never splits across rows, so short lines leave little padding at a row's
+    end (both arms count every position of a row, as its compute does)."""
     import random
 
     chooser = random.Random(0)
     words = "alpha beta gamma delta runner token model train config sweep deploy layer".split()
-    path.write_text("".join(" ".join(chooser.choices(words, k=60)) + "\n" for _ in range(lines)))
+    path.write_text("".join(" ".join(chooser.choices(words, k=20)) + "\n" for _ in range(lines)))
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -386,9 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    # Lines of about 375 tokens: a quarter more than every step of a training arm packs.
+    # Lines of about 125 tokens: a quarter more than every step of a training arm packs.
     write_text(
-        out / "text.txt", args.batch_size * args.seq_len * (args.warmup + args.steps) // 300 + 8
+        out / "text.txt", args.batch_size * args.seq_len * (args.warmup + args.steps) // 100 + 8
     )
     params = param_count(builder_dims(MODEL))
     found = peak_bf16(device_name)
