@@ -134,7 +134,7 @@ def deploy_rows(log: str) -> list[dict]:
     for match in map(DEPLOY_ROW.match, log.splitlines()):
         if match:
             label, concurrency, _, rate, p50, p99 = match.groups()
-            side = "deploy" if label == "runner deploy" else "generate"
+            side = "runner deploy" if label == "runner deploy" else "hf generate"
             rows.append(
                 {"side": side, "concurrency": int(concurrency), "tokens_per_s": float(rate)}
                 | {"p50_ms": float(p50), "p99_ms": float(p99)}

@@ -192,8 +192,9 @@ def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
     ]
     compiled = rows["train runner compiled"]
     assert "overran its 180 s" in compiled and compiled.endswith("no timed window in its log")
-    assert rows["generate c=1"].split()[2:] == ["41", "p50", "1,560", "ms,", "p99", "1,650", "ms"]
-    assert rows["deploy c=8"].split()[2] == "410"
+    generate = rows["hf generate c=1"].split()[3:]
+    assert generate == ["41", "p50", "1,560", "ms,", "p99", "1,650", "ms"]
+    assert rows["runner deploy c=8"].split()[3] == "410"
     assert rows["pytest -m gpu"].endswith("15 passed, 1 skipped in 212.40s (0:03:32)")
     assert text.splitlines()[-1] == "ours/bare eager: 0.96"
 
