@@ -1,0 +1,258 @@
+"""scripts/gpu_report.py's CPU side: the refusal without CUDA, its arguments, the budgets, the
+table built from sample stage outputs, the MFU arithmetic, and the bare torchtune loop for two
+steps of the tiny model on the CPU (the GPU runs it at 1B)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import gpu_bare  # noqa: E402
+import gpu_report  # noqa: E402
+
+# The tail of bench_deploy.py's output, in its report()'s columns.
+DEPLOY_ROWS = [
+    ("transformers generate, batch 1", 1, 41, 1560, 1600, 1650, 1.0),
+    ("runner deploy", 1, 55, 1150, 1190, 1230, 1.3),
+    ("transformers generate, batch 8", 8, 290, 1700, 1750, 1800, 7.1),
+    ("runner deploy", 8, 410, 1240, 1300, 1390, 10.0),
+]
+DEPLOY_LOG = "best of 1 interleaved repeats:\n" + "".join(
+    f"{label:36} {c:>11} {128:>8} {rate:>9} {p50:>8} {p90:>8} {p99:>8} {ratio:>10.1f}x\n"
+    for label, c, rate, p50, p90, p99, ratio in DEPLOY_ROWS
+)
+PYTEST_LOG = """\
+........s.......
+=========================== short test summary info ============================
+SKIPPED [1] tests/test_gpu.py:150: no second GPU
+15 passed, 1 skipped in 212.40s (0:03:32)
+"""
+
+
+def test_refuses_without_cuda_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_report.py"), "--out", str(out)],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "gpu_report: no CUDA GPU visible (torch.cuda.is_available() is False); it measures the "
+        "GPU, so run it on a machine with one"
+    ]
+    assert not out.exists()  # nothing half-written
+
+
+def test_defaults_run_every_stage_in_budget_order() -> None:
+    args = gpu_report.arguments([])
+    assert args.stages == list(gpu_report.SHARES)
+    assert (args.budget_min, args.concurrency, args.warmup, args.steps) == (
+        25.0,
+        "1,8,32,128",
+        10,
+        30,
+    )
+    assert gpu_report.arguments(["--only", "deploy", "--checkpoint", "c"]).stages == ["deploy"]
+    assert gpu_report.arguments(["--only", "pytest,train"]).stages == [
+        "train runner eager",
+        "train bare eager",
+        "train runner compiled",
+        "train bare compiled",
+        "pytest -m gpu",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--only", "train,bench"], "--only 'train,bench'"),
+        (["--concurrency", "1,0"], "--concurrency '1,0'"),
+        (["--concurrency", "8,"], "--concurrency '8,'"),
+        (["--steps", "0"], "--steps 0"),
+        (["--budget-min", "-1"], "--budget-min -1.0"),
+        (["--requests", "0"], "--requests 0"),
+        (["--warmup", "two"], "--warmup"),
+        (["--only", "deploy"], "give --checkpoint DIR"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], named: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        gpu_report.arguments(argv)
+    assert exit.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_budgets_split_the_total_and_pass_unused_time_on() -> None:
+    names = ["train runner eager", "deploy", "pytest -m gpu"]
+    ends = gpu_report.budgets(names, 1500)
+    whole = 0.10 + 0.32 + 0.26
+    assert ends == pytest.approx([1500 * 0.10 / whole, 1500 * 0.42 / whole, 1500])
+    assert gpu_report.budgets(list(gpu_report.SHARES), 1500)[-1] == pytest.approx(1500)
+
+
+def test_a_stage_past_its_budget_is_killed_and_reported(tmp_path: Path) -> None:
+    command = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+    stage = gpu_report.run_stage("deploy", command, tmp_path / "deploy.log", budget_s=2)
+    assert stage.status == "overran its 2 s"
+    assert stage.seconds < 30
+    assert "started" in stage.log.read_text()
+    failed = gpu_report.run_stage("x", [sys.executable, "-c", "exit(3)"], tmp_path / "x.log", 60)
+    assert failed.status == "failed (exit 3)"
+
+
+def test_mfu_and_the_known_gpus() -> None:
+    # 6 FLOPs x 1e9 parameters x 1e4 tokens/s over a peak of 1e14 FLOP/s.
+    assert gpu_report.mfu(10**9, 1e4, 1e14) == pytest.approx(0.6, rel=1e-12)
+    names = {
+        "NVIDIA H100 80GB HBM3": "H100 SXM",
+        "NVIDIA H100 PCIe": "H100 PCIe",
+        "NVIDIA H100 NVL": "H100 NVL",
+        "NVIDIA H200": "H200",
+        "NVIDIA GH200 480GB": "GH200",
+        "NVIDIA A100-SXM4-80GB": "A100",
+        "NVIDIA L40S": "L40S",
+        "NVIDIA L40": "L40",
+        "NVIDIA L4": "L4",
+    }
+    for name, label in names.items():
+        found = gpu_report.peak_bf16(name)
+        assert found is not None and found[0] == label, name
+    assert gpu_report.peak_bf16("NVIDIA H100 80GB HBM3") == ("H100 SXM", 989e12)
+    assert gpu_report.peak_bf16("Tesla T4") is None
+
+
+def test_the_1b_parameter_count() -> None:
+    # Llama 3.2 1B: 1.24B parameters with its output tied to the embeddings.
+    assert gpu_report.param_count(gpu_bare.builder_dims("llama3_2_1b")) == 1_235_814_400
+
+
+def sample_outputs(out: Path) -> list[gpu_report.Stage]:
+    """Logs as each stage leaves them: runner's metrics.jsonl, the bare loop's JSON line,
+    bench_deploy's table, pytest's summary; one arm overran."""
+    run = out / "train_runner_eager"
+    run.mkdir(parents=True)
+    # Logged every 10 steps: step 10 ends the warm-up; 3 windows of 10 steps after it.
+    rates = {10: 900.0, 20: 12000.0, 30: 10000.0, 40: 15000.0}
+    run.joinpath("metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "loss": 11.9, "tokens_per_s": r}) + "\n"
+            for s, r in rates.items()
+        )
+    )
+    bare = {
+        "arm": "bare",
+        "params": 1,
+        "tokens_per_s": 12500.0,
+        "window_tokens_per_s": [12000.0, 13000.0],
+    }
+    logs = {
+        "train_bare_eager.log": "compiling...\n" + json.dumps(bare) + "\n",
+        "train_runner_compiled.log": "step 10/40 ...\n",
+        "deploy.log": DEPLOY_LOG,
+        "pytest_m_gpu.log": PYTEST_LOG,
+    }
+    for name, text in logs.items():
+        out.joinpath(name).write_text(text)
+    return [
+        gpu_report.Stage("train runner eager", "ok", 95, out / "train_runner_eager.log"),
+        gpu_report.Stage("train bare eager", "ok", 60, out / "train_bare_eager.log"),
+        gpu_report.Stage(
+            "train runner compiled", "overran its 180 s", 180, out / "train_runner_compiled.log"
+        ),
+        gpu_report.Stage("deploy", "ok", 400, out / "deploy.log"),
+        gpu_report.Stage("pytest -m gpu", "failed (exit 1)", 215, out / "pytest_m_gpu.log"),
+    ]
+
+
+def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
+    params, peak = 1_235_814_400, 989e12
+    text = gpu_report.table(sample_outputs(tmp_path), tmp_path, 10, params, peak)
+    rows = {line[:28].strip(): line for line in text.splitlines()}
+    # 30 steps in 10/12000 + 10/10000 + 10/15000 s of each step's tokens: 12,000 tokens/s.
+    runner = rows["train runner eager"].split()
+    assert runner[3:7] == ["ok", "95", "12,000", f"{6 * params * 12000 / peak:.1%}"]
+    assert rows["train runner eager"].endswith("windows 10,000-15,000")
+    assert rows["train bare eager"].split()[3:7] == [
+        "ok",
+        "60",
+        "12,500",
+        f"{6 * params * 12500 / peak:.1%}",
+    ]
+    compiled = rows["train runner compiled"]
+    assert "overran its 180 s" in compiled and compiled.endswith("no timed window in its log")
+    generate = rows["hf generate c=1"].split()[3:]
+    assert generate == ["41", "p50", "1,560", "ms,", "p99", "1,650", "ms"]
+    assert rows["runner deploy c=8"].split()[3] == "410"
+    assert rows["pytest -m gpu"].endswith("15 passed, 1 skipped in 212.40s (0:03:32)")
+    assert text.splitlines()[-1] == "ours/bare eager: 0.96"
+
+
+def test_an_unknown_gpu_leaves_mfu_blank_and_says_so(tmp_path: Path) -> None:
+    args = gpu_report.arguments([])
+    assert "MFU left blank: this GPU is not in" in gpu_report.heading(args, "Tesla T4", 1)
+    text = gpu_report.table(sample_outputs(tmp_path), tmp_path, 10, 1_235_814_400, None)
+    assert "%" not in text
+
+
+def test_the_bare_torchtune_loop_trains_the_tiny_model_on_the_cpu() -> None:
+    args = argparse.Namespace(
+        model="tiny",
+        device="cpu",
+        dtype="fp32",
+        compile=False,
+        batch_size=2,
+        seq_len=16,
+        warmup=1,
+        steps=2,
+    )
+    result = gpu_bare.train(args)
+    assert result["params"] == gpu_report.param_count(gpu_bare.builder_dims("tiny"))
+    assert len(result["window_tokens_per_s"]) == 2  # two windows of one step after the warm-up
+    assert result["tokens_per_s"] == pytest.approx(
+        gpu_bare.overall_rate([1, 1], result["window_tokens_per_s"]), rel=1e-12
+    )
+    assert gpu_bare.windows(10, 25) == [10, 10, 5]
+    # 25 steps in 10/100 + 10/50 + 5/25 s: 50 steps per second.
+    assert gpu_bare.overall_rate([10, 10, 5], [100.0, 50.0, 25.0]) == pytest.approx(50.0, rel=1e-12)
+
+
+def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
+    lines = gpu_report.commands(gpu_report.arguments([]), tmp_path)
+    runner = lines["train runner eager"]
+    for override in ["compute=gpu", "dtype=bf16", "compile=false", "max_steps=40"]:
+        assert override in runner
+    assert "runtime.log_every_n_steps=10" in runner  # a window per warm-up's worth of steps
+    assert f"hydra.run.dir={tmp_path / 'train_runner_eager'}" in runner
+    assert "compile=true" in lines["train runner compiled"]
+    assert lines["train bare compiled"][-1] == "--compile"
+    deploy = " ".join(lines["deploy"])
+    checkpoint = tmp_path / "train_runner_eager" / "checkpoints" / "step_40"
+    assert (
+        f"--checkpoint {checkpoint} --device cuda --dtype bf16 --concurrency 1,8,32,128" in deploy
+    )
+
+
+def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> None:
+    """The training arm's own overrides on the CPU (the tiny model, fp32): its metrics.jsonl
+    gives one window per 2 warm-up-sized steps after the warm-up, the last one shorter."""
+    argv = ["--batch-size", "2", "--seq-len", "64", "--warmup", "2", "--steps", "3"]
+    args, text, run = gpu_report.arguments(argv), tmp_path / "text.txt", tmp_path / "run"
+    gpu_report.write_text(text, 8)
+    overrides = gpu_report.train_overrides(args, text, False, run, where=("tiny", "cpu", "fp32"))
+    result = runner_cli("train", *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rate, per_window = gpu_report.runner_rate((run / "metrics.jsonl").read_text(), 2)
+    assert len(per_window) == 2  # steps 3-4 and step 5
+    assert rate == pytest.approx(gpu_bare.overall_rate([2, 1], per_window), rel=1e-12)
