@@ -800,8 +800,9 @@ def describe(spec: dict, args: argparse.Namespace) -> str:
     pad = 1 - sum(spec["tokens_per_step"]) / sum(spec["padded_per_step"])
     return (
         f"model: Llama, {spec['parameters'] / 1e6:.1f}M parameters ({args.size}: "
-        f"{spec['shape']}); {args.steps} steps of {args.batch_size} samples, median over steps "
-        f"{args.warmup + 1}-{args.steps}, {args.repeats} repeats\n"
+        f"{spec['shape']}); {args.steps} steps of {args.batch_size} samples, tokens/s over "
+        f"steps {args.warmup + 1}-{args.steps} (their tokens over their summed time), "
+        f"{args.repeats} repeats\n"
         f"data ({args.lengths}): sample tokens min {lengths[0]}, median "
         f"{statistics.median(lengths):.0f}, max {lengths[-1]}; "
         f"{statistics.mean(spec['tokens_per_step']):.0f} tokens a step, "
@@ -819,7 +820,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--warmup",
         type=int,
         default=3,
-        help="first steps left out of the median step time (at least 1)",
+        help="first steps left out of tokens/s and s/step (at least 1)",
     )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument(
