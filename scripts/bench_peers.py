@@ -1,5 +1,6 @@
 """runner train beside the tools a user would pick instead: torchtune's `tune run`, the Hugging
-Face Trainer and a bare PyTorch loop, on the same checkpoint, data, batches and optimizer.
+Face Trainer and a bare PyTorch loop, each at its default and at its best, on the same
+checkpoint, data and optimizer, in one run.
 
     python scripts/bench_peers.py [--size default] [--lengths mixed] [--repeats 3] [--steps 12]
 
@@ -8,25 +9,32 @@ tiny tokenizer's vocabulary) and one instruct data file of the sample task's wor
 --lengths mixed (the default) records of many lengths, k words each with k log-normal (a long
 right tail, as real instruction data has), so that a batch padded to its longest sample is
 mostly pad; with --lengths fixed all of one length, so that nothing pads and only per-step
-overhead differs. Then each arm trains that checkpoint for --steps optimizer steps of the same
-samples in its own subprocess, taking turns --repeats times with the order rotated (a neighbour
-on the machine hits all alike), each as its user gets it by default:
+overhead differs. Then each arm trains that checkpoint for --steps optimizer steps in its own
+subprocess, taking turns --repeats times with the order rotated (a neighbour on the machine
+hits all alike):
 
-- runner: `runner train model=hf model.source=CKPT dataset=instruct ...` through its CLI; its
-  default dataset.padding_free packs each batch into rows as long as its longest sample. Step
-  times from the step lines of RUN/train.log, losses from RUN/metrics.jsonl (logged every step);
+- runner: `runner train model=hf model.source=CKPT dataset=instruct ...` through its CLI, as
+  its user gets it: dataset.padding_free packs each batch's samples into rows as long as its
+  longest sample (block-causal mask, positions restarting per sample), fused AdamW. Step times
+  from the step lines of RUN/train.log, losses from RUN/metrics.jsonl (logged every step);
 - compiled: the same with `compile=true` (inductor compiles each decoder layer; its first steps
-  are slow, and the median after --warmup leaves them out);
-- tune: `tune run full_finetune_single_device --config tune.yaml`, FullModelHFCheckpointer on
-  CKPT, the llama3_2 builder with the checkpoint's dimensions, CEWithChunkedOutputLoss,
-  instruct_dataset on the same file (its default packed: False: each batch padded to its
-  longest sample); step times and losses from its DiskLogger file. Its tokenizer is runner's
-  ChatTokenizer (torchtune 0.6.1 has no model tokenizer for a Hugging Face tokenizer.json), so
-  both tokenize the same way, on the fly;
-- hf: transformers' Trainer on LlamaForCausalLM.from_pretrained(CKPT), fed the samples
+  are slow, and --warmup leaves them out);
+- tune_default: `tune run full_finetune_single_device --config tune.yaml`, FullModelHFCheckpointer
+  on CKPT, the llama3_2 builder with the checkpoint's dimensions, CEWithChunkedOutputLoss,
+  instruct_dataset on the same file with its default packed: False (each batch padded to its
+  longest sample), torch.optim.AdamW's default kernel; step times and losses from its
+  DiskLogger file. Its tokenizer is runner's ChatTokenizer (torchtune 0.6.1 has no model
+  tokenizer for a Hugging Face tokenizer.json), so both tokenize the same way, on the fly;
+- tune_best: the same with `dataset.packed: True` (PackedDataset: packs of tokenizer.max_seq_len
+  tokens, the longest sample rounded up to 128, which packing needs), as many packs a batch as
+  hold a step's tokens, and AdamW(fused=True). Its packs are other batches than the others'
+  (packed in file order, then shuffled), so its step-1 loss is not compared;
+- hf_default: transformers' Trainer on LlamaForCausalLM.from_pretrained(CKPT), fed the samples
   tokenized once ahead of time, in the same order (a sequential sampler over runner's order),
-  each batch padded to its longest sample (its padding-free collator needs flash-attention 2,
-  a CUDA kernel);
+  each batch padded to its longest sample, optim adamw_torch;
+- hf_best: the same with DataCollatorWithFlattening (each batch one row, position_ids
+  restarting per sample, which transformers' masking turns into a block-causal mask for SDPA,
+  on the CPU too), attn_implementation="sdpa" and optim="adamw_torch_fused";
 - bare: a hand-written loop over runner's own batches (the same padding-free rows): torchtune's
   builder loaded from CKPT, AdamW, cross-entropy on the whole logits, clip, step. ours/bare is
   runner's overhead over the same arithmetic;
@@ -35,10 +43,11 @@ on the machine hits all alike), each as its user gets it by default:
 
 All: AdamW (lr, betas, eps, weight decay alike), constant lr with no warmup, clip at 1.0, fp32,
 one process, loss logged every step, runner's sample order (DistributedSampler, seed 0, epoch 0;
-tune shuffles the same way). tokens/s is the same for all: the samples' tokens (no padding) of
-the steps after --warmup over those steps' time, median over repeats. Peak RSS is the arm's
-process tree's (os.wait4). Step-1 losses must agree within 1e-3, else the arms are not
-training alike.
+tune shuffles the same way). tokens/s is the same measure for all: the samples' own tokens (no
+padding) of the steps after --warmup over the sum of those steps' times, per repeat; the table
+gives its median and range over repeats. Peak RSS is the arm's process tree's (os.wait4).
+Step-1 losses of the arms that train the same batches must agree within 1e-3, else they are not
+training alike. The run ends with one line per ratio of runner's tokens/s to an arm's.
 """
 
 from __future__ import annotations
@@ -63,8 +72,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "runner" / "assets" / "tiny_tokenizer"
 SAMPLE_DATA = REPO / "runner" / "assets" / "sample" / "train.jsonl"
-ARMS = ("runner", "compiled", "tune", "hf", "bare", "padded")
-DEFAULT_ARMS = ARMS[:5]
+ARMS = (
+    "runner",
+    "compiled",
+    "tune_default",
+    "tune_best",
+    "hf_default",
+    "hf_best",
+    "bare",
+    "padded",
+)
+DEFAULT_ARMS = ARMS[:7]
+# The peers' arms: (tool, at its best).
+PEER_ARMS = {
+    "tune_default": ("tune", False),
+    "tune_best": ("tune", True),
+    "hf_default": ("hf", False),
+    "hf_best": ("hf", True),
+}
+# The ratio lines the run ends with: ours/<arm>, in this order.
+RATIO_ARMS = ("tune_best", "hf_best", "tune_default", "hf_default", "bare", "padded")
 # runner's arms besides its defaults: `compile=true` (inductor on each decoder layer; off by
 # default: it costs seconds of start-up that only runs of hundreds of steps recoup), and
 # `dataset.padding_free=false` (each batch padded to its longest sample, as before
@@ -89,6 +116,9 @@ INSTRUCTION, WORD_LENGTH = "Reverse:", 5
 LENGTHS = ("mixed", "fixed")
 MEDIAN_WORDS, SIGMA, MAX_WORDS = 3.5, 0.9, 30
 LOSS_TOLERANCE = 1e-3
+# torchtune's packs: as long as the longest sample rounded up to this many tokens (packing
+# needs tokenizer.max_seq_len, and a sample longer than it is refused).
+PACK_ROUNDING = 128
 IGNORE_INDEX = -100
 # A 1-minute load average above this before the run: say that the figures are noisy.
 QUIET_LOAD = 0.5
@@ -222,8 +252,39 @@ def prepare(workdir: Path, size: str, steps: int, batch_size: int, lengths: str)
             "vocab": json.loads((checkpoint / "config.json").read_text())["vocab_size"],
         },
     }
+    spec["tune_packs"] = tune_packs(samples, spec)
     (workdir / "spec.json").write_text(json.dumps(spec))
     return spec
+
+
+def tune_packs(samples: list[dict[str, list[int]]], spec: dict) -> dict:
+    """What torchtune's recipe trains with `dataset.packed: True`: PackedDataset's packs of the
+    samples in file order (it packs before it shuffles), max_seq_len the longest sample rounded
+    up to PACK_ROUNDING, batches of as many packs as hold about a step's tokens of the other
+    arms, in its sampler's order; each step's sample tokens and trained tokens. Its steps are
+    as many as those packs make (at most --steps)."""
+    from torchtune.datasets import PackedDataset
+
+    pad = spec["pad_id"]
+    assert all(pad not in s["tokens"] for s in samples), "a sample holds the pad token"
+    longest = max(len(s["tokens"]) for s in samples)
+    max_seq_len = -(-longest // PACK_ROUNDING) * PACK_ROUNDING
+    packs = PackedDataset(samples, max_seq_len=max_seq_len, padding_idx=pad)
+    rows = max(1, round(statistics.mean(spec["tokens_per_step"]) / max_seq_len))
+    order = runner_order(len(packs))
+    steps = min(spec["steps"], len(packs) // rows)
+    tokens, trained = [], []
+    for step in range(steps):
+        batch = [packs[i] for i in order[step * rows : (step + 1) * rows]]
+        tokens.append(sum(int((p["tokens"] != pad).sum()) for p in batch))
+        trained.append(sum(int((p["labels"] != IGNORE_INDEX).sum()) for p in batch))
+    return {
+        "max_seq_len": max_seq_len,
+        "batch_size": rows,
+        "steps": steps,
+        "tokens_per_step": tokens,
+        "trained_per_step": trained,
+    }
 
 
 # ---- the arms -------------------------------------------------------------------------------
@@ -262,9 +323,14 @@ def runner_command(spec: dict, run_dir: Path, extra: list[str] = ()) -> list[str
     return ["runner", "train", *runner_overrides(spec), *extra, f"hydra.run.dir={run_dir}"]
 
 
-def tune_config(spec: dict, out: Path) -> str:
-    """torchtune's full_finetune_single_device config for the same model, data and optimizer."""
+def tune_config(spec: dict, out: Path, best: bool) -> str:
+    """torchtune's full_finetune_single_device config for the same model, data and optimizer:
+    as its user gets it (its instruct_dataset unpacked, each batch padded to its longest
+    sample; torch.optim.AdamW's default, for-each kernel), or `best`: `dataset.packed: True`
+    (PackedDataset's packs, with tokenizer.max_seq_len, which packing needs) and AdamW's fused
+    kernel."""
     shape = spec["shape"]
+    packs = spec["tune_packs"]
     config = {
         "output_dir": str(out),
         "model": {
@@ -285,7 +351,7 @@ def tune_config(spec: dict, out: Path) -> str:
         "tokenizer": {
             "_component_": "runner.models.tokenizer.ChatTokenizer",
             "path": spec["checkpoint"],
-            "max_seq_len": None,
+            "max_seq_len": packs["max_seq_len"] if best else None,
         },
         "dataset": {
             "_component_": "torchtune.datasets.instruct_dataset",
@@ -294,7 +360,7 @@ def tune_config(spec: dict, out: Path) -> str:
             "split": "train",
             "column_map": {"input": "input", "output": "output"},
             "train_on_input": False,
-            "packed": False,
+            "packed": best,
         },
         "seed": SEED,
         "shuffle": True,
@@ -307,14 +373,15 @@ def tune_config(spec: dict, out: Path) -> str:
             "model_type": "LLAMA3",
         },
         "resume_from_checkpoint": False,
-        "batch_size": spec["batch_size"],
+        "batch_size": packs["batch_size"] if best else spec["batch_size"],
         "epochs": 1,
-        "max_steps_per_epoch": spec["steps"],
+        "max_steps_per_epoch": packs["steps"] if best else spec["steps"],
         "gradient_accumulation_steps": 1,
         "optimizer": {
             "_component_": "torch.optim.AdamW",
             **OPTIMIZER,
             "betas": list(OPTIMIZER["betas"]),
+            **({"fused": True} if best else {}),
         },
         "optimizer_in_bwd": False,
         "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
@@ -337,7 +404,16 @@ def tune_config(spec: dict, out: Path) -> str:
 
 
 def tune_command(config: Path) -> list[str]:
-    return ["tune", "run", "full_finetune_single_device", "--config", str(config)]
+    # `tune run`, through this interpreter (its console script may not be on PATH).
+    return [
+        sys.executable,
+        "-m",
+        "torchtune._cli.tune",
+        "run",
+        "full_finetune_single_device",
+        "--config",
+        str(config),
+    ]
 
 
 class StepClock:
@@ -354,11 +430,21 @@ class StepClock:
         return [b - a for a, b in zip([self.start, *self.ends], self.ends, strict=False)]
 
 
-def run_hf(spec: dict, out: Path) -> dict:
-    """transformers' Trainer on the checkpoint, fed the ordered pre-tokenized samples."""
+def run_hf(spec: dict, out: Path, best: bool) -> dict:
+    """transformers' Trainer on the checkpoint, fed the ordered pre-tokenized samples: as its
+    user gets it (batches padded to the longest sample, optim adamw_torch), or `best`:
+    DataCollatorWithFlattening (each batch one row, position_ids restarting per sample, which
+    transformers turns into a block-causal mask for SDPA), attn_implementation="sdpa" and
+    optim="adamw_torch_fused"."""
     import torch
     from torch.utils.data import SequentialSampler
-    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import (
+        DataCollatorWithFlattening,
+        LlamaForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     samples = json.loads(Path(spec["samples"]).read_text())
     dataset = [{"input_ids": s["tokens"], "labels": s["labels"]} for s in samples]
@@ -398,7 +484,11 @@ def run_hf(spec: dict, out: Path) -> dict:
             ),
         }
 
-    model = LlamaForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32)
+    # Flattened, a sample's first label becomes -100 (runner's samples' first label, BOS's,
+    # already is): the same trained tokens.
+    collator = DataCollatorWithFlattening() if best else collate
+    attention = {"attn_implementation": "sdpa"} if best else {}
+    model = LlamaForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32, **attention)
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=spec["batch_size"],
@@ -408,7 +498,7 @@ def run_hf(spec: dict, out: Path) -> dict:
         adam_beta2=OPTIMIZER["betas"][1],
         adam_epsilon=OPTIMIZER["eps"],
         weight_decay=OPTIMIZER["weight_decay"],
-        optim="adamw_torch",
+        optim="adamw_torch_fused" if best else "adamw_torch",
         lr_scheduler_type="constant",
         warmup_steps=0,
         max_grad_norm=CLIP_GRAD_NORM,
@@ -423,7 +513,7 @@ def run_hf(spec: dict, out: Path) -> dict:
         disable_tqdm=True,
     )
     trainer = InOrder(
-        model=model, args=args, train_dataset=dataset, data_collator=collate, callbacks=[Clock()]
+        model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[Clock()]
     )
     trainer.train()
     return {"losses": [loss.item() for loss in losses], "step_times": clock.step_times()}
@@ -560,11 +650,13 @@ def run_arm(arm: str, workdir: Path, spec: dict, repeat: int, timeout_s: float) 
         run_dir = out / "run"
         start, rss = run_child(runner_command(spec, run_dir, RUNNER_ARMS[arm]), log, timeout_s)
         result = read_runner(run_dir, start)
-    elif arm == "tune":
+    elif PEER_ARMS.get(arm, ("",))[0] == "tune":
+        best = PEER_ARMS[arm][1]
         config = out / "tune.yaml"
-        config.write_text(tune_config(spec, out / "tune"))
+        config.write_text(tune_config(spec, out / "tune", best))
         _, rss = run_child(tune_command(config), log, timeout_s)
-        result = read_tune(out / "tune" / "logs" / "log.txt", spec["trained_per_step"])
+        trained = spec["tune_packs"]["trained_per_step"] if best else spec["trained_per_step"]
+        result = read_tune(out / "tune" / "logs" / "log.txt", trained)
     else:
         command = [
             sys.executable,
@@ -578,12 +670,17 @@ def run_arm(arm: str, workdir: Path, spec: dict, repeat: int, timeout_s: float) 
         ]
         _, rss = run_child(command, log, timeout_s)
         result = json.loads((out / "result.json").read_text())
-    if len(result["losses"]) != spec["steps"] or len(result["step_times"]) != spec["steps"]:
+    steps = spec["tune_packs"]["steps"] if arm == "tune_best" else spec["steps"]
+    if len(result["losses"]) != steps or len(result["step_times"]) != steps:
         raise SystemExit(
             f"{arm} logged {len(result['losses'])} losses and "
-            f"{len(result['step_times'])} step times, not {spec['steps']}; see {out}"
+            f"{len(result['step_times'])} step times, not {steps}; see {out}"
         )
-    return {**result, "peak_rss_mib": rss}
+    # The samples' own tokens (no padding) of each step: tune_best's packs hold other samples.
+    tokens = (
+        spec["tune_packs"]["tokens_per_step"] if arm == "tune_best" else spec["tokens_per_step"]
+    )
+    return {**result, "peak_rss_mib": rss, "tokens_per_step": tokens}
 
 
 def tiny_first_step(workdir: Path, times: int = 3) -> float:
@@ -642,53 +739,58 @@ def machine_facts() -> str:
     )
 
 
-def summarize(results: dict[str, list[dict]], spec: dict, warmup: int) -> list[str]:
-    """The table: per arm tokens/s (the samples' tokens, no padding, over the time of the steps
-    after warm-up; median over repeats), median s/step, peak RSS and step-1 loss; agreement
-    and ratios."""
+def summarize(results: dict[str, list[dict]], warmup: int) -> list[str]:
+    """The table: per arm tokens/s (the samples' tokens, no padding, of the steps after warm-up
+    over the sum of those steps' times; median and range over repeats), median s/step, peak
+    RSS and step-1 loss; agreement of the arms that train the same batches, and ours/<arm>."""
     rows, lines = {}, []
-    tokens = sum(spec["tokens_per_step"][warmup:])
     for arm, runs in results.items():
-        per_run = [statistics.median(run["step_times"][warmup:]) for run in runs]
-        seconds = statistics.median(per_run)
+        rates = [
+            sum(run["tokens_per_step"][warmup:]) / sum(run["step_times"][warmup:]) for run in runs
+        ]
         rows[arm] = {
-            "s_step": seconds,
-            # The same tokens for every arm: the samples' own, over the time of those steps.
-            "tokens_s": statistics.median(tokens / sum(r["step_times"][warmup:]) for r in runs),
+            "tokens_s": statistics.median(rates),
+            "range": (min(rates), max(rates)),
+            "s_step": statistics.median(
+                statistics.median(run["step_times"][warmup:]) for run in runs
+            ),
             "rss": max(run["peak_rss_mib"] for run in runs),
             "loss1": runs[0]["losses"][0],
-            "spread": (min(per_run), max(per_run)),
         }
     lines.append(
-        f"{'arm':<10}{'tokens/s':>10}{'s/step':>9}{'peak RSS MiB':>14}"
-        f"{'step-1 loss':>13}   s/step per repeat"
+        f"{'arm':<14}{'tokens/s':>10}{'range':>13}{'s/step':>9}{'peak RSS MiB':>14}"
+        f"{'step-1 loss':>13}"
     )
     for arm, row in rows.items():
-        runs = " ".join(f"{statistics.median(r['step_times'][warmup:]):.3f}" for r in results[arm])
+        low, high = row["range"]
+        # tune_best trains packs of other samples: its step-1 loss is not comparable.
+        loss = f"{row['loss1']:>13.5f}" if arm != "tune_best" else f"{'(others)':>13}"
         lines.append(
-            f"{arm:<10}{row['tokens_s']:>10.0f}{row['s_step']:>9.3f}{row['rss']:>14.0f}"
-            f"{row['loss1']:>13.5f}   {runs}"
+            f"{arm:<14}{row['tokens_s']:>10.0f}{f'{low:.0f}-{high:.0f}':>13}"
+            f"{row['s_step']:>9.3f}{row['rss']:>14.0f}{loss}"
         )
-    first_losses = [run["losses"][0] for runs in results.values() for run in runs]
+    first_losses = [
+        run["losses"][0] for arm, runs in results.items() if arm != "tune_best" for run in runs
+    ]
     gap = max(first_losses) - min(first_losses)
     verdict = "AGREE" if gap <= LOSS_TOLERANCE else "DISAGREE"
     lines.append(
-        f"step-1 loss: {verdict} (largest difference {gap:.2e} over every run; "
-        f"tolerance {LOSS_TOLERANCE:g})"
+        f"step-1 loss: {verdict} (largest difference {gap:.2e} over every run of the arms "
+        f"training the same batches; tolerance {LOSS_TOLERANCE:g})"
     )
-    for ours in ("runner", "compiled"):
-        if ours in rows:
-            ratios = [
-                f"ours/{name} {rows[ours]['tokens_s'] / rows[arm]['tokens_s']:.2f}"
-                for arm, name in (
-                    ("tune", "tune"),
-                    ("hf", "HF"),
-                    ("bare", "bare"),
-                    ("padded", "padded"),
-                )
-                if arm in rows
-            ]
-            lines.append(f"tokens/s ratios, {ours}: " + "  ".join(ratios))
+
+    def ratios(ours: str) -> list[str]:
+        return [
+            f"ours/{arm} {rows[ours]['tokens_s'] / rows[arm]['tokens_s']:.2f}"
+            for arm in RATIO_ARMS
+            if arm in rows
+        ]
+
+    if "compiled" in rows:
+        lines.append("compiled: " + "  ".join(ratios("compiled")))
+    # Last, one line per ratio: runner as its user gets it.
+    if "runner" in rows:
+        lines.extend(ratios("runner"))
     return lines
 
 
@@ -698,8 +800,9 @@ def describe(spec: dict, args: argparse.Namespace) -> str:
     pad = 1 - sum(spec["tokens_per_step"]) / sum(spec["padded_per_step"])
     return (
         f"model: Llama, {spec['parameters'] / 1e6:.1f}M parameters ({args.size}: "
-        f"{spec['shape']}); {args.steps} steps of {args.batch_size} samples, median over steps "
-        f"{args.warmup + 1}-{args.steps}, {args.repeats} repeats\n"
+        f"{spec['shape']}); {args.steps} steps of {args.batch_size} samples, tokens/s over "
+        f"steps {args.warmup + 1}-{args.steps} (their tokens over their summed time), "
+        f"{args.repeats} repeats\n"
         f"data ({args.lengths}): sample tokens min {lengths[0]}, median "
         f"{statistics.median(lengths):.0f}, max {lengths[-1]}; "
         f"{statistics.mean(spec['tokens_per_step']):.0f} tokens a step, "
@@ -717,7 +820,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--warmup",
         type=int,
         default=3,
-        help="first steps left out of the median step time (at least 1)",
+        help="first steps left out of tokens/s and s/step (at least 1)",
     )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument(
@@ -735,7 +838,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per arm run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     # An arm's own process (hf, bare): reads WORKDIR/spec.json, writes OUT/result.json.
-    parser.add_argument("--arm", choices=("hf", "bare"), help=argparse.SUPPRESS)
+    parser.add_argument("--arm", choices=("hf_default", "hf_best", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -752,8 +855,12 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.arm:
         spec = json.loads((Path(args.workdir) / "spec.json").read_text())
-        run = run_hf if args.arm == "hf" else run_bare
-        Path(args.out, "result.json").write_text(json.dumps(run(spec, Path(args.out))))
+        out = Path(args.out)
+        if args.arm == "bare":
+            result = run_bare(spec, out)
+        else:
+            result = run_hf(spec, out, best=PEER_ARMS[args.arm][1])
+        Path(args.out, "result.json").write_text(json.dumps(result))
         return
     print("$ python " + shlex.join([os.path.relpath(__file__), *argv]))
     print(machine_facts(), flush=True)
@@ -776,7 +883,6 @@ def main(argv: list[str]) -> None:
                     f"  repeat {repeat + 1} {arm}: {time.perf_counter() - start:.1f}s wall",
                     flush=True,
                 )
-        print("\n".join(summarize(results, spec, args.warmup)))
         if "runner" in results:
             first = statistics.median(run["first_step_s"] for run in results["runner"])
             print(
@@ -786,6 +892,7 @@ def main(argv: list[str]) -> None:
                 f"{cfg_job_latency(spec, workdir):.2f}s (median of 3)"
             )
         print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print("\n".join(summarize(results, args.warmup)))
     finally:
         if args.keep:
             print(f"work directory kept: {workdir}")

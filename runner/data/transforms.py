@@ -17,7 +17,6 @@ from runner.models.torchtune_boundary import (
     SFTTransform,
     ShareGPTToMessages,
     create_block_causal_mask,
-    padded_collate_packed,
     padded_collate_sft,
 )
 
@@ -165,27 +164,33 @@ def collate(
     """A batch whose labels are each position's next token (packs add mask and input_pos).
 
     `packed`: the samples are PackedDataset's packs. `padding_free`: the samples are packed
-    here, into as few rows as the longest of them holds (pack_rows). Every sample starts with a
-    masked token (BOS), so a pack's shifted labels never cross from one sample into the next.
-    PackedDataset's block-causal mask is a flex-attention BlockMask for a model on a (recent)
-    GPU, else a dense mask for SDPA, which the CPU runs. Padding-free rows get the dense mask on
-    every device: torchtune compiles flex attention for one sequence length, and each batch's
-    rows have their own (a new compile each, until dynamo gives up). Where no two samples share
-    a row, the batch is padded as usual: the same rows, and attention needs no mask.
+    here, into as few rows as the longest of them holds (pack_rows). A sample's first token is
+    never a target: in a pack, the position before it is another sample's last token, which
+    must not learn to predict it (padded, it has no position before it and is never trained
+    either), whatever its label (a template whose trained content starts at position 0).
+    On the CPU, packs and padding-free rows get the dense block-causal mask that SDPA takes;
+    `on_cuda`, none: the training step builds it on the device from input_pos
+    (runner.models.attention.block_causal_mask, a flex-attention BlockMask where torchtune's
+    attention takes one), as a loader worker cannot make CUDA tensors. Where no two samples
+    share a row, the batch is padded as usual: the same rows, and attention needs no mask.
     """
     packs = pack_rows(samples, padding_idx) if padding_free and not packed else None
     if packs is not None and len(packs) < len(samples):
         batch = {key: torch.stack([p[key] for p in packs]) for key in PACK_KEYS}
-        batch["mask"] = create_block_causal_mask([p["seq_lens"] for p in packs])
+        seq_lens = [p["seq_lens"] for p in packs]
     elif packed:
-        batch = padded_collate_packed(samples)
-        if not on_cuda:
-            batch["mask"] = create_block_causal_mask([s["seq_lens"] for s in samples])
+        batch = {key: torch.stack([s[key] for s in samples]) for key in PACK_KEYS}
+        seq_lens = [s["seq_lens"] for s in samples]
     else:
         batch = padded_collate_sft(
             samples, padding_idx=padding_idx, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
         )
     labels = batch["labels"]
+    if "input_pos" in batch:
+        # Each sample's positions start at 0 (PackedDataset's and pack_rows' alike).
+        labels = labels.masked_fill(batch["input_pos"] == 0, CROSS_ENTROPY_IGNORE_IDX)
+        if not on_cuda:
+            batch["mask"] = create_block_causal_mask(seq_lens)
     ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
     batch["labels"] = torch.hstack((labels[:, 1:], ignore))
     return batch

@@ -36,13 +36,13 @@ from torchtune.data import (
     Message,
     OpenAIToMessages,
     ShareGPTToMessages,
-    padded_collate_packed,
     padded_collate_sft,
 )
 from torchtune.data._utils import truncate
 from torchtune.datasets import PackedDataset
 from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
+from torchtune.models.gemma2._attention import Gemma2Attention
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
 from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.modules.low_precision import FrozenNF4Linear
@@ -61,10 +61,17 @@ from torchtune.training import (
     set_default_dtype,
 )
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
+
+# Whether torchtune's attention runs flex attention over a BlockMask (a GPU of compute
+# capability 7.5 or more); where not, it takes a dense mask only.
+SUPPORTS_FLEX_ATTENTION: bool = _SUPPORTS_FLEX_ATTENTION
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
     "FrozenNF4Linear",
+    "Gemma2Attention",
+    "SUPPORTS_FLEX_ATTENTION",
     "LoRALinear",
     "disable_adapter",
     "gather_cpu_state_dict",
@@ -87,7 +94,6 @@ __all__ = [
     "create_block_causal_mask",
     "get_cosine_schedule_with_warmup",
     "init_like_hf",
-    "padded_collate_packed",
     "padded_collate_sft",
     "set_activation_checkpointing",
     "set_default_dtype",
