@@ -24,7 +24,7 @@ class DecodeStep:
         self._model = model
         self.graphs = graphs
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._buffers: tuple[int, int] | None = None  # the cache and generation captured over
+        self._allocation = 0  # BatchCache.allocation of the buffers the graphs were captured over
         self._pool: Any = None
 
     @property
@@ -36,10 +36,9 @@ class DecodeStep:
         """The window's next-token logits [window.rows, vocab]."""
         if not self.graphs:
             return self._forward(cache, window)
-        buffers = (id(cache), cache.generation)
-        if buffers != self._buffers:  # new buffers: the graphs hold the old ones' addresses
+        if cache.allocation != self._allocation:  # the graphs hold the old buffers' addresses
             self._captured.clear()
-            self._buffers = buffers
+            self._allocation = cache.allocation
         key = (window.rows, window.width)
         if key not in self._captured:
             self._captured[key] = self._capture(cache, window)

@@ -13,6 +13,7 @@ CPU the window is exactly the running rows and tokens; on CUDA it is rounded up 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from runner.errors import UserError
 
 # The fewest tokens a buffer (and a CUDA graph's window) holds.
 _MIN_TOKENS = 64
+# Numbers each allocation of buffers, across caches: a captured step is valid for one only.
+_ALLOCATIONS = itertools.count(1)
 
 
 def bucket(count: int, minimum: int = 1) -> int:
@@ -90,7 +93,7 @@ class BatchCache(Cache):
         self.rows, self.end = 0, 0
         self.window = Window(0, 0, torch.zeros(1, dtype=torch.long, device=self.device))
         self._layers_like = [_keys_and_values(layer) for layer in prefilled.layers]
-        self.generation = 0  # bumped on each reallocation: captured steps hold old addresses
+        self.allocation = 0  # renumbered on each reallocation: captured steps hold old addresses
         self._allocate(bucket(keys.shape[0]), bucket(keys.shape[2] * 2, _MIN_TOKENS))
         super().__init__(layers=[*self.batch_layers])
 
@@ -116,7 +119,7 @@ class BatchCache(Cache):
             ids[rows], positions[rows] = self.ids[rows], self.positions[rows]
         self.mask, self.ids, self.positions = mask, ids, positions
         self.layers = [*self.batch_layers]
-        self.generation += 1
+        self.allocation = next(_ALLOCATIONS)
 
     @property
     def capacity(self) -> tuple[int, int]:
