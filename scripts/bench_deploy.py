@@ -1,20 +1,29 @@
-"""Benchmark `runner deploy`: output tokens/s and latency at each concurrency (1, 8, 32).
+"""Benchmark `runner deploy`: output tokens/s and latency at each concurrency, beside the others.
 
-Beside it, in the same run and on the same device and dtype as the server: `transformers`'
-own `generate`, greedy, at a static batch of each concurrency (batch 1 is the sequential
-baseline). Without --checkpoint it builds the tiny model (conf/model/tiny.yaml's shape, random
-weights) in a temporary directory.
+Every side runs in the same process tree, on the same checkpoint, device and dtype, greedy, in
+interleaved repeats (the median is shown, with the range over repeats):
 
-    python scripts/bench_deploy.py [--checkpoint DIR] [--device auto] [--dtype auto]
-        [--concurrency 1,8,32] [--max-tokens 64] [--requests 32]
+- `transformers generate`: `generate` over static batches of each concurrency (batch 1 is the
+  sequential baseline every row is compared with);
+- `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP;
+- `runner deploy @DIR` (--baseline-source DIR): the server of another source tree, e.g. the main
+  branch unpacked with `git archive main | tar -x -C DIR`, to compare before and after in one run;
+- `runner deploy engine=vllm` (--engines ...,vllm): where vLLM is installed (CUDA only);
+- `transformers generate_batch` (--engines ...,generate_batch): transformers' own continuous
+  batching (paged attention; CUDA graphs on a GPU) over chunks of each concurrency.
 
-On a GPU, e.g. `--checkpoint DIR --concurrency 1,8,32,128 --max-tokens 128 --requests 128`.
+Without --checkpoint it builds the tiny model (conf/model/tiny.yaml's shape, random weights) in a
+temporary directory. On a GPU, e.g. for a 1B model in bf16:
+
+    python scripts/bench_deploy.py --checkpoint DIR --device cuda --dtype bf16 \\
+        --concurrency 1,8,32,128 --max-tokens 128 --requests 128
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import shutil
 import signal
@@ -128,7 +137,33 @@ def batched_generate(
             new = output[:, inputs["input_ids"].shape[1] :]
             tokens += sum(_generated_length(row, tokenizer) for row in new.tolist())
     wall = time.perf_counter() - start
-    return Result(f"transformers generate, batch {batch_size}", batch_size, latencies, tokens, wall)
+    return Result("transformers generate", batch_size, latencies, tokens, wall)
+
+
+def continuous_generate(
+    model: Any, tokenizer: Any, texts: list[str], max_tokens: int, batch_size: int
+) -> Result:
+    """transformers' continuous batching (`generate_batch`) over chunks of `batch_size` prompts,
+    greedy; a chunk's latency is each of its requests' latency."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    latencies, tokens = [], 0
+    start = time.perf_counter()
+    for first in range(0, len(texts), batch_size):
+        batch = [tokenizer(text)["input_ids"] for text in texts[first : first + batch_size]]
+        began = time.perf_counter()
+        outputs = model.generate_batch(inputs=batch, generation_config=config)
+        _synchronize(model.device)
+        latencies += [time.perf_counter() - began] * len(batch)
+        tokens += sum(len(output.generated_tokens) for output in outputs.values())
+    wall = time.perf_counter() - start
+    return Result("transformers generate_batch", batch_size, latencies, tokens, wall)
 
 
 def _generated_length(row: list[int], tokenizer: Any) -> int:
@@ -145,7 +180,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def load(url: str, texts: list[str], max_tokens: int, concurrency: int) -> Result:
+async def load(label: str, url: str, texts: list[str], max_tokens: int, concurrency: int) -> Result:
     """`concurrency` clients sending the prompts to the server until none are left."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     pending = list(reversed(texts))
@@ -168,18 +203,24 @@ async def load(url: str, texts: list[str], max_tokens: int, concurrency: int) ->
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
-    return Result("runner deploy", concurrency, latencies, tokens, wall)
+    return Result(label, concurrency, latencies, tokens, wall)
 
 
 def start_server(
-    checkpoint: Path, device: str, dtype: str, max_batch_size: int
+    checkpoint: Path, device: str, dtype: str, max_batch_size: int, *extra: str, source: Path | None
 ) -> tuple[subprocess.Popen, str]:
-    """`runner deploy` in its own process (so client and server do not share one GIL)."""
+    """`runner deploy` in its own process (so client and server do not share one GIL); `source`:
+    import runner from that source tree instead of this one."""
     command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={checkpoint}", "port=0"]
     command += ["served_model_name=bench", "max_queue=4096", "limits.max_n=1"]
     command += [f"device={device}", f"dtype={dtype}"]
-    command += [f"transformers.max_batch_size={max_batch_size}"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command += [f"transformers.max_batch_size={max_batch_size}", *extra]
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), env.get("PYTHONPATH", "")])
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     for line in process.stdout:
         if match := re.search(r"API at (http://\S+)/v1", line):
             url = match.group(1)
@@ -199,40 +240,97 @@ def start_server(
     raise SystemExit("the server did not answer /health")
 
 
-def report(results: list[Result], baselines: list[Result]) -> None:
-    """One row per configuration: the server beside `generate` at the same batch, and both
-    against sequential `generate` (batch 1)."""
-    columns = ["concurrency", "requests", "tokens/s", "p50 ms", "p90 ms", "p99 ms"]
-    print(f"{'':36} {columns[0]:>11} {columns[1]:>8} {columns[2]:>9}", end=" ")
-    print(" ".join(f"{column:>8}" for column in columns[3:]), f"{'vs batch 1':>11}")
-    sequential = baselines[0]
-    for result in [row for pair in zip(baselines, results, strict=True) for row in pair]:
-        ratio = result.tokens_per_s / sequential.tokens_per_s
-        print(
-            f"{result.label:36} {result.concurrency:>11} {len(result.latencies_s):>8} "
-            f"{result.tokens_per_s:>9.0f} {result.percentile_ms(50):>8.0f} "
-            f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} {ratio:>10.1f}x"
-        )
+def median(results: list[Result]) -> Result:
+    """The repeat with the median tokens/s (the lower middle one of an even count)."""
+    ordered = sorted(results, key=lambda result: result.tokens_per_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None) -> None:
+    """One block per concurrency, one row per side: the median repeat's tokens/s, its range over
+    repeats, latency percentiles, and the ratio to sequential `generate` (and to the baseline
+    source's server, where one was given)."""
+    sequential = median(runs["transformers generate"][1]).tokens_per_s
+    header = f"{'':34} {'conc.':>5} {'tokens/s':>9} {'range':>11} {'p50 ms':>8} {'p90 ms':>8}"
+    print(header, f"{'p99 ms':>8} {'vs gen. b1':>10} {'vs before':>9}")
+    for concurrency in next(iter(runs.values())):
+        for label, by_concurrency in runs.items():
+            repeats = by_concurrency[concurrency]
+            result = median(repeats)
+            low, high = (f(r.tokens_per_s for r in repeats) for f in (min, max))
+            versus = ""
+            if baseline_label is not None and label.startswith("runner deploy"):
+                before = median(runs[baseline_label][concurrency]).tokens_per_s
+                versus = f"{result.tokens_per_s / before:.3f}x"
+            print(
+                f"{label:34} {concurrency:>5} {result.tokens_per_s:>9.0f} "
+                f"{f'{low:.0f}-{high:.0f}':>11} {result.percentile_ms(50):>8.0f} "
+                f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} "
+                f"{result.tokens_per_s / sequential:>9.1f}x {versus:>9}"
+            )
 
 
 def _arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (both sides)")
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated; 1 comes first")
+    parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (every side)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16"
+    )
+    parser.add_argument(
+        "--concurrency", default="1,8,32", help="comma-separated (1 is always measured)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency")
-    parser.add_argument("--repeats", type=int, default=3, help="measurements of each (best kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median kept)")
+    parser.add_argument(
+        "--engines",
+        default="runner",
+        help="comma-separated servers and libraries beside `generate`: runner, vllm, "
+        "generate_batch",
+    )
+    parser.add_argument(
+        "--baseline-source",
+        type=Path,
+        help="a runner source tree whose `runner deploy` is measured beside this tree's",
+    )
     args = parser.parse_args()
     args.concurrency = sorted({1, *(int(c) for c in args.concurrency.split(","))})
+    args.engines = args.engines.split(",")
     return args
 
 
+def _servers(args: argparse.Namespace, checkpoint: Path, device: torch.device) -> dict[str, tuple]:
+    """The servers to measure, by label: their process and URL."""
+    wanted: dict[str, tuple[list[str], Path | None]] = {}
+    if args.baseline_source is not None:
+        wanted[f"runner deploy @{args.baseline_source.name}"] = ([], args.baseline_source)
+    if "runner" in args.engines:
+        wanted["runner deploy"] = ([], None)
+    if "vllm" in args.engines:
+        wanted["runner deploy engine=vllm"] = (["engine=vllm"], None)
+    servers = {}
+    for label, (extra, source) in wanted.items():
+        batch = max(args.concurrency)
+        servers[label] = start_server(
+            checkpoint, str(device), args.dtype, batch, *extra, source=source
+        )
+    return servers
+
+
+def _progress(result: Result) -> Result:
+    """Print one measurement as it lands (a run cut short still shows what it measured)."""
+    print(
+        f"  {result.label}, concurrency {result.concurrency}: {result.tokens_per_s:.0f} tokens/s",
+        flush=True,
+    )
+    return result
+
+
 def main() -> None:
-    """Both sides at each concurrency, interleaved over repeats, and the comparison."""
+    """Every side at each concurrency, interleaved over repeats, and the comparison."""
     args = _arguments()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -243,34 +341,31 @@ def main() -> None:
         print(
             f"checkpoint {checkpoint} on {device} ({name}), {dtype}: {len(texts)} requests per "
             f"concurrency, {args.max_tokens} new tokens each, greedy, "
-            f"{torch.get_num_threads()} torch threads"
+            f"{torch.get_num_threads()} torch threads, median of {args.repeats} repeats"
         )
         model, tokenizer = load_baseline(checkpoint, device, dtype)
-        process, url = start_server(checkpoint, str(device), args.dtype, max(args.concurrency))
-        baselines = {concurrency: [] for concurrency in args.concurrency}
-        runs = {concurrency: [] for concurrency in args.concurrency}
+        local = {"transformers generate": batched_generate}
+        if "generate_batch" in args.engines:
+            local["transformers generate_batch"] = continuous_generate
+        servers = _servers(args, checkpoint, device)
+        labels = [*local, *servers]
+        runs = {label: {c: [] for c in args.concurrency} for label in labels}
         try:
-            # Repeats, interleaved, keep the best of each: other work on a shared machine only
-            # ever slows a measurement down.
+            # Interleaved, so that other work on a shared machine slows every side alike.
             for _ in range(args.repeats):
                 for concurrency in args.concurrency:
-                    baselines[concurrency].append(
-                        batched_generate(model, tokenizer, texts, args.max_tokens, concurrency)
-                    )
-                    runs[concurrency].append(
-                        asyncio.run(load(url, texts, args.max_tokens, concurrency))
-                    )
+                    for label, measure in local.items():
+                        result = measure(model, tokenizer, texts, args.max_tokens, concurrency)
+                        runs[label][concurrency].append(_progress(result))
+                    for label, (_, url) in servers.items():
+                        load_run = load(label, url, texts, args.max_tokens, concurrency)
+                        runs[label][concurrency].append(_progress(asyncio.run(load_run)))
         finally:
-            process.send_signal(signal.SIGINT)
-            process.wait(timeout=30)
-
-    def best(results: list[Result]) -> Result:
-        return max(results, key=lambda result: result.tokens_per_s)
-
-    print(f"best of {args.repeats} interleaved repeats:")
-    report(
-        [best(runs[c]) for c in args.concurrency], [best(baselines[c]) for c in args.concurrency]
-    )
+            for process, _ in servers.values():
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=30)
+    baseline = f"runner deploy @{args.baseline_source.name}" if args.baseline_source else None
+    report(runs, baseline)
 
 
 if __name__ == "__main__":

@@ -121,10 +121,10 @@ def pytest_summary(log: str) -> str:
     return found[-1] if found else ""
 
 
-# bench_deploy.py's rows: label, concurrency, requests, tokens/s, p50, p90 and p99 ms, ratio.
+# bench_deploy.py's report() rows: side, concurrency, tokens/s, its range over repeats, p50, p90
+# and p99 ms, then ratios.
 DEPLOY_ROW = re.compile(
-    r"^(runner deploy|transformers generate, batch \d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
-    r"\s+\d+\s+(\d+)"
+    r"^(runner deploy|transformers generate)\s+(\d+)\s+(\d+)\s+\d+-\d+\s+(\d+)\s+\d+\s+(\d+)\s"
 )
 
 
@@ -133,7 +133,7 @@ def deploy_rows(log: str) -> list[dict]:
     rows = []
     for match in map(DEPLOY_ROW.match, log.splitlines()):
         if match:
-            label, concurrency, _, rate, p50, p99 = match.groups()
+            label, concurrency, rate, p50, p99 = match.groups()
             side = "runner deploy" if label == "runner deploy" else "hf generate"
             rows.append(
                 {"side": side, "concurrency": int(concurrency), "tokens_per_s": float(rate)}
@@ -190,7 +190,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     deploy = [py, str(ROOT / "scripts" / "bench_deploy.py"), "--checkpoint", str(checkpoint)]
     deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
     deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
-    deploy += ["--repeats", "1"]
+    deploy += ["--repeats", "1", "--engines", "runner"]
     return {
         "train runner eager": train
         + train_overrides(args, text, False, out / slug("train runner eager")),

@@ -551,6 +551,47 @@ def test_a_request_failing_inside_the_engine_fails_alone(run_dir: Path) -> None:
     assert all(isinstance(error, EngineFailed) for error in failed), failed
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+def test_rows_joining_and_leaving_answer_as_generate_alone(run_dir, reference, padded) -> None:
+    # compute=cpu, dtype=fp32. padded=True is the CUDA path's step (the batch rounded up to
+    # buckets of rows and tokens, which CUDA graphs replay) with the graphs off: the padding
+    # rows and columns must change no answer. Prompts of several lengths arrive in two waves,
+    # the second while the first decodes, and finish at different lengths.
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.generation import SamplingRequest
+    from runner.deploy.loading import load_checkpoint
+
+    tokenizer, generate = reference
+    path = run_dir / "checkpoints" / "step_10"
+    loaded = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(
+        loaded, max_batch_size=4, max_queue=16, cuda_graphs=False, padded=padded
+    )
+    # Long prompts first, short ones after, at most 4 rows: the short ones take the buffers'
+    # rows where long ones were, with what those left behind still there.
+    texts = [PROMPTS[3] + " and" * i for i in range(4)] + [PROMPTS[i % 3] for i in range(6)]
+    cases = [(tokenizer(text)["input_ids"], 4 + 5 * i) for i, text in enumerate(texts)]
+
+    async def text_of(handle) -> str:
+        return "".join([event.text async for event in handle.events()])
+
+    async def waves() -> list[str]:
+        def submit(ids: list[int], max_tokens: int):
+            return engine.submit([SamplingRequest(ids, max_tokens, 0.0, 1.0, 0, [], 1, False)])
+
+        first = [submit(*case) for case in cases[:4]]
+        # The shortest has left the batch; the second wave takes its row and joins the rest.
+        shortest = await text_of(first[0])
+        texts = await asyncio.gather(*(text_of(submit(*case)) for case in cases[4:]))
+        return [shortest, *await asyncio.gather(*map(text_of, first[1:])), *texts]
+
+    try:
+        texts = asyncio.run(waves())
+    finally:
+        engine.close()
+    assert texts == [generate(*case)[0] for case in cases]
+
+
 def test_streamed_text_never_takes_back_what_it_sent() -> None:
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
 

@@ -211,3 +211,90 @@ def test_deploy_serves_on_cuda(auto_run: Path, hermetic_env: dict[str, str]) -> 
             assert 1 <= answer.usage.completion_tokens <= 10
         # Greedy decoding on the same device and batch: the same text twice.
         assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+
+
+def _serving_checkpoint(path: Path) -> Path:
+    """A tiny random Llama with 64-wide heads (the narrowest vLLM's attention kernels take)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runner.paths import TINY_TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    config = LlamaConfig(
+        vocab_size=264,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,  # varied output rather than one repeated token
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _generate_alone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """transformers' own greedy `generate`, one prompt at a time, on CUDA in fp32."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = []
+    for ids in prompts:
+        output = model.generate(
+            torch.tensor([ids], device="cuda"), max_new_tokens=max_tokens, do_sample=False
+        )[0, len(ids) :]
+        texts.append(tokenizer.decode(output, skip_special_tokens=True))
+    return texts
+
+
+def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path: Path) -> None:
+    # Issue 31: on CUDA every decode step is a CUDA graph replay, one graph per bucket of rows
+    # and tokens, and the answers stay transformers' own greedy ones (fp32, TF32 off: the same
+    # arithmetic up to the order of sums, which this model's margins do not feel).
+    import asyncio
+
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.generation import SamplingRequest
+    from runner.deploy.loading import load_checkpoint
+
+    path = _serving_checkpoint(tmp_path / "model")
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(6)]
+    loaded = load_checkpoint(path, device="cuda", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=16)
+
+    async def answers() -> list[str]:
+        async def text_of(ids: list[int]) -> str:
+            request = SamplingRequest(ids, 12, 0.0, 1.0, 0, [], 1, stream=False)
+            return "".join([event.text async for event in engine.submit([request]).events()])
+
+        return list(await asyncio.gather(*map(text_of, prompts)))
+
+    try:
+        texts = asyncio.run(answers())
+        assert engine.decode_step.graphs and engine.decode_step.captured >= 1
+    finally:
+        engine.close()
+    assert texts == _generate_alone(path, prompts, 12)
+
+
+def test_deploy_engine_vllm_answers_as_generate(tmp_path: Path, hermetic_env) -> None:
+    # Runs wherever the `vllm` extra installs (Linux, CUDA); skipped elsewhere.
+    pytest.importorskip("vllm")
+    import openai
+
+    path = _serving_checkpoint(tmp_path / "model")
+    served = [f"checkpoint={path}", "engine=vllm", "dtype=fp32", "served_model_name=[tiny]"]
+    served += ["vllm.gpu_memory_utilization=0.3"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt_ids = tokenizer("the model reads a prompt")["input_ids"]
+    with deploy_server(served, cwd=tmp_path, env=hermetic_env, up_within_s=600) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        answer = client.completions.create(
+            model="tiny", prompt="the model reads a prompt", max_tokens=8, temperature=0
+        )
+    assert answer.choices[0].text == _generate_alone(path, [prompt_ids], 8)[0]

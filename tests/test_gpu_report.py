@@ -5,6 +5,8 @@ steps of the tiny model on the CPU (the GPU runs it at 1B)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -18,17 +20,30 @@ sys.path.insert(0, str(SCRIPTS))
 import gpu_bare  # noqa: E402
 import gpu_report  # noqa: E402
 
-# The tail of bench_deploy.py's output, in its report()'s columns.
+# Sample measurements of bench_deploy.py: side, concurrency, tokens/s, latencies (s).
 DEPLOY_ROWS = [
-    ("transformers generate, batch 1", 1, 41, 1560, 1600, 1650, 1.0),
-    ("runner deploy", 1, 55, 1150, 1190, 1230, 1.3),
-    ("transformers generate, batch 8", 8, 290, 1700, 1750, 1800, 7.1),
-    ("runner deploy", 8, 410, 1240, 1300, 1390, 10.0),
+    ("transformers generate", 1, 41, [1.56, 1.56, 1.65]),
+    ("runner deploy", 1, 55, [1.15, 1.19, 1.23]),
+    ("transformers generate", 8, 290, [1.70, 1.75, 1.80]),
+    ("runner deploy", 8, 410, [1.24, 1.30, 1.39]),
 ]
-DEPLOY_LOG = "best of 1 interleaved repeats:\n" + "".join(
-    f"{label:36} {c:>11} {128:>8} {rate:>9} {p50:>8} {p90:>8} {p99:>8} {ratio:>10.1f}x\n"
-    for label, c, rate, p50, p90, p99, ratio in DEPLOY_ROWS
-)
+
+
+def deploy_log() -> str:
+    """What bench_deploy.py prints for DEPLOY_ROWS: its own report(), so that a change of its
+    table's shape fails here, not on the GPU."""
+    import bench_deploy
+
+    runs: dict[str, dict[int, list]] = {}
+    for label, concurrency, rate, latencies in DEPLOY_ROWS:
+        result = bench_deploy.Result(label, concurrency, latencies, rate * 10, 10.0)
+        runs.setdefault(label, {})[concurrency] = [result]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        bench_deploy.report(runs, None)
+    return "  runner deploy, concurrency 1: 55 tokens/s\n" + printed.getvalue()
+
+
 PYTEST_LOG = """\
 ........s.......
 =========================== short test summary info ============================
@@ -160,7 +175,7 @@ def sample_outputs(out: Path) -> list[gpu_report.Stage]:
     logs = {
         "train_bare_eager.log": "compiling...\n" + json.dumps(bare) + "\n",
         "train_runner_compiled.log": "step 10/40 ...\n",
-        "deploy.log": DEPLOY_LOG,
+        "deploy.log": deploy_log(),
         "pytest_m_gpu.log": PYTEST_LOG,
     }
     for name, text in logs.items():
@@ -193,7 +208,8 @@ def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
     compiled = rows["train runner compiled"]
     assert "overran its 180 s" in compiled and compiled.endswith("no timed window in its log")
     generate = rows["hf generate c=1"].split()[3:]
-    assert generate == ["41", "p50", "1,560", "ms,", "p99", "1,650", "ms"]
+    # The median latency and its 99th percentile (statistics.quantiles, inclusive) of 3 samples.
+    assert generate == ["41", "p50", "1,560", "ms,", "p99", "1,648", "ms"]
     assert rows["runner deploy c=8"].split()[3] == "410"
     assert rows["pytest -m gpu"].endswith("15 passed, 1 skipped in 212.40s (0:03:32)")
     assert text.splitlines()[-1] == "ours/bare eager: 0.96"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache
 
+from runner.deploy.decode_step import DecodeStep
 from runner.deploy.generation import (
     ChoiceEvent,
     EngineFailed,
@@ -55,7 +56,17 @@ class _Sequence:
 class TransformersEngine:
     """Serves one loaded model to many concurrent requests from one generation thread."""
 
-    def __init__(self, loaded: LoadedModel, *, max_batch_size: int, max_queue: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch_size: int,
+        max_queue: int,
+        cuda_graphs: bool | None = None,
+        padded: bool | None = None,
+    ) -> None:
+        """`cuda_graphs`: replay each decode step from a CUDA graph (None: on CUDA devices);
+        `padded`: round each step's batch up to a bucket, as graphs need (None: with graphs)."""
         self._model = loaded.model
         self._tokenizer = loaded.tokenizer
         self._eos_ids = loaded.eos_token_ids
@@ -66,10 +77,10 @@ class TransformersEngine:
         self._wake = threading.Condition()
         self._closed = False
         self._running: list[_Sequence] = []
-        self._cache: BatchCache | None = None  # the running batch's KV cache, left-padded
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self._device)
-        self._next_ids = torch.zeros(0, dtype=torch.long, device=self._device)
-        self._positions = torch.zeros(0, dtype=torch.long, device=self._device)
+        graphs = self._device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self._padded = graphs if padded is None else padded
+        self.decode_step = DecodeStep(loaded.model, graphs=graphs)
+        self._cache: BatchCache | None = None  # the running batch, kept while the engine idles
         self._thread = threading.Thread(target=self._loop, name="deploy-engine", daemon=True)
         self._thread.start()
 
@@ -114,7 +125,8 @@ class TransformersEngine:
                 except Exception as error:  # a shared step: fail every request in it
                     log.exception("generation step failed")
                     self._fail([*self._running, *admitted], EngineFailed(str(error)))
-                    self._reset_batch()
+                    self._running = []
+                    self._cache = None  # its buffers may be half-written: start afresh
         self._fail([*self._running, *self._waiting], EngineFailed("the engine has shut down"))
 
     def _next_admissions(self) -> list[_Sequence] | None:
@@ -186,32 +198,19 @@ class TransformersEngine:
     ) -> None:
         """Merge prefilled sequences into the running batch and record their first tokens."""
         lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
-        positions = torch.tensor(lengths, dtype=torch.long, device=self._device)
         if self._cache is None:
-            self._cache, self._mask = BatchCache(cache), mask
-        else:
-            self._cache.append_rows(cache)
-            merged = max(self._mask.shape[1], mask.shape[1])
-            self._mask = torch.cat([_pad_mask(self._mask, merged), _pad_mask(mask, merged)])
+            self._cache = BatchCache(cache, padded=self._padded)
+        self._cache.append_rows(cache, mask, next_ids, lengths)
         self._running.extend(admitted)
-        self._next_ids = torch.cat([self._next_ids, next_ids])
-        self._positions = torch.cat([self._positions, positions])
         self._advance(admitted, next_ids.tolist())
 
     def _decode(self) -> None:
-        """One token for every running sequence, in one forward pass."""
-        ones = torch.ones(len(self._running), 1, dtype=torch.long, device=self._device)
-        self._mask = torch.cat([self._mask, ones], dim=1)
-        logits = self._model(
-            input_ids=self._next_ids[:, None],
-            attention_mask=self._mask,
-            position_ids=self._positions[:, None],
-            past_key_values=self._cache,
-            use_cache=True,
-        ).logits[:, -1, :]
-        self._next_ids = self._sample(logits, self._running)
-        self._positions = self._positions + 1
-        self._advance(self._running, self._next_ids.tolist())
+        """One token for every running sequence, in one forward pass (or graph replay)."""
+        assert self._cache is not None, "running sequences have a cache"
+        logits = self.decode_step(self._cache, self._cache.next_window())
+        next_ids = self._sample(logits[: len(self._running)], self._running)
+        self._cache.advance(next_ids)
+        self._advance(self._running, next_ids.tolist())  # the step's one copy to the host
 
     def _sample(self, logits: torch.Tensor, sequences: list[_Sequence]) -> torch.Tensor:
         """The next token of each row: greedy at temperature 0, else top-p sampling."""
@@ -288,35 +287,19 @@ class TransformersEngine:
             self._reset_batch()
             return
         assert self._cache is not None, "running sequences have a cache"
-        index = torch.tensor(keep, device=self._device)
         self._running = [self._running[row] for row in keep]
-        self._cache.select_rows(index)
-        self._mask = self._mask[index]
-        self._next_ids = self._next_ids[index]
-        self._positions = self._positions[index]
-        # Columns that are padding in every remaining row are dead weight in each step.
-        first = int(self._mask.any(dim=0).int().argmax())
-        if first:
-            self._cache.drop_left(first)
-            self._mask = self._mask[:, first:]
+        self._cache.select_rows(keep)
 
     def _fail(self, sequences: list[_Sequence], error: Exception) -> None:
         deliver([(sequence.handle, error) for sequence in sequences])
 
     def _reset_batch(self) -> None:
         self._running = []
-        self._cache = None
-        self._mask = self._mask[:0, :0]
-        self._next_ids = self._next_ids[:0]
-        self._positions = self._positions[:0]
+        if self._cache is not None:
+            self._cache.clear()
 
 
 def _fail_alone(sequence: _Sequence, error: Exception) -> None:
     """Mark one sequence failed; the next publish tells its request and drops it from the batch."""
     log.error("sequence %d of a request failed", sequence.index, exc_info=error)
     sequence.error = EngineFailed(str(error))
-
-
-def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
-    """An attention mask [rows, tokens] left-padded with zeros to `width` tokens."""
-    return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))

@@ -1,14 +1,20 @@
-"""The running batch's KV cache: rows join, leave and grow without copying it every step.
+"""The running batch's KV cache, in buffers whose addresses stay put while rows join and leave.
 
-transformers' DynamicLayer appends each new token with torch.cat, copying the whole cache on
-every decode step; with a batch of sequences that copy costs as much as the model itself. Here
-each layer writes into a buffer with room to spare, and only joins, leaves and running out of
-room copy. Sequences are left-padded to one length, with the padding masked out by the caller's
-attention mask.
+Each layer's keys and values live in one buffer [rows, heads, tokens, head_dim] allocated ahead
+(rows and tokens grow by doubling, which is the only reallocation); the attention mask, the
+next input ids and their positions live in buffers beside them. Sequences are right-aligned:
+every running row writes its next token into the same column, `end`, with its left padding
+masked out. A decode step writes in place (index_copy_ at a device-side column) and attends a
+window [0, width) of the first `rows` rows, so the same step at the same (rows, width) touches
+the same memory every time: on CUDA it is captured once in a CUDA graph and replayed. On the
+CPU the window is exactly the running rows and tokens; on CUDA it is rounded up to a bucket
+(powers of two) so that a few graphs cover every batch.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,95 +22,187 @@ from transformers import Cache, DynamicLayer, PreTrainedModel
 
 from runner.errors import UserError
 
-# Tokens of room a buffer gets beyond what it holds (at least; it grows by doubling).
-_MIN_ROOM = 64
+# The fewest tokens a buffer (and a CUDA graph's window) holds.
+_MIN_TOKENS = 64
+# Numbers each allocation of buffers, across caches: a captured step is valid for one only.
+_ALLOCATIONS = itertools.count(1)
+
+
+def bucket(count: int, minimum: int = 1) -> int:
+    """The power of two at or above `count` (and `minimum`): the sizes CUDA graphs are kept for."""
+    return 1 << (max(count, minimum) - 1).bit_length()
+
+
+@dataclass
+class Window:
+    """What the next decode step reads: the first `rows` rows and `width` tokens of the buffers.
+
+    `write_at` is `end` on the device, so that a captured step reads it where it is.
+    """
+
+    rows: int
+    width: int
+    write_at: torch.Tensor
 
 
 class BatchLayer(DynamicLayer):
-    """One layer's keys and values, [batch, heads, tokens, head_dim], in a growable buffer."""
+    """One layer's keys and values in place in fixed buffers; see the module's docstring."""
 
-    # Set from the first call on, unlike DynamicLayer's, which are None until its first update.
-    keys: torch.Tensor
-    values: torch.Tensor
-    # The buffers, and the token positions [_start, _end) in them that keys and values view.
-    _key_buffer: torch.Tensor
-    _value_buffer: torch.Tensor
-    _start: int
-    _end: int
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, window: Window, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self._store(keys, values)
+        self._window = window
+        self.key_buffer, self.value_buffer = keys, values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens in place after the cached ones; return all of them."""
-        end = self._end + key_states.shape[-2]
-        if end > self._key_buffer.shape[2]:
-            self._store(self.keys, self.values)
-            end = self._end + key_states.shape[-2]
-        self._key_buffer[:, :, self._end : end] = key_states
-        self._value_buffer[:, :, self._end : end] = value_states
-        self._end = end
-        self._sync_views()
+        """Write the step's token at column `end` of each row; return the window's keys, values."""
+        rows, width = self._window.rows, self._window.width
+        self.keys = self.key_buffer[:rows, :, :width]
+        self.values = self.value_buffer[:rows, :, :width]
+        self.keys.index_copy_(2, self._window.write_at, key_states)
+        self.values.index_copy_(2, self._window.write_at, value_states)
         return self.keys, self.values
 
-    def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Add sequences (rows) after the current ones, left-padding whichever is shorter."""
-        width = max(self.keys.shape[2], keys.shape[2])
-        self._store(
-            torch.cat([_pad_left(self.keys, width), _pad_left(keys, width)]),
-            torch.cat([_pad_left(self.values, width), _pad_left(values, width)]),
-        )
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The mask spans the window; the query sits at `write_at` within it."""
+        return self._window.width, 0
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep only the rows in `index`, in that order."""
-        self._store(self.keys[index], self.values[index])
-
-    def drop_left(self, count: int) -> None:
-        """Forget the first `count` token positions (padding in every row)."""
-        self._start += count
-        self._sync_views()
-
-    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        batch, heads, length, dim = keys.shape
-        room = max(length, _MIN_ROOM)
-        self._key_buffer = keys.new_empty(batch, heads, length + room, dim)
-        self._value_buffer = values.new_empty(batch, values.shape[1], length + room, dim)
-        self._key_buffer[:, :, :length] = keys
-        self._value_buffer[:, :, :length] = values
-        self._start, self._end = 0, length
-        self._sync_views()
-
-    def _sync_views(self) -> None:
-        self.keys = self._key_buffer[:, :, self._start : self._end]
-        self.values = self._value_buffer[:, :, self._start : self._end]
+    def get_seq_length(self) -> Any:
+        """Where the query sits (a device tensor, so a captured step needs no host value)."""
+        return self._window.write_at
 
 
 class BatchCache(Cache):
-    """The running batch's cache: a BatchLayer per layer, whose rows join and leave together."""
+    """The running batch: the KV buffers, the mask, ids and positions, and where rows end.
 
-    def __init__(self, prefilled: Cache) -> None:
-        """A cache holding what a prefill wrote into an ordinary DynamicCache."""
-        self._batch_layers = [BatchLayer(*_keys_and_values(layer)) for layer in prefilled.layers]
-        super().__init__(layers=[*self._batch_layers])
+    `rows` sequences are running, right-aligned so that each writes its next token at `end`.
+    """
 
-    def append_rows(self, prefilled: Cache) -> None:
-        """Add the sequences of another prefill after the current ones."""
-        for layer, new_layer in zip(self._batch_layers, prefilled.layers, strict=True):
-            layer.append_rows(*_keys_and_values(new_layer))
+    batch_layers: list[BatchLayer]
+    mask: torch.Tensor  # [rows, tokens]: which columns each row attends
+    ids: torch.Tensor  # [rows, 1]: each row's next input token
+    positions: torch.Tensor  # [rows, 1]: that token's position in its sequence
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep only the rows in `index`, in that order."""
-        for layer in self._batch_layers:
-            layer.select_rows(index)
+    def __init__(self, prefilled: Cache, *, padded: bool) -> None:
+        """A batch holding what a prefill wrote into an ordinary DynamicCache; `padded` rounds
+        each step's window up to a bucket, as CUDA graphs need."""
+        keys, _ = _keys_and_values(prefilled.layers[0])
+        self.padded, self.device = padded, keys.device
+        self.rows, self.end = 0, 0
+        self.window = Window(0, 0, torch.zeros(1, dtype=torch.long, device=self.device))
+        self._layers_like = [_keys_and_values(layer) for layer in prefilled.layers]
+        self.allocation = 0  # renumbered on each reallocation: captured steps hold old addresses
+        self._allocate(bucket(keys.shape[0]), bucket(keys.shape[2] * 2, _MIN_TOKENS))
+        super().__init__(layers=[*self.batch_layers])
 
-    def drop_left(self, count: int) -> None:
-        """Forget the first `count` token positions (padding in every row)."""
-        for layer in self._batch_layers:
-            layer.drop_left(count)
+    def _allocate(self, row_capacity: int, token_capacity: int) -> None:
+        """Buffers of the given capacity holding what the current ones hold."""
+        old = getattr(self, "batch_layers", None)
+        rows, tokens = slice(0, self.rows), slice(0, self.end)
+        self.batch_layers = []
+        for index, (keys, values) in enumerate(self._layers_like):
+            key_buffer = keys.new_zeros(row_capacity, keys.shape[1], token_capacity, keys.shape[3])
+            value_buffer = values.new_zeros(
+                row_capacity, values.shape[1], token_capacity, values.shape[3]
+            )
+            if old is not None:
+                key_buffer[rows, :, tokens] = old[index].key_buffer[rows, :, tokens]
+                value_buffer[rows, :, tokens] = old[index].value_buffer[rows, :, tokens]
+            self.batch_layers.append(BatchLayer(self.window, key_buffer, value_buffer))
+        mask = torch.zeros(row_capacity, token_capacity, dtype=torch.bool, device=self.device)
+        ids = torch.zeros(row_capacity, 1, dtype=torch.long, device=self.device)
+        positions = torch.zeros(row_capacity, 1, dtype=torch.long, device=self.device)
+        if old is not None:
+            mask[rows, tokens] = self.mask[rows, tokens]
+            ids[rows], positions[rows] = self.ids[rows], self.positions[rows]
+        self.mask, self.ids, self.positions = mask, ids, positions
+        self.layers = [*self.batch_layers]
+        self.allocation = next(_ALLOCATIONS)
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """The buffers' (rows, tokens)."""
+        return tuple(self.mask.shape)  # type: ignore[return-value]
+
+    def _reserve(self, rows: int, tokens: int) -> None:
+        """Make room for `rows` rows and `tokens` tokens (a padded window included)."""
+        row_capacity, token_capacity = self.capacity
+        if self.padded:
+            rows, tokens = bucket(rows), bucket(tokens, _MIN_TOKENS)
+        if rows > row_capacity or tokens > token_capacity:
+            self._allocate(max(bucket(rows), row_capacity), max(bucket(tokens * 2), token_capacity))
+
+    def append_rows(
+        self, prefilled: Cache, mask: torch.Tensor, next_ids: torch.Tensor, lengths: list[int]
+    ) -> None:
+        """Add a prefill's sequences after the running ones: their cache, mask, first tokens."""
+        count, width = mask.shape
+        shift = max(width - self.end, 0)
+        self._reserve(self.rows + count, self.end + shift + 1)
+        if shift and self.rows:  # the new rows are longer: move the running ones right
+            self._shift(slice(0, self.end), shift)
+        self.end += shift
+        new, first = slice(self.rows, self.rows + count), self.end - width
+        for layer, prefilled_layer in zip(self.batch_layers, prefilled.layers, strict=True):
+            keys, values = _keys_and_values(prefilled_layer)
+            layer.key_buffer[new, :, first : self.end] = keys
+            layer.value_buffer[new, :, first : self.end] = values
+        self.mask[new] = False
+        self.mask[new, first : self.end] = mask.bool()
+        self.ids[new, 0] = next_ids
+        self.positions[new, 0] = torch.tensor(lengths, device=self.device)
+        self.rows += count
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep only the rows in `keep`, in that order, and drop the columns left that are
+        padding in all of them (they would cost every later step)."""
+        index = torch.tensor(keep, device=self.device)
+        rows = len(keep)
+        live = self.mask[index, : self.end].any(dim=0)
+        first = int(live.int().argmax())  # one host sync, only when rows leave
+        kept = slice(first, self.end)
+        for layer in self.batch_layers:
+            layer.key_buffer[:rows, :, : self.end - first] = layer.key_buffer[index, :, kept]
+            layer.value_buffer[:rows, :, : self.end - first] = layer.value_buffer[index, :, kept]
+        self.mask[:rows, : self.end - first] = self.mask[index, kept]
+        self.mask[:rows, self.end - first :] = False
+        self.ids[:rows], self.positions[:rows] = self.ids[index], self.positions[index]
+        self.rows, self.end = rows, self.end - first
+
+    def next_window(self) -> Window:
+        """Open column `end` for the next token and size the step's window over it."""
+        self._reserve(self.rows, self.end + 1)
+        if self.padded:
+            self.window.rows = bucket(self.rows)
+            self.window.width = bucket(self.end + 1, _MIN_TOKENS)
+        else:
+            self.window.rows, self.window.width = self.rows, self.end + 1
+        # Padding rows attend their own token too: a row that attends nothing gives nan, and a
+        # nan left in the buffer would poison the row that takes its place (0 * nan is nan).
+        self.mask[: self.window.rows, self.end] = True
+        self.window.write_at.fill_(self.end)
+        return self.window
+
+    def advance(self, next_ids: torch.Tensor) -> None:
+        """After a step: its tokens are the next inputs, one position on, one column on."""
+        self.ids[: self.rows, 0] = next_ids
+        self.positions[: self.rows] += 1
+        self.end += 1
+
+    def clear(self) -> None:
+        """Empty the batch, keeping the buffers (and with them the steps captured over them)."""
+        self.rows, self.end = 0, 0
+
+    def _shift(self, columns: slice, by: int) -> None:
+        moved = slice(columns.start + by, columns.stop + by)
+        rows = slice(0, self.rows)
+        for layer in self.batch_layers:
+            layer.key_buffer[rows, :, moved] = layer.key_buffer[rows, :, columns].clone()
+            layer.value_buffer[rows, :, moved] = layer.value_buffer[rows, :, columns].clone()
+        self.mask[rows, moved] = self.mask[rows, columns].clone()
+        self.mask[rows, : moved.start] = False
 
 
 def _keys_and_values(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,11 +227,3 @@ def check_supported(model: PreTrainedModel) -> None:
             f"{type(model).__name__} keeps a cache other than attention keys and values, "
             "which this engine does not batch: serve it with engine=vllm",
         )
-
-
-def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - tensor.shape[2]
-    if not missing:
-        return tensor
-    padding = tensor.new_zeros(tensor.shape[0], tensor.shape[1], missing, tensor.shape[3])
-    return torch.cat([padding, tensor], dim=2)
