@@ -131,6 +131,13 @@ def test_two_processes_print_the_summary_one_process_prints(layouts: dict[str, P
     assert one[0] == "train loss" and "checkpoint" in one and one[-1] == "try next"
 
 
+def test_the_workers_of_a_cpu_run_fork_from_its_launcher(layouts: dict[str, Path]) -> None:
+    """Already warm, they skip torch's imports (runner.train.launch); the losses they train are
+    those of one process (test_losses_agree_across_layouts_at_one_global_batch)."""
+    for name in ("1x2", "2x2"):
+        assert "workers: forked" in (layouts[name] / "train.log").read_text()
+
+
 def test_two_nodes_finish_in_one_run_directory(layouts: dict[str, Path]) -> None:
     run_dir = layouts["2x2"]
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["1x1", "1x2", "2x2"]
@@ -189,19 +196,20 @@ def test_checkpoint_of_one_rank_resumes_on_two(forked_cli, layouts, tmp_path: Pa
 # first attempt kills itself with SIGKILL in its 5th optimizer step, after the step-3 checkpoint.
 KILL_RANK_1 = """
 import os
-if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-    import signal
-    import torch.optim
+import signal
+import torch.optim
 
-    _step, _calls = torch.optim.AdamW.step, [0]
+_step, _calls = torch.optim.AdamW.step, [0]
 
-    def step(self, *args, **kwargs):
+def step(self, *args, **kwargs):
+    # Read at the call: a worker forked from the launcher inherits this hook from it.
+    if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
         _calls[0] += 1
         if _calls[0] == 5:
             os.kill(os.getpid(), signal.SIGKILL)
-        return _step(self, *args, **kwargs)
+    return _step(self, *args, **kwargs)
 
-    torch.optim.AdamW.step = step
+torch.optim.AdamW.step = step
 """
 
 
@@ -213,7 +221,7 @@ def test_killed_worker_restarts_the_group_and_ends_with_the_same_loss(
     (hooks / "sitecustomize.py").write_text(KILL_RANK_1)
     path = ":".join(p for p in (str(hooks), hermetic_env.get("PYTHONPATH", "")) if p)
     run_dir = tmp_path / "killed"
-    env = {**hermetic_env, "PYTHONPATH": path}  # a fresh interpreter: the hook loads at start
+    env = {**hermetic_env, "PYTHONPATH": path}  # a fresh launcher: the hook loads at its start
     code, output = finish(start(env, tmp_path, *BASE, *ONE_BY_TWO, f"hydra.run.dir={run_dir}"))
     assert code == 0, output[-3000:]
     assert f"resuming from {run_dir / 'checkpoints' / 'step_3'} at step 3" in output
@@ -275,30 +283,31 @@ def test_baseten_variables_need_no_flags(hermetic_env, tmp_path: Path) -> None:
 # that node's first life, its local rank 0 kills the node's whole process tree (launcher,
 # agent and workers) with SIGKILL in its 5th optimizer step, after the step-3 checkpoint.
 LOSE_NODE = """
+import glob
 import os
-_marker = os.environ.get("RUNNER_TEST_LOSE_NODE")
-if _marker and os.environ.get("LOCAL_RANK") == "0" and not os.path.exists(_marker):
-    import glob
-    import signal
-    import torch.optim
+import signal
+import torch.optim
 
-    _step, _calls = torch.optim.AdamW.step, [0]
+_marker = os.environ["RUNNER_TEST_LOSE_NODE"]
+_step, _calls = torch.optim.AdamW.step, [0]
 
-    def _tree(pid):
-        children = []
-        for path in glob.glob(f"/proc/{pid}/task/*/children"):
-            children += [int(c) for c in open(path).read().split()]
-        return [pid] + [p for child in children for p in _tree(child)]
+def _tree(pid):
+    children = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        children += [int(c) for c in open(path).read().split()]
+    return [pid] + [p for child in children for p in _tree(child)]
 
-    def step(self, *args, **kwargs):
+def step(self, *args, **kwargs):
+    # Read at the call: a worker forked from the launcher inherits this hook from it.
+    if os.environ.get("LOCAL_RANK") == "0" and not os.path.exists(_marker):
         _calls[0] += 1
         if _calls[0] == 5:
             open(_marker, "w").close()
             for pid in _tree(int(os.environ["RUNNER_LAUNCHER_PID"])):
                 os.kill(pid, signal.SIGKILL)
-        return _step(self, *args, **kwargs)
+    return _step(self, *args, **kwargs)
 
-    torch.optim.AdamW.step = step
+torch.optim.AdamW.step = step
 """
 
 

@@ -78,6 +78,9 @@ def test_repro_of_a_fresh_run_matches(runner_cli, tmp_path: Path, nproc: int, re
     result = runner_cli("repro", str(run), "--out", str(tmp_path / "again"))
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "repro: match (4 logged steps" in result.stdout
+    if nproc == 2:  # not forked from the launcher: the pinned kernel path is set before torch
+        fresh = "workers: fresh interpreters (a deterministic run pins its kernel path"
+        assert fresh in (run / "train.log").read_text()
 
 
 def test_drift_is_reported_with_its_reason(runner_cli, tmp_path: Path, one_process_run) -> None:

@@ -96,3 +96,28 @@ def test_optuna_search_optimizes_the_objective(runner_cli, tmp_path: Path) -> No
     assert len(rows) == 3
     found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert found["best_value"] == min(r["metric"] for r in rows)
+
+
+def test_a_job_after_one_trained_in_the_sweeps_process_starts_fresh_workers(
+    forked_cli, tmp_path: Path
+) -> None:
+    """The first job trains in the sweep's own process on two OpenMP threads, which makes its
+    thread pool; workers forked from it after that would hang in their first parallel region
+    (GNU OpenMP does not survive a fork), so the second job's workers start fresh, and the
+    workers of a run's own launcher, which computes on one thread, fork from it."""
+    sweep = tmp_path / "sweep"
+    args = [*TINY_JOB, "+runtime.env.OMP_NUM_THREADS=2", "compute.nproc_per_node=1,2"]
+    result = forked_cli(["train", "-m", *args, f"hydra.sweep.dir={sweep}"], tmp_path, timeout_s=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["state"] for r in summary_of(sweep)["runs"]] == ["completed", "completed"]
+    log = (sweep / "1" / "train.log").read_text()
+    assert "workers: fresh interpreters (this process has computed on several threads" in log
+    alone = tmp_path / "alone"
+    result = forked_cli(
+        ["train", *args[:-1], "compute.nproc_per_node=2", f"hydra.run.dir={alone}"],
+        tmp_path,
+        timeout_s=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "workers: forked" in (alone / "train.log").read_text()
+    assert losses(alone) == losses(sweep / "1")  # the same training, however it started

@@ -25,7 +25,7 @@ from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, user_errors_pass_hydra
 from runner.rundir import STATES, RunDir, RunLocked, is_run_dir, run_lock
 from runner.rundir.manifest import build_manifest, write_manifest
-from runner.train.launch import launch, node_rank_of
+from runner.train.launch import as_launcher, launch, node_rank_of
 from runner.train.lifecycle import preference_rewards
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ def train(
     (a sweep's job, which the sweep summary reports as failed). A directory that held a run
     before this call (a requeue, another node of a shared run) is never removed.
     """
+    as_launcher()
     run = RunDir(run_dir)
     new_here = not run.recipe_path.exists() and not run.checkpoints()
     try:

@@ -7,19 +7,28 @@ platform's job id where there is one, else the rendezvous address. The store liv
 rank 0. A failed worker or a lost node makes the agents restart the whole group (up to
 `compute.max_restarts`); a lost node started again with the same line joins it, and the group
 resumes from the latest whole checkpoint.
-A deterministic run always starts fresh worker processes, so that the pinned kernel path
-(runner.train.determinism) is in their environment before torch loads.
+How the workers start: the workers of a CPU run are forked from the launcher, which has
+already imported torch, torchtune and the rest while it resolved the recipe (a worker then starts
+in milliseconds, not the ~4.5 s of those imports). The workers of a GPU run start as fresh
+interpreters, since a CUDA context cannot survive a fork; so do those of a deterministic run, so
+that the pinned kernel path (runner.train.determinism) is in their environment before torch
+loads. A fork is safe because the launcher computes on one CPU thread (as_launcher): a GNU OpenMP
+thread pool, once made, does not survive a fork, and the forked worker's first parallel region
+would hang. A process that has trained in itself (a sweep's earlier job) has made that pool, so
+its later jobs start fresh interpreters too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import importlib
 import logging
 import os
 import signal
 import socket
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,10 +46,24 @@ from runner.train import determinism
 LAUNCHER_PID_ENV = "RUNNER_LAUNCHER_PID"
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
 RECIPE_MODULE = "runner.recipes.finetune"
+# prctl's option for the signal a process gets when its parent dies (<linux/prctl.h>).
+PR_SET_PDEATHSIG = 1
 # The exit status of a run stopped by SIGTERM after saving (128 + SIGTERM), as shells report it.
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
 log = logging.getLogger(__name__)
+
+# Whether this process has trained in itself, and so made its OpenMP pool (see above).
+_trained_here = False
+
+
+def as_launcher() -> None:
+    """Keeps this process's own torch work (resolving the recipe, checking the data) on one CPU
+    thread, so that it can fork the workers of a CPU run. Call it before any torch compute; a
+    run trained in this process sets its own threads (runner.train.process)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def launch(
@@ -64,12 +87,37 @@ def launch(
         platforms.detect(compute.platform).describe(),
     )
     if nnodes * nproc_per_node == 1 and compute.max_restarts == 0 and not deterministic:
+        global _trained_here
+        _trained_here = True
         result: dict[str, Any] = importlib.import_module(RECIPE_MODULE).run(recipe_path)
         return result
     pinned = determinism.pinned_environment() if deterministic else {}
     with _environment({**pinned, LAUNCHER_PID_ENV: str(os.getpid())}):
         _elastic_launch(recipe, recipe_path, node_rank)
     return None
+
+
+def _why_fresh(recipe: DictConfig) -> str | None:
+    """Why the workers start as fresh interpreters; None: they fork from this process (the
+    module's docstring says when)."""
+    import torch
+
+    if recipe.compute.device != "cpu" or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return "CUDA does not survive a fork"
+    if recipe.runtime.deterministic:
+        return "a deterministic run pins its kernel path before torch loads"
+    if _trained_here or torch.get_num_threads() != 1:
+        return "this process has computed on several threads, and OpenMP does not survive a fork"
+    return None
+
+
+class _LineOnly(logging.Filter):
+    """torch reports a forked worker's failure with the traceback of its own
+    ProcessExitedException, under the worker's own: the line alone says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
 
 
 def node_rank_of(compute: DictConfig, recipe: DictConfig) -> int | None:
@@ -97,6 +145,45 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _forked_worker(recipe_path: str) -> None:
+    """A worker forked from its launcher (runner.train.launch), put in the state a fresh
+    interpreter starts in, then run as `python -m RECIPE_MODULE recipe_path` runs it."""
+    # Its own session, as torch starts a fresh worker (start_new_session).
+    os.setsid()
+    # None of the launcher's sockets (its rendezvous store above all, which must go with it)
+    # stays open in the worker, as none passes to a fresh one (close_fds).
+    for name in os.listdir("/proc/self/fd") if sys.platform.startswith("linux") else ():
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                os.close(int(name))
+    # torch.multiprocessing asks for SIGINT when the parent dies; _stop_with_launcher asks for
+    # the worker's own signal, and checks for a launcher already gone, once it joined the run
+    # (runner.train.process).
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    # The launcher's handlers: the elastic agent's SIGTERM and SIGINT; Hydra's logging (its
+    # console, and RUN/train.log, which rank 0 alone writes: _log_to_file).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    logging.root.handlers.clear()
+    logging.root.setLevel(logging.WARNING)
+    try:
+        importlib.import_module(RECIPE_MODULE).run(recipe_path)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(128 + signal.SIGINT) from None
+    except Exception:  # noqa: BLE001 - reported as an uncaught exception would be
+        sys.excepthook(*sys.exc_info())  # torch.distributed's: each line names the rank
+        raise SystemExit(1) from None
+    if os.getppid() != int(os.environ[LAUNCHER_PID_ENV]):
+        # Its launcher died (and the worker saved and stopped): torch's wrapper around this
+        # function would wait for it to take the result, for ever. A launcher that dies during
+        # that wait ends the worker with the parent-death signal.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:
@@ -145,8 +232,17 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     # gloo ranks can read a dead peer's address ("connectFullMesh ... Connection refused"); a
     # store per attempt, hosted by rank 0, starts each attempt clean.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    why_fresh = _why_fresh(recipe)
+    log.info("workers: %s", f"fresh interpreters ({why_fresh})" if why_fresh else "forked")
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
+        if why_fresh is None:
+            config.start_method = "fork"
+            torch_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+            if not any(isinstance(f, _LineOnly) for f in torch_log.filters):
+                torch_log.addFilter(_LineOnly())
+            elastic_launch(config, entrypoint=_forked_worker)(str(recipe_path))
+        else:
+            elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
         _check_out()

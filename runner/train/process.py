@@ -28,7 +28,7 @@ from runner.config.schema import read_recipe
 from runner.rundir import LOG_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.train import determinism
-from runner.train.launch import LAUNCHER_PID_ENV
+from runner.train.launch import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG
 from runner.train.progress import Reporter
 
 log = logging.getLogger("runner.recipe")
@@ -79,13 +79,13 @@ def _start_process(cfg: DictConfig) -> bool:
             # A dead or hung peer ends the run with a timeout error instead of a hang.
             timeout=timedelta(seconds=cfg.compute.collective_timeout_s),
         )
-    if cfg.compute.device == "cpu":
-        # OMP_NUM_THREADS where set (a parallel sweep's share, the pinned path), else a fair
-        # share of the cores for each of this machine's processes.
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        share = max(1, (os.cpu_count() or 1) // local_world)
-        torch.set_num_threads(int(threads) if threads.isdigit() else share)
+    # OMP_NUM_THREADS where set (a parallel sweep's share, the pinned path), else a fair share of
+    # the cores for each of this machine's processes (a launcher that trains in itself computed
+    # on one thread until here: runner.train.launch.as_launcher).
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    share = max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(int(threads) if threads.isdigit() else share)
     return distributed
 
 
@@ -216,16 +216,12 @@ def _stop_with_launcher(*, several_nodes: bool) -> None:
         return
     death = signal.SIGKILL if several_nodes else signal.SIGTERM
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, death, 0, 0, 0) != 0:
+    if libc.prctl(PR_SET_PDEATHSIG, death, 0, 0, 0) != 0:
         log.warning("no parent-death signal (prctl: %s)", os.strerror(ctypes.get_errno()))
     if os.getppid() != int(launcher):
         if several_nodes:
             os.kill(os.getpid(), signal.SIGKILL)
         STOP.request(signal.SIGTERM)
-
-
-# From <linux/prctl.h>.
-_PR_SET_PDEATHSIG = 1
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:

@@ -20,7 +20,7 @@ from runner.rundir.manifest import (
     read_manifest,
     write_manifest,
 )
-from runner.train.launch import launch
+from runner.train.launch import as_launcher, launch
 
 MAX_ROWS = 20
 # The relative tolerance of a re-run on another kernel path when none is given: the float noise
@@ -195,6 +195,7 @@ def _rerun(recorded: RunDir, steps: int | None, out: Path | None) -> RunDir:
     rerun = RunDir(out or recorded.path.with_name(f"{recorded.path.name}-repro-{stamp}"))
     if rerun.path.exists():
         raise UserError("--out", str(rerun.path), "already exists; give a new directory")
+    as_launcher()
     recipe = read_recipe(recorded.recipe_path)
     rerun.path.mkdir(parents=True)
     recipe.run_dir, recipe.stop_at_step = str(rerun.path.resolve()), steps
