@@ -4,7 +4,8 @@
     python scripts/startup_times.py --runs 15
 
 Prints the median and range (min-max) of each command's wall time and which heavy packages it
-loaded (none is the point: `--help` and `import runner.api` must not pay for torch). The
+loaded (none is the point: `--help` and `import runner.api` must not pay for torch), and what a
+training process started as a fresh interpreter pays before its first step. The
 baselines: `python -c pass` (the interpreter's own start) and `import torch` (what a light
 path would cost if it loaded torch). The runs are interleaved so that a slow moment of the
 machine falls on every command alike.
@@ -28,6 +29,9 @@ COMMANDS = {
     "runner validate --help": "from runner.cli import main; main(['validate', '--help'])",
     "runner train --help": "from runner.cli import main; main(['train', '--help'])",
     "import runner.api": "import runner.api",
+    # What a training process started as a fresh interpreter imports before it trains; a worker
+    # forked from `runner train` (a CPU run's) has it already (runner/train/launch.py).
+    "a fresh worker's imports": "import runner.recipes.finetune",
 }
 
 
