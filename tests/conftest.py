@@ -38,9 +38,17 @@ QUICK = [
 ESTIMATE_DATA = "dataset.split='train[:512]'"
 
 
+# The files that take longest, much of it waiting on nodes and timeouts, go first: xdist hands
+# out whole files in collection order, and the longest starting last would run on alone.
+LONGEST_FILES = ("test_distributed.py", "test_repro.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` run where CUDA is visible and are skipped elsewhere (CI has no GPU)."""
+    """The longest files first; tests marked `gpu` run where CUDA is visible and are skipped
+    elsewhere (CI has no GPU)."""
     import torch
+
+    items.sort(key=lambda item: item.path.name not in LONGEST_FILES)  # stable: else as collected
 
     if torch.cuda.is_available():
         return

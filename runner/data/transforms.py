@@ -10,13 +10,13 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.data.kinds import required_column
+from runner.models.attention import block_causal_mask
 from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
     Message,
     OpenAIToMessages,
     SFTTransform,
     ShareGPTToMessages,
-    create_block_causal_mask,
     padded_collate_sft,
 )
 
@@ -168,19 +168,17 @@ def collate(
     never a target: in a pack, the position before it is another sample's last token, which
     must not learn to predict it (padded, it has no position before it and is never trained
     either), whatever its label (a template whose trained content starts at position 0).
-    On the CPU, packs and padding-free rows get the dense block-causal mask that SDPA takes;
-    `on_cuda`, none: the training step builds it on the device from input_pos
-    (runner.models.attention.block_causal_mask, a flex-attention BlockMask where torchtune's
-    attention takes one), as a loader worker cannot make CUDA tensors. Where no two samples
-    share a row, the batch is padded as usual: the same rows, and attention needs no mask.
+    Packs and padding-free rows get their block-causal mask from input_pos
+    (runner.models.attention.block_causal_mask): on the CPU here, the dense mask that SDPA takes;
+    `on_cuda`, none: the training step builds it on the device (a flex-attention BlockMask where
+    torchtune's attention takes one), as a loader worker cannot make CUDA tensors. Where no two
+    samples share a row, the batch is padded as usual: the same rows, and attention needs no mask.
     """
     packs = pack_rows(samples, padding_idx) if padding_free and not packed else None
     if packs is not None and len(packs) < len(samples):
         batch = {key: torch.stack([p[key] for p in packs]) for key in PACK_KEYS}
-        seq_lens = [p["seq_lens"] for p in packs]
     elif packed:
         batch = {key: torch.stack([s[key] for s in samples]) for key in PACK_KEYS}
-        seq_lens = [s["seq_lens"] for s in samples]
     else:
         batch = padded_collate_sft(
             samples, padding_idx=padding_idx, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
@@ -190,7 +188,7 @@ def collate(
         # Each sample's positions start at 0 (PackedDataset's and pack_rows' alike).
         labels = labels.masked_fill(batch["input_pos"] == 0, CROSS_ENTROPY_IGNORE_IDX)
         if not on_cuda:
-            batch["mask"] = create_block_causal_mask(seq_lens)
+            batch["mask"] = block_causal_mask(batch["input_pos"], flex=False)
     ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
     batch["labels"] = torch.hstack((labels[:, 1:], ignore))
     return batch

@@ -44,7 +44,6 @@ from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
 from torchtune.models.gemma2._attention import Gemma2Attention
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
-from torchtune.modules.attention_utils import create_block_causal_mask
 from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import (
     LoRALinear,
@@ -91,7 +90,6 @@ __all__ = [
     "ShareGPTToMessages",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
-    "create_block_causal_mask",
     "get_cosine_schedule_with_warmup",
     "init_like_hf",
     "padded_collate_sft",
