@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torchtune.modules.attention_utils import create_block_causal_mask  # the reference
 
 from runner.data.transforms import InstructToMessages, collate, pack_rows
 from runner.models.attention import block_causal_mask, model_inputs, takes_block_mask
@@ -16,7 +17,6 @@ from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
     SFTTransform,
-    create_block_causal_mask,
     gemma2_builders,
     llama3_2_builders,
 )
