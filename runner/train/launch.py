@@ -8,14 +8,14 @@ rank 0. A failed worker or a lost node makes the agents restart the whole group 
 `compute.max_restarts`); a lost node started again with the same line joins it, and the group
 resumes from the latest whole checkpoint.
 How the workers start: the workers of a CPU run are forked from the launcher, which has
-already imported torch, torchtune and the rest while it resolved the recipe (a worker then starts
-in milliseconds, not the ~4.5 s of those imports). The workers of a GPU run start as fresh
-interpreters, since a CUDA context cannot survive a fork; so do those of a deterministic run, so
-that the pinned kernel path (runner.train.determinism) is in their environment before torch
-loads. A fork is safe because the launcher computes on one CPU thread (as_launcher): a GNU OpenMP
-thread pool, once made, does not survive a fork, and the forked worker's first parallel region
-would hang. A process that has trained in itself (a sweep's earlier job) has made that pool, so
-its later jobs start fresh interpreters too.
+already imported torch, torchtune and the rest while it resolved the recipe (a worker then
+starts at once, not after those imports: ~4.75 s, scripts/startup_times.py). The workers of a
+GPU run start as fresh interpreters, since a CUDA context cannot survive a fork; so do those of
+a deterministic run, so that the pinned kernel path (runner.train.determinism) is in their
+environment before torch loads. A fork is safe because the launcher computes on one CPU thread
+(as_launcher): a GNU OpenMP thread pool, once made, does not survive a fork, and the forked
+worker's first parallel region would hang. A process that has trained in itself (a sweep's
+earlier job) has made that pool, so its later jobs start fresh interpreters too.
 """
 
 from __future__ import annotations
