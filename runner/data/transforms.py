@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.data.kinds import required_column
-from runner.models.attention import block_causal_mask
+from runner.models.attention import dense_block_causal_mask
 from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
     Message,
@@ -169,7 +169,7 @@ def collate(
     must not learn to predict it (padded, it has no position before it and is never trained
     either), whatever its label (a template whose trained content starts at position 0).
     Packs and padding-free rows get their block-causal mask from input_pos
-    (runner.models.attention.block_causal_mask): on the CPU here, the dense mask that SDPA takes;
+    (runner.models.attention): on the CPU here, the dense mask that SDPA takes;
     `on_cuda`, none: the training step builds it on the device (a flex-attention BlockMask where
     torchtune's attention takes one), as a loader worker cannot make CUDA tensors. Where no two
     samples share a row, the batch is padded as usual: the same rows, and attention needs no mask.
@@ -188,7 +188,7 @@ def collate(
         # Each sample's positions start at 0 (PackedDataset's and pack_rows' alike).
         labels = labels.masked_fill(batch["input_pos"] == 0, CROSS_ENTROPY_IGNORE_IDX)
         if not on_cuda:
-            batch["mask"] = block_causal_mask(batch["input_pos"], flex=False)
+            batch["mask"] = dense_block_causal_mask(batch["input_pos"])
     ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
     batch["labels"] = torch.hstack((labels[:, 1:], ignore))
     return batch

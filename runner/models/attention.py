@@ -23,18 +23,31 @@ def takes_block_mask(model: nn.Module, device: torch.device) -> bool:
     return not any(isinstance(module, Gemma2Attention) for module in model.modules())
 
 
+def _documents(input_pos: torch.Tensor) -> torch.Tensor:
+    """Each position's sample: the count of sample starts up to it (PackedDataset's padding,
+    whose positions go on from its last sample's, joins that sample and is never trained)."""
+    return (input_pos == 0).cumsum(dim=1)
+
+
+def dense_block_causal_mask(input_pos: torch.Tensor) -> torch.Tensor:
+    """The [rows, s, s] boolean block-causal mask that SDPA takes, of rows whose samples'
+    positions each start at 0, on input_pos's device."""
+    document = _documents(input_pos)
+    width = document.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=input_pos.device).tril()
+    return (document[:, :, None] == document[:, None, :]) & causal
+
+
 def block_causal_mask(input_pos: torch.Tensor, *, flex: bool) -> torch.Tensor | BlockMask:
     """The block-causal mask of rows whose samples' positions each start at 0, on input_pos's
     device: a flex-attention BlockMask (`flex`: only the blocks that hold a visible position
-    are computed), else a dense [rows, s, s] boolean mask for SDPA."""
-    # A position's sample: the count of sample starts up to it (PackedDataset's padding, whose
-    # positions go on from its last sample's, joins that sample and is never trained).
-    document = (input_pos == 0).cumsum(dim=1)
-    rows, width = document.shape
+    are computed), else the dense mask."""
     if not flex:
-        causal = torch.ones(width, width, dtype=torch.bool, device=input_pos.device).tril()
-        return (document[:, :, None] == document[:, None, :]) & causal
+        return dense_block_causal_mask(input_pos)
     from torch.nn.attention.flex_attention import create_block_mask
+
+    document = _documents(input_pos)
+    rows, width = document.shape
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
