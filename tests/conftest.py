@@ -102,7 +102,8 @@ def forked_cli(hermetic_env: dict[str, str]) -> Iterator[ForkedCli]:
 
 # A process forked from the warm server runs each command (the same `runner.cli.main`, exit
 # status and output), sparing each ~4 s of imports; a training of one process runs in it as in
-# a user's `runner`, and several processes start under elastic_launch as fresh interpreters.
+# a user's `runner`, and several processes start under elastic_launch, forked from it as a
+# user's `runner` forks them on the CPU (runner/train/launch.py).
 # A call with its own environment (read by torch and huggingface_hub at import), and every call
 # of a test marked `gpu` (the server sees no GPU: tests/cli_forks.py), starts a fresh
 # interpreter.
