@@ -36,13 +36,16 @@ API_KEY = "test-key-0123456789"
 PROMPTS = ["hello", "the quick brown fox", "a", "once upon a time there was"]
 
 
-def make_checkpoint(path: Path, seed: int = 0) -> Path:
-    """A tiny Llama checkpoint in the training contract's format, written by transformers."""
+def make_checkpoint(path: Path, seed: int = 0, width: int = 64) -> Path:
+    """A tiny Llama checkpoint in the training contract's format, written by transformers.
+
+    width: hidden_size, over 4 heads (256 gives the 64-wide heads that vLLM's attention kernels
+    need at least)."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     config = LlamaConfig(
         vocab_size=264,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=width,
+        intermediate_size=2 * width,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.rundir import RunDir
 from tests.conftest import QUICK, deploy_server, losses
+from tests.test_deploy import make_checkpoint
 from tests.test_resume import straight_then_resumed
 
 pytestmark = pytest.mark.gpu
@@ -213,32 +214,6 @@ def test_deploy_serves_on_cuda(auto_run: Path, hermetic_env: dict[str, str]) -> 
         assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
 
 
-def _serving_checkpoint(path: Path) -> Path:
-    """A tiny random Llama with 64-wide heads (the narrowest vLLM's attention kernels take)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from runner.paths import TINY_TOKENIZER_DIR
-
-    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
-    config = LlamaConfig(
-        vocab_size=264,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,  # varied output rather than one repeated token
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def _generate_alone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[str]:
     """transformers' own greedy `generate`, one prompt at a time, on CUDA in fp32."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
@@ -262,7 +237,7 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path: Path) 
     from runner.deploy.generation import SamplingRequest
     from runner.deploy.loading import load_checkpoint
 
-    path = _serving_checkpoint(tmp_path / "model")
+    path = make_checkpoint(tmp_path / "model", width=256)  # vLLM: heads 64 wide
     prompts = [[5 + i] * (3 + 4 * i) for i in range(6)]
     loaded = load_checkpoint(path, device="cuda", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=16)
@@ -287,7 +262,7 @@ def test_deploy_engine_vllm_answers_as_generate(tmp_path: Path, hermetic_env) ->
     pytest.importorskip("vllm")
     import openai
 
-    path = _serving_checkpoint(tmp_path / "model")
+    path = make_checkpoint(tmp_path / "model", width=256)  # vLLM: heads 64 wide
     served = [f"checkpoint={path}", "engine=vllm", "dtype=fp32", "served_model_name=[tiny]"]
     served += ["vllm.gpu_memory_utilization=0.3"]
     tokenizer = AutoTokenizer.from_pretrained(path)
