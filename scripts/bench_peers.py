@@ -527,6 +527,7 @@ def run_bare(spec: dict, out: Path) -> dict:
     from torchtune.models.llama3_2 import llama3_2
 
     from runner.data.transforms import collate
+    from runner.models.attention import RowAttention
 
     torch.manual_seed(SEED)
     shape = spec["shape"]
@@ -555,6 +556,8 @@ def run_bare(spec: dict, out: Path) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
     samples = json.loads(Path(spec["samples"]).read_text())
     size = spec["batch_size"]
+    # runner's attention within rows: SDPA per sample, in rows as long as the model takes.
+    attention = RowAttention.of(model, torch.device("cpu"))
     losses, clock = [], StepClock()
     for step in range(spec["steps"]):
         # runner's batches: padding-free rows (padded where no two samples share a row), labels
@@ -564,9 +567,9 @@ def run_bare(spec: dict, out: Path) -> dict:
             packed=False,
             padding_free=True,
             padding_idx=spec["pad_id"],
+            row_limit=attention.row_limit,
         )
-        packed = {key: batch[key] for key in ("mask", "input_pos") if key in batch}
-        logits = model(batch["tokens"], **packed)
+        logits = model(batch["tokens"], **attention.inputs(batch, torch.device("cpu")))
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)),
             batch["labels"].reshape(-1),

@@ -1,9 +1,10 @@
-"""Padding-free rows and packs: they train what padded batches train, and their attention mask
-(dense for SDPA on the CPU, a flex-attention BlockMask where torchtune's attention takes one)
-keeps each sample to itself."""
+"""Padding-free rows and packs: they train what padded batches train, and their attention
+(per sample on the CPU, a dense mask for Gemma 2, a flex-attention BlockMask on CUDA) keeps each
+sample to itself."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,12 @@ import torch
 from torchtune.modules.attention_utils import create_block_causal_mask  # the reference
 
 from runner.data.transforms import InstructToMessages, collate, pack_rows
-from runner.models.attention import block_causal_mask, model_inputs, takes_block_mask
+from runner.models.attention import (
+    RowAttention,
+    Samples,
+    dense_block_causal_mask,
+    flex_block_causal_mask,
+)
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
@@ -22,6 +28,7 @@ from runner.models.torchtune_boundary import (
 )
 from runner.paths import TINY_TOKENIZER_DIR
 
+CPU = torch.device("cpu")
 # A template with no header: the first message's content is the first token.
 CONTENT_FIRST = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
 WORDS = ["ab", "cde", "fg hij", "k", "lmnop qr st", "uv", "wxyz a b c", "de"]
@@ -51,23 +58,49 @@ def content_first_samples(tmp_path: Path) -> list[dict[str, Any]]:
     return samples
 
 
+def tiny_gemma2(vocab_size: int) -> torch.nn.Module:
+    return gemma2_builders.gemma2(
+        vocab_size=vocab_size, num_layers=1, num_heads=2, head_dim=8, num_kv_heads=1,
+        embed_dim=16, intermediate_dim=32, max_seq_len=64,
+    )  # fmt: skip
+
+
+# How the padding-free rows are laid out and attended: one row with attention per sample (the
+# CPU's default for torchtune's attention), rows of at most 40 tokens (a model that takes no
+# longer: several rows, padded to the fullest) attended per sample, and rows as long as the
+# longest sample under the dense mask (Gemma 2's attention).
+LAYOUTS = {"one-row": (256, "samples"), "rows-of-40": (40, "samples"), "dense": (None, "dense")}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_padding_free_trains_as_padded_when_a_samples_first_token_trains(
-    content_first_samples: list[dict[str, Any]],
+    content_first_samples: list[dict[str, Any]], layout: str
 ) -> None:
-    """No sample's first token is a target of the previous sample's last token in its row: the
-    same trained tokens, loss and gradients as the padded batch (one step of the tiny model,
-    on the CPU in fp32)."""
+    """No sample's first token is a target of the previous sample's last token in its row, and
+    no position attends to another sample's: the same trained tokens, loss and gradients as the
+    padded batch (one step of the tiny model, on the CPU in fp32)."""
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=ChatTokenizer(str(TINY_TOKENIZER_DIR)).vocab_size)
+    row_limit, kind = LAYOUTS[layout]
+    attention = RowAttention.of(model, CPU)
+    assert attention == RowAttention("samples", 256)
+    attention = RowAttention(kind, row_limit)
     pad_id = 0
 
     def loss_and_grads(padding_free: bool) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
         batch = collate(
-            content_first_samples, packed=False, padding_free=padding_free, padding_idx=pad_id
+            content_first_samples,
+            packed=False,
+            padding_free=padding_free,
+            padding_idx=pad_id,
+            row_limit=row_limit,
         )
         if padding_free:  # the case under test: rows of several samples
-            assert batch["tokens"].shape[0] < len(content_first_samples)
-        logits = model(batch["tokens"], **model_inputs(batch, torch.device("cpu"), flex=False))
+            rows, width = batch["tokens"].shape
+            assert rows < len(content_first_samples)
+            assert (rows == 1) == (layout == "one-row")
+            assert row_limit is None or width <= row_limit
+        logits = model(batch["tokens"], **attention.inputs(batch, CPU))
         labels = batch["labels"].reshape(-1)
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), labels, ignore_index=CROSS_ENTROPY_IGNORE_IDX
@@ -84,6 +117,25 @@ def test_padding_free_trains_as_padded_when_a_samples_first_token_trains(
     torch.testing.assert_close(free_loss, padded_loss, rtol=1e-5, atol=1e-6)
     for free, padded in zip(free_grads, padded_grads, strict=True):
         torch.testing.assert_close(free, padded, rtol=1e-4, atol=1e-6)
+
+
+def test_rows_hold_the_batch_in_as_few_and_as_short_rows_as_the_limit_allows(
+    content_first_samples: list[dict[str, Any]],
+) -> None:
+    lengths = sorted(len(s["tokens"]) for s in content_first_samples)
+    total = sum(lengths)
+    (one_row,) = pack_rows(content_first_samples, padding_idx=0, row_limit=total)
+    assert one_row["seq_lens"].tolist() == sorted(lengths, reverse=True)  # nothing padded
+    limit = lengths[-1] + 3
+    limited = pack_rows(content_first_samples, padding_idx=0, row_limit=limit)
+    (width,) = {len(row["tokens"]) for row in limited}
+    assert lengths[-1] <= width <= limit and len(limited) > 1
+    # Every sample whole in some row, and the rest of each row one padding sequence.
+    segments = Counter(n for row in limited for n in row["seq_lens"].tolist())
+    assert not Counter(lengths) - segments
+    assert sum((segments - Counter(lengths)).elements()) == len(limited) * width - total
+    unlimited = pack_rows(content_first_samples, padding_idx=0)
+    assert {len(row["tokens"]) for row in unlimited} == {lengths[-1]}
 
 
 def test_a_samples_first_label_is_ignored_in_packs_too(
@@ -105,7 +157,41 @@ def test_the_dense_mask_from_positions_is_torchtunes(
     packs = pack_rows(content_first_samples, padding_idx=0)
     input_pos = torch.stack([p["input_pos"] for p in packs])
     expected = create_block_causal_mask([p["seq_lens"] for p in packs])
-    assert torch.equal(block_causal_mask(input_pos, flex=False), expected)
+    assert torch.equal(dense_block_causal_mask(input_pos), expected)
+
+
+def packed_rows(samples: list[dict[str, Any]]) -> torch.Tensor:
+    """input_pos of rows as long as the longest sample: several samples a row, and padding."""
+    packs = pack_rows(samples, padding_idx=0)
+    assert any(len(p["seq_lens"]) > 1 for p in packs) and any(
+        p["labels"][-1] == CROSS_ENTROPY_IGNORE_IDX for p in packs
+    )
+    return torch.stack([p["input_pos"] for p in packs])
+
+
+def test_attention_per_sample_is_sdpa_under_the_dense_mask(
+    content_first_samples: list[dict[str, Any]],
+) -> None:
+    """SDPA on each sample's span alone gives what SDPA over the whole rows under the dense
+    block-causal mask gives, forward and backward, padding included."""
+    input_pos = packed_rows(content_first_samples)
+    samples = Samples.of(input_pos)
+    rows, width = input_pos.shape
+    assert len(samples.rows) == rows
+    for spans in samples.rows:  # each row covered, in order
+        assert spans[0][0] == 0 and spans[-1][1] == width
+        assert all(end == start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(rows, 2, width, 8, requires_grad=True) for _ in range(3))
+    mask = dense_block_causal_mask(input_pos)[:, None]
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    dense_grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    per_sample = samples.attend(q, k, v, dropout_p=0.0)
+    grads = torch.autograd.grad(per_sample.square().sum(), (q, k, v))
+    # Other kernels, other summation order: float32 to 1e-5.
+    torch.testing.assert_close(per_sample, dense, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, dense_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 # flex attention without torch.compile runs unfused, and says so: a forward on a few rows.
@@ -117,37 +203,38 @@ def test_the_block_mask_attends_as_the_dense_mask(
     this torch has no CPU backward for flex) equals SDPA over the dense mask."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    batch = collate(content_first_samples, packed=False, padding_free=True, padding_idx=0)
-    assert "mask" in batch  # the CPU's dense mask comes with the batch
-    on_cuda = collate(
-        content_first_samples, packed=False, padding_free=True, padding_idx=0, on_cuda=True
-    )
-    assert "mask" not in on_cuda and torch.equal(on_cuda["input_pos"], batch["input_pos"])
-    block = model_inputs(on_cuda, torch.device("cpu"), flex=True)["mask"]
+    input_pos = packed_rows(content_first_samples)
+    block = RowAttention("flex", 256).mask(input_pos)
     assert isinstance(block, BlockMask)
-    rows, width = batch["tokens"].shape
+    rows, width = input_pos.shape
     torch.manual_seed(0)
     q, k, v = (torch.randn(rows, 2, width, 8) for _ in range(3))
     dense = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=batch["mask"][:, None]
+        q, k, v, attn_mask=dense_block_causal_mask(input_pos)[:, None]
     )
     # Other kernels, other summation order: float32 to 1e-5.
     torch.testing.assert_close(
         flex_attention(q, k, v, block_mask=block), dense, atol=1e-5, rtol=1e-5
     )
+    assert isinstance(flex_block_causal_mask(input_pos), BlockMask)
 
 
-def test_the_cpu_takes_the_dense_mask() -> None:
-    model = torch.nn.Linear(2, 2)
-    assert not takes_block_mask(model, torch.device("cpu"))
+def test_how_each_model_attends_within_rows_on_the_cpu() -> None:
+    """torchtune's attention runs per sample, in rows as long as the model takes; Gemma 2's own
+    attention and any other model take the dense mask, in rows as long as their longest
+    sample. Each attention module is given the per-sample call once, however often asked."""
+    llama = tiny_llama(vocab_size=64)
+    assert RowAttention.of(llama, CPU) == RowAttention("samples", 256)
+    calls = [m._attention_call for m in llama.modules() if hasattr(m, "_attention_call")]
+    assert len(calls) == 2 and all(getattr(c, "per_sample", False) for c in calls)
+    RowAttention.of(llama, CPU)
+    assert calls == [m._attention_call for m in llama.modules() if hasattr(m, "_attention_call")]
+    assert RowAttention.of(tiny_gemma2(vocab_size=64), CPU) == RowAttention("dense", None)
+    assert RowAttention.of(torch.nn.Linear(2, 2), CPU) == RowAttention("dense", None)
 
 
 @pytest.mark.gpu
 def test_cuda_takes_a_block_mask_except_for_gemma2() -> None:
-    llama = tiny_llama(vocab_size=64)
-    gemma2 = gemma2_builders.gemma2(
-        vocab_size=64, num_layers=1, num_heads=2, head_dim=8, num_kv_heads=1, embed_dim=16,
-        intermediate_dim=32, max_seq_len=64,
-    )  # fmt: skip
     cuda = torch.device("cuda")
-    assert takes_block_mask(llama, cuda) and not takes_block_mask(gemma2, cuda)
+    assert RowAttention.of(tiny_llama(vocab_size=64), cuda) == RowAttention("flex", 256)
+    assert RowAttention.of(tiny_gemma2(vocab_size=64), cuda) == RowAttention("dense", None)

@@ -10,7 +10,6 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.data.kinds import required_column
-from runner.models.attention import dense_block_causal_mask
 from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
     Message,
@@ -159,22 +158,22 @@ def collate(
     packed: bool,
     padding_idx: int,
     padding_free: bool = False,
-    on_cuda: bool = False,
+    row_limit: int | None = None,
 ) -> dict[str, Any]:
-    """A batch whose labels are each position's next token (packs add mask and input_pos).
+    """A batch whose labels are each position's next token (packs add input_pos).
 
     `packed`: the samples are PackedDataset's packs. `padding_free`: the samples are packed
-    here, into as few rows as the longest of them holds (pack_rows). A sample's first token is
-    never a target: in a pack, the position before it is another sample's last token, which
-    must not learn to predict it (padded, it has no position before it and is never trained
-    either), whatever its label (a template whose trained content starts at position 0).
-    Packs and padding-free rows get their block-causal mask from input_pos
-    (runner.models.attention): on the CPU here, the dense mask that SDPA takes;
-    `on_cuda`, none: the training step builds it on the device (a flex-attention BlockMask where
-    torchtune's attention takes one), as a loader worker cannot make CUDA tensors. Where no two
-    samples share a row, the batch is padded as usual: the same rows, and attention needs no mask.
+    here, into as few rows as hold them (pack_rows): one row of all of them where `row_limit`
+    (the longest row the model takes) allows, else rows as long as the longest sample. A
+    sample's first token is never a target: in a row, the position before it is another
+    sample's last token, which must not learn to predict it (padded, it has no position before
+    it and is never trained either), whatever its label (a template whose trained content starts
+    at position 0). The rows' attention mask is made from input_pos in the training step
+    (runner.models.attention.RowAttention), in the form the model takes on its device. Where no
+    two samples share a row, the batch is padded as usual: the same rows, and attention needs
+    no mask.
     """
-    packs = pack_rows(samples, padding_idx) if padding_free and not packed else None
+    packs = pack_rows(samples, padding_idx, row_limit) if padding_free and not packed else None
     if packs is not None and len(packs) < len(samples):
         batch = {key: torch.stack([p[key] for p in packs]) for key in PACK_KEYS}
     elif packed:
@@ -187,32 +186,30 @@ def collate(
     if "input_pos" in batch:
         # Each sample's positions start at 0 (PackedDataset's and pack_rows' alike).
         labels = labels.masked_fill(batch["input_pos"] == 0, CROSS_ENTROPY_IGNORE_IDX)
-        if not on_cuda:
-            batch["mask"] = dense_block_causal_mask(batch["input_pos"])
     ignore = torch.full((labels.shape[0], 1), CROSS_ENTROPY_IGNORE_IDX, dtype=labels.dtype)
     batch["labels"] = torch.hstack((labels[:, 1:], ignore))
     return batch
 
 
-def pack_rows(samples: list[dict[str, Any]], padding_idx: int) -> list[dict[str, torch.Tensor]]:
-    """The samples of one batch as packs: first-fit decreasing into rows as long as the longest
-    sample, each padded to that length (the padding one more sequence, as PackedDataset pads).
+def pack_rows(
+    samples: list[dict[str, Any]], padding_idx: int, row_limit: int | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """The samples of one batch as packs: with `row_limit` (the longest row allowed), in the
+    fewest rows of at most that many tokens, as short as first-fit decreasing packs them
+    into (one row, unpadded, where all of them fit); without, first-fit decreasing into rows as
+    long as the longest sample. Each row is padded to the fullest one's length (the padding one
+    more sequence, as PackedDataset pads).
 
     The batch trains the same tokens as padded to its longest sample, with the same loss, in at
-    most as many rows of the same length: the pad positions that padding adds are not computed.
+    most as many rows: the pad positions that padding adds are not computed.
     """
     lengths = [len(s["tokens"]) for s in samples]
-    width = max(lengths)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for index in sorted(range(len(samples)), key=lambda i: (-lengths[i], i)):
-        row = next((r for r, free in enumerate(room) if free >= lengths[index]), None)
-        if row is None:
-            rows.append([])
-            room.append(width)
-            row = len(rows) - 1
-        rows[row].append(index)
-        room[row] -= lengths[index]
+    if row_limit is None:
+        rows = _first_fit(lengths, max(lengths))
+    else:
+        rows = _fewest_rows(lengths, max(row_limit, *lengths))
+    width = max(sum(lengths[i] for i in members) for members in rows)
+    room = [width - sum(lengths[i] for i in members) for members in rows]
     packs = []
     for members, free in zip(rows, room, strict=True):
         seq_lens = [lengths[i] for i in members] + ([free] if free else [])
@@ -230,3 +227,36 @@ def pack_rows(samples: list[dict[str, Any]], padding_idx: int) -> list[dict[str,
             }
         )
     return packs
+
+
+def _first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: the indices of `lengths` in rows of `capacity` (each length fits)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        row = next((r for r, free in enumerate(room) if free >= lengths[index]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(index)
+        room[row] -= lengths[index]
+    return rows
+
+
+def _fewest_rows(lengths: list[int], limit: int) -> list[list[int]]:
+    """First-fit decreasing into the fewest rows of at most `limit` it manages, at the smallest
+    capacity (searched by bisection) that still packs into that many: a batch a little over the
+    limit becomes two half rows, not a full one and a mostly padded one."""
+    total = sum(lengths)
+    count = -(-total // limit)
+    while len(_first_fit(lengths, limit)) > count:
+        count += 1
+    low, high = max(max(lengths), -(-total // count)), limit
+    while low < high:
+        middle = (low + high) // 2
+        if len(_first_fit(lengths, middle)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    return _first_fit(lengths, high)

@@ -43,7 +43,11 @@ from torchtune.datasets import PackedDataset
 from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
 from torchtune.models.gemma2._attention import Gemma2Attention
-from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune.modules import (
+    MultiHeadAttention,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+)
 from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import (
     LoRALinear,
@@ -72,6 +76,7 @@ __all__ = [
     "Gemma2Attention",
     "SUPPORTS_FLEX_ATTENTION",
     "LoRALinear",
+    "MultiHeadAttention",
     "disable_adapter",
     "gather_cpu_state_dict",
     "gemma_builders",

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.data import EvalPrompt, Split
-from runner.models.attention import model_inputs, takes_block_mask
+from runner.models.attention import RowAttention
 
 # Which way each metric is better lives in runner.rundir.metrics (no torch); re-exported here.
 from runner.rundir.metrics import METRIC_MODES as METRIC_MODES
@@ -44,12 +44,12 @@ def loss_sums(
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
-    flex = takes_block_mask(model, device)
+    attention = RowAttention.of(model, device)
     for batch in batches:
         tokens = batch["tokens"].to(device)
         labels = batch["labels"].to(device)
         # A packed batch carries its positions (and its block-causal mask, or one is made).
-        packed = model_inputs(batch, device, flex=flex)
+        packed = attention.inputs(batch, device)
         logits = model(tokens, **packed)
         # A chunked output (for CEWithChunkedOutputLoss) is split along the sequence.
         chunks = logits if isinstance(logits, list) else [logits]

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner.data import Split, answer_log_probs, collate, collate_preference, eval_prompts
-from runner.models.attention import model_inputs, takes_block_mask
+from runner.models.attention import RowAttention
 from runner.models.backends import set_output_chunks
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.train import parallel
@@ -67,7 +67,7 @@ class Supervised:
     def attach(self, model: nn.Module, loss_fn: Any, reference: Reference | None) -> None:
         """The model it trains and the loss it computes (cfg.loss), once they are built."""
         self.model, self.loss_fn = model, loss_fn
-        self.flex = takes_block_mask(model, self.place.device)
+        self.attention = RowAttention.of(model, self.place.device)
 
     def collate(self, samples: list[dict[str, Any]]) -> Batch:
         """One training batch of SFT samples (packed and padding-free as the dataset says)."""
@@ -79,7 +79,7 @@ class Supervised:
             packed=packed,
             padding_free=self.dataset.padding_free,
             padding_idx=self.tokenizer.pad_id,
-            on_cuda=self.place.device.type == "cuda",
+            row_limit=self.attention.row_limit,
         )
 
     def step(self, batches: list[Batch], optim: Optimization) -> tuple[torch.Tensor, int]:
@@ -93,7 +93,7 @@ class Supervised:
             tokens = batch["tokens"].to(device)
             labels = batch["labels"].to(device)
             batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
-            packed = model_inputs(batch, device, flex=self.flex)
+            packed = self.attention.inputs(batch, device)
             with parallel.autocast(self.place):
                 logits = self.model(tokens, **packed)
                 loss = self._loss(logits, labels) * batch_tokens
