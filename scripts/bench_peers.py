@@ -3,20 +3,22 @@ Face Trainer and a bare PyTorch loop, each at its default and at its best, on th
 checkpoint, data and optimizer, in one run.
 
     python scripts/bench_peers.py [--size default] [--lengths mixed] [--repeats 3] [--steps 12]
+                                  [--vocab N]
 
 At start it writes one LlamaForCausalLM checkpoint with transformers (random init, seed 0, the
-tiny tokenizer's vocabulary) and one instruct data file of the sample task's words: with
---lengths mixed (the default) records of many lengths, k words each with k log-normal (a long
-right tail, as real instruction data has), so that a batch padded to its longest sample is
-mostly pad; with --lengths fixed all of one length, so that nothing pads and only per-step
-overhead differs. Then each arm trains that checkpoint for --steps optimizer steps in its own
-subprocess, taking turns --repeats times with the order rotated (a neighbour on the machine
-hits all alike):
+tiny tokenizer's vocabulary, or --vocab tokens: an output layer as wide as a real model's) and
+one instruct data file of the sample task's words: with --lengths mixed (the default) records
+of many lengths, k words each with k log-normal (a long right tail, as real instruction data
+has), so that a batch padded to its longest sample is mostly pad; with --lengths fixed all of
+one length, so that nothing pads and only per-step overhead differs. Then each arm trains that
+checkpoint for --steps optimizer steps in its own subprocess, taking turns --repeats times with
+the order rotated (a neighbour on the machine hits all alike):
 
 - runner: `runner train model=hf model.source=CKPT dataset=instruct ...` through its CLI, as
-  its user gets it: dataset.padding_free packs each batch's samples into rows as long as its
-  longest sample (block-causal mask, positions restarting per sample), fused AdamW. Step times
-  from the step lines of RUN/train.log, losses from RUN/metrics.jsonl (logged every step);
+  its user gets it: dataset.padding_free packs each batch's samples into one row (positions
+  restarting per sample, SDPA on each sample's span alone), the logits computed at the trained
+  (answer) positions only, fused AdamW. Step times from the step lines of RUN/train.log, losses
+  from RUN/metrics.jsonl (logged every step);
 - compiled: the same with `compile=true` (inductor compiles each decoder layer; its first steps
   are slow, and --warmup leaves them out);
 - tune_default: `tune run full_finetune_single_device --config tune.yaml`, FullModelHFCheckpointer
@@ -35,9 +37,9 @@ hits all alike):
 - hf_best: the same with DataCollatorWithFlattening (each batch one row, position_ids
   restarting per sample, which transformers' masking turns into a block-causal mask for SDPA,
   on the CPU too), attn_implementation="sdpa" and optim="adamw_torch_fused";
-- bare: a hand-written loop over runner's own batches (the same padding-free rows): torchtune's
-  builder loaded from CKPT, AdamW, cross-entropy on the whole logits, clip, step. ours/bare is
-  runner's overhead over the same arithmetic;
+- bare: a hand-written loop over runner's own batches and attention (the same one row, SDPA
+  per sample, logits at the trained positions): torchtune's builder loaded from CKPT, AdamW,
+  cross-entropy, clip, step. ours/bare is runner's overhead over the same arithmetic;
 - padded (only when --arms names it): runner with `dataset.padding_free=false`, each batch
   padded to its longest sample: ours/padded is what padding-free batches buy.
 
@@ -125,8 +127,9 @@ QUIET_LOAD = 0.5
 
 
 # ---- setup: checkpoint, data, the order every arm trains in --------------------------------
-def write_checkpoint(directory: Path, size: str) -> int:
-    """A random LlamaForCausalLM (seed 0) and the tiny tokenizer in `directory`; its size."""
+def write_checkpoint(directory: Path, size: str, vocab: int | None = None) -> int:
+    """A random LlamaForCausalLM (seed 0) and the tiny tokenizer in `directory`; its size.
+    `vocab`: an output layer of that many tokens (the tokenizer's own ids are the first)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -135,7 +138,7 @@ def write_checkpoint(directory: Path, size: str) -> int:
     hidden, layers, heads, kv_heads, mlp = SIZES[size]
     tokenizer = ChatTokenizer(str(TOKENIZER_DIR))
     config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
+        vocab_size=max(vocab or 0, tokenizer.vocab_size),
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -210,13 +213,15 @@ def tokenize(checkpoint: Path, data: Path) -> list[dict[str, list[int]]]:
     return samples
 
 
-def prepare(workdir: Path, size: str, steps: int, batch_size: int, lengths: str) -> dict:
+def prepare(
+    workdir: Path, size: str, steps: int, batch_size: int, lengths: str, vocab: int | None = None
+) -> dict:
     """Writes checkpoint, data and the ordered pre-tokenized samples; the facts arms share."""
     from runner.models.tokenizer import ChatTokenizer
 
     checkpoint, data = workdir / "checkpoint", workdir / "train.jsonl"
     checkpoint.mkdir()
-    parameters = write_checkpoint(checkpoint, size)
+    parameters = write_checkpoint(checkpoint, size, vocab)
     count = steps * batch_size
     write_data(data, count, lengths)
     samples = tokenize(checkpoint, data)
@@ -528,6 +533,7 @@ def run_bare(spec: dict, out: Path) -> dict:
 
     from runner.data.transforms import collate
     from runner.models.attention import RowAttention
+    from runner.models.backends import logits_at
 
     torch.manual_seed(SEED)
     shape = spec["shape"]
@@ -569,11 +575,12 @@ def run_bare(spec: dict, out: Path) -> dict:
             padding_idx=spec["pad_id"],
             row_limit=attention.row_limit,
         )
-        logits = model(batch["tokens"], **attention.inputs(batch, torch.device("cpu")))
+        # runner's logits: at the trained positions only.
+        trained = batch["labels"] != IGNORE_INDEX
+        with logits_at(model, trained):
+            logits = model(batch["tokens"], **attention.inputs(batch, torch.device("cpu")))
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)),
-            batch["labels"].reshape(-1),
-            ignore_index=IGNORE_INDEX,
+            logits.reshape(-1, logits.size(-1)), batch["labels"][trained]
         )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
@@ -781,6 +788,11 @@ def summarize(results: dict[str, list[dict]], warmup: int) -> list[str]:
         f"step-1 loss: {verdict} (largest difference {gap:.2e} over every run of the arms "
         f"training the same batches; tolerance {LOSS_TOLERANCE:g})"
     )
+    if verdict == "DISAGREE":  # which runs: each arm's step-1 loss, repeat by repeat
+        for arm, runs in results.items():
+            if arm != "tune_best":
+                losses = " ".join(f"{run['losses'][0]:.5f}" for run in runs)
+                lines.append(f"  {arm}: {losses}")
 
     def ratios(ours: str) -> list[str]:
         return [
@@ -826,6 +838,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="first steps left out of tokens/s and s/step (at least 1)",
     )
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        help="the checkpoint's vocabulary (default: the tiny tokenizer's 264); a real model's "
+        "(32000 and up) makes the output layer a real share of the arithmetic",
+    )
     parser.add_argument(
         "--lengths",
         choices=LENGTHS,
@@ -874,7 +892,7 @@ def main(argv: list[str]) -> None:
         )
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
     try:
-        spec = prepare(workdir, args.size, args.steps, args.batch_size, args.lengths)
+        spec = prepare(workdir, args.size, args.steps, args.batch_size, args.lengths, args.vocab)
         print(describe(spec, args), flush=True)
         results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
         for repeat in range(args.repeats):

@@ -27,11 +27,14 @@ from runner.data import (
     training_splits,
 )
 from runner.errors import UserError
+from runner.models.attention import RowAttention
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 from tests.conftest import losses
 from tests.test_config import compose_train
+
+CPU = torch.device("cpu")
 
 MODEL_MAX = 8192
 # Our instruct columns under other names, to exercise column_map.
@@ -506,9 +509,8 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_loss(tmp_path: Path
         batch = collate(
             [dataset[i] for i in range(len(dataset))], packed=is_packed, padding_idx=tok.pad_id
         )
-        extra = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
         with torch.no_grad():
-            logits = model(batch["tokens"], **extra)
+            logits = model(batch["tokens"], **RowAttention.of(model, CPU).inputs(batch, CPU))
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1), reduction="sum"
         )
@@ -521,9 +523,9 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_loss(tmp_path: Path
 
 
 def test_padding_free_batches_train_each_token_as_padded_batches_do(tmp_path: Path) -> None:
-    """Samples of mixed lengths packed into rows as long as the longest: fewer rows, and every
-    trained token's loss the same as padded (attention stays within each sample, positions
-    restart); the multiset of per-token losses shows a leak across samples."""
+    """Samples of mixed lengths packed into one row, attended per sample: every trained
+    token's loss the same as padded (attention stays within each sample, positions restart);
+    the multiset of per-token losses shows a leak across samples."""
     torch.manual_seed(0)
     model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model).builder))
     tok = tokenizer(256)
@@ -535,12 +537,18 @@ def test_padding_free_batches_train_each_token_as_padded_batches_do(tmp_path: Pa
     ]
     source = write(rows, tmp_path / "mixed.jsonl")
     samples = list(train_dataset(data(f"dataset.source={source}"), tok))
+    attention = RowAttention.of(model, CPU)  # per sample, in one row
 
     def token_losses(padding_free: bool) -> tuple[torch.Tensor, int]:
-        batch = collate(samples, packed=False, padding_free=padding_free, padding_idx=tok.pad_id)
-        extra = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
+        batch = collate(
+            samples,
+            packed=False,
+            padding_free=padding_free,
+            padding_idx=tok.pad_id,
+            row_limit=attention.row_limit,
+        )
         with torch.no_grad():
-            logits = model(batch["tokens"], **extra)
+            logits = model(batch["tokens"], **attention.inputs(batch, CPU))
         labels = batch["labels"].reshape(-1)
         trained = labels != CROSS_ENTROPY_IGNORE_IDX
         each = torch.nn.functional.cross_entropy(
@@ -550,7 +558,7 @@ def test_padding_free_batches_train_each_token_as_padded_batches_do(tmp_path: Pa
 
     padded, padded_rows = token_losses(False)
     packed, packed_rows = token_losses(True)
-    assert padded_rows == len(samples) and packed_rows <= len(samples) // 2
+    assert padded_rows == len(samples) and packed_rows == 1
     # The same tokens; float32 sums in another order (other row shapes): 1e-5 relative.
     assert packed.shape == padded.shape
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)

@@ -33,7 +33,7 @@ from torch import nn
 
 from runner.data import Split, answer_log_probs, collate, collate_preference, eval_prompts
 from runner.models.attention import RowAttention
-from runner.models.backends import set_output_chunks
+from runner.models.backends import logits_at, set_output_chunks
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.train import parallel
 from runner.train.batches import Batch
@@ -92,11 +92,13 @@ class Supervised:
         for batch in batches:
             tokens = batch["tokens"].to(device)
             labels = batch["labels"].to(device)
-            batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
+            trained = labels != CROSS_ENTROPY_IGNORE_IDX
+            batch_tokens = trained.sum()
             packed = self.attention.inputs(batch, device)
-            with parallel.autocast(self.place):
+            # Logits at the trained positions only: the prompt's would be ignored by the loss.
+            with parallel.autocast(self.place), logits_at(self.model, trained):
                 logits = self.model(tokens, **packed)
-                loss = self._loss(logits, labels) * batch_tokens
+                loss = self._loss(logits, labels[trained].unsqueeze(0)) * batch_tokens
             loss.backward()
             loss_sum += loss.detach()
             num_tokens += batch_tokens
