@@ -16,9 +16,8 @@ the order rotated (a neighbour on the machine hits all alike):
 
 - runner: `runner train model=hf model.source=CKPT dataset=instruct ...` through its CLI, as
   its user gets it: dataset.padding_free packs each batch's samples into one row (positions
-  restarting per sample, SDPA on each sample's span alone), the logits computed at the trained
-  (answer) positions only, fused AdamW. Step times from the step lines of RUN/train.log, losses
-  from RUN/metrics.jsonl (logged every step);
+  restarting per sample, SDPA on each sample's span alone), fused AdamW. Step times from the
+  step lines of RUN/train.log, losses from RUN/metrics.jsonl (logged every step);
 - compiled: the same with `compile=true` (inductor compiles each decoder layer; its first steps
   are slow, and --warmup leaves them out);
 - tune_default: `tune run full_finetune_single_device --config tune.yaml`, FullModelHFCheckpointer
@@ -38,8 +37,8 @@ the order rotated (a neighbour on the machine hits all alike):
   restarting per sample, which transformers' masking turns into a block-causal mask for SDPA,
   on the CPU too), attn_implementation="sdpa" and optim="adamw_torch_fused";
 - bare: a hand-written loop over runner's own batches and attention (the same one row, SDPA
-  per sample, logits at the trained positions): torchtune's builder loaded from CKPT, AdamW,
-  cross-entropy, clip, step. ours/bare is runner's overhead over the same arithmetic;
+  per sample): torchtune's builder loaded from CKPT, AdamW, cross-entropy on the whole logits,
+  clip, step. ours/bare is runner's overhead over the same arithmetic;
 - padded (only when --arms names it): runner with `dataset.padding_free=false`, each batch
   padded to its longest sample: ours/padded is what padding-free batches buy.
 
@@ -533,7 +532,6 @@ def run_bare(spec: dict, out: Path) -> dict:
 
     from runner.data.transforms import collate
     from runner.models.attention import RowAttention
-    from runner.models.backends import logits_at
 
     torch.manual_seed(SEED)
     shape = spec["shape"]
@@ -575,12 +573,11 @@ def run_bare(spec: dict, out: Path) -> dict:
             padding_idx=spec["pad_id"],
             row_limit=attention.row_limit,
         )
-        # runner's logits: at the trained positions only.
-        trained = batch["labels"] != IGNORE_INDEX
-        with logits_at(model, trained):
-            logits = model(batch["tokens"], **attention.inputs(batch, torch.device("cpu")))
+        logits = model(batch["tokens"], **attention.inputs(batch, torch.device("cpu")))
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), batch["labels"][trained]
+            logits.reshape(-1, logits.size(-1)),
+            batch["labels"].reshape(-1),
+            ignore_index=IGNORE_INDEX,
         )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)

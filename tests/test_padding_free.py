@@ -178,9 +178,12 @@ def test_attention_per_sample_is_sdpa_under_the_dense_mask(
     samples = Samples.of(input_pos)
     rows, width = input_pos.shape
     assert len(samples.rows) == rows
-    for spans in samples.rows:  # each row covered, in order
-        assert spans[0][0] == 0 and spans[-1][1] == width
-        assert all(end == start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    for runs in samples.rows:  # each row covered, in order, by runs of equal-length samples
+        ends = [start + length * count for start, length, count in runs]
+        assert [start for start, _, _ in runs] == [0, *ends[:-1]] and ends[-1] == width
+        assert all(a[1] != b[1] for a, b in zip(runs, runs[1:], strict=False))
+    # pack_rows puts the samples longest first: those of one length share a run.
+    assert any(count > 1 for runs in samples.rows for _, _, count in runs)
     torch.manual_seed(0)
     q, k, v = (torch.randn(rows, 2, width, 8, requires_grad=True) for _ in range(3))
     mask = dense_block_causal_mask(input_pos)[:, None]

@@ -61,10 +61,12 @@ def flex_block_causal_mask(input_pos: torch.Tensor) -> BlockMask:
 @dataclass(frozen=True)
 class Samples:
     """Where each sample of a batch lies, as the mask of attention per sample: for each row,
-    the (start, end) of its samples in order, covering the row (a pack's trailing padding
-    joins its last sample, as in `_documents`)."""
+    its samples in order as runs of equal length, (start, length, count), covering the row (a
+    pack's trailing padding joins its last sample, as in `_documents`). pack_rows puts a
+    batch's samples longest first, so samples of one length lie side by side and a run's
+    attention is one SDPA call (all of a batch's, where every sample is as long)."""
 
-    rows: tuple[tuple[tuple[int, int], ...], ...]
+    rows: tuple[tuple[tuple[int, int, int], ...], ...]
 
     @classmethod
     def of(cls, input_pos: torch.Tensor) -> Samples:
@@ -73,7 +75,14 @@ class Samples:
         rows = []
         for starts in (input_pos == 0).tolist():
             begins = [i for i, start in enumerate(starts) if start or i == 0]
-            rows.append(tuple(zip(begins, [*begins[1:], width], strict=True)))
+            runs: list[tuple[int, int, int]] = []
+            for begin, end in zip(begins, [*begins[1:], width], strict=True):
+                if runs and runs[-1][1] == end - begin:
+                    start, length, count = runs[-1]
+                    runs[-1] = (start, length, count + 1)
+                else:
+                    runs.append((begin, end - begin, 1))
+            rows.append(tuple(runs))
         return cls(tuple(rows))
 
     # Runs eagerly under torch.compile: the spans are Python numbers that change every batch,
@@ -83,23 +92,25 @@ class Samples:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
     ) -> torch.Tensor:
         """Causal SDPA over each sample's span of q, k, v ([rows, heads, s, head_dim]) alone."""
-        rows = [
-            torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        q[r : r + 1, :, start:end],
-                        k[r : r + 1, :, start:end],
-                        v[r : r + 1, :, start:end],
-                        dropout_p=dropout_p,
-                        is_causal=True,
-                    )
-                    for start, end in spans
-                ],
-                dim=2,
-            )
-            for r, spans in enumerate(self.rows)
-        ]
-        return torch.cat(rows, dim=0)
+        rows = []
+        for r, runs in enumerate(self.rows):
+            pieces = []
+            for start, length, count in runs:
+                # The run's samples of row r, as a batch: [count, heads, length, head_dim].
+                q_run, k_run, v_run = (
+                    x[r, :, start : start + length * count].unflatten(1, (count, length))
+                    for x in (q, k, v)
+                )
+                out = F.scaled_dot_product_attention(
+                    q_run.transpose(0, 1),
+                    k_run.transpose(0, 1),
+                    v_run.transpose(0, 1),
+                    dropout_p=dropout_p,
+                    is_causal=True,
+                )
+                pieces.append(out.transpose(0, 1).flatten(1, 2))
+            rows.append(torch.cat(pieces, dim=1))
+        return torch.stack(rows)
 
 
 def _per_sample(original: AttentionCall) -> AttentionCall:

@@ -33,7 +33,7 @@ from torch import nn
 
 from runner.data import Split, answer_log_probs, collate, collate_preference, eval_prompts
 from runner.models.attention import RowAttention
-from runner.models.backends import logits_at, set_output_chunks
+from runner.models.backends import set_output_chunks
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from runner.train import parallel
 from runner.train.batches import Batch
@@ -92,13 +92,11 @@ class Supervised:
         for batch in batches:
             tokens = batch["tokens"].to(device)
             labels = batch["labels"].to(device)
-            trained = labels != CROSS_ENTROPY_IGNORE_IDX
-            batch_tokens = trained.sum()
+            batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
             packed = self.attention.inputs(batch, device)
-            # Logits at the trained positions only: the prompt's would be ignored by the loss.
-            with parallel.autocast(self.place), logits_at(self.model, trained):
+            with parallel.autocast(self.place):
                 logits = self.model(tokens, **packed)
-                loss = self._loss(logits, labels[trained].unsqueeze(0)) * batch_tokens
+                loss = self._loss(logits, labels) * batch_tokens
             loss.backward()
             loss_sum += loss.detach()
             num_tokens += batch_tokens

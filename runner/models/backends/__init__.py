@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.models.backends.base import Backend, LoraBuild, logits_at, set_output_chunks
+from runner.models.backends.base import Backend, LoraBuild, set_output_chunks
 
-__all__ = ["BACKENDS", "Backend", "LoraBuild", "backend_for", "logits_at", "set_output_chunks"]
+__all__ = ["BACKENDS", "Backend", "LoraBuild", "backend_for", "set_output_chunks"]
 
 BACKENDS = ("torchtune", "transformers")
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -25,39 +24,6 @@ def set_output_chunks(model: nn.Module, num_output_chunks: int) -> None:
     CEWithChunkedOutputLoss takes them (0: whole)."""
     assert isinstance(model, ChunkedOutput), f"{type(model).__name__} is no backend's model"
     model.set_num_output_chunks(num_output_chunks)
-
-
-@runtime_checkable
-class SelectsOutput(Protocol):
-    """A model that projects its last hidden state at the given positions only (transformers'
-    CausalLM); torchtune's decoder is given a hook on its final norm instead."""
-
-    output_positions: torch.Tensor | None
-
-
-@contextlib.contextmanager
-def logits_at(model: nn.Module, positions: torch.Tensor) -> Iterator[None]:
-    """Within it, either backend's `model` computes its logits at `positions` ([rows, s]
-    booleans) only: one row of them, in order ([1, positions.sum(), vocab], or chunks of it).
-    Where a step trains only the answer tokens, the output projection (the vocabulary's
-    width: a fifth of a 1B Llama's arithmetic a token) is not computed at the prompt's."""
-    if isinstance(model, SelectsOutput):
-        model.output_positions = positions
-        try:
-            yield
-        finally:
-            model.output_positions = None
-        return
-
-    def select(_norm: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return (args[0][positions].unsqueeze(0),)
-
-    # torchtune's decoder applies its final norm position by position, then the output.
-    handle = model.get_submodule("norm").register_forward_pre_hook(select)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,6 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         self.num_output_chunks = 0
-        # Where the logits are computed (runner.models.backends.logits_at): None, everywhere.
-        self.output_positions: torch.Tensor | None = None
 
     def set_num_output_chunks(self, num_output_chunks: int) -> None:
         self.num_output_chunks = num_output_chunks
@@ -66,8 +64,6 @@ class CausalLM(nn.Module):
             raise ValueError("the transformers backend takes no packed batches")
         lm = self.causal_lm()
         hidden = lm.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
-        if self.output_positions is not None:
-            hidden = hidden[self.output_positions].unsqueeze(0)
         head = lm.get_output_embeddings()
         if self.num_output_chunks == 0:
             return self._finish(head(hidden))
