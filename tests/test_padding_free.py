@@ -239,5 +239,5 @@ def test_how_each_model_attends_within_rows_on_the_cpu() -> None:
 @pytest.mark.gpu
 def test_cuda_takes_a_block_mask_except_for_gemma2() -> None:
     cuda = torch.device("cuda")
-    assert RowAttention.of(tiny_llama(vocab_size=64), cuda) == RowAttention("flex", 256)
+    assert RowAttention.of(tiny_llama(vocab_size=64), cuda) == RowAttention("flex", None)
     assert RowAttention.of(tiny_gemma2(vocab_size=64), cuda) == RowAttention("dense", None)

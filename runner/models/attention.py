@@ -4,7 +4,8 @@ start at 0 (input_pos), and the mask that keeps them apart is made from them in 
 the form the model's attention takes best on its device (`RowAttention`):
 
 - "flex": a flex-attention BlockMask, which computes only the blocks that hold a visible
-  position (torchtune's attention on CUDA of compute capability 7.5 and up);
+  position (torchtune's attention on CUDA of compute capability 7.5 and up); its rows stay as
+  long as their longest sample, as create_block_mask builds the dense mask first;
 - "samples": no mask at all: SDPA runs causal on each sample's span alone (`Samples`), so no
   position is computed against another sample's and the rows can be as long as the model
   takes (everywhere else torchtune's MultiHeadAttention runs: the CPU, older GPUs);
@@ -160,7 +161,7 @@ class RowAttention:
         if not attentions or not isinstance(limit, int):  # not torchtune's decoder
             return cls("dense", None)
         if device.type == "cuda" and SUPPORTS_FLEX_ATTENTION:
-            return cls("flex", limit)
+            return cls("flex", None)
         for module in attentions:
             if not getattr(module._attention_call, "per_sample", False):
                 module._attention_call = _per_sample(module._attention_call)

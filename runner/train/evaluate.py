@@ -48,7 +48,7 @@ def loss_sums(
     for batch in batches:
         tokens = batch["tokens"].to(device)
         labels = batch["labels"].to(device)
-        # A packed batch carries its positions (and its block-causal mask, or one is made).
+        # Rows of several samples get their positions and the mask the model takes.
         packed = attention.inputs(batch, device)
         logits = model(tokens, **packed)
         # A chunked output (for CEWithChunkedOutputLoss) is split along the sequence.
