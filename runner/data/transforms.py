@@ -208,8 +208,9 @@ def pack_rows(
         rows = _first_fit(lengths, max(lengths))
     else:
         rows = _fewest_rows(lengths, max(row_limit, *lengths))
-    width = max(sum(lengths[i] for i in members) for members in rows)
-    room = [width - sum(lengths[i] for i in members) for members in rows]
+    fills = [sum(lengths[i] for i in members) for members in rows]
+    width = max(fills)
+    room = [width - fill for fill in fills]
     packs = []
     for members, free in zip(rows, room, strict=True):
         seq_lens = [lengths[i] for i in members] + ([free] if free else [])

@@ -32,10 +32,12 @@ def loss_sums(
     model: torch.nn.Module,
     batches: Iterable[dict[str, torch.Tensor]],
     *,
+    attention: RowAttention,
     ignore_index: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """[summed cross-entropy, correct argmax tokens, counted tokens] over `batches`.
+    """[summed cross-entropy, correct argmax tokens, counted tokens] over `batches`, whose rows
+    of several samples were laid out for `attention` (the training objective's).
 
     Labels are the next tokens already (shifted by the collate), with `ignore_index` where
     training ignores them too. Sums, not means, so that ranks and batches add up; float64 so
@@ -44,7 +46,6 @@ def loss_sums(
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
-    attention = RowAttention.of(model, device)
     for batch in batches:
         tokens = batch["tokens"].to(device)
         labels = batch["labels"].to(device)

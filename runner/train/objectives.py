@@ -129,7 +129,11 @@ class Supervised:
         if any(name in wanted for name in LOSS_METRICS):
             batches = self._validation_batches(shares)
             sums = loss_sums(
-                self.model, batches, ignore_index=CROSS_ENTROPY_IGNORE_IDX, device=device
+                self.model,
+                batches,
+                attention=self.attention,
+                ignore_index=CROSS_ENTROPY_IGNORE_IDX,
+                device=device,
             )
             if self.place.world_size > 1:
                 dist.all_reduce(sums)
