@@ -44,7 +44,9 @@ from torchtune.datasets._sft import SFTTransform
 from torchtune.models import convert_weights
 from torchtune.models.gemma2._attention import Gemma2Attention
 from torchtune.modules import (
+    FeedForward,
     MultiHeadAttention,
+    RMSNorm,
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
@@ -72,6 +74,7 @@ SUPPORTS_FLEX_ATTENTION: bool = _SUPPORTS_FLEX_ATTENTION
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
+    "FeedForward",
     "FrozenNF4Linear",
     "Gemma2Attention",
     "SUPPORTS_FLEX_ATTENTION",
@@ -91,6 +94,7 @@ __all__ = [
     "Message",
     "OpenAIToMessages",
     "PackedDataset",
+    "RMSNorm",
     "SFTTransform",
     "ShareGPTToMessages",
     "TransformerDecoder",

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from runner.models.activation_memory import keep_fewer_activations
 from runner.models.backends import Backend
 from runner.models.torchtune_boundary import set_activation_checkpointing
 
@@ -66,7 +67,9 @@ def prepare_model(
     activation_checkpointing: bool,
     compile: bool,
 ) -> torch.nn.Module:
-    """Activation checkpointing, FSDP2 sharding over the ranks and compilation, as set."""
+    """Fewer activations kept for backward (runner.models.activation_memory), activation
+    checkpointing, FSDP2 sharding over the ranks and compilation, as set."""
+    keep_fewer_activations(model, place.device)
     if activation_checkpointing:
         set_activation_checkpointing(model, auto_wrap_policy=backend.layer_classes(model))
     if place.world_size > 1:
