@@ -3,7 +3,7 @@ Face Trainer and a bare PyTorch loop, each at its default and at its best, on th
 checkpoint, data and optimizer, in one run.
 
     python scripts/bench_peers.py [--size default] [--lengths mixed] [--repeats 3] [--steps 12]
-                                  [--vocab N]
+                                  [--vocab N] [--preload LIB]
 
 At start it writes one LlamaForCausalLM checkpoint with transformers (random init, seed 0, the
 tiny tokenizer's vocabulary, or --vocab tokens: an output layer as wide as a real model's) and
@@ -46,7 +46,8 @@ All: AdamW (lr, betas, eps, weight decay alike), constant lr with no warmup, cli
 one process, loss logged every step, runner's sample order (DistributedSampler, seed 0, epoch 0;
 tune shuffles the same way). tokens/s is the same measure for all: the samples' own tokens (no
 padding) of the steps after --warmup over the sum of those steps' times, per repeat; the table
-gives its median and range over repeats. Peak RSS is the arm's process tree's (os.wait4).
+gives its median and range over repeats. Peak RSS is the arm's process tree's (os.wait4), under
+glibc's malloc unless --preload gives every arm another allocator.
 Step-1 losses of the arms that train the same batches must agree within 1e-3, else they are not
 training alike. The run ends with one line per ratio of runner's tokens/s to an arm's.
 """
@@ -853,6 +854,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=",".join(DEFAULT_ARMS),
         help=f"comma-separated subset of {','.join(ARMS)} (default: all but padded)",
     )
+    parser.add_argument(
+        "--preload",
+        type=Path,
+        help="a shared library that every arm's processes preload (LD_PRELOAD): another "
+        "allocator (tcmalloc, jemalloc) for all arms alike",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per arm run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     # An arm's own process (hf, bare): reads WORKDIR/spec.json, writes OUT/result.json.
@@ -864,6 +871,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(args.arms) - set(ARMS)
     if unknown:
         parser.error(f"--arms: unknown {sorted(unknown)}; choose from {','.join(ARMS)}")
+    if args.preload and not args.preload.is_file():
+        parser.error(f"--preload {args.preload}: no such file; give the library's path")
     if not 1 <= args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup}: give 1 <= warmup < --steps ({args.steps})")
     return args
@@ -882,6 +891,10 @@ def main(argv: list[str]) -> None:
         return
     print("$ python " + shlex.join([os.path.relpath(__file__), *argv]))
     print(machine_facts(), flush=True)
+    if args.preload:
+        # Inherited by every arm's subprocess (this process keeps the allocator it started with).
+        os.environ["LD_PRELOAD"] = str(args.preload.resolve())
+        print(f"every arm preloads {os.environ['LD_PRELOAD']}")
     if os.getloadavg()[0] > QUIET_LOAD:
         print(
             f"WARNING: load average {os.getloadavg()[0]:.2f} > {QUIET_LOAD}: the machine is "
