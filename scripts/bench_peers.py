@@ -39,6 +39,9 @@ the order rotated (a neighbour on the machine hits all alike):
 - bare: a hand-written loop over runner's own batches and attention (the same one row, SDPA
   per sample): torchtune's builder loaded from CKPT, AdamW, cross-entropy on the whole logits,
   clip, step. ours/bare is runner's overhead over the same arithmetic;
+- capped (only when --arms names it): runner with `dataset.max_forward_tokens` at the
+  positions of tune_best's step (its packs' width x packs a step): a batch with more tokens runs
+  as several forward passes within its step, so that no forward holds more than tune_best's;
 - padded (only when --arms names it): runner with `dataset.padding_free=false`, each batch
   padded to its longest sample: ours/padded is what padding-free batches buy.
 
@@ -83,6 +86,7 @@ ARMS = (
     "hf_best",
     "bare",
     "padded",
+    "capped",
 )
 DEFAULT_ARMS = ARMS[:7]
 # The peers' arms: (tool, at its best).
@@ -97,8 +101,14 @@ RATIO_ARMS = ("tune_best", "hf_best", "tune_default", "hf_default", "bare", "pad
 # runner's arms besides its defaults: `compile=true` (inductor on each decoder layer; off by
 # default: it costs seconds of start-up that only runs of hundreds of steps recoup), and
 # `dataset.padding_free=false` (each batch padded to its longest sample, as before
-# padding-free batches: what they buy; not run unless --arms names it).
-RUNNER_ARMS = {"runner": [], "compiled": ["compile=true"], "padded": ["dataset.padding_free=false"]}
+# padding-free batches: what they buy), and dataset.max_forward_tokens (capped; these two are
+# not run unless --arms names them).
+RUNNER_ARMS = {
+    "runner": [],
+    "compiled": ["compile=true"],
+    "padded": ["dataset.padding_free=false"],
+    "capped": [],  # dataset.max_forward_tokens: runner_arm_overrides
+}
 # Llama shapes: hidden, layers, heads, kv heads, MLP width. default is ~25M parameters, so that
 # compute, not per-step overhead, decides on 2 CPU cores.
 SIZES = {
@@ -322,6 +332,15 @@ def runner_overrides(spec: dict) -> list[str]:
         f"clip_grad_norm={CLIP_GRAD_NORM}",
         f"seed={SEED}",
     ]
+
+
+def runner_arm_overrides(arm: str, spec: dict) -> list[str]:
+    """What a runner arm sets beyond the defaults; capped: forward passes of at most as many
+    tokens as tune_best's step holds positions (its packs' width x packs a step)."""
+    if arm == "capped":
+        packs = spec["tune_packs"]
+        return [f"dataset.max_forward_tokens={packs['max_seq_len'] * packs['batch_size']}"]
+    return RUNNER_ARMS[arm]
 
 
 def runner_command(spec: dict, run_dir: Path, extra: list[str] = ()) -> list[str]:
@@ -656,7 +675,9 @@ def run_arm(arm: str, workdir: Path, spec: dict, repeat: int, timeout_s: float) 
     log = out / "output.log"
     if arm in RUNNER_ARMS:
         run_dir = out / "run"
-        start, rss = run_child(runner_command(spec, run_dir, RUNNER_ARMS[arm]), log, timeout_s)
+        start, rss = run_child(
+            runner_command(spec, run_dir, runner_arm_overrides(arm, spec)), log, timeout_s
+        )
         result = read_runner(run_dir, start)
     elif PEER_ARMS.get(arm, ("",))[0] == "tune":
         best = PEER_ARMS[arm][1]

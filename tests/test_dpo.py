@@ -328,6 +328,7 @@ def test_bad_preference_inputs_are_refused_by_name(runner_cli, tmp_path: Path) -
         ("method.beta=-0.5", "method.beta"),
         ("method.loss=kto", "method.loss"),
         ("method.label_smoothing=0.7", "method.label_smoothing"),
+        ("dataset.max_forward_tokens=512", "dataset.max_forward_tokens"),
     ):
         message = user_error(
             runner_cli("validate", *quick, "method=dpo", "dataset=preference", override)

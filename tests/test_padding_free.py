@@ -12,7 +12,7 @@ import pytest
 import torch
 from torchtune.modules.attention_utils import create_block_causal_mask  # the reference
 
-from runner.data.transforms import InstructToMessages, collate, pack_rows
+from runner.data.transforms import InstructToMessages, collate, forward_parts, pack_rows
 from runner.models.attention import (
     RowAttention,
     Samples,
@@ -239,3 +239,55 @@ def test_cuda_takes_a_block_mask_except_for_gemma2() -> None:
     cuda = torch.device("cuda")
     assert RowAttention.of(tiny_llama(vocab_size=64), cuda) == RowAttention("flex", None)
     assert RowAttention.of(tiny_gemma2(vocab_size=64), cuda) == RowAttention("dense", None)
+
+
+def one_step(samples: list[dict[str, Any]], max_forward_tokens: int | None) -> tuple:
+    """One optimizer step (SGD, lr 1: the weights move by the step's gradient) of the
+    supervised objective over `samples` as one padding-free batch: its loss, the weights after
+    it, and the forward passes it ran with their widths."""
+    from omegaconf import OmegaConf
+
+    from runner.train.objectives import Supervised
+    from runner.train.optimization import Optimization
+    from runner.train.parallel import Placement
+
+    torch.manual_seed(0)
+    model = tiny_llama(ChatTokenizer(str(TINY_TOKENIZER_DIR)).vocab_size)
+    place = Placement(0, 1, CPU, torch.float32, torch.float32)
+    dataset = {"packing": False, "padding_free": True, "max_forward_tokens": max_forward_tokens}
+    objective = Supervised(
+        place,
+        ChatTokenizer(str(TINY_TOKENIZER_DIR)),
+        dataset=OmegaConf.create(dataset),
+        method=OmegaConf.create({}),
+    )
+    objective.attach(model, torch.nn.CrossEntropyLoss(ignore_index=-100), None)
+    sgd = {"_component_": "torch.optim.SGD", "lr": 1.0, "warmup_steps": 0, "cosine_decay": False}
+    optim = Optimization(
+        OmegaConf.create(sgd), model.parameters(), total_steps=1, clip_grad_norm=None
+    )
+    forwards: list[tuple[int, int]] = []
+    model.register_forward_pre_hook(lambda _, args: forwards.append(tuple(args[0].shape)))
+    loss, _ = objective.step([objective.collate(samples)], optim)
+    return loss, [p.detach().clone() for p in model.parameters()], forwards
+
+
+def test_a_batch_over_max_forward_tokens_runs_in_parts_with_the_same_step(
+    content_first_samples: list[dict[str, Any]],
+) -> None:
+    whole_loss, whole_weights, whole_forwards = one_step(content_first_samples, None)
+    cap = max(len(s["tokens"]) for s in content_first_samples) + 4
+    parts_loss, parts_weights, parts_forwards = one_step(content_first_samples, cap)
+    assert len(whole_forwards) == 1 and len(parts_forwards) > 1
+    assert all(rows * width <= cap for rows, width in parts_forwards)
+    # The same sums in another grouping: fp32 rounding of the loss and of each gradient.
+    assert torch.allclose(whole_loss, parts_loss, rtol=1e-6)
+    for whole, parts in zip(whole_weights, parts_weights, strict=True):
+        assert torch.allclose(whole, parts, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_parts_take_whole_rows_up_to_the_cap() -> None:
+    batch = {"tokens": torch.zeros(5, 10), "labels": torch.ones(5, 10)}
+    assert forward_parts(batch, None) == [batch] and forward_parts(batch, 50) == [batch]
+    assert [p["tokens"].shape[0] for p in forward_parts(batch, 25)] == [2, 2, 1]
+    assert [p["labels"].shape[0] for p in forward_parts(batch, 7)] == [1] * 5  # a row alone

@@ -65,3 +65,14 @@ def test_estimate_cli(runner_cli) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "1,051,776 parameters, fp32, cpu x 1" in result.stdout
     assert "optimizer steps per epoch" in result.stdout
+
+
+def test_estimate_counts_the_activations_of_one_forward_pass(tmp_path: Path) -> None:
+    base = ["compute=cpu", "dtype=fp32", "batch_size=16", ESTIMATE_DATA]
+    whole = estimate(resolve_recipe(compose_train(base), tmp_path))
+    assert whole.longest_sample is not None and whole.activations_bytes is not None
+    # Room for four of the longest samples in one forward pass: a quarter of the batch's.
+    cap = f"dataset.max_forward_tokens={4 * whole.longest_sample}"
+    parts = estimate(resolve_recipe(compose_train([*base, cap]), tmp_path))
+    assert parts.activations_bytes is not None
+    assert parts.activations_bytes * 4 == whole.activations_bytes

@@ -58,6 +58,8 @@ class Dataset:
     packing: bool = flag(False)
     # Null: on wherever it is correct (padding_free).
     padding_free: Optional[bool] = flag(None)
+    # The most tokens one forward pass takes (null: a whole batch in one).
+    max_forward_tokens: Optional[int] = integer(None, 1)
     # Processes that tokenize and collate batches beside each training process (null: by device,
     # loader_workers()).
     num_workers: Optional[int] = integer(None, 0)
@@ -87,6 +89,7 @@ class DatasetRecipe:
     max_seq_len: int = MISSING
     packing: bool = False
     padding_free: bool = False
+    max_forward_tokens: Optional[int] = None
     num_workers: int = 0
     streaming: bool = False
     shuffle_buffer: int = 10000
@@ -132,6 +135,13 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
         raise UserError(
             "dataset.packing", True, "preference pairs are not packed; set dataset.packing=false"
         )
+    if kind == "preference" and dataset.max_forward_tokens is not None:
+        raise UserError(
+            "dataset.max_forward_tokens",
+            dataset.max_forward_tokens,
+            "a preference pair's chosen and rejected answers run in one forward pass; set "
+            "dataset.max_forward_tokens=null",
+        )
     data_format = source_format("dataset.source", source, dataset.format)
     if dataset.streaming:
         _check_stream(dataset, data_format)
@@ -147,6 +157,7 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
         new_system_prompt=dataset.new_system_prompt if kind != "text" else None,
         max_seq_len=max_seq_len or model_max_seq_len,
         packing=dataset.packing,
+        max_forward_tokens=dataset.max_forward_tokens,
         streaming=dataset.streaming,
         shuffle_buffer=dataset.shuffle_buffer,
         validation=_validation(dataset.validation),

@@ -28,7 +28,12 @@ from runner.data.splits import (
     training_splits,
     validation_split,
 )
-from runner.data.transforms import CROSS_ENTROPY_IGNORE_IDX, TokenizedSplit, collate
+from runner.data.transforms import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    TokenizedSplit,
+    collate,
+    forward_parts,
+)
 
 __all__ = [
     "COLUMNS",
@@ -46,6 +51,7 @@ __all__ = [
     "TokenizedSplit",
     "check_datasets",
     "collate",
+    "forward_parts",
     "eval_prompts",
     "local_source",
     "source_format",

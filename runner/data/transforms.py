@@ -191,6 +191,19 @@ def collate(
     return batch
 
 
+def forward_parts(batch: dict[str, Any], max_tokens: int | None) -> list[dict[str, Any]]:
+    """The batch as the forward passes it runs in: runs of its rows of at most `max_tokens`
+    tokens (padding included) each, at least one row each; the whole batch without a cap."""
+    rows, width = batch["tokens"].shape
+    if max_tokens is None or rows * width <= max_tokens:
+        return [batch]
+    per_part = max(1, max_tokens // width)
+    return [
+        {key: value[start : start + per_part] for key, value in batch.items()}
+        for start in range(0, rows, per_part)
+    ]
+
+
 def pack_rows(
     samples: list[dict[str, Any]], padding_idx: int, row_limit: int | None = None
 ) -> list[dict[str, torch.Tensor]]:

@@ -31,7 +31,14 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from runner.data import Split, answer_log_probs, collate, collate_preference, eval_prompts
+from runner.data import (
+    Split,
+    answer_log_probs,
+    collate,
+    collate_preference,
+    eval_prompts,
+    forward_parts,
+)
 from runner.models.attention import RowAttention
 from runner.models.backends import set_output_chunks
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
@@ -74,12 +81,17 @@ class Supervised:
         return self._collate(samples, packed=self.dataset.packing)
 
     def _collate(self, samples: list[dict[str, Any]], *, packed: bool) -> Batch:
+        # Padding-free rows no longer than one forward pass takes (rows without a limit are as
+        # long as their longest sample already).
+        row_limit, cap = self.attention.row_limit, self.dataset.max_forward_tokens
+        if row_limit is not None and cap is not None:
+            row_limit = min(row_limit, cap)
         return collate(
             samples,
             packed=packed,
             padding_free=self.dataset.padding_free,
             padding_idx=self.tokenizer.pad_id,
-            row_limit=self.attention.row_limit,
+            row_limit=row_limit,
         )
 
     def step(self, batches: list[Batch], optim: Optimization) -> tuple[torch.Tensor, int]:
@@ -89,7 +101,8 @@ class Supervised:
         loss_sum = torch.zeros((), device=device)
         num_tokens = torch.zeros((), device=device)
         seen_tokens = 0
-        for batch in batches:
+        parts = (p for b in batches for p in forward_parts(b, self.dataset.max_forward_tokens))
+        for batch in parts:
             tokens = batch["tokens"].to(device)
             labels = batch["labels"].to(device)
             batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()

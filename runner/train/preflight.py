@@ -282,10 +282,18 @@ def _sample_tokens(sample: dict[str, Any]) -> int:
     return len(sample["chosen_tokens"]) + len(sample["rejected_tokens"])
 
 
+def _forward_samples(recipe: DictConfig, seq: int) -> int:
+    """How many `seq`-token samples one forward pass takes: the batch, or as many of its rows as
+    dataset.max_forward_tokens holds (one at least)."""
+    cap, batch = recipe.dataset.max_forward_tokens, int(recipe.batch_size)
+    return batch if cap is None else max(1, min(batch, int(cap) // seq))
+
+
 def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
     """(activation values kept for backward, bytes of the fp32 logits) for a full batch of
-    `seq`-token samples (Korthikanti et al. count bytes at 2 a value)."""
-    builder, batch = recipe.model.builder, recipe.batch_size
+    `seq`-token samples (Korthikanti et al. count bytes at 2 a value), as many as one forward
+    pass takes (dataset.max_forward_tokens)."""
+    builder, batch = recipe.model.builder, _forward_samples(recipe, seq)
     hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
     per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) / 2
     kept = layers * seq * batch * hidden + per_layer
@@ -329,9 +337,10 @@ def print_estimate(recipe: DictConfig, found: Estimate) -> None:
         )
         print(f"total          at least {_gib(found.total_bytes)} per device")
         return
+    assert found.longest_sample is not None  # measured with the activations
     print(
-        f"activations    {_gib(found.activations_bytes)} per device (batch "
-        f"{recipe.batch_size} x {found.longest_sample} tokens)"
+        f"activations    {_gib(found.activations_bytes)} per device (a forward pass of "
+        f"{_forward_samples(recipe, found.longest_sample)} x {found.longest_sample} tokens)"
     )
     print(f"total          {_gib(found.total_bytes)} per device")
     assert found.total_by_dtype is not None  # measured with the activations
