@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -70,12 +69,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--size", choices=bench_peers.SIZES, default="default")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as work:
-        checkpoint, data = Path(work, "checkpoint"), Path(work, "train.jsonl")
-        checkpoint.mkdir()
-        bench_peers.write_checkpoint(checkpoint, args.size)
-        bench_peers.write_data(data, BATCH * STEPS, args.lengths)
-        samples = bench_peers.tokenize(checkpoint, data)
+    samples = bench_peers.tokenized_samples(args.size, BATCH * STEPS, args.lengths)
     arms = {"plain": build(args.size, lean=False), "lean": build(args.size, lean=True)}
     attention = RowAttention.of(arms["plain"][0], CPU)
     RowAttention.of(arms["lean"][0], CPU)

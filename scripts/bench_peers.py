@@ -223,6 +223,17 @@ def tokenize(checkpoint: Path, data: Path) -> list[dict[str, list[int]]]:
     return samples
 
 
+def tokenized_samples(size: str, count: int, lengths: str) -> list[dict[str, list[int]]]:
+    """`count` records of the benchmark's data, tokenized as runner does, with the checkpoint
+    of `size` written to a temporary directory (for the one-process benchmarks beside this)."""
+    with tempfile.TemporaryDirectory() as work:
+        checkpoint, data = Path(work, "checkpoint"), Path(work, "train.jsonl")
+        checkpoint.mkdir()
+        write_checkpoint(checkpoint, size)
+        write_data(data, count, lengths)
+        return tokenize(checkpoint, data)
+
+
 def prepare(
     workdir: Path, size: str, steps: int, batch_size: int, lengths: str, vocab: int | None = None
 ) -> dict:

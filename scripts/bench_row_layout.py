@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,12 +48,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="then profile runner's layout")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as work:
-        checkpoint, data = Path(work, "checkpoint"), Path(work, "train.jsonl")
-        checkpoint.mkdir()
-        bench_peers.write_checkpoint(checkpoint, args.size)
-        bench_peers.write_data(data, BATCH * STEPS, args.lengths)
-        samples = bench_peers.tokenize(checkpoint, data)
+    samples = bench_peers.tokenized_samples(args.size, BATCH * STEPS, args.lengths)
     batches = [samples[i * BATCH : (i + 1) * BATCH] for i in range(STEPS)]
     hidden, layers, heads, kv_heads, mlp = bench_peers.SIZES[args.size]
     torch.manual_seed(bench_peers.SEED)
