@@ -291,3 +291,16 @@ def test_forward_parts_take_whole_rows_up_to_the_cap() -> None:
     assert forward_parts(batch, None) == [batch] and forward_parts(batch, 50) == [batch]
     assert [p["tokens"].shape[0] for p in forward_parts(batch, 25)] == [2, 2, 1]
     assert [p["labels"].shape[0] for p in forward_parts(batch, 7)] == [1] * 5  # a row alone
+
+
+def test_max_forward_tokens_is_refused_with_several_processes(runner_cli) -> None:
+    result = runner_cli(
+        "validate",
+        "compute=cpu",
+        "dtype=fp32",
+        "compute.nproc_per_node=2",
+        "dataset.max_forward_tokens=512",
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "dataset.max_forward_tokens" in result.stderr and "512" in result.stderr
+    assert "set dataset.max_forward_tokens=null" in result.stderr
