@@ -304,3 +304,20 @@ def test_max_forward_tokens_is_refused_with_several_processes(runner_cli) -> Non
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "dataset.max_forward_tokens" in result.stderr and "512" in result.stderr
     assert "set dataset.max_forward_tokens=null" in result.stderr
+
+
+def test_a_forward_pass_with_no_trained_token_adds_nothing(
+    content_first_samples: list[dict[str, Any]],
+) -> None:
+    # The longest sample, its answer cut off: no label trained, so the whole batch's loss is
+    # the others' alone; capped, it is a forward pass of its own whose mean would be nan.
+    longest = max(content_first_samples, key=lambda s: len(s["tokens"]))
+    untrained = {**longest, "tokens": longest["tokens"] * 2}
+    untrained["labels"] = [CROSS_ENTROPY_IGNORE_IDX] * len(untrained["tokens"])
+    samples = [untrained, *content_first_samples]
+    whole_loss, whole_weights, _ = one_step(samples, None)
+    parts_loss, parts_weights, forwards = one_step(samples, len(untrained["tokens"]))
+    assert forwards[0] == (1, len(untrained["tokens"]))  # the untrained sample's own pass
+    assert torch.isfinite(parts_loss) and torch.allclose(whole_loss, parts_loss, rtol=1e-6)
+    for whole, parts in zip(whole_weights, parts_weights, strict=True):
+        assert torch.allclose(whole, parts, rtol=1e-5, atol=1e-6)

@@ -191,7 +191,9 @@ def collate(
     return batch
 
 
-def forward_parts(batch: dict[str, Any], max_tokens: int | None) -> list[dict[str, Any]]:
+def forward_parts(
+    batch: dict[str, torch.Tensor], max_tokens: int | None
+) -> list[dict[str, torch.Tensor]]:
     """The batch as the forward passes it runs in: runs of its rows of at most `max_tokens`
     tokens (padding included) each, at least one row each; the whole batch without a cap."""
     rows, width = batch["tokens"].shape

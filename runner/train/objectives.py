@@ -109,8 +109,11 @@ class Supervised:
             packed = self.attention.inputs(batch, device)
             with parallel.autocast(self.place):
                 logits = self.model(tokens, **packed)
-                loss = self._loss(logits, labels) * batch_tokens
-            loss.backward()
+                # A part with no trained token (an answer cut off by max_seq_len, a forward pass
+                # of prompts alone) adds nothing; its mean over no tokens is nan.
+                weighted = self._loss(logits, labels) * batch_tokens
+                loss = torch.where(batch_tokens > 0, weighted, weighted.new_zeros(()))
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             loss_sum += loss.detach()
             num_tokens += batch_tokens
             seen_tokens += tokens.numel()
