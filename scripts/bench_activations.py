@@ -30,19 +30,13 @@ import bench_peers  # noqa: E402  (the model's shapes and data)
 from runner.data.transforms import collate  # noqa: E402
 from runner.models.activation_memory import keep_fewer_activations  # noqa: E402
 from runner.models.attention import RowAttention  # noqa: E402
-from runner.models.torchtune_boundary import llama3_2_builders  # noqa: E402
 
 BATCH, STEPS = 16, 12
 CPU = torch.device("cpu")
 
 
 def build(size: str, lean: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    hidden, layers, heads, kv_heads, mlp = bench_peers.SIZES[size]
-    torch.manual_seed(bench_peers.SEED)
-    model = llama3_2_builders.llama3_2(
-        vocab_size=264, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-        embed_dim=hidden, intermediate_dim=mlp, max_seq_len=2048, tie_word_embeddings=False,
-    )  # fmt: skip
+    model = bench_peers.random_model(size)
     if lean:
         keep_fewer_activations(model, CPU)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)

@@ -73,6 +73,10 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "runner" / "assets" / "tiny_tokenizer"
@@ -232,6 +236,21 @@ def tokenized_samples(size: str, count: int, lengths: str) -> list[dict[str, lis
         write_checkpoint(checkpoint, size)
         write_data(data, count, lengths)
         return tokenize(checkpoint, data)
+
+
+def random_model(size: str) -> torch.nn.Module:
+    """torchtune's llama3_2 builder at `size`, random init (seed 0), the tiny tokenizer's
+    vocabulary (for the one-process benchmarks beside this)."""
+    import torch
+
+    from runner.models.torchtune_boundary import llama3_2_builders
+
+    hidden, layers, heads, kv_heads, mlp = SIZES[size]
+    torch.manual_seed(SEED)
+    return llama3_2_builders.llama3_2(
+        vocab_size=264, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        embed_dim=hidden, intermediate_dim=mlp, max_seq_len=2048, tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 def prepare(

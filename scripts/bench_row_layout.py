@@ -35,7 +35,6 @@ import bench_peers  # noqa: E402  (the model's shapes and data)
 
 from runner.data.transforms import collate  # noqa: E402
 from runner.models.attention import RowAttention, dense_block_causal_mask  # noqa: E402
-from runner.models.torchtune_boundary import llama3_2_builders  # noqa: E402
 
 LAYOUTS = ("one_row_per_sample", "rows_dense", "one_row_dense")
 BATCH, STEPS = 16, 12
@@ -50,12 +49,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     samples = bench_peers.tokenized_samples(args.size, BATCH * STEPS, args.lengths)
     batches = [samples[i * BATCH : (i + 1) * BATCH] for i in range(STEPS)]
-    hidden, layers, heads, kv_heads, mlp = bench_peers.SIZES[args.size]
-    torch.manual_seed(bench_peers.SEED)
-    model = llama3_2_builders.llama3_2(
-        vocab_size=264, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-        embed_dim=hidden, intermediate_dim=mlp, max_seq_len=2048, tie_word_embeddings=False,
-    )  # fmt: skip
+    model = bench_peers.random_model(args.size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     per_sample = RowAttention.of(model, torch.device("cpu"))
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from runner.models.activation_memory import keep_fewer_activations, rms_norm_is_fused
 from runner.models.torchtune_boundary import FeedForward, RMSNorm, llama3_2_builders
+from tests.conftest import load_script
 
 CPU = torch.device("cpu")
 SHAPE = dict(
@@ -40,19 +41,9 @@ def train_step(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    """Bytes of the tensors the forward keeps for backward, parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        model(tokens)
-    return sum(storages.values())
+    """Bytes of the tensors the forward keeps for backward, parameters left out (the
+    benchmark's own count)."""
+    return int(load_script("bench_activations").saved_bytes(model, {"tokens": tokens}))
 
 
 def test_the_cpu_decomposes_rms_norm() -> None:
