@@ -252,12 +252,13 @@ def one_step(samples: list[dict[str, Any]], max_forward_tokens: int | None) -> t
     from runner.train.parallel import Placement
 
     torch.manual_seed(0)
-    model = tiny_llama(ChatTokenizer(str(TINY_TOKENIZER_DIR)).vocab_size)
+    tokenizer = ChatTokenizer(str(TINY_TOKENIZER_DIR))
+    model = tiny_llama(tokenizer.vocab_size)
     place = Placement(0, 1, CPU, torch.float32, torch.float32)
     dataset = {"packing": False, "padding_free": True, "max_forward_tokens": max_forward_tokens}
     objective = Supervised(
         place,
-        ChatTokenizer(str(TINY_TOKENIZER_DIR)),
+        tokenizer,
         dataset=OmegaConf.create(dataset),
         method=OmegaConf.create({}),
     )
