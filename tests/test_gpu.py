@@ -237,12 +237,15 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path: Path) 
     from runner.deploy.generation import SamplingRequest
     from runner.deploy.loading import load_checkpoint
 
+    # The second wave's long prompt outgrows the first wave's buffers: they are reallocated and
+    # the steps captured again, into a new memory pool (capturing into the released one broke
+    # the caching allocator's count: an INTERNAL ASSERT the first time this served a 1B model).
     path = make_checkpoint(tmp_path / "model", width=256)  # vLLM: heads 64 wide
-    prompts = [[5 + i] * (3 + 4 * i) for i in range(6)]
+    waves = [[[5 + i] * (3 + 4 * i) for i in range(6)], [[9] * 100, [6] * 7]]
     loaded = load_checkpoint(path, device="cuda", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=16)
 
-    async def answers() -> list[str]:
+    async def answers(prompts: list[list[int]]) -> list[str]:
         async def text_of(ids: list[int]) -> str:
             request = SamplingRequest(ids, 12, 0.0, 1.0, 0, [], 1, stream=False)
             return "".join([event.text async for event in engine.submit([request]).events()])
@@ -250,11 +253,14 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path: Path) 
         return list(await asyncio.gather(*map(text_of, prompts)))
 
     try:
-        texts = asyncio.run(answers())
+        texts = asyncio.run(answers(waves[0]))
         assert engine.decode_step.graphs and engine.decode_step.captured >= 1
+        first_buffers = engine._cache.allocation
+        texts += asyncio.run(answers(waves[1]))
+        assert engine._cache.allocation != first_buffers and engine.decode_step.captured >= 1
     finally:
         engine.close()
-    assert texts == _generate_alone(path, prompts, 12)
+    assert texts == _generate_alone(path, [*waves[0], *waves[1]], 12)
 
 
 def test_deploy_engine_vllm_answers_as_generate(tmp_path: Path, hermetic_env) -> None:

@@ -37,7 +37,10 @@ class DecodeStep:
         if not self.graphs:
             return self._forward(cache, window)
         if cache.allocation != self._allocation:  # the graphs hold the old buffers' addresses
+            # Their memory pool goes with them: a pool whose graphs are all gone is released,
+            # and capturing into its handle again breaks the caching allocator's count of it.
             self._captured.clear()
+            self._pool = None
             self._allocation = cache.allocation
         key = (window.rows, window.width)
         if key not in self._captured:
@@ -68,7 +71,9 @@ class DecodeStep:
                 self._forward(cache, window)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the server's threads may touch CUDA meanwhile (a request's generator),
+        # which the default mode ("global") would count as an error in this capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(cache, window)
         self._pool = graph.pool()
         return graph, logits
