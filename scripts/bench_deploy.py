@@ -283,7 +283,12 @@ def _arguments() -> argparse.Namespace:
         "--concurrency", default="1,8,32", help="comma-separated (1 is always measured)"
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
-    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=32,
+        help="requests per concurrency, at least the concurrency (so 128 at 128)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median kept)")
     parser.add_argument(
         "--engines",
@@ -339,8 +344,9 @@ def main() -> None:
         checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
         texts = prompts(max(args.requests, max(args.concurrency)))
         print(
-            f"checkpoint {checkpoint} on {device} ({name}), {dtype}: {len(texts)} requests per "
-            f"concurrency, {args.max_tokens} new tokens each, greedy, "
+            f"checkpoint {checkpoint} on {device} ({name}), {dtype}: {args.requests} requests per "
+            f"concurrency (or the concurrency, where more), {args.max_tokens} new tokens each, "
+            "greedy, "
             f"{torch.get_num_threads()} torch threads, median of {args.repeats} repeats"
         )
         model, tokenizer = load_baseline(checkpoint, device, dtype)
@@ -354,11 +360,14 @@ def main() -> None:
             # Interleaved, so that other work on a shared machine slows every side alike.
             for _ in range(args.repeats):
                 for concurrency in args.concurrency:
+                    # As many requests as clients at least: a wave at 128 is 128 requests, while
+                    # one client at a time (and `generate` at batch 1) needs fewer to settle.
+                    sent = texts[: max(args.requests, concurrency)]
                     for label, measure in local.items():
-                        result = measure(model, tokenizer, texts, args.max_tokens, concurrency)
+                        result = measure(model, tokenizer, sent, args.max_tokens, concurrency)
                         runs[label][concurrency].append(_progress(result))
                     for label, (_, url) in servers.items():
-                        load_run = load(label, url, texts, args.max_tokens, concurrency)
+                        load_run = load(label, url, sent, args.max_tokens, concurrency)
                         runs[label][concurrency].append(_progress(asyncio.run(load_run)))
         finally:
             for process, _ in servers.values():

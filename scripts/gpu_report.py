@@ -17,6 +17,7 @@ Without CUDA it refuses, in one line, before doing anything.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -190,7 +191,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     deploy = [py, str(ROOT / "scripts" / "bench_deploy.py"), "--checkpoint", str(checkpoint)]
     deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
     deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
-    deploy += ["--repeats", "1", "--engines", "runner"]
+    deploy += ["--repeats", "3", "--engines", "runner"]
     return {
         "train runner eager": train
         + train_overrides(args, text, False, out / slug("train runner eager")),
@@ -199,10 +200,17 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         + train_overrides(args, text, True, out / slug("train runner compiled")),
         "train bare compiled": [*bare, "--compile"],
         "deploy": deploy,
-        # The project's ini options ask for pytest-xdist, which the GPU wheels do not bring.
         "pytest -m gpu": [py, "-m", "pytest", "-o", "addopts=", "-ra", "-q", "-m", "gpu"]
+        + pytest_workers()
         + [str(ROOT / "tests" / "test_gpu.py")],
     }
+
+
+def pytest_workers() -> list[str]:
+    """Four pytest-xdist workers, test by test, where xdist is installed (the project's own
+    options run whole files per worker, and test_gpu.py is one file); else none. Each test
+    trains or serves a tiny model, so four share one GPU with room to spare."""
+    return ["-n", "4", "--dist", "load"] if importlib.util.find_spec("xdist") else []
 
 
 def run_stage(name: str, command: list[str], log: Path, budget_s: float) -> Stage:
@@ -345,7 +353,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="steps timed after the warm-up")
     parser.add_argument("--concurrency", default="1,8,32,128", help="deploy's, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=64, help="deploy: new tokens each")
-    parser.add_argument("--requests", type=int, default=128, help="deploy: per concurrency")
+    parser.add_argument(
+        "--requests", type=int, default=16, help="deploy: per concurrency (at least c)"
+    )
     parser.add_argument(
         "--checkpoint", type=Path, help="deploy: a checkpoint (default: the runner eager arm's)"
     )
