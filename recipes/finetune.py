@@ -36,6 +36,7 @@ from runner.data.stream import StreamSplit
 from runner.hub.download import TokenRef
 from runner.models.backends import backend_for, set_output_chunks
 from runner.models.checkpoint import read_training_state
+from runner.models.torchtune_boundary import compile_loss
 from runner.rundir import RunDir
 from runner.train import checkpointing, parallel, process
 from runner.train.batches import Batch, EpochBatches, StreamBatches
@@ -101,6 +102,11 @@ class FinetuneRecipe:
             clip_grad_norm=cfg.clip_grad_norm,
         )
         loss_fn = instantiate(cfg.loss)
+        if cfg.compile:
+            # As torchtune's recipes compile it: for chunked cross-entropy, each chunk's upcast
+            # and cross-entropy fused (the chunking stays eager); any other loss whole.
+            loss_fn = compile_loss(loss_fn, verbose=False)
+            log.info("compiled: each decoder layer, and the loss")
         if hasattr(loss_fn, "num_output_chunks"):
             set_output_chunks(self.model, loss_fn.num_output_chunks)
         self.objective.attach(self.model, loss_fn, reference)

@@ -181,7 +181,8 @@ def test_trains_on_two_processes_with_activation_checkpointing(
 
 
 def test_compiled_layers_train_as_transformers_computes(sources, runner_cli, tmp_path) -> None:
-    """compile=true compiles each decoder layer; step 1's loss is still transformers'."""
+    """compile=true compiles each decoder layer and the loss (as torchtune's recipes do); step
+    1's loss is still transformers'."""
     run = tmp_path / "run"
     result = runner_cli(
         "train",
@@ -193,6 +194,7 @@ def test_compiled_layers_train_as_transformers_computes(sources, runner_cli, tmp
         f"hydra.run.dir={run}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled: each decoder layer, and the loss" in (run / "train.log").read_text()
     # Inductor's fused kernels round differently from eager's, within fp32 noise.
     assert losses(run)[1] == pytest.approx(
         transformers_loss(hf_model(sources["qwen3"]), first_batch(run, 1)), abs=1e-5

@@ -61,6 +61,7 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 from torchtune.training import (
+    compile_loss,
     gather_cpu_state_dict,
     set_activation_checkpointing,
     set_default_dtype,
@@ -78,6 +79,7 @@ __all__ = [
     "FrozenNF4Linear",
     "Gemma2Attention",
     "SUPPORTS_FLEX_ATTENTION",
+    "compile_loss",
     "LoRALinear",
     "MultiHeadAttention",
     "disable_adapter",
