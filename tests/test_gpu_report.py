@@ -74,10 +74,10 @@ def test_defaults_run_every_stage_in_budget_order() -> None:
     args = gpu_report.arguments([])
     assert args.stages == list(gpu_report.SHARES)
     assert (args.budget_min, args.concurrency, args.warmup, args.steps) == (
-        25.0,
+        9.0,
         "1,8,32,128",
-        10,
-        30,
+        5,
+        20,
     )
     assert gpu_report.arguments(["--only", "deploy", "--checkpoint", "c"]).stages == ["deploy"]
     assert gpu_report.arguments(["--only", "pytest,train"]).stages == [
@@ -112,8 +112,8 @@ def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], named: str, capsy
 def test_budgets_split_the_total_and_pass_unused_time_on() -> None:
     names = ["train runner eager", "deploy", "pytest -m gpu"]
     ends = gpu_report.budgets(names, 1500)
-    whole = 0.10 + 0.32 + 0.26
-    assert ends == pytest.approx([1500 * 0.10 / whole, 1500 * 0.42 / whole, 1500])
+    whole = 0.12 + 0.30 + 0.32
+    assert ends == pytest.approx([1500 * 0.12 / whole, 1500 * 0.42 / whole, 1500])
     assert gpu_report.budgets(list(gpu_report.SHARES), 1500)[-1] == pytest.approx(1500)
 
 
@@ -247,14 +247,14 @@ def test_the_bare_torchtune_loop_trains_the_tiny_model_on_the_cpu() -> None:
 def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
     lines = gpu_report.commands(gpu_report.arguments([]), tmp_path)
     runner = lines["train runner eager"]
-    for override in ["compute=gpu", "dtype=bf16", "compile=false", "max_steps=40"]:
+    for override in ["compute=gpu", "dtype=bf16", "compile=false", "max_steps=25"]:
         assert override in runner
-    assert "runtime.log_every_n_steps=10" in runner  # a window per warm-up's worth of steps
+    assert "runtime.log_every_n_steps=5" in runner  # a window per warm-up's worth of steps
     assert f"hydra.run.dir={tmp_path / 'train_runner_eager'}" in runner
     assert "compile=true" in lines["train runner compiled"]
     assert lines["train bare compiled"][-1] == "--compile"
     deploy = " ".join(lines["deploy"])
-    checkpoint = tmp_path / "train_runner_eager" / "checkpoints" / "step_40"
+    checkpoint = tmp_path / "train_runner_eager" / "checkpoints" / "step_25"
     assert (
         f"--checkpoint {checkpoint} --device cuda --dtype bf16 --concurrency 1,8,32,128" in deploy
     )
