@@ -4,6 +4,7 @@ sample to itself."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ def tiny_llama(vocab_size: int) -> torch.nn.Module:
 
 @pytest.fixture
 def content_first_samples(tmp_path: Path) -> list[dict[str, Any]]:
+    return make_content_first_samples(tmp_path)
+
+
+def make_content_first_samples(tmp_path: Path) -> list[dict[str, Any]]:
     """Instruct samples of mixed lengths with train_on_input=true under CONTENT_FIRST: each
     sample's first token is trained (its label is not the ignore index)."""
     template = tmp_path / "content_first.jinja"
@@ -241,20 +246,28 @@ def test_cuda_takes_a_block_mask_except_for_gemma2() -> None:
     assert RowAttention.of(tiny_gemma2(vocab_size=64), cuda) == RowAttention("dense", None)
 
 
-def one_step(samples: list[dict[str, Any]], max_forward_tokens: int | None) -> tuple:
+def one_step(
+    samples: list[dict[str, Any]], max_forward_tokens: int | None, rank: int = 0, ranks: int = 1
+) -> tuple:
     """One optimizer step (SGD, lr 1: the weights move by the step's gradient) of the
     supervised objective over `samples` as one padding-free batch: its loss, the weights after
-    it, and the forward passes it ran with their widths."""
+    it, and the forward passes it ran with their widths. With `ranks` > 1, this process is
+    `rank` of a process group already joined, and the model is sharded as runner shards it."""
     from omegaconf import OmegaConf
 
+    from runner.models.backends.torchtune import TorchtuneBackend
     from runner.train.objectives import Supervised
     from runner.train.optimization import Optimization
-    from runner.train.parallel import Placement
+    from runner.train.parallel import Placement, prepare_model
 
     torch.manual_seed(0)
     tokenizer = ChatTokenizer(str(TINY_TOKENIZER_DIR))
     model = tiny_llama(tokenizer.vocab_size)
-    place = Placement(0, 1, CPU, torch.float32, torch.float32)
+    place = Placement(rank, ranks, CPU, torch.float32, torch.float32)
+    if ranks > 1:
+        prepare_model(
+            model, TorchtuneBackend(None), place, activation_checkpointing=False, compile=False
+        )
     dataset = {"packing": False, "padding_free": True, "max_forward_tokens": max_forward_tokens}
     objective = Supervised(
         place,
@@ -270,7 +283,8 @@ def one_step(samples: list[dict[str, Any]], max_forward_tokens: int | None) -> t
     forwards: list[tuple[int, int]] = []
     model.register_forward_pre_hook(lambda _, args: forwards.append(tuple(args[0].shape)))
     loss, _ = objective.step([objective.collate(samples)], optim)
-    return loss, [p.detach().clone() for p in model.parameters()], forwards
+    weights = [getattr(p, "full_tensor", p.detach)().detach().clone() for p in model.parameters()]
+    return loss, weights, forwards
 
 
 def test_a_batch_over_max_forward_tokens_runs_in_parts_with_the_same_step(
@@ -294,17 +308,48 @@ def test_forward_parts_take_whole_rows_up_to_the_cap() -> None:
     assert [p["labels"].shape[0] for p in forward_parts(batch, 7)] == [1] * 5  # a row alone
 
 
-def test_max_forward_tokens_is_refused_with_several_processes(runner_cli) -> None:
-    result = runner_cli(
-        "validate",
-        "compute=cpu",
-        "dtype=fp32",
-        "compute.nproc_per_node=2",
-        "dataset.max_forward_tokens=512",
-    )
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "dataset.max_forward_tokens" in result.stderr and "512" in result.stderr
-    assert "set dataset.max_forward_tokens=null" in result.stderr
+def _rank_step(rank: int, port: int, out: Path, cap: int | None) -> None:
+    """Rank `rank` of two gloo processes on loopback: one capped step over its share of the
+    samples (rank 0 the first two, rank 1 the other six), saved to out/rank{rank}.pt."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        samples = make_content_first_samples(out)
+        share = samples[:2] if rank == 0 else samples[2:]
+        loss, weights, forwards = one_step(share, cap, rank, 2)
+        torch.save({"loss": loss, "weights": weights, "forwards": forwards}, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_max_forward_tokens_with_two_processes_keeps_the_ranks_in_step(tmp_path: Path) -> None:
+    # Two real processes sharded by FSDP2: rank 1's six samples need more capped forward passes
+    # than rank 0's two, so rank 0 runs passes that train nothing to meet its collectives. The
+    # step is still one process's step over all eight samples (a per-token mean).
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    samples = make_content_first_samples(tmp_path)
+    cap = max(len(s["tokens"]) for s in samples) + 4
+    ranks = mp.spawn(_rank_step, args=(free_port(), tmp_path, cap), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:  # a rank waits in a collective the other never joins
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two ranks did not finish one step in 120 s")
+    saved = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    passes = [len(r["forwards"]) for r in saved]
+    alone = len(one_step(samples[:2], cap)[2])  # rank 0's share's own passes
+    assert passes[0] == passes[1] > alone
+    whole_loss, whole_weights, _ = one_step(samples, None)
+    for rank in saved:
+        # The same sums in another grouping and order: fp32 rounding.
+        assert torch.allclose(rank["loss"], whole_loss, rtol=1e-6)
+        for whole, got in zip(whole_weights, rank["weights"], strict=True):
+            assert torch.allclose(whole, got, rtol=1e-5, atol=1e-6)
 
 
 def test_a_forward_pass_with_no_trained_token_adds_nothing(

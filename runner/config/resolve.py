@@ -31,7 +31,6 @@ from runner.config.model import ModelRecipe, resolve_model
 from runner.config.optimizer import resolve_optimizer
 from runner.config.runtime import resolve_runtime
 from runner.config.schema import Recipe, Training, typed
-from runner.errors import UserError
 from runner.hub.download import Hub, localize
 
 
@@ -91,15 +90,6 @@ def _dataset(dataset: DictConfig, model: ModelRecipe, compute: ComputeRecipe) ->
     the device (its loader workers); the tokenizer cuts samples at its max_seq_len."""
     resolved = resolve_dataset(dataset, model.builder["max_seq_len"])
     resolved.padding_free = padding_free(resolved, dataset.padding_free, model)
-    if resolved.max_forward_tokens is not None and compute.nproc_per_node * compute.nnodes > 1:
-        # Each rank would run as many forward passes as its own batch needs, and FSDP's
-        # collectives need every rank in each.
-        raise UserError(
-            "dataset.max_forward_tokens",
-            resolved.max_forward_tokens,
-            "it runs in one process for now (ranks would run different numbers of forward "
-            "passes); set dataset.max_forward_tokens=null with several processes",
-        )
     check_packing(resolved.packing, model, compute.device)
     resolved.num_workers = loader_workers(dataset.num_workers, compute.device)
     if model.tokenizer is not None:

@@ -101,7 +101,9 @@ class Supervised:
         loss_sum = torch.zeros((), device=device)
         num_tokens = torch.zeros((), device=device)
         seen_tokens = 0
-        parts = (p for b in batches for p in forward_parts(b, self.dataset.max_forward_tokens))
+        parts = [p for b in batches for p in forward_parts(b, self.dataset.max_forward_tokens)]
+        for _ in range(self._passes_behind(len(parts))):
+            self._pass_training_nothing(parts[-1])
         for batch in parts:
             tokens = batch["tokens"].to(device)
             labels = batch["labels"].to(device)
@@ -123,6 +125,31 @@ class Supervised:
         # FSDP averages gradients over ranks; scaling by world/tokens makes it a per-token mean.
         optim.step(self.model, world_size / num_tokens.clamp(min=1))
         return (loss_sum / num_tokens.clamp(min=1)).detach(), seen_tokens * world_size
+
+    def _passes_behind(self, passes: int) -> int:
+        """How many fewer forward passes this rank's step runs than the rank with the most.
+
+        Under dataset.max_forward_tokens each rank splits its own batch, so the counts can
+        differ; FSDP's collectives (in every forward and backward) need every rank in each
+        pass. One all-reduce (and one read of it) per step, only where the cap and several
+        ranks meet."""
+        if self.place.world_size == 1 or self.dataset.max_forward_tokens is None:
+            return 0
+        most = torch.tensor(passes, device=self.place.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item()) - passes
+
+    def _pass_training_nothing(self, batch: Batch) -> None:
+        """A forward and backward pass over one row of `batch` whose gradients are all zero:
+        it meets the other ranks' collectives and adds nothing to the step (the loss is not
+        computed, so no mean over zero tokens enters it)."""
+        row = {key: value[:1] for key, value in batch.items()}
+        packed = self.attention.inputs(row, self.place.device)
+        with parallel.autocast(self.place):
+            logits = self.model(row["tokens"].to(self.place.device), **packed)
+            chunks = logits if isinstance(logits, list) else [logits]
+            nothing = sum(chunk.float().sum() for chunk in chunks) * 0.0
+        nothing.backward()
 
     def _loss(
         self, logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor
