@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from runner.deploy.kv_cache import BatchCache, Window
+from runner.deploy.kv_cache import BatchCache, Window, cache_keyword
 
 
 class DecodeStep:
@@ -22,6 +22,7 @@ class DecodeStep:
 
     def __init__(self, model: PreTrainedModel, *, graphs: bool) -> None:
         self._model = model
+        self._cache_keyword = cache_keyword(model)
         self.graphs = graphs
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._allocation = 0  # BatchCache.allocation of the buffers the graphs were captured over
@@ -55,8 +56,8 @@ class DecodeStep:
             input_ids=cache.ids[:rows],
             attention_mask=cache.mask[:rows, :width],
             position_ids=cache.positions[:rows],
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_keyword: cache},
         ).logits[:, -1, :]
 
     def _capture(

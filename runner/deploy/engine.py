@@ -29,7 +29,7 @@ from runner.deploy.generation import (
     SamplingRequest,
     deliver,
 )
-from runner.deploy.kv_cache import BatchCache
+from runner.deploy.kv_cache import BatchCache, cache_keyword
 from runner.deploy.loading import LoadedModel
 from runner.deploy.text import TextStream
 
@@ -80,6 +80,7 @@ class TransformersEngine:
         graphs = self._device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._padded = graphs if padded is None else padded
         self.decode_step = DecodeStep(loaded.model, graphs=graphs)
+        self._cache_keyword = cache_keyword(loaded.model)
         self._cache: BatchCache | None = None  # the running batch, kept while the engine idles
         self._thread = threading.Thread(target=self._loop, name="deploy-engine", daemon=True)
         self._thread.start()
@@ -187,9 +188,9 @@ class TransformersEngine:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_keyword: cache},
         ).logits[:, -1, :]
         return cache, mask, self._sample(logits, admitted)
 

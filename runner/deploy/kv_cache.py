@@ -212,6 +212,14 @@ def _keys_and_values(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The name under which the model's forward takes a KV cache: `cache` in transformers 5.24
+    and later (which warns at the old name and drops it in 5.40), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def check_supported(model: PreTrainedModel) -> None:
     """Refuse models whose cache holds more than keys and values of attention (linear attention,
     state-space layers): BatchLayer holds full attention, and sliding-window attention as full
