@@ -247,12 +247,19 @@ def test_cuda_takes_a_block_mask_except_for_gemma2() -> None:
 
 
 def one_step(
-    samples: list[dict[str, Any]], max_forward_tokens: int | None, rank: int = 0, ranks: int = 1
+    samples: list[dict[str, Any]],
+    max_forward_tokens: int | None,
+    rank: int = 0,
+    ranks: int = 1,
+    *,
+    evaluate: bool = False,
 ) -> tuple:
     """One optimizer step (SGD, lr 1: the weights move by the step's gradient) of the
     supervised objective over `samples` as one padding-free batch: its loss, the weights after
     it, and the forward passes it ran with their widths. With `ranks` > 1, this process is
-    `rank` of a process group already joined, and the model is sharded as runner shards it."""
+    `rank` of a process group already joined, and the model is sharded as runner shards it.
+    With `evaluate`, also the eval_loss of the same samples as validation after the step and
+    the evaluation's forward passes."""
     from omegaconf import OmegaConf
 
     from runner.models.backends.torchtune import TorchtuneBackend
@@ -284,7 +291,12 @@ def one_step(
     model.register_forward_pre_hook(lambda _, args: forwards.append(tuple(args[0].shape)))
     loss, _ = objective.step([objective.collate(samples)], optim)
     weights = [getattr(p, "full_tensor", p.detach)().detach().clone() for p in model.parameters()]
-    return loss, weights, forwards
+    if not evaluate:
+        return loss, weights, forwards
+    stepped = len(forwards)
+    shares = iter([(samples, len(samples))])
+    evaluated = objective.eval_metrics(shares, None, wanted=["eval_loss"])  # type: ignore[arg-type]
+    return loss, weights, forwards[:stepped], evaluated["eval_loss"], forwards[stepped:]
 
 
 def test_a_batch_over_max_forward_tokens_runs_in_parts_with_the_same_step(
@@ -317,16 +329,18 @@ def _rank_step(rank: int, port: int, out: Path, cap: int | None) -> None:
     try:
         samples = make_content_first_samples(out)
         share = samples[:2] if rank == 0 else samples[2:]
-        loss, weights, forwards = one_step(share, cap, rank, 2)
-        torch.save({"loss": loss, "weights": weights, "forwards": forwards}, out / f"rank{rank}.pt")
+        loss, weights, forwards, eval_loss, evaluated = one_step(share, cap, rank, 2, evaluate=True)
+        saved = {"loss": loss, "weights": weights, "forwards": forwards}
+        torch.save(saved | {"eval_loss": eval_loss, "evaluated": evaluated}, out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 def test_max_forward_tokens_with_two_processes_keeps_the_ranks_in_step(tmp_path: Path) -> None:
     # Two real processes sharded by FSDP2: rank 1's six samples need more capped forward passes
-    # than rank 0's two, so rank 0 runs passes that train nothing to meet its collectives. The
-    # step is still one process's step over all eight samples (a per-token mean).
+    # than rank 0's two, so rank 0 runs passes that train nothing to meet its collectives, in
+    # the step and in the evaluation after it. The step is still one process's step over all
+    # eight samples (a per-token mean), and the evaluation one process's evaluation.
     import torch.multiprocessing as mp
 
     from tests.conftest import free_port
@@ -344,12 +358,14 @@ def test_max_forward_tokens_with_two_processes_keeps_the_ranks_in_step(tmp_path:
     passes = [len(r["forwards"]) for r in saved]
     alone = len(one_step(samples[:2], cap)[2])  # rank 0's share's own passes
     assert passes[0] == passes[1] > alone
-    whole_loss, whole_weights, _ = one_step(samples, None)
+    assert len(saved[0]["evaluated"]) == len(saved[1]["evaluated"])
+    whole_loss, whole_weights, _, whole_eval, _ = one_step(samples, None, evaluate=True)
     for rank in saved:
         # The same sums in another grouping and order: fp32 rounding.
         assert torch.allclose(rank["loss"], whole_loss, rtol=1e-6)
         for whole, got in zip(whole_weights, rank["weights"], strict=True):
             assert torch.allclose(whole, got, rtol=1e-5, atol=1e-6)
+        assert rank["eval_loss"] == pytest.approx(whole_eval, rel=1e-5)
 
 
 def test_a_forward_pass_with_no_trained_token_adds_nothing(

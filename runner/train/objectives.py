@@ -103,7 +103,7 @@ class Supervised:
         seen_tokens = 0
         parts = [p for b in batches for p in forward_parts(b, self.dataset.max_forward_tokens)]
         for _ in range(self._passes_behind(len(parts))):
-            self._pass_training_nothing(parts[-1])
+            self._pass_training_nothing()
         for batch in parts:
             tokens = batch["tokens"].to(device)
             labels = batch["labels"].to(device)
@@ -139,17 +139,23 @@ class Supervised:
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return int(most.item()) - passes
 
-    def _pass_training_nothing(self, batch: Batch) -> None:
-        """A forward and backward pass over one row of `batch` whose gradients are all zero:
-        it meets the other ranks' collectives and adds nothing to the step (the loss is not
+    def _pass_training_nothing(self) -> None:
+        """A forward and backward pass whose gradients are all zero, over one padding token: it
+        meets the other ranks' collectives and adds nothing to the step (the loss is not
         computed, so no mean over zero tokens enters it)."""
-        row = {key: value[:1] for key, value in batch.items()}
-        packed = self.attention.inputs(row, self.place.device)
+        tokens = self._nothing_to_train()["tokens"].to(self.place.device)
         with parallel.autocast(self.place):
-            logits = self.model(row["tokens"].to(self.place.device), **packed)
+            logits = self.model(tokens)
             chunks = logits if isinstance(logits, list) else [logits]
             nothing = sum(chunk.float().sum() for chunk in chunks) * 0.0
         nothing.backward()
+
+    def _nothing_to_train(self) -> Batch:
+        """A batch of one padding token whose label is ignored."""
+        return {
+            "tokens": torch.full((1, 1), self.tokenizer.pad_id, dtype=torch.long),
+            "labels": torch.full((1, 1), CROSS_ENTROPY_IGNORE_IDX, dtype=torch.long),
+        }
 
     def _loss(
         self, logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor
@@ -192,15 +198,20 @@ class Supervised:
             )
         return metrics
 
-    def _validation_batches(self, shares: Shares) -> Iterator[Batch]:
-        """This rank's validation batches; a record that counts for nothing has every label
-        ignored, which adds nothing to the sums."""
+    def _validation_batches(self, shares: Shares) -> list[Batch]:
+        """This rank's validation forward passes (its batches, split as training splits them
+        under dataset.max_forward_tokens); a record that counts for nothing has every label
+        ignored, which adds nothing to the sums. Where the split leaves this rank fewer passes
+        than another, passes of one ignored token make up the count (FSDP's collectives)."""
+        passes: list[Batch] = []
         for samples, counted in shares:
             # The validation split is never packed (padding-free, where training is).
             batch = self._collate(samples, packed=False)
             if counted == 0:
                 batch["labels"].fill_(CROSS_ENTROPY_IGNORE_IDX)
-            yield batch
+            passes += forward_parts(batch, self.dataset.max_forward_tokens)
+        behind = self._passes_behind(len(passes))
+        return passes + [self._nothing_to_train() for _ in range(behind)]
 
 
 class Preference:
