@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,18 @@ def test_cuda_takes_a_block_mask_except_for_gemma2() -> None:
     assert RowAttention.of(tiny_gemma2(vocab_size=64), cuda) == RowAttention("dense", None)
 
 
+@dataclass
+class Step:
+    """What one_step saw: the step's loss, the weights after it, its forward passes (their
+    [rows, width]), and with `evaluate` the eval_loss after it and the evaluation's passes."""
+
+    loss: torch.Tensor
+    weights: list[torch.Tensor]
+    forwards: list[tuple[int, int]]
+    eval_loss: float | None = None
+    eval_forwards: list[tuple[int, int]] | None = None
+
+
 def one_step(
     samples: list[dict[str, Any]],
     max_forward_tokens: int | None,
@@ -253,13 +266,11 @@ def one_step(
     ranks: int = 1,
     *,
     evaluate: bool = False,
-) -> tuple:
+) -> Step:
     """One optimizer step (SGD, lr 1: the weights move by the step's gradient) of the
-    supervised objective over `samples` as one padding-free batch: its loss, the weights after
-    it, and the forward passes it ran with their widths. With `ranks` > 1, this process is
-    `rank` of a process group already joined, and the model is sharded as runner shards it.
-    With `evaluate`, also the eval_loss of the same samples as validation after the step and
-    the evaluation's forward passes."""
+    supervised objective over `samples` as one padding-free batch. With `ranks` > 1, this
+    process is `rank` of a process group already joined, and the model is sharded as runner
+    shards it. With `evaluate`, the same samples are then evaluated as the validation split."""
     from omegaconf import OmegaConf
 
     from runner.models.backends.torchtune import TorchtuneBackend
@@ -291,26 +302,26 @@ def one_step(
     model.register_forward_pre_hook(lambda _, args: forwards.append(tuple(args[0].shape)))
     loss, _ = objective.step([objective.collate(samples)], optim)
     weights = [getattr(p, "full_tensor", p.detach)().detach().clone() for p in model.parameters()]
-    if not evaluate:
-        return loss, weights, forwards
-    stepped = len(forwards)
-    shares = iter([(samples, len(samples))])
-    evaluated = objective.eval_metrics(shares, None, wanted=["eval_loss"])  # type: ignore[arg-type]
-    return loss, weights, forwards[:stepped], evaluated["eval_loss"], forwards[stepped:]
+    step = Step(loss, weights, list(forwards))
+    if evaluate:
+        shares = iter([(samples, len(samples))])
+        evaluated = objective.eval_metrics(shares, None, wanted=["eval_loss"])
+        step.eval_loss, step.eval_forwards = evaluated["eval_loss"], forwards[len(step.forwards) :]
+    return step
 
 
 def test_a_batch_over_max_forward_tokens_runs_in_parts_with_the_same_step(
     content_first_samples: list[dict[str, Any]],
 ) -> None:
-    whole_loss, whole_weights, whole_forwards = one_step(content_first_samples, None)
+    whole = one_step(content_first_samples, None)
     cap = max(len(s["tokens"]) for s in content_first_samples) + 4
-    parts_loss, parts_weights, parts_forwards = one_step(content_first_samples, cap)
-    assert len(whole_forwards) == 1 and len(parts_forwards) > 1
-    assert all(rows * width <= cap for rows, width in parts_forwards)
+    parts = one_step(content_first_samples, cap)
+    assert len(whole.forwards) == 1 and len(parts.forwards) > 1
+    assert all(rows * width <= cap for rows, width in parts.forwards)
     # The same sums in another grouping: fp32 rounding of the loss and of each gradient.
-    assert torch.allclose(whole_loss, parts_loss, rtol=1e-6)
-    for whole, parts in zip(whole_weights, parts_weights, strict=True):
-        assert torch.allclose(whole, parts, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(whole.loss, parts.loss, rtol=1e-6)
+    for want, got in zip(whole.weights, parts.weights, strict=True):
+        assert torch.allclose(want, got, rtol=1e-5, atol=1e-6)
 
 
 def test_forward_parts_take_whole_rows_up_to_the_cap() -> None:
@@ -329,9 +340,7 @@ def _rank_step(rank: int, port: int, out: Path, cap: int | None) -> None:
     try:
         samples = make_content_first_samples(out)
         share = samples[:2] if rank == 0 else samples[2:]
-        loss, weights, forwards, eval_loss, evaluated = one_step(share, cap, rank, 2, evaluate=True)
-        saved = {"loss": loss, "weights": weights, "forwards": forwards}
-        torch.save(saved | {"eval_loss": eval_loss, "evaluated": evaluated}, out / f"rank{rank}.pt")
+        torch.save(one_step(share, cap, rank, 2, evaluate=True), out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -347,25 +356,24 @@ def test_max_forward_tokens_with_two_processes_keeps_the_ranks_in_step(tmp_path:
 
     samples = make_content_first_samples(tmp_path)
     cap = max(len(s["tokens"]) for s in samples) + 4
-    ranks = mp.spawn(_rank_step, args=(free_port(), tmp_path, cap), nprocs=2, join=False)
+    processes = mp.spawn(_rank_step, args=(free_port(), tmp_path, cap), nprocs=2, join=False)
     deadline = time.monotonic() + 120
-    while not ranks.join(timeout=5):
+    while not processes.join(timeout=5):
         if time.monotonic() > deadline:  # a rank waits in a collective the other never joins
-            for process in ranks.processes:
+            for process in processes.processes:
                 process.kill()
             pytest.fail("the two ranks did not finish one step in 120 s")
-    saved = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    passes = [len(r["forwards"]) for r in saved]
-    alone = len(one_step(samples[:2], cap)[2])  # rank 0's share's own passes
-    assert passes[0] == passes[1] > alone
-    assert len(saved[0]["evaluated"]) == len(saved[1]["evaluated"])
-    whole_loss, whole_weights, _, whole_eval, _ = one_step(samples, None, evaluate=True)
-    for rank in saved:
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    alone = one_step(samples[:2], cap)  # rank 0's share in a process of its own
+    assert len(ranks[0].forwards) == len(ranks[1].forwards) > len(alone.forwards)
+    assert len(ranks[0].eval_forwards) == len(ranks[1].eval_forwards)
+    whole = one_step(samples, None, evaluate=True)
+    for rank in ranks:
         # The same sums in another grouping and order: fp32 rounding.
-        assert torch.allclose(rank["loss"], whole_loss, rtol=1e-6)
-        for whole, got in zip(whole_weights, rank["weights"], strict=True):
-            assert torch.allclose(whole, got, rtol=1e-5, atol=1e-6)
-        assert rank["eval_loss"] == pytest.approx(whole_eval, rel=1e-5)
+        assert torch.allclose(rank.loss, whole.loss, rtol=1e-6)
+        for want, got in zip(whole.weights, rank.weights, strict=True):
+            assert torch.allclose(want, got, rtol=1e-5, atol=1e-6)
+        assert rank.eval_loss == pytest.approx(whole.eval_loss, rel=1e-5)
 
 
 def test_a_forward_pass_with_no_trained_token_adds_nothing(
@@ -377,9 +385,9 @@ def test_a_forward_pass_with_no_trained_token_adds_nothing(
     untrained = {**longest, "tokens": longest["tokens"] * 2}
     untrained["labels"] = [CROSS_ENTROPY_IGNORE_IDX] * len(untrained["tokens"])
     samples = [untrained, *content_first_samples]
-    whole_loss, whole_weights, _ = one_step(samples, None)
-    parts_loss, parts_weights, forwards = one_step(samples, len(untrained["tokens"]))
-    assert forwards[0] == (1, len(untrained["tokens"]))  # the untrained sample's own pass
-    assert torch.isfinite(parts_loss) and torch.allclose(whole_loss, parts_loss, rtol=1e-6)
-    for whole, parts in zip(whole_weights, parts_weights, strict=True):
-        assert torch.allclose(whole, parts, rtol=1e-5, atol=1e-6)
+    whole = one_step(samples, None)
+    parts = one_step(samples, len(untrained["tokens"]))
+    assert parts.forwards[0] == (1, len(untrained["tokens"]))  # the untrained sample's own pass
+    assert torch.isfinite(parts.loss) and torch.allclose(whole.loss, parts.loss, rtol=1e-6)
+    for want, got in zip(whole.weights, parts.weights, strict=True):
+        assert torch.allclose(want, got, rtol=1e-5, atol=1e-6)
