@@ -266,6 +266,16 @@ def train_figures(stage: Stage, out: Path, warmup: int) -> tuple[float, list[flo
         return None
 
 
+def last_words(stage: Stage, width: int = 120) -> str:
+    """For a stage that did not end ok, its log's last line (a failure's exception, or where
+    an overrun stopped), cut to `width` characters, after a colon; else ''."""
+    if stage.status == "ok":
+        return ""
+    lines = [line.strip() for line in stage.log.read_text(errors="replace").splitlines()]
+    said = [line for line in lines if line]
+    return f": {said[-1][:width]}" if said else ""
+
+
 def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float | None) -> str:
     """The report: one row per training arm, per deploy side and concurrency, and pytest's
     summary; then ours/bare for each training mode."""
@@ -278,7 +288,8 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
         elif stage.name.startswith("train"):
             found = train_figures(stage, out, warmup)
             if found is None:
-                lines.append(f"{head} {'-':>10} {'-':>6}  no timed window in its log")
+                why = "no timed window in its log" + last_words(stage)
+                lines.append(f"{head} {'-':>10} {'-':>6}  {why}")
                 continue
             rate, per_window = found
             rates[stage.name] = rate
@@ -287,7 +298,8 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
             lines.append(f"{head} {rate:>10,.0f} {share:>6}  {spread}")
         elif stage.name == "deploy":
             rows = deploy_rows(stage.log.read_text())
-            lines.append(f"{head} {'':>10} {'':>6}  {'' if rows else 'no table in its log'}")
+            why = "" if rows else "no table in its log" + last_words(stage)
+            lines.append(f"{head} {'':>10} {'':>6}  {why}")
             for row in rows:
                 what = f"  {row['side']} c={row['concurrency']}"
                 latency = f"p50 {row['p50_ms']:,.0f} ms, p99 {row['p99_ms']:,.0f} ms"

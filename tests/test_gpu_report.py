@@ -206,13 +206,25 @@ def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
         f"{6 * params * 12500 / peak:.1%}",
     ]
     compiled = rows["train runner compiled"]
-    assert "overran its 180 s" in compiled and compiled.endswith("no timed window in its log")
+    # An overrun says where it stopped: its log's last line.
+    assert "overran its 180 s" in compiled
+    assert compiled.endswith("no timed window in its log: step 10/40 ...")
     generate = rows["hf generate c=1"].split()[3:]
     # The median latency and its 99th percentile (statistics.quantiles, inclusive) of 3 samples.
     assert generate == ["41", "p50", "1,560", "ms,", "p99", "1,648", "ms"]
     assert rows["runner deploy c=8"].split()[3] == "410"
     assert rows["pytest -m gpu"].endswith("15 passed, 1 skipped in 212.40s (0:03:32)")
     assert text.splitlines()[-1] == "ours/bare eager: 0.96"
+
+
+def test_a_failed_deploy_says_why_in_the_table(tmp_path: Path) -> None:
+    # As the first GPU run's deploy failed: the client's exception is its log's last line.
+    log = tmp_path / "deploy.log"
+    error = "openai.InternalServerError: Error code: 500 - generation failed: INTERNAL ASSERT"
+    log.write_text(f"checkpoint ...\nTraceback (most recent call last):\n  File x\n{error}\n\n")
+    stage = gpu_report.Stage("deploy", "failed (exit 1)", 52, log)
+    text = gpu_report.table([stage], tmp_path, 10, 1, None)
+    assert text.splitlines()[1].endswith(f"no table in its log: {error}")
 
 
 def test_an_unknown_gpu_leaves_mfu_blank_and_says_so(tmp_path: Path) -> None:
