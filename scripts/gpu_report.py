@@ -8,10 +8,11 @@ benchmark on a 1B Llama (conf/model/llama3_2_1b.yaml's dimensions, random init, 
 tokenizer, generated text packed into full rows, pure bf16) as `runner train` and as a bare loop
 of torchtune's own builder (scripts/gpu_bare.py), each eager and compiled, tokens/s over the
 steps after the warm-up and MFU; scripts/bench_deploy.py on the runner arm's checkpoint at
-concurrency 1/8/32/128; then `pytest -m gpu`. Each stage runs in its own process under a time
-budget (its share of the total, plus what earlier stages left unused): one that overruns is
-killed and reported so, and the table still prints. Each stage's raw log stays under --out.
-Without CUDA it refuses, in one line, before doing anything.
+concurrency 1/8/32/128, and scripts/profile_decode.py's decode step on it at 1 and 128 rows
+(its profile stays in the stage's log); then `pytest -m gpu`. Each stage runs in its own
+process under a time budget (its share of the total, plus what earlier stages left unused): one
+that overruns is killed and reported so, and the table still prints. Each stage's raw log stays
+under --out. Without CUDA it refuses, in one line, before doing anything.
 """
 
 from __future__ import annotations
@@ -35,16 +36,22 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama3_2_1b"
 # Shares of the budget, in the order the stages run, from their seconds on an H100 at the
 # defaults (runner's arms include its start-up and final checkpoint; deploy its 3 repeats;
-# pytest four workers). The runner eager arm comes first: its checkpoint is what deploy serves.
+# pytest four workers; the decode profile, added since, an estimate: a model load and 46
+# steps at each of two batch sizes). The runner eager arm comes first: its checkpoint is what
+# deploy serves and the decode profile profiles.
 SHARES = {
     "train runner eager": 0.12,
     "train bare eager": 0.06,
     "train runner compiled": 0.12,
     "train bare compiled": 0.08,
     "deploy": 0.30,
+    "profile decode": 0.06,
     "pytest -m gpu": 0.32,
 }
-GROUPS = {"train": [s for s in SHARES if s.startswith("train")], "deploy": ["deploy"]}
+GROUPS = {
+    "train": [s for s in SHARES if s.startswith("train")],
+    "deploy": ["deploy", "profile decode"],
+}
 GROUPS["pytest"] = ["pytest -m gpu"]
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (without sparsity), matched against
 # torch.cuda.get_device_name: the first entry whose words all appear in the name (so GH200
@@ -123,6 +130,16 @@ def pytest_summary(log: str) -> str:
     return found[-1] if found else ""
 
 
+# profile_decode.py's line per batch size: rows, milliseconds a step, tokens/s.
+PROFILE_ROW = re.compile(r"^rows (\d+): ([\d.]+) ms a step, ([\d,]+) tokens/s")
+
+
+def profile_rows(log: str) -> list[tuple[int, float, float]]:
+    """profile_decode.py's (rows, ms a step, tokens/s), one per batch size it profiled."""
+    found = [PROFILE_ROW.match(line) for line in log.splitlines()]
+    return [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in found if m is not None]
+
+
 # bench_deploy.py's report() rows: side, concurrency, tokens/s, its range over repeats, p50, p90
 # and p99 ms, then ratios.
 DEPLOY_ROW = re.compile(
@@ -193,6 +210,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
     deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
     deploy += ["--repeats", "3", "--engines", "runner"]
+    profile = [py, str(ROOT / "scripts" / "profile_decode.py"), "--checkpoint", str(checkpoint)]
+    profile += ["--device", "cuda", "--dtype", "bf16", "--rows", f"1,{max_concurrency(args)}"]
     return {
         "train runner eager": train
         + train_overrides(args, text, False, out / slug("train runner eager")),
@@ -201,10 +220,16 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         + train_overrides(args, text, True, out / slug("train runner compiled")),
         "train bare compiled": [*bare, "--compile"],
         "deploy": deploy,
+        "profile decode": profile,
         "pytest -m gpu": [py, "-m", "pytest", "-o", "addopts=", "-ra", "-q", "-m", "gpu"]
         + pytest_workers()
         + [str(ROOT / "tests" / "test_gpu.py")],
     }
+
+
+def max_concurrency(args: argparse.Namespace) -> int:
+    """The largest of --concurrency: the batch the decode step is profiled at beside 1."""
+    return max(int(c) for c in args.concurrency.split(","))
 
 
 def pytest_workers() -> list[str]:
@@ -304,6 +329,13 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
                 what = f"  {row['side']} c={row['concurrency']}"
                 latency = f"p50 {row['p50_ms']:,.0f} ms, p99 {row['p99_ms']:,.0f} ms"
                 lines.append(f"{what:55} {row['tokens_per_s']:>10,.0f} {'':>6}  {latency}")
+        elif stage.name == "profile decode":
+            steps = profile_rows(stage.log.read_text())
+            why = "" if steps else "no step times in its log" + last_words(stage)
+            lines.append(f"{head} {'':>10} {'':>6}  {why}")
+            for rows, ms, rate in steps:
+                what = f"  decode step, {rows} rows (engine alone, no HTTP)"
+                lines.append(f"{what:55} {rate:>10,.0f} {'':>6}  {ms:.2f} ms a step")
         else:
             summary = pytest_summary(stage.log.read_text()) or "no summary in its log"
             lines.append(f"{head} {'':>10} {'':>6}  {summary}")

@@ -79,7 +79,8 @@ def test_defaults_run_every_stage_in_budget_order() -> None:
         5,
         20,
     )
-    assert gpu_report.arguments(["--only", "deploy", "--checkpoint", "c"]).stages == ["deploy"]
+    only_deploy = gpu_report.arguments(["--only", "deploy", "--checkpoint", "c"])
+    assert only_deploy.stages == ["deploy", "profile decode"]
     assert gpu_report.arguments(["--only", "pytest,train"]).stages == [
         "train runner eager",
         "train bare eager",
@@ -270,6 +271,27 @@ def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
     assert (
         f"--checkpoint {checkpoint} --device cuda --dtype bf16 --concurrency 1,8,32,128" in deploy
     )
+    # The decode step is profiled on the same checkpoint, alone and at the largest concurrency.
+    profile = " ".join(lines["profile decode"])
+    assert f"--checkpoint {checkpoint} --device cuda --dtype bf16 --rows 1,128" in profile
+
+
+def test_the_decode_profile_rows_in_the_table(tmp_path: Path) -> None:
+    # profile_decode.py run on the CPU (the tiny model, two batch sizes, a few steps): its
+    # lines are what the table reads.
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
+    command = [sys.executable, str(script), "--device", "cpu", "--rows", "1,4", "--steps", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = tmp_path / "profile_decode.log"
+    log.write_text(result.stdout)
+    found = gpu_report.profile_rows(result.stdout)
+    assert [rows for rows, _, _ in found] == [1, 4]
+    assert all(ms > 0 and rate > 0 for _, ms, rate in found)
+    assert "aten::mm" in result.stdout  # the profiler's table of ops
+    stage = gpu_report.Stage("profile decode", "ok", 20, log)
+    text = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
+    assert text[2].startswith("  decode step, 1 rows") and text[3].startswith("  decode step, 4")
 
 
 def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> None:
