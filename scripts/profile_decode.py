@@ -31,7 +31,7 @@ from runner.deploy.loading import LoadedModel, load_checkpoint
 
 def prefilled(loaded: LoadedModel, rows: int, prompt_tokens: int, padded: bool) -> BatchCache:
     """A batch of `rows` prompts of `prompt_tokens` tokens each, prefilled as the engine
-    prefills them, with each row's first new token."""
+    prefills them (in inference mode, as its thread runs), with each row's first new token."""
     model = loaded.model
     ids = torch.randint(5, loaded.tokenizer.vocab_size, (rows, prompt_tokens), device=model.device)
     mask = torch.ones_like(ids)
@@ -45,8 +45,8 @@ def prefilled(loaded: LoadedModel, rows: int, prompt_tokens: int, padded: bool) 
             logits_to_keep=1,
             **{cache_keyword(model): cache},
         ).logits[:, -1, :]
-    batch = BatchCache(cache, padded=padded)
-    batch.append_rows(cache, mask, logits.argmax(dim=-1), [prompt_tokens] * rows)
+        batch = BatchCache(cache, padded=padded)
+        batch.append_rows(cache, mask, logits.argmax(dim=-1), [prompt_tokens] * rows)
     return batch
 
 
