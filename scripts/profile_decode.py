@@ -22,30 +22,21 @@ from pathlib import Path
 
 import torch
 from bench_deploy import make_tiny_checkpoint
-from transformers import DynamicCache
 
 from runner.deploy.decode_step import DecodeStep
-from runner.deploy.kv_cache import BatchCache, cache_keyword
+from runner.deploy.kv_cache import BatchCache
 from runner.deploy.loading import LoadedModel, load_checkpoint
 
 
-def prefilled(loaded: LoadedModel, rows: int, prompt_tokens: int, padded: bool) -> BatchCache:
-    """A batch of `rows` prompts of `prompt_tokens` tokens each, prefilled as the engine
-    prefills them (in inference mode, as its thread runs), with each row's first new token."""
+def prefilled(step: DecodeStep, loaded: LoadedModel, rows: int, prompt_tokens: int) -> BatchCache:
+    """A batch of `rows` prompts of `prompt_tokens` tokens each, prefilled by the engine's own
+    prefill (in inference mode, as its thread runs), with each row's first new token."""
     model = loaded.model
     ids = torch.randint(5, loaded.tokenizer.vocab_size, (rows, prompt_tokens), device=model.device)
     mask = torch.ones_like(ids)
-    cache = DynamicCache()
     with torch.inference_mode():
-        logits = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1),
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_keyword(model): cache},
-        ).logits[:, -1, :]
-        batch = BatchCache(cache, padded=padded)
+        cache, logits = step.prefill(ids, mask)
+        batch = BatchCache(cache, padded=step.graphs)
         batch.append_rows(cache, mask, logits.argmax(dim=-1), [prompt_tokens] * rows)
     return batch
 
@@ -90,7 +81,7 @@ def main() -> None:
     )
     for rows in (int(r) for r in args.rows.split(",")):
         step = DecodeStep(loaded.model, graphs=cuda)
-        batch = prefilled(loaded, rows, args.prompt_tokens, padded=cuda)
+        batch = prefilled(step, loaded, rows, args.prompt_tokens)
         # Captures (on CUDA) and warm-up; then the window stays the same size while timed, if
         # the steps fit in its bucket: the widths below say whether they did.
         decode(step, batch, 3)

@@ -1,4 +1,5 @@
-"""The decode step's forward pass: eager, or on CUDA captured once per window size and replayed.
+"""The engine's forward passes: the prefill of new prompts, and the decode step, eager or on
+CUDA captured once per window size and replayed.
 
 A step launches a few hundred small kernels; on a GPU, launching them from Python costs more
 than running them. A CUDA graph launches them all at once. It replays the captured kernels on
@@ -12,13 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from runner.deploy.kv_cache import BatchCache, Window, cache_keyword
 
 
 class DecodeStep:
-    """Runs one decode step for every running row; `graphs` replays CUDA graphs."""
+    """Runs the model over the batch: a prefill of new prompts, and one decode step for every
+    running row (`graphs` replays CUDA graphs)."""
 
     def __init__(self, model: PreTrainedModel, *, graphs: bool) -> None:
         self._model = model
@@ -49,6 +51,25 @@ class DecodeStep:
         graph, logits = self._captured[key]
         graph.replay()
         return logits
+
+    def prefill(
+        self, input_ids: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[DynamicCache, torch.Tensor]:
+        """Left-padded prompts (`mask` 0 on the padding) in one forward pass: the KV cache it
+        wrote, and each row's next-token logits [rows, vocab]."""
+        # Full-attention layers throughout: a sliding-window layer keeps every token here, and
+        # the model's own sliding-window mask (built from config.json for those layers) hides
+        # what lies outside the window, so rows of any length share one left-padded cache.
+        cache = DynamicCache()
+        logits = self._model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_keyword: cache},
+        ).logits[:, -1, :]
+        return cache, logits
 
     def _forward(self, cache: BatchCache, window: Window) -> torch.Tensor:
         rows, width = window.rows, window.width

@@ -29,7 +29,7 @@ from runner.deploy.generation import (
     SamplingRequest,
     deliver,
 )
-from runner.deploy.kv_cache import BatchCache, cache_keyword
+from runner.deploy.kv_cache import BatchCache
 from runner.deploy.loading import LoadedModel
 from runner.deploy.text import TextStream
 
@@ -67,7 +67,6 @@ class TransformersEngine:
     ) -> None:
         """`cuda_graphs`: replay each decode step from a CUDA graph (None: on CUDA devices);
         `padded`: round each step's batch up to a bucket, as graphs need (None: with graphs)."""
-        self._model = loaded.model
         self._tokenizer = loaded.tokenizer
         self._eos_ids = loaded.eos_token_ids
         self._device = loaded.model.device
@@ -80,7 +79,6 @@ class TransformersEngine:
         graphs = self._device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._padded = graphs if padded is None else padded
         self.decode_step = DecodeStep(loaded.model, graphs=graphs)
-        self._cache_keyword = cache_keyword(loaded.model)
         self._cache: BatchCache | None = None  # the running batch, kept while the engine idles
         self._thread = threading.Thread(target=self._loop, name="deploy-engine", daemon=True)
         self._thread.start()
@@ -170,8 +168,6 @@ class TransformersEngine:
 
         Changes nothing in the running batch, so a failure here is the admitted sequences' own.
         """
-        from transformers import DynamicCache
-
         lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
         width = max(lengths)
         input_ids = torch.zeros(len(admitted), width, dtype=torch.long)
@@ -180,18 +176,7 @@ class TransformersEngine:
             input_ids[row, width - lengths[row] :] = torch.tensor(sequence.request.prompt_ids)
             mask[row, width - lengths[row] :] = 1
         input_ids, mask = input_ids.to(self._device), mask.to(self._device)
-        # Full-attention layers throughout: a sliding-window layer keeps every token here, and
-        # the model's own sliding-window mask (built from config.json for those layers) hides
-        # what lies outside the window, so rows of any length share one left-padded cache.
-        cache = DynamicCache()
-        logits = self._model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_keyword: cache},
-        ).logits[:, -1, :]
+        cache, logits = self.decode_step.prefill(input_ids, mask)
         return cache, mask, self._sample(logits, admitted)
 
     def _join(
