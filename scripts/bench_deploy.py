@@ -218,8 +218,14 @@ def start_server(
     env = dict(os.environ)
     if source is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), env.get("PYTHONPATH", "")])
+    # `python -m` puts its working directory first on sys.path: run the other source from its own.
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=None if source is None else source.resolve(),
     )
     for line in process.stdout:
         if match := re.search(r"API at (http://\S+)/v1", line):
@@ -287,7 +293,14 @@ def _arguments() -> argparse.Namespace:
         "--requests",
         type=int,
         default=32,
-        help="requests per concurrency, at least the concurrency (so 128 at 128)",
+        help="requests per concurrency, at least --waves times the concurrency",
+    )
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        help="at least this many requests per client: 1 measures one wave (all clients start "
+        "together, so the ramp-up weighs); more, the steady state",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median kept)")
     parser.add_argument(
@@ -342,11 +355,11 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
-        texts = prompts(max(args.requests, max(args.concurrency)))
+        texts = prompts(max(args.requests, args.waves * max(args.concurrency)))
         print(
             f"checkpoint {checkpoint} on {device} ({name}), {dtype}: {args.requests} requests per "
-            f"concurrency (or the concurrency, where more), {args.max_tokens} new tokens each, "
-            "greedy, "
+            f"concurrency (or {args.waves} per client, where more), {args.max_tokens} new tokens "
+            "each, greedy, "
             f"{torch.get_num_threads()} torch threads, median of {args.repeats} repeats"
         )
         model, tokenizer = load_baseline(checkpoint, device, dtype)
@@ -360,9 +373,9 @@ def main() -> None:
             # Interleaved, so that other work on a shared machine slows every side alike.
             for _ in range(args.repeats):
                 for concurrency in args.concurrency:
-                    # As many requests as clients at least: a wave at 128 is 128 requests, while
+                    # --waves requests per client at least: a wave at 128 is 128 requests, while
                     # one client at a time (and `generate` at batch 1) needs fewer to settle.
-                    sent = texts[: max(args.requests, concurrency)]
+                    sent = texts[: max(args.requests, args.waves * concurrency)]
                     for label, measure in local.items():
                         result = measure(model, tokenizer, sent, args.max_tokens, concurrency)
                         runs[label][concurrency].append(_progress(result))
