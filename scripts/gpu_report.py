@@ -8,8 +8,10 @@ benchmark on a 1B Llama (conf/model/llama3_2_1b.yaml's dimensions, random init, 
 tokenizer, generated text packed into full rows, pure bf16) as `runner train` and as a bare loop
 of torchtune's own builder (scripts/gpu_bare.py), each eager and compiled, tokens/s over the
 steps after the warm-up and MFU; scripts/bench_deploy.py on the runner arm's checkpoint at
-concurrency 1/8/32/128, and scripts/profile_decode.py's decode step on it at 1 and 128 rows
-(its profile stays in the stage's log); then `pytest -m gpu`. Each stage runs in its own
+concurrency 1/8/32/128, scripts/profile_decode.py's decode step on it at 1 and 128 rows (its
+profile stays in the stage's log) and scripts/profile_engine.py's engine at 128 clients without
+the server (tokens/s beside deploy's through HTTP, and where the engine's time goes); then
+`pytest -m gpu`. Each stage runs in its own
 process under a time budget (its share of the total, plus what earlier stages left unused): one
 that overruns is killed and reported so, and the table still prints. Each stage's raw log stays
 under --out. Without CUDA it refuses, in one line, before doing anything.
@@ -36,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama3_2_1b"
 # Shares of the budget, in the order the stages run, from their seconds on an H100 at the
 # defaults (runner's arms include its start-up and final checkpoint; deploy its 3 repeats;
-# pytest four workers; the decode profile, added since, an estimate: a model load and 46
-# steps at each of two batch sizes). The runner eager arm comes first: its checkpoint is what
-# deploy serves and the decode profile profiles.
+# pytest four workers; the decode and engine profiles, added since, estimates: a model load, 46
+# steps at each of two batch sizes, and 3 waves of 128 requests). The runner eager arm comes
+# first: its checkpoint is what deploy serves and the profiles profile.
 SHARES = {
     "train runner eager": 0.12,
     "train bare eager": 0.06,
@@ -46,11 +48,12 @@ SHARES = {
     "train bare compiled": 0.08,
     "deploy": 0.30,
     "profile decode": 0.06,
+    "profile engine": 0.05,
     "pytest -m gpu": 0.32,
 }
 GROUPS = {
     "train": [s for s in SHARES if s.startswith("train")],
-    "deploy": ["deploy", "profile decode"],
+    "deploy": ["deploy", "profile decode", "profile engine"],
 }
 GROUPS["pytest"] = ["pytest -m gpu"]
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (without sparsity), matched against
@@ -140,6 +143,16 @@ def profile_rows(log: str) -> list[tuple[int, float, float]]:
     return [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in found if m is not None]
 
 
+# profile_engine.py's line per repeat: its output tokens/s.
+ENGINE_REPEAT = re.compile(r"^repeat \d+: ([\d,]+) tokens/s")
+
+
+def engine_rates(log: str) -> list[float]:
+    """profile_engine.py's tokens/s, one per repeat."""
+    found = [ENGINE_REPEAT.match(line) for line in log.splitlines()]
+    return [float(m[1].replace(",", "")) for m in found if m is not None]
+
+
 # bench_deploy.py's report() rows: side, concurrency, tokens/s, its range over repeats, p50, p90
 # and p99 ms, then ratios.
 DEPLOY_ROW = re.compile(
@@ -212,6 +225,10 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     deploy += ["--repeats", "3", "--engines", "runner"]
     profile = [py, str(ROOT / "scripts" / "profile_decode.py"), "--checkpoint", str(checkpoint)]
     profile += ["--device", "cuda", "--dtype", "bf16", "--rows", f"1,{max_concurrency(args)}"]
+    # One wave of requests per repeat, as deploy sends at its largest concurrency.
+    engine = [py, str(ROOT / "scripts" / "profile_engine.py"), "--checkpoint", str(checkpoint)]
+    engine += ["--device", "cuda", "--dtype", "bf16", "--concurrency", str(max_concurrency(args))]
+    engine += ["--waves", "1", "--max-tokens", str(args.max_tokens), "--repeats", "3"]
     return {
         "train runner eager": train
         + train_overrides(args, text, False, out / slug("train runner eager")),
@@ -221,10 +238,17 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         "train bare compiled": [*bare, "--compile"],
         "deploy": deploy,
         "profile decode": profile,
+        "profile engine": engine,
         "pytest -m gpu": [py, "-m", "pytest", "-o", "addopts=", "-ra", "-q", "-m", "gpu"]
         + pytest_workers()
         + [str(ROOT / "tests" / "test_gpu.py")],
     }
+
+
+def engine_concurrency(stage: Stage) -> str:
+    """The clients profile_engine.py ran with, from its command line (its log's first line)."""
+    found = re.search(r"--concurrency (\d+)", stage.log.read_text().split("\n", 1)[0])
+    return found[1] if found else "?"
 
 
 def max_concurrency(args: argparse.Namespace) -> int:
@@ -336,6 +360,16 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
             for rows, ms, rate in steps:
                 what = f"  decode step, {rows} rows (engine alone, no HTTP)"
                 lines.append(f"{what:55} {rate:>10,.0f} {'':>6}  {ms:.2f} ms a step")
+        elif stage.name == "profile engine":
+            repeats = engine_rates(stage.log.read_text())
+            why = "" if repeats else "no repeat in its log" + last_words(stage)
+            lines.append(f"{head} {'':>10} {'':>6}  {why}")
+            if repeats:
+                ordered = sorted(repeats)
+                what = f"  engine alone, no HTTP, c={engine_concurrency(stage)}"
+                middle = ordered[(len(ordered) - 1) // 2]
+                spread = f"median of {len(repeats)}, {ordered[0]:,.0f}-{ordered[-1]:,.0f}"
+                lines.append(f"{what:55} {middle:>10,.0f} {'':>6}  {spread}")
         else:
             summary = pytest_summary(stage.log.read_text()) or "no summary in its log"
             lines.append(f"{head} {'':>10} {'':>6}  {summary}")

@@ -80,7 +80,7 @@ def test_defaults_run_every_stage_in_budget_order() -> None:
         20,
     )
     only_deploy = gpu_report.arguments(["--only", "deploy", "--checkpoint", "c"])
-    assert only_deploy.stages == ["deploy", "profile decode"]
+    assert only_deploy.stages == ["deploy", "profile decode", "profile engine"]
     assert gpu_report.arguments(["--only", "pytest,train"]).stages == [
         "train runner eager",
         "train bare eager",
@@ -274,6 +274,11 @@ def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
     # The decode step is profiled on the same checkpoint, alone and at the largest concurrency.
     profile = " ".join(lines["profile decode"])
     assert f"--checkpoint {checkpoint} --device cuda --dtype bf16 --rows 1,128" in profile
+    # So is the engine, at the largest concurrency, one wave a repeat as deploy sends there.
+    engine = " ".join(lines["profile engine"])
+    assert f"--checkpoint {checkpoint} --device cuda --dtype bf16 --concurrency 128 --waves 1" in (
+        engine
+    )
 
 
 def test_the_decode_profile_rows_in_the_table(tmp_path: Path) -> None:
@@ -292,6 +297,25 @@ def test_the_decode_profile_rows_in_the_table(tmp_path: Path) -> None:
     stage = gpu_report.Stage("profile decode", "ok", 20, log)
     text = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
     assert text[2].startswith("  decode step, 1 rows") and text[3].startswith("  decode step, 4")
+
+
+def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:
+    # profile_engine.py run on the CPU (the tiny model, 4 clients, 2 short repeats): its lines
+    # are what the table reads, and the clients come from its command line (the log's first).
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_engine.py"
+    command = [sys.executable, str(script), "--device", "cpu", "--concurrency", "4"]
+    command += ["--waves", "2", "--max-tokens", "4", "--repeats", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rates = gpu_report.engine_rates(result.stdout)
+    assert len(rates) == 2 and all(rate > 0 for rate in rates)
+    assert "decode steps by rows:" in result.stdout and "prefill" in result.stdout
+    log = tmp_path / "profile_engine.log"
+    log.write_text(" ".join(command) + "\n" + result.stdout)
+    stage = gpu_report.Stage("profile engine", "ok", 20, log)
+    text = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
+    assert text[2].startswith("  engine alone, no HTTP, c=4")
+    assert f"median of 2, {min(rates):,.0f}-{max(rates):,.0f}" in text[2]
 
 
 def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> None:
