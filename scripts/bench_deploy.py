@@ -8,6 +8,8 @@ interleaved repeats (the median is shown, with the range over repeats):
 - `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP;
 - `runner deploy @DIR` (--baseline-source DIR): the server of another source tree, e.g. the main
   branch unpacked with `git archive main | tar -x -C DIR`, to compare before and after in one run;
+- `runner deploy OVERRIDES` (--variant OVERRIDES, repeatable): this tree's server with those
+  deploy overrides, e.g. `--variant transformers.max_waiting_steps=20`, to compare a setting;
 - `runner deploy engine=vllm` (--engines ...,vllm): where vLLM is installed (CUDA only);
 - `transformers generate_batch` (--engines ...,generate_batch): transformers' own continuous
   batching (paged attention; CUDA graphs on a GPU) over chunks of each concurrency.
@@ -257,7 +259,8 @@ def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None)
     repeats, latency percentiles, and the ratio to sequential `generate` (and to the baseline
     source's server, where one was given)."""
     sequential = median(runs["transformers generate"][1]).tokens_per_s
-    header = f"{'':34} {'conc.':>5} {'tokens/s':>9} {'range':>11} {'p50 ms':>8} {'p90 ms':>8}"
+    width = max(34, *map(len, runs))
+    header = f"{'':{width}} {'conc.':>5} {'tokens/s':>9} {'range':>11} {'p50 ms':>8} {'p90 ms':>8}"
     print(header, f"{'p99 ms':>8} {'vs gen. b1':>10} {'vs before':>9}")
     for concurrency in next(iter(runs.values())):
         for label, by_concurrency in runs.items():
@@ -269,7 +272,7 @@ def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None)
                 before = median(runs[baseline_label][concurrency]).tokens_per_s
                 versus = f"{result.tokens_per_s / before:.3f}x"
             print(
-                f"{label:34} {concurrency:>5} {result.tokens_per_s:>9.0f} "
+                f"{label:{width}} {concurrency:>5} {result.tokens_per_s:>9.0f} "
                 f"{f'{low:.0f}-{high:.0f}':>11} {result.percentile_ms(50):>8.0f} "
                 f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} "
                 f"{result.tokens_per_s / sequential:>9.1f}x {versus:>9}"
@@ -310,6 +313,12 @@ def _arguments() -> argparse.Namespace:
         "generate_batch",
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="another server of this tree, with these deploy overrides (space-separated)",
+    )
+    parser.add_argument(
         "--baseline-source",
         type=Path,
         help="a runner source tree whose `runner deploy` is measured beside this tree's",
@@ -327,6 +336,8 @@ def _servers(args: argparse.Namespace, checkpoint: Path, device: torch.device) -
         wanted[f"runner deploy @{args.baseline_source.name}"] = ([], args.baseline_source)
     if "runner" in args.engines:
         wanted["runner deploy"] = ([], None)
+    for variant in args.variant:
+        wanted[f"runner deploy {variant}"] = (variant.split(), None)
     if "vllm" in args.engines:
         wanted["runner deploy engine=vllm"] = (["engine=vllm"], None)
     servers = {}

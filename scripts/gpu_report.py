@@ -156,7 +156,7 @@ def engine_rates(log: str) -> list[float]:
 # bench_deploy.py's report() rows: side, concurrency, tokens/s, its range over repeats, p50, p90
 # and p99 ms, then ratios.
 DEPLOY_ROW = re.compile(
-    r"^(runner deploy|transformers generate)\s+(\d+)\s+(\d+)\s+\d+-\d+\s+(\d+)\s+\d+\s+(\d+)\s"
+    r"^(runner deploy.*?|transformers generate)\s+(\d+)\s+(\d+)\s+\d+-\d+\s+(\d+)\s+\d+\s+(\d+)\s"
 )
 
 
@@ -166,7 +166,7 @@ def deploy_rows(log: str) -> list[dict]:
     for match in map(DEPLOY_ROW.match, log.splitlines()):
         if match:
             label, concurrency, rate, p50, p99 = match.groups()
-            side = "runner deploy" if label == "runner deploy" else "hf generate"
+            side = label if label.startswith("runner deploy") else "hf generate"
             rows.append(
                 {"side": side, "concurrency": int(concurrency), "tokens_per_s": float(rate)}
                 | {"p50_ms": float(p50), "p99_ms": float(p99)}
@@ -223,6 +223,9 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
     deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
     deploy += ["--repeats", "3", "--engines", "runner"]
+    # Beside the default: waiting sequences join a running batch as text-generation-inference
+    # lets them (its defaults: 20 steps, and conf/deploy.yaml's ratio 0.3), in fewer prefills.
+    deploy += ["--variant", "transformers.max_waiting_steps=20"]
     profile = [py, str(ROOT / "scripts" / "profile_decode.py"), "--checkpoint", str(checkpoint)]
     profile += ["--device", "cuda", "--dtype", "bf16", "--rows", f"1,{max_concurrency(args)}"]
     # One wave of requests per repeat, as deploy sends at its largest concurrency.

@@ -2,6 +2,7 @@
 
     python scripts/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
+        [--max-waiting-steps 0] [--waiting-served-ratio 0.3]
 
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
@@ -94,6 +95,15 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=4, help="prompts per client")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="runs over the same prompts")
+    parser.add_argument(
+        "--max-waiting-steps", type=int, default=0, help="deploy's transformers.max_waiting_steps"
+    )
+    parser.add_argument(
+        "--waiting-served-ratio",
+        type=float,
+        default=0.3,
+        help="deploy's transformers.waiting_served_ratio",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
@@ -102,7 +112,13 @@ def main() -> None:
         )
     device = loaded.model.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    engine = TransformersEngine(loaded, max_batch_size=args.concurrency, max_queue=1 << 16)
+    engine = TransformersEngine(
+        loaded,
+        max_batch_size=args.concurrency,
+        max_queue=1 << 16,
+        max_waiting_steps=args.max_waiting_steps,
+        waiting_served_ratio=args.waiting_served_ratio,
+    )
     timings = Timings(device)
     for method, part in (("_prefill", "prefill"), ("_decode", "decode"), ("_publish", "publish")):
         timings.wrap(engine, method, part)
@@ -119,7 +135,8 @@ def main() -> None:
     prompt_ids = [tokenizer.encode(text, add_special_tokens=True) for text in prompts(count)]
     print(
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}: {args.concurrency} clients, "
-        f"{count} prompts, {args.max_tokens} new tokens each, greedy"
+        f"{count} prompts, {args.max_tokens} new tokens each, greedy, max_waiting_steps "
+        f"{args.max_waiting_steps}, waiting_served_ratio {args.waiting_served_ratio}"
     )
     try:
         for repeat in range(args.repeats):

@@ -598,6 +598,62 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(run_dir, reference, p
     assert texts == [generate(*case)[0] for case in cases]
 
 
+def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
+    run_dir, reference
+) -> None:
+    # compute=cpu, dtype=fp32. With waiting_served_ratio 2, one request running holds a second
+    # back until a third waits too (max_waiting_steps far off): they join in one prefill, and
+    # the delay changes no answer.
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.generation import SamplingRequest
+    from runner.deploy.loading import load_checkpoint
+
+    tokenizer, generate = reference
+    loaded = load_checkpoint(
+        run_dir / "checkpoints" / "step_10", device="cpu", dtype="fp32", max_model_len=None
+    )
+    engine = TransformersEngine(
+        loaded, max_batch_size=4, max_queue=16, max_waiting_steps=10_000, waiting_served_ratio=2
+    )
+    prefills = []
+    prefill = engine.decode_step.prefill
+
+    def counted(input_ids: torch.Tensor, mask: torch.Tensor):
+        prefills.append(input_ids.shape[0])
+        return prefill(input_ids, mask)
+
+    engine.decode_step.prefill = counted  # type: ignore[method-assign]
+    cases = [
+        (tokenizer(PROMPTS[i])["input_ids"], tokens) for i, tokens in ((3, 200), (1, 8), (0, 8))
+    ]
+    answers = [generate(*case) for case in cases]
+    assert answers[0][1] == 200  # no end of sequence: the first runs while the others arrive
+
+    def submit(ids: list[int], max_tokens: int, stream: bool = False):
+        return engine.submit([SamplingRequest(ids, max_tokens, 0.0, 1.0, 0, [], 1, stream)])
+
+    async def text_of(handle) -> str:
+        return "".join([event.text async for event in handle.events()])
+
+    async def arrivals() -> list[str]:
+        events = submit(*cases[0], stream=True).events()
+        running = [(await anext(events)).text]
+        second = submit(*cases[1])
+        for _ in range(10):  # ten more tokens of the first: the second is still waiting
+            running.append((await anext(events)).text)
+        assert prefills == [1]
+        third = submit(*cases[2])
+        rest = [event.text async for event in events]
+        return ["".join(running + rest), await text_of(second), await text_of(third)]
+
+    try:
+        texts = asyncio.run(arrivals())
+    finally:
+        engine.close()
+    assert prefills == [1, 2]
+    assert texts == [text for text, _ in answers]
+
+
 def test_streamed_text_never_takes_back_what_it_sent() -> None:
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
 

@@ -62,16 +62,23 @@ class TransformersEngine:
         *,
         max_batch_size: int,
         max_queue: int,
+        max_waiting_steps: int = 0,
+        waiting_served_ratio: float = 0.3,
         cuda_graphs: bool | None = None,
         padded: bool | None = None,
     ) -> None:
-        """`cuda_graphs`: replay each decode step from a CUDA graph (None: on CUDA devices);
-        `padded`: round each step's batch up to a bucket, as graphs need (None: with graphs)."""
+        """`max_waiting_steps`, `waiting_served_ratio`: when waiting sequences join a running
+        batch (conf/deploy.yaml); `cuda_graphs`: replay each decode step from a CUDA graph
+        (None: on CUDA devices); `padded`: round each step's batch up to a bucket, as graphs
+        need (None: with graphs)."""
         self._tokenizer = loaded.tokenizer
         self._eos_ids = loaded.eos_token_ids
         self._device = loaded.model.device
         self._max_batch_size = max_batch_size
         self._max_queue = max_queue
+        self._max_waiting_steps = max_waiting_steps
+        self._waiting_served_ratio = waiting_served_ratio
+        self._steps_waited = 0  # decode steps since waiting sequences were last admitted
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -135,12 +142,25 @@ class TransformersEngine:
                 self._wake.wait()
             if self._closed:
                 return None
+            if not self._admission_due():
+                self._steps_waited += 1
+                return []
+            self._steps_waited = 0
             admitted: list[_Sequence] = []
             while self._waiting and len(self._running) + len(admitted) < self._max_batch_size:
                 sequence = self._waiting.popleft()
                 if not sequence.handle.cancelled:
                     admitted.append(sequence)
             return admitted
+
+    def _admission_due(self) -> bool:
+        """Whether waiting sequences join now: always into an idle engine; into a running batch
+        once they are waiting_served_ratio x its rows, or max_waiting_steps steps on."""
+        if not self._running or not self._waiting:
+            return True
+        if self._steps_waited >= self._max_waiting_steps:
+            return True
+        return len(self._waiting) >= self._waiting_served_ratio * len(self._running)
 
     def _admit(self, admitted: list[_Sequence]) -> None:
         """Prefill the admitted sequences into the batch; a failed prefill fails its own requests.
