@@ -78,7 +78,7 @@ class TransformersEngine:
         self._max_queue = max_queue
         self._max_waiting_steps = max_waiting_steps
         self._waiting_served_ratio = waiting_served_ratio
-        self._steps_waited = 0  # decode steps since waiting sequences were last admitted
+        self._steps_waited = 0  # decode steps the waiting sequences have waited
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -155,7 +155,7 @@ class TransformersEngine:
 
     def _admission_due(self) -> bool:
         """Whether waiting sequences join now: always into an idle engine; into a running batch
-        once they are waiting_served_ratio x its rows, or max_waiting_steps steps on."""
+        once they are waiting_served_ratio x its rows, or have waited max_waiting_steps steps."""
         if not self._running or not self._waiting:
             return True
         if self._steps_waited >= self._max_waiting_steps:
