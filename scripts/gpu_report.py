@@ -8,12 +8,13 @@ benchmark on a 1B Llama (conf/model/llama3_2_1b.yaml's dimensions, random init, 
 tokenizer, generated text packed into full rows, pure bf16) as `runner train` and as a bare loop
 of torchtune's own builder (scripts/gpu_bare.py), each eager and compiled, tokens/s over the
 steps after the warm-up and MFU; scripts/bench_deploy.py on the runner arm's checkpoint at
-concurrency 1/8/32/128, scripts/profile_decode.py's decode step on it at 1 and 128 rows (its
-profile stays in the stage's log) and scripts/profile_engine.py's engine at 128 clients without
-the server (tokens/s beside deploy's through HTTP, and where the engine's time goes); then
-`pytest -m gpu`. Each stage runs in its own
-process under a time budget (its share of the total, plus what earlier stages left unused): one
-that overruns is killed and reported so, and the table still prints. Each stage's raw log stays
+concurrency 1/8/32/128 (the default server, and one with the admission rule
+transformers.max_waiting_steps=20), scripts/profile_decode.py's decode step on it at 1 and 128
+rows (its profile stays in the stage's log) and scripts/profile_engine.py's engine at 128
+clients without the server (tokens/s beside deploy's through HTTP, and where the engine's time
+goes); then `pytest -m gpu`. Each stage runs in its own process under a time budget (its share
+of the total, plus what earlier stages left unused): one that overruns is killed and reported
+so, and the table still prints. Each stage's raw log stays
 under --out. Without CUDA it refuses, in one line, before doing anything.
 """
 
