@@ -51,23 +51,35 @@ def decode(step: DecodeStep, batch: BatchCache, steps: int) -> None:
             next_ids.tolist()
 
 
-def main() -> None:
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """A profile's command line with the model it loads: --checkpoint, --device, --dtype."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), ...")
-    parser.add_argument("--rows", default="1,128", help="batch sizes, comma-separated")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
-    parser.add_argument("--steps", type=int, default=20, help="decode steps timed, then profiled")
-    parser.add_argument("--top", type=int, default=12, help="ops listed per batch size")
-    args = parser.parse_args()
+    return parser
+
+
+def load_model(args: argparse.Namespace) -> tuple[Path, LoadedModel]:
+    """The checkpoint loaded as `runner deploy` loads it, or bench_deploy.py's tiny model."""
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
         loaded = load_checkpoint(
             checkpoint, device=args.device, dtype=args.dtype, max_model_len=None
         )
+    return checkpoint, loaded
+
+
+def main() -> None:
+    parser = model_parser(__doc__)
+    parser.add_argument("--rows", default="1,128", help="batch sizes, comma-separated")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed, then profiled")
+    parser.add_argument("--top", type=int, default=12, help="ops listed per batch size")
+    args = parser.parse_args()
+    checkpoint, loaded = load_model(args)
     device = loaded.model.device
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -17,22 +17,19 @@ server and HTTP cost. Without --checkpoint it builds bench_deploy.py's tiny mode
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import functools
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from bench_deploy import make_tiny_checkpoint, prompts
+from bench_deploy import prompts
+from profile_decode import load_model, model_parser
 
 from runner.deploy.engine import TransformersEngine
 from runner.deploy.generation import SamplingRequest
-from runner.deploy.loading import load_checkpoint
 
 
 class Timings:
@@ -85,12 +82,7 @@ async def clients(engine: TransformersEngine, prompt_ids: list[list[int]], args:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), ...")
+    parser = model_parser(__doc__)
     parser.add_argument("--concurrency", type=int, default=128, help="clients, and batch rows")
     parser.add_argument("--waves", type=int, default=4, help="prompts per client")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
@@ -105,11 +97,7 @@ def main() -> None:
         help="deploy's transformers.waiting_served_ratio",
     )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
-        loaded = load_checkpoint(
-            checkpoint, device=args.device, dtype=args.dtype, max_model_len=None
-        )
+    checkpoint, loaded = load_model(args)
     device = loaded.model.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     engine = TransformersEngine(
