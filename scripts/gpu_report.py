@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama3_2_1b"
 # Shares of the budget, in the order the stages run, from their seconds on an H100 at the
 # defaults (runner's arms include its start-up and final checkpoint; deploy its 3 repeats;
-# pytest four workers; estimates for what was added since: deploy's second server, a third
+# pytest four workers; estimates for what was added since: deploy's second server, about 25 s
 # more, and the decode and engine profiles, a model load, 46 steps at each of two batch sizes,
 # and 3 waves of 128 requests). The runner eager arm comes first: its checkpoint is what deploy
 # serves and the profiles profile.
@@ -48,7 +48,7 @@ SHARES = {
     "train bare eager": 0.06,
     "train runner compiled": 0.12,
     "train bare compiled": 0.08,
-    "deploy": 0.40,
+    "deploy": 0.35,
     "profile decode": 0.06,
     "profile engine": 0.05,
     "pytest -m gpu": 0.32,

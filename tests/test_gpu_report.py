@@ -115,8 +115,8 @@ def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], named: str, capsy
 def test_budgets_split_the_total_and_pass_unused_time_on() -> None:
     names = ["train runner eager", "deploy", "pytest -m gpu"]
     ends = gpu_report.budgets(names, 1500)
-    whole = 0.12 + 0.40 + 0.32
-    assert ends == pytest.approx([1500 * 0.12 / whole, 1500 * 0.52 / whole, 1500])
+    whole = 0.12 + 0.35 + 0.32
+    assert ends == pytest.approx([1500 * 0.12 / whole, 1500 * 0.47 / whole, 1500])
     assert gpu_report.budgets(list(gpu_report.SHARES), 1500)[-1] == pytest.approx(1500)
 
 
