@@ -213,8 +213,9 @@ def start_server(
 ) -> tuple[subprocess.Popen, str]:
     """`runner deploy` in its own process (so client and server do not share one GIL); `source`:
     import runner from that source tree instead of this one."""
-    command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={checkpoint}", "port=0"]
-    command += ["served_model_name=bench", "max_queue=4096", "limits.max_n=1"]
+    # An absolute checkpoint: another source's server runs in that source's directory.
+    command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={checkpoint.resolve()}"]
+    command += ["port=0", "served_model_name=bench", "max_queue=4096", "limits.max_n=1"]
     command += [f"device={device}", f"dtype={dtype}"]
     command += [f"transformers.max_batch_size={max_batch_size}", *extra]
     env = dict(os.environ)
@@ -329,11 +330,30 @@ def _arguments() -> argparse.Namespace:
     return args
 
 
-def _servers(args: argparse.Namespace, checkpoint: Path, device: torch.device) -> dict[str, tuple]:
+def importable(source: Path, scratch: Path) -> Path:
+    """A directory from which `python -m runner` imports runner from the source tree `source`,
+    its configs and recipes included. Installed, setuptools maps runner.conf and runner.recipes
+    to the tree's conf/ and recipes/; an uninstalled tree lacks them, and Python would find this
+    tree's installed ones instead. Here they are links beside links to the package's files."""
+    root = scratch / f"source-{source.name}"
+    package = root / "runner"
+    package.mkdir(parents=True)
+    for entry in (source / "runner").iterdir():
+        (package / entry.name).symlink_to(entry.resolve())
+    for name in ("conf", "recipes"):
+        if (source / name).is_dir() and not (package / name).exists():
+            (package / name).symlink_to((source / name).resolve())
+    return root
+
+
+def _servers(
+    args: argparse.Namespace, checkpoint: Path, device: torch.device, scratch: Path
+) -> dict[str, tuple]:
     """The servers to measure, by label: their process and URL."""
     wanted: dict[str, tuple[list[str], Path | None]] = {}
     if args.baseline_source is not None:
-        wanted[f"runner deploy @{args.baseline_source.name}"] = ([], args.baseline_source)
+        source = importable(args.baseline_source, scratch)
+        wanted[f"runner deploy @{args.baseline_source.name}"] = ([], source)
     if "runner" in args.engines:
         wanted["runner deploy"] = ([], None)
     for variant in args.variant:
@@ -377,7 +397,7 @@ def main() -> None:
         local = {"transformers generate": batched_generate}
         if "generate_batch" in args.engines:
             local["transformers generate_batch"] = continuous_generate
-        servers = _servers(args, checkpoint, device)
+        servers = _servers(args, checkpoint, device, Path(scratch))
         labels = [*local, *servers]
         runs = {label: {c: [] for c in args.concurrency} for label in labels}
         try:
