@@ -330,6 +330,37 @@ def last_words(stage: Stage, width: int = 120) -> str:
     return f": {said[-1][:width]}" if said else ""
 
 
+# The stages whose figures are rows under their own (serving_rows), and what each one's log
+# lacks when it gave none.
+SERVING_STAGES = {
+    "deploy": "no table in its log",
+    "profile decode": "no step times in its log",
+    "profile engine": "no repeat in its log",
+}
+
+
+def serving_rows(stage: Stage) -> list[tuple[str, float, str]]:
+    """A serving stage's rows under its own: what, tokens/s, detail."""
+    log = stage.log.read_text()
+    if stage.name == "deploy":
+        latency = "p50 {p50_ms:,.0f} ms, p99 {p99_ms:,.0f} ms"
+        return [
+            (f"{row['side']} c={row['concurrency']}", row["tokens_per_s"], latency.format(**row))
+            for row in deploy_rows(log)
+        ]
+    if stage.name == "profile decode":
+        return [
+            (f"decode step, {rows} rows (engine alone, no HTTP)", rate, f"{ms:.2f} ms a step")
+            for rows, ms, rate in profile_rows(log)
+        ]
+    repeats = sorted(engine_rates(log))
+    if not repeats:
+        return []
+    spread = f"median of {len(repeats)}, {repeats[0]:,.0f}-{repeats[-1]:,.0f}"
+    middle = repeats[(len(repeats) - 1) // 2]
+    return [(f"engine alone, no HTTP, c={engine_concurrency(stage)}", middle, spread)]
+
+
 def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float | None) -> str:
     """The report: one row per training arm, per deploy side and concurrency, and pytest's
     summary; then ours/bare for each training mode."""
@@ -350,31 +381,13 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
             share = f"{mfu(params, rate, peak):.1%}" if peak else ""
             spread = f"windows {min(per_window):,.0f}-{max(per_window):,.0f}"
             lines.append(f"{head} {rate:>10,.0f} {share:>6}  {spread}")
-        elif stage.name == "deploy":
-            rows = deploy_rows(stage.log.read_text())
-            why = "" if rows else "no table in its log" + last_words(stage)
+        elif stage.name in SERVING_STAGES:
+            figures = serving_rows(stage)
+            why = "" if figures else SERVING_STAGES[stage.name] + last_words(stage)
             lines.append(f"{head} {'':>10} {'':>6}  {why}")
-            for row in rows:
-                what = f"  {row['side']} c={row['concurrency']}"
-                latency = f"p50 {row['p50_ms']:,.0f} ms, p99 {row['p99_ms']:,.0f} ms"
-                lines.append(f"{what:55} {row['tokens_per_s']:>10,.0f} {'':>6}  {latency}")
-        elif stage.name == "profile decode":
-            steps = profile_rows(stage.log.read_text())
-            why = "" if steps else "no step times in its log" + last_words(stage)
-            lines.append(f"{head} {'':>10} {'':>6}  {why}")
-            for rows, ms, rate in steps:
-                what = f"  decode step, {rows} rows (engine alone, no HTTP)"
-                lines.append(f"{what:55} {rate:>10,.0f} {'':>6}  {ms:.2f} ms a step")
-        elif stage.name == "profile engine":
-            repeats = engine_rates(stage.log.read_text())
-            why = "" if repeats else "no repeat in its log" + last_words(stage)
-            lines.append(f"{head} {'':>10} {'':>6}  {why}")
-            if repeats:
-                ordered = sorted(repeats)
-                what = f"  engine alone, no HTTP, c={engine_concurrency(stage)}"
-                middle = ordered[(len(ordered) - 1) // 2]
-                spread = f"median of {len(repeats)}, {ordered[0]:,.0f}-{ordered[-1]:,.0f}"
-                lines.append(f"{what:55} {middle:>10,.0f} {'':>6}  {spread}")
+            lines += [
+                f"  {what:53} {rate:>10,.0f} {'':>6}  {detail}" for what, rate, detail in figures
+            ]
         else:
             summary = pytest_summary(stage.log.read_text()) or "no summary in its log"
             lines.append(f"{head} {'':>10} {'':>6}  {summary}")
