@@ -13,6 +13,7 @@ CPU the window is exactly the running rows and tokens; on CUDA it is rounded up 
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -215,8 +216,6 @@ def _keys_and_values(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
 def cache_keyword(model: PreTrainedModel) -> str:
     """The name under which the model's forward takes a KV cache: `cache` in transformers 5.24
     and later (which warns at the old name and drops it in 5.40), `past_key_values` before."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
