@@ -5,7 +5,9 @@ interleaved repeats (the median is shown, with the range over repeats):
 
 - `transformers generate`: `generate` over static batches of each concurrency (batch 1 is the
   sequential baseline every row is compared with);
-- `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP;
+- `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP
+  (OpenAI's SDK; spread over --client-processes processes, scripts/deploy_clients.py, with the
+  busiest one's CPU share in the `clients` column, so that a figure bounded by its client shows);
 - `runner deploy @DIR` (--baseline-source DIR): the server of another source tree, e.g. the main
   branch unpacked with `git archive main | tar -x -C DIR`, to compare before and after in one run;
 - `runner deploy OVERRIDES` (--variant OVERRIDES, repeatable): this tree's server with those
@@ -24,7 +26,7 @@ temporary directory. On a GPU, e.g. for a 1B model in bf16:
 from __future__ import annotations
 
 import argparse
-import asyncio
+import math
 import os
 import re
 import shutil
@@ -36,18 +38,17 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 import torch
+from deploy_clients import prompts
+from deploy_clients import run as run_clients
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from runner.deploy.loading import resolve_device, resolve_dtype
 from runner.paths import TINY_TOKENIZER_DIR
-
-WORDS = "the model reads a prompt and writes an answer one token at a time".split()
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Result:
     latencies_s: list[float]
     output_tokens: int
     wall_s: float
+    busy: float | None = None  # the busiest client process's CPU over wall (HTTP sides)
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,13 +96,6 @@ def make_tiny_checkpoint(path: Path) -> Path:
     for file in TINY_TOKENIZER_DIR.iterdir():
         shutil.copy(file, path / file.name)
     return path
-
-
-def prompts(count: int) -> list[str]:
-    """Prompts of varied lengths (8 to 40 words)."""
-    return [
-        " ".join(WORDS[(i + j) % len(WORDS)] for j in range(8 + (i * 7) % 33)) for i in range(count)
-    ]
 
 
 def load_baseline(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -182,32 +177,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def load(label: str, url: str, texts: list[str], max_tokens: int, concurrency: int) -> Result:
-    """`concurrency` clients sending the prompts to the server until none are left."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    pending = list(reversed(texts))
-    latencies: list[float] = []
-    tokens = 0
-
-    async def worker() -> None:
-        nonlocal tokens
-        while pending:
-            text = pending.pop()
-            began = time.perf_counter()
-            response = await client.completions.create(
-                model="bench", prompt=text, max_tokens=max_tokens, temperature=0
-            )
-            latencies.append(time.perf_counter() - began)
-            tokens += response.usage.completion_tokens
-
-    async with client:
-        await client.completions.create(model="bench", prompt="warm up", max_tokens=4)
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    return Result(label, concurrency, latencies, tokens, wall)
-
-
 def start_server(
     checkpoint: Path, device: str, dtype: str, max_batch_size: int, *extra: str, source: Path | None
 ) -> tuple[subprocess.Popen, str]:
@@ -255,6 +224,10 @@ def median(results: list[Result]) -> Result:
     return ordered[(len(ordered) - 1) // 2]
 
 
+# A client process busier than this (CPU seconds over wall seconds) may be what a figure measures.
+BUSY_CLIENT = 0.8
+
+
 def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None) -> None:
     """One block per concurrency, one row per side: the median repeat's tokens/s, its range over
     repeats, latency percentiles, and the ratio to sequential `generate` (and to the baseline
@@ -262,7 +235,7 @@ def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None)
     sequential = median(runs["transformers generate"][1]).tokens_per_s
     width = max(34, *map(len, runs))
     header = f"{'':{width}} {'conc.':>5} {'tokens/s':>9} {'range':>11} {'p50 ms':>8} {'p90 ms':>8}"
-    print(header, f"{'p99 ms':>8} {'vs gen. b1':>10} {'vs before':>9}")
+    print(header, f"{'p99 ms':>8} {'vs gen. b1':>10} {'vs before':>9} {'clients':>7}")
     for concurrency in next(iter(runs.values())):
         for label, by_concurrency in runs.items():
             repeats = by_concurrency[concurrency]
@@ -272,12 +245,19 @@ def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None)
             if baseline_label is not None and label.startswith("runner deploy"):
                 before = median(runs[baseline_label][concurrency]).tokens_per_s
                 versus = f"{result.tokens_per_s / before:.3f}x"
+            busy = "" if result.busy is None else f"{result.busy:.0%}"
             print(
                 f"{label:{width}} {concurrency:>5} {result.tokens_per_s:>9.0f} "
                 f"{f'{low:.0f}-{high:.0f}':>11} {result.percentile_ms(50):>8.0f} "
                 f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} "
-                f"{result.tokens_per_s / sequential:>9.1f}x {versus:>9}"
+                f"{result.tokens_per_s / sequential:>9.1f}x {versus:>9} {busy:>7}"
             )
+    clients = [r.busy for sides in runs.values() for rs in sides.values() for r in rs if r.busy]
+    if max(clients, default=0.0) > BUSY_CLIENT:
+        print(
+            f"clients: the busiest client process's CPU over the wall time; above {BUSY_CLIENT:.0%}"
+            " the client may bound the figure: raise --client-processes (cores allowing)"
+        )
 
 
 def _arguments() -> argparse.Namespace:
@@ -320,14 +300,30 @@ def _arguments() -> argparse.Namespace:
         help="another server of this tree, with these deploy overrides (space-separated)",
     )
     parser.add_argument(
+        "--client-processes",
+        type=int,
+        help="processes the HTTP clients are spread over (default: one per 32 clients, at most "
+        "a quarter of the CPU cores): one Python process spends about 2 ms of CPU a request",
+    )
+    parser.add_argument(
         "--baseline-source",
         type=Path,
         help="a runner source tree whose `runner deploy` is measured beside this tree's",
     )
     args = parser.parse_args()
+    if args.client_processes is not None and args.client_processes < 1:
+        parser.error(f"--client-processes {args.client_processes}: give 1 or more")
     args.concurrency = sorted({1, *(int(c) for c in args.concurrency.split(","))})
     args.engines = args.engines.split(",")
     return args
+
+
+def client_processes(given: int | None, concurrency: int) -> int:
+    """Processes for `concurrency` clients: `given`, or one per 32 clients, at most a quarter of
+    the cores (the rest serve: on a 2-core machine one process drives them all)."""
+    if given is not None:
+        return max(1, min(given, concurrency))
+    return max(1, min(math.ceil(concurrency / 32), (os.cpu_count() or 1) // 4))
 
 
 def importable(source: Path, scratch: Path) -> Path:
@@ -371,8 +367,10 @@ def _servers(
 
 def _progress(result: Result) -> Result:
     """Print one measurement as it lands (a run cut short still shows what it measured)."""
+    busy = "" if result.busy is None else f" (busiest client process {result.busy:.0%} busy)"
     print(
-        f"  {result.label}, concurrency {result.concurrency}: {result.tokens_per_s:.0f} tokens/s",
+        f"  {result.label}, concurrency {result.concurrency}: {result.tokens_per_s:.0f} tokens/s"
+        + busy,
         flush=True,
     )
     return result
@@ -410,9 +408,11 @@ def main() -> None:
                     for label, measure in local.items():
                         result = measure(model, tokenizer, sent, args.max_tokens, concurrency)
                         runs[label][concurrency].append(_progress(result))
+                    processes = client_processes(args.client_processes, concurrency)
                     for label, (_, url) in servers.items():
-                        load_run = load(label, url, sent, args.max_tokens, concurrency)
-                        runs[label][concurrency].append(_progress(asyncio.run(load_run)))
+                        load = run_clients(url, sent, args.max_tokens, concurrency, processes)
+                        result = Result(label, concurrency, *astuple(load))
+                        runs[label][concurrency].append(_progress(result))
         finally:
             for process, _ in servers.values():
                 process.send_signal(signal.SIGINT)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_deploy import prompts
+from deploy_clients import prompts
 from profile_decode import load_model, model_parser
 
 from runner.deploy.engine import TransformersEngine

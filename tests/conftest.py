@@ -184,6 +184,7 @@ def load_script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

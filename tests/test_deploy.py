@@ -31,6 +31,7 @@ from runner.deploy.serve import bind_socket, prepare
 from runner.deploy.text import TextStream
 from runner.errors import UserError
 from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
+from tests.conftest import load_script
 
 API_KEY = "test-key-0123456789"
 PROMPTS = ["hello", "the quick brown fox", "a", "once upon a time there was"]
@@ -320,6 +321,25 @@ def test_32_concurrent_requests_all_complete_as_if_alone(base_url: str, client) 
     assert len(responses) == 32
     for i, response in enumerate(responses):
         assert response.choices[0].text == alone[PROMPTS[i % 4]].text
+
+
+def test_the_benchmarks_clients_in_two_processes_count_every_request(base_url, client) -> None:
+    """scripts/deploy_clients.py, which bench_deploy.py measures the server with: three clients
+    over two processes answer each prompt once, with its tokens, inside the measured time."""
+    texts = [PROMPTS[i % 4] for i in range(7)]
+    load = load_script("deploy_clients").run(
+        base_url, texts, 6, concurrency=3, processes=2, model="tiny", api_key=API_KEY
+    )
+    tokens = {
+        prompt: client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0
+        ).usage
+        for prompt in PROMPTS
+    }
+    assert load.output_tokens == sum(tokens[text].completion_tokens for text in texts)
+    assert len(load.latencies_s) == len(texts)
+    assert 0 < max(load.latencies_s) <= load.wall_s
+    assert 0 < load.busy
 
 
 ROUTES = [

@@ -38,12 +38,25 @@ def deploy_log() -> str:
 
     runs: dict[str, dict[int, list]] = {}
     for label, concurrency, rate, latencies in DEPLOY_ROWS:
-        result = bench_deploy.Result(label, concurrency, latencies, rate * 10, 10.0)
+        busy = 0.9 if label.startswith("runner") else None  # a client past BUSY_CLIENT
+        result = bench_deploy.Result(label, concurrency, latencies, rate * 10, 10.0, busy)
         runs.setdefault(label, {})[concurrency] = [result]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         bench_deploy.report(runs, None)
     return "  runner deploy, concurrency 1: 55 tokens/s\n" + printed.getvalue()
+
+
+def test_bench_deploy_spreads_its_clients_over_a_quarter_of_the_cores(monkeypatch) -> None:
+    import bench_deploy
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    wanted = [bench_deploy.client_processes(None, c) for c in (1, 8, 32, 33, 128, 512)]
+    assert wanted == [1, 1, 1, 2, 4, 4]
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the cores serve: one client process
+    assert bench_deploy.client_processes(None, 128) == 1
+    assert bench_deploy.client_processes(3, 2) == 2  # never more processes than clients
+    assert "the client may bound the figure" in deploy_log()
 
 
 PYTEST_LOG = """\
