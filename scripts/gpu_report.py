@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import json
 import os
 import re
@@ -33,7 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_bare import builder_dims, overall_rate
+from gpu_bare import builder_dims
+from gpu_logs import deploy_rows, engine_rates, profile_rows, pytest_summary, runner_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama3_2_1b"
@@ -115,65 +115,6 @@ def mfu(params: int, tokens_per_s: float, peak_flops: float) -> float:
     """Model FLOPs utilization: 6 FLOPs per parameter per trained token (forward and backward
     matmuls; attention's score FLOPs not counted) over the GPU's peak."""
     return 6 * params * tokens_per_s / peak_flops
-
-
-def runner_rate(metrics: str, warmup: int) -> tuple[float, list[float]]:
-    """Tokens/s of `runner train` over the steps after `warmup`, from its metrics.jsonl (logged
-    every `warmup` steps), and each logged window's tokens/s."""
-    logged = [json.loads(line) for line in metrics.splitlines() if line.strip()]
-    logged = [r for r in logged if "tokens_per_s" in r and r["step"] > warmup]
-    steps = [warmup] + [r["step"] for r in logged]
-    sizes = [b - a for a, b in itertools.pairwise(steps)]
-    rates = [r["tokens_per_s"] for r in logged]
-    return overall_rate(sizes, rates), rates
-
-
-def pytest_summary(log: str) -> str:
-    """pytest's last summary line (`12 passed, 3 skipped in 80.1s`), or '' if it never ended."""
-    lines = [line.strip("= ") for line in log.splitlines()]
-    found = [line for line in lines if re.search(r"\d+ (passed|failed|error)", line)]
-    return found[-1] if found else ""
-
-
-# profile_decode.py's line per batch size: rows, milliseconds a step, tokens/s.
-PROFILE_ROW = re.compile(r"^rows (\d+): ([\d.]+) ms a step, ([\d,]+) tokens/s")
-
-
-def profile_rows(log: str) -> list[tuple[int, float, float]]:
-    """profile_decode.py's (rows, ms a step, tokens/s), one per batch size it profiled."""
-    found = [PROFILE_ROW.match(line) for line in log.splitlines()]
-    return [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in found if m is not None]
-
-
-# profile_engine.py's line per repeat: its output tokens/s.
-ENGINE_REPEAT = re.compile(r"^repeat \d+: ([\d,]+) tokens/s")
-
-
-def engine_rates(log: str) -> list[float]:
-    """profile_engine.py's tokens/s, one per repeat."""
-    found = [ENGINE_REPEAT.match(line) for line in log.splitlines()]
-    return [float(m[1].replace(",", "")) for m in found if m is not None]
-
-
-# bench_deploy.py's report() rows: side, concurrency, tokens/s, its range over repeats, p50, p90
-# and p99 ms, then ratios.
-DEPLOY_ROW = re.compile(
-    r"^(runner deploy.*?|transformers generate)\s+(\d+)\s+(\d+)\s+\d+-\d+\s+(\d+)\s+\d+\s+(\d+)\s"
-)
-
-
-def deploy_rows(log: str) -> list[dict]:
-    """bench_deploy.py's table: one dict per row (side, concurrency, tokens/s, p50 and p99 ms)."""
-    rows = []
-    for match in map(DEPLOY_ROW.match, log.splitlines()):
-        if match:
-            label, concurrency, rate, p50, p99 = match.groups()
-            side = label if label.startswith("runner deploy") else "hf generate"
-            rows.append(
-                {"side": side, "concurrency": int(concurrency), "tokens_per_s": float(rate)}
-                | {"p50_ms": float(p50), "p99_ms": float(p99)}
-            )
-    return rows
 
 
 def train_overrides(

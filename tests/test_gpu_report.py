@@ -18,6 +18,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import gpu_bare  # noqa: E402
+import gpu_logs  # noqa: E402
 import gpu_report  # noqa: E402
 
 # Sample measurements of bench_deploy.py: side, concurrency, tokens/s, latencies (s).
@@ -308,7 +309,7 @@ def test_the_decode_profile_rows_in_the_table(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     log = tmp_path / "profile_decode.log"
     log.write_text(result.stdout)
-    found = gpu_report.profile_rows(result.stdout)
+    found = gpu_logs.profile_rows(result.stdout)
     assert [rows for rows, _, _ in found] == [1, 4]
     assert all(ms > 0 and rate > 0 for _, ms, rate in found)
     assert "aten::mm" in result.stdout  # the profiler's table of ops
@@ -325,7 +326,7 @@ def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:
     command += ["--waves", "2", "--max-tokens", "4", "--repeats", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    rates = gpu_report.engine_rates(result.stdout)
+    rates = gpu_logs.engine_rates(result.stdout)
     assert len(rates) == 2 and all(rate > 0 for rate in rates)
     assert "decode steps by rows:" in result.stdout and "prefill" in result.stdout
     log = tmp_path / "profile_engine.log"
@@ -345,6 +346,6 @@ def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> No
     overrides = gpu_report.train_overrides(args, text, False, run, where=("tiny", "cpu", "fp32"))
     result = runner_cli("train", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
-    rate, per_window = gpu_report.runner_rate((run / "metrics.jsonl").read_text(), 2)
+    rate, per_window = gpu_logs.runner_rate((run / "metrics.jsonl").read_text(), 2)
     assert len(per_window) == 2  # steps 3-4 and step 5
     assert rate == pytest.approx(gpu_bare.overall_rate([2, 1], per_window), rel=1e-12)
