@@ -52,8 +52,7 @@ def engine_rates(log: str) -> list[float]:
 # bench_deploy.py's report() rows: side, concurrency, tokens/s, its range over repeats, p50, p90
 # and p99 ms, then ratios.
 DEPLOY_ROW = re.compile(
-    r"^(runner deploy.*?|transformers generate(?:_batch)?)"
-    r"\s+(\d+)\s+(\d+)\s+\d+-\d+\s+(\d+)\s+\d+\s+(\d+)\s"
+    r"^(runner deploy.*?|transformers generate)\s+(\d+)\s+(\d+)\s+\d+-\d+\s+(\d+)\s+\d+\s+(\d+)\s"
 )
 
 
@@ -63,7 +62,7 @@ def deploy_rows(log: str) -> list[dict]:
     for match in map(DEPLOY_ROW.match, log.splitlines()):
         if match:
             label, concurrency, rate, p50, p99 = match.groups()
-            side = label.replace("transformers ", "hf ", 1)
+            side = label if label.startswith("runner deploy") else "hf generate"
             rows.append(
                 {"side": side, "concurrency": int(concurrency), "tokens_per_s": float(rate)}
                 | {"p50_ms": float(p50), "p99_ms": float(p99)}

@@ -12,7 +12,7 @@ concurrency 1/8/32/128 (the default server, and one with the admission rule
 transformers.max_waiting_steps=20), scripts/profile_decode.py's decode step on it at 1 and 128
 rows (its profile stays in the stage's log) and scripts/profile_engine.py's engine at 128
 clients without the server (tokens/s beside deploy's through HTTP, and where the engine's time
-goes), and transformers' generate_batch at deploy's concurrencies; then `pytest -m gpu`. Each stage runs in its own process under a time budget (its share
+goes); then `pytest -m gpu`. Each stage runs in its own process under a time budget (its share
 of the total, plus what earlier stages left unused): one that overruns is killed and reported
 so, and the table still prints. Each stage's raw log stays
 under --out. Without CUDA it refuses, in one line, before doing anything.
@@ -41,9 +41,8 @@ MODEL = "llama3_2_1b"
 # defaults (runner's arms include its start-up and final checkpoint; deploy its 3 repeats;
 # pytest four workers; estimates for what was added since: deploy's second server, about 25 s
 # more, and the decode and engine profiles, a model load, 46 steps at each of two batch sizes,
-# and 3 waves of 128 requests; transformers' generate_batch, one repeat of each concurrency,
-# beside generate). The runner eager arm comes first: its checkpoint is what deploy serves and
-# the profiles profile.
+# and 3 waves of 128 requests). The runner eager arm comes first: its checkpoint is what deploy
+# serves and the profiles profile.
 SHARES = {
     "train runner eager": 0.12,
     "train bare eager": 0.06,
@@ -52,12 +51,11 @@ SHARES = {
     "deploy": 0.35,
     "profile decode": 0.06,
     "profile engine": 0.05,
-    "deploy generate_batch": 0.08,
     "pytest -m gpu": 0.32,
 }
 GROUPS = {
     "train": [s for s in SHARES if s.startswith("train")],
-    "deploy": ["deploy", "profile decode", "profile engine", "deploy generate_batch"],
+    "deploy": ["deploy", "profile decode", "profile engine"],
 }
 GROUPS["pytest"] = ["pytest -m gpu"]
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (without sparsity), matched against
@@ -167,9 +165,6 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     deploy = [py, str(ROOT / "scripts" / "bench_deploy.py"), "--checkpoint", str(checkpoint)]
     deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
     deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
-    # transformers' own continuous batching (paged attention, CUDA graphs) on the same
-    # checkpoint, in a stage of its own: past its budget it is killed without deploy's rows.
-    batch_engine = [*deploy, "--repeats", "1", "--engines", "generate_batch"]
     deploy += ["--repeats", "3", "--engines", "runner"]
     # Beside the default: waiting sequences join a running batch as text-generation-inference
     # lets them (its defaults: 20 steps, and conf/deploy.yaml's ratio 0.3), in fewer prefills.
@@ -190,7 +185,6 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         "deploy": deploy,
         "profile decode": profile,
         "profile engine": engine,
-        "deploy generate_batch": batch_engine,
         "pytest -m gpu": [py, "-m", "pytest", "-o", "addopts=", "-ra", "-q", "-m", "gpu"]
         + pytest_workers()
         + [str(ROOT / "tests" / "test_gpu.py")],
@@ -283,21 +277,17 @@ SERVING_STAGES = {
     "deploy": "no table in its log",
     "profile decode": "no step times in its log",
     "profile engine": "no repeat in its log",
-    "deploy generate_batch": "no table in its log",
 }
 
 
 def serving_rows(stage: Stage) -> list[tuple[str, float, str]]:
     """A serving stage's rows under its own: what, tokens/s, detail."""
     log = stage.log.read_text()
-    if stage.name.startswith("deploy"):
+    if stage.name == "deploy":
         latency = "p50 {p50_ms:,.0f} ms, p99 {p99_ms:,.0f} ms"
-        # generate_batch's stage runs generate again (bench_deploy's baseline): deploy has it.
-        batch_engine = stage.name == "deploy generate_batch"
         return [
             (f"{row['side']} c={row['concurrency']}", row["tokens_per_s"], latency.format(**row))
             for row in deploy_rows(log)
-            if not batch_engine or row["side"] == "hf generate_batch"
         ]
     if stage.name == "profile decode":
         return [

@@ -32,22 +32,13 @@ DEPLOY_ROWS = [
 ]
 
 
-# And with --engines generate_batch alone: generate's rows again, and transformers' engine.
-BATCH_ENGINE_ROWS = [
-    ("transformers generate", 1, 40, [1.56, 1.56, 1.65]),
-    ("transformers generate_batch", 1, 12, [5.0, 5.1, 5.2]),
-    ("transformers generate", 8, 280, [1.70, 1.75, 1.80]),
-    ("transformers generate_batch", 8, 95, [5.4, 5.5, 5.6]),
-]
-
-
-def deploy_log(measured: list[tuple] = DEPLOY_ROWS) -> str:
-    """What bench_deploy.py prints for `measured`: its own report(), so that a change of its
+def deploy_log() -> str:
+    """What bench_deploy.py prints for DEPLOY_ROWS: its own report(), so that a change of its
     table's shape fails here, not on the GPU."""
     import bench_deploy
 
     runs: dict[str, dict[int, list]] = {}
-    for label, concurrency, rate, latencies in measured:
+    for label, concurrency, rate, latencies in DEPLOY_ROWS:
         busy = 0.9 if label.startswith("runner") else None  # a client past BUSY_CLIENT
         result = bench_deploy.Result(label, concurrency, latencies, rate * 10, 10.0, busy)
         runs.setdefault(label, {})[concurrency] = [result]
@@ -105,12 +96,7 @@ def test_defaults_run_every_stage_in_budget_order() -> None:
         20,
     )
     only_deploy = gpu_report.arguments(["--only", "deploy", "--checkpoint", "c"])
-    assert only_deploy.stages == [
-        "deploy",
-        "profile decode",
-        "profile engine",
-        "deploy generate_batch",
-    ]
+    assert only_deploy.stages == ["deploy", "profile decode", "profile engine"]
     assert gpu_report.arguments(["--only", "pytest,train"]).stages == [
         "train runner eager",
         "train bare eager",
@@ -207,7 +193,6 @@ def sample_outputs(out: Path) -> list[gpu_report.Stage]:
         "train_bare_eager.log": "compiling...\n" + json.dumps(bare) + "\n",
         "train_runner_compiled.log": "step 10/40 ...\n",
         "deploy.log": deploy_log(),
-        "deploy_generate_batch.log": deploy_log(BATCH_ENGINE_ROWS),
         "pytest_m_gpu.log": PYTEST_LOG,
     }
     for name, text in logs.items():
@@ -219,7 +204,6 @@ def sample_outputs(out: Path) -> list[gpu_report.Stage]:
             "train runner compiled", "overran its 180 s", 180, out / "train_runner_compiled.log"
         ),
         gpu_report.Stage("deploy", "ok", 400, out / "deploy.log"),
-        gpu_report.Stage("deploy generate_batch", "ok", 50, out / "deploy_generate_batch.log"),
         gpu_report.Stage("pytest -m gpu", "failed (exit 1)", 215, out / "pytest_m_gpu.log"),
     ]
 
@@ -246,9 +230,6 @@ def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
     # The median latency and its 99th percentile (statistics.quantiles, inclusive) of 3 samples.
     assert generate == ["41", "p50", "1,560", "ms,", "p99", "1,648", "ms"]
     assert rows["runner deploy c=8"].split()[3] == "410"
-    # transformers' generate_batch under its own stage, without its stage's generate rows.
-    assert rows["hf generate_batch c=8"].split()[3] == "95"
-    assert sum(line.strip().startswith("hf generate c=1") for line in text.splitlines()) == 1
     # A --variant server's rows, under their own label (longer than the others).
     variant = [line for line in text.splitlines() if "max_waiting_steps=20 c=8" in line]
     assert [line.split()[4] for line in variant] == ["470"]
