@@ -43,8 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deploy_clients import prompts
-from deploy_clients import run as run_clients
+from deploy_clients import Clients, prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from runner.deploy.loading import resolve_device, resolve_dtype
@@ -398,6 +397,7 @@ def main() -> None:
         servers = _servers(args, checkpoint, device, Path(scratch))
         labels = [*local, *servers]
         runs = {label: {c: [] for c in args.concurrency} for label in labels}
+        clients = Clients(client_processes(args.client_processes, max(args.concurrency)))
         try:
             # Interleaved, so that other work on a shared machine slows every side alike.
             for _ in range(args.repeats):
@@ -410,10 +410,11 @@ def main() -> None:
                         runs[label][concurrency].append(_progress(result))
                     processes = client_processes(args.client_processes, concurrency)
                     for label, (_, url) in servers.items():
-                        load = run_clients(url, sent, args.max_tokens, concurrency, processes)
+                        load = clients.run(url, sent, args.max_tokens, concurrency, processes)
                         result = Result(label, concurrency, *astuple(load))
                         runs[label][concurrency].append(_progress(result))
         finally:
+            clients.close()
             for process, _ in servers.values():
                 process.send_signal(signal.SIGINT)
                 process.wait(timeout=30)

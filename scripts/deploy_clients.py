@@ -3,14 +3,15 @@
 A Python client is not free: the OpenAI SDK spends about 2 ms of CPU on each request (building
 it, parsing the answer into its models) on a 2-core EPYC. One process driving 128 clients then
 needs a quarter of a second only to send a wave, which a server answering 10,000 tokens/s does
-not have to spare; the figure would be the client's. So the clients run in `processes` processes
-(each `concurrency / processes` of them, over its share of the prompts), which start together
-once all are warm, and each reports the CPU it used, so that a figure bounded by its client shows
-(`busy`: the busiest process's CPU seconds over the wall time).
+not have to spare; the figure would be the client's. So the clients run in processes (each
+`concurrency / processes` of them, over its share of the prompts), started once for a whole
+benchmark (`Clients`). A measurement starts them together once all are warm, and each reports
+the CPU it used, so that a figure bounded by its client shows (`busy`: the busiest process's CPU
+seconds over the wall time).
 
-    python scripts/deploy_clients.py   # a client process (bench_deploy.py starts it): reads
-                                       # its job as JSON on stdin, prints "ready", waits for a
-                                       # line, runs, prints its result as JSON
+    python scripts/deploy_clients.py   # a client process (bench_deploy.py starts them): for
+                                       # each job (a JSON line on stdin) it prints "ready",
+                                       # waits for a line, runs, prints its result as JSON
 """
 
 from __future__ import annotations
@@ -44,70 +45,94 @@ class Load:
     busy: float
 
 
-def run(
-    url: str,
-    texts: list[str],
-    max_tokens: int,
-    concurrency: int,
-    processes: int,
-    *,
-    model: str = "bench",
-    api_key: str = "unused",
-) -> Load:
-    """`concurrency` clients in `processes` processes send `texts` (greedy, `max_tokens` each) to
-    `model` on the server at `url` until none are left; the clock runs from the first start to
-    the last end."""
-    processes = max(1, min(processes, concurrency))
-    children = []
-    for index in range(processes):
-        job = {
-            "url": url,
-            "model": model,
-            "api_key": api_key,
-            "texts": texts[index::processes],
-            "max_tokens": max_tokens,
-            "concurrency": concurrency // processes + (index < concurrency % processes),
-        }
-        child = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(json.dumps(job) + "\n")
-        child.stdin.flush()
-        children.append(child)
-    try:
-        for child in children:  # each has imported its client and sent a warm-up request
-            assert child.stdout is not None
-            if child.stdout.readline().strip() != "ready":
-                raise SystemExit(f"a client process failed (exit code {child.wait()})")
-        for child in children:
-            assert child.stdin is not None
-            child.stdin.write("go\n")
-            child.stdin.flush()
-        results = []
-        for child in children:
-            assert child.stdout is not None
-            line = child.stdout.readline()
-            if child.wait() != 0 or not line:
-                raise SystemExit(f"a client process failed (exit code {child.returncode})")
-            results.append(json.loads(line))
-    finally:
-        for child in children:
+class Clients:
+    """Client processes kept for a whole benchmark, so that starting them (and importing the SDK)
+    is paid once; each measurement uses as many of them as it asks for."""
+
+    def __init__(self, processes: int) -> None:
+        self._children = [
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(max(1, processes))
+        ]
+
+    def __enter__(self) -> Clients:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the processes: their input closes, and they exit."""
+        for child in self._children:
             if child.poll() is None:
+                assert child.stdin is not None
+                child.stdin.close()
+        for child in self._children:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 child.kill()
-    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return Load(
-        latencies_s=[latency for r in results for latency in r["latencies_s"]],
-        output_tokens=sum(r["output_tokens"] for r in results),
-        wall_s=wall,
-        busy=max(r["cpu_s"] for r in results) / wall,
-    )
+
+    def run(
+        self,
+        url: str,
+        texts: list[str],
+        max_tokens: int,
+        concurrency: int,
+        processes: int,
+        *,
+        model: str = "bench",
+        api_key: str = "unused",
+    ) -> Load:
+        """`concurrency` clients in `processes` of the processes send `texts` (greedy,
+        `max_tokens` each) to `model` on the server at `url` until none are left; the clock runs
+        from the first start to the last end."""
+        used = self._children[: max(1, min(processes, concurrency, len(self._children)))]
+        for index, child in enumerate(used):
+            job = {
+                "url": url,
+                "model": model,
+                "api_key": api_key,
+                "texts": texts[index :: len(used)],
+                "max_tokens": max_tokens,
+                "concurrency": concurrency // len(used) + (index < concurrency % len(used)),
+            }
+            _send(child, json.dumps(job))
+        for child in used:  # each has its client and has sent a warm-up request
+            if _receive(child) != "ready":
+                raise SystemExit("a client process failed before its run (its error is above)")
+        for child in used:
+            _send(child, "go")
+        results = [json.loads(_receive(child) or "null") for child in used]
+        if None in results:
+            raise SystemExit("a client process failed in its run (its error is above)")
+        wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+        return Load(
+            latencies_s=[latency for r in results for latency in r["latencies_s"]],
+            output_tokens=sum(r["output_tokens"] for r in results),
+            wall_s=wall,
+            busy=max(r["cpu_s"] for r in results) / wall,
+        )
 
 
-async def _clients(job: dict) -> dict:
+def _send(child: subprocess.Popen, line: str) -> None:
+    assert child.stdin is not None
+    child.stdin.write(line + "\n")
+    child.stdin.flush()
+
+
+def _receive(child: subprocess.Popen) -> str:
+    """The child's next line ('' once it has exited)."""
+    assert child.stdout is not None
+    return child.stdout.readline().strip()
+
+
+async def _clients(job: dict) -> dict | None:
     """This process's clients: warm up, say ready, wait for the word, then send every text."""
     import openai
 
@@ -132,7 +157,8 @@ async def _clients(job: dict) -> dict:
     async with client:
         await client.completions.create(model=model, prompt="warm up", max_tokens=4)
         print("ready", flush=True)
-        await asyncio.to_thread(sys.stdin.readline)
+        if not await asyncio.to_thread(sys.stdin.readline):
+            return None  # its input closed before the word: the benchmark has ended
         # CLOCK_MONOTONIC is one clock for every process of the machine.
         start, cpu = time.monotonic(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(job["concurrency"])))
@@ -147,8 +173,12 @@ async def _clients(job: dict) -> dict:
 
 
 def main() -> None:
-    result = asyncio.run(_clients(json.loads(sys.stdin.readline())))
-    print(json.dumps(result), flush=True)
+    """One job per line on stdin, until it closes."""
+    for line in sys.stdin:
+        result = asyncio.run(_clients(json.loads(line)))
+        if result is None:
+            return
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
