@@ -1,4 +1,4 @@
-"""Every GPU figure the project claims, in one command and one table, within 9 minutes.
+"""Every GPU figure the project claims, in one command and one table, within a time budget.
 
     python scripts/gpu_report.py [--out outputs/gpu_report] [--budget-min 9]
         [--only train,deploy,pytest] [--checkpoint DIR]
