@@ -7,7 +7,8 @@
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
 `--waves` x `--concurrency` prompts (bench_deploy.py's) are answered, greedy. Per repeat it
-prints output tokens/s, and the time and count of the engine's prefills, decode steps,
+prints output tokens/s, and the time and count of the engine's prefills (and within them the
+model's forward pass), the merging of prefilled rows into the batch (join), decode steps,
 CUDA-graph captures and publishing of events (each timed to the device's completion, which
 adds a synchronization to each), and how many rows the decode steps ran. The first repeat
 includes the captures and the buffers' allocation; the later ones show the steady engine.
@@ -108,9 +109,13 @@ def main() -> None:
         waiting_served_ratio=args.waiting_served_ratio,
     )
     timings = Timings(device)
-    for method, part in (("_prefill", "prefill"), ("_decode", "decode"), ("_publish", "publish")):
+    parts = [("_prefill", "prefill"), ("_join", "join"), ("_decode", "decode")]
+    for method, part in [*parts, ("_publish", "publish")]:
         timings.wrap(engine, method, part)
     timings.wrap(engine.decode_step, "_capture", "capture")
+    # Within the prefill: the model's forward pass alone (the rest is building the batch on the
+    # host and sampling its first tokens).
+    timings.wrap(engine.decode_step, "prefill", "prefill forward")
     decode = engine._decode
 
     def decode_counting_rows() -> None:
@@ -136,7 +141,7 @@ def main() -> None:
             for part in sorted(timings.seconds):
                 seconds, calls = timings.seconds[part], timings.calls[part]
                 print(
-                    f"  {part:8} {calls:6d} calls {seconds * 1e3:10.1f} ms "
+                    f"  {part:15} {calls:6d} calls {seconds * 1e3:10.1f} ms "
                     f"({seconds * 1e3 / calls:.2f} ms each, {seconds / wall:.0%} of the run)"
                 )
             steps = sorted(timings.rows.items())
