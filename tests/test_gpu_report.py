@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -328,7 +329,9 @@ def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rates = gpu_logs.engine_rates(result.stdout)
     assert len(rates) == 2 and all(rate > 0 for rate in rates)
-    assert "decode steps by rows:" in result.stdout and "prefill" in result.stdout
+    assert "decode steps by rows:" in result.stdout
+    for part in ("prefill", "prefill forward", "join", "decode", "publish"):
+        assert re.search(rf"^  {part} +\d+ calls", result.stdout, re.MULTILINE), part
     log = tmp_path / "profile_engine.log"
     log.write_text(" ".join(command) + "\n" + result.stdout)
     stage = gpu_report.Stage("profile engine", "ok", 20, log)
