@@ -9,7 +9,12 @@ steps on bench_peers' model and data, with the rows laid out and attended three 
 - rows_dense: rows as long as the batch's longest sample (first-fit decreasing) under a dense
   block-causal mask: runner's layout before it, and the one it keeps for Gemma 2;
 - one_row_dense: one unpadded row under a dense block-causal mask over the whole row: what
-  transformers computes for DataCollatorWithFlattening's rows (bench_peers' hf_best arm).
+  transformers computes for DataCollatorWithFlattening's rows (bench_peers' hf_best arm);
+- packs_dense: the samples in torchtune's PackedDataset packs of bench_peers' tune_best arm (in
+  order, a new pack where the next sample does not fit, each padded to the longest sample
+  rounded up to 128 tokens), under a dense block-causal mask, as torchtune's attention takes it
+  on the CPU: tune_best's arithmetic on the same samples as the others, in one process, without
+  the run-to-run noise of separate processes.
 
 The model is torchtune's llama3_2 builder at bench_peers' --size (random init, seed 0), fp32 on
 the CPU, AdamW (fused), cross-entropy on the whole logits, clip at 1.0: the arithmetic of
@@ -36,8 +41,33 @@ import bench_peers  # noqa: E402  (the model's shapes and data)
 from runner.data.transforms import collate  # noqa: E402
 from runner.models.attention import RowAttention, dense_block_causal_mask  # noqa: E402
 
-LAYOUTS = ("one_row_per_sample", "rows_dense", "one_row_dense")
+LAYOUTS = ("one_row_per_sample", "rows_dense", "one_row_dense", "packs_dense")
 BATCH, STEPS = 16, 12
+
+
+def torchtune_packs(samples: list[dict], width: int) -> list[dict[str, torch.Tensor]]:
+    """The samples as PackedDataset packs them: in order, a new pack where the next sample does
+    not fit, each padded to `width` (its padding's positions going on from its last sample's)."""
+    groups: list[list[dict]] = [[]]
+    for sample in samples:
+        if groups[-1] and sum(len(s["tokens"]) for s in groups[-1]) + len(sample["tokens"]) > width:
+            groups.append([])
+        groups[-1].append(sample)
+    packs = []
+    for group in groups:
+        lengths = [len(s["tokens"]) for s in group]
+        free = width - sum(lengths)
+        positions = [p for n in lengths for p in range(n)]
+        positions += range(positions[-1] + 1, positions[-1] + 1 + free)
+        packs.append(
+            {
+                "tokens": torch.tensor([t for s in group for t in s["tokens"]] + [0] * free),
+                "labels": torch.tensor([t for s in group for t in s["labels"]] + [-100] * free),
+                "input_pos": torch.tensor(positions),
+                "seq_lens": torch.tensor(lengths + ([free] if free else [])),
+            }
+        )
+    return packs
 
 
 def main(argv: list[str]) -> None:
@@ -52,10 +82,17 @@ def main(argv: list[str]) -> None:
     model = bench_peers.random_model(args.size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     per_sample = RowAttention.of(model, torch.device("cpu"))
+    longest = max(len(sample["tokens"]) for sample in samples)
+    width = -(-longest // bench_peers.PACK_ROUNDING) * bench_peers.PACK_ROUNDING
 
     def step(samples: list[dict], layout: str) -> int:
-        limit = None if layout == "rows_dense" else per_sample.row_limit
-        batch = collate(samples, packed=False, padding_free=True, padding_idx=0, row_limit=limit)
+        if layout == "packs_dense":
+            batch = collate(torchtune_packs(samples, width), packed=True, padding_idx=0)
+        else:
+            limit = None if layout == "rows_dense" else per_sample.row_limit
+            batch = collate(
+                samples, packed=False, padding_free=True, padding_idx=0, row_limit=limit
+            )
         inputs = per_sample.inputs(batch, torch.device("cpu"))
         if inputs and layout != "one_row_per_sample":
             inputs["mask"] = dense_block_causal_mask(batch["input_pos"])
