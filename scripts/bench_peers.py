@@ -302,6 +302,13 @@ def prepare(
     return spec
 
 
+def pack_width(samples: list[dict[str, list[int]]]) -> int:
+    """tune_best's packs' length (its max_seq_len): the longest sample rounded up to
+    PACK_ROUNDING tokens."""
+    longest = max(len(s["tokens"]) for s in samples)
+    return -(-longest // PACK_ROUNDING) * PACK_ROUNDING
+
+
 def tune_packs(samples: list[dict[str, list[int]]], spec: dict) -> dict:
     """What torchtune's recipe trains with `dataset.packed: True`: PackedDataset's packs of the
     samples in file order (it packs before it shuffles), max_seq_len the longest sample rounded
@@ -312,8 +319,7 @@ def tune_packs(samples: list[dict[str, list[int]]], spec: dict) -> dict:
 
     pad = spec["pad_id"]
     assert all(pad not in s["tokens"] for s in samples), "a sample holds the pad token"
-    longest = max(len(s["tokens"]) for s in samples)
-    max_seq_len = -(-longest // PACK_ROUNDING) * PACK_ROUNDING
+    max_seq_len = pack_width(samples)
     packs = PackedDataset(samples, max_seq_len=max_seq_len, padding_idx=pad)
     rows = max(1, round(statistics.mean(spec["tokens_per_step"]) / max_seq_len))
     order = runner_order(len(packs))

@@ -37,37 +37,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_peers  # noqa: E402  (the model's shapes and data)
+from torchtune.datasets import PackedDataset  # noqa: E402
 
 from runner.data.transforms import collate  # noqa: E402
 from runner.models.attention import RowAttention, dense_block_causal_mask  # noqa: E402
 
 LAYOUTS = ("one_row_per_sample", "rows_dense", "one_row_dense", "packs_dense")
 BATCH, STEPS = 16, 12
-
-
-def torchtune_packs(samples: list[dict], width: int) -> list[dict[str, torch.Tensor]]:
-    """The samples as PackedDataset packs them: in order, a new pack where the next sample does
-    not fit, each padded to `width` (its padding's positions going on from its last sample's)."""
-    groups: list[list[dict]] = [[]]
-    for sample in samples:
-        if groups[-1] and sum(len(s["tokens"]) for s in groups[-1]) + len(sample["tokens"]) > width:
-            groups.append([])
-        groups[-1].append(sample)
-    packs = []
-    for group in groups:
-        lengths = [len(s["tokens"]) for s in group]
-        free = width - sum(lengths)
-        positions = [p for n in lengths for p in range(n)]
-        positions += range(positions[-1] + 1, positions[-1] + 1 + free)
-        packs.append(
-            {
-                "tokens": torch.tensor([t for s in group for t in s["tokens"]] + [0] * free),
-                "labels": torch.tensor([t for s in group for t in s["labels"]] + [-100] * free),
-                "input_pos": torch.tensor(positions),
-                "seq_lens": torch.tensor(lengths + ([free] if free else [])),
-            }
-        )
-    return packs
 
 
 def main(argv: list[str]) -> None:
@@ -82,12 +58,14 @@ def main(argv: list[str]) -> None:
     model = bench_peers.random_model(args.size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     per_sample = RowAttention.of(model, torch.device("cpu"))
-    longest = max(len(sample["tokens"]) for sample in samples)
-    width = -(-longest // bench_peers.PACK_ROUNDING) * bench_peers.PACK_ROUNDING
+    # torchtune's own packing of each batch's samples, before the clock runs.
+    width = bench_peers.pack_width(samples)
+    packs = [list(PackedDataset(b, max_seq_len=width, padding_idx=0)) for b in batches]
 
-    def step(samples: list[dict], layout: str) -> int:
+    def step(index: int, layout: str) -> int:
+        samples = batches[index]
         if layout == "packs_dense":
-            batch = collate(torchtune_packs(samples, width), packed=True, padding_idx=0)
+            batch = collate(packs[index], packed=True, padding_idx=0)
         else:
             limit = None if layout == "rows_dense" else per_sample.row_limit
             batch = collate(
@@ -109,10 +87,10 @@ def main(argv: list[str]) -> None:
     rates: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
     for repeat in range(args.repeats):
         for layout in LAYOUTS if repeat % 2 == 0 else LAYOUTS[::-1]:
-            step(batches[0], layout)
+            step(0, layout)
             start, tokens = time.perf_counter(), 0
-            for samples in batches[1:]:
-                tokens += step(samples, layout)
+            for index in range(1, STEPS):
+                tokens += step(index, layout)
             rates[layout].append(tokens / (time.perf_counter() - start))
     print(f"{args.lengths} lengths, {args.size} model, {args.repeats} repeats; tokens/s:")
     for layout, values in rates.items():
@@ -124,8 +102,8 @@ def main(argv: list[str]) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
-            for samples in batches[1:6]:
-                step(samples, LAYOUTS[0])
+            for index in range(1, 6):
+                step(index, LAYOUTS[0])
         print(profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
 
 
