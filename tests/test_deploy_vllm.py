@@ -9,7 +9,7 @@ streamed as whole, stop strings, several choices, and the usage.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import deploy_server
 from tests.test_deploy import make_checkpoint
 
-vllm = pytest.importorskip("vllm")
+pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["the model reads a prompt", "a second prompt, longer than the first one is"]
@@ -40,13 +40,23 @@ def client(checkpoint: Path, hermetic_env: dict[str, str]) -> Iterator[openai.Op
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-def generate(checkpoint: Path, prompt: str, max_tokens: int) -> str:
+@pytest.fixture(scope="module")
+def generate(checkpoint: Path) -> Callable[[str, int], str]:
     """transformers' own greedy `generate` on the CPU in fp32: what every engine must answer."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    output = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.shape[1] :]
-    return tokenizer.decode(output, skip_special_tokens=True)
+
+    def answer(prompt: str, max_tokens: int) -> str:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        output = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+
+    return answer
+
+
+def texts(answer) -> list[str]:
+    """Each choice's text, in the order of the choices' indices."""
+    return [choice.text for choice in sorted(answer.choices, key=lambda c: c.index)]
 
 
 def complete_bytes(text: str) -> str:
@@ -56,10 +66,10 @@ def complete_bytes(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
-def test_vllm_answers_greedy_prompts_as_generate(client, checkpoint: Path) -> None:
+def test_vllm_answers_greedy_prompts_as_generate(client, generate) -> None:
     answer = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0)
-    texts = [complete_bytes(c.text) for c in sorted(answer.choices, key=lambda c: c.index)]
-    assert texts == [complete_bytes(generate(checkpoint, prompt, 12)) for prompt in PROMPTS]
+    expected = [complete_bytes(generate(prompt, 12)) for prompt in PROMPTS]
+    assert [complete_bytes(text) for text in texts(answer)] == expected
     assert [choice.finish_reason for choice in answer.choices] == ["length", "length"]
     assert answer.usage.completion_tokens == 24
 
@@ -74,8 +84,8 @@ def test_vllm_streams_the_whole_answer(client) -> None:
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
-def test_vllm_stops_at_a_stop_string(client, checkpoint: Path) -> None:
-    full = generate(checkpoint, PROMPTS[0], 12)
+def test_vllm_stops_at_a_stop_string(client, generate) -> None:
+    full = generate(PROMPTS[0], 12)
     stop = full[3:5]  # a string the greedy answer holds, whose first match ends the text
     answer = client.completions.create(
         model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop]
@@ -90,6 +100,6 @@ def test_vllm_samples_several_seeded_choices(client) -> None:
             model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7
         )
         assert sorted(choice.index for choice in answer.choices) == [0, 1]
-        return [choice.text for choice in sorted(answer.choices, key=lambda c: c.index)]
+        return texts(answer)
 
     assert ask() == ask()  # a seed repeats its samples
