@@ -4,16 +4,19 @@
 CI included (its install takes minutes and a gigabyte), these tests are skipped. The real CLI
 serves a tiny checkpoint through vLLM in its own process, and the OpenAI client asks it what
 the transformers engine's tests ask: greedy answers equal to transformers' own `generate`,
-streamed as whole, stop strings, several choices, and the usage.
+streamed as whole, stop strings, several choices, and the usage; and a LoRA checkpoint without
+merged weights, which vLLM serves over its base.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import deploy_server
@@ -40,11 +43,14 @@ def client(checkpoint: Path, hermetic_env: dict[str, str]) -> Iterator[openai.Op
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def generate(checkpoint: Path) -> Callable[[str, int], str]:
-    """transformers' own greedy `generate` on the CPU in fp32: what every engine must answer."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+def greedy(model_dir: Path, adapter_dir: Path | None = None) -> Callable[[str, int], str]:
+    """transformers' own greedy `generate` on the CPU in fp32 (with the LoRA adapter merged in by
+    peft): what every engine must answer."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def answer(prompt: str, max_tokens: int) -> str:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
@@ -52,6 +58,11 @@ def generate(checkpoint: Path) -> Callable[[str, int], str]:
         return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
 
     return answer
+
+
+@pytest.fixture(scope="module")
+def generate(checkpoint: Path) -> Callable[[str, int], str]:
+    return greedy(checkpoint)
 
 
 def texts(answer) -> list[str]:
@@ -103,3 +114,38 @@ def test_vllm_samples_several_seeded_choices(client) -> None:
         return texts(answer)
 
     assert ask() == ask()  # a seed repeats its samples
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint: Path) -> Path:
+    """A LoRA checkpoint as method=lora writes one (a PEFT adapter on q_proj and v_proj naming its
+    base by path, the tokenizer beside it, no merged weights), with random B matrices where
+    training starts from zeros, so that the adapter changes the answers."""
+    path = checkpoint.parent / "lora"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(0)
+    get_peft_model(model, config).save_pretrained(path)
+    for file in checkpoint.iterdir():  # all but the base's own config and weights
+        if file.name not in ("config.json", "generation_config.json", "model.safetensors"):
+            shutil.copy(file, path / file.name)
+    return path
+
+
+def test_vllm_serves_a_lora_checkpoint_over_its_base(
+    adapter: Path, checkpoint, generate, hermetic_env
+):
+    merged = greedy(checkpoint, adapter)
+    expected = [complete_bytes(merged(prompt, 12)) for prompt in PROMPTS]
+    # The adapter changes what the base answers: a server that ignored it would fail below.
+    assert expected != [complete_bytes(generate(prompt, 12)) for prompt in PROMPTS]
+    served = [f"checkpoint={adapter}", "engine=vllm", "dtype=fp32", "served_model_name=[tiny]"]
+    served += [f"allowed_roots=[{adapter.parent}]"]
+    with deploy_server(served, cwd=adapter.parent, env=hermetic_env, up_within_s=600) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(
+            model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0
+        )
+    assert [complete_bytes(text) for text in texts(answer)] == expected

@@ -16,7 +16,6 @@ from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
     HF_CONFIG_FILE,
-    MODEL_FILE,
     check_safetensors,
     weight_files,
 )
@@ -157,9 +156,8 @@ def load_hf_model(
     return adapted.merge_and_unload()
 
 
-def check_servable(checkpoint_dir: Path, engine: str = "transformers") -> None:
-    """Refuse what an engine may not load: pickled weights; adapters without their weights; and
-    for vLLM, an adapter without merged weights."""
+def check_servable(checkpoint_dir: Path) -> None:
+    """Refuse what no engine may load: pickled weights, and adapters without their weights."""
     if (checkpoint_dir / ADAPTER_CONFIG_FILE).is_file():
         if not (checkpoint_dir / ADAPTER_FILE).is_file():
             raise UserError(
@@ -168,13 +166,6 @@ def check_servable(checkpoint_dir: Path, engine: str = "transformers") -> None:
                 f"a LoRA checkpoint without {ADAPTER_FILE}; serve a whole checkpoint",
             )
         lora_base_dir(checkpoint_dir)
-        if engine == "vllm" and not (checkpoint_dir / MODEL_FILE).is_file():
-            raise UserError(
-                "checkpoint",
-                str(checkpoint_dir),
-                "engine=vllm serves LoRA checkpoints with merged weights only: train with "
-                "method.save_merged=true, or serve it with engine=transformers",
-            )
         return
     require_safetensors(checkpoint_dir, "deploy")
 

@@ -209,16 +209,17 @@ def _vllm_model(
         model_context_length,
         vllm_dtype,
     )
-    from runner.deploy.vllm_engine import VllmEngine, require_vllm
+    from runner.deploy.vllm_engine import VllmEngine, require_vllm, unmerged_adapter
 
     require_vllm()
     if device != "auto":
         log.warning("device=%s is ignored with engine=vllm, which places the model itself", device)
-    check_servable(checkpoint.path, engine="vllm")
+    check_servable(checkpoint.path)
     context = model_context_length(checkpoint.path, max_model_len)
     start = functools.partial(
         VllmEngine,
         checkpoint.path,
+        adapter=unmerged_adapter(checkpoint.path),
         max_model_len=context,
         max_queue=max_queue,
         dtype=vllm_dtype(dtype),

@@ -1,10 +1,18 @@
-"""engine=vllm: the same requests served by vLLM's AsyncLLMEngine, imported only when chosen."""
+"""engine=vllm: the same requests served by vLLM's AsyncLLMEngine, imported only when chosen.
+
+A LoRA checkpoint without merged weights is served as vLLM serves adapters: the base model
+loaded once, and every request generated with the adapter (vLLM's LoRA layers apply it
+unmerged, as engine=transformers' merged weights compute it).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import typing
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +23,9 @@ from runner.deploy.generation import (
     RequestHandle,
     SamplingRequest,
 )
+from runner.deploy.loading import lora_base_dir
 from runner.errors import UserError
+from runner.rundir import ADAPTER_CONFIG_FILE, MODEL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +46,37 @@ def require_vllm() -> None:
         ) from error
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA checkpoint vLLM serves over its base: the base model's directory, the adapter's
+    directory, and the rank vLLM reserves for it (one of the ranks it allocates for)."""
+
+    base_dir: Path
+    adapter_dir: Path
+    max_lora_rank: int
+
+
+def unmerged_adapter(checkpoint_dir: Path) -> Adapter | None:
+    """The checkpoint's LoRA adapter when it has no merged weights (method.save_merged=false,
+    the default), else None: merged weights are served as a whole model."""
+    base_dir = lora_base_dir(checkpoint_dir)
+    if base_dir is None or (checkpoint_dir / MODEL_FILE).is_file():
+        return None
+    from vllm.config.lora import MaxLoRARanks
+
+    rank = json.loads((checkpoint_dir / ADAPTER_CONFIG_FILE).read_text())["r"]
+    ranks = [r for r in typing.get_args(MaxLoRARanks) if r >= rank]
+    if not ranks:
+        raise UserError(
+            "checkpoint",
+            str(checkpoint_dir),
+            f"its LoRA rank {rank} is above the largest vLLM serves "
+            f"({max(typing.get_args(MaxLoRARanks))}): train with method.save_merged=true to "
+            "serve the merged weights, or serve it with engine=transformers",
+        )
+    return Adapter(base_dir, checkpoint_dir, min(ranks))
+
+
 class VllmEngine:
     """Serves one checkpoint through vLLM; vLLM batches and schedules, we bound its queue."""
 
@@ -43,6 +84,7 @@ class VllmEngine:
         self,
         checkpoint_dir: Path,
         *,
+        adapter: Adapter | None,
         max_model_len: int,
         max_queue: int,
         dtype: str,
@@ -52,6 +94,7 @@ class VllmEngine:
     ) -> None:
         require_vllm()
         from vllm import AsyncEngineArgs, AsyncLLMEngine
+        from vllm.lora.request import LoRARequest
         from vllm.platforms import current_platform
 
         if gpu_memory_utilization is None:
@@ -59,8 +102,13 @@ class VllmEngine:
             # cache, and vLLM refuses to start when that much is not free.
             gpu_memory_utilization = CPU_MEMORY_SHARE if current_platform.is_cpu() else 0.9
 
+        lora: dict[str, Any] = {}
+        self._lora_request: Any = None
+        if adapter is not None:
+            lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": adapter.max_lora_rank}
+            self._lora_request = LoRARequest("adapter", 1, str(adapter.adapter_dir))
         args = AsyncEngineArgs(
-            model=str(checkpoint_dir),
+            model=str(checkpoint_dir if adapter is None else adapter.base_dir),
             tokenizer=str(checkpoint_dir),
             trust_remote_code=False,
             load_format="safetensors",
@@ -69,6 +117,7 @@ class VllmEngine:
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
+            **lora,
         )
         self._engine = AsyncLLMEngine.from_engine_args(args)
         self._capacity = max_num_seqs + max_queue
@@ -106,7 +155,10 @@ class VllmEngine:
         finished = [False] * request.n
         prompt = {"prompt_token_ids": request.prompt_ids}
         try:
-            async for output in self._engine.generate(prompt, params, request_id):
+            generated = self._engine.generate(
+                prompt, params, request_id, lora_request=self._lora_request
+            )
+            async for output in generated:
                 if handle.cancelled:
                     await self._engine.abort(request_id)
                     return
