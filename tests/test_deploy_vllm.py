@@ -10,6 +10,7 @@ merged weights, which vLLM serves over its base.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -149,3 +150,15 @@ def test_vllm_serves_a_lora_checkpoint_over_its_base(
             model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0
         )
     assert [complete_bytes(text) for text in texts(answer)] == expected
+
+
+def test_vllm_refuses_an_adapter_rank_it_does_not_serve(adapter: Path, runner_cli) -> None:
+    """Before the server starts, naming the checkpoint and both ways out."""
+    wide = adapter.parent / "lora_rank_1024"
+    shutil.copytree(adapter, wide)
+    config = json.loads((wide / "adapter_config.json").read_text())
+    (wide / "adapter_config.json").write_text(json.dumps({**config, "r": 1024}))
+    result = runner_cli("deploy", f"checkpoint={wide}", "engine=vllm", f"allowed_roots=[{wide}]")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"checkpoint='{wide}'" in result.stderr and "LoRA rank 1024" in result.stderr
+    assert "method.save_merged=true" in result.stderr and "engine=transformers" in result.stderr
