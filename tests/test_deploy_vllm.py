@@ -137,7 +137,7 @@ def adapter(checkpoint: Path) -> Path:
 
 def test_vllm_serves_a_lora_checkpoint_over_its_base(
     adapter: Path, checkpoint, generate, hermetic_env
-):
+) -> None:
     merged = greedy(checkpoint, adapter)
     expected = [complete_bytes(merged(prompt, 12)) for prompt in PROMPTS]
     # The adapter changes what the base answers: a server that ignored it would fail below.

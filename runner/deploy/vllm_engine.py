@@ -48,11 +48,10 @@ def require_vllm() -> None:
 
 @dataclass(frozen=True)
 class Adapter:
-    """A LoRA checkpoint vLLM serves over its base: the base model's directory, the adapter's
-    directory, and the rank vLLM reserves for it (one of the ranks it allocates for)."""
+    """How vLLM serves a LoRA checkpoint over its base: the base model's directory, and the rank
+    vLLM reserves for the adapter (one of the ranks it allocates for)."""
 
     base_dir: Path
-    adapter_dir: Path
     max_lora_rank: int
 
 
@@ -74,7 +73,7 @@ def unmerged_adapter(checkpoint_dir: Path) -> Adapter | None:
             f"({max(typing.get_args(MaxLoRARanks))}): train with method.save_merged=true to "
             "serve the merged weights, or serve it with engine=transformers",
         )
-    return Adapter(base_dir, checkpoint_dir, min(ranks))
+    return Adapter(base_dir, min(ranks))
 
 
 class VllmEngine:
@@ -106,7 +105,7 @@ class VllmEngine:
         self._lora_request: Any = None
         if adapter is not None:
             lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": adapter.max_lora_rank}
-            self._lora_request = LoRARequest("adapter", 1, str(adapter.adapter_dir))
+            self._lora_request = LoRARequest("adapter", 1, str(checkpoint_dir))
         args = AsyncEngineArgs(
             model=str(checkpoint_dir if adapter is None else adapter.base_dir),
             tokenizer=str(checkpoint_dir),
