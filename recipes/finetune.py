@@ -2,10 +2,10 @@
 
     python -m runner.recipes.finetune RUN_DIR/recipe.yaml
 
-It reads only the resolved recipe config. The method (`method.name`, runner.train.methods) is a
+It reads only the resolved recipe config. The method (`method.name`, runner.trainer.methods) is a
 pair of strategies: what trains and how it is built, saved and loaded (every parameter, or LoRA
-adapters on a frozen base: runner.train.weights), and what the loss is made of (supervised
-cross-entropy, or a preference loss against a reference: runner.train.objectives).
+adapters on a frozen base: runner.trainer.weights), and what the loss is made of (supervised
+cross-entropy, or a preference loss against a reference: runner.trainer.objectives).
 
 One process, or several under torch.distributed.run (gloo on CPU, nccl on GPU) with the model
 sharded by FSDP2's fully_shard. When the run directory already holds a whole checkpoint (a
@@ -13,7 +13,7 @@ restart, or `runner train resume=RUN`), it continues from it.
 SIGTERM (a preemption, `runner stop`) or Ctrl-C makes every rank save at the next step boundary;
 the run ends `cancelled` and `runner train` exits 143 (130 for Ctrl-C).
 
-The pieces around the loop live in runner/train by what they do: parallel (rank, device,
+The pieces around the loop live in runner/trainer by what they do: parallel (rank, device,
 precision, sharding), batches (the data in optimizer steps), optimizer (optimizer and schedule),
 progress (status, metrics, trackers, the console), evaluate, checkpointing.
 """
@@ -38,19 +38,19 @@ from runner.models.backends import backend_for, set_output_chunks
 from runner.models.checkpoint import read_training_state
 from runner.models.torchtune_boundary import compile_loss
 from runner.rundir import RunDir
-from runner.train import checkpointing, parallel, process
-from runner.train.batches import Batch, EpochBatches, StreamBatches
-from runner.train.evaluate import eval_due, new_best, validation_shares
-from runner.train.methods import METHODS
-from runner.train.optimization import Optimization
-from runner.train.progress import Reporter, StepLosses, Throughput
-from runner.train.weights import model_files
+from runner.trainer import checkpointing, parallel, process
+from runner.trainer.batches import Batch, EpochBatches, StreamBatches
+from runner.trainer.evaluate import eval_due, new_best, validation_shares
+from runner.trainer.methods import METHODS
+from runner.trainer.optimization import Optimization
+from runner.trainer.progress import Reporter, StepLosses, Throughput
+from runner.trainer.weights import model_files
 
 log = logging.getLogger("runner.recipe")
 
 
 class FinetuneRecipe:
-    """Trains a decoder by its method: what trains, and on what loss (runner.train.methods)."""
+    """Trains a decoder by its method: what trains, and on what loss (runner.trainer.methods)."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -317,7 +317,7 @@ class FinetuneRecipe:
         return self.validation
 
     def _validation_shares(self) -> Iterator[tuple[list[Any], int]]:
-        """This rank's share of the validation records (runner.train.evaluate)."""
+        """This rank's share of the validation records (runner.trainer.evaluate)."""
         return validation_shares(
             self._validation_split(),
             max_samples=self.cfg.eval.max_samples,

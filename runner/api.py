@@ -2,10 +2,10 @@
 own front (a job service, a notebook, a scheduler).
 
 Every function runs the code the CLI runs: `validate` and `estimate` compose conf/ in this
-process and call runner.train.preflight; `launch`, `sweep` and `deploy` start `python -m runner ...`
+process and call runner.job.preflight; `launch`, `sweep` and `deploy` start `python -m runner ...`
 as a detached process in a session of its own, so that training outlives the caller; a `Run` is
 a handle on a run directory (the contract of DESIGN.md) and reads it through runner.rundir and
-runner.train.lifecycle, as `runner runs | logs | stop | resume` do.
+runner.job.lifecycle, as `runner runs | logs | stop | resume` do.
 
     from runner import api
 
@@ -43,13 +43,13 @@ from omegaconf import DictConfig
 
 from runner.config import interpolations
 from runner.errors import UserError
+from runner.job import lifecycle
+from runner.job.sweep import SUMMARY_JSON
 from runner.paths import CONF_DIR
 from runner.rundir import FINAL_STATES, STATES, STOPPING, RunDir, Status
-from runner.train import lifecycle
-from runner.train.sweep import SUMMARY_JSON
 
 if TYPE_CHECKING:
-    from runner.train.preflight import Estimate
+    from runner.job.preflight import Estimate
 
 _HYDRA = threading.Lock()  # Hydra's compose API keeps global state
 _URL_LINE = re.compile(r"OpenAI-compatible API at (http://\S+)")
@@ -120,7 +120,7 @@ def validate(overrides: Sequence[str]) -> list[UserError]:
     """The problems `runner validate` would report for `overrides` (config, weights, tokenizer,
     every data record), as UserErrors, not raised: [] when it would train. The checks build on
     one another, so the list holds the first problem found."""
-    from runner.train.preflight import check
+    from runner.job.preflight import check
 
     try:
         check(compose(overrides), list(overrides))
@@ -132,7 +132,7 @@ def validate(overrides: Sequence[str]) -> list[UserError]:
 def estimate(overrides: Sequence[str]) -> Estimate:
     """`runner estimate`: parameters, memory per device and tokens per epoch (raises a
     UserError for a bad config)."""
-    from runner.train.preflight import estimated
+    from runner.job.preflight import estimated
 
     return estimated(compose(overrides), list(overrides))[1]
 
@@ -309,7 +309,7 @@ def sweep(
 
 
 class Sweep:
-    """A sweep, by its directory: one Run per job, and the summary runner.train.sweep writes."""
+    """A sweep, by its directory: one Run per job, and the summary runner.job.sweep writes."""
 
     def __init__(self, path: str | os.PathLike[str], *, _process: Any = None) -> None:
         self.path = Path(path).resolve()

@@ -45,15 +45,15 @@ PRELOAD = (
     # What datasets' builders patch for streaming, on every load of a data file.
     "scipy.io",
     "runner.cli",
-    "runner.train.job",
+    "runner.job.job",
     "runner.recipes.finetune",
-    "runner.train.preflight",
+    "runner.job.preflight",
     "runner.hub.download",
     "runner.deploy",
     "runner.export",
-    "runner.train.repro",
-    "runner.train.lifecycle",
-    "runner.train.cluster",
+    "runner.job.repro",
+    "runner.job.lifecycle",
+    "runner.job.cluster",
 )
 
 

@@ -103,7 +103,7 @@ def forked_cli(hermetic_env: dict[str, str]) -> Iterator[ForkedCli]:
 # A process forked from the warm server runs each command (the same `runner.cli.main`, exit
 # status and output), sparing each ~4 s of imports; a training of one process runs in it as in
 # a user's `runner`, and several processes start under elastic_launch, forked from it as a
-# user's `runner` forks them on the CPU (runner/train/launch.py).
+# user's `runner` forks them on the CPU (runner/job/launch.py).
 # A call with its own environment (read by torch and huggingface_hub at import), and every call
 # of a test marked `gpu` (the server sees no GPU: tests/cli_forks.py), starts a fresh
 # interpreter.
@@ -178,9 +178,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return RunDir(run_dir).losses()
 
 
-def load_script(name: str) -> ModuleType:
-    """scripts/NAME.py imported as a module (scripts/ is not a package)."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+def load_script(where: str) -> ModuleType:
+    """scripts/FOLDER/NAME.py imported as module NAME, `where` being "FOLDER/NAME" (scripts/ is
+    not a package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{where}.py"
+    name = path.stem
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

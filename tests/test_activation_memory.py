@@ -43,7 +43,7 @@ def train_step(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     """Bytes of the tensors the forward keeps for backward, parameters left out (the
     benchmark's own count)."""
-    return int(load_script("bench_activations").saved_bytes(model, {"tokens": tokens}))
+    return int(load_script("bench/bench_activations").saved_bytes(model, {"tokens": tokens}))
 
 
 def test_the_cpu_decomposes_rms_norm() -> None:

@@ -138,7 +138,7 @@ def test_the_readme_job_service_runs_a_job(
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HOME", "OMP_NUM_THREADS"):
         monkeypatch.setenv(key, hermetic_env[key])
     monkeypatch.chdir(workdir)
-    service = load_script("job_service")
+    service = load_script("examples/job_service")
     client = TestClient(service.app)
 
     refused = client.post("/jobs", json=["model=nope"])

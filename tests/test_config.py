@@ -154,7 +154,7 @@ def test_non_editable_install_finds_configs_recipes_and_assets(tmp_path: Path) -
         "runner/deploy/__init__.py",
         "runner/deploy/routes.py",
         "runner/cli/train.py",
-        "runner/train/job.py",
+        "runner/job/job.py",
         "runner/models/torchtune_boundary.py",
         "runner/assets/sample/train.jsonl",
         "runner/assets/tiny_tokenizer/tokenizer.json",

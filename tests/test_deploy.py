@@ -324,8 +324,8 @@ def test_32_concurrent_requests_all_complete_as_if_alone(base_url: str, client) 
 
 
 def test_the_benchmarks_clients_in_two_processes_count_every_request(base_url, client) -> None:
-    """scripts/deploy_clients.py, which bench_deploy.py measures the server with: three clients
-    over two processes, then one client in one of them, answer each prompt once, with its
+    """scripts/serving/deploy_clients.py, which bench_deploy.py measures the server with: three
+    clients over two processes, then one client in one of them, answer each prompt once, with its
     tokens, inside the measured time."""
     tokens = {
         prompt: client.completions.create(
@@ -333,7 +333,7 @@ def test_the_benchmarks_clients_in_two_processes_count_every_request(base_url, c
         ).usage.completion_tokens
         for prompt in PROMPTS
     }
-    with load_script("deploy_clients").Clients(2) as clients:
+    with load_script("serving/deploy_clients").Clients(2) as clients:
         for texts, concurrency in [(PROMPTS * 2, 3), (PROMPTS[1:], 1)]:
             load = clients.run(base_url, texts, 6, concurrency, 2, model="tiny", api_key=API_KEY)
             assert load.output_tokens == sum(tokens[text] for text in texts)

@@ -121,7 +121,7 @@ def layouts(
 
 
 def summary_labels(output: str) -> list[str]:
-    """The labels of the end-of-run summary's lines (runner.train.job), in order."""
+    """The labels of the end-of-run summary's lines (runner.job.job), in order."""
     return [line.split(":")[0] for line in output.splitlines() if SUMMARY_LINE.match(line)]
 
 
@@ -132,7 +132,7 @@ def test_two_processes_print_the_summary_one_process_prints(layouts: dict[str, P
 
 
 def test_the_workers_of_a_cpu_run_fork_from_its_launcher(layouts: dict[str, Path]) -> None:
-    """Already warm, they skip torch's imports (runner.train.launch); the losses they train are
+    """Already warm, they skip torch's imports (runner.job.launch); the losses they train are
     those of one process (test_losses_agree_across_layouts_at_one_global_batch)."""
     for name in ("1x2", "2x2"):
         assert "workers: forked" in (layouts[name] / "train.log").read_text()

@@ -281,7 +281,7 @@ def test_ultrafeedback_layout_reads_conversations(runner_cli, tmp_path: Path) ->
 def test_loss_variants_match_torchtunes_and_their_formulas() -> None:
     from torchtune.rlhf.loss import DPOLoss, RSOLoss
 
-    from runner.train.objectives import preference_loss
+    from runner.trainer.objectives import preference_loss
 
     logps = [torch.randn(16, generator=torch.Generator().manual_seed(i)) * 5 for i in range(4)]
     margin = (logps[0] - logps[1]) - (logps[2] - logps[3])

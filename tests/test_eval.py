@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from runner.config.resolve import resolve_recipe
 from runner.deploy.selection import choose_checkpoint
 from runner.errors import UserError
+from runner.job.lifecycle import runs_table
+from runner.job.sweep import summarize
 from runner.paths import ASSETS_DIR, CONF_DIR
 from runner.rundir import RunDir
-from runner.train.lifecycle import runs_table
-from runner.train.sweep import summarize
 from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import losses
 

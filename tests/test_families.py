@@ -29,6 +29,7 @@ from runner.config.model import resolve_model
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
+from runner.job.preflight import estimate, print_estimate
 from runner.models.checkpoint import read_adapter_state, read_model_state, write_lora_checkpoint
 from runner.models.families import (
     builder_args,
@@ -44,7 +45,6 @@ from runner.models.families import (
 from runner.models.families.llama3 import LLAMA3_ROPE
 from runner.models.torchtune_boundary import Message, peft_adapter_config
 from runner.paths import CONF_DIR
-from runner.train.preflight import estimate, print_estimate
 from tests.conftest import losses, transformers_warnings
 from tests.fixtures import (
     FAMILIES,

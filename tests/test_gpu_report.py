@@ -1,4 +1,4 @@
-"""scripts/gpu_report.py's CPU side: the refusal without CUDA, its arguments, the budgets, the
+"""scripts/gpu/gpu_report.py's CPU side: the refusal without CUDA, its arguments, the budgets, the
 table built from sample stage outputs, the MFU arithmetic, and the bare torchtune loop for two
 steps of the tiny model on the CPU (the GPU runs it at 1B)."""
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+# The report and its helpers, and the serving benchmarks it runs.
+sys.path[:0] = [str(SCRIPTS / "gpu"), str(SCRIPTS / "serving")]
 import gpu_bare  # noqa: E402
 import gpu_logs  # noqa: E402
 import gpu_report  # noqa: E402
@@ -72,7 +73,7 @@ SKIPPED [1] tests/test_gpu.py:150: no second GPU
 def test_refuses_without_cuda_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "report"
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "gpu_report.py"), "--out", str(out)],
+        [sys.executable, str(SCRIPTS / "gpu" / "gpu_report.py"), "--out", str(out)],
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
         capture_output=True,
         text=True,
@@ -304,7 +305,7 @@ def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
 def test_the_decode_profile_rows_in_the_table(tmp_path: Path) -> None:
     # profile_decode.py run on the CPU (the tiny model, two batch sizes, a few steps): its
     # lines are what the table reads.
-    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
+    script = SCRIPTS / "serving" / "profile_decode.py"
     command = [sys.executable, str(script), "--device", "cpu", "--rows", "1,4", "--steps", "3"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -322,7 +323,7 @@ def test_the_decode_profile_rows_in_the_table(tmp_path: Path) -> None:
 def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:
     # profile_engine.py run on the CPU (the tiny model, 4 clients, 2 short repeats): its lines
     # are what the table reads, and the clients come from its command line (the log's first).
-    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_engine.py"
+    script = SCRIPTS / "serving" / "profile_engine.py"
     command = [sys.executable, str(script), "--device", "cpu", "--concurrency", "4"]
     command += ["--waves", "2", "--max-tokens", "4", "--repeats", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)

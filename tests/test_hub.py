@@ -30,10 +30,10 @@ from runner.config.resolve import resolve_recipe
 from runner.data.stream import START, StreamSplit
 from runner.errors import UserError
 from runner.hub.download import Hub, TokenRef, default_cache_dir, localize, parse_uri
+from runner.job.preflight import check
 from runner.models.families import FAMILIES, hf_config
 from runner.models.tokenizer import ChatTokenizer
 from runner.paths import ASSETS_DIR, CONF_DIR, TINY_TOKENIZER_DIR
-from runner.train.preflight import check
 from tests.conftest import QUICK, losses
 from tests.test_config import compose_train
 from tests.test_data import data as dataset_section

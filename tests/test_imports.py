@@ -106,8 +106,9 @@ def test_no_import_circle() -> None:
 FLOW = (
     "cli",
     "api",
+    "job",
     "recipes",
-    "train",
+    "trainer",
     "export",
     "deploy",
     "config",
@@ -122,7 +123,7 @@ FLOW = (
 
 
 def _folder(module: str) -> str:
-    """runner.train.launch -> train; `python -m runner` (runner.__main__) is the CLI."""
+    """runner.job.launch -> job; `python -m runner` (runner.__main__) is the CLI."""
     name = module.split(".")[1] if "." in module else "runner"
     return "cli" if name == "__main__" else name
 

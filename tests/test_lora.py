@@ -17,9 +17,9 @@ from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
+from runner.job.preflight import estimate
 from runner.models.families import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
 from runner.recipes.finetune import FinetuneRecipe
-from runner.train.preflight import estimate
 from tests.conftest import ESTIMATE_DATA, QUICK, losses
 from tests.test_config import compose_train
 from tests.test_resume import straight_then_resumed

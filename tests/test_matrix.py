@@ -17,8 +17,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from runner.config.method import METHOD_NAMES, PREFERENCE_METHODS
+from runner.job.lifecycle import runs_table
 from runner.rundir import RunDir
-from runner.train.lifecycle import runs_table
 from tests.conftest import QUICK, losses
 from tests.fixtures import FAMILIES, _model_config, _tokenizer, write_tiny_checkpoint
 from tests.hf_backend_fixtures import ARCHITECTURES, write_arch_checkpoint

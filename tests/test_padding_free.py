@@ -274,9 +274,9 @@ def one_step(
     from omegaconf import OmegaConf
 
     from runner.models.backends.torchtune import TorchtuneBackend
-    from runner.train.objectives import Supervised
-    from runner.train.optimization import Optimization
-    from runner.train.parallel import Placement, prepare_model
+    from runner.trainer.objectives import Supervised
+    from runner.trainer.optimization import Optimization
+    from runner.trainer.parallel import Placement, prepare_model
 
     torch.manual_seed(0)
     tokenizer = ChatTokenizer(str(TINY_TOKENIZER_DIR))

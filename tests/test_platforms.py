@@ -16,8 +16,8 @@ from runner.cli import as_user_error
 from runner.config import platforms
 from runner.config.resolve import resolve_recipe
 from runner.errors import UserError
+from runner.job.cluster import cluster_files
 from runner.paths import CONF_DIR
-from runner.train.cluster import cluster_files
 
 PREFIXES = ("PET_", "BT_", "SLURM_", "TORCHELASTIC_")
 TORCHRUN = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE")

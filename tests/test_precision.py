@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from runner.config.resolve import resolve_recipe
+from runner.job.preflight import estimate
 from runner.models.checkpoint import read_training_state
-from runner.train.preflight import estimate
 from tests.cli_forks import ForkedCli
 from tests.conftest import ESTIMATE_DATA, QUICK
 from tests.test_config import compose_train

@@ -8,7 +8,7 @@ import torch
 
 from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
-from runner.train.preflight import estimate
+from runner.job.preflight import estimate
 from tests.conftest import ESTIMATE_DATA
 from tests.test_config import compose_train
 

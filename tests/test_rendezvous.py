@@ -1,4 +1,4 @@
-"""The nodes' rendezvous (runner.train.rendezvous) in one process, on a real c10d store: the
+"""The nodes' rendezvous (runner.job.rendezvous) in one process, on a real c10d store: the
 message of a rendezvous that times out names the node that did not come back, among three.
 
 The loopback tests of tests/test_distributed.py run it with real nodes.
@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousTimeo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from runner.train.rendezvous import IdentifiedRendezvous, NodeIdentity, NodesDisagree, NodesMissing
+from runner.job.rendezvous import IdentifiedRendezvous, NodeIdentity, NodesDisagree, NodesMissing
 
 NODES = [NodeIdentity(rank, f"host-{rank}", "/shared/run", "abc") for rank in range(3)]
 

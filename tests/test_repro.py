@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from runner.errors import UserError
+from runner.job.repro import compare_losses, compare_metrics
 from runner.paths import SAMPLE_DATA_DIR
-from runner.train import determinism
-from runner.train.repro import compare_losses, compare_metrics
+from runner.trainer import determinism
 from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK, load_script, losses
 
@@ -162,9 +162,9 @@ def test_deterministic_losses_do_not_depend_on_the_machines_kernels(
         found[capability] = losses(run)
     first, second = found.values()
     assert len(first) == 8 and first == second  # exact, step by step
-    # scripts/golden_loss.py (run by .ci/run) compares such losses with the stored file exactly:
-    # they match it, and a stored loss one ulp off is drift, named by its step.
-    golden_loss = load_script("golden_loss")
+    # scripts/checks/golden_loss.py (run by .ci/run) compares such losses with the stored file
+    # exactly: they match it, and a stored loss one ulp off is drift, named by its step.
+    golden_loss = load_script("checks/golden_loss")
     stored = json.loads(GOLDEN.read_text())
     assert golden_loss.OVERRIDES == overrides
     assert golden_loss.check({str(s): v for s, v in first.items()}, GOLDEN) == 0

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner.deploy.selection import choose_checkpoint
+from runner.job.sweep import exit_code, summarize, write_summary
 from runner.rundir import (
     MODEL_FILE,
     STATUS_VERSION,
@@ -23,7 +24,6 @@ from runner.rundir import (
     best_run,
     sweep_runs,
 )
-from runner.train.sweep import exit_code, summarize, write_summary
 
 SELECT = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
 

@@ -12,7 +12,7 @@ import pytest
 
 from runner.rundir import RunDir
 from runner.rundir.manifest import REDACTED
-from runner.train import trackers
+from runner.trainer import trackers
 from tests.conftest import QUICK
 
 SENTINEL = "sentinel-7d1e-not-for-trackers"

@@ -20,7 +20,7 @@ from runner.models.checkpoint import read_model_state
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message
 from runner.rundir import STATES
-from runner.train.progress import shows_bar
+from runner.trainer.progress import shows_bar
 from tests.conftest import QUICK, losses, transformers_warnings
 from tests.test_config import compose_train
 

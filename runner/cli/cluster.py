@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from runner.job.cluster import USAGE, cluster_files
 from runner.paths import CONF_DIR
-from runner.train.cluster import USAGE, cluster_files
 
 
 def main(argv: list[str]) -> int:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
-from runner.rundir import FINAL_STATES
-from runner.train.lifecycle import (
+from runner.job.lifecycle import (
     DEFAULT_ROOTS,
     LogReader,
     check_resumable,
@@ -20,6 +19,7 @@ from runner.train.lifecycle import (
     runs_table,
     wait_until_final,
 )
+from runner.rundir import FINAL_STATES
 
 
 def main(command: str, argv: list[str]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runner.cli.arguments import ArgumentParser
-from runner.train.repro import CROSS_PATH_TOLERANCE, repro
+from runner.job.repro import CROSS_PATH_TOLERANCE, repro
 
 
 def main(argv: list[str]) -> int:

@@ -11,8 +11,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.errors import user_errors_pass_hydra
+from runner.job.job import sweep_job, train
 from runner.paths import CONF_DIR
-from runner.train.job import sweep_job, train
 
 
 def _share_cores(jobs: int) -> None:

@@ -278,9 +278,9 @@ def _validation(held: DictConfig) -> ValidationRecipe:
 
 def loader_workers(given: int | None, device: str) -> int:
     """dataset.num_workers; null: none on the CPU, where workers share the cores the training
-    computes on and measured within the runs' spread of none on two cores (scripts/bench_loader.py:
-    1.09x and 1.10x median, ranges overlapping), and 2 per process on CUDA, where the CPU would
-    otherwise prepare each batch while the GPU waits."""
+    computes on and measured within the runs' spread of none on two cores
+    (scripts/bench/bench_loader.py: 1.09x and 1.10x median, ranges overlapping), and 2 per process
+    on CUDA, where the CPU would otherwise prepare each batch while the GPU waits."""
     if given is not None:
         return given
     return 0 if device == "cpu" else 2

@@ -1,7 +1,7 @@
 """The `${runner_*:...}` interpolations the configs in conf/ use.
 
 Registered by one explicit call, `register()`, from the entry points (the `runner` command,
-and whatever composes conf/ itself: the tests, scripts/bench_train.py); importing a module of
+and whatever composes conf/ itself: the tests, scripts/bench/bench_train.py); importing a module of
 ours registers nothing. No resolver writes the environment.
 """
 
@@ -36,7 +36,7 @@ def objective_metric(strategy: Any, validation: Any) -> str:
 def parallel_jobs() -> int:
     """Jobs to run at once on this machine (hydra/launcher=parallel): one per GPU, else per core.
 
-    Each job's training processes take an equal share of the cores (runner.train.job).
+    Each job's training processes take an equal share of the cores (runner.job.job).
     """
     import torch
 

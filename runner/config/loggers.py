@@ -1,6 +1,6 @@
 """`runtime.loggers`: the experiment trackers a run may name, checked before anything starts.
 
-runner.train.trackers builds them in the training process.
+runner.trainer.trackers builds them in the training process.
 """
 
 from __future__ import annotations

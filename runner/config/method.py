@@ -1,5 +1,5 @@
 """The method group: which parameters train and how (full, LoRA, QLoRA, DPO and its LoRA forms)
-(runner.train.methods trains each)."""
+(runner.trainer.methods trains each)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from runner.errors import UserError
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP006, UP035, UP045
 
-# The methods (runner.train.methods pairs each with what trains and what its loss is made of).
+# The methods (runner.trainer.methods pairs each with what trains and what its loss is made of).
 METHOD_NAMES = ("full", "lora", "qlora", "dpo", "lora_dpo", "qlora_dpo")
 # The methods that train on preference pairs (dataset.kind=preference), and their losses.
 PREFERENCE_METHODS = ("dpo", "lora_dpo", "qlora_dpo")

@@ -53,7 +53,7 @@ def resolve_optimizer(optimizer: DictConfig) -> dict[str, Any]:
     resolved.update({key: checked[key] for key in shared})
     if "fused" in resolved and resolved["fused"] is None:
         # PyTorch's fused kernel, on CPU as on CUDA: one pass over each weight instead of a
-        # dozen elementwise ops (AdamW's step is 3x faster on CPU; scripts/bench_peers.py).
+        # dozen elementwise ops (AdamW's step is 3x faster on CPU; scripts/bench/bench_peers.py).
         resolved["fused"] = True
     # Builds it once: a refused argument fails here, not in training.
     state_per_weight(split_option(resolved)[0])

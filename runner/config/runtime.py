@@ -31,7 +31,7 @@ class RuntimeRecipe:
     loggers: List[str] = field(default_factory=list)
     project: str = "runner"
     # true, false or auto (a bar only where the console is a terminal); auto stays auto in the
-    # recipe, as the console is the training process's, not the run's (runner.train.progress).
+    # recipe, as the console is the training process's, not the run's (runner.trainer.progress).
     progress_bar: Any = "auto"
     deterministic: bool = flag(False)
     env: Dict[str, str] = field(default_factory=dict)

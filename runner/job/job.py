@@ -1,0 +1,189 @@
+"""A training job: the composed config resolved into one recipe in its run directory, launched.
+
+`runner train` (runner.cli.train) calls `train` for one run and `sweep_job` for each job of a
+multirun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from runner.config.hydra_errors import as_user_error
+from runner.config.interpolations import check_resume
+from runner.config.schema import read_recipe, write_recipe
+from runner.errors import Diverged, user_errors_pass_hydra
+from runner.job.launch import as_launcher, launch, node_rank_of
+from runner.job.lifecycle import preference_rewards
+from runner.rundir import STATES, RunDir, RunLocked, is_run_dir, run_lock
+from runner.rundir.manifest import build_manifest, write_manifest
+
+log = logging.getLogger(__name__)
+
+
+def train(
+    cfg: DictConfig, run_dir: Path, overrides: list[str], keep_failed: bool = False
+) -> dict[str, Any] | None:
+    """Resolves `cfg` into run_dir/recipe.yaml and trains; resume=RUN continues RUN's recipe.
+
+    A new run that fails on bad input leaves no run directory behind, unless `keep_failed`
+    (a sweep's job, which the sweep summary reports as failed). A directory that held a run
+    before this call (a requeue, another node of a shared run) is never removed.
+    """
+    as_launcher()
+    run = RunDir(run_dir)
+    new_here = not run.recipe_path.exists() and not run.checkpoints()
+    try:
+        with _trainer_lock(cfg, run):
+            return _train(cfg, run, overrides)
+    except Exception as err:
+        # Bad input, ours or met in an interpolation (a ${runner_*:} of the config).
+        user_error = as_user_error(err)
+        if user_error is None or isinstance(user_error, (RunLocked, Diverged)):
+            raise  # a bug; or the directory is another trainer's, or a run's that trained
+        if new_here and cfg.resume is None and not keep_failed and not run.checkpoints():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
+    """One job of a multirun: a failure is recorded in its run directory, the others go on.
+
+    Returns the job's objective (its best cfg.objective.metric, or the last value of `loss`),
+    which the Optuna sweeper optimizes; NaN for a failed job.
+    """
+    run = RunDir(run_dir)
+    try:
+        train(cfg, run_dir, overrides, keep_failed=True)
+    except Exception as err:  # noqa: BLE001 - recorded in the run directory, reported below
+        if run.status().state != "failed":
+            run.write_status("failed", error=f"{type(err).__name__}: {err}")
+        print(f"error: job {run_dir.name} ({' '.join(overrides)}): {err}", file=sys.stderr)
+        return math.nan
+    scored = run.objective_value(cfg.objective.metric)
+    return float(scored[0]) if scored else math.nan
+
+
+class RunDirLock(Callback):
+    """Hydra callback of `runner train` (not of -m): takes the run directory's lock before Hydra
+    writes into it (.hydra/, train.log), so that a hydra.run.dir or resume= naming a run that
+    another process trains is refused with that run untouched. The job then finds it held."""
+
+    def __init__(self) -> None:
+        self._lock = contextlib.ExitStack()
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
+        with user_errors_pass_hydra():
+            run = RunDir(str(config.hydra.run.dir))  # as Hydra resolves it: ${now:} is cached
+            self._lock.enter_context(_trainer_lock(config, run))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._lock.close()
+
+
+def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextManager[None]:
+    """The run directory's lock (runner.rundir.run_lock) for the time this process trains it;
+    the workers it starts hold it too, until they exit.
+
+    Only a single-node run takes it: every node's launcher of a multi-node run trains the same
+    shared directory, and the c10d rendezvous, not a rank known here, tells the nodes apart.
+    """
+    resumed = cfg.resume is not None and run.recipe_path.is_file()
+    nnodes = read_recipe(run.recipe_path).compute.nnodes if resumed else cfg.compute.nnodes
+    if str(nnodes) != "1":
+        return contextlib.nullcontext()
+    return run_lock(run.path, key="hydra.run.dir" if cfg.resume is None else "resume")
+
+
+def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
+    if cfg.resume is not None:
+        check_resume(cfg.resume, overrides)
+        status, latest = run.status(), run.latest_checkpoint()
+        step = status.step if status.state == "completed" else None
+        if step is not None and latest == run.checkpoint_path(step):
+            # Its final checkpoint is there (were it deleted, the run would train it again).
+            print(f"{run.path} completed at step {status.step}: nothing to train", flush=True)
+            _print_summary(run)
+            return None
+        recipe = read_recipe(run.recipe_path)
+    else:
+        # torch, transformers and datasets load here, not at import: `runner train --help` and
+        # `--cfg job` (Hydra prints and exits before calling main) stay fast.
+        from runner.config.resolve import resolve_recipe
+
+        recipe = resolve_recipe(cfg, run.path, overrides)
+        _check_data(recipe)
+        write_recipe(run.recipe_path, recipe)
+        write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
+    node_rank = node_rank_of(cfg.compute, recipe)
+    # On several nodes the status is node 0's (then global rank 0's): another node, or one that
+    # rejoins a running group, leaves it be.
+    if node_rank == 0 or not is_run_dir(run.path):
+        if cfg.resume is None:
+            run.write_status("created", step=0, total_steps=recipe.max_steps)
+        # `runner stop` signals this process: the run's launcher, whatever its world size. A
+        # run killed before its first status was written starts as `created`.
+        state = run.status().state
+        run.write_status(state if state in STATES else "created", launcher_pid=os.getpid())
+    result = launch(recipe, run.recipe_path, node_rank)
+    _print_summary(run)
+    return result
+
+
+def _check_data(recipe: DictConfig) -> None:
+    """Reads and checks every record of every split before anything starts."""
+    from runner.components import instantiate
+    from runner.data import check_datasets
+
+    started = time.perf_counter()
+    found = check_datasets(recipe.dataset, instantiate(recipe.model.tokenizer))
+    records = ", ".join(f"{n} {split}" for split, n in found.items()) or "no"
+    log.info("data: %s records checked in %.1f s", records, time.perf_counter() - started)
+    if recipe.dataset.streaming:
+        log.warning(
+            "dataset.streaming: the training split is checked window by window as it is read "
+            "(%d records of each reader at a time); a bad record stops the run there",
+            recipe.dataset.shuffle_buffer,
+        )
+
+
+def _print_summary(run: RunDir) -> None:
+    """The run's outcome, read from its directory (whichever processes trained it)."""
+    status = run.status()
+    checkpoint = run.latest_checkpoint()
+    lines = [f"run directory: {run.path}", f"checkpoint:    {checkpoint}"]
+    if status.first_loss is not None and status.loss is not None:
+        lines.insert(0, f"train loss:    {status.first_loss:.4f} -> {status.loss:.4f}")
+    evaluation = status.eval or {}
+    if "eval_exact_match" in evaluation:
+        lines.insert(1, f"held-out exact match: {evaluation['eval_exact_match']:.1%}")
+    rewards = preference_rewards(run)
+    for split, label in (("eval", "held-out"), ("train", "train")):
+        if f"{split}_accuracy" in rewards:
+            lines.insert(
+                1,
+                f"{label} reward accuracy: {rewards[f'{split}_accuracy']:.1%}, "
+                f"reward margin: {rewards[f'{split}_margin']:.4f}",
+            )
+    if "eval_loss" in evaluation:
+        lines.insert(1, f"eval loss:     {evaluation['eval_loss']:.4f}")
+    best = status.best
+    if best is not None:
+        lines.append(
+            f"best:          {best['metric']}={best['value']:.4g} at step {best['step']}, "
+            f"{best['checkpoint']}"
+        )
+    lines.append(f"status:        {status.state} at step {status.step}")
+    lines.append(f"try next:      runner deploy checkpoint={checkpoint}")
+    print("\n".join(lines), flush=True)

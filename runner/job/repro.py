@@ -1,0 +1,243 @@
+"""`runner repro RUN_DIR`: re-run a recorded run and fail on drift (for CI).
+
+Exit codes: 0 the re-run matches, 1 drift (numbers or record differ), 2 a user error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from runner.config.schema import read_recipe, write_recipe
+from runner.errors import UserError
+from runner.job.launch import as_launcher, launch
+from runner.rundir import RunDir
+from runner.rundir.manifest import (
+    MANIFEST_FILE,
+    RUN_SPECIFIC_KEYS,
+    build_manifest,
+    read_manifest,
+    write_manifest,
+)
+
+MAX_ROWS = 20
+# The relative tolerance of a re-run on another kernel path when none is given: the float noise
+# of another reduction order starts near 1e-7 and grows over a run's steps; a changed recipe
+# (learning rate, data, model) moves losses by far more within a few steps.
+CROSS_PATH_TOLERANCE = 1e-2
+# Metrics that measure the machine rather than the computation.
+TIMING_METRICS = ("tokens_per_s",)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One difference between the recorded run and its re-run."""
+
+    what: str
+    recorded: Any
+    rerun: Any
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(value, dict):
+        return {prefix: value}
+    flat: dict[str, Any] = {}
+    for key, child in value.items():
+        flat.update(_flatten(child, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _diff(what: str, recorded: Any, rerun: Any, skip: tuple[str, ...] = ()) -> list[Drift]:
+    a, b = _flatten(recorded), _flatten(rerun)
+    keys = sorted(k for k in set(a) | set(b) if not k.startswith(skip))
+    return [
+        Drift(f"{what}.{k}" if k else what, a.get(k), b.get(k))
+        for k in keys
+        if a.get(k) != b.get(k)
+    ]
+
+
+def compare_losses(
+    recorded: dict[int, float], rerun: dict[int, float], tolerance: float = 0.0
+) -> list[Drift]:
+    """Per-step losses at the steps both logged: equal (tolerance 0) or within `tolerance`."""
+    steps = sorted(set(recorded) & set(rerun))
+    if not steps:
+        return [Drift("losses", sorted(recorded)[:5], sorted(rerun)[:5])]
+    drifts, _ = compare_metrics(
+        [{"step": s, "loss": recorded[s]} for s in steps],
+        [{"step": s, "loss": rerun[s]} for s in steps],
+        tolerance,
+    )
+    return drifts
+
+
+def _differs(a: float, b: float, tolerance: float) -> bool:
+    """Unequal (tolerance 0), or further apart than `tolerance` relative; NaN always differs."""
+    if tolerance == 0:
+        return a != b
+    return not abs(a - b) <= tolerance * max(abs(a), abs(b))
+
+
+def compare_metrics(
+    recorded: list[dict[str, Any]], rerun: list[dict[str, Any]], tolerance: float
+) -> tuple[list[Drift], dict[str, float]]:
+    """Every metric of metrics.jsonl at the steps both logged, within a relative `tolerance`.
+
+    Returns the drifts and the largest relative difference of each metric.
+    """
+    by_step = {(r["step"], k): v for r in recorded for k, v in r.items() if k != "step"}
+    drifts: list[Drift] = []
+    largest: dict[str, float] = {}
+    for row in rerun:
+        for metric, value in row.items():
+            if metric == "step" or metric in TIMING_METRICS:
+                continue
+            was = by_step.get((row["step"], metric))
+            if was is None:
+                continue
+            relative = abs(was - value) / max(abs(was), abs(value), 1e-12)
+            largest[metric] = max(largest.get(metric, 0.0), relative)
+            if _differs(was, value, tolerance):
+                drifts.append(Drift(f"{metric} at step {row['step']}", was, value))
+    return drifts, largest
+
+
+def kernel_path(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What decides the float arithmetic of a run: device, CPU kernels, intra-op threads."""
+    kernels = manifest.get("kernels") or {}
+    return {
+        "hardware.device": manifest["hardware"]["device"],
+        "kernels.cpu_capability": kernels.get("cpu_capability"),
+        "kernels.intra_op_threads": kernels.get("intra_op_threads"),
+    }
+
+
+def compare_records(
+    recorded: dict[str, Any], rerun: dict[str, Any], same_path: bool = True
+) -> list[Drift]:
+    """What differs in the manifests: config, data, tokenizer, packages, build, world, device.
+
+    With `same_path` false (a re-run on another kernel path, compared within a tolerance), the
+    kernel path and the checkpoint hashes are expected to differ and are not drift.
+    """
+    drifts = _diff("config", recorded["config"], rerun["config"], skip=RUN_SPECIFIC_KEYS)
+    for key in (
+        "tokenizer_sha256",
+        "packages",
+        "python",
+        "torch_build",
+        "world_size",
+        "deterministic",
+    ):
+        drifts += _diff(key, recorded[key], rerun[key])
+    for split in sorted(set(recorded["data"]) | set(rerun["data"])):
+        drifts += _diff(
+            f"data.{split}.sha256",
+            recorded["data"].get(split, {}).get("sha256"),
+            rerun["data"].get(split, {}).get("sha256"),
+        )
+    if not same_path:
+        return drifts
+    drifts += _diff("hardware.device", recorded["hardware"]["device"], rerun["hardware"]["device"])
+    common = sorted(set(recorded["checkpoints"]) & set(rerun["checkpoints"]), key=int)
+    for step in common:
+        drifts += _diff(
+            f"checkpoint {step}", recorded["checkpoints"][step], rerun["checkpoints"][step]
+        )
+    return drifts
+
+
+def print_report(drifts: list[Drift], compared: str) -> None:
+    """One line on a match; on drift, a table of what differs, recorded beside re-run."""
+    if not drifts:
+        print(f"repro: match ({compared})")
+        return
+    width = max(len(d.what) for d in drifts[:MAX_ROWS])
+    print(f"repro: DRIFT, {len(drifts)} difference(s)")
+    print(f"{'what':<{width}}  {'recorded':>24}  {'re-run':>24}")
+    for d in drifts[:MAX_ROWS]:
+        print(f"{d.what:<{width}}  {str(d.recorded):>24.24}  {str(d.rerun):>24.24}")
+    if len(drifts) > MAX_ROWS:
+        print(f"... and {len(drifts) - MAX_ROWS} more")
+
+
+def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Path | None) -> int:
+    """Re-runs the recorded recipe of `run_dir` into a new run directory and compares.
+
+    A deterministic run, or a re-run on the recorded kernel path, must match exactly (or within
+    `tolerance` if one is given). A run that was not deterministic, re-run where the device,
+    CPU kernels or thread count differ, is compared within `tolerance` (default
+    CROSS_PATH_TOLERANCE), and repro says what differs.
+    """
+    recorded = RunDir(run_dir)
+    if not (recorded.recipe_path.is_file() and (recorded.path / MANIFEST_FILE).is_file()):
+        raise UserError(
+            "RUN_DIR",
+            str(run_dir),
+            "not a run directory with recipe.yaml and "
+            f"{MANIFEST_FILE}; give a directory `runner train` made",
+        )
+    if steps is not None and steps < 1:
+        raise UserError("--steps", steps, "give a number of steps >= 1")
+    if tolerance is not None and tolerance < 0:
+        raise UserError("--tolerance", tolerance, "give a relative tolerance >= 0")
+    rerun = _rerun(recorded, steps, out)
+    print(f"re-run directory: {rerun.path}")
+    return _compare(recorded, rerun, steps, tolerance)
+
+
+def _rerun(recorded: RunDir, steps: int | None, out: Path | None) -> RunDir:
+    """Trains the recorded recipe again, into `out` or a new directory beside the run."""
+    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    rerun = RunDir(out or recorded.path.with_name(f"{recorded.path.name}-repro-{stamp}"))
+    if rerun.path.exists():
+        raise UserError("--out", str(rerun.path), "already exists; give a new directory")
+    as_launcher()
+    recipe = read_recipe(recorded.recipe_path)
+    rerun.path.mkdir(parents=True)
+    recipe.run_dir, recipe.stop_at_step = str(rerun.path.resolve()), steps
+    write_recipe(rerun.recipe_path, recipe)
+    overrides = read_manifest(recorded)["overrides"]
+    write_manifest(rerun, build_manifest(recipe, overrides, Path.cwd()))
+    rerun.write_status("created", step=0, total_steps=recipe.max_steps)
+    launch(recipe, rerun.recipe_path)
+    return rerun
+
+
+def _compare(recorded: RunDir, rerun: RunDir, steps: int | None, tolerance: float | None) -> int:
+    """Prints what differs between the recorded run and its re-run; 1 on drift, else 0."""
+    recorded_manifest, rerun_manifest = read_manifest(recorded), read_manifest(rerun)
+    recorded_path, rerun_path = kernel_path(recorded_manifest), kernel_path(rerun_manifest)
+    moved = [k for k in recorded_path if recorded_path[k] != rerun_path[k]]
+    same_path = recorded_manifest["deterministic"] or not moved
+    if not same_path:
+        tolerance = CROSS_PATH_TOLERANCE if tolerance is None else tolerance
+        changes = ", ".join(f"{k} {recorded_path[k]} -> {rerun_path[k]}" for k in moved)
+        print(
+            f"repro: the recorded run was not deterministic and the re-run computes on another "
+            f"path ({changes}); comparing metrics within a relative tolerance of {tolerance:g} "
+            "(--tolerance), checkpoint hashes not compared"
+        )
+    tolerance = tolerance or 0.0
+
+    recorded_metrics = [r for r in recorded.read_metrics() if steps is None or r["step"] <= steps]
+    recorded_losses = {s: v for s, v in recorded.losses().items() if steps is None or s <= steps}
+    rerun_losses = rerun.losses()
+    steps_compared = len(set(recorded_losses) & set(rerun_losses))
+    drifts, largest = compare_metrics(recorded_metrics, rerun.read_metrics(), tolerance)
+    if steps_compared == 0:  # no step to compare: compare_losses names what each logged
+        drifts = compare_losses(recorded_losses, rerun_losses) + drifts
+    drifts += compare_records(recorded_manifest, rerun_manifest, same_path=same_path)
+    if not same_path:
+        for metric, relative in sorted(largest.items()):
+            print(f"largest relative difference of {metric}: {relative:.3g}")
+    agreed = (
+        "checkpoint hashes and record agree"
+        if same_path
+        else f"within {tolerance:g}; record agrees"
+    )
+    print_report(drifts, f"{steps_compared} logged steps; {agreed}")
+    return 1 if drifts else 0

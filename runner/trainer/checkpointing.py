@@ -1,0 +1,62 @@
+"""The training side of a checkpoint: full (unsharded) states gathered from the ranks, each
+rank's random state, and the write-then-rename commit that rank 0 makes into the run directory
+(runner.models.checkpoint writes the files, runner.rundir names and prunes them)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from runner.rundir import RunDir
+from runner.rundir.manifest import record_checkpoint
+from runner.trainer.parallel import Placement
+
+# Whole tensors on the CPU of every rank: a checkpoint holds the unsharded state.
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def rng_per_rank(place: Placement) -> list[dict[str, Any]]:
+    """Every rank's torch and Python random states (every rank joins)."""
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if place.world_size == 1:
+        return [rng]
+    gathered: list[dict[str, Any] | None] = [None] * place.world_size
+    dist.all_gather_object(gathered, rng)
+    return [state for state in gathered if state is not None]
+
+
+def restore_rng(state: dict[str, Any], place: Placement) -> None:
+    """This rank's random state as it was saved; a checkpoint of another world size starts
+    every rank from where the seed put it."""
+    if state["world_size"] == place.world_size:
+        rng = state["rng_per_rank"][place.rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+
+
+def commit(
+    run: RunDir,
+    step: int,
+    write: Callable[[Path], None],
+    *,
+    keep_last_n: int,
+    keep_step: int | None,
+) -> None:
+    """Writes step `step`'s checkpoint under a temporary name (`write(dir)`), renames it into
+    place, prunes to the last `keep_last_n` (and `keep_step`) and records its hashes."""
+    tmp = run.fresh_checkpoint_tmp(step)
+    write(tmp)
+    final = run.commit_checkpoint(tmp, step, keep_last_n, keep_step=keep_step)
+    record_checkpoint(run, step, final)
+
+
+def barrier(place: Placement) -> None:
+    """Every rank waits here for the others (none to wait for in one process)."""
+    if place.world_size > 1:
+        dist.barrier()

@@ -1,0 +1,76 @@
+"""The optimizer section made real: the optimizer over the trained parameters, its learning-rate
+schedule, and one optimizer step from accumulated gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from runner.components import instantiate, plain_dict
+from runner.config.optimizer import split_option
+from runner.models.torchtune_boundary import get_cosine_schedule_with_warmup
+from runner.trainer.checkpointing import FULL
+
+
+class Optimization:
+    """The optimizer (runner.config.optimizer's component) and its schedule."""
+
+    def __init__(
+        self,
+        optimizer: DictConfig,
+        parameters: Iterable[torch.nn.Parameter],
+        *,
+        total_steps: int,
+        clip_grad_norm: float | None,
+    ) -> None:
+        settings, schedule = split_option(plain_dict(optimizer))
+        self.optimizer: torch.optim.Optimizer = instantiate(OmegaConf.create(settings), parameters)
+        self.lr_scheduler = _lr_scheduler(self.optimizer, schedule, total_steps)
+        self.clip_grad_norm = clip_grad_norm
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def step(self, model: torch.nn.Module, scale: torch.Tensor) -> None:
+        """Scales the accumulated gradients, clips them, steps optimizer and schedule."""
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale.to(param.grad.dtype))
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+
+    def state(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The training state's optimizer (whole, gathered: every rank joins) and schedule."""
+        return {
+            "optimizer": get_optimizer_state_dict(model, self.optimizer, options=FULL),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+        }
+
+    def restore(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
+        """The optimizer and schedule of a training state (written at any world size)."""
+        set_optimizer_state_dict(model, self.optimizer, state["optimizer"], options=FULL)
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def _lr_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: dict[str, Any], total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    if schedule["cosine_decay"]:
+        cosine: torch.optim.lr_scheduler.LRScheduler = get_cosine_schedule_with_warmup(
+            optimizer, schedule["warmup_steps"], total_steps
+        )
+        return cosine
+    warmup = max(schedule["warmup_steps"], 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))

@@ -1,0 +1,242 @@
+"""One training process: what surrounds a recipe's setup and train loop.
+
+The process group (gloo on CPU, nccl on GPU, with the collective timeout), CPU threads, the
+pinned kernel path, the log file, the heartbeat, SIGTERM (the loop saves at the next step
+boundary, see STOP), and the run's final state: completed, cancelled or failed with
+the error. recipes/finetune.py runs through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from runner.config.schema import read_recipe
+from runner.rundir import LOG_FILE, Heartbeat, RunDir, join_run_lock
+from runner.rundir.manifest import record_kernels
+from runner.trainer import determinism
+from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG
+from runner.trainer.progress import Reporter
+
+log = logging.getLogger("runner.recipe")
+
+
+class StopRequest:
+    """Set by SIGTERM (a preemption, `runner stop`) or SIGINT (Ctrl-C); the loop checks it at
+    each step boundary (FinetuneRecipe._stop_due) and saves a checkpoint before it stops."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signal = signal.SIGTERM
+
+    def request(self, signum: int) -> None:
+        self.signal = signal.Signals(signum)
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+        self.signal = signal.SIGTERM
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+STOP = StopRequest()
+
+
+def _log_to_file(path: Path) -> None:
+    """Sends the recipe's log lines to the run's log file, unless Hydra already does."""
+    root = logging.getLogger()
+    if any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+def _start_process(cfg: DictConfig) -> bool:
+    """Kernel path, process group and CPU threads for this process; whether it has peers."""
+    if cfg.runtime.deterministic:
+        determinism.apply_in_process()
+    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if distributed and not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if cfg.compute.device == "cuda" else "gloo",
+            # A dead or hung peer ends the run with a timeout error instead of a hang.
+            timeout=timedelta(seconds=cfg.compute.collective_timeout_s),
+        )
+    # OMP_NUM_THREADS where set (a parallel sweep's share, the pinned path), else a fair share of
+    # the cores for each of this machine's processes (a launcher that trains in itself computed
+    # on one thread until here: runner.job.launch.as_launcher).
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    share = max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(int(threads) if threads.isdigit() else share)
+    return distributed
+
+
+class Recipe(Protocol):
+    """What a process needs of a recipe (recipes/finetune.py's FinetuneRecipe)."""
+
+    @property
+    def run(self) -> RunDir: ...
+
+    @property
+    def reporter(self) -> Reporter: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def total_steps(self) -> int: ...
+
+    @property
+    def stopped_by(self) -> str | None:
+        """Why the loop stopped before total_steps (SIGTERM), or None."""
+
+    @property
+    def last_eval(self) -> dict[str, float] | None: ...
+
+    def setup(self) -> None: ...
+
+    def train(self) -> dict[str, Any]: ...
+
+    def best_checkpoint(self) -> dict[str, Any] | None: ...
+
+    def cleanup(self) -> None: ...
+
+
+def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -> dict[str, Any]:
+    """Runs `recipe_class` on the recipe at `recipe_path` in this process (one of several under
+    torchrun): process group, threads, log file, heartbeat, SIGTERM, and the final status."""
+    cfg = read_recipe(Path(recipe_path))
+    _join_launcher_lock()
+    distributed = _start_process(cfg)
+    recipe = recipe_class(cfg)
+    status, rank_zero = recipe.reporter.status, recipe.reporter.is_rank_zero
+    heartbeat = Heartbeat(recipe.run) if rank_zero else None
+    if heartbeat is not None:
+        _log_to_file(recipe.run.path / LOG_FILE)
+        heartbeat.start()
+        record_kernels(recipe.run, determinism.kernel_settings())
+    try:
+        with _stop_signals():
+            _stop_with_launcher(several_nodes=cfg.compute.nnodes > 1)
+            recipe.setup()
+            result = recipe.train()
+        if recipe.stopped_by is None:
+            result["eval"] = recipe.last_eval
+            result["best"] = recipe.best_checkpoint()
+            result["checkpoint"] = str(recipe.run.latest_checkpoint())
+            status("completed", step=recipe.step, total_steps=recipe.total_steps)
+        else:
+            reason = f"{recipe.stopped_by}, after saving its checkpoint"
+            status("cancelled", step=recipe.step, error=reason)
+    except BaseException as err:
+        state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
+        status(state, error=_error_message(err, cfg))
+        raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        recipe.cleanup()
+        if distributed:
+            dist.destroy_process_group()
+    if recipe.stopped_by is not None:
+        if rank_zero:
+            print(
+                f"{recipe.stopped_by}: checkpoint {recipe.run.latest_checkpoint()}; "
+                f"`runner resume {cfg.run_dir}` continues",
+                file=sys.stderr,
+            )
+        # A worker of the elastic agent ends cleanly, so that no agent restarts the group; the
+        # launcher reads `cancelled` and exits 143 itself (runner/job/launch.py).
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise SystemExit(128 + STOP.signal)  # 143 for SIGTERM, 130 for Ctrl-C
+    return result
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT ask the loop to stop at its next step boundary (a second Ctrl-C
+    interrupts at once); the previous handlers come back after."""
+    STOP.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stop_signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, _on_stop_signal) for signum in stop_signals}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _join_launcher_lock() -> None:
+    """A worker of the elastic agent holds the run's lock beside its launcher until it exits,
+    so that no other trainer can take the run while it still writes there, even once the
+    launcher is gone; a worker whose launcher died before it joined ends without writing."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is not None and not join_run_lock(int(launcher)):
+        print(f"launcher {launcher} is gone: this worker leaves the run alone", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _stop_with_launcher(*, several_nodes: bool) -> None:
+    """A worker of the elastic agent stops, as on SIGTERM, when its launcher dies (kill -9
+    included), instead of training on unseen with nothing to report its end: it saves, records
+    the run cancelled and exits, which frees the run's lock (_join_launcher_lock).
+
+    On several nodes it dies at once instead (SIGKILL): its node has left the rendezvous with
+    its agent, and a stop that all ranks agree on would end the other nodes' groups as
+    `cancelled`, where their agents should restart the group for the node to rejoin.
+
+    The agent runs inside the launcher's process and starts the workers from its main thread,
+    which lives as long as the launcher: so the launcher is the parent whose death
+    PR_SET_PDEATHSIG reports. A launcher gone before the signal was asked for has left this
+    process to another parent, which the check after it sees.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    death = signal.SIGKILL if several_nodes else signal.SIGTERM
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, death, 0, 0, 0) != 0:
+        log.warning("no parent-death signal (prctl: %s)", os.strerror(ctypes.get_errno()))
+    if os.getppid() != int(launcher):
+        if several_nodes:
+            os.kill(os.getpid(), signal.SIGKILL)
+        STOP.request(signal.SIGTERM)
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    STOP.request(signum)
+    if signum == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _error_message(err: BaseException, cfg: DictConfig) -> str:
+    message = f"{type(err).__name__}: {err}"
+    # gloo reports a lost or silent peer as a plain RuntimeError naming itself.
+    from_backend = isinstance(err, RuntimeError) and ("gloo" in str(err) or "NCCL" in str(err))
+    if isinstance(err, dist.DistError) or from_backend:
+        return (
+            "lost contact with another rank (a dead or hung peer; collectives wait at most "
+            f"compute.collective_timeout_s={cfg.compute.collective_timeout_s} s): {message}"
+        )
+    return message

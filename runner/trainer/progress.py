@@ -1,0 +1,210 @@
+"""What a training process tells the world as it goes: status.json, metrics.jsonl, the log line,
+the trackers and the console; and the losses it reads back from the device to do so.
+
+Only rank 0 writes; the other ranks get the same objects, which do nothing there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from runner.components import plain_dict
+from runner.errors import Diverged
+from runner.rundir import RunDir
+from runner.trainer import trackers
+
+log = logging.getLogger("runner.recipe")
+
+
+class Reporter:
+    """status.json, metrics.jsonl, the log and the trackers of one run (rank 0 only)."""
+
+    def __init__(self, run: RunDir, *, is_rank_zero: bool) -> None:
+        self.run = run
+        self.is_rank_zero = is_rank_zero
+        self.trackers: trackers.Trackers | None = None
+        self.console: Console | None = None
+
+    def start_trackers(self, cfg: DictConfig) -> None:
+        """The trackers of runtime.loggers, each sent the whole recipe (metrics.jsonl is written
+        apart)."""
+        if not self.is_rank_zero:
+            return
+        self.trackers = trackers.build(
+            list(cfg.runtime.loggers),
+            run_dir=self.run.path,
+            config=plain_dict(cfg, resolve=True),
+            project=cfg.runtime.project,
+        )
+
+    def status(self, state: str, **fields: Any) -> None:
+        """Moves the run to `state` with `fields` (runner.rundir.Status)."""
+        if self.is_rank_zero:
+            self.run.write_status(state, **fields)
+
+    def start_console(self, *, step: int, total_steps: int, progress_bar: bool | str) -> None:
+        """The console of the steps from `step` on (runtime.progress_bar: true, false or auto)."""
+        if self.is_rank_zero:
+            shown = shows_bar(progress_bar, sys.stderr)
+            self.console = Console(step=step, total_steps=total_steps, bar=shown)
+
+    def advance(self) -> None:
+        """One more step taken (the bar moves)."""
+        if self.console is not None:
+            self.console.advance()
+
+    def step(self, step: int, total_steps: int, values: dict[str, float]) -> None:
+        """A logged training step: `values` (loss, tokens_per_s, ...) and the learning rate lr."""
+        if not self.is_rank_zero:
+            return
+        record = {"step": step, **values}
+        self.run.append_metrics(record)
+        line = (
+            f"step {step}/{total_steps} loss {values['loss']:.4f} lr {values['lr']:.3g} "
+            f"tokens/s {values['tokens_per_s']:.0f}"
+        )
+        if self.console is not None:
+            line += f" eta {self.console.eta(step)}"
+            self.console.logged(line, values)
+        log.info(line)
+        if self.trackers is not None:
+            self.trackers.metrics("train", values, step)
+        self.status("running", step=step, total_steps=total_steps, loss=values["loss"])
+
+    def evaluation(self, step: int, total_steps: int, metrics: dict[str, float]) -> None:
+        """An evaluation's metrics, at the step it followed."""
+        if not self.is_rank_zero:
+            return
+        self.run.append_metrics({"step": step, **metrics})
+        line = f"eval at step {step}: " + " ".join(
+            f"{name} {value:.4f}" for name, value in metrics.items()
+        )
+        if self.console is not None:
+            self.console.logged(line, {})
+        log.info(line)
+        if self.trackers is not None:
+            self.trackers.metrics("eval", metrics, step)
+        self.status("running", step=step, total_steps=total_steps, eval={"step": step, **metrics})
+
+    def close(self, best: dict[str, Any] | None) -> None:
+        """Ends the console; tells the trackers the best checkpoint (when saved) and how the run
+        ended."""
+        if self.console is not None:
+            self.console.close()
+            self.console = None
+        if self.trackers is None:
+            return
+        if best is not None and Path(best["checkpoint"]).is_dir():
+            self.trackers.best_checkpoint(best)
+        self.trackers.close(self.run.status().state)
+
+
+class StepLosses:
+    """Each step's loss stays on the device until it is read (the first step, a logged one,
+    before a save): no host sync in the other steps."""
+
+    def __init__(self, lr: float) -> None:
+        # The learning rate that a non-finite loss blames (optimizer.lr).
+        self.lr = lr
+        self.unread: list[torch.Tensor] = []
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def add(self, loss: torch.Tensor) -> None:
+        """The loss of the step just taken, unread."""
+        self.unread.append(loss)
+
+    def read(self, step: int) -> float:
+        """The losses not yet read, read from the device at once; the last step's (`step`).
+        A non-finite one fails the run, naming its step, before anything is saved."""
+        if self.unread:
+            stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in self.unread])
+            values: list[float] = stacked.cpu().tolist()
+            self.unread.clear()
+            for at, value in enumerate(values, step - len(values) + 1):
+                if not math.isfinite(value):
+                    raise Diverged(self.lr, value, at)
+            self.last = values[-1]
+            if self.first is None:
+                self.first = self.last
+        assert self.last is not None, "read before any step"
+        return self.last
+
+
+class Throughput:
+    """Tokens per second over the steps since the last reading."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        """The tokens of one more step."""
+        self.tokens += tokens
+
+    def read(self) -> float:
+        """Tokens per second since the last reading; the window starts again."""
+        rate = self.tokens / (time.perf_counter() - self.start)
+        self.tokens, self.start = 0, time.perf_counter()
+        return rate
+
+
+def shows_bar(progress_bar: bool | str, stream: TextIO) -> bool:
+    """Whether the console gets a progress bar: runtime.progress_bar true or false, or auto (the
+    convention): a bar only when `stream`, where it is drawn, is a terminal; a log file, a pipe,
+    nohup or a batch job's output gets plain lines instead of carriage returns."""
+    if progress_bar == "auto":
+        return stream.isatty()
+    return bool(progress_bar)
+
+
+class Console:
+    """What rank 0 shows on stderr as the steps go: tqdm's bar, its postfix the last logged
+    loss and throughput, each evaluation's line above it; or, with no bar, each logged step's
+    and evaluation's line (train.log's) as it comes."""
+
+    def __init__(self, *, step: int, total_steps: int, bar: bool) -> None:
+        self.total_steps = total_steps
+        self.bar = tqdm(total=total_steps, initial=step, dynamic_ncols=True) if bar else None
+        # The ETA is the mean time of the steps taken since the console started.
+        self.first_step, self.started = step, time.perf_counter()
+
+    def advance(self) -> None:
+        """One more step taken."""
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def eta(self, step: int) -> str:
+        """The time left to total_steps at the pace so far (H:MM:SS)."""
+        taken = step - self.first_step
+        if taken <= 0:
+            return "?"
+        left = (time.perf_counter() - self.started) / taken * (self.total_steps - step)
+        return str(timedelta(seconds=round(left)))
+
+    def logged(self, line: str, values: dict[str, float]) -> None:
+        """A logged step or evaluation: its line (no bar); with the bar, a step's loss and
+        throughput (`values`) in its postfix, an evaluation's line above it."""
+        if self.bar is None:
+            print(line, file=sys.stderr, flush=True)
+        elif "loss" in values:
+            self.bar.set_postfix(
+                loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:,.0f}"
+            )
+        else:
+            self.bar.write(line, file=sys.stderr)
+
+    def close(self) -> None:
+        """The bar's last state stays on the terminal."""
+        if self.bar is not None:
+            self.bar.close()

