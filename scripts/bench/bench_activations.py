@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_peers  # noqa: E402  (the model's shapes and data)
+import peers_setup  # noqa: E402  (the model's shapes and data, as peers_setup.py's)
 
 from runner.data.transforms import collate  # noqa: E402
 from runner.models.activation_memory import keep_fewer_activations  # noqa: E402
@@ -36,7 +36,7 @@ CPU = torch.device("cpu")
 
 
 def build(size: str, lean: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = bench_peers.random_model(size)
+    model = peers_setup.random_model(size)
     if lean:
         keep_fewer_activations(model, CPU)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -59,11 +59,11 @@ def saved_bytes(model: torch.nn.Module, inputs: dict) -> int:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", choices=bench_peers.LENGTHS, default="mixed")
-    parser.add_argument("--size", choices=bench_peers.SIZES, default="default")
+    parser.add_argument("--lengths", choices=peers_setup.LENGTHS, default="mixed")
+    parser.add_argument("--size", choices=peers_setup.SIZES, default="default")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    samples = bench_peers.tokenized_samples(args.size, BATCH * STEPS, args.lengths)
+    samples = peers_setup.tokenized_samples(args.size, BATCH * STEPS, args.lengths)
     arms = {"plain": build(args.size, lean=False), "lean": build(args.size, lean=True)}
     attention = RowAttention.of(arms["plain"][0], CPU)
     RowAttention.of(arms["lean"][0], CPU)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_peers  # noqa: E402  (the model's shapes and data)
+import peers_setup  # noqa: E402  (the model's shapes and data, as peers_setup.py's)
 from torchtune.datasets import PackedDataset  # noqa: E402
 
 from runner.data.transforms import collate  # noqa: E402
@@ -48,18 +48,18 @@ BATCH, STEPS = 16, 12
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", choices=bench_peers.LENGTHS, default="mixed")
-    parser.add_argument("--size", choices=bench_peers.SIZES, default="default")
+    parser.add_argument("--lengths", choices=peers_setup.LENGTHS, default="mixed")
+    parser.add_argument("--size", choices=peers_setup.SIZES, default="default")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="then profile runner's layout")
     args = parser.parse_args(argv)
-    samples = bench_peers.tokenized_samples(args.size, BATCH * STEPS, args.lengths)
+    samples = peers_setup.tokenized_samples(args.size, BATCH * STEPS, args.lengths)
     batches = [samples[i * BATCH : (i + 1) * BATCH] for i in range(STEPS)]
-    model = bench_peers.random_model(args.size)
+    model = peers_setup.random_model(args.size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     per_sample = RowAttention.of(model, torch.device("cpu"))
     # torchtune's own packing of each batch's samples, before the clock runs.
-    width = bench_peers.pack_width(samples)
+    width = peers_setup.pack_width(samples)
     packs = [list(PackedDataset(b, max_seq_len=width, padding_idx=0)) for b in batches]
 
     def step(index: int, layout: str) -> int:
