@@ -39,6 +39,8 @@ class ServedModel:
     max_model_len: int
     start_engine: Callable[[], Engine]
     engine: Engine | None = None
+    # Names a request may also give (runner.deploy.selection.ServedCheckpoint.aliases).
+    aliases: tuple[str, ...] = ()
 
 
 def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits) -> FastAPI:
@@ -76,7 +78,7 @@ def _lifespan(
 def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None:
     """GET /health, /v1/models and /v1/models/{name}; POST /v1/completions and
     /v1/chat/completions."""
-    by_name = {model.name: model for model in models}
+    by_name = {name: model for model in models for name in (model.name, *model.aliases)}
     created = protocol.now()
 
     @app.get("/health")
@@ -272,7 +274,7 @@ def _sse(payload: dict[str, Any]) -> str:
 
 def _find(by_name: dict[str, ServedModel], name: str) -> ServedModel:
     if name not in by_name:
-        served = ", ".join(sorted(by_name))
+        served = ", ".join(sorted({model.name for model in by_name.values()}))
         message = f"the model {name!r} does not exist; this server serves: {served}"
         raise ApiError(404, message, param="model", code="model_not_found")
     return by_name[name]

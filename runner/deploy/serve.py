@@ -190,7 +190,13 @@ def _transformers_model(
     )
     check_supported(loaded.model)
     start = functools.partial(TransformersEngine, loaded, max_queue=max_queue, **options)
-    return ServedModel(checkpoint.name, loaded.tokenizer, loaded.max_model_len, start)
+    return ServedModel(
+        checkpoint.name,
+        loaded.tokenizer,
+        loaded.max_model_len,
+        start,
+        aliases=checkpoint.aliases,
+    )
 
 
 def _vllm_model(
@@ -225,7 +231,9 @@ def _vllm_model(
         dtype=vllm_dtype(dtype),
         **options,
     )
-    return ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, start)
+    return ServedModel(
+        checkpoint.name, load_tokenizer(checkpoint.path), context, start, aliases=checkpoint.aliases
+    )
 
 
 def run_server(app: FastAPI, sock: socket.socket) -> None:
