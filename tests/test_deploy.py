@@ -106,11 +106,21 @@ def serving(cfg: DictConfig) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def raw_request(base_url: str, method: str, path: str, body: bytes | None = None, key=API_KEY):
-    """Status, headers and decoded body of one plain HTTP request."""
+def raw_request(
+    base_url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    key=API_KEY,
+    host_header: str | None = None,
+):
+    """Status, headers and decoded body of one plain HTTP request (its Host: host_header, if
+    given, else the URL's)."""
     host, port = base_url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     headers = {"Content-Type": "application/json"}
+    if host_header is not None:
+        headers["Host"] = host_header
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     connection.request(method, path, body=body, headers=headers)

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runner.deploy import protocol
 from runner.deploy.generation import Engine, EngineFailed, QueueFull, RequestHandle
+from runner.deploy.hosts import HostCheckMiddleware
 from runner.deploy.protocol import ApiError, Limits
 from runner.models.chat_template import render_chat
 
@@ -43,11 +44,20 @@ class ServedModel:
     aliases: tuple[str, ...] = ()
 
 
-def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits) -> FastAPI:
-    """The ASGI app; engines start with the app's lifespan and stop with it."""
+def build_app(
+    models: list[ServedModel],
+    *,
+    api_key: str | None,
+    limits: Limits,
+    allowed_hosts: list[str],
+) -> FastAPI:
+    """The ASGI app; engines start with the app's lifespan and stop with it. Without an API
+    key, requests must name one of `allowed_hosts` in their Host (runner.deploy.hosts)."""
     app = FastAPI(lifespan=_lifespan(models), docs_url=None, redoc_url=None, openapi_url=None)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    else:
+        app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)
     app.add_exception_handler(ApiError, _api_error_response)
     app.add_exception_handler(HTTPException, _http_error_response)
     app.add_exception_handler(Exception, _internal_error_response)
