@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from runner import api
 from runner.rundir import RunDir, RunLocked, run_lock
 from tests.conftest import QUICK
 
@@ -67,11 +69,37 @@ def test_a_killed_run_shows_as_failed(runner_cli, hermetic_env, tmp_path: Path) 
     assert "step 1/100 loss" in logs.stdout
 
 
+def freeze(run_dir: Path, pid: int, seconds: float) -> None:
+    """SIGSTOP `pid`, then date the run's heartbeat and status back by `seconds`, as that long
+    frozen leaves them (the frozen process writes neither)."""
+    os.kill(pid, signal.SIGSTOP)
+    then = time.time() - seconds
+    os.utime(run_dir / "heartbeat", (then, then))
+    status = state_of(run_dir)
+    status["heartbeat_at"] = datetime.fromtimestamp(then, UTC).isoformat(timespec="seconds")
+    (run_dir / "status.json").write_text(json.dumps(status))
+
+
 def test_stop_then_resume_through_the_cli(runner_cli, hermetic_env, tmp_path: Path) -> None:
     run_dir = tmp_path / "outputs" / "stopped"
     proc = start_run(hermetic_env, run_dir)
     wait_for_checkpoint(run_dir, proc)
-    stop = runner_cli("stop", str(run_dir))
+    # Suspended (a hang or a paused job looks the same): it holds its lock, but does not beat.
+    freeze(run_dir, proc.pid, 150)
+    try:
+        listing = runner_cli("runs", str(tmp_path / "outputs"))
+        (line,) = [ln for ln in listing.stdout.splitlines() if "stopped" in ln]
+        assert line.split()[1:3] in (["stalled", "2m"], ["stalled", "3m"]), listing.stdout
+        status = api.Run(run_dir).status()
+        assert status.state == "stalled" and "no heartbeat for 1" in (status.error or "")
+        assert f"stopped (SIGSTOP, Ctrl-Z): process {proc.pid}" in (status.error or "")
+        # Stop says what it does: the process handles SIGTERM once continued.
+        stop = runner_cli("stop", str(run_dir))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+    assert "the run was stalled (no heartbeat for 1" in stop.stdout, stop.stdout + stop.stderr
+    assert f"continued process {proc.pid} so that it saves and stops" in stop.stdout
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert proc.wait(timeout=300) == 143
     status = state_of(run_dir)

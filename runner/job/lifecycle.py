@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -13,7 +14,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from runner.errors import UserError
-from runner.rundir import FINAL_STATES, LOG_FILE, STATUS_FILE, STOPPING, RunDir, is_run_dir
+from runner.rundir import (
+    FINAL_STATES,
+    LOG_FILE,
+    STALLED,
+    STATUS_FILE,
+    STOPPING,
+    RunDir,
+    is_run_dir,
+    pid_stopped,
+)
 
 DEFAULT_ROOTS = ("outputs", "multirun")
 
@@ -38,7 +48,10 @@ def find_runs(roots: list[Path]) -> list[RunDir]:
 def _age(iso: str | None) -> str:
     if not iso:
         return "-"
-    seconds = (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()
+    return _duration((datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds())
+
+
+def _duration(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"
@@ -77,6 +90,8 @@ def runs_table(runs: list[RunDir], base: Path) -> str:
     for run in runs:
         status = run.status()
         state, _ = run.effective_state()
+        if state == STALLED:  # and for how long: the heartbeat's age
+            state = f"{state} {_duration(run.seconds_since_heartbeat() or 0.0)}"
         losses = list(run.losses().values())
         best = status.best
         where = os.path.relpath(run.path, base)
@@ -135,7 +150,47 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
         os.killpg(pid, sig)  # the launcher leads its group: its workers go with it
     else:
         os.kill(pid, sig)
+    if state == STALLED:
+        # A stopped process handles SIGTERM only once continued; a hung one may never.
+        for stopped in stopped_processes(run):
+            os.kill(stopped, signal.SIGCONT)
     return pid
+
+
+def stopped_processes(run: RunDir) -> list[int]:
+    """The run's processes on this machine that are stopped (SIGSTOP, Ctrl-Z): its launcher,
+    the processes it started, and the one that last wrote its status."""
+    status = run.status()
+    found: list[int] = []
+    todo = [p for p in (status.launcher_pid, status.pid) if p is not None]
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
+        found.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(child) for child in task.read_text().split())
+    return sorted(pid for pid in found if pid_stopped(pid))
+
+
+def stall_note(run: RunDir, why: str | None, continued: list[int], timeout: float) -> str:
+    """What `runner stop` can and cannot do for a stalled run."""
+    latest = run.latest_checkpoint()
+    without = (
+        f"`kill -9 {run.status().launcher_pid}` ends it without a checkpoint (a resume continues "
+        f"from {latest or 'the start'})"
+    )
+    if continued:
+        listed = " ".join(map(str, continued))
+        return (
+            f"the run was stalled ({why}); continued process {listed} so that it saves and stops; "
+            f"if it does not within {timeout:.0f} s, {without}"
+        )
+    return (
+        f"the run is stalled ({why}): a hung process may never answer; if it has not stopped "
+        f"within {timeout:.0f} s, {without}"
+    )
 
 
 def wait_until_final(run: RunDir, timeout: float | None, interval: float = 0.5) -> str:

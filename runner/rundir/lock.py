@@ -178,3 +178,15 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pid_stopped(pid: int) -> bool:
+    """Whether process `pid` of this machine is stopped (SIGSTOP, SIGTSTP: Ctrl-Z, a paused
+    job), as /proc tells; False where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state follows the command name, which is in parentheses and may hold any character.
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] in ("T", "t")
