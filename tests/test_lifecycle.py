@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -200,31 +201,78 @@ def test_a_run_is_kept_from_a_second_trainer_until_its_last_process_is_gone(
         listing = runner_cli("runs", str(tmp_path / "outputs"))
         (line,) = [ln for ln in listing.stdout.splitlines() if "two" in ln]
         assert line.split()[1] == "stopping", listing.stdout
-        third = runner_cli("train", f"resume={run_dir}")
-        assert third.returncode == 2, third.stderr[-3000:]
-        assert f"the workers of process {proc.pid}" in third.stderr
+        # A resume typed now waits for them, saying so, and touches nothing meanwhile.
+        third_out = tmp_path / "third.out"
+        third = start_resume(hermetic_env, run_dir, third_out)
+        deadline = time.monotonic() + 120
+        while "waiting up to 300 s for the run to end" not in third_out.read_text():
+            assert third.poll() is None and time.monotonic() < deadline, third_out.read_text()
+            time.sleep(0.1)
+        assert f"its launcher, process {proc.pid}, is gone" in third_out.read_text()
         with open(run_dir / ".lock") as lock, pytest.raises(BlockingIOError):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert snapshot(run_dir) == before
+        assert snapshot(run_dir) == before and third.poll() is None
     finally:
         for pid in (proc.pid, *workers):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+    try:
+        check_orphans_then_resume(run_dir, proc, workers, third, third_out)
+    finally:
+        if third.poll() is None:
+            third.send_signal(signal.SIGTERM)
+            third.wait(timeout=300)
+
+
+def check_orphans_then_resume(
+    run_dir: Path, proc: subprocess.Popen, workers: list[int], third, third_out: Path
+) -> None:
+    """The orphaned workers save and end the run, then the waiting resume goes on from their
+    checkpoint, as its own run of the directory, and is stopped by SIGTERM."""
     # Told by the parent-death signal, the workers stop as on SIGTERM: they save and record the
-    # run cancelled. Until they exit it reads `stopping`, never `failed`; then what they recorded.
+    # run cancelled. Until they exit it reads `stopping`, never `failed`; then what they recorded
+    # (until the waiting resume, once they are gone, takes the run: its states are not theirs).
     seen, deadline = [], time.monotonic() + 120
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-        seen.append(RunDir(run_dir).effective_state()[0])
+        state = RunDir(run_dir).effective_state()[0]
+        if RunDir(run_dir).status().launcher_pid != proc.pid:
+            break
+        seen.append(state)
         time.sleep(0.01)
     assert not any(alive(pid) for pid in workers), "workers outlived their launcher"
-    proc.communicate()
+    output = proc.communicate()[0]
     assert set(seen) <= {"stopping", "cancelled"} and seen[0] == "stopping", seen
+    saved = re.search(r"SIGTERM at step (\d+): checkpoint (\S+);", output)
+    assert saved and Path(saved.group(2)).is_dir(), output[-3000:]
+    resumed_from = int(saved.group(1))
+    deadline = time.monotonic() + 300
+    while not (
+        state_of(run_dir).get("launcher_pid") == third.pid
+        and state_of(run_dir)["state"] == "running"
+        and (state_of(run_dir).get("step") or 0) > resumed_from
+    ):
+        assert third.poll() is None and time.monotonic() < deadline, third_out.read_text()
+        time.sleep(0.1)
+    third.send_signal(signal.SIGTERM)
+    assert third.wait(timeout=300) == 143, third_out.read_text()[-3000:]
     status = state_of(run_dir)
     assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
+    assert status["step"] > resumed_from
     assert RunDir(run_dir).effective_state() == ("cancelled", None)
     assert (run_dir / "checkpoints" / f"step_{status['step']}").is_dir()
     with open(run_dir / ".lock") as lock:  # and the lock went with the last of them
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def start_resume(env: dict[str, str], run_dir: Path, output: Path) -> subprocess.Popen:
+    """`runner train resume=RUN_DIR` in the background, its output into `output`."""
+    with open(output, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runner", "train", f"resume={run_dir}"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 # A launcher and the workers it starts, holding a run's lock as runner train's do, without the

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,10 +23,14 @@ from runner.rundir import (
     STOPPING,
     RunDir,
     is_run_dir,
+    lock_held,
     pid_stopped,
 )
 
 DEFAULT_ROOTS = ("outputs", "multirun")
+# How long a resume waits for the workers of a launcher that is gone (kill -9 of its process
+# group) to save a checkpoint and end the run; past it, it is refused as any locked run is.
+ORPHANS_WAIT_S = 300.0
 
 
 def run_dir_at(path: Path, key: str = "RUN") -> RunDir:
@@ -204,8 +209,26 @@ def wait_until_final(run: RunDir, timeout: float | None, interval: float = 0.5) 
         time.sleep(interval)
 
 
+def wait_for_orphans(run: RunDir, timeout: float = ORPHANS_WAIT_S) -> None:
+    """Where the run's launcher is gone and its workers are saving (`stopping`), waits, saying
+    so on one line, until they have ended the run and let go of its lock, or `timeout` passes."""
+    state, why = run.effective_state()
+    if state != STOPPING:
+        return
+    print(
+        f"{run.path}: waiting up to {timeout:.0f} s for the run to end ({why})",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + timeout
+    while lock_held(run.path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
-    """A UserError under `key` unless `run` ended cancelled or failed (so it can go on)."""
+    """A UserError under `key` unless `run` ended cancelled or failed (so it can go on); a run
+    whose workers are still saving is waited for (wait_for_orphans)."""
+    wait_for_orphans(run)
     state, why = run.effective_state()
     if state == "completed":
         raise UserError(key, str(run.path), "the run is already completed")

@@ -30,7 +30,9 @@ from runner.rundir.io import write_json_atomic, write_text_atomic
 from runner.rundir.liveness import Heartbeat
 from runner.rundir.lock import (
     RunLocked,
+    held_here,
     join_run_lock,
+    lock_held,
     pid_alive,
     pid_stopped,
     run_lock,

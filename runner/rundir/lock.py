@@ -75,6 +75,11 @@ def run_lock(run_dir: Path, *, key: str) -> Iterator[None]:
         os.close(fd)
 
 
+def held_here(run_dir: Path) -> bool:
+    """Whether this process holds `run_dir`'s lock (took it with run_lock)."""
+    return (run_dir / LOCK_FILE).resolve() in _held
+
+
 def _enter(fd: int, path: Path, run_dir: Path, key: str) -> bool:
     """Takes the lock exclusively (False: this file system has no flock); RunLocked if held."""
     deadline = time.monotonic() + _RETRY_S
