@@ -33,7 +33,6 @@ from runner.rundir.lock import (
     held_here,
     join_run_lock,
     lock_held,
-    pid_alive,
     pid_stopped,
     run_lock,
 )
