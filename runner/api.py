@@ -46,7 +46,7 @@ from runner.errors import UserError
 from runner.job import lifecycle
 from runner.job.sweep import SUMMARY_JSON
 from runner.paths import CONF_DIR
-from runner.rundir import FINAL_STATES, STATES, STOPPING, RunDir, Status
+from runner.rundir import FINAL_STATES, STALLED, STATES, STOPPING, RunDir, Status
 
 if TYPE_CHECKING:
     from runner.job.preflight import Estimate
@@ -93,7 +93,7 @@ def capabilities() -> Capabilities:
         losses=groups["loss"],
         engines=tuple(ENGINES),
         loggers=tuple(TRACKERS),
-        states=(*STATES, STOPPING),
+        states=(*STATES, STOPPING, STALLED),
     )
 
 
@@ -174,8 +174,10 @@ class Run:
     def status(self) -> Status:
         """status.json as runner.rundir.Status, with the state `runner runs` shows: `failed`
         when its processes are gone without saying so, `stopping` while its workers outlive
-        their launcher (RunDir.effective_state). A run launched here reads `created` until
-        it writes its status, and `failed`, with the error it printed, if it was refused."""
+        their launcher, `stalled` while its processes live but its heartbeat is stale (stopped
+        or hung; `error` says for how long) (RunDir.effective_state). A run launched here
+        reads `created` until it writes its status, and `failed`, with the error it printed, if
+        it was refused."""
         status = self.dir.status()
         if status.state == "unknown" and self._process is not None:
             if self._process.poll() is None:

@@ -19,13 +19,29 @@ class UserError(Exception):
         super().__init__(f"{key}={value!r}: {fix}")
 
 
+def user_error_in(err: BaseException) -> UserError | None:
+    """The UserError that `err` is or was raised from (OmegaConf wraps one raised inside an
+    interpolation's resolver in an error of its own); None where there is none."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, UserError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 @contextmanager
 def user_errors_pass_hydra() -> Iterator[None]:
     """Inside a Hydra task function: lets a UserError reach the CLI as a UserErrorExit."""
     try:
         yield
-    except UserError as err:
-        raise UserErrorExit(err) from err
+    except Exception as err:
+        # Hydra prints "Error executing job with overrides" above any other exception it is
+        # handed: a user error must leave as the one message the CLI prints.
+        user_error = user_error_in(err)
+        if user_error is None:
+            raise
+        raise UserErrorExit(user_error) from err
 
 
 class UserErrorExit(SystemExit):

@@ -172,7 +172,11 @@ def test_a_sweep_and_a_deployment_of_its_best_run(
         url = deployment.wait_ready(timeout=300)
         with urllib.request.urlopen(f"{url}/models", timeout=30) as response:
             models = json.load(response)
-        assert [m["id"] for m in models["data"]] == [str(best.path)]
+        # Named by its run (the sweep's time and job number) and step, not by its path.
+        step = best.dir.latest_checkpoint()
+        assert step is not None
+        name = f"{best.path.parent.name}/{best.path.name}/{step.name}"
+        assert [m["id"] for m in models["data"]] == [name]
     finally:
         code = deployment.stop()
     assert code == -signal.SIGTERM and "Application shutdown complete" in deployment.console()

@@ -106,11 +106,21 @@ def serving(cfg: DictConfig) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def raw_request(base_url: str, method: str, path: str, body: bytes | None = None, key=API_KEY):
-    """Status, headers and decoded body of one plain HTTP request."""
+def raw_request(
+    base_url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    key=API_KEY,
+    host_header: str | None = None,
+):
+    """Status, headers and decoded body of one plain HTTP request (its Host: host_header, if
+    given, else the URL's)."""
     host, port = base_url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     headers = {"Content-Type": "application/json"}
+    if host_header is not None:
+        headers["Host"] = host_header
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     connection.request(method, path, body=body, headers=headers)
@@ -187,7 +197,9 @@ def test_a_run_dir_is_served_from_its_latest_whole_checkpoint(run_dir: Path) -> 
     select = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
     (served,) = resolve_checkpoints(str(run_dir), names=None, allowed_roots=[], **select)
     assert served.path == (run_dir / "checkpoints" / "step_10").resolve()  # not .tmp-step_20
-    assert served.name == str(run_dir)
+    # Named by its run and step, not by where its files lie; the paths still find it.
+    assert served.name == f"{run_dir.parent.name}/run/step_10"
+    assert set(served.aliases) == {str(run_dir), str(served.path)}
 
 
 def test_models_lists_every_served_checkpoint(client: openai.OpenAI) -> None:
@@ -768,10 +780,16 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference) -> No
                     break
             time.sleep(0.05)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        # The server does not tell its clients where its files lie.
+        (listed,) = client.models.list().data
+        assert listed.id == f"{run_dir.parent.name}/run/step_10"
+        assert client.models.retrieve(str(run_dir)).id == listed.id
         # Greedy, so the answer is transformers' own (a sampled one may stop at eos early).
+        # A client that asks by the path given in checkpoint= (the id before) is still served.
         response = client.completions.create(
             model=str(run_dir), prompt="hi", max_tokens=3, temperature=0
         )
+        assert response.model == listed.id
         tokenizer, generate = reference
         assert (response.choices[0].text, response.usage.completion_tokens) == generate(
             tokenizer.encode("hi"), 3

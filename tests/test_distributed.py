@@ -368,9 +368,28 @@ def test_a_node_that_does_not_come_back_fails_the_run_naming_it(
     assert timeout_s <= waited < timeout_s + 45, waited
     assert "node 1 (" in output and "left the group and did not come back" in output, output[-3000:]
     assert f"compute.rdzv_timeout_s={timeout_s}" in output
+    # Node 0's workers, whose peers went with node 1, say so in a line each: no traceback.
+    assert "Traceback" not in output, output[-6000:]
+    lost = [line for line in output.splitlines() if "lost its peer at 127.0.0.1:" in line]
+    assert lost and all(" during " in line for line in lost), output[-6000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "failed" and "node 1 (" in status["error"], status
     assert (run_dir / "checkpoints" / "step_3" / "model.safetensors").is_file()
+
+
+def test_a_backend_error_that_is_no_lost_peer_keeps_its_traceback() -> None:
+    """Only what gloo and NCCL say of a peer gone is one line; a bug stays a traceback."""
+    from runner.trainer.process import lost_peer_line
+
+    mismatch = "[../third_party/gloo/gloo/transport/tcp/pair.cc:446] op.preamble.length <= "
+    assert lost_peer_line(RuntimeError(f"{mismatch}op.nbytes. 8 vs 4")) is None
+    assert lost_peer_line(ValueError("Connection reset by peer")) is None  # not the backend's
+    reset = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:41"
+    line = lost_peer_line(RuntimeError(f"{reset}: Connection reset by peer"))
+    assert line == (
+        "[rank0]: lost its peer at 10.0.0.2:41 during a collective (Connection reset by peer): "
+        "a process or node of the run is gone or hung"
+    )
 
 
 def test_nodes_with_different_run_directories_fail_at_once(hermetic_env, tmp_path: Path) -> None:

@@ -29,6 +29,11 @@ CASES = [
         ["dataset.column_map.output='answer'", "columns are ['instruction', 'input', 'output']"],
     ),
     (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
+    # Raised inside an interpolation (load_checkpoint.mode's resolver), which OmegaConf wraps.
+    (
+        ["load_checkpoint.path=/no/such/dir"],
+        ["load_checkpoint.path='/no/such/dir'", "neither a runner run directory"],
+    ),
     (
         ["dataset.format=yaml"],
         ["dataset.format='yaml'", "choose one of: json, jsonl, csv, parquet, arrow, text, xml"],

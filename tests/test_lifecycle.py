@@ -6,14 +6,17 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from runner import api
 from runner.rundir import RunDir, RunLocked, run_lock
 from tests.conftest import QUICK
 
@@ -67,11 +70,37 @@ def test_a_killed_run_shows_as_failed(runner_cli, hermetic_env, tmp_path: Path) 
     assert "step 1/100 loss" in logs.stdout
 
 
+def freeze(run_dir: Path, pid: int, seconds: float) -> None:
+    """SIGSTOP `pid`, then date the run's heartbeat and status back by `seconds`, as that long
+    frozen leaves them (the frozen process writes neither)."""
+    os.kill(pid, signal.SIGSTOP)
+    then = time.time() - seconds
+    os.utime(run_dir / "heartbeat", (then, then))
+    status = state_of(run_dir)
+    status["heartbeat_at"] = datetime.fromtimestamp(then, UTC).isoformat(timespec="seconds")
+    (run_dir / "status.json").write_text(json.dumps(status))
+
+
 def test_stop_then_resume_through_the_cli(runner_cli, hermetic_env, tmp_path: Path) -> None:
     run_dir = tmp_path / "outputs" / "stopped"
     proc = start_run(hermetic_env, run_dir)
     wait_for_checkpoint(run_dir, proc)
-    stop = runner_cli("stop", str(run_dir))
+    # Suspended (a hang or a paused job looks the same): it holds its lock, but does not beat.
+    freeze(run_dir, proc.pid, 150)
+    try:
+        listing = runner_cli("runs", str(tmp_path / "outputs"))
+        (line,) = [ln for ln in listing.stdout.splitlines() if "stopped" in ln]
+        assert line.split()[1:3] in (["stalled", "2m"], ["stalled", "3m"]), listing.stdout
+        status = api.Run(run_dir).status()
+        assert status.state == "stalled" and "no heartbeat for 1" in (status.error or "")
+        assert f"stopped (SIGSTOP, Ctrl-Z): process {proc.pid}" in (status.error or "")
+        # Stop says what it does: the process handles SIGTERM once continued.
+        stop = runner_cli("stop", str(run_dir))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+    assert "the run was stalled (no heartbeat for 1" in stop.stdout, stop.stdout + stop.stderr
+    assert f"continued process {proc.pid} so that it saves and stops" in stop.stdout
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert proc.wait(timeout=300) == 143
     status = state_of(run_dir)
@@ -172,31 +201,78 @@ def test_a_run_is_kept_from_a_second_trainer_until_its_last_process_is_gone(
         listing = runner_cli("runs", str(tmp_path / "outputs"))
         (line,) = [ln for ln in listing.stdout.splitlines() if "two" in ln]
         assert line.split()[1] == "stopping", listing.stdout
-        third = runner_cli("train", f"resume={run_dir}")
-        assert third.returncode == 2, third.stderr[-3000:]
-        assert f"the workers of process {proc.pid}" in third.stderr
+        # A resume typed now waits for them, saying so, and touches nothing meanwhile.
+        third_out = tmp_path / "third.out"
+        third = start_resume(hermetic_env, run_dir, third_out)
+        deadline = time.monotonic() + 120
+        while "waiting up to 300 s for the run to end" not in third_out.read_text():
+            assert third.poll() is None and time.monotonic() < deadline, third_out.read_text()
+            time.sleep(0.1)
+        assert f"its launcher, process {proc.pid}, is gone" in third_out.read_text()
         with open(run_dir / ".lock") as lock, pytest.raises(BlockingIOError):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert snapshot(run_dir) == before
+        assert snapshot(run_dir) == before and third.poll() is None
     finally:
         for pid in (proc.pid, *workers):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+    try:
+        check_orphans_then_resume(run_dir, proc, workers, third, third_out)
+    finally:
+        if third.poll() is None:
+            third.send_signal(signal.SIGTERM)
+            third.wait(timeout=300)
+
+
+def check_orphans_then_resume(
+    run_dir: Path, proc: subprocess.Popen, workers: list[int], third, third_out: Path
+) -> None:
+    """The orphaned workers save and end the run, then the waiting resume goes on from their
+    checkpoint, as its own run of the directory, and is stopped by SIGTERM."""
     # Told by the parent-death signal, the workers stop as on SIGTERM: they save and record the
-    # run cancelled. Until they exit it reads `stopping`, never `failed`; then what they recorded.
+    # run cancelled. Until they exit it reads `stopping`, never `failed`; then what they recorded
+    # (until the waiting resume, once they are gone, takes the run: its states are not theirs).
     seen, deadline = [], time.monotonic() + 120
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-        seen.append(RunDir(run_dir).effective_state()[0])
+        state = RunDir(run_dir).effective_state()[0]
+        if RunDir(run_dir).status().launcher_pid != proc.pid:
+            break
+        seen.append(state)
         time.sleep(0.01)
     assert not any(alive(pid) for pid in workers), "workers outlived their launcher"
-    proc.communicate()
+    output = proc.communicate()[0]
     assert set(seen) <= {"stopping", "cancelled"} and seen[0] == "stopping", seen
+    saved = re.search(r"SIGTERM at step (\d+): checkpoint (\S+);", output)
+    assert saved and Path(saved.group(2)).is_dir(), output[-3000:]
+    resumed_from = int(saved.group(1))
+    deadline = time.monotonic() + 300
+    while not (
+        state_of(run_dir).get("launcher_pid") == third.pid
+        and state_of(run_dir)["state"] == "running"
+        and (state_of(run_dir).get("step") or 0) > resumed_from
+    ):
+        assert third.poll() is None and time.monotonic() < deadline, third_out.read_text()
+        time.sleep(0.1)
+    third.send_signal(signal.SIGTERM)
+    assert third.wait(timeout=300) == 143, third_out.read_text()[-3000:]
     status = state_of(run_dir)
     assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
+    assert status["step"] > resumed_from
     assert RunDir(run_dir).effective_state() == ("cancelled", None)
     assert (run_dir / "checkpoints" / f"step_{status['step']}").is_dir()
     with open(run_dir / ".lock") as lock:  # and the lock went with the last of them
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def start_resume(env: dict[str, str], run_dir: Path, output: Path) -> subprocess.Popen:
+    """`runner train resume=RUN_DIR` in the background, its output into `output`."""
+    with open(output, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runner", "train", f"resume={run_dir}"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 # A launcher and the workers it starts, holding a run's lock as runner train's do, without the

@@ -121,6 +121,7 @@ def fuzz_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "limits.default_max_tokens=4",
         "limits.max_n=4",
         "limits.max_body_bytes=65536",
+        "allowed_hosts=[Runner.Example.]",
     )
     with serving(cfg) as url:
         yield url
@@ -193,6 +194,37 @@ def test_json_with_parameters_or_in_capitals_is_served(fuzz_url: str, content_ty
     status, payload = post(fuzz_url, "/v1/completions", body, content_type)
     assert status == 200, payload
     assert json.loads(payload)["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("evil.example:{port}", 400),  # a page's own name, resolved again to 127.0.0.1
+        ("evil.example", 400),
+        ("127.0.0.1.evil.example", 400),
+        ("", 400),
+        ("127.0.0.1:{port}", 200),
+        ("localhost:{port}", 200),
+        ("LOCALHOST", 200),
+        ("[::1]:{port}", 200),
+        ("runner.example:{port}", 200),  # in allowed_hosts
+    ],
+)
+def test_without_an_api_key_the_host_must_name_the_server(
+    fuzz_url: str, host: str, status: int
+) -> None:
+    """DNS rebinding: a web page's requests reach 127.0.0.1 under the page's own name."""
+    port = fuzz_url.rpartition(":")[2]
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    header = host.format(port=port)
+    answer = raw_request(fuzz_url, "POST", "/v1/completions", body, key=None, host_header=header)
+    assert answer[0] == status, answer
+    if status == 400:
+        error = json.loads(answer[2])["error"]
+        assert error["code"] == "invalid_host" and "allowed_hosts=[<name>]" in error["message"]
+        assert raw_request(fuzz_url, "GET", "/v1/models", key=None, host_header=header)[0] == 400
+        # Liveness probes call a pod by its address.
+        assert raw_request(fuzz_url, "GET", "/health", key=None, host_header=header)[0] == 200
 
 
 def post(base_url: str, path: str, body: bytes, content_type: str | None) -> tuple[int, bytes]:

@@ -17,9 +17,11 @@ from runner.job.lifecycle import (
     request_stop,
     run_dir_at,
     runs_table,
+    stall_note,
+    stopped_processes,
     wait_until_final,
 )
-from runner.rundir import FINAL_STATES
+from runner.rundir import FINAL_STATES, STALLED
 
 
 def main(command: str, argv: list[str]) -> int:
@@ -77,8 +79,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     run = run_dir_at(args.run)
+    state, why = run.effective_state()
+    stopped = stopped_processes(run) if state == STALLED else []
     pid = request_stop(run)
     print(f"asked process {pid} to save a checkpoint and stop")
+    if state == STALLED:
+        print(stall_note(run, why, stopped, args.timeout))
     state = wait_until_final(run, args.timeout)
     if state in FINAL_STATES:
         print(f"{run.path}: {state} at step {run.status().step}")

@@ -129,6 +129,7 @@ class Deploy:
     # 0 picks a free port.
     port: int = integer(8000, 0)
     api_key: ApiKey = field(default_factory=ApiKey)
+    allowed_hosts: List[str] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)
 
 

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runner.deploy import protocol
 from runner.deploy.generation import Engine, EngineFailed, QueueFull, RequestHandle
+from runner.deploy.hosts import HostCheckMiddleware
 from runner.deploy.protocol import ApiError, Limits
 from runner.models.chat_template import render_chat
 
@@ -39,13 +40,24 @@ class ServedModel:
     max_model_len: int
     start_engine: Callable[[], Engine]
     engine: Engine | None = None
+    # Names a request may also give (runner.deploy.selection.ServedCheckpoint.aliases).
+    aliases: tuple[str, ...] = ()
 
 
-def build_app(models: list[ServedModel], *, api_key: str | None, limits: Limits) -> FastAPI:
-    """The ASGI app; engines start with the app's lifespan and stop with it."""
+def build_app(
+    models: list[ServedModel],
+    *,
+    api_key: str | None,
+    limits: Limits,
+    allowed_hosts: list[str],
+) -> FastAPI:
+    """The ASGI app; engines start with the app's lifespan and stop with it. Without an API
+    key, requests must name one of `allowed_hosts` in their Host (runner.deploy.hosts)."""
     app = FastAPI(lifespan=_lifespan(models), docs_url=None, redoc_url=None, openapi_url=None)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    else:
+        app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)
     app.add_exception_handler(ApiError, _api_error_response)
     app.add_exception_handler(HTTPException, _http_error_response)
     app.add_exception_handler(Exception, _internal_error_response)
@@ -76,7 +88,7 @@ def _lifespan(
 def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None:
     """GET /health, /v1/models and /v1/models/{name}; POST /v1/completions and
     /v1/chat/completions."""
-    by_name = {model.name: model for model in models}
+    by_name = {name: model for model in models for name in (model.name, *model.aliases)}
     created = protocol.now()
 
     @app.get("/health")
@@ -272,7 +284,7 @@ def _sse(payload: dict[str, Any]) -> str:
 
 def _find(by_name: dict[str, ServedModel], name: str) -> ServedModel:
     if name not in by_name:
-        served = ", ".join(sorted(by_name))
+        served = ", ".join(sorted({model.name for model in by_name.values()}))
         message = f"the model {name!r} does not exist; this server serves: {served}"
         raise ApiError(404, message, param="model", code="model_not_found")
     return by_name[name]

@@ -16,10 +16,25 @@ _CHECKPOINT_CHOICES = ("latest", "best")
 
 @dataclass(frozen=True)
 class ServedCheckpoint:
-    """A whole checkpoint directory and the model name clients ask for it by."""
+    """A whole checkpoint directory and the model name clients ask for it by.
+
+    aliases: other names a request may give it by (the path as given in `checkpoint=` and the
+    checkpoint's own path, which were its name before short names), never listed.
+    """
 
     name: str
     path: Path
+    aliases: tuple[str, ...] = ()
+
+
+def short_name(checkpoint: Path) -> str:
+    """The default model name: a run's checkpoint as `<run>/<step>`, the run named by its last
+    two folders (outputs/<date>/<time>, or multirun's <time>/<job>), so that no client learns
+    where the server's files lie; any other checkpoint by its folder's name."""
+    run = checkpoint.parent.parent
+    if checkpoint.parent.name == "checkpoints" and is_run_dir(run):
+        return f"{run.parent.name}/{run.name}/{checkpoint.name}"
+    return checkpoint.name
 
 
 def resolve_checkpoints(
@@ -40,16 +55,41 @@ def resolve_checkpoints(
         raise UserError(
             "served_model_name", names, f"give one name per checkpoint ({len(paths)}) or null"
         )
-    names = names or [os.path.normpath(path) for path in paths]
-    if len(set(names)) != len(names):
-        raise UserError("served_model_name", names, "each served checkpoint needs its own name")
     # The paths the operator named are trusted roots; what they lead to must stay inside.
     roots = [Path(root).resolve() for root in [*allowed_roots, *paths]]
-    served = []
-    for name, path in zip(names, paths, strict=True):
-        chosen = choose_checkpoint(Path(path), checkpoint=checkpoint, metric=metric, mode=mode)
-        served.append(ServedCheckpoint(name, check_inside_roots(chosen, roots)))
+    chosen = [
+        check_inside_roots(
+            choose_checkpoint(Path(path), checkpoint=checkpoint, metric=metric, mode=mode), roots
+        )
+        for path in paths
+    ]
+    if names:
+        served = [ServedCheckpoint(n, p) for n, p in zip(names, chosen, strict=True)]
+    else:
+        served = _short_named(paths, chosen)
+    if len({s.name for s in served}) != len(served):
+        raise UserError(
+            "served_model_name",
+            names or [s.name for s in served],
+            "each served checkpoint needs its own name: give one per checkpoint, "
+            "e.g. served_model_name=[a,b]",
+        )
     return served
+
+
+def _short_named(paths: list[str], chosen: list[Path]) -> list[ServedCheckpoint]:
+    """Each checkpoint under its short name, and under its paths where no other is so named."""
+    names = [short_name(path) for path in chosen]
+    return [
+        ServedCheckpoint(
+            name,
+            path,
+            tuple(
+                sorted({os.path.normpath(given), str(Path(given).resolve()), str(path)} - {*names})
+            ),
+        )
+        for given, path, name in zip(paths, chosen, names, strict=True)
+    ]
 
 
 def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: str | None) -> Path:

@@ -36,6 +36,7 @@ def deploy(cfg: DictConfig) -> None:
 
 def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     """Everything before serving: the API key, the bound socket, the loaded models, the app."""
+    from runner.deploy.hosts import allowed_hosts
     from runner.deploy.protocol import Limits
     from runner.deploy.routes import build_app
 
@@ -67,7 +68,8 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
         transformers_options=plain_dict(cfg.transformers),
         vllm_options=plain_dict(cfg.vllm),
     )
-    app = build_app(models, api_key=api_key, limits=Limits(**cfg.limits))
+    hosts = allowed_hosts(cfg.host, list(cfg.allowed_hosts))
+    app = build_app(models, api_key=api_key, limits=Limits(**cfg.limits), allowed_hosts=hosts)
     host, port = sock.getsockname()[:2]
     for model in checkpoints:
         log.info("serving %s as model %r", model.path, model.name)
@@ -190,7 +192,13 @@ def _transformers_model(
     )
     check_supported(loaded.model)
     start = functools.partial(TransformersEngine, loaded, max_queue=max_queue, **options)
-    return ServedModel(checkpoint.name, loaded.tokenizer, loaded.max_model_len, start)
+    return ServedModel(
+        checkpoint.name,
+        loaded.tokenizer,
+        loaded.max_model_len,
+        start,
+        aliases=checkpoint.aliases,
+    )
 
 
 def _vllm_model(
@@ -225,7 +233,9 @@ def _vllm_model(
         dtype=vllm_dtype(dtype),
         **options,
     )
-    return ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, start)
+    return ServedModel(
+        checkpoint.name, load_tokenizer(checkpoint.path), context, start, aliases=checkpoint.aliases
+    )
 
 
 def run_server(app: FastAPI, sock: socket.socket) -> None:

@@ -24,8 +24,8 @@ from runner.config.interpolations import check_resume
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, user_errors_pass_hydra
 from runner.job.launch import as_launcher, launch, node_rank_of
-from runner.job.lifecycle import preference_rewards
-from runner.rundir import STATES, RunDir, RunLocked, is_run_dir, run_lock
+from runner.job.lifecycle import preference_rewards, wait_for_orphans
+from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
 from runner.rundir.manifest import build_manifest, write_manifest
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextMan
     nnodes = read_recipe(run.recipe_path).compute.nnodes if resumed else cfg.compute.nnodes
     if str(nnodes) != "1":
         return contextlib.nullcontext()
+    if resumed and not held_here(run.path):
+        wait_for_orphans(run)  # typed right after a kill -9 of the launcher: its workers save
     return run_lock(run.path, key="hydra.run.dir" if cfg.resume is None else "resume")
 
 

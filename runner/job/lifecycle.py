@@ -5,17 +5,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 from runner.errors import UserError
-from runner.rundir import FINAL_STATES, LOG_FILE, STATUS_FILE, STOPPING, RunDir, is_run_dir
+from runner.rundir import (
+    FINAL_STATES,
+    LOG_FILE,
+    STALLED,
+    STATUS_FILE,
+    STOPPING,
+    RunDir,
+    is_run_dir,
+    lock_held,
+    pid_stopped,
+)
 
 DEFAULT_ROOTS = ("outputs", "multirun")
+# How long a resume waits for the workers of a launcher that is gone (kill -9 of its process
+# group) to save a checkpoint and end the run; past it, it is refused as any locked run is.
+ORPHANS_WAIT_S = 300.0
 
 
 def run_dir_at(path: Path, key: str = "RUN") -> RunDir:
@@ -38,7 +53,10 @@ def find_runs(roots: list[Path]) -> list[RunDir]:
 def _age(iso: str | None) -> str:
     if not iso:
         return "-"
-    seconds = (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()
+    return _duration((datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds())
+
+
+def _duration(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"
@@ -77,6 +95,8 @@ def runs_table(runs: list[RunDir], base: Path) -> str:
     for run in runs:
         status = run.status()
         state, _ = run.effective_state()
+        if state == STALLED:  # and for how long: the heartbeat's age
+            state = f"{state} {_duration(run.seconds_since_heartbeat() or 0.0)}"
         losses = list(run.losses().values())
         best = status.best
         where = os.path.relpath(run.path, base)
@@ -135,7 +155,47 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
         os.killpg(pid, sig)  # the launcher leads its group: its workers go with it
     else:
         os.kill(pid, sig)
+    if state == STALLED:
+        # A stopped process handles SIGTERM only once continued; a hung one may never.
+        for stopped in stopped_processes(run):
+            os.kill(stopped, signal.SIGCONT)
     return pid
+
+
+def stopped_processes(run: RunDir) -> list[int]:
+    """The run's processes on this machine that are stopped (SIGSTOP, Ctrl-Z): its launcher,
+    the processes it started, and the one that last wrote its status."""
+    status = run.status()
+    found: list[int] = []
+    todo = [p for p in (status.launcher_pid, status.pid) if p is not None]
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
+        found.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(child) for child in task.read_text().split())
+    return sorted(pid for pid in found if pid_stopped(pid))
+
+
+def stall_note(run: RunDir, why: str | None, continued: list[int], timeout: float) -> str:
+    """What `runner stop` can and cannot do for a stalled run."""
+    latest = run.latest_checkpoint()
+    without = (
+        f"`kill -9 {run.status().launcher_pid}` ends it without a checkpoint (a resume continues "
+        f"from {latest or 'the start'})"
+    )
+    if continued:
+        listed = " ".join(map(str, continued))
+        return (
+            f"the run was stalled ({why}); continued process {listed} so that it saves and stops; "
+            f"if it does not within {timeout:.0f} s, {without}"
+        )
+    return (
+        f"the run is stalled ({why}): a hung process may never answer; if it has not stopped "
+        f"within {timeout:.0f} s, {without}"
+    )
 
 
 def wait_until_final(run: RunDir, timeout: float | None, interval: float = 0.5) -> str:
@@ -149,8 +209,26 @@ def wait_until_final(run: RunDir, timeout: float | None, interval: float = 0.5) 
         time.sleep(interval)
 
 
+def wait_for_orphans(run: RunDir, timeout: float = ORPHANS_WAIT_S) -> None:
+    """Where the run's launcher is gone and its workers are saving (`stopping`), waits, saying
+    so on one line, until they have ended the run and let go of its lock, or `timeout` passes."""
+    state, why = run.effective_state()
+    if state != STOPPING:
+        return
+    print(
+        f"{run.path}: waiting up to {timeout:.0f} s for the run to end ({why})",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + timeout
+    while lock_held(run.path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
-    """A UserError under `key` unless `run` ended cancelled or failed (so it can go on)."""
+    """A UserError under `key` unless `run` ended cancelled or failed (so it can go on); a run
+    whose workers are still saving is waited for (wait_for_orphans)."""
+    wait_for_orphans(run)
     state, why = run.effective_state()
     if state == "completed":
         raise UserError(key, str(run.path), "the run is already completed")

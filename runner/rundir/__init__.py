@@ -28,10 +28,18 @@ from runner.rundir.checkpoint_files import (
 )
 from runner.rundir.io import write_json_atomic, write_text_atomic
 from runner.rundir.liveness import Heartbeat
-from runner.rundir.lock import RunLocked, join_run_lock, run_lock
+from runner.rundir.lock import (
+    RunLocked,
+    held_here,
+    join_run_lock,
+    lock_held,
+    pid_stopped,
+    run_lock,
+)
 from runner.rundir.run import CHECKPOINTS_DIR, LOG_FILE, RECIPE_FILE, RunDir, is_run_dir
 from runner.rundir.status import (
     FINAL_STATES,
+    STALLED,
     STATES,
     STATUS_FILE,
     STATUS_VERSION,

@@ -75,6 +75,11 @@ def run_lock(run_dir: Path, *, key: str) -> Iterator[None]:
         os.close(fd)
 
 
+def held_here(run_dir: Path) -> bool:
+    """Whether this process holds `run_dir`'s lock (took it with run_lock)."""
+    return (run_dir / LOCK_FILE).resolve() in _held
+
+
 def _enter(fd: int, path: Path, run_dir: Path, key: str) -> bool:
     """Takes the lock exclusively (False: this file system has no flock); RunLocked if held."""
     deadline = time.monotonic() + _RETRY_S
@@ -178,3 +183,15 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pid_stopped(pid: int) -> bool:
+    """Whether process `pid` of this machine is stopped (SIGSTOP, SIGTSTP: Ctrl-Z, a paused
+    job), as /proc tells; False where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state follows the command name, which is in parentheses and may hold any character.
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] in ("T", "t")

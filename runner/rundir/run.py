@@ -7,6 +7,7 @@ RunDir, so each rule (which checkpoint is whole, which is the best) is written o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -16,15 +17,17 @@ import re
 import shutil
 import socket
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from runner.rundir.checkpoint_files import checkpoint_problem
 from runner.rundir.io import now_iso, write_json_atomic
-from runner.rundir.lock import lock_held, pid_alive
+from runner.rundir.lock import lock_held, pid_alive, pid_stopped
 from runner.rundir.status import (
     ACTIVE_STATES,
     FINAL_STATES,
+    STALLED,
     STATES,
     STATUS_FILE,
     STATUS_VERSION,
@@ -37,7 +40,8 @@ from runner.rundir.status import (
 RECIPE_FILE = "recipe.yaml"
 HEARTBEAT_FILE = "heartbeat"
 LOG_FILE = "train.log"
-# A live run touches its heartbeat every HEARTBEAT_EVERY_S; older than HEARTBEAT_STALE_S is dead.
+# A live run touches its heartbeat every HEARTBEAT_EVERY_S; older than HEARTBEAT_STALE_S, the run
+# is dead, or, where its processes still hold its lock, stalled.
 HEARTBEAT_EVERY_S = 10.0
 HEARTBEAT_STALE_S = 120.0
 METRICS_FILE = "metrics.jsonl"
@@ -108,19 +112,28 @@ class RunDir:
         (self.path / HEARTBEAT_FILE).touch()
 
     def seconds_since_heartbeat(self) -> float | None:
-        """How long ago the run last marked itself alive (None: it never did)."""
-        path = self.path / HEARTBEAT_FILE
-        return time.time() - path.stat().st_mtime if path.exists() else None
+        """How long ago the run last marked itself alive: its heartbeat, or a later status
+        write (a resumed run's launcher writes one before its workers beat); None: it never
+        beat."""
+        try:
+            age = time.time() - (self.path / HEARTBEAT_FILE).stat().st_mtime
+        except OSError:
+            return None
+        written = self.status().heartbeat_at
+        with contextlib.suppress(ValueError, TypeError):
+            age = min(age, time.time() - datetime.fromisoformat(str(written)).timestamp())
+        return age
 
     def effective_state(self) -> tuple[str, str | None]:
         """The state of the run as its processes stand, with the reason where it is not the
         recorded one: the one reading of it that `runner runs`, stop, resume and the API share.
 
         A final state recorded is the state. An active one stands while any process of the run
-        holds its lock, but reads `stopping` once the launcher is gone (its workers are saving
-        and will record how the run ended); with no process of it left (lock free, or where the
-        lock cannot tell: launcher gone, or no heartbeat for HEARTBEAT_STALE_S) it reads
-        `failed`, as the run ended without saying so.
+        holds its lock, but reads `stalled` once its heartbeat is older than HEARTBEAT_STALE_S
+        (its processes live but are stopped or hung), and `stopping` once the launcher is gone
+        (its workers are saving and will record how the run ended); with no process of it left
+        (lock free, or where the lock cannot tell: launcher gone, or no heartbeat for
+        HEARTBEAT_STALE_S) it reads `failed`, as the run ended without saying so.
         """
         status = self.status()
         if status.state not in ACTIVE_STATES:
@@ -131,7 +144,11 @@ class RunDir:
         # From another machine a free lock proves nothing: some shared file systems keep flock
         # to the machine that took it.
         held = lock_held(self.path) if here else None
+        age = self.seconds_since_heartbeat()
+        stale = age is not None and age > HEARTBEAT_STALE_S
         if held:
+            if stale:
+                return STALLED, self._stalled_reason(age or 0.0, status)
             if gone:
                 return STOPPING, f"its launcher, process {pid}, is gone; its workers are saving"
             return status.state, None
@@ -139,10 +156,21 @@ class RunDir:
             return "failed", f"process {pid} is gone and the status was never updated"
         if held is False:
             return "failed", "no process of the run is left and the status was never updated"
-        age = self.seconds_since_heartbeat()
-        if age is not None and age > HEARTBEAT_STALE_S:
+        if stale:
             return "failed", f"no heartbeat for {age:.0f} s"
         return status.state, None
+
+    @staticmethod
+    def _stalled_reason(age: float, status: Status) -> str:
+        """What a stalled run's processes are doing, as far as this machine can tell."""
+        pids = sorted({p for p in (status.launcher_pid, status.pid) if p is not None})
+        stopped = [pid for pid in pids if pid_stopped(pid)]
+        if stopped:
+            listed = " ".join(map(str, stopped))
+            doing = f"stopped (SIGSTOP, Ctrl-Z): process {listed}; `kill -CONT {listed}` continues"
+        else:
+            doing = "its processes live but do not beat: hung, or starved of CPU"
+        return f"no heartbeat for {age:.0f} s; {doing}"
 
     # ---- metrics --------------------------------------------------------------------------
     def append_metrics(self, record: dict[str, Any]) -> None:

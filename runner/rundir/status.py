@@ -17,6 +17,9 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 # Shown, never recorded: the run's launcher is gone and its workers, which still hold the run's
 # lock, are saving a checkpoint before they record how the run ended (RunDir.effective_state).
 STOPPING = "stopping"
+# Shown, never recorded: the run's processes live (they hold its lock) but its heartbeat is
+# older than HEARTBEAT_STALE_S: stopped (SIGSTOP, a paused job) or hung (RunDir.effective_state).
+STALLED = "stalled"
 STATUS_FILE = "status.json"
 # Bumped when status.json changes meaning; files without a version read as version 0.
 STATUS_VERSION = 1

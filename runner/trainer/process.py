@@ -12,9 +12,11 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -149,7 +151,12 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
     except BaseException as err:
         state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
         status(state, error=_error_message(err, cfg))
-        raise
+        lost = lost_peer_line(err)
+        if lost is None:
+            raise  # a bug: its traceback is the report
+        # Not a bug but a peer gone: one line, then the launcher's message.
+        print(lost, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         if heartbeat is not None:
             heartbeat.stop()
@@ -228,6 +235,43 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
     STOP.request(signum)
     if signum == signal.SIGINT:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# What gloo and NCCL say when a peer's process or node is gone, or silent past the collective
+# timeout. A backend error that says none of them (a shape mismatch, a bad argument) is a bug.
+_LOST_PEER = re.compile(
+    r"Connection (?:reset|closed) by peer|Broken pipe|Connection refused|[Tt]imed out|"
+    r"Socket Timeout|communicator was aborted|collective operation timeout"
+)
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
+
+
+def lost_peer_line(err: BaseException) -> str | None:
+    """One line for an error that says this worker's peer is gone: which peer (the address the
+    backend names), during which collective; None for any other error."""
+    text = str(err)
+    backend = isinstance(err, RuntimeError) and ("gloo" in text or "NCCL" in text)
+    found = _LOST_PEER.search(text)
+    if not (isinstance(err, dist.DistError) or (backend and found)):
+        return None
+    address = _PEER_ADDRESS.search(text)
+    peer = f"its peer at {address[1]}:{address[2]}" if address else "a peer"
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    why = found[0] if found else type(err).__name__
+    return (
+        f"[rank{rank}]: lost {peer} during {_collective(err)} ({why}): a process or node of the "
+        "run is gone or hung"
+    )
+
+
+def _collective(err: BaseException) -> str:
+    """The torch.distributed call that raised `err`, from its traceback."""
+    names = [
+        frame.name
+        for frame in traceback.extract_tb(err.__traceback__)
+        if f"torch{os.sep}distributed{os.sep}" in frame.filename and frame.name != "wrapper"
+    ]
+    return names[-1] if names else "a collective"
 
 
 def _error_message(err: BaseException, cfg: DictConfig) -> str:

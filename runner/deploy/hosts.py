@@ -1,0 +1,76 @@
+"""The Host check of a server without an API key: requests must name an address it listens on.
+
+A web page can reach a server on 127.0.0.1 through DNS rebinding: its own name, resolved again
+to 127.0.0.1, makes the browser send the page's requests there as to the page's own origin, with
+`Host: <the page's name>`. Refusing Hosts that name none of the server's addresses (as
+starlette's TrustedHostMiddleware does) stops that; an API key stops it too, and with one the
+check is left out, so that a server behind a proxy or a load balancer is reached by any name.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runner.deploy.protocol import ApiError
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(host: str, extra: list[str]) -> list[str]:
+    """The names a request's Host may give: loopback, the bound `host` (for a wildcard address,
+    this machine's name), and the `allowed_hosts` the user added."""
+    names = [*LOOPBACK_NAMES, host]
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = False
+    if wildcard:  # 0.0.0.0 or ::, any interface: the machine by its own name
+        names += [socket.gethostname(), socket.getfqdn()]
+    return list(dict.fromkeys(_normalized(name) for name in [*names, *extra]))
+
+
+def host_of(header: str) -> str:
+    """The host part of a Host header (no port; an IPv6 address without its brackets)."""
+    header = header.strip()
+    if header.startswith("["):
+        return _normalized(header[1:].partition("]")[0])
+    return _normalized(header.rpartition(":")[0] if header.count(":") == 1 else header)
+
+
+def _normalized(name: str) -> str:
+    return name.strip().strip("[]").rstrip(".").lower()
+
+
+class HostCheckMiddleware:
+    """Answers 400, naming the fix, to a request whose Host is none of `allowed` (`*`: any);
+    /health answers any Host (probes call a pod by its address)."""
+
+    def __init__(self, app: ASGIApp, allowed: list[str]) -> None:
+        self.app = app
+        self._allowed = set(allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan" or "*" in self._allowed:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        host = host_of(headers.get(b"host", b"").decode("latin-1"))
+        if host in self._allowed or (scope["type"] == "http" and scope["path"] == "/health"):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return  # a websocket closes without being accepted
+        named = f"Host {host[:100]!r}" if host else "no Host header"
+        error = ApiError(
+            400,
+            f"this server answers requests for {', '.join(sorted(self._allowed))}, and this one "
+            f"gives {named} (a web page reaching it through DNS rebinding looks like this): "
+            "if you trust that name, start the server with allowed_hosts=[<name>], or require an "
+            "API key (api_key.env or api_key.file)",
+            code="invalid_host",
+        )
+        await JSONResponse(error.body(), 400)(scope, receive, send)
