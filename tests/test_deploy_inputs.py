@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from runner.deploy.loading import model_context_length
 from runner.deploy.selection import resolve_checkpoints
 from runner.deploy.serve import load_served_models, read_api_key
 from runner.errors import UserError
@@ -102,6 +103,18 @@ def test_not_a_checkpoint_run_or_sweep_is_a_user_error(tmp_path: Path) -> None:
         serve(tmp_path / "nope")
     with pytest.raises(UserError, match="select.mode"):
         serve(tmp_path, mode="lowest")
+
+
+def test_a_context_longer_than_the_models_names_the_top_level_key(tmp_path: Path) -> None:
+    """deploy's max_model_len is a key of its own (conf/deploy.yaml), not one of `limits`: the
+    refusal names the key a user types."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(max_position_embeddings=64).save_pretrained(tmp_path)
+    assert model_context_length(tmp_path, None) == 64
+    assert model_context_length(tmp_path, 32) == 32
+    with pytest.raises(UserError, match=r"^max_model_len=65: use null or a value from 1 to 64$"):
+        model_context_length(tmp_path, 65)
 
 
 def test_api_key_comes_by_reference_only(tmp_path: Path, monkeypatch) -> None:

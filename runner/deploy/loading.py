@@ -77,7 +77,7 @@ def lora_base_dir(checkpoint_dir: Path) -> Path | None:
 
 
 def model_context_length(checkpoint_dir: Path, max_model_len: int | None) -> int:
-    """Tokens of context to allow: the model's own, or less when `limits.max_model_len` says so."""
+    """Tokens of context to allow: the model's own, or less when `max_model_len` says so."""
     from transformers import AutoConfig
 
     config_dir = lora_base_dir(checkpoint_dir) or checkpoint_dir
@@ -96,9 +96,7 @@ def model_context_length(checkpoint_dir: Path, max_model_len: int | None) -> int
     if max_model_len is None:
         return own
     if not 1 <= max_model_len <= own:
-        raise UserError(
-            "limits.max_model_len", max_model_len, f"use null or a value from 1 to {own}"
-        )
+        raise UserError("max_model_len", max_model_len, f"use null or a value from 1 to {own}")
     return max_model_len
 
 
