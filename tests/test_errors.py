@@ -34,6 +34,11 @@ CASES = [
         ["load_checkpoint.path=/no/such/dir"],
         ["load_checkpoint.path='/no/such/dir'", "neither a runner run directory"],
     ),
+    # More than the sample's training records in one batch: refused before the run starts.
+    (
+        ["batch_size=100000"],
+        ["batch_size=100000", "fewer than one global batch of 100000", "or less"],
+    ),
     (
         ["dataset.format=yaml"],
         ["dataset.format='yaml'", "choose one of: json, jsonl, csv, parquet, arrow, text, xml"],

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.schema import read_recipe, write_recipe
-from runner.errors import Diverged, user_errors_pass_hydra
+from runner.errors import Diverged, UserError, user_errors_pass_hydra
 from runner.job.launch import as_launcher, launch, node_rank_of
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
 from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
@@ -143,6 +143,25 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     return result
 
 
+def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
+    """An epoch is whole global batches: a training split with fewer records than one trains
+    nothing, which the trainer would find only after the run had started."""
+    compute = recipe.compute
+    per_batch = recipe.gradient_accumulation_steps * compute.nnodes * compute.nproc_per_node
+    if records is None or records >= recipe.batch_size * per_batch:
+        return
+    largest = records // per_batch
+    fix = f"give batch_size={largest} or less" if largest else "lower gradient_accumulation_steps"
+    raise UserError(
+        "batch_size",
+        recipe.batch_size,
+        f"the training split has {records} records, fewer than one global batch of "
+        f"{recipe.batch_size * per_batch} (batch_size x gradient_accumulation_steps="
+        f"{recipe.gradient_accumulation_steps} x {per_batch // recipe.gradient_accumulation_steps}"
+        f" process(es)); {fix}, or add records",
+    )
+
+
 def _check_data(recipe: DictConfig) -> None:
     """Reads and checks every record of every split before anything starts."""
     from runner.components import instantiate
@@ -152,6 +171,7 @@ def _check_data(recipe: DictConfig) -> None:
     found = check_datasets(recipe.dataset, instantiate(recipe.model.tokenizer))
     records = ", ".join(f"{n} {split}" for split, n in found.items()) or "no"
     log.info("data: %s records checked in %.1f s", records, time.perf_counter() - started)
+    _check_one_global_batch(recipe, found.get("train"))
     if recipe.dataset.streaming:
         log.warning(
             "dataset.streaming: the training split is checked window by window as it is read "

@@ -57,8 +57,13 @@ class EpochBatches:
         )
         assert isinstance(dataset, Sized)
         self.steps_per_epoch = len(dataset) // (batch_size * place.world_size * accumulation)
-        if self.steps_per_epoch == 0:
-            raise ValueError("the dataset is smaller than one global batch")
+        if self.steps_per_epoch == 0:  # packs fewer than a batch (records are checked before)
+            raise UserError(
+                "batch_size",
+                batch_size,
+                f"the training split makes {len(dataset)} rows, fewer than one global batch of "
+                f"{batch_size * place.world_size * accumulation}; lower batch_size or add records",
+            )
         self.epoch = 0
         self.batches_done_in_epoch = 0
 
