@@ -1,8 +1,8 @@
-"""A fine-tuning job service on runner.api: `uvicorn scripts.job_service:app` (tests/test_api.py
-drives it). POST /jobs ["max_steps=100", ...] validates and launches; GET /jobs/ID (status),
-/jobs/ID/metrics, /jobs/ID/logs (streamed until the run ends); DELETE /jobs/ID stops it with a
-checkpoint; POST /jobs/ID/resume continues it. Jobs live in memory here; a real service keeps
-each job's run directory (api.Run(path) reattaches) in its database.
+"""A fine-tuning job service on runner.api, served by `uvicorn --app-dir scripts/examples
+job_service:app` (tests/test_api.py drives it). POST /jobs ["max_steps=100", ...] validates and
+launches; GET /jobs/ID (status), /jobs/ID/metrics, /jobs/ID/logs (streamed until the run ends);
+DELETE /jobs/ID stops it with a checkpoint; POST /jobs/ID/resume continues it. Jobs live in memory
+here; a real service keeps each job's run directory (api.Run(path) reattaches) in its database.
 """
 
 from fastapi import FastAPI, HTTPException, Request
