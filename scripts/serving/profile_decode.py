@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_deploy import make_tiny_checkpoint
+from bench_deploy import STAND_IN, make_tiny_checkpoint
 
 from runner.deploy.decode_step import DecodeStep
 from runner.deploy.kv_cache import BatchCache
@@ -59,13 +59,18 @@ def model_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), ...")
+    parser.add_argument(
+        "--stand-in", action="store_true", help="without --checkpoint: bench_deploy's stand-in"
+    )
     return parser
 
 
 def load_model(args: argparse.Namespace) -> tuple[Path, LoadedModel]:
-    """The checkpoint loaded as `runner deploy` loads it, or bench_deploy.py's tiny model."""
+    """The checkpoint loaded as `runner deploy` loads it, or bench_deploy.py's tiny model (its
+    stand-in with --stand-in)."""
     with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
+        shape = STAND_IN if args.stand_in else ()
+        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny", *shape)
         loaded = load_checkpoint(
             checkpoint, device=args.device, dtype=args.dtype, max_model_len=None
         )
