@@ -744,19 +744,37 @@ def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off() -> None:
     sock.close()
 
 
-def test_deploy_command_serves_until_interrupted(run_dir: Path, reference) -> None:
+def _children(pid: int) -> set[int]:
+    """The process ids of `pid`'s children (Linux: /proc/<pid>/task/<tid>/children)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found |= {int(child) for child in task.read_text().split()}
+    return found
+
+
+@pytest.mark.parametrize(
+    ("stop", "process"),
+    [(signal.SIGINT, "true"), (signal.SIGTERM, "true"), (signal.SIGINT, "false")],
+    ids=["ctrl-c, engine process", "sigterm, engine process", "ctrl-c, one process"],
+)
+def test_deploy_command_serves_until_interrupted(run_dir: Path, reference, stop, process) -> None:
+    # compute=cpu dtype=fp32 (the command serves on the CPU here). Ctrl-C reaches the whole
+    # process group, SIGTERM only the server: either way nothing it started is left running.
     env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
     command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={run_dir}", "port=0"]
-    process = subprocess.Popen(
+    command += ["device=cpu", "dtype=fp32", f"transformers.process={process}"]
+    process_ = subprocess.Popen(
         [*command, "api_key.env=DEPLOY_TEST_KEY"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a command
     )
     try:
         lines = []
-        for line in process.stdout:
+        for line in process_.stdout:
             lines.append(line)
             if match := re.search(r"API at (http://\S+)/v1", line):
                 break
@@ -767,6 +785,9 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference) -> No
                 if raw_request(url, "GET", "/health", key=None)[0] == 200:
                     break
             time.sleep(0.05)
+        # The engine's process (and multiprocessing's resource tracker), or none.
+        children = _children(process_.pid)
+        assert bool(children) == (process == "true"), children
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         # Greedy, so the answer is transformers' own (a sampled one may stop at eos early).
         response = client.completions.create(
@@ -776,12 +797,79 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference) -> No
         assert (response.choices[0].text, response.usage.completion_tokens) == generate(
             tokenizer.encode("hi"), 3
         )
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
+        if stop == signal.SIGINT:
+            os.killpg(process_.pid, stop)
+        else:
+            process_.send_signal(stop)
+        # uvicorn ends a graceful shutdown by raising the signal again: SIGTERM's exit is -15.
+        assert process_.wait(timeout=60) in (0, -stop)
+        deadline = time.monotonic() + 10  # the resource tracker ends once its pipe closes
+        while any(Path(f"/proc/{child}").exists() for child in children):
+            assert time.monotonic() < deadline, f"{children} outlived the server"
+            time.sleep(0.1)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        if process_.poll() is None:
+            process_.kill()
+            process_.wait()
+
+
+@pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
+def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
+    run_dir: Path, reference
+) -> None:
+    # compute=cpu dtype=fp32. Greedy equals generate, streamed and whole, in both placements;
+    # seeded samples (n=3), a stop sequence and a full queue's 429 are the same in both.
+    import multiprocessing
+
+    tokenizer, generate = reference
+    prompt = PROMPTS[3]
+    expected = generate(tokenizer.encode(prompt), 20)
+    answers = {}
+    before = set(multiprocessing.active_children())  # the module's other servers' engines
+
+    def engines() -> list:
+        return [c for c in set(multiprocessing.active_children()) - before if "engine" in c.name]
+
+    for process in ("true", "false"):
+        cfg = deploy_config(
+            f"checkpoint={run_dir}",
+            "served_model_name=tiny",
+            "port=0",
+            f"transformers.process={process}",
+            "max_queue=3",
+            "transformers.max_batch_size=1",
+        )
+        with serving(cfg) as url:
+            assert len(engines()) == (process == "true"), engines()
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            greedy = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+            whole = client.completions.create(**greedy)
+            assert (whole.choices[0].text, whole.usage.completion_tokens) == expected
+            stream = client.completions.create(**greedy, stream=True)
+            assert "".join(chunk.choices[0].text for chunk in stream) == expected[0]
+            sampled = client.completions.create(
+                model="tiny", prompt="hello", max_tokens=12, temperature=1.0, n=3, seed=7
+            )
+            stop = expected[0][4:6]
+            cut = client.completions.create(**greedy, stop=[stop])
+            # One row runs and three wait: the fifth and sixth long requests are refused.
+            statuses: list[int] = []
+
+            def send(url: str = url, statuses: list[int] = statuses) -> None:
+                body = _body(model="tiny", max_tokens=200, prompt="hello")
+                statuses.append(raw_request(url, "POST", "/v1/completions", body, key=None)[0])
+
+            threads = [threading.Thread(target=send) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            answers[process] = ([c.text for c in sampled.choices], cut.choices[0].text)
+            assert set(statuses) == {200, 429}, statuses
+        assert not engines()
+    assert answers["true"] == answers["false"]
+    assert answers["true"][1] == expected[0][: expected[0].index(stop)]
+    assert len(set(answers["true"][0])) == 3
 
 
 def test_deploy_command_without_checkpoint_exits_2_with_one_message() -> None:

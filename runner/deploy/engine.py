@@ -15,6 +15,7 @@ import collections
 import logging
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,11 +67,14 @@ class TransformersEngine:
         waiting_served_ratio: float = 0.3,
         cuda_graphs: bool | None = None,
         padded: bool | None = None,
+        deliver: Callable[[list[tuple[RequestHandle, ChoiceEvent | Exception]]], None] = deliver,
     ) -> None:
         """`max_waiting_steps`, `waiting_served_ratio`: when waiting sequences join a running
         batch (conf/deploy.yaml); `cuda_graphs`: replay each decode step from a CUDA graph
         (None: on CUDA devices); `padded`: round each step's batch up to a bucket, as graphs
-        need (None: with graphs)."""
+        need (None: with graphs); `deliver`: where each step's events go (the handles' event
+        loops; runner.deploy.engine_process sends them to the server's process)."""
+        self._deliver = deliver
         self._tokenizer = loaded.tokenizer
         self._eos_ids = loaded.eos_token_ids
         self._device = loaded.model.device
@@ -90,9 +94,12 @@ class TransformersEngine:
         self._thread = threading.Thread(target=self._loop, name="deploy-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
-        """Queue the prompts' sequences; raises QueueFull when they do not all fit."""
-        handle = RequestHandle(n=sum(request.n for request in requests))
+    def submit(
+        self, requests: list[SamplingRequest], handle: RequestHandle | None = None
+    ) -> RequestHandle:
+        """Queue the prompts' sequences (under `handle`, else a new one on the running event
+        loop); raises QueueFull when they do not all fit."""
+        handle = handle or RequestHandle(n=sum(request.n for request in requests))
         sequences: list[_Sequence] = []
         for request in requests:
             base_seed = random.getrandbits(63) if request.seed is None else request.seed
@@ -286,7 +293,7 @@ class TransformersEngine:
                 outgoing.append((sequence.handle, sequence.error))
             elif sequence.finish_reason is None and not sequence.handle.cancelled:
                 keep.append(row)
-        deliver(outgoing)
+        self._deliver(outgoing)
         if len(keep) == len(self._running):
             return
         if not keep:
@@ -297,7 +304,7 @@ class TransformersEngine:
         self._cache.select_rows(keep)
 
     def _fail(self, sequences: list[_Sequence], error: Exception) -> None:
-        deliver([(sequence.handle, error) for sequence in sequences])
+        self._deliver([(sequence.handle, error) for sequence in sequences])
 
     def _reset_batch(self) -> None:
         self._running = []
