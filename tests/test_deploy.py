@@ -638,9 +638,9 @@ def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
     prefills = []
     prefill = engine.decode_step.prefill
 
-    def counted(input_ids: torch.Tensor, mask: torch.Tensor):
-        prefills.append(input_ids.shape[0])
-        return prefill(input_ids, mask)
+    def counted(prompts: list[list[int]]):
+        prefills.append(len(prompts))
+        return prefill(prompts)
 
     engine.decode_step.prefill = counted  # type: ignore[method-assign]
     cases = [
@@ -672,6 +672,60 @@ def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
         engine.close()
     assert prefills == [1, 2]
     assert texts == [text for text, _ in answers]
+
+
+def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(run_dir) -> None:
+    # compute=cpu dtype=fp32. Prompts of 2 to 11 tokens: their prefixes (all but the last
+    # token) share rows of the longest's width under a block-diagonal mask, and each prefix's
+    # keys equal those of its prompt run alone (to 1e-5: fp32 sums in another order).
+    from runner.deploy.decode_step import DecodeStep
+    from runner.deploy.loading import load_checkpoint
+
+    path = run_dir / "checkpoints" / "step_10"
+    model = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None).model
+    prompts = [list(range(5, 5 + length)) for length in (11, 2, 4, 7, 3, 5)]
+    with torch.inference_mode():
+        prefilled = DecodeStep(model, graphs=False).prefill(prompts)
+        assert prefilled.lengths == [len(prompt) - 1 for prompt in prompts]
+        assert max(prefilled.rows) + 1 == 3  # rows of 10: 10 | 6 + 4 | 3 + 2 + 1
+        for index, prompt in enumerate(prompts):
+            alone = model(input_ids=torch.tensor([prompt[:-1]]), use_cache=True)
+            row, start = prefilled.rows[index], prefilled.starts[index]
+            for layer, own in zip(
+                prefilled.cache.layers, alone.past_key_values.layers, strict=True
+            ):
+                keys = layer.keys[row, :, start : start + len(prompt) - 1]
+                torch.testing.assert_close(keys, own.keys[0], atol=1e-5, rtol=1e-5)
+
+
+def test_eager_attention_prefills_left_padded_and_answers_as_generate(run_dir, reference) -> None:
+    # compute=cpu dtype=fp32. Eager attention adds the mask to the scores, so a packed (boolean,
+    # block-diagonal) mask is not for it: prompts get a row each, left-padded.
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.generation import SamplingRequest
+    from runner.deploy.loading import load_checkpoint
+
+    tokenizer, generate = reference
+    path = run_dir / "checkpoints" / "step_10"
+    loaded = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None)
+    loaded.model.set_attn_implementation("eager")
+    engine = TransformersEngine(loaded, max_batch_size=4, max_queue=16)
+    cases = [(tokenizer(text)["input_ids"], 12) for text in PROMPTS]
+
+    async def answers() -> list[str]:
+        handles = [
+            engine.submit([SamplingRequest(ids, tokens, 0.0, 1.0, 0, [], 1, False)])
+            for ids, tokens in cases
+        ]
+        return ["".join([event.text async for event in handle.events()]) for handle in handles]
+
+    try:
+        prefilled = engine.decode_step.prefill([ids for ids, _ in cases])
+        assert prefilled.rows == list(range(len(cases)))
+        texts = asyncio.run(answers())
+    finally:
+        engine.close()
+    assert texts == [generate(*case)[0] for case in cases]
 
 
 def test_streamed_text_never_takes_back_what_it_sent() -> None:

@@ -1,8 +1,10 @@
 """engine=transformers: continuous batching over a Hugging Face model with a shared KV cache.
 
-One background thread owns the model. Each iteration it admits waiting sequences (a batched,
-left-padded prefill whose KV cache is merged into the running batch), decodes one token for
-every running sequence in a single forward pass, and drops the finished ones. A request that
+One background thread owns the model. Each iteration it admits waiting sequences (one prefill
+of their prompts but the last tokens, packed without padding where the attention allows, whose
+KV cache is merged into the running batch), decodes one token for every running sequence in a
+single forward pass (for a new sequence: its prompt's last token, whose logits give its first
+new token), and drops the finished ones. A request that
 arrives while others are generating joins at the next step instead of waiting for them.
 
 A failure that belongs to one request (its prefill, its sampling, its text) fails that request
@@ -19,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache
 
-from runner.deploy.decode_step import DecodeStep
+from runner.deploy.decode_step import DecodeStep, Prefilled
 from runner.deploy.generation import (
     ChoiceEvent,
     EngineFailed,
@@ -130,8 +131,6 @@ class TransformersEngine:
                 try:
                     if admitted:
                         self._admit(admitted)
-                        # Sequences finished by their first token leave before the decode step.
-                        self._publish()
                     if self._running:
                         self._decode()
                         self._publish()
@@ -188,34 +187,22 @@ class TransformersEngine:
             log.exception("prefill failed")
             self._fail(admitted, EngineFailed(str(error)))
             return
-        self._join(admitted, *prefilled)
+        self._join(admitted, prefilled)
 
-    def _prefill(self, admitted: list[_Sequence]) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-        """Run the new prompts together: their KV cache, attention mask and first tokens.
+    def _prefill(self, admitted: list[_Sequence]) -> Prefilled:
+        """Run the new prompts' prefixes together (their last tokens go to the next decode
+        step). Changes nothing in the running batch, so a failure here is the admitted
+        sequences' own."""
+        return self.decode_step.prefill([sequence.request.prompt_ids for sequence in admitted])
 
-        Changes nothing in the running batch, so a failure here is the admitted sequences' own.
-        """
-        lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
-        width = max(lengths)
-        input_ids = torch.zeros(len(admitted), width, dtype=torch.long)
-        mask = torch.zeros(len(admitted), width, dtype=torch.long)
-        for row, sequence in enumerate(admitted):
-            input_ids[row, width - lengths[row] :] = torch.tensor(sequence.request.prompt_ids)
-            mask[row, width - lengths[row] :] = 1
-        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
-        cache, logits = self.decode_step.prefill(input_ids, mask)
-        return cache, mask, self._sample(logits, admitted)
-
-    def _join(
-        self, admitted: list[_Sequence], cache: Cache, mask: torch.Tensor, next_ids: torch.Tensor
-    ) -> None:
-        """Merge prefilled sequences into the running batch and record their first tokens."""
-        lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
+    def _join(self, admitted: list[_Sequence], prefilled: Prefilled) -> None:
+        """Merge prefilled sequences into the running batch; the next decode step gives their
+        first tokens."""
         if self._cache is None:
-            self._cache = BatchCache(cache, padded=self._padded)
-        self._cache.append_rows(cache, mask, next_ids, lengths)
+            self._cache = BatchCache(prefilled.cache, padded=self._padded)
+        last_ids = [sequence.request.prompt_ids[-1] for sequence in admitted]
+        self._cache.append_rows(prefilled, last_ids)
         self._running.extend(admitted)
-        self._advance(admitted, next_ids.tolist())
 
     def _decode(self) -> None:
         """One token for every running sequence, in one forward pass (or graph replay)."""

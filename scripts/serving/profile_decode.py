@@ -30,14 +30,12 @@ from runner.deploy.loading import LoadedModel, load_checkpoint
 
 def prefilled(step: DecodeStep, loaded: LoadedModel, rows: int, prompt_tokens: int) -> BatchCache:
     """A batch of `rows` prompts of `prompt_tokens` tokens each, prefilled by the engine's own
-    prefill (in inference mode, as its thread runs), with each row's first new token."""
-    model = loaded.model
-    ids = torch.randint(5, loaded.tokenizer.vocab_size, (rows, prompt_tokens), device=model.device)
-    mask = torch.ones_like(ids)
+    prefill (in inference mode, as its thread runs), each row's last prompt token next."""
+    ids = torch.randint(5, loaded.tokenizer.vocab_size, (rows, prompt_tokens)).tolist()
     with torch.inference_mode():
-        cache, logits = step.prefill(ids, mask)
-        batch = BatchCache(cache, padded=step.graphs)
-        batch.append_rows(cache, mask, logits.argmax(dim=-1), [prompt_tokens] * rows)
+        prefill = step.prefill(ids)
+        batch = BatchCache(prefill.cache, padded=step.graphs)
+        batch.append_rows(prefill, [prompt[-1] for prompt in ids])
     return batch
 
 
