@@ -932,3 +932,48 @@ def test_deploy_command_without_checkpoint_exits_2_with_one_message() -> None:
     )
     assert result.returncode == 2
     assert "checkpoint" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_engine_in_its_own_process_serves_a_lora_checkpoint(tiny_checkpoint: Path) -> None:
+    # compute=cpu dtype=fp32. A LoRA checkpoint as method=lora writes one (a PEFT adapter naming
+    # its base by path, the tokenizer beside it), with random B matrices so that the adapter
+    # changes the answers: the engine's process merges it, as the server's own would.
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    adapter = tiny_checkpoint.parent / "lora"
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(0)
+    get_peft_model(LlamaForCausalLM.from_pretrained(tiny_checkpoint), config).save_pretrained(
+        adapter
+    )
+    base = LlamaForCausalLM.from_pretrained(tiny_checkpoint)
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, adapter / file.name)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    ids = torch.tensor([tokenizer.encode(PROMPTS[3])])
+    merged = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(tiny_checkpoint), adapter
+    ).merge_and_unload()
+    answers = {
+        name: tokenizer.decode(
+            model.eval().generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :],
+            skip_special_tokens=True,
+        )
+        for name, model in (("merged", merged), ("base", base))
+    }
+    assert answers["merged"] != answers["base"]
+    cfg = deploy_config(
+        f"checkpoint={adapter}",
+        "served_model_name=lora",
+        f"allowed_roots=[{tiny_checkpoint}]",
+        "port=0",
+        "transformers.process=true",
+    )
+    with serving(cfg) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        response = client.completions.create(
+            model="lora", prompt=PROMPTS[3], max_tokens=16, temperature=0
+        )
+    assert response.choices[0].text == answers["merged"]
