@@ -202,52 +202,69 @@ def serve_engine(conn: Connection, load: tuple, max_queue: int, options: dict[st
     from runner.deploy.engine import TransformersEngine
     from runner.deploy.loading import load_checkpoint
 
-    send_lock = threading.Lock()
-    # The requests not yet finished, by the server's id: their handle and unfinished choices.
-    handles: dict[int, RequestHandle] = {}
-    unfinished: dict[int, int] = {}
-
-    def send(events: list[tuple[RequestHandle, ChoiceEvent | Exception]]) -> None:
-        message = ("events", [(handle.request_id, event) for handle, event in events])
-        with send_lock:
-            conn.send(message)
-        for handle, event in events:  # the engine's thread: forget finished requests
-            done = isinstance(event, Exception) or event.finish_reason is not None
-            left = unfinished.get(handle.request_id, 0) - done
-            if isinstance(event, Exception) or left <= 0:
-                handles.pop(handle.request_id, None)
-                unfinished.pop(handle.request_id, None)
-            else:
-                unfinished[handle.request_id] = left
-
+    side = _EngineSide(conn)
     try:
         checkpoint, device, dtype, max_model_len = load
         loaded = load_checkpoint(
             checkpoint, device=device, dtype=dtype, max_model_len=max_model_len
         )
-        engine = TransformersEngine(loaded, max_queue=max_queue, deliver=send, **options)
+        engine = TransformersEngine(loaded, max_queue=max_queue, deliver=side.send, **options)
     except Exception as error:
         conn.send(("failed", str(error)))
         raise
     conn.send(("ready",))
     try:
+        side.serve(engine)
+    finally:
+        engine.close()
+        conn.close()
+
+
+class _EngineSide:
+    """The engine's process's end of the pipe: the server's requests in, their events out."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._send_lock = threading.Lock()  # the engine's thread and this one both send
+        # The requests not yet finished, by the server's id: their handle and unfinished choices.
+        self._handles: dict[int, RequestHandle] = {}
+        self._unfinished: dict[int, int] = {}
+
+    def serve(self, engine: Any) -> None:
+        """Submit and cancel as the server says, until it says close or goes away."""
         while True:
-            message = conn.recv()
+            try:
+                message = self._conn.recv()
+            except EOFError:  # the server's process has gone
+                return
             if message[0] == "submit":
                 _, request_id, requests = message
                 count = sum(request.n for request in requests)
                 handle = RequestHandle(n=count, loop=None, request_id=request_id)
-                handles[request_id], unfinished[request_id] = handle, count
+                self._handles[request_id], self._unfinished[request_id] = handle, count
                 engine.submit(requests, handle)
-            elif message[0] == "cancel" and (cancelled := handles.get(message[1])) is not None:
+            elif message[0] == "cancel" and (cancelled := self._handles.get(message[1])):
                 cancelled.cancel()
             elif message[0] == "close":
-                break
-    except EOFError:  # the server's process has gone
-        pass
-    finally:
-        engine.close()
-        conn.close()
+                return
+
+    def send(self, events: list[tuple[RequestHandle, ChoiceEvent | Exception]]) -> None:
+        """The engine's `deliver`: one step's events in one message; forget finished requests."""
+        message = ("events", [(handle.request_id, event) for handle, event in events])
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError:  # the server's process has gone: nobody is listening
+            pass
+        for handle, event in events:
+            failed = isinstance(event, Exception)
+            done = failed or (isinstance(event, ChoiceEvent) and event.finish_reason is not None)
+            left = self._unfinished.get(handle.request_id, 0) - done
+            if failed or left <= 0:
+                self._handles.pop(handle.request_id, None)
+                self._unfinished.pop(handle.request_id, None)
+            else:
+                self._unfinished[handle.request_id] = left
 
 
 def served_model(

@@ -92,7 +92,7 @@ def make_tiny_checkpoint(path: Path, layers: int = 4, width: int = 128) -> Path:
         num_hidden_layers=layers,
         num_attention_heads=width // 16,
         num_key_value_heads=width // 32,
-        max_position_embeddings=256,
+        max_position_embeddings=512,  # bench prompts (up to ~200 byte tokens) and new tokens
         rope_theta=500000.0,
         tie_word_embeddings=True,
         initializer_range=0.2,
