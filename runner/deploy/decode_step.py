@@ -97,6 +97,9 @@ class DecodeStep:
         lengths = [len(prompt) - 1 for prompt in prompts]
         width = max(max(lengths), 1)  # all prompts of one token: one token of padding
         rows, starts = pack(lengths, width) if self._packs else _padded(lengths, width)
+        packed = max(rows) + 1 < len(prompts)
+        if not packed:  # no row shared: a plain mask, which SDPA skips where nothing is padded
+            rows, starts = _padded(lengths, width)
         count = max(rows) + 1
         ids = torch.zeros(count, width, dtype=torch.long)
         positions = torch.zeros(count, width, dtype=torch.long)
@@ -108,7 +111,7 @@ class DecodeStep:
         )
         positions[flat.rows, flat.columns] = flat.offsets
         owner[flat.rows, flat.columns] = flat.sequences
-        if self._packs:
+        if packed:
             causal = torch.ones(width, width, dtype=torch.bool).tril()
             mask = ((owner[:, :, None] == owner[:, None, :]) & causal)[:, None]
         else:
