@@ -5,7 +5,8 @@ the engine's process holds the model, its scheduler and the detokenizing of what
 With both in one process, the server's event loop and the engine's thread take turns at one
 interpreter lock, and every step of the model waits for the server's work in between (vLLM
 moved its engine core out for the same reason: vllm/v1/engine/core.py). They talk through one
-multiprocessing pipe, one pickled message a step each way at most:
+multiprocessing pipe of pickled messages: one per request (or cancel) from the server, one per
+decode step at most from the engine:
 
     server -> engine   ("submit", id, [SamplingRequest])  ("cancel", id)  ("close",)
     engine -> server   ("ready",)  ("failed", text)  ("events", [(id, ChoiceEvent | error)])
@@ -13,6 +14,9 @@ multiprocessing pipe, one pickled message a step each way at most:
 The engine's process ignores Ctrl-C (the terminal sends it to the whole process group): the
 server closes it as it closes an engine of its own. It dies with the server's process if that
 is killed (PR_SET_PDEATHSIG), and ends when the pipe closes.
+
+On the CPU this measured no faster than one process (docs: benchmarks), so it is off there by
+default (PROCESS_BY_DEVICE); it is for measuring on a GPU, and for turning on where it helps.
 """
 
 from __future__ import annotations
