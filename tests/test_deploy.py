@@ -650,9 +650,9 @@ def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
     prefills = []
     prefill = engine.decode_step.prefill
 
-    def counted(input_ids: torch.Tensor, mask: torch.Tensor):
-        prefills.append(input_ids.shape[0])
-        return prefill(input_ids, mask)
+    def counted(prompts: list[list[int]]):
+        prefills.append(len(prompts))
+        return prefill(prompts)
 
     engine.decode_step.prefill = counted  # type: ignore[method-assign]
     cases = [
@@ -684,6 +684,60 @@ def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
         engine.close()
     assert prefills == [1, 2]
     assert texts == [text for text, _ in answers]
+
+
+def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(run_dir) -> None:
+    # compute=cpu dtype=fp32. Prompts of 2 to 11 tokens: their prefixes (all but the last
+    # token) share rows of the longest's width under a block-diagonal mask, and each prefix's
+    # keys equal those of its prompt run alone (to 1e-5: fp32 sums in another order).
+    from runner.deploy.decode_step import DecodeStep
+    from runner.deploy.loading import load_checkpoint
+
+    path = run_dir / "checkpoints" / "step_10"
+    model = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None).model
+    prompts = [list(range(5, 5 + length)) for length in (11, 2, 4, 7, 3, 5)]
+    with torch.inference_mode():
+        prefilled = DecodeStep(model, graphs=False).prefill(prompts)
+        assert prefilled.lengths == [len(prompt) - 1 for prompt in prompts]
+        assert max(prefilled.rows) + 1 == 3  # rows of 10: 10 | 6 + 4 | 3 + 2 + 1
+        for index, prompt in enumerate(prompts):
+            alone = model(input_ids=torch.tensor([prompt[:-1]]), use_cache=True)
+            row, start = prefilled.rows[index], prefilled.starts[index]
+            for layer, own in zip(
+                prefilled.cache.layers, alone.past_key_values.layers, strict=True
+            ):
+                keys = layer.keys[row, :, start : start + len(prompt) - 1]
+                torch.testing.assert_close(keys, own.keys[0], atol=1e-5, rtol=1e-5)
+
+
+def test_eager_attention_prefills_left_padded_and_answers_as_generate(run_dir, reference) -> None:
+    # compute=cpu dtype=fp32. Eager attention adds the mask to the scores, so a packed (boolean,
+    # block-diagonal) mask is not for it: prompts get a row each, left-padded.
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.generation import SamplingRequest
+    from runner.deploy.loading import load_checkpoint
+
+    tokenizer, generate = reference
+    path = run_dir / "checkpoints" / "step_10"
+    loaded = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None)
+    loaded.model.set_attn_implementation("eager")
+    engine = TransformersEngine(loaded, max_batch_size=4, max_queue=16)
+    cases = [(tokenizer(text)["input_ids"], 12) for text in PROMPTS]
+
+    async def answers() -> list[str]:
+        handles = [
+            engine.submit([SamplingRequest(ids, tokens, 0.0, 1.0, 0, [], 1, False)])
+            for ids, tokens in cases
+        ]
+        return ["".join([event.text async for event in handle.events()]) for handle in handles]
+
+    try:
+        prefilled = engine.decode_step.prefill([ids for ids, _ in cases])
+        assert prefilled.rows == list(range(len(cases)))
+        texts = asyncio.run(answers())
+    finally:
+        engine.close()
+    assert texts == [generate(*case)[0] for case in cases]
 
 
 def test_streamed_text_never_takes_back_what_it_sent() -> None:
@@ -756,19 +810,37 @@ def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off() -> None:
     sock.close()
 
 
-def test_deploy_command_serves_until_interrupted(run_dir: Path, reference) -> None:
+def _children(pid: int) -> set[int]:
+    """The process ids of `pid`'s children (Linux: /proc/<pid>/task/<tid>/children)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found |= {int(child) for child in task.read_text().split()}
+    return found
+
+
+@pytest.mark.parametrize(
+    ("stop", "process"),
+    [(signal.SIGINT, "true"), (signal.SIGTERM, "true"), (signal.SIGINT, "false")],
+    ids=["ctrl-c, engine process", "sigterm, engine process", "ctrl-c, one process"],
+)
+def test_deploy_command_serves_until_interrupted(run_dir: Path, reference, stop, process) -> None:
+    # compute=cpu dtype=fp32 (the command serves on the CPU here). Ctrl-C reaches the whole
+    # process group, SIGTERM only the server: either way nothing it started is left running.
     env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
     command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={run_dir}", "port=0"]
-    process = subprocess.Popen(
+    command += ["device=cpu", "dtype=fp32", f"transformers.process={process}"]
+    process_ = subprocess.Popen(
         [*command, "api_key.env=DEPLOY_TEST_KEY"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a command
     )
     try:
         lines = []
-        for line in process.stdout:
+        for line in process_.stdout:
             lines.append(line)
             if match := re.search(r"API at (http://\S+)/v1", line):
                 break
@@ -779,6 +851,9 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference) -> No
                 if raw_request(url, "GET", "/health", key=None)[0] == 200:
                     break
             time.sleep(0.05)
+        # The engine's process (and multiprocessing's resource tracker), or none.
+        children = _children(process_.pid)
+        assert bool(children) == (process == "true"), children
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         # The server does not tell its clients where its files lie.
         (listed,) = client.models.list().data
@@ -794,12 +869,79 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference) -> No
         assert (response.choices[0].text, response.usage.completion_tokens) == generate(
             tokenizer.encode("hi"), 3
         )
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
+        if stop == signal.SIGINT:
+            os.killpg(process_.pid, stop)
+        else:
+            process_.send_signal(stop)
+        # uvicorn ends a graceful shutdown by raising the signal again: SIGTERM's exit is -15.
+        assert process_.wait(timeout=60) in (0, -stop)
+        deadline = time.monotonic() + 10  # the resource tracker ends once its pipe closes
+        while any(Path(f"/proc/{child}").exists() for child in children):
+            assert time.monotonic() < deadline, f"{children} outlived the server"
+            time.sleep(0.1)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        if process_.poll() is None:
+            process_.kill()
+            process_.wait()
+
+
+@pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
+def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
+    run_dir: Path, reference
+) -> None:
+    # compute=cpu dtype=fp32. Greedy equals generate, streamed and whole, in both placements;
+    # seeded samples (n=3), a stop sequence and a full queue's 429 are the same in both.
+    import multiprocessing
+
+    tokenizer, generate = reference
+    prompt = PROMPTS[3]
+    expected = generate(tokenizer.encode(prompt), 20)
+    answers = {}
+    before = set(multiprocessing.active_children())  # the module's other servers' engines
+
+    def engines() -> list:
+        return [c for c in set(multiprocessing.active_children()) - before if "engine" in c.name]
+
+    for process in ("true", "false"):
+        cfg = deploy_config(
+            f"checkpoint={run_dir}",
+            "served_model_name=tiny",
+            "port=0",
+            f"transformers.process={process}",
+            "max_queue=3",
+            "transformers.max_batch_size=1",
+        )
+        with serving(cfg) as url:
+            assert len(engines()) == (process == "true"), engines()
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            greedy = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+            whole = client.completions.create(**greedy)
+            assert (whole.choices[0].text, whole.usage.completion_tokens) == expected
+            stream = client.completions.create(**greedy, stream=True)
+            assert "".join(chunk.choices[0].text for chunk in stream) == expected[0]
+            sampled = client.completions.create(
+                model="tiny", prompt="hello", max_tokens=12, temperature=1.0, n=3, seed=7
+            )
+            stop = expected[0][4:6]
+            cut = client.completions.create(**greedy, stop=[stop])
+            # One row runs and three wait: the fifth and sixth long requests are refused.
+            statuses: list[int] = []
+
+            def send(url: str = url, statuses: list[int] = statuses) -> None:
+                body = _body(model="tiny", max_tokens=200, prompt="hello")
+                statuses.append(raw_request(url, "POST", "/v1/completions", body, key=None)[0])
+
+            threads = [threading.Thread(target=send) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            answers[process] = ([c.text for c in sampled.choices], cut.choices[0].text)
+            assert set(statuses) == {200, 429}, statuses
+        assert not engines()
+    assert answers["true"] == answers["false"]
+    assert answers["true"][1] == expected[0][: expected[0].index(stop)]
+    assert len(set(answers["true"][0])) == 3
 
 
 def test_deploy_command_without_checkpoint_exits_2_with_one_message() -> None:
@@ -808,3 +950,48 @@ def test_deploy_command_without_checkpoint_exits_2_with_one_message() -> None:
     )
     assert result.returncode == 2
     assert "checkpoint" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_engine_in_its_own_process_serves_a_lora_checkpoint(tiny_checkpoint: Path) -> None:
+    # compute=cpu dtype=fp32. A LoRA checkpoint as method=lora writes one (a PEFT adapter naming
+    # its base by path, the tokenizer beside it), with random B matrices so that the adapter
+    # changes the answers: the engine's process merges it, as the server's own would.
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    adapter = tiny_checkpoint.parent / "lora"
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(0)
+    get_peft_model(LlamaForCausalLM.from_pretrained(tiny_checkpoint), config).save_pretrained(
+        adapter
+    )
+    base = LlamaForCausalLM.from_pretrained(tiny_checkpoint)
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, adapter / file.name)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    ids = torch.tensor([tokenizer.encode(PROMPTS[3])])
+    merged = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(tiny_checkpoint), adapter
+    ).merge_and_unload()
+    answers = {
+        name: tokenizer.decode(
+            model.eval().generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :],
+            skip_special_tokens=True,
+        )
+        for name, model in (("merged", merged), ("base", base))
+    }
+    assert answers["merged"] != answers["base"]
+    cfg = deploy_config(
+        f"checkpoint={adapter}",
+        "served_model_name=lora",
+        f"allowed_roots=[{tiny_checkpoint}]",
+        "port=0",
+        "transformers.process=true",
+    )
+    with serving(cfg) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        response = client.completions.create(
+            model="lora", prompt=PROMPTS[3], max_tokens=16, temperature=0
+        )
+    assert response.choices[0].text == answers["merged"]

@@ -353,3 +353,26 @@ def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> No
     rate, per_window = gpu_logs.runner_rate((run / "metrics.jsonl").read_text(), 2)
     assert len(per_window) == 2  # steps 3-4 and step 5
     assert rate == pytest.approx(gpu_bare.overall_rate([2, 1], per_window), rel=1e-12)
+
+
+def test_bench_deploy_prints_http_over_the_engine_alone_and_marks_noisy_rows() -> None:
+    import bench_deploy
+
+    def results(label: str, concurrency: int, rates: list[float]) -> list:
+        return [bench_deploy.Result(label, concurrency, [1.0], r * 10, 10.0) for r in rates]
+
+    runs = {
+        "transformers generate": {1: results("transformers generate", 1, [50, 51, 52])},
+        "runner deploy": {1: results("runner deploy", 1, [80, 90, 100])},  # range 20/90: noisy
+        "runner deploy x=1": {1: results("runner deploy x=1", 1, [99, 100, 101])},
+        bench_deploy.ENGINE_ALONE: {1: results(bench_deploy.ENGINE_ALONE, 1, [99, 100, 101])},
+    }
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        bench_deploy.report(runs, None)
+        bench_deploy.ratio_lines(runs)
+    lines = printed.getvalue().splitlines()
+    assert "http/engine c=1 0.900" in lines
+    assert "http/engine c=1 1.000 (runner deploy x=1)" in lines
+    noisy = [line.split()[0:2] for line in lines if line.endswith(" noisy")]
+    assert noisy == [["runner", "deploy"]], lines

@@ -84,6 +84,7 @@ class TransformersEngine:
     max_batch_size: int = integer(32, 1)
     max_waiting_steps: int = integer(0, 0)
     waiting_served_ratio: float = number(0.3, positive=False)
+    process: Optional[bool] = None
 
 
 @dataclass

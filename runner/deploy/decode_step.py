@@ -15,7 +15,37 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from runner.deploy.kv_cache import BatchCache, Window, cache_keyword
+from runner.deploy.kv_cache import BatchCache, Prefilled, Window, cache_keyword, prefix_tokens
+
+
+def packs(model: PreTrainedModel) -> bool:
+    """Whether prompts may share a row under a block-diagonal mask: SDPA attention, which takes
+    a custom 4D mask as it is, and no sliding window, which such a mask would override."""
+    config = model.config
+    text = config.get_text_config(decoder=True)
+    full = all(kind == "full_attention" for kind in getattr(text, "layer_types", None) or [])
+    sdpa = config._attn_implementation == "sdpa"
+    return sdpa and full and getattr(text, "sliding_window", None) is None
+
+
+def pack(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
+    """Each length's row and first column in rows of `width` columns: first fit, longest
+    first (a row is at least as wide as the longest, so every one fits)."""
+    rows, starts = [0] * len(lengths), [0] * len(lengths)
+    used: list[int] = []  # columns taken in each row
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        row = next((r for r, taken in enumerate(used) if taken + length <= width), len(used))
+        if row == len(used):
+            used.append(0)
+        rows[index], starts[index] = row, used[row]
+        used[row] += length
+    return rows, starts
+
+
+def _padded(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
+    """A row each, right-aligned (left padding)."""
+    return list(range(len(lengths))), [width - length for length in lengths]
 
 
 class DecodeStep:
@@ -25,6 +55,7 @@ class DecodeStep:
     def __init__(self, model: PreTrainedModel, *, graphs: bool) -> None:
         self._model = model
         self._cache_keyword = cache_keyword(model)
+        self._packs = packs(model)
         self.graphs = graphs
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._allocation = 0  # BatchCache.allocation of the buffers the graphs were captured over
@@ -52,24 +83,53 @@ class DecodeStep:
         graph.replay()
         return logits
 
-    def prefill(
-        self, input_ids: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[DynamicCache, torch.Tensor]:
-        """Left-padded prompts (`mask` 0 on the padding) in one forward pass: the KV cache it
-        wrote, and each row's next-token logits [rows, vocab]."""
+    def prefill(self, prompts: list[list[int]]) -> Prefilled:
+        """The KV cache of each prompt but its last token, in one forward pass that computes
+        no logits: the last token is the row's first input to the next decode step, whose
+        logits give the first new token (so the output projection runs only where a token is
+        sampled). Prompts share rows without padding where the attention allows (packed);
+        otherwise each has a row, left-padded to the longest."""
+        # The last tokens are first read by the decode step, which all running rows share: a
+        # token the model has no embedding for must fail its own request here, not all of them.
+        vocabulary = int(getattr(self._model.get_input_embeddings(), "num_embeddings", 1 << 62))
+        if any(not 0 <= prompt[-1] < vocabulary for prompt in prompts):
+            raise ValueError(f"a prompt's token id is outside the vocabulary (0-{vocabulary - 1})")
+        lengths = [len(prompt) - 1 for prompt in prompts]
+        width = max(max(lengths), 1)  # all prompts of one token: one token of padding
+        rows, starts = pack(lengths, width) if self._packs else _padded(lengths, width)
+        packed = max(rows) + 1 < len(prompts)
+        if not packed:  # no row shared: a plain mask, which SDPA skips where nothing is padded
+            rows, starts = _padded(lengths, width)
+        count = max(rows) + 1
+        ids = torch.zeros(count, width, dtype=torch.long)
+        positions = torch.zeros(count, width, dtype=torch.long)
+        # The sequence each column belongs to; padding, each column alone (it attends itself).
+        owner = -1 - torch.arange(width).repeat(count, 1)
+        flat = prefix_tokens(rows, starts, lengths)
+        ids[flat.rows, flat.columns] = torch.tensor(
+            [token for prompt in prompts for token in prompt[:-1]], dtype=torch.long
+        )
+        positions[flat.rows, flat.columns] = flat.offsets
+        owner[flat.rows, flat.columns] = flat.sequences
+        if packed:
+            causal = torch.ones(width, width, dtype=torch.bool).tril()
+            mask = ((owner[:, :, None] == owner[:, None, :]) & causal)[:, None]
+        else:
+            mask = (owner >= 0).long()
         # Full-attention layers throughout: a sliding-window layer keeps every token here, and
         # the model's own sliding-window mask (built from config.json for those layers) hides
         # what lies outside the window, so rows of any length share one left-padded cache.
         cache = DynamicCache()
-        logits = self._model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        device = self._model.device
+        self._model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
             **{self._cache_keyword: cache},
-        ).logits[:, -1, :]
-        return cache, logits
+        )
+        return Prefilled(cache, rows, starts, lengths)
 
     def _forward(self, cache: BatchCache, window: Window) -> torch.Tensor:
         rows, width = window.rows, window.width

@@ -1,8 +1,10 @@
 """engine=transformers: continuous batching over a Hugging Face model with a shared KV cache.
 
-One background thread owns the model. Each iteration it admits waiting sequences (a batched,
-left-padded prefill whose KV cache is merged into the running batch), decodes one token for
-every running sequence in a single forward pass, and drops the finished ones. A request that
+One background thread owns the model. Each iteration it admits waiting sequences (one prefill
+of their prompts but the last tokens, packed without padding where the attention allows, whose
+KV cache is merged into the running batch), decodes one token for every running sequence in a
+single forward pass (for a new sequence: its prompt's last token, whose logits give its first
+new token), and drops the finished ones. A request that
 arrives while others are generating joins at the next step instead of waiting for them.
 
 A failure that belongs to one request (its prefill, its sampling, its text) fails that request
@@ -15,12 +17,12 @@ import collections
 import logging
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache
 
-from runner.deploy.decode_step import DecodeStep
+from runner.deploy.decode_step import DecodeStep, Prefilled
 from runner.deploy.generation import (
     ChoiceEvent,
     EngineFailed,
@@ -66,11 +68,14 @@ class TransformersEngine:
         waiting_served_ratio: float = 0.3,
         cuda_graphs: bool | None = None,
         padded: bool | None = None,
+        deliver: Callable[[list[tuple[RequestHandle, ChoiceEvent | Exception]]], None] = deliver,
     ) -> None:
         """`max_waiting_steps`, `waiting_served_ratio`: when waiting sequences join a running
         batch (conf/deploy.yaml); `cuda_graphs`: replay each decode step from a CUDA graph
         (None: on CUDA devices); `padded`: round each step's batch up to a bucket, as graphs
-        need (None: with graphs)."""
+        need (None: with graphs); `deliver`: where each step's events go (the handles' event
+        loops; runner.deploy.engine_process sends them to the server's process)."""
+        self._deliver = deliver
         self._tokenizer = loaded.tokenizer
         self._eos_ids = loaded.eos_token_ids
         self._device = loaded.model.device
@@ -90,9 +95,12 @@ class TransformersEngine:
         self._thread = threading.Thread(target=self._loop, name="deploy-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
-        """Queue the prompts' sequences; raises QueueFull when they do not all fit."""
-        handle = RequestHandle(n=sum(request.n for request in requests))
+    def submit(
+        self, requests: list[SamplingRequest], handle: RequestHandle | None = None
+    ) -> RequestHandle:
+        """Queue the prompts' sequences (under `handle`, else a new one on the running event
+        loop); raises QueueFull when they do not all fit."""
+        handle = handle or RequestHandle(n=sum(request.n for request in requests))
         sequences: list[_Sequence] = []
         for request in requests:
             base_seed = random.getrandbits(63) if request.seed is None else request.seed
@@ -123,8 +131,6 @@ class TransformersEngine:
                 try:
                     if admitted:
                         self._admit(admitted)
-                        # Sequences finished by their first token leave before the decode step.
-                        self._publish()
                     if self._running:
                         self._decode()
                         self._publish()
@@ -181,34 +187,22 @@ class TransformersEngine:
             log.exception("prefill failed")
             self._fail(admitted, EngineFailed(str(error)))
             return
-        self._join(admitted, *prefilled)
+        self._join(admitted, prefilled)
 
-    def _prefill(self, admitted: list[_Sequence]) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-        """Run the new prompts together: their KV cache, attention mask and first tokens.
+    def _prefill(self, admitted: list[_Sequence]) -> Prefilled:
+        """Run the new prompts' prefixes together (their last tokens go to the next decode
+        step). Changes nothing in the running batch, so a failure here is the admitted
+        sequences' own."""
+        return self.decode_step.prefill([sequence.request.prompt_ids for sequence in admitted])
 
-        Changes nothing in the running batch, so a failure here is the admitted sequences' own.
-        """
-        lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
-        width = max(lengths)
-        input_ids = torch.zeros(len(admitted), width, dtype=torch.long)
-        mask = torch.zeros(len(admitted), width, dtype=torch.long)
-        for row, sequence in enumerate(admitted):
-            input_ids[row, width - lengths[row] :] = torch.tensor(sequence.request.prompt_ids)
-            mask[row, width - lengths[row] :] = 1
-        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
-        cache, logits = self.decode_step.prefill(input_ids, mask)
-        return cache, mask, self._sample(logits, admitted)
-
-    def _join(
-        self, admitted: list[_Sequence], cache: Cache, mask: torch.Tensor, next_ids: torch.Tensor
-    ) -> None:
-        """Merge prefilled sequences into the running batch and record their first tokens."""
-        lengths = [len(sequence.request.prompt_ids) for sequence in admitted]
+    def _join(self, admitted: list[_Sequence], prefilled: Prefilled) -> None:
+        """Merge prefilled sequences into the running batch; the next decode step gives their
+        first tokens."""
         if self._cache is None:
-            self._cache = BatchCache(cache, padded=self._padded)
-        self._cache.append_rows(cache, mask, next_ids, lengths)
+            self._cache = BatchCache(prefilled.cache, padded=self._padded)
+        last_ids = [sequence.request.prompt_ids[-1] for sequence in admitted]
+        self._cache.append_rows(prefilled, last_ids)
         self._running.extend(admitted)
-        self._advance(admitted, next_ids.tolist())
 
     def _decode(self) -> None:
         """One token for every running sequence, in one forward pass (or graph replay)."""
@@ -286,7 +280,7 @@ class TransformersEngine:
                 outgoing.append((sequence.handle, sequence.error))
             elif sequence.finish_reason is None and not sequence.handle.cancelled:
                 keep.append(row)
-        deliver(outgoing)
+        self._deliver(outgoing)
         if len(keep) == len(self._running):
             return
         if not keep:
@@ -297,7 +291,7 @@ class TransformersEngine:
         self._cache.select_rows(keep)
 
     def _fail(self, sequences: list[_Sequence], error: Exception) -> None:
-        deliver([(sequence.handle, error) for sequence in sequences])
+        self._deliver([(sequence.handle, error) for sequence in sequences])
 
     def _reset_batch(self) -> None:
         self._running = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,7 +46,13 @@ class RequestHandle:
     """The caller's side of submitted prompts: their events, in order, and a way to cancel them."""
 
     n: int
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    # None: the handle of an engine in a process of its own, whose events go back to the
+    # server's process (runner.deploy.engine_process) and are never awaited here.
+    loop: asyncio.AbstractEventLoop | None = field(default_factory=asyncio.get_running_loop)
+    # Called once, on the first cancel: tells an engine in another process.
+    on_cancel: Callable[[], None] | None = None
+    # The server's number for the request, in an engine's process (engine_process).
+    request_id: int = -1
     _queue: asyncio.Queue[ChoiceEvent | Exception] = field(default_factory=asyncio.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -57,7 +63,11 @@ class RequestHandle:
 
     def cancel(self) -> None:
         """Stop generating for this request; safe to call more than once."""
+        if self._cancelled.is_set():
+            return
         self._cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     def put(self, event: ChoiceEvent | Exception) -> None:
         """Deliver an event; call on the handle's event loop."""
@@ -94,6 +104,7 @@ def deliver(events: list[tuple[RequestHandle, ChoiceEvent | Exception]]) -> None
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, ChoiceEvent | Exception]]]
     by_loop = {}
     for handle, event in events:
+        assert handle.loop is not None, "an engine in this process made the handle"
         by_loop.setdefault(handle.loop, []).append((handle, event))
     for loop, batch in by_loop.items():
         try:

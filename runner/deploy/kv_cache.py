@@ -16,12 +16,15 @@ from __future__ import annotations
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Cache, DynamicLayer, PreTrainedModel
 
 from runner.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 # The fewest tokens a buffer (and a CUDA graph's window) holds.
 _MIN_TOKENS = 64
@@ -32,6 +35,39 @@ _ALLOCATIONS = itertools.count(1)
 def bucket(count: int, minimum: int = 1) -> int:
     """The power of two at or above `count` (and `minimum`): the sizes CUDA graphs are kept for."""
     return 1 << (max(count, minimum) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a prefill wrote: the KV cache of each prompt's prefix (all but its last token), in
+    row `rows[i]` from column `starts[i]`, `lengths[i]` tokens."""
+
+    cache: DynamicCache
+    rows: list[int]
+    starts: list[int]
+    lengths: list[int]
+
+
+@dataclass(frozen=True)
+class PrefixTokens:
+    """Every prefix token's sequence, row, column and offset in its sequence."""
+
+    sequences: torch.Tensor
+    rows: torch.Tensor
+    columns: torch.Tensor
+    offsets: torch.Tensor
+
+
+def prefix_tokens(rows: list[int], starts: list[int], lengths: list[int]) -> PrefixTokens:
+    """Where each prefix token lies, from each prefix's row, first column and length."""
+    counts = torch.tensor(lengths, dtype=torch.long)
+    sequences = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+    firsts = torch.cumsum(counts, 0) - counts
+    offsets = torch.arange(int(counts.sum())) - firsts[sequences]
+    columns = torch.tensor(starts, dtype=torch.long)[sequences] + offsets
+    return PrefixTokens(
+        sequences, torch.tensor(rows, dtype=torch.long)[sequences], columns, offsets
+    )
 
 
 @dataclass
@@ -135,25 +171,31 @@ class BatchCache(Cache):
         if rows > row_capacity or tokens > token_capacity:
             self._allocate(max(bucket(rows), row_capacity), max(bucket(tokens * 2), token_capacity))
 
-    def append_rows(
-        self, prefilled: Cache, mask: torch.Tensor, next_ids: torch.Tensor, lengths: list[int]
-    ) -> None:
-        """Add a prefill's sequences after the running ones: their cache, mask, first tokens."""
-        count, width = mask.shape
-        shift = max(width - self.end, 0)
+    def append_rows(self, prefilled: Prefilled, last_ids: list[int]) -> None:
+        """Add sequences after the running ones: their prompts' prefixes as a prefill wrote
+        them, and each prompt's last token as the row's next input (the next decode step reads
+        it and gives the first new token)."""
+        count, lengths = len(last_ids), prefilled.lengths
+        shift = max(max(lengths) - self.end, 0)
         self._reserve(self.rows + count, self.end + shift + 1)
         if shift and self.rows:  # the new rows are longer: move the running ones right
             self._shift(slice(0, self.end), shift)
         self.end += shift
-        new, first = slice(self.rows, self.rows + count), self.end - width
-        for layer, prefilled_layer in zip(self.batch_layers, prefilled.layers, strict=True):
-            keys, values = _keys_and_values(prefilled_layer)
-            layer.key_buffer[new, :, first : self.end] = keys
-            layer.value_buffer[new, :, first : self.end] = values
+        new = slice(self.rows, self.rows + count)
         self.mask[new] = False
-        self.mask[new, first : self.end] = mask.bool()
-        self.ids[new, 0] = next_ids
-        self.positions[new, 0] = torch.tensor(lengths, device=self.device)
+        # Every prefix token from its place in the prefill to its row's columns before `end`.
+        tokens = prefix_tokens(prefilled.rows, prefilled.starts, lengths)
+        source_rows, source_columns = tokens.rows.to(self.device), tokens.columns.to(self.device)
+        counts = torch.tensor(lengths, dtype=torch.long)
+        rows = (self.rows + tokens.sequences).to(self.device)
+        columns = (self.end - counts[tokens.sequences] + tokens.offsets).to(self.device)
+        for layer, prefilled_layer in zip(self.batch_layers, prefilled.cache.layers, strict=True):
+            keys, values = _keys_and_values(prefilled_layer)
+            layer.key_buffer[rows, :, columns] = keys[source_rows, :, source_columns]
+            layer.value_buffer[rows, :, columns] = values[source_rows, :, source_columns]
+        self.mask[rows, columns] = True
+        self.ids[new, 0] = torch.tensor(last_ids, device=self.device)
+        self.positions[new, 0] = counts.to(self.device)
         self.rows += count
 
     def select_rows(self, keep: list[int]) -> None:

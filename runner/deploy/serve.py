@@ -182,10 +182,24 @@ def _transformers_model(
     max_queue: int,
     options: Mapping[str, Any],
 ) -> ServedModel:
-    """A checkpoint loaded here, for a TransformersEngine (the `transformers` options)."""
+    """A checkpoint loaded here, for a TransformersEngine (the `transformers` options), or in
+    an engine's process of its own (`transformers.process`)."""
     from runner.deploy.engine import TransformersEngine
+    from runner.deploy.engine_process import process_by_default, served_model
     from runner.deploy.kv_cache import check_supported
     from runner.deploy.loading import load_checkpoint
+
+    options = dict(options)
+    process = options.pop("process")
+    if process if process is not None else process_by_default(device):
+        return served_model(
+            checkpoint,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_queue=max_queue,
+            options=options,
+        )
 
     loaded = load_checkpoint(
         checkpoint.path, device=device, dtype=dtype, max_model_len=max_model_len

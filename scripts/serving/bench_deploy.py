@@ -28,6 +28,7 @@ temporary directory. On a GPU, e.g. for a 1B model in bf16:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -74,17 +75,24 @@ class Result:
         return statistics.quantiles(self.latencies_s, n=100, method="inclusive")[q - 1] * 1000
 
 
-def make_tiny_checkpoint(path: Path) -> Path:
-    """The tiny model's architecture with random weights, saved as training saves checkpoints."""
+# (layers, width) of the stand-in (--stand-in): its decode step of 128 rows on two CPU cores
+# costs about what the 1B Llama's costs on an H100 (3-4 ms), so that the server's overhead
+# weighs on a CPU as it does on the GPU. Sized by profile_decode.py --rows 128.
+STAND_IN = (2, 64)
+
+
+def make_tiny_checkpoint(path: Path, layers: int = 4, width: int = 128) -> Path:
+    """The tiny model's architecture (or another depth and width: heads of 16) with random
+    weights, saved as training saves checkpoints."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     config = LlamaConfig(
         vocab_size=264,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=width // 16,
+        num_key_value_heads=width // 32,
+        max_position_embeddings=512,  # bench prompts (up to ~200 byte tokens) and new tokens
         rope_theta=500000.0,
         tie_word_embeddings=True,
         initializer_range=0.2,
@@ -226,8 +234,17 @@ def median(results: list[Result]) -> Result:
     return ordered[(len(ordered) - 1) // 2]
 
 
+ENGINE_ALONE = "engine alone"
+# The repeats' range (max - min) over their median above which a figure is marked noisy.
+NOISY = 0.10
 # A client process busier than this (CPU seconds over wall seconds) may be what a figure measures.
 BUSY_CLIENT = 0.8
+
+
+def spread(repeats: list[Result]) -> float:
+    """The repeats' range of tokens/s over their median."""
+    rates = [r.tokens_per_s for r in repeats]
+    return (max(rates) - min(rates)) / median(repeats).tokens_per_s
 
 
 def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None) -> None:
@@ -248,13 +265,20 @@ def report(runs: dict[str, dict[int, list[Result]]], baseline_label: str | None)
                 before = median(runs[baseline_label][concurrency]).tokens_per_s
                 versus = f"{result.tokens_per_s / before:.3f}x"
             busy = "" if result.busy is None else f"{result.busy:.0%}"
+            noisy = " noisy" if spread(repeats) > NOISY else ""
             print(
                 f"{label:{width}} {concurrency:>5} {result.tokens_per_s:>9.0f} "
                 f"{f'{low:.0f}-{high:.0f}':>11} {result.percentile_ms(50):>8.0f} "
                 f"{result.percentile_ms(90):>8.0f} {result.percentile_ms(99):>8.0f} "
-                f"{result.tokens_per_s / sequential:>9.1f}x {versus:>9} {busy:>7}"
+                f"{result.tokens_per_s / sequential:>9.1f}x {versus:>9} {busy:>7}{noisy}"
             )
     clients = [r.busy for sides in runs.values() for rs in sides.values() for r in rs if r.busy]
+    noisy = [rs for sides in runs.values() for rs in sides.values() if rs and spread(rs) > NOISY]
+    if noisy:
+        print(
+            f"noisy: the repeats' range is over {NOISY:.0%} of their median: raise "
+            "--repeat-seconds or --repeats (or measure on a quieter machine)"
+        )
     if max(clients, default=0.0) > BUSY_CLIENT:
         print(
             f"clients: the busiest client process's CPU over the wall time; above {BUSY_CLIENT:.0%}"
@@ -288,12 +312,24 @@ def _arguments() -> argparse.Namespace:
         help="at least this many requests per client: 1 measures one wave (all clients start "
         "together, so the ramp-up weighs); more, the steady state",
     )
+    parser.add_argument(
+        "--repeat-seconds",
+        type=float,
+        default=4.0,
+        help="each repeat sends enough waves to last about this long (by the warm-up wave)",
+    )
+    parser.add_argument(
+        "--stand-in",
+        action="store_true",
+        help="without --checkpoint: the stand-in (STAND_IN) whose decode step costs on two CPU "
+        "cores what the 1B's does on an H100, instead of the tiny model",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median kept)")
     parser.add_argument(
         "--engines",
-        default="runner",
-        help="comma-separated servers and libraries beside `generate`: runner, vllm, "
-        "generate_batch",
+        default="runner,engine",
+        help="comma-separated servers and libraries beside `generate`: runner, engine (the "
+        "engine alone, profile_engine.py, and the `http/engine` ratio), vllm, generate_batch",
     )
     parser.add_argument(
         "--variant",
@@ -378,6 +414,60 @@ def _progress(result: Result) -> Result:
     return result
 
 
+def engine_alone(
+    checkpoint: Path, args: argparse.Namespace, concurrency: int, count: int
+) -> Result:
+    """profile_engine.py's engine, without the server, over the same `count` prompts: its own
+    process (as the server is), after a warm-up wave it does not count."""
+    command = [sys.executable, str(Path(__file__).with_name("profile_engine.py"))]
+    command += [f"--checkpoint={checkpoint}", f"--device={args.device}", f"--dtype={args.dtype}"]
+    command += [f"--concurrency={concurrency}", f"--waves={count // concurrency}", "--repeats=1"]
+    command += [f"--max-tokens={args.max_tokens}", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"profile_engine.py failed:\n{done.stderr[-3000:]}")
+    (run,) = json.loads(done.stdout.splitlines()[-1])
+    return Result(ENGINE_ALONE, concurrency, run["latencies_s"], run["tokens"], run["wall_s"])
+
+
+def waves(args: argparse.Namespace, concurrency: int, warm_s: float) -> int:
+    """Waves of `concurrency` requests a repeat: --waves and --requests at least, and enough
+    that a repeat lasts --repeat-seconds by the warm-up wave's time (short repeats are noisy)."""
+    wanted = max(args.waves, math.ceil(args.requests / concurrency))
+    return max(wanted, math.ceil(args.repeat_seconds / max(warm_s, 1e-3)))
+
+
+def warm_up(
+    args: argparse.Namespace, texts: list[str], servers: dict[str, tuple], clients: Clients
+) -> dict[int, int]:
+    """One wave at each concurrency to every server, not counted (buffers, captures, caches);
+    the waves each repeat then sends, by concurrency."""
+    count: dict[int, int] = {}
+    for concurrency in args.concurrency:
+        processes = client_processes(args.client_processes, concurrency)
+        walls = [
+            clients.run(url, texts[:concurrency], args.max_tokens, concurrency, processes).wall_s
+            for _, url in servers.values()
+        ]
+        count[concurrency] = concurrency * waves(args, concurrency, max(walls, default=0.0))
+    return count
+
+
+def ratio_lines(runs: dict[str, dict[int, list[Result]]]) -> None:
+    """`http/engine c=C X`: each server's median tokens/s over the engine alone's."""
+    if ENGINE_ALONE not in runs:
+        return
+    for label, by_concurrency in runs.items():
+        if not label.startswith("runner deploy"):
+            continue
+        suffix = "" if label == "runner deploy" else f" ({label})"
+        for concurrency, repeats in by_concurrency.items():
+            engine = median(runs[ENGINE_ALONE][concurrency]).tokens_per_s
+            print(
+                f"http/engine c={concurrency} {median(repeats).tokens_per_s / engine:.3f}{suffix}"
+            )
+
+
 def main() -> None:
     """Every side at each concurrency, interleaved over repeats, and the comparison."""
     args = _arguments()
@@ -385,29 +475,32 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
-        texts = prompts(max(args.requests, args.waves * max(args.concurrency)))
-        print(
-            f"checkpoint {checkpoint} on {device} ({name}), {dtype}: {args.requests} requests per "
-            f"concurrency (or {args.waves} per client, where more), {args.max_tokens} new tokens "
-            "each, greedy, "
-            f"{torch.get_num_threads()} torch threads, median of {args.repeats} repeats"
-        )
+        shape = STAND_IN if args.stand_in else ()
+        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny", *shape)
         model, tokenizer = load_baseline(checkpoint, device, dtype)
         local = {"transformers generate": batched_generate}
         if "generate_batch" in args.engines:
             local["transformers generate_batch"] = continuous_generate
         servers = _servers(args, checkpoint, device, Path(scratch))
-        labels = [*local, *servers]
-        runs = {label: {c: [] for c in args.concurrency} for label in labels}
+        labels = [*local, *servers, *([ENGINE_ALONE] if "engine" in args.engines else [])]
+        runs: dict[str, dict[int, list[Result]]] = {
+            label: {c: [] for c in args.concurrency} for label in labels
+        }
         clients = Clients(client_processes(args.client_processes, max(args.concurrency)))
         try:
+            texts = prompts(1 << 16)
+            count = warm_up(args, texts, servers, clients)
+            print(
+                f"checkpoint {checkpoint} on {device} ({name}), {dtype}: requests per "
+                f"concurrency {count} (a warm-up wave first, not counted), {args.max_tokens} new "
+                f"tokens each, greedy, {torch.get_num_threads()} torch threads, median of "
+                f"{args.repeats} repeats",
+                flush=True,
+            )
             # Interleaved, so that other work on a shared machine slows every side alike.
             for _ in range(args.repeats):
                 for concurrency in args.concurrency:
-                    # --waves requests per client at least: a wave at 128 is 128 requests, while
-                    # one client at a time (and `generate` at batch 1) needs fewer to settle.
-                    sent = texts[: max(args.requests, args.waves * concurrency)]
+                    sent = texts[: count[concurrency]]
                     for label, measure in local.items():
                         result = measure(model, tokenizer, sent, args.max_tokens, concurrency)
                         runs[label][concurrency].append(_progress(result))
@@ -416,6 +509,9 @@ def main() -> None:
                         load = clients.run(url, sent, args.max_tokens, concurrency, processes)
                         result = Result(label, concurrency, *astuple(load))
                         runs[label][concurrency].append(_progress(result))
+                    if ENGINE_ALONE in runs:
+                        result = engine_alone(checkpoint, args, concurrency, len(sent))
+                        runs[ENGINE_ALONE][concurrency].append(_progress(result))
         finally:
             clients.close()
             for process, _ in servers.values():
@@ -423,6 +519,7 @@ def main() -> None:
                 process.wait(timeout=30)
     baseline = f"runner deploy @{args.baseline_source.name}" if args.baseline_source else None
     report(runs, baseline)
+    ratio_lines(runs)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_deploy import make_tiny_checkpoint
+from bench_deploy import STAND_IN, make_tiny_checkpoint
 
 from runner.deploy.decode_step import DecodeStep
 from runner.deploy.kv_cache import BatchCache
@@ -30,14 +30,12 @@ from runner.deploy.loading import LoadedModel, load_checkpoint
 
 def prefilled(step: DecodeStep, loaded: LoadedModel, rows: int, prompt_tokens: int) -> BatchCache:
     """A batch of `rows` prompts of `prompt_tokens` tokens each, prefilled by the engine's own
-    prefill (in inference mode, as its thread runs), with each row's first new token."""
-    model = loaded.model
-    ids = torch.randint(5, loaded.tokenizer.vocab_size, (rows, prompt_tokens), device=model.device)
-    mask = torch.ones_like(ids)
+    prefill (in inference mode, as its thread runs), each row's last prompt token next."""
+    ids = torch.randint(5, loaded.tokenizer.vocab_size, (rows, prompt_tokens)).tolist()
     with torch.inference_mode():
-        cache, logits = step.prefill(ids, mask)
-        batch = BatchCache(cache, padded=step.graphs)
-        batch.append_rows(cache, mask, logits.argmax(dim=-1), [prompt_tokens] * rows)
+        prefill = step.prefill(ids)
+        batch = BatchCache(prefill.cache, padded=step.graphs)
+        batch.append_rows(prefill, [prompt[-1] for prompt in ids])
     return batch
 
 
@@ -59,13 +57,18 @@ def model_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", type=Path, help="a checkpoint dir (default: a tiny model)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), ...")
+    parser.add_argument(
+        "--stand-in", action="store_true", help="without --checkpoint: bench_deploy's stand-in"
+    )
     return parser
 
 
 def load_model(args: argparse.Namespace) -> tuple[Path, LoadedModel]:
-    """The checkpoint loaded as `runner deploy` loads it, or bench_deploy.py's tiny model."""
+    """The checkpoint loaded as `runner deploy` loads it, or bench_deploy.py's tiny model (its
+    stand-in with --stand-in)."""
     with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny")
+        shape = STAND_IN if args.stand_in else ()
+        checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny", *shape)
         loaded = load_checkpoint(
             checkpoint, device=args.device, dtype=args.dtype, max_model_len=None
         )

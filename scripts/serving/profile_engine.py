@@ -2,7 +2,7 @@
 
     python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
-        [--max-waiting-steps 0] [--waiting-served-ratio 0.3]
+        [--max-waiting-steps 0] [--waiting-served-ratio 0.3] [--stand-in] [--json]
 
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
@@ -11,7 +11,9 @@ prints output tokens/s, and the time and count of the engine's prefills (and wit
 model's forward pass), the merging of prefilled rows into the batch (join), decode steps,
 CUDA-graph captures and publishing of events (each timed to the device's completion, which
 adds a synchronization to each), and how many rows the decode steps ran. The first repeat
-includes the captures and the buffers' allocation; the later ones show the steady engine.
+includes the captures and the buffers' allocation; a warm-up wave before them is not counted.
+With --json it times nothing inside the engine and prints only each repeat's output tokens, wall
+time and latencies, as one JSON line (bench_deploy.py's `engine alone`).
 Beside bench_deploy.py's `runner deploy` at the same concurrency, the difference is what the
 server and HTTP cost. Without --checkpoint it builds bench_deploy.py's tiny model.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,8 +68,11 @@ class Timings:
         self.rows.clear()
 
 
-async def clients(engine: TransformersEngine, prompt_ids: list[list[int]], args: Any) -> int:
-    """Every prompt answered by `--concurrency` clients; the output tokens."""
+async def clients(
+    engine: TransformersEngine, prompt_ids: list[list[int]], args: Any, latencies: list[float]
+) -> int:
+    """Every prompt answered by `--concurrency` clients; the output tokens (and each request's
+    latency appended to `latencies`)."""
     pending = list(reversed(prompt_ids))
     tokens = 0
 
@@ -74,12 +80,45 @@ async def clients(engine: TransformersEngine, prompt_ids: list[list[int]], args:
         nonlocal tokens
         while pending:
             request = SamplingRequest(pending.pop(), args.max_tokens, 0.0, 1.0, None, [], 1, False)
+            began = time.perf_counter()
             async for event in engine.submit([request]).events():
                 if event.finish_reason is not None:
                     tokens += event.completion_tokens
+            latencies.append(time.perf_counter() - began)
 
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     return tokens
+
+
+def alone(engine: TransformersEngine, prompt_ids: list[list[int]], args: Any) -> None:
+    """Each repeat's output tokens, wall time and latencies, as one JSON line."""
+    runs = []
+    for _ in range(args.repeats):
+        latencies: list[float] = []
+        began = time.perf_counter()
+        tokens = asyncio.run(clients(engine, prompt_ids, args, latencies))
+        runs.append(
+            {"tokens": tokens, "wall_s": time.perf_counter() - began, "latencies_s": latencies}
+        )
+    print(json.dumps(runs))
+
+
+def watch(engine: TransformersEngine, timings: Timings) -> None:
+    """Time the engine's parts into `timings`, and count the rows of its decode steps."""
+    parts = [("_prefill", "prefill"), ("_join", "join"), ("_decode", "decode")]
+    for method, part in [*parts, ("_publish", "publish")]:
+        timings.wrap(engine, method, part)
+    timings.wrap(engine.decode_step, "_capture", "capture")
+    # Within the prefill: the model's forward pass alone (the rest is building the batch on the
+    # host and sampling its first tokens).
+    timings.wrap(engine.decode_step, "prefill", "prefill forward")
+    decode = engine._decode
+
+    def decode_counting_rows() -> None:
+        timings.rows[len(engine._running)] += 1
+        decode()
+
+    engine._decode = decode_counting_rows  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -88,6 +127,7 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=4, help="prompts per client")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="runs over the same prompts")
+    parser.add_argument("--json", action="store_true", help="only tokens/s, as one JSON line")
     parser.add_argument(
         "--max-waiting-steps", type=int, default=0, help="deploy's transformers.max_waiting_steps"
     )
@@ -109,23 +149,17 @@ def main() -> None:
         waiting_served_ratio=args.waiting_served_ratio,
     )
     timings = Timings(device)
-    parts = [("_prefill", "prefill"), ("_join", "join"), ("_decode", "decode")]
-    for method, part in [*parts, ("_publish", "publish")]:
-        timings.wrap(engine, method, part)
-    timings.wrap(engine.decode_step, "_capture", "capture")
-    # Within the prefill: the model's forward pass alone (the rest is building the batch on the
-    # host and sampling its first tokens).
-    timings.wrap(engine.decode_step, "prefill", "prefill forward")
-    decode = engine._decode
-
-    def decode_counting_rows() -> None:
-        timings.rows[len(engine._running)] += 1
-        decode()
-
-    engine._decode = decode_counting_rows  # type: ignore[method-assign]
+    if not args.json:
+        watch(engine, timings)
     count = args.waves * args.concurrency
     tokenizer = loaded.tokenizer
     prompt_ids = [tokenizer.encode(text, add_special_tokens=True) for text in prompts(count)]
+    # A warm-up wave, not counted: the first steps allocate the batch's buffers (and capture).
+    asyncio.run(clients(engine, prompt_ids[: args.concurrency], args, []))
+    if args.json:
+        alone(engine, prompt_ids, args)
+        engine.close()
+        return
     print(
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}: {args.concurrency} clients, "
         f"{count} prompts, {args.max_tokens} new tokens each, greedy, max_waiting_steps "
@@ -135,7 +169,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             timings.clear()
             began = time.perf_counter()
-            tokens = asyncio.run(clients(engine, prompt_ids, args))
+            tokens = asyncio.run(clients(engine, prompt_ids, args, []))
             wall = time.perf_counter() - began
             print(f"\nrepeat {repeat + 1}: {tokens / wall:,.0f} tokens/s ({wall:.3f} s)")
             for part in sorted(timings.seconds):

@@ -1,0 +1,315 @@
+"""transformers.process=true: the TransformersEngine in a process of its own.
+
+The server's process keeps the HTTP side (validation, the API key, tokenizing, streaming, JSON);
+the engine's process holds the model, its scheduler and the detokenizing of what it generates.
+With both in one process, the server's event loop and the engine's thread take turns at one
+interpreter lock, and every step of the model waits for the server's work in between (vLLM
+moved its engine core out for the same reason: vllm/v1/engine/core.py). They talk through one
+multiprocessing pipe of pickled messages: one per request (or cancel) from the server, one per
+decode step at most from the engine:
+
+    server -> engine   ("submit", id, [SamplingRequest])  ("cancel", id)  ("close",)
+    engine -> server   ("ready",)  ("failed", text)  ("events", [(id, ChoiceEvent | error)])
+
+The engine's process ignores Ctrl-C (the terminal sends it to the whole process group): the
+server closes it as it closes an engine of its own. It dies with the server's process if that
+is killed (PR_SET_PDEATHSIG), and ends when the pipe closes.
+
+On the CPU this measured no faster than one process (docs: benchmarks), so it is off there by
+default (PROCESS_BY_DEVICE); it is for measuring on a GPU, and for turning on where it helps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import multiprocessing
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.deploy.generation import (
+    ChoiceEvent,
+    EngineFailed,
+    QueueFull,
+    RequestHandle,
+    SamplingRequest,
+    deliver,
+)
+
+if TYPE_CHECKING:
+    from runner.deploy.routes import ServedModel
+    from runner.deploy.selection import ServedCheckpoint
+
+log = logging.getLogger(__name__)
+
+# Seconds the engine's process has to load its model, and to end once told to close.
+START_TIMEOUT_S = 600
+CLOSE_TIMEOUT_S = 30
+# Whether the engine runs in a process of its own by default (transformers.process: null), by
+# device type, as measured with scripts/serving/bench_deploy.py (docs: benchmarks). CPU: one
+# process measured faster (the stand-in at c=128: 12,328 against 10,678 tokens/s; c=1: 1,861
+# against 1,696). CUDA: not measured yet; one process, as before, until a GPU run says.
+PROCESS_BY_DEVICE = {"cpu": False, "cuda": False}
+# prctl's option for the signal a process gets when its parent dies (<linux/prctl.h>).
+_PR_SET_PDEATHSIG = 1
+
+
+def process_by_default(device: str) -> bool:
+    """transformers.process: null on `device` (deploy's `device` key)."""
+    from runner.deploy.loading import resolve_device
+
+    return PROCESS_BY_DEVICE.get(resolve_device(device).type, False)
+
+
+class EngineProcess:
+    """The server's side of an engine in another process; implements generation.Engine."""
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        *,
+        device: str,
+        dtype: str,
+        max_model_len: int | None,
+        max_queue: int,
+        options: dict[str, Any],
+    ) -> None:
+        """Start the engine's process, which loads its model meanwhile (`started` waits for
+        it). `options`: the TransformersEngine's (conf/deploy.yaml `transformers`)."""
+        self._max_queue = max_queue
+        self._max_batch_size = int(options["max_batch_size"])
+        context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        self._conn, child = context.Pipe()
+        # The engine never refuses: the queue's limit is kept here, where submit must answer.
+        load = (checkpoint, device, dtype, max_model_len)
+        engine_queue = max_queue + self._max_batch_size
+        self._process = context.Process(
+            target=serve_engine,
+            args=(child, load, engine_queue, options),
+            name="runner-deploy-engine",
+            daemon=True,
+        )
+        self._process.start()
+        child.close()
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # the fields below, shared with the reader thread
+        self._handles: dict[int, tuple[RequestHandle, int]] = {}  # id: handle, unfinished
+        self._unfinished = 0  # sequences queued or running
+        self._closed = False
+        self._ids = itertools.count()
+        self._reader = threading.Thread(target=self._read, name="deploy-engine-reader")
+
+    def started(self) -> EngineProcess:
+        """Wait until the engine's model is loaded; raises EngineFailed if it failed."""
+        self._wait_ready()
+        self._reader.start()
+        return self
+
+    def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
+        """Queue the prompts' sequences in the engine; raises QueueFull when they do not all fit
+        in the queue (the sequences beyond a full batch are the ones waiting)."""
+        count = sum(request.n for request in requests)
+        with self._lock:
+            if self._closed:
+                raise EngineFailed("the engine has shut down")
+            waiting = max(self._unfinished - self._max_batch_size, 0)
+            if waiting + count > self._max_queue:  # as the engine counts: new ones all wait
+                raise QueueFull(f"{waiting} sequences are already waiting")
+            request_id = next(self._ids)
+            handle = RequestHandle(n=count, on_cancel=lambda: self._cancel(request_id))
+            self._handles[request_id] = (handle, count)
+            self._unfinished += count
+        self._send(("submit", request_id, requests))
+        return handle
+
+    def close(self) -> None:
+        """Tell the engine to fail what it has not finished and end; wait for its process."""
+        with self._lock:
+            self._closed = True
+        try:
+            self._send(("close",))
+        except OSError:  # it has already gone
+            pass
+        self._process.join(CLOSE_TIMEOUT_S)
+        if self._process.is_alive():  # still loading, or stuck
+            log.error("the engine's process did not end in %d s: killing it", CLOSE_TIMEOUT_S)
+            self._process.kill()
+            self._process.join()
+        if self._reader.ident is not None:
+            self._reader.join()
+        self._conn.close()
+
+    def _wait_ready(self) -> None:
+        if not self._conn.poll(START_TIMEOUT_S):
+            self._process.kill()
+            raise EngineFailed(f"the engine's process did not start in {START_TIMEOUT_S} s")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            message = ("failed", f"it exited with code {self._process.exitcode}")
+        if message[0] != "ready":
+            self._process.join(CLOSE_TIMEOUT_S)
+            raise EngineFailed(f"the engine's process failed to start: {message[1]}")
+
+    def _cancel(self, request_id: int) -> None:
+        with self._lock:
+            if request_id not in self._handles or self._closed:
+                return  # finished already: nothing to stop
+        self._send(("cancel", request_id))
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        """Hand each step's events to their handles until the engine's process ends."""
+        while True:
+            try:
+                _, events = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            self._deliver(events)
+        with self._lock:
+            self._closed = True
+            left = [handle for handle, _ in self._handles.values()]
+            self._handles.clear()
+        deliver([(handle, EngineFailed("the engine has shut down")) for handle in left])
+
+    def _deliver(self, events: list[tuple[int, ChoiceEvent | Exception]]) -> None:
+        outgoing: list[tuple[RequestHandle, ChoiceEvent | Exception]] = []
+        with self._lock:
+            for request_id, event in events:
+                if request_id not in self._handles:
+                    continue  # a request that has already failed
+                handle, unfinished = self._handles[request_id]
+                done = 1 if isinstance(event, ChoiceEvent) and event.finish_reason else 0
+                if isinstance(event, Exception):
+                    done = unfinished
+                self._unfinished -= done
+                if unfinished - done:
+                    self._handles[request_id] = (handle, unfinished - done)
+                else:
+                    del self._handles[request_id]
+                outgoing.append((handle, event))
+        deliver(outgoing)
+
+
+def serve_engine(conn: Connection, load: tuple, max_queue: int, options: dict[str, Any]) -> None:
+    """The engine's process: load the model, then serve the server's messages until it closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.loading import load_checkpoint
+
+    side = _EngineSide(conn)
+    try:
+        checkpoint, device, dtype, max_model_len = load
+        loaded = load_checkpoint(
+            checkpoint, device=device, dtype=dtype, max_model_len=max_model_len
+        )
+        engine = TransformersEngine(loaded, max_queue=max_queue, deliver=side.send, **options)
+    except Exception as error:
+        conn.send(("failed", str(error)))
+        raise
+    conn.send(("ready",))
+    try:
+        side.serve(engine)
+    finally:
+        engine.close()
+        conn.close()
+
+
+class _EngineSide:
+    """The engine's process's end of the pipe: the server's requests in, their events out."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._send_lock = threading.Lock()  # the engine's thread and this one both send
+        # The requests not yet finished, by the server's id: their handle and unfinished choices.
+        self._handles: dict[int, RequestHandle] = {}
+        self._unfinished: dict[int, int] = {}
+
+    def serve(self, engine: Any) -> None:
+        """Submit and cancel as the server says, until it says close or goes away."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except EOFError:  # the server's process has gone
+                return
+            if message[0] == "submit":
+                _, request_id, requests = message
+                count = sum(request.n for request in requests)
+                handle = RequestHandle(n=count, loop=None, request_id=request_id)
+                self._handles[request_id], self._unfinished[request_id] = handle, count
+                engine.submit(requests, handle)
+            elif message[0] == "cancel" and (cancelled := self._handles.get(message[1])):
+                cancelled.cancel()
+            elif message[0] == "close":
+                return
+
+    def send(self, events: list[tuple[RequestHandle, ChoiceEvent | Exception]]) -> None:
+        """The engine's `deliver`: one step's events in one message; forget finished requests."""
+        message = ("events", [(handle.request_id, event) for handle, event in events])
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError:  # the server's process has gone: nobody is listening
+            pass
+        for handle, event in events:
+            failed = isinstance(event, Exception)
+            done = failed or (isinstance(event, ChoiceEvent) and event.finish_reason is not None)
+            left = self._unfinished.get(handle.request_id, 0) - done
+            if failed or left <= 0:
+                self._handles.pop(handle.request_id, None)
+                self._unfinished.pop(handle.request_id, None)
+            else:
+                self._unfinished[handle.request_id] = left
+
+
+def served_model(
+    checkpoint: ServedCheckpoint,
+    *,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+    max_queue: int,
+    options: dict[str, Any],
+) -> ServedModel:
+    """A checkpoint checked here (as load_checkpoint checks it, without loading its weights)
+    and its engine's process started, to load them while the server starts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runner.deploy.kv_cache import check_supported
+    from runner.deploy.loading import (
+        check_servable,
+        load_tokenizer,
+        lora_base_dir,
+        model_context_length,
+        resolve_device,
+        resolve_dtype,
+    )
+    from runner.deploy.routes import ServedModel
+
+    check_servable(checkpoint.path)
+    resolve_dtype(dtype, resolve_device(device))
+    context = model_context_length(checkpoint.path, max_model_len)
+    config = AutoConfig.from_pretrained(lora_base_dir(checkpoint.path) or checkpoint.path)
+    with torch.device("meta"):  # the architecture alone, for the engine's check
+        check_supported(AutoModelForCausalLM.from_config(config))
+    engine = EngineProcess(
+        checkpoint.path,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_queue=max_queue,
+        options=options,
+    )
+    return ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, engine.started)
