@@ -160,3 +160,28 @@ def test_a_compiled_layer_calls_flex_attention_inside_its_graph(
             # Other kernels, other summation order: float32 to 1e-5.
             torch.testing.assert_close(out, model_dense, atol=1e-5, rtol=1e-5)
     assert graph_breaks() == 0, dict(counters["graph_break"])
+
+
+def test_runner_train_compiled_with_packing_logs_no_graph_break(runner_cli, tmp_path: Path) -> None:
+    """The issue's command, shorter: `runner train compile=true dataset.packing=true` on the CPU
+    logs torch._dynamo's counts at its last step, no graph break among them (the old per-sample
+    attention broke each layer's graph; `TORCH_LOGS=graph_breaks` showed it at its call)."""
+    from tests.conftest import QUICK
+
+    run = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        *QUICK,
+        "compile=true",
+        "dataset.packing=true",
+        "dataset.max_seq_len=256",
+        "batch_size=2",
+        "max_steps=3",
+        "eval.strategy=no",
+        "dataset.eval_samples=0",
+        f"hydra.run.dir={run}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    # One graph for the decoder layers (all alike), one for the compiled loss: none per step.
+    assert "compiled: 0 graph breaks, 2 graphs compiled" in log, log[-2000:]
