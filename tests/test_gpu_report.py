@@ -182,7 +182,7 @@ def test_hangs():
 """
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "load"]], ids=["one", "xdist"])
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadgroup"]], ids=["one", "xdist"])
 def test_each_gpu_test_by_name_outcome_and_seconds(tmp_path: Path, workers: list[str]) -> None:
     """pytest run as the report runs it (its options, a real run, with and without xdist's
     workers): every test named with its outcome and seconds, a hung one failed by its timeout

@@ -231,10 +231,11 @@ def max_concurrency(args: argparse.Namespace) -> int:
 
 
 def pytest_workers() -> list[str]:
-    """Four pytest-xdist workers, test by test, where xdist is installed (the project's own
-    options run whole files per worker, and test_gpu.py is one file); else none. Each test
-    trains or serves a tiny model, so four share one GPU with room to spare."""
-    return ["-n", "4", "--dist", "load"] if importlib.util.find_spec("xdist") else []
+    """Four pytest-xdist workers, test by test (tests of one xdist_group on one worker: those
+    that share a run), where xdist is installed (the project's own options run whole files per
+    worker, and test_gpu.py is one file); else none. Each test trains or serves a tiny model,
+    so four share one GPU with room to spare."""
+    return ["-n", "4", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
 
 
 def run_stage(
