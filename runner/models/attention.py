@@ -131,8 +131,10 @@ class Gathered:
     `scatter` [rows * width] each position's place in the gathered [samples * longest]. A
     sample's own positions see only its own earlier ones under the causal mask; what its
     padding computes is never scattered back, so it gets no gradient. Each sample costs as
-    much as the batch's longest (pack_rows' and PackedDataset's trailing padding joins the
-    row's last sample, as in `_documents`)."""
+    much as the batch's longest: little where lengths are alike, several times the attention
+    of `Samples` where one sample is much longer than the rest (PackedDataset's trailing
+    padding, whose positions go on from its last sample's, lengthens that sample, as in
+    `_documents`; pack_rows' padding is a sample of its own)."""
 
     gather: torch.Tensor
     scatter: torch.Tensor
@@ -211,7 +213,8 @@ def _rows_call(original: AttentionCall, compiled: bool) -> AttentionCall:
 
 def _compiled(model: nn.Module) -> bool:
     """Whether the model's decoder layers were compiled (nn.Module.compile, as
-    runner.trainer.parallel.prepare_model compiles them)."""
+    runner.trainer.parallel.prepare_model compiles them, keeps the compiled call in
+    `_compiled_call_impl`: torch's attribute, read here alone)."""
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
