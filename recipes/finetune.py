@@ -205,6 +205,8 @@ class FinetuneRecipe:
             if self.step % self.cfg.runtime.log_every_n_steps == 0 or self._last_step():
                 values = {"loss": losses.read(self.step), "tokens_per_s": throughput.read()}
                 self._log(values)
+            if self._last_step():
+                self._log_totals()
             self.reporter.advance()
             # A new best is saved at its step, whatever the checkpoint cadence.
             improved = self._eval_due() and self.evaluate()
@@ -215,6 +217,15 @@ class FinetuneRecipe:
             if stop:
                 break
         return {"first_loss": losses.first, "last_loss": losses.last}
+
+    def _log_totals(self) -> None:
+        """At the last step, before its checkpoint: what compiling cost in graphs (torch._dynamo's
+        counts), and the device's peak memory (scripts/gpu/gpu_report.py reads both)."""
+        if self.cfg.compile:
+            log.info("compiled: %s", parallel.compile_counts())
+        peak = parallel.peak_memory(self.place)
+        if peak is not None:
+            log.info("peak device memory: %s (torch.cuda.max_memory_allocated)", peak)
 
     def _last_step(self) -> bool:
         return self.step == self.total_steps

@@ -146,6 +146,76 @@ def test_a_stage_past_its_budget_is_killed_and_reported(tmp_path: Path) -> None:
     assert failed.status == "failed (exit 3)"
 
 
+def test_a_runner_arm_writing_its_final_checkpoint_gets_the_grace(tmp_path: Path) -> None:
+    """Past its share, an arm whose run says `checkpointing` (its timed steps done) may finish
+    the write; one still training is killed at its share as before."""
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def arm(state: str) -> list[str]:
+        status = json.dumps({"state": state})
+        write = f"open({str(run / 'status.json')!r}, 'w').write({status!r})"
+        return [sys.executable, "-c", f"import time; {write}; time.sleep(4)"]
+
+    saving = gpu_report.run_stage("train runner eager", arm("checkpointing"), run / "a.log", 1, run)
+    assert (saving.status, saving.seconds > 3) == ("ok", True)
+    training = gpu_report.run_stage("train runner eager", arm("running"), run / "b.log", 1, run)
+    assert training.status == "overran its 1 s" and training.seconds < 3
+
+
+PYTEST_FILE = """\
+import time, pytest
+
+def test_passes():
+    pass
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_fails(n):
+    assert n == 1
+
+def test_skips():
+    pytest.skip("no second GPU")
+
+@pytest.mark.timeout(1)
+def test_hangs():
+    time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadgroup"]], ids=["one", "xdist"])
+def test_each_gpu_test_by_name_outcome_and_seconds(tmp_path: Path, workers: list[str]) -> None:
+    """pytest run as the report runs it (its options, a real run, with and without xdist's
+    workers): every test named with its outcome and seconds, a hung one failed by its timeout
+    (pytest-timeout) by name, in the table."""
+    tests = tmp_path / "test_sample.py"
+    tests.write_text(PYTEST_FILE)
+    command = gpu_report.commands(gpu_report.arguments([]), tmp_path)["pytest -m gpu"]
+    options = command[command.index("pytest") + 1 : command.index("-m", 3)]
+    assert "-v" in options and "--durations=0" in options
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", *options, *workers, "-p", "no:cacheprovider", str(tests)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = {name: (outcome, took) for name, outcome, took in gpu_logs.pytest_tests(result.stdout)}
+    assert {name: outcome for name, (outcome, _) in found.items()} == {
+        "test_passes": "passed",
+        "test_fails[1]": "passed",
+        "test_fails[2]": "failed",
+        "test_skips": "skipped",
+        "test_hangs": "failed",
+    }, result.stdout
+    assert 1 <= found["test_hangs"][1] < 10  # stopped by its 1 s timeout, not the 30 s sleep
+    log = tmp_path / "pytest.log"
+    log.write_text(result.stdout)
+    stage = gpu_report.Stage("pytest -m gpu", "failed (exit 1)", 12, log)
+    rows = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
+    assert rows[1].endswith("2 failed, 2 passed, 1 skipped in " + rows[1].split(" in ")[-1])
+    assert any(re.fullmatch(r"  test_hangs +failed, \d+\.\d s", row) for row in rows), rows
+
+
 def test_mfu_and_the_known_gpus() -> None:
     # 6 FLOPs x 1e9 parameters x 1e4 tokens/s over a peak of 1e14 FLOP/s.
     assert gpu_report.mfu(10**9, 1e4, 1e14) == pytest.approx(0.6, rel=1e-12)
@@ -185,14 +255,22 @@ def sample_outputs(out: Path) -> list[gpu_report.Stage]:
             for s, r in rates.items()
         )
     )
+    # As recipes/finetune.py logs it on CUDA at the last step.
+    run.joinpath("train.log").write_text(
+        "[2026-11-27 21:00:00,000][runner.recipe][INFO] - peak device memory: 9.87 GiB "
+        "(torch.cuda.max_memory_allocated)\n"
+    )
     bare = {
         "arm": "bare",
         "params": 1,
         "tokens_per_s": 12500.0,
         "window_tokens_per_s": [12000.0, 13000.0],
+        "peak_gib": 10.5,
+        "graph_breaks": 0,
     }
     logs = {
         "train_bare_eager.log": "compiling...\n" + json.dumps(bare) + "\n",
+        "train_bare_compiled.log": json.dumps(bare | {"graph_breaks": 2}) + "\n",
         "train_runner_compiled.log": "step 10/40 ...\n",
         "deploy.log": deploy_log(),
         "pytest_m_gpu.log": PYTEST_LOG,
@@ -202,6 +280,7 @@ def sample_outputs(out: Path) -> list[gpu_report.Stage]:
     return [
         gpu_report.Stage("train runner eager", "ok", 95, out / "train_runner_eager.log"),
         gpu_report.Stage("train bare eager", "ok", 60, out / "train_bare_eager.log"),
+        gpu_report.Stage("train bare compiled", "ok", 70, out / "train_bare_compiled.log"),
         gpu_report.Stage(
             "train runner compiled", "overran its 180 s", 180, out / "train_runner_compiled.log"
         ),
@@ -217,7 +296,10 @@ def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
     # 30 steps in 10/12000 + 10/10000 + 10/15000 s of each step's tokens: 12,000 tokens/s.
     runner = rows["train runner eager"].split()
     assert runner[3:7] == ["ok", "95", "12,000", f"{6 * params * 12000 / peak:.1%}"]
-    assert rows["train runner eager"].endswith("windows 10,000-15,000")
+    # Peak memory beside tokens/s; graph breaks for the compiled arms.
+    assert rows["train runner eager"].endswith("windows 10,000-15,000, peak 9.87 GiB")
+    assert rows["train bare eager"].endswith("windows 12,000-13,000, peak 10.50 GiB")
+    assert rows["train bare compiled"].endswith("peak 10.50 GiB, 2 graph breaks")
     assert rows["train bare eager"].split()[3:7] == [
         "ok",
         "60",
@@ -342,14 +424,17 @@ def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:
 
 
 def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> None:
-    """The training arm's own overrides on the CPU (the tiny model, fp32): its metrics.jsonl
-    gives one window per 2 warm-up-sized steps after the warm-up, the last one shorter."""
+    """The compiled training arm's own overrides on the CPU (the tiny model, fp32): its
+    metrics.jsonl gives one window per 2 warm-up-sized steps after the warm-up, the last one
+    shorter, and its train.log its graph breaks."""
     argv = ["--batch-size", "2", "--seq-len", "64", "--warmup", "2", "--steps", "3"]
     args, text, run = gpu_report.arguments(argv), tmp_path / "text.txt", tmp_path / "run"
     gpu_report.write_text(text, 8)
-    overrides = gpu_report.train_overrides(args, text, False, run, where=("tiny", "cpu", "fp32"))
+    overrides = gpu_report.train_overrides(args, text, True, run, where=("tiny", "cpu", "fp32"))
     result = runner_cli("train", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The compiled arm's graph breaks, as its table row gives them (no peak memory on the CPU).
+    assert gpu_logs.runner_totals((run / "train.log").read_text()) == {"graph_breaks": 0}
     rate, per_window = gpu_logs.runner_rate((run / "metrics.jsonl").read_text(), 2)
     assert len(per_window) == 2  # steps 3-4 and step 5
     assert rate == pytest.approx(gpu_bare.overall_rate([2, 1], per_window), rel=1e-12)

@@ -233,7 +233,7 @@ def test_how_each_model_attends_within_rows_on_the_cpu() -> None:
     llama = tiny_llama(vocab_size=64)
     assert RowAttention.of(llama, CPU) == RowAttention("samples", 256)
     calls = [m._attention_call for m in llama.modules() if hasattr(m, "_attention_call")]
-    assert len(calls) == 2 and all(getattr(c, "per_sample", False) for c in calls)
+    assert len(calls) == 2 and all(hasattr(c, "torchtune_call") for c in calls)
     RowAttention.of(llama, CPU)
     assert calls == [m._attention_call for m in llama.modules() if hasattr(m, "_attention_call")]
     assert RowAttention.of(tiny_gemma2(vocab_size=64), CPU) == RowAttention("dense", None)

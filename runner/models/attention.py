@@ -9,9 +9,18 @@ the form the model's attention takes best on its device (`RowAttention`):
 - "samples": no mask at all: SDPA runs causal on each sample's span alone (`Samples`), so no
   position is computed against another sample's and the rows can be as long as the model
   takes (everywhere else torchtune's MultiHeadAttention runs: the CPU, older GPUs);
+- "gathered": the same per-sample causal SDPA where the layers are compiled (`Gathered`): the
+  samples gathered into one batch padded to the longest, by index tensors, so that the
+  attention is traced into each layer's graph (no graph break) and a new batch's samples are
+  new tensor values, not new Python numbers (no recompile);
 - "dense": the [rows, s, s] boolean mask that SDPA takes (Gemma 2's attention, which does its
   own arithmetic on the mask; its rows stay as long as their longest sample, the mask being
   quadratic in them).
+
+Where the layers are compiled (compile=true), the attention call runs inside each layer's graph:
+flex attention is called there directly (torchtune's call wraps its own compiled flex attention
+in torch.compiler.disable, a graph break in every layer; pytorch issue 149767), and the CPU's
+per-sample attention is "gathered" (this torch has no CPU backward for flex attention).
 """
 
 from __future__ import annotations
@@ -114,8 +123,74 @@ class Samples:
         return torch.stack(rows)
 
 
-def _per_sample(original: AttentionCall) -> AttentionCall:
-    """torchtune's attention call, which also takes a Samples mask."""
+@dataclass(frozen=True)
+class Gathered:
+    """Where each sample of a batch lies, as index tensors (the same per-sample causal SDPA as
+    `Samples`, in a form torch.compile traces): `gather` [samples, longest] holds each sample's
+    positions in the flattened rows, in order, padded past its end with later positions, and
+    `scatter` [rows * width] each position's place in the gathered [samples * longest]. A
+    sample's own positions see only its own earlier ones under the causal mask; what its
+    padding computes is never scattered back, so it gets no gradient. Each sample costs as
+    much as the batch's longest: little where lengths are alike, several times the attention
+    of `Samples` where one sample is much longer than the rest (PackedDataset's trailing
+    padding, whose positions go on from its last sample's, lengthens that sample, as in
+    `_documents`; pack_rows' padding is a sample of its own)."""
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+
+    @classmethod
+    def of(cls, input_pos: torch.Tensor) -> Gathered:
+        """The samples of rows whose positions each start at 0, on input_pos's device."""
+        total = input_pos.numel()
+        sample = (input_pos == 0).flatten().cumsum(0) - 1  # each row starts a sample
+        lengths = torch.bincount(sample)
+        first = lengths.cumsum(0) - lengths
+        longest = int(lengths.max())  # the one host read: the padded batch's width
+        steps = torch.arange(longest, device=input_pos.device)
+        gather = (first[:, None] + steps).clamp(max=total - 1)
+        offset = torch.arange(total, device=input_pos.device) - first[sample]
+        # Both sizes change with every batch: compiled symbolic from the first, not
+        # specialized (maybe_: a size of 1, which dynamo specializes, is no error).
+        torch._dynamo.maybe_mark_dynamic(gather, 0)
+        torch._dynamo.maybe_mark_dynamic(gather, 1)
+        return cls(gather, sample * longest + offset)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+    ) -> torch.Tensor:
+        """Causal SDPA over each sample's span of q, k, v ([rows, heads, s, head_dim]) alone."""
+        rows, heads, width, head_dim = q.shape
+        samples, longest = self.gather.shape
+
+        def gathered(x: torch.Tensor) -> torch.Tensor:  # [samples, heads, longest, head_dim]
+            flat = x.transpose(1, 2).reshape(rows * width, heads, head_dim)
+            return flat[self.gather].transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            gathered(q), gathered(k), gathered(v), dropout_p=dropout_p, is_causal=True
+        )
+        out = out.transpose(1, 2).reshape(samples * longest, heads, head_dim)[self.scatter]
+        return out.view(rows, width, heads, head_dim).transpose(1, 2)
+
+
+def _in_graph_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, dropout_p: float
+) -> torch.Tensor:
+    """Flex attention called as it is, which a compiled layer traces into its own graph."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if dropout_p > 0.0:  # as torchtune's call refuses it
+        raise ValueError("Flex attention does not support dropout. Please set dropout to 0.0.")
+    out = flex_attention(q, k, v, block_mask=mask)
+    assert isinstance(out, torch.Tensor)  # no auxiliary outputs were asked for
+    return out
+
+
+def _rows_call(original: AttentionCall, compiled: bool) -> AttentionCall:
+    """torchtune's attention call, which also takes a Samples or Gathered mask, and in a
+    compiled layer calls flex attention inside the graph."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def attention_call(
         q: torch.Tensor,
@@ -125,12 +200,22 @@ def _per_sample(original: AttentionCall) -> AttentionCall:
         dropout_p: float,
         is_causal: bool,
     ) -> torch.Tensor:
-        if isinstance(mask, Samples):
+        if isinstance(mask, Samples | Gathered):
             return mask.attend(q, k, v, dropout_p)
+        if compiled and isinstance(mask, BlockMask):
+            return _in_graph_flex(q, k, v, mask, dropout_p)
         return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
-    attention_call.per_sample = True  # type: ignore[attr-defined]
+    attention_call.torchtune_call = original  # type: ignore[attr-defined]
+    attention_call.compiled = compiled  # type: ignore[attr-defined]
     return attention_call
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether the model's decoder layers were compiled (nn.Module.compile, as
+    runner.trainer.parallel.prepare_model compiles them, keeps the compiled call in
+    `_compiled_call_impl`: torch's attribute, read here alone)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 @dataclass(frozen=True)
@@ -144,8 +229,9 @@ class RowAttention:
 
     @classmethod
     def of(cls, model: nn.Module, device: torch.device) -> RowAttention:
-        """The best way `model` takes on `device`; for "samples", its attention modules are
-        given the call that takes a Samples mask (once)."""
+        """The best way `model` takes on `device`, compiled or not; torchtune's attention
+        modules are given the call that takes each kind's mask (over torchtune's own, however
+        often asked)."""
         from runner.models.torchtune_boundary import (
             SUPPORTS_FLEX_ATTENTION,
             Gemma2Attention,
@@ -160,19 +246,23 @@ class RowAttention:
         limit = getattr(model, "max_seq_len", None)
         if not attentions or not isinstance(limit, int):  # not torchtune's decoder
             return cls("dense", None)
+        compiled = _compiled(model)
+        for module in attentions:
+            call = module._attention_call
+            if getattr(call, "compiled", None) != compiled:
+                module._attention_call = _rows_call(getattr(call, "torchtune_call", call), compiled)
         if device.type == "cuda" and SUPPORTS_FLEX_ATTENTION:
             return cls("flex", None)
-        for module in attentions:
-            if not getattr(module._attention_call, "per_sample", False):
-                module._attention_call = _per_sample(module._attention_call)
-        return cls("samples", limit)
+        return cls("gathered" if compiled else "samples", limit)
 
-    def mask(self, input_pos: torch.Tensor) -> torch.Tensor | BlockMask | Samples:
+    def mask(self, input_pos: torch.Tensor) -> torch.Tensor | BlockMask | Samples | Gathered:
         """The mask of rows whose samples' positions each start at 0 (on input_pos's device)."""
         if self.kind == "flex":
             return flex_block_causal_mask(input_pos)
         if self.kind == "samples":
             return Samples.of(input_pos)
+        if self.kind == "gathered":
+            return Gathered.of(input_pos)
         return dense_block_causal_mask(input_pos)
 
     def inputs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -86,6 +86,22 @@ def prepare_model(
     return model
 
 
+def compile_counts() -> str:
+    """torch._dynamo's own counts in this process so far: graph breaks, and graphs compiled
+    (one more than needed for each recompile)."""
+    from torch._dynamo.utils import counters
+
+    breaks = sum(counters["graph_break"].values())
+    return f"{breaks} graph breaks, {counters['stats']['unique_graphs']} graphs compiled"
+
+
+def peak_memory(place: Placement) -> str | None:
+    """The device's peak memory allocated by torch so far (CUDA), or None on the CPU."""
+    if place.device.type != "cuda":
+        return None
+    return f"{torch.cuda.max_memory_allocated(place.device) / 2**30:.2f} GiB"
+
+
 def autocast(place: Placement) -> contextlib.AbstractContextManager[object]:
     """Mixed precision in one process: bf16 compute over the fp32 parameters (sharded over
     several processes, FSDP2's policy casts them instead)."""

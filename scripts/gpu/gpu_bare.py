@@ -7,7 +7,9 @@ loop.
 
 Prints one JSON line: tokens/s over the steps after the warm-up, each window's tokens/s (the
 host waits for the device once per window of --warmup steps, where `runner train` logs with
-runtime.log_every_n_steps at the same value), the parameter count and the peak memory. Random
+runtime.log_every_n_steps at the same value), the parameter count, the peak memory
+(torch.cuda.max_memory_allocated on CUDA, peak RSS on the CPU) and torch._dynamo's count of
+graph breaks. Random
 tokens: the model's cost does not depend on their values. It runs on the CPU too
 (tests/test_gpu_report.py trains the tiny model for 2 steps).
 """
@@ -105,7 +107,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_s": overall_rate(sizes, rates),
         "window_tokens_per_s": rates,
         "peak_gib": _peak_gib(args.device),
+        "graph_breaks": _graph_breaks(),
     }
+
+
+def _graph_breaks() -> int:
+    """torch._dynamo's count of graph breaks in this process (0 where nothing was compiled)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
 
 
 def _peak_gib(device: str) -> float:

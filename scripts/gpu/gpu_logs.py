@@ -22,11 +22,56 @@ def runner_rate(metrics: str, warmup: int) -> tuple[float, list[float]]:
     return overall_rate(sizes, rates), rates
 
 
+# runner train's train.log at its last step (recipes/finetune.py, _log_totals).
+COMPILED = re.compile(r"compiled: (\d+) graph breaks, (\d+) graphs compiled")
+PEAK_MEMORY = re.compile(r"peak device memory: ([\d.]+) GiB")
+
+
+def runner_totals(train_log: str) -> dict[str, float]:
+    """From `runner train`'s train.log: its graph breaks (compile=true) and peak device memory
+    in GiB (CUDA), those it logged."""
+    totals = {}
+    if found := COMPILED.search(train_log):
+        totals["graph_breaks"] = float(found[1])
+    if found := PEAK_MEMORY.search(train_log):
+        totals["peak_gib"] = float(found[1])
+    return totals
+
+
 def pytest_summary(log: str) -> str:
     """pytest's last summary line (`12 passed, 3 skipped in 80.1s`), or '' if it never ended."""
     lines = [line.strip("= ") for line in log.splitlines()]
     found = [line for line in lines if re.search(r"\d+ (passed|failed|error)", line)]
     return found[-1] if found else ""
+
+
+# pytest -v's line per test (under xdist: `[gw0] [ 25%] PASSED path::test`; without:
+# `path::test PASSED [ 25%]`), and --durations=0's line per phase of each test.
+OUTCOMES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+OUTCOME_LINE = re.compile(
+    rf"^(?:\[gw\d+\] \[\s*\d+%\] (?P<a>{OUTCOMES}) (?P<x>\S+::\S+)"
+    rf"|(?P<y>\S+::\S+) (?P<b>{OUTCOMES})(?:\s|$))"
+)
+DURATION_LINE = re.compile(r"^([\d.]+)s (?:setup|call|teardown)\s+(\S+::\S+)\s*$")
+
+
+def pytest_tests(log: str) -> list[tuple[str, str, float | None]]:
+    """Each test pytest -v --durations=0 reported, in the order it ended: its name (the test
+    function and parameters), its outcome, and its seconds (setup, call and teardown; None
+    where --durations left it out)."""
+    outcomes: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    for line in log.splitlines():
+        if found := OUTCOME_LINE.match(line.strip()):
+            test = found["x"] or found["y"]
+            # A test that passes and then errors in teardown keeps its worst outcome.
+            if outcomes.get(test) not in ("FAILED", "ERROR"):
+                outcomes[test] = (found["a"] or found["b"]).lower()
+        elif found := DURATION_LINE.match(line.strip()):
+            seconds[found[2]] = seconds.get(found[2], 0.0) + float(found[1])
+    return [
+        (test.split("::", 1)[1], outcome, seconds.get(test)) for test, outcome in outcomes.items()
+    ]
 
 
 # profile_decode.py's line per batch size: rows, milliseconds a step, tokens/s.

@@ -32,12 +32,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_bare import builder_dims
-from gpu_logs import deploy_rows, engine_rates, profile_rows, pytest_summary, runner_rate
+from gpu_logs import (
+    deploy_rows,
+    engine_rates,
+    profile_rows,
+    pytest_summary,
+    pytest_tests,
+    runner_rate,
+    runner_totals,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama3_2_1b"
 # Shares of the budget, in the order the stages run, from their seconds on an H100 at the
-# defaults (runner's arms include its start-up and final checkpoint; deploy its 3 repeats;
+# defaults (runner's arms include its start-up; its final checkpoint may run past the share,
+# by at most CHECKPOINT_GRACE_S, run_stage; deploy its 3 repeats;
 # pytest four workers; estimates for what was added since: deploy's second server, about 25 s
 # more, and the decode and engine profiles, a model load, 46 steps at each of two batch sizes,
 # and 3 waves of 128 requests). The runner eager arm comes first: its checkpoint is what deploy
@@ -52,6 +61,9 @@ SHARES = {
     "profile engine": 0.05,
     "pytest -m gpu": 0.32,
 }
+# The most a runner arm's final checkpoint may run past its share (the 1B model's weights and
+# AdamW state: about 14 GB to write).
+CHECKPOINT_GRACE_S = 120
 GROUPS = {
     "train": [s for s in SHARES if s.startswith("train")],
     "deploy": ["deploy", "profile decode", "profile engine"],
@@ -199,7 +211,9 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         "deploy": deploy,
         "profile decode": profile,
         "profile engine": engine,
-        "pytest -m gpu": [py, "-m", "pytest", "-o", "addopts=", "-ra", "-q", "-m", "gpu"]
+        # Each test's outcome (-v) and seconds (--durations=0), which the table lists.
+        "pytest -m gpu": [py, "-m", "pytest", "-o", "addopts=", "-ra", "-v"]
+        + ["--durations=0", "-m", "gpu"]
         + pytest_workers()
         + [str(ROOT / "tests" / "test_gpu.py")],
     }
@@ -217,14 +231,20 @@ def max_concurrency(args: argparse.Namespace) -> int:
 
 
 def pytest_workers() -> list[str]:
-    """Four pytest-xdist workers, test by test, where xdist is installed (the project's own
-    options run whole files per worker, and test_gpu.py is one file); else none. Each test
-    trains or serves a tiny model, so four share one GPU with room to spare."""
-    return ["-n", "4", "--dist", "load"] if importlib.util.find_spec("xdist") else []
+    """Four pytest-xdist workers, test by test (tests of one xdist_group on one worker: those
+    that share a run), where xdist is installed (the project's own options run whole files per
+    worker, and test_gpu.py is one file); else none. Each test trains or serves a tiny model,
+    so four share one GPU with room to spare."""
+    return ["-n", "4", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
 
 
-def run_stage(name: str, command: list[str], log: Path, budget_s: float) -> Stage:
-    """`command` with its output in `log`, killed (its whole process group) past `budget_s`."""
+def run_stage(
+    name: str, command: list[str], log: Path, budget_s: float, run: Path | None = None
+) -> Stage:
+    """`command` with its output in `log`, killed (its whole process group) past `budget_s`;
+    a `runner train` arm (its run directory `run`) found writing its final checkpoint then has
+    CHECKPOINT_GRACE_S more: its timed steps are done, and the write is no part of its figures
+    (the time comes out of the later stages' shares)."""
     started = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     with log.open("w") as sink:
@@ -238,14 +258,32 @@ def run_stage(name: str, command: list[str], log: Path, budget_s: float) -> Stag
             cwd=ROOT,
             start_new_session=True,
         )
-        try:
-            code = process.wait(timeout=max(budget_s, 1))
-            status = "ok" if code == 0 else f"failed (exit {code})"
-        except subprocess.TimeoutExpired:
+        code = _wait(process, max(budget_s, 1))
+        if code is None and run is not None and _checkpointing(run):
+            code = _wait(process, CHECKPOINT_GRACE_S)
+        if code is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             status = f"overran its {budget_s:.0f} s"
+        else:
+            status = "ok" if code == 0 else f"failed (exit {code})"
     return Stage(name, status, time.perf_counter() - started, log)
+
+
+def _wait(process: subprocess.Popen[bytes], seconds: float) -> int | None:
+    """The process's exit code, or None if it still runs after `seconds`."""
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _checkpointing(run: Path) -> bool:
+    """Whether the run's status.json says it is writing a checkpoint (runner.rundir's state)."""
+    try:
+        return json.loads((run / "status.json").read_text()).get("state") == "checkpointing"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def skip_reason(command: list[str]) -> str | None:
@@ -264,15 +302,32 @@ def skipped(name: str, reason: str, log: Path) -> Stage:
     return Stage(name, "skipped", 0.0, log)
 
 
-def train_figures(stage: Stage, out: Path, warmup: int) -> tuple[float, list[float]] | None:
-    """A train arm's tokens/s and its windows' tokens/s, or None where the arm gave none."""
+def train_figures(
+    stage: Stage, out: Path, warmup: int
+) -> tuple[float, list[float], dict[str, float]] | None:
+    """A train arm's tokens/s, its windows' tokens/s, and what else it gave of its peak memory
+    (GiB) and graph breaks; or None where the arm gave no tokens/s."""
     try:
         if "runner" in stage.name:
-            return runner_rate((out / slug(stage.name) / "metrics.jsonl").read_text(), warmup)
+            run = out / slug(stage.name)
+            rate, windows = runner_rate((run / "metrics.jsonl").read_text(), warmup)
+            log = run / "train.log"
+            return rate, windows, runner_totals(log.read_text() if log.is_file() else "")
         result = json.loads(stage.log.read_text().strip().splitlines()[-1])
-        return result["tokens_per_s"], result["window_tokens_per_s"]
+        totals = {key: float(result[key]) for key in ("peak_gib", "graph_breaks") if key in result}
+        return result["tokens_per_s"], result["window_tokens_per_s"], totals
     except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError):
         return None
+
+
+def train_detail(per_window: list[float], totals: dict[str, float], compiled: bool) -> str:
+    """A train row's detail: the windows' spread, peak memory, and graph breaks if compiled."""
+    detail = [f"windows {min(per_window):,.0f}-{max(per_window):,.0f}"]
+    if "peak_gib" in totals:
+        detail.append(f"peak {totals['peak_gib']:.2f} GiB")
+    if compiled and "graph_breaks" in totals:
+        detail.append(f"{totals['graph_breaks']:.0f} graph breaks")
+    return ", ".join(detail)
 
 
 def last_words(stage: Stage, width: int = 120) -> str:
@@ -331,11 +386,11 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
                 why = "no timed window in its log" + last_words(stage)
                 lines.append(f"{head} {'-':>10} {'-':>6}  {why}")
                 continue
-            rate, per_window = found
+            rate, per_window, totals = found
             rates[stage.name] = rate
             share = f"{mfu(params, rate, peak):.1%}" if peak else ""
-            spread = f"windows {min(per_window):,.0f}-{max(per_window):,.0f}"
-            lines.append(f"{head} {rate:>10,.0f} {share:>6}  {spread}")
+            detail = train_detail(per_window, totals, stage.name.endswith("compiled"))
+            lines.append(f"{head} {rate:>10,.0f} {share:>6}  {detail}")
         elif stage.name in SERVING_STAGES:
             figures = serving_rows(stage)
             why = "" if figures else SERVING_STAGES[stage.name] + last_words(stage)
@@ -344,8 +399,12 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
                 f"  {what:53} {rate:>10,.0f} {'':>6}  {detail}" for what, rate, detail in figures
             ]
         else:
-            summary = pytest_summary(stage.log.read_text()) or "no summary in its log"
+            text = stage.log.read_text()
+            summary = pytest_summary(text) or "no summary in its log" + last_words(stage)
             lines.append(f"{head} {'':>10} {'':>6}  {summary}")
+            for test, outcome, seconds in pytest_tests(text):
+                took = "" if seconds is None else f", {seconds:.1f} s"
+                lines.append(f"  {test:53} {'':>10} {'':>6}  {outcome}{took}")
     for mode in ("eager", "compiled"):
         ours, bare = rates.get(f"train runner {mode}"), rates.get(f"train bare {mode}")
         if ours and bare:
@@ -461,8 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         left = end - (time.perf_counter() - started)
         log = out / f"{slug(name)}.log"
         reason = skip_reason(lines[name])
+        run = out / slug(name) if name.startswith("train runner") else None
         stages.append(
-            skipped(name, reason, log) if reason else run_stage(name, lines[name], log, left)
+            skipped(name, reason, log) if reason else run_stage(name, lines[name], log, left, run)
         )
         print(f"{name}: {stages[-1].status} in {stages[-1].seconds:.0f} s ({log})", flush=True)
     report = (

@@ -1,0 +1,187 @@
+"""Packed rows under compile=true: each decoder layer's attention is inside its compiled graph
+(no graph break, torch._dynamo's own count), a new batch's samples recompile nothing, and the
+attention still keeps each sample to itself (the dense block-causal mask's result)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from runner.data.transforms import collate, pack_rows
+from runner.models.attention import Gathered, RowAttention, dense_block_causal_mask
+from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
+from tests.test_padding_free import (
+    CPU,
+    make_content_first_samples,
+    packed_rows,
+    tiny_llama,
+)
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Compiled code and counters of this test alone (dynamo's caches are per process)."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def test_gathered_attention_is_sdpa_under_the_dense_mask(tmp_path: Path) -> None:
+    """Each sample gathered, padded to the longest, and scattered back gives what SDPA over the
+    whole rows under the dense block-causal mask gives, forward and backward, padding included."""
+    input_pos = packed_rows(make_content_first_samples(tmp_path))
+    rows, width = input_pos.shape
+    gathered = Gathered.of(input_pos)
+    samples, longest = gathered.gather.shape
+    assert samples > rows and longest == width  # several samples a row; the longest fills one
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(rows, 2, width, 8, requires_grad=True) for _ in range(3))
+    mask = dense_block_causal_mask(input_pos)[:, None]
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    dense_grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    out = gathered.attend(q, k, v, dropout_p=0.0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    # Other kernels, other summation order: float32 to 1e-5.
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, dense_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+WIDTH = 48  # each pack's tokens, as PackedDataset's packs are all dataset.max_seq_len long
+
+
+def to_width(pack: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The pack padded to WIDTH tokens, the padding one more sequence (as pack_rows pads)."""
+    free = WIDTH - len(pack["tokens"])
+    tail = {
+        "tokens": torch.zeros(free, dtype=torch.long),
+        "labels": torch.full((free,), CROSS_ENTROPY_IGNORE_IDX),
+        "input_pos": torch.arange(free),
+        "seq_lens": torch.tensor([free]),
+    }
+    return {key: torch.cat((pack[key], tail[key])) for key in pack} if free else pack
+
+
+def packed_batches(samples: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """`steps` batches of two packs of WIDTH tokens, each of other samples (rotated)."""
+    batches = []
+    for step in range(steps):
+        turned = samples[step:] + samples[:step]
+        packs = pack_rows(turned[: len(samples) - step % 2], padding_idx=0, row_limit=WIDTH)
+        batches.append(collate([to_width(p) for p in packs[:2]], packed=True, padding_idx=0))
+    return batches
+
+
+def train_steps(model: torch.nn.Module, batches: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """One SGD step per batch on the CPU in fp32; each step's loss."""
+    attention = RowAttention.of(model, CPU)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in batches:
+        logits = model(batch["tokens"], **attention.inputs(batch, CPU))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        loss.backward()  # type: ignore[no-untyped-call]
+        sgd.step()
+        sgd.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_compiled_packed_steps_break_no_graph_and_recompile_nothing(
+    tmp_path: Path, fresh_dynamo: None
+) -> None:
+    """runner's compile=true (each decoder layer compiled, runner.trainer.parallel) on packs of
+    other samples at each step: no graph break, no recompile after the first step, and the
+    eager per-sample attention's losses (compute=cpu dtype=fp32)."""
+    from runner.models.backends.torchtune import TorchtuneBackend
+    from runner.trainer.parallel import Placement, prepare_model
+
+    samples = make_content_first_samples(tmp_path)
+    batches = packed_batches(samples, steps=3)
+    starts = [b["input_pos"].eq(0).nonzero().tolist() for b in batches]
+    assert starts[0] != starts[1] != starts[2]  # the samples lie elsewhere at each step
+    vocab = max(int(b["tokens"].max()) for b in batches) + 1
+    torch.manual_seed(0)
+    eager = tiny_llama(vocab)
+    compiled = tiny_llama(vocab)
+    compiled.load_state_dict(eager.state_dict())
+    place = Placement(0, 1, CPU, torch.float32, torch.float32)
+    prepare_model(
+        compiled, TorchtuneBackend(None), place, activation_checkpointing=False, compile=True
+    )
+    assert RowAttention.of(compiled, CPU).kind == "gathered"
+    assert RowAttention.of(eager, CPU).kind == "samples"
+
+    first = train_steps(compiled, batches[:1])
+    assert graph_breaks() == 0, dict(counters["graph_break"])
+    with torch._dynamo.config.patch(error_on_recompile=True):  # raises on any recompile
+        rest = train_steps(compiled, batches[1:])
+    assert graph_breaks() == 0, dict(counters["graph_break"])
+    # Another kernel's summation order (one SDPA over padded samples, inductor's fused
+    # matmuls), compounded over three steps: float32 to 1e-4.
+    torch.testing.assert_close(
+        torch.stack(first + rest), torch.stack(train_steps(eager, batches)), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_a_compiled_layer_calls_flex_attention_inside_its_graph(
+    tmp_path: Path, fresh_dynamo: None
+) -> None:
+    """CUDA's way, checked here: a compiled layer given the flex-attention BlockMask attends in
+    its own graph (torchtune's call wraps flex attention in torch.compiler.disable, a break in
+    each layer), recompiles for no new batch of packs, and equals the dense mask's SDPA.
+    Forward only and traced without inductor: this torch has no CPU backward for flex
+    attention, and inductor's CPU flex kernel is not the CUDA one under test."""
+    samples = make_content_first_samples(tmp_path)
+    batches = packed_batches(samples, steps=2)
+    vocab = max(int(b["tokens"].max()) for b in batches) + 1
+    torch.manual_seed(0)
+    model = tiny_llama(vocab).eval()
+    for layer in model.layers:
+        layer.compile(backend="aot_eager")
+    RowAttention.of(model, CPU)  # the attention modules get runner's call
+    flex = RowAttention("flex", None)
+    reference = RowAttention("dense", None)
+    with torch.no_grad():
+        for step, batch in enumerate(batches):
+            with torch._dynamo.config.patch(error_on_recompile=step > 0):
+                out = model(batch["tokens"], **flex.inputs(batch, CPU))
+            model_dense = model(batch["tokens"], **reference.inputs(batch, CPU))
+            # Other kernels, other summation order: float32 to 1e-5.
+            torch.testing.assert_close(out, model_dense, atol=1e-5, rtol=1e-5)
+    assert graph_breaks() == 0, dict(counters["graph_break"])
+
+
+def test_runner_train_compiled_with_packing_logs_no_graph_break(runner_cli, tmp_path: Path) -> None:
+    """The issue's command, shorter: `runner train compile=true dataset.packing=true` on the CPU
+    logs torch._dynamo's counts at its last step, no graph break among them (the old per-sample
+    attention broke each layer's graph; `TORCH_LOGS=graph_breaks` showed it at its call)."""
+    from tests.conftest import QUICK
+
+    run = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        *QUICK,
+        "compile=true",
+        "dataset.packing=true",
+        "dataset.max_seq_len=256",
+        "batch_size=2",
+        "max_steps=3",
+        "eval.strategy=no",
+        "dataset.eval_samples=0",
+        f"hydra.run.dir={run}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    # One graph for the decoder layers (all alike), one for the compiled loss: none per step.
+    assert "compiled: 0 graph breaks, 2 graphs compiled" in log, log[-2000:]
