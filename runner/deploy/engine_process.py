@@ -312,4 +312,10 @@ def served_model(
         max_queue=max_queue,
         options=options,
     )
-    return ServedModel(checkpoint.name, load_tokenizer(checkpoint.path), context, engine.started)
+    return ServedModel(
+        checkpoint.name,
+        load_tokenizer(checkpoint.path),
+        context,
+        engine.started,
+        aliases=checkpoint.aliases,
+    )
