@@ -13,10 +13,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from runner.data.transforms import collate, pack_rows
-from runner.models.attention import Gathered, RowAttention, dense_block_causal_mask
+from runner.models.attention import Gathered, RowAttention
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from tests.test_padding_free import (
     CPU,
+    assert_attends_as_the_dense_mask,
     make_content_first_samples,
     packed_rows,
     tiny_llama,
@@ -44,17 +45,7 @@ def test_gathered_attention_is_sdpa_under_the_dense_mask(tmp_path: Path) -> None
     gathered = Gathered.of(input_pos)
     samples, longest = gathered.gather.shape
     assert samples > rows and longest == width  # several samples a row; the longest fills one
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(rows, 2, width, 8, requires_grad=True) for _ in range(3))
-    mask = dense_block_causal_mask(input_pos)[:, None]
-    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    dense_grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
-    out = gathered.attend(q, k, v, dropout_p=0.0)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    # Other kernels, other summation order: float32 to 1e-5.
-    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
-    for got, expected in zip(grads, dense_grads, strict=True):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert_attends_as_the_dense_mask(gathered.attend, input_pos)
 
 
 WIDTH = 48  # each pack's tokens, as PackedDataset's packs are all dataset.max_seq_len long

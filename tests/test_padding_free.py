@@ -189,15 +189,22 @@ def test_attention_per_sample_is_sdpa_under_the_dense_mask(
         assert all(a[1] != b[1] for a, b in zip(runs, runs[1:], strict=False))
     # pack_rows puts the samples longest first: those of one length share a run.
     assert any(count > 1 for runs in samples.rows for _, _, count in runs)
+    assert_attends_as_the_dense_mask(samples.attend, input_pos)
+
+
+def assert_attends_as_the_dense_mask(attend: Any, input_pos: torch.Tensor) -> None:
+    """`attend(q, k, v, dropout_p=0.0)` over rows of `input_pos` gives what SDPA over the whole
+    rows under the dense block-causal mask gives, forward and backward."""
+    rows, width = input_pos.shape
     torch.manual_seed(0)
     q, k, v = (torch.randn(rows, 2, width, 8, requires_grad=True) for _ in range(3))
     mask = dense_block_causal_mask(input_pos)[:, None]
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     dense_grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
-    per_sample = samples.attend(q, k, v, dropout_p=0.0)
-    grads = torch.autograd.grad(per_sample.square().sum(), (q, k, v))
+    out = attend(q, k, v, dropout_p=0.0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     # Other kernels, other summation order: float32 to 1e-5.
-    torch.testing.assert_close(per_sample, dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
     for got, expected in zip(grads, dense_grads, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
