@@ -231,11 +231,11 @@ def machine_facts() -> str:
     )
 
 
-def summarize(results: dict[str, list[dict]], warmup: int) -> list[str]:
-    """The table: per arm tokens/s (the samples' tokens, no padding, of the steps after warm-up
-    over the sum of those steps' times; median and range over repeats), median s/step, peak
-    RSS and step-1 loss; agreement of the arms that train the same batches, and ours/<arm>."""
-    rows, lines = {}, []
+def arm_rows(results: dict[str, list[dict]], warmup: int) -> dict[str, dict]:
+    """Per arm: tokens/s (the samples' tokens, no padding, of the steps after warm-up over the
+    sum of those steps' times; median and range over repeats), median s/step, peak RSS and
+    step-1 loss."""
+    rows = {}
     for arm, runs in results.items():
         rates = [
             sum(run["tokens_per_step"][warmup:]) / sum(run["step_times"][warmup:]) for run in runs
@@ -249,6 +249,13 @@ def summarize(results: dict[str, list[dict]], warmup: int) -> list[str]:
             "rss": max(run["peak_rss_mib"] for run in runs),
             "loss1": runs[0]["losses"][0],
         }
+    return rows
+
+
+def summarize(results: dict[str, list[dict]], warmup: int) -> list[str]:
+    """The table of arm_rows, agreement of the arms that train the same batches, and
+    ours/<arm>."""
+    rows, lines = arm_rows(results, warmup), []
     lines.append(
         f"{'arm':<14}{'tokens/s':>10}{'range':>13}{'s/step':>9}{'peak RSS MiB':>14}"
         f"{'step-1 loss':>13}"
@@ -289,6 +296,23 @@ def summarize(results: dict[str, list[dict]], warmup: int) -> list[str]:
     if "runner" in rows:
         lines.extend(ratios("runner"))
     return lines
+
+
+def write_json(path: Path, argv: list[str], setup: str, rows: dict[str, dict]) -> None:
+    """The run's figures for scripts/docs/figures.py's picture: the command, the machine, the
+    setup, and each arm's tokens/s (median and range)."""
+    record = {
+        "command": "python " + shlex.join([os.path.relpath(__file__, REPO), *argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_facts(),
+        "setup": setup,
+        "arms": {
+            arm: {"tokens_s": row["tokens_s"], "low": row["range"][0], "high": row["range"][1]}
+            for arm, row in rows.items()
+        },
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"figures written to {path}")
 
 
 def describe(spec: dict, args: argparse.Namespace) -> str:
@@ -346,6 +370,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per arm run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="also write each arm's tokens/s to this file (docs/data/bench_peers.json is what "
+        "scripts/docs/figures.py draws)",
+    )
     # An arm's own process (hf, bare): reads WORKDIR/spec.json, writes OUT/result.json.
     parser.add_argument("--arm", choices=("hf_default", "hf_best", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -408,6 +438,8 @@ def main(argv: list[str]) -> None:
             )
         print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print("\n".join(summarize(results, args.warmup)))
+        if args.json:
+            write_json(args.json, argv, describe(spec, args), arm_rows(results, args.warmup))
     finally:
         if args.keep:
             print(f"work directory kept: {workdir}")

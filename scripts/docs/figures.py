@@ -11,7 +11,12 @@ directory (--keep DIR: in DIR, kept), in fresh processes. It writes, from each r
 - docs/images/default_run.png: the training loss, and the held-out token accuracy and exact
   match of each evaluation, over the steps of the default run;
 - docs/images/sweep.png: each sweep job's training loss over its steps, labelled by its
-  overrides (from the sweep's summary.json).
+  overrides (from the sweep's summary.json);
+- docs/images/bench_peers.png: each arm's tokens/s (median and range over repeats) and runner's
+  ratio to it, from the figures a real run of scripts/bench/bench_peers.py wrote
+  (docs/data/bench_peers.json, refreshed by `python scripts/bench/bench_peers.py --json
+  docs/data/bench_peers.json`: that run takes a quarter of an hour, so this script draws the
+  recorded one rather than running it).
 """
 
 from __future__ import annotations
@@ -28,7 +33,21 @@ import matplotlib
 matplotlib.use("Agg")  # no display: the figures go to files
 import matplotlib.pyplot as plt  # noqa: E402
 
-IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+IMAGES = DOCS / "images"
+BENCH_PEERS = DOCS / "data" / "bench_peers.json"
+# bench_peers' arms as its table names them, in the order drawn (top to bottom).
+PEER_LABELS = {
+    "runner": "runner train",
+    "compiled": "runner train compile=true",
+    "bare": "bare loop, runner's batches",
+    "tune_best": "torchtune, packed, fused AdamW",
+    "tune_default": "torchtune, its defaults",
+    "hf_best": "HF Trainer, flattened, fused AdamW",
+    "hf_default": "HF Trainer, its defaults",
+    "padded": "runner train, padded batches",
+    "capped": "runner train, capped forward",
+}
 # A sweep small enough to run in minutes: three learning rates around the default's (1e-3),
 # 150 steps each, evaluated once at the end on 50 held-out prompts.
 # Every run here logs lines, not a progress bar (its output is kept for a failure's message).
@@ -130,12 +149,42 @@ def draw_sweep(sweep_dir: Path, out: Path) -> None:
     plt.close(fig)
 
 
+def draw_bench_peers(figures: Path, out: Path) -> None:
+    """Each arm's tokens/s, its range whiskered, labelled with runner's ratio to it."""
+    record = json.loads(figures.read_text())
+    arms = [arm for arm in PEER_LABELS if arm in record["arms"]]
+    rows = [record["arms"][arm] for arm in arms]
+    ours = record["arms"]["runner"]["tokens_s"]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(arms) + 1.6), dpi=110)
+    y = list(range(len(arms)))[::-1]
+    medians = [row["tokens_s"] for row in rows]
+    whiskers = [
+        [m - row["low"] for m, row in zip(medians, rows, strict=True)],
+        [row["high"] - m for m, row in zip(medians, rows, strict=True)],
+    ]
+    colors = ["tab:blue" if arm in ("runner", "compiled") else "tab:gray" for arm in arms]
+    ax.barh(y, medians, xerr=whiskers, color=colors, capsize=3)
+    for row_y, arm, row in zip(y, arms, rows, strict=True):
+        ratio = "" if arm == "runner" else f", ours/{arm} {ours / row['tokens_s']:.2f}"
+        ax.text(row["high"], row_y, f"  {row['tokens_s']:,.0f}{ratio}", va="center", fontsize=8)
+    ax.set_yticks(y, [PEER_LABELS[arm] for arm in arms], fontsize=8)
+    ax.set_xlabel("tokens/s (median of repeats; whiskers: range)")
+    ax.set_xlim(0, max(row["high"] for row in rows) * 1.45)
+    ax.set_title(f"{record['command']}  ({record['date']})", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--default-run", type=Path, help="a run of the default; else train one")
     parser.add_argument("--sweep-dir", type=Path, help="a sweep directory; else run the sweep")
     parser.add_argument("--out", type=Path, default=IMAGES, help="where the PNGs go")
     parser.add_argument("--keep", type=Path, help="train into this directory and keep the runs")
+    parser.add_argument(
+        "--bench-peers", type=Path, default=BENCH_PEERS, help="bench_peers.py --json's figures"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="runner-figures-") as scratch:
@@ -148,7 +197,8 @@ def main() -> None:
             runner(["train", "-m", *SWEEP_OVERRIDES, f"hydra.sweep.dir={sweep_dir}"])
         draw_default(default_run, args.out / "default_run.png")
         draw_sweep(sweep_dir, args.out / "sweep.png")
-    print(f"wrote {args.out / 'default_run.png'} and {args.out / 'sweep.png'}")
+    draw_bench_peers(args.bench_peers, args.out / "bench_peers.png")
+    print(f"wrote default_run.png, sweep.png and bench_peers.png in {args.out}")
 
 
 if __name__ == "__main__":
