@@ -96,10 +96,10 @@ class DecodeStep:
             raise ValueError(f"a prompt's token id is outside the vocabulary (0-{vocabulary - 1})")
         lengths = [len(prompt) - 1 for prompt in prompts]
         width = max(max(lengths), 1)  # all prompts of one token: one token of padding
-        rows, starts = pack(lengths, width) if self._packs else _padded(lengths, width)
-        packed = max(rows) + 1 < len(prompts)
-        if not packed:  # no row shared: a plain mask, which SDPA skips where nothing is padded
-            rows, starts = _padded(lengths, width)
+        shared = pack(lengths, width) if self._packs else None
+        packed = shared is not None and max(shared[0]) + 1 < len(prompts)
+        # No row shared: a row each under a plain mask, which SDPA skips where nothing is padded.
+        rows, starts = shared if shared is not None and packed else _padded(lengths, width)
         count = max(rows) + 1
         ids = torch.zeros(count, width, dtype=torch.long)
         positions = torch.zeros(count, width, dtype=torch.long)

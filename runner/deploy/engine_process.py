@@ -51,9 +51,10 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600
 CLOSE_TIMEOUT_S = 30
 # Whether the engine runs in a process of its own by default (transformers.process: null), by
-# device type, as measured with scripts/serving/bench_deploy.py (docs: benchmarks). CPU: one
-# process measured faster (the stand-in at c=128: 12,328 against 10,678 tokens/s; c=1: 1,861
-# against 1,696). CUDA: not measured yet; one process, as before, until a GPU run says.
+# device type, as measured with scripts/serving/bench_deploy.py (docs: benchmarks). CPU: the
+# engine's own process was 5-11% slower at c=1 in every run, and within the noise at c=128 (the
+# two placements swapped places between runs). CUDA: not measured yet; one process, as before,
+# until a GPU run says.
 PROCESS_BY_DEVICE = {"cpu": False, "cuda": False}
 # prctl's option for the signal a process gets when its parent dies (<linux/prctl.h>).
 _PR_SET_PDEATHSIG = 1
