@@ -246,13 +246,17 @@ _LOST_PEER = re.compile(
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
 
 
+def _from_backend(err: BaseException) -> bool:
+    """gloo and NCCL report a lost or silent peer as a plain RuntimeError naming themselves."""
+    return isinstance(err, RuntimeError) and ("gloo" in str(err) or "NCCL" in str(err))
+
+
 def lost_peer_line(err: BaseException) -> str | None:
     """One line for an error that says this worker's peer is gone: which peer (the address the
     backend names), during which collective; None for any other error."""
     text = str(err)
-    backend = isinstance(err, RuntimeError) and ("gloo" in text or "NCCL" in text)
     found = _LOST_PEER.search(text)
-    if not (isinstance(err, dist.DistError) or (backend and found)):
+    if not (isinstance(err, dist.DistError) or (_from_backend(err) and found)):
         return None
     address = _PEER_ADDRESS.search(text)
     peer = f"its peer at {address[1]}:{address[2]}" if address else "a peer"
@@ -276,9 +280,7 @@ def _collective(err: BaseException) -> str:
 
 def _error_message(err: BaseException, cfg: DictConfig) -> str:
     message = f"{type(err).__name__}: {err}"
-    # gloo reports a lost or silent peer as a plain RuntimeError naming itself.
-    from_backend = isinstance(err, RuntimeError) and ("gloo" in str(err) or "NCCL" in str(err))
-    if isinstance(err, dist.DistError) or from_backend:
+    if isinstance(err, dist.DistError) or _from_backend(err):
         return (
             "lost contact with another rank (a dead or hung peer; collectives wait at most "
             f"compute.collective_timeout_s={cfg.compute.collective_timeout_s} s): {message}"
