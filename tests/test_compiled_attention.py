@@ -4,6 +4,7 @@ attention still keeps each sample to itself (the dense block-causal mask's resul
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from runner.data.transforms import collate, pack_rows
-from runner.models.attention import Gathered, RowAttention
+from runner.models.attention import BUCKETS, Gathered, RowAttention, buckets
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from tests.test_padding_free import (
     CPU,
@@ -38,14 +39,40 @@ def graph_breaks() -> int:
 
 
 def test_gathered_attention_is_sdpa_under_the_dense_mask(tmp_path: Path) -> None:
-    """Each sample gathered, padded to the longest, and scattered back gives what SDPA over the
-    whole rows under the dense block-causal mask gives, forward and backward, padding included."""
+    """Each sample gathered into a bucket of like length, padded to the bucket's longest, and
+    scattered back gives what SDPA over the whole rows under the dense block-causal mask
+    gives, forward and backward, padding included."""
     input_pos = packed_rows(make_content_first_samples(tmp_path))
     rows, width = input_pos.shape
     gathered = Gathered.of(input_pos)
-    samples, longest = gathered.gather.shape
-    assert samples > rows and longest == width  # several samples a row; the longest fills one
+    samples = int((input_pos == 0).sum())
+    assert samples > rows  # several samples a row
+    assert len(gathered.gathers) == min(BUCKETS, samples // 2) > 1
+    assert sum(len(gather) for gather in gathered.gathers) == samples
+    widths = [gather.shape[1] for gather in gathered.gathers]
+    assert widths == sorted(widths) and widths[-1] == width  # the longest fills one row
     assert_attends_as_the_dense_mask(gathered.attend, input_pos)
+
+
+def test_buckets_hold_every_sample_at_least_two_a_bucket_padding_least() -> None:
+    """bench_peers' kind of batch (a long right tail of lengths): the buckets pad the attention
+    (size x longest squared) to a few percent over the samples' own, where one batch padded to
+    its longest computes 4 times it; every bucket holds 2 or more (a size of 1 is a graph of
+    its own), and every sample is in one bucket."""
+    lengths = [182, 18, 97, 55, 26, 155, 64, 32, 109, 59, 70, 67, 101, 62, 78, 56]
+    groups = buckets(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    assert len(groups) == BUCKETS and all(len(group) >= 2 for group in groups)
+
+    def padded(groups: list[list[int]]) -> int:
+        return sum(len(g) * max(lengths[i] for i in g) ** 2 for g in groups)
+
+    own = sum(length**2 for length in lengths)
+    assert padded([list(range(len(lengths)))]) > 4 * own
+    assert padded(groups) < 1.25 * own
+    # Fewer samples than two a bucket: fewer buckets; one sample: one bucket of it.
+    assert buckets([3, 9, 4, 1, 5]) == [[3, 0, 2], [4, 1]]
+    assert buckets([7]) == [[0]]
 
 
 WIDTH = 48  # each pack's tokens, as PackedDataset's packs are all dataset.max_seq_len long
@@ -120,6 +147,54 @@ def test_compiled_packed_steps_break_no_graph_and_recompile_nothing(
     assert graph_breaks() == 0, dict(counters["graph_break"])
     # Another kernel's summation order (one SDPA over padded samples, inductor's fused
     # matmuls), compounded over three steps: float32 to 1e-4.
+    torch.testing.assert_close(
+        torch.stack(first + rest), torch.stack(train_steps(eager, batches)), rtol=1e-4, atol=1e-5
+    )
+
+
+def mixed_length_batches(steps: int) -> list[dict[str, Any]]:
+    """`steps` padding-free batches (the default layout) of 13 or 16 samples whose lengths
+    have a long right tail (log-normal, 2-200 tokens, as bench_peers' mixed data), each in
+    the rows of at most 256 tokens that the tiny Llama takes: 2 to 4 rows a batch."""
+    rng = random.Random(0)
+    batches = []
+    for step in range(steps):
+        samples = []
+        for _ in range(16 if step % 3 else 13):
+            tokens = [rng.randrange(1, 50) for _ in range(int(rng.lognormvariate(3.5, 0.8)))]
+            tokens = tokens[:200] or [1, 2]
+            samples.append({"tokens": tokens, "labels": tokens})
+        batches.append(
+            collate(samples, packed=False, padding_idx=0, padding_free=True, row_limit=256)
+        )
+    return batches
+
+
+def test_compiled_mixed_lengths_recompile_nothing_after_the_rows_count_turns_dynamic(
+    fresh_dynamo: None,
+) -> None:
+    """compile=true on padding-free batches of mixed lengths, whose samples the attention
+    gathers into buckets of like length: no graph break; one recompile, at the second step,
+    when the count of rows changes (automatic dynamic shapes), and none after, however many
+    samples each bucket holds and however long; the eager per-sample losses."""
+    from runner.models.backends.torchtune import TorchtuneBackend
+    from runner.trainer.parallel import Placement, prepare_model
+
+    batches = mixed_length_batches(steps=6)
+    assert len({b["tokens"].shape for b in batches}) == len(batches)
+    torch.manual_seed(0)
+    eager = tiny_llama(50)
+    compiled = tiny_llama(50)
+    compiled.load_state_dict(eager.state_dict())
+    place = Placement(0, 1, CPU, torch.float32, torch.float32)
+    prepare_model(
+        compiled, TorchtuneBackend(None), place, activation_checkpointing=False, compile=True
+    )
+    first = train_steps(compiled, batches[:2])
+    with torch._dynamo.config.patch(error_on_recompile=True):  # raises on any recompile
+        rest = train_steps(compiled, batches[2:])
+    assert graph_breaks() == 0, dict(counters["graph_break"])
+    # As in the packed test above: float32 to 1e-4 over the steps.
     torch.testing.assert_close(
         torch.stack(first + rest), torch.stack(train_steps(eager, batches)), rtol=1e-4, atol=1e-5
     )

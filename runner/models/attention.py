@@ -123,54 +123,108 @@ class Samples:
         return torch.stack(rows)
 
 
+# Gathered's buckets: up to this many groups of like length, each padded to its own longest
+# sample. Each count is one graph variant (compiled once), so it stays small; 4 cut the padded
+# attention of bench_peers' mixed lengths (16 samples of 39-369 tokens) to a few percent over
+# the samples' own.
+BUCKETS = 4
+# Bucket boundaries are searched among this many of the sorted samples' places at most, so that
+# the search stays a few thousand steps for the hundreds of samples of long packs.
+_CUT_CANDIDATES = 64
+
+
+def buckets(lengths: list[int], count: int = BUCKETS) -> list[list[int]]:
+    """The samples (indices into `lengths`) in `min(count, len // 2)` groups of like length, at
+    least 2 a group (a size of 1 is one dynamo specializes, a graph of its own), chosen to
+    pad least: the groups of the sorted lengths whose attention, size x longest squared,
+    sums least (dynamic programming over the cut places)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    ordered = [lengths[i] for i in order]
+    n, groups = len(order), max(1, min(count, len(order) // 2))
+    places = list(range(2, n - 1))  # a cut before these keeps 2 or more on each side
+    if len(places) > _CUT_CANDIDATES:
+        step = len(places) / _CUT_CANDIDATES
+        places = sorted({places[int(i * step)] for i in range(_CUT_CANDIDATES)})
+    ends = [*places, n]
+
+    def cost(begin: int, end: int) -> int:
+        return (end - begin) * ordered[end - 1] ** 2
+
+    # best[j][e]: the least cost of the first e samples in j + 1 groups, and its last cut.
+    best: list[dict[int, tuple[int, int]]] = [{e: (cost(0, e), 0) for e in ends if e >= 2}]
+    for _ in range(1, groups):
+        best.append(
+            {
+                e: min(
+                    (previous + cost(b, e), b)
+                    for b, (previous, _) in best[-1].items()
+                    if e - b >= 2
+                )
+                for e in ends
+                if any(e - b >= 2 for b in best[-1])
+            }
+        )
+    cuts, end = [n], n
+    for level in reversed(best[1:]):
+        end = level[end][1]
+        cuts.append(end)
+    bounds = [0, *reversed(cuts)]
+    return [order[b:e] for b, e in zip(bounds, bounds[1:], strict=False)]
+
+
 @dataclass(frozen=True)
 class Gathered:
     """Where each sample of a batch lies, as index tensors (the same per-sample causal SDPA as
-    `Samples`, in a form torch.compile traces): `gather` [samples, longest] holds each sample's
-    positions in the flattened rows, in order, padded past its end with later positions, and
-    `scatter` [rows * width] each position's place in the gathered [samples * longest]. A
-    sample's own positions see only its own earlier ones under the causal mask; what its
-    padding computes is never scattered back, so it gets no gradient. Each sample costs as
-    much as the batch's longest: little where lengths are alike, several times the attention
-    of `Samples` where one sample is much longer than the rest (PackedDataset's trailing
-    padding, whose positions go on from its last sample's, lengthens that sample, as in
-    `_documents`; pack_rows' padding is a sample of its own)."""
+    `Samples`, in a form torch.compile traces), the samples in `buckets` of like length:
+    `gathers`, one [samples, longest] a bucket, hold each sample's positions in the flattened
+    rows, in order, padded past its end with later positions, and `scatter` [rows * width]
+    each position's place in the buckets' outputs, flattened and joined. A sample's own
+    positions see only its own earlier ones under the causal mask; what its padding computes
+    is never scattered back, so it gets no gradient. Each sample costs as much as its bucket's
+    longest (PackedDataset's trailing padding, whose positions go on from its last sample's,
+    lengthens that sample, as in `_documents`; pack_rows' padding is a sample of its own)."""
 
-    gather: torch.Tensor
+    gathers: tuple[torch.Tensor, ...]
     scatter: torch.Tensor
 
     @classmethod
     def of(cls, input_pos: torch.Tensor) -> Gathered:
         """The samples of rows whose positions each start at 0, on input_pos's device."""
-        total = input_pos.numel()
-        sample = (input_pos == 0).flatten().cumsum(0) - 1  # each row starts a sample
-        lengths = torch.bincount(sample)
-        first = lengths.cumsum(0) - lengths
-        longest = int(lengths.max())  # the one host read: the padded batch's width
-        steps = torch.arange(longest, device=input_pos.device)
-        gather = (first[:, None] + steps).clamp(max=total - 1)
-        offset = torch.arange(total, device=input_pos.device) - first[sample]
-        # Both sizes change with every batch: compiled symbolic from the first, not
-        # specialized (maybe_: a size of 1, which dynamo specializes, is no error).
-        torch._dynamo.maybe_mark_dynamic(gather, 0)
-        torch._dynamo.maybe_mark_dynamic(gather, 1)
-        return cls(gather, sample * longest + offset)
+        device, total = input_pos.device, input_pos.numel()
+        starts = (input_pos == 0).flatten()
+        starts[0] = True  # each row starts a sample (the first row's, here)
+        # The one host read: the samples' starts, which size the buckets.
+        first = starts.nonzero().flatten().tolist()
+        lengths = [e - b for b, e in zip(first, [*first[1:], total], strict=True)]
+        gathers, place, base = [], [0] * len(first), 0
+        for group in buckets(lengths):
+            longest = max(2, *(lengths[i] for i in group))  # a width of 1 would specialize too
+            for slot, sample in enumerate(group):
+                place[sample] = base + slot * longest
+            begins = torch.tensor([first[i] for i in group], device=device)
+            gather = (begins[:, None] + torch.arange(longest, device=device)).clamp(max=total - 1)
+            # Both sizes change with every batch: compiled symbolic from the first, not
+            # specialized (maybe_: a size of 1, which dynamo specializes, is no error).
+            torch._dynamo.maybe_mark_dynamic(gather, 0)
+            torch._dynamo.maybe_mark_dynamic(gather, 1)
+            gathers.append(gather)
+            base += len(group) * longest
+        of_sample = starts.cumsum(0) - 1  # each position's sample
+        offset = torch.arange(total, device=device) - torch.tensor(first, device=device)[of_sample]
+        return cls(tuple(gathers), torch.tensor(place, device=device)[of_sample] + offset)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
     ) -> torch.Tensor:
         """Causal SDPA over each sample's span of q, k, v ([rows, heads, s, head_dim]) alone."""
         rows, heads, width, head_dim = q.shape
-        samples, longest = self.gather.shape
-
-        def gathered(x: torch.Tensor) -> torch.Tensor:  # [samples, heads, longest, head_dim]
-            flat = x.transpose(1, 2).reshape(rows * width, heads, head_dim)
-            return flat[self.gather].transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(
-            gathered(q), gathered(k), gathered(v), dropout_p=dropout_p, is_causal=True
-        )
-        out = out.transpose(1, 2).reshape(samples * longest, heads, head_dim)[self.scatter]
+        flat = [x.transpose(1, 2).reshape(rows * width, heads, head_dim) for x in (q, k, v)]
+        outs = []
+        for gather in self.gathers:  # [samples, heads, longest, head_dim] each
+            q_b, k_b, v_b = (x[gather].transpose(1, 2) for x in flat)
+            out = F.scaled_dot_product_attention(q_b, k_b, v_b, dropout_p=dropout_p, is_causal=True)
+            outs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
+        out = torch.cat(outs)[self.scatter]
         return out.view(rows, width, heads, head_dim).transpose(1, 2)
 
 
