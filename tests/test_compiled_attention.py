@@ -152,10 +152,11 @@ def test_compiled_packed_steps_break_no_graph_and_recompile_nothing(
     )
 
 
-def mixed_length_batches(steps: int) -> list[dict[str, Any]]:
+def mixed_length_batches(steps: int, attention: RowAttention) -> list[dict[str, Any]]:
     """`steps` padding-free batches (the default layout) of 13 or 16 samples whose lengths
     have a long right tail (log-normal, 2-200 tokens, as bench_peers' mixed data), each in
-    the rows of at most 256 tokens that the tiny Llama takes: 2 to 4 rows a batch."""
+    the rows that `attention` takes (the tiny Llama's: at most 256 tokens, at least 2 rows
+    where compiled): 2 to 4 rows a batch, of another width each."""
     rng = random.Random(0)
     batches = []
     for step in range(steps):
@@ -165,23 +166,27 @@ def mixed_length_batches(steps: int) -> list[dict[str, Any]]:
             tokens = tokens[:200] or [1, 2]
             samples.append({"tokens": tokens, "labels": tokens})
         batches.append(
-            collate(samples, packed=False, padding_idx=0, padding_free=True, row_limit=256)
+            collate(
+                samples,
+                packed=False,
+                padding_idx=0,
+                padding_free=True,
+                row_limit=attention.row_limit,
+                min_rows=attention.min_rows,
+            )
         )
     return batches
 
 
-def test_compiled_mixed_lengths_recompile_nothing_after_the_rows_count_turns_dynamic(
-    fresh_dynamo: None,
-) -> None:
+def test_compiled_mixed_lengths_compile_once(fresh_dynamo: None) -> None:
     """compile=true on padding-free batches of mixed lengths, whose samples the attention
-    gathers into buckets of like length: no graph break; one recompile, at the second step,
-    when the count of rows changes (automatic dynamic shapes), and none after, however many
-    samples each bucket holds and however long; the eager per-sample losses."""
+    gathers into buckets of like length: the first batch's graph serves every later one
+    (other widths, another count of rows, other buckets' sizes: all symbolic from the first;
+    the old code compiled again at the second step, and at the first batch of another count
+    of rows), breaks no graph, and gives the eager per-sample losses."""
     from runner.models.backends.torchtune import TorchtuneBackend
     from runner.trainer.parallel import Placement, prepare_model
 
-    batches = mixed_length_batches(steps=6)
-    assert len({b["tokens"].shape for b in batches}) == len(batches)
     torch.manual_seed(0)
     eager = tiny_llama(50)
     compiled = tiny_llama(50)
@@ -190,9 +195,12 @@ def test_compiled_mixed_lengths_recompile_nothing_after_the_rows_count_turns_dyn
     prepare_model(
         compiled, TorchtuneBackend(None), place, activation_checkpointing=False, compile=True
     )
-    first = train_steps(compiled, batches[:2])
+    batches = mixed_length_batches(6, RowAttention.of(compiled, CPU))
+    assert len({b["tokens"].shape[0] for b in batches}) > 1  # the count of rows changes
+    assert len({b["tokens"].shape[1] for b in batches}) == len(batches)  # and every width
+    first = train_steps(compiled, batches[:1])
     with torch._dynamo.config.patch(error_on_recompile=True):  # raises on any recompile
-        rest = train_steps(compiled, batches[2:])
+        rest = train_steps(compiled, batches[1:])
     assert graph_breaks() == 0, dict(counters["graph_break"])
     # As in the packed test above: float32 to 1e-4 over the steps.
     torch.testing.assert_close(

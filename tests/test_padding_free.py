@@ -141,6 +141,12 @@ def test_rows_hold_the_batch_in_as_few_and_as_short_rows_as_the_limit_allows(
     assert sum((segments - Counter(lengths)).elements()) == len(limited) * width - total
     unlimited = pack_rows(content_first_samples, padding_idx=0)
     assert {len(row["tokens"]) for row in unlimited} == {lengths[-1]}
+    # compile=true's gathered attention asks for 2 rows at the least (RowAttention.min_rows):
+    # two about half as long where one would hold them all; one a sample where there are fewer.
+    halves = pack_rows(content_first_samples, padding_idx=0, row_limit=total, min_rows=2)
+    assert len(halves) == 2 and len(halves[0]["tokens"]) < total * 0.5 + lengths[-1]
+    pair = content_first_samples[:2]
+    assert len(pack_rows(pair, padding_idx=0, row_limit=total, min_rows=3)) == 2
 
 
 def test_a_samples_first_label_is_ignored_in_packs_too(

@@ -159,6 +159,7 @@ def collate(
     padding_idx: int,
     padding_free: bool = False,
     row_limit: int | None = None,
+    min_rows: int = 1,
 ) -> dict[str, Any]:
     """A batch whose labels are each position's next token (packs add input_pos).
 
@@ -173,7 +174,11 @@ def collate(
     two samples share a row, the batch is padded as usual: the same rows, and attention needs
     no mask.
     """
-    packs = pack_rows(samples, padding_idx, row_limit) if padding_free and not packed else None
+    packs = (
+        pack_rows(samples, padding_idx, row_limit, min_rows)
+        if padding_free and not packed
+        else None
+    )
     if packs is not None and len(packs) < len(samples):
         batch = {key: torch.stack([p[key] for p in packs]) for key in PACK_KEYS}
     elif packed:
@@ -207,13 +212,17 @@ def forward_parts(
 
 
 def pack_rows(
-    samples: list[dict[str, Any]], padding_idx: int, row_limit: int | None = None
+    samples: list[dict[str, Any]],
+    padding_idx: int,
+    row_limit: int | None = None,
+    min_rows: int = 1,
 ) -> list[dict[str, torch.Tensor]]:
     """The samples of one batch as packs: with `row_limit` (the longest row allowed), in the
-    fewest rows of at most that many tokens, as short as first-fit decreasing packs them
-    into (one row, unpadded, where all of them fit); without, first-fit decreasing into rows as
-    long as the longest sample. Each row is padded to the fullest one's length (the padding one
-    more sequence, as PackedDataset pads).
+    fewest rows of at most that many tokens, and at least `min_rows` (as many as there are
+    samples, where fewer), as short as first-fit decreasing packs them into (one row,
+    unpadded, where all of them fit and one is asked for); without, first-fit decreasing into
+    rows as long as the longest sample. Each row is padded to the fullest one's length (the
+    padding one more sequence, as PackedDataset pads).
 
     The batch trains the same tokens as padded to its longest sample, with the same loss, in at
     most as many rows: the pad positions that padding adds are not computed.
@@ -222,7 +231,7 @@ def pack_rows(
     if row_limit is None:
         rows = _first_fit(lengths, max(lengths))
     else:
-        rows = _fewest_rows(lengths, max(row_limit, *lengths))
+        rows = _fewest_rows(lengths, max(row_limit, *lengths), min(min_rows, len(lengths)))
     fills = [sum(lengths[i] for i in members) for members in rows]
     width = max(fills)
     room = [width - fill for fill in fills]
@@ -260,12 +269,13 @@ def _first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def _fewest_rows(lengths: list[int], limit: int) -> list[list[int]]:
-    """First-fit decreasing into the fewest rows of at most `limit` it manages, at the smallest
-    capacity (searched by bisection) that still packs into that many: a batch a little over the
-    limit becomes two half rows, not a full one and a mostly padded one."""
+def _fewest_rows(lengths: list[int], limit: int, least: int = 1) -> list[list[int]]:
+    """First-fit decreasing into the fewest rows of at most `limit` it manages, `least` at the
+    least, at the smallest capacity (searched by bisection) that still packs into that many: a
+    batch a little over the limit becomes two half rows, not a full one and a mostly padded
+    one."""
     total = sum(lengths)
-    count = -(-total // limit)
+    count = max(least, -(-total // limit))
     while len(_first_fit(lengths, limit)) > count:
         count += 1
     low, high = max(max(lengths), -(-total // count)), limit

@@ -203,15 +203,14 @@ class Gathered:
                 place[sample] = base + slot * longest
             begins = torch.tensor([first[i] for i in group], device=device)
             gather = (begins[:, None] + torch.arange(longest, device=device)).clamp(max=total - 1)
-            # Both sizes change with every batch: compiled symbolic from the first, not
-            # specialized (maybe_: a size of 1, which dynamo specializes, is no error).
-            torch._dynamo.maybe_mark_dynamic(gather, 0)
-            torch._dynamo.maybe_mark_dynamic(gather, 1)
+            _dynamic(gather, 0, 1)
             gathers.append(gather)
             base += len(group) * longest
         of_sample = starts.cumsum(0) - 1  # each position's sample
         offset = torch.arange(total, device=device) - torch.tensor(first, device=device)[of_sample]
-        return cls(tuple(gathers), torch.tensor(place, device=device)[of_sample] + offset)
+        scatter = torch.tensor(place, device=device)[of_sample] + offset
+        _dynamic(scatter, 0)
+        return cls(tuple(gathers), scatter)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
@@ -275,11 +274,16 @@ def _compiled(model: nn.Module) -> bool:
 @dataclass(frozen=True)
 class RowAttention:
     """How a model attends within rows of several samples on its device (the module's
-    docstring): `kind`, and the longest row its batches may be built in (`row_limit`: None for
-    rows as long as their longest sample)."""
+    docstring): `kind`, the longest row its batches may be built in (`row_limit`: None for
+    rows as long as their longest sample), and the fewest rows (`min_rows`)."""
 
     kind: str
     row_limit: int | None
+    # "gathered" builds batches of 2 rows or more: a count of 1 is one dynamo specializes (a
+    # graph of its own), so a run whose batches are one row until one is not compiles again then,
+    # in the middle of its run (bench_peers' mixed lengths: 5 s at step 7 of 12, more than
+    # the step itself). The gathered attention does not see the rows: only the count changes.
+    min_rows: int = 1
 
     @classmethod
     def of(cls, model: nn.Module, device: torch.device) -> RowAttention:
@@ -307,7 +311,10 @@ class RowAttention:
                 module._attention_call = _rows_call(getattr(call, "torchtune_call", call), compiled)
         if device.type == "cuda" and SUPPORTS_FLEX_ATTENTION:
             return cls("flex", None)
-        return cls("gathered" if compiled else "samples", limit)
+        if not compiled:
+            return cls("samples", limit)
+        _first_layer_input_dynamic(model)
+        return cls("gathered", limit, min_rows=2)
 
     def mask(self, input_pos: torch.Tensor) -> torch.Tensor | BlockMask | Samples | Gathered:
         """The mask of rows whose samples' positions each start at 0 (on input_pos's device)."""
@@ -325,4 +332,25 @@ class RowAttention:
         if "input_pos" not in batch:
             return {}
         input_pos = batch["input_pos"].to(device)
+        if self.kind == "gathered":  # symbolic in the compiled layers from the first batch
+            _dynamic(input_pos, 0, 1)
         return {"input_pos": input_pos, "mask": self.mask(input_pos)}
+
+
+def _dynamic(tensor: torch.Tensor, *dims: int) -> None:
+    """Marks the sizes that change with every batch symbolic in the graphs compiled from
+    `tensor`, from the first (maybe_: a size of 1, which dynamo specializes, is no error)."""
+    for dim in dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def _first_layer_input_dynamic(model: nn.Module) -> None:
+    """The rows and width of the compiled decoder layers' input, the token embeddings' output
+    (made outside them: a layer's own hooks run inside its compiled call), marked symbolic:
+    the first batch's graph then serves every later batch's shape, where dynamo would compile
+    once more for the first new width and again for the first new count of rows (each a
+    step of seconds, in the middle of a run)."""
+    embeddings = getattr(model, "tok_embeddings", None)
+    if isinstance(embeddings, nn.Module) and not getattr(embeddings, "_runner_dynamic", False):
+        embeddings.register_forward_hook(lambda module, args, out: _dynamic(out, 0, 1))
+        embeddings._runner_dynamic = True  # type: ignore[assignment]

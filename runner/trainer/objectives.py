@@ -92,6 +92,7 @@ class Supervised:
             padding_free=self.dataset.padding_free,
             padding_idx=self.tokenizer.pad_id,
             row_limit=row_limit,
+            min_rows=self.attention.min_rows,
         )
 
     def step(self, batches: list[Batch], optim: Optimization) -> tuple[torch.Tensor, int]:
