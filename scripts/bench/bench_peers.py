@@ -328,7 +328,34 @@ def describe(spec: dict, args: argparse.Namespace) -> str:
         f"{statistics.median(lengths):.0f}, max {lengths[-1]}; "
         f"{statistics.mean(spec['tokens_per_step']):.0f} tokens a step, "
         f"{statistics.mean(spec['trained_per_step']):.0f} trained; padded to each batch's "
-        f"longest sample, {pad:.0%} of a batch is pad"
+        f"longest sample, {pad:.0%} of a batch is pad\n"
+        f"{gathered_attention(spec, args.batch_size)}"
+    )
+
+
+def gathered_attention(spec: dict, batch_size: int) -> str:
+    """What compile=true's attention on the CPU computes (runner.models.attention.Gathered):
+    each step's samples padded to their bucket's longest, over their own attention (sum of
+    length squared), against one bucket (each padded to the batch's longest)."""
+    from runner.models.attention import BUCKETS, buckets
+
+    samples = json.loads(Path(spec["samples"]).read_text())
+    lengths = [len(sample["tokens"]) for sample in samples]
+
+    def padded(batch: list[int], groups: list[list[int]]) -> float:
+        cost = sum(len(g) * max(batch[i] for i in g) ** 2 for g in groups)
+        return cost / sum(length**2 for length in batch)
+
+    steps = [lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
+    one = [padded(b, [list(range(len(b)))]) for b in steps]
+    some = [padded(b, buckets(b)) for b in steps]
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+    return (
+        f"compiled attention (Gathered, {BUCKETS} buckets of like length): {spread(some)} the "
+        f"samples' own, median (range) over steps; one bucket would be {spread(one)}"
     )
 
 
