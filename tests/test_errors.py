@@ -59,8 +59,8 @@ def test_bad_input_is_one_clear_message(runner_cli, tmp_path: Path, overrides, e
         assert text in error_lines[0], error_lines[0]
     assert "Traceback" not in result.stderr
     assert "Error executing job" not in result.stderr
-    # No run directory is left behind to claim anything.
-    assert not out_root.exists() or not any(out_root.rglob("status.json"))
+    # Nothing is left behind: no run directory to claim anything, no empty folder.
+    assert not out_root.exists(), list(out_root.rglob("*"))
 
 
 def test_unknown_command_is_a_user_error(runner_cli) -> None:

@@ -53,7 +53,19 @@ def train(
             raise  # a bug; or the directory is another trainer's, or a run's that trained
         if new_here and cfg.resume is None and not keep_failed and not run.checkpoints():
             shutil.rmtree(run_dir, ignore_errors=True)
+            _remove_empty_day(run_dir, Path(cfg.runtime.output_root))
         raise
+
+
+def _remove_empty_day(run_dir: Path, output_root: Path) -> None:
+    """The day's folder of the default layout (output_root/<date>/<time>) that the removed
+    run was the only one in, and output_root if nothing else is in it (a first command with a
+    typo leaves nothing behind): made with the run, they go with it."""
+    day = run_dir.absolute().parent
+    if day.parent == output_root.absolute():
+        with contextlib.suppress(OSError):  # not empty: other runs, other days
+            day.rmdir()
+            day.parent.rmdir()
 
 
 def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
