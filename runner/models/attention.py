@@ -10,9 +10,10 @@ the form the model's attention takes best on its device (`RowAttention`):
   position is computed against another sample's and the rows can be as long as the model
   takes (everywhere else torchtune's MultiHeadAttention runs: the CPU, older GPUs);
 - "gathered": the same per-sample causal SDPA where the layers are compiled (`Gathered`): the
-  samples gathered into one batch padded to the longest, by index tensors, so that the
-  attention is traced into each layer's graph (no graph break) and a new batch's samples are
-  new tensor values, not new Python numbers (no recompile);
+  samples gathered by index tensors into a few buckets of like length, each padded to its
+  longest, so that the attention is traced into each layer's graph (no graph break) and a new
+  batch's samples are new tensor values and symbolic sizes, not new Python numbers (no
+  recompile);
 - "dense": the [rows, s, s] boolean mask that SDPA takes (Gemma 2's attention, which does its
   own arithmetic on the mask; its rows stay as long as their longest sample, the mask being
   quadratic in them).
@@ -125,8 +126,8 @@ class Samples:
 
 # Gathered's buckets: up to this many groups of like length, each padded to its own longest
 # sample. Each count is one graph variant (compiled once), so it stays small; 4 cut the padded
-# attention of bench_peers' mixed lengths (16 samples of 39-369 tokens) to a few percent over
-# the samples' own.
+# attention of bench_peers' mixed lengths (16 samples of 39-369 tokens) to 1.32x the samples'
+# own, from 5.0x in one bucket (medians over its steps; bench_peers.py prints both).
 BUCKETS = 4
 # Bucket boundaries are searched among this many of the sorted samples' places at most, so that
 # the search stays a few thousand steps for the hundreds of samples of long packs.
