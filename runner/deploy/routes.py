@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,8 +27,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # Seconds a client is told to wait (Retry-After) when the queue is full.
 RETRY_AFTER_S = 1
+# Prompts (or chats) of at most this many characters are tokenized on the event loop; longer
+# ones in a worker thread, so that one long prompt does not hold every other request up. A hop
+# to a thread and back costs two takes of the interpreter lock, each of which can wait for the
+# engine's thread (up to sys.getswitchinterval()), far more than tokenizing a short prompt.
+INLINE_TOKENIZE_CHARS = 2048
 
 
 @dataclass
@@ -112,7 +119,8 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.CompletionRequest, body)
         model = _find(by_name, params.model)
-        prompts = await asyncio.to_thread(_tokenize_prompts, model.tokenizer, params.prompt)
+        size = _prompt_chars(params.prompt)
+        prompts = await _off_loop(size, _tokenize_prompts, model.tokenizer, params.prompt)
         return await _respond(model, params, prompts, params.max_tokens, limits, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -121,9 +129,25 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.ChatRequest, body)
         model = _find(by_name, params.model)
-        prompt = await asyncio.to_thread(_render_chat, model.tokenizer, params.messages)
+        size = sum(len(m.as_template_input()["content"]) for m in params.messages)
+        prompt = await _off_loop(size, _render_chat, model.tokenizer, params.messages)
         max_tokens = params.max_completion_tokens or params.max_tokens
         return await _respond(model, params, [prompt], max_tokens, limits, chat=True)
+
+
+async def _off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` here if the text it works on is short (`size` characters), else in a
+    worker thread (INLINE_TOKENIZE_CHARS)."""
+    if size <= INLINE_TOKENIZE_CHARS:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
+
+
+def _prompt_chars(prompt: str | list[Any]) -> int:
+    """Characters of a completion's prompt(s); a token id counts as one."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(item) if isinstance(item, str | list) else 1 for item in prompt)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
