@@ -56,6 +56,11 @@ CLOSE_TIMEOUT_S = 30
 # two placements swapped places between runs). CUDA: not measured yet; one process, as before,
 # until a GPU run says.
 PROCESS_BY_DEVICE = {"cpu": False, "cuda": False}
+# The engine's process's switch interval (sys.setswitchinterval): how long its thread that takes
+# the server's requests off the pipe may wait for the engine's thread, which holds the
+# interpreter lock for all but its kernels, to let go of it (Python's default: 5 ms, more than a
+# decode step of a small model). A switch is forced only while another thread waits for the lock.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 # prctl's option for the signal a process gets when its parent dies (<linux/prctl.h>).
 _PR_SET_PDEATHSIG = 1
 
@@ -204,6 +209,7 @@ class EngineProcess:
 def serve_engine(conn: Connection, load: tuple, max_queue: int, options: dict[str, Any]) -> None:
     """The engine's process: load the model, then serve the server's messages until it closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     from runner.deploy.engine import TransformersEngine
@@ -256,7 +262,10 @@ class _EngineSide:
                 return
 
     def send(self, events: list[tuple[RequestHandle, ChoiceEvent | Exception]]) -> None:
-        """The engine's `deliver`: one step's events in one message; forget finished requests."""
+        """The engine's `deliver`: one step's events in one message, none for a step without
+        any (a non-streamed choice has one, at its end); forget finished requests."""
+        if not events:
+            return
         message = ("events", [(handle.request_id, event) for handle, event in events])
         try:
             with self._send_lock:
