@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runner.deploy import protocol
-from runner.deploy.generation import Engine, EngineFailed, QueueFull, RequestHandle
+from runner.deploy.generation import ChoiceEvent, Engine, EngineFailed, QueueFull, RequestHandle
 from runner.deploy.hosts import HostCheckMiddleware
 from runner.deploy.protocol import ApiError, Limits
 from runner.models.chat_template import render_chat
@@ -250,6 +251,13 @@ class _Answer:
         kind = f"{kind}.chunk" if chunk and self.chat else kind
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
+    def choice(self, event: ChoiceEvent) -> dict[str, Any]:
+        """One choice of a streamed chunk."""
+        if self.chat:
+            delta = {"content": event.text} if event.text else {}
+            return protocol.chat_chunk_choice(event.index, delta, event.finish_reason)
+        return protocol.completion_choice(event.index, event.text, event.finish_reason)
+
     async def whole(self, handle: RequestHandle, prompt_tokens: int) -> dict[str, Any]:
         """The whole response, once every choice has finished."""
         texts: dict[int, list[str]] = {index: [] for index in range(handle.n)}
@@ -279,16 +287,13 @@ class _Answer:
                 role = {"role": "assistant", "content": ""}
                 choices = [protocol.chat_chunk_choice(i, role, None) for i in range(handle.n)]
                 yield _sse({**self.envelope(chunk=True), "choices": choices})
-            async for event in handle.events():
-                tokens[event.index] = event.completion_tokens
-                if self.chat:
-                    delta = {"content": event.text} if event.text else {}
-                    choice = protocol.chat_chunk_choice(event.index, delta, event.finish_reason)
-                else:
-                    choice = protocol.completion_choice(
-                        event.index, event.text, event.finish_reason
-                    )
-                yield _sse({**self.envelope(chunk=True), "choices": [choice]})
+            async for batch in handle.batches():
+                chunks = []
+                for event in coalesced(batch):
+                    tokens[event.index] = event.completion_tokens
+                    chunk = {**self.envelope(chunk=True), "choices": [self.choice(event)]}
+                    chunks.append(_sse(chunk))
+                yield "".join(chunks)  # one write for what arrived together
             if include_usage:
                 usage = protocol.usage(prompt_tokens, sum(tokens.values()))
                 yield _sse({**self.envelope(chunk=True), "choices": [], "usage": usage})
@@ -300,6 +305,17 @@ class _Answer:
         finally:
             handle.cancel()  # a client that went away stops costing generation steps
         yield "data: [DONE]\n\n"
+
+
+def coalesced(events: list[ChoiceEvent]) -> list[ChoiceEvent]:
+    """One event per choice for `events` that arrived together: its texts joined, its last
+    finish_reason and token count (an OpenAI chunk may hold several tokens' text)."""
+    merged: dict[int, ChoiceEvent] = {}
+    for event in events:
+        if (before := merged.get(event.index)) is not None:
+            event = dataclasses.replace(event, text=before.text + event.text)
+        merged[event.index] = event
+    return list(merged.values())
 
 
 def _sse(payload: dict[str, Any]) -> str:
