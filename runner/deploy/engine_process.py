@@ -15,8 +15,8 @@ The engine's process ignores Ctrl-C (the terminal sends it to the whole process 
 server closes it as it closes an engine of its own. It dies with the server's process if that
 is killed (PR_SET_PDEATHSIG), and ends when the pipe closes.
 
-On the CPU this measured no faster than one process (docs: benchmarks), so it is off there by
-default (PROCESS_BY_DEVICE); it is for measuring on a GPU, and for turning on where it helps.
+On the CPU this measured faster than one process at 128 clients and level at one (docs:
+benchmarks), so it is the CPU's default (PROCESS_BY_DEVICE); CUDA waits for a GPU run.
 """
 
 from __future__ import annotations
@@ -51,11 +51,17 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600
 CLOSE_TIMEOUT_S = 30
 # Whether the engine runs in a process of its own by default (transformers.process: null), by
-# device type, as measured with scripts/serving/bench_deploy.py (docs: benchmarks). CPU: the
-# engine's own process was 5-11% slower at c=1 in every run, and within the noise at c=128 (the
-# two placements swapped places between runs). CUDA: not measured yet; one process, as before,
+# device type, as measured with scripts/serving/bench_deploy.py (docs: benchmarks). CPU: on the
+# stand-in at c=128 (5 interleaved repeats) 19,711 tokens/s against 17,432 in one process
+# (http/engine 0.855 and 0.756), faster in 4 repeats of 5, and level at c=1 (2,007 and 1,988)
+# once a step without events sends nothing. CUDA: not measured yet; one process, as before,
 # until a GPU run says.
-PROCESS_BY_DEVICE = {"cpu": False, "cuda": False}
+PROCESS_BY_DEVICE = {"cpu": True, "cuda": False}
+# The engine's process's switch interval (sys.setswitchinterval): how long its thread that takes
+# the server's requests off the pipe may wait for the engine's thread, which holds the
+# interpreter lock for all but its kernels, to let go of it (Python's default: 5 ms, more than a
+# decode step of a small model). A switch is forced only while another thread waits for the lock.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 # prctl's option for the signal a process gets when its parent dies (<linux/prctl.h>).
 _PR_SET_PDEATHSIG = 1
 
@@ -204,6 +210,7 @@ class EngineProcess:
 def serve_engine(conn: Connection, load: tuple, max_queue: int, options: dict[str, Any]) -> None:
     """The engine's process: load the model, then serve the server's messages until it closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     from runner.deploy.engine import TransformersEngine
@@ -256,7 +263,10 @@ class _EngineSide:
                 return
 
     def send(self, events: list[tuple[RequestHandle, ChoiceEvent | Exception]]) -> None:
-        """The engine's `deliver`: one step's events in one message; forget finished requests."""
+        """The engine's `deliver`: one step's events in one message, none for a step without
+        any (a non-streamed choice has one, at its end); forget finished requests."""
+        if not events:
+            return
         message = ("events", [(handle.request_id, event) for handle, event in events])
         try:
             with self._send_lock:

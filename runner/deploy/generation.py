@@ -75,13 +75,30 @@ class RequestHandle:
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Every event until all `n` choices have finished; raises EngineFailed on failure."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
+
+    async def batches(self) -> AsyncIterator[list[ChoiceEvent]]:
+        """The events as `events` gives them, in lists: each waits for one event and takes every
+        other that has arrived by then (a stream that falls behind the engine catches up in one
+        write instead of one per token)."""
         unfinished = self.n
         while unfinished:
-            event = await self._queue.get()
-            if isinstance(event, Exception):
-                raise event
-            unfinished -= event.finish_reason is not None
-            yield event
+            arrived = [await self._queue.get()]
+            while not self._queue.empty():
+                arrived.append(self._queue.get_nowait())
+            batch: list[ChoiceEvent] = []
+            for event in arrived:
+                if isinstance(event, Exception):
+                    if batch:
+                        yield batch
+                    raise event
+                unfinished -= event.finish_reason is not None
+                batch.append(event)
+                if not unfinished:
+                    break
+            yield batch
 
 
 class Engine(Protocol):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runner.deploy import protocol
-from runner.deploy.generation import Engine, EngineFailed, QueueFull, RequestHandle
+from runner.deploy.generation import ChoiceEvent, Engine, EngineFailed, QueueFull, RequestHandle
 from runner.deploy.hosts import HostCheckMiddleware
 from runner.deploy.protocol import ApiError, Limits
 from runner.models.chat_template import render_chat
@@ -27,8 +28,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # Seconds a client is told to wait (Retry-After) when the queue is full.
 RETRY_AFTER_S = 1
+# Prompts (or chats) of at most this many characters are tokenized on the event loop; longer
+# ones in a worker thread, so that one long prompt does not hold every other request up. A hop
+# to a thread and back costs two takes of the interpreter lock, each of which can wait for the
+# engine's thread (up to sys.getswitchinterval()), far more than tokenizing a short prompt.
+INLINE_TOKENIZE_CHARS = 2048
 
 
 @dataclass
@@ -112,7 +120,8 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.CompletionRequest, body)
         model = _find(by_name, params.model)
-        prompts = await asyncio.to_thread(_tokenize_prompts, model.tokenizer, params.prompt)
+        size = _prompt_chars(params.prompt)
+        prompts = await _off_loop(size, _tokenize_prompts, model.tokenizer, params.prompt)
         return await _respond(model, params, prompts, params.max_tokens, limits, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -121,9 +130,25 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         body = await read_body(request, limits.max_body_bytes)
         params = protocol.parse_body(protocol.ChatRequest, body)
         model = _find(by_name, params.model)
-        prompt = await asyncio.to_thread(_render_chat, model.tokenizer, params.messages)
+        size = sum(len(m.as_template_input()["content"]) for m in params.messages)
+        prompt = await _off_loop(size, _render_chat, model.tokenizer, params.messages)
         max_tokens = params.max_completion_tokens or params.max_tokens
         return await _respond(model, params, [prompt], max_tokens, limits, chat=True)
+
+
+async def _off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` here if the text it works on is short (`size` characters), else in a
+    worker thread (INLINE_TOKENIZE_CHARS)."""
+    if size <= INLINE_TOKENIZE_CHARS:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
+
+
+def _prompt_chars(prompt: str | list[Any]) -> int:
+    """Characters of a completion's prompt(s); a token id counts as one."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(item) if isinstance(item, str | list) else 1 for item in prompt)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -181,7 +206,7 @@ async def _respond(
     limits: Limits,
     *,
     chat: bool,
-) -> StreamingResponse | dict[str, Any]:
+) -> StreamingResponse | JSONResponse:
     """Validate, queue and answer a (chat) completion, whole or as server-sent events."""
     requests = protocol.sampling_requests(
         params,
@@ -208,7 +233,9 @@ async def _respond(
         # No caching or proxy buffering: each event should reach the client as it is made.
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    return await answer.whole(handle, prompt_tokens)
+    # A response, not a dict: FastAPI would pass a dict through jsonable_encoder first (about
+    # 20 us a body of plain values, which it leaves as they are).
+    return JSONResponse(await answer.whole(handle, prompt_tokens))
 
 
 @dataclass(frozen=True)
@@ -225,6 +252,13 @@ class _Answer:
         kind = "chat.completion" if self.chat else "text_completion"
         kind = f"{kind}.chunk" if chunk and self.chat else kind
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def choice(self, event: ChoiceEvent) -> dict[str, Any]:
+        """One choice of a streamed chunk."""
+        if self.chat:
+            delta = {"content": event.text} if event.text else {}
+            return protocol.chat_chunk_choice(event.index, delta, event.finish_reason)
+        return protocol.completion_choice(event.index, event.text, event.finish_reason)
 
     async def whole(self, handle: RequestHandle, prompt_tokens: int) -> dict[str, Any]:
         """The whole response, once every choice has finished."""
@@ -255,16 +289,13 @@ class _Answer:
                 role = {"role": "assistant", "content": ""}
                 choices = [protocol.chat_chunk_choice(i, role, None) for i in range(handle.n)]
                 yield _sse({**self.envelope(chunk=True), "choices": choices})
-            async for event in handle.events():
-                tokens[event.index] = event.completion_tokens
-                if self.chat:
-                    delta = {"content": event.text} if event.text else {}
-                    choice = protocol.chat_chunk_choice(event.index, delta, event.finish_reason)
-                else:
-                    choice = protocol.completion_choice(
-                        event.index, event.text, event.finish_reason
-                    )
-                yield _sse({**self.envelope(chunk=True), "choices": [choice]})
+            async for batch in handle.batches():
+                chunks = []
+                for event in coalesced(batch):
+                    tokens[event.index] = event.completion_tokens
+                    chunk = {**self.envelope(chunk=True), "choices": [self.choice(event)]}
+                    chunks.append(_sse(chunk))
+                yield "".join(chunks)  # one write for what arrived together
             if include_usage:
                 usage = protocol.usage(prompt_tokens, sum(tokens.values()))
                 yield _sse({**self.envelope(chunk=True), "choices": [], "usage": usage})
@@ -276,6 +307,17 @@ class _Answer:
         finally:
             handle.cancel()  # a client that went away stops costing generation steps
         yield "data: [DONE]\n\n"
+
+
+def coalesced(events: list[ChoiceEvent]) -> list[ChoiceEvent]:
+    """One event per choice for `events` that arrived together: its texts joined, its last
+    finish_reason and token count (an OpenAI chunk may hold several tokens' text)."""
+    merged: dict[int, ChoiceEvent] = {}
+    for event in events:
+        if (before := merged.get(event.index)) is not None:
+            event = dataclasses.replace(event, text=before.text + event.text)
+        merged[event.index] = event
+    return list(merged.values())
 
 
 def _sse(payload: dict[str, Any]) -> str:
