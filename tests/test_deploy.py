@@ -851,9 +851,13 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference, stop,
                 if raw_request(url, "GET", "/health", key=None)[0] == 200:
                     break
             time.sleep(0.05)
-        # The engine's process (and multiprocessing's resource tracker), or none.
+        # The engine's process, or none; forked (the server's own command line, where a
+        # spawned one runs multiprocessing's), as runner deploy starts it on the CPU.
         children = _children(process_.pid)
         assert bool(children) == (process == "true"), children
+        command_line = Path(f"/proc/{process_.pid}/cmdline").read_bytes()
+        forked = [c for c in children if Path(f"/proc/{c}/cmdline").read_bytes() == command_line]
+        assert forked == list(children), children
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         # The server does not tell its clients where its files lie.
         (listed,) = client.models.list().data
@@ -875,7 +879,7 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference, stop,
             process_.send_signal(stop)
         # uvicorn ends a graceful shutdown by raising the signal again: SIGTERM's exit is -15.
         assert process_.wait(timeout=60) in (0, -stop)
-        deadline = time.monotonic() + 10  # the resource tracker ends once its pipe closes
+        deadline = time.monotonic() + 10
         while any(Path(f"/proc/{child}").exists() for child in children):
             assert time.monotonic() < deadline, f"{children} outlived the server"
             time.sleep(0.1)
