@@ -194,8 +194,8 @@ class Gathered:
         device, total = input_pos.device, input_pos.numel()
         starts = (input_pos == 0).flatten()
         starts[0] = True  # each row starts a sample (the first row's, here)
-        # The one host read: the samples' starts, which size the buckets.
-        first = starts.nonzero().flatten().tolist()
+        first_at = starts.nonzero().flatten()  # each sample's first position
+        first = first_at.tolist()  # the one host read: the starts, which size the buckets
         lengths = [e - b for b, e in zip(first, [*first[1:], total], strict=True)]
         gathers, place, base = [], [0] * len(first), 0
         for group in buckets(lengths):
@@ -208,7 +208,7 @@ class Gathered:
             gathers.append(gather)
             base += len(group) * longest
         of_sample = starts.cumsum(0) - 1  # each position's sample
-        offset = torch.arange(total, device=device) - torch.tensor(first, device=device)[of_sample]
+        offset = torch.arange(total, device=device) - first_at[of_sample]
         scatter = torch.tensor(place, device=device)[of_sample] + offset
         _dynamic(scatter, 0)
         return cls(tuple(gathers), scatter)
