@@ -589,12 +589,21 @@ def test_a_request_failing_inside_the_engine_fails_alone(run_dir: Path) -> None:
 # transformers renamed forward's past_key_values to cache (5.24 warns, 5.40 drops the old name):
 # the engine passes the name the model takes, so the warning is an error here.
 @pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
-@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
-def test_rows_joining_and_leaving_answer_as_generate_alone(run_dir, reference, padded) -> None:
+@pytest.mark.parametrize(
+    ("padded", "compiled"),
+    [(False, False), (True, False), (True, True)],
+    ids=["exact", "padded", "padded-compiled"],
+)
+def test_rows_joining_and_leaving_answer_as_generate_alone(
+    run_dir, reference, padded, compiled
+) -> None:
     # compute=cpu, dtype=fp32. padded=True is the CUDA path's step (the batch rounded up to
     # buckets of rows and tokens, which CUDA graphs replay) with the graphs off: the padding
-    # rows and columns must change no answer. Prompts of several lengths arrive in two waves,
+    # rows and columns must change no answer; compiled, the step inductor fuses (which a CUDA
+    # graph would capture) must neither. Prompts of several lengths arrive in two waves,
     # the second while the first decodes, and finish at different lengths.
+    from torch._dynamo.utils import counters
+
     from runner.deploy.engine import TransformersEngine
     from runner.deploy.generation import SamplingRequest
     from runner.deploy.loading import load_checkpoint
@@ -602,8 +611,9 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(run_dir, reference, p
     tokenizer, generate = reference
     path = run_dir / "checkpoints" / "step_10"
     loaded = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None)
+    counters.clear()
     engine = TransformersEngine(
-        loaded, max_batch_size=4, max_queue=16, cuda_graphs=False, padded=padded
+        loaded, max_batch_size=4, max_queue=16, cuda_graphs=False, padded=padded, compile=compiled
     )
     # Long prompts first, short ones after, at most 4 rows: the short ones take the buffers'
     # rows where long ones were, with what those left behind still there.
@@ -628,6 +638,9 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(run_dir, reference, p
     finally:
         engine.close()
     assert texts == [generate(*case)[0] for case in cases]
+    if compiled:  # one graph, never broken, compiled again only as sizes first change
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert 1 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
 
 
 def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(

@@ -253,10 +253,12 @@ def _generate_alone(path: Path, prompts: list[list[int]], max_tokens: int) -> li
     return texts
 
 
-def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path, compiled) -> None:
     # Issue 31: on CUDA every decode step is a CUDA graph replay, one graph per bucket of rows
     # and tokens, and the answers stay transformers' own greedy ones (fp32, TF32 off: the same
-    # arithmetic up to the order of sums, which this model's margins do not feel).
+    # arithmetic up to the order of sums, which this model's margins do not feel). Issue 47:
+    # the same with the step fused by inductor inside the graphs (transformers.compile).
     import asyncio
 
     from runner.deploy.engine import TransformersEngine
@@ -269,7 +271,7 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path: Path) 
     path = make_checkpoint(tmp_path / "model", width=256)  # vLLM: heads 64 wide
     waves = [[[5 + i] * (3 + 4 * i) for i in range(6)], [[9] * 100, [6] * 7]]
     loaded = load_checkpoint(path, device="cuda", dtype="fp32", max_model_len=None)
-    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=16)
+    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=16, compile=compiled)
 
     async def answers(prompts: list[list[int]]) -> list[str]:
         async def text_of(ids: list[int]) -> str:

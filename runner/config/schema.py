@@ -85,6 +85,7 @@ class TransformersEngine:
     max_waiting_steps: int = integer(0, 0)
     waiting_served_ratio: float = number(0.3, positive=False)
     process: Optional[bool] = None
+    compile: bool = False
 
 
 @dataclass

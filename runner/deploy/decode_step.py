@@ -6,6 +6,11 @@ than running them. A CUDA graph launches them all at once. It replays the captur
 the same memory, which BatchCache keeps in place; its window sizes come in buckets, so a few
 graphs cover every batch. On the CPU, which has no launch overhead to save, the step runs
 eagerly over exactly the running rows.
+
+Compiled (transformers.compile), torch.compile's inductor fuses the step's elementwise work
+(norms, rotary embeddings, activations, residual adds) into fewer kernels, which a CUDA graph
+then captures like any others. It compiles as the first steps run, once for their shapes and
+again, with the changed sizes symbolic, when the rows or the window first change.
 """
 
 from __future__ import annotations
@@ -50,13 +55,16 @@ def _padded(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
 
 class DecodeStep:
     """Runs the model over the batch: a prefill of new prompts, and one decode step for every
-    running row (`graphs` replays CUDA graphs)."""
+    running row (`graphs` replays CUDA graphs, `compiled` fuses the step with inductor)."""
 
-    def __init__(self, model: PreTrainedModel, *, graphs: bool) -> None:
+    def __init__(self, model: PreTrainedModel, *, graphs: bool, compiled: bool = False) -> None:
         self._model = model
         self._cache_keyword = cache_keyword(model)
         self._packs = packs(model)
         self.graphs = graphs
+        # dynamic=None: static shapes first, then symbolic sizes where they change (no graph
+        # per window size, which would pass dynamo's limit of recompiles and fall back to eager).
+        self._step = torch.compile(self._forward, dynamic=None) if compiled else self._forward
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._allocation = 0  # BatchCache.allocation of the buffers the graphs were captured over
         self._pool: Any = None
@@ -69,7 +77,7 @@ class DecodeStep:
     def __call__(self, cache: BatchCache, window: Window) -> torch.Tensor:
         """The window's next-token logits [window.rows, vocab]."""
         if not self.graphs:
-            return self._forward(cache, window)
+            return self._step(cache, window)
         if cache.allocation != self._allocation:  # the graphs hold the old buffers' addresses
             # Their memory pool goes with them: a pool whose graphs are all gone is released,
             # and capturing into its handle again breaks the caching allocator's count of it.
@@ -149,13 +157,13 @@ class DecodeStep:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(cache, window)
+            for _ in range(2):  # compiled: the first compiles, if these shapes are new
+                self._step(cache, window)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's threads may touch CUDA meanwhile (a request's generator),
         # which the default mode ("global") would count as an error in this capture.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._forward(cache, window)
+            logits = self._step(cache, window)
         self._pool = graph.pool()
         return graph, logits

@@ -68,12 +68,14 @@ class TransformersEngine:
         waiting_served_ratio: float = 0.3,
         cuda_graphs: bool | None = None,
         padded: bool | None = None,
+        compile: bool = False,
         deliver: Callable[[list[tuple[RequestHandle, ChoiceEvent | Exception]]], None] = deliver,
     ) -> None:
         """`max_waiting_steps`, `waiting_served_ratio`: when waiting sequences join a running
         batch (conf/deploy.yaml); `cuda_graphs`: replay each decode step from a CUDA graph
         (None: on CUDA devices); `padded`: round each step's batch up to a bucket, as graphs
-        need (None: with graphs); `deliver`: where each step's events go (the handles' event
+        need (None: with graphs); `compile`: fuse the decode step with torch.compile
+        (conf/deploy.yaml); `deliver`: where each step's events go (the handles' event
         loops; runner.deploy.engine_process sends them to the server's process)."""
         self._deliver = deliver
         self._tokenizer = loaded.tokenizer
@@ -90,7 +92,7 @@ class TransformersEngine:
         self._running: list[_Sequence] = []
         graphs = self._device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._padded = graphs if padded is None else padded
-        self.decode_step = DecodeStep(loaded.model, graphs=graphs)
+        self.decode_step = DecodeStep(loaded.model, graphs=graphs, compiled=compile)
         self._cache: BatchCache | None = None  # the running batch, kept while the engine idles
         self._thread = threading.Thread(target=self._loop, name="deploy-engine", daemon=True)
         self._thread.start()

@@ -96,10 +96,18 @@ class BatchLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's token at column `end` of each row; return the window's keys, values."""
         rows, width = self._window.rows, self._window.width
+        # Into the buffers themselves, not a view of them: compiled, a write into a view of a
+        # graph input is replayed as a copy of the whole view (the window's every key, twice).
+        heads = self.key_buffer.shape[1]
+        at = (
+            torch.arange(rows, device=self.device)[:, None],
+            torch.arange(heads, device=self.device)[None, :],
+            self._window.write_at,
+        )
+        self.key_buffer.index_put_(at, key_states[:, :, 0])
+        self.value_buffer.index_put_(at, value_states[:, :, 0])
         self.keys = self.key_buffer[:rows, :, :width]
         self.values = self.value_buffer[:rows, :, :width]
-        self.keys.index_copy_(2, self._window.write_at, key_states)
-        self.values.index_copy_(2, self._window.write_at, value_states)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 torch.profiler, without the server or the engine's thread around it.
 
     python scripts/serving/profile_decode.py [--checkpoint DIR] [--device auto] [--dtype auto]
-        [--rows 1,128] [--prompt-tokens 128] [--steps 20] [--top 12]
+        [--rows 1,128] [--prompt-tokens 128] [--steps 20] [--top 12] [--compile]
 
 For each row count: that many prompts of --prompt-tokens tokens prefilled together into the
 engine's batch (runner/deploy/kv_cache.py), then --steps decode steps timed (greedy, one host
@@ -10,7 +10,9 @@ copy of the tokens each, as the engine takes them), then as many again under the
 Prints each row count's milliseconds per step and tokens/s, and the ops (with CUDA, the
 kernels) that took the most time in the profiled steps. On CUDA the steps replay CUDA graphs
 as the engine's do; the first steps of a window size capture them and are not timed. Without
---checkpoint it builds bench_deploy.py's tiny model.
+--checkpoint it builds bench_deploy.py's tiny model. With --compile, each row count is timed
+again with the step fused by torch.compile (deploy's transformers.compile=true), its first steps
+compiling untimed, and a line `rows N compiled: ... (X the eager step)` follows the eager one.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed, then profiled")
     parser.add_argument("--top", type=int, default=12, help="ops listed per batch size")
+    parser.add_argument(
+        "--compile", action="store_true", help="each row count again, the step compiled"
+    )
     args = parser.parse_args()
     checkpoint, loaded = load_model(args)
     device = loaded.model.device
@@ -88,29 +93,46 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}, prompts of "
         f"{args.prompt_tokens} tokens, {args.steps} steps timed, CUDA graphs: {cuda}"
     )
     for rows in (int(r) for r in args.rows.split(",")):
-        step = DecodeStep(loaded.model, graphs=cuda)
-        batch = prefilled(step, loaded, rows, args.prompt_tokens)
-        # Captures (on CUDA) and warm-up; then the window stays the same size while timed, if
-        # the steps fit in its bucket: the widths below say whether they did.
-        decode(step, batch, 3)
-        width = batch.window.width
-        began = time.perf_counter()
+        eager = profile(DecodeStep(loaded.model, graphs=cuda), loaded, rows, args, activities)
+        if args.compile:
+            step = DecodeStep(loaded.model, graphs=cuda, compiled=True)
+            profile(step, loaded, rows, args, activities, eager=eager)
+
+
+def profile(
+    step: DecodeStep,
+    loaded: LoadedModel,
+    rows: int,
+    args: argparse.Namespace,
+    activities: list[torch.profiler.ProfilerActivity],
+    eager: float | None = None,
+) -> float:
+    """Seconds a decode step at `rows` rows, printed as a line (beside the `eager` step's when
+    given: this one is compiled), then the ops that took the most time in as many steps again."""
+    batch = prefilled(step, loaded, rows, args.prompt_tokens)
+    # Captures (on CUDA), compiles (compiled) and warms up; then the window stays the same size
+    # while timed, if the steps fit in its bucket: the widths below say whether they did.
+    decode(step, batch, 3)
+    width = batch.window.width
+    began = time.perf_counter()
+    decode(step, batch, args.steps)
+    seconds = (time.perf_counter() - began) / args.steps
+    label, beside = ("", "") if eager is None else (" compiled", f", {eager / seconds:.2f}x eager")
+    print(
+        f"\nrows {rows}{label}: {seconds * 1e3:.2f} ms a step, {rows / seconds:,.0f} tokens/s "
+        f"(window {width} -> {batch.window.width} columns, {step.captured} graphs{beside})"
+    )
+    with torch.profiler.profile(activities=activities) as profiler:
         decode(step, batch, args.steps)
-        seconds = (time.perf_counter() - began) / args.steps
-        print(
-            f"\nrows {rows}: {seconds * 1e3:.2f} ms a step, {rows / seconds:,.0f} tokens/s "
-            f"(window {width} -> {batch.window.width} columns, {step.captured} graphs)"
-        )
-        with torch.profiler.profile(activities=activities) as profile:
-            decode(step, batch, args.steps)
-        print(profile.key_averages().table(sort_by=sort, row_limit=args.top))
+    sort = "self_cuda_time_total" if batch.device.type == "cuda" else "self_cpu_time_total"
+    print(profiler.key_averages().table(sort_by=sort, row_limit=args.top))
+    return seconds
 
 
 if __name__ == "__main__":
