@@ -9,8 +9,8 @@ eagerly over exactly the running rows.
 
 Compiled (transformers.compile), torch.compile's inductor fuses the step's elementwise work
 (norms, rotary embeddings, activations, residual adds) into fewer kernels, which a CUDA graph
-then captures like any others. It compiles as the first steps run, once for their shapes and
-again, with the changed sizes symbolic, when the rows or the window first change.
+then captures like any others. It compiles with symbolic sizes as the engine starts
+(`warm_up`), so no request waits on a compile.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from runner.deploy.kv_cache import BatchCache, Prefilled, Window, cache_keyword, prefix_tokens
+from runner.deploy.kv_cache import (
+    MIN_TOKENS,
+    BatchCache,
+    Prefilled,
+    Window,
+    cache_keyword,
+    prefix_tokens,
+)
 
 
 def packs(model: PreTrainedModel) -> bool:
@@ -61,10 +68,13 @@ class DecodeStep:
         self._model = model
         self._cache_keyword = cache_keyword(model)
         self._packs = packs(model)
-        self.graphs = graphs
-        # dynamic=None: static shapes first, then symbolic sizes where they change (no graph
-        # per window size, which would pass dynamo's limit of recompiles and fall back to eager).
-        self._step = torch.compile(self._forward, dynamic=None) if compiled else self._forward
+        self.graphs, self.compiled = graphs, compiled
+        # dynamic=True: every size symbolic from the first compile (the rows, the window, the
+        # buffers' capacity), so that no later batch compiles again (warm_up); sizes of 1 are
+        # still specialized. A graph per window size would pass dynamo's limit of recompiles
+        # and fall back to eager; sizes made symbolic as they first change (dynamic=None) would
+        # compile again as the buffers grow, while requests wait.
+        self._step = torch.compile(self._forward, dynamic=True) if compiled else self._forward
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._allocation = 0  # BatchCache.allocation of the buffers the graphs were captured over
         self._pool: Any = None
@@ -90,6 +100,31 @@ class DecodeStep:
         graph, logits = self._captured[key]
         graph.replay()
         return logits
+
+    def warm_up(self, *, padded: bool, context: int, rows: int) -> None:
+        """Compile the step for every batch it will see before any request waits on it (a
+        compiled step only). Sizes of 1 are specialized, so three graphs cover every batch: one
+        row in buffers of one row, two rows (and more) in larger buffers, then one row in
+        those; the second batch's window is also wider than the first's bucket, so that on
+        CUDA its capture is the path a new bucket takes. `padded`: the engine's windows are
+        rounded up to buckets; `context`: the model's tokens of context."""
+        if not self.compiled:
+            return
+        long = min(MIN_TOKENS + 2, context - 2)  # past the first bucket of columns
+        with torch.inference_mode():
+            first = self.prefill([[0, 0]])
+            cache = BatchCache(first.cache, padded=padded, compiled=True)
+            cache.append_rows(first, [0])
+            self._warm_step(cache)
+            second = self.prefill([[0] * long] * (max(rows, 2) - 1))
+            cache.append_rows(second, [0] * (max(rows, 2) - 1))
+            self._warm_step(cache)
+            cache.select_rows([1])
+            self._warm_step(cache)
+
+    def _warm_step(self, cache: BatchCache) -> None:
+        logits = self(cache, cache.next_window())
+        cache.advance(logits[: cache.rows].argmax(dim=-1))
 
     def prefill(self, prompts: list[list[int]]) -> Prefilled:
         """The KV cache of each prompt but its last token, in one forward pass that computes

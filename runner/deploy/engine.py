@@ -14,6 +14,8 @@ alone; only a failed decode step, which all running sequences share, fails them 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import functools
 import logging
 import random
 import threading
@@ -94,8 +96,18 @@ class TransformersEngine:
         self._padded = graphs if padded is None else padded
         self.decode_step = DecodeStep(loaded.model, graphs=graphs, compiled=compile)
         self._cache: BatchCache | None = None  # the running batch, kept while the engine idles
-        self._thread = threading.Thread(target=self._loop, name="deploy-engine", daemon=True)
+        warm_up = functools.partial(
+            self.decode_step.warm_up,
+            padded=self._padded,
+            context=loaded.max_model_len,
+            rows=max_batch_size,
+        )
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._loop, args=(warm_up, started), name="deploy-engine", daemon=True
+        )
         self._thread.start()
+        started.result()  # the step compiled (compile=true), or why it could not be
 
     def submit(
         self, requests: list[SamplingRequest], handle: RequestHandle | None = None
@@ -127,7 +139,15 @@ class TransformersEngine:
             self._wake.notify()
         self._thread.join()
 
-    def _loop(self) -> None:
+    def _loop(self, warm_up: Callable[[], None], started: concurrent.futures.Future) -> None:
+        # The step compiles on the thread that runs it: compiled on another thread, the CPU's
+        # compiled step ran about 5 times slower here (0.64 against 3.0 ms at 4 rows).
+        try:
+            warm_up()
+        except BaseException as error:
+            started.set_exception(error)
+            return
+        started.set_result(None)
         with torch.inference_mode():
             while (admitted := self._next_admissions()) is not None:
                 try:
@@ -201,7 +221,8 @@ class TransformersEngine:
         """Merge prefilled sequences into the running batch; the next decode step gives their
         first tokens."""
         if self._cache is None:
-            self._cache = BatchCache(prefilled.cache, padded=self._padded)
+            compiled = self.decode_step.compiled
+            self._cache = BatchCache(prefilled.cache, padded=self._padded, compiled=compiled)
         last_ids = [sequence.request.prompt_ids[-1] for sequence in admitted]
         self._cache.append_rows(prefilled, last_ids)
         self._running.extend(admitted)

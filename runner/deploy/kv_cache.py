@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 # The fewest tokens a buffer (and a CUDA graph's window) holds.
-_MIN_TOKENS = 64
+MIN_TOKENS = 64
 # Numbers each allocation of buffers, across caches: a captured step is valid for one only.
 _ALLOCATIONS = itertools.count(1)
 
@@ -130,16 +130,18 @@ class BatchCache(Cache):
     ids: torch.Tensor  # [rows, 1]: each row's next input token
     positions: torch.Tensor  # [rows, 1]: that token's position in its sequence
 
-    def __init__(self, prefilled: Cache, *, padded: bool) -> None:
+    def __init__(self, prefilled: Cache, *, padded: bool, compiled: bool = False) -> None:
         """A batch holding what a prefill wrote into an ordinary DynamicCache; `padded` rounds
-        each step's window up to a bucket, as CUDA graphs need."""
+        each step's window up to a bucket, as CUDA graphs need; `compiled`: the step is
+        compiled, and every window stays narrower than the buffers (a window as wide as its
+        buffer is a case the compiled step specializes, and it would compile again)."""
         keys, _ = _keys_and_values(prefilled.layers[0])
-        self.padded, self.device = padded, keys.device
+        self.padded, self.compiled, self.device = padded, compiled, keys.device
         self.rows, self.end = 0, 0
         self.window = Window(0, 0, torch.zeros(1, dtype=torch.long, device=self.device))
         self._layers_like = [_keys_and_values(layer) for layer in prefilled.layers]
         self.allocation = 0  # renumbered on each reallocation: captured steps hold old addresses
-        self._allocate(bucket(keys.shape[0]), bucket(keys.shape[2] * 2, _MIN_TOKENS))
+        self._allocate(bucket(keys.shape[0]), bucket(keys.shape[2] * 2, MIN_TOKENS))
         super().__init__(layers=[*self.batch_layers])
 
     def _allocate(self, row_capacity: int, token_capacity: int) -> None:
@@ -175,8 +177,9 @@ class BatchCache(Cache):
         """Make room for `rows` rows and `tokens` tokens (a padded window included)."""
         row_capacity, token_capacity = self.capacity
         if self.padded:
-            rows, tokens = bucket(rows), bucket(tokens, _MIN_TOKENS)
-        if rows > row_capacity or tokens > token_capacity:
+            rows, tokens = bucket(rows), bucket(tokens, MIN_TOKENS)
+        spare = 1 if self.compiled else 0  # compiled: a column past the widest window
+        if rows > row_capacity or tokens + spare > token_capacity:
             self._allocate(max(bucket(rows), row_capacity), max(bucket(tokens * 2), token_capacity))
 
     def append_rows(self, prefilled: Prefilled, last_ids: list[int]) -> None:
@@ -227,7 +230,7 @@ class BatchCache(Cache):
         self._reserve(self.rows, self.end + 1)
         if self.padded:
             self.window.rows = bucket(self.rows)
-            self.window.width = bucket(self.end + 1, _MIN_TOKENS)
+            self.window.width = bucket(self.end + 1, MIN_TOKENS)
         else:
             self.window.rows, self.window.width = self.rows, self.end + 1
         # Padding rows attend their own token too: a row that attends nothing gives nan, and a

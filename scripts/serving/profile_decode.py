@@ -36,7 +36,7 @@ def prefilled(step: DecodeStep, loaded: LoadedModel, rows: int, prompt_tokens: i
     ids = torch.randint(5, loaded.tokenizer.vocab_size, (rows, prompt_tokens)).tolist()
     with torch.inference_mode():
         prefill = step.prefill(ids)
-        batch = BatchCache(prefill.cache, padded=step.graphs)
+        batch = BatchCache(prefill.cache, padded=step.graphs, compiled=step.compiled)
         batch.append_rows(prefill, [prompt[-1] for prompt in ids])
     return batch
 
