@@ -104,13 +104,12 @@ class DecodeStep:
     def warm_up(self, *, padded: bool, context: int, rows: int) -> None:
         """Compile the step for every batch it will see before any request waits on it (a
         compiled step only). Sizes of 1 are specialized, so three graphs cover every batch: one
-        row in buffers of one row, two rows (and more) in larger buffers, then one row in
-        those; the second batch's window is also wider than the first's bucket, so that on
-        CUDA its capture is the path a new bucket takes. `padded`: the engine's windows are
-        rounded up to buckets; `context`: the model's tokens of context."""
+        row in buffers of one row, `rows` rows (the engine's most, the sizes inductor tunes
+        its kernels for) in larger buffers, then one row in those. `padded`: the engine's
+        windows are rounded up to buckets; `context`: the model's tokens of context."""
         if not self.compiled:
             return
-        long = min(MIN_TOKENS + 2, context - 2)  # past the first bucket of columns
+        long = max(min(MIN_TOKENS + 2, context - 2), 2)  # past the first bucket of columns
         with torch.inference_mode():
             first = self.prefill([[0, 0]])
             cache = BatchCache(first.cache, padded=padded, compiled=True)
