@@ -458,6 +458,6 @@ def test_bench_deploy_prints_http_over_the_engine_alone_and_marks_noisy_rows() -
         bench_deploy.ratio_lines(runs)
     lines = printed.getvalue().splitlines()
     assert "http/engine c=1 0.900" in lines
-    assert "http/engine c=1 1.000 (runner deploy x=1)" in lines
+    assert "http/engine c=1 1.000 (runner deploy x=1, over the default engine)" in lines
     noisy = [line.split()[0:2] for line in lines if line.endswith(" noisy")]
     assert noisy == [["runner", "deploy"]], lines

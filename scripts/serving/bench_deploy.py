@@ -460,7 +460,9 @@ def ratio_lines(runs: dict[str, dict[int, list[Result]]]) -> None:
     for label, by_concurrency in runs.items():
         if not label.startswith("runner deploy"):
             continue
-        suffix = "" if label == "runner deploy" else f" ({label})"
+        # The engine alone runs deploy's defaults: beside a variant that changes the engine
+        # (transformers.compile=true, say), the ratio is that change and HTTP together.
+        suffix = "" if label == "runner deploy" else f" ({label}, over the default engine)"
         for concurrency, repeats in by_concurrency.items():
             engine = median(runs[ENGINE_ALONE][concurrency]).tokens_per_s
             print(

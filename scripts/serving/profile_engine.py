@@ -2,7 +2,7 @@
 
     python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
-        [--max-waiting-steps 0] [--waiting-served-ratio 0.3] [--stand-in] [--json]
+        [--max-waiting-steps 0] [--waiting-served-ratio 0.3] [--compile] [--stand-in] [--json]
 
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
@@ -137,6 +137,7 @@ def main() -> None:
         default=0.3,
         help="deploy's transformers.waiting_served_ratio",
     )
+    parser.add_argument("--compile", action="store_true", help="deploy's transformers.compile=true")
     args = parser.parse_args()
     checkpoint, loaded = load_model(args)
     device = loaded.model.device
@@ -147,6 +148,7 @@ def main() -> None:
         max_queue=1 << 16,
         max_waiting_steps=args.max_waiting_steps,
         waiting_served_ratio=args.waiting_served_ratio,
+        compile=args.compile,
     )
     timings = Timings(device)
     if not args.json:
@@ -163,7 +165,8 @@ def main() -> None:
     print(
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}: {args.concurrency} clients, "
         f"{count} prompts, {args.max_tokens} new tokens each, greedy, max_waiting_steps "
-        f"{args.max_waiting_steps}, waiting_served_ratio {args.waiting_served_ratio}"
+        f"{args.max_waiting_steps}, waiting_served_ratio {args.waiting_served_ratio}, "
+        f"compiled {args.compile}"
     )
     try:
         for repeat in range(args.repeats):
