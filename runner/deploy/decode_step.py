@@ -115,8 +115,8 @@ class DecodeStep:
             cache = BatchCache(first.cache, padded=padded, compiled=True)
             cache.append_rows(first, [0])
             self._warm_step(cache)
-            second = self.prefill([[0] * long] * (max(rows, 2) - 1))
-            cache.append_rows(second, [0] * (max(rows, 2) - 1))
+            more = max(rows, 2) - 1
+            cache.append_rows(self.prefill([[0] * long] * more), [0] * more)
             self._warm_step(cache)
             cache.select_rows([1])
             self._warm_step(cache)
