@@ -1,11 +1,13 @@
 """What `transformers.compile=true` costs at start and gives per request, beside eager, on a
 random model of a named shape.
 
-    python scripts/serving/compile_start.py [--shape tiny|stand-in|smollm2_135m] [--repeats 3]
+    python scripts/serving/compile_start.py [--shape tiny|stand-in|MODEL] [--repeats 3]
         [--max-tokens 24] [--cold]
 
-Builds the model (random weights; smollm2_135m is SmolLM2-135M's shape: 30 layers, 576 wide,
-9 heads over 3 KV heads, 49,152 tokens), starts an eager engine and a compiled one as `runner
+Builds the model with random weights: bench_deploy.py's tiny model or its stand-in, or the
+dimensions of a conf/model option with builder arguments (smollm2_135m: SmolLM2-135M's, 30
+layers, 576 wide, 9 heads over 3 KV heads), as `runner train model=MODEL model.source=null`
+builds it, with the tiny tokenizer. It starts an eager engine and a compiled one as `runner
 deploy` does (the compiled one compiles as it starts: its start is the price), then times one
 request and 8 concurrent ones on each, taking turns, --repeats times, greedy. Prints each
 engine's start, the median and range of each timing, and whether the compiled engine's answers
@@ -25,32 +27,37 @@ from pathlib import Path
 
 import torch
 from bench_deploy import STAND_IN, TINY_TOKENIZER_DIR, make_tiny_checkpoint
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from omegaconf import OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from runner.deploy.engine import TransformersEngine
 from runner.deploy.generation import SamplingRequest
 from runner.deploy.loading import LoadedModel, load_checkpoint
+from runner.models.families import family_named, hf_config
 
-SMOLLM2_135M = LlamaConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
+CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
 def build(shape: str, path: Path) -> LoadedModel:
     """The named shape with random weights, saved and loaded as `runner deploy` loads it."""
-    if shape == "smollm2_135m":
-        torch.manual_seed(0)
-        LlamaForCausalLM(SMOLLM2_135M).save_pretrained(path)
-        AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR).save_pretrained(path)
-    else:
+    if shape in ("tiny", "stand-in"):
         make_tiny_checkpoint(path, *(STAND_IN if shape == "stand-in" else ()))
+    else:  # the config.json that runner writes for a random init of the option's builder
+        option = OmegaConf.load(CONF_MODEL / f"{shape}.yaml")
+        builder = OmegaConf.to_container(option.builder)
+        assert isinstance(builder, dict), f"conf/model/{shape}.yaml has no builder arguments"
+        tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+        config = hf_config(
+            family_named(option.family),
+            {str(key): value for key, value in builder.items()},
+            initializer_range=option.initializer_range,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
     return load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None)
 
 
@@ -71,7 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shape", default="tiny", choices=["tiny", "stand-in", "smollm2_135m"])
+    parser.add_argument("--shape", default="tiny", help="tiny, stand-in or a conf/model name")
     parser.add_argument("--repeats", type=int, default=3, help="turns of each timing")
     parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per request")
     parser.add_argument("--cold", action="store_true", help="an empty inductor cache")
