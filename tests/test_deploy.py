@@ -727,6 +727,61 @@ def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(run_
                 torch.testing.assert_close(keys, own.keys[0], atol=1e-5, rtol=1e-5)
 
 
+def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(run_dir) -> None:
+    # compute=cpu dtype=fp32. Rows that leave the batch make room for the last rows (moved in
+    # their places, the rest left where they are); columns that became padding in every row are
+    # dropped once they are TRIM_SHARE of the window. Either way each row's next-token logits
+    # equal its sequence's run alone (to 1e-4: fp32 sums in another order and over padding).
+    from runner.deploy.decode_step import DecodeStep
+    from runner.deploy.kv_cache import TRIM_SHARE, BatchCache
+    from runner.deploy.loading import load_checkpoint
+
+    path = run_dir / "checkpoints" / "step_10"
+    model = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None).model
+    step = DecodeStep(model, graphs=False)
+    sequences = [list(range(5, 5 + length)) for length in (12, 3, 9, 4, 6, 2)]
+
+    def decode(cache: BatchCache, rows: list[list[int]], steps: int) -> None:
+        for _ in range(steps):
+            logits = step(cache, cache.next_window())
+            for row, sequence in enumerate(rows):
+                alone = model(input_ids=torch.tensor([sequence])).logits[0, -1]
+                torch.testing.assert_close(logits[row], alone, atol=1e-4, rtol=1e-4)
+            next_ids = logits[: cache.rows].argmax(dim=-1)
+            cache.advance(next_ids)
+            for sequence, token in zip(rows, next_ids.tolist(), strict=True):
+                sequence.append(token)
+
+    with torch.inference_mode():
+        prefilled = step.prefill(sequences)
+        cache = BatchCache(prefilled.cache, padded=False)
+        cache.append_rows(prefilled, [sequence[-1] for sequence in sequences])
+        rows = [list(sequence) for sequence in sequences]
+        decode(cache, rows, 3)
+        # The two longest leave: the rest's 6 dead columns of 14 are dropped (a copy of all).
+        end = cache.end
+        order = cache.select_rows([1, 3, 4, 5])
+        assert order == [4, 1, 5, 3]  # rows 4 and 5 take the places of 0 and 2
+        assert (end - cache.end) / end >= TRIM_SHARE and cache.end == 5 + 3
+        rows = [rows[old] for old in order]
+        decode(cache, rows, 2)
+        # The shortest leaves: no column is dead, the last row moves to its place, alone.
+        order = cache.select_rows([0, 1, 3])
+        assert order == [0, 1, 3] and cache.end == 10
+        rows = [rows[old] for old in order]
+        decode(cache, rows, 2)
+        # A row as long as the first prompt joins and the oldest leaves: the one column dead in
+        # every row is under TRIM_SHARE of 12 and stays; the new row moves to the oldest's place.
+        joining = list(range(5, 17))
+        prefilled = step.prefill([joining])
+        cache.append_rows(prefilled, [joining[-1]])
+        rows.append(joining)
+        order = cache.select_rows([1, 2, 3])
+        assert order == [3, 1, 2] and cache.end == 12
+        rows = [rows[old] for old in order]
+        decode(cache, rows, 2)
+
+
 def test_eager_attention_prefills_left_padded_and_answers_as_generate(run_dir, reference) -> None:
     # compute=cpu dtype=fp32. Eager attention adds the mask to the scores, so a packed (boolean,
     # block-diagonal) mask is not for it: prompts get a row each, left-padded.

@@ -310,8 +310,8 @@ class TransformersEngine:
             self._reset_batch()
             return
         assert self._cache is not None, "running sequences have a cache"
-        self._running = [self._running[row] for row in keep]
-        self._cache.select_rows(keep)
+        order = self._cache.select_rows(keep)
+        self._running = [self._running[row] for row in order]
 
     def _fail(self, sequences: list[_Sequence], error: Exception) -> None:
         self._deliver([(sequence.handle, error) for sequence in sequences])

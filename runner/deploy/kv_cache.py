@@ -4,8 +4,9 @@ Each layer's keys and values live in one buffer [rows, heads, tokens, head_dim] 
 (rows and tokens grow by doubling, which is the only reallocation); the attention mask, the
 next input ids and their positions live in buffers beside them. Sequences are right-aligned:
 every running row writes its next token into the same column, `end`, with its left padding
-masked out. A decode step writes in place (index_copy_ at a device-side column) and attends a
-window [0, width) of the first `rows` rows, so the same step at the same (rows, width) touches
+masked out; a row that leaves gives its place to one of the last rows, so that the rest stay
+where they are. A decode step writes in place (index_put_ at a device-side column) and attends
+a window [0, width) of the first `rows` rows, so the same step at the same (rows, width) touches
 the same memory every time: on CUDA it is captured once in a CUDA graph and replayed. On the
 CPU the window is exactly the running rows and tokens; on CUDA it is rounded up to a bucket
 (powers of two) so that a few graphs cover every batch.
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 
 # The fewest tokens a buffer (and a CUDA graph's window) holds.
 MIN_TOKENS = 64
+# The share of a batch's columns that must be padding in every row before select_rows drops
+# them, moving every row: below it, the steps read a few dead columns rather than copy the cache.
+TRIM_SHARE = 0.25
 # Numbers each allocation of buffers, across caches: a captured step is valid for one only.
 _ALLOCATIONS = itertools.count(1)
 
@@ -209,21 +213,38 @@ class BatchCache(Cache):
         self.positions[new, 0] = counts.to(self.device)
         self.rows += count
 
-    def select_rows(self, keep: list[int]) -> None:
-        """Keep only the rows in `keep`, in that order, and drop the columns left that are
-        padding in all of them (they would cost every later step)."""
-        index = torch.tensor(keep, device=self.device)
-        rows = len(keep)
+    def select_rows(self, keep: list[int]) -> list[int]:
+        """Keep only the rows in `keep` (ascending) and return their new order: the old row at
+        each new place. A kept row stays where it is unless it lies past the kept count; those
+        fill the places of the rows that left, so only they are copied. The columns left that
+        are padding in every kept row are dropped once they are TRIM_SHARE of the window or
+        more (a copy of every row, which the narrower steps after it repay)."""
+        count, kept = len(keep), set(keep)
+        movers = iter(row for row in keep if row >= count)
+        order = [row if row in kept else next(movers) for row in range(count)]
+        index = torch.tensor(order, device=self.device)
         live = self.mask[index, : self.end].any(dim=0)
         first = int(live.int().argmax())  # one host sync, only when rows leave
-        kept = slice(first, self.end)
+        if first and first >= TRIM_SHARE * self.end:
+            self._gather(index, slice(0, count), slice(first, self.end))
+            self.end -= first
+            self.mask[:count, self.end :] = False
+        else:
+            moved = [new for new, old in enumerate(order) if new != old]
+            if moved:
+                places = torch.tensor(moved, device=self.device)
+                self._gather(index[places], places, slice(0, self.end))
+        self.rows = count
+        return order
+
+    def _gather(self, sources: torch.Tensor, places: Any, columns: slice) -> None:
+        """Copy rows `sources`, columns `columns`, to rows `places` from column 0."""
+        width = columns.stop - columns.start
         for layer in self.batch_layers:
-            layer.key_buffer[:rows, :, : self.end - first] = layer.key_buffer[index, :, kept]
-            layer.value_buffer[:rows, :, : self.end - first] = layer.value_buffer[index, :, kept]
-        self.mask[:rows, : self.end - first] = self.mask[index, kept]
-        self.mask[:rows, self.end - first :] = False
-        self.ids[:rows], self.positions[:rows] = self.ids[index], self.positions[index]
-        self.rows, self.end = rows, self.end - first
+            layer.key_buffer[places, :, :width] = layer.key_buffer[sources, :, columns]
+            layer.value_buffer[places, :, :width] = layer.value_buffer[sources, :, columns]
+        self.mask[places, :width] = self.mask[sources, columns]
+        self.ids[places], self.positions[places] = self.ids[sources], self.positions[sources]
 
     def next_window(self) -> Window:
         """Open column `end` for the next token and size the step's window over it."""
