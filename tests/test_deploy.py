@@ -335,23 +335,26 @@ def test_32_concurrent_requests_all_complete_as_if_alone(base_url: str, client) 
         assert response.choices[0].text == alone[PROMPTS[i % 4]].text
 
 
-def test_the_benchmarks_clients_in_two_processes_count_every_request(base_url, client) -> None:
-    """scripts/serving/deploy_clients.py, which bench_deploy.py measures the server with: three
-    clients over two processes, then one client in one of them, answer each prompt once, with its
-    tokens, inside the measured time."""
+@pytest.mark.parametrize("kind", ["http", "openai"])
+def test_the_benchmarks_clients_in_two_processes_count_every_request(
+    base_url, client, kind
+) -> None:
+    """scripts/serving/deploy_clients.py, which bench_deploy.py measures the server with (either
+    kind of client): three clients over two processes, then one client in one of them, answer
+    each prompt once, with its tokens, inside the measured time."""
     tokens = {
         prompt: client.completions.create(
             model="tiny", prompt=prompt, max_tokens=6, temperature=0
         ).usage.completion_tokens
         for prompt in PROMPTS
     }
-    with load_script("serving/deploy_clients").Clients(2) as clients:
+    with load_script("serving/deploy_clients").Clients(2, kind) as clients:
         for texts, concurrency in [(PROMPTS * 2, 3), (PROMPTS[1:], 1)]:
             load = clients.run(base_url, texts, 6, concurrency, 2, model="tiny", api_key=API_KEY)
             assert load.output_tokens == sum(tokens[text] for text in texts)
             assert len(load.latencies_s) == len(texts)
             assert 0 < max(load.latencies_s) <= load.wall_s
-            assert 0 < load.busy
+            assert 0 < load.busy and 0 < load.cpu_per_request_s
 
 
 ROUTES = [

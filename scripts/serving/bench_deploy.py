@@ -6,9 +6,9 @@ interleaved repeats (the median is shown, with the range over repeats):
 - `transformers generate`: `generate` over static batches of each concurrency (batch 1 is the
   sequential baseline every row is compared with);
 - `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP
-  (OpenAI's SDK; spread over --client-processes processes, scripts/serving/deploy_clients.py,
-  with the busiest one's CPU share in the `clients` column, so that a figure bounded by its client
-  shows);
+  (--client: aiohttp's JSON posts by default, or OpenAI's SDK; spread over --client-processes
+  processes, scripts/serving/deploy_clients.py, with the busiest one's CPU share in the
+  `clients` column, so that a figure bounded by its client shows);
 - `runner deploy @DIR` (--baseline-source DIR): the server of another source tree, e.g. the main
   branch unpacked with `git archive main | tar -x -C DIR`, to compare before and after in one run;
 - `runner deploy OVERRIDES` (--variant OVERRIDES, repeatable): this tree's server with those
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deploy_clients import Clients, prompts
+from deploy_clients import CLIENTS, Clients, prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from runner.deploy.loading import resolve_device, resolve_dtype
@@ -63,6 +63,7 @@ class Result:
     output_tokens: int
     wall_s: float
     busy: float | None = None  # the busiest client process's CPU over wall (HTTP sides)
+    client_cpu_s: float | None = None  # the clients' CPU a request (HTTP sides)
 
     @property
     def tokens_per_s(self) -> float:
@@ -338,10 +339,17 @@ def _arguments() -> argparse.Namespace:
         help="another server of this tree, with these deploy overrides (space-separated)",
     )
     parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="http",
+        help="the HTTP sides' clients: http (aiohttp, as vLLM's and SGLang's serving benchmarks; "
+        "about 0.2 ms of CPU a request) or openai (OpenAI's SDK; about 2 ms)",
+    )
+    parser.add_argument(
         "--client-processes",
         type=int,
         help="processes the HTTP clients are spread over (default: one per 32 clients, at most "
-        "a quarter of the CPU cores): one Python process spends about 2 ms of CPU a request",
+        "a quarter of the CPU cores)",
     )
     parser.add_argument(
         "--baseline-source",
@@ -405,7 +413,12 @@ def _servers(
 
 def _progress(result: Result) -> Result:
     """Print one measurement as it lands (a run cut short still shows what it measured)."""
-    busy = "" if result.busy is None else f" (busiest client process {result.busy:.0%} busy)"
+    busy = ""
+    if result.busy is not None and result.client_cpu_s is not None:
+        busy = (
+            f" (busiest client process {result.busy:.0%} busy, clients "
+            f"{result.client_cpu_s * 1e3:.2f} ms of CPU a request)"
+        )
     print(
         f"  {result.label}, concurrency {result.concurrency}: {result.tokens_per_s:.0f} tokens/s"
         + busy,
@@ -488,15 +501,16 @@ def main() -> None:
         runs: dict[str, dict[int, list[Result]]] = {
             label: {c: [] for c in args.concurrency} for label in labels
         }
-        clients = Clients(client_processes(args.client_processes, max(args.concurrency)))
+        processes = client_processes(args.client_processes, max(args.concurrency))
+        clients = Clients(processes, args.client)
         try:
             texts = prompts(1 << 16)
             count = warm_up(args, texts, servers, clients)
             print(
                 f"checkpoint {checkpoint} on {device} ({name}), {dtype}: requests per "
                 f"concurrency {count} (a warm-up wave first, not counted), {args.max_tokens} new "
-                f"tokens each, greedy, {torch.get_num_threads()} torch threads, median of "
-                f"{args.repeats} repeats",
+                f"tokens each, greedy, {torch.get_num_threads()} torch threads, {args.client} "
+                f"clients, median of {args.repeats} repeats",
                 flush=True,
             )
             # Interleaved, so that other work on a shared machine slows every side alike.

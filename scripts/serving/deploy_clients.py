@@ -1,13 +1,20 @@
-"""The clients of bench_deploy.py: concurrent OpenAI-SDK clients over HTTP, spread over processes.
+"""The clients of bench_deploy.py: concurrent clients of /v1/completions, spread over processes.
 
-A Python client is not free: the OpenAI SDK spends about 2 ms of CPU on each request (building
-it, parsing the answer into its models) on a 2-core EPYC. One process driving 128 clients then
-needs a quarter of a second only to send a wave, which a server answering 10,000 tokens/s does
-not have to spare; the figure would be the client's. So the clients run in processes (each
-`concurrency / processes` of them, over its share of the prompts), started once for a whole
-benchmark (`Clients`). A measurement starts them together once all are warm, and each reports
-the CPU it used, so that a figure bounded by its client shows (`busy`: the busiest process's CPU
-seconds over the wall time).
+A Python client is not free, and on a machine it shares with the server its CPU is the server's
+loss. Two kinds (`client`); their CPU a request is what bench_deploy.py prints beside each
+figure (the stand-in at 128 clients on a 2-core EPYC, `OMP_NUM_THREADS=1`, 3 and 5 repeats):
+- "http" (the default): aiohttp posting the request's JSON and reading `usage` from the
+  answer's, as vLLM's and SGLang's serving benchmarks do (vLLM:
+  benchmarks/backend_request_func.py): 0.21-0.25 ms of CPU a request;
+- "openai": OpenAI's SDK, as most users' code calls a server: 1.42-2.13 ms a request (it builds
+  the request and parses the answer into its models). At 128 clients its one process sends a
+  wave a request at a time for about a quarter of a second, while the server's batch runs
+  part-empty: http/engine c=128 read 0.692 with it, 0.934 with aiohttp.
+
+The clients run in processes (each `concurrency / processes` of them, over its share of the
+prompts), started once for a whole benchmark (`Clients`). A measurement starts them together
+once all are warm, and each reports the CPU it used, so that a figure bounded by its client
+shows (`busy`: the busiest process's CPU seconds over the wall time).
 
     python scripts/serving/deploy_clients.py   # a client process (bench_deploy.py starts them): for
                                        # each job (a JSON line on stdin) it prints "ready",
@@ -17,12 +24,17 @@ seconds over the wall time).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+# The kinds of client (see above).
+CLIENTS = ("http", "openai")
 
 WORDS = "the model reads a prompt and writes an answer one token at a time".split()
 
@@ -36,20 +48,25 @@ def prompts(count: int) -> list[str]:
 
 @dataclass
 class Load:
-    """What a set of clients measured: each request's latency, the tokens, the wall time, and
-    the busiest client process's CPU time over the wall time."""
+    """What a set of clients measured: each request's latency, the tokens, the wall time, the
+    busiest client process's CPU time over the wall time, and the clients' CPU time a request."""
 
     latencies_s: list[float]
     output_tokens: int
     wall_s: float
     busy: float
+    cpu_per_request_s: float
 
 
 class Clients:
     """Client processes kept for a whole benchmark, so that starting them (and importing the SDK)
     is paid once; each measurement uses as many of them as it asks for."""
 
-    def __init__(self, processes: int) -> None:
+    def __init__(self, processes: int, client: str = "http") -> None:
+        """`processes` client processes, each running clients of the kind `client` (CLIENTS)."""
+        if client not in CLIENTS:
+            raise ValueError(f"client {client!r}: use one of {', '.join(CLIENTS)}")
+        self._client = client
         self._children = [
             subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve())],
@@ -95,6 +112,7 @@ class Clients:
         used = self._children[: max(1, min(processes, concurrency, len(self._children)))]
         for index, child in enumerate(used):
             job = {
+                "client": self._client,
                 "url": url,
                 "model": model,
                 "api_key": api_key,
@@ -117,6 +135,7 @@ class Clients:
             output_tokens=sum(r["output_tokens"] for r in results),
             wall_s=wall,
             busy=max(r["cpu_s"] for r in results) / wall,
+            cpu_per_request_s=sum(r["cpu_s"] for r in results) / len(texts),
         )
 
 
@@ -132,30 +151,66 @@ def _receive(child: subprocess.Popen) -> str:
     return child.stdout.readline().strip()
 
 
-async def _clients(job: dict) -> dict | None:
-    """This process's clients: warm up, say ready, wait for the word, then send every text."""
+Complete = Callable[[str], Awaitable[int]]  # a prompt's completion: its output tokens
+
+
+@contextlib.asynccontextmanager
+async def _sdk(job: dict) -> AsyncIterator[Complete]:
+    """Completions through OpenAI's SDK."""
     import openai
 
-    url, model, max_tokens = job["url"], job["model"], job["max_tokens"]
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=job["api_key"], max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{job['url']}/v1", api_key=job["api_key"], max_retries=0)
+
+    async def complete(text: str) -> int:
+        response = await client.completions.create(
+            model=job["model"], prompt=text, max_tokens=job["max_tokens"], temperature=0
+        )
+        assert response.usage is not None, "the server reports usage"
+        return response.usage.completion_tokens
+
+    async with client:
+        yield complete
+
+
+@contextlib.asynccontextmanager
+async def _http(job: dict) -> AsyncIterator[Complete]:
+    """Completions posted as JSON with aiohttp, a connection per client (no limit on them)."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {job['api_key']}"}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)  # a long run's answer is as slow as it is
+    async with aiohttp.ClientSession(
+        job["url"], headers=headers, connector=connector, timeout=timeout
+    ) as session:
+
+        async def complete(text: str) -> int:
+            body = {"model": job["model"], "prompt": text, "max_tokens": job["max_tokens"]}
+            async with session.post("/v1/completions", json={**body, "temperature": 0}) as answer:
+                answer.raise_for_status()
+                return (await answer.json())["usage"]["completion_tokens"]
+
+        yield complete
+
+
+async def _clients(job: dict) -> dict | None:
+    """This process's clients: warm up, say ready, wait for the word, then send every text."""
     pending = list(reversed(job["texts"]))
     latencies: list[float] = []
     tokens = 0
 
-    async def worker() -> None:
-        nonlocal tokens
-        while pending:
-            text = pending.pop()
-            began = time.perf_counter()
-            response = await client.completions.create(
-                model=model, prompt=text, max_tokens=max_tokens, temperature=0
-            )
-            latencies.append(time.perf_counter() - began)
-            assert response.usage is not None, "the server reports usage"
-            tokens += response.usage.completion_tokens
+    async with (_http if job["client"] == "http" else _sdk)(job) as complete:
 
-    async with client:
-        await client.completions.create(model=model, prompt="warm up", max_tokens=4)
+        async def worker() -> None:
+            nonlocal tokens
+            while pending:
+                text = pending.pop()
+                began = time.perf_counter()
+                completion_tokens = await complete(text)
+                latencies.append(time.perf_counter() - began)
+                tokens += completion_tokens
+
+        await complete("warm up")
         print("ready", flush=True)
         if not await asyncio.to_thread(sys.stdin.readline):
             return None  # its input closed before the word: the benchmark has ended

@@ -9,8 +9,9 @@
 `--waves` x `--concurrency` prompts (bench_deploy.py's) are answered, greedy. Per repeat it
 prints output tokens/s, and the time and count of the engine's prefills (and within them the
 model's forward pass), the merging of prefilled rows into the batch (join), decode steps,
-CUDA-graph captures and publishing of events (each timed to the device's completion, which
-adds a synchronization to each), and how many rows the decode steps ran. The first repeat
+CUDA-graph captures, and publishing of events (and within it the moving of rows as finished ones
+leave the batch: leave), each timed to the device's completion (which adds a synchronization to
+each), and how many rows the decode steps ran. The first repeat
 includes the captures and the buffers' allocation; a warm-up wave before them is not counted.
 With --json it times nothing inside the engine and prints only each repeat's output tokens, wall
 time and latencies, as one JSON line (bench_deploy.py's `engine alone`).
@@ -34,6 +35,7 @@ from profile_decode import load_model, model_parser
 
 from runner.deploy.engine import TransformersEngine
 from runner.deploy.generation import SamplingRequest
+from runner.deploy.kv_cache import BatchCache
 
 
 class Timings:
@@ -46,7 +48,8 @@ class Timings:
         self._synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     def wrap(self, owner: Any, name: str, part: str) -> None:
-        """Time every call of owner.name (an instance's method) as `part`."""
+        """Time every call of owner.name (an instance's method, or a class's, for every
+        instance) as `part`."""
         method: Callable[..., Any] = getattr(owner, name)
 
         @functools.wraps(method)
@@ -109,6 +112,8 @@ def watch(engine: TransformersEngine, timings: Timings) -> None:
     for method, part in [*parts, ("_publish", "publish")]:
         timings.wrap(engine, method, part)
     timings.wrap(engine.decode_step, "_capture", "capture")
+    # The cache is made with the first batch: its class's method, for every instance.
+    timings.wrap(BatchCache, "select_rows", "leave")
     # Within the prefill: the model's forward pass alone (the rest is building the batch on the
     # host and sampling its first tokens).
     timings.wrap(engine.decode_step, "prefill", "prefill forward")
