@@ -64,6 +64,7 @@ class Result:
     wall_s: float
     busy: float | None = None  # the busiest client process's CPU over wall (HTTP sides)
     client_cpu_s: float | None = None  # the clients' CPU a request (HTTP sides)
+    server_cpu_s: float | None = None  # the server's process's CPU a request (Linux)
 
     @property
     def tokens_per_s(self) -> float:
@@ -411,13 +412,27 @@ def _servers(
     return servers
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """The CPU seconds process `pid` has used, all its threads (not its children: the engine's
+    own process, where it has one); None where /proc does not tell (not Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # from the state on: utime and stime are 12th, 13th
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _progress(result: Result) -> Result:
     """Print one measurement as it lands (a run cut short still shows what it measured)."""
     busy = ""
     if result.busy is not None and result.client_cpu_s is not None:
+        server = ""
+        if result.server_cpu_s is not None:
+            server = f", the server's process {result.server_cpu_s * 1e3:.2f} ms"
         busy = (
-            f" (busiest client process {result.busy:.0%} busy, clients "
-            f"{result.client_cpu_s * 1e3:.2f} ms of CPU a request)"
+            f" (busiest client process {result.busy:.0%} busy; CPU a request: clients "
+            f"{result.client_cpu_s * 1e3:.2f} ms{server})"
         )
     print(
         f"  {result.label}, concurrency {result.concurrency}: {result.tokens_per_s:.0f} tokens/s"
@@ -521,9 +536,12 @@ def main() -> None:
                         result = measure(model, tokenizer, sent, args.max_tokens, concurrency)
                         runs[label][concurrency].append(_progress(result))
                     processes = client_processes(args.client_processes, concurrency)
-                    for label, (_, url) in servers.items():
+                    for label, (process, url) in servers.items():
+                        cpu = process_cpu_s(process.pid)
                         load = clients.run(url, sent, args.max_tokens, concurrency, processes)
                         result = Result(label, concurrency, *astuple(load))
+                        if cpu is not None and (now := process_cpu_s(process.pid)) is not None:
+                            result.server_cpu_s = (now - cpu) / len(sent)
                         runs[label][concurrency].append(_progress(result))
                     if ENGINE_ALONE in runs:
                         result = engine_alone(checkpoint, args, concurrency, len(sent))
