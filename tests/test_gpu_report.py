@@ -374,6 +374,7 @@ def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
     assert (
         f"--checkpoint {checkpoint} --device cuda --dtype bf16 --concurrency 1,8,32,128" in deploy
     )
+    assert "--client http" in deploy  # aiohttp's clients, installed with the test extra
     # The decode step is profiled on the same checkpoint, alone and at the largest concurrency.
     profile = " ".join(lines["profile decode"])
     assert f"--checkpoint {checkpoint} --device cuda --dtype bf16 --rows 1,128" in profile

@@ -182,6 +182,9 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
     deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
     deploy += ["--repeats", "3", "--engines", "runner,engine"]
+    # The GPU kit's wheels may lack aiohttp (docs: benchmarks): the SDK's clients then, as
+    # bench_deploy's first line says, rather than a stage lost.
+    deploy += ["--client", "http" if importlib.util.find_spec("aiohttp") else "openai"]
     # Beside the default: waiting sequences join a running batch as text-generation-inference
     # lets them (its defaults: 20 steps, and conf/deploy.yaml's ratio 0.3), in fewer prefills.
     deploy += ["--variant", "transformers.max_waiting_steps=20"]

@@ -28,6 +28,7 @@ temporary directory. On a GPU, e.g. for a 1B model in bf16:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -358,6 +359,8 @@ def _arguments() -> argparse.Namespace:
         help="a runner source tree whose `runner deploy` is measured beside this tree's",
     )
     args = parser.parse_args()
+    if args.client == "http" and importlib.util.find_spec("aiohttp") is None:
+        parser.error("--client http posts with aiohttp: pip install aiohttp, or --client openai")
     if args.client_processes is not None and args.client_processes < 1:
         parser.error(f"--client-processes {args.client_processes}: give 1 or more")
     args.concurrency = sorted({1, *(int(c) for c in args.concurrency.split(","))})
