@@ -730,6 +730,21 @@ def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(run_
                 torch.testing.assert_close(keys, own.keys[0], atol=1e-5, rtol=1e-5)
 
 
+def _decode_as_alone(model, step, cache, rows: list[list[int]], steps: int) -> None:
+    """`steps` greedy decode steps of the batch `cache`, whose rows hold the sequences `rows`
+    (extended with each new token): each row's logits equal its sequence's run alone (to 1e-4:
+    fp32 sums in another order and over padding)."""
+    for _ in range(steps):
+        logits = step(cache, cache.next_window())
+        for row, sequence in enumerate(rows):
+            alone = model(input_ids=torch.tensor([sequence])).logits[0, -1]
+            torch.testing.assert_close(logits[row], alone, atol=1e-4, rtol=1e-4)
+        next_ids = logits[: cache.rows].argmax(dim=-1)
+        cache.advance(next_ids)
+        for sequence, token in zip(rows, next_ids.tolist(), strict=True):
+            sequence.append(token)
+
+
 def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(run_dir) -> None:
     # compute=cpu dtype=fp32. Rows that leave the batch make room for the last rows (moved in
     # their places, the rest left where they are); columns that became padding in every row are
@@ -745,15 +760,7 @@ def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(
     sequences = [list(range(5, 5 + length)) for length in (12, 3, 9, 4, 6, 2)]
 
     def decode(cache: BatchCache, rows: list[list[int]], steps: int) -> None:
-        for _ in range(steps):
-            logits = step(cache, cache.next_window())
-            for row, sequence in enumerate(rows):
-                alone = model(input_ids=torch.tensor([sequence])).logits[0, -1]
-                torch.testing.assert_close(logits[row], alone, atol=1e-4, rtol=1e-4)
-            next_ids = logits[: cache.rows].argmax(dim=-1)
-            cache.advance(next_ids)
-            for sequence, token in zip(rows, next_ids.tolist(), strict=True):
-                sequence.append(token)
+        _decode_as_alone(model, step, cache, rows, steps)
 
     with torch.inference_mode():
         prefilled = step.prefill(sequences)
@@ -783,6 +790,37 @@ def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(
         assert order == [3, 1, 2] and cache.end == 12
         rows = [rows[old] for old in order]
         decode(cache, rows, 2)
+
+
+def test_padded_windows_drop_dead_columns_when_that_keeps_the_bucket(run_dir) -> None:
+    # compute=cpu dtype=fp32. Padded (the CUDA path's shapes, graphs off), a step reads its
+    # whole power-of-two bucket of columns: dropping dead columns pays only where the bucket
+    # shrinks or would otherwise double. The long row leaves 50 dead columns in a window of 64
+    # (the smallest bucket): kept; two steps on, the window would double to 128: dropped first.
+    from runner.deploy.decode_step import DecodeStep
+    from runner.deploy.kv_cache import MIN_TOKENS, BatchCache
+    from runner.deploy.loading import load_checkpoint
+
+    path = run_dir / "checkpoints" / "step_10"
+    model = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None).model
+    step = DecodeStep(model, graphs=False)
+    sequences = [[5 + i % 200 for i in range(60)], list(range(5, 15))]
+    with torch.inference_mode():
+        prefilled = step.prefill(sequences)
+        cache = BatchCache(prefilled.cache, padded=True)
+        cache.append_rows(prefilled, [sequence[-1] for sequence in sequences])
+        rows = [list(sequence) for sequence in sequences]
+        _decode_as_alone(model, step, cache, rows, 3)
+        assert (cache.end, cache.window.width) == (62, MIN_TOKENS)
+        assert cache.select_rows([1]) == [1] and cache.end == 62  # 50 dead columns stay
+        rows = [rows[1]]
+        _decode_as_alone(model, step, cache, rows, 2)
+        assert cache.end == 64 and cache.window.width == MIN_TOKENS
+        window = cache.next_window()  # column 64 would open a window of 128: the 50 go first
+        assert (cache.end, window.width) == (14, MIN_TOKENS)
+        logits = step(cache, window)
+        alone = model(input_ids=torch.tensor([rows[0]])).logits[0, -1]
+        torch.testing.assert_close(logits[0], alone, atol=1e-4, rtol=1e-4)
 
 
 def test_eager_attention_prefills_left_padded_and_answers_as_generate(run_dir, reference) -> None:

@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 
 # The fewest tokens a buffer (and a CUDA graph's window) holds.
 MIN_TOKENS = 64
-# The share of a batch's columns that must be padding in every row before select_rows drops
-# them, moving every row: below it, the steps read a few dead columns rather than copy the cache.
+# The share of a step's window that dropping the columns every row has left behind must save
+# before BatchCache drops them (moving every row): below it, the steps read a few dead columns
+# rather than copy the cache. Padded, windows come in powers of two, so that is when the bucket
+# shrinks, or when the window would otherwise double.
 TRIM_SHARE = 0.25
 # Numbers each allocation of buffers, across caches: a captured step is valid for one only.
 _ALLOCATIONS = itertools.count(1)
@@ -216,26 +218,32 @@ class BatchCache(Cache):
     def select_rows(self, keep: list[int]) -> list[int]:
         """Keep only the rows in `keep` (ascending) and return their new order: the old row at
         each new place. A kept row stays where it is unless it lies past the kept count; those
-        fill the places of the rows that left, so only they are copied. The columns left that
-        are padding in every kept row are dropped once they are TRIM_SHARE of the window or
-        more (a copy of every row, which the narrower steps after it repay)."""
+        fill the places of the rows that left, so only they are copied (unless the columns
+        left behind are dropped, `_trimmed`)."""
         count, kept = len(keep), set(keep)
         movers = iter(row for row in keep if row >= count)
         order = [row if row in kept else next(movers) for row in range(count)]
         index = torch.tensor(order, device=self.device)
-        live = self.mask[index, : self.end].any(dim=0)
-        first = int(live.int().argmax())  # one host sync, only when rows leave
-        if first and first >= TRIM_SHARE * self.end:
-            self._gather(index, slice(0, count), slice(first, self.end))
-            self.end -= first
-            self.mask[:count, self.end :] = False
-        else:
+        if not self._trimmed(index):
             moved = [new for new, old in enumerate(order) if new != old]
             if moved:
                 places = torch.tensor(moved, device=self.device)
                 self._gather(index[places], places, slice(0, self.end))
         self.rows = count
         return order
+
+    def _trimmed(self, sources: torch.Tensor) -> bool:
+        """Move rows `sources` to the first rows without the leading columns that are padding
+        in all of them, if that narrows the step's window by TRIM_SHARE or more (a copy of
+        every row, which the narrower steps after it repay); whether it did."""
+        dead = int(self.mask[sources, : self.end].any(dim=0).int().argmax())  # one host sync
+        if not dead or self._width(self.end - dead) > (1 - TRIM_SHARE) * self._width(self.end):
+            return False
+        count = len(sources)
+        self._gather(sources, slice(0, count), slice(dead, self.end))
+        self.end -= dead
+        self.mask[:count, self.end :] = False
+        return True
 
     def _gather(self, sources: torch.Tensor, places: Any, columns: slice) -> None:
         """Copy rows `sources`, columns `columns`, to rows `places` from column 0."""
@@ -247,18 +255,22 @@ class BatchCache(Cache):
         self.ids[places], self.positions[places] = self.ids[sources], self.positions[sources]
 
     def next_window(self) -> Window:
-        """Open column `end` for the next token and size the step's window over it."""
+        """Open column `end` for the next token and size the step's window over it. Padded, a
+        window about to double first drops the columns every row has left behind, if any."""
+        if self.padded and self.rows and self._width(self.end) > self._width(self.end - 1):
+            self._trimmed(torch.arange(self.rows, device=self.device))
         self._reserve(self.rows, self.end + 1)
-        if self.padded:
-            self.window.rows = bucket(self.rows)
-            self.window.width = bucket(self.end + 1, MIN_TOKENS)
-        else:
-            self.window.rows, self.window.width = self.rows, self.end + 1
+        self.window.rows = bucket(self.rows) if self.padded else self.rows
+        self.window.width = self._width(self.end)
         # Padding rows attend their own token too: a row that attends nothing gives nan, and a
         # nan left in the buffer would poison the row that takes its place (0 * nan is nan).
         self.mask[: self.window.rows, self.end] = True
         self.window.write_at.fill_(self.end)
         return self.window
+
+    def _width(self, end: int) -> int:
+        """The width of a step's window that writes column `end`: a bucket when padded."""
+        return bucket(end + 1, MIN_TOKENS) if self.padded else end + 1
 
     def advance(self, next_ids: torch.Tensor) -> None:
         """After a step: its tokens are the next inputs, one position on, one column on."""
