@@ -424,6 +424,27 @@ def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:
     assert f"median of 2, {min(rates):,.0f}-{max(rates):,.0f}" in text[2]
 
 
+def test_engine_calls_counts_the_engines_python_calls_in_each_tree(tmp_path: Path) -> None:
+    # engine_calls.py patches the engine's loop to profile it: as the loop's arguments change,
+    # it must still run (it once waited forever on an engine whose thread had failed), for
+    # this tree and for another given with --source (here this tree's package again, linked
+    # from another directory).
+    import bench_deploy
+
+    checkpoint = bench_deploy.make_tiny_checkpoint(tmp_path / "tiny")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "runner").symlink_to(SCRIPTS.parent / "runner")
+    script = SCRIPTS / "serving" / "engine_calls.py"
+    command = [sys.executable, str(script), "--checkpoint", str(checkpoint), "--prompts", "2"]
+    command += ["--repeats", "1", "--source", str(other)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(r"^(this tree|\S+) +(\d+) +(\d+) +[\d.]+", result.stdout, re.MULTILINE)
+    assert [row[0] for row in rows] == ["this tree", str(other.resolve())], result.stdout
+    assert all(int(tokens) > 0 and int(calls) > 0 for _, tokens, calls in rows), rows
+
+
 def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> None:
     """The compiled training arm's own overrides on the CPU (the tiny model, fp32): its
     metrics.jsonl gives one window per 2 warm-up-sized steps after the warm-up, the last one

@@ -42,10 +42,10 @@ from deploy_clients import prompts
 
 profile = cProfile.Profile()
 loop = engine_module.TransformersEngine._loop
-def profiled_loop(self):
+def profiled_loop(self, *args):  # the loop's arguments differ between trees
     profile.enable()
     try:
-        loop(self)
+        loop(self, *args)
     finally:
         profile.disable()
 engine_module.TransformersEngine._loop = profiled_loop
