@@ -730,6 +730,23 @@ def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(run_
                 torch.testing.assert_close(keys, own.keys[0], atol=1e-5, rtol=1e-5)
 
 
+def _batch_of(run_dir: Path, sequences: list[list[int]], *, padded: bool):
+    """The tiny checkpoint's model on the CPU (fp32), its DecodeStep, and a BatchCache holding
+    `sequences` as the engine admits them, with copies of them to extend as rows decode."""
+    from runner.deploy.decode_step import DecodeStep
+    from runner.deploy.kv_cache import BatchCache
+    from runner.deploy.loading import load_checkpoint
+
+    path = run_dir / "checkpoints" / "step_10"
+    model = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None).model
+    step = DecodeStep(model, graphs=False)
+    with torch.inference_mode():
+        prefilled = step.prefill(sequences)
+        cache = BatchCache(prefilled.cache, padded=padded)
+        cache.append_rows(prefilled, [sequence[-1] for sequence in sequences])
+    return model, step, cache, [list(sequence) for sequence in sequences]
+
+
 def _decode_as_alone(model, step, cache, rows: list[list[int]], steps: int) -> None:
     """`steps` greedy decode steps of the batch `cache`, whose rows hold the sequences `rows`
     (extended with each new token): each row's logits equal its sequence's run alone (to 1e-4:
@@ -748,38 +765,27 @@ def _decode_as_alone(model, step, cache, rows: list[list[int]], steps: int) -> N
 def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(run_dir) -> None:
     # compute=cpu dtype=fp32. Rows that leave the batch make room for the last rows (moved in
     # their places, the rest left where they are); columns that became padding in every row are
-    # dropped once they are TRIM_SHARE of the window. Either way each row's next-token logits
-    # equal its sequence's run alone (to 1e-4: fp32 sums in another order and over padding).
-    from runner.deploy.decode_step import DecodeStep
-    from runner.deploy.kv_cache import TRIM_SHARE, BatchCache
-    from runner.deploy.loading import load_checkpoint
+    # dropped where that narrows the window by TRIM_SHARE. Either way each row's next-token
+    # logits equal its sequence's run alone (to 1e-4: fp32 sums in another order and over
+    # padding).
+    from runner.deploy.kv_cache import TRIM_SHARE
 
-    path = run_dir / "checkpoints" / "step_10"
-    model = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None).model
-    step = DecodeStep(model, graphs=False)
     sequences = [list(range(5, 5 + length)) for length in (12, 3, 9, 4, 6, 2)]
-
-    def decode(cache: BatchCache, rows: list[list[int]], steps: int) -> None:
-        _decode_as_alone(model, step, cache, rows, steps)
-
+    model, step, cache, rows = _batch_of(run_dir, sequences, padded=False)
     with torch.inference_mode():
-        prefilled = step.prefill(sequences)
-        cache = BatchCache(prefilled.cache, padded=False)
-        cache.append_rows(prefilled, [sequence[-1] for sequence in sequences])
-        rows = [list(sequence) for sequence in sequences]
-        decode(cache, rows, 3)
+        _decode_as_alone(model, step, cache, rows, 3)
         # The two longest leave: the rest's 6 dead columns of 14 are dropped (a copy of all).
         end = cache.end
         order = cache.select_rows([1, 3, 4, 5])
         assert order == [4, 1, 5, 3]  # rows 4 and 5 take the places of 0 and 2
         assert (end - cache.end) / end >= TRIM_SHARE and cache.end == 5 + 3
         rows = [rows[old] for old in order]
-        decode(cache, rows, 2)
+        _decode_as_alone(model, step, cache, rows, 2)
         # The shortest leaves: no column is dead, the last row moves to its place, alone.
         order = cache.select_rows([0, 1, 3])
         assert order == [0, 1, 3] and cache.end == 10
         rows = [rows[old] for old in order]
-        decode(cache, rows, 2)
+        _decode_as_alone(model, step, cache, rows, 2)
         # A row as long as the first prompt joins and the oldest leaves: the one column dead in
         # every row is under TRIM_SHARE of 12 and stays; the new row moves to the oldest's place.
         joining = list(range(5, 17))
@@ -789,7 +795,7 @@ def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(
         order = cache.select_rows([1, 2, 3])
         assert order == [3, 1, 2] and cache.end == 12
         rows = [rows[old] for old in order]
-        decode(cache, rows, 2)
+        _decode_as_alone(model, step, cache, rows, 2)
 
 
 def test_padded_windows_drop_dead_columns_when_that_keeps_the_bucket(run_dir) -> None:
@@ -797,19 +803,11 @@ def test_padded_windows_drop_dead_columns_when_that_keeps_the_bucket(run_dir) ->
     # whole power-of-two bucket of columns: dropping dead columns pays only where the bucket
     # shrinks or would otherwise double. The long row leaves 50 dead columns in a window of 64
     # (the smallest bucket): kept; two steps on, the window would double to 128: dropped first.
-    from runner.deploy.decode_step import DecodeStep
-    from runner.deploy.kv_cache import MIN_TOKENS, BatchCache
-    from runner.deploy.loading import load_checkpoint
+    from runner.deploy.kv_cache import MIN_TOKENS
 
-    path = run_dir / "checkpoints" / "step_10"
-    model = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None).model
-    step = DecodeStep(model, graphs=False)
     sequences = [[5 + i % 200 for i in range(60)], list(range(5, 15))]
+    model, step, cache, rows = _batch_of(run_dir, sequences, padded=True)
     with torch.inference_mode():
-        prefilled = step.prefill(sequences)
-        cache = BatchCache(prefilled.cache, padded=True)
-        cache.append_rows(prefilled, [sequence[-1] for sequence in sequences])
-        rows = [list(sequence) for sequence in sequences]
         _decode_as_alone(model, step, cache, rows, 3)
         assert (cache.end, cache.window.width) == (62, MIN_TOKENS)
         assert cache.select_rows([1]) == [1] and cache.end == 62  # 50 dead columns stay

@@ -519,8 +519,9 @@ def main() -> None:
         runs: dict[str, dict[int, list[Result]]] = {
             label: {c: [] for c in args.concurrency} for label in labels
         }
-        processes = client_processes(args.client_processes, max(args.concurrency))
-        clients = Clients(processes, args.client)
+        clients = Clients(
+            client_processes(args.client_processes, max(args.concurrency)), args.client
+        )
         try:
             texts = prompts(1 << 16)
             count = warm_up(args, texts, servers, clients)

@@ -59,7 +59,7 @@ class Load:
 
 
 class Clients:
-    """Client processes kept for a whole benchmark, so that starting them (and importing the SDK)
+    """Client processes kept for a whole benchmark, so that starting them (and their imports)
     is paid once; each measurement uses as many of them as it asks for."""
 
     def __init__(self, processes: int, client: str = "http") -> None:
