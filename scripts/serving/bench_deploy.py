@@ -558,6 +558,14 @@ def main() -> None:
     baseline = f"runner deploy @{args.baseline_source.name}" if args.baseline_source else None
     report(runs, baseline)
     ratio_lines(runs)
+    if device.type == "cpu" and torch.get_num_threads() >= (os.cpu_count() or 1) > 1:
+        print(
+            f"threads: the engine's {torch.get_num_threads()} torch threads take every core, "
+            "which the server and the clients share with them, and a step waits for a "
+            "descheduled one: fewer (OMP_NUM_THREADS=1 on two cores, as the docs' figures) "
+            "set the server's loss apart (docs: benchmarks, 'The clients, and rows leaving "
+            "the batch')"
+        )
 
 
 if __name__ == "__main__":
