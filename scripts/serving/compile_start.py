@@ -27,33 +27,23 @@ from pathlib import Path
 
 import torch
 from bench_deploy import STAND_IN, TINY_TOKENIZER_DIR, make_tiny_checkpoint
-from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from runner.api import compose
+from runner.config.model import resolve_model
 from runner.deploy.engine import TransformersEngine
 from runner.deploy.generation import SamplingRequest
 from runner.deploy.loading import LoadedModel, load_checkpoint
-from runner.models.families import family_named, hf_config
-
-CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
 def build(shape: str, path: Path) -> LoadedModel:
     """The named shape with random weights, saved and loaded as `runner deploy` loads it."""
     if shape in ("tiny", "stand-in"):
         make_tiny_checkpoint(path, *(STAND_IN if shape == "stand-in" else ()))
-    else:  # the config.json that runner writes for a random init of the option's builder
-        option = OmegaConf.load(CONF_MODEL / f"{shape}.yaml")
-        builder = OmegaConf.to_container(option.builder)
-        assert isinstance(builder, dict), f"conf/model/{shape}.yaml has no builder arguments"
+    else:  # the config.json that `runner train model=MODEL model.source=null` writes
+        overrides = [f"model={shape}", "model.source=null", f"model.tokenizer={TINY_TOKENIZER_DIR}"]
+        config = resolve_model(compose(overrides).model).hf_config
         tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
-        config = hf_config(
-            family_named(option.family),
-            {str(key): value for key, value in builder.items()},
-            initializer_range=option.initializer_range,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
         model.save_pretrained(path)
