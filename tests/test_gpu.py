@@ -268,8 +268,10 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path, compil
     # The second wave's long prompt outgrows the first wave's buffers: they are reallocated and
     # the steps captured again, into a new memory pool (capturing into the released one broke
     # the caching allocator's count: an INTERNAL ASSERT the first time this served a 1B model).
+    # Its length is read from the buffers, whose width depends on how the first wave's requests
+    # happened to join (at most 128 columns: on an H200, 100 tokens fitted and nothing grew).
     path = make_checkpoint(tmp_path / "model", width=256)  # vLLM: heads 64 wide
-    waves = [[[5 + i] * (3 + 4 * i) for i in range(6)], [[9] * 100, [6] * 7]]
+    waves = [[[5 + i] * (3 + 4 * i) for i in range(6)]]
     loaded = load_checkpoint(path, device="cuda", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=16, compile=compiled)
 
@@ -284,6 +286,8 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path, compil
         texts = asyncio.run(answers(waves[0]))
         assert engine.decode_step.graphs and engine.decode_step.captured >= 1
         first_buffers = engine._cache.allocation
+        long = engine._cache.capacity[1] + 1  # at most 129, plus 12 new: inside the 256 positions
+        waves.append([[9] * long, [6] * 7])
         texts += asyncio.run(answers(waves[1]))
         assert engine._cache.allocation != first_buffers and engine.decode_step.captured >= 1
     finally:
