@@ -331,6 +331,33 @@ def test_a_failed_deploy_says_why_in_the_table(tmp_path: Path) -> None:
     assert text.splitlines()[1].endswith(f"no table in its log: {error}")
 
 
+def test_a_deploy_stopped_before_its_table_gives_the_repeats_that_landed(tmp_path: Path) -> None:
+    # As the H200 run's deploy overran its share in its second repeat: its progress lines only.
+    log = tmp_path / "deploy.log"
+    log.write_text(
+        "checkpoint ... median of 3 repeats\n"
+        "  transformers generate, concurrency 1: 39 tokens/s\n"
+        "  runner deploy, concurrency 1: 250 tokens/s (busiest client process 0% busy; ...)\n"
+        "  engine alone, concurrency 1: 200 tokens/s\n"
+        "  runner deploy, concurrency 1: 270 tokens/s (busiest client process 0% busy; ...)\n"
+        "  runner deploy, concurrency 1: 200 tokens/s (busiest client process 0% busy; ...)\n"
+        "  runner deploy x=1, concurrency 128: 11167 tokens/s\n"
+    )
+    stage = gpu_report.Stage("deploy", "overran its 192 s", 193, log)
+    lines = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
+    assert lines[1].split() == ["deploy", "overran", "its", "192", "s", "193"]  # no "why"
+    rows = {line[:55].strip(): line[55:].split(None, 1) for line in lines[2:]}
+    assert rows["hf generate c=1"] == [
+        "39",
+        "stopped before its table: median of the 1 repeat(s) that landed",
+    ]
+    runner = rows["runner deploy c=1"]
+    assert runner[0] == "250" and runner[1].endswith(
+        "of the 3 repeat(s) that landed, http/engine 1.25"
+    )
+    assert rows["runner deploy x=1 c=128"][0] == "11,167"  # no engine alone there: no ratio
+
+
 def test_an_unknown_gpu_leaves_mfu_blank_and_says_so(tmp_path: Path) -> None:
     args = gpu_report.arguments([])
     assert "MFU left blank: this GPU is not in" in gpu_report.heading(args, "Tesla T4", 1)

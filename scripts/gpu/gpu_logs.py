@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import statistics
 
 from gpu_bare import overall_rate
 
@@ -97,19 +98,41 @@ def engine_rates(log: str) -> list[float]:
 # bench_deploy.py's report() rows: side, concurrency, tokens/s, its range over repeats, p50, p90
 # and p99 ms, then ratios.
 DEPLOY_ROW = re.compile(
-    r"^(runner deploy.*?|transformers generate)\s+(\d+)\s+(\d+)\s+\d+-\d+\s+(\d+)\s+\d+\s+(\d+)\s"
+    r"^(runner deploy.*?|transformers generate|engine alone)\s+(\d+)\s+(\d+)\s+\d+-\d+\s+(\d+)"
+    r"\s+\d+\s+(\d+)\s"
+)
+# Its line per measurement, printed as each lands (before the table, which a run stopped short
+# of its end never prints).
+DEPLOY_PROGRESS = re.compile(
+    r"^  (runner deploy.*?|transformers generate|engine alone), concurrency (\d+): (\d+) tokens/s"
 )
 
 
 def deploy_rows(log: str) -> list[dict]:
-    """bench_deploy.py's table: one dict per row (side, concurrency, tokens/s, p50 and p99 ms)."""
+    """bench_deploy.py's table: one dict per row (side, concurrency, tokens/s, p50 and p99 ms).
+    Without a table (the run was stopped), the medians of its progress lines, with the number
+    of repeats each had (`repeats`) and no latencies (None)."""
     rows = []
     for match in map(DEPLOY_ROW.match, log.splitlines()):
         if match:
             label, concurrency, rate, p50, p99 = match.groups()
-            side = label if label.startswith("runner deploy") else "hf generate"
             rows.append(
-                {"side": side, "concurrency": int(concurrency), "tokens_per_s": float(rate)}
-                | {"p50_ms": float(p50), "p99_ms": float(p99)}
+                {"side": _side(label), "concurrency": int(concurrency), "tokens_per_s": float(rate)}
+                | {"p50_ms": float(p50), "p99_ms": float(p99), "repeats": None}
             )
-    return rows
+    if rows:
+        return rows
+    landed: dict[tuple[str, int], list[float]] = {}
+    for match in map(DEPLOY_PROGRESS.match, log.splitlines()):
+        if match:
+            label, concurrency, rate = match.groups()
+            landed.setdefault((_side(label), int(concurrency)), []).append(float(rate))
+    return [
+        {"side": side, "concurrency": concurrency, "tokens_per_s": statistics.median(rates)}
+        | {"p50_ms": None, "p99_ms": None, "repeats": len(rates)}
+        for (side, concurrency), rates in landed.items()
+    ]
+
+
+def _side(label: str) -> str:
+    return "hf generate" if label == "transformers generate" else label

@@ -356,11 +356,7 @@ def serving_rows(stage: Stage) -> list[tuple[str, float, str]]:
     """A serving stage's rows under its own: what, tokens/s, detail."""
     log = stage.log.read_text()
     if stage.name == "deploy":
-        latency = "p50 {p50_ms:,.0f} ms, p99 {p99_ms:,.0f} ms"
-        return [
-            (f"{row['side']} c={row['concurrency']}", row["tokens_per_s"], latency.format(**row))
-            for row in deploy_rows(log)
-        ]
+        return deploy_figures(deploy_rows(log))
     if stage.name == "profile decode":
         return [
             (f"decode step, {rows} rows (engine alone, no HTTP)", rate, f"{ms:.2f} ms a step")
@@ -372,6 +368,24 @@ def serving_rows(stage: Stage) -> list[tuple[str, float, str]]:
     spread = f"median of {len(repeats)}, {repeats[0]:,.0f}-{repeats[-1]:,.0f}"
     middle = repeats[(len(repeats) - 1) // 2]
     return [(f"engine alone, no HTTP, c={engine_concurrency(stage)}", middle, spread)]
+
+
+def deploy_figures(rows: list[dict]) -> list[tuple[str, float, str]]:
+    """Deploy's rows: what, tokens/s, and latency (or, from a run stopped before its table,
+    the repeats that landed), with each server's share of the engine alone's tokens/s."""
+    engine = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["side"] == "engine alone"}
+    figures = []
+    for row in rows:
+        if row["repeats"] is None:
+            detail = "p50 {p50_ms:,.0f} ms, p99 {p99_ms:,.0f} ms".format(**row)
+        else:
+            landed = row["repeats"]
+            detail = f"stopped before its table: median of the {landed} repeat(s) that landed"
+        alone = engine.get(row["concurrency"])
+        if row["side"].startswith("runner deploy") and alone:
+            detail += f", http/engine {row['tokens_per_s'] / alone:.2f}"
+        figures.append((f"{row['side']} c={row['concurrency']}", row["tokens_per_s"], detail))
+    return figures
 
 
 def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float | None) -> str:

@@ -4,7 +4,10 @@ Every side runs in the same process tree, on the same checkpoint, device and dty
 interleaved repeats (the median is shown, with the range over repeats):
 
 - `transformers generate`: `generate` over static batches of each concurrency (batch 1 is the
-  sequential baseline every row is compared with);
+  sequential baseline every row is compared with), as many a repeat as last --repeat-seconds;
+- `engine alone` (--engines ...,engine, the default): scripts/serving/profile_engine.py's engine
+  without the server, one process for the run as each server is, over the servers' prompts:
+  the `http/engine c=C X` lines divide each server's tokens/s by it;
 - `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP
   (--client: aiohttp's JSON posts by default, or OpenAI's SDK; spread over --client-processes
   processes, scripts/serving/deploy_clients.py, with the busiest one's CPU share in the
@@ -445,20 +448,49 @@ def _progress(result: Result) -> Result:
     return result
 
 
-def engine_alone(
-    checkpoint: Path, args: argparse.Namespace, concurrency: int, count: int
-) -> Result:
-    """profile_engine.py's engine, without the server, over the same `count` prompts: its own
-    process (as the server is), after a warm-up wave it does not count."""
-    command = [sys.executable, str(Path(__file__).with_name("profile_engine.py"))]
-    command += [f"--checkpoint={checkpoint}", f"--device={args.device}", f"--dtype={args.dtype}"]
-    command += [f"--concurrency={concurrency}", f"--waves={count // concurrency}", "--repeats=1"]
-    command += [f"--max-tokens={args.max_tokens}", "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"profile_engine.py failed:\n{done.stderr[-3000:]}")
-    (run,) = json.loads(done.stdout.splitlines()[-1])
-    return Result(ENGINE_ALONE, concurrency, run["latencies_s"], run["tokens"], run["wall_s"])
+class EngineAlone:
+    """profile_engine.py's engine, without the server: one process for the whole run, as each
+    server is (loaded once, its buffers and captures kept across concurrencies), answering the
+    same prompts the servers get, after a wave it does not count at each new concurrency."""
+
+    def __init__(self, checkpoint: Path, args: argparse.Namespace, scratch: Path) -> None:
+        command = [sys.executable, str(Path(__file__).with_name("profile_engine.py"))]
+        command += [f"--checkpoint={checkpoint}", f"--device={args.device}"]
+        command += [f"--dtype={args.dtype}", f"--concurrency={max(args.concurrency)}"]
+        command += [f"--max-tokens={args.max_tokens}", "--serve"]
+        self._log = (scratch / "engine_alone.log").open("w+")
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True
+        )
+        self._answer()  # loaded: nothing else measured meanwhile shares the machine with that
+
+    def _answer(self) -> dict:
+        assert self._process.stdout is not None
+        try:
+            return json.loads(self._process.stdout.readline())
+        except ValueError:
+            self._log.seek(0)
+            raise SystemExit(f"profile_engine.py failed:\n{self._log.read()[-3000:]}") from None
+
+    def run(self, concurrency: int, count: int) -> Result:
+        """The engine alone over the first `count` prompts, `concurrency` clients."""
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(f"{concurrency} {count}\n")
+            self._process.stdin.flush()
+        except OSError:
+            pass  # it exited: _answer reads nothing and shows its log
+        run = self._answer()
+        return Result(ENGINE_ALONE, concurrency, run["latencies_s"], run["tokens"], run["wall_s"])
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+        self._log.close()
 
 
 def waves(args: argparse.Namespace, concurrency: int, warm_s: float) -> int:
@@ -481,6 +513,22 @@ def warm_up(
             for _, url in servers.values()
         ]
         count[concurrency] = concurrency * waves(args, concurrency, max(walls, default=0.0))
+    return count
+
+
+def local_counts(
+    args: argparse.Namespace, texts: list[str], local: dict[str, Any], model: Any, tokenizer: Any
+) -> dict[str, dict[int, int]]:
+    """One batch of each in-process baseline at each concurrency, not counted; then the
+    prompts each repeat gives it: whole batches lasting about --repeat-seconds. Not --requests:
+    `generate`'s static batches run alike however many there are, and at batch 1 on a GPU its
+    --requests took 26 s a repeat, more than every server together."""
+    count: dict[str, dict[int, int]] = {label: {} for label in local}
+    for label, measure in local.items():
+        for concurrency in args.concurrency:
+            warm = measure(model, tokenizer, texts[:concurrency], args.max_tokens, concurrency)
+            batches = max(args.waves, math.ceil(args.repeat_seconds / max(warm.wall_s, 1e-3)))
+            count[label][concurrency] = concurrency * batches
     return count
 
 
@@ -522,9 +570,11 @@ def main() -> None:
         clients = Clients(
             client_processes(args.client_processes, max(args.concurrency)), args.client
         )
+        engine = EngineAlone(checkpoint, args, Path(scratch)) if ENGINE_ALONE in runs else None
         try:
             texts = prompts(1 << 16)
             count = warm_up(args, texts, servers, clients)
+            baselines = local_counts(args, texts, local, model, tokenizer)
             print(
                 f"checkpoint {checkpoint} on {device} ({name}), {dtype}: requests per "
                 f"concurrency {count} (a warm-up wave first, not counted), {args.max_tokens} new "
@@ -537,7 +587,8 @@ def main() -> None:
                 for concurrency in args.concurrency:
                     sent = texts[: count[concurrency]]
                     for label, measure in local.items():
-                        result = measure(model, tokenizer, sent, args.max_tokens, concurrency)
+                        batches = texts[: baselines[label][concurrency]]
+                        result = measure(model, tokenizer, batches, args.max_tokens, concurrency)
                         runs[label][concurrency].append(_progress(result))
                     processes = client_processes(args.client_processes, concurrency)
                     for label, (process, url) in servers.items():
@@ -547,11 +598,13 @@ def main() -> None:
                         if cpu is not None and (now := process_cpu_s(process.pid)) is not None:
                             result.server_cpu_s = (now - cpu) / len(sent)
                         runs[label][concurrency].append(_progress(result))
-                    if ENGINE_ALONE in runs:
-                        result = engine_alone(checkpoint, args, concurrency, len(sent))
+                    if engine is not None:
+                        result = engine.run(concurrency, len(sent))
                         runs[ENGINE_ALONE][concurrency].append(_progress(result))
         finally:
             clients.close()
+            if engine is not None:
+                engine.close()
             for process, _ in servers.values():
                 process.send_signal(signal.SIGINT)
                 process.wait(timeout=30)

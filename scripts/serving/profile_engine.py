@@ -2,7 +2,7 @@
 
     python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
-        [--max-waiting-steps 0] [--waiting-served-ratio 0.3] [--compile] [--stand-in] [--json]
+        [--max-waiting-steps 0] [--waiting-served-ratio 0.3] [--compile] [--stand-in] [--serve]
 
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
@@ -13,8 +13,10 @@ CUDA-graph captures, and publishing of events (and within it the moving of rows 
 leave the batch: leave), each timed to the device's completion (which adds a synchronization to
 each), and how many rows the decode steps ran. The first repeat
 includes the captures and the buffers' allocation; a warm-up wave before them is not counted.
-With --json it times nothing inside the engine and prints only each repeat's output tokens, wall
-time and latencies, as one JSON line (bench_deploy.py's `engine alone`).
+With --serve it times nothing inside the engine: it reads `CONCURRENCY COUNT` lines on stdin
+and answers each with one JSON line, the output tokens, wall time and latencies of COUNT prompts
+sent by CONCURRENCY clients (after one uncounted wave at a concurrency it has not served yet):
+bench_deploy.py's `engine alone`, one process for its whole run, as its servers are.
 Beside bench_deploy.py's `runner deploy` at the same concurrency, the difference is what the
 server and HTTP cost. Without --checkpoint it builds bench_deploy.py's tiny model.
 """
@@ -25,6 +27,7 @@ import asyncio
 import collections
 import functools
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,9 +75,13 @@ class Timings:
 
 
 async def clients(
-    engine: TransformersEngine, prompt_ids: list[list[int]], args: Any, latencies: list[float]
+    engine: TransformersEngine,
+    prompt_ids: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    latencies: list[float],
 ) -> int:
-    """Every prompt answered by `--concurrency` clients; the output tokens (and each request's
+    """Every prompt answered by `concurrency` clients; the output tokens (and each request's
     latency appended to `latencies`)."""
     pending = list(reversed(prompt_ids))
     tokens = 0
@@ -82,28 +89,34 @@ async def clients(
     async def client() -> None:
         nonlocal tokens
         while pending:
-            request = SamplingRequest(pending.pop(), args.max_tokens, 0.0, 1.0, None, [], 1, False)
+            request = SamplingRequest(pending.pop(), max_tokens, 0.0, 1.0, None, [], 1, False)
             began = time.perf_counter()
             async for event in engine.submit([request]).events():
                 if event.finish_reason is not None:
                     tokens += event.completion_tokens
             latencies.append(time.perf_counter() - began)
 
-    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    await asyncio.gather(*(client() for _ in range(concurrency)))
     return tokens
 
 
-def alone(engine: TransformersEngine, prompt_ids: list[list[int]], args: Any) -> None:
-    """Each repeat's output tokens, wall time and latencies, as one JSON line."""
-    runs = []
-    for _ in range(args.repeats):
+def serve(engine: TransformersEngine, tokenizer: Any, max_tokens: int) -> None:
+    """Answer each `CONCURRENCY COUNT` line on stdin with one JSON line: the output tokens,
+    wall time and latencies of the first COUNT prompts sent by CONCURRENCY clients, after one
+    wave not counted at a concurrency not served before (buffers, captures)."""
+    served: set[int] = set()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        concurrency, count = map(int, line.split())
+        prompt_ids = [tokenizer.encode(text, add_special_tokens=True) for text in prompts(count)]
+        if concurrency not in served:
+            asyncio.run(clients(engine, prompt_ids[:concurrency], concurrency, max_tokens, []))
+            served.add(concurrency)
         latencies: list[float] = []
         began = time.perf_counter()
-        tokens = asyncio.run(clients(engine, prompt_ids, args, latencies))
-        runs.append(
-            {"tokens": tokens, "wall_s": time.perf_counter() - began, "latencies_s": latencies}
-        )
-    print(json.dumps(runs))
+        tokens = asyncio.run(clients(engine, prompt_ids, concurrency, max_tokens, latencies))
+        wall = time.perf_counter() - began
+        print(json.dumps({"tokens": tokens, "wall_s": wall, "latencies_s": latencies}), flush=True)
 
 
 def watch(engine: TransformersEngine, timings: Timings) -> None:
@@ -132,7 +145,9 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=4, help="prompts per client")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="runs over the same prompts")
-    parser.add_argument("--json", action="store_true", help="only tokens/s, as one JSON line")
+    parser.add_argument(
+        "--serve", action="store_true", help="answer `CONCURRENCY COUNT` lines on stdin in JSON"
+    )
     parser.add_argument(
         "--max-waiting-steps", type=int, default=0, help="deploy's transformers.max_waiting_steps"
     )
@@ -156,17 +171,18 @@ def main() -> None:
         compile=args.compile,
     )
     timings = Timings(device)
-    if not args.json:
-        watch(engine, timings)
+    if args.serve:
+        serve(engine, loaded.tokenizer, args.max_tokens)
+        engine.close()
+        return
+    watch(engine, timings)
     count = args.waves * args.concurrency
     tokenizer = loaded.tokenizer
     prompt_ids = [tokenizer.encode(text, add_special_tokens=True) for text in prompts(count)]
     # A warm-up wave, not counted: the first steps allocate the batch's buffers (and capture).
-    asyncio.run(clients(engine, prompt_ids[: args.concurrency], args, []))
-    if args.json:
-        alone(engine, prompt_ids, args)
-        engine.close()
-        return
+    asyncio.run(
+        clients(engine, prompt_ids[: args.concurrency], args.concurrency, args.max_tokens, [])
+    )
     print(
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}: {args.concurrency} clients, "
         f"{count} prompts, {args.max_tokens} new tokens each, greedy, max_waiting_steps "
@@ -177,7 +193,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             timings.clear()
             began = time.perf_counter()
-            tokens = asyncio.run(clients(engine, prompt_ids, args, []))
+            tokens = asyncio.run(clients(engine, prompt_ids, args.concurrency, args.max_tokens, []))
             wall = time.perf_counter() - began
             print(f"\nrepeat {repeat + 1}: {tokens / wall:,.0f} tokens/s ({wall:.3f} s)")
             for part in sorted(timings.seconds):
