@@ -92,7 +92,7 @@ def test_defaults_run_every_stage_in_budget_order() -> None:
     args = gpu_report.arguments([])
     assert args.stages == list(gpu_report.SHARES)
     assert (args.budget_min, args.concurrency, args.warmup, args.steps) == (
-        9.0,
+        11.0,
         "1,8,32,128",
         5,
         20,
@@ -131,8 +131,10 @@ def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], named: str, capsy
 def test_budgets_split_the_total_and_pass_unused_time_on() -> None:
     names = ["train runner eager", "deploy", "pytest -m gpu"]
     ends = gpu_report.budgets(names, 1500)
-    whole = 0.12 + 0.35 + 0.32
-    assert ends == pytest.approx([1500 * 0.12 / whole, 1500 * 0.47 / whole, 1500])
+    shares = [gpu_report.SHARES[name] for name in names]
+    whole = sum(shares)
+    first, second = shares[0] / whole, (shares[0] + shares[1]) / whole
+    assert ends == pytest.approx([1500 * first, 1500 * second, 1500])
     assert gpu_report.budgets(list(gpu_report.SHARES), 1500)[-1] == pytest.approx(1500)
 
 

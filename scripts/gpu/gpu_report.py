@@ -1,6 +1,6 @@
 """Every GPU figure the project claims, in one command and one table, within a time budget.
 
-    python scripts/gpu/gpu_report.py [--out outputs/gpu_report] [--budget-min 9]
+    python scripts/gpu/gpu_report.py [--out outputs/gpu_report] [--budget-min 11]
         [--only train,deploy,pytest] [--checkpoint DIR]
 
 On one CUDA GPU, with nothing but the project and its wheels (no network): the training benchmark on
@@ -8,7 +8,9 @@ a 1B Llama (conf/model/llama3_2_1b.yaml's dimensions, random init, the tiny toke
 text packed into full rows, pure bf16) as `runner train` and as a bare loop of torchtune's own
 builder (scripts/gpu/gpu_bare.py), each eager and compiled, tokens/s over the steps after the
 warm-up and MFU; scripts/serving/bench_deploy.py on the runner arm's checkpoint at concurrency
-1/8/32/128 (the default server, and one with the admission rule transformers.max_waiting_steps=20),
+1/8/32/128 (the default server, one with the admission rule transformers.max_waiting_steps=20,
+and one with the engine in its own process, transformers.process=true; the engine alone beside
+them),
 scripts/serving/profile_decode.py's decode step on it at 1 and 128 rows (its profile stays in the
 stage's log) and scripts/serving/profile_engine.py's engine at 128 clients without the server
 (tokens/s beside deploy's through HTTP, and where the engine's time goes); then `pytest -m gpu`.
@@ -44,22 +46,23 @@ from gpu_logs import (
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama3_2_1b"
-# Shares of the budget, in the order the stages run, from their seconds on an H100 at the
-# defaults (runner's arms include its start-up; its final checkpoint may run past the share,
-# by at most CHECKPOINT_GRACE_S, run_stage; deploy its 3 repeats;
-# pytest four workers; estimates for what was added since: deploy's second server, about 25 s
-# more, and the decode and engine profiles, a model load, 46 steps at each of two batch sizes,
-# and 3 waves of 128 requests). The runner eager arm comes first: its checkpoint is what deploy
-# serves and the profiles profile.
+# Shares of the budget, in the order the stages run, from their seconds on an H200 (2026-11-28:
+# the train arms 54, 25, 63 and 27 s, runner's including its start-up and final checkpoint;
+# the profiles 17 and 15 s; pytest's four workers 188 s), with about a sixth more each; deploy's
+# from an estimate (that run's overran: it now runs the engine alone in one process, `generate`
+# by --repeat-seconds, and a third server): three servers' starts and warm-up, then 3 repeats of
+# 2 s per side at each of 4 concurrencies. The runner eager arm comes first: its checkpoint is
+# what deploy serves and the profiles profile. Run as two calls of a lent GPU machine,
+# `--only train,deploy --budget-min 7.5` and `--only pytest --budget-min 3.5` (docs: benchmarks).
 SHARES = {
-    "train runner eager": 0.12,
-    "train bare eager": 0.06,
-    "train runner compiled": 0.12,
-    "train bare compiled": 0.08,
-    "deploy": 0.35,
-    "profile decode": 0.06,
-    "profile engine": 0.05,
-    "pytest -m gpu": 0.32,
+    "train runner eager": 0.09,
+    "train bare eager": 0.05,
+    "train runner compiled": 0.11,
+    "train bare compiled": 0.05,
+    "deploy": 0.33,
+    "profile decode": 0.03,
+    "profile engine": 0.03,
+    "pytest -m gpu": 0.31,
 }
 # The most a runner arm's final checkpoint may run past its share (the 1B model's weights and
 # AdamW state: about 14 GB to write).
@@ -181,13 +184,17 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     ]
     deploy += ["--device", "cuda", "--dtype", "bf16", "--concurrency", args.concurrency]
     deploy += ["--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
-    deploy += ["--repeats", "3", "--engines", "runner,engine"]
+    # Repeats of about 2 s a side (the GPU's steps vary little; 4 s, the default, would not fit).
+    deploy += ["--repeats", "3", "--repeat-seconds", "2", "--engines", "runner,engine"]
     # The GPU kit's wheels may lack aiohttp (docs: benchmarks): the SDK's clients then, as
     # bench_deploy's first line says, rather than a stage lost.
     deploy += ["--client", "http" if importlib.util.find_spec("aiohttp") else "openai"]
     # Beside the default: waiting sequences join a running batch as text-generation-inference
-    # lets them (its defaults: 20 steps, and conf/deploy.yaml's ratio 0.3), in fewer prefills.
+    # lets them (its defaults: 20 steps, and conf/deploy.yaml's ratio 0.3), in fewer prefills
+    # (on the H200 1.75x the default's tokens/s at 32 clients, one repeat); and the engine in a
+    # process of its own, which decides PROCESS_BY_DEVICE["cuda"] (runner/deploy/engine_process.py).
     deploy += ["--variant", "transformers.max_waiting_steps=20"]
+    deploy += ["--variant", "transformers.process=true"]
     profile = [
         py,
         str(ROOT / "scripts" / "serving" / "profile_decode.py"),
@@ -473,7 +480,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=Path("outputs/gpu_report"), help="logs and report"
     )
-    parser.add_argument("--budget-min", type=float, default=9.0, help="all stages together")
+    parser.add_argument("--budget-min", type=float, default=11.0, help="all stages together")
     parser.add_argument("--only", default="train,deploy,pytest", help="of train,deploy,pytest")
     parser.add_argument("--batch-size", type=int, default=4, help="rows per training step")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
