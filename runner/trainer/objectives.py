@@ -105,9 +105,9 @@ class Supervised:
         parts = [p for b in batches for p in forward_parts(b, self.dataset.max_forward_tokens)]
         for _ in range(self._passes_behind(len(parts))):
             self._pass_training_nothing()
-        for batch in parts:
-            tokens = batch["tokens"].to(device)
-            labels = batch["labels"].to(device)
+        for part in parts:
+            batch = {key: parallel.to_device(value, self.place) for key, value in part.items()}
+            tokens, labels = batch["tokens"], batch["labels"]
             batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
             packed = self.attention.inputs(batch, device)
             with parallel.autocast(self.place):
