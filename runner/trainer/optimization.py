@@ -42,9 +42,15 @@ class Optimization:
 
     def step(self, model: torch.nn.Module, scale: torch.Tensor) -> None:
         """Scales the accumulated gradients, clips them, steps optimizer and schedule."""
+        # One multi-tensor kernel per dtype, not a multiply (and a cast of the scale) for each
+        # parameter: 146 launches of each at 1B. The scale is cast first, as before, so the
+        # gradients come out the same to the bit.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in model.parameters():
             if param.grad is not None:
-                param.grad.mul_(scale.to(param.grad.dtype))
+                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+        for dtype, grads in by_dtype.items():
+            torch._foreach_mul_(grads, scale.to(dtype))
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
         self.optimizer.step()
