@@ -118,7 +118,9 @@ def profile(
     batch = prefilled(step, loaded, rows, args.prompt_tokens)
     # Captures (on CUDA), compiles (compiled) and warms up; then the window stays the same size
     # while timed, if the steps fit in its bucket: the widths below say whether they did.
+    began = time.perf_counter()
     decode(step, batch, 3)
+    warm = time.perf_counter() - began
     width = batch.window.width
     began = time.perf_counter()
     decode(step, batch, args.steps)
@@ -126,12 +128,14 @@ def profile(
     label, beside = ("", "") if eager is None else (" compiled", f", {eager / seconds:.2f}x eager")
     print(
         f"\nrows {rows}{label}: {seconds * 1e3:.2f} ms a step, {rows / seconds:,.0f} tokens/s "
-        f"(window {width} -> {batch.window.width} columns, {step.captured} graphs{beside})"
+        f"(window {width} -> {batch.window.width} columns, {step.captured} graphs{beside}; "
+        f"the first 3 steps, compiling and capturing, {warm:.1f} s)",
+        flush=True,
     )
     with torch.profiler.profile(activities=activities) as profiler:
         decode(step, batch, args.steps)
     sort = "self_cuda_time_total" if batch.device.type == "cuda" else "self_cpu_time_total"
-    print(profiler.key_averages().table(sort_by=sort, row_limit=args.top))
+    print(profiler.key_averages().table(sort_by=sort, row_limit=args.top), flush=True)
     return seconds
 
 
