@@ -21,7 +21,7 @@ from runner.models.attention import RowAttention
 # Which way each metric is better lives in runner.rundir.metrics (no torch); re-exported here.
 from runner.rundir.metrics import METRIC_MODES as METRIC_MODES
 from runner.rundir.metrics import TRAINING_METRIC_MODES as TRAINING_METRIC_MODES
-from runner.trainer.parallel import Placement
+from runner.trainer.parallel import Placement, to_device
 
 # The metrics of the loss pass (the rest come from generation).
 LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy")
@@ -46,9 +46,9 @@ def loss_sums(
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
-    for batch in batches:
-        tokens = batch["tokens"].to(device)
-        labels = batch["labels"].to(device)
+    for part in batches:
+        batch = {key: to_device(value, device) for key, value in part.items()}
+        tokens, labels = batch["tokens"], batch["labels"]
         # Rows of several samples get their positions and the mask the model takes.
         packed = attention.inputs(batch, device)
         logits = model(tokens, **packed)

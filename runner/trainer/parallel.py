@@ -102,15 +102,15 @@ def peak_memory(place: Placement) -> str | None:
     return f"{torch.cuda.max_memory_allocated(place.device) / 2**30:.2f} GiB"
 
 
-def to_device(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
-    """`tensor` on the run's device; from the host to CUDA through pinned memory, without the
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; from the host to CUDA through pinned memory, without the
     host waiting. A copy from ordinary (pageable) memory waits for every kernel queued before
     it, so each step's first copy would leave the GPU idle while the host prepares the step
     (its batch, the packed rows' BlockMask, the first launches), where the host could have
     done that while the GPU ran the step before (issue 48)."""
-    if place.device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(place.device, non_blocking=True)
-    return tensor.to(place.device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def autocast(place: Placement) -> contextlib.AbstractContextManager[object]:
