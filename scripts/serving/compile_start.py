@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_deploy import STAND_IN, TINY_TOKENIZER_DIR, make_tiny_checkpoint
+from deploy_sides import STAND_IN, TINY_TOKENIZER_DIR, make_tiny_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from runner.api import compose

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_deploy import STAND_IN, make_tiny_checkpoint
+from deploy_sides import STAND_IN, make_tiny_checkpoint
 
 from runner.deploy.decode_step import DecodeStep
 from runner.deploy.kv_cache import BatchCache
