@@ -9,8 +9,12 @@ eagerly over exactly the running rows.
 
 Compiled (transformers.compile), torch.compile's inductor fuses the step's elementwise work
 (norms, rotary embeddings, activations, residual adds) into fewer kernels, which a CUDA graph
-then captures like any others. It compiles with symbolic sizes as the engine starts
-(`warm_up`), so no request waits on a compile.
+then captures like any others. On the CUDA path (`layers`) it compiles one decoder layer, which
+serves every layer (the layer's index is a symbolic number, BatchCache.update): the model
+unrolled took minutes to compile (regional compilation, as PyTorch's tutorial on cold starts
+calls it), and a CUDA graph replays the layers without the host's call of each. On the CPU,
+where each compiled layer's call costs host time every step, it compiles the whole step. It
+compiles with symbolic sizes as the engine starts (`warm_up`), so no request waits on a compile.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from runner.deploy.kv_cache import (
     cache_keyword,
     prefix_tokens,
 )
+from runner.errors import UserError
 
 
 def packs(model: PreTrainedModel) -> bool:
@@ -38,6 +43,20 @@ def packs(model: PreTrainedModel) -> bool:
     full = all(kind == "full_attention" for kind in getattr(text, "layer_types", None) or [])
     sdpa = config._attn_implementation == "sdpa"
     return sdpa and full and getattr(text, "sliding_window", None) is None
+
+
+def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The model's decoder layers (transformers' `get_decoder().layers`), each alike but for its
+    weights and index: the region the compiled step compiles once."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise UserError(
+            "transformers.compile",
+            True,
+            f"{type(model).__name__} has no list of decoder layers to compile "
+            "(get_decoder().layers): set transformers.compile=false",
+        )
+    return list(layers)
 
 
 def pack(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
@@ -62,19 +81,33 @@ def _padded(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
 
 class DecodeStep:
     """Runs the model over the batch: a prefill of new prompts, and one decode step for every
-    running row (`graphs` replays CUDA graphs, `compiled` fuses the step with inductor)."""
+    running row (`graphs` replays CUDA graphs, `compiled` fuses the step with inductor; with
+    `layers` it compiles the model's decoder layers in place, and an eager step over the same
+    model would run them compiled: it wants a model of its own)."""
 
-    def __init__(self, model: PreTrainedModel, *, graphs: bool, compiled: bool = False) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, graphs: bool, compiled: bool = False, layers: bool = False
+    ) -> None:
+        """`layers`: compiled, compile each decoder layer (one compile serves them all) rather
+        than the whole step (see the module's docstring)."""
         self._model = model
         self._cache_keyword = cache_keyword(model)
         self._packs = packs(model)
         self.graphs, self.compiled = graphs, compiled
+        self._layers = compiled and layers
         # dynamic=True: every size symbolic from the first compile (the rows, the window, the
         # buffers' capacity), so that no later batch compiles again (warm_up); sizes of 1 are
         # still specialized. A graph per window size would pass dynamo's limit of recompiles
         # and fall back to eager; sizes made symbolic as they first change (dynamic=None) would
         # compile again as the buffers grow, while requests wait.
-        self._step = torch.compile(self._forward, dynamic=True) if compiled else self._forward
+        if self._layers:
+            for layer in decoder_layers(model):
+                layer.compile(dynamic=True)
+            self._step = self._forward_by_layer
+        elif compiled:
+            self._step = torch.compile(self._forward, dynamic=True)
+        else:
+            self._step = self._forward
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._allocation = 0  # BatchCache.allocation of the buffers the graphs were captured over
         self._pool: Any = None
@@ -163,15 +196,24 @@ class DecodeStep:
         # what lies outside the window, so rows of any length share one left-padded cache.
         cache = DynamicCache()
         device = self._model.device
-        self._model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            use_cache=True,
-            logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
-            **{self._cache_keyword: cache},
-        )
+        # Compiled layers run the decode step only: a prefill's shapes and cache are others.
+        with torch.compiler.set_stance("force_eager" if self._layers else "default"):
+            self._model(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=positions.to(device),
+                use_cache=True,
+                logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
+                **{self._cache_keyword: cache},
+            )
         return Prefilled(cache, rows, starts, lengths)
+
+    def _forward_by_layer(self, cache: BatchCache, window: Window) -> torch.Tensor:
+        # The layer's index (an int on its attention module) read as a symbolic number: one
+        # compiled layer for every layer, where each index would be a compile of its own, and
+        # past dynamo's limit of recompiles, eager.
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            return self._forward(cache, window)
 
     def _forward(self, cache: BatchCache, window: Window) -> torch.Tensor:
         rows, width = window.rows, window.width

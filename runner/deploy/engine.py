@@ -94,7 +94,10 @@ class TransformersEngine:
         self._running: list[_Sequence] = []
         graphs = self._device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._padded = graphs if padded is None else padded
-        self.decode_step = DecodeStep(loaded.model, graphs=graphs, compiled=compile)
+        # Compiled on the CUDA path (padded), one decoder layer for all (decode_step.py).
+        self.decode_step = DecodeStep(
+            loaded.model, graphs=graphs, compiled=compile, layers=self._padded
+        )
         self._cache: BatchCache | None = None  # the running batch, kept while the engine idles
         warm_up = functools.partial(
             self.decode_step.warm_up,

@@ -1,7 +1,9 @@
 """The running batch's KV cache, in buffers whose addresses stay put while rows join and leave.
 
-Each layer's keys and values live in one buffer [rows, heads, tokens, head_dim] allocated ahead
-(rows and tokens grow by doubling, which is the only reallocation); the attention mask, the
+Every layer's keys live in one buffer [layers, rows, heads, tokens, head_dim] allocated ahead,
+and its values in another (rows and tokens grow by doubling, which is the only reallocation), so
+that a step indexes the layer as a number it can be given symbolically: one compiled decoder
+layer serves them all (decode_step.py). The attention mask, the
 next input ids and their positions live in buffers beside them. Sequences are right-aligned:
 every running row writes its next token into the same column, `end`, with its left padding
 masked out; a row that leaves gives its place to one of the last rows, so that the rest stay
@@ -89,32 +91,14 @@ class Window:
 
 
 class BatchLayer(DynamicLayer):
-    """One layer's keys and values in place in fixed buffers; see the module's docstring."""
+    """One layer of the batch: views of its keys and values in the stacked buffers, which the
+    batch writes (BatchCache.update), and the window the next step reads."""
 
     def __init__(self, window: Window, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
         self._window = window
-        self.key_buffer, self.value_buffer = keys, values
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's token at column `end` of each row; return the window's keys, values."""
-        rows, width = self._window.rows, self._window.width
-        # Into the buffers themselves, not a view of them: compiled, a write into a view of a
-        # graph input is replayed as a copy of the whole view (the window's every key, twice).
-        heads = self.key_buffer.shape[1]
-        at = (
-            torch.arange(rows, device=self.device)[:, None],
-            torch.arange(heads, device=self.device)[None, :],
-            self._window.write_at,
-        )
-        self.key_buffer.index_put_(at, key_states[:, :, 0])
-        self.value_buffer.index_put_(at, value_states[:, :, 0])
-        self.keys = self.key_buffer[:rows, :, :width]
-        self.values = self.value_buffer[:rows, :, :width]
-        return self.keys, self.values
+        self.keys, self.values = keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The mask spans the window; the query sits at `write_at` within it."""
@@ -131,7 +115,8 @@ class BatchCache(Cache):
     `rows` sequences are running, right-aligned so that each writes its next token at `end`.
     """
 
-    batch_layers: list[BatchLayer]
+    key_stack: torch.Tensor  # [layers, rows, heads, tokens, head_dim]
+    value_stack: torch.Tensor
     mask: torch.Tensor  # [rows, tokens]: which columns each row attends
     ids: torch.Tensor  # [rows, 1]: each row's next input token
     positions: torch.Tensor  # [rows, 1]: that token's position in its sequence
@@ -141,38 +126,73 @@ class BatchCache(Cache):
         each step's window up to a bucket, as CUDA graphs need; `compiled`: the step is
         compiled, and every window stays narrower than the buffers (a window as wide as its
         buffer is a case the compiled step specializes, and it would compile again)."""
-        keys, _ = _keys_and_values(prefilled.layers[0])
+        layers = [_keys_and_values(layer) for layer in prefilled.layers]
+        keys, values = layers[0]
+        shapes = {(k.shape[1], k.shape[3], v.shape[1], v.shape[3], k.dtype) for k, v in layers}
+        if len(shapes) > 1:
+            raise UserError(
+                "engine",
+                "transformers",
+                "the model's layers cache keys and values of different shapes, which this "
+                "engine's stacked buffers do not hold: serve it with engine=vllm",
+            )
         self.padded, self.compiled, self.device = padded, compiled, keys.device
         self.rows, self.end = 0, 0
         self.window = Window(0, 0, torch.zeros(1, dtype=torch.long, device=self.device))
-        self._layers_like = [_keys_and_values(layer) for layer in prefilled.layers]
+        # What the buffers are made like (no storage: the prefill's tensors are not kept).
+        self._like = (len(layers), keys.new_empty(0), values.new_empty(0), keys.shape, values.shape)
+        self._layer_numbers = torch.arange(len(layers), device=self.device)
         self.allocation = 0  # renumbered on each reallocation: captured steps hold old addresses
         self._allocate(bucket(keys.shape[0]), bucket(keys.shape[2] * 2, MIN_TOKENS))
-        super().__init__(layers=[*self.batch_layers])
+        super().__init__(layers=self.layers)
 
     def _allocate(self, row_capacity: int, token_capacity: int) -> None:
         """Buffers of the given capacity holding what the current ones hold."""
-        old = getattr(self, "batch_layers", None)
+        count, keys, values, key_shape, value_shape = self._like
         rows, tokens = slice(0, self.rows), slice(0, self.end)
-        self.batch_layers = []
-        for index, (keys, values) in enumerate(self._layers_like):
-            key_buffer = keys.new_zeros(row_capacity, keys.shape[1], token_capacity, keys.shape[3])
-            value_buffer = values.new_zeros(
-                row_capacity, values.shape[1], token_capacity, values.shape[3]
-            )
-            if old is not None:
-                key_buffer[rows, :, tokens] = old[index].key_buffer[rows, :, tokens]
-                value_buffer[rows, :, tokens] = old[index].value_buffer[rows, :, tokens]
-            self.batch_layers.append(BatchLayer(self.window, key_buffer, value_buffer))
+        heads, key_dim, value_dim = key_shape[1], key_shape[3], value_shape[3]
+        key_stack = keys.new_zeros(count, row_capacity, heads, token_capacity, key_dim)
+        value_stack = values.new_zeros(count, row_capacity, heads, token_capacity, value_dim)
         mask = torch.zeros(row_capacity, token_capacity, dtype=torch.bool, device=self.device)
         ids = torch.zeros(row_capacity, 1, dtype=torch.long, device=self.device)
         positions = torch.zeros(row_capacity, 1, dtype=torch.long, device=self.device)
-        if old is not None:
+        if hasattr(self, "key_stack"):
+            key_stack[:, rows, :, tokens] = self.key_stack[:, rows, :, tokens]
+            value_stack[:, rows, :, tokens] = self.value_stack[:, rows, :, tokens]
             mask[rows, tokens] = self.mask[rows, tokens]
             ids[rows], positions[rows] = self.ids[rows], self.positions[rows]
+        self.key_stack, self.value_stack = key_stack, value_stack
         self.mask, self.ids, self.positions = mask, ids, positions
-        self.layers = [*self.batch_layers]
+        self.layers = [
+            BatchLayer(self.window, key_stack[index], value_stack[index]) for index in range(count)
+        ]
         self.allocation = next(_ALLOCATIONS)
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer `layer_idx`'s token of the step at column `end` of each row; return the
+        window's keys and values of that layer. The layer is an index into the stacked buffers,
+        not into a list, so that compiled it can be a symbolic number (decode_step.py)."""
+        rows, width = self.window.rows, self.window.width
+        heads = self.key_stack.shape[2]
+        # Into the buffers themselves, not a view of them: compiled, a write into a view of a
+        # graph input is replayed as a copy of the whole view (the window's every key, twice).
+        at = (
+            self._layer_numbers[layer_idx],  # a view: no kernel to make the index
+            torch.arange(rows, device=self.device)[:, None],
+            torch.arange(heads, device=self.device)[None, :],
+            self.window.write_at,
+        )
+        self.key_stack.index_put_(at, key_states[:, :, 0])
+        self.value_stack.index_put_(at, value_states[:, :, 0])
+        keys = self.key_stack.select(0, layer_idx)[:rows, :, :width]
+        return keys, self.value_stack.select(0, layer_idx)[:rows, :, :width]
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -206,10 +226,10 @@ class BatchCache(Cache):
         counts = torch.tensor(lengths, dtype=torch.long)
         rows = (self.rows + tokens.sequences).to(self.device)
         columns = (self.end - counts[tokens.sequences] + tokens.offsets).to(self.device)
-        for layer, prefilled_layer in zip(self.batch_layers, prefilled.cache.layers, strict=True):
+        for index, prefilled_layer in enumerate(prefilled.cache.layers):
             keys, values = _keys_and_values(prefilled_layer)
-            layer.key_buffer[rows, :, columns] = keys[source_rows, :, source_columns]
-            layer.value_buffer[rows, :, columns] = values[source_rows, :, source_columns]
+            self.key_stack[index, rows, :, columns] = keys[source_rows, :, source_columns]
+            self.value_stack[index, rows, :, columns] = values[source_rows, :, source_columns]
         self.mask[rows, columns] = True
         self.ids[new, 0] = torch.tensor(last_ids, device=self.device)
         self.positions[new, 0] = counts.to(self.device)
@@ -248,9 +268,8 @@ class BatchCache(Cache):
     def _gather(self, sources: torch.Tensor, places: Any, columns: slice) -> None:
         """Copy rows `sources`, columns `columns`, to rows `places` from column 0."""
         width = columns.stop - columns.start
-        for layer in self.batch_layers:
-            layer.key_buffer[places, :, :width] = layer.key_buffer[sources, :, columns]
-            layer.value_buffer[places, :, :width] = layer.value_buffer[sources, :, columns]
+        self.key_stack[:, places, :, :width] = self.key_stack[:, sources, :, columns]
+        self.value_stack[:, places, :, :width] = self.value_stack[:, sources, :, columns]
         self.mask[places, :width] = self.mask[sources, columns]
         self.ids[places], self.positions[places] = self.ids[sources], self.positions[sources]
 
@@ -285,9 +304,8 @@ class BatchCache(Cache):
     def _shift(self, columns: slice, by: int) -> None:
         moved = slice(columns.start + by, columns.stop + by)
         rows = slice(0, self.rows)
-        for layer in self.batch_layers:
-            layer.key_buffer[rows, :, moved] = layer.key_buffer[rows, :, columns].clone()
-            layer.value_buffer[rows, :, moved] = layer.value_buffer[rows, :, columns].clone()
+        self.key_stack[:, rows, :, moved] = self.key_stack[:, rows, :, columns].clone()
+        self.value_stack[:, rows, :, moved] = self.value_stack[:, rows, :, columns].clone()
         self.mask[rows, moved] = self.mask[rows, columns].clone()
         self.mask[rows, : moved.start] = False
 

@@ -2,7 +2,7 @@
 random model of a named shape.
 
     python scripts/serving/compile_start.py [--shape tiny|stand-in|MODEL] [--repeats 3]
-        [--max-tokens 24] [--cold]
+        [--max-tokens 24] [--cold] [--padded]
 
 Builds the model with random weights: bench_deploy.py's tiny model or its stand-in, or the
 dimensions of a conf/model option with builder arguments (smollm2_135m: SmolLM2-135M's, 30
@@ -13,6 +13,8 @@ request and 8 concurrent ones on each, taking turns, --repeats times, greedy. Pr
 engine's start, the median and range of each timing, and whether the compiled engine's answers
 equal the eager one's. --cold compiles into an empty inductor cache (a first start on a new
 machine); otherwise inductor's cache from earlier runs is used, as a second start would.
+--padded runs the CUDA path's step on the CPU: windows rounded up to buckets, and compiled, one
+decoder layer for all (runner/deploy/decode_step.py) where the CPU's compiles the whole step.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from runner.api import compose
 from runner.config.model import resolve_model
 from runner.deploy.engine import TransformersEngine
 from runner.deploy.generation import SamplingRequest
-from runner.deploy.loading import LoadedModel, load_checkpoint
+from runner.deploy.loading import load_checkpoint
 
 
-def build(shape: str, path: Path) -> LoadedModel:
-    """The named shape with random weights, saved and loaded as `runner deploy` loads it."""
+def build(shape: str, path: Path) -> None:
+    """The named shape with random weights, saved as training saves a checkpoint."""
     if shape in ("tiny", "stand-in"):
         make_tiny_checkpoint(path, *(STAND_IN if shape == "stand-in" else ()))
     else:  # the config.json that `runner train model=MODEL model.source=null` writes
@@ -48,7 +50,6 @@ def build(shape: str, path: Path) -> LoadedModel:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
-    return load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None)
 
 
 def answers(engine: TransformersEngine, prompts: list[list[int]], max_tokens: int) -> list[str]:
@@ -72,16 +73,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="turns of each timing")
     parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per request")
     parser.add_argument("--cold", action="store_true", help="an empty inductor cache")
+    parser.add_argument("--padded", action="store_true", help="the CUDA path's step, on the CPU")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         if args.cold:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(scratch) / "inductor")
-        loaded = build(args.shape, Path(scratch) / "model")
+        build(args.shape, Path(scratch) / "model")
         engines, starts = {}, {}
         for name, compiled in (("eager", False), ("compiled", True)):
+            # A model each, loaded as `runner deploy` loads it: compiling compiles the model's
+            # decoder layers, which an eager engine over the same model would run compiled.
+            loaded = load_checkpoint(
+                Path(scratch) / "model", device="cpu", dtype="fp32", max_model_len=None
+            )
             began = time.perf_counter()
             engines[name] = TransformersEngine(
-                loaded, max_batch_size=32, max_queue=64, compile=compiled
+                loaded, max_batch_size=32, max_queue=64, padded=args.padded, compile=compiled
             )
             starts[name] = time.perf_counter() - began
         prompts = [[5 + i] * (8 + 3 * i) for i in range(8)]
@@ -95,7 +102,8 @@ def main() -> None:
                     seconds.setdefault((name, count), []).append(time.perf_counter() - began)
         for engine in engines.values():
             engine.close()
-    print(f"{args.shape}, {args.max_tokens} new tokens a request, {args.repeats} repeats, CPU")
+    path = "the CUDA path's step (padded, compiled by layer)" if args.padded else "CPU's step"
+    print(f"{args.shape}, {args.max_tokens} new tokens a request, {args.repeats} repeats, {path}")
     for name in engines:
         line = f"{name:9} start {starts[name]:6.1f} s"
         for count in (1, 8):

@@ -98,11 +98,15 @@ def main() -> None:
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}, prompts of "
         f"{args.prompt_tokens} tokens, {args.steps} steps timed, CUDA graphs: {cuda}"
     )
-    for rows in (int(r) for r in args.rows.split(",")):
-        eager = profile(DecodeStep(loaded.model, graphs=cuda), loaded, rows, args, activities)
-        if args.compile:
-            step = DecodeStep(loaded.model, graphs=cuda, compiled=True)
-            profile(step, loaded, rows, args, activities, eager=eager)
+    counts = [int(r) for r in args.rows.split(",")]
+    eager = {
+        rows: profile(DecodeStep(loaded.model, graphs=cuda), loaded, rows, args, activities)
+        for rows in counts
+    }
+    if args.compile:  # after every eager step: a compiled step compiles the model's layers
+        step = DecodeStep(loaded.model, graphs=cuda, compiled=True, layers=cuda)
+        for rows in counts:
+            profile(step, loaded, rows, args, activities, eager=eager[rows])
 
 
 def profile(
