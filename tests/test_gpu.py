@@ -179,6 +179,11 @@ def test_cpu_processes_stay_on_the_cpu_where_a_gpu_is_visible(runner_cli, tmp_pa
 
 
 # ---- one run on the machine's defaults, shared: checkpoints, eval, deploy ----------------------
+# One worker for the three (--dist loadgroup, as gpu_report.py runs): on the H200 two workers
+# each trained the run, about 17 s twice.
+AUTO_RUN = pytest.mark.xdist_group("auto-run")
+
+
 @pytest.fixture(scope="module")
 def auto_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env: dict[str, str]) -> Path:
     """`runner train` with no compute= or dtype=: on a GPU machine, CUDA in bf16_mixed; it
@@ -197,6 +202,7 @@ def auto_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env: dict[str, s
     return run
 
 
+@AUTO_RUN
 def test_auto_picks_cuda_and_mixed_bf16_and_the_checkpoint_loads(auto_run: Path) -> None:
     check_learned_on_cuda(auto_run, "bf16_mixed")
     checkpoint = auto_run / "checkpoints" / f"step_{STEPS}"
@@ -205,6 +211,7 @@ def test_auto_picks_cuda_and_mixed_bf16_and_the_checkpoint_loads(auto_run: Path)
     assert torch.isfinite(transformers_logits(checkpoint)).all()
 
 
+@AUTO_RUN
 def test_eval_on_cuda_records_finite_metrics(auto_run: Path) -> None:
     lines = [r for r in RunDir(auto_run).read_metrics() if "eval_loss" in r]
     assert [line["step"] for line in lines] == [4, 8]
@@ -214,6 +221,7 @@ def test_eval_on_cuda_records_finite_metrics(auto_run: Path) -> None:
         assert 0 <= line["eval_token_accuracy"] <= 1
 
 
+@AUTO_RUN
 def test_deploy_serves_on_cuda(auto_run: Path, hermetic_env: dict[str, str]) -> None:
     import openai
 
