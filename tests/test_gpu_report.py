@@ -422,14 +422,17 @@ def test_the_decode_profile_rows_in_the_table(tmp_path: Path) -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     log = tmp_path / "profile_decode.log"
-    log.write_text(result.stdout)
+    # With --compile, a compiled line follows (as gpu_report runs it; not compiled here, for time).
+    compiled = "rows 1 compiled: 0.40 ms a step, 2,500 tokens/s (window 130 -> 150 columns)\n"
+    log.write_text(result.stdout + compiled)
     found = gpu_logs.profile_rows(result.stdout)
-    assert [rows for rows, _, _ in found] == [1, 4]
-    assert all(ms > 0 and rate > 0 for _, ms, rate in found)
+    assert [(rows, compiled) for rows, _, _, compiled in found] == [(1, False), (4, False)]
+    assert all(ms > 0 and rate > 0 for _, ms, rate, _ in found)
     assert "aten::mm" in result.stdout  # the profiler's table of ops
     stage = gpu_report.Stage("profile decode", "ok", 20, log)
     text = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
     assert text[2].startswith("  decode step, 1 rows") and text[3].startswith("  decode step, 4")
+    assert text[4].startswith("  decode step, 1 rows compiled") and "2,500" in text[4]
 
 
 def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:

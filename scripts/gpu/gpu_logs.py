@@ -75,14 +75,19 @@ def pytest_tests(log: str) -> list[tuple[str, str, float | None]]:
     ]
 
 
-# profile_decode.py's line per batch size: rows, milliseconds a step, tokens/s.
-PROFILE_ROW = re.compile(r"^rows (\d+): ([\d.]+) ms a step, ([\d,]+) tokens/s")
+# profile_decode.py's line per batch size, eager or compiled: rows, milliseconds a step, tokens/s.
+PROFILE_ROW = re.compile(r"^rows (\d+)( compiled)?: ([\d.]+) ms a step, ([\d,]+) tokens/s")
 
 
-def profile_rows(log: str) -> list[tuple[int, float, float]]:
-    """profile_decode.py's (rows, ms a step, tokens/s), one per batch size it profiled."""
+def profile_rows(log: str) -> list[tuple[int, float, float, bool]]:
+    """profile_decode.py's (rows, ms a step, tokens/s, compiled), one per batch size and step
+    it profiled."""
     found = [PROFILE_ROW.match(line) for line in log.splitlines()]
-    return [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in found if m is not None]
+    return [
+        (int(m[1]), float(m[3]), float(m[4].replace(",", "")), m[2] is not None)
+        for m in found
+        if m is not None
+    ]
 
 
 # profile_engine.py's line per repeat: its output tokens/s.

@@ -48,19 +48,20 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama3_2_1b"
 # Shares of the budget, in the order the stages run, from their seconds on an H200 (2026-11-28:
 # the train arms 54, 25, 63 and 27 s, runner's including its start-up and final checkpoint;
-# the profiles 17 and 15 s; pytest's four workers 188 s), with about a sixth more each; deploy's
+# the profiles 17 and 15 s, the decode profile's compiled steps estimated at 20 s more; pytest's
+# four workers 188 s), with about a sixth more each; deploy's
 # from an estimate (that run's overran: it now runs the engine alone in one process, `generate`
 # by --repeat-seconds, and a third server): three servers' starts and warm-up, then 3 repeats of
 # 2 s per side at each of 4 concurrencies. The runner eager arm comes first: its checkpoint is
 # what deploy serves and the profiles profile. Run as two calls of a lent GPU machine,
-# `--only train,deploy --budget-min 7.5` and `--only pytest --budget-min 3.5` (docs: benchmarks).
+# `--only train,deploy --budget-min 8` and `--only pytest --budget-min 3.5` (docs: benchmarks).
 SHARES = {
     "train runner eager": 0.09,
     "train bare eager": 0.05,
     "train runner compiled": 0.11,
     "train bare compiled": 0.05,
     "deploy": 0.33,
-    "profile decode": 0.03,
+    "profile decode": 0.07,
     "profile engine": 0.03,
     "pytest -m gpu": 0.31,
 }
@@ -202,6 +203,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         str(checkpoint),
     ]
     profile += ["--device", "cuda", "--dtype", "bf16", "--rows", f"1,{max_concurrency(args)}"]
+    # And compiled (transformers.compile, by layer on CUDA), which decides its default there.
+    profile += ["--compile"]
     # One wave of requests per repeat, as deploy sends at its largest concurrency.
     engine = [
         py,
@@ -366,8 +369,12 @@ def serving_rows(stage: Stage) -> list[tuple[str, float, str]]:
         return deploy_figures(deploy_rows(log))
     if stage.name == "profile decode":
         return [
-            (f"decode step, {rows} rows (engine alone, no HTTP)", rate, f"{ms:.2f} ms a step")
-            for rows, ms, rate in profile_rows(log)
+            (
+                f"decode step, {rows} rows{' compiled' if compiled else ''} (no HTTP)",
+                rate,
+                f"{ms:.2f} ms a step",
+            )
+            for rows, ms, rate, compiled in profile_rows(log)
         ]
     repeats = sorted(engine_rates(log))
     if not repeats:
