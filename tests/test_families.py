@@ -8,6 +8,7 @@ The zoo options' dimensions match the published config.json of their hub repos.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -27,6 +28,7 @@ from runner.components import instantiate
 from runner.config.dataset import check_packing
 from runner.config.model import resolve_model
 from runner.config.resolve import resolve_recipe
+from runner.deploy.engine import TransformersEngine
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
 from runner.job.preflight import estimate, print_estimate
@@ -357,6 +359,46 @@ RANDOM_INIT = {
     "gemma2": {"head_dim": 32, "sliding_window_size": 8, "query_pre_attn_scalar": 24},
     "phi3": {"rope_base": 250000},
 }
+
+
+async def _answers(engine: TransformersEngine, prompts: list[list[int]]) -> list[str]:
+    """An engine's greedy answers (8 new tokens) to prompts sent together."""
+    from runner.deploy.generation import SamplingRequest
+
+    async def one(ids: list[int]) -> str:
+        request = SamplingRequest(ids, 8, 0.0, 1.0, 0, [], 1, stream=False)
+        return "".join([event.text async for event in engine.submit([request]).events()])
+
+    return list(await asyncio.gather(*map(one, prompts)))
+
+
+def test_the_cuda_paths_compiled_step_serves_gemma2_as_eager(checkpoints) -> None:
+    # compute=cpu, dtype=fp32. The CUDA path's step (padded, compiled by layer: one compiled
+    # decoder layer serves every layer, its index symbolic) on the family whose layers differ
+    # most: sliding-window and global attention in turn, soft-capped scores. Three graphs, none
+    # broken, and the eager engine's greedy answers (the other families: a scratch run, the same).
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    prompts = [[5 + i] * (4 + 3 * i) for i in range(4)]
+    said = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        # A model each: compiling by layer compiles the model's layers in place.
+        loaded = load_checkpoint(
+            checkpoints["gemma2"], device="cpu", dtype="fp32", max_model_len=None
+        )
+        engine = TransformersEngine(
+            loaded, max_batch_size=4, max_queue=8, cuda_graphs=False, padded=True, compile=compiled
+        )
+
+        try:
+            said[compiled] = asyncio.run(_answers(engine, prompts))
+        finally:
+            engine.close()
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
+    assert said[True] == said[False]
 
 
 def test_a_llama3_config_json_of_a_short_context_loads_quietly_and_rotates_the_same() -> None:
