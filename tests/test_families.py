@@ -392,7 +392,6 @@ def test_the_cuda_paths_compiled_step_serves_gemma2_as_eager(checkpoints) -> Non
         engine = TransformersEngine(
             loaded, max_batch_size=4, max_queue=8, cuda_graphs=False, padded=True, compile=compiled
         )
-
         try:
             said[compiled] = asyncio.run(_answers(engine, prompts))
         finally:

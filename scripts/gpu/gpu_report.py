@@ -49,10 +49,10 @@ MODEL = "llama3_2_1b"
 # Shares of the budget, in the order the stages run, from their seconds on an H200 (2026-11-28:
 # the train arms 54, 25, 63 and 27 s, runner's including its start-up and final checkpoint;
 # the profiles 17 and 15 s, the decode profile's compiled steps estimated at 20 s more; pytest's
-# four workers 188 s), with about a sixth more each; deploy's
-# from an estimate (that run's overran: it now runs the engine alone in one process, `generate`
-# by --repeat-seconds, and a third server): three servers' starts and warm-up, then 3 repeats of
-# 2 s per side at each of 4 concurrencies. The runner eager arm comes first: its checkpoint is
+# four workers 188 s), with about a sixth more each. Deploy's is an estimate, since that run's
+# overran (it now runs the engine alone in one process, `generate` by --repeat-seconds, and a
+# third server): three servers' starts and warm-up, then 3 repeats of 2 s per side at each of 4
+# concurrencies. The runner eager arm comes first: its checkpoint is
 # what deploy serves and the profiles profile. Run as two calls of a lent GPU machine,
 # `--only train,deploy --budget-min 8` and `--only pytest --budget-min 3.5` (docs: benchmarks).
 SHARES = {

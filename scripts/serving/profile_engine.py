@@ -105,10 +105,15 @@ def serve(engine: TransformersEngine, tokenizer: Any, max_tokens: int) -> None:
     wall time and latencies of the first COUNT prompts sent by CONCURRENCY clients, after one
     wave not counted at a concurrency not served before (buffers, captures)."""
     served: set[int] = set()
+    encoded: list[list[int]] = []  # the prompts tokenized so far, each once
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         concurrency, count = map(int, line.split())
-        prompt_ids = [tokenizer.encode(text, add_special_tokens=True) for text in prompts(count)]
+        encoded += (
+            tokenizer.encode(text, add_special_tokens=True)
+            for text in prompts(count)[len(encoded) :]
+        )
+        prompt_ids = encoded[:count]
         if concurrency not in served:
             asyncio.run(clients(engine, prompt_ids[:concurrency], concurrency, max_tokens, []))
             served.add(concurrency)
