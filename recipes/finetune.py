@@ -15,7 +15,7 @@ the run ends `cancelled` and `runner train` exits 143 (130 for Ctrl-C).
 
 The pieces around the loop live in runner/trainer by what they do: parallel (rank, device,
 precision, sharding), batches (the data in optimizer steps), optimizer (optimizer and schedule),
-progress (status, metrics, trackers, the console), evaluate, checkpointing.
+progress (status, metrics, trackers, the console), evaluate, checkpointing, profiling.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from runner.trainer.batches import Batch, EpochBatches, StreamBatches
 from runner.trainer.evaluate import eval_due, new_best, validation_shares
 from runner.trainer.methods import METHODS
 from runner.trainer.optimization import Optimization
+from runner.trainer.profiling import StepProfiler
 from runner.trainer.progress import Reporter, StepLosses, Throughput
 from runner.trainer.weights import model_files
 
@@ -194,9 +195,12 @@ class FinetuneRecipe:
             step=self.step, total_steps=self.total_steps, progress_bar=self.cfg.runtime.progress_bar
         )
         losses, throughput = StepLosses(self.cfg.optimizer.lr), Throughput()
+        profiler = self._profiler()
         for batches in self.data:
+            profiler.before_step(self.step + 1)
             loss, tokens = self._optimizer_step(batches)
             self.step += 1
+            profiler.after_step(self.step)
             throughput.add(tokens)
             losses.add(loss)
             if losses.first is None:
@@ -216,7 +220,21 @@ class FinetuneRecipe:
                 self.save_checkpoint()
             if stop:
                 break
+        profiler.stop(self.step)  # a window the run stopped in
         return {"first_loss": losses.first, "last_loss": losses.last}
+
+    def _profiler(self) -> StepProfiler:
+        """torch.profiler over the steps that `profile` names, on rank 0."""
+        settings = self.cfg.profile
+        profiler = StepProfiler(
+            enabled=settings.enabled and self.is_rank_zero,
+            start=settings.start_step,
+            steps=settings.steps,
+            device=self.place.device,
+            out_dir=self.run.profile_dir,
+        )
+        profiler.check_window(first_step=self.step + 1, total_steps=self.total_steps)
+        return profiler
 
     def _log_totals(self) -> None:
         """At the last step, before its checkpoint: what compiling cost in graphs (torch._dynamo's

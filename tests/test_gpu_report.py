@@ -367,7 +367,8 @@ def test_an_unknown_gpu_leaves_mfu_blank_and_says_so(tmp_path: Path) -> None:
     assert "%" not in text
 
 
-def test_the_bare_torchtune_loop_trains_the_tiny_model_on_the_cpu() -> None:
+def test_the_bare_torchtune_loop_trains_the_tiny_model_on_the_cpu(tmp_path: Path) -> None:
+    profile = tmp_path / "train_bare_eager" / "profile"
     args = argparse.Namespace(
         model="tiny",
         device="cpu",
@@ -377,8 +378,12 @@ def test_the_bare_torchtune_loop_trains_the_tiny_model_on_the_cpu() -> None:
         seq_len=16,
         warmup=1,
         steps=2,
+        profile_out=profile,
     )
     result = gpu_bare.train(args)
+    # Its one warm-up step profiled, as runner.trainer.profiling profiles a run's.
+    summary = json.loads((profile / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["ms_per_step"]["matmul"] > 0
     assert result["params"] == gpu_report.param_count(gpu_bare.builder_dims("tiny"))
     assert len(result["window_tokens_per_s"]) == 2  # two windows of one step after the warm-up
     assert result["tokens_per_s"] == pytest.approx(
@@ -397,7 +402,13 @@ def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
     assert "runtime.log_every_n_steps=5" in runner  # a window per warm-up's worth of steps
     assert f"hydra.run.dir={tmp_path / 'train_runner_eager'}" in runner
     assert "compile=true" in lines["train runner compiled"]
-    assert lines["train bare compiled"][-1] == "--compile"
+    assert "--compile" in lines["train bare compiled"]
+    # The last two warm-up steps profiled in every arm, runner's and the bare loop's alike.
+    assert ["profile.enabled=true", "profile.start_step=4", "profile.steps=2"] == [
+        o for o in runner if o.startswith("profile.")
+    ]
+    bare = lines["train bare eager"]
+    assert bare[bare.index("--profile-out") + 1] == str(tmp_path / "train_bare_eager" / "profile")
     deploy = " ".join(lines["deploy"])
     checkpoint = tmp_path / "train_runner_eager" / "checkpoints" / "step_25"
     assert (
@@ -492,6 +503,16 @@ def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> No
     rate, per_window = gpu_logs.runner_rate((run / "metrics.jsonl").read_text(), 2)
     assert len(per_window) == 2  # steps 3-4 and step 5
     assert rate == pytest.approx(gpu_bare.overall_rate([2, 1], per_window), rel=1e-12)
+    # Its two warm-up steps profiled (outside the windows), read beside the bare loop's.
+    assert "profiled steps 1-2:" in (run / "train.log").read_text()
+    arm = tmp_path / "train_runner_compiled"
+    arm.mkdir()
+    (arm / "profile").symlink_to(run / "profile")
+    lines = gpu_logs.profile_table(["train runner compiled", "train bare compiled"], tmp_path)
+    assert lines[0] == "profile, ms a step (2 warm-up steps; by kind, ops' self time on the CPU):"
+    assert lines[1].split() == ["kind", "runner", "compiled"]
+    kinds = [line.split()[0] for line in lines[2:]]
+    assert kinds == ["attention", "matmul", "loss", "optimizer", "copy", "other", "busy", "wall"]
 
 
 def test_bench_deploy_prints_http_over_the_engine_alone_and_marks_noisy_rows() -> None:

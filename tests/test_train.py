@@ -190,3 +190,49 @@ def test_multirun_gives_one_run_directory_per_job(runner_cli, tmp_path: Path) ->
         assert recipe.optimizer.lr == lr
         assert json.loads((sweep / job / "status.json").read_text())["state"] == "completed"
         assert (sweep / job / "checkpoints" / "step_3" / "model.safetensors").is_file()
+
+
+def test_profile_writes_the_steps_trace_ops_and_summary(runner_cli, tmp_path: Path) -> None:
+    """profile.enabled=true: steps 3-4 profiled on the CPU, into the run's profile/ folder; the
+    console names it and holds none of libkineto's own lines."""
+    run_dir = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        *QUICK,
+        "max_steps=5",
+        "eval.strategy=no",
+        "dataset.eval_samples=0",
+        "profile.enabled=true",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    profile = run_dir / "profile"
+    trace = json.loads((profile / "trace.json").read_text())
+    assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+    assert "aten::mm" in (profile / "ops.txt").read_text()
+    summary = json.loads((profile / "summary.json").read_text())
+    assert summary["device"] == "cpu" and summary["steps"] == 2
+    assert summary["ms_per_step"]["matmul"] > 0 and summary["ms_per_step"]["optimizer"] > 0
+    # Ops' self times sum to less than the steps' wall time (the host's Python between them).
+    assert 0 < summary["busy_ms"] <= summary["wall_ms"]
+    assert "profiled steps 3-4:" in (run_dir / "train.log").read_text()
+    assert f"profile:       {profile}" in result.stdout
+    assert "USDT" not in result.stdout + result.stderr
+
+
+def test_a_profile_window_past_the_run_warns_and_writes_nothing(runner_cli, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        *QUICK,
+        "max_steps=2",
+        "eval.strategy=no",
+        "dataset.eval_samples=0",
+        "profile.enabled=true",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    warning = "profile: steps 3-4 are outside this run's steps 1-2: nothing is profiled"
+    assert warning in (run_dir / "train.log").read_text()
+    assert not (run_dir / "profile").exists()
+    assert "profile:  " not in result.stdout

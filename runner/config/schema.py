@@ -33,6 +33,15 @@ from runner.rundir import write_text_atomic
 
 
 @dataclass
+class Profile:
+    """profile: torch.profiler over a few steps (runner.trainer.profiling)."""
+
+    enabled: bool = flag(False)
+    start_step: int = integer(3, 1)
+    steps: int = integer(2, 1)
+
+
+@dataclass
 class Training:
     """The training keys that belong to no config group; the recipe records them as given."""
 
@@ -43,6 +52,7 @@ class Training:
     clip_grad_norm: Optional[float] = number(None, positive=True)
     compile: bool = flag(False)
     activation_checkpointing: bool = flag(False)
+    profile: Profile = field(default_factory=Profile)
 
 
 @dataclass
@@ -196,8 +206,8 @@ class Cluster:
 # hf:// sources made local paths, components named), plus what resolution derives (the builder,
 # tokenizer and config.json of the model; where the processes meet). Bumped when a key moves,
 # goes or comes (5: method.recipe went; one recipe loop runs every method. 6: runtime.hf_token
-# came, the reference a stream from the hub reads its token through).
-RECIPE_VERSION = 6
+# came, the reference a stream from the hub reads its token through. 7: profile came).
+RECIPE_VERSION = 7
 
 
 @dataclass

@@ -218,6 +218,8 @@ def _print_summary(run: RunDir) -> None:
             f"best:          {best['metric']}={best['value']:.4g} at step {best['step']}, "
             f"{best['checkpoint']}"
         )
+    if (run.profile_dir / "trace.json").is_file():
+        lines.append(f"profile:       {run.profile_dir} (trace.json opens in ui.perfetto.dev)")
     lines.append(f"status:        {status.state} at step {status.step}")
     lines.append(f"try next:      runner deploy checkpoint={checkpoint}")
     print("\n".join(lines), flush=True)

@@ -46,6 +46,8 @@ HEARTBEAT_EVERY_S = 10.0
 HEARTBEAT_STALE_S = 120.0
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
+# What `profile.enabled=true` writes (runner.trainer.profiling).
+PROFILE_DIR = "profile"
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
 # A checkpoint whose files are damaged is renamed to this prefix + its name (kept to inspect).
 DAMAGED_PREFIX = ".damaged-"
@@ -74,6 +76,11 @@ class RunDir:
     def checkpoints_dir(self) -> Path:
         """The directory holding the run's checkpoints (step_<N>/)."""
         return self.path / CHECKPOINTS_DIR
+
+    @property
+    def profile_dir(self) -> Path:
+        """Where the profiled steps' trace, ops and summary go (profile.enabled=true)."""
+        return self.path / PROFILE_DIR
 
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> Status:

@@ -3,14 +3,16 @@
 loop.
 
     python scripts/gpu/gpu_bare.py [--model llama3_2_1b] [--device cuda] [--dtype bf16] [--compile]
-        [--batch-size 4] [--seq-len 2048] [--warmup 10] [--steps 30]
+        [--batch-size 4] [--seq-len 2048] [--warmup 10] [--steps 30] [--profile-out DIR]
 
 Prints one JSON line: tokens/s over the steps after the warm-up, each window's tokens/s (the
 host waits for the device once per window of --warmup steps, where `runner train` logs with
 runtime.log_every_n_steps at the same value), the parameter count, the peak memory
 (torch.cuda.max_memory_allocated on CUDA, peak RSS on the CPU) and torch._dynamo's count of
 graph breaks. Random
-tokens: the model's cost does not depend on their values. It runs on the CPU too
+tokens: the model's cost does not depend on their values. With --profile-out, the last two
+warm-up steps are profiled as `runner train profile.enabled=true` profiles its steps, into the
+same files (runner.trainer.profiling), so that the two read side by side. It runs on the CPU too
 (tests/test_gpu_report.py trains the tiny model for 2 steps).
 """
 
@@ -76,6 +78,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     fused AdamW (runner's defaults: betas 0.9/0.95, clipping at 1.0)."""
     import torch
 
+    from runner.trainer.profiling import StepProfiler
+
     torch.manual_seed(0)
     dims = builder_dims(args.model)
     model, loss_fn = build(dims, args.device, args.dtype, args.compile)
@@ -92,7 +96,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    losses = [step() for _ in range(args.warmup)]
+    profiler = StepProfiler(
+        enabled=args.profile_out is not None,
+        start=max(1, args.warmup - 1),
+        steps=min(2, args.warmup),
+        device=torch.device(args.device),
+        out_dir=args.profile_out or Path("."),
+    )
+    profiler.check_window(first_step=1, total_steps=args.warmup)
+    losses = []
+    for number in range(1, args.warmup + 1):
+        profiler.before_step(number)
+        losses.append(step())
+        profiler.after_step(number)
+    profiler.stop(args.warmup)
     losses[-1].item()  # the host waits for the device: the timing starts from an idle queue
     sizes, rates = windows(args.warmup, args.steps), []
     for size in sizes:
@@ -137,6 +154,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--profile-out", type=Path, help="profile the last 2 warm-up steps")
     print(json.dumps(train(parser.parse_args())), flush=True)
 
 

@@ -38,6 +38,7 @@ from gpu_logs import (
     deploy_rows,
     engine_rates,
     profile_rows,
+    profile_table,
     pytest_summary,
     pytest_tests,
     runner_rate,
@@ -46,6 +47,7 @@ from gpu_logs import (
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama3_2_1b"
+MODES = ("eager", "compiled")
 # Shares of the budget, in the order the stages run, from their seconds on an H200 (2026-11-28:
 # the train arms 54, 25, 63 and 27 s, runner's including its start-up and final checkpoint;
 # the profiles 17 and 15 s, the decode profile's compiled steps estimated at 20 s more; pytest's
@@ -158,6 +160,10 @@ def train_overrides(
         f"compile={str(compile).lower()}",
         f"max_steps={args.warmup + args.steps}",
         f"runtime.log_every_n_steps={args.warmup}",
+        # The last two warm-up steps, as the bare loop's (--profile-out): outside the windows.
+        "profile.enabled=true",
+        f"profile.start_step={max(1, args.warmup - 1)}",
+        f"profile.steps={min(2, args.warmup)}",
         "runtime.save_every_n_steps=null",
         "runtime.progress_bar=false",
         "runtime.loggers=[]",
@@ -173,6 +179,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     bare = [py, str(ROOT / "scripts" / "gpu" / "gpu_bare.py"), "--model", MODEL, "--device", "cuda"]
     bare += ["--dtype", "bf16", "--batch-size", str(args.batch_size), "--seq-len"]
     bare += [str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    # Its last two warm-up steps profiled, as the runner arms profile theirs (train_overrides).
+    profiles = {mode: out / slug(f"train bare {mode}") / "profile" for mode in MODES}
     train = [py, "-m", "runner", "train"]
     checkpoint = args.checkpoint or (
         out / slug("train runner eager") / "checkpoints" / f"step_{args.warmup + args.steps}"
@@ -217,10 +225,10 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     return {
         "train runner eager": train
         + train_overrides(args, text, False, out / slug("train runner eager")),
-        "train bare eager": bare,
+        "train bare eager": [*bare, "--profile-out", str(profiles["eager"])],
         "train runner compiled": train
         + train_overrides(args, text, True, out / slug("train runner compiled")),
-        "train bare compiled": [*bare, "--compile"],
+        "train bare compiled": [*bare, "--compile", "--profile-out", str(profiles["compiled"])],
         "deploy": deploy,
         "profile decode": profile,
         "profile engine": engine,
@@ -436,11 +444,12 @@ def table(stages: list[Stage], out: Path, warmup: int, params: int, peak: float 
             for test, outcome, seconds in pytest_tests(text):
                 took = "" if seconds is None else f", {seconds:.1f} s"
                 lines.append(f"  {test:53} {'':>10} {'':>6}  {outcome}{took}")
-    for mode in ("eager", "compiled"):
+    for mode in MODES:
         ours, bare = rates.get(f"train runner {mode}"), rates.get(f"train bare {mode}")
         if ours and bare:
             lines.append(f"ours/bare {mode}: {ours / bare:.2f}")
-    return "\n".join(lines)
+    arms = [stage.name for stage in stages if stage.name.startswith("train")]
+    return "\n".join(lines + profile_table(arms, out))
 
 
 def heading(args: argparse.Namespace, device_name: str, params: int) -> str:
