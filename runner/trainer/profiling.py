@@ -53,10 +53,11 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def summarize(prof: torch.profiler.profile, *, steps: int, wall_s: float) -> dict[str, Any]:
+def summarize(
+    prof: torch.profiler.profile, *, on_cuda: bool, steps: int, wall_s: float
+) -> dict[str, Any]:
     """A profiled window's milliseconds a step: by kind, the sum of the kinds (`busy`: the
     device's kernels on CUDA, the ops' self time on the CPU) and the wall time."""
-    on_cuda = any(event.device_type == torch.autograd.DeviceType.CUDA for event in prof.events())
     by_kind: dict[str, float] = {kind: 0.0 for kind, _ in KINDS} | {"other": 0.0}
     for event in prof.key_averages():
         if on_cuda:
@@ -161,7 +162,8 @@ class StepProfiler:
         wall_s = time.perf_counter() - self.started_at
         with _kineto_quiet():
             self.prof.stop()
-        summary = summarize(self.prof, steps=step - self.start + 1, wall_s=wall_s)
+        on_cuda = self.device.type == "cuda"
+        summary = summarize(self.prof, on_cuda=on_cuda, steps=step - self.start + 1, wall_s=wall_s)
         write_profile(self.out_dir, self.prof, summary)
         self.prof = None
         log.info(
