@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from runner.components import instantiate, plain_dict
 from runner.config.optimizer import split_option
@@ -41,21 +42,38 @@ class Optimization:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def step(self, model: torch.nn.Module, scale: torch.Tensor) -> None:
-        """Scales the accumulated gradients, clips them, steps optimizer and schedule."""
-        # One multi-tensor kernel per dtype, not a multiply (and a cast of the scale) for each
-        # parameter: 146 launches of each at 1B. The scale is cast first, as before, so the
-        # gradients come out the same to the bit.
+        """Scales the accumulated gradients and clips them in one pass, steps optimizer and
+        schedule."""
+        # One multi-tensor multiply per dtype, by the scale and the clipping coefficient
+        # together: the gradients' norm is read before they are scaled (the scaled norm is
+        # scale times it), so they are read once for the norm and written once, as a bare
+        # loop clipping a mean loss's gradients does (a multiply for each of the 1B's 146
+        # parameters, then clip_grad_norm_'s norm and multiply, wrote them twice).
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in model.parameters():
             if param.grad is not None:
                 by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-        for dtype, grads in by_dtype.items():
-            torch._foreach_mul_(grads, scale.to(dtype))
+        factor = scale
         if self.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+            factor = scale * self._clip_coefficient(by_dtype, scale)
+        for dtype, grads in by_dtype.items():
+            torch._foreach_mul_(grads, factor.to(dtype))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
+
+    def _clip_coefficient(
+        self, by_dtype: dict[torch.dtype, list[torch.Tensor]], scale: torch.Tensor
+    ) -> torch.Tensor:
+        """clip_grad_norm_'s coefficient (max_norm / (norm + 1e-6), at most 1) for the
+        gradients once scaled by `scale`; the norm over every rank's shards (FSDP's DTensors)."""
+        assert self.clip_grad_norm is not None
+        grads = [grad for group in by_dtype.values() for grad in group]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        scaled = norm.float() * scale.float()  # in fp32, where the norm of bf16 gradients is bf16
+        return (self.clip_grad_norm / (scaled + 1e-6)).clamp(max=1.0)
 
     def state(self, model: torch.nn.Module) -> dict[str, Any]:
         """The training state's optimizer (whole, gathered: every rank joins) and schedule."""
