@@ -51,11 +51,44 @@ def test_the_cpu_decomposes_rms_norm() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_fuses_rms_norm_so_its_norms_are_left_alone() -> None:
-    model = tiny_llama().cuda()
-    keep_fewer_activations(model, torch.device("cuda"))
-    assert rms_norm_is_fused(torch.device("cuda"))
-    assert all("forward" not in vars(m) for m in model.modules() if isinstance(m, RMSNorm))
+def test_cuda_runs_the_fused_rms_norm_in_the_inputs_dtype() -> None:
+    """torchtune's call gives the fused kernel an fp32 input beside a bf16 weight, which torch
+    will not fuse (it warns and runs the decomposition, its last op the cast back to bf16); the
+    swapped forward calls it in the input's dtype: one fused op, torchtune's output within a
+    bf16 rounding."""
+    cuda = torch.device("cuda")
+    assert rms_norm_is_fused(cuda)
+    plain = RMSNorm(64).to(cuda, torch.bfloat16)
+    with torch.no_grad():
+        plain.scale.copy_(1 + 0.1 * torch.randn(64))
+    lean = keep_fewer_activations(copy.deepcopy(plain), cuda)
+    x = torch.randn(2, 30, 64, device=cuda).bfloat16().requires_grad_()
+    want, got = plain(x), lean(x)
+    assert type(want.grad_fn).__name__ == "ToCopyBackward0"
+    assert type(got.grad_fn).__name__ not in ("ToCopyBackward0", "MulBackward0")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)  # bf16's tolerance: a rounding of each value
+
+
+def test_the_fused_norms_forward_is_torchtunes_within_a_rounding() -> None:
+    """The forward that CUDA's norms get, on the CPU: torchtune's own call where the dtypes of
+    input and weight differ (bit for bit), and in a bf16 model's one dtype within a bf16
+    rounding (the CPU's rms_norm rounds before the weight's multiply, CUDA's fused kernel
+    after)."""
+    from runner.models.activation_memory import _rms_norm_fused_forward
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = RMSNorm(64).to(dtype)
+        with torch.no_grad():
+            plain.scale.copy_(1 + 0.1 * torch.randn(64))
+        for x in (torch.randn(2, 30, 64), torch.randn(2, 30, 64).bfloat16()):
+            got = _rms_norm_fused_forward(plain, x)
+            assert got.dtype == x.dtype
+            if x.dtype != dtype or dtype == torch.float32:
+                assert torch.equal(got, plain(x)), (dtype, x.dtype)
+            else:
+                torch.testing.assert_close(got, plain(x))
 
 
 def test_same_logits_and_gradients_with_fewer_bytes_kept() -> None:

@@ -13,6 +13,14 @@ bench_peers' default model that is a fifth of the activations of a step.
 - The RMSNorm's forward is bit for bit F.rms_norm's decomposition; its gradients are the same
   arithmetic summed in another order (a few ulps), so it is kept where torch decomposes the norm
   (the CPU): on CUDA, F.rms_norm is one fused kernel that already keeps only x and 1/rms.
+
+On CUDA the fused kernel takes an input and a weight of one dtype, and torchtune's RMSNorm gives
+it an fp32 copy of the input beside the weight (bf16 in a bf16 run, or sharded by FSDP2's bf16
+policy): torch then warns "Mismatch dtype between input and weight ... Cannot dispatch to fused
+implementation" and runs the decomposition, about six kernels over fp32 copies of the
+activations forward and more backward, at each of a 1B Llama's 33 norms. There the norm is
+called in the input's own dtype, which the fused kernel computes in fp32 as torchtune's upcast
+does, writing the input's dtype as torchtune's cast back does.
 """
 
 from __future__ import annotations
@@ -74,6 +82,12 @@ def _rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return _RMSNorm.apply(x.float(), self.scale, self.eps).to(x.dtype)
 
 
+def _rms_norm_fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != self.scale.dtype:  # the fused kernel's dtypes must agree: torchtune's call
+        return F.rms_norm(x.float(), self.normalized_shape, self.scale, self.eps).to(x.dtype)
+    return F.rms_norm(x, self.normalized_shape, self.scale, self.eps)
+
+
 def rms_norm_is_fused(device: torch.device) -> bool:
     """Whether F.rms_norm's backward on `device` keeps only its input and 1/rms already (one
     fused op, CUDA) rather than autograd's decomposition (the CPU)."""
@@ -83,7 +97,8 @@ def rms_norm_is_fused(device: torch.device) -> bool:
 
 def keep_fewer_activations(model: nn.Module, device: torch.device) -> nn.Module:
     """Swaps the forward of the model's SwiGLU feed-forwards (torchtune FeedForward with an up
-    projection and SiLU) and, where F.rms_norm is not fused on `device`, its RMSNorms for the
+    projection and SiLU) and of its RMSNorms (where F.rms_norm is not fused on `device`, the
+    autograd function above; where it is, the fused kernel in the input's dtype) for the
     functions above. Modules of other kinds (Gemma's GELU, Gemma's norms, transformers' own
     modules) are left as they are; the projections stay modules (LoRA, NF4, FSDP see them)."""
     fused_norm = rms_norm_is_fused(device)
@@ -94,6 +109,7 @@ def keep_fewer_activations(model: nn.Module, device: torch.device) -> nn.Module:
             and type(module.activation) is nn.SiLU
         ):
             module.forward = types.MethodType(_swiglu_forward, module)
-        elif type(module) is RMSNorm and not fused_norm:
-            module.forward = types.MethodType(_rms_norm_forward, module)
+        elif type(module) is RMSNorm:
+            forward = _rms_norm_fused_forward if fused_norm else _rms_norm_forward
+            module.forward = types.MethodType(forward, module)
     return model
