@@ -22,6 +22,7 @@ sys.path[:0] = [str(SCRIPTS / "gpu"), str(SCRIPTS / "serving")]
 import gpu_bare  # noqa: E402
 import gpu_logs  # noqa: E402
 import gpu_report  # noqa: E402
+import gpu_table  # noqa: E402
 
 # Sample measurements of bench_deploy.py: side, concurrency, tokens/s, latencies (s).
 DEPLOY_ROWS = [
@@ -212,15 +213,15 @@ def test_each_gpu_test_by_name_outcome_and_seconds(tmp_path: Path, workers: list
     assert 1 <= found["test_hangs"][1] < 10  # stopped by its 1 s timeout, not the 30 s sleep
     log = tmp_path / "pytest.log"
     log.write_text(result.stdout)
-    stage = gpu_report.Stage("pytest -m gpu", "failed (exit 1)", 12, log)
-    rows = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
+    stage = gpu_table.Stage("pytest -m gpu", "failed (exit 1)", 12, log)
+    rows = gpu_table.table([stage], tmp_path, 10, 1, None).splitlines()
     assert rows[1].endswith("2 failed, 2 passed, 1 skipped in " + rows[1].split(" in ")[-1])
     assert any(re.fullmatch(r"  test_hangs +failed, \d+\.\d s", row) for row in rows), rows
 
 
 def test_mfu_and_the_known_gpus() -> None:
     # 6 FLOPs x 1e9 parameters x 1e4 tokens/s over a peak of 1e14 FLOP/s.
-    assert gpu_report.mfu(10**9, 1e4, 1e14) == pytest.approx(0.6, rel=1e-12)
+    assert gpu_table.mfu(10**9, 1e4, 1e14) == pytest.approx(0.6, rel=1e-12)
     names = {
         "NVIDIA H100 80GB HBM3": "H100 SXM",
         "NVIDIA H100 PCIe": "H100 PCIe",
@@ -233,18 +234,18 @@ def test_mfu_and_the_known_gpus() -> None:
         "NVIDIA L4": "L4",
     }
     for name, label in names.items():
-        found = gpu_report.peak_bf16(name)
+        found = gpu_table.peak_bf16(name)
         assert found is not None and found[0] == label, name
-    assert gpu_report.peak_bf16("NVIDIA H100 80GB HBM3") == ("H100 SXM", 989e12)
-    assert gpu_report.peak_bf16("Tesla T4") is None
+    assert gpu_table.peak_bf16("NVIDIA H100 80GB HBM3") == ("H100 SXM", 989e12)
+    assert gpu_table.peak_bf16("Tesla T4") is None
 
 
 def test_the_1b_parameter_count() -> None:
     # Llama 3.2 1B: 1.24B parameters with its output tied to the embeddings.
-    assert gpu_report.param_count(gpu_bare.builder_dims("llama3_2_1b")) == 1_235_814_400
+    assert gpu_table.param_count(gpu_bare.builder_dims("llama3_2_1b")) == 1_235_814_400
 
 
-def sample_outputs(out: Path) -> list[gpu_report.Stage]:
+def sample_outputs(out: Path) -> list[gpu_table.Stage]:
     """Logs as each stage leaves them: runner's metrics.jsonl, the bare loop's JSON line,
     bench_deploy's table, pytest's summary; one arm overran."""
     run = out / "train_runner_eager"
@@ -280,20 +281,20 @@ def sample_outputs(out: Path) -> list[gpu_report.Stage]:
     for name, text in logs.items():
         out.joinpath(name).write_text(text)
     return [
-        gpu_report.Stage("train runner eager", "ok", 95, out / "train_runner_eager.log"),
-        gpu_report.Stage("train bare eager", "ok", 60, out / "train_bare_eager.log"),
-        gpu_report.Stage("train bare compiled", "ok", 70, out / "train_bare_compiled.log"),
-        gpu_report.Stage(
+        gpu_table.Stage("train runner eager", "ok", 95, out / "train_runner_eager.log"),
+        gpu_table.Stage("train bare eager", "ok", 60, out / "train_bare_eager.log"),
+        gpu_table.Stage("train bare compiled", "ok", 70, out / "train_bare_compiled.log"),
+        gpu_table.Stage(
             "train runner compiled", "overran its 180 s", 180, out / "train_runner_compiled.log"
         ),
-        gpu_report.Stage("deploy", "ok", 400, out / "deploy.log"),
-        gpu_report.Stage("pytest -m gpu", "failed (exit 1)", 215, out / "pytest_m_gpu.log"),
+        gpu_table.Stage("deploy", "ok", 400, out / "deploy.log"),
+        gpu_table.Stage("pytest -m gpu", "failed (exit 1)", 215, out / "pytest_m_gpu.log"),
     ]
 
 
 def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
     params, peak = 1_235_814_400, 989e12
-    text = gpu_report.table(sample_outputs(tmp_path), tmp_path, 10, params, peak)
+    text = gpu_table.table(sample_outputs(tmp_path), tmp_path, 10, params, peak)
     rows = {line[:28].strip(): line for line in text.splitlines()}
     # 30 steps in 10/12000 + 10/10000 + 10/15000 s of each step's tokens: 12,000 tokens/s.
     runner = rows["train runner eager"].split()
@@ -328,8 +329,8 @@ def test_a_failed_deploy_says_why_in_the_table(tmp_path: Path) -> None:
     log = tmp_path / "deploy.log"
     error = "openai.InternalServerError: Error code: 500 - generation failed: INTERNAL ASSERT"
     log.write_text(f"checkpoint ...\nTraceback (most recent call last):\n  File x\n{error}\n\n")
-    stage = gpu_report.Stage("deploy", "failed (exit 1)", 52, log)
-    text = gpu_report.table([stage], tmp_path, 10, 1, None)
+    stage = gpu_table.Stage("deploy", "failed (exit 1)", 52, log)
+    text = gpu_table.table([stage], tmp_path, 10, 1, None)
     assert text.splitlines()[1].endswith(f"no table in its log: {error}")
 
 
@@ -345,8 +346,8 @@ def test_a_deploy_stopped_before_its_table_gives_the_repeats_that_landed(tmp_pat
         "  runner deploy, concurrency 1: 200 tokens/s (busiest client process 0% busy; ...)\n"
         "  runner deploy x=1, concurrency 128: 11167 tokens/s\n"
     )
-    stage = gpu_report.Stage("deploy", "overran its 192 s", 193, log)
-    lines = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
+    stage = gpu_table.Stage("deploy", "overran its 192 s", 193, log)
+    lines = gpu_table.table([stage], tmp_path, 10, 1, None).splitlines()
     assert lines[1].split() == ["deploy", "overran", "its", "192", "s", "193"]  # no "why"
     rows = {line[:55].strip(): line[55:].split(None, 1) for line in lines[2:]}
     assert rows["hf generate c=1"] == [
@@ -363,7 +364,7 @@ def test_a_deploy_stopped_before_its_table_gives_the_repeats_that_landed(tmp_pat
 def test_an_unknown_gpu_leaves_mfu_blank_and_says_so(tmp_path: Path) -> None:
     args = gpu_report.arguments([])
     assert "MFU left blank: this GPU is not in" in gpu_report.heading(args, "Tesla T4", 1)
-    text = gpu_report.table(sample_outputs(tmp_path), tmp_path, 10, 1_235_814_400, None)
+    text = gpu_table.table(sample_outputs(tmp_path), tmp_path, 10, 1_235_814_400, None)
     assert "%" not in text
 
 
@@ -384,7 +385,7 @@ def test_the_bare_torchtune_loop_trains_the_tiny_model_on_the_cpu(tmp_path: Path
     # Its one warm-up step profiled, as runner.trainer.profiling profiles a run's.
     summary = json.loads((profile / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["ms_per_step"]["matmul"] > 0
-    assert result["params"] == gpu_report.param_count(gpu_bare.builder_dims("tiny"))
+    assert result["params"] == gpu_table.param_count(gpu_bare.builder_dims("tiny"))
     assert len(result["window_tokens_per_s"]) == 2  # two windows of one step after the warm-up
     assert result["tokens_per_s"] == pytest.approx(
         gpu_bare.overall_rate([1, 1], result["window_tokens_per_s"]), rel=1e-12
@@ -440,8 +441,8 @@ def test_the_decode_profile_rows_in_the_table(tmp_path: Path) -> None:
     assert [(rows, compiled) for rows, _, _, compiled in found] == [(1, False), (4, False)]
     assert all(ms > 0 and rate > 0 for _, ms, rate, _ in found)
     assert "aten::mm" in result.stdout  # the profiler's table of ops
-    stage = gpu_report.Stage("profile decode", "ok", 20, log)
-    text = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
+    stage = gpu_table.Stage("profile decode", "ok", 20, log)
+    text = gpu_table.table([stage], tmp_path, 10, 1, None).splitlines()
     assert text[2].startswith("  decode step, 1 rows") and text[3].startswith("  decode step, 4")
     assert text[4].startswith("  decode step, 1 rows compiled") and "2,500" in text[4]
 
@@ -461,8 +462,8 @@ def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:
         assert re.search(rf"^  {part} +\d+ calls", result.stdout, re.MULTILINE), part
     log = tmp_path / "profile_engine.log"
     log.write_text(" ".join(command) + "\n" + result.stdout)
-    stage = gpu_report.Stage("profile engine", "ok", 20, log)
-    text = gpu_report.table([stage], tmp_path, 10, 1, None).splitlines()
+    stage = gpu_table.Stage("profile engine", "ok", 20, log)
+    text = gpu_table.table([stage], tmp_path, 10, 1, None).splitlines()
     assert text[2].startswith("  engine alone, no HTTP, c=4")
     assert f"median of 2, {min(rates):,.0f}-{max(rates):,.0f}" in text[2]
 
@@ -508,7 +509,7 @@ def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> No
     arm = tmp_path / "train_runner_compiled"
     arm.mkdir()
     (arm / "profile").symlink_to(run / "profile")
-    lines = gpu_logs.profile_table(["train runner compiled", "train bare compiled"], tmp_path)
+    lines = gpu_table.profile_table(["train runner compiled", "train bare compiled"], tmp_path)
     assert lines[0] == "profile, ms a step (2 warm-up steps; by kind, ops' self time on the CPU):"
     assert lines[1].split() == ["kind", "runner", "compiled"]
     kinds = [line.split()[0] for line in lines[2:]]

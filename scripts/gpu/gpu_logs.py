@@ -1,5 +1,5 @@
-"""What gpu_report.py reads from its stages' outputs: runner's metrics and profiles (and the
-bare loop's), pytest's summary, and the lines that profile_decode.py, profile_engine.py and
+"""What gpu_report.py reads from its stages' outputs: runner's metrics, pytest's summary, and
+the lines that profile_decode.py, profile_engine.py and
 bench_deploy.py print (their formats are tested against those scripts' own output in
 tests/test_gpu_report.py)."""
 
@@ -9,7 +9,6 @@ import itertools
 import json
 import re
 import statistics
-from pathlib import Path
 
 from gpu_bare import overall_rate
 
@@ -39,33 +38,6 @@ def runner_totals(train_log: str) -> dict[str, float]:
     if found := PEAK_MEMORY.search(train_log):
         totals["peak_gib"] = float(found[1])
     return totals
-
-
-def profile_table(arms: list[str], out: Path) -> list[str]:
-    """The train arms' profiled steps side by side (runner.trainer.profiling's summary.json,
-    in each arm's directory under `out`): a step's milliseconds by kind, the kinds' sum (busy)
-    and the wall time; none where no arm was profiled."""
-    found, columns = {}, {}
-    for arm in arms:
-        path = out / re.sub(r"\W+", "_", arm) / "profile" / "summary.json"
-        if path.is_file():
-            summary = json.loads(path.read_text())
-            found[arm.removeprefix("train ")] = summary
-            columns[arm.removeprefix("train ")] = {
-                **summary["ms_per_step"],
-                "busy": summary["busy_ms"],
-                "wall": summary["wall_ms"],
-            }
-    if not found:
-        return []
-    first = next(iter(found.values()))
-    what = "kernels on the GPU" if first["device"] == "cuda" else "ops' self time on the CPU"
-    lines = [f"profile, ms a step ({first['steps']} warm-up steps; by kind, {what}):"]
-    lines.append(f"  {'kind':10}" + "".join(f"{arm:>17}" for arm in columns))
-    for kind in next(iter(columns.values())):
-        values = "".join(f"{column.get(kind, 0.0):>17.1f}" for column in columns.values())
-        lines.append(f"  {kind:10}{values}")
-    return lines
 
 
 def pytest_summary(log: str) -> str:
