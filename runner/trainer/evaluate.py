@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from runner.data import EvalPrompt, Split
+from runner.devices import to_device
 from runner.models.attention import RowAttention
 
 # Which way each metric is better lives in runner.rundir.metrics (no torch); re-exported here.
 from runner.rundir.metrics import METRIC_MODES as METRIC_MODES
 from runner.rundir.metrics import TRAINING_METRIC_MODES as TRAINING_METRIC_MODES
-from runner.trainer.parallel import Placement, to_device
+from runner.trainer.parallel import Placement
 
 # The metrics of the loss pass (the rest come from generation).
 LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy")

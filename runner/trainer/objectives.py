@@ -39,6 +39,7 @@ from runner.data import (
     eval_prompts,
     forward_parts,
 )
+from runner.devices import to_device
 from runner.models.attention import RowAttention
 from runner.models.backends import set_output_chunks
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
@@ -106,7 +107,7 @@ class Supervised:
         for _ in range(self._passes_behind(len(parts))):
             self._pass_training_nothing()
         for part in parts:
-            batch = {key: parallel.to_device(value, device) for key, value in part.items()}
+            batch = {key: to_device(value, device) for key, value in part.items()}
             tokens, labels = batch["tokens"], batch["labels"]
             batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
             packed = self.attention.inputs(batch, device)
@@ -247,8 +248,8 @@ class Preference:
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, chosen reward, rejected reward) of each pair of a batch."""
-        tokens = parallel.to_device(batch["tokens"], self.place.device)
-        labels = parallel.to_device(batch["labels"], self.place.device)
+        tokens = to_device(batch["tokens"], self.place.device)
+        labels = to_device(batch["labels"], self.place.device)
         policy = answer_log_probs(self.model(tokens), labels)
         with torch.no_grad():
             reference = answer_log_probs(self.reference(tokens), labels)

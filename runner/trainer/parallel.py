@@ -102,17 +102,6 @@ def peak_memory(place: Placement) -> str | None:
     return f"{torch.cuda.max_memory_allocated(place.device) / 2**30:.2f} GiB"
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`; from the host to CUDA through pinned memory, without the
-    host waiting. A copy from ordinary (pageable) memory waits for every kernel queued before
-    it, so each step's first copy would leave the GPU idle while the host prepares the step
-    (its batch, the packed rows' BlockMask, the first launches), where the host could have
-    done that while the GPU ran the step before (issue 48)."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def autocast(place: Placement) -> contextlib.AbstractContextManager[object]:
     """Mixed precision in one process: bf16 compute over the fp32 parameters (sharded over
     several processes, FSDP2's policy casts them instead)."""
