@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import logging
 import os
 import re
 import shutil
@@ -549,7 +550,9 @@ def test_bad_requests_do_not_disturb_a_running_stream(base_url: str, client) -> 
     assert chunks[-1].choices[0].finish_reason == alone.choices[0].finish_reason
 
 
-def test_a_request_failing_inside_the_engine_fails_alone(run_dir: Path) -> None:
+# overlap: the host a step ahead of the device, as on CUDA (engine.py), its logic run on the CPU.
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
+def test_a_request_failing_inside_the_engine_fails_alone(run_dir: Path, overlap: bool) -> None:
     # Requests the server would refuse, handed to the engine directly: each fails its own
     # request while the others, running or prefilled beside it, finish as if alone.
     from runner.deploy.engine import TransformersEngine
@@ -558,7 +561,7 @@ def test_a_request_failing_inside_the_engine_fails_alone(run_dir: Path) -> None:
 
     path = run_dir / "checkpoints" / "step_10"
     loaded = load_checkpoint(path, device="cpu", dtype="fp32", max_model_len=None)
-    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8)
+    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8, overlap=overlap)
 
     def request(prompt_ids: list[int], temperature: float = 0.0) -> list[SamplingRequest]:
         return [SamplingRequest(prompt_ids, 30, temperature, 1.0, 0, [], 1, stream=True)]
@@ -593,19 +596,27 @@ def test_a_request_failing_inside_the_engine_fails_alone(run_dir: Path) -> None:
 # the engine passes the name the model takes, so the warning is an error here.
 @pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
 @pytest.mark.parametrize(
-    ("padded", "compiled"),
-    [(False, False), (True, False), (False, True), (True, True)],
-    ids=["exact", "padded", "exact-compiled", "padded-compiled"],
+    ("padded", "compiled", "overlap"),
+    [
+        (False, False, False),
+        (True, False, False),
+        (False, True, False),
+        (True, True, False),
+        (True, False, True),
+        (True, True, True),
+    ],
+    ids=["exact", "padded", "exact-compiled", "padded-compiled", "padded-overlap", "cuda-path"],
 )
 def test_rows_joining_and_leaving_answer_as_generate_alone(
-    run_dir, reference, padded, compiled
+    run_dir, reference, padded, compiled, overlap, caplog
 ) -> None:
     # compute=cpu, dtype=fp32. padded=True is the CUDA path's step (the batch rounded up to
     # buckets of rows and tokens, which CUDA graphs replay) with the graphs off: the padding
     # rows and columns must change no answer; compiled, the step inductor fuses (the CPU's with
     # compile=true; padded, as a CUDA graph would capture it) must neither, and it compiles
-    # as the engine starts, never after. Prompts of several lengths arrive in two waves, the
-    # second while the first decodes, and finish at different lengths.
+    # as the engine starts, never after; overlap, the host a step ahead of the device (a
+    # finished row computed once more), must neither. Prompts of several lengths arrive in two
+    # waves, the second while the first decodes, and finish at different lengths.
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -619,7 +630,13 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(
     torch._dynamo.reset()  # compiled: no graph left by another test's engine
     counters.clear()
     engine = TransformersEngine(
-        loaded, max_batch_size=4, max_queue=16, cuda_graphs=False, padded=padded, compile=compiled
+        loaded,
+        max_batch_size=4,
+        max_queue=16,
+        cuda_graphs=False,
+        padded=padded,
+        compile=compiled,
+        overlap=overlap,
     )
     graphs = dict(counters["stats"])  # compiled: what the engine's warm-up compiled
     # Long prompts first, short ones after, at most 4 rows: the short ones take the buffers'
@@ -645,13 +662,17 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(
     finally:
         engine.close()
     assert texts == [generate(*case)[0] for case in cases]
+    # No sequence failed on the way (overlap: a finished one's extra token is dropped, not
+    # recorded, which would fail it alone after its answer went out).
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
     if compiled:  # compiled as the engine started, into graphs never broken, and never again
         assert not counters["graph_break"], dict(counters["graph_break"])
         assert graphs["unique_graphs"] == 3 and dict(counters["stats"]) == graphs, graphs
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
 def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
-    run_dir, reference
+    run_dir, reference, overlap
 ) -> None:
     # compute=cpu, dtype=fp32. With waiting_served_ratio 2, one request running holds a second
     # back until a third waits too (max_waiting_steps far off): they join in one prefill, and
@@ -665,7 +686,12 @@ def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
         run_dir / "checkpoints" / "step_10", device="cpu", dtype="fp32", max_model_len=None
     )
     engine = TransformersEngine(
-        loaded, max_batch_size=4, max_queue=16, max_waiting_steps=10_000, waiting_served_ratio=2
+        loaded,
+        max_batch_size=4,
+        max_queue=16,
+        max_waiting_steps=10_000,
+        waiting_served_ratio=2,
+        overlap=overlap,
     )
     prefills = []
     prefill = engine.decode_step.prefill

@@ -32,6 +32,7 @@ from runner.deploy.kv_cache import (
     cache_keyword,
     prefix_tokens,
 )
+from runner.devices import to_device
 from runner.errors import UserError
 
 
@@ -199,9 +200,9 @@ class DecodeStep:
         # Compiled layers run the decode step only: a prefill's shapes and cache are others.
         with torch.compiler.set_stance("force_eager" if self._layers else "default"):
             self._model(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=positions.to(device),
+                input_ids=to_device(ids, device),
+                attention_mask=to_device(mask, device),
+                position_ids=to_device(positions, device),
                 use_cache=True,
                 logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
                 **{self._cache_keyword: cache},

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Cache, DynamicLayer, PreTrainedModel
 
+from runner.devices import to_device
 from runner.errors import UserError
 
 if TYPE_CHECKING:
@@ -138,6 +139,10 @@ class BatchCache(Cache):
             )
         self.padded, self.compiled, self.device = padded, compiled, keys.device
         self.rows, self.end = 0, 0
+        # Each running row's tokens in the buffers (its `positions`, kept on the host too): the
+        # row holds columns [end - length, end), so that what every row has left behind is
+        # known without reading the mask back from the device.
+        self.lengths: list[int] = []
         self.window = Window(0, 0, torch.zeros(1, dtype=torch.long, device=self.device))
         # What the buffers are made like (no storage: the prefill's tensors are not kept).
         self._like = (len(layers), keys.new_empty(0), values.new_empty(0), keys.shape, values.shape)
@@ -225,17 +230,19 @@ class BatchCache(Cache):
         self.mask[new] = False
         # Every prefix token from its place in the prefill to its row's columns before `end`.
         tokens = prefix_tokens(prefilled.rows, prefilled.starts, lengths)
-        source_rows, source_columns = tokens.rows.to(self.device), tokens.columns.to(self.device)
+        source_rows = to_device(tokens.rows, self.device)
+        source_columns = to_device(tokens.columns, self.device)
         counts = torch.tensor(lengths, dtype=torch.long)
-        rows = (self.rows + tokens.sequences).to(self.device)
-        columns = (self.end - counts[tokens.sequences] + tokens.offsets).to(self.device)
+        rows = to_device(self.rows + tokens.sequences, self.device)
+        columns = to_device(self.end - counts[tokens.sequences] + tokens.offsets, self.device)
         for index, prefilled_layer in enumerate(prefilled.cache.layers):
             keys, values = _keys_and_values(prefilled_layer)
             self.key_stack[index, rows, :, columns] = keys[source_rows, :, source_columns]
             self.value_stack[index, rows, :, columns] = values[source_rows, :, source_columns]
         self.mask[rows, columns] = True
-        self.ids[new, 0] = torch.tensor(last_ids, device=self.device)
-        self.positions[new, 0] = counts.to(self.device)
+        self.ids[new, 0] = to_device(torch.tensor(last_ids, dtype=torch.long), self.device)
+        self.positions[new, 0] = to_device(counts, self.device)
+        self.lengths += lengths
         self.rows += count
 
     def select_rows(self, keep: list[int]) -> list[int]:
@@ -246,24 +253,29 @@ class BatchCache(Cache):
         count, kept = len(keep), set(keep)
         movers = iter(row for row in keep if row >= count)
         order = [row if row in kept else next(movers) for row in range(count)]
-        index = torch.tensor(order, device=self.device)
-        if not self._trimmed(index):
+        if not self._trimmed(order):
             moved = [new for new, old in enumerate(order) if new != old]
             if moved:
-                places = torch.tensor(moved, device=self.device)
-                self._gather(index[places], places, slice(0, self.end))
+                places = to_device(torch.tensor(moved), self.device)
+                sources = to_device(torch.tensor([order[new] for new in moved]), self.device)
+                self._gather(sources, places, slice(0, self.end))
+        self.lengths = [self.lengths[old] for old in order]
         self.rows = count
         return order
 
-    def _trimmed(self, sources: torch.Tensor) -> bool:
+    def _trimmed(self, sources: list[int]) -> bool:
         """Move rows `sources` to the first rows without the leading columns that are padding
         in all of them, if that narrows the step's window by TRIM_SHARE or more (a copy of
-        every row, which the narrower steps after it repay); whether it did."""
-        dead = int(self.mask[sources, : self.end].any(dim=0).int().argmax())  # one host sync
+        every row, which the narrower steps after it repay); whether it did. The rows' lengths
+        say where they begin: no read of the device (which would wait for its queued steps)."""
+        dead = min((self.end - self.lengths[row] for row in sources), default=0)
+        if dead >= self.end:  # no row holds a token yet: nothing to drop
+            dead = 0
         if not dead or self._width(self.end - dead) > (1 - TRIM_SHARE) * self._width(self.end):
             return False
         count = len(sources)
-        self._gather(sources, slice(0, count), slice(dead, self.end))
+        index = to_device(torch.tensor(sources), self.device)
+        self._gather(index, slice(0, count), slice(dead, self.end))
         self.end -= dead
         self.mask[:count, self.end :] = False
         return True
@@ -280,7 +292,7 @@ class BatchCache(Cache):
         """Open column `end` for the next token and size the step's window over it. Padded, a
         window about to double first drops the columns every row has left behind, if any."""
         if self.padded and self.rows and self._width(self.end) > self._width(self.end - 1):
-            self._trimmed(torch.arange(self.rows, device=self.device))
+            self._trimmed(list(range(self.rows)))  # each row stays in its place
         self._reserve(self.rows, self.end + 1)
         self.window.rows = bucket(self.rows) if self.padded else self.rows
         self.window.width = self._width(self.end)
@@ -298,11 +310,12 @@ class BatchCache(Cache):
         """After a step: its tokens are the next inputs, one position on, one column on."""
         self.ids[: self.rows, 0] = next_ids
         self.positions[: self.rows] += 1
+        self.lengths = [length + 1 for length in self.lengths]
         self.end += 1
 
     def clear(self) -> None:
         """Empty the batch, keeping the buffers (and with them the steps captured over them)."""
-        self.rows, self.end = 0, 0
+        self.rows, self.end, self.lengths = 0, 0, []
 
     def _shift(self, columns: slice, by: int) -> None:
         moved = slice(columns.start + by, columns.stop + by)
