@@ -14,12 +14,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 
 from runner.config import interpolations
 from runner.rundir import RunDir
 from tests.cli_forks import ForkedCli
+
+if TYPE_CHECKING:
+    from runner.deploy.engine import TransformersEngine
 
 # Fast settings for the tiny model; every test that trains starts from these. They mean the CPU
 # in fp32 on any machine (compute=auto and dtype=auto pick CUDA and bf16_mixed where a GPU is
@@ -196,6 +200,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def greedy_texts(
+    engine: TransformersEngine, prompts: list[list[int]], max_tokens: int
+) -> list[str]:
+    """A serving engine's greedy answers (runner.deploy.engine, in this process) to prompts
+    sent together."""
+    import asyncio
+
+    from runner.deploy.generation import SamplingRequest
+
+    async def one(ids: list[int]) -> str:
+        request = SamplingRequest(ids, max_tokens, 0.0, 1.0, 0, [], 1, stream=False)
+        return "".join([event.text async for event in engine.submit([request]).events()])
+
+    async def together() -> list[str]:
+        return list(await asyncio.gather(*map(one, prompts)))
+
+    return asyncio.run(together())
 
 
 @contextlib.contextmanager

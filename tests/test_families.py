@@ -47,7 +47,7 @@ from runner.models.families import (
 from runner.models.families.llama3 import LLAMA3_ROPE
 from runner.models.torchtune_boundary import Message, peft_adapter_config
 from runner.paths import CONF_DIR
-from tests.conftest import losses, transformers_warnings
+from tests.conftest import greedy_texts, losses, transformers_warnings
 from tests.fixtures import (
     FAMILIES,
     FAMILY_OF,
@@ -361,17 +361,6 @@ RANDOM_INIT = {
 }
 
 
-async def _answers(engine: TransformersEngine, prompts: list[list[int]]) -> list[str]:
-    """An engine's greedy answers (8 new tokens) to prompts sent together."""
-    from runner.deploy.generation import SamplingRequest
-
-    async def one(ids: list[int]) -> str:
-        request = SamplingRequest(ids, 8, 0.0, 1.0, 0, [], 1, stream=False)
-        return "".join([event.text async for event in engine.submit([request]).events()])
-
-    return list(await asyncio.gather(*map(one, prompts)))
-
-
 def test_the_cuda_paths_compiled_step_serves_gemma2_as_eager(checkpoints) -> None:
     # compute=cpu, dtype=fp32. The CUDA path's step (padded, compiled by layer: one compiled
     # decoder layer serves every layer, its index symbolic) on the family whose layers differ
@@ -393,7 +382,7 @@ def test_the_cuda_paths_compiled_step_serves_gemma2_as_eager(checkpoints) -> Non
             loaded, max_batch_size=4, max_queue=8, cuda_graphs=False, padded=True, compile=compiled
         )
         try:
-            said[compiled] = asyncio.run(_answers(engine, prompts))
+            said[compiled] = greedy_texts(engine, prompts, 8)
         finally:
             engine.close()
     assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
@@ -904,7 +893,6 @@ def test_deploy_answers_as_transformers_generate_does(
     """`runner deploy`'s engine, two prompts of different lengths decoded in one batch past
     Gemma 2's 8-token window, gives each the greedy continuation transformers' generate gives
     it alone."""
-    import asyncio
 
     from runner.deploy.engine import TransformersEngine
     from runner.deploy.generation import SamplingRequest

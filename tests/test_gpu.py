@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.rundir import RunDir
-from tests.conftest import QUICK, deploy_server, losses
+from tests.conftest import QUICK, deploy_server, greedy_texts, losses
 from tests.test_deploy import make_checkpoint
 from tests.test_resume import straight_then_resumed
 
@@ -277,11 +277,9 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path, compil
     # Issue 31: on CUDA every decode step is a CUDA graph replay, one graph per bucket of rows
     # and tokens, and the answers stay transformers' own greedy ones (fp32, TF32 off: the same
     # arithmetic up to the order of sums, which this model's margins do not feel). Issue 47:
-    # the same with the step fused by inductor inside the graphs (transformers.compile).
-    import asyncio
-
+    # the same with the step fused by inductor inside the graphs (transformers.compile), and
+    # with the host a step ahead of the GPU (the engine's overlap, on by default on CUDA).
     from runner.deploy.engine import TransformersEngine
-    from runner.deploy.generation import SamplingRequest
     from runner.deploy.loading import load_checkpoint
 
     # The second wave's long prompt outgrows the first wave's buffers: they are reallocated and
@@ -293,21 +291,13 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path, compil
     waves = [[[5 + i] * (3 + 4 * i) for i in range(6)]]
     loaded = load_checkpoint(path, device="cuda", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=16, compile=compiled)
-
-    async def answers(prompts: list[list[int]]) -> list[str]:
-        async def text_of(ids: list[int]) -> str:
-            request = SamplingRequest(ids, 12, 0.0, 1.0, 0, [], 1, stream=False)
-            return "".join([event.text async for event in engine.submit([request]).events()])
-
-        return list(await asyncio.gather(*map(text_of, prompts)))
-
     try:
-        texts = asyncio.run(answers(waves[0]))
+        texts = greedy_texts(engine, waves[0], 12)
         assert engine.decode_step.graphs and engine.decode_step.captured >= 1
         first_buffers = engine._cache.allocation
         long = engine._cache.capacity[1] + 1  # at most 129, plus 12 new: inside the 256 positions
         waves.append([[9] * long, [6] * 7])
-        texts += asyncio.run(answers(waves[1]))
+        texts += greedy_texts(engine, waves[1], 12)
         assert engine._cache.allocation != first_buffers and engine.decode_step.captured >= 1
     finally:
         engine.close()
