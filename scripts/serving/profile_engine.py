@@ -11,7 +11,9 @@ prints output tokens/s, and the time and count of the engine's prefills (and wit
 model's forward pass), the merging of prefilled rows into the batch (join), decode steps,
 CUDA-graph captures, and publishing of events (and within it the moving of rows as finished ones
 leave the batch: leave), each timed to the device's completion (which adds a synchronization to
-each), and how many rows the decode steps ran. The first repeat
+each: on CUDA the host then no longer runs a step ahead of the GPU, so these repeats' tokens/s
+are below what the engine makes serving), and how many rows the decode steps ran. The first
+repeat
 includes the captures and the buffers' allocation; a warm-up wave before them is not counted.
 With --serve it times nothing inside the engine: it reads `CONCURRENCY COUNT` lines on stdin
 and answers each with one JSON line, the output tokens, wall time and latencies of COUNT prompts
@@ -137,9 +139,9 @@ def watch(engine: TransformersEngine, timings: Timings) -> None:
     timings.wrap(engine.decode_step, "prefill", "prefill forward")
     decode = engine._decode
 
-    def decode_counting_rows() -> None:
+    def decode_counting_rows() -> Any:
         timings.rows[len(engine._running)] += 1
-        decode()
+        return decode()  # the step given to the device, which the engine finishes
 
     engine._decode = decode_counting_rows  # type: ignore[method-assign]
 
