@@ -236,3 +236,26 @@ def test_a_profile_window_past_the_run_warns_and_writes_nothing(runner_cli, tmp_
     assert warning in (run_dir / "train.log").read_text()
     assert not (run_dir / "profile").exists()
     assert "profile:  " not in result.stdout
+
+
+def test_a_cuda_traces_kernels_fall_in_their_kinds() -> None:
+    """Kernel names in the forms CUDA traces give them (cuBLAS's, flash and flex attention's,
+    inductor's, PyTorch's own) and CPU ops, each in the kind that summary.json adds it to."""
+    from runner.trainer.profiling import kind_of
+
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNN": "matmul",
+        "aten::addmm": "matmul",
+        "pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
+        "triton_tem_fused_flex_attention_backward_0": "attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+        "triton_per_fused__log_softmax_nll_loss_forward_0": "loss",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "aten::_fused_adamw_": "optimizer",
+        "Memcpy HtoD (Pinned -> Device)": "copy",
+        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>": "copy",
+        "triton_poi_fused_add_mul_rsqrt_silu_0": "other",
+        "void at::native::vectorized_layer_norm_kernel<c10::BFloat16>": "other",
+    }
+    assert {name: kind_of(name) for name in names} == names

@@ -33,14 +33,14 @@ log = logging.getLogger("runner.recipe")
 
 # An op's or kernel's kind, by the first pattern its name matches (CUDA kernels: cuBLAS's and
 # CUTLASS's matrix products, flash and flex attention's kernels, the fused AdamW and foreach
-# kernels; CPU ops: aten's). Whatever matches none is "other" (inductor's fused elementwise
-# kernels, norms, RoPE, indexing).
+# kernels, the copy and cast kernels; CPU ops: aten's). Whatever matches none is "other"
+# (inductor's fused elementwise kernels, norms, RoPE, indexing).
 KINDS = (
     ("attention", r"flash|fmha|attention|flex|sdpa|cudnn"),
     ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|aten::(mm|addmm|bmm|_addmm_activation)$"),
     ("loss", r"cross_entropy|log_softmax|nll_loss|logsumexp"),
     ("optimizer", r"adam|multi_tensor|foreach|_fused_sgd|clip"),
-    ("copy", r"memcpy|memset|aten::copy_|aten::_to_copy"),
+    ("copy", r"memcpy|memset|copy_kernel|aten::copy_|aten::_to_copy"),
 )
 
 
