@@ -10,7 +10,8 @@ and writes RUN_DIR/profile/:
 - summary.json: a step's milliseconds by kind (`KINDS`), the device's busy time and the wall
   time, so that two runs (scripts/gpu/gpu_report.py: runner and the bare loop) read side by side.
 
-Profiling costs host time, so the profiled steps are slower than the others; the steps around
+Profiling costs host time, so the profiled steps are slower than the others (and their wall
+time runs high beside the kernels' where the host is what the GPU waits for); the steps around
 them are not affected.
 """
 
@@ -148,8 +149,8 @@ class StepProfiler:
             self.started_at = time.perf_counter()
 
     def after_step(self, step: int) -> None:
-        """Step `step` ran: at the window's last step (or earlier, the run stopping), writes
-        what was profiled."""
+        """Step `step` ran: at the window's last step, writes what was profiled (a run that
+        stops inside the window writes it from `stop`)."""
         if self.prof is None or step < self.last:
             return
         self.stop(step)
