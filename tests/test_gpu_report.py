@@ -464,7 +464,7 @@ def test_the_engine_profile_in_the_table(tmp_path: Path) -> None:
     log.write_text(" ".join(command) + "\n" + result.stdout)
     stage = gpu_table.Stage("profile engine", "ok", 20, log)
     text = gpu_table.table([stage], tmp_path, 10, 1, None).splitlines()
-    assert text[2].startswith("  engine alone, no HTTP, c=4")
+    assert text[2].startswith("  engine by part, no HTTP, c=4")
     assert f"median of 2, {min(rates):,.0f}-{max(rates):,.0f}" in text[2]
 
 
