@@ -43,6 +43,12 @@ def windows(warmup: int, steps: int) -> list[int]:
     return [warmup] * (steps // warmup) + ([steps % warmup] if steps % warmup else [])
 
 
+def profile_window(warmup: int) -> tuple[int, int]:
+    """The steps every training arm profiles (first, count): the last two of the warm-up, after
+    the first steps' compiling and outside the timed windows."""
+    return max(1, warmup - 1), min(2, warmup)
+
+
 def overall_rate(sizes: list[int], rates: list[float]) -> float:
     """Tokens/s over all the windows, from each window's steps and tokens/s: every step carries
     the same tokens (fixed-shape or packed rows), so a window's time is its steps / its rate."""
@@ -96,10 +102,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    start, count = profile_window(args.warmup)
     profiler = StepProfiler(
         enabled=args.profile_out is not None,
-        start=max(1, args.warmup - 1),
-        steps=min(2, args.warmup),
+        start=start,
+        steps=count,
         device=torch.device(args.device),
         out_dir=args.profile_out or Path("."),
     )

@@ -1,7 +1,6 @@
 """What gpu_report.py reads from its stages' outputs: runner's metrics, pytest's summary, and
-the lines that profile_decode.py, profile_engine.py and
-bench_deploy.py print (their formats are tested against those scripts' own output in
-tests/test_gpu_report.py)."""
+the lines that profile_decode.py, profile_engine.py and bench_deploy.py print (their formats are
+tested against those scripts' own output in tests/test_gpu_report.py)."""
 
 from __future__ import annotations
 

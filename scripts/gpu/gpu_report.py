@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_bare import builder_dims
+from gpu_bare import builder_dims, profile_window
 from gpu_table import MODES, Stage, param_count, peak_bf16, slug, table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +78,7 @@ def train_overrides(
     packed generated text, pure bf16 on one GPU, logging (so reading its losses) once per
     warm-up-sized window, no evaluation, no checkpoint before the last step."""
     model, compute, dtype = where
+    start, count = profile_window(args.warmup)
     return [
         f"model={model}",
         "model.source=null",
@@ -92,10 +93,10 @@ def train_overrides(
         f"compile={str(compile).lower()}",
         f"max_steps={args.warmup + args.steps}",
         f"runtime.log_every_n_steps={args.warmup}",
-        # The last two warm-up steps, as the bare loop's (--profile-out): outside the windows.
+        # The steps the bare loop profiles too (--profile-out): outside the timed windows.
         "profile.enabled=true",
-        f"profile.start_step={max(1, args.warmup - 1)}",
-        f"profile.steps={min(2, args.warmup)}",
+        f"profile.start_step={start}",
+        f"profile.steps={count}",
         "runtime.save_every_n_steps=null",
         "runtime.progress_bar=false",
         "runtime.loggers=[]",

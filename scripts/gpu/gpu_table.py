@@ -221,20 +221,18 @@ def profile_table(arms: list[str], out: Path) -> list[str]:
     """The train arms' profiled steps side by side (runner.trainer.profiling's summary.json,
     in each arm's directory under `out`): a step's milliseconds by kind, the kinds' sum (busy)
     and the wall time; none where no arm was profiled."""
-    found, columns = {}, {}
+    summaries = {}
     for arm in arms:
         path = out / slug(arm) / "profile" / "summary.json"
         if path.is_file():
-            summary = json.loads(path.read_text())
-            found[arm.removeprefix("train ")] = summary
-            columns[arm.removeprefix("train ")] = {
-                **summary["ms_per_step"],
-                "busy": summary["busy_ms"],
-                "wall": summary["wall_ms"],
-            }
-    if not found:
+            summaries[arm.removeprefix("train ")] = json.loads(path.read_text())
+    if not summaries:
         return []
-    first = next(iter(found.values()))
+    columns = {
+        arm: {**summary["ms_per_step"], "busy": summary["busy_ms"], "wall": summary["wall_ms"]}
+        for arm, summary in summaries.items()
+    }
+    first = next(iter(summaries.values()))
     what = "kernels on the GPU" if first["device"] == "cuda" else "ops' self time on the CPU"
     lines = [f"profile, ms a step ({first['steps']} warm-up steps; by kind, {what}):"]
     lines.append(f"  {'kind':10}" + "".join(f"{arm:>17}" for arm in columns))
