@@ -192,20 +192,27 @@ def test_multirun_gives_one_run_directory_per_job(runner_cli, tmp_path: Path) ->
         assert (sweep / job / "checkpoints" / "step_3" / "model.safetensors").is_file()
 
 
-def test_profile_writes_the_steps_trace_ops_and_summary(runner_cli, tmp_path: Path) -> None:
-    """profile.enabled=true: steps 3-4 profiled on the CPU, into the run's profile/ folder; the
-    console names it and holds none of libkineto's own lines."""
-    run_dir = tmp_path / "run"
+def profiled_run(runner_cli, run_dir: Path, max_steps: int):
+    """`runner train` of max_steps steps with profile.enabled=true (its default window, steps
+    3-4), no evaluation; the CLI's result, once it succeeded."""
     result = runner_cli(
         "train",
         *QUICK,
-        "max_steps=5",
+        f"max_steps={max_steps}",
         "eval.strategy=no",
         "dataset.eval_samples=0",
         "profile.enabled=true",
         f"hydra.run.dir={run_dir}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_profile_writes_the_steps_trace_ops_and_summary(runner_cli, tmp_path: Path) -> None:
+    """profile.enabled=true: steps 3-4 profiled on the CPU, into the run's profile/ folder; the
+    console names it and holds none of libkineto's own lines."""
+    run_dir = tmp_path / "run"
+    result = profiled_run(runner_cli, run_dir, max_steps=5)
     profile = run_dir / "profile"
     trace = json.loads((profile / "trace.json").read_text())
     assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
@@ -222,16 +229,7 @@ def test_profile_writes_the_steps_trace_ops_and_summary(runner_cli, tmp_path: Pa
 
 def test_a_profile_window_past_the_run_warns_and_writes_nothing(runner_cli, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = runner_cli(
-        "train",
-        *QUICK,
-        "max_steps=2",
-        "eval.strategy=no",
-        "dataset.eval_samples=0",
-        "profile.enabled=true",
-        f"hydra.run.dir={run_dir}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = profiled_run(runner_cli, run_dir, max_steps=2)
     warning = "profile: steps 3-4 are outside this run's steps 1-2: nothing is profiled"
     assert warning in (run_dir / "train.log").read_text()
     assert not (run_dir / "profile").exists()
