@@ -8,7 +8,6 @@ The zoo options' dimensions match the published config.json of their hub repos.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
@@ -28,7 +27,6 @@ from runner.components import instantiate
 from runner.config.dataset import check_packing
 from runner.config.model import resolve_model
 from runner.config.resolve import resolve_recipe
-from runner.deploy.engine import TransformersEngine
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
 from runner.job.preflight import estimate, print_estimate
@@ -368,6 +366,8 @@ def test_the_cuda_paths_compiled_step_serves_gemma2_as_eager(checkpoints) -> Non
     # broken, and the eager engine's greedy answers (the other families: a scratch run, the same).
     import torch._dynamo
     from torch._dynamo.utils import counters
+
+    from runner.deploy.engine import TransformersEngine
 
     prompts = [[5 + i] * (4 + 3 * i) for i in range(4)]
     said = {}
@@ -893,6 +893,7 @@ def test_deploy_answers_as_transformers_generate_does(
     """`runner deploy`'s engine, two prompts of different lengths decoded in one batch past
     Gemma 2's 8-token window, gives each the greedy continuation transformers' generate gives
     it alone."""
+    import asyncio
 
     from runner.deploy.engine import TransformersEngine
     from runner.deploy.generation import SamplingRequest
