@@ -46,6 +46,33 @@ def bucket(count: int, minimum: int = 1) -> int:
     return 1 << (max(count, minimum) - 1).bit_length()
 
 
+def grown(
+    capacity: tuple[int, int], rows: int, tokens: int, *, padded: bool, compiled: bool
+) -> tuple[int, int]:
+    """The buffers' (rows, tokens) capacity once they make room for `rows` rows and `tokens`
+    tokens (a padded window included): as it is while they fit, else doubled past the need in
+    the dimension that grew (capacities never shrink). `compiled`: a column past the widest
+    window (BatchCache's docstring)."""
+    row_capacity, token_capacity = capacity
+    if padded:
+        rows, tokens = bucket(rows), bucket(tokens, MIN_TOKENS)
+    spare = 1 if compiled else 0
+    if rows > row_capacity or tokens + spare > token_capacity:
+        return max(bucket(rows), row_capacity), max(bucket(tokens * 2), token_capacity)
+    return capacity
+
+
+def token_bytes(cache: Cache) -> int:
+    """The bytes one token of one row takes in every layer's keys and values of `cache` (a
+    prefill's), as BatchCache's buffers hold them."""
+    layers = [_keys_and_values(layer) for layer in cache.layers]
+    return sum(
+        keys.shape[1] * keys.shape[3] * keys.element_size()
+        + values.shape[1] * values.shape[3] * values.element_size()
+        for keys, values in layers
+    )
+
+
 @dataclass(frozen=True)
 class Prefilled:
     """What a prefill wrote: the KV cache of each prompt's prefix (all but its last token), in
@@ -209,12 +236,9 @@ class BatchCache(Cache):
 
     def _reserve(self, rows: int, tokens: int) -> None:
         """Make room for `rows` rows and `tokens` tokens (a padded window included)."""
-        row_capacity, token_capacity = self.capacity
-        if self.padded:
-            rows, tokens = bucket(rows), bucket(tokens, MIN_TOKENS)
-        spare = 1 if self.compiled else 0  # compiled: a column past the widest window
-        if rows > row_capacity or tokens + spare > token_capacity:
-            self._allocate(max(bucket(rows), row_capacity), max(bucket(tokens * 2), token_capacity))
+        capacity = grown(self.capacity, rows, tokens, padded=self.padded, compiled=self.compiled)
+        if capacity != self.capacity:
+            self._allocate(*capacity)
 
     def append_rows(self, prefilled: Prefilled, last_ids: list[int]) -> None:
         """Add sequences after the running ones: their prompts' prefixes as a prefill wrote

@@ -149,6 +149,8 @@ def load_served_models(
     if engine not in ENGINES:
         raise UserError("engine", engine, f"use one of {', '.join(ENGINES)}")
     if engine == "transformers":
+        # The engines share the device: each takes its share of the KV cache's default memory.
+        options = {**transformers_options, "engines": len(checkpoints)}
         return [
             _transformers_model(
                 checkpoint,
@@ -156,7 +158,7 @@ def load_served_models(
                 dtype=dtype,
                 max_model_len=max_model_len,
                 max_queue=max_queue,
-                options=transformers_options,
+                options=options,
             )
             for checkpoint in checkpoints
         ]
@@ -184,13 +186,15 @@ def _transformers_model(
 ) -> ServedModel:
     """A checkpoint loaded here, for a TransformersEngine (the `transformers` options), or in
     an engine's process of its own (`transformers.process`)."""
-    from runner.deploy.engine import TransformersEngine
+    from runner.deploy.engine import TransformersEngine, max_batch_size_by_default
     from runner.deploy.engine_process import process_by_default, served_model
     from runner.deploy.kv_cache import check_supported
-    from runner.deploy.loading import load_checkpoint
+    from runner.deploy.loading import load_checkpoint, resolve_device
 
     options = dict(options)
     process = options.pop("process")
+    if options["max_batch_size"] is None:
+        options["max_batch_size"] = max_batch_size_by_default(resolve_device(device))
     if process if process is not None else process_by_default(device):
         return served_model(
             checkpoint,

@@ -1,0 +1,167 @@
+"""transformers.kv_cache_gib: the running batch kept within its KV cache's memory
+(runner.deploy.kv_budget). A tiny checkpoint served on the CPU (compute=cpu, fp32), where a
+bound applies only when set; the real BatchCache runs, its reallocations watched."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from runner.deploy.engine import TransformersEngine
+from runner.deploy.generation import EngineFailed, SamplingRequest
+from runner.deploy.kv_budget import GIB, Joining, KvBudget
+from runner.deploy.kv_cache import BatchCache, token_bytes
+from runner.deploy.loading import load_checkpoint
+from runner.deploy.serve import prepare
+from runner.errors import UserError
+from tests.test_deploy import PROMPTS, deploy_config, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def generate(checkpoint: Path):
+    """transformers' own greedy continuation of prompt ids."""
+    model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    def continuation(prompt_ids: list[int], max_new_tokens: int) -> str:
+        output = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False
+        )[0, len(prompt_ids) :]
+        return tokenizer.decode(output, skip_special_tokens=True)
+
+    return continuation
+
+
+class Watched:
+    """The batch's buffers as the engine grows them: each allocation's capacity and bytes (the
+    new buffers and, until the copy is done, the old ones beside them), and the rows of each
+    decode step."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.capacities: list[tuple[int, int]] = []
+        self.peaks: list[int] = []
+        self.rows: list[int] = []
+        allocate, next_window = BatchCache._allocate, BatchCache.next_window
+
+        def watched_allocate(cache: BatchCache, row_capacity: int, token_capacity: int) -> None:
+            old = _bytes(cache) if hasattr(cache, "key_stack") else 0
+            allocate(cache, row_capacity, token_capacity)
+            self.capacities.append((row_capacity, token_capacity))
+            self.peaks.append(old + _bytes(cache))
+
+        def watched_window(cache: BatchCache):
+            self.rows.append(cache.rows)
+            return next_window(cache)
+
+        monkeypatch.setattr(BatchCache, "_allocate", watched_allocate)
+        monkeypatch.setattr(BatchCache, "next_window", watched_window)
+
+
+def _bytes(cache: BatchCache) -> int:
+    return cache.key_stack.nbytes + cache.value_stack.nbytes
+
+
+def _token_bytes(checkpoint: Path) -> int:
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(loaded, max_batch_size=1, max_queue=1)
+    try:
+        return token_bytes(engine.decode_step.prefill([[0, 0]]).cache)
+    finally:
+        engine.close()
+
+
+def _answers(engine: TransformersEngine, cases: list[tuple[list[int], int]]) -> list:
+    """Each case (prompt ids, max_tokens) sent together, greedy: its text, or its error."""
+
+    async def one(ids: list[int], max_tokens: int) -> str:
+        request = SamplingRequest(ids, max_tokens, 0.0, 1.0, 0, [], 1, stream=False)
+        return "".join([event.text async for event in engine.submit([request]).events()])
+
+    async def together() -> list:
+        return await asyncio.gather(*(one(*case) for case in cases), return_exceptions=True)
+
+    return asyncio.run(together())
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
+def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
+    checkpoint, generate, monkeypatch, overlap
+) -> None:
+    # Eight prompts sent together, with room for four rows of them: the rest wait for running
+    # ones to finish rather than grow the buffers past the budget, and every answer is
+    # generate's. Five rows would need buffers of 8 rows, twice the four rows' bytes.
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    cases = [(tokenizer(PROMPTS[i % 4])["input_ids"], 20 + 5 * i) for i in range(8)]
+    longest = max(len(ids) for ids, _ in cases) - 1
+    steps = max(tokens for _, tokens in cases)
+    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=overlap)
+    limit = budget.peak(Joining(rows=4, prefix=longest, steps=steps), None, prefill_rows=4)
+    watched = Watched(monkeypatch)
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(
+        loaded, max_batch_size=8, max_queue=8, kv_cache_gib=limit / GIB, overlap=overlap
+    )
+    try:
+        answers = _answers(engine, cases)
+    finally:
+        engine.close()
+    assert answers == [generate(*case) for case in cases]
+    assert max(watched.rows) == 4, watched.rows  # batched, and no more than fit
+    assert max(watched.peaks) <= limit, (watched.peaks, limit)
+
+
+def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(checkpoint, generate) -> None:
+    # Room for one row of 20 tokens: a request for 200 fails at once, saying what it needs and
+    # which key bounds it, while one sent beside it is answered.
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=False)
+    limit = budget.peak(Joining(rows=1, prefix=len(ids) - 1, steps=20), None, prefill_rows=1)
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(loaded, max_batch_size=4, max_queue=4, kv_cache_gib=limit / GIB)
+    try:
+        refused, answered = _answers(engine, [(ids, 200), (ids, 20)])
+    finally:
+        engine.close()
+    assert isinstance(refused, EngineFailed)
+    assert "max_tokens=200" in str(refused) and "transformers.kv_cache_gib" in str(refused)
+    assert answered == generate(ids, 20)
+
+
+def test_an_idle_engine_starts_a_long_sequence_in_buffers_of_its_own(
+    checkpoint, generate, monkeypatch
+) -> None:
+    # Four short sequences leave buffers of four rows behind; one long sequence fits the budget
+    # in a row of its own, not in four rows as long: the idle engine lets the old buffers go.
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    short = [(tokenizer(PROMPTS[i])["input_ids"], 8) for i in range(4)]
+    long = (tokenizer(PROMPTS[2])["input_ids"], 200)
+    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=False)
+    alone = budget.peak(Joining(rows=1, prefix=len(long[0]) - 1, steps=200), None, 1)
+    watched = Watched(monkeypatch)
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(loaded, max_batch_size=4, max_queue=4, kv_cache_gib=alone / GIB)
+    try:
+        first = _answers(engine, short)
+        assert max(watched.rows) == 4 and watched.capacities[-1][0] == 4
+        second = _answers(engine, [long])
+    finally:
+        engine.close()
+    assert first == [generate(*case) for case in short]
+    assert second == [generate(*long)]
+    assert watched.capacities[-1][0] == 1  # fresh buffers, one row wide
+    assert max(watched.peaks) <= alone
+
+
+def test_the_kv_cache_budget_must_be_positive() -> None:
+    with pytest.raises(UserError, match="transformers.kv_cache_gib"):
+        prepare(deploy_config("checkpoint=unused", "transformers.kv_cache_gib=0"))
