@@ -92,9 +92,15 @@ def _answers(engine: TransformersEngine, cases: list[tuple[list[int], int]]) -> 
     return asyncio.run(together())
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
+# padded and overlap: the CUDA path's buffers (buckets of rows and tokens) and its host a step
+# ahead of the device, run on the CPU.
+@pytest.mark.parametrize(
+    ("padded", "overlap"),
+    [(False, False), (False, True), (True, True)],
+    ids=["in-step", "overlap", "cuda-path"],
+)
 def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
-    checkpoint, generate, monkeypatch, overlap
+    checkpoint, generate, monkeypatch, padded, overlap
 ) -> None:
     # Eight prompts sent together, with room for four rows of them: the rest wait for running
     # ones to finish rather than grow the buffers past the budget, and every answer is
@@ -103,12 +109,18 @@ def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
     cases = [(tokenizer(PROMPTS[i % 4])["input_ids"], 20 + 5 * i) for i in range(8)]
     longest = max(len(ids) for ids, _ in cases) - 1
     steps = max(tokens for _, tokens in cases)
-    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=overlap)
+    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=padded, compiled=False, overlap=overlap)
     limit = budget.peak(Joining(rows=4, prefix=longest, steps=steps), None, prefill_rows=4)
     watched = Watched(monkeypatch)
     loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(
-        loaded, max_batch_size=8, max_queue=8, kv_cache_gib=limit / GIB, overlap=overlap
+        loaded,
+        max_batch_size=8,
+        max_queue=8,
+        kv_cache_gib=limit / GIB,
+        cuda_graphs=False,
+        padded=padded,
+        overlap=overlap,
     )
     try:
         answers = _answers(engine, cases)
