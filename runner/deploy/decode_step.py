@@ -174,7 +174,6 @@ class DecodeStep:
         width = max(max(lengths), 1)  # all prompts of one token: one token of padding
         shared = pack(lengths, width) if self._packs else None
         packed = shared is not None and max(shared[0]) + 1 < len(prompts)
-        # No row shared: a row each under a plain mask, which SDPA skips where nothing is padded.
         rows, starts = shared if shared is not None and packed else _padded(lengths, width)
         count = max(rows) + 1
         ids = torch.zeros(count, width, dtype=torch.long)
@@ -187,10 +186,16 @@ class DecodeStep:
         )
         positions[flat.rows, flat.columns] = flat.offsets
         owner[flat.rows, flat.columns] = flat.sequences
-        if packed:
+        # Where SDPA takes it, the mask is the 4D one it attends by (block-diagonal where rows
+        # are shared; a left-padded row's padding attending itself alone): transformers would
+        # read a 2D mask back from the device to see whether it may skip it (masking_utils'
+        # fast_all), which on a GPU waits for every step queued. Nothing padded, no mask at
+        # all: SDPA's own causal attention (the flash kernel on a GPU).
+        mask: torch.Tensor | None = None
+        if min(lengths) < width and self._packs:
             causal = torch.ones(width, width, dtype=torch.bool).tril()
             mask = ((owner[:, :, None] == owner[:, None, :]) & causal)[:, None]
-        else:
+        elif min(lengths) < width:
             mask = (owner >= 0).long()
         # Full-attention layers throughout: a sliding-window layer keeps every token here, and
         # the model's own sliding-window mask (built from config.json for those layers) hides
@@ -201,7 +206,7 @@ class DecodeStep:
         with torch.compiler.set_stance("force_eager" if self._layers else "default"):
             self._model(
                 input_ids=to_device(ids, device),
-                attention_mask=to_device(mask, device),
+                attention_mask=None if mask is None else to_device(mask, device),
                 position_ids=to_device(positions, device),
                 use_cache=True,
                 logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
@@ -218,9 +223,13 @@ class DecodeStep:
 
     def _forward(self, cache: BatchCache, window: Window) -> torch.Tensor:
         rows, width = window.rows, window.width
+        # Where SDPA takes it, the window's mask as the 4D one it attends by (a view of the
+        # buffer): a 2D mask, transformers would read back from the device every step to see
+        # whether it may skip it (the prefill's comment).
+        mask = cache.mask[:rows, None, None, :width] if self._packs else cache.mask[:rows, :width]
         return self._model(
             input_ids=cache.ids[:rows],
-            attention_mask=cache.mask[:rows, :width],
+            attention_mask=mask,
             position_ids=cache.positions[:rows],
             use_cache=True,
             **{self._cache_keyword: cache},
