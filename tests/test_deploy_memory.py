@@ -1,6 +1,7 @@
-"""transformers.kv_cache_gib: the running batch kept within its KV cache's memory
-(runner.deploy.kv_budget). A tiny checkpoint served on the CPU (compute=cpu, fp32), where a
-bound applies only when set; the real BatchCache runs, its reallocations watched."""
+"""transformers.kv_cache_gib and max_prefill_tokens: the running batch kept within its KV
+cache's memory (runner.deploy.kv_budget), and each admission's prefill within its tokens. A
+tiny checkpoint served on the CPU (compute=cpu, fp32), where a bound applies only when set; the
+real BatchCache runs, its reallocations watched."""
 
 from __future__ import annotations
 
@@ -174,6 +175,34 @@ def test_an_idle_engine_starts_a_long_sequence_in_buffers_of_its_own(
     assert max(watched.peaks) <= alone
 
 
-def test_the_kv_cache_budget_must_be_positive() -> None:
-    with pytest.raises(UserError, match="transformers.kv_cache_gib"):
-        prepare(deploy_config("checkpoint=unused", "transformers.kv_cache_gib=0"))
+def test_a_burst_of_prompts_is_prefilled_in_admissions_of_at_most_max_prefill_tokens(
+    checkpoint, generate
+) -> None:
+    # Eight prompts sent together into an idle engine, with room for all of them in the batch:
+    # each admission prefills at most 40 prompt tokens (a prompt longer than that alone), and
+    # every answer is generate's.
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    cases = [(tokenizer(PROMPTS[i % 4] + " x" * i)["input_ids"], 12) for i in range(8)]
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8, max_prefill_tokens=40)
+    prefills: list[list[int]] = []
+    prefill = engine.decode_step.prefill
+
+    def counted(prompts: list[list[int]]):
+        prefills.append([len(prompt) - 1 for prompt in prompts])
+        return prefill(prompts)
+
+    engine.decode_step.prefill = counted  # type: ignore[method-assign]
+    try:
+        answers = _answers(engine, cases)
+    finally:
+        engine.close()
+    assert answers == [generate(*case) for case in cases]
+    assert len(prefills) > 1 and sum(map(len, prefills)) == 8, prefills
+    assert all(sum(tokens) <= 40 or len(tokens) == 1 for tokens in prefills), prefills
+
+
+@pytest.mark.parametrize("key", ["transformers.kv_cache_gib", "transformers.max_prefill_tokens"])
+def test_the_memory_bounds_must_be_positive(key: str) -> None:
+    with pytest.raises(UserError, match=key):
+        prepare(deploy_config("checkpoint=unused", f"{key}=0"))

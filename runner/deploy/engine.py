@@ -56,11 +56,22 @@ _SEED_MASK = (1 << 64) - 1
 # tokens/s at 32 clients and 22,319 at 128 (docs: benchmarks). CPU: 32, as before.
 MAX_BATCH_SIZE_BY_DEVICE = {"cuda": 256}
 CPU_MAX_BATCH_SIZE = 32
+# transformers.max_prefill_tokens: null, by device type (absent: no cap). CUDA: a prefill's
+# activations grow with its tokens, and 256 rows of long prompts at once would take tens of GiB
+# beyond the KV cache (vLLM's max_num_batched_tokens, text-generation-inference's
+# max_batch_prefill_tokens cap them alike); 16,384 holds gpu_report's 128 prompts (14,495
+# tokens) in one prefill.
+MAX_PREFILL_TOKENS_BY_DEVICE = {"cuda": 16384}
 
 
 def max_batch_size_by_default(device: torch.device) -> int:
     """transformers.max_batch_size: null on `device`."""
     return MAX_BATCH_SIZE_BY_DEVICE.get(device.type, CPU_MAX_BATCH_SIZE)
+
+
+def max_prefill_tokens_by_default(device: torch.device) -> int | None:
+    """transformers.max_prefill_tokens: null on `device` (None: no cap)."""
+    return MAX_PREFILL_TOKENS_BY_DEVICE.get(device.type)
 
 
 @dataclass
@@ -97,6 +108,7 @@ class TransformersEngine:
         *,
         max_batch_size: int,
         max_queue: int,
+        max_prefill_tokens: int | None = None,
         max_waiting_steps: int = 0,
         waiting_served_ratio: float = 0.3,
         cuda_graphs: bool | None = None,
@@ -107,7 +119,9 @@ class TransformersEngine:
         engines: int = 1,
         deliver: Callable[[list[tuple[RequestHandle, ChoiceEvent | Exception]]], None] = deliver,
     ) -> None:
-        """`max_waiting_steps`, `waiting_served_ratio`: when waiting sequences join a running
+        """`max_prefill_tokens`: the most prompt tokens one admission prefills (None: no cap;
+        a longer prompt is prefilled alone); `max_waiting_steps`, `waiting_served_ratio`: when
+        waiting sequences join a running
         batch (conf/deploy.yaml); `cuda_graphs`: replay each decode step from a CUDA graph
         (None: on CUDA devices); `padded`: round each step's batch up to a bucket, as graphs
         need (None: with graphs); `compile`: fuse the decode step with torch.compile
@@ -122,6 +136,7 @@ class TransformersEngine:
         self._eos_ids = loaded.eos_token_ids
         self._device = loaded.model.device
         self._max_batch_size = max_batch_size
+        self._max_prefill_tokens = max_prefill_tokens
         self._max_queue = max_queue
         self._max_waiting_steps = max_waiting_steps
         self._waiting_served_ratio = waiting_served_ratio
@@ -232,12 +247,17 @@ class TransformersEngine:
                 self._steps_waited += 1
                 return []
             self._steps_waited = 0
+            prefill_tokens = 0
             while self._waiting and len(self._running) + len(admitted) < self._max_batch_size:
                 sequence = self._waiting[0]
+                tokens = len(sequence.request.prompt_ids) - 1  # the prefill's: all but the last
                 if sequence.handle.cancelled:
                     self._waiting.popleft()
+                elif admitted and not self._prefill_takes(prefill_tokens + tokens):
+                    break  # the next admission prefills it
                 elif self._fits([*admitted, sequence]):
                     admitted.append(self._waiting.popleft())
+                    prefill_tokens += tokens
                 elif self._running or admitted:
                     break  # it waits, and those behind it, for running sequences to finish
                 else:  # it could not fit even alone
@@ -245,6 +265,10 @@ class TransformersEngine:
         for sequence in refused:
             self._fail([sequence], EngineFailed(self._refusal(sequence)))
         return admitted
+
+    def _prefill_takes(self, tokens: int) -> bool:
+        """Whether one prefill may take `tokens` prompt tokens (transformers.max_prefill_tokens)."""
+        return self._max_prefill_tokens is None or tokens <= self._max_prefill_tokens
 
     def _fits(self, joining: list[_Sequence]) -> bool:
         """Whether `joining` can join the running batch within the KV cache's budget

@@ -186,7 +186,11 @@ def _transformers_model(
 ) -> ServedModel:
     """A checkpoint loaded here, for a TransformersEngine (the `transformers` options), or in
     an engine's process of its own (`transformers.process`)."""
-    from runner.deploy.engine import TransformersEngine, max_batch_size_by_default
+    from runner.deploy.engine import (
+        TransformersEngine,
+        max_batch_size_by_default,
+        max_prefill_tokens_by_default,
+    )
     from runner.deploy.engine_process import process_by_default, served_model
     from runner.deploy.kv_cache import check_supported
     from runner.deploy.loading import load_checkpoint, resolve_device
@@ -195,6 +199,8 @@ def _transformers_model(
     process = options.pop("process")
     if options["max_batch_size"] is None:
         options["max_batch_size"] = max_batch_size_by_default(resolve_device(device))
+    if options["max_prefill_tokens"] is None:
+        options["max_prefill_tokens"] = max_prefill_tokens_by_default(resolve_device(device))
     if process if process is not None else process_by_default(device):
         return served_model(
             checkpoint,
