@@ -121,16 +121,15 @@ class TransformersEngine:
     ) -> None:
         """`max_prefill_tokens`: the most prompt tokens one admission prefills (None: no cap;
         a longer prompt is prefilled alone); `max_waiting_steps`, `waiting_served_ratio`: when
-        waiting sequences join a running
-        batch (conf/deploy.yaml); `cuda_graphs`: replay each decode step from a CUDA graph
-        (None: on CUDA devices); `padded`: round each step's batch up to a bucket, as graphs
-        need (None: with graphs); `compile`: fuse the decode step with torch.compile
-        (conf/deploy.yaml); `overlap`: queue each step before reading the last one's tokens
-        (None: on CUDA devices; see the module's docstring); `kv_cache_gib`: the memory the
-        batch's KV cache may take (runner.deploy.kv_budget; None: its default on the device,
-        shared among `engines` serving there); `deliver`: where each step's
-        events go (the handles' event loops; runner.deploy.engine_process sends them to the
-        server's process)."""
+        waiting sequences join a running batch (conf/deploy.yaml); `cuda_graphs`: replay each
+        decode step from a CUDA graph (None: on CUDA devices); `padded`: round each step's
+        batch up to a bucket, as graphs need (None: with graphs); `compile`: fuse the decode
+        step with torch.compile (conf/deploy.yaml); `overlap`: queue each step before reading
+        the last one's tokens (None: on CUDA devices; see the module's docstring);
+        `kv_cache_gib`: the memory the batch's KV cache may take (runner.deploy.kv_budget;
+        None: its default on the device, shared among `engines` serving there); `deliver`:
+        where each step's events go (the handles' event loops; runner.deploy.engine_process
+        sends them to the server's process)."""
         self._deliver = deliver
         self._tokenizer = loaded.tokenizer
         self._eos_ids = loaded.eos_token_ids
@@ -206,7 +205,7 @@ class TransformersEngine:
         # compiled step ran about 5 times slower here (0.64 against 3.0 ms at 4 rows).
         try:
             warm_up()
-            if self._kv_cache_gib is not None or self._device.type == "cuda":
+            if self._kv_cache_gib is not None or self._device.type == "cuda":  # a bound applies
                 self._token_bytes = token_bytes(self.decode_step.prefill([[0, 0]]).cache)
         except BaseException as error:
             started.set_exception(error)
