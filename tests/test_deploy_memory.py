@@ -9,8 +9,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
 
 from runner.deploy.engine import TransformersEngine
 from runner.deploy.generation import EngineFailed, SamplingRequest
@@ -19,7 +17,7 @@ from runner.deploy.kv_cache import BatchCache, token_bytes
 from runner.deploy.loading import load_checkpoint
 from runner.deploy.serve import prepare
 from runner.errors import UserError
-from tests.test_deploy import PROMPTS, deploy_config, make_checkpoint
+from tests.test_deploy import PROMPTS, deploy_config, greedy_reference, make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +26,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def generate(checkpoint: Path):
-    """transformers' own greedy continuation of prompt ids."""
-    model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-
-    def continuation(prompt_ids: list[int], max_new_tokens: int) -> str:
-        output = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False
-        )[0, len(prompt_ids) :]
-        return tokenizer.decode(output, skip_special_tokens=True)
-
-    return continuation
+def reference(checkpoint: Path):
+    return greedy_reference(checkpoint)
 
 
 class Watched:
@@ -101,12 +89,12 @@ def _answers(engine: TransformersEngine, cases: list[tuple[list[int], int]]) -> 
     ids=["in-step", "overlap", "cuda-path"],
 )
 def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
-    checkpoint, generate, monkeypatch, padded, overlap
+    checkpoint, reference, monkeypatch, padded, overlap
 ) -> None:
     # Eight prompts sent together, with room for four rows of them: the rest wait for running
     # ones to finish rather than grow the buffers past the budget, and every answer is
     # generate's. Five rows would need buffers of 8 rows, twice the four rows' bytes.
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer, generate = reference
     cases = [(tokenizer(PROMPTS[i % 4])["input_ids"], 20 + 5 * i) for i in range(8)]
     longest = max(len(ids) for ids, _ in cases) - 1
     steps = max(tokens for _, tokens in cases)
@@ -127,15 +115,15 @@ def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
         answers = _answers(engine, cases)
     finally:
         engine.close()
-    assert answers == [generate(*case) for case in cases]
+    assert answers == [generate(*case)[0] for case in cases]
     assert max(watched.rows) == 4, watched.rows  # batched, and no more than fit
     assert max(watched.peaks) <= limit, (watched.peaks, limit)
 
 
-def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(checkpoint, generate) -> None:
+def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(checkpoint, reference) -> None:
     # Room for one row of 20 tokens: a request for 200 fails at once, saying what it needs and
     # which key bounds it, while one sent beside it is answered.
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer, generate = reference
     ids = tokenizer(PROMPTS[0])["input_ids"]
     budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=False)
     limit = budget.peak(Joining(rows=1, prefix=len(ids) - 1, steps=20), None, prefill_rows=1)
@@ -147,15 +135,15 @@ def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(checkpoint, ge
         engine.close()
     assert isinstance(refused, EngineFailed)
     assert "max_tokens=200" in str(refused) and "transformers.kv_cache_gib" in str(refused)
-    assert answered == generate(ids, 20)
+    assert answered == generate(ids, 20)[0]
 
 
 def test_an_idle_engine_starts_a_long_sequence_in_buffers_of_its_own(
-    checkpoint, generate, monkeypatch
+    checkpoint, reference, monkeypatch
 ) -> None:
     # Four short sequences leave buffers of four rows behind; one long sequence fits the budget
     # in a row of its own, not in four rows as long: the idle engine lets the old buffers go.
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer, generate = reference
     short = [(tokenizer(PROMPTS[i])["input_ids"], 8) for i in range(4)]
     long = (tokenizer(PROMPTS[2])["input_ids"], 200)
     budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=False)
@@ -169,19 +157,19 @@ def test_an_idle_engine_starts_a_long_sequence_in_buffers_of_its_own(
         second = _answers(engine, [long])
     finally:
         engine.close()
-    assert first == [generate(*case) for case in short]
-    assert second == [generate(*long)]
+    assert first == [generate(*case)[0] for case in short]
+    assert second == [generate(*long)[0]]
     assert watched.capacities[-1][0] == 1  # fresh buffers, one row wide
     assert max(watched.peaks) <= alone
 
 
 def test_a_burst_of_prompts_is_prefilled_in_admissions_of_at_most_max_prefill_tokens(
-    checkpoint, generate
+    checkpoint, reference
 ) -> None:
     # Eight prompts sent together into an idle engine, with room for all of them in the batch:
     # each admission prefills at most 40 prompt tokens (a prompt longer than that alone), and
     # every answer is generate's.
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer, generate = reference
     cases = [(tokenizer(PROMPTS[i % 4] + " x" * i)["input_ids"], 12) for i in range(8)]
     loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8, max_prefill_tokens=40)
@@ -197,7 +185,7 @@ def test_a_burst_of_prompts_is_prefilled_in_admissions_of_at_most_max_prefill_to
         answers = _answers(engine, cases)
     finally:
         engine.close()
-    assert answers == [generate(*case) for case in cases]
+    assert answers == [generate(*case)[0] for case in cases]
     assert len(prefills) > 1 and sum(map(len, prefills)) == 8, prefills
     assert all(sum(tokens) <= 40 or len(tokens) == 1 for tokens in prefills), prefills
 

@@ -1,0 +1,325 @@
+"""The serving engine in this process (runner/deploy/engine.py), its forward passes
+(decode_step.py) and its batch's buffers (kv_cache.py), on a tiny checkpoint on the CPU
+(compute=cpu, fp32), against transformers' own generate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.deploy.decode_step import DecodeStep
+from runner.deploy.engine import TransformersEngine
+from runner.deploy.generation import EngineFailed, SamplingRequest
+from runner.deploy.kv_cache import MIN_TOKENS, TRIM_SHARE, BatchCache
+from runner.deploy.loading import load_checkpoint
+from tests.test_deploy import PROMPTS, greedy_reference, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path):
+    return greedy_reference(checkpoint)
+
+
+# overlap: the host a step ahead of the device, as on CUDA (engine.py), its logic run on the CPU.
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
+def test_a_request_failing_inside_the_engine_fails_alone(checkpoint: Path, overlap: bool) -> None:
+    # Requests the server would refuse, handed to the engine directly: each fails its own
+    # request while the others, running or prefilled beside it, finish as if alone.
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8, overlap=overlap)
+
+    def request(prompt_ids: list[int], temperature: float = 0.0) -> list[SamplingRequest]:
+        return [SamplingRequest(prompt_ids, 30, temperature, 1.0, 0, [], 1, stream=True)]
+
+    async def text_of(handle) -> str:
+        return "".join([event.text async for event in handle.events()])
+
+    async def together() -> list[str | BaseException]:
+        events = engine.submit(request([5, 6, 7])).events()
+        first = await anext(events)  # this one is decoding in the batch now
+        failing = [
+            engine.submit(request([5, 6], temperature=1e-50)),  # nan probabilities
+            engine.submit(request([10**6])),  # no such token: its prefill fails
+        ]
+        beside = engine.submit(request([8, 9]))  # prefilled with the failing ones, or just after
+        rest = "".join([event.text async for event in events])
+        others = [text_of(beside), *(text_of(handle) for handle in failing)]
+        return [first.text + rest, *await asyncio.gather(*others, return_exceptions=True)]
+
+    async def alone() -> list[str]:
+        return [await text_of(engine.submit(request(ids))) for ids in ([5, 6, 7], [8, 9])]
+
+    try:
+        running, beside, *failed = asyncio.run(together())
+        assert [running, beside] == asyncio.run(alone())
+    finally:
+        engine.close()
+    assert all(isinstance(error, EngineFailed) for error in failed), failed
+
+
+# transformers renamed forward's past_key_values to cache (5.24 warns, 5.40 drops the old name):
+# the engine passes the name the model takes, so the warning is an error here.
+@pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
+@pytest.mark.parametrize(
+    ("padded", "compiled", "overlap"),
+    [
+        (False, False, False),
+        (True, False, False),
+        (False, True, False),
+        (True, True, False),
+        (True, False, True),
+        (True, True, True),
+    ],
+    ids=["exact", "padded", "exact-compiled", "padded-compiled", "padded-overlap", "cuda-path"],
+)
+def test_rows_joining_and_leaving_answer_as_generate_alone(
+    checkpoint, reference, padded, compiled, overlap, caplog
+) -> None:
+    # compute=cpu, dtype=fp32. padded=True is the CUDA path's step (the batch rounded up to
+    # buckets of rows and tokens, which CUDA graphs replay) with the graphs off: the padding
+    # rows and columns must change no answer; compiled, the step inductor fuses (the CPU's with
+    # compile=true; padded, as a CUDA graph would capture it) must neither, and it compiles
+    # as the engine starts, never after; overlap, the host a step ahead of the device (a
+    # finished row computed once more), must neither. Prompts of several lengths arrive in two
+    # waves, the second while the first decodes, and finish at different lengths.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    tokenizer, generate = reference
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    torch._dynamo.reset()  # compiled: no graph left by another test's engine
+    counters.clear()
+    engine = TransformersEngine(
+        loaded,
+        max_batch_size=4,
+        max_queue=16,
+        cuda_graphs=False,
+        padded=padded,
+        compile=compiled,
+        overlap=overlap,
+    )
+    graphs = dict(counters["stats"])  # compiled: what the engine's warm-up compiled
+    # Long prompts first, short ones after, at most 4 rows: the short ones take the buffers'
+    # rows where long ones were, with what those left behind still there.
+    texts = [PROMPTS[3] + " and" * i for i in range(4)] + [PROMPTS[i % 3] for i in range(6)]
+    cases = [(tokenizer(text)["input_ids"], 4 + 5 * i) for i, text in enumerate(texts)]
+
+    async def text_of(handle) -> str:
+        return "".join([event.text async for event in handle.events()])
+
+    async def waves() -> list[str]:
+        def submit(ids: list[int], max_tokens: int):
+            return engine.submit([SamplingRequest(ids, max_tokens, 0.0, 1.0, 0, [], 1, False)])
+
+        first = [submit(*case) for case in cases[:4]]
+        # The shortest has left the batch; the second wave takes its row and joins the rest.
+        shortest = await text_of(first[0])
+        texts = await asyncio.gather(*(text_of(submit(*case)) for case in cases[4:]))
+        return [shortest, *await asyncio.gather(*map(text_of, first[1:])), *texts]
+
+    try:
+        texts = asyncio.run(waves())
+    finally:
+        engine.close()
+    assert texts == [generate(*case)[0] for case in cases]
+    # No sequence failed on the way (overlap: a finished one's extra token is dropped, not
+    # recorded, which would fail it alone after its answer went out).
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+    if compiled:  # compiled as the engine started, into graphs never broken, and never again
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert graphs["unique_graphs"] == 3 and dict(counters["stats"]) == graphs, graphs
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
+def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
+    checkpoint, reference, overlap
+) -> None:
+    # compute=cpu, dtype=fp32. With waiting_served_ratio 2, one request running holds a second
+    # back until a third waits too (max_waiting_steps far off): they join in one prefill, and
+    # the delay changes no answer.
+    tokenizer, generate = reference
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(
+        loaded,
+        max_batch_size=4,
+        max_queue=16,
+        max_waiting_steps=10_000,
+        waiting_served_ratio=2,
+        overlap=overlap,
+    )
+    prefills = []
+    prefill = engine.decode_step.prefill
+
+    def counted(prompts: list[list[int]]):
+        prefills.append(len(prompts))
+        return prefill(prompts)
+
+    engine.decode_step.prefill = counted  # type: ignore[method-assign]
+    cases = [
+        (tokenizer(PROMPTS[i])["input_ids"], tokens) for i, tokens in ((3, 200), (1, 8), (0, 8))
+    ]
+    answers = [generate(*case) for case in cases]
+    assert answers[0][1] == 200  # no end of sequence: the first runs while the others arrive
+
+    def submit(ids: list[int], max_tokens: int, stream: bool = False):
+        return engine.submit([SamplingRequest(ids, max_tokens, 0.0, 1.0, 0, [], 1, stream)])
+
+    async def text_of(handle) -> str:
+        return "".join([event.text async for event in handle.events()])
+
+    async def arrivals() -> list[str]:
+        events = submit(*cases[0], stream=True).events()
+        running = [(await anext(events)).text]
+        second = submit(*cases[1])
+        for _ in range(10):  # ten more tokens of the first: the second is still waiting
+            running.append((await anext(events)).text)
+        assert prefills == [1]
+        third = submit(*cases[2])
+        rest = [event.text async for event in events]
+        return ["".join(running + rest), await text_of(second), await text_of(third)]
+
+    try:
+        texts = asyncio.run(arrivals())
+    finally:
+        engine.close()
+    assert prefills == [1, 2]
+    assert texts == [text for text, _ in answers]
+
+
+def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(checkpoint) -> None:
+    # compute=cpu dtype=fp32. Prompts of 2 to 11 tokens: their prefixes (all but the last
+    # token) share rows of the longest's width under a block-diagonal mask, and each prefix's
+    # keys equal those of its prompt run alone (to 1e-5: fp32 sums in another order).
+    model = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None).model
+    prompts = [list(range(5, 5 + length)) for length in (11, 2, 4, 7, 3, 5)]
+    with torch.inference_mode():
+        prefilled = DecodeStep(model, graphs=False).prefill(prompts)
+        assert prefilled.lengths == [len(prompt) - 1 for prompt in prompts]
+        assert max(prefilled.rows) + 1 == 3  # rows of 10: 10 | 6 + 4 | 3 + 2 + 1
+        for index, prompt in enumerate(prompts):
+            alone = model(input_ids=torch.tensor([prompt[:-1]]), use_cache=True)
+            row, start = prefilled.rows[index], prefilled.starts[index]
+            for layer, own in zip(
+                prefilled.cache.layers, alone.past_key_values.layers, strict=True
+            ):
+                keys = layer.keys[row, :, start : start + len(prompt) - 1]
+                torch.testing.assert_close(keys, own.keys[0], atol=1e-5, rtol=1e-5)
+
+
+def _batch_of(checkpoint: Path, sequences: list[list[int]], *, padded: bool):
+    """The tiny checkpoint's model on the CPU (fp32), its DecodeStep, and a BatchCache holding
+    `sequences` as the engine admits them, with copies of them to extend as rows decode."""
+    model = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None).model
+    step = DecodeStep(model, graphs=False)
+    with torch.inference_mode():
+        prefilled = step.prefill(sequences)
+        cache = BatchCache(prefilled.cache, padded=padded)
+        cache.append_rows(prefilled, [sequence[-1] for sequence in sequences])
+    return model, step, cache, [list(sequence) for sequence in sequences]
+
+
+def _decode_as_alone(model, step, cache, rows: list[list[int]], steps: int) -> None:
+    """`steps` greedy decode steps of the batch `cache`, whose rows hold the sequences `rows`
+    (extended with each new token): each row's logits equal its sequence's run alone (to 1e-4:
+    fp32 sums in another order and over padding)."""
+    for _ in range(steps):
+        logits = step(cache, cache.next_window())
+        for row, sequence in enumerate(rows):
+            alone = model(input_ids=torch.tensor([sequence])).logits[0, -1]
+            torch.testing.assert_close(logits[row], alone, atol=1e-4, rtol=1e-4)
+        next_ids = logits[: cache.rows].argmax(dim=-1)
+        cache.advance(next_ids)
+        for sequence, token in zip(rows, next_ids.tolist(), strict=True):
+            sequence.append(token)
+
+
+def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(checkpoint) -> None:
+    # compute=cpu dtype=fp32. Rows that leave the batch make room for the last rows (moved in
+    # their places, the rest left where they are); columns that became padding in every row are
+    # dropped where that narrows the window by TRIM_SHARE. Either way each row's next-token
+    # logits equal its sequence's run alone (to 1e-4: fp32 sums in another order and over
+    # padding).
+    sequences = [list(range(5, 5 + length)) for length in (12, 3, 9, 4, 6, 2)]
+    model, step, cache, rows = _batch_of(checkpoint, sequences, padded=False)
+    with torch.inference_mode():
+        _decode_as_alone(model, step, cache, rows, 3)
+        # The two longest leave: the rest's 6 dead columns of 14 are dropped (a copy of all).
+        end = cache.end
+        order = cache.select_rows([1, 3, 4, 5])
+        assert order == [4, 1, 5, 3]  # rows 4 and 5 take the places of 0 and 2
+        assert (end - cache.end) / end >= TRIM_SHARE and cache.end == 5 + 3
+        rows = [rows[old] for old in order]
+        _decode_as_alone(model, step, cache, rows, 2)
+        # The shortest leaves: no column is dead, the last row moves to its place, alone.
+        order = cache.select_rows([0, 1, 3])
+        assert order == [0, 1, 3] and cache.end == 10
+        rows = [rows[old] for old in order]
+        _decode_as_alone(model, step, cache, rows, 2)
+        # A row as long as the first prompt joins and the oldest leaves: the one column dead in
+        # every row is under TRIM_SHARE of 12 and stays; the new row moves to the oldest's place.
+        joining = list(range(5, 17))
+        prefilled = step.prefill([joining])
+        cache.append_rows(prefilled, [joining[-1]])
+        rows.append(joining)
+        order = cache.select_rows([1, 2, 3])
+        assert order == [3, 1, 2] and cache.end == 12
+        rows = [rows[old] for old in order]
+        _decode_as_alone(model, step, cache, rows, 2)
+
+
+def test_padded_windows_drop_dead_columns_when_that_keeps_the_bucket(checkpoint) -> None:
+    # compute=cpu dtype=fp32. Padded (the CUDA path's shapes, graphs off), a step reads its
+    # whole power-of-two bucket of columns: dropping dead columns pays only where the bucket
+    # shrinks or would otherwise double. The long row leaves 50 dead columns in a window of 64
+    # (the smallest bucket): kept; two steps on, the window would double to 128: dropped first.
+    sequences = [[5 + i % 200 for i in range(60)], list(range(5, 15))]
+    model, step, cache, rows = _batch_of(checkpoint, sequences, padded=True)
+    with torch.inference_mode():
+        _decode_as_alone(model, step, cache, rows, 3)
+        assert (cache.end, cache.window.width) == (62, MIN_TOKENS)
+        assert cache.select_rows([1]) == [1] and cache.end == 62  # 50 dead columns stay
+        rows = [rows[1]]
+        _decode_as_alone(model, step, cache, rows, 2)
+        assert cache.end == 64 and cache.window.width == MIN_TOKENS
+        window = cache.next_window()  # column 64 would open a window of 128: the 50 go first
+        assert (cache.end, window.width) == (14, MIN_TOKENS)
+        logits = step(cache, window)
+        alone = model(input_ids=torch.tensor([rows[0]])).logits[0, -1]
+        torch.testing.assert_close(logits[0], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_eager_attention_prefills_left_padded_and_answers_as_generate(
+    checkpoint, reference
+) -> None:
+    # compute=cpu dtype=fp32. Eager attention adds the mask to the scores, so a packed (boolean,
+    # block-diagonal) mask is not for it: prompts get a row each, left-padded.
+
+    tokenizer, generate = reference
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded.model.set_attn_implementation("eager")
+    engine = TransformersEngine(loaded, max_batch_size=4, max_queue=16)
+    cases = [(tokenizer(text)["input_ids"], 12) for text in PROMPTS]
+
+    async def answers() -> list[str]:
+        handles = [
+            engine.submit([SamplingRequest(ids, tokens, 0.0, 1.0, 0, [], 1, False)])
+            for ids, tokens in cases
+        ]
+        return ["".join([event.text async for event in handle.events()]) for handle in handles]
+
+    try:
+        prefilled = engine.decode_step.prefill([ids for ids, _ in cases])
+        assert prefilled.rows == list(range(len(cases)))
+        texts = asyncio.run(answers())
+    finally:
+        engine.close()
+    assert texts == [generate(*case)[0] for case in cases]
