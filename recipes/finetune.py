@@ -56,8 +56,10 @@ class FinetuneRecipe:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.run = RunDir(cfg.run_dir)
-        # Rank, device and the dtype group's parameter and compute dtypes.
-        self.place = parallel.placement(cfg.compute.device, cfg.dtype.name)
+        # Rank, device, the dtype group's parameter and compute dtypes, the group ranks vote over.
+        self.place = parallel.placement(
+            cfg.compute.device, cfg.dtype.name, cfg.compute.collective_timeout_s
+        )
         self.is_rank_zero = self.place.is_rank_zero
         # How the model is built, sharded and saved: torchtune's or transformers' (model.backend).
         self.backend = backend_for(cfg.model)

@@ -275,27 +275,25 @@ class Step:
 def one_step(
     samples: list[dict[str, Any]],
     max_forward_tokens: int | None,
-    rank: int = 0,
-    ranks: int = 1,
     *,
     evaluate: bool = False,
 ) -> Step:
     """One optimizer step (SGD, lr 1: the weights move by the step's gradient) of the
-    supervised objective over `samples` as one padding-free batch. With `ranks` > 1, this
-    process is `rank` of a process group already joined, and the model is sharded as runner
-    shards it. With `evaluate`, the same samples are then evaluated as the validation split."""
+    supervised objective over `samples` as one padding-free batch. In a process group already
+    joined, this process is placed, and the model sharded, as runner does it. With
+    `evaluate`, the same samples are then evaluated as the validation split."""
     from omegaconf import OmegaConf
 
     from runner.models.backends.torchtune import TorchtuneBackend
     from runner.trainer.objectives import Supervised
     from runner.trainer.optimization import Optimization
-    from runner.trainer.parallel import Placement, prepare_model
+    from runner.trainer.parallel import placement, prepare_model
 
     torch.manual_seed(0)
     tokenizer = ChatTokenizer(str(TINY_TOKENIZER_DIR))
     model = tiny_llama(tokenizer.vocab_size)
-    place = Placement(rank, ranks, CPU, torch.float32, torch.float32)
-    if ranks > 1:
+    place = placement("cpu", "fp32", collective_timeout_s=60)
+    if place.world_size > 1:
         prepare_model(
             model, TorchtuneBackend(None), place, activation_checkpointing=False, compile=False
         )
@@ -353,7 +351,7 @@ def _rank_step(rank: int, port: int, out: Path, cap: int | None) -> None:
     try:
         samples = make_content_first_samples(out)
         share = samples[:2] if rank == 0 else samples[2:]
-        torch.save(one_step(share, cap, rank, 2, evaluate=True), out / f"rank{rank}.pt")
+        torch.save(one_step(share, cap, evaluate=True), out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 

@@ -133,13 +133,11 @@ class Supervised:
 
         Under dataset.max_forward_tokens each rank splits its own batch, so the counts can
         differ; FSDP's collectives (in every forward and backward) need every rank in each
-        pass. One all-reduce (and one read of it) per step, only where the cap and several
-        ranks meet."""
-        if self.place.world_size == 1 or self.dataset.max_forward_tokens is None:
+        pass. One vote per step (over gloo: it waits for no kernel), only where the cap and
+        several ranks meet."""
+        if self.dataset.max_forward_tokens is None:
             return 0
-        most = torch.tensor(passes, device=self.place.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        return int(most.item()) - passes
+        return parallel.largest_on_any_rank(passes, self.place) - passes
 
     def _pass_training_nothing(self) -> None:
         """A forward and backward pass whose gradients are all zero, over one padding token: it

@@ -1,12 +1,14 @@
 """Where a training process runs and how its model is spread over the ranks: the rank, the
 device, the precision of the dtype group, FSDP2 sharding, activation checkpointing, compilation,
-and the step-boundary vote on stopping."""
+and the votes the ranks take in each step (whether to stop, how many forward passes), over a gloo
+group of their own so that the host never waits for the GPU to read them."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,13 +30,15 @@ PRECISIONS = {
 
 @dataclass(frozen=True)
 class Placement:
-    """This process's rank among world_size, its device and the dtype group's two dtypes."""
+    """This process's rank among world_size, its device, the dtype group's two dtypes, and the
+    gloo group the ranks vote over (largest_on_any_rank; None in a process alone)."""
 
     rank: int
     world_size: int
     device: torch.device
     dtype: torch.dtype
     compute_dtype: torch.dtype
+    vote_group: dist.ProcessGroup | None = None
 
     @property
     def is_rank_zero(self) -> bool:
@@ -42,20 +46,29 @@ class Placement:
         return self.rank == 0
 
 
-def placement(device: str, precision: str) -> Placement:
-    """This process's place: compute.device (`cuda`: the local rank's GPU) and dtype.name."""
+def placement(device: str, precision: str, collective_timeout_s: int) -> Placement:
+    """This process's place: compute.device (`cuda`: the local rank's GPU) and dtype.name; with
+    several processes, every rank makes the vote group here, at the same point (it is a
+    collective), waiting as long as the default group (compute.collective_timeout_s)."""
     distributed = dist.is_initialized()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     here = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
     if device == "cuda":
         torch.cuda.set_device(here)
     dtype, compute_dtype = PRECISIONS[precision]
+    # Over NCCL, reading a vote waits for every kernel queued before it, and the GPU idles while
+    # the host builds the next batch; over gloo it waits only for the other ranks' hosts. A CPU
+    # run, whose default group is gloo already, makes one too (about 1 ms), so that it votes
+    # as a GPU run does.
+    timeout = timedelta(seconds=collective_timeout_s)
+    votes = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
     return Placement(
         rank=dist.get_rank() if distributed else 0,
         world_size=dist.get_world_size() if distributed else 1,
         device=here,
         dtype=dtype,
         compute_dtype=compute_dtype,
+        vote_group=votes,
     )
 
 
@@ -112,8 +125,15 @@ def autocast(place: Placement) -> contextlib.AbstractContextManager[object]:
 
 def any_rank(flag: bool, place: Placement) -> bool:
     """Whether `flag` is set on any rank; every rank joins, so all agree at the same step."""
-    if place.world_size == 1:  # no collective, and no device round trip in each step
-        return flag
-    votes = torch.tensor(float(flag), device=place.device)
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-    return bool(votes.item())
+    return largest_on_any_rank(int(flag), place) > 0
+
+
+def largest_on_any_rank(value: int, place: Placement) -> int:
+    """The largest of the ranks' `value`s, every rank joining: a CPU all-reduce over the vote
+    group, which waits for the other ranks' hosts to reach it, never for this rank's GPU."""
+    if place.world_size == 1:  # no collective in a process alone
+        return value
+    assert place.vote_group is not None, "placement() makes the vote group with several ranks"
+    votes = torch.tensor(value)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=place.vote_group)
+    return int(votes.item())
