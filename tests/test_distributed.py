@@ -392,6 +392,61 @@ def test_a_backend_error_that_is_no_lost_peer_keeps_its_traceback() -> None:
     )
 
 
+def _vote(rank: int, port: int, out: Path) -> None:
+    """Rank `rank` of two gloo processes on loopback, placed as runner places a rank: two votes,
+    then rank 0 votes alone while rank 1 hangs; what it saw goes to out/rank{rank}.json."""
+    import torch.distributed as dist
+
+    from runner.trainer.parallel import any_rank, placement
+    from runner.trainer.process import lost_peer_line
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        place = placement("cpu", "fp32", collective_timeout_s=2)
+        seen = {
+            "backend": dist.get_backend(place.vote_group),
+            "default_group": place.vote_group == dist.group.WORLD,
+            "votes": [any_rank(rank == 1, place), any_rank(False, place)],
+        }
+        if rank == 0:
+            started = time.monotonic()
+            try:
+                seen["lost"] = f"voted {any_rank(True, place)} alone"
+            except RuntimeError as err:
+                seen["lost"] = lost_peer_line(err)
+            seen["waited_s"] = time.monotonic() - started
+        else:
+            while not (out / "rank0.json").exists():  # hung, not gone, until rank 0 is done
+                time.sleep(0.1)
+        (out / f"rank{rank}.json").write_text(json.dumps(seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ranks_vote_over_gloo_of_their_own_within_the_collective_timeout(
+    tmp_path: Path,
+) -> None:
+    """The votes of each step (a SIGTERM stop, max_forward_tokens' passes) go over a gloo group
+    other than the default one, which on GPUs is NCCL's, whose results the host reads only
+    once the GPU has run every kernel queued before; a hung peer still fails the vote within
+    compute.collective_timeout_s, reported as a lost peer."""
+    import torch.multiprocessing as mp
+
+    processes = mp.spawn(_vote, args=(free_port(), tmp_path), nprocs=2, join=False)
+    deadline = time.monotonic() + 60
+    while not processes.join(timeout=5):
+        if time.monotonic() > deadline:  # rank 0's vote waits past the timeout it was given
+            for process in processes.processes:
+                process.kill()
+            pytest.fail("the ranks' votes did not end in 60 s")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for seen in ranks:
+        assert seen["backend"] == "gloo" and not seen["default_group"], seen
+        assert seen["votes"] == [True, False], seen
+    assert "during all_reduce" in str(ranks[0]["lost"]), ranks[0]
+    assert 2 <= ranks[0]["waited_s"] < 30, ranks[0]
+
+
 def test_nodes_with_different_run_directories_fail_at_once(hermetic_env, tmp_path: Path) -> None:
     """They meet (on the rendezvous address they share), compare and stop, long before
     compute.rdzv_timeout_s."""
