@@ -7,6 +7,7 @@ micro-batches of 2, 1 x 2 with 2 micro-batches, 2 nodes x 2 processes with 1.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -392,20 +393,25 @@ def test_a_backend_error_that_is_no_lost_peer_keeps_its_traceback() -> None:
     )
 
 
-def _vote(rank: int, port: int, out: Path) -> None:
-    """Rank `rank` of two gloo processes on loopback, placed as runner places a rank: two votes,
-    then rank 0 votes alone while rank 1 hangs; what it saw goes to out/rank{rank}.json."""
+def _vote(rank: int, port: int, out: Path, nodes: int) -> None:
+    """Rank `rank` of two gloo processes on loopback, on one node or each on its own (as
+    torchrun's LOCAL_WORLD_SIZE says), placed as runner places a rank: two votes, then rank 0
+    votes alone while rank 1 hangs; what it saw goes to out/rank{rank}.json."""
     import torch.distributed as dist
 
     from runner.trainer.parallel import any_rank, placement
     from runner.trainer.process import lost_peer_line
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    os.environ["LOCAL_WORLD_SIZE"] = str(2 // nodes)
+    timeout = datetime.timedelta(seconds=2)  # as runner's process group: the collective timeout
+    address = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2, timeout=timeout)
     try:
         place = placement("cpu", "fp32", collective_timeout_s=2)
+        group = place.vote_group
         seen = {
-            "backend": dist.get_backend(place.vote_group),
-            "default_group": place.vote_group == dist.group.WORLD,
+            "group": None if group is None else dist.get_backend(group),
+            "default_group": group == dist.group.WORLD,
             "votes": [any_rank(rank == 1, place), any_rank(False, place)],
         }
         if rank == 0:
@@ -423,16 +429,19 @@ def _vote(rank: int, port: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
 def test_the_ranks_vote_over_gloo_of_their_own_within_the_collective_timeout(
-    tmp_path: Path,
+    tmp_path: Path, nodes: int
 ) -> None:
-    """The votes of each step (a SIGTERM stop, max_forward_tokens' passes) go over a gloo group
-    other than the default one, which on GPUs is NCCL's, whose results the host reads only
-    once the GPU has run every kernel queued before; a hung peer still fails the vote within
+    """On one node the votes of each step (a SIGTERM stop, max_forward_tokens' passes) go over a
+    gloo group other than the default one, which on GPUs is NCCL's, whose results the host
+    reads only once the GPU has run every kernel queued before; across nodes, over the default
+    group (gloo would need each node's hostname to resolve to an address the others reach).
+    Either way the ranks agree, and a hung peer fails the vote within
     compute.collective_timeout_s, reported as a lost peer."""
     import torch.multiprocessing as mp
 
-    processes = mp.spawn(_vote, args=(free_port(), tmp_path), nprocs=2, join=False)
+    processes = mp.spawn(_vote, args=(free_port(), tmp_path, nodes), nprocs=2, join=False)
     deadline = time.monotonic() + 60
     while not processes.join(timeout=5):
         if time.monotonic() > deadline:  # rank 0's vote waits past the timeout it was given
@@ -441,7 +450,7 @@ def test_the_ranks_vote_over_gloo_of_their_own_within_the_collective_timeout(
             pytest.fail("the ranks' votes did not end in 60 s")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for seen in ranks:
-        assert seen["backend"] == "gloo" and not seen["default_group"], seen
+        assert seen["group"] == ("gloo" if nodes == 1 else None) and not seen["default_group"]
         assert seen["votes"] == [True, False], seen
     assert "during all_reduce" in str(ranks[0]["lost"]), ranks[0]
     assert 2 <= ranks[0]["waited_s"] < 30, ranks[0]

@@ -133,8 +133,8 @@ class Supervised:
 
         Under dataset.max_forward_tokens each rank splits its own batch, so the counts can
         differ; FSDP's collectives (in every forward and backward) need every rank in each
-        pass. One vote per step (over gloo: it waits for no kernel), only where the cap and
-        several ranks meet."""
+        pass. One vote per step (on one node over gloo: it waits for no kernel), only where the
+        cap and several ranks meet."""
         if self.dataset.max_forward_tokens is None:
             return 0
         return parallel.largest_on_any_rank(passes, self.place) - passes

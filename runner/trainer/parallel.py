@@ -1,7 +1,7 @@
 """Where a training process runs and how its model is spread over the ranks: the rank, the
 device, the precision of the dtype group, FSDP2 sharding, activation checkpointing, compilation,
-and the votes the ranks take in each step (whether to stop, how many forward passes), over a gloo
-group of their own so that the host never waits for the GPU to read them."""
+and the votes the ranks take in each step (whether to stop, how many forward passes), on one
+node over a gloo group of their own so that the host never waits for the GPU to read them."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ PRECISIONS = {
 @dataclass(frozen=True)
 class Placement:
     """This process's rank among world_size, its device, the dtype group's two dtypes, and the
-    gloo group the ranks vote over (largest_on_any_rank; None in a process alone)."""
+    gloo group the ranks vote over (largest_on_any_rank; None in a process alone, or with ranks
+    on several nodes)."""
 
     rank: int
     world_size: int
@@ -48,8 +49,8 @@ class Placement:
 
 def placement(device: str, precision: str, collective_timeout_s: int) -> Placement:
     """This process's place: compute.device (`cuda`: the local rank's GPU) and dtype.name; with
-    several processes, every rank makes the vote group here, at the same point (it is a
-    collective), waiting as long as the default group (compute.collective_timeout_s)."""
+    several processes on one node, every rank makes the vote group here, at the same point (it
+    is a collective), waiting as long as the default group (compute.collective_timeout_s)."""
     distributed = dist.is_initialized()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     here = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
@@ -59,12 +60,16 @@ def placement(device: str, precision: str, collective_timeout_s: int) -> Placeme
     # Over NCCL, reading a vote waits for every kernel queued before it, and the GPU idles while
     # the host builds the next batch; over gloo it waits only for the other ranks' hosts. A CPU
     # run, whose default group is gloo already, makes one too (about 1 ms), so that it votes
-    # as a GPU run does.
+    # as a GPU run does. Across nodes the votes stay on the default group: gloo binds the
+    # address a node's hostname resolves to, which on many Linux installs is a loopback one
+    # (/etc/hosts' 127.0.1.1) that other nodes cannot reach, where NCCL finds its own route.
+    world = dist.get_world_size() if distributed else 1
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
     timeout = timedelta(seconds=collective_timeout_s)
-    votes = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
+    votes = dist.new_group(backend="gloo", timeout=timeout) if distributed and one_node else None
     return Placement(
         rank=dist.get_rank() if distributed else 0,
-        world_size=dist.get_world_size() if distributed else 1,
+        world_size=world,
         device=here,
         dtype=dtype,
         compute_dtype=compute_dtype,
@@ -129,11 +134,15 @@ def any_rank(flag: bool, place: Placement) -> bool:
 
 
 def largest_on_any_rank(value: int, place: Placement) -> int:
-    """The largest of the ranks' `value`s, every rank joining: a CPU all-reduce over the vote
-    group, which waits for the other ranks' hosts to reach it, never for this rank's GPU."""
+    """The largest of the ranks' `value`s, every rank joining: on one node a CPU all-reduce over
+    the vote group, which waits for the other ranks' hosts to reach it, never for this rank's
+    GPU; across nodes an all-reduce on the run's device, whose read waits for it."""
     if place.world_size == 1:  # no collective in a process alone
         return value
-    assert place.vote_group is not None, "placement() makes the vote group with several ranks"
-    votes = torch.tensor(value)
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=place.vote_group)
+    if place.vote_group is None:
+        votes = torch.tensor(value, device=place.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    else:
+        votes = torch.tensor(value)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=place.vote_group)
     return int(votes.item())
