@@ -323,3 +323,48 @@ def test_eager_attention_prefills_left_padded_and_answers_as_generate(
     finally:
         engine.close()
     assert texts == [generate(*case)[0] for case in cases]
+
+
+def test_rows_sampled_together_draw_as_torch_multinomial_from_their_own_generators(
+    checkpoint: Path,
+) -> None:
+    # compute=cpu, fp32. The rows of a step are sampled at once, each drawing what
+    # torch.multinomial draws from its probabilities with its sequence's own seeded generator
+    # (the same exponential race, without multinomial's reads of the probabilities, which on a
+    # GPU wait for it twice a row): over the whole distribution at top_p 1, over the nucleus
+    # below it. A greedy row takes the argmax; a row whose probabilities are nan (a temperature
+    # too small for its logits) gets SAMPLING_FAILED, and the rows beside it draw as alone.
+    import runner.deploy.engine as engine_module
+    from runner.deploy.generation import RequestHandle
+    from runner.deploy.text import TextStream
+
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    settings = [(0.7, 1.0), (1.0, 0.9), (0.0, 1.0), (1.3, 0.5), (1e-50, 1.0), (1.0, 1.0)]
+    torch.manual_seed(0)
+    logits = torch.randn(len(settings), 264) * 3
+    expected = []
+    for seed, (temperature, top_p) in enumerate(settings):
+        if temperature == 0:
+            expected.append(int(logits[seed].argmax()))
+            continue
+        if temperature < 1e-30:
+            expected.append(engine_module.SAMPLING_FAILED)
+            continue
+        scaled = logits[seed : seed + 1] / temperature
+        probs = engine_module._top_p(scaled, [top_p]) if top_p < 1 else scaled.softmax(dim=-1)
+        generator = torch.Generator().manual_seed(seed)
+        expected.append(int(torch.multinomial(probs[0], 1, generator=generator)))
+
+    def sequence(seed: int, temperature: float, top_p: float) -> engine_module._Sequence:
+        request = SamplingRequest([5], 8, temperature, top_p, seed, [], 1, False)
+        text = TextStream(loaded.tokenizer, [], incremental=False)
+        generator = torch.Generator().manual_seed(seed)
+        return engine_module._Sequence(RequestHandle(n=1, loop=None), 0, request, text, generator)
+
+    engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8)
+    try:
+        sequences = [sequence(seed, *setting) for seed, setting in enumerate(settings)]
+        assert engine._sample(logits, sequences).tolist() == expected
+    finally:
+        engine.close()
+    assert len(set(expected)) > 3  # the draws differ: the seeds and settings matter

@@ -2,11 +2,13 @@
 
     python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
-        [--max-waiting-steps 0] [--waiting-served-ratio 0.3] [--compile] [--stand-in] [--serve]
+        [--max-waiting-steps 0] [--waiting-served-ratio 0.3] [--compile] [--temperature 0]
+        [--stand-in] [--serve]
 
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
-`--waves` x `--concurrency` prompts (bench_deploy.py's) are answered, greedy. Per repeat it
+`--waves` x `--concurrency` prompts (bench_deploy.py's) are answered, greedy (or sampled at
+`--temperature`, each request with its own seed, top_p 1). Per repeat it
 prints output tokens/s, and the time and count of the engine's prefills (and within them the
 model's forward pass), the merging of prefilled rows into the batch (join), decode steps,
 CUDA-graph captures, and publishing of events (and within it the moving of rows as finished ones
@@ -82,16 +84,19 @@ async def clients(
     concurrency: int,
     max_tokens: int,
     latencies: list[float],
+    temperature: float = 0.0,
 ) -> int:
-    """Every prompt answered by `concurrency` clients; the output tokens (and each request's
-    latency appended to `latencies`)."""
-    pending = list(reversed(prompt_ids))
+    """Every prompt answered by `concurrency` clients (sampled at `temperature`, each request
+    seeded by its place in the list); the output tokens (and each request's latency appended to
+    `latencies`)."""
+    pending = list(reversed(list(enumerate(prompt_ids))))
     tokens = 0
 
     async def client() -> None:
         nonlocal tokens
         while pending:
-            request = SamplingRequest(pending.pop(), max_tokens, 0.0, 1.0, None, [], 1, False)
+            seed, ids = pending.pop()
+            request = SamplingRequest(ids, max_tokens, temperature, 1.0, seed, [], 1, False)
             began = time.perf_counter()
             async for event in engine.submit([request]).events():
                 if event.finish_reason is not None:
@@ -165,6 +170,7 @@ def main() -> None:
         help="deploy's transformers.waiting_served_ratio",
     )
     parser.add_argument("--compile", action="store_true", help="deploy's transformers.compile=true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     args = parser.parse_args()
     checkpoint, loaded = load_model(args)
     device = loaded.model.device
@@ -188,11 +194,19 @@ def main() -> None:
     prompt_ids = [tokenizer.encode(text, add_special_tokens=True) for text in prompts(count)]
     # A warm-up wave, not counted: the first steps allocate the batch's buffers (and capture).
     asyncio.run(
-        clients(engine, prompt_ids[: args.concurrency], args.concurrency, args.max_tokens, [])
+        clients(
+            engine,
+            prompt_ids[: args.concurrency],
+            args.concurrency,
+            args.max_tokens,
+            [],
+            args.temperature,
+        )
     )
     print(
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}: {args.concurrency} clients, "
-        f"{count} prompts, {args.max_tokens} new tokens each, greedy, max_waiting_steps "
+        f"{count} prompts, {args.max_tokens} new tokens each, "
+        f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, max_waiting_steps "
         f"{args.max_waiting_steps}, waiting_served_ratio {args.waiting_served_ratio}, "
         f"compiled {args.compile}"
     )
@@ -200,7 +214,9 @@ def main() -> None:
         for repeat in range(args.repeats):
             timings.clear()
             began = time.perf_counter()
-            tokens = asyncio.run(clients(engine, prompt_ids, args.concurrency, args.max_tokens, []))
+            tokens = asyncio.run(
+                clients(engine, prompt_ids, args.concurrency, args.max_tokens, [], args.temperature)
+            )
             wall = time.perf_counter() - began
             print(f"\nrepeat {repeat + 1}: {tokens / wall:,.0f} tokens/s ({wall:.3f} s)")
             for part in sorted(timings.seconds):
