@@ -333,7 +333,8 @@ def test_rows_sampled_together_draw_as_torch_multinomial_from_their_own_generato
     # (the same exponential race, without multinomial's reads of the probabilities, which on a
     # GPU wait for it twice a row): over the whole distribution at top_p 1, over the nucleus
     # below it. A greedy row takes the argmax; a row whose probabilities are nan (a temperature
-    # too small for its logits) gets SAMPLING_FAILED, and the rows beside it draw as alone.
+    # too small for its logits) gets SAMPLING_FAILED, and the rows beside it draw as alone. A
+    # request without a seed draws from the device's generator, all such rows at once.
     import runner.deploy.engine as engine_module
     from runner.deploy.generation import RequestHandle
     from runner.deploy.text import TextStream
@@ -355,16 +356,19 @@ def test_rows_sampled_together_draw_as_torch_multinomial_from_their_own_generato
         generator = torch.Generator().manual_seed(seed)
         expected.append(int(torch.multinomial(probs[0], 1, generator=generator)))
 
-    def sequence(seed: int, temperature: float, top_p: float) -> engine_module._Sequence:
+    def sequence(seed: int | None, temperature: float, top_p: float) -> engine_module._Sequence:
         request = SamplingRequest([5], 8, temperature, top_p, seed, [], 1, False)
         text = TextStream(loaded.tokenizer, [], incremental=False)
-        generator = torch.Generator().manual_seed(seed)
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
         return engine_module._Sequence(RequestHandle(n=1, loop=None), 0, request, text, generator)
 
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8)
     try:
         sequences = [sequence(seed, *setting) for seed, setting in enumerate(settings)]
-        assert engine._sample(logits, sequences).tolist() == expected
+        unseeded = sequence(None, 1.0, 1.0)
+        *seeded, drawn = engine._sample(torch.cat([logits, logits[:1]]), [*sequences, unseeded])
     finally:
         engine.close()
+    assert [int(token) for token in seeded] == expected
+    assert 0 <= int(drawn) < logits.shape[1]
     assert len(set(expected)) > 3  # the draws differ: the seeds and settings matter

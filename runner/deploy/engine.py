@@ -26,7 +26,6 @@ import collections
 import concurrent.futures
 import functools
 import logging
-import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,7 +88,7 @@ class _Sequence:
     index: int
     request: SamplingRequest
     text: TextStream
-    generator: torch.Generator
+    generator: torch.Generator | None  # a seeded request's own; None: the device's default
     finish_reason: str | None = None
     completion_tokens: int = 0
     events: list[ChoiceEvent] = field(default_factory=list)
@@ -185,10 +184,11 @@ class TransformersEngine:
         handle = handle or RequestHandle(n=sum(request.n for request in requests))
         sequences: list[_Sequence] = []
         for request in requests:
-            base_seed = random.getrandbits(63) if request.seed is None else request.seed
             for choice in range(request.n):
-                generator = torch.Generator(device=self._device)
-                generator.manual_seed((base_seed + choice) & _SEED_MASK)
+                generator = None
+                if request.seed is not None:  # its draws are its own, whatever runs beside it
+                    generator = torch.Generator(device=self._device)
+                    generator.manual_seed((request.seed + choice) & _SEED_MASK)
                 text = TextStream(self._tokenizer, request.stop, incremental=request.stream)
                 sequences.append(_Sequence(handle, len(sequences), request, text, generator))
         with self._wake:
@@ -399,11 +399,12 @@ class TransformersEngine:
 
     def _sample(self, logits: torch.Tensor, sequences: list[_Sequence]) -> torch.Tensor:
         """The next token of each row, on the device: greedy at temperature 0, else drawn from
-        its top-p distribution as torch.multinomial draws one (the argmax of p / q, q ~ Exp(1)
-        from the sequence's own generator: the same draw), for all rows at once. multinomial
-        also reads each row's probabilities back to check them, two waits for the GPU a row
-        and step; here a row whose probabilities are not a distribution gets SAMPLING_FAILED,
-        and fails alone when the host reads the step's tokens."""
+        its top-p distribution as torch.multinomial draws one (the argmax of p / q, q ~ Exp(1):
+        a seeded request's from its own generator, the same draw, the others' in one draw from
+        the device's), for all rows at once. multinomial also reads each row's probabilities
+        back to check them, two waits for the GPU a row and step; here a row whose
+        probabilities are not a distribution gets SAMPLING_FAILED, and fails alone when the
+        host reads the step's tokens."""
         next_ids = logits.argmax(dim=-1)
         rows = [row for row, seq in enumerate(sequences) if seq.request.temperature > 0]
         if not rows:
@@ -420,9 +421,11 @@ class TransformersEngine:
             nucleus = [position for position, p in enumerate(top_p) if p < 1]
             at = to_device(torch.tensor(nucleus), device)
             probs[at] = _top_p(scaled[at], [top_p[i] for i in nucleus])
-        q = torch.empty_like(probs)
+        q = torch.empty_like(probs).exponential_()
         for position, row in enumerate(rows):
-            q[position].exponential_(generator=sequences[row].generator)
+            generator = sequences[row].generator
+            if generator is not None:
+                q[position].exponential_(generator=generator)
         drawn = (probs / q).argmax(dim=-1)
         valid = (probs.isfinite() & (probs >= 0)).all(dim=-1) & (probs.sum(dim=-1) > 0)
         next_ids[index] = torch.where(valid, drawn, torch.full_like(drawn, SAMPLING_FAILED))

@@ -8,7 +8,7 @@
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
 `--waves` x `--concurrency` prompts (bench_deploy.py's) are answered, greedy (or sampled at
-`--temperature`, each request with its own seed, top_p 1). Per repeat it
+`--temperature`, top_p 1, without a seed, as clients send them by default). Per repeat it
 prints output tokens/s, and the time and count of the engine's prefills (and within them the
 model's forward pass), the merging of prefilled rows into the batch (join), decode steps,
 CUDA-graph captures, and publishing of events (and within it the moving of rows as finished ones
@@ -86,17 +86,16 @@ async def clients(
     latencies: list[float],
     temperature: float = 0.0,
 ) -> int:
-    """Every prompt answered by `concurrency` clients (sampled at `temperature`, each request
-    seeded by its place in the list); the output tokens (and each request's latency appended to
-    `latencies`)."""
-    pending = list(reversed(list(enumerate(prompt_ids))))
+    """Every prompt answered by `concurrency` clients (sampled at `temperature`, unseeded); the
+    output tokens (and each request's latency appended to `latencies`)."""
+    pending = list(reversed(prompt_ids))
     tokens = 0
 
     async def client() -> None:
         nonlocal tokens
         while pending:
-            seed, ids = pending.pop()
-            request = SamplingRequest(ids, max_tokens, temperature, 1.0, seed, [], 1, False)
+            ids = pending.pop()
+            request = SamplingRequest(ids, max_tokens, temperature, 1.0, None, [], 1, False)
             began = time.perf_counter()
             async for event in engine.submit([request]).events():
                 if event.finish_reason is not None:
