@@ -44,19 +44,12 @@ from runner.deploy.generation import (
 from runner.deploy.kv_budget import GIB, Joining, KvBudget, default_budget
 from runner.deploy.kv_cache import BatchCache, token_bytes
 from runner.deploy.loading import LoadedModel
+from runner.deploy.sampling import NOT_A_DISTRIBUTION, SAMPLING_FAILED, next_tokens
 from runner.deploy.text import TextStream
-from runner.devices import to_device
 
 log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 64) - 1
-# The token a row gets when its probabilities are not a distribution (nan or inf: a temperature
-# too small for its logits, say); the row fails alone.
-SAMPLING_FAILED = -1
-_NOT_A_DISTRIBUTION = (
-    "the probabilities of its next token are not a distribution (nan or inf: a temperature "
-    "too small for the model's logits?)"
-)
 # transformers.max_batch_size: null, by device type. CUDA: vLLM's max_num_seqs (256), the batch
 # kept within the KV cache's memory (kv_budget.py); on the H200 the engine alone made 7,144
 # tokens/s at 32 clients and 22,319 at 128 (docs: benchmarks). CPU: 32, as before.
@@ -379,7 +372,13 @@ class TransformersEngine:
         comes to the host without the host waiting for it."""
         assert self._cache is not None, "running sequences have a cache"
         logits = self.decode_step(self._cache, self._cache.next_window())
-        next_ids = self._sample(logits[: len(self._running)], self._running)
+        requests = [sequence.request for sequence in self._running]
+        next_ids = next_tokens(
+            logits[: len(requests)],
+            temperatures=[request.temperature for request in requests],
+            top_ps=[request.top_p for request in requests],
+            generators=[sequence.generator for sequence in self._running],
+        )
         # A row that failed to sample reads a token in the vocabulary; it leaves at the publish.
         self._cache.advance(next_ids.clamp(min=0))
         if self._device.type != "cuda":
@@ -397,40 +396,6 @@ class TransformersEngine:
         self._advance(step.sequences, step.tokens.tolist())
         self._publish()
 
-    def _sample(self, logits: torch.Tensor, sequences: list[_Sequence]) -> torch.Tensor:
-        """The next token of each row, on the device: greedy at temperature 0, else drawn from
-        its top-p distribution as torch.multinomial draws one (the argmax of p / q, q ~ Exp(1):
-        a seeded request's from its own generator, the same draw, the others' in one draw from
-        the device's), for all rows at once. multinomial also reads each row's probabilities
-        back to check them, two waits for the GPU a row and step; here a row whose
-        probabilities are not a distribution gets SAMPLING_FAILED, and fails alone when the
-        host reads the step's tokens."""
-        next_ids = logits.argmax(dim=-1)
-        rows = [row for row, seq in enumerate(sequences) if seq.request.temperature > 0]
-        if not rows:
-            return next_ids
-        device = logits.device
-        # Indices and values reach the device from pinned memory: a Python list as an index,
-        # copied from pageable memory, would wait for every kernel queued.
-        index = to_device(torch.tensor(rows), device)
-        temperature = torch.tensor([sequences[r].request.temperature for r in rows])
-        scaled = logits[index].float() / to_device(temperature, device)[:, None]
-        top_p = [sequences[r].request.top_p for r in rows]
-        probs = scaled.softmax(dim=-1)
-        if any(p < 1 for p in top_p):  # top_p 1 keeps every token: only the others are sorted
-            nucleus = [position for position, p in enumerate(top_p) if p < 1]
-            at = to_device(torch.tensor(nucleus), device)
-            probs[at] = _top_p(scaled[at], [top_p[i] for i in nucleus])
-        q = torch.empty_like(probs).exponential_()
-        for position, row in enumerate(rows):
-            generator = sequences[row].generator
-            if generator is not None:
-                q[position].exponential_(generator=generator)
-        drawn = (probs / q).argmax(dim=-1)
-        valid = (probs.isfinite() & (probs >= 0)).all(dim=-1) & (probs.sum(dim=-1) > 0)
-        next_ids[index] = torch.where(valid, drawn, torch.full_like(drawn, SAMPLING_FAILED))
-        return next_ids
-
     def _advance(self, sequences: list[_Sequence], token_ids: list[int]) -> None:
         """Record each sequence's new token and decide whether it has finished; a sequence
         already finished (overlap: the step was queued before its last token was read) or
@@ -439,7 +404,7 @@ class TransformersEngine:
             if sequence.error is not None or sequence.finish_reason is not None:
                 continue
             if token_id == SAMPLING_FAILED:
-                _fail_alone(sequence, ValueError(_NOT_A_DISTRIBUTION))
+                _fail_alone(sequence, ValueError(NOT_A_DISTRIBUTION))
                 continue
             try:
                 self._advance_one(sequence, token_id)
@@ -496,18 +461,6 @@ class TransformersEngine:
         self._running = []
         if self._cache is not None:
             self._cache.clear()
-
-
-def _top_p(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """The probabilities of each row's smallest set of most likely tokens that covers its top_p
-    (the most likely always in it), from its logits over the temperature."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    cover = to_device(torch.tensor(top_p), scaled.device)[:, None]
-    # Drop a token when the more likely ones already cover top_p.
-    drop = sorted_probs.cumsum(dim=-1) - sorted_probs > cover
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled).scatter_(1, order, sorted_logits.softmax(dim=-1))
 
 
 def _fail_alone(sequence: _Sequence, error: Exception) -> None:

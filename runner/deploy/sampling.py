@@ -1,0 +1,74 @@
+"""How the engine picks each running row's next token, on the device, all rows at once: greedy
+at temperature 0, else a draw from the row's distribution over the temperature, cut to its
+top_p nucleus where top_p is below 1.
+
+A draw is the one torch.multinomial makes for one sample (the argmax of p / q, q ~ Exp(1)): a
+seeded request's rows draw q from generators of their own, so the same seed gives the same
+tokens whatever runs beside them; the other rows draw theirs from the device's generator, in one
+draw. torch.multinomial also reads each row's probabilities back to check them, two waits for a
+GPU a row and step, which would undo the engine running a step ahead of it (engine.py): here a
+row whose probabilities are not a distribution gets SAMPLING_FAILED, and fails alone when the
+host reads the step's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runner.devices import to_device
+
+# The token a row gets when its probabilities are not a distribution; the row fails alone.
+SAMPLING_FAILED = -1
+NOT_A_DISTRIBUTION = (
+    "the probabilities of its next token are not a distribution (nan or inf: a temperature "
+    "too small for the model's logits?)"
+)
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    *,
+    temperatures: list[float],
+    top_ps: list[float],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """Each row's next token from its logits [rows, vocab], on their device (SAMPLING_FAILED
+    where the row's probabilities are not a distribution); `generators`: each row's own, or
+    None to draw from the device's."""
+    next_ids = logits.argmax(dim=-1)
+    rows = [row for row, temperature in enumerate(temperatures) if temperature > 0]
+    if not rows:
+        return next_ids
+    device = logits.device
+    # Indices and values reach the device from pinned memory: a Python list as an index, copied
+    # from pageable memory, would wait for every kernel queued.
+    index = to_device(torch.tensor(rows), device)
+    temperature = to_device(torch.tensor([temperatures[row] for row in rows]), device)
+    scaled = logits[index].float() / temperature[:, None]
+    top_p = [top_ps[row] for row in rows]
+    probs = scaled.softmax(dim=-1)
+    if any(p < 1 for p in top_p):  # top_p 1 keeps every token: only the others are sorted
+        nucleus = [position for position, p in enumerate(top_p) if p < 1]
+        at = to_device(torch.tensor(nucleus), device)
+        probs[at] = nucleus_probabilities(scaled[at], [top_p[i] for i in nucleus])
+    q = torch.empty_like(probs).exponential_()
+    for position, row in enumerate(rows):
+        generator = generators[row]
+        if generator is not None:
+            q[position].exponential_(generator=generator)
+    drawn = (probs / q).argmax(dim=-1)
+    valid = (probs.isfinite() & (probs >= 0)).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    next_ids[index] = torch.where(valid, drawn, torch.full_like(drawn, SAMPLING_FAILED))
+    return next_ids
+
+
+def nucleus_probabilities(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The probabilities of each row's smallest set of most likely tokens that covers its top_p
+    (the most likely always in it), from its logits over the temperature."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    cover = to_device(torch.tensor(top_p), scaled.device)[:, None]
+    # Drop a token when the more likely ones already cover top_p.
+    drop = sorted_probs.cumsum(dim=-1) - sorted_probs > cover
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits.softmax(dim=-1))

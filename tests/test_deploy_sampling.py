@@ -1,0 +1,54 @@
+"""How the engine picks each row's next token (runner/deploy/sampling.py), all rows at once, on
+the CPU: the draws against torch.multinomial's."""
+
+from __future__ import annotations
+
+import torch
+
+from runner.deploy.sampling import SAMPLING_FAILED, next_tokens, nucleus_probabilities
+
+
+def test_rows_sampled_together_draw_as_torch_multinomial_from_their_own_generators() -> None:
+    # Each seeded row draws what torch.multinomial draws from its probabilities with its own
+    # generator (the same exponential race, without multinomial's reads of the probabilities,
+    # which on a GPU wait for it twice a row): over the whole distribution at top_p 1, over the
+    # nucleus below it. A greedy row takes the argmax; a row whose probabilities are nan (a
+    # temperature too small for its logits) gets SAMPLING_FAILED, and the rows beside it draw
+    # as alone. A row without a generator draws from the device's.
+    settings = [(0.7, 1.0), (1.0, 0.9), (0.0, 1.0), (1.3, 0.5), (1e-50, 1.0), (1.0, 1.0)]
+    torch.manual_seed(0)
+    logits = torch.randn(len(settings), 264) * 3
+    expected = []
+    for seed, (temperature, top_p) in enumerate(settings):
+        if temperature == 0:
+            expected.append(int(logits[seed].argmax()))
+        elif temperature < 1e-30:
+            expected.append(SAMPLING_FAILED)
+        else:
+            scaled = logits[seed : seed + 1] / temperature
+            probs = nucleus_probabilities(scaled, [top_p]) if top_p < 1 else scaled.softmax(-1)
+            generator = torch.Generator().manual_seed(seed)
+            expected.append(int(torch.multinomial(probs[0], 1, generator=generator)))
+    generators: list[torch.Generator | None] = [
+        torch.Generator().manual_seed(seed) for seed in range(len(settings))
+    ]
+    *seeded, unseeded = next_tokens(
+        torch.cat([logits, logits[:1]]),
+        temperatures=[t for t, _ in settings] + [1.0],
+        top_ps=[p for _, p in settings] + [1.0],
+        generators=[*generators, None],
+    ).tolist()
+    assert seeded == expected
+    assert len(set(expected)) > 3  # the draws differ: the seeds and settings matter
+    assert 0 <= unseeded < logits.shape[1]
+
+
+def test_the_nucleus_is_the_fewest_most_likely_tokens_that_cover_top_p() -> None:
+    # Probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps the first two (0.5 alone does not
+    # cover it), renormalized; top_p 0.45 keeps the first alone; 0.96 keeps all four.
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    scaled = probs.log().repeat(3, 1)
+    kept = nucleus_probabilities(scaled, [0.7, 0.45, 0.96])
+    torch.testing.assert_close(kept[0], torch.tensor([0.0, 0.625, 0.0, 0.375]))
+    torch.testing.assert_close(kept[1], torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    torch.testing.assert_close(kept[2], probs[0])
