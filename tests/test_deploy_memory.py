@@ -6,9 +6,11 @@ real BatchCache runs, its reallocations watched."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from runner.deploy.engine import TransformersEngine
 from runner.deploy.generation import EngineFailed, SamplingRequest
@@ -17,7 +19,14 @@ from runner.deploy.kv_cache import BatchCache, token_bytes
 from runner.deploy.loading import load_checkpoint
 from runner.deploy.serve import prepare
 from runner.errors import UserError
-from tests.test_deploy import PROMPTS, deploy_config, greedy_reference, make_checkpoint
+from tests.test_deploy import (
+    PROMPTS,
+    deploy_config,
+    greedy_reference,
+    make_checkpoint,
+    raw_request,
+    serving,
+)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +197,45 @@ def test_a_burst_of_prompts_is_prefilled_in_admissions_of_at_most_max_prefill_to
     assert answers == [generate(*case)[0] for case in cases]
     assert len(prefills) > 1 and sum(map(len, prefills)) == 8, prefills
     assert all(sum(tokens) <= 40 or len(tokens) == 1 for tokens in prefills), prefills
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["in-process", "own-process"])
+def test_the_server_answers_a_request_too_large_for_the_kv_cache_with_a_400(
+    checkpoint, process
+) -> None:
+    # `runner deploy transformers.kv_cache_gib=...` with room for one row of 20 new tokens: 200
+    # is a 400 naming the key and max_tokens, whole or streamed (the engine in the server's
+    # process or in its own, across the pipe), and 8 are answered.
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer("hi")["input_ids"]
+    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=False)
+    limit = budget.peak(Joining(rows=1, prefix=len(ids) - 1, steps=20), None, prefill_rows=1)
+    cfg = deploy_config(
+        f"checkpoint={checkpoint}",
+        "served_model_name=tiny",
+        "port=0",
+        f"transformers.kv_cache_gib={limit / GIB}",
+        f"transformers.process={str(process).lower()}",
+    )
+    body = {"model": "tiny", "prompt": "hi", "temperature": 0}
+    with serving(cfg) as url:
+        status, _, payload = raw_request(
+            url, "POST", "/v1/completions", json.dumps({**body, "max_tokens": 200}).encode()
+        )
+        _, _, streamed = raw_request(
+            url,
+            "POST",
+            "/v1/completions",
+            json.dumps({**body, "max_tokens": 200, "stream": True}).encode(),
+        )
+        answered, _, _ = raw_request(
+            url, "POST", "/v1/completions", json.dumps({**body, "max_tokens": 8}).encode()
+        )
+    error = json.loads(payload)["error"]
+    assert status == 400 and error["param"] == "max_tokens", (status, error)
+    assert "max_tokens=200" in error["message"] and "transformers.kv_cache_gib" in error["message"]
+    assert b'"param": "max_tokens"' in streamed and b"transformers.kv_cache_gib" in streamed
+    assert answered == 200
 
 
 @pytest.mark.parametrize("key", ["transformers.kv_cache_gib", "transformers.max_prefill_tokens"])

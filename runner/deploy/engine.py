@@ -38,6 +38,7 @@ from runner.deploy.generation import (
     EngineFailed,
     QueueFull,
     RequestHandle,
+    RequestTooLarge,
     SamplingRequest,
     deliver,
 )
@@ -262,7 +263,7 @@ class TransformersEngine:
                 else:  # it could not fit even alone
                     refused.append(self._waiting.popleft())
         for sequence in refused:
-            self._fail([sequence], EngineFailed(self._refusal(sequence)))
+            self._fail([sequence], RequestTooLarge(self._refusal(sequence)))
         return admitted
 
     def _prefill_takes(self, tokens: int) -> bool:

@@ -17,6 +17,11 @@ class EngineFailed(Exception):
     """The engine could not finish a request (it is the server's fault, not the client's)."""
 
 
+class RequestTooLarge(EngineFailed):
+    """The request needs more than the engine may hold (its KV cache's budget): the client's to
+    change (fewer tokens), answered 400."""
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
     """One prompt, already tokenized and validated, and how to sample `n` continuations of it."""

@@ -19,7 +19,14 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runner.deploy import protocol
-from runner.deploy.generation import ChoiceEvent, Engine, EngineFailed, QueueFull, RequestHandle
+from runner.deploy.generation import (
+    ChoiceEvent,
+    Engine,
+    EngineFailed,
+    QueueFull,
+    RequestHandle,
+    RequestTooLarge,
+)
 from runner.deploy.hosts import HostCheckMiddleware
 from runner.deploy.protocol import ApiError, Limits
 from runner.models.chat_template import render_chat
@@ -279,6 +286,8 @@ class _Answer:
                 texts[event.index].append(event.text)
                 finish[event.index] = event.finish_reason
                 tokens[event.index] = event.completion_tokens
+        except RequestTooLarge as error:
+            raise ApiError(400, str(error), param="max_tokens") from error
         except EngineFailed as error:
             raise ApiError(500, f"generation failed: {error}") from error
         finally:
@@ -308,6 +317,8 @@ class _Answer:
             if include_usage:
                 usage = protocol.usage(prompt_tokens, sum(tokens.values()))
                 yield _sse({**self.envelope(chunk=True), "choices": [], "usage": usage})
+        except RequestTooLarge as error:
+            yield _sse(ApiError(400, str(error), param="max_tokens").body())
         except EngineFailed as error:
             yield _sse(ApiError(500, f"generation failed: {error}").body())
         except Exception:  # headers are sent: end the stream cleanly rather than cut it off
