@@ -1,6 +1,7 @@
 """Benchmark `runner deploy`: output tokens/s and latency at each concurrency, beside the others.
 
-Every side runs in the same process tree, on the same checkpoint, device and dtype, greedy, in
+Every side runs in the same process tree, on the same checkpoint, device and dtype, greedy (or
+sampled at --temperature, top_p 1, no seed, as OpenAI's clients send by default), in
 interleaved repeats (the median is shown, with the range over repeats):
 
 - `transformers generate`: `generate` over static batches of each concurrency (batch 1 is the
@@ -31,6 +32,7 @@ temporary directory. On a GPU, e.g. for a 1B model in bf16:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 import os
@@ -129,6 +131,12 @@ def _arguments() -> argparse.Namespace:
         "--concurrency", default="1,8,32", help="comma-separated (1 is always measured)"
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy; else every side samples at it (top_p 1, no seed, as clients send)",
+    )
     parser.add_argument(
         "--requests",
         type=int,
@@ -261,7 +269,14 @@ def warm_up(
     for concurrency in args.concurrency:
         processes = client_processes(args.client_processes, concurrency)
         walls = [
-            clients.run(url, texts[:concurrency], args.max_tokens, concurrency, processes).wall_s
+            clients.run(
+                url,
+                texts[:concurrency],
+                args.max_tokens,
+                concurrency,
+                processes,
+                temperature=args.temperature,
+            ).wall_s
             for _, url in servers.values()
         ]
         count[concurrency] = concurrency * waves(args, concurrency, max(walls, default=0.0))
@@ -311,9 +326,10 @@ def main() -> None:
         shape = STAND_IN if args.stand_in else ()
         checkpoint = args.checkpoint or make_tiny_checkpoint(Path(scratch) / "tiny", *shape)
         model, tokenizer = load_baseline(checkpoint, device, dtype)
-        local = {"transformers generate": batched_generate}
+        sampled = {"temperature": args.temperature}
+        local = {"transformers generate": functools.partial(batched_generate, **sampled)}
         if "generate_batch" in args.engines:
-            local["transformers generate_batch"] = continuous_generate
+            local["transformers generate_batch"] = functools.partial(continuous_generate, **sampled)
         servers = _servers(args, checkpoint, device, Path(scratch))
         labels = [*local, *servers, *([ENGINE_ALONE] if "engine" in args.engines else [])]
         runs: dict[str, dict[int, list[Result]]] = {
@@ -327,10 +343,12 @@ def main() -> None:
             texts = prompts(1 << 16)
             count = warm_up(args, texts, servers, clients)
             baselines = local_counts(args, texts, local, model, tokenizer)
+            decoding = f"temperature {args.temperature}" if args.temperature else "greedy"
             print(
                 f"checkpoint {checkpoint} on {device} ({name}), {dtype}: requests per "
                 f"concurrency {count} (a warm-up wave first, not counted), {args.max_tokens} new "
-                f"tokens each, greedy, {torch.get_num_threads()} torch threads, {args.client} "
+                f"tokens each, {decoding}, "
+                f"{torch.get_num_threads()} torch threads, {args.client} "
                 f"clients, median of {args.repeats} repeats",
                 flush=True,
             )
@@ -345,7 +363,14 @@ def main() -> None:
                     processes = client_processes(args.client_processes, concurrency)
                     for label, (process, url) in servers.items():
                         cpu = process_cpu_s(process.pid)
-                        load = clients.run(url, sent, args.max_tokens, concurrency, processes)
+                        load = clients.run(
+                            url,
+                            sent,
+                            args.max_tokens,
+                            concurrency,
+                            processes,
+                            temperature=args.temperature,
+                        )
                         result = Result(label, concurrency, *astuple(load))
                         if cpu is not None and (now := process_cpu_s(process.pid)) is not None:
                             result.server_cpu_s = (now - cpu) / len(sent)

@@ -105,10 +105,11 @@ class Clients:
         *,
         model: str = "bench",
         api_key: str = "unused",
+        temperature: float = 0.0,
     ) -> Load:
-        """`concurrency` clients in `processes` of the processes send `texts` (greedy,
-        `max_tokens` each) to `model` on the server at `url` until none are left; the clock runs
-        from the first start to the last end."""
+        """`concurrency` clients in `processes` of the processes send `texts` (`max_tokens`
+        each, greedy or sampled at `temperature`, without a seed) to `model` on the server at
+        `url` until none are left; the clock runs from the first start to the last end."""
         used = self._children[: max(1, min(processes, concurrency, len(self._children)))]
         for index, child in enumerate(used):
             job = {
@@ -118,6 +119,7 @@ class Clients:
                 "api_key": api_key,
                 "texts": texts[index :: len(used)],
                 "max_tokens": max_tokens,
+                "temperature": temperature,
                 "concurrency": concurrency // len(used) + (index < concurrency % len(used)),
             }
             _send(child, json.dumps(job))
@@ -163,7 +165,10 @@ async def _sdk(job: dict) -> AsyncIterator[Complete]:
 
     async def complete(text: str) -> int:
         response = await client.completions.create(
-            model=job["model"], prompt=text, max_tokens=job["max_tokens"], temperature=0
+            model=job["model"],
+            prompt=text,
+            max_tokens=job["max_tokens"],
+            temperature=job["temperature"],
         )
         assert response.usage is not None, "the server reports usage"
         return response.usage.completion_tokens
@@ -186,7 +191,8 @@ async def _http(job: dict) -> AsyncIterator[Complete]:
 
         async def complete(text: str) -> int:
             body = {"model": job["model"], "prompt": text, "max_tokens": job["max_tokens"]}
-            async with session.post("/v1/completions", json={**body, "temperature": 0}) as answer:
+            body["temperature"] = job["temperature"]
+            async with session.post("/v1/completions", json=body) as answer:
                 answer.raise_for_status()
                 return (await answer.json())["usage"]["completion_tokens"]
 

@@ -101,11 +101,25 @@ def load_baseline(checkpoint: Path, device: torch.device, dtype: torch.dtype) ->
     return model, tokenizer
 
 
+def sampling(temperature: float) -> dict[str, Any]:
+    """`generate`'s arguments for greedy decoding (temperature 0) or sampling at `temperature`
+    over the whole distribution, as the servers are asked."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+
+
 def batched_generate(
-    model: Any, tokenizer: Any, texts: list[str], max_tokens: int, batch_size: int
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    max_tokens: int,
+    batch_size: int,
+    temperature: float = 0.0,
 ) -> Result:
-    """The baseline: `generate` over static batches of `batch_size` prompts, greedy; a batch's
-    latency is each of its requests' latency. Tokens past a sequence's end are not counted."""
+    """The baseline: `generate` over static batches of `batch_size` prompts, greedy (or sampled
+    at `temperature`); a batch's latency is each of its requests' latency. Tokens past a
+    sequence's end are not counted."""
     latencies, tokens = [], 0
     start = time.perf_counter()
     with torch.inference_mode():
@@ -116,8 +130,8 @@ def batched_generate(
             output = model.generate(
                 **inputs,
                 max_new_tokens=max_tokens,
-                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
+                **sampling(temperature),
             )
             _synchronize(model.device)
             latencies += [time.perf_counter() - began] * len(batch)
@@ -128,17 +142,22 @@ def batched_generate(
 
 
 def continuous_generate(
-    model: Any, tokenizer: Any, texts: list[str], max_tokens: int, batch_size: int
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    max_tokens: int,
+    batch_size: int,
+    temperature: float = 0.0,
 ) -> Result:
     """transformers' continuous batching (`generate_batch`) over chunks of `batch_size` prompts,
-    greedy; a chunk's latency is each of its requests' latency."""
+    greedy (or sampled at `temperature`); a chunk's latency is each of its requests' latency."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(
         max_new_tokens=max_tokens,
-        do_sample=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **sampling(temperature),
     )
     latencies, tokens = [], 0
     start = time.perf_counter()
@@ -249,7 +268,8 @@ class EngineAlone:
         command = [sys.executable, str(Path(__file__).with_name("profile_engine.py"))]
         command += [f"--checkpoint={checkpoint}", f"--device={args.device}"]
         command += [f"--dtype={args.dtype}", f"--concurrency={max(args.concurrency)}"]
-        command += [f"--max-tokens={args.max_tokens}", "--serve"]
+        command += [f"--max-tokens={args.max_tokens}", f"--temperature={args.temperature}"]
+        command += ["--serve"]
         self._log = (scratch / "engine_alone.log").open("w+")
         self._process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True

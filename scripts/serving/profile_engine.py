@@ -106,7 +106,7 @@ async def clients(
     return tokens
 
 
-def serve(engine: TransformersEngine, tokenizer: Any, max_tokens: int) -> None:
+def serve(engine: TransformersEngine, tokenizer: Any, max_tokens: int, temperature: float) -> None:
     """Answer each `CONCURRENCY COUNT` line on stdin with one JSON line: the output tokens,
     wall time and latencies of the first COUNT prompts sent by CONCURRENCY clients, after one
     wave not counted at a concurrency not served before (buffers, captures)."""
@@ -121,11 +121,15 @@ def serve(engine: TransformersEngine, tokenizer: Any, max_tokens: int) -> None:
         )
         prompt_ids = encoded[:count]
         if concurrency not in served:
-            asyncio.run(clients(engine, prompt_ids[:concurrency], concurrency, max_tokens, []))
+            asyncio.run(
+                clients(engine, prompt_ids[:concurrency], concurrency, max_tokens, [], temperature)
+            )
             served.add(concurrency)
         latencies: list[float] = []
         began = time.perf_counter()
-        tokens = asyncio.run(clients(engine, prompt_ids, concurrency, max_tokens, latencies))
+        tokens = asyncio.run(
+            clients(engine, prompt_ids, concurrency, max_tokens, latencies, temperature)
+        )
         wall = time.perf_counter() - began
         print(json.dumps({"tokens": tokens, "wall_s": wall, "latencies_s": latencies}), flush=True)
 
@@ -184,7 +188,7 @@ def main() -> None:
     )
     timings = Timings(device)
     if args.serve:
-        serve(engine, loaded.tokenizer, args.max_tokens)
+        serve(engine, loaded.tokenizer, args.max_tokens, args.temperature)
         engine.close()
         return
     watch(engine, timings)
