@@ -52,3 +52,21 @@ def test_the_nucleus_is_the_fewest_most_likely_tokens_that_cover_top_p() -> None
     torch.testing.assert_close(kept[0], torch.tensor([0.0, 0.625, 0.0, 0.375]))
     torch.testing.assert_close(kept[1], torch.tensor([0.0, 1.0, 0.0, 0.0]))
     torch.testing.assert_close(kept[2], probs[0])
+
+
+def test_a_step_whose_rows_all_sample_at_one_temperature_draws_the_same() -> None:
+    # The engine's common step (every client samples, at OpenAI's default temperature): no greedy
+    # tokens, no indexing, one temperature; each row still draws as torch.multinomial.
+    torch.manual_seed(1)
+    logits = torch.randn(4, 264) * 3
+    expected = [
+        int(torch.multinomial(row.softmax(-1), 1, generator=torch.Generator().manual_seed(seed)))
+        for seed, row in enumerate(logits / 0.8)
+    ]
+    drawn = next_tokens(
+        logits,
+        temperatures=[0.8] * 4,
+        top_ps=[1.0] * 4,
+        generators=[torch.Generator().manual_seed(seed) for seed in range(4)],
+    )
+    assert drawn.tolist() == expected

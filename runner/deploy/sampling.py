@@ -35,16 +35,22 @@ def next_tokens(
     """Each row's next token from its logits [rows, vocab], on their device (SAMPLING_FAILED
     where the row's probabilities are not a distribution); `generators`: each row's own, or
     None to draw from the device's."""
-    next_ids = logits.argmax(dim=-1)
     rows = [row for row, temperature in enumerate(temperatures) if temperature > 0]
     if not rows:
-        return next_ids
+        return logits.argmax(dim=-1)
     device = logits.device
-    # Indices and values reach the device from pinned memory: a Python list as an index, copied
-    # from pageable memory, would wait for every kernel queued.
-    index = to_device(torch.tensor(rows), device)
-    temperature = to_device(torch.tensor([temperatures[row] for row in rows]), device)
-    scaled = logits[index].float() / temperature[:, None]
+    # Few operations a step, each a launch on a GPU: every row sampled (as clients ask by
+    # default) needs no greedy tokens and no indexing, one temperature no tensor of them.
+    # Indices and values reach the device from pinned memory: a Python list as an index,
+    # copied from pageable memory, would wait for every kernel queued.
+    every = len(rows) == logits.shape[0]
+    index = None if every else to_device(torch.tensor(rows), device)
+    scaled = (logits if index is None else logits[index]).float()
+    if len({temperatures[row] for row in rows}) == 1:
+        scaled = scaled / temperatures[rows[0]]
+    else:
+        temperature = torch.tensor([temperatures[row] for row in rows])
+        scaled = scaled / to_device(temperature, device)[:, None]
     top_p = [top_ps[row] for row in rows]
     probs = scaled.softmax(dim=-1)
     if any(p < 1 for p in top_p):  # top_p 1 keeps every token: only the others are sorted
@@ -57,8 +63,12 @@ def next_tokens(
         if generator is not None:
             q[position].exponential_(generator=generator)
     drawn = (probs / q).argmax(dim=-1)
-    valid = (probs.isfinite() & (probs >= 0)).all(dim=-1) & (probs.sum(dim=-1) > 0)
-    next_ids[index] = torch.where(valid, drawn, torch.full_like(drawn, SAMPLING_FAILED))
+    # A softmax is never negative and sums to 1, unless an infinite logit made it nan.
+    drawn = torch.where(probs.sum(dim=-1).isfinite(), drawn, SAMPLING_FAILED)
+    if index is None:
+        return drawn
+    next_ids = logits.argmax(dim=-1)
+    next_ids[index] = drawn
     return next_ids
 
 
