@@ -195,7 +195,7 @@ class DecodeStep:
         if min(lengths) < width and self._packs:
             causal = torch.ones(width, width, dtype=torch.bool).tril()
             mask = ((owner[:, :, None] == owner[:, None, :]) & causal)[:, None]
-        elif min(lengths) < width:
+        elif min(lengths) < width:  # the model builds its own mask (eager, sliding window)
             mask = (owner >= 0).long()
         # Full-attention layers throughout: a sliding-window layer keeps every token here, and
         # the model's own sliding-window mask (built from config.json for those layers) hides

@@ -197,10 +197,11 @@ def _transformers_model(
 
     options = dict(options)
     process = options.pop("process")
+    here = resolve_device(device)
     if options["max_batch_size"] is None:
-        options["max_batch_size"] = max_batch_size_by_default(resolve_device(device))
+        options["max_batch_size"] = max_batch_size_by_default(here)
     if options["max_prefill_tokens"] is None:
-        options["max_prefill_tokens"] = max_prefill_tokens_by_default(resolve_device(device))
+        options["max_prefill_tokens"] = max_prefill_tokens_by_default(here)
     if process if process is not None else process_by_default(device):
         return served_model(
             checkpoint,

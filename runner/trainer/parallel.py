@@ -139,10 +139,7 @@ def largest_on_any_rank(value: int, place: Placement) -> int:
     GPU; across nodes an all-reduce on the run's device, whose read waits for it."""
     if place.world_size == 1:  # no collective in a process alone
         return value
-    if place.vote_group is None:
-        votes = torch.tensor(value, device=place.device)
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-    else:
-        votes = torch.tensor(value)
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=place.vote_group)
+    on_host = place.vote_group is not None
+    votes = torch.tensor(value, device="cpu" if on_host else place.device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=place.vote_group)  # None: the default
     return int(votes.item())
