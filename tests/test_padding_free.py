@@ -200,19 +200,24 @@ def test_attention_per_sample_is_sdpa_under_the_dense_mask(
 
 def assert_attends_as_the_dense_mask(attend: Any, input_pos: torch.Tensor) -> None:
     """`attend(q, k, v, dropout_p=0.0)` over rows of `input_pos` gives what SDPA over the whole
-    rows under the dense block-causal mask gives, forward and backward."""
+    rows under the dense block-causal mask gives, forward and backward: with as many key and
+    value heads as query heads, and with half as many (grouped-query attention, each key and
+    value head serving two query heads in a row)."""
     rows, width = input_pos.shape
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(rows, 2, width, 8, requires_grad=True) for _ in range(3))
     mask = dense_block_causal_mask(input_pos)[:, None]
-    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    dense_grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
-    out = attend(q, k, v, dropout_p=0.0)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    # Other kernels, other summation order: float32 to 1e-5.
-    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
-    for got, expected in zip(grads, dense_grads, strict=True):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for kv_heads in (4, 2):
+        torch.manual_seed(0)
+        q = torch.randn(rows, 4, width, 8, requires_grad=True)
+        k, v = (torch.randn(rows, kv_heads, width, 8, requires_grad=True) for _ in range(2))
+        expanded = [x.repeat_interleave(4 // kv_heads, dim=1) for x in (k, v)]
+        dense = torch.nn.functional.scaled_dot_product_attention(q, *expanded, attn_mask=mask)
+        dense_grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
+        out = attend(q, k, v, dropout_p=0.0)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        # Other kernels, other summation order: float32 to 1e-5.
+        torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+        for got, expected in zip(grads, dense_grads, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 # flex attention without torch.compile runs unfused, and says so: a forward on a few rows.

@@ -102,7 +102,8 @@ class Samples:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
     ) -> torch.Tensor:
-        """Causal SDPA over each sample's span of q, k, v ([rows, heads, s, head_dim]) alone."""
+        """Causal SDPA over each sample's span of q ([rows, heads, s, head_dim]) and k, v
+        ([rows, kv_heads, s, head_dim], kv_heads dividing heads) alone."""
         rows = []
         for r, runs in enumerate(self.rows):
             pieces = []
@@ -118,6 +119,7 @@ class Samples:
                     v_run.transpose(0, 1),
                     dropout_p=dropout_p,
                     is_causal=True,
+                    enable_gqa=True,
                 )
                 pieces.append(out.transpose(0, 1).flatten(1, 2))
             rows.append(torch.cat(pieces, dim=1))
@@ -216,13 +218,16 @@ class Gathered:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
     ) -> torch.Tensor:
-        """Causal SDPA over each sample's span of q, k, v ([rows, heads, s, head_dim]) alone."""
+        """Causal SDPA over each sample's span of q ([rows, heads, s, head_dim]) and k, v
+        ([rows, kv_heads, s, head_dim], kv_heads dividing heads) alone."""
         rows, heads, width, head_dim = q.shape
-        flat = [x.transpose(1, 2).reshape(rows * width, heads, head_dim) for x in (q, k, v)]
+        flat = [x.transpose(1, 2).flatten(0, 1) for x in (q, k, v)]  # [rows * width, heads, d]
         outs = []
         for gather in self.gathers:  # [samples, heads, longest, head_dim] each
             q_b, k_b, v_b = (x[gather].transpose(1, 2) for x in flat)
-            out = F.scaled_dot_product_attention(q_b, k_b, v_b, dropout_p=dropout_p, is_causal=True)
+            out = F.scaled_dot_product_attention(
+                q_b, k_b, v_b, dropout_p=dropout_p, is_causal=True, enable_gqa=True
+            )
             outs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
         out = torch.cat(outs)[self.scatter]
         return out.view(rows, width, heads, head_dim).transpose(1, 2)
@@ -236,14 +241,28 @@ def _in_graph_flex(
 
     if dropout_p > 0.0:  # as torchtune's call refuses it
         raise ValueError("Flex attention does not support dropout. Please set dropout to 0.0.")
-    out = flex_attention(q, k, v, block_mask=mask)
+    out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs were asked for
     return out
 
 
-def _rows_call(original: AttentionCall, compiled: bool) -> AttentionCall:
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Keys or values that torchtune's attention expanded for grouped-query attention
+    ([rows, heads, s, head_dim], each of the kv_heads repeated heads // kv_heads times in a
+    row), as the kv_heads they were: each group's first."""
+    heads = x.shape[1]
+    return x if heads == kv_heads else x[:, :: heads // kv_heads].contiguous()
+
+
+def _rows_call(original: AttentionCall, compiled: bool, kv_heads: int) -> AttentionCall:
     """torchtune's attention call, which also takes a Samples or Gathered mask, and in a
-    compiled layer calls flex attention inside the graph."""
+    compiled layer calls flex attention inside the graph.
+
+    torchtune's MultiHeadAttention copies each of the `kv_heads` keys and values once for each
+    query head of its group before the call. Those calls take them as they were, kv_heads wide
+    (SDPA's and flex attention's enable_gqa), so backward keeps a group's keys and values once,
+    not once a query head (a quarter at Llama 3.2 1B's 8 of 32 heads), and gets their gradients
+    summed in the kernel."""
     from torch.nn.attention.flex_attention import BlockMask
 
     def attention_call(
@@ -255,9 +274,9 @@ def _rows_call(original: AttentionCall, compiled: bool) -> AttentionCall:
         is_causal: bool,
     ) -> torch.Tensor:
         if isinstance(mask, Samples | Gathered):
-            return mask.attend(q, k, v, dropout_p)
+            return mask.attend(q, _grouped(k, kv_heads), _grouped(v, kv_heads), dropout_p)
         if compiled and isinstance(mask, BlockMask):
-            return _in_graph_flex(q, k, v, mask, dropout_p)
+            return _in_graph_flex(q, _grouped(k, kv_heads), _grouped(v, kv_heads), mask, dropout_p)
         return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
     attention_call.torchtune_call = original  # type: ignore[attr-defined]
@@ -309,7 +328,8 @@ class RowAttention:
         for module in attentions:
             call = module._attention_call
             if getattr(call, "compiled", None) != compiled:
-                module._attention_call = _rows_call(getattr(call, "torchtune_call", call), compiled)
+                original = getattr(call, "torchtune_call", call)
+                module._attention_call = _rows_call(original, compiled, module.num_kv_heads)
         if device.type == "cuda" and SUPPORTS_FLEX_ATTENTION:
             return cls("flex", None)
         if not compiled:
