@@ -4,6 +4,7 @@ attention still keeps each sample to itself (the dense block-causal mask's resul
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,3 +260,35 @@ def test_runner_train_compiled_with_packing_logs_no_graph_break(runner_cli, tmp_
     log = (run / "train.log").read_text()
     # One graph for the decoder layers (all alike), one for the compiled loss: none per step.
     assert "compiled: 0 graph breaks, 2 graphs compiled" in log, log[-2000:]
+
+
+# Uncompiled, flex attention would say so and run unfused: that warning fails the test.
+@pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager layers", "compiled layers"])
+def test_flex_attention_holds_its_graphs_through_padding_free_batches(
+    compiled: bool, fresh_dynamo: None
+) -> None:
+    """CUDA's way with the default padding-free rows, each batch another width and count of
+    rows (forward only, checked here: this torch has no CPU backward for flex attention). Flex
+    attention stays compiled through a dozen shapes, in graphs of its own beside eager layers
+    (torchtune's, compiled for one shape at a time, ran unfused from the ninth) or in the
+    compiled layers' graphs, a handful of graphs in all (the first shape's, the symbolic one
+    after it, one row's), and equals the dense mask's SDPA."""
+    torch.manual_seed(0)
+    reference = tiny_llama(50).eval()  # the dense mask, uncompiled: no graph of its own
+    model = copy.deepcopy(reference)
+    if compiled:
+        for layer in model.layers:
+            layer.compile(backend="aot_eager")
+    RowAttention.of(model, CPU)  # the attention modules get runner's call
+    flex, dense = RowAttention("flex", None), RowAttention("dense", None)
+    batches = mixed_length_batches(12, flex)
+    assert len({b["tokens"].shape[1] for b in batches}) > 8  # past dynamo's limit of 8 shapes
+    with torch.no_grad():
+        for batch in batches:
+            out = model(batch["tokens"], **flex.inputs(batch, CPU))
+            expected = reference(batch["tokens"], **dense.inputs(batch, CPU))
+            # Other kernels, other summation order: float32 to 1e-5.
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    assert graph_breaks() == 0, dict(counters["graph_break"])

@@ -21,11 +21,16 @@ the form the model's attention takes best on its device (`RowAttention`):
 Where the layers are compiled (compile=true), the attention call runs inside each layer's graph:
 flex attention is called there directly (torchtune's call wraps its own compiled flex attention
 in torch.compiler.disable, a graph break in every layer; pytorch issue 149767), and the CPU's
-per-sample attention is "gathered" (this torch has no CPU backward for flex attention).
+per-sample attention is "gathered" (this torch has no CPU backward for flex attention). Where
+they are not, flex attention is compiled on its own with symbolic sizes (torchtune's, compiled
+for one shape at a time, runs uncompiled once padding-free rows have brought it 8 widths).
+Either way the keys and values reach the attention as many as the model has (grouped-query
+attention), not copied once per query head as torchtune's attention passes them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -233,17 +238,40 @@ class Gathered:
         return out.view(rows, width, heads, head_dim).transpose(1, 2)
 
 
-def _in_graph_flex(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, dropout_p: float
+def _flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask,
+    dropout_p: float,
+    *,
+    in_graph: bool,
 ) -> torch.Tensor:
-    """Flex attention called as it is, which a compiled layer traces into its own graph."""
+    """Flex attention over the BlockMask: called as it is where a compiled layer traces it into
+    its own graph, else compiled on its own (`_compiled_flex`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if dropout_p > 0.0:  # as torchtune's call refuses it
         raise ValueError("Flex attention does not support dropout. Please set dropout to 0.0.")
-    out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    if in_graph:
+        out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    else:
+        out = _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=True)
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs were asked for
     return out
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., Any]:
+    """flex_attention compiled on its own, for layers that are not (uncompiled, it computes
+    and keeps every score: slow, and quadratic in memory). Its sizes become symbolic at the
+    second shape it sees (dynamo's automatic dynamic), so rows of a new width or count each
+    batch (padding-free rows) reuse one graph. torchtune's own compiles it with
+    dynamic=False, a graph per shape: past dynamo's limit of 8 recompiles it falls back to
+    the uncompiled implementation for the rest of the run."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
 
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -255,8 +283,9 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _rows_call(original: AttentionCall, compiled: bool, kv_heads: int) -> AttentionCall:
-    """torchtune's attention call, which also takes a Samples or Gathered mask, and in a
-    compiled layer calls flex attention inside the graph.
+    """torchtune's attention call, which also takes a Samples or Gathered mask, and calls flex
+    attention itself: inside the graph of a compiled layer, compiled on its own in another
+    (`_compiled_flex`).
 
     torchtune's MultiHeadAttention copies each of the `kv_heads` keys and values once for each
     query head of its group before the call. Those calls take them as they were, kv_heads wide
@@ -275,8 +304,9 @@ def _rows_call(original: AttentionCall, compiled: bool, kv_heads: int) -> Attent
     ) -> torch.Tensor:
         if isinstance(mask, Samples | Gathered):
             return mask.attend(q, _grouped(k, kv_heads), _grouped(v, kv_heads), dropout_p)
-        if compiled and isinstance(mask, BlockMask):
-            return _in_graph_flex(q, _grouped(k, kv_heads), _grouped(v, kv_heads), mask, dropout_p)
+        if isinstance(mask, BlockMask):
+            k, v = _grouped(k, kv_heads), _grouped(v, kv_heads)
+            return _flex(q, k, v, mask, dropout_p, in_graph=compiled)
         return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
     attention_call.torchtune_call = original  # type: ignore[attr-defined]
