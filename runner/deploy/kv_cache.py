@@ -50,15 +50,18 @@ def grown(
     capacity: tuple[int, int], rows: int, tokens: int, *, padded: bool, compiled: bool
 ) -> tuple[int, int]:
     """The buffers' (rows, tokens) capacity once they make room for `rows` rows and `tokens`
-    tokens (a padded window included): as it is while they fit, else doubled past the need in
-    the dimension that grew (capacities never shrink). `compiled`: a column past the widest
-    window (BatchCache's docstring)."""
+    tokens (a padded window included): as it is while they fit, else the power of two at or
+    above the need in the dimension that grew (capacities never shrink, and being powers of
+    two, each growth at least doubles them). `compiled`: a column past the widest window
+    (BatchCache's docstring)."""
     row_capacity, token_capacity = capacity
     if padded:
         rows, tokens = bucket(rows), bucket(tokens, MIN_TOKENS)
     spare = 1 if compiled else 0
     if rows > row_capacity or tokens + spare > token_capacity:
-        return max(bucket(rows), row_capacity), max(bucket(tokens * 2), token_capacity)
+        return max(bucket(rows), row_capacity), max(
+            bucket(tokens + spare, MIN_TOKENS), token_capacity
+        )
     return capacity
 
 
@@ -175,7 +178,9 @@ class BatchCache(Cache):
         self._like = (len(layers), keys.new_empty(0), values.new_empty(0), keys.shape, values.shape)
         self._layer_numbers = torch.arange(len(layers), device=self.device)
         self.allocation = 0  # renumbered on each reallocation: captured steps hold old addresses
-        self._allocate(bucket(keys.shape[0]), bucket(keys.shape[2] * 2, MIN_TOKENS))
+        # Room for the prefill's rows and their next token, as append_rows reserves it.
+        first = grown((0, 0), keys.shape[0], keys.shape[2] + 1, padded=padded, compiled=compiled)
+        self._allocate(*first)
         super().__init__(layers=self.layers)
 
     def _allocate(self, row_capacity: int, token_capacity: int) -> None:

@@ -14,7 +14,8 @@ model's forward pass), the merging of prefilled rows into the batch (join), deco
 CUDA-graph captures, and publishing of events (and within it the moving of rows as finished ones
 leave the batch: leave), each timed to the device's completion (which adds a synchronization to
 each: on CUDA the host then no longer runs a step ahead of the GPU, so these repeats' tokens/s
-are below what the engine makes serving), and how many rows the decode steps ran. The first
+are below what the engine makes serving), how many rows the decode steps ran, and the size of
+the batch's KV buffers. The first
 repeat
 includes the captures and the buffers' allocation; a warm-up wave before them is not counted.
 With --serve it times nothing inside the engine: it reads `CONCURRENCY COUNT` lines on stdin
@@ -154,6 +155,15 @@ def watch(engine: TransformersEngine, timings: Timings) -> None:
     engine._decode = decode_counting_rows  # type: ignore[method-assign]
 
 
+def kv_buffers(cache: BatchCache | None) -> str:
+    """The batch's KV buffers as the repeat left them: their capacity and bytes."""
+    if cache is None:
+        return "KV buffers: none"
+    rows, tokens = cache.capacity
+    size = cache.key_stack.nbytes + cache.value_stack.nbytes
+    return f"KV buffers: {rows} rows x {tokens} tokens, {size / 2**20:,.1f} MiB"
+
+
 def main() -> None:
     parser = model_parser(__doc__)
     parser.add_argument("--concurrency", type=int, default=128, help="clients, and batch rows")
@@ -230,6 +240,7 @@ def main() -> None:
                 )
             steps = sorted(timings.rows.items())
             print("  decode steps by rows:", ", ".join(f"{rows}: {n}" for rows, n in steps))
+            print(f"  {kv_buffers(engine._cache)}")
     finally:
         engine.close()
 
