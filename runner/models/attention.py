@@ -24,8 +24,8 @@ in torch.compiler.disable, a graph break in every layer; pytorch issue 149767), 
 per-sample attention is "gathered" (this torch has no CPU backward for flex attention). Where
 they are not, flex attention is compiled on its own with symbolic sizes (torchtune's, compiled
 for one shape at a time, runs uncompiled once padding-free rows have brought it 8 widths).
-Either way the keys and values reach the attention as many as the model has (grouped-query
-attention), not copied once per query head as torchtune's attention passes them.
+Flex attention, and SDPA on the CPU, take the keys and values as many as the model has
+(grouped-query attention), not copied once per query head as torchtune's attention passes them.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Samples:
                     v_run.transpose(0, 1),
                     dropout_p=dropout_p,
                     is_causal=True,
-                    enable_gqa=True,
+                    enable_gqa=k.shape[1] != q.shape[1],
                 )
                 pieces.append(out.transpose(0, 1).flatten(1, 2))
             rows.append(torch.cat(pieces, dim=1))
@@ -231,7 +231,7 @@ class Gathered:
         for gather in self.gathers:  # [samples, heads, longest, head_dim] each
             q_b, k_b, v_b = (x[gather].transpose(1, 2) for x in flat)
             out = F.scaled_dot_product_attention(
-                q_b, k_b, v_b, dropout_p=dropout_p, is_causal=True, enable_gqa=True
+                q_b, k_b, v_b, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != heads
             )
             outs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
         out = torch.cat(outs)[self.scatter]
@@ -288,10 +288,13 @@ def _rows_call(original: AttentionCall, compiled: bool, kv_heads: int) -> Attent
     (`_compiled_flex`).
 
     torchtune's MultiHeadAttention copies each of the `kv_heads` keys and values once for each
-    query head of its group before the call. Those calls take them as they were, kv_heads wide
-    (SDPA's and flex attention's enable_gqa), so backward keeps a group's keys and values once,
-    not once a query head (a quarter at Llama 3.2 1B's 8 of 32 heads), and gets their gradients
-    summed in the kernel."""
+    query head of its group before the call. Flex attention, and SDPA on the CPU, take them as
+    they were, kv_heads wide (enable_gqa), so backward keeps a group's keys and values once, not
+    once a query head (a quarter at Llama 3.2 1B's 8 of 32 heads), and gets their gradients
+    summed in the kernel. On CUDA, SDPA's kernels for grouped keys are its flash ones (compute
+    capability 8.0 and up) and its math one, and the GPUs where SDPA runs here rather than flex
+    attention (below 7.5) have only the math one: there they stay expanded, for the
+    memory-efficient kernel."""
     from torch.nn.attention.flex_attention import BlockMask
 
     def attention_call(
@@ -303,7 +306,9 @@ def _rows_call(original: AttentionCall, compiled: bool, kv_heads: int) -> Attent
         is_causal: bool,
     ) -> torch.Tensor:
         if isinstance(mask, Samples | Gathered):
-            return mask.attend(q, _grouped(k, kv_heads), _grouped(v, kv_heads), dropout_p)
+            if q.device.type == "cpu":  # SDPA's grouped kernels: CUDA's need flex's GPUs
+                k, v = _grouped(k, kv_heads), _grouped(v, kv_heads)
+            return mask.attend(q, k, v, dropout_p)
         if isinstance(mask, BlockMask):
             k, v = _grouped(k, kv_heads), _grouped(v, kv_heads)
             return _flex(q, k, v, mask, dropout_p, in_graph=compiled)
