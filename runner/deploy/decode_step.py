@@ -22,7 +22,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+import torch.nn.functional as F
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    DynamicCache,
+    PreTrainedModel,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from runner.deploy.kv_cache import (
     MIN_TOKENS,
@@ -35,6 +43,49 @@ from runner.deploy.kv_cache import (
 from runner.devices import to_device
 from runner.errors import UserError
 
+# The compiled step's attention (`grouped_sdpa`), by the name transformers looks it up by.
+GROUPED_SDPA = "runner_grouped_sdpa"
+
+
+def grouped_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, in which a decode step's one query token of each query
+    head of a group attends its key head as a row of that head, compiled as eagerly.
+
+    With grouped-query attention, transformers' SDPA call folds one query token's heads onto
+    their key heads eagerly (pack_gqa), but under torch.compile it copies every key and value
+    once per query head of its group instead (repeat_kv: the whole window's, each layer, each
+    step), as SDPA's grouped kernels on CUDA take no mask. Anything but that step (a prefill,
+    a position bias, a per-head mask) is transformers' call as it is."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    one_token = query.shape[2] == 1 and kwargs.get("position_bias") is None
+    if (
+        groups == 1
+        or not one_token
+        or (attention_mask is not None and attention_mask.shape[1] != 1)
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    rows, heads, _, dim = query.shape
+    out = F.scaled_dot_product_attention(
+        query.reshape(rows, heads // groups, groups, dim),  # each key head's query heads
+        key,
+        value,
+        attn_mask=attention_mask,  # [rows, 1, 1, width]: the same for every head and token
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+    )
+    return out.reshape(rows, 1, heads, out.shape[-1]), None  # [rows, tokens, heads, dim]
+
+
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
 
 def packs(model: PreTrainedModel) -> bool:
     """Whether prompts may share a row under a block-diagonal mask: SDPA attention, which takes
@@ -42,7 +93,7 @@ def packs(model: PreTrainedModel) -> bool:
     config = model.config
     text = config.get_text_config(decoder=True)
     full = all(kind == "full_attention" for kind in getattr(text, "layer_types", None) or [])
-    sdpa = config._attn_implementation == "sdpa"
+    sdpa = config._attn_implementation in ("sdpa", GROUPED_SDPA)
     return sdpa and full and getattr(text, "sliding_window", None) is None
 
 
@@ -96,6 +147,8 @@ class DecodeStep:
         self._packs = packs(model)
         self.graphs, self.compiled = graphs, compiled
         self._layers = compiled and layers
+        if compiled and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(GROUPED_SDPA)
         # dynamic=True: every size symbolic from the first compile (the rows, the window, the
         # buffers' capacity), so that no later batch compiles again (warm_up); sizes of 1 are
         # still specialized. A graph per window size would pass dynamo's limit of recompiles
