@@ -323,3 +323,49 @@ def test_eager_attention_prefills_left_padded_and_answers_as_generate(
     finally:
         engine.close()
     assert texts == [generate(*case)[0] for case in cases]
+
+
+def test_the_compiled_step_attends_grouped_keys_and_values_as_the_model_holds_them(
+    checkpoint: Path,
+) -> None:
+    # compute=cpu, fp32. The tiny checkpoint has 2 query heads a key head. A compiled decode
+    # step's attention (runner_grouped_sdpa) gives SDPA the keys and values as the cache holds
+    # them, where transformers' own call under torch.compile copies them once per query head
+    # (repeat_kv, the window's every key, each layer, each step); and it equals that call.
+    import torch._dynamo
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from runner.deploy.decode_step import GROUPED_SDPA, grouped_sdpa
+
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    DecodeStep(loaded.model, graphs=False, compiled=True)
+    assert loaded.model.config._attn_implementation == GROUPED_SDPA
+    attention = loaded.model.get_decoder().layers[0].self_attn
+    groups = attention.num_key_value_groups
+    assert groups == 2
+    torch.manual_seed(0)
+    rows, width, dim = 3, 9, attention.head_dim
+    query = torch.randn(rows, 2 * groups, 1, dim)
+    key, value = (torch.randn(rows, 2, width, dim) for _ in range(2))
+    mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
+    mask[0, ..., :4] = False  # a left-padded row
+
+    def sdpa_key_heads(function):
+        """Its output compiled, and the heads of the keys each SDPA call in its graph takes."""
+        heads: list[int] = []
+
+        def backend(graph: torch.fx.GraphModule, inputs: list) -> object:
+            for node in graph.graph.nodes:
+                if node.target is torch._C._nn.scaled_dot_product_attention:
+                    heads.append(node.args[1].meta["example_value"].shape[1])
+            return graph.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(function, backend=backend, fullgraph=True)
+        return compiled(attention, query, key, value, mask, scaling=attention.scaling)[0], heads
+
+    expected, copied = sdpa_key_heads(sdpa_attention_forward)
+    got, held = sdpa_key_heads(grouped_sdpa)
+    assert copied == [2 * groups] and held == [2]
+    # The same SDPA call on other shapes: float32 to 1e-6.
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
