@@ -58,13 +58,15 @@ def grouped_sdpa(
     """transformers' SDPA attention, in which a decode step's one query token of each query
     head of a group attends its key head as a row of that head, compiled as eagerly.
 
-    With grouped-query attention, transformers' SDPA call folds one query token's heads onto
-    their key heads eagerly (pack_gqa), but under torch.compile it copies every key and value
-    once per query head of its group instead (repeat_kv: the whole window's, each layer, each
-    step), as SDPA's grouped kernels on CUDA take no mask. Anything but that step (a prefill,
-    a position bias, a per-head mask) is transformers' call as it is."""
+    With grouped-query attention and a mask (SDPA's own grouped kernels on CUDA take none),
+    transformers' SDPA call folds one query token's heads onto their key heads when eager
+    (pack_gqa), but under torch.compile it copies every key and value once per query head of
+    its group instead (repeat_kv: the whole window's, each layer, each step). Anything but that
+    step (a prefill, a position bias or softcap, a per-head mask) is transformers' call as it
+    is."""
     groups = getattr(module, "num_key_value_groups", 1)
-    one_token = query.shape[2] == 1 and kwargs.get("position_bias") is None
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    one_token = query.shape[2] == 1 and plain
     if (
         groups == 1
         or not one_token

@@ -15,9 +15,8 @@ CUDA-graph captures, and publishing of events (and within it the moving of rows 
 leave the batch: leave), each timed to the device's completion (which adds a synchronization to
 each: on CUDA the host then no longer runs a step ahead of the GPU, so these repeats' tokens/s
 are below what the engine makes serving), how many rows the decode steps ran, and the size of
-the batch's KV buffers. The first
-repeat
-includes the captures and the buffers' allocation; a warm-up wave before them is not counted.
+the batch's KV buffers. The first repeat includes the captures and the buffers' allocation; a
+warm-up wave before them is not counted.
 With --serve it times nothing inside the engine: it reads `CONCURRENCY COUNT` lines on stdin
 and answers each with one JSON line, the output tokens, wall time and latencies of COUNT prompts
 sent by CONCURRENCY clients (after one uncounted wave at a concurrency it has not served yet):
