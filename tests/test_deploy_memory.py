@@ -51,10 +51,10 @@ class Watched:
         allocate, next_window = BatchCache._allocate, BatchCache.next_window
 
         def watched_allocate(cache: BatchCache, row_capacity: int, token_capacity: int) -> None:
-            old = _bytes(cache) if hasattr(cache, "key_stack") else 0
+            old = cache.nbytes if hasattr(cache, "key_stack") else 0
             allocate(cache, row_capacity, token_capacity)
             self.capacities.append((row_capacity, token_capacity))
-            self.peaks.append(old + _bytes(cache))
+            self.peaks.append(old + cache.nbytes)
 
         def watched_window(cache: BatchCache):
             self.rows.append(cache.rows)
@@ -62,10 +62,6 @@ class Watched:
 
         monkeypatch.setattr(BatchCache, "_allocate", watched_allocate)
         monkeypatch.setattr(BatchCache, "next_window", watched_window)
-
-
-def _bytes(cache: BatchCache) -> int:
-    return cache.key_stack.nbytes + cache.value_stack.nbytes
 
 
 def _token_bytes(checkpoint: Path) -> int:

@@ -239,6 +239,11 @@ class BatchCache(Cache):
         """The buffers' (rows, tokens)."""
         return tuple(self.mask.shape)  # type: ignore[return-value]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the buffers' keys and values."""
+        return self.key_stack.nbytes + self.value_stack.nbytes
+
     def _reserve(self, rows: int, tokens: int) -> None:
         """Make room for `rows` rows and `tokens` tokens (a padded window included)."""
         capacity = grown(self.capacity, rows, tokens, padded=self.padded, compiled=self.compiled)

@@ -159,8 +159,7 @@ def kv_buffers(cache: BatchCache | None) -> str:
     if cache is None:
         return "KV buffers: none"
     rows, tokens = cache.capacity
-    size = cache.key_stack.nbytes + cache.value_stack.nbytes
-    return f"KV buffers: {rows} rows x {tokens} tokens, {size / 2**20:,.1f} MiB"
+    return f"KV buffers: {rows} rows x {tokens} tokens, {cache.nbytes / 2**20:,.1f} MiB"
 
 
 def main() -> None:
