@@ -195,6 +195,42 @@ def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
     assert texts == [text for text, _ in answers]
 
 
+def test_a_streamed_answer_comes_every_stream_interval_tokens(checkpoint, reference) -> None:
+    # compute=cpu, dtype=fp32. With stream_interval 4, the chunks that stream_interval 1 sends
+    # come together: the first at once, then every 4 tokens, then the end. The tiny model's
+    # byte tokens often end inside a character, whose text waits for the token that completes
+    # it, so interval 1 does not send at every token either; its stream is the reference.
+    tokenizer, generate = reference
+    prompt = tokenizer(PROMPTS[3])["input_ids"]
+    text, tokens = generate(prompt, 40)
+    assert tokens == 40  # no end of sequence
+    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+
+    def stream(interval: int) -> list:
+        engine = TransformersEngine(loaded, max_batch_size=1, max_queue=1, stream_interval=interval)
+
+        async def events():
+            request = SamplingRequest(prompt, 40, 0.0, 1.0, 0, [], 1, stream=True)
+            return [event async for event in engine.submit([request]).events()]
+
+        try:
+            return asyncio.run(events())
+        finally:
+            engine.close()
+
+    each, grouped = stream(1), stream(4)
+    assert "".join(event.text for event in each) == "".join(e.text for e in grouped) == text
+    assert grouped[0] == each[0]  # the first text at once
+    assert grouped[-1].completion_tokens == 40 and grouped[-1].finish_reason == "length"
+    sent = grouped[0].completion_tokens
+    for chunk in grouped[1:-1]:
+        assert chunk.completion_tokens % 4 == 0
+        held = [e.text for e in each if sent < e.completion_tokens <= chunk.completion_tokens]
+        assert chunk.text == "".join(held)
+        sent = chunk.completion_tokens
+    assert len(grouped) < len(each)
+
+
 def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(checkpoint) -> None:
     # compute=cpu dtype=fp32. Prompts of 2 to 11 tokens: their prefixes (all but the last
     # token) share rows of the longest's width under a block-diagonal mask, and each prefix's

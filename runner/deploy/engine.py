@@ -116,6 +116,7 @@ class TransformersEngine:
         compile: bool = False,
         overlap: bool | None = None,
         kv_cache_gib: float | None = None,
+        stream_interval: int = 1,
         engines: int = 1,
         deliver: Callable[[list[tuple[RequestHandle, ChoiceEvent | Exception]]], None] = deliver,
     ) -> None:
@@ -127,7 +128,9 @@ class TransformersEngine:
         step with torch.compile (conf/deploy.yaml); `overlap`: queue each step before reading
         the last one's tokens (None: on CUDA devices; see the module's docstring);
         `kv_cache_gib`: the memory the batch's KV cache may take (runner.deploy.kv_budget;
-        None: its default on the device, shared among `engines` serving there); `deliver`:
+        None: its default on the device, shared among `engines` serving there);
+        `stream_interval`: a streamed sequence's text is sent every that many tokens (its first
+        text and its end at once); `deliver`:
         where each step's events go (the handles' event loops; runner.deploy.engine_process
         sends them to the server's process)."""
         self._deliver = deliver
@@ -138,6 +141,7 @@ class TransformersEngine:
         self._max_prefill_tokens = max_prefill_tokens
         self._max_queue = max_queue
         self._max_waiting_steps = max_waiting_steps
+        self._stream_interval = stream_interval
         self._waiting_served_ratio = waiting_served_ratio
         self._steps_waited = 0  # decode steps the waiting sequences have waited
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -426,8 +430,12 @@ class TransformersEngine:
                 sequence.finish_reason = "length"
         if sequence.finish_reason is not None:
             delta = text.finish()
+        elif sequence.request.stream and (
+            not text.started or sequence.completion_tokens % self._stream_interval == 0
+        ):
+            delta = text.ready()
         else:
-            delta = text.ready() if sequence.request.stream else ""
+            delta = ""
         if delta or sequence.finish_reason is not None:
             event = ChoiceEvent(
                 sequence.index, delta, sequence.finish_reason, sequence.completion_tokens

@@ -43,6 +43,11 @@ class TextStream:
             self._append(text[len(prefix) :])
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
 
+    @property
+    def started(self) -> bool:
+        """Whether any text has been sent."""
+        return self._sent > 0
+
     def ready(self) -> str:
         """Text that can be sent now and was not sent before."""
         end = len(self._text) if self.stopped else len(self._text) - self._held_back()

@@ -10,9 +10,10 @@ interleaved repeats (the median is shown, with the range over repeats):
   without the server, one process for the run as each server is, over the servers' prompts:
   the `http/engine c=C X` lines divide each server's tokens/s by it;
 - `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP
-  (--client: aiohttp's JSON posts by default, or OpenAI's SDK; spread over --client-processes
-  processes, scripts/serving/deploy_clients.py, with the busiest one's CPU share in the
-  `clients` column, so that a figure bounded by its client shows);
+  (--client: aiohttp's JSON posts by default, the same streamed (`stream`, with each side's
+  time to the first token in `first token c=C` lines), or OpenAI's SDK; spread over
+  --client-processes processes, scripts/serving/deploy_clients.py, with the busiest one's CPU
+  share in the `clients` column, so that a figure bounded by its client shows);
 - `runner deploy @DIR` (--baseline-source DIR): the server of another source tree, e.g. the main
   branch unpacked with `git archive main | tar -x -C DIR`, to compare before and after in one run;
 - `runner deploy OVERRIDES` (--variant OVERRIDES, repeatable): this tree's server with those
@@ -38,7 +39,6 @@ import math
 import os
 import signal
 import tempfile
-from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from deploy_sides import (
     importable,
     load_baseline,
     make_tiny_checkpoint,
+    percentile_ms,
     process_cpu_s,
     start_server,
 )
@@ -180,7 +181,8 @@ def _arguments() -> argparse.Namespace:
         choices=CLIENTS,
         default="http",
         help="the HTTP sides' clients: http (aiohttp, as vLLM's and SGLang's serving benchmarks; "
-        "about 0.2 ms of CPU a request) or openai (OpenAI's SDK; about 2 ms)",
+        "about 0.2 ms of CPU a request), stream (the same, streamed: time to first token too) "
+        "or openai (OpenAI's SDK; about 2 ms)",
     )
     parser.add_argument(
         "--client-processes",
@@ -194,8 +196,10 @@ def _arguments() -> argparse.Namespace:
         help="a runner source tree whose `runner deploy` is measured beside this tree's",
     )
     args = parser.parse_args()
-    if args.client == "http" and importlib.util.find_spec("aiohttp") is None:
-        parser.error("--client http posts with aiohttp: pip install aiohttp, or --client openai")
+    if args.client != "openai" and importlib.util.find_spec("aiohttp") is None:
+        parser.error(
+            f"--client {args.client} posts with aiohttp: pip install aiohttp, or --client openai"
+        )
     if args.client_processes is not None and args.client_processes < 1:
         parser.error(f"--client-processes {args.client_processes}: give 1 or more")
     args.concurrency = sorted({1, *(int(c) for c in args.concurrency.split(","))})
@@ -245,12 +249,28 @@ def _progress(result: Result) -> Result:
             f" (busiest client process {result.busy:.0%} busy; CPU a request: clients "
             f"{result.client_cpu_s * 1e3:.2f} ms{server})"
         )
+    first = ""
+    if result.first_token_s:
+        first = f", first token p50 {percentile_ms(result.first_token_s, 50):.0f} ms"
     print(
         f"  {result.label}, concurrency {result.concurrency}: {result.tokens_per_s:.0f} tokens/s"
+        + first
         + busy,
         flush=True,
     )
     return result
+
+
+def first_token_lines(runs: dict[str, dict[int, list[Result]]]) -> None:
+    """`first token c=C p50 X ms p99 Y ms (side)`: streamed requests' time to their first token,
+    the median repeat's (by tokens/s), for each side that streamed."""
+    for label, by_concurrency in runs.items():
+        for concurrency, repeats in by_concurrency.items():
+            if repeats and (firsts := median(repeats).first_token_s):
+                print(
+                    f"first token c={concurrency} p50 {percentile_ms(firsts, 50):.0f} ms "
+                    f"p99 {percentile_ms(firsts, 99):.0f} ms ({label})"
+                )
 
 
 def waves(args: argparse.Namespace, concurrency: int, warm_s: float) -> int:
@@ -371,7 +391,16 @@ def main() -> None:
                             processes,
                             temperature=args.temperature,
                         )
-                        result = Result(label, concurrency, *astuple(load))
+                        result = Result(
+                            label,
+                            concurrency,
+                            load.latencies_s,
+                            load.output_tokens,
+                            load.wall_s,
+                            load.busy,
+                            load.cpu_per_request_s,
+                            first_token_s=load.first_token_s,
+                        )
                         if cpu is not None and (now := process_cpu_s(process.pid)) is not None:
                             result.server_cpu_s = (now - cpu) / len(sent)
                         runs[label][concurrency].append(_progress(result))
@@ -388,6 +417,7 @@ def main() -> None:
     baseline = f"runner deploy @{args.baseline_source.name}" if args.baseline_source else None
     report(runs, baseline)
     ratio_lines(runs)
+    first_token_lines(runs)
     if device.type == "cpu" and torch.get_num_threads() >= (os.cpu_count() or 1) > 1:
         print(
             f"threads: the engine's {torch.get_num_threads()} torch threads take every core, "

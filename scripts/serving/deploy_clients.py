@@ -6,6 +6,9 @@ figure (the stand-in at 128 clients on a 2-core EPYC, `OMP_NUM_THREADS=1`, 3 and
 - "http" (the default): aiohttp posting the request's JSON and reading `usage` from the
   answer's, as vLLM's and SGLang's serving benchmarks do (vLLM:
   benchmarks/backend_request_func.py): 0.21-0.25 ms of CPU a request;
+- "stream": the same, streamed (`"stream": true`, the usage in the last chunk), as chat
+  interfaces read answers and as vLLM's serving benchmark measures by default: each request's
+  time to its first token is kept too;
 - "openai": OpenAI's SDK, as most users' code calls a server: 1.42-2.13 ms a request (it builds
   the request and parses the answer into its models). At 128 clients its one process sends a
   wave a request at a time for about a quarter of a second, while the server's batch runs
@@ -32,9 +35,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # The kinds of client (see above).
-CLIENTS = ("http", "openai")
+CLIENTS = ("http", "stream", "openai")
 
 WORDS = "the model reads a prompt and writes an answer one token at a time".split()
 
@@ -49,13 +53,15 @@ def prompts(count: int) -> list[str]:
 @dataclass
 class Load:
     """What a set of clients measured: each request's latency, the tokens, the wall time, the
-    busiest client process's CPU time over the wall time, and the clients' CPU time a request."""
+    busiest client process's CPU time over the wall time, the clients' CPU time a request, and
+    each streamed request's time to its first token."""
 
     latencies_s: list[float]
     output_tokens: int
     wall_s: float
     busy: float
     cpu_per_request_s: float
+    first_token_s: list[float]
 
 
 class Clients:
@@ -138,6 +144,7 @@ class Clients:
             wall_s=wall,
             busy=max(r["cpu_s"] for r in results) / wall,
             cpu_per_request_s=sum(r["cpu_s"] for r in results) / len(texts),
+            first_token_s=[first for r in results for first in r["first_token_s"]],
         )
 
 
@@ -153,7 +160,8 @@ def _receive(child: subprocess.Popen) -> str:
     return child.stdout.readline().strip()
 
 
-Complete = Callable[[str], Awaitable[int]]  # a prompt's completion: its output tokens
+# A prompt's completion: its output tokens, and the seconds to its first (None: not streamed).
+Complete = Callable[[str], Awaitable[tuple[int, float | None]]]
 
 
 @contextlib.asynccontextmanager
@@ -163,7 +171,7 @@ async def _sdk(job: dict) -> AsyncIterator[Complete]:
 
     client = openai.AsyncOpenAI(base_url=f"{job['url']}/v1", api_key=job["api_key"], max_retries=0)
 
-    async def complete(text: str) -> int:
+    async def complete(text: str) -> tuple[int, float | None]:
         response = await client.completions.create(
             model=job["model"],
             prompt=text,
@@ -171,7 +179,7 @@ async def _sdk(job: dict) -> AsyncIterator[Complete]:
             temperature=job["temperature"],
         )
         assert response.usage is not None, "the server reports usage"
-        return response.usage.completion_tokens
+        return response.usage.completion_tokens, None
 
     async with client:
         yield complete
@@ -179,8 +187,11 @@ async def _sdk(job: dict) -> AsyncIterator[Complete]:
 
 @contextlib.asynccontextmanager
 async def _http(job: dict) -> AsyncIterator[Complete]:
-    """Completions posted as JSON with aiohttp, a connection per client (no limit on them)."""
+    """Completions posted as JSON with aiohttp, a connection per client (no limit on them);
+    streamed where the job's client is "stream"."""
     import aiohttp
+
+    stream = job["client"] == "stream"
 
     headers = {"Authorization": f"Bearer {job['api_key']}"}
     connector = aiohttp.TCPConnector(limit=0)
@@ -189,32 +200,55 @@ async def _http(job: dict) -> AsyncIterator[Complete]:
         job["url"], headers=headers, connector=connector, timeout=timeout
     ) as session:
 
-        async def complete(text: str) -> int:
+        async def complete(text: str) -> tuple[int, float | None]:
             body = {"model": job["model"], "prompt": text, "max_tokens": job["max_tokens"]}
             body["temperature"] = job["temperature"]
+            if stream:
+                body["stream"], body["stream_options"] = True, {"include_usage": True}
+            began = time.perf_counter()
             async with session.post("/v1/completions", json=body) as answer:
                 answer.raise_for_status()
-                return (await answer.json())["usage"]["completion_tokens"]
+                if not stream:
+                    return (await answer.json())["usage"]["completion_tokens"], None
+                return await _read_stream(answer.content, began)
 
         yield complete
+
+
+async def _read_stream(content: Any, began: float) -> tuple[int, float | None]:
+    """A streamed answer's output tokens (its last chunk's usage) and the seconds from `began`
+    to its first chunk with text."""
+    first, tokens = None, 0
+    async for line in content:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        if first is None and any(choice["text"] for choice in chunk["choices"]):
+            first = time.perf_counter() - began
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    return tokens, first
 
 
 async def _clients(job: dict) -> dict | None:
     """This process's clients: warm up, say ready, wait for the word, then send every text."""
     pending = list(reversed(job["texts"]))
     latencies: list[float] = []
+    first_tokens: list[float] = []
     tokens = 0
 
-    async with (_http if job["client"] == "http" else _sdk)(job) as complete:
+    async with (_sdk if job["client"] == "openai" else _http)(job) as complete:
 
         async def worker() -> None:
             nonlocal tokens
             while pending:
                 text = pending.pop()
                 began = time.perf_counter()
-                completion_tokens = await complete(text)
+                completion_tokens, first = await complete(text)
                 latencies.append(time.perf_counter() - began)
                 tokens += completion_tokens
+                if first is not None:
+                    first_tokens.append(first)
 
         await complete("warm up")
         print("ready", flush=True)
@@ -226,6 +260,7 @@ async def _clients(job: dict) -> dict | None:
         end, cpu = time.monotonic(), time.process_time() - cpu
     return {
         "latencies_s": latencies,
+        "first_token_s": first_tokens,
         "output_tokens": tokens,
         "start": start,
         "end": end,

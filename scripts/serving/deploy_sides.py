@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class Result:
     busy: float | None = None  # the busiest client process's CPU over wall (HTTP sides)
     client_cpu_s: float | None = None  # the clients' CPU a request (HTTP sides)
     server_cpu_s: float | None = None  # the server's process's CPU a request (Linux)
+    first_token_s: list[float] = field(default_factory=list)  # streamed requests' (HTTP sides)
 
     @property
     def tokens_per_s(self) -> float:
@@ -51,9 +52,14 @@ class Result:
 
     def percentile_ms(self, q: int) -> float:
         """The q-th latency percentile in milliseconds."""
-        if len(self.latencies_s) == 1:
-            return self.latencies_s[0] * 1000
-        return statistics.quantiles(self.latencies_s, n=100, method="inclusive")[q - 1] * 1000
+        return percentile_ms(self.latencies_s, q)
+
+
+def percentile_ms(seconds: list[float], q: int) -> float:
+    """The q-th percentile of `seconds`, in milliseconds (statistics.quantiles, inclusive)."""
+    if len(seconds) == 1:
+        return seconds[0] * 1000
+    return statistics.quantiles(seconds, n=100, method="inclusive")[q - 1] * 1000
 
 
 # (layers, width) of the stand-in (--stand-in): its decode step of 128 rows on two CPU cores
