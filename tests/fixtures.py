@@ -684,6 +684,16 @@ def _more_model_configs(family: str, dims: dict[str, Any], tokenizer: Tokenizer)
     )
 
 
+def write_family_tokenizer(family: str, path: Path) -> Tokenizer:
+    """`family`'s fixture tokenizer (one of FAMILIES) into `path`: tokenizer.json and
+    tokenizer_config.json, as its hub repo holds them. Returns the tokenizer."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer, tokenizer_config = _tokenizer(family)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return tokenizer
+
+
 def write_tiny_checkpoint(family: str, path: Path, seed: int = 0, width: int = 64) -> Path:
     """A tiny random checkpoint of `family` in Hugging Face's layout, written by transformers.
 
@@ -694,10 +704,7 @@ def write_tiny_checkpoint(family: str, path: Path, seed: int = 0, width: int = 6
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer, tokenizer_config = _tokenizer(family)
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    tokenizer = write_family_tokenizer(family, path)
     config = _model_config(family, tokenizer.get_vocab_size(), tokenizer, width)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

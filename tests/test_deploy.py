@@ -28,7 +28,6 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from runner.deploy.loading import resolve_dtype
 from runner.deploy.selection import resolve_checkpoints
 from runner.deploy.serve import bind_socket, prepare
-from runner.deploy.text import TextStream
 from runner.errors import UserError
 from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
 from tests.conftest import load_script
@@ -552,27 +551,6 @@ def test_bad_requests_do_not_disturb_a_running_stream(base_url: str, client) -> 
     text += "".join(chunk.choices[0].text for chunk in chunks)
     assert text == alone.choices[0].text
     assert chunks[-1].choices[0].finish_reason == alone.choices[0].finish_reason
-
-
-def test_streamed_text_never_takes_back_what_it_sent() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
-
-    def deltas(text: str, stop: list[str]) -> list[str]:
-        stream = TextStream(tokenizer, stop, incremental=True)
-        sent = []
-        for token_id in tokenizer.encode(text, add_special_tokens=False):
-            stream.push(token_id)
-            sent.append(stream.ready())
-            if stream.stopped:
-                break
-        return [*sent, stream.finish()]
-
-    # "é" is two byte tokens: nothing is sent until the character is whole.
-    assert deltas("aé", []) == ["a", "", "é", ""]
-    # "xy" might begin the stop sequence "xyz" until "b" shows it does not.
-    assert deltas("axyb", ["xyz"]) == ["a", "", "", "xyb", ""]
-    # A stop sequence spread over tokens: the text ends before it, and none of it was sent.
-    assert "".join(deltas("axyzb", ["xyz"])) == "a"
 
 
 def test_the_servers_startup_heap_is_frozen_while_it_serves(run_dir: Path) -> None:

@@ -20,7 +20,12 @@ from runner.config.method import METHOD_NAMES, PREFERENCE_METHODS
 from runner.job.lifecycle import runs_table
 from runner.rundir import RunDir
 from tests.conftest import QUICK, losses
-from tests.fixtures import FAMILIES, _model_config, _tokenizer, write_tiny_checkpoint
+from tests.fixtures import (
+    FAMILIES,
+    _model_config,
+    write_family_tokenizer,
+    write_tiny_checkpoint,
+)
 from tests.hf_backend_fixtures import ARCHITECTURES, write_arch_checkpoint
 
 MODELS = (*FAMILIES, *ARCHITECTURES)
@@ -123,10 +128,7 @@ def test_qlora_trains_a_model_of_576_wide_projections(data, runner_cli, tmp_path
     is whole scaler blocks of 256, so each takes the largest that divides it (216); validate and
     train.log say so, and two steps train on the CPU."""
     source = tmp_path / "smollm2-576"
-    source.mkdir()
-    tokenizer, tokenizer_config = _tokenizer("smollm2")
-    tokenizer.save(str(source / "tokenizer.json"))
-    (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    tokenizer = write_family_tokenizer("smollm2", source)
     config = _model_config("smollm2", tokenizer.get_vocab_size(), tokenizer, width=576)
     config.num_attention_heads, config.num_key_value_heads = 9, 3
     config.head_dim, config.intermediate_size = 64, 1536

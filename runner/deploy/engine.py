@@ -46,7 +46,7 @@ from runner.deploy.kv_budget import GIB, Joining, KvBudget, default_budget
 from runner.deploy.kv_cache import BatchCache, token_bytes
 from runner.deploy.loading import LoadedModel
 from runner.deploy.sampling import NOT_A_DISTRIBUTION, SAMPLING_FAILED, next_tokens
-from runner.deploy.text import TextStream
+from runner.deploy.text import TextStream, steps_decode
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class TransformersEngine:
         sends them to the server's process)."""
         self._deliver = deliver
         self._tokenizer = loaded.tokenizer
+        self._step_decoding = steps_decode(loaded.tokenizer)  # text.py
         self._eos_ids = loaded.eos_token_ids
         self._device = loaded.model.device
         self._max_batch_size = max_batch_size
@@ -187,7 +188,12 @@ class TransformersEngine:
                 if request.seed is not None:  # its draws are its own, whatever runs beside it
                     generator = torch.Generator(device=self._device)
                     generator.manual_seed((request.seed + choice) & _SEED_MASK)
-                text = TextStream(self._tokenizer, request.stop, incremental=request.stream)
+                text = TextStream(
+                    self._tokenizer,
+                    request.stop,
+                    incremental=request.stream,
+                    step_decoding=self._step_decoding,
+                )
                 sequences.append(_Sequence(handle, len(sequences), request, text, generator))
         with self._wake:
             if self._closed:

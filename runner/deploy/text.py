@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
+
 _INCOMPLETE = "\ufffd"
+# What DecodeStream raises when a tokenizer's decoding of the ids so far is not a prefix of its
+# decoding of one more (vLLM resets the stream then: vllm/v1/engine/detokenizer.py).
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 class TextStream:
@@ -16,10 +25,20 @@ class TextStream:
     A delta never ends inside an incomplete UTF-8 character (byte-level tokenizers split
     characters across tokens) nor inside what may be the start of a stop sequence, so a client
     never sees text that is later taken back.
+
+    With `step_decoding` (`steps_decode(tokenizer)`), each new token is decoded by the
+    `tokenizers` library's own incremental decoder (DecodeStream, as vLLM's
+    FastIncrementalDetokenizer does); otherwise by decoding the window of ids since the last
+    whole character, twice a token, through transformers (scripts/bench/bench_detokenize.py
+    times both).
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, stop: list[str], incremental: bool
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stop: list[str],
+        incremental: bool,
+        step_decoding: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
@@ -31,11 +50,16 @@ class TextStream:
         self._text = ""
         self._sent = 0
         self.stopped = False
+        self._stream = DecodeStream(skip_special_tokens=True) if step_decoding else None
 
     def push(self, token_id: int) -> None:
         """Add one generated token (never an end-of-sequence token)."""
         self.token_ids.append(token_id)
         if not self._incremental or self.stopped:
+            return
+        if self._stream is not None:
+            if delta := self._step(token_id):
+                self._append(delta)
             return
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self.token_ids))
@@ -59,11 +83,31 @@ class TextStream:
         """All text not sent yet, including a trailing incomplete character."""
         if not self._incremental:
             self._text = self._decode(0, len(self.token_ids))
-        elif not self.stopped:
+        elif self.stopped:
+            pass
+        elif self._stream is not None:  # what it holds back: the trailing incomplete character
+            whole = self._decode(0, len(self.token_ids))
+            if whole.startswith(self._text):
+                self._append(whole[len(self._text) :])
+        else:
             prefix = self._decode(self._prefix_offset, self._read_offset)
             self._append(self._decode(self._prefix_offset, len(self.token_ids))[len(prefix) :])
         self.stopped = True
         return self.ready()
+
+    def _step(self, token_id: int) -> str:
+        """The text one more token completes (DecodeStream)."""
+        assert self._stream is not None, "step decoding"
+        backend = self._tokenizer.backend_tokenizer
+        try:
+            delta = self._stream.step(backend, token_id)
+        except Exception as error:
+            if not str(error).startswith(_INVALID_PREFIX):
+                raise
+            log.warning("incremental decoding lost its prefix; decoding on from this token")
+            self._stream = DecodeStream(skip_special_tokens=True)
+            delta = self._stream.step(backend, token_id)
+        return delta or ""
 
     def _decode(self, start: int, end: int) -> str:
         text = self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
@@ -89,3 +133,20 @@ class TextStream:
                     held = size
                     break
         return held
+
+
+# Text whose decoding some tokenizers' decode tidies (spaces before punctuation, "n't").
+_PROBE = " a . b , c ! d ? e's f n't"
+
+
+def steps_decode(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer` can decode a token at a time with DecodeStream (TextStream's
+    `step_decoding`): a `tokenizers` backend, whose decoding transformers' decode passes on
+    unchanged (it tidies spaces for some tokenizers, which DecodeStream does not)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        return False
+    ids = backend.encode(_PROBE, add_special_tokens=False).ids
+    return tokenizer.decode(ids, skip_special_tokens=True) == backend.decode(
+        ids, skip_special_tokens=True
+    )

@@ -1,0 +1,79 @@
+"""Generated ids to text as the server streams it (runner/deploy/text.py): deltas that are never
+taken back, decoded a token at a time by tokenizers' DecodeStream or by windows of ids through
+transformers, each giving what transformers' decode gives for the whole answer."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from runner.deploy.text import TextStream, steps_decode
+from runner.paths import TINY_TOKENIZER_DIR
+from tests.fixtures import FAMILIES, write_family_tokenizer
+
+DECODING = pytest.mark.parametrize("step_decoding", [True, False], ids=["step", "window"])
+
+
+def streamed(tokenizer, ids: list[int], stop: list[str], step_decoding: bool) -> list[str]:
+    """The deltas a stream of `ids` sends: one per token (until a stop), then its end's."""
+    stream = TextStream(tokenizer, stop, incremental=True, step_decoding=step_decoding)
+    sent = []
+    for token_id in ids:
+        stream.push(token_id)
+        sent.append(stream.ready())
+        if stream.stopped:
+            break
+    return [*sent, stream.finish()]
+
+
+@DECODING
+def test_streamed_text_never_takes_back_what_it_sent(step_decoding: bool) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+
+    def deltas(text: str, stop: list[str]) -> list[str]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return streamed(tokenizer, ids, stop, step_decoding)
+
+    # "é" is two byte tokens: nothing is sent until the character is whole.
+    assert deltas("aé", []) == ["a", "", "é", ""]
+    # "xy" might begin the stop sequence "xyz" until "b" shows it does not.
+    assert deltas("axyb", ["xyz"]) == ["a", "", "", "xyb", ""]
+    # A stop sequence spread over tokens: the text ends before it, and none of it was sent.
+    assert "".join(deltas("axyzb", ["xyz"])) == "a"
+    # An answer cut inside a character ends with what decode writes for its bytes.
+    ids = tokenizer.encode("aé", add_special_tokens=False)[:-1]
+    assert "".join(streamed(tokenizer, ids, [], step_decoding)) == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_stream_decodes_as_its_whole_answer(family: str, tmp_path: Path) -> None:
+    # Each fixture family's tokenizer (byte-level and SentencePiece-style, special tokens,
+    # Llama 3's clean_up_tokenization_spaces that transformers skips for BPE): random ids,
+    # special ones among them, and spaces before punctuation, both ways alike.
+    write_family_tokenizer(family, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert steps_decode(tokenizer)
+    punctuation = tokenizer.encode(" a . b , c n't", add_special_tokens=False)
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(40)] + punctuation
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        for step_decoding in (True, False):
+            assert "".join(streamed(tokenizer, ids, [], step_decoding)) == whole
+
+
+def test_a_tokenizer_whose_decode_tidies_spaces_does_not_step_decode(tmp_path: Path) -> None:
+    # transformers' decode removes spaces before punctuation where a tokenizer asks it to,
+    # which DecodeStream never does: such a tokenizer decodes windows through transformers.
+    write_family_tokenizer("llama3_2", tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer.encode(" a . b", add_special_tokens=False)
+    assert tokenizer.decode(ids) == " a. b"  # the premise: this decode tidies
+    assert not steps_decode(tokenizer)
