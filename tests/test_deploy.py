@@ -339,13 +339,14 @@ def test_32_concurrent_requests_all_complete_as_if_alone(base_url: str, client) 
         assert response.choices[0].text == alone[PROMPTS[i % 4]].text
 
 
-@pytest.mark.parametrize("kind", ["http", "openai"])
+@pytest.mark.parametrize("kind", ["http", "stream", "openai"])
 def test_the_benchmarks_clients_in_two_processes_count_every_request(
     base_url, client, kind
 ) -> None:
-    """scripts/serving/deploy_clients.py, which bench_deploy.py measures the server with (either
+    """scripts/serving/deploy_clients.py, which bench_deploy.py measures the server with (each
     kind of client): three clients over two processes, then one client in one of them, answer
-    each prompt once, with its tokens, inside the measured time."""
+    each prompt once, with its tokens, inside the measured time; streamed, with the time to
+    each answer's first text."""
     tokens = {
         prompt: client.completions.create(
             model="tiny", prompt=prompt, max_tokens=6, temperature=0
@@ -359,6 +360,8 @@ def test_the_benchmarks_clients_in_two_processes_count_every_request(
             assert len(load.latencies_s) == len(texts)
             assert 0 < max(load.latencies_s) <= load.wall_s
             assert 0 < load.busy and 0 < load.cpu_per_request_s
+            assert bool(load.first_token_s) == (kind == "stream")
+            assert all(0 < first <= load.wall_s for first in load.first_token_s)
 
 
 ROUTES = [

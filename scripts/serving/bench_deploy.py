@@ -7,8 +7,9 @@ interleaved repeats (the median is shown, with the range over repeats):
 - `transformers generate`: `generate` over static batches of each concurrency (batch 1 is the
   sequential baseline every row is compared with), as many a repeat as last --repeat-seconds;
 - `engine alone` (--engines ...,engine, the default): scripts/serving/profile_engine.py's engine
-  without the server, one process for the run as each server is, over the servers' prompts:
-  the `http/engine c=C X` lines divide each server's tokens/s by it;
+  without the server, one process for the run as each server is, over the servers' prompts
+  (streamed where the clients stream): the `http/engine c=C X` lines divide each server's
+  tokens/s by it;
 - `runner deploy`: this tree's server (engine=transformers), `concurrency` clients over HTTP
   (--client: aiohttp's JSON posts by default, the same streamed (`stream`, with each side's
   time to the first token in `first token c=C` lines), or OpenAI's SDK; spread over

@@ -275,7 +275,7 @@ class EngineAlone:
         command += [f"--checkpoint={checkpoint}", f"--device={args.device}"]
         command += [f"--dtype={args.dtype}", f"--concurrency={max(args.concurrency)}"]
         command += [f"--max-tokens={args.max_tokens}", f"--temperature={args.temperature}"]
-        command += ["--serve"]
+        command += ["--serve", *(["--stream"] if args.client == "stream" else [])]
         self._log = (scratch / "engine_alone.log").open("w+")
         self._process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True
@@ -299,7 +299,14 @@ class EngineAlone:
         except OSError:
             pass  # it exited: _answer reads nothing and shows its log
         run = self._answer()
-        return Result(ENGINE_ALONE, concurrency, run["latencies_s"], run["tokens"], run["wall_s"])
+        return Result(
+            ENGINE_ALONE,
+            concurrency,
+            run["latencies_s"],
+            run["tokens"],
+            run["wall_s"],
+            first_token_s=run["first_token_s"],
+        )
 
     def close(self) -> None:
         if self._process.stdin is not None:

@@ -3,7 +3,7 @@
     python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
         [--max-waiting-steps 20] [--waiting-served-ratio 0.3] [--compile] [--temperature 0]
-        [--stand-in] [--serve]
+        [--stand-in] [--serve [--stream]]
 
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
@@ -19,8 +19,9 @@ the batch's KV buffers. The first repeat includes the captures and the buffers' 
 warm-up wave before them is not counted.
 With --serve it times nothing inside the engine: it reads `CONCURRENCY COUNT` lines on stdin
 and answers each with one JSON line, the output tokens, wall time and latencies of COUNT prompts
-sent by CONCURRENCY clients (after one uncounted wave at a concurrency it has not served yet):
-bench_deploy.py's `engine alone`, one process for its whole run, as its servers are.
+sent by CONCURRENCY clients (after one uncounted wave at a concurrency it has not served yet;
+with --stream, streamed, and each answer's time to its first text too): bench_deploy.py's
+`engine alone`, one process for its whole run, as its servers are.
 Beside bench_deploy.py's `runner deploy` at the same concurrency, the difference is what the
 server and HTTP cost. Without --checkpoint it builds bench_deploy.py's tiny model.
 """
@@ -85,31 +86,41 @@ async def clients(
     max_tokens: int,
     latencies: list[float],
     temperature: float = 0.0,
+    first_tokens: list[float] | None = None,
 ) -> int:
     """Every prompt answered by `concurrency` clients (sampled at `temperature`, unseeded); the
-    output tokens (and each request's latency appended to `latencies`)."""
+    output tokens (and each request's latency appended to `latencies`). With `first_tokens`,
+    the answers are streamed, and each one's time to its first text is appended there."""
     pending = list(reversed(prompt_ids))
     tokens = 0
+    stream = first_tokens is not None
 
     async def client() -> None:
         nonlocal tokens
         while pending:
             ids = pending.pop()
-            request = SamplingRequest(ids, max_tokens, temperature, 1.0, None, [], 1, False)
-            began = time.perf_counter()
+            request = SamplingRequest(ids, max_tokens, temperature, 1.0, None, [], 1, stream)
+            began, first = time.perf_counter(), None
             async for event in engine.submit([request]).events():
+                if first is None and event.text:
+                    first = time.perf_counter() - began
                 if event.finish_reason is not None:
                     tokens += event.completion_tokens
             latencies.append(time.perf_counter() - began)
+            if first_tokens is not None and first is not None:
+                first_tokens.append(first)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return tokens
 
 
-def serve(engine: TransformersEngine, tokenizer: Any, max_tokens: int, temperature: float) -> None:
+def serve(
+    engine: TransformersEngine, tokenizer: Any, max_tokens: int, temperature: float, stream: bool
+) -> None:
     """Answer each `CONCURRENCY COUNT` line on stdin with one JSON line: the output tokens,
-    wall time and latencies of the first COUNT prompts sent by CONCURRENCY clients, after one
-    wave not counted at a concurrency not served before (buffers, captures)."""
+    wall time and latencies of the first COUNT prompts sent by CONCURRENCY clients (`stream`:
+    streamed, with each one's time to its first text), after one wave not counted at a
+    concurrency not served before (buffers, captures)."""
     served: set[int] = set()
     encoded: list[list[int]] = []  # the prompts tokenized so far, each once
     print(json.dumps({"ready": True}), flush=True)
@@ -126,12 +137,14 @@ def serve(engine: TransformersEngine, tokenizer: Any, max_tokens: int, temperatu
             )
             served.add(concurrency)
         latencies: list[float] = []
+        firsts: list[float] | None = [] if stream else None
         began = time.perf_counter()
         tokens = asyncio.run(
-            clients(engine, prompt_ids, concurrency, max_tokens, latencies, temperature)
+            clients(engine, prompt_ids, concurrency, max_tokens, latencies, temperature, firsts)
         )
         wall = time.perf_counter() - began
-        print(json.dumps({"tokens": tokens, "wall_s": wall, "latencies_s": latencies}), flush=True)
+        answer = {"tokens": tokens, "wall_s": wall, "latencies_s": latencies}
+        print(json.dumps({**answer, "first_token_s": firsts or []}), flush=True)
 
 
 def watch(engine: TransformersEngine, timings: Timings) -> None:
@@ -185,6 +198,9 @@ def main() -> None:
     )
     parser.add_argument("--compile", action="store_true", help="deploy's transformers.compile=true")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument(
+        "--stream", action="store_true", help="with --serve: streamed answers (text each token)"
+    )
     args = parser.parse_args()
     checkpoint, loaded = load_model(args)
     device = loaded.model.device
@@ -199,7 +215,7 @@ def main() -> None:
     )
     timings = Timings(device)
     if args.serve:
-        serve(engine, loaded.tokenizer, args.max_tokens, args.temperature)
+        serve(engine, loaded.tokenizer, args.max_tokens, args.temperature, args.stream)
         engine.close()
         return
     watch(engine, timings)
