@@ -95,8 +95,8 @@ class TransformersEngine:
     kv_cache_gib: Optional[float] = number(None, positive=True)
     max_prefill_tokens: Optional[int] = integer(None, 1)
     max_waiting_steps: int = integer(20, 0)
-    stream_interval: int = integer(1, 1)
     waiting_served_ratio: float = number(0.3, positive=False)
+    stream_interval: int = integer(1, 1)
     process: Optional[bool] = None
     compile: bool = False
 
