@@ -83,13 +83,12 @@ class TextStream:
         """All text not sent yet, including a trailing incomplete character."""
         if not self._incremental:
             self._text = self._decode(0, len(self.token_ids))
-        elif self.stopped:
-            pass
-        elif self._stream is not None:  # what it holds back: the trailing incomplete character
+        elif not self.stopped and self._stream is not None:
+            # What DecodeStream holds back: the trailing incomplete character.
             whole = self._decode(0, len(self.token_ids))
             if whole.startswith(self._text):
                 self._append(whole[len(self._text) :])
-        else:
+        elif not self.stopped:
             prefix = self._decode(self._prefix_offset, self._read_offset)
             self._append(self._decode(self._prefix_offset, len(self.token_ids))[len(prefix) :])
         self.stopped = True
