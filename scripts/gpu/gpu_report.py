@@ -133,9 +133,9 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     deploy += ["--client", "http" if importlib.util.find_spec("aiohttp") else "openai"]
     # Beside the default: waiting sequences admitted at every step (the default until
     # 2026-11-29, when text-generation-inference's rule measured 1.75x its tokens/s at 32 clients
-    # on the H200, one repeat, and 1.07-1.19x on two CPU cores: docs/benchmarks.md), whose ratio
-    # confirms the default on the GPU; and the engine in a process of its own, which decides
-    # PROCESS_BY_DEVICE["cuda"] (runner/deploy/engine_process.py).
+    # on the H200, one repeat, and 1.05-1.19x at 32 and 128 clients on two CPU cores:
+    # docs/benchmarks.md), whose ratio confirms the default on the GPU; and the engine in a
+    # process of its own, which decides PROCESS_BY_DEVICE["cuda"] (runner/deploy/engine_process.py).
     deploy += ["--variant", "transformers.max_waiting_steps=0"]
     deploy += ["--variant", "transformers.process=true"]
     profile = [
