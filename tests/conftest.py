@@ -25,6 +25,9 @@ from tests.cli_forks import ForkedCli
 if TYPE_CHECKING:
     from runner.deploy.engine import TransformersEngine
 
+# The deploy tests' module-scoped fixtures: a tiny checkpoint, a run directory, the reference.
+pytest_plugins = ["tests.serving"]
+
 # Fast settings for the tiny model; every test that trains starts from these. They mean the CPU
 # in fp32 on any machine (compute=auto and dtype=auto pick CUDA and bf16_mixed where a GPU is
 # visible); a later override on the same line wins, as Hydra keeps the last.

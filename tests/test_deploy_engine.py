@@ -16,25 +16,17 @@ from runner.deploy.engine import TransformersEngine
 from runner.deploy.generation import EngineFailed, SamplingRequest
 from runner.deploy.kv_cache import MIN_TOKENS, TRIM_SHARE, BatchCache
 from runner.deploy.loading import load_checkpoint
-from tests.test_deploy import PROMPTS, greedy_reference, make_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("model") / "checkpoint")
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path):
-    return greedy_reference(checkpoint)
+from tests.serving import PROMPTS
 
 
 # overlap: the host a step ahead of the device, as on CUDA (engine.py), its logic run on the CPU.
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
-def test_a_request_failing_inside_the_engine_fails_alone(checkpoint: Path, overlap: bool) -> None:
+def test_a_request_failing_inside_the_engine_fails_alone(
+    tiny_checkpoint: Path, overlap: bool
+) -> None:
     # Requests the server would refuse, handed to the engine directly: each fails its own
     # request while the others, running or prefilled beside it, finish as if alone.
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8, overlap=overlap)
 
     def request(prompt_ids: list[int], temperature: float = 0.0) -> list[SamplingRequest]:
@@ -82,7 +74,7 @@ def test_a_request_failing_inside_the_engine_fails_alone(checkpoint: Path, overl
     ids=["exact", "padded", "exact-compiled", "padded-compiled", "padded-overlap", "cuda-path"],
 )
 def test_rows_joining_and_leaving_answer_as_generate_alone(
-    checkpoint, reference, padded, compiled, overlap, caplog
+    tiny_checkpoint, reference, padded, compiled, overlap, caplog
 ) -> None:
     # compute=cpu, dtype=fp32. padded=True is the CUDA path's step (the batch rounded up to
     # buckets of rows and tokens, which CUDA graphs replay) with the graphs off: the padding
@@ -95,7 +87,7 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(
     from torch._dynamo.utils import counters
 
     tokenizer, generate = reference
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     torch._dynamo.reset()  # compiled: no graph left by another test's engine
     counters.clear()
     engine = TransformersEngine(
@@ -141,13 +133,13 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
 def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
-    checkpoint, reference, overlap
+    tiny_checkpoint, reference, overlap
 ) -> None:
     # compute=cpu, dtype=fp32. With waiting_served_ratio 2, one request running holds a second
     # back until a third waits too (max_waiting_steps far off): they join in one prefill, and
     # the delay changes no answer.
     tokenizer, generate = reference
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(
         loaded,
         max_batch_size=4,
@@ -195,7 +187,7 @@ def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
     assert texts == [text for text, _ in answers]
 
 
-def test_a_streamed_answer_comes_every_stream_interval_tokens(checkpoint, reference) -> None:
+def test_a_streamed_answer_comes_every_stream_interval_tokens(tiny_checkpoint, reference) -> None:
     # compute=cpu, dtype=fp32. With stream_interval 4, the chunks that stream_interval 1 sends
     # come together: the first at once, then every 4 tokens, then the end. The tiny model's
     # byte tokens often end inside a character, whose text waits for the token that completes
@@ -204,7 +196,7 @@ def test_a_streamed_answer_comes_every_stream_interval_tokens(checkpoint, refere
     prompt = tokenizer(PROMPTS[3])["input_ids"]
     text, tokens = generate(prompt, 40)
     assert tokens == 40  # no end of sequence
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
 
     def stream(interval: int) -> list:
         engine = TransformersEngine(loaded, max_batch_size=1, max_queue=1, stream_interval=interval)
@@ -231,11 +223,13 @@ def test_a_streamed_answer_comes_every_stream_interval_tokens(checkpoint, refere
     assert len(grouped) < len(each)
 
 
-def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(checkpoint) -> None:
+def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(
+    tiny_checkpoint,
+) -> None:
     # compute=cpu dtype=fp32. Prompts of 2 to 11 tokens: their prefixes (all but the last
     # token) share rows of the longest's width under a block-diagonal mask, and each prefix's
     # keys equal those of its prompt run alone (to 1e-5: fp32 sums in another order).
-    model = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None).model
+    model = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None).model
     prompts = [list(range(5, 5 + length)) for length in (11, 2, 4, 7, 3, 5)]
     with torch.inference_mode():
         prefilled = DecodeStep(model, graphs=False).prefill(prompts)
@@ -278,14 +272,16 @@ def _decode_as_alone(model, step, cache, rows: list[list[int]], steps: int) -> N
             sequence.append(token)
 
 
-def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(checkpoint) -> None:
+def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(
+    tiny_checkpoint,
+) -> None:
     # compute=cpu dtype=fp32. Rows that leave the batch make room for the last rows (moved in
     # their places, the rest left where they are); columns that became padding in every row are
     # dropped where that narrows the window by TRIM_SHARE. Either way each row's next-token
     # logits equal its sequence's run alone (to 1e-4: fp32 sums in another order and over
     # padding).
     sequences = [list(range(5, 5 + length)) for length in (12, 3, 9, 4, 6, 2)]
-    model, step, cache, rows = _batch_of(checkpoint, sequences, padded=False)
+    model, step, cache, rows = _batch_of(tiny_checkpoint, sequences, padded=False)
     with torch.inference_mode():
         _decode_as_alone(model, step, cache, rows, 3)
         # The two longest leave: the rest's 6 dead columns of 14 are dropped (a copy of all).
@@ -312,13 +308,13 @@ def test_rows_leaving_move_only_those_past_the_kept_count_and_trim_dead_columns(
         _decode_as_alone(model, step, cache, rows, 2)
 
 
-def test_padded_windows_drop_dead_columns_when_that_keeps_the_bucket(checkpoint) -> None:
+def test_padded_windows_drop_dead_columns_when_that_keeps_the_bucket(tiny_checkpoint) -> None:
     # compute=cpu dtype=fp32. Padded (the CUDA path's shapes, graphs off), a step reads its
     # whole power-of-two bucket of columns: dropping dead columns pays only where the bucket
     # shrinks or would otherwise double. The long row leaves 50 dead columns in a window of 64
     # (the smallest bucket): kept; two steps on, the window would double to 128: dropped first.
     sequences = [[5 + i % 200 for i in range(60)], list(range(5, 15))]
-    model, step, cache, rows = _batch_of(checkpoint, sequences, padded=True)
+    model, step, cache, rows = _batch_of(tiny_checkpoint, sequences, padded=True)
     with torch.inference_mode():
         _decode_as_alone(model, step, cache, rows, 3)
         assert (cache.end, cache.window.width) == (62, MIN_TOKENS)
@@ -334,13 +330,13 @@ def test_padded_windows_drop_dead_columns_when_that_keeps_the_bucket(checkpoint)
 
 
 def test_eager_attention_prefills_left_padded_and_answers_as_generate(
-    checkpoint, reference
+    tiny_checkpoint, reference
 ) -> None:
     # compute=cpu dtype=fp32. Eager attention adds the mask to the scores, so a packed (boolean,
     # block-diagonal) mask is not for it: prompts get a row each, left-padded.
 
     tokenizer, generate = reference
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     loaded.model.set_attn_implementation("eager")
     engine = TransformersEngine(loaded, max_batch_size=4, max_queue=16)
     cases = [(tokenizer(text)["input_ids"], 12) for text in PROMPTS]
@@ -362,7 +358,7 @@ def test_eager_attention_prefills_left_padded_and_answers_as_generate(
 
 
 def test_the_compiled_step_attends_grouped_keys_and_values_as_the_model_holds_them(
-    checkpoint: Path,
+    tiny_checkpoint: Path,
 ) -> None:
     # compute=cpu, fp32. The tiny checkpoint has 2 query heads a key head. A compiled decode
     # step's attention (runner_grouped_sdpa) gives SDPA the keys and values as the cache holds
@@ -373,7 +369,7 @@ def test_the_compiled_step_attends_grouped_keys_and_values_as_the_model_holds_th
 
     from runner.deploy.decode_step import GROUPED_SDPA, grouped_sdpa
 
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     DecodeStep(loaded.model, graphs=False, compiled=True)
     assert loaded.model.config._attn_implementation == GROUPED_SDPA
     attention = loaded.model.get_decoder().layers[0].self_attn

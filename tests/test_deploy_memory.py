@@ -19,24 +19,12 @@ from runner.deploy.kv_cache import BatchCache, token_bytes
 from runner.deploy.loading import load_checkpoint
 from runner.deploy.serve import prepare
 from runner.errors import UserError
-from tests.test_deploy import (
+from tests.serving import (
     PROMPTS,
     deploy_config,
-    greedy_reference,
-    make_checkpoint,
     raw_request,
     serving,
 )
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("model") / "checkpoint")
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path):
-    return greedy_reference(checkpoint)
 
 
 class Watched:
@@ -94,7 +82,7 @@ def _answers(engine: TransformersEngine, cases: list[tuple[list[int], int]]) -> 
     ids=["in-step", "overlap", "cuda-path"],
 )
 def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
-    checkpoint, reference, monkeypatch, padded, overlap
+    tiny_checkpoint, reference, monkeypatch, padded, overlap
 ) -> None:
     # Eight prompts sent together, with room for four rows of them: the rest wait for running
     # ones to finish rather than grow the buffers past the budget, and every answer is
@@ -103,10 +91,12 @@ def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
     cases = [(tokenizer(PROMPTS[i % 4])["input_ids"], 20 + 5 * i) for i in range(8)]
     longest = max(len(ids) for ids, _ in cases) - 1
     steps = max(tokens for _, tokens in cases)
-    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=padded, compiled=False, overlap=overlap)
+    budget = KvBudget(
+        1.0, _token_bytes(tiny_checkpoint), padded=padded, compiled=False, overlap=overlap
+    )
     limit = budget.peak(Joining(rows=4, prefix=longest, steps=steps), None, prefill_rows=4)
     watched = Watched(monkeypatch)
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(
         loaded,
         max_batch_size=8,
@@ -125,14 +115,18 @@ def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
     assert max(watched.peaks) <= limit, (watched.peaks, limit)
 
 
-def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(checkpoint, reference) -> None:
+def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(
+    tiny_checkpoint, reference
+) -> None:
     # Room for one row of 20 tokens: a request for 200 fails at once, saying what it needs and
     # which key bounds it, while one sent beside it is answered.
     tokenizer, generate = reference
     ids = tokenizer(PROMPTS[0])["input_ids"]
-    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=False)
+    budget = KvBudget(
+        1.0, _token_bytes(tiny_checkpoint), padded=False, compiled=False, overlap=False
+    )
     limit = budget.peak(Joining(rows=1, prefix=len(ids) - 1, steps=20), None, prefill_rows=1)
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=4, max_queue=4, kv_cache_gib=limit / GIB)
     try:
         refused, answered = _answers(engine, [(ids, 200), (ids, 20)])
@@ -144,17 +138,19 @@ def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(checkpoint, re
 
 
 def test_an_idle_engine_starts_a_long_sequence_in_buffers_of_its_own(
-    checkpoint, reference, monkeypatch
+    tiny_checkpoint, reference, monkeypatch
 ) -> None:
     # Four short sequences leave buffers of four rows behind; one long sequence fits the budget
     # in a row of its own, not in four rows as long: the idle engine lets the old buffers go.
     tokenizer, generate = reference
     short = [(tokenizer(PROMPTS[i])["input_ids"], 8) for i in range(4)]
     long = (tokenizer(PROMPTS[2])["input_ids"], 200)
-    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=False)
+    budget = KvBudget(
+        1.0, _token_bytes(tiny_checkpoint), padded=False, compiled=False, overlap=False
+    )
     alone = budget.peak(Joining(rows=1, prefix=len(long[0]) - 1, steps=200), None, 1)
     watched = Watched(monkeypatch)
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=4, max_queue=4, kv_cache_gib=alone / GIB)
     try:
         first = _answers(engine, short)
@@ -169,14 +165,14 @@ def test_an_idle_engine_starts_a_long_sequence_in_buffers_of_its_own(
 
 
 def test_a_burst_of_prompts_is_prefilled_in_admissions_of_at_most_max_prefill_tokens(
-    checkpoint, reference
+    tiny_checkpoint, reference
 ) -> None:
     # Eight prompts sent together into an idle engine, with room for all of them in the batch:
     # each admission prefills at most 40 prompt tokens (a prompt longer than that alone), and
     # every answer is generate's.
     tokenizer, generate = reference
     cases = [(tokenizer(PROMPTS[i % 4] + " x" * i)["input_ids"], 12) for i in range(8)]
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8, max_prefill_tokens=40)
     prefills: list[list[int]] = []
     prefill = engine.decode_step.prefill
@@ -197,17 +193,19 @@ def test_a_burst_of_prompts_is_prefilled_in_admissions_of_at_most_max_prefill_to
 
 @pytest.mark.parametrize("process", [False, True], ids=["in-process", "own-process"])
 def test_the_server_answers_a_request_too_large_for_the_kv_cache_with_a_400(
-    checkpoint, process
+    tiny_checkpoint, process
 ) -> None:
     # `runner deploy transformers.kv_cache_gib=...` with room for one row of 20 new tokens: 200
     # is a 400 naming the key and max_tokens, whole or streamed (the engine in the server's
     # process or in its own, across the pipe), and 8 are answered.
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     ids = tokenizer("hi")["input_ids"]
-    budget = KvBudget(1.0, _token_bytes(checkpoint), padded=False, compiled=False, overlap=False)
+    budget = KvBudget(
+        1.0, _token_bytes(tiny_checkpoint), padded=False, compiled=False, overlap=False
+    )
     limit = budget.peak(Joining(rows=1, prefix=len(ids) - 1, steps=20), None, prefill_rows=1)
     cfg = deploy_config(
-        f"checkpoint={checkpoint}",
+        f"checkpoint={tiny_checkpoint}",
         "served_model_name=tiny",
         "port=0",
         f"transformers.kv_cache_gib={limit / GIB}",

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from runner.deploy.decode_step import DecodeStep
 from runner.deploy.kv_cache import BatchCache
 from runner.deploy.loading import load_checkpoint
-from tests.test_deploy import make_checkpoint
+from tests.serving import make_checkpoint
 
 # What reads a tensor's value on the host.
 READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__"}

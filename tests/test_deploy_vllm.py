@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import deploy_server
-from tests.test_deploy import make_checkpoint
+from tests.serving import make_checkpoint
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.rundir import RunDir
 from tests.conftest import QUICK, deploy_server, greedy_texts, losses
-from tests.test_deploy import make_checkpoint
+from tests.serving import make_checkpoint
 from tests.test_resume import straight_then_resumed
 
 # Each test fails by name past its timeout (pytest-timeout, fixtures included), well inside the

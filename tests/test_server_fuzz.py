@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_deploy import deploy_config, make_checkpoint, make_run, raw_request, serving
+from tests.serving import deploy_config, make_checkpoint, make_run, raw_request, serving
 
 # About 30 s on 2 CPU cores; derandomized, so every run sends the same requests.
 MAX_EXAMPLES = 600

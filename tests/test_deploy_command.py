@@ -1,0 +1,269 @@
+"""`runner deploy` as a command and as a server's lifetime: interrupted by Ctrl-C or SIGTERM
+with nothing left running, the engine in a process of its own or in the server's, a full
+queue's 429, its startup heap frozen, and the config's checks; a tiny checkpoint on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from runner.deploy.loading import resolve_dtype
+from runner.deploy.serve import bind_socket, prepare
+from runner.errors import UserError
+from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
+from tests.serving import (
+    API_KEY,
+    LONG_REQUEST,
+    PROMPTS,
+    completion_body,
+    deploy_config,
+    raw_request,
+    send_at_once,
+    serving,
+)
+
+
+def test_the_servers_startup_heap_is_frozen_while_it_serves(run_dir: Path) -> None:
+    # What is alive once the engines start (torch, the model, the tokenizer) is kept out of the
+    # garbage collector's walks while the server runs, and given back when it stops.
+    import gc
+
+    cfg = deploy_config(f"checkpoint={run_dir}", "served_model_name=tiny", "port=0")
+    with serving(cfg) as url:
+        assert gc.get_freeze_count() > 10_000, gc.get_freeze_count()
+        status, _, _ = raw_request(url, "GET", "/health", key=None)
+        assert status == 200
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_full_queue_answers_429_with_retry_after(run_dir: Path) -> None:
+    cfg = deploy_config(
+        f"checkpoint={run_dir}",
+        "served_model_name=tiny",
+        "port=0",
+        "max_queue=1",
+        "transformers.max_batch_size=1",
+    )
+    with serving(cfg) as url:
+        results = send_at_once(url, completion_body(**LONG_REQUEST), 6)
+    statuses = sorted(status for status, _ in results)
+    assert set(statuses) == {200, 429}, statuses
+    assert all(headers["retry-after"] == "1" for status, headers in results if status == 429)
+
+
+@pytest.mark.parametrize(
+    "option", sorted(path.stem for path in (CONF_DIR / "dtype").glob("*.yaml"))
+)
+def test_every_dtype_option_of_training_serves(option: str) -> None:
+    cfg = deploy_config("checkpoint=unused", f"dtype={option}")
+    assert resolve_dtype(cfg.dtype.name, torch.device("cpu")) in (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "override", ["max_queue=0", "transformers.max_batch_size=0", "limits.max_n=-1"]
+)
+def test_sizes_and_caps_must_be_at_least_1(override: str) -> None:
+    with pytest.raises(UserError, match=override.split("=")[0]):
+        prepare(deploy_config("checkpoint=unused", override))
+
+
+def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off() -> None:
+    # With proto 0, asyncio leaves Nagle on and each keep-alive response waits ~40 ms.
+    sock = bind_socket("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP
+    sock.close()
+
+
+def _children(pid: int) -> set[int]:
+    """The process ids of `pid`'s children (Linux: /proc/<pid>/task/<tid>/children)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found |= {int(child) for child in task.read_text().split()}
+    return found
+
+
+@pytest.mark.parametrize(
+    ("stop", "process"),
+    [(signal.SIGINT, "true"), (signal.SIGTERM, "true"), (signal.SIGINT, "false")],
+    ids=["ctrl-c, engine process", "sigterm, engine process", "ctrl-c, one process"],
+)
+def test_deploy_command_serves_until_interrupted(run_dir: Path, reference, stop, process) -> None:
+    # compute=cpu dtype=fp32 (the command serves on the CPU here). Ctrl-C reaches the whole
+    # process group, SIGTERM only the server: either way nothing it started is left running.
+    env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
+    command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={run_dir}", "port=0"]
+    command += ["device=cpu", "dtype=fp32", f"transformers.process={process}"]
+    process_ = subprocess.Popen(
+        [*command, "api_key.env=DEPLOY_TEST_KEY"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a command
+    )
+    try:
+        lines = []
+        for line in process_.stdout:
+            lines.append(line)
+            if match := re.search(r"API at (http://\S+)/v1", line):
+                break
+        assert match, "".join(lines)
+        url = match.group(1)
+        while True:  # the address is printed as the server starts listening
+            with contextlib.suppress(ConnectionError):
+                if raw_request(url, "GET", "/health", key=None)[0] == 200:
+                    break
+            time.sleep(0.05)
+        # The engine's process, or none; forked (the server's own command line, where a
+        # spawned one runs multiprocessing's), as runner deploy starts it on the CPU.
+        children = _children(process_.pid)
+        assert bool(children) == (process == "true"), children
+        command_line = Path(f"/proc/{process_.pid}/cmdline").read_bytes()
+        forked = [c for c in children if Path(f"/proc/{c}/cmdline").read_bytes() == command_line]
+        assert forked == list(children), children
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        # The server does not tell its clients where its files lie.
+        (listed,) = client.models.list().data
+        assert listed.id == f"{run_dir.parent.name}/run/step_10"
+        assert client.models.retrieve(str(run_dir)).id == listed.id
+        # Greedy, so the answer is transformers' own (a sampled one may stop at eos early).
+        # A client that asks by the path given in checkpoint= (the id before) is still served.
+        response = client.completions.create(
+            model=str(run_dir), prompt="hi", max_tokens=3, temperature=0
+        )
+        assert response.model == listed.id
+        tokenizer, generate = reference
+        assert (response.choices[0].text, response.usage.completion_tokens) == generate(
+            tokenizer.encode("hi"), 3
+        )
+        if stop == signal.SIGINT:
+            os.killpg(process_.pid, stop)
+        else:
+            process_.send_signal(stop)
+        # uvicorn ends a graceful shutdown by raising the signal again: SIGTERM's exit is -15.
+        assert process_.wait(timeout=60) in (0, -stop)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{child}").exists() for child in children):
+            assert time.monotonic() < deadline, f"{children} outlived the server"
+            time.sleep(0.1)
+    finally:
+        if process_.poll() is None:
+            process_.kill()
+            process_.wait()
+
+
+@pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
+def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
+    run_dir: Path, reference
+) -> None:
+    # compute=cpu dtype=fp32. Greedy equals generate, streamed and whole, in both placements;
+    # seeded samples (n=3), a stop sequence and a full queue's 429 are the same in both.
+    import multiprocessing
+
+    tokenizer, generate = reference
+    prompt = PROMPTS[3]
+    expected = generate(tokenizer.encode(prompt), 20)
+    answers = {}
+    before = set(multiprocessing.active_children())  # the module's other servers' engines
+
+    def engines() -> list:
+        return [c for c in set(multiprocessing.active_children()) - before if "engine" in c.name]
+
+    long_body = completion_body(**LONG_REQUEST)
+    for process in ("true", "false"):
+        cfg = deploy_config(
+            f"checkpoint={run_dir}",
+            "served_model_name=tiny",
+            "port=0",
+            f"transformers.process={process}",
+            "max_queue=3",
+            "transformers.max_batch_size=1",
+        )
+        with serving(cfg) as url:
+            assert len(engines()) == (process == "true"), engines()
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            greedy = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+            whole = client.completions.create(**greedy)
+            assert (whole.choices[0].text, whole.usage.completion_tokens) == expected
+            stream = client.completions.create(**greedy, stream=True)
+            assert "".join(chunk.choices[0].text for chunk in stream) == expected[0]
+            sampled = client.completions.create(
+                model="tiny", prompt="hello", max_tokens=12, temperature=1.0, n=3, seed=7
+            )
+            stop = expected[0][4:6]
+            cut = client.completions.create(**greedy, stop=[stop])
+            # One row runs and three wait: the fifth and sixth long requests are refused.
+            statuses = [status for status, _ in send_at_once(url, long_body, 6)]
+            answers[process] = ([c.text for c in sampled.choices], cut.choices[0].text)
+            assert set(statuses) == {200, 429}, statuses
+        assert not engines()
+    assert answers["true"] == answers["false"]
+    assert answers["true"][1] == expected[0][: expected[0].index(stop)]
+    assert len(set(answers["true"][0])) == 3
+
+
+def test_deploy_command_without_checkpoint_exits_2_with_one_message() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "deploy"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "checkpoint" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_engine_in_its_own_process_serves_a_lora_checkpoint(tiny_checkpoint: Path) -> None:
+    # compute=cpu dtype=fp32. A LoRA checkpoint as method=lora writes one (a PEFT adapter naming
+    # its base by path, the tokenizer beside it), with random B matrices so that the adapter
+    # changes the answers: the engine's process merges it, as the server's own would.
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    adapter = tiny_checkpoint.parent / "lora"
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(0)
+    get_peft_model(LlamaForCausalLM.from_pretrained(tiny_checkpoint), config).save_pretrained(
+        adapter
+    )
+    base = LlamaForCausalLM.from_pretrained(tiny_checkpoint)
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, adapter / file.name)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    ids = torch.tensor([tokenizer.encode(PROMPTS[3])])
+    merged = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(tiny_checkpoint), adapter
+    ).merge_and_unload()
+    answers = {
+        name: tokenizer.decode(
+            model.eval().generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :],
+            skip_special_tokens=True,
+        )
+        for name, model in (("merged", merged), ("base", base))
+    }
+    assert answers["merged"] != answers["base"]
+    cfg = deploy_config(
+        f"checkpoint={adapter}",
+        "served_model_name=lora",
+        f"allowed_roots=[{tiny_checkpoint}]",
+        "port=0",
+        "transformers.process=true",
+    )
+    with serving(cfg) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        response = client.completions.create(
+            model="lora", prompt=PROMPTS[3], max_tokens=16, temperature=0
+        )
+    assert response.choices[0].text == answers["merged"]
