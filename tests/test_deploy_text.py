@@ -66,14 +66,24 @@ def test_every_familys_stream_decodes_as_its_whole_answer(family: str, tmp_path:
             assert "".join(streamed(tokenizer, ids, [], step_decoding)) == whole
 
 
-def test_a_tokenizer_whose_decode_tidies_spaces_does_not_step_decode(tmp_path: Path) -> None:
-    # transformers' decode removes spaces before punctuation where a tokenizer asks it to,
-    # which DecodeStream never does: such a tokenizer decodes windows through transformers.
+@DECODING
+def test_a_tokenizer_asking_to_tidy_spaces_streams_the_text_as_written(
+    step_decoding: bool, tmp_path: Path
+) -> None:
+    # transformers' decode removes spaces before punctuation where a tokenizer's config asks it
+    # to; a window of ids tidies differently from the whole (" ." alone is "."), so the window
+    # path once streamed " a  b" for " a . b". Every answer keeps the spaces, as vLLM's and
+    # text-generation-inference's do: streamed or whole, a token at a time or by windows.
     write_family_tokenizer("llama3_2", tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"] = True
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
-    ids = tokenizer.encode(" a . b", add_special_tokens=False)
-    assert tokenizer.decode(ids) == " a. b"  # the premise: this decode tidies
-    assert not steps_decode(tokenizer)
+    ids = tokenizer.encode(" a . b , c n't x", add_special_tokens=False)
+    assert tokenizer.decode(ids) == " a. b, cn't x"  # the premise: this decode tidies
+    assert steps_decode(tokenizer)
+    assert "".join(streamed(tokenizer, ids, [], step_decoding)) == " a . b , c n't x"
+    whole = TextStream(tokenizer, [], incremental=False, step_decoding=step_decoding)
+    for token_id in ids:
+        whole.push(token_id)
+    assert whole.finish() == " a . b , c n't x"

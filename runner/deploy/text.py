@@ -109,7 +109,7 @@ class TextStream:
         return delta or ""
 
     def _decode(self, start: int, end: int) -> str:
-        text = self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+        text = decode(self._tokenizer, self.token_ids[start:end])
         assert isinstance(text, str), "one sequence of ids decodes to one text"
         return text
 
@@ -134,18 +134,25 @@ class TextStream:
         return held
 
 
-# Text whose decoding some tokenizers' decode tidies (spaces before punctuation, "n't").
+def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """The text of generated `ids`, as the model wrote it: special tokens skipped, and spaces
+    before punctuation kept even where the tokenizer's config asks transformers to tidy them
+    (`clean_up_tokenization_spaces`), as vLLM and text-generation-inference keep them. Tidied,
+    a window of ids decodes differently from the same ids inside the whole answer (" ." alone
+    is "."), so a stream would drop what the whole answer has."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+# Text that some decoders change beyond joining tokens (spaces before punctuation, "n't").
 _PROBE = " a . b , c ! d ? e's f n't"
 
 
 def steps_decode(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether `tokenizer` can decode a token at a time with DecodeStream (TextStream's
-    `step_decoding`): a `tokenizers` backend, whose decoding transformers' decode passes on
-    unchanged (it tidies spaces for some tokenizers, which DecodeStream does not)."""
+    `step_decoding`): a `tokenizers` backend, whose decoding `decode` above passes on
+    unchanged."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not isinstance(backend, tokenizers.Tokenizer):
         return False
     ids = backend.encode(_PROBE, add_special_tokens=False).ids
-    return tokenizer.decode(ids, skip_special_tokens=True) == backend.decode(
-        ids, skip_special_tokens=True
-    )
+    return decode(tokenizer, ids) == backend.decode(ids, skip_special_tokens=True)
