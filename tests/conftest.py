@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -81,11 +82,20 @@ def _resolvers() -> None:
     interpolations.register()
 
 
+# The line Python's fatal-error handler ends a crashed process's report with (a segfault's
+# thread stacks, faulthandler): every extension module loaded, over 3,000 characters with torch
+# and transformers, which pushed the stacks out of the output's tail that a failing test prints.
+_EXTENSION_MODULES = re.compile(r"^Extension modules: .*\(total: \d+\)\n?", re.MULTILINE)
+
+
 @dataclass
 class Result:
     returncode: int
     stdout: str
     stderr: str
+
+    def __post_init__(self) -> None:
+        self.stderr = _EXTENSION_MODULES.sub("", self.stderr)
 
 
 @pytest.fixture(scope="session")
