@@ -109,9 +109,7 @@ class TextStream:
         return delta or ""
 
     def _decode(self, start: int, end: int) -> str:
-        text = decode(self._tokenizer, self.token_ids[start:end])
-        assert isinstance(text, str), "one sequence of ids decodes to one text"
-        return text
+        return decode(self._tokenizer, self.token_ids[start:end])
 
     def _append(self, delta: str) -> None:
         searched = len(self._text)
@@ -140,7 +138,9 @@ def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     (`clean_up_tokenization_spaces`), as vLLM and text-generation-inference keep them. Tidied,
     a window of ids decodes differently from the same ids inside the whole answer (" ." alone
     is "."), so a stream would drop what the whole answer has."""
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert isinstance(text, str), "one sequence of ids decodes to one text"
+    return text
 
 
 # Text that some decoders change beyond joining tokens (spaces before punctuation, "n't").
