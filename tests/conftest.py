@@ -26,7 +26,7 @@ from tests.cli_forks import ForkedCli
 if TYPE_CHECKING:
     from runner.deploy.engine import TransformersEngine
 
-# The deploy tests' module-scoped fixtures: a tiny checkpoint, a run directory, the reference.
+# The deploy tests' module-scoped fixtures (tests/serving.py).
 pytest_plugins = ["tests.serving"]
 
 # Fast settings for the tiny model; every test that trains starts from these. They mean the CPU

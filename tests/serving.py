@@ -1,7 +1,7 @@
 """What the deploy tests share: a tiny checkpoint written by transformers, run directories,
 deploy's config as `runner deploy` composes it, its server in a thread, plain HTTP requests, and
-transformers' own greedy generate as the reference; with their module-scoped fixtures (a
-checkpoint, a run directory holding it, its greedy reference), which tests/conftest.py
+transformers' own greedy generate as the reference; with their module-scoped fixtures
+(`tiny_checkpoint`, `served_run` holding it, `generate_reference`), which tests/conftest.py
 registers for every test module."""
 
 from __future__ import annotations
@@ -172,8 +172,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
-    """A completed run holding `tiny_checkpoint` at steps 2 and 10, and a step being written."""
+def served_run(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """A completed run directory holding `tiny_checkpoint` at steps 2 and 10, and a step being
+    written."""
     root = tmp_path_factory.mktemp("outputs")
     run = make_run(root / "run", tiny_checkpoint, steps=[2, 10], state="completed", metrics=[])
     (run / "checkpoints" / ".tmp-step_20").mkdir()  # being written: never served
@@ -181,7 +182,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint: Path):
+def generate_reference(tiny_checkpoint: Path):
     """Greedy continuations from transformers' own generate on `tiny_checkpoint` (which every
     run directory above serves)."""
     return greedy_reference(tiny_checkpoint)

@@ -41,11 +41,11 @@ def sweep_dir(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory, run_dir: Path, sweep_dir: Path) -> Iterator[str]:
+def base_url(tmp_path_factory, served_run: Path, sweep_dir: Path) -> Iterator[str]:
     key_file = tmp_path_factory.mktemp("secrets") / "api_key"
     key_file.write_text(API_KEY + "\n")
     cfg = deploy_config(
-        f"checkpoint=[{run_dir},{sweep_dir}]",
+        f"checkpoint=[{served_run},{sweep_dir}]",
         "served_model_name=[tiny,sweep-best]",
         "select.metric=eval_loss",
         f"api_key.file={key_file}",
@@ -61,13 +61,13 @@ def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
 
 
-def test_a_run_dir_is_served_from_its_latest_whole_checkpoint(run_dir: Path) -> None:
+def test_a_run_dir_is_served_from_its_latest_whole_checkpoint(served_run: Path) -> None:
     select = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
-    (served,) = resolve_checkpoints(str(run_dir), names=None, allowed_roots=[], **select)
-    assert served.path == (run_dir / "checkpoints" / "step_10").resolve()  # not .tmp-step_20
+    (served,) = resolve_checkpoints(str(served_run), names=None, allowed_roots=[], **select)
+    assert served.path == (served_run / "checkpoints" / "step_10").resolve()  # not .tmp-step_20
     # Named by its run and step, not by where its files lie; the paths still find it.
-    assert served.name == f"{run_dir.parent.name}/run/step_10"
-    assert set(served.aliases) == {str(run_dir), str(served.path)}
+    assert served.name == f"{served_run.parent.name}/run/step_10"
+    assert set(served.aliases) == {str(served_run), str(served.path)}
 
 
 def test_models_lists_every_served_checkpoint(client: openai.OpenAI) -> None:
@@ -75,8 +75,8 @@ def test_models_lists_every_served_checkpoint(client: openai.OpenAI) -> None:
     assert client.models.retrieve("tiny").id == "tiny"
 
 
-def test_completion_greedy_equals_transformers_generate(client, reference) -> None:
-    tokenizer, generate = reference
+def test_completion_greedy_equals_transformers_generate(client, generate_reference) -> None:
+    tokenizer, generate = generate_reference
     for prompt in PROMPTS[:2]:
         ids = tokenizer.encode(prompt)
         expected, count = generate(ids, 24)
@@ -88,8 +88,8 @@ def test_completion_greedy_equals_transformers_generate(client, reference) -> No
         assert response.usage.completion_tokens == count
 
 
-def test_chat_uses_the_checkpoint_chat_template(client, reference) -> None:
-    tokenizer, generate = reference
+def test_chat_uses_the_checkpoint_chat_template(client, generate_reference) -> None:
+    tokenizer, generate = generate_reference
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -36,12 +36,12 @@ from tests.serving import (
 )
 
 
-def test_the_servers_startup_heap_is_frozen_while_it_serves(run_dir: Path) -> None:
+def test_the_servers_startup_heap_is_frozen_while_it_serves(served_run: Path) -> None:
     # What is alive once the engines start (torch, the model, the tokenizer) is kept out of the
     # garbage collector's walks while the server runs, and given back when it stops.
     import gc
 
-    cfg = deploy_config(f"checkpoint={run_dir}", "served_model_name=tiny", "port=0")
+    cfg = deploy_config(f"checkpoint={served_run}", "served_model_name=tiny", "port=0")
     with serving(cfg) as url:
         assert gc.get_freeze_count() > 10_000, gc.get_freeze_count()
         status, _, _ = raw_request(url, "GET", "/health", key=None)
@@ -49,9 +49,9 @@ def test_the_servers_startup_heap_is_frozen_while_it_serves(run_dir: Path) -> No
     assert gc.get_freeze_count() == 0
 
 
-def test_a_full_queue_answers_429_with_retry_after(run_dir: Path) -> None:
+def test_a_full_queue_answers_429_with_retry_after(served_run: Path) -> None:
     cfg = deploy_config(
-        f"checkpoint={run_dir}",
+        f"checkpoint={served_run}",
         "served_model_name=tiny",
         "port=0",
         "max_queue=1",
@@ -101,11 +101,13 @@ def _children(pid: int) -> set[int]:
     [(signal.SIGINT, "true"), (signal.SIGTERM, "true"), (signal.SIGINT, "false")],
     ids=["ctrl-c, engine process", "sigterm, engine process", "ctrl-c, one process"],
 )
-def test_deploy_command_serves_until_interrupted(run_dir: Path, reference, stop, process) -> None:
+def test_deploy_command_serves_until_interrupted(
+    served_run: Path, generate_reference, stop, process
+) -> None:
     # compute=cpu dtype=fp32 (the command serves on the CPU here). Ctrl-C reaches the whole
     # process group, SIGTERM only the server: either way nothing it started is left running.
     env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
-    command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={run_dir}", "port=0"]
+    command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={served_run}", "port=0"]
     command += ["device=cpu", "dtype=fp32", f"transformers.process={process}"]
     process_ = subprocess.Popen(
         [*command, "api_key.env=DEPLOY_TEST_KEY"],
@@ -138,15 +140,15 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference, stop,
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         # The server does not tell its clients where its files lie.
         (listed,) = client.models.list().data
-        assert listed.id == f"{run_dir.parent.name}/run/step_10"
-        assert client.models.retrieve(str(run_dir)).id == listed.id
+        assert listed.id == f"{served_run.parent.name}/run/step_10"
+        assert client.models.retrieve(str(served_run)).id == listed.id
         # Greedy, so the answer is transformers' own (a sampled one may stop at eos early).
         # A client that asks by the path given in checkpoint= (the id before) is still served.
         response = client.completions.create(
-            model=str(run_dir), prompt="hi", max_tokens=3, temperature=0
+            model=str(served_run), prompt="hi", max_tokens=3, temperature=0
         )
         assert response.model == listed.id
-        tokenizer, generate = reference
+        tokenizer, generate = generate_reference
         assert (response.choices[0].text, response.usage.completion_tokens) == generate(
             tokenizer.encode("hi"), 3
         )
@@ -168,13 +170,13 @@ def test_deploy_command_serves_until_interrupted(run_dir: Path, reference, stop,
 
 @pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
 def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
-    run_dir: Path, reference
+    served_run: Path, generate_reference
 ) -> None:
     # compute=cpu dtype=fp32. Greedy equals generate, streamed and whole, in both placements;
     # seeded samples (n=3), a stop sequence and a full queue's 429 are the same in both.
     import multiprocessing
 
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     prompt = PROMPTS[3]
     expected = generate(tokenizer.encode(prompt), 20)
     answers = {}
@@ -186,7 +188,7 @@ def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
     long_body = completion_body(**LONG_REQUEST)
     for process in ("true", "false"):
         cfg = deploy_config(
-            f"checkpoint={run_dir}",
+            f"checkpoint={served_run}",
             "served_model_name=tiny",
             "port=0",
             f"transformers.process={process}",

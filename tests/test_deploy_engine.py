@@ -74,7 +74,7 @@ def test_a_request_failing_inside_the_engine_fails_alone(
     ids=["exact", "padded", "exact-compiled", "padded-compiled", "padded-overlap", "cuda-path"],
 )
 def test_rows_joining_and_leaving_answer_as_generate_alone(
-    tiny_checkpoint, reference, padded, compiled, overlap, caplog
+    tiny_checkpoint, generate_reference, padded, compiled, overlap, caplog
 ) -> None:
     # compute=cpu, dtype=fp32. padded=True is the CUDA path's step (the batch rounded up to
     # buckets of rows and tokens, which CUDA graphs replay) with the graphs off: the padding
@@ -86,7 +86,7 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     torch._dynamo.reset()  # compiled: no graph left by another test's engine
     counters.clear()
@@ -133,12 +133,12 @@ def test_rows_joining_and_leaving_answer_as_generate_alone(
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
 def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
-    tiny_checkpoint, reference, overlap
+    tiny_checkpoint, generate_reference, overlap
 ) -> None:
     # compute=cpu, dtype=fp32. With waiting_served_ratio 2, one request running holds a second
     # back until a third waits too (max_waiting_steps far off): they join in one prefill, and
     # the delay changes no answer.
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(
         loaded,
@@ -187,12 +187,14 @@ def test_waiting_sequences_join_a_running_batch_together_and_answer_as_generate(
     assert texts == [text for text, _ in answers]
 
 
-def test_a_streamed_answer_comes_every_stream_interval_tokens(tiny_checkpoint, reference) -> None:
+def test_a_streamed_answer_comes_every_stream_interval_tokens(
+    tiny_checkpoint, generate_reference
+) -> None:
     # compute=cpu, dtype=fp32. With stream_interval 4, the chunks that stream_interval 1 sends
     # come together: the first at once, then every 4 tokens, then the end. The tiny model's
     # byte tokens often end inside a character, whose text waits for the token that completes
     # it, so interval 1 does not send at every token either; its stream is the reference.
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     prompt = tokenizer(PROMPTS[3])["input_ids"]
     text, tokens = generate(prompt, 40)
     assert tokens == 40  # no end of sequence
@@ -330,12 +332,12 @@ def test_padded_windows_drop_dead_columns_when_that_keeps_the_bucket(tiny_checkp
 
 
 def test_eager_attention_prefills_left_padded_and_answers_as_generate(
-    tiny_checkpoint, reference
+    tiny_checkpoint, generate_reference
 ) -> None:
     # compute=cpu dtype=fp32. Eager attention adds the mask to the scores, so a packed (boolean,
     # block-diagonal) mask is not for it: prompts get a row each, left-padded.
 
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     loaded.model.set_attn_implementation("eager")
     engine = TransformersEngine(loaded, max_batch_size=4, max_queue=16)

@@ -82,12 +82,12 @@ def _answers(engine: TransformersEngine, cases: list[tuple[list[int], int]]) -> 
     ids=["in-step", "overlap", "cuda-path"],
 )
 def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
-    tiny_checkpoint, reference, monkeypatch, padded, overlap
+    tiny_checkpoint, generate_reference, monkeypatch, padded, overlap
 ) -> None:
     # Eight prompts sent together, with room for four rows of them: the rest wait for running
     # ones to finish rather than grow the buffers past the budget, and every answer is
     # generate's. Five rows would need buffers of 8 rows, twice the four rows' bytes.
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     cases = [(tokenizer(PROMPTS[i % 4])["input_ids"], 20 + 5 * i) for i in range(8)]
     longest = max(len(ids) for ids, _ in cases) - 1
     steps = max(tokens for _, tokens in cases)
@@ -116,11 +116,11 @@ def test_sequences_wait_for_room_in_the_kv_cache_and_answer_as_generate(
 
 
 def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(
-    tiny_checkpoint, reference
+    tiny_checkpoint, generate_reference
 ) -> None:
     # Room for one row of 20 tokens: a request for 200 fails at once, saying what it needs and
     # which key bounds it, while one sent beside it is answered.
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     ids = tokenizer(PROMPTS[0])["input_ids"]
     budget = KvBudget(
         1.0, _token_bytes(tiny_checkpoint), padded=False, compiled=False, overlap=False
@@ -138,11 +138,11 @@ def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(
 
 
 def test_an_idle_engine_starts_a_long_sequence_in_buffers_of_its_own(
-    tiny_checkpoint, reference, monkeypatch
+    tiny_checkpoint, generate_reference, monkeypatch
 ) -> None:
     # Four short sequences leave buffers of four rows behind; one long sequence fits the budget
     # in a row of its own, not in four rows as long: the idle engine lets the old buffers go.
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     short = [(tokenizer(PROMPTS[i])["input_ids"], 8) for i in range(4)]
     long = (tokenizer(PROMPTS[2])["input_ids"], 200)
     budget = KvBudget(
@@ -165,12 +165,12 @@ def test_an_idle_engine_starts_a_long_sequence_in_buffers_of_its_own(
 
 
 def test_a_burst_of_prompts_is_prefilled_in_admissions_of_at_most_max_prefill_tokens(
-    tiny_checkpoint, reference
+    tiny_checkpoint, generate_reference
 ) -> None:
     # Eight prompts sent together into an idle engine, with room for all of them in the batch:
     # each admission prefills at most 40 prompt tokens (a prompt longer than that alone), and
     # every answer is generate's.
-    tokenizer, generate = reference
+    tokenizer, generate = generate_reference
     cases = [(tokenizer(PROMPTS[i % 4] + " x" * i)["input_ids"], 12) for i in range(8)]
     loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     engine = TransformersEngine(loaded, max_batch_size=8, max_queue=8, max_prefill_tokens=40)
