@@ -7,8 +7,8 @@ Each way pushes the same ids (TEXT's, repeated to --tokens; its "é" and "à" ar
 tokens each in byte-level tokenizers) through a TextStream that streams (no stop sequences),
 reading its delta after each token as the engine does for a streamed choice, then its end; the
 figure is the median over --repeats runs of the whole stream's time over its tokens, with the
-range. Both must give transformers' decode of all the ids. Without --tokenizer: runner's tiny
-tokenizer.
+range. Both must give the whole answer's text (runner.deploy.text.decode of all the ids).
+Without --tokenizer: runner's tiny tokenizer.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from runner.deploy.text import TextStream, steps_decode
+from runner.deploy.text import TextStream, decode, steps_decode
 from runner.paths import TINY_TOKENIZER_DIR
 
 TEXT = "The model reads a prompt and writes an answer, one token at a time: déjà vu. "
@@ -38,7 +38,7 @@ def stream_us(tokenizer, ids: list[int], step_decoding: bool, repeats: int) -> l
             parts.append(stream.ready())
         parts.append(stream.finish())
         rates.append((time.perf_counter() - started) / len(ids) * 1e6)
-        if "".join(parts) != tokenizer.decode(ids, skip_special_tokens=True):
+        if "".join(parts) != decode(tokenizer, ids):
             raise SystemExit(f"step_decoding={step_decoding}: not the text decode gives")
     return rates
 
