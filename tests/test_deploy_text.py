@@ -1,6 +1,7 @@
 """Generated ids to text as the server streams it (runner/deploy/text.py): deltas that are never
 taken back, decoded a token at a time by tokenizers' DecodeStream or by windows of ids through
-transformers, each giving what transformers' decode gives for the whole answer."""
+transformers, each giving the whole answer's text: what transformers' decode gives, without the
+tidying of spaces that some tokenizers' configs ask of it."""
 
 from __future__ import annotations
 
