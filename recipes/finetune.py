@@ -112,7 +112,7 @@ class FinetuneRecipe:
             log.info("compiled: each decoder layer, and the loss")
         if hasattr(loss_fn, "num_output_chunks"):
             set_output_chunks(self.model, loss_fn.num_output_chunks)
-        self.objective.attach(self.model, loss_fn, reference)
+        self.objective.attach(self.model, loss_fn, reference, attention=cfg.attention)
         self._resume()
         self.reporter.start_trackers(cfg)
 

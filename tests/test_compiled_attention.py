@@ -101,9 +101,13 @@ def packed_batches(samples: list[dict[str, Any]], steps: int) -> list[dict[str, 
     return batches
 
 
-def train_steps(model: torch.nn.Module, batches: list[dict[str, Any]]) -> list[torch.Tensor]:
-    """One SGD step per batch on the CPU in fp32; each step's loss."""
-    attention = RowAttention.of(model, CPU)
+def train_steps(
+    model: torch.nn.Module, batches: list[dict[str, Any]], attention: RowAttention | None = None
+) -> list[torch.Tensor]:
+    """One SGD step per batch on the CPU in fp32, the rows attending as the CPU's default
+    does or as `attention` asks; each step's loss."""
+    default = RowAttention.of(model, CPU)  # the attention modules get runner's call
+    attention = attention or default
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for batch in batches:

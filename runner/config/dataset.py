@@ -3,6 +3,7 @@ split; checked against the dataset's kind and the model."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -11,6 +12,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runner.config.fields import flag, integer, typed_as
 from runner.config.model import ModelRecipe
 from runner.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # typing's Optional/Dict: the forms OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP006, UP035, UP045
@@ -300,6 +303,86 @@ def check_packing(packing: bool, model: ModelRecipe, device: str) -> None:
             f"torchtune's {model.family} attention takes no flex-attention block mask, which "
             "packs get on a GPU; set dataset.packing=false (dataset.padding_free packs each "
             "batch with a dense mask)",
+        )
+
+
+# attention: how rows of several samples attend on CUDA (runner.models.attention.RowAttention).
+ATTENTION = ("auto", "flex", "varlen")
+
+
+def check_attention(
+    attention: str, dataset: DatasetRecipe, model: ModelRecipe, device: str, dtype: str
+) -> None:
+    """attention: auto (the best measured for the device: flex attention's block mask on CUDA,
+    attention per sample on the CPU), flex, or varlen (FlashAttention's variable-length kernel:
+    CUDA of compute capability 8.0 and up, bf16, torch 2.10 and later). Rows of one sample
+    each need none of them: there it is ignored, with a warning."""
+    if attention not in ATTENTION:
+        raise UserError("attention", attention, f"choose one of: {', '.join(ATTENTION)}")
+    if attention == "auto":
+        return
+    if device != "cuda":
+        raise UserError(
+            "attention",
+            attention,
+            "flex and varlen are CUDA's kernels (on the CPU, rows of several samples attend "
+            "per sample); set attention=auto",
+        )
+    if not (dataset.packing or dataset.padding_free):
+        log.warning(
+            "attention=%s is ignored: no row holds several samples (dataset.packing and "
+            "dataset.padding_free are false)",
+            attention,
+        )
+        return
+    _check_kernel(attention, model, dtype)
+
+
+def _check_kernel(attention: str, model: ModelRecipe, dtype: str) -> None:
+    """That this model, dtype, torch and GPU take the attention kernel asked for."""
+    import torch
+
+    from runner.models.attention import VARLEN_KEYWORDS
+    from runner.models.families import family_named
+    from runner.models.torchtune_boundary import SUPPORTS_FLEX_ATTENTION
+
+    if model.family is not None and not family_named(model.family).block_mask:
+        raise UserError(
+            "attention",
+            attention,
+            f"torchtune's {model.family} attention does its own arithmetic on a dense mask, "
+            "which it always gets; set attention=auto",
+        )
+    major, minor = torch.cuda.get_device_capability()
+    if attention == "flex" and not SUPPORTS_FLEX_ATTENTION:
+        raise UserError(
+            "attention",
+            attention,
+            f"flex attention needs compute capability 7.5 or more, and this GPU's is "
+            f"{major}.{minor}; set attention=auto",
+        )
+    if attention != "varlen":
+        return
+    if dtype == "fp32":
+        raise UserError(
+            "attention",
+            attention,
+            "FlashAttention computes in bf16: set dtype=bf16_mixed or dtype=bf16, or "
+            "attention=auto",
+        )
+    if VARLEN_KEYWORDS is None:
+        raise UserError(
+            "attention",
+            attention,
+            f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and later "
+            "have it); set attention=auto",
+        )
+    if (major, minor) < (8, 0):
+        raise UserError(
+            "attention",
+            attention,
+            f"FlashAttention needs compute capability 8.0 or more, and this GPU's is "
+            f"{major}.{minor}; set attention=auto",
         )
 
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config.compute import ComputeRecipe, Dtype, resolve_compute, resolve_dtype
 from runner.config.dataset import (
     DatasetRecipe,
+    check_attention,
     check_packing,
     check_stream_steps,
     loader_workers,
@@ -61,6 +62,8 @@ def resolve_recipe(
     loss = resolve_loss(cfg.loss)
     method = resolve_method(cfg.method, model, run_dir, compute)
     dataset = _dataset(cfg.dataset, model, compute)
+    dtype = resolve_dtype(cfg.dtype.name, compute.device)
+    check_attention(cfg.attention, dataset, model, compute.device, dtype)
     evaluation = resolve_eval(cfg)
     check_stream_steps(dataset.streaming, cfg.max_steps, evaluation.strategy)
     resolved = Recipe(
@@ -69,7 +72,7 @@ def resolve_recipe(
         model=model,
         hub_sources=dict(hub_sources),
         dataset=dataset,
-        dtype=Dtype(name=resolve_dtype(cfg.dtype.name, compute.device)),
+        dtype=Dtype(name=dtype),
         loss=loss,
         compute=compute,
         method=method,

@@ -51,6 +51,7 @@ class Training:
     gradient_accumulation_steps: int = integer(1, 1)
     clip_grad_norm: Optional[float] = number(None, positive=True)
     compile: bool = flag(False)
+    attention: str = "auto"
     activation_checkpointing: bool = flag(False)
     profile: Profile = field(default_factory=Profile)
 
@@ -209,8 +210,9 @@ class Cluster:
 # hf:// sources made local paths, components named), plus what resolution derives (the builder,
 # tokenizer and config.json of the model; where the processes meet). Bumped when a key moves,
 # goes or comes (5: method.recipe went; one recipe loop runs every method. 6: runtime.hf_token
-# came, the reference a stream from the hub reads its token through. 7: profile came).
-RECIPE_VERSION = 7
+# came, the reference a stream from the hub reads its token through. 7: profile came. 8:
+# attention came).
+RECIPE_VERSION = 8
 
 
 @dataclass

@@ -14,14 +14,20 @@ the form the model's attention takes best on its device (`RowAttention`):
   longest, so that the attention is traced into each layer's graph (no graph break) and a new
   batch's samples are new tensor values and symbolic sizes, not new Python numbers (no
   recompile);
+- "varlen": no mask either: FlashAttention's variable-length kernel (torch.nn.attention.varlen,
+  CUDA, bf16 or fp16) over the rows flattened into one sequence, given where each sample starts
+  (`Spans`): no position is computed against another sample's, none is padding, nothing is
+  compiled for it, and the rows can be as long as the model takes (chosen with
+  `attention=varlen`);
 - "dense": the [rows, s, s] boolean mask that SDPA takes (Gemma 2's attention, which does its
   own arithmetic on the mask; its rows stay as long as their longest sample, the mask being
   quadratic in them).
 
 Where the layers are compiled (compile=true), the attention call runs inside each layer's graph:
 flex attention is called there directly (torchtune's call wraps its own compiled flex attention
-in torch.compiler.disable, a graph break in every layer; pytorch issue 149767), and the CPU's
-per-sample attention is "gathered" (this torch has no CPU backward for flex attention). Where
+in torch.compiler.disable, a graph break in every layer; pytorch issue 149767), the varlen
+kernel is an operator the graph calls, and the CPU's per-sample attention is "gathered" (this
+torch has no CPU backward for flex attention). Where
 they are not, flex attention is compiled on its own with symbolic sizes (torchtune's, compiled
 for one shape at a time, runs uncompiled once padding-free rows have brought it 8 widths).
 Flex attention, and SDPA on the CPU, take the keys and values as many as the model has
@@ -31,6 +37,7 @@ Flex attention, and SDPA on the CPU, take the keys and values as many as the mod
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runner.devices import to_device
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -238,6 +247,83 @@ class Gathered:
         return out.view(rows, width, heads, head_dim).transpose(1, 2)
 
 
+def _varlen_keywords() -> dict[str, Any] | None:
+    """The keywords that make torch's varlen_attn causal and let its keys and values be fewer
+    than its queries, as the installed torch names them (2.10: is_causal; later: window_size,
+    and from 2.12 enable_gqa, without which grouped keys are refused); None where this torch
+    has no varlen_attn."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    keywords: dict[str, Any] = (
+        {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    )
+    if "enable_gqa" in params:
+        keywords["enable_gqa"] = True
+    return keywords
+
+
+VARLEN_KEYWORDS = _varlen_keywords()
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Where each sample of a batch lies, as FlashAttention's variable-length attention takes
+    it: the rows flattened into one sequence of tokens, `starts` each sample's first token in
+    it and then the total ([samples + 1], int32, on the device), and the longest sample's
+    length as the size of `longest` ([longest, 0], empty), so that a compiled layer reads it
+    as a symbolic size where a Python number would be compiled into the graph (a new graph for
+    each batch's). Each row starts a sample; PackedDataset's trailing padding joins its row's
+    last sample, as in `_documents`."""
+
+    starts: torch.Tensor
+    longest: torch.Tensor
+
+    @classmethod
+    def of(cls, input_pos: torch.Tensor, device: torch.device) -> Spans:
+        """The samples of rows whose positions each start at 0; computed where input_pos is
+        (the loader's batch, on the host: no read back from the device), then copied."""
+        rows, width = input_pos.shape
+        first = (input_pos == 0).flatten()
+        first[::width] = True
+        total = torch.tensor([rows * width], device=input_pos.device)
+        starts = torch.cat((first.nonzero().flatten(), total))
+        longest = max(2, int(starts.diff().max()))  # a size of 1 would be specialized
+        spans = cls(
+            to_device(starts.to(torch.int32), device), torch.empty(longest, 0, device=device)
+        )
+        _dynamic(spans.starts, 0)
+        _dynamic(spans.longest, 0)
+        return spans
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+    ) -> torch.Tensor:
+        """Causal attention over each sample's span of q ([rows, heads, s, head_dim]) and k, v
+        ([rows, kv_heads, s, head_dim], kv_heads dividing heads) alone."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        if dropout_p > 0.0:  # torch's varlen_attn has no dropout
+            raise ValueError("attention=varlen takes no attention dropout; set it to 0.0")
+        assert VARLEN_KEYWORDS is not None  # attention=varlen is refused on such a torch
+        rows, heads, width, head_dim = q.shape
+        # FlashAttention computes in bf16 or fp16 (the recipe's dtype, checked); fp32 comes
+        # from a bf16_mixed run's evaluation alone, which runs outside autocast.
+        half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
+        q_flat, k_flat, v_flat = (
+            x.transpose(1, 2).reshape(rows * width, x.shape[1], head_dim).to(half)
+            for x in (q, k, v)
+        )
+        starts, longest = self.starts, self.longest.shape[0]
+        out = varlen_attn(
+            q_flat, k_flat, v_flat, starts, starts, longest, longest, **VARLEN_KEYWORDS
+        )
+        assert isinstance(out, torch.Tensor)  # no auxiliary outputs were asked for
+        return out.to(q.dtype).view(rows, width, heads, head_dim).transpose(1, 2)
+
+
 def _flex(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -283,13 +369,14 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _rows_call(original: AttentionCall, compiled: bool, kv_heads: int) -> AttentionCall:
-    """torchtune's attention call, which also takes a Samples or Gathered mask, and calls flex
-    attention itself: inside the graph of a compiled layer, compiled on its own in another
-    (`_compiled_flex`).
+    """torchtune's attention call, which also takes a Samples, Gathered or Spans mask, and
+    calls flex attention itself: inside the graph of a compiled layer, compiled on its own in
+    another (`_compiled_flex`).
 
     torchtune's MultiHeadAttention copies each of the `kv_heads` keys and values once for each
     query head of its group before the call. Flex attention, and SDPA on the CPU, take them as
-    they were, kv_heads wide (enable_gqa), so backward keeps a group's keys and values once, not
+    they were, kv_heads wide (enable_gqa), and so does FlashAttention's variable-length kernel,
+    so backward keeps a group's keys and values once, not
     once a query head (a quarter at Llama 3.2 1B's 8 of 32 heads), and gets their gradients
     summed in the kernel. On CUDA, SDPA's kernels for grouped keys are its flash ones (compute
     capability 8.0 and up) and its math one, and the GPUs where SDPA runs here rather than flex
@@ -312,6 +399,8 @@ def _rows_call(original: AttentionCall, compiled: bool, kv_heads: int) -> Attent
         if isinstance(mask, BlockMask):
             k, v = _grouped(k, kv_heads), _grouped(v, kv_heads)
             return _flex(q, k, v, mask, dropout_p, in_graph=compiled)
+        if isinstance(mask, Spans):
+            return mask.attend(q, _grouped(k, kv_heads), _grouped(v, kv_heads), dropout_p)
         return original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
     attention_call.torchtune_call = original  # type: ignore[attr-defined]
@@ -341,10 +430,11 @@ class RowAttention:
     min_rows: int = 1
 
     @classmethod
-    def of(cls, model: nn.Module, device: torch.device) -> RowAttention:
-        """The best way `model` takes on `device`, compiled or not; torchtune's attention
-        modules are given the call that takes each kind's mask (over torchtune's own, however
-        often asked)."""
+    def of(cls, model: nn.Module, device: torch.device, kernel: str = "auto") -> RowAttention:
+        """The best way `model` takes on `device`, compiled or not (`kernel`, the recipe's
+        `attention`: auto, or flex or varlen on CUDA, as runner.config.dataset.check_attention
+        allows); torchtune's attention modules are given the call that takes each kind's mask
+        (over torchtune's own, however often asked)."""
         from runner.models.torchtune_boundary import (
             SUPPORTS_FLEX_ATTENTION,
             Gemma2Attention,
@@ -365,6 +455,10 @@ class RowAttention:
             if getattr(call, "compiled", None) != compiled:
                 original = getattr(call, "torchtune_call", call)
                 module._attention_call = _rows_call(original, compiled, module.num_kv_heads)
+        if device.type == "cuda" and kernel == "varlen":
+            if compiled:
+                _first_layer_input_dynamic(model)
+            return cls("varlen", limit)
         if device.type == "cuda" and SUPPORTS_FLEX_ATTENTION:
             return cls("flex", None)
         if not compiled:
@@ -372,8 +466,12 @@ class RowAttention:
         _first_layer_input_dynamic(model)
         return cls("gathered", limit, min_rows=2)
 
-    def mask(self, input_pos: torch.Tensor) -> torch.Tensor | BlockMask | Samples | Gathered:
+    def mask(
+        self, input_pos: torch.Tensor
+    ) -> torch.Tensor | BlockMask | Samples | Gathered | Spans:
         """The mask of rows whose samples' positions each start at 0 (on input_pos's device)."""
+        if self.kind == "varlen":
+            return Spans.of(input_pos, input_pos.device)
         if self.kind == "flex":
             return flex_block_causal_mask(input_pos)
         if self.kind == "samples":
@@ -384,12 +482,16 @@ class RowAttention:
 
     def inputs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
         """The model's keyword inputs beside the tokens: a batch of rows of several samples
-        (one with input_pos) gets its positions and mask on `device`; any other, none."""
+        (one with input_pos), as the loader made it, gets its positions and mask on `device`;
+        any other, none. The varlen spans are read from the loader's positions, on the host:
+        from the device's, the host would wait for every kernel queued before."""
         if "input_pos" not in batch:
             return {}
-        input_pos = batch["input_pos"].to(device)
-        if self.kind == "gathered":  # symbolic in the compiled layers from the first batch
+        input_pos = to_device(batch["input_pos"], device)
+        if self.kind in ("gathered", "varlen"):  # symbolic in compiled layers from the first
             _dynamic(input_pos, 0, 1)
+        if self.kind == "varlen":
+            return {"input_pos": input_pos, "mask": Spans.of(batch["input_pos"], device)}
         return {"input_pos": input_pos, "mask": self.mask(input_pos)}
 
 

@@ -48,10 +48,9 @@ def loss_sums(
     was_training = model.training
     model.eval()
     for part in batches:
-        batch = {key: to_device(value, device) for key, value in part.items()}
-        tokens, labels = batch["tokens"], batch["labels"]
+        tokens, labels = (to_device(part[key], device) for key in ("tokens", "labels"))
         # Rows of several samples get their positions and the mask the model takes.
-        packed = attention.inputs(batch, device)
+        packed = attention.inputs(part, device)
         logits = model(tokens, **packed)
         # A chunked output (for CEWithChunkedOutputLoss) is split along the sequence.
         chunks = logits if isinstance(logits, list) else [logits]

@@ -72,10 +72,13 @@ class Supervised:
         self.model: nn.Module
         self.loss_fn: Any
 
-    def attach(self, model: nn.Module, loss_fn: Any, reference: Reference | None) -> None:
-        """The model it trains and the loss it computes (cfg.loss), once they are built."""
+    def attach(
+        self, model: nn.Module, loss_fn: Any, reference: Reference | None, attention: str = "auto"
+    ) -> None:
+        """The model it trains, the loss it computes (cfg.loss) and how rows of several samples
+        attend (cfg.attention), once the model is built."""
         self.model, self.loss_fn = model, loss_fn
-        self.attention = RowAttention.of(model, self.place.device)
+        self.attention = RowAttention.of(model, self.place.device, attention)
 
     def collate(self, samples: list[dict[str, Any]]) -> Batch:
         """One training batch of SFT samples (packed and padding-free as the dataset says)."""
@@ -107,10 +110,9 @@ class Supervised:
         for _ in range(self._passes_behind(len(parts))):
             self._pass_training_nothing()
         for part in parts:
-            batch = {key: to_device(value, device) for key, value in part.items()}
-            tokens, labels = batch["tokens"], batch["labels"]
+            tokens, labels = (to_device(part[key], device) for key in ("tokens", "labels"))
             batch_tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
-            packed = self.attention.inputs(batch, device)
+            packed = self.attention.inputs(part, device)
             with parallel.autocast(self.place):
                 logits = self.model(tokens, **packed)
                 # A part with no trained token (an answer cut off by max_seq_len, a forward pass
@@ -229,8 +231,11 @@ class Preference:
         # The reward means of the last optimizer step (on the device, read when it is logged).
         self.step_rewards: torch.Tensor | None = None
 
-    def attach(self, model: nn.Module, loss_fn: Any, reference: Reference | None) -> None:
-        """The model it trains and its reference, once they are built."""
+    def attach(
+        self, model: nn.Module, loss_fn: Any, reference: Reference | None, attention: str = "auto"
+    ) -> None:
+        """The model it trains and its reference, once they are built (pairs are padded rows:
+        `attention` does not apply)."""
         assert reference is not None, "the weights build a reference for a preference method"
         self.model, self.reference = model, reference
         if isinstance(reference, nn.Module):
