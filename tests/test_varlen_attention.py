@@ -2,8 +2,8 @@
 FlashAttention (torch.nn.attention.varlen), a CUDA kernel. Here, on the CPU, torch's own
 operators run (the varlen_attn call as the installed torch takes it, its autograd formula, its
 fake implementation under torch.compile), over a reference kernel registered for the CPU that
-computes what FlashAttention's documentation says it computes; tests/test_gpu.py runs the
-kernel itself. The recipe's checks refuse varlen where it cannot run, naming the key."""
+computes what FlashAttention's documentation says it computes; on a GPU, the last test runs
+the kernel itself. The recipe's checks refuse varlen where it cannot run, naming the key."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def reference_backward(
     return dq, dk, dv
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def varlen_on_the_cpu() -> Iterator[None]:
     """The reference kernels registered for torch's varlen operators on the CPU (this torch
     has no CPU kernel for them; on CUDA its FlashAttention kernels stay as they are)."""
@@ -136,7 +136,9 @@ def test_spans_are_each_samples_first_token_in_the_flattened_rows(tmp_path: Path
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-eval"])
-def test_varlen_attention_is_sdpa_under_the_dense_mask(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_varlen_attention_is_sdpa_under_the_dense_mask(
+    tmp_path: Path, dtype: torch.dtype, varlen_on_the_cpu: None
+) -> None:
     """Through torch's varlen_attn, each sample attends to its own earlier tokens alone: what
     SDPA over the whole rows under the dense block-causal mask gives, forward and backward,
     padding included, with as many key heads as query heads and with half as many. bf16 in,
@@ -172,7 +174,9 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def test_compiled_layers_call_varlen_inside_their_graphs(fresh_dynamo: None) -> None:
+def test_compiled_layers_call_varlen_inside_their_graphs(
+    fresh_dynamo: None, varlen_on_the_cpu: None
+) -> None:
     """compile=true (each decoder layer compiled, runner.trainer.parallel) with attention=varlen
     on padding-free batches of mixed lengths, each another width, count of rows and longest
     sample: no graph break, no recompile after the first batch (the longest sample is a
@@ -225,3 +229,29 @@ def test_an_attention_the_run_cannot_take_is_refused_by_name(
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
     assert not (tmp_path / "run" / "recipe.yaml").exists()
+
+
+@pytest.mark.gpu
+def test_varlen_trains_as_flex_attention_on_cuda(tmp_path: Path) -> None:
+    """The kernel itself: a bf16 forward and backward of the tiny Llama on CUDA over packs of
+    several samples, attending through varlen and through flex attention (CUDA's default):
+    the same loss and gradients, to bf16's rounding."""
+    from runner.data.transforms import collate
+
+    cuda = torch.device("cuda")
+    packs = pack_rows(make_content_first_samples(tmp_path), padding_idx=0)
+    batch = collate(packs, packed=True, padding_idx=0)
+    torch.manual_seed(0)
+    model = tiny_llama(int(batch["tokens"].max()) + 1).to(cuda, torch.bfloat16)
+    assert RowAttention.of(model, cuda, "varlen") == RowAttention("varlen", 256)
+    results = []
+    for attention in (RowAttention("flex", None), RowAttention("varlen", 256)):
+        logits = model(batch["tokens"].to(cuda), **attention.inputs(batch, cuda))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].to(cuda).flatten())
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        results.append((loss.detach(), grads))
+    (flex_loss, flex_grads), (varlen_loss, varlen_grads) = results
+    # Two bf16 kernels, each rounding its output and gradients to 8 bits of mantissa.
+    torch.testing.assert_close(varlen_loss, flex_loss, rtol=1e-2, atol=1e-2)
+    for got, expected in zip(varlen_grads, flex_grads, strict=True):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=5e-2, atol=5e-2)
