@@ -105,6 +105,7 @@ def test_defaults_run_every_stage_in_budget_order() -> None:
         "train bare eager",
         "train runner compiled",
         "train bare compiled",
+        "train runner eager varlen",
         "pytest -m gpu",
     ]
 
@@ -248,21 +249,24 @@ def test_the_1b_parameter_count() -> None:
 def sample_outputs(out: Path) -> list[gpu_table.Stage]:
     """Logs as each stage leaves them: runner's metrics.jsonl, the bare loop's JSON line,
     bench_deploy's table, pytest's summary; one arm overran."""
-    run = out / "train_runner_eager"
-    run.mkdir(parents=True)
     # Logged every 10 steps: step 10 ends the warm-up; 3 windows of 10 steps after it.
-    rates = {10: 900.0, 20: 12000.0, 30: 10000.0, 40: 15000.0}
-    run.joinpath("metrics.jsonl").write_text(
-        "".join(
-            json.dumps({"step": s, "loss": 11.9, "tokens_per_s": r}) + "\n"
-            for s, r in rates.items()
+    for name, rates in {
+        "train_runner_eager": {10: 900.0, 20: 12000.0, 30: 10000.0, 40: 15000.0},
+        "train_runner_eager_varlen": {10: 900.0, 20: 13750.0, 30: 13750.0, 40: 13750.0},
+    }.items():
+        run = out / name
+        run.mkdir(parents=True)
+        run.joinpath("metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": s, "loss": 11.9, "tokens_per_s": r}) + "\n"
+                for s, r in rates.items()
+            )
         )
-    )
-    # As recipes/finetune.py logs it on CUDA at the last step.
-    run.joinpath("train.log").write_text(
-        "[2026-11-27 21:00:00,000][runner.recipe][INFO] - peak device memory: 9.87 GiB "
-        "(torch.cuda.max_memory_allocated)\n"
-    )
+        # As recipes/finetune.py logs it on CUDA at the last step.
+        run.joinpath("train.log").write_text(
+            "[2026-11-27 21:00:00,000][runner.recipe][INFO] - peak device memory: 9.87 GiB "
+            "(torch.cuda.max_memory_allocated)\n"
+        )
     bare = {
         "arm": "bare",
         "params": 1,
@@ -275,6 +279,7 @@ def sample_outputs(out: Path) -> list[gpu_table.Stage]:
         "train_bare_eager.log": "compiling...\n" + json.dumps(bare) + "\n",
         "train_bare_compiled.log": json.dumps(bare | {"graph_breaks": 2}) + "\n",
         "train_runner_compiled.log": "step 10/40 ...\n",
+        "train_runner_eager_varlen.log": "",
         "deploy.log": deploy_log(),
         "pytest_m_gpu.log": PYTEST_LOG,
     }
@@ -286,6 +291,9 @@ def sample_outputs(out: Path) -> list[gpu_table.Stage]:
         gpu_table.Stage("train bare compiled", "ok", 70, out / "train_bare_compiled.log"),
         gpu_table.Stage(
             "train runner compiled", "overran its 180 s", 180, out / "train_runner_compiled.log"
+        ),
+        gpu_table.Stage(
+            "train runner eager varlen", "ok", 50, out / "train_runner_eager_varlen.log"
         ),
         gpu_table.Stage("deploy", "ok", 400, out / "deploy.log"),
         gpu_table.Stage("pytest -m gpu", "failed (exit 1)", 215, out / "pytest_m_gpu.log"),
@@ -321,7 +329,8 @@ def test_the_table_from_sample_stage_outputs(tmp_path: Path) -> None:
     variant = [line for line in text.splitlines() if "max_waiting_steps=0 c=8" in line]
     assert [line.split()[4] for line in variant] == ["470"]
     assert rows["pytest -m gpu"].endswith("15 passed, 1 skipped in 212.40s (0:03:32)")
-    assert text.splitlines()[-1] == "ours/bare eager: 0.96"
+    # Each runner arm beside the bare loop of its mode; the compiled arm gave no figure.
+    assert text.splitlines()[-2:] == ["ours/bare eager: 0.96", "ours/bare eager varlen: 1.10"]
 
 
 def test_a_failed_deploy_says_why_in_the_table(tmp_path: Path) -> None:
@@ -403,6 +412,10 @@ def test_deploy_serves_the_runner_arms_checkpoint(tmp_path: Path) -> None:
     assert "runtime.log_every_n_steps=5" in runner  # a window per warm-up's worth of steps
     assert f"hydra.run.dir={tmp_path / 'train_runner_eager'}" in runner
     assert "compile=true" in lines["train runner compiled"]
+    # The varlen arm: the eager arm's command, attending through FlashAttention's varlen kernel.
+    varlen = lines["train runner eager varlen"]
+    assert varlen[-1] == "attention=varlen" and "compile=false" in varlen
+    assert f"hydra.run.dir={tmp_path / 'train_runner_eager_varlen'}" in varlen
     assert "--compile" in lines["train bare compiled"]
     # The last two warm-up steps profiled in every arm, runner's and the bare loop's alike.
     assert ["profile.enabled=true", "profile.start_step=4", "profile.steps=2"] == [

@@ -44,13 +44,17 @@ MODEL = "llama3_2_1b"
 # overran (it now runs the engine alone in one process, `generate` by --repeat-seconds, and a
 # third server): three servers' starts and warm-up, then 3 repeats of 2 s per side at each of 4
 # concurrencies. The runner eager arm comes first: its checkpoint is
-# what deploy serves and the profiles profile. Run as two calls of a lent GPU machine,
-# `--only train,deploy --budget-min 8` and `--only pytest --budget-min 3.5` (docs: benchmarks).
+# what deploy serves and the profiles profile. The varlen arm (attention=varlen: FlashAttention's
+# variable-length kernel where the default is flex attention, which decides the CUDA default) is
+# estimated from the eager arm, less flex attention's compiling. Run as two calls of a lent GPU
+# machine, `--only train,deploy --budget-min 8.5` and `--only pytest --budget-min 3.5` (docs:
+# benchmarks).
 SHARES = {
     "train runner eager": 0.09,
     "train bare eager": 0.05,
     "train runner compiled": 0.11,
     "train bare compiled": 0.05,
+    "train runner eager varlen": 0.07,
     "deploy": 0.33,
     "profile decode": 0.07,
     "profile engine": 0.03,
@@ -163,6 +167,9 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         "train runner compiled": train
         + train_overrides(args, text, True, out / slug("train runner compiled")),
         "train bare compiled": [*bare, "--compile", "--profile-out", str(profiles["compiled"])],
+        "train runner eager varlen": train
+        + train_overrides(args, text, False, out / slug("train runner eager varlen"))
+        + ["attention=varlen"],
         "deploy": deploy,
         "profile decode": profile,
         "profile engine": engine,
