@@ -27,9 +27,9 @@ Where the layers are compiled (compile=true), the attention call runs inside eac
 flex attention is called there directly (torchtune's call wraps its own compiled flex attention
 in torch.compiler.disable, a graph break in every layer; pytorch issue 149767), the varlen
 kernel is an operator the graph calls, and the CPU's per-sample attention is "gathered" (this
-torch has no CPU backward for flex attention). Where
-they are not, flex attention is compiled on its own with symbolic sizes (torchtune's, compiled
-for one shape at a time, runs uncompiled once padding-free rows have brought it 8 widths).
+torch has no CPU backward for flex attention). Where they are not, flex attention is compiled
+on its own with symbolic sizes (torchtune's, compiled for one shape at a time, runs uncompiled
+once padding-free rows have brought it 8 widths).
 Flex attention, and SDPA on the CPU, take the keys and values as many as the model has
 (grouped-query attention), not copied once per query head as torchtune's attention passes them.
 """
@@ -306,7 +306,10 @@ class Spans:
         from torch.nn.attention.varlen import varlen_attn
 
         if dropout_p > 0.0:  # torch's varlen_attn has no dropout
-            raise ValueError("attention=varlen takes no attention dropout; set it to 0.0")
+            raise ValueError(
+                "torch's variable-length attention has no dropout: set the model's attention "
+                "dropout to 0.0, or attention=auto"
+            )
         assert VARLEN_KEYWORDS is not None  # attention=varlen is refused on such a torch
         rows, heads, width, head_dim = q.shape
         # FlashAttention computes in bf16 or fp16 (the recipe's dtype, checked); fp32 comes
@@ -374,14 +377,13 @@ def _rows_call(original: AttentionCall, compiled: bool, kv_heads: int) -> Attent
     another (`_compiled_flex`).
 
     torchtune's MultiHeadAttention copies each of the `kv_heads` keys and values once for each
-    query head of its group before the call. Flex attention, and SDPA on the CPU, take them as
-    they were, kv_heads wide (enable_gqa), and so does FlashAttention's variable-length kernel,
-    so backward keeps a group's keys and values once, not
-    once a query head (a quarter at Llama 3.2 1B's 8 of 32 heads), and gets their gradients
-    summed in the kernel. On CUDA, SDPA's kernels for grouped keys are its flash ones (compute
-    capability 8.0 and up) and its math one, and the GPUs where SDPA runs here rather than flex
-    attention (below 7.5) have only the math one: there they stay expanded, for the
-    memory-efficient kernel."""
+    query head of its group before the call. Flex attention, FlashAttention's variable-length
+    kernel and SDPA on the CPU take them as they were, kv_heads wide (enable_gqa), so backward
+    keeps a group's keys and values once, not once a query head (a quarter at Llama 3.2 1B's 8
+    of 32 heads), and gets their gradients summed in the kernel. On CUDA, SDPA's kernels for
+    grouped keys are its flash ones (compute capability 8.0 and up) and its math one, and the
+    GPUs where SDPA runs here rather than flex attention (below 7.5) have only the math one:
+    there they stay expanded, for the memory-efficient kernel."""
     from torch.nn.attention.flex_attention import BlockMask
 
     def attention_call(
