@@ -60,6 +60,9 @@ SHARES = {
     "profile engine": 0.03,
     "pytest -m gpu": 0.31,
 }
+# The most one test of the pytest stage may take, where it sets no timeout of its own: well
+# inside the stage's share, so that a stuck test is named rather than the stage stopped.
+TEST_TIMEOUT_S = 150
 # The most a runner arm's final checkpoint may run past its share (the 1B model's weights and
 # AdamW state: about 14 GB to write).
 CHECKPOINT_GRACE_S = 120
@@ -173,11 +176,13 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         "deploy": deploy,
         "profile decode": profile,
         "profile engine": engine,
-        # Each test's outcome (-v) and seconds (--durations=0), which the table lists.
+        # Each test's outcome (-v) and seconds (--durations=0), which the table lists: every
+        # test marked gpu, test_gpu.py's runs through the CLI and the other files' checks of
+        # one kernel or module on CUDA (varlen attention, the fused norm, the block mask).
         "pytest -m gpu": [py, "-m", "pytest", "-o", "addopts=", "-ra", "-v"]
         + ["--durations=0", "-m", "gpu"]
         + pytest_workers()
-        + [str(ROOT / "tests" / "test_gpu.py")],
+        + [str(ROOT / "tests")],
     }
 
 
@@ -189,9 +194,13 @@ def max_concurrency(args: argparse.Namespace) -> int:
 def pytest_workers() -> list[str]:
     """Four pytest-xdist workers, test by test (tests of one xdist_group on one worker: those
     that share a run), where xdist is installed (the project's own options run whole files per
-    worker, and test_gpu.py is one file); else none. Each test trains or serves a tiny model,
-    so four share one GPU with room to spare."""
-    return ["-n", "4", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
+    worker, and test_gpu.py is most of them); else none. Each test trains or serves a tiny
+    model, so four share one GPU with room to spare. Where pytest-timeout is installed, a test
+    that sets no timeout of its own (test_gpu.py's do) fails by name past TEST_TIMEOUT_S."""
+    workers = ["-n", "4", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
+    has_timeout = importlib.util.find_spec("pytest_timeout")
+    timeout = ["--timeout", str(TEST_TIMEOUT_S)] if has_timeout else []
+    return workers + timeout
 
 
 def run_stage(
