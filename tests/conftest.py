@@ -98,6 +98,19 @@ class Result:
         self.stderr = _EXTENSION_MODULES.sub("", self.stderr)
 
 
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Compiled code and torch._dynamo's counters of this test alone (its caches are per
+    process)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def hermetic_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """No hub access, caches in a temporary directory, one thread per process."""

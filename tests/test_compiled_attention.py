@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,6 @@ from tests.test_padding_free import (
     packed_rows,
     tiny_llama,
 )
-
-
-@pytest.fixture
-def fresh_dynamo() -> Iterator[None]:
-    """Compiled code and counters of this test alone (dynamo's caches are per process)."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def graph_breaks() -> int:
@@ -120,28 +110,34 @@ def train_steps(
     return losses
 
 
+def eager_and_compiled(vocab_size: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two tiny Llamas of the same weights on the CPU in fp32: one eager, one whose decoder
+    layers are compiled as runner's compile=true compiles them (runner.trainer.parallel)."""
+    from runner.models.backends.torchtune import TorchtuneBackend
+    from runner.trainer.parallel import Placement, prepare_model
+
+    torch.manual_seed(0)
+    eager = tiny_llama(vocab_size)
+    compiled = tiny_llama(vocab_size)
+    compiled.load_state_dict(eager.state_dict())
+    place = Placement(0, 1, CPU, torch.float32, torch.float32)
+    prepare_model(
+        compiled, TorchtuneBackend(None), place, activation_checkpointing=False, compile=True
+    )
+    return eager, compiled
+
+
 def test_compiled_packed_steps_break_no_graph_and_recompile_nothing(
     tmp_path: Path, fresh_dynamo: None
 ) -> None:
     """runner's compile=true (each decoder layer compiled, runner.trainer.parallel) on packs of
     other samples at each step: no graph break, no recompile after the first step, and the
     eager per-sample attention's losses (compute=cpu dtype=fp32)."""
-    from runner.models.backends.torchtune import TorchtuneBackend
-    from runner.trainer.parallel import Placement, prepare_model
-
     samples = make_content_first_samples(tmp_path)
     batches = packed_batches(samples, steps=3)
     starts = [b["input_pos"].eq(0).nonzero().tolist() for b in batches]
     assert starts[0] != starts[1] != starts[2]  # the samples lie elsewhere at each step
-    vocab = max(int(b["tokens"].max()) for b in batches) + 1
-    torch.manual_seed(0)
-    eager = tiny_llama(vocab)
-    compiled = tiny_llama(vocab)
-    compiled.load_state_dict(eager.state_dict())
-    place = Placement(0, 1, CPU, torch.float32, torch.float32)
-    prepare_model(
-        compiled, TorchtuneBackend(None), place, activation_checkpointing=False, compile=True
-    )
+    eager, compiled = eager_and_compiled(max(int(b["tokens"].max()) for b in batches) + 1)
     assert RowAttention.of(compiled, CPU).kind == "gathered"
     assert RowAttention.of(eager, CPU).kind == "samples"
 
@@ -189,17 +185,7 @@ def test_compiled_mixed_lengths_compile_once(fresh_dynamo: None) -> None:
     (other widths, another count of rows, other buckets' sizes: all symbolic from the first;
     the old code compiled again at the second step, and at the first batch of another count
     of rows), breaks no graph, and gives the eager per-sample losses."""
-    from runner.models.backends.torchtune import TorchtuneBackend
-    from runner.trainer.parallel import Placement, prepare_model
-
-    torch.manual_seed(0)
-    eager = tiny_llama(50)
-    compiled = tiny_llama(50)
-    compiled.load_state_dict(eager.state_dict())
-    place = Placement(0, 1, CPU, torch.float32, torch.float32)
-    prepare_model(
-        compiled, TorchtuneBackend(None), place, activation_checkpointing=False, compile=True
-    )
+    eager, compiled = eager_and_compiled(50)
     batches = mixed_length_batches(6, RowAttention.of(compiled, CPU))
     assert len({b["tokens"].shape[0] for b in batches}) > 1  # the count of rows changes
     assert len({b["tokens"].shape[1] for b in batches}) == len(batches)  # and every width

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from runner.data.transforms import pack_rows
 from runner.models.attention import VARLEN_KEYWORDS, RowAttention, Spans, dense_block_causal_mask
-from tests.test_compiled_attention import mixed_length_batches, train_steps
+from tests.test_compiled_attention import eager_and_compiled, mixed_length_batches, train_steps
 from tests.test_padding_free import CPU, make_content_first_samples, packed_rows, tiny_llama
 
 
@@ -166,14 +166,6 @@ def test_varlen_attention_is_sdpa_under_the_dense_mask(
             torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.fixture
-def fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def test_compiled_layers_call_varlen_inside_their_graphs(
     fresh_dynamo: None, varlen_on_the_cpu: None
 ) -> None:
@@ -181,17 +173,7 @@ def test_compiled_layers_call_varlen_inside_their_graphs(
     on padding-free batches of mixed lengths, each another width, count of rows and longest
     sample: no graph break, no recompile after the first batch (the longest sample is a
     symbolic size, not a number compiled in), and the eager layers' losses."""
-    from runner.models.backends.torchtune import TorchtuneBackend
-    from runner.trainer.parallel import Placement, prepare_model
-
-    torch.manual_seed(0)
-    eager = tiny_llama(50)
-    compiled = tiny_llama(50)
-    compiled.load_state_dict(eager.state_dict())
-    place = Placement(0, 1, CPU, torch.float32, torch.float32)
-    prepare_model(
-        compiled, TorchtuneBackend(None), place, activation_checkpointing=False, compile=True
-    )
+    eager, compiled = eager_and_compiled(50)
     varlen = RowAttention("varlen", 256)
     batches = mixed_length_batches(4, varlen)
     longest = [int(Spans.of(b["input_pos"], CPU).longest.shape[0]) for b in batches]
