@@ -237,3 +237,66 @@ def test_varlen_trains_as_flex_attention_on_cuda(tmp_path: Path) -> None:
     torch.testing.assert_close(varlen_loss, flex_loss, rtol=1e-2, atol=1e-2)
     for got, expected in zip(varlen_grads, flex_grads, strict=True):
         torch.testing.assert_close(got.float(), expected.float(), rtol=5e-2, atol=5e-2)
+
+
+# What CUDA's checks see (runner.config.dataset.kernel_refusal, fed from torch and the GPU there).
+H100 = {"family": "llama3_2", "block_mask": True, "dtype": "bf16_mixed", "capability": (9, 0)}
+H100 |= {"torch_version": "2.13.0", "has_varlen": True}
+
+
+@pytest.mark.parametrize(
+    ("attention", "changed", "refusal"),
+    [
+        ("varlen", {}, None),
+        ("flex", {}, None),
+        ("varlen", {"dtype": "bf16"}, None),
+        ("flex", {"capability": (7, 5)}, None),
+        (
+            "varlen",
+            {"dtype": "fp32"},
+            "FlashAttention computes in bf16: set dtype=bf16_mixed or dtype=bf16, or "
+            "attention=auto",
+        ),
+        (
+            "varlen",
+            {"capability": (7, 5)},
+            "FlashAttention needs compute capability 8.0 or more, and this GPU's is 7.5; set "
+            "attention=auto",
+        ),
+        (
+            "flex",
+            {"capability": (7, 0)},
+            "flex attention needs compute capability 7.5 or more, and this GPU's is 7.0; set "
+            "attention=auto",
+        ),
+        (
+            "varlen",
+            {"has_varlen": False, "torch_version": "2.9.1"},
+            "torch 2.9.1 has no torch.nn.attention.varlen (2.10 and later have it); set "
+            "attention=auto",
+        ),
+        (
+            "flex",
+            {"family": "gemma2", "block_mask": False},
+            "torchtune's gemma2 attention does its own arithmetic on a dense mask, which it "
+            "always gets; set attention=auto",
+        ),
+    ],
+    ids=[
+        "varlen",
+        "flex",
+        "varlen-bf16",
+        "flex-turing",
+        "fp32",
+        "turing",
+        "volta",
+        "old-torch",
+        "gemma2",
+    ],
+)
+def test_what_cuda_refuses_of_each_kernel_and_why(
+    attention: str, changed: dict[str, object], refusal: str | None
+) -> None:
+    from runner.config.dataset import kernel_refusal
+
+    assert kernel_refusal(attention, **(H100 | changed)) == refusal  # type: ignore[arg-type]

@@ -344,46 +344,55 @@ def _check_kernel(attention: str, model: ModelRecipe, dtype: str) -> None:
 
     from runner.models.attention import VARLEN_KEYWORDS
     from runner.models.families import family_named
-    from runner.models.torchtune_boundary import SUPPORTS_FLEX_ATTENTION
 
-    if model.family is not None and not family_named(model.family).block_mask:
-        raise UserError(
-            "attention",
-            attention,
-            f"torchtune's {model.family} attention does its own arithmetic on a dense mask, "
-            "which it always gets; set attention=auto",
+    why = kernel_refusal(
+        attention,
+        family=model.family,
+        block_mask=model.family is None or family_named(model.family).block_mask,
+        dtype=dtype,
+        capability=torch.cuda.get_device_capability(),
+        torch_version=torch.__version__,
+        has_varlen=VARLEN_KEYWORDS is not None,
+    )
+    if why is not None:
+        raise UserError("attention", attention, why)
+
+
+def kernel_refusal(
+    attention: str,
+    *,
+    family: str | None,
+    block_mask: bool,
+    dtype: str,
+    capability: tuple[int, int],
+    torch_version: str,
+    has_varlen: bool,
+) -> str | None:
+    """Why the model (its `family`, whose torchtune attention takes a `block_mask` or not),
+    `dtype`, torch and GPU (its compute `capability`) cannot take `attention` (flex or varlen),
+    with the fix; None where they can."""
+    if not block_mask:
+        return (
+            f"torchtune's {family} attention does its own arithmetic on a dense mask, which it "
+            "always gets; set attention=auto"
         )
-    major, minor = torch.cuda.get_device_capability()
-    if attention == "flex" and not SUPPORTS_FLEX_ATTENTION:
-        raise UserError(
-            "attention",
-            attention,
-            f"flex attention needs compute capability 7.5 or more, and this GPU's is "
-            f"{major}.{minor}; set attention=auto",
-        )
+    gpu = f"this GPU's is {capability[0]}.{capability[1]}"
+    if attention == "flex" and capability < (7, 5):  # torchtune's SUPPORTS_FLEX_ATTENTION
+        return f"flex attention needs compute capability 7.5 or more, and {gpu}; set attention=auto"
     if attention != "varlen":
-        return
+        return None
     if dtype == "fp32":
-        raise UserError(
-            "attention",
-            attention,
-            "FlashAttention computes in bf16: set dtype=bf16_mixed or dtype=bf16, or "
-            "attention=auto",
+        return (
+            "FlashAttention computes in bf16: set dtype=bf16_mixed or dtype=bf16, or attention=auto"
         )
-    if VARLEN_KEYWORDS is None:
-        raise UserError(
-            "attention",
-            attention,
-            f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and later "
-            "have it); set attention=auto",
+    if not has_varlen:
+        return (
+            f"torch {torch_version} has no torch.nn.attention.varlen (2.10 and later have it); "
+            "set attention=auto"
         )
-    if (major, minor) < (8, 0):
-        raise UserError(
-            "attention",
-            attention,
-            f"FlashAttention needs compute capability 8.0 or more, and this GPU's is "
-            f"{major}.{minor}; set attention=auto",
-        )
+    if capability < (8, 0):
+        return f"FlashAttention needs compute capability 8.0 or more, and {gpu}; set attention=auto"
+    return None
 
 
 def padding_free(dataset: DatasetRecipe, given: bool | None, model: ModelRecipe) -> bool:
