@@ -531,6 +531,14 @@ def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> No
     assert lines[1].split() == ["kind", "runner", "compiled"]
     kinds = [line.split()[0] for line in lines[2:]]
     assert kinds == ["attention", "matmul", "loss", "optimizer", "copy", "other", "busy", "wall"]
+    # A longer arm's name widens every column and stays apart from its neighbour's.
+    varlen = tmp_path / "train_runner_eager_varlen"
+    varlen.mkdir()
+    (varlen / "profile").symlink_to(run / "profile")
+    arms = ["train runner compiled", "train runner eager varlen"]
+    lines = gpu_table.profile_table(arms, tmp_path)
+    assert lines[1].split() == ["kind", "runner", "compiled", "runner", "eager", "varlen"]
+    assert len({len(line) for line in lines[1:]}) == 1  # the values under their names
 
 
 def test_bench_deploy_prints_http_over_the_engine_alone_and_marks_noisy_rows() -> None:

@@ -238,8 +238,9 @@ def profile_table(arms: list[str], out: Path) -> list[str]:
     first = next(iter(summaries.values()))
     what = "kernels on the GPU" if first["device"] == "cuda" else "ops' self time on the CPU"
     lines = [f"profile, ms a step ({first['steps']} warm-up steps; by kind, {what}):"]
-    lines.append(f"  {'kind':10}" + "".join(f"{arm:>17}" for arm in columns))
+    width = max(17, *(len(arm) + 2 for arm in columns))  # "runner eager varlen" is 19 wide
+    lines.append(f"  {'kind':10}" + "".join(f"{arm:>{width}}" for arm in columns))
     for kind in next(iter(columns.values())):
-        values = "".join(f"{column.get(kind, 0.0):>17.1f}" for column in columns.values())
+        values = "".join(f"{column.get(kind, 0.0):>{width}.1f}" for column in columns.values())
         lines.append(f"  {kind:10}{values}")
     return lines
