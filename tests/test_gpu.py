@@ -97,21 +97,24 @@ def transformers_logits(checkpoint: Path) -> torch.Tensor:
         return model(tokens.to("cuda")).logits.float()
 
 
-# Each method once, packed twice (flex attention on CUDA): packing changes the attention, which
-# no method changes, and NF4 the projections, which packing does not touch. Full training
-# unpacked runs in the compile and activation-checkpointing tests' plain run. On the H200 the
-# six pairs took 181 s of the workers' time, the file 188 s against its 150 (issue 48); these
-# three took 92 s of it.
+# Each method once, packed twice: packing changes the attention, which no method changes, and
+# NF4 the projections, which packing does not touch. One packed run attends through flex
+# attention (CUDA's default, compiled at the run's start), the other through FlashAttention's
+# varlen kernel (attention=varlen, nothing compiled). Full training unpacked runs in the compile
+# and activation-checkpointing tests' plain run. On the H200 the six pairs took 181 s of the
+# workers' time, the file 188 s against its 150 (issue 48); these three took 92 s of it.
 @pytest.mark.parametrize(
     ("method", "packing"),
-    [("full", True), ("lora", True), ("qlora", False)],
-    ids=["full-packed", "lora-packed", "qlora-unpacked"],
+    [("full", "flex"), ("lora", "varlen"), ("qlora", None)],
+    ids=["full-packed", "lora-packed-varlen", "qlora-unpacked"],
 )
-def test_bf16_training_on_cuda(runner_cli, tmp_path: Path, method: str, packing: bool) -> None:
+def test_bf16_training_on_cuda(
+    runner_cli, tmp_path: Path, method: str, packing: str | None
+) -> None:
     run = tmp_path / "run"
-    checkpoint = train(
-        runner_cli, run, *METHODS[method], "dtype=bf16", f"dataset.packing={str(packing).lower()}"
-    )
+    packed = ["dataset.packing=true", f"attention={packing}"] if packing else []
+    checkpoint = train(runner_cli, run, *METHODS[method], "dtype=bf16", *packed)
+    assert OmegaConf.load(run / "recipe.yaml").attention == (packing or "auto")
     check_learned_on_cuda(run, "bf16")
     assert (checkpoint / "model.safetensors").is_file()
     if method != "full":
