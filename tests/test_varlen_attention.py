@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 from runner.data.transforms import pack_rows
 from runner.models.attention import VARLEN_KEYWORDS, RowAttention, Spans, dense_block_causal_mask
+from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 from tests.test_compiled_attention import eager_and_compiled, mixed_length_batches, train_steps
 from tests.test_padding_free import CPU, make_content_first_samples, packed_rows, tiny_llama
 
@@ -129,10 +130,18 @@ def test_spans_are_each_samples_first_token_in_the_flattened_rows(tmp_path: Path
     assert spans.starts.dtype == torch.int32
     assert spans.starts.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
     assert spans.starts[-1] == rows * width and spans.longest.shape == (max(lengths), 0)
-    # Positions that go on past a sample's end (PackedDataset's padding) stay in that sample.
+    # pack_rows pads a row with a sequence of its own; PackedDataset's padding instead goes on
+    # from the row's last sample's positions, and joins that sample: one start fewer.
+    row = next(
+        r
+        for r, pack in enumerate(packs)  # a row ending in padding: two labels ignored, or more
+        if len(pack["seq_lens"]) > 1 and (pack["labels"][-2:] == CROSS_ENTROPY_IGNORE_IDX).all()
+    )
+    pad = int(width - packs[row]["seq_lens"][-1])  # where the padding sequence starts
     continued = input_pos.clone()
-    continued[0, -3:] = continued[0, -4] + torch.arange(1, 4)
-    assert Spans.of(continued, CPU).starts.tolist() == Spans.of(input_pos, CPU).starts.tolist()
+    continued[row, pad:] = continued[row, pad - 1] + torch.arange(1, width - pad + 1)
+    starts = Spans.of(continued, CPU).starts.tolist()
+    assert starts == [s for s in spans.starts.tolist() if s != row * width + pad]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-eval"])
