@@ -61,6 +61,14 @@ def _documents(input_pos: torch.Tensor) -> torch.Tensor:
     return (input_pos == 0).cumsum(dim=1)
 
 
+def _sample_starts(input_pos: torch.Tensor) -> torch.Tensor:
+    """Whether each position of the rows laid end to end ([rows * width]) begins a sample:
+    where its position is 0, and at each row's start (a sample never spans two rows)."""
+    starts = (input_pos == 0).flatten()
+    starts[:: input_pos.shape[1]] = True
+    return starts
+
+
 def dense_block_causal_mask(input_pos: torch.Tensor) -> torch.Tensor:
     """The [rows, s, s] boolean block-causal mask that SDPA takes, of rows whose samples'
     positions each start at 0, on input_pos's device."""
@@ -208,8 +216,7 @@ class Gathered:
     def of(cls, input_pos: torch.Tensor) -> Gathered:
         """The samples of rows whose positions each start at 0, on input_pos's device."""
         device, total = input_pos.device, input_pos.numel()
-        starts = (input_pos == 0).flatten()
-        starts[0] = True  # each row starts a sample (the first row's, here)
+        starts = _sample_starts(input_pos)
         first_at = starts.nonzero().flatten()  # each sample's first position
         first = first_at.tolist()  # the one host read: the starts, which size the buckets
         lengths = [e - b for b, e in zip(first, [*first[1:], total], strict=True)]
@@ -285,11 +292,8 @@ class Spans:
     def of(cls, input_pos: torch.Tensor, device: torch.device) -> Spans:
         """The samples of rows whose positions each start at 0; computed where input_pos is
         (the loader's batch, on the host: no read back from the device), then copied."""
-        rows, width = input_pos.shape
-        first = (input_pos == 0).flatten()
-        first[::width] = True
-        total = torch.tensor([rows * width], device=input_pos.device)
-        starts = torch.cat((first.nonzero().flatten(), total))
+        total = torch.tensor([input_pos.numel()], device=input_pos.device)
+        starts = torch.cat((_sample_starts(input_pos).nonzero().flatten(), total))
         longest = max(2, int(starts.diff().max()))  # a size of 1 would be specialized
         spans = cls(
             to_device(starts.to(torch.int32), device), torch.empty(longest, 0, device=device)
