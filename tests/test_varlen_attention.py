@@ -250,7 +250,7 @@ def test_varlen_trains_as_flex_attention_on_cuda(tmp_path: Path) -> None:
 
 # What CUDA's checks see (runner.config.dataset.kernel_refusal, fed from torch and the GPU there).
 H100 = {"family": "llama3_2", "block_mask": True, "dtype": "bf16_mixed", "capability": (9, 0)}
-H100 |= {"torch_version": "2.13.0", "has_varlen": True}
+H100 |= {"torch_version": "2.13.0", "has_flex": True, "has_varlen": True}
 
 
 @pytest.mark.parametrize(
@@ -274,7 +274,7 @@ H100 |= {"torch_version": "2.13.0", "has_varlen": True}
         ),
         (
             "flex",
-            {"capability": (7, 0)},
+            {"capability": (7, 0), "has_flex": False},
             "flex attention needs compute capability 7.5 or more, and this GPU's is 7.0; set "
             "attention=auto",
         ),

@@ -344,6 +344,7 @@ def _check_kernel(attention: str, model: ModelRecipe, dtype: str) -> None:
 
     from runner.models.attention import VARLEN_KEYWORDS
     from runner.models.families import family_named
+    from runner.models.torchtune_boundary import SUPPORTS_FLEX_ATTENTION
 
     why = kernel_refusal(
         attention,
@@ -352,6 +353,7 @@ def _check_kernel(attention: str, model: ModelRecipe, dtype: str) -> None:
         dtype=dtype,
         capability=torch.cuda.get_device_capability(),
         torch_version=torch.__version__,
+        has_flex=SUPPORTS_FLEX_ATTENTION,
         has_varlen=VARLEN_KEYWORDS is not None,
     )
     if why is not None:
@@ -366,18 +368,20 @@ def kernel_refusal(
     dtype: str,
     capability: tuple[int, int],
     torch_version: str,
+    has_flex: bool,
     has_varlen: bool,
 ) -> str | None:
     """Why the model (its `family`, whose torchtune attention takes a `block_mask` or not),
-    `dtype`, torch and GPU (its compute `capability`) cannot take `attention` (flex or varlen),
-    with the fix; None where they can."""
+    `dtype`, torch and GPU (its compute `capability`; `has_flex`, torchtune's own verdict on
+    flex attention, which RowAttention follows) cannot take `attention` (flex or varlen), with
+    the fix; None where they can."""
     if not block_mask:
         return (
             f"torchtune's {family} attention does its own arithmetic on a dense mask, which it "
             "always gets; set attention=auto"
         )
     gpu = f"this GPU's is {capability[0]}.{capability[1]}"
-    if attention == "flex" and capability < (7, 5):  # torchtune's SUPPORTS_FLEX_ATTENTION
+    if attention == "flex" and not has_flex:  # compute capability 7.5 and up
         return f"flex attention needs compute capability 7.5 or more, and {gpu}; set attention=auto"
     if attention != "varlen":
         return None
