@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -96,6 +100,57 @@ def test_optuna_search_optimizes_the_objective(runner_cli, tmp_path: Path) -> No
     assert len(rows) == 3
     found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert found["best_value"] == min(r["metric"] for r in rows)
+
+
+def test_an_optuna_direction_against_the_objective_is_refused_before_any_job(
+    runner_cli, tmp_path: Path
+) -> None:
+    """Optuna minimizes by default: a sweep ranked by objective.mode=max would seek the worst."""
+    sweep = tmp_path / "sweep"
+    result = runner_cli(
+        "train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "objective.metric=eval_exact_match",
+        "objective.mode=max",
+        "optimizer.lr=tag(log, interval(1e-4, 1e-2))",
+        *TINY_JOB,
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        "error: hydra.sweeper.direction='minimize': the jobs return eval_exact_match, which "
+        "objective.mode=max says is better higher; set hydra.sweeper.direction=maximize (or "
+        "objective.mode=min, if it is better lower)"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr and not sweep.exists()
+
+
+def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: Path) -> None:
+    """The job stopped saves as any run does; the jobs after it never start; the summary says
+    so, as Hydra's end-of-job callback, which Ctrl-C skips, would have."""
+    sweep = tmp_path / "sweep"
+    args = [*QUICK, "compute=cpu", "max_steps=400", "runtime.log_every_n_steps=1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "train", "-m", *args, "optimizer.lr=1e-3,2e-3"]
+        + ["eval.strategy=no", f"hydra.sweep.dir={sweep}"],
+        env=hermetic_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics, deadline = sweep / "0" / "metrics.jsonl", time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    (row,) = summary_of(sweep)["runs"]
+    assert row["state"] == "cancelled" and 2 <= row["step"] < 400, row
+    assert "| cancelled |" in (sweep / "summary.md").read_text()
+    assert not (sweep / "1").exists()
 
 
 def test_a_job_after_one_trained_in_the_sweeps_process_starts_fresh_workers(

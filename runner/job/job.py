@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
@@ -25,6 +26,7 @@ from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, user_errors_pass_hydra
 from runner.job.launch import as_launcher, launch, node_rank_of
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
+from runner.job.sweep import write_summary
 from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
 from runner.rundir.manifest import build_manifest, write_manifest
 
@@ -82,6 +84,10 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
             run.write_status("failed", error=f"{type(err).__name__}: {err}")
         print(f"error: job {run_dir.name} ({' '.join(overrides)}): {err}", file=sys.stderr)
         return math.nan
+    except BaseException:  # Ctrl-C or SIGTERM: the sweep ends with this job, which Hydra's
+        # on_job_end will not see; the summary says what the sweep did up to here.
+        write_summary(Path(HydraConfig.get().sweep.dir), cfg.objective.metric, cfg.objective.mode)
+        raise
     scored = run.objective_value(cfg.objective.metric)
     return float(scored[0]) if scored else math.nan
 

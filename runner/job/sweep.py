@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from runner.errors import UserError, user_errors_pass_hydra
 from runner.rundir import RunDir, Status, best_run, sweep_runs, write_json_atomic
 
 SUMMARY_JSON = "summary.json"
@@ -153,8 +154,38 @@ def write_summary(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
     return summary
 
 
+# objective.mode as Optuna's sweeper names the same direction.
+OPTUNA_DIRECTIONS = {"min": "minimize", "max": "maximize"}
+HIGHER_OR_LOWER = {"min": "lower", "max": "higher"}
+
+
+def check_direction(sweeper: DictConfig, objective: DictConfig) -> None:
+    """An Optuna sweep (a sweeper with a direction) optimizes what each job returns, its
+    objective.metric: in the direction of objective.mode, or it would seek the worst job."""
+    if "direction" not in sweeper:
+        return  # Hydra's basic sweeper: the summary ranks by objective.mode
+    direction = sweeper.direction
+    direction = getattr(direction, "name", direction)  # Optuna's Direction enum, or its name
+    wanted = OPTUNA_DIRECTIONS[objective.mode]
+    other = "max" if objective.mode == "min" else "min"
+    if direction != wanted:
+        raise UserError(
+            "hydra.sweeper.direction",
+            direction if isinstance(direction, str) else list(direction),
+            f"the jobs return {objective.metric}, which objective.mode={objective.mode} says is "
+            f"better {HIGHER_OR_LOWER[objective.mode]}; set hydra.sweeper.direction={wanted} "
+            f"(or objective.mode={other}, if it is better {HIGHER_OR_LOWER[other]})",
+        )
+
+
 class SweepSummary(Callback):
-    """Hydra callback: keeps the sweep directory's summary current, prints it at the end."""
+    """Hydra callback: checks an Optuna sweep's direction, keeps the sweep directory's summary
+    current, prints it at the end."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
+        with user_errors_pass_hydra():
+            check_direction(config.hydra.sweeper, config.objective)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
