@@ -98,6 +98,44 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
+def written(run: Path) -> dict[Path, bytes]:
+    """Every file of a run but its lock, which names the last process that took it."""
+    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def test_a_run_directory_is_trained_again_only_by_the_command_that_started_it(
+    runner_cli, tmp_path: Path
+) -> None:
+    """The same line again (a requeue) goes on with the run; other overrides into its directory
+    are refused by name before anything there is written, and resume= is the way on."""
+    run = tmp_path / "run"
+    args = [*QUICK, "compute=cpu", "max_steps=4", "runtime.save_every_n_steps=2"]
+    result = runner_cli("train", *args, "eval.strategy=no", f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = written(run)
+
+    result = runner_cli(
+        "train",
+        *args,
+        "eval.strategy=no",
+        "optimizer.lr=5e-3",
+        "max_steps=6",
+        f"hydra.run.dir={run}",
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        f"error: hydra.run.dir='{run}': holds a run that other overrides started: max_steps=6 "
+        "(recorded: max_steps=4), optimizer.lr=5e-3 (recorded: not given); go on with it as "
+        f"recorded (runner resume {run}), or give another hydra.run.dir"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert written(run) == files
+
+    result = runner_cli("train", *args, "eval.strategy=no", f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+
+
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -> None:
     """Ctrl-C does what SIGTERM does: a checkpoint at the stop step, `cancelled`, no traceback."""
     run = tmp_path / "interrupted"

@@ -28,7 +28,13 @@ from runner.job.launch import as_launcher, launch, node_rank_of
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
 from runner.job.sweep import write_summary
 from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
-from runner.rundir.manifest import build_manifest, write_manifest
+from runner.rundir.manifest import (
+    MANIFEST_FILE,
+    build_manifest,
+    read_manifest,
+    recorded_form,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +101,8 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
 class RunDirLock(Callback):
     """Hydra callback of `runner train` (not of -m): takes the run directory's lock before Hydra
     writes into it (.hydra/, train.log), so that a hydra.run.dir or resume= naming a run that
-    another process trains is refused with that run untouched. The job then finds it held."""
+    another process trains is refused with that run untouched, as is a hydra.run.dir naming a
+    run that other overrides started. The job then finds the lock held."""
 
     def __init__(self) -> None:
         self._lock = contextlib.ExitStack()
@@ -105,6 +112,8 @@ class RunDirLock(Callback):
         with user_errors_pass_hydra():
             run = RunDir(str(config.hydra.run.dir))  # as Hydra resolves it: ${now:} is cached
             self._lock.enter_context(_trainer_lock(config, run))
+            if config.resume is None:
+                _check_same_command(run, list(config.hydra.overrides.task))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._lock.close()
@@ -124,6 +133,38 @@ def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextMan
     if resumed and not held_here(run.path):
         wait_for_orphans(run)  # typed right after a kill -9 of the launcher: its workers save
     return run_lock(run.path, key="hydra.run.dir" if cfg.resume is None else "resume")
+
+
+# The override that tells apart the nodes of a multi-node run, each typing the same line.
+_PER_NODE = "compute.node_rank="
+
+
+def _check_same_command(run: RunDir, overrides: list[str]) -> None:
+    """A directory that holds a run is trained again by the command that started it alone (a
+    requeue, a node started again: it goes on from its last checkpoint); other overrides would
+    rewrite its recipe under the steps it trained. Refused before Hydra writes there."""
+    if not (run.path / MANIFEST_FILE).is_file():
+        return  # killed before it recorded anything
+    recorded = _by_key(read_manifest(run)["overrides"])
+    given = _by_key(recorded_form(overrides))
+    if recorded == given:
+        return
+    changes = [
+        f"{given.get(key, key + ' not given')} (recorded: {recorded.get(key, 'not given')})"
+        for key in sorted(recorded.keys() | given.keys())
+        if recorded.get(key) != given.get(key)
+    ]
+    raise UserError(
+        "hydra.run.dir",
+        str(run.path),
+        f"holds a run that other overrides started: {', '.join(changes)}; go on with it as "
+        f"recorded (runner resume {run.path}), or give another hydra.run.dir",
+    )
+
+
+def _by_key(overrides: list[str]) -> dict[str, str]:
+    """Overrides by the key each sets (`+a.b=1`: a.b), but the node's rank."""
+    return {o.split("=", 1)[0].lstrip("+~"): o for o in overrides if not o.startswith(_PER_NODE)}
 
 
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:

@@ -172,7 +172,7 @@ def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> Man
     return {
         "config": redact(recipe),
         "config_hash": config_hash(recipe),
-        "overrides": [o if not SECRET_KEY.search(o.split("=")[0]) else REDACTED for o in overrides],
+        "overrides": recorded_form(overrides),
         "packages": _versions(),
         "python": sys.version.split()[0],
         "torch_build": {
@@ -196,6 +196,11 @@ def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> Man
         "hardware": _hardware(recipe["compute"]["device"]),
         "checkpoints": {},
     }
+
+
+def recorded_form(overrides: list[str]) -> list[str]:
+    """Command-line overrides as the manifest records them: a secret's whole override redacted."""
+    return [o if not SECRET_KEY.search(o.split("=")[0]) else REDACTED for o in overrides]
 
 
 def write_manifest(run: RunDir, manifest: Manifest | dict[str, Any]) -> None:
