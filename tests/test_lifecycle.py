@@ -122,6 +122,44 @@ def test_lifecycle_commands_refuse_what_is_not_a_run(runner_cli, tmp_path: Path)
     assert runner_cli("runs", str(tmp_path)).stdout.startswith("no runs under")
 
 
+def test_logs_of_a_starting_run_waits_for_it_then_follows(runner_cli, hermetic_env, tmp_path):
+    """A run holds its lock before Hydra writes into its directory and records its status
+    seconds later, once its recipe is resolved and its data checked: `runner logs -f` typed in
+    between waits for it, rather than deny that it is a run, then follows it to its end."""
+    run_dir = tmp_path / "starting"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "train", *QUICK, "max_steps=4"]
+        + ["runtime.log_every_n_steps=1", f"hydra.run.dir={run_dir}"],
+        env=hermetic_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while not (run_dir / ".lock").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGSTOP)  # within the seconds of its start-up
+    try:
+        assert not (run_dir / "status.json").exists()
+        out, err = tmp_path / "logs.out", tmp_path / "logs.err"
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            logs = subprocess.Popen(
+                [sys.executable, "-m", "runner", "logs", str(run_dir), "-f"],
+                env=hermetic_env,
+                stdout=stdout,
+                stderr=stderr,
+            )
+        while "the run is starting; waiting for its status.json" not in err.read_text():
+            assert logs.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(timeout=300) == 0
+    assert logs.wait(timeout=60) == 0, err.read_text()
+    followed = out.read_text()
+    assert "step 1/4 loss" in followed and "eval at step 4: eval_loss" in followed
+
+
 TWO_PROCESSES = [
     "compute=cpu",
     "dtype=fp32",

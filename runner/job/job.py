@@ -191,12 +191,16 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     # On several nodes the status is node 0's (then global rank 0's): another node, or one that
     # rejoins a running group, leaves it be.
     if node_rank == 0 or not is_run_dir(run.path):
+        # `runner stop` signals this process: the run's launcher, whatever its world size,
+        # named in the run's first status (a stop waits for it). A run killed before its first
+        # status was written starts as `created`.
         if cfg.resume is None:
-            run.write_status("created", step=0, total_steps=recipe.max_steps)
-        # `runner stop` signals this process: the run's launcher, whatever its world size. A
-        # run killed before its first status was written starts as `created`.
-        state = run.status().state
-        run.write_status(state if state in STATES else "created", launcher_pid=os.getpid())
+            run.write_status(
+                "created", step=0, total_steps=recipe.max_steps, launcher_pid=os.getpid()
+            )
+        else:
+            state = run.status().state
+            run.write_status(state if state in STATES else "created", launcher_pid=os.getpid())
     result = launch(recipe, run.recipe_path, node_rank)
     _print_summary(run)
     return result

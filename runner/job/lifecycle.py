@@ -34,7 +34,15 @@ ORPHANS_WAIT_S = 300.0
 
 
 def run_dir_at(path: Path, key: str = "RUN") -> RunDir:
+    """The run at `path`; one that is starting (its launcher holds the lock while it resolves
+    the recipe and checks the data, seconds before it records its status) is waited for."""
     run = RunDir(path)
+    waiting = False
+    while not is_run_dir(run.path) and lock_held(run.path):
+        if not waiting:
+            print(f"{path}: the run is starting; waiting for its status.json", file=sys.stderr)
+            waiting = True
+        time.sleep(0.1)
     if not is_run_dir(run.path):
         raise UserError(
             key,
