@@ -65,6 +65,14 @@ def test_estimate_cli(runner_cli) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "1,051,776 parameters, fp32, cpu x 1" in result.stdout
     assert "optimizer steps per epoch" in result.stdout
+    assert "model=tiny is runner's llama3 family (random init)" in result.stdout
+    # A zoo model whose source is not downloaded is priced by its family, not called random.
+    result = runner_cli("estimate", "compute=cpu", "model=llama3_2_1b", "method=lora")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (
+        "model=llama3_2_1b is runner's llama3 family "
+        "(hf://meta-llama/Llama-3.2-1B-Instruct, not here yet)"
+    ) in result.stdout
 
 
 def test_estimate_counts_the_activations_of_one_forward_pass(tmp_path: Path) -> None:

@@ -280,7 +280,8 @@ def _backend(model: DictConfig, config: dict[str, Any] | None) -> tuple[str, str
                 "transformers builds a model from its checkpoint: give model.source=DIR, or "
                 "model.backend=auto",
             )
-        return "torchtune", f"model={model.name} is runner's {model.family} family (random init)"
+        weights = "random init" if model.source is None else f"{model.source}, not here yet"
+        return "torchtune", f"model={model.name} is runner's {model.family} family ({weights})"
     return _source_backend(model, wanted, config.get("model_type"))
 
 
