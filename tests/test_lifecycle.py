@@ -111,6 +111,15 @@ def test_stop_then_resume_through_the_cli(runner_cli, hermetic_env, tmp_path: Pa
     resumed = runner_cli("resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert state_of(run_dir)["state"] == "completed" and state_of(run_dir)["step"] == 100
+    again = runner_cli("resume", str(run_dir))
+    assert (
+        again.returncode == 2
+        and (
+            "the run is already completed; to train on from its last checkpoint, start a new run "
+            f"from it: runner train load_checkpoint.path={run_dir} max_steps=<more>"
+        )
+        in again.stderr
+    )
     listing = runner_cli("runs", str(tmp_path / "outputs"))
     assert "completed" in listing.stdout and "100/100" in listing.stdout
 

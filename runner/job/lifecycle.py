@@ -239,7 +239,12 @@ def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
     wait_for_orphans(run)
     state, why = run.effective_state()
     if state == "completed":
-        raise UserError(key, str(run.path), "the run is already completed")
+        raise UserError(
+            key,
+            str(run.path),
+            "the run is already completed; to train on from its last checkpoint, start a new "
+            f"run from it: runner train load_checkpoint.path={run.path} max_steps=<more>",
+        )
     if state == STOPPING:
         raise UserError(
             key,
