@@ -51,6 +51,13 @@ def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path
     assert states == {"0": "failed", "1": "completed", "2": "failed"}
     assert "batch_size=0" in summary_of(sweep)["runs"][0]["error"]
     assert "job 0 failed: UserError: batch_size=0: give an integer >= 1" in result.stdout
+    # Failed at its checks, a job recorded no recipe: a resume says there is nothing to go on.
+    resumed = runner_cli("resume", str(sweep / "0"))
+    assert resumed.returncode == 2, resumed.stderr
+    assert (
+        "the run failed before it recorded its recipe (recipe.yaml): nothing to go on from; fix "
+        "what its status.json error says and train it again"
+    ) in resumed.stderr
 
 
 def test_parallel_launcher(runner_cli, tmp_path: Path) -> None:

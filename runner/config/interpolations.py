@@ -45,7 +45,7 @@ def parallel_jobs() -> int:
 
 def check_resume(resume: Any, overrides: list[str]) -> None:
     """resume=RUN continues RUN's recorded recipe: no other overrides, and RUN must be a run."""
-    from runner.rundir import RECIPE_FILE
+    from runner.rundir import RECIPE_FILE, STATUS_FILE
 
     extra = [o for o in overrides if not o.startswith("resume=")]
     if extra:
@@ -54,8 +54,16 @@ def check_resume(resume: Any, overrides: list[str]) -> None:
             resume,
             f"a resumed run continues its recorded recipe; drop the other overrides {extra}",
         )
-    if not (Path(str(resume)) / RECIPE_FILE).is_file():
-        raise UserError("resume", resume, f"not a run directory (it has no {RECIPE_FILE})")
+    if (Path(str(resume)) / RECIPE_FILE).is_file():
+        return
+    if (Path(str(resume)) / STATUS_FILE).is_file():  # a sweep's job, failed at its checks
+        raise UserError(
+            "resume",
+            resume,
+            f"the run failed before it recorded its recipe ({RECIPE_FILE}): nothing to go on "
+            f"from; fix what its {STATUS_FILE} error says and train it again",
+        )
+    raise UserError("resume", resume, f"not a run directory (it has no {RECIPE_FILE})")
 
 
 def run_dir(resume: Any, fresh: str, *, _root_: DictConfig) -> str:
