@@ -123,6 +123,24 @@ def reported_drifts(runner_cli, tmp_path: Path, run: Path, train_file: Path) -> 
     assert "data.source.sha256" in result.stdout
 
 
+def test_steps_that_log_no_step_are_refused_by_name(runner_cli, tmp_path: Path) -> None:
+    """A run that logs every second step: `--steps 1` would compare no loss, so it is refused
+    before anything is re-run, with the value that works."""
+    run = train_on_own_data(
+        runner_cli, tmp_path, "runtime.log_every_n_steps=2", "runtime.save_every_n_steps=4"
+    )
+    result = runner_cli("repro", str(run), "--steps", "1", "--out", str(tmp_path / "one"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --steps=1: the run logged its first loss at step 2 "
+        "(runtime.log_every_n_steps=2), so 1 step(s) compare no loss; give --steps 2 or more"
+    )
+    assert not (tmp_path / "one").exists()
+    result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "two"))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "repro: match (1 logged steps;" in result.stdout
+
+
 def test_repro_of_something_else_is_a_user_error(runner_cli, tmp_path: Path) -> None:
     result = runner_cli("repro", str(tmp_path))
     assert result.returncode == 2

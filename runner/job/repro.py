@@ -10,6 +10,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import UserError
 from runner.job.launch import as_launcher, launch
@@ -184,19 +186,34 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
         raise UserError("--steps", steps, "give a number of steps >= 1")
     if tolerance is not None and tolerance < 0:
         raise UserError("--tolerance", tolerance, "give a relative tolerance >= 0")
-    rerun = _rerun(recorded, steps, out)
+    recipe = read_recipe(recorded.recipe_path)
+    _check_logged(recorded, steps, log_every=recipe.runtime.log_every_n_steps)
+    rerun = _rerun(recorded, recipe, steps, out)
     print(f"re-run directory: {rerun.path}")
     return _compare(recorded, rerun, steps, tolerance)
 
 
-def _rerun(recorded: RunDir, steps: int | None, out: Path | None) -> RunDir:
+def _check_logged(recorded: RunDir, steps: int | None, *, log_every: int) -> None:
+    """Refuses `--steps` that end before the recorded run's first logged loss: the re-run
+    would log no step to compare (every `log_every` steps, and the last)."""
+    logged = sorted(recorded.losses())
+    if steps is None or not logged or logged[0] <= steps:
+        return
+    raise UserError(
+        "--steps",
+        steps,
+        f"the run logged its first loss at step {logged[0]} (runtime.log_every_n_steps="
+        f"{log_every}), so {steps} step(s) compare no loss; give --steps {logged[0]} or more",
+    )
+
+
+def _rerun(recorded: RunDir, recipe: DictConfig, steps: int | None, out: Path | None) -> RunDir:
     """Trains the recorded recipe again, into `out` or a new directory beside the run."""
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     rerun = RunDir(out or recorded.path.with_name(f"{recorded.path.name}-repro-{stamp}"))
     if rerun.path.exists():
         raise UserError("--out", str(rerun.path), "already exists; give a new directory")
     as_launcher()
-    recipe = read_recipe(recorded.recipe_path)
     rerun.path.mkdir(parents=True)
     recipe.run_dir, recipe.stop_at_step = str(rerun.path.resolve()), steps
     write_recipe(rerun.recipe_path, recipe)
