@@ -14,9 +14,11 @@ import pytest
 from runner.errors import UserError
 from runner.job.repro import compare_losses, compare_metrics
 from runner.paths import SAMPLE_DATA_DIR
+from runner.rundir import RunDir
 from runner.trainer import determinism
 from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK, load_script, losses
+from tests.test_lifecycle import start_run, wait_for_checkpoint
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_losses.json"
 
@@ -138,7 +140,31 @@ def test_steps_that_log_no_step_are_refused_by_name(runner_cli, tmp_path: Path) 
     assert not (tmp_path / "one").exists()
     result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "two"))
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "repro: match (1 logged steps;" in result.stdout
+    # It saved step 4's checkpoint, the re-run step 2's: no hash compared, and it says so.
+    assert "repro: match (1 logged steps; no checkpoint at a step both saved" in result.stdout
+
+
+def test_repro_of_a_stopped_run_goes_as_far_as_it_went(
+    runner_cli, hermetic_env, tmp_path: Path
+) -> None:
+    """A run stopped (`runner stop`) after its first checkpoint: the re-run stops at its step,
+    not at max_steps, and compares the hashes of each checkpoint both saved."""
+    run, again = tmp_path / "stopped", tmp_path / "again"
+    proc = start_run(hermetic_env, run)
+    wait_for_checkpoint(run, proc)
+    assert runner_cli("stop", str(run)).returncode == 0
+    assert proc.wait(timeout=300) == 143
+    status = RunDir(run).status()
+    assert status.state == "cancelled" and status.step is not None and status.step < 100
+    saved = json.loads((run / "manifest.json").read_text())["checkpoints"]
+    result = runner_cli("repro", str(run), "--out", str(again))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    stopped = f"the run stopped at step {status.step} of 100 (cancelled): the re-run stops"
+    assert stopped in result.stdout
+    agree = f"hashes of {len(saved)} checkpoint(s) and record agree"
+    assert f"repro: match ({status.step} logged steps; {agree})" in result.stdout
+    assert RunDir(again).status().step == status.step
+    assert sorted(json.loads((again / "manifest.json").read_text())["checkpoints"]) == sorted(saved)
 
 
 def test_repro_of_something_else_is_a_user_error(runner_cli, tmp_path: Path) -> None:

@@ -144,12 +144,16 @@ def compare_records(
     if not same_path:
         return drifts
     drifts += _diff("hardware.device", recorded["hardware"]["device"], rerun["hardware"]["device"])
-    common = sorted(set(recorded["checkpoints"]) & set(rerun["checkpoints"]), key=int)
-    for step in common:
+    for step in common_checkpoints(recorded, rerun):
         drifts += _diff(
             f"checkpoint {step}", recorded["checkpoints"][step], rerun["checkpoints"][step]
         )
     return drifts
+
+
+def common_checkpoints(recorded: dict[str, Any], rerun: dict[str, Any]) -> list[str]:
+    """The steps of the checkpoints that both manifests hold hashes of, in order."""
+    return sorted(set(recorded["checkpoints"]) & set(rerun["checkpoints"]), key=int)
 
 
 def print_report(drifts: list[Drift], compared: str) -> None:
@@ -187,18 +191,41 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
     if tolerance is not None and tolerance < 0:
         raise UserError("--tolerance", tolerance, "give a relative tolerance >= 0")
     recipe = read_recipe(recorded.recipe_path)
+    steps = _stop_step(recorded, steps)
     _check_logged(recorded, steps, log_every=recipe.runtime.log_every_n_steps)
     rerun = _rerun(recorded, recipe, steps, out)
     print(f"re-run directory: {rerun.path}")
     return _compare(recorded, rerun, steps, tolerance)
 
 
+def _stop_step(recorded: RunDir, steps: int | None) -> int | None:
+    """Where the re-run stops: after `steps` (None: the whole recipe), and never past the step
+    that the recorded run reached (one stopped or failed early went no further)."""
+    status = recorded.status()
+    reached = status.step
+    if reached is None or (steps is not None and steps <= reached):
+        return steps
+    if status.total_steps is not None and reached < status.total_steps:
+        print(
+            f"repro: the run stopped at step {reached} of {status.total_steps} "
+            f"({status.state}): the re-run stops there too"
+        )
+    return reached
+
+
 def _check_logged(recorded: RunDir, steps: int | None, *, log_every: int) -> None:
-    """Refuses `--steps` that end before the recorded run's first logged loss: the re-run
-    would log no step to compare (every `log_every` steps, and the last)."""
+    """Refuses a re-run that ends before the recorded run's first logged loss: it would log no
+    step to compare (a run logs every `log_every` steps, and its last)."""
     logged = sorted(recorded.losses())
-    if steps is None or not logged or logged[0] <= steps:
+    if logged and (steps is None or logged[0] <= steps):
         return
+    if not logged:
+        raise UserError(
+            "RUN_DIR",
+            str(recorded.path),
+            f"the run logged no loss (runtime.log_every_n_steps={log_every}), so a re-run "
+            "compares none; repro a run that logged a step",
+        )
     raise UserError(
         "--steps",
         steps,
@@ -251,10 +278,12 @@ def _compare(recorded: RunDir, rerun: RunDir, steps: int | None, tolerance: floa
     if not same_path:
         for metric, relative in sorted(largest.items()):
             print(f"largest relative difference of {metric}: {relative:.3g}")
-    agreed = (
-        "checkpoint hashes and record agree"
-        if same_path
-        else f"within {tolerance:g}; record agrees"
-    )
+    checkpoints = len(common_checkpoints(recorded_manifest, rerun_manifest))
+    if not same_path:
+        agreed = f"within {tolerance:g}; record agrees"
+    elif checkpoints:
+        agreed = f"hashes of {checkpoints} checkpoint(s) and record agree"
+    else:
+        agreed = "no checkpoint at a step both saved, no hashes compared; record agrees"
     print_report(drifts, f"{steps_compared} logged steps; {agreed}")
     return 1 if drifts else 0
