@@ -67,6 +67,9 @@ class FinetuneRecipe:
         self.reporter = Reporter(self.run, is_rank_zero=self.is_rank_zero)
         self.step = 0
         self.total_steps = 0
+        # Whether the run continues from a checkpoint of its own: its first attempt recorded the
+        # run's first loss, which a resume keeps.
+        self.resumed = False
         # Why the loop stopped before total_steps (SIGTERM), or None.
         self.stopped_by: str | None = None
         # The best evaluation so far by cfg.objective (metric, mode, step, value), kept in
@@ -171,6 +174,7 @@ class FinetuneRecipe:
         run that load_checkpoint names, if any; clears what an interrupted save or an earlier
         attempt left behind."""
         latest = self.run.latest_checkpoint()
+        self.resumed = latest is not None
         if self.is_rank_zero:
             for leftover in self.run.remove_leftovers():
                 log.info("removed %s, left by an interrupted save", leftover)
@@ -205,7 +209,7 @@ class FinetuneRecipe:
             profiler.after_step(self.step)
             throughput.add(tokens)
             losses.add(loss)
-            if losses.first is None:
+            if losses.first is None and not self.resumed:
                 # The summary that `runner train` prints reads the run's first loss from here.
                 self.reporter.status("running", step=self.step, first_loss=losses.read(self.step))
             if self.step % self.cfg.runtime.log_every_n_steps == 0 or self._last_step():

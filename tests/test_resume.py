@@ -48,6 +48,10 @@ def test_resume_gives_bit_identical_losses(runner_cli, tmp_path: Path) -> None:
     straight, resumed = straight_then_resumed(runner_cli, tmp_path, "compute=cpu")
     assert sorted(resumed) == list(range(1, 2 * N + 1))
     assert resumed == straight  # exact float equality, step by step
+    # The run's first loss (the summary's `train loss: FIRST -> LAST`) stays its first step's,
+    # not the first step after the resume.
+    first_loss = json.loads((tmp_path / "interrupted" / "status.json").read_text())["first_loss"]
+    assert first_loss == resumed[1]
 
 
 def test_resume_refuses_other_overrides(runner_cli, tmp_path: Path) -> None:
