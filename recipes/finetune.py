@@ -178,8 +178,9 @@ class FinetuneRecipe:
         if self.is_rank_zero:
             for leftover in self.run.remove_leftovers():
                 log.info("removed %s, left by an interrupted save", leftover)
-            if latest is None and self.run.read_metrics():
-                # Restarted with no checkpoint: the steps are logged again from the first.
+            if latest is None:
+                # From the first step: metrics.jsonl is there from now on, empty until a step is
+                # logged (restarted with no checkpoint, the steps are logged again from the first).
                 self.run.truncate_metrics(0)
         if latest is None and self.cfg.resume_from is not None:
             # load_checkpoint: another run's checkpoint, read where it is (a mount, read-only).

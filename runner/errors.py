@@ -56,6 +56,9 @@ class Diverged(UserError):
     """The training loss became inf or nan: the run's directory (its metrics and log) is kept."""
 
     def __init__(self, lr: float, value: float, step: int) -> None:
+        # The step the run failed at, which status.json records (the loop may have gone on a few
+        # steps before it read the loss).
+        self.step = step
         super().__init__(
             "optimizer.lr",
             lr,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,7 @@ def test_a_diverged_run_is_one_clear_message_and_keeps_its_directory(
     status = RunDir(run_dir).status()
     assert status.state == "failed" and "lower the learning rate" in status.error
     assert (run_dir / "train.log").is_file() and not RunDir(run_dir).checkpoints()
+    # Its status is at the step the error names; metrics.jsonl is there, with no step logged.
+    nan_at = re.search(r"is nan at step (\d+);", error_lines[0])
+    assert nan_at is not None and status.step == int(nan_at[1]) > 1, (status, error_lines)
+    assert (run_dir / "metrics.jsonl").read_text() == ""

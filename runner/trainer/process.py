@@ -27,6 +27,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner.config.schema import read_recipe
+from runner.errors import Diverged
 from runner.rundir import LOG_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.trainer import determinism
@@ -150,7 +151,8 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
             status("cancelled", step=recipe.step, error=reason)
     except BaseException as err:
         state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
-        status(state, error=_error_message(err, cfg))
+        at_step = {"step": err.step} if isinstance(err, Diverged) else {}
+        status(state, error=_error_message(err, cfg), **at_step)
         lost = lost_peer_line(err)
         if lost is None:
             raise  # a bug: its traceback is the report
