@@ -318,6 +318,7 @@ class LoopbackHub(BaseHTTPRequestHandler):
     repos: dict[tuple[str, str], dict[str, bytes]] = {}
     authorizations: list[str | None] = []
     requests: list[tuple[str, str, str | None]] = []
+    cut_after: int | None = None  # sends only this many bytes of a file, then hangs up
 
     def do_HEAD(self) -> None:
         self.do_GET()
@@ -374,8 +375,13 @@ class LoopbackHub(BaseHTTPRequestHandler):
         for name, value in {**headers, "Content-Length": str(len(body))}.items():
             self.send_header(name, value)
         self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        if self.command == "HEAD":
+            return
+        if self.cut_after is not None and "ETag" in headers:
+            self.wfile.write(body[: self.cut_after])
+            self.close_connection = True
+            return
+        self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -517,6 +523,20 @@ def test_a_missing_repo_or_file_is_named(online_env, tmp_path: Path, source, exp
     result = cli(env, tmp_path, "download", f"dataset.source={source}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"error: dataset.source='{source}': {expected}" in result.stderr
+
+
+def test_a_download_cut_short_is_one_message(online_env, tmp_path: Path) -> None:
+    env = {**online_env, "HF_HOME": str(tmp_path / "hf_home")}
+    LoopbackHub.cut_after = 3
+    try:
+        result = cli(env, tmp_path, "download", f"model.source={MODEL}")
+    finally:
+        LoopbackHub.cut_after = None
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1, result.stderr[-2000:]
+    assert f"the hub ({online_env['HF_ENDPOINT']}) is out of reach" in error[0]
 
 
 STREAMED = [

@@ -10,6 +10,7 @@ import base64
 import gzip
 import hashlib
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
@@ -234,3 +235,25 @@ def test_a_bad_push_is_refused_before_anything_is_written(
     assert len(error) == 1 and expected in error[0], result.stderr
     assert SECRET not in result.stdout + result.stderr
     assert not out.exists()
+
+
+def test_a_push_to_a_hub_out_of_reach_is_one_message(
+    hub_env, run_dir: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as probe:  # a loopback port that nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    env = {**hub_env, "HF_ENDPOINT": endpoint}
+    out = tmp_path / "merged"
+    exported = cli(env, tmp_path, "export", f"checkpoint={run_dir}", f"out={out}")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    for argv in (
+        ["push", str(out), "hf://acme/x", "--hf-token", "env:PUSH_TOKEN"],
+        ["export", f"checkpoint={run_dir}", f"out={tmp_path / 'y'}", "push_to=hf://acme/y"],
+    ):
+        result = cli(env, tmp_path, *argv)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr, result.stderr[-2000:]
+        error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(error) == 1 and f"the hub ({endpoint}) is out of reach" in error[0], error
+        assert "check the network" in error[0] and "pushes again" in error[0]

@@ -226,6 +226,8 @@ class Hub:
         from huggingface_hub import HfApi, HfFileSystem
 
         token = self.token.read()
+        # refusals turns the HTTP client's errors into a NotCachedError; others are OSErrors.
+        off_the_hub: tuple[type[Exception], ...] = (NotCachedError, *out_of_reach())
         try:
             with self.refusals(source, key):
                 info = HfApi(token=token).repo_info(
@@ -233,7 +235,7 @@ class Hub:
                 )
                 url = source.hub_url(str(info.sha))
                 found = HfFileSystem(token=token).exists(url)
-        except _out_of_reach():
+        except off_the_hub:
             return self.fetch(source, key=key, only_cached=True)
         if not found:
             raise self._no_path(source, key)
@@ -259,6 +261,8 @@ class Hub:
             raise NotCachedError(key, source, fix, err) from err
         except HfHubHTTPError as err:
             raise UserError(key, source.uri, self._refused(source, err)) from err
+        except _transport_errors() as err:  # the hub out of reach, or a download cut short
+            raise NotCachedError(key, source, self.not_cached([(key, source)], err), err) from err
 
     def _no_path(self, source: HubSource, key: str) -> UserError:
         return UserError(
@@ -336,11 +340,17 @@ class Hub:
         )
 
 
-def _out_of_reach() -> tuple[type[Exception], ...]:
-    """The errors that mean the hub is out of reach: those of whichever HTTP client this
-    huggingface_hub imported (httpx, httpx2; requests' are OSErrors)."""
+def out_of_reach() -> tuple[type[Exception], ...]:
+    """The errors that mean the hub is out of reach (or a transfer broke off): OSError and
+    those of the HTTP client, which huggingface_hub lets through as they are."""
+    return (OSError, *_transport_errors())
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """The transport errors of whichever HTTP client this huggingface_hub imported (httpx,
+    httpx2; requests' are OSErrors)."""
     clients = (sys.modules.get(name) for name in ("httpx", "httpx2"))
-    return (OSError, *(client.TransportError for client in clients if client is not None))
+    return tuple(client.TransportError for client in clients if client is not None)
 
 
 def hub_values(cfg: DictConfig) -> Iterator[tuple[str, str, str]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
-from runner.hub.download import HubSource, TokenRef, parse_uri
+from runner.hub.download import HubSource, TokenRef, out_of_reach, parse_uri
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     CHECKPOINTS_DIR,
@@ -65,7 +65,7 @@ def push(
 ) -> str:
     """Uploads `path` (a directory's files, or one file) and its model card in one commit to
     `target`; returns the commit's URL. A refused or failed push is one UserError."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
     files = _files(path)
@@ -90,9 +90,13 @@ def push(
         if status in (401, 403):
             fix += f"; {token.state()} or it cannot write to {target.repo_id}"
         raise UserError("push_to", target.uri, f"{fix}; {_again(path, target)}") from None
-    except OSError as err:  # a connection that failed or broke off
+    except out_of_reach() as err:  # a connection that failed or broke off
         raise UserError(
-            "push_to", target.uri, f"the upload broke off ({err}); {_again(path, target)}"
+            "push_to",
+            target.uri,
+            f"the hub ({constants.ENDPOINT}) is out of reach or the upload broke off "
+            f"({type(err).__name__}: {err}); check the network (and HF_ENDPOINT), then "
+            f"{_again(path, target)}",
         ) from None
     return commit.commit_url
 
