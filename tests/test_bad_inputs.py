@@ -196,6 +196,10 @@ CASES = [
     ),
     case("deploy-cut-short", "deploy checkpoint={files}/cut_ckpt", "checkpoint=", "cut_ckpt"),
     case("deploy-unknown-key", "deploy checkpoint={files}/full_ckpt prot=9000", "prot="),
+    # train's compute group carried over: deploy's own key is device
+    case(
+        "deploy-compute", "deploy checkpoint={files}/full_ckpt compute=cpu", "compute=", "device="
+    ),
     # export
     case("export-format", "export checkpoint={files}/full_ckpt format=onnx", "format="),
     case(

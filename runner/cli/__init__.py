@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.error}", file=sys.stderr)
         return err.error.exit_code
     except Exception as err:  # noqa: BLE001 - classified below, re-raised if not a user error
-        user_error = as_user_error(err)
+        user_error = as_user_error(err, command=name)
         if user_error is None:
             raise
         print(f"error: {user_error}", file=sys.stderr)

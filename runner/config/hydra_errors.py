@@ -5,12 +5,20 @@ from __future__ import annotations
 import difflib
 import re
 
-from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.errors import (
+    ConfigCompositionException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import UserError
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
+# A group of `runner train` that another command sets with a key of its own.
+OWN_KEYS: dict[tuple[str | None, str], str] = {
+    ("deploy", "compute"): "device=cpu, device=cuda or device=auto"
+}
 
 
 def _closest(word: str, choices: list[str]) -> str:
@@ -18,8 +26,9 @@ def _closest(word: str, choices: list[str]) -> str:
     return f"did you mean {match[0]!r}? " if match else ""
 
 
-def from_hydra_error(err: BaseException) -> UserError | None:
-    """A UserError for a bad override or unknown group option; None for anything else."""
+def from_hydra_error(err: BaseException, command: str | None = None) -> UserError | None:
+    """A UserError for a bad override or unknown group option; None for anything else.
+    `command` (train, deploy, ...) is the runner command that composed, where it is known."""
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, option = (err.missing_cfg_file or "").rpartition("/")
         options = sorted(err.options)
@@ -32,29 +41,42 @@ def from_hydra_error(err: BaseException) -> UserError | None:
         reason = str(err.message).splitlines()[0]
         return UserError("override", err.override or "", f"{reason}; {OVERRIDE_FORMS}")
     if isinstance(err, ConfigCompositionException):
-        cause = err.__cause__
-        message = str(err).splitlines()[0]
-        value = re.search(r"use \+[^=]+=(.*)$", str(err), re.MULTILINE)
-        if isinstance(cause, OmegaConfBaseException) and message.startswith("Could not override"):
-            parent = getattr(cause, "parent_node", None)
-            known = [str(k) for k in parent.keys()] if parent is not None else []
-            hint = _closest(str(cause.key), known)
-            return UserError(
-                str(cause.full_key),
-                value.group(1) if value else "",
-                f"no such key; {hint}`--cfg job` prints every key (add a new key with +key=value)",
-            )
-        return UserError("override", message, f"{OVERRIDE_FORMS}; `--help` lists the groups")
+        return _composition_error(err, command)
     return None
 
 
-def as_user_error(err: BaseException) -> UserError | None:
-    """Our UserError, or a Hydra/OmegaConf composition error recast as one; None otherwise."""
+def _composition_error(err: ConfigCompositionException, command: str | None) -> UserError:
+    """An override Hydra could not apply: an unknown key or group."""
+    cause = err.__cause__
+    message = str(err).splitlines()[0]
+    value = re.search(r"use \+[^=]+=(.*)$", str(err), re.MULTILINE)
+    given = value.group(1) if value else ""
+    if isinstance(cause, OmegaConfBaseException) and message.startswith("Could not override"):
+        parent = getattr(cause, "parent_node", None)
+        known = [str(k) for k in parent.keys()] if parent is not None else []
+        hint = _closest(str(cause.key), known)
+        return UserError(
+            str(cause.full_key),
+            given,
+            f"no such key; {hint}`--cfg job` prints every key (add a new key with +key=value)",
+        )
+    group = re.match(r"Could not override '(.*)'\. No match in the defaults list", message)
+    if group:
+        runner = f"runner {command}" if command else "this command"
+        own = OWN_KEYS.get((command, group.group(1)))
+        fix = f"set {own} instead" if own else f"`{runner} --help` lists its groups and keys"
+        return UserError(group.group(1), given, f"{runner} has no {group.group(1)} group; {fix}")
+    return UserError("override", message, f"{OVERRIDE_FORMS}; `--help` lists the groups")
+
+
+def as_user_error(err: BaseException, command: str | None = None) -> UserError | None:
+    """Our UserError, or a Hydra/OmegaConf composition error recast as one; None otherwise.
+    `command` is the runner command that composed, where it is known."""
     cause: BaseException | None = err
     while cause is not None:
         if isinstance(cause, UserError):
             return cause
-        converted = from_hydra_error(cause)
+        converted = from_hydra_error(cause, command)
         if converted is not None:
             return converted
         cause = cause.__cause__ or cause.__context__
