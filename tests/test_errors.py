@@ -30,6 +30,10 @@ CASES = [
         ["dataset.column_map.output='answer'", "columns are ['instruction', 'input', 'output']"],
     ),
     (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
+    (
+        ["--config-dir", "/nonexistent", "model=mine"],
+        ["--config-dir='/nonexistent'", "no such dir"],
+    ),
     # Raised inside an interpolation (load_checkpoint.mode's resolver), which OmegaConf wraps.
     (
         ["load_checkpoint.path=/no/such/dir"],

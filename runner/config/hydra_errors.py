@@ -9,6 +9,7 @@ from hydra.errors import (
     ConfigCompositionException,
     MissingConfigException,
     OverrideParseException,
+    SearchPathException,
 )
 from omegaconf.errors import OmegaConfBaseException
 
@@ -29,6 +30,14 @@ def _closest(word: str, choices: list[str]) -> str:
 def from_hydra_error(err: BaseException, command: str | None = None) -> UserError | None:
     """A UserError for a bad override or unknown group option; None for anything else.
     `command` (train, deploy, ...) is the runner command that composed, where it is known."""
+    if isinstance(err, SearchPathException):
+        missing = re.search(r"directory '(.*)' not found", str(err))
+        return UserError(
+            "--config-dir",
+            missing.group(1) if missing else str(err),
+            "no such directory; give the directory that holds your own options "
+            "(DIR/model/mine.yaml for model=mine)",
+        )
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, option = (err.missing_cfg_file or "").rpartition("/")
         options = sorted(err.options)
