@@ -30,6 +30,15 @@ CASES = [
         ["dataset.column_map.output='answer'", "columns are ['instruction', 'input', 'output']"],
     ),
     (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
+    # A slice unquoted, which Hydra's grammar cannot read (docs/datasets.md).
+    (
+        ["dataset.split=train[:50%]"],
+        [
+            "override='dataset.split=train[:50%]'",
+            "quote the value",
+            "\"dataset.split='train[:50%]'\"",
+        ],
+    ),
     (
         ["--config-dir", "/nonexistent", "model=mine"],
         ["--config-dir='/nonexistent'", "no such dir"],

@@ -48,7 +48,13 @@ def from_hydra_error(err: BaseException, command: str | None = None) -> UserErro
         )
     if isinstance(err, OverrideParseException):
         reason = str(err.message).splitlines()[0]
-        return UserError("override", err.override or "", f"{reason}; {OVERRIDE_FORMS}")
+        override = err.override or ""
+        key, _, value = override.partition("=")
+        if any(c in value for c in "[]{}(),") and value[:1] not in ("[", "{", "(", "'", '"'):
+            # train[:50%]: a slice, a string to Hydra only when quoted (docs/datasets.md).
+            fix = f"quote the value (and the whole, for the shell): \"{key}='{value}'\""
+            return UserError("override", override, f"{reason}; {fix}")
+        return UserError("override", override, f"{reason}; {OVERRIDE_FORMS}")
     if isinstance(err, ConfigCompositionException):
         return _composition_error(err, command)
     return None
