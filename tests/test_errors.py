@@ -40,6 +40,10 @@ CASES = [
         ],
     ),
     (
+        ["optimizer.lr=1e-3,2e-3"],
+        ["optimizer.lr='1e-3,2e-3'", "a comma list is a sweep: add -m (--multirun)", "quote it"],
+    ),
+    (
         ["--config-dir", "/nonexistent", "model=mine"],
         ["--config-dir='/nonexistent'", "no such dir"],
     ),

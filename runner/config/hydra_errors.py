@@ -61,7 +61,7 @@ def from_hydra_error(err: BaseException, command: str | None = None) -> UserErro
 
 
 def _composition_error(err: ConfigCompositionException, command: str | None) -> UserError:
-    """An override Hydra could not apply: an unknown key or group."""
+    """An override Hydra could not apply: an unknown key or group, or a comma list."""
     cause = err.__cause__
     message = str(err).splitlines()[0]
     value = re.search(r"use \+[^=]+=(.*)$", str(err), re.MULTILINE)
@@ -81,6 +81,15 @@ def _composition_error(err: ConfigCompositionException, command: str | None) -> 
         own = OWN_KEYS.get((command, group.group(1)))
         fix = f"set {own} instead" if own else f"`{runner} --help` lists its groups and keys"
         return UserError(group.group(1), given, f"{runner} has no {group.group(1)} group; {fix}")
+    ambiguous = re.match(r"Ambiguous value for argument '([^=]*)=(.*)'$", message)
+    if ambiguous:
+        key, listed = ambiguous.groups()
+        return UserError(
+            key,
+            listed,
+            "a comma list is a sweep: add -m (--multirun) for one run per value, or quote it "
+            f"for one string (\"{key}='{listed}'\"), or give a list as {key}=[{listed}]",
+        )
     return UserError("override", message, f"{OVERRIDE_FORMS}; `--help` lists the groups")
 
 
