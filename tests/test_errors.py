@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 
+from runner.config.hydra_errors import as_user_error
+from runner.paths import CONF_DIR
 from runner.rundir import RunDir
 from tests.conftest import QUICK
 
@@ -43,6 +47,8 @@ CASES = [
         ["optimizer.lr=1e-3,2e-3"],
         ["optimizer.lr='1e-3,2e-3'", "a comma list is a sweep: add -m (--multirun)", "quote it"],
     ),
+    (["+batch_sise=4"], ["batch_sise=4", "no such key; did you mean 'batch_size'"]),
+    (["runtime.env.FOO=1"], ["runtime.env.FOO='1'", "add it with +runtime.env.FOO=1"]),
     (
         ["--config-dir", "/nonexistent", "model=mine"],
         ["--config-dir='/nonexistent'", "no such dir"],
@@ -79,6 +85,21 @@ def test_bad_input_is_one_clear_message(runner_cli, tmp_path: Path, overrides, e
     assert "Error executing job" not in result.stderr
     # Nothing is left behind: no run directory to claim anything, no empty folder.
     assert not out_root.exists(), list(out_root.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("override", "offered"),
+    [("batch_sise=4", False), ("optimizer.lrr=0.1", False), ("runtime.env.FOO=1", True)],
+)
+def test_adding_a_key_is_offered_only_where_one_can_be_added(override: str, offered: bool) -> None:
+    """+key=value adds a key only to a section the schema leaves open (runtime.env): a new
+    top-level key or one in a typed section is refused all the same."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as raised:
+            compose("train", overrides=[override])
+    error = as_user_error(raised.value, command="train")
+    assert error is not None and "no such key" in error.fix
+    assert (f"add it with +{override}" in error.fix) is offered, error.fix
 
 
 def test_unknown_command_is_a_user_error(runner_cli) -> None:

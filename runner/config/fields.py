@@ -10,8 +10,9 @@ that must exist) is checked by the section's own module (runner.config.dataset, 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import field
-from typing import Any, get_args, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -42,8 +43,9 @@ def typed_as(cfg: DictConfig, schema: type, prefix: str = "") -> DictConfig:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
     except ConfigKeyError as err:
         given = OmegaConf.select(cfg, str(err.full_key), default="", throw_on_missing=False)
+        hint = _closest_key(schema, str(err.full_key))
         raise UserError(
-            f"{prefix}{err.full_key}", given, "no such key; `--cfg job` prints every key"
+            f"{prefix}{err.full_key}", given, f"no such key; {hint}`--cfg job` prints every key"
         ) from None
     except ValidationError as err:
         key = str(err.full_key)
@@ -89,6 +91,27 @@ def _field_of(schema: type | None, key: str) -> TypedField | None:
             return None
         schema = _section(found[1])
     return found
+
+
+def _closest_key(schema: type, key: str) -> str:
+    """ "did you mean 'batch_size'? " for a key a letter or two off one of its section's."""
+    section_key, _, name = key.rpartition(".")
+    found = _field_of(schema, section_key) if section_key else None
+    section = _section(found[1]) if found else (None if section_key else schema)
+    names = [spec.name for spec in dataclasses.fields(section)] if section else []
+    match = difflib.get_close_matches(name, names, n=1)
+    return f"did you mean {match[0]!r}? " if match else ""
+
+
+def is_open(schema: type, key: str) -> bool:
+    """Whether the field of `schema` at a dotted key is a dict that takes any key (+key=value
+    adds one), as runtime.env is."""
+    found = _field_of(schema, key)
+    if found is None:
+        return False
+    # Dict[...] or Optional[Dict[...]]: the dict is the annotation or one of its Union's args.
+    kinds = [found[1], *get_args(found[1])]
+    return any(get_origin(kind) is dict for kind in kinds)
 
 
 def _section(annotation: Any) -> type | None:

@@ -70,11 +70,9 @@ def _composition_error(err: ConfigCompositionException, command: str | None) -> 
         parent = getattr(cause, "parent_node", None)
         known = [str(k) for k in parent.keys()] if parent is not None else []
         hint = _closest(str(cause.key), known)
-        return UserError(
-            str(cause.full_key),
-            given,
-            f"no such key; {hint}`--cfg job` prints every key (add a new key with +key=value)",
-        )
+        key = str(cause.full_key)
+        add = f" (add it with +{key}={given})" if not hint and _addable(key) else ""
+        return UserError(key, given, f"no such key; {hint}`--cfg job` prints every key{add}")
     group = re.match(r"Could not override '(.*)'\. No match in the defaults list", message)
     if group:
         runner = f"runner {command}" if command else "this command"
@@ -91,6 +89,16 @@ def _composition_error(err: ConfigCompositionException, command: str | None) -> 
             f"for one string (\"{key}='{listed}'\"), or give a list as {key}=[{listed}]",
         )
     return UserError("override", message, f"{OVERRIDE_FORMS}; `--help` lists the groups")
+
+
+def _addable(key: str) -> bool:
+    """Whether +key=value can add `key`: its section is a dict the schemas leave open
+    (runtime.env, dataset.column_map, ...), not a typed section."""
+    from runner.config.fields import is_open
+    from runner.config.schema import Cluster, Deploy, Export, Train
+
+    section = key.rpartition(".")[0]
+    return bool(section) and any(is_open(s, section) for s in (Train, Deploy, Export, Cluster))
 
 
 def as_user_error(err: BaseException, command: str | None = None) -> UserError | None:
