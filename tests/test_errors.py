@@ -70,6 +70,7 @@ CASES = [
 ]
 if not torch.cuda.is_available():
     CASES.append((["compute=gpu"], ["compute='gpu'", "no CUDA GPU", "compute=cpu"]))
+    CASES.append((["compute=multi_gpu"], ["compute='multi_gpu'", "no CUDA GPU", "compute=cpu"]))
 
 
 @pytest.mark.parametrize(("overrides", "expected"), CASES, ids=[" ".join(c[0]) for c in CASES])

@@ -7,6 +7,7 @@ The node layout of a multi-node job may come from the platform it runs on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -65,8 +66,9 @@ class Dtype:
 DTYPES = ("fp32", "bf16_mixed", "bf16")
 
 
-def resolve_device(compute: DictConfig) -> tuple[str, int]:
-    """(device, processes per node) for the compute group, checked against this machine."""
+def resolve_device(compute: DictConfig, overrides: Sequence[str] = ()) -> tuple[str, int]:
+    """(device, processes per node) for the compute group, checked against this machine;
+    `overrides` (the command line) tell which one chose the device, for a message."""
     import torch
 
     has_cuda = torch.cuda.is_available()
@@ -76,9 +78,10 @@ def resolve_device(compute: DictConfig) -> tuple[str, int]:
     if device not in ("cpu", "cuda"):
         raise UserError("compute.device", device, "give cpu, cuda or auto")
     if device == "cuda" and not has_cuda:
+        key, given = _device_given(overrides, device)
         raise UserError(
-            "compute",
-            "gpu",
+            key,
+            given,
             "no CUDA GPU is visible on this machine; use compute=cpu "
             "(or leave compute unset to pick what is here)",
         )
@@ -107,6 +110,16 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
+def _device_given(overrides: Sequence[str], device: str) -> tuple[str, str]:
+    """(key, value) of the last override that chose the device (compute=multi_gpu,
+    compute.device=cuda); compute.device and its value where none did (an experiment file)."""
+    for override in reversed(overrides):
+        key, _, value = override.lstrip("+").partition("=")
+        if key in ("compute", "compute.device"):
+            return key, value
+    return "compute.device", device
+
+
 def checked_int(value: Any, key: str, minimum: int) -> int:
     """A compute key the platform may fill (so typed Any in Compute), as an integer."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -114,10 +127,10 @@ def checked_int(value: Any, key: str, minimum: int) -> int:
     return value
 
 
-def resolve_compute(compute: DictConfig) -> ComputeRecipe:
+def resolve_compute(compute: DictConfig, overrides: Sequence[str] = ()) -> ComputeRecipe:
     """The recipe's compute section: device and counts checked against this machine, and how
     the processes meet (the same on every node)."""
-    device, nproc_per_node = resolve_device(compute)
+    device, nproc_per_node = resolve_device(compute, overrides)
     nnodes = checked_int(compute.nnodes, "compute.nnodes", 1)
     refuse_torchrun_worker()
     resolved = ComputeRecipe(

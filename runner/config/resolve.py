@@ -51,7 +51,7 @@ def resolve_recipe(
     if loaded_weights is not None:
         cfg.model.source = loaded_weights
     check_pairing(cfg.method.name, cfg.dataset)
-    compute = resolve_compute(cfg.compute)
+    compute = resolve_compute(cfg.compute, overrides)
     optimizer = resolve_optimizer(cfg.optimizer)
     runtime = resolve_runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.
