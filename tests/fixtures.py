@@ -48,7 +48,7 @@ FAMILIES = (
     "phi4",
     "smollm2",
 )
-# The model family (runner/families/) each fixture family is a checkpoint of.
+# The model family (runner/models/families/) each fixture family is a checkpoint of.
 FAMILY_OF = {
     "llama3_2": "llama3",
     "llama3_1": "llama3",

@@ -120,7 +120,8 @@ def test_cfg_job_prints_the_composed_config(runner_cli) -> None:
     result = runner_cli("train", "--cfg", "job", "batch_size=7", "model=tiny")
     assert result.returncode == 0, result.stderr
     assert "batch_size: 7" in result.stdout
-    # The option names its family; the family (runner/families/llama3.py) supplies the builder.
+    # The option names its family; the family (runner/models/families/llama3.py) supplies the
+    # builder.
     assert "family: llama3" in result.stdout
 
 

@@ -306,7 +306,7 @@ def test_zoo_option_builds_its_hub_repos_model(option: str) -> None:
         builder_args(family, config, ""),
         model.source,
     )
-    # Phi-3 mini's sequences end at its sliding window (runner/families/phi3.py).
+    # Phi-3 mini's sequences end at its sliding window (runner/models/families/phi3.py).
     window = config.get("sliding_window") if config["model_type"] == "phi3" else None
     assert model.builder.max_seq_len == (window or config["max_position_embeddings"])
 

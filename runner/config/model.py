@@ -4,7 +4,7 @@ tokenizer.
 The backend (runner.models.backends) is torchtune's where a runner family builds the source's
 model_type (or the option's family), transformers' for any other causal LM it implements.
 
-A source's config.json names its family (runner/families/) and, for a builder-less option
+A source's config.json names its family (runner/models/families/) and, for a builder-less option
 (model=hf), the builder's arguments; an option's own builder arguments must build the same
 model. The family supplies the torchtune builder and its LoRA twin.
 """

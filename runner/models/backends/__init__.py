@@ -14,8 +14,9 @@ decided) for everything that depends on how the model is built, and never branch
 - LoRA: `build_lora` (of one LoraBuild), `adapter_state`, `adapter_to_peft`, `read_adapter`,
   `peft_config`, `merged_hf_state`; and `meta_model` for counting parameters without weights.
 
-torchtune's backend is the default wherever a runner family (runner/families/) builds the model;
-any other causal LM that transformers implements goes through transformers' own class.
+torchtune's backend is the default wherever a runner family (runner/models/families/) builds
+the model; any other causal LM that transformers implements goes through transformers' own
+class.
 """
 
 from __future__ import annotations

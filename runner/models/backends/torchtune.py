@@ -1,5 +1,5 @@
-"""torchtune's backend: a runner family's builder (runner/families/), weights converted to and
-from Hugging Face's names by the family."""
+"""torchtune's backend: a runner family's builder (runner/models/families/), weights converted to
+and from Hugging Face's names by the family."""
 
 from __future__ import annotations
 
