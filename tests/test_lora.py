@@ -4,6 +4,7 @@ the Hugging Face base with our logits, and a resumed LoRA run repeats its losses
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,12 @@ import torch
 from omegaconf import OmegaConf
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
+from runner.deploy.selection import resolve_checkpoints
 from runner.errors import UserError
 from runner.job.preflight import estimate
 from runner.models.families import hf_to_tune, peft_to_tune, tune_to_hf, tune_to_peft
@@ -139,6 +141,48 @@ def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path
     assert (peft_logits - base_logits).abs().max() > 1e-2  # the adapter changes the model
     assert (peft_logits - ours).abs().max() <= 1e-4
     assert (served_logits - ours).abs().max() <= 1e-4
+
+
+def test_a_moved_or_copied_lora_run_merges_onto_its_own_base(runner_cli, tmp_path: Path) -> None:
+    # A random-init base: the run writes RUN/base_model/, and its adapters name it by the
+    # absolute path it had. Moved, that path is gone; copied, it still holds the original's.
+    trained = tmp_path / "trained"
+    train(runner_cli, trained, "method=lora", "method.save_merged=false")
+    moved = tmp_path / "moved"
+    trained.rename(moved)
+    copied = tmp_path / "copied"
+    shutil.copytree(moved, copied)
+    # Another model where the adapters' recorded base was: the copy must not merge onto it.
+    decoy = trained / "base_model"
+    torch.manual_seed(5)
+    LlamaForCausalLM(AutoConfig.from_pretrained(moved / "base_model")).save_pretrained(decoy)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    for run in (moved, copied):
+        checkpoint = run / "checkpoints" / f"step_{STEPS}"
+        out = tmp_path / f"{run.name}-merged"
+        exported = runner_cli("export", f"checkpoint={run}", f"out={out}")
+        assert exported.returncode == 0, exported.stderr[-3000:]
+        (chosen,) = resolve_checkpoints(
+            str(run), names=None, allowed_roots=[], checkpoint="latest", metric=None, mode=None
+        )
+        served = load_checkpoint(chosen.path, device="cpu", dtype="fp32", max_model_len=None)
+        with torch.no_grad():
+            own = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(run / "base_model"), checkpoint
+            )(tokens).logits
+            on_decoy = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(decoy), checkpoint
+            )(tokens).logits
+            merged = AutoModelForCausalLM.from_pretrained(out)(tokens).logits
+            served_logits = served.model(tokens).logits
+        assert (own - on_decoy).abs().max() > 1e-2  # the base matters
+        assert (merged - own).abs().max() <= 1e-4
+        assert (served_logits - own).abs().max() <= 1e-4
+    # The adapter config stays as peft wrote it.
+    config = json.loads(
+        (copied / "checkpoints" / f"step_{STEPS}" / "adapter_config.json").read_text()
+    )
+    assert config["base_model_name_or_path"] == str(decoy)
 
 
 def test_lora_adapts_the_default_models_own_output_projection(tmp_path: Path) -> None:

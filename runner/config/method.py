@@ -14,6 +14,7 @@ from runner.config.compute import ComputeRecipe
 from runner.config.fields import flag, integer, number
 from runner.config.model import ModelRecipe
 from runner.errors import UserError
+from runner.rundir import BASE_MODEL_DIR
 
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP006, UP035, UP045
@@ -84,7 +85,7 @@ def resolve_method(
         resolved.label_smoothing = method.label_smoothing
     # The Hugging Face base the adapter loads onto (adapter_config.json names it); DPO's frozen
     # reference, the weights training starts from.
-    source = Path(run_dir / "base_model" if model.source is None else model.source)
+    source = Path(run_dir / BASE_MODEL_DIR if model.source is None else model.source)
     resolved.base_model_dir = str(source.resolve())
     if method.name == "dpo":
         return resolved

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from runner.rundir import (
     ADAPTER_FILE,
     HF_CONFIG_FILE,
     check_safetensors,
+    lora_base,
     weight_files,
 )
 
@@ -60,20 +60,19 @@ def load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def lora_base_dir(checkpoint_dir: Path) -> Path | None:
-    """The base model directory a LoRA checkpoint's adapter_config.json names, else None."""
-    path = checkpoint_dir / ADAPTER_CONFIG_FILE
-    if not path.is_file():
+    """The base model directory of a LoRA checkpoint (`runner.rundir.lora_base`), else None."""
+    if not (checkpoint_dir / ADAPTER_CONFIG_FILE).is_file():
         return None
-    base = json.loads(path.read_text()).get("base_model_name_or_path")
-    if not base or not (Path(base) / HF_CONFIG_FILE).is_file():
+    base = lora_base(checkpoint_dir)
+    if base is None or not (base / HF_CONFIG_FILE).is_file():
         raise UserError(
             "checkpoint",
             str(checkpoint_dir),
-            f"its LoRA adapter names the base model {base!r}, which is not a local directory "
-            "with config.json; restore that directory (RUN/base_model/ for a random-init base) "
-            f"or set base_model_name_or_path in {ADAPTER_CONFIG_FILE}",
+            f"its LoRA adapter names the base model {str(base) if base else None!r}, which is "
+            "not a local directory with config.json; restore that directory (RUN/base_model/ "
+            f"for a random-init base) or set base_model_name_or_path in {ADAPTER_CONFIG_FILE}",
         )
-    return Path(base)
+    return base
 
 
 def model_context_length(checkpoint_dir: Path, max_model_len: int | None) -> int:

@@ -28,6 +28,7 @@ from runner.rundir import (
     TOKENIZER_FILES,
     check_safetensors,
     is_run_dir,
+    lora_base,
 )
 
 log = logging.getLogger(__name__)
@@ -211,17 +212,17 @@ def check_merged_quantization(quantization: str) -> None:
 
 
 def check_base(checkpoint: Path, base: str | None) -> Path:
-    """The base model dir a LoRA checkpoint merges into: `base=` or base_model_name_or_path."""
-    config = json.loads((checkpoint / ADAPTER_CONFIG_FILE).read_text())
-    path = base or config.get("base_model_name_or_path")
-    if not path or not (Path(path) / HF_CONFIG_FILE).is_file():
+    """The base model dir a LoRA checkpoint merges into: `base=`, else its own
+    (`runner.rundir.lora_base`: its run's base_model/, or the one its adapter names)."""
+    path = Path(base) if base else lora_base(checkpoint)
+    if path is None or not (path / HF_CONFIG_FILE).is_file():
         raise UserError(
             "base",
-            path,
+            str(path) if path else None,
             f"the base model of LoRA checkpoint {checkpoint} is not a local Hugging Face model "
             "dir (config.json): pass base=<dir of the base model>",
         )
-    return Path(path)
+    return path
 
 
 def default_destination(checkpoint: Path, format: str, variant: str | None) -> Path:

@@ -36,7 +36,15 @@ from runner.rundir.lock import (
     pid_stopped,
     run_lock,
 )
-from runner.rundir.run import CHECKPOINTS_DIR, LOG_FILE, RECIPE_FILE, RunDir, is_run_dir
+from runner.rundir.run import (
+    BASE_MODEL_DIR,
+    CHECKPOINTS_DIR,
+    LOG_FILE,
+    RECIPE_FILE,
+    RunDir,
+    is_run_dir,
+    lora_base,
+)
 from runner.rundir.status import (
     FINAL_STATES,
     STALLED,

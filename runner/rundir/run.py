@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from runner.rundir.checkpoint_files import checkpoint_problem
+from runner.rundir.checkpoint_files import ADAPTER_CONFIG_FILE, checkpoint_problem
 from runner.rundir.io import now_iso, write_json_atomic
 from runner.rundir.lock import lock_held, pid_alive, pid_stopped
 from runner.rundir.status import (
@@ -46,6 +46,8 @@ HEARTBEAT_EVERY_S = 10.0
 HEARTBEAT_STALE_S = 120.0
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
+# The base a LoRA run from random init adapts, written once (Hugging Face format).
+BASE_MODEL_DIR = "base_model"
 # What `profile.enabled=true` writes (runner.trainer.profiling).
 PROFILE_DIR = "profile"
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
@@ -59,6 +61,24 @@ log = logging.getLogger(__package__)
 def is_run_dir(path: Path) -> bool:
     """Whether `path` is a training run directory (it has a status file)."""
     return (path / STATUS_FILE).is_file()
+
+
+def lora_base(adapter_dir: Path) -> Path | None:
+    """The base model a LoRA checkpoint (a PEFT adapter dir) loads onto; None if it names none.
+
+    A checkpoint of a run that holds its own base (RUN/base_model/) takes that one, wherever the
+    run now lies: its adapter_config.json names the base by the absolute path it had in training,
+    which a moved run lost and a copied one still points at. Any other takes the base that its
+    adapter_config.json names (`base_model_name_or_path`, kept as peft wrote it).
+    """
+    run = adapter_dir.parent.parent
+    if adapter_dir.parent.name == CHECKPOINTS_DIR and is_run_dir(run):
+        if (run / BASE_MODEL_DIR).is_dir():
+            return run / BASE_MODEL_DIR
+    named = json.loads((adapter_dir / ADAPTER_CONFIG_FILE).read_text()).get(
+        "base_model_name_or_path"
+    )
+    return Path(named) if named else None
 
 
 class RunDir:
