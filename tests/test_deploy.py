@@ -62,7 +62,7 @@ def client(base_url: str) -> openai.OpenAI:
 
 
 def test_a_run_dir_is_served_from_its_latest_whole_checkpoint(served_run: Path) -> None:
-    select = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
+    select = {"checkpoint": "latest", "metric": None, "mode": None}
     (served,) = resolve_checkpoints(str(served_run), names=None, allowed_roots=[], **select)
     assert served.path == (served_run / "checkpoints" / "step_10").resolve()  # not .tmp-step_20
     # Named by its run and step, not by where its files lie; the paths still find it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -16,9 +17,9 @@ from runner.deploy.selection import resolve_checkpoints
 from runner.deploy.serve import load_served_models, prepare, read_api_key
 from runner.errors import UserError
 from runner.paths import TINY_TOKENIZER_DIR
-from tests.serving import deploy_config
+from tests.serving import deploy_config, make_run
 
-LATEST = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
+LATEST = {"checkpoint": "latest", "metric": None, "mode": None}
 
 
 def fake_run(run_dir: Path, *, steps: list[int], state: str, metrics: list[dict]) -> Path:
@@ -33,7 +34,7 @@ def fake_run(run_dir: Path, *, steps: list[int], state: str, metrics: list[dict]
     return run_dir
 
 
-def serve(path: Path, **select: str) -> Path:
+def serve(path: Path, **select: str | None) -> Path:
     """The checkpoint dir that `runner deploy checkpoint=path` would serve."""
     (served,) = resolve_checkpoints(str(path), names=None, allowed_roots=[], **(LATEST | select))
     return served.path
@@ -57,10 +58,58 @@ def test_best_checkpoint_of_a_run_by_its_eval_line(tmp_path: Path) -> None:
     run = fake_run(tmp_path / "run", steps=[10, 20, 30], state="running", metrics=metrics)
     with (run / "metrics.jsonl").open("a") as metrics_file:
         metrics_file.write('{"step": 50, "eval_lo')  # a line still being written
-    assert serve(run, checkpoint="best").name == "step_20"
-    assert serve(run, checkpoint="best", mode="max").name == "step_10"
+    assert serve(run, checkpoint="best", metric="eval_loss").name == "step_20"
+    assert serve(run, checkpoint="best", metric="eval_loss", mode="max").name == "step_10"
     with pytest.raises(UserError, match="select.metric"):
         serve(run, checkpoint="best", metric="accuracy")
+
+
+def test_a_metric_picks_a_runs_checkpoint_only_with_best_in_deploy_and_export_alike(
+    runner_cli, tiny_checkpoint: Path, tmp_path: Path, caplog
+) -> None:
+    metrics = [
+        {"step": 2, "loss": 2.0, "lr": 1e-4},
+        {"step": 2, "eval_loss": 1.0},
+        {"step": 4, "loss": 1.5, "lr": 1e-4},
+        {"step": 4, "eval_loss": 1.2},
+    ]
+    run = make_run(
+        tmp_path / "run", tiny_checkpoint, steps=[2, 4], state="completed", metrics=metrics
+    )
+    out = tmp_path / "exported"
+    # Without select.checkpoint=best the run serves its latest checkpoint: a metric picks nothing.
+    # A metric the run never recorded (a typo) is named with those it did.
+    unknown = ("select.checkpoint=best", "select.metric=eval_bogus", "select.mode=min")
+    for select, message in (
+        (
+            ("select.metric=eval_loss",),
+            "add select.checkpoint=best to pick its checkpoint by eval_loss",
+        ),
+        (unknown, "recorded no such metric in metrics.jsonl; pick one of: eval_loss, loss, lr"),
+    ):
+        with pytest.raises(UserError, match=message) as caught:
+            prepare(deploy_config(f"checkpoint={run}", f"allowed_roots=[{tmp_path}]", *select))
+        assert caught.value.key == "select.metric"
+        refused = runner_cli("export", f"checkpoint={run}", *select, f"out={out}")
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert refused.stderr.startswith("error: select.metric=") and message in refused.stderr
+        assert not out.exists()
+    assert serve(run, checkpoint="best", metric="eval_loss").name == "step_2"
+    # Beside a sweep, whose runs the metric ranks, a run dir serves its latest, with a warning.
+    sweep = tmp_path / "sweep"
+    make_run(sweep / "0", tiny_checkpoint, steps=[2], state="completed", metrics=metrics)
+    with caplog.at_level(logging.WARNING, logger="runner.deploy.selection"):
+        served = resolve_checkpoints(
+            [str(run), str(sweep)],
+            names=None,
+            allowed_roots=[],
+            **(LATEST | {"metric": "eval_loss"}),
+        )
+    assert [s.path for s in served] == [
+        (run / "checkpoints" / "step_4").resolve(),
+        (sweep / "0" / "checkpoints" / "step_2").resolve(),
+    ]
+    assert f"run dir {run} serves its latest checkpoint" in caplog.text
 
 
 def test_best_run_of_a_sweep_counts_only_completed_runs(tmp_path: Path) -> None:
@@ -72,10 +121,11 @@ def test_best_run_of_a_sweep_counts_only_completed_runs(tmp_path: Path) -> None:
         fake_run(sweep / job, steps=[5, 10], state=state, metrics=metrics)
     fake_run(sweep / "4", steps=[], state="completed", metrics=[{"step": 1, "eval_loss": 0.0}])
     (sweep / "summary.json").write_text("{}")
-    assert serve(sweep) == (sweep / "1" / "checkpoints" / "step_10").resolve()
-    assert serve(sweep, mode="max") == (sweep / "0" / "checkpoints" / "step_10").resolve()
+    assert serve(sweep, metric="eval_loss") == (sweep / "1" / "checkpoints" / "step_10").resolve()
+    best = serve(sweep, metric="eval_loss", mode="max")
+    assert best == (sweep / "0" / "checkpoints" / "step_10").resolve()
     with pytest.raises(UserError, match="select.metric"):
-        serve(sweep, metric="accuracy")
+        serve(sweep, metric="accuracy", mode="min")
 
 
 def test_checkpoints_must_stay_inside_the_allowed_roots(tmp_path: Path) -> None:

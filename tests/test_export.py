@@ -43,7 +43,7 @@ TEXTS = [
 ]
 MIN_MARGIN = 0.04
 NEW_TOKENS = 8
-SELECT = {"checkpoint": "latest", "metric": "loss", "mode": "min"}
+SELECT = {"checkpoint": "latest", "metric": None, "mode": None}
 
 
 def tiny_config() -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from runner.rundir import (
     sweep_runs,
 )
 from runner.rundir.metrics import known_mode
+
+log = logging.getLogger(__name__)
 
 _MODES = ("min", "max")
 _CHECKPOINT_CHOICES = ("latest", "best")
@@ -66,14 +69,8 @@ def resolve_checkpoints(
     # The paths the operator named are trusted roots; what they lead to must stay inside.
     roots = [Path(root).resolve() for root in [*allowed_roots, *paths]]
     chosen = [
-        check_base_inside_roots(
-            check_inside_roots(
-                choose_checkpoint(Path(path), checkpoint=checkpoint, metric=metric, mode=mode),
-                roots,
-            ),
-            roots,
-        )
-        for path in paths
+        check_base_inside_roots(check_inside_roots(path, roots), roots)
+        for path in _choose_each(paths, checkpoint=checkpoint, metric=metric, mode=mode)
     ]
     if names:
         served = [ServedCheckpoint(n, p) for n, p in zip(names, chosen, strict=True)]
@@ -87,6 +84,38 @@ def resolve_checkpoints(
             "e.g. served_model_name=[a,b]",
         )
     return served
+
+
+def _choose_each(
+    paths: list[str], *, checkpoint: str, metric: str | None, mode: str | None
+) -> list[Path]:
+    """`choose_checkpoint` of each path. Beside a sweep, whose runs select.metric ranks, a run
+    dir served from its latest checkpoint ignores the metric with a warning, not an error."""
+    beside_a_sweep = (
+        metric is not None and checkpoint != "best" and any(_is_sweep(Path(p)) for p in paths)
+    )
+    chosen = []
+    for path in map(Path, paths):
+        if beside_a_sweep and is_run_dir(path):
+            log.warning(
+                "select.metric=%s ranks the runs of a sweep: run dir %s serves its latest "
+                "checkpoint (select.checkpoint=best picks a run's checkpoint by the metric)",
+                metric,
+                path,
+            )
+            chosen.append(choose_checkpoint(path, checkpoint=checkpoint, metric=None, mode=None))
+        else:
+            chosen.append(choose_checkpoint(path, checkpoint=checkpoint, metric=metric, mode=mode))
+    return chosen
+
+
+def _is_sweep(path: Path) -> bool:
+    return (
+        path.is_dir()
+        and not is_checkpoint_dir(path)
+        and not is_run_dir(path)
+        and bool(sweep_runs(path))
+    )
 
 
 def _short_named(paths: list[str], chosen: list[Path]) -> list[ServedCheckpoint]:
@@ -120,6 +149,15 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: 
         return path
     if is_run_dir(path):
         run = RunDir(path)
+        if metric is not None and checkpoint != "best":
+            # Without select.checkpoint=best a run dir serves its latest: no metric picks that.
+            raise UserError(
+                "select.metric",
+                metric,
+                f"{path} is a run dir, served from its latest checkpoint unless told "
+                f"select.checkpoint=best: add select.checkpoint=best to pick its checkpoint by "
+                f"{metric}, or drop select.metric",
+            )
     elif runs := sweep_runs(path):
         run = choose_run(path, runs, metric=metric, mode=mode)
     else:
@@ -172,6 +210,7 @@ def best_checkpoint(run: RunDir, *, metric: str | None, mode: str | None) -> Pat
                 "select.checkpoint=latest",
             )
         return chosen
+    check_recorded(metric, [run], f"{run.path}")
     chosen = run.best_checkpoint(metric, _mode_of(metric, mode))
     if chosen is None:
         raise UserError(
@@ -181,6 +220,16 @@ def best_checkpoint(run: RunDir, *, metric: str | None, mode: str | None) -> Pat
             "metrics.jsonl records at checkpoint steps, or select.checkpoint=latest",
         )
     return chosen
+
+
+def check_recorded(metric: str, runs: list[RunDir], where: str) -> None:
+    """Refuse a metric that none of `runs` recorded in metrics.jsonl, naming those they did."""
+    recorded = sorted(set().union(*(run.metric_names() for run in runs)))
+    if metric not in recorded:
+        known = f"pick one of: {', '.join(recorded)}" if recorded else "it has recorded none yet"
+        raise UserError(
+            "select.metric", metric, f"{where} recorded no such metric in metrics.jsonl; {known}"
+        )
 
 
 def choose_run(

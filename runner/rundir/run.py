@@ -221,6 +221,15 @@ class RunDir:
                 records.append(record)
         return records
 
+    def metric_names(self) -> set[str]:
+        """The keys that metrics.jsonl records a number under, step aside."""
+        return {
+            key
+            for record in self.read_metrics()
+            for key, value in record.items()
+            if key != "step" and number(value) is not None
+        }
+
     def losses(self) -> dict[int, float]:
         """Per-step training losses, by step, from metrics.jsonl."""
         return {r["step"]: r["loss"] for r in self.read_metrics() if "loss" in r}
