@@ -85,7 +85,7 @@ def test_a_metric_picks_a_runs_checkpoint_only_with_best_in_deploy_and_export_al
             ("select.metric=eval_loss",),
             "add select.checkpoint=best to pick its checkpoint by eval_loss",
         ),
-        (unknown, "recorded no such metric in metrics.jsonl; pick one of: eval_loss, loss, lr"),
+        (unknown, "never recorded it in metrics.jsonl; pick one of: eval_loss, loss, lr"),
     ):
         with pytest.raises(UserError, match=message) as caught:
             prepare(deploy_config(f"checkpoint={run}", f"allowed_roots=[{tmp_path}]", *select))
@@ -124,8 +124,12 @@ def test_best_run_of_a_sweep_counts_only_completed_runs(tmp_path: Path) -> None:
     assert serve(sweep, metric="eval_loss") == (sweep / "1" / "checkpoints" / "step_10").resolve()
     best = serve(sweep, metric="eval_loss", mode="max")
     assert best == (sweep / "0" / "checkpoints" / "step_10").resolve()
-    with pytest.raises(UserError, match="select.metric"):
-        serve(sweep, metric="accuracy", mode="min")
+    # A metric no run recorded is named as unknown before any question of its direction.
+    with pytest.raises(UserError, match="select.metric") as caught:
+        serve(sweep, metric="eval_bogus")
+    assert caught.value.fix == (
+        f"the runs of {sweep} never recorded it in metrics.jsonl; pick one of: eval_loss"
+    )
 
 
 def test_checkpoints_must_stay_inside_the_allowed_roots(tmp_path: Path) -> None:

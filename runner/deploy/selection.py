@@ -226,9 +226,9 @@ def check_recorded(metric: str, runs: list[RunDir], where: str) -> None:
     """Refuse a metric that none of `runs` recorded in metrics.jsonl, naming those they did."""
     recorded = sorted(set().union(*(run.metric_names() for run in runs)))
     if metric not in recorded:
-        known = f"pick one of: {', '.join(recorded)}" if recorded else "it has recorded none yet"
+        known = f"pick one of: {', '.join(recorded)}" if recorded else "none is recorded yet"
         raise UserError(
-            "select.metric", metric, f"{where} recorded no such metric in metrics.jsonl; {known}"
+            "select.metric", metric, f"{where} never recorded it in metrics.jsonl; {known}"
         )
 
 
@@ -248,6 +248,8 @@ def choose_run(
             )
         ((metric, recorded_mode),) = recorded
         mode = mode or recorded_mode
+    else:
+        check_recorded(metric, runs, f"the runs of {sweep_dir}")
     best = best_run(runs, metric, _mode_of(metric, mode))
     if best is None:
         raise UserError(
