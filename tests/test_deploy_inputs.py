@@ -98,6 +98,7 @@ def test_a_metric_picks_a_runs_checkpoint_only_with_best_in_deploy_and_export_al
     # Beside a sweep, whose runs the metric ranks, a run dir serves its latest, with a warning.
     sweep = tmp_path / "sweep"
     make_run(sweep / "0", tiny_checkpoint, steps=[2], state="completed", metrics=metrics)
+    (sweep / "multirun.yaml").write_text("{}")
     with caplog.at_level(logging.WARNING, logger="runner.deploy.selection"):
         served = resolve_checkpoints(
             [str(run), str(sweep)],
@@ -190,6 +191,13 @@ def test_several_checkpoints_need_distinct_names(tmp_path: Path) -> None:
 def test_not_a_checkpoint_run_or_sweep_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not a checkpoint dir"):
         serve(tmp_path)
+    # A folder of unrelated runs (outputs/, or outputs/<date> for outputs/<date>/<time>) is no
+    # sweep: it has no multirun.yaml (nor runner's summary.json), whatever runs it holds.
+    for job, loss in (("a", 0.9), ("b", 0.4)):
+        metrics = [{"step": 10, "eval_loss": loss}]
+        fake_run(tmp_path / "outputs" / job, steps=[10], state="completed", metrics=metrics)
+    with pytest.raises(UserError, match="or a sweep dir \\(multirun.yaml or summary.json"):
+        serve(tmp_path / "outputs", metric="eval_loss")
     with pytest.raises(UserError, match="no such directory"):
         serve(tmp_path / "nope")
     with pytest.raises(UserError, match="select.mode"):

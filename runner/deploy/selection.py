@@ -11,10 +11,12 @@ from runner.deploy.loading import lora_base_dir
 from runner.errors import UserError
 from runner.rundir import (
     BASE_MODEL_DIR,
+    SWEEP_MARKERS,
     RunDir,
     best_run,
     is_checkpoint_dir,
     is_run_dir,
+    is_sweep_dir,
     sweep_runs,
 )
 from runner.rundir.metrics import known_mode
@@ -92,7 +94,7 @@ def _choose_each(
     """`choose_checkpoint` of each path. Beside a sweep, whose runs select.metric ranks, a run
     dir served from its latest checkpoint ignores the metric with a warning, not an error."""
     beside_a_sweep = (
-        metric is not None and checkpoint != "best" and any(_is_sweep(Path(p)) for p in paths)
+        metric is not None and checkpoint != "best" and any(is_sweep_dir(Path(p)) for p in paths)
     )
     chosen = []
     for path in map(Path, paths):
@@ -107,15 +109,6 @@ def _choose_each(
         else:
             chosen.append(choose_checkpoint(path, checkpoint=checkpoint, metric=metric, mode=mode))
     return chosen
-
-
-def _is_sweep(path: Path) -> bool:
-    return (
-        path.is_dir()
-        and not is_checkpoint_dir(path)
-        and not is_run_dir(path)
-        and bool(sweep_runs(path))
-    )
 
 
 def _short_named(paths: list[str], chosen: list[Path]) -> list[ServedCheckpoint]:
@@ -158,14 +151,15 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: 
                 f"select.checkpoint=best: add select.checkpoint=best to pick its checkpoint by "
                 f"{metric}, or drop select.metric",
             )
-    elif runs := sweep_runs(path):
-        run = choose_run(path, runs, metric=metric, mode=mode)
+    elif is_sweep_dir(path):
+        run = choose_run(path, sweep_runs(path), metric=metric, mode=mode)
     else:
         raise UserError(
             "checkpoint",
             str(path),
-            "not a checkpoint dir (config.json), a run dir (status.json) or a sweep dir (run "
-            "dirs 0/, 1/, ...): pass e.g. outputs/<date>/<time> or multirun/<date>/<time>",
+            "not a checkpoint dir (config.json), a run dir (status.json) or a sweep dir "
+            f"({' or '.join(SWEEP_MARKERS)}, beside its run dirs 0/, 1/, ...): pass e.g. "
+            "outputs/<date>/<time> or multirun/<date>/<time>",
         )
     if checkpoint == "best":
         return best_checkpoint(run, metric=metric, mode=mode)

@@ -7,6 +7,17 @@ from pathlib import Path
 
 from runner.rundir.run import RunDir, best_key, is_run_dir
 
+# What marks a sweep directory: Hydra's basic sweeper writes multirun.yaml there as the sweep
+# starts; a sweeper that does not (Optuna's) leaves runner's summary.json (runner.job.sweep)
+# there as its first job ends.
+SWEEP_MARKERS = ("multirun.yaml", "summary.json")
+
+
+def is_sweep_dir(path: Path) -> bool:
+    """Whether `path` is a sweep directory (multirun.yaml or summary.json), not any folder of
+    run directories."""
+    return any((path / name).is_file() for name in SWEEP_MARKERS)
+
 
 def sweep_runs(sweep_dir: Path) -> list[RunDir]:
     """The run directories directly inside a sweep directory, in job order (0, 1, ..., 10)."""
