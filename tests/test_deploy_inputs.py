@@ -200,6 +200,12 @@ def test_not_a_checkpoint_run_or_sweep_is_a_user_error(tmp_path: Path) -> None:
         serve(tmp_path / "outputs", metric="eval_loss")
     with pytest.raises(UserError, match="no such directory"):
         serve(tmp_path / "nope")
+    # An export for llama.cpp, not a checkpoint: said so, not "no such directory".
+    gguf = tmp_path / "outputs" / "a" / "exports" / "step_10-gguf-f16.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(UserError, match="a GGUF file is for llama.cpp"):
+        serve(gguf)
     with pytest.raises(UserError, match="select.mode"):
         serve(tmp_path, mode="lowest")
 

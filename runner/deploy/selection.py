@@ -136,8 +136,18 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: 
         raise UserError("select.mode", mode, "use min or max")
     if checkpoint not in _CHECKPOINT_CHOICES:
         raise UserError("select.checkpoint", checkpoint, "use latest or best")
+    if path.is_file() and path.suffix == ".gguf":
+        raise UserError(
+            "checkpoint",
+            str(path),
+            "a GGUF file is for llama.cpp (e.g. llama-server -m FILE), not for runner, which "
+            "takes a checkpoint dir, a run dir or a sweep dir: pass the one it was exported from",
+        )
     if not path.is_dir():
-        raise UserError("checkpoint", str(path), "no such directory")
+        found = "a file" if path.exists() else "no such directory"
+        raise UserError(
+            "checkpoint", str(path), f"{found}: pass a checkpoint dir, a run dir or a sweep dir"
+        )
     if is_checkpoint_dir(path):
         return path
     if is_run_dir(path):
