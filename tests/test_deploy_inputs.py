@@ -133,6 +133,17 @@ def test_best_run_of_a_sweep_counts_only_completed_runs(tmp_path: Path) -> None:
     )
 
 
+def test_a_sweep_stopped_before_any_run_completed_says_so(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    # Ctrl-C: the first job stopped before its first checkpoint.
+    fake_run(sweep / "0", steps=[], state="cancelled", metrics=[{"step": 1, "loss": 2.0}])
+    (sweep / "multirun.yaml").write_text("{}")
+    for select in ({}, {"metric": "loss"}):
+        with pytest.raises(UserError, match="no completed run with a checkpoint yet") as caught:
+            serve(sweep, **select)
+        assert caught.value.key == "checkpoint" and "0: cancelled" in caught.value.fix
+
+
 def test_checkpoints_must_stay_inside_the_allowed_roots(tmp_path: Path) -> None:
     elsewhere = fake_run(tmp_path / "elsewhere", steps=[1], state="completed", metrics=[])
     target = elsewhere / "checkpoints" / "step_1"

@@ -241,6 +241,14 @@ def choose_run(
 ) -> RunDir:
     """The sweep's best run (`runner.rundir.best_run`) by `metric`, or by the metric its runs
     recorded their best by, which must be one."""
+    if not any(run.status().state == "completed" and run.checkpoints() for run in runs):
+        states = ", ".join(f"{run.path.name}: {run.status().state}" for run in runs) or "none"
+        raise UserError(
+            "checkpoint",
+            str(sweep_dir),
+            f"this sweep has no completed run with a checkpoint yet (its runs: {states}): wait "
+            "for one, or serve one of its runs itself (SWEEP/<job>)",
+        )
     if metric is None:
         recorded = {(b["metric"], b["mode"]) for run in runs if (b := run.best())}
         if len(recorded) != 1:
