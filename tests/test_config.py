@@ -67,8 +67,9 @@ def test_option_composes_and_resolves(
     cfg = compose_train([f"{group}={option}", *local, cache, *extra])
     if (group, option) in NEEDS_CUDA and not torch.cuda.is_available():
         with pytest.raises(UserError) as err:
-            resolve_recipe(cfg, tmp_path)
-        assert err.value.key == "compute" and "compute=cpu" in err.value.fix
+            resolve_recipe(cfg, tmp_path, [f"{group}={option}"])  # named as the user typed it
+        assert err.value.key == "compute" and err.value.value == option
+        assert "compute=cpu" in err.value.fix
         return
     if group == "model" and cfg.model.source is not None or option == "hf":
         # Real models come from the hub, never reached in tests: a train says what is missing;

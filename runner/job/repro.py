@@ -190,10 +190,11 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
         raise UserError("--steps", steps, "give a number of steps >= 1")
     if tolerance is not None and tolerance < 0:
         raise UserError("--tolerance", tolerance, "give a relative tolerance >= 0")
+    rerun = _rerun_dir(recorded, out)
     recipe = read_recipe(recorded.recipe_path)
     steps = _stop_step(recorded, steps)
     _check_logged(recorded, steps, log_every=recipe.runtime.log_every_n_steps)
-    rerun = _rerun(recorded, recipe, steps, out)
+    _rerun(recorded, recipe, steps, rerun)
     print(f"re-run directory: {rerun.path}")
     return _compare(recorded, rerun, steps, tolerance)
 
@@ -234,12 +235,17 @@ def _check_logged(recorded: RunDir, steps: int | None, *, log_every: int) -> Non
     )
 
 
-def _rerun(recorded: RunDir, recipe: DictConfig, steps: int | None, out: Path | None) -> RunDir:
-    """Trains the recorded recipe again, into `out` or a new directory beside the run."""
+def _rerun_dir(recorded: RunDir, out: Path | None) -> RunDir:
+    """Where the re-run trains: `out`, or a new directory beside the run; not one that exists."""
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     rerun = RunDir(out or recorded.path.with_name(f"{recorded.path.name}-repro-{stamp}"))
     if rerun.path.exists():
         raise UserError("--out", str(rerun.path), "already exists; give a new directory")
+    return rerun
+
+
+def _rerun(recorded: RunDir, recipe: DictConfig, steps: int | None, rerun: RunDir) -> None:
+    """Trains the recorded recipe again, into `rerun` (_rerun_dir)."""
     as_launcher()
     rerun.path.mkdir(parents=True)
     recipe.run_dir, recipe.stop_at_step = str(rerun.path.resolve()), steps
@@ -248,7 +254,6 @@ def _rerun(recorded: RunDir, recipe: DictConfig, steps: int | None, out: Path | 
     write_manifest(rerun, build_manifest(recipe, overrides, Path.cwd()))
     rerun.write_status("created", step=0, total_steps=recipe.max_steps)
     launch(recipe, rerun.recipe_path)
-    return rerun
 
 
 def _compare(recorded: RunDir, rerun: RunDir, steps: int | None, tolerance: float | None) -> int:
