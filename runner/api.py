@@ -44,9 +44,8 @@ from omegaconf import DictConfig
 from runner.config import interpolations
 from runner.errors import UserError
 from runner.job import lifecycle
-from runner.job.sweep import SUMMARY_JSON
 from runner.paths import CONF_DIR
-from runner.rundir import FINAL_STATES, STALLED, STATES, STOPPING, RunDir, Status
+from runner.rundir import FINAL_STATES, STALLED, STATES, STOPPING, SUMMARY_JSON, RunDir, Status
 
 if TYPE_CHECKING:
     from runner.job.preflight import Estimate

@@ -54,4 +54,4 @@ from runner.rundir.status import (
     STOPPING,
     Status,
 )
-from runner.rundir.sweeps import SWEEP_MARKERS, best_run, is_sweep_dir, sweep_runs
+from runner.rundir.sweeps import SUMMARY_JSON, SWEEP_MARKERS, best_run, is_sweep_dir, sweep_runs

@@ -7,10 +7,12 @@ from pathlib import Path
 
 from runner.rundir.run import RunDir, best_key, is_run_dir
 
+# A sweep's summary of its jobs (runner.job.sweep writes it as each job ends).
+SUMMARY_JSON = "summary.json"
 # What marks a sweep directory: Hydra's basic sweeper writes multirun.yaml there as the sweep
-# starts; a sweeper that does not (Optuna's) leaves runner's summary.json (runner.job.sweep)
-# there as its first job ends.
-SWEEP_MARKERS = ("multirun.yaml", "summary.json")
+# starts; a sweeper that does not (Optuna's) leaves runner's summary.json there as its first
+# job ends.
+SWEEP_MARKERS = ("multirun.yaml", SUMMARY_JSON)
 
 
 def is_sweep_dir(path: Path) -> bool:
