@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -206,6 +207,26 @@ def transformers_warnings() -> Iterator[list[str]]:
 def losses(run_dir: Path) -> dict[int, float]:
     """Per-step training losses recorded in a run directory's metrics.jsonl."""
     return RunDir(run_dir).losses()
+
+
+def ctrl_c_after_two_steps(args: list[str], env: dict[str, str], metrics: Path) -> str:
+    """`runner ARGS` interrupted by Ctrl-C (SIGINT) once `metrics` (its run's metrics.jsonl)
+    holds two steps; its exit code checked (130), its stderr returned."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    return err
 
 
 def load_script(where: str) -> ModuleType:

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from tests.conftest import QUICK, losses
+from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
 
 N = 6
 
@@ -144,21 +140,11 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -
     """Ctrl-C does what SIGTERM does: a checkpoint at the stop step, `cancelled`, no traceback."""
     run = tmp_path / "interrupted"
     args = [*QUICK, "compute=cpu", "max_steps=400", "runtime.save_every_n_steps=null"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "train", *args, "runtime.log_every_n_steps=1"]
-        + ["eval.strategy=no", f"hydra.run.dir={run}"],
-        env=hermetic_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    err = ctrl_c_after_two_steps(
+        ["train", *args, "runtime.log_every_n_steps=1", "eval.strategy=no", f"hydra.run.dir={run}"],
+        hermetic_env,
+        run / "metrics.jsonl",
     )
-    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 600
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "cancelled" and "SIGINT" in status["error"], status

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import yaml
 
-from tests.conftest import QUICK, losses
+from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
 
 TINY_JOB = [*QUICK, "max_steps=4", "batch_size=4", "dataset.eval_samples=0"]
 
@@ -139,21 +135,12 @@ def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: 
     so, as Hydra's end-of-job callback, which Ctrl-C skips, would have."""
     sweep = tmp_path / "sweep"
     args = [*QUICK, "compute=cpu", "max_steps=400", "runtime.log_every_n_steps=1"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "train", "-m", *args, "optimizer.lr=1e-3,2e-3"]
-        + ["eval.strategy=no", f"hydra.sweep.dir={sweep}"],
-        env=hermetic_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    ctrl_c_after_two_steps(
+        ["train", "-m", *args, "optimizer.lr=1e-3,2e-3", "eval.strategy=no"]
+        + [f"hydra.sweep.dir={sweep}"],
+        hermetic_env,
+        sweep / "0" / "metrics.jsonl",
     )
-    metrics, deadline = sweep / "0" / "metrics.jsonl", time.monotonic() + 600
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err[-3000:]
     (row,) = summary_of(sweep)["runs"]
     assert row["state"] == "cancelled" and 2 <= row["step"] < 400, row
     assert "| cancelled |" in (sweep / "summary.md").read_text()
