@@ -19,14 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.errors import UserError, user_errors_pass_hydra
-from runner.rundir import (
-    SUMMARY_JSON,
-    RunDir,
-    Status,
-    best_run,
-    sweep_runs,
-    write_json_atomic,
-)
+from runner.rundir import SUMMARY_JSON, RunDir, Status, best_run, sweep_runs, write_json_atomic
 
 SUMMARY_TABLE = "summary.md"
 LOSS_PLOT = "loss_curves.png"
