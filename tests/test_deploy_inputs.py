@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from runner.deploy.loading import model_context_length
 from runner.deploy.selection import resolve_checkpoints
 from runner.deploy.serve import load_served_models, prepare, read_api_key
 from runner.errors import UserError
-from runner.paths import TINY_TOKENIZER_DIR
 from tests.serving import deploy_config, make_run
 
 LATEST = {"checkpoint": "latest", "metric": None, "mode": None}
@@ -157,38 +153,6 @@ def test_checkpoints_must_stay_inside_the_allowed_roots(tmp_path: Path) -> None:
     (target / "model.safetensors").symlink_to("/etc/hostname")  # a file leading out
     with pytest.raises(UserError, match="allowed_roots"):
         resolve_checkpoints(str(run), names=None, allowed_roots=roots, **LATEST)
-
-
-def lora_adapter(path: Path, base: Path) -> Path:
-    """A PEFT adapter of `base` (q_proj, v_proj) written by peft, naming `base` as its base."""
-    model = AutoModelForCausalLM.from_pretrained(base)
-    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
-        path
-    )
-    for file in TINY_TOKENIZER_DIR.iterdir():
-        shutil.copy(file, path / file.name)
-    return path
-
-
-def test_a_lora_base_must_stay_inside_the_allowed_roots_too(
-    tiny_checkpoint: Path, tmp_path: Path
-) -> None:
-    elsewhere = tiny_checkpoint  # outside tmp_path
-    copied = lora_adapter(tmp_path / "outputs" / "lora_copy", elsewhere)  # in no run
-    cfg = deploy_config(f"checkpoint={copied}", f"allowed_roots=[{tmp_path}]", "port=0")
-    with pytest.raises(UserError, match=f"the LoRA base {elsewhere} of {copied} leads to"):
-        prepare(cfg)
-    # A run's own base_model/ is part of its checkpoints, given alone or by their run ...
-    run = fake_run(tmp_path / "run", steps=[], state="completed", metrics=[])
-    checkpoint = lora_adapter(run / "checkpoints" / "step_1", elsewhere)
-    shutil.copytree(elsewhere, run / "base_model")
-    assert serve(checkpoint) == serve(run) == checkpoint.resolve()
-    # ... as long as it lies in the run.
-    shutil.rmtree(run / "base_model")
-    (run / "base_model").symlink_to(elsewhere)
-    for given in (checkpoint, run):
-        with pytest.raises(UserError, match=f"leads to {elsewhere}, outside"):
-            serve(given)
 
 
 def test_several_checkpoints_need_distinct_names(tmp_path: Path) -> None:

@@ -7,10 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.deploy.loading import lora_base_dir
 from runner.errors import UserError
 from runner.rundir import (
-    BASE_MODEL_DIR,
     SWEEP_MARKERS,
     RunDir,
     best_run,
@@ -71,7 +69,7 @@ def resolve_checkpoints(
     # The paths the operator named are trusted roots; what they lead to must stay inside.
     roots = [Path(root).resolve() for root in [*allowed_roots, *paths]]
     chosen = [
-        check_base_inside_roots(check_inside_roots(path, roots), roots)
+        check_inside_roots(path, roots)
         for path in _choose_each(paths, checkpoint=checkpoint, metric=metric, mode=mode)
     ]
     if names:
@@ -273,7 +271,7 @@ def choose_run(
     return best
 
 
-def check_inside_roots(path: Path, roots: list[Path], *, what: str = "") -> Path:
+def check_inside_roots(path: Path, roots: list[Path]) -> Path:
     """Resolve `path` and each file in it, and refuse any that lead outside the allowed roots."""
     resolved = path.resolve()
     for target in [resolved, *(child.resolve() for child in resolved.iterdir())]:
@@ -281,21 +279,7 @@ def check_inside_roots(path: Path, roots: list[Path], *, what: str = "") -> Path
             raise UserError(
                 "allowed_roots",
                 [str(root) for root in roots],
-                f"{what or path} leads to {target}, outside every allowed root: add that "
-                "directory to allowed_roots if you trust it",
+                f"{path} leads to {target}, outside every allowed root: add that directory "
+                "to allowed_roots if you trust it",
             )
     return resolved
-
-
-def check_base_inside_roots(checkpoint: Path, roots: list[Path]) -> Path:
-    """Refuse a LoRA checkpoint whose base model leads outside the allowed roots; returns the
-    (resolved) checkpoint. Its run's own base_model/ counts as part of the checkpoint, as long
-    as it and its files lie in that run (a link out of it is refused)."""
-    base = lora_base_dir(checkpoint)
-    if base is None:
-        return checkpoint
-    own = checkpoint.parent.parent / BASE_MODEL_DIR
-    check_inside_roots(
-        base, [*roots, own] if base == own else roots, what=f"the LoRA base {base} of {checkpoint}"
-    )
-    return checkpoint
