@@ -125,9 +125,10 @@ def test_a_run_directory_is_trained_again_only_by_the_command_that_started_it(
     assert result.returncode == 2, result.stderr[-3000:]
     assert (
         f"error: hydra.run.dir='{run}': holds a run that other overrides started: max_steps=6 "
-        "(recorded: max_steps=4), optimizer.lr=5e-3 (recorded: not given); go on with it as "
-        f"recorded (runner resume {run}), or give another hydra.run.dir"
-    ) in result.stderr
+        "(recorded: max_steps=4), optimizer.lr=5e-3 (recorded: not given); go on with it by "
+        f"its own (runner resume {run}), on another layout if need be (compute, batch_size and "
+        "gradient_accumulation_steps may change), or give another hydra.run.dir"
+    ) in result.stderr  # the layout may change (docs/nodes.md; test_distributed resumes so)
     assert "Traceback" not in result.stderr
     assert written(run) == files
 

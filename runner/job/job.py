@@ -135,36 +135,40 @@ def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextMan
     return run_lock(run.path, key="hydra.run.dir" if cfg.resume is None else "resume")
 
 
-# The override that tells apart the nodes of a multi-node run, each typing the same line.
-_PER_NODE = "compute.node_rank="
+# What may change when a run's directory is trained again: the layout, the processes and the
+# batch each takes (docs/nodes.md: a checkpoint resumes on any number of processes with the same
+# global batch), of which the node's rank tells apart the nodes of one run.
+_LAYOUT = ("compute", "batch_size", "gradient_accumulation_steps")
 
 
 def _check_same_command(run: RunDir, overrides: list[str]) -> None:
-    """A directory that holds a run is trained again by the command that started it alone (a
-    requeue, a node started again: it goes on from its last checkpoint); other overrides would
-    rewrite its recipe under the steps it trained. Refused before Hydra writes there."""
+    """A directory that holds a run is trained again by the command that started it (a requeue,
+    a node started again) or by that command on another layout: it goes on from its last
+    checkpoint. Other overrides would change its recipe under the steps it trained. Refused
+    before Hydra writes there."""
     if not (run.path / MANIFEST_FILE).is_file():
         return  # killed before it recorded anything
     recorded = _by_key(read_manifest(run)["overrides"])
     given = _by_key(recorded_form(overrides))
-    if recorded == given:
-        return
     changes = [
         f"{given.get(key, key + ' not given')} (recorded: {recorded.get(key, 'not given')})"
         for key in sorted(recorded.keys() | given.keys())
         if recorded.get(key) != given.get(key)
     ]
-    raise UserError(
-        "hydra.run.dir",
-        str(run.path),
-        f"holds a run that other overrides started: {', '.join(changes)}; go on with it as "
-        f"recorded (runner resume {run.path}), or give another hydra.run.dir",
-    )
+    if changes:
+        raise UserError(
+            "hydra.run.dir",
+            str(run.path),
+            f"holds a run that other overrides started: {', '.join(changes)}; go on with it by "
+            f"its own (runner resume {run.path}), on another layout if need be (compute, "
+            "batch_size and gradient_accumulation_steps may change), or give another hydra.run.dir",
+        )
 
 
 def _by_key(overrides: list[str]) -> dict[str, str]:
-    """Overrides by the key each sets (`+a.b=1`: a.b), but the node's rank."""
-    return {o.split("=", 1)[0].lstrip("+~"): o for o in overrides if not o.startswith(_PER_NODE)}
+    """Overrides by the key each sets (`+a.b=1`: a.b), those of the layout left out."""
+    by_key = {o.split("=", 1)[0].lstrip("+~"): o for o in overrides}
+    return {k: o for k, o in by_key.items() if k.split(".")[0] not in _LAYOUT}
 
 
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
