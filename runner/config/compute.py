@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig
 
-from runner.config.fields import integer
+from runner.config.fields import integer, override_key
 from runner.config.platforms import refuse_torchrun_worker
 from runner.errors import UserError
 
@@ -114,9 +114,8 @@ def _device_given(overrides: Sequence[str], device: str) -> tuple[str, str]:
     """(key, value) of the last override that chose the device (compute=multi_gpu,
     compute.device=cuda); compute.device and its value where none did (an experiment file)."""
     for override in reversed(overrides):
-        key, _, value = override.lstrip("+").partition("=")
-        if key in ("compute", "compute.device"):
-            return key, value
+        if (key := override_key(override)) in ("compute", "compute.device"):
+            return key, override.partition("=")[2]
     return "compute.device", device
 
 

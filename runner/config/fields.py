@@ -20,6 +20,11 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from runner.errors import UserError
 
 
+def override_key(override: str) -> str:
+    """The dotted key a command-line override sets: `+a.b=1`, `~a.b` and `a.b=1` all set a.b."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def integer(default: int | None, minimum: int) -> Any:
     """An int field of at least `minimum` (an Optional one may be null)."""
     return field(default=default, metadata={"minimum": minimum})

@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from runner.config.fields import override_key
 from runner.errors import UserError
 from runner.rundir import RECIPE_FILE, RunDir, checkpoint_problem, is_run_dir
 
@@ -110,7 +111,7 @@ def resolve_load_checkpoint(
     if section.mode == "weights":
         if found == "resume":  # the weights of the run's latest whole checkpoint
             path = latest_whole_checkpoint(path)
-        given = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") == "model.source"]
+        given = [o for o in overrides if override_key(o) == "model.source"]
         if given:
             raise UserError(
                 "load_checkpoint.path",

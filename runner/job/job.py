@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from runner.config.fields import override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.schema import read_recipe, write_recipe
@@ -167,7 +168,7 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
 
 def _by_key(overrides: list[str]) -> dict[str, str]:
     """Overrides by the key each sets (`+a.b=1`: a.b), those of the layout left out."""
-    by_key = {o.split("=", 1)[0].lstrip("+~"): o for o in overrides}
+    by_key = {override_key(o): o for o in overrides}
     return {k: o for k, o in by_key.items() if k.split(".")[0] not in _LAYOUT}
 
 
