@@ -109,6 +109,31 @@ def test_a_metric_picks_a_runs_checkpoint_only_with_best_in_deploy_and_export_al
     assert f"run dir {run} serves its latest checkpoint" in caplog.text
 
 
+def test_a_checkpoint_dir_is_served_as_it_is_and_refuses_a_select(tmp_path: Path) -> None:
+    run = fake_run(tmp_path / "run", steps=[2, 4], state="completed", metrics=[])
+    step_2 = run / "checkpoints" / "step_2"
+    assert serve(step_2) == step_2.resolve()
+    # select.* picks among a run's checkpoints: given one checkpoint, it would be ignored unseen.
+    for select, key in (
+        ({"checkpoint": "best"}, "select.checkpoint"),
+        ({"metric": "x"}, "select.metric"),
+    ):
+        with pytest.raises(UserError, match="is a checkpoint dir, served as it is") as caught:
+            serve(step_2, **select)
+        assert caught.value.key == key
+    # Beside a run dir, which select.checkpoint=best picks from, it is served as it is.
+    (run / "metrics.jsonl").write_text(
+        '{"step": 2, "eval_loss": 0.5}\n{"step": 4, "eval_loss": 0.9}\n'
+    )
+    served = resolve_checkpoints(
+        [str(step_2), str(run)],
+        names=["a", "b"],
+        allowed_roots=[],
+        **(LATEST | {"checkpoint": "best", "metric": "eval_loss"}),
+    )
+    assert [s.path for s in served] == [step_2.resolve(), step_2.resolve()]
+
+
 def test_best_run_of_a_sweep_counts_only_completed_runs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     runs = {"0": (0.9, "completed"), "1": (0.4, "completed"), "2": (0.1, "failed")}

@@ -90,13 +90,17 @@ def _choose_each(
     paths: list[str], *, checkpoint: str, metric: str | None, mode: str | None
 ) -> list[Path]:
     """`choose_checkpoint` of each path. Beside a sweep, whose runs select.metric ranks, a run
-    dir served from its latest checkpoint ignores the metric with a warning, not an error."""
+    dir served from its latest checkpoint ignores the metric with a warning, not an error; beside
+    a run or sweep dir, a checkpoint dir is served as it is."""
     beside_a_sweep = (
         metric is not None and checkpoint != "best" and any(is_sweep_dir(Path(p)) for p in paths)
     )
+    others = any(not is_checkpoint_dir(Path(p)) for p in paths)
     chosen = []
     for path in map(Path, paths):
-        if beside_a_sweep and is_run_dir(path):
+        if others and is_checkpoint_dir(path):
+            chosen.append(path)  # served as it is; select.* picks among the others
+        elif beside_a_sweep and is_run_dir(path):
             log.warning(
                 "select.metric=%s ranks the runs of a sweep: run dir %s serves its latest "
                 "checkpoint (select.checkpoint=best picks a run's checkpoint by the metric)",
@@ -147,6 +151,16 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: 
             "checkpoint", str(path), f"{found}: pass a checkpoint dir, a run dir or a sweep dir"
         )
     if is_checkpoint_dir(path):
+        if metric is not None or checkpoint == "best":
+            # A checkpoint dir is served as it is: select.* would pick nothing, and a typo there
+            # would go unseen.
+            key, value = ("select.metric", metric) if metric else ("select.checkpoint", checkpoint)
+            raise UserError(
+                key,
+                value,
+                f"{path} is a checkpoint dir, served as it is: drop select.*, or pass its run "
+                "dir to pick among the run's checkpoints",
+            )
         return path
     if is_run_dir(path):
         run = RunDir(path)
