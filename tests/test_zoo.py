@@ -340,3 +340,7 @@ def test_estimate_of_a_zoo_option_needs_no_download(capsys, tmp_path: Path) -> N
     # Llama 3.2 1B's published parameter count; the data needs the tokenizer, not here.
     out = capsys.readouterr().out
     assert "1,235,814,400 parameters, bf16" in out and "activations    not estimated" in out
+    # Each dtype's state is priced all the same, as a bound: docs/config.md says estimate prints
+    # each one's memory.
+    (by_dtype,) = [line for line in out.splitlines() if line.startswith("by dtype")]
+    assert by_dtype.startswith("by dtype       at least fp32 ") and "bf16 " in by_dtype

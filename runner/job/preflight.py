@@ -119,8 +119,9 @@ class Estimate:
     tokens_per_epoch: int | None
     longest_sample: int | None
     steps_per_epoch: int | None
-    # The total per device under each dtype option, for comparison (None as activations_bytes).
-    total_by_dtype: dict[str, int] | None = None
+    # The total per device under each dtype option, for comparison (without activations where
+    # activations_bytes is None).
+    total_by_dtype: dict[str, int]
 
     @property
     def total_bytes(self) -> int:
@@ -165,6 +166,7 @@ def estimate(recipe: DictConfig) -> Estimate:
         tokens_per_epoch=None,
         longest_sample=None,
         steps_per_epoch=None,
+        total_by_dtype={dtype: sum(state_bytes(dtype)) for dtype in BYTES},
     )
     if recipe.model.tokenizer is None:
         return model_only
@@ -336,6 +338,7 @@ def print_estimate(recipe: DictConfig, found: Estimate) -> None:
             "is not here to measure the data (`runner download` fetches it)"
         )
         print(f"total          at least {_gib(found.total_bytes)} per device")
+        _print_by_dtype(found, "at least ")
         return
     assert found.longest_sample is not None  # measured with the activations
     print(
@@ -343,18 +346,21 @@ def print_estimate(recipe: DictConfig, found: Estimate) -> None:
         f"{_forward_samples(recipe, found.longest_sample)} x {found.longest_sample} tokens)"
     )
     print(f"total          {_gib(found.total_bytes)} per device")
-    assert found.total_by_dtype is not None  # measured with the activations
-    print(
-        "by dtype       "
-        + ", ".join(f"{name} {_gib(total)}" for name, total in found.total_by_dtype.items())
-        + " per device"
-    )
+    _print_by_dtype(found)
     if found.tokens_per_epoch is None or found.steps_per_epoch is None:
         print(f"data           a stream, read as it trains ({recipe.max_steps:,} steps)")
         return
     print(
         f"data           {found.tokens_per_epoch:,} tokens per epoch, "
         f"{found.steps_per_epoch:,} optimizer steps per epoch"
+    )
+
+
+def _print_by_dtype(found: Estimate, bound: str = "") -> None:
+    print(
+        f"by dtype       {bound}"
+        + ", ".join(f"{name} {_gib(total)}" for name, total in found.total_by_dtype.items())
+        + " per device"
     )
 
 
