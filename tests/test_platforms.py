@@ -125,6 +125,20 @@ def test_platform_variables_give_the_world(platform, monkeypatch, tmp_path: Path
     assert {k: got[k] for k in expected} == expected
 
 
+def test_a_kubeflow_address_that_names_no_trainjob_gives_no_job_id(monkeypatch, tmp_path) -> None:
+    # Kubeflow's own address is <trainjob>-node-0-0.<trainjob>; an IP set by hand names no job,
+    # and its first label (10) would give every such job the same run directory.
+    for name, value in (KUBEFLOW | {"PET_MASTER_ADDR": "10.1.1.1"}).items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_train(["compute=multi_node", "compute.device=cpu"])
+    assert resolve_recipe(cfg, tmp_path).compute.rdzv_endpoint == "10.1.1.1:29400"
+    with pytest.raises(UserError) as err:
+        platforms.run_dir(None, "outputs/day/time", _root_=cfg)
+    assert err.value.key == "hydra.run.dir" and "the same on every node" in err.value.fix
+    monkeypatch.setenv("PET_MASTER_ADDR", "ft-node-0-0")  # without its domain
+    assert platforms.run_dir(None, "outputs/day/time", _root_=cfg) == "outputs/kubeflow-ft"
+
+
 def test_torchrun_variables_give_the_rendezvous(monkeypatch, tmp_path: Path) -> None:
     for name, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(name, value)

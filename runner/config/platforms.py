@@ -133,9 +133,11 @@ def _job_id(platform: str, env: Mapping[str, str]) -> str | None:
         return env.get("SLURM_JOB_ID")
     if platform == "baseten":
         return env.get("BT_TRAINING_JOB_ID")
-    if platform == "kubeflow" and env.get("PET_MASTER_ADDR"):
-        # <trainjob>-node-0-0.<trainjob>: the TrainJob's name, the same on every node.
-        return re.sub(r"-node-0-0$", "", env["PET_MASTER_ADDR"].split(".")[0])
+    if platform == "kubeflow":
+        # <trainjob>-node-0-0.<trainjob>: the TrainJob's name, the same on every node. Another
+        # address (an IP set by hand) names no job: its first label would be shared by every job.
+        named = re.match(r"(.+)-node-0-0(\.|$)", env.get("PET_MASTER_ADDR", ""))
+        return named.group(1) if named else None
     return None
 
 
