@@ -103,6 +103,29 @@ def test_adding_a_key_is_offered_only_where_one_can_be_added(override: str, offe
     assert (f"add it with +{override}" in error.fix) is offered, error.fix
 
 
+def test_a_group_chosen_twice_is_named_before_its_keys_are_refused(runner_cli, tmp_path) -> None:
+    """Hydra keeps the last of `compute=multi_node compute=cpu`: node_rank, a key of the first,
+    is then unknown. The warning says why, before the error."""
+    out_root = tmp_path / "outputs"
+    result = runner_cli(
+        "train",
+        "compute=multi_node",
+        "compute=cpu",
+        "compute.node_rank=0",
+        f"runtime.output_root={out_root}",
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    warning, error = [
+        line for line in result.stderr.splitlines() if line.startswith(("warn", "err"))
+    ]
+    assert warning == (
+        "warning: compute is chosen 2 times (compute=multi_node, then compute=cpu): only the "
+        "last, compute=cpu, is used; choose one and set its keys (compute.KEY=VALUE)"
+    )
+    assert error.startswith("error: compute.node_rank='0': no such key")
+    assert not out_root.exists()
+
+
 def test_unknown_command_is_a_user_error(runner_cli) -> None:
     result = runner_cli("trian")
     assert result.returncode == 2

@@ -62,12 +62,29 @@ def _run(name: str, argv: list[str]) -> int | None:
         return module.main(argv)
     if name == "export":
         module.check_argv(argv)
+    _warn_groups_given_twice(argv)
     if name in ("validate", "estimate", "download"):
         argv = [*argv, *NO_OUTPUT]
     # Hydra's app reads its overrides and flags (-m, --cfg, --help) from sys.argv, and names
     # itself by sys.argv[0] in its --help.
     sys.argv = [f"runner {name}", *argv]
     return module.app()
+
+
+def _warn_groups_given_twice(argv: list[str]) -> None:
+    """Hydra keeps the last of a group chosen twice without a word: the keys of the first then
+    read as unknown (`compute=multi_node compute=cpu compute.node_rank=0`)."""
+    from runner.config.fields import groups_given_twice
+    from runner.paths import CONF_DIR
+
+    groups = {path.name for path in CONF_DIR.iterdir() if path.is_dir()}
+    for group, options in groups_given_twice(argv, groups).items():
+        given = ", then ".join(f"{group}={option}" for option in options)
+        print(
+            f"warning: {group} is chosen {len(options)} times ({given}): only the last, "
+            f"{group}={options[-1]}, is used; choose one and set its keys ({group}.KEY=VALUE)",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,17 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def groups_given_twice(overrides: list[str], groups: set[str]) -> dict[str, list[str]]:
+    """Each config group that `overrides` choose more than once, with the options in order:
+    Hydra takes the last (`compute=multi_node compute=cpu` is compute=cpu) without a word."""
+    chosen: dict[str, list[str]] = {}
+    for override in overrides:
+        key, equals, option = override.partition("=")
+        if equals and key in groups:
+            chosen.setdefault(key, []).append(option)
+    return {group: options for group, options in chosen.items() if len(set(options)) > 1}
+
+
 def integer(default: int | None, minimum: int) -> Any:
     """An int field of at least `minimum` (an Optional one may be null)."""
     return field(default=default, metadata={"minimum": minimum})
