@@ -172,3 +172,9 @@ def test_a_diverged_run_is_one_clear_message_and_keeps_its_directory(
     nan_at = re.search(r"is nan at step (\d+);", error_lines[0])
     assert nan_at is not None and status.step == int(nan_at[1]) > 1, (status, error_lines)
     assert (run_dir / "metrics.jsonl").read_text() == ""
+    # It saved nothing to go on from: its directory is started again with the lr corrected.
+    again = ["train", *QUICK, "max_steps=2", "eval.strategy=no", f"hydra.run.dir={run_dir}"]
+    result = runner_cli(*again)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert RunDir(run_dir).status().state == "completed"
+    assert "optimizer.lr=1e30" not in (run_dir / "manifest.json").read_text()

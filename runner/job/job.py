@@ -146,9 +146,11 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
     """A directory that holds a run is trained again by the command that started it (a requeue,
     a node started again) or by that command on another layout: it goes on from its last
     checkpoint. Other overrides would change its recipe under the steps it trained. Refused
-    before Hydra writes there."""
-    if not (run.path / MANIFEST_FILE).is_file():
-        return  # killed before it recorded anything
+    before Hydra writes there. A run with no whole checkpoint has nothing to go on from: it
+    starts again from its first step, as it would by its own command, on the overrides given
+    (nodes that disagreed, or a run that failed before its first save, are started corrected)."""
+    if not (run.path / MANIFEST_FILE).is_file() or run.latest_checkpoint() is None:
+        return  # killed before it recorded anything, or before it saved anything
     recorded = _by_key(read_manifest(run)["overrides"])
     given = _by_key(recorded_form(overrides))
     changes = [
