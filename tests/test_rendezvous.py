@@ -20,7 +20,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from runner.job.rendezvous import IdentifiedRendezvous, NodeIdentity, NodesDisagree, NodesMissing
 
-NODES = [NodeIdentity(rank, f"host-{rank}", "/shared/run", "abc") for rank in range(3)]
+RECIPE = {"max_steps": 5, "optimizer": {"lr": 0.001, "fused": None}, "model": {"name": "tiny"}}
+NODES = [NodeIdentity(rank, f"host-{rank}", "/shared/run", RECIPE) for rank in range(3)]
 
 
 class TorchHandler:
@@ -79,11 +80,24 @@ def test_a_timeout_after_a_loss_names_the_node_that_did_not_come_back(store) -> 
 
 
 def test_nodes_of_different_runs_name_both_values(store) -> None:
-    other = NodeIdentity(1, "host-1", "/shared/other", "abc")
+    other = NodeIdentity(1, "host-1", "/shared/other", RECIPE)
     rendezvous = handler(store, NODES[0], [other, NODES[2]])
     with pytest.raises(NodesDisagree) as disagree:
         rendezvous.next_rendezvous()
     assert str(disagree.value) == (
         "node 1 (host-1) trains run directory /shared/other, node 0 (host-0) (this node) "
         "run directory /shared/run"
+    )
+
+
+def test_nodes_started_with_other_overrides_name_each_key_that_differs(store) -> None:
+    """The values, not two config hashes: the lines to mend are found without a diff."""
+    changed = RECIPE | {"max_steps": 6, "optimizer": {"lr": 0.001, "fused": True}}
+    other = NodeIdentity(1, "host-1", "/shared/run", changed | {"seed": 7})
+    rendezvous = handler(store, NODES[0], [other, NODES[2]])
+    with pytest.raises(NodesDisagree) as disagree:
+        rendezvous.next_rendezvous()
+    assert str(disagree.value) == (
+        "node 1 (host-1) trains max_steps=6, optimizer.fused=true, seed=7, "
+        "node 0 (host-0) (this node) max_steps=5, optimizer.fused=null, seed=(not set)"
     )

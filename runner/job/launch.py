@@ -186,14 +186,14 @@ def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     from runner.job import rendezvous
-    from runner.rundir.manifest import config_hash
+    from runner.rundir.manifest import hashed_config
 
     compute = recipe.compute
     identity = rendezvous.NodeIdentity(
         node_rank=node_rank,
         host=socket.gethostname(),
         run_dir=recipe.run_dir,
-        config_hash=config_hash(plain_dict(recipe)),
+        config=hashed_config(plain_dict(recipe)),
     )
     rdzv_configs = rendezvous.parameters(identity)
     if compute.rdzv_timeout_s is not None:

@@ -4,9 +4,9 @@ torch.distributed's dynamic rendezvous over a c10d store (the `c10d` backend of 
 the meeting; this handler wraps it, registered with torch's rendezvous registry as
 `runner-c10d`, and adds three things the elastic agent does not know about a run:
 
-- each node says who it is (node rank, host, run directory, config hash) in the round's store,
-  and the nodes compare: nodes that met but train different runs or configs stop at once, each
-  with a message naming both values;
+- each node says who it is (node rank, host, run directory, recipe) in the round's store, and
+  the nodes compare: nodes that met but train different runs or recipes stop at once, each
+  with a message naming both values of each key that differs;
 - it remembers who was in the group, so that a rendezvous that times out names the node that
   did not come back (a lost node the others waited for);
 - the store that holds the rendezvous lives with node rank 0 whenever that rank is known
@@ -59,7 +59,9 @@ class NodeIdentity:
     node_rank: int | None
     host: str
     run_dir: str
-    config_hash: str
+    # The recipe as its config hash reads it (runner.rundir.manifest.hashed_config): redacted,
+    # without the keys that name the run rather than what it computes.
+    config: dict[str, Any]
 
     def describe(self) -> str:
         rank = "node ?" if self.node_rank is None else f"node {self.node_rank}"
@@ -173,13 +175,12 @@ class IdentifiedRendezvous(RendezvousHandler):
         store.set(f"runner/introduced/{info.rank}", "1")
         store.wait([f"runner/introduced/{rank}" for rank in range(world)])
         for other in members.values():
-            for key, name in (("run_dir", "run directory"), ("config_hash", "config hash")):
-                mine, theirs = getattr(self._identity, key), getattr(other, key)
-                if mine != theirs:
-                    raise NodesDisagree(
-                        f"{other.describe()} trains {name} {theirs}, {self._identity.describe()} "
-                        f"(this node) {name} {mine}"
-                    )
+            theirs, mine = _differences(other, self._identity)
+            if theirs:
+                raise NodesDisagree(
+                    f"{other.describe()} trains {theirs}, {self._identity.describe()} "
+                    f"(this node) {mine}"
+                )
         return members
 
     def _missing(self) -> str:
@@ -234,6 +235,42 @@ class IdentifiedRendezvous(RendezvousHandler):
 
 def _agent_key(addr: str, pid: int) -> str:
     return f"runner/agent/{addr}/{pid}"
+
+
+def _differences(theirs: NodeIdentity, mine: NodeIdentity, most: int = 6) -> tuple[str, str]:
+    """What two nodes train differently, as each one's side of the message: the run directory,
+    then each recipe key whose value differs (`max_steps=6`); two empty strings if nothing."""
+    sides: tuple[list[str], list[str]] = ([], [])
+    if theirs.run_dir != mine.run_dir:
+        sides[0].append(f"run directory {theirs.run_dir}")
+        sides[1].append(f"run directory {mine.run_dir}")
+    their_keys, my_keys = _leaves(theirs.config), _leaves(mine.config)
+    differ = [
+        k
+        for k in sorted(their_keys.keys() | my_keys.keys())
+        if their_keys.get(k, _NONE) != my_keys.get(k, _NONE)
+    ]
+    for side, keys in zip(sides, (their_keys, my_keys), strict=True):
+        side += [f"{k}={_shown(keys.get(k, _NONE))}" for k in differ[:most]]
+        if len(differ) > most:
+            side.append(f"and {len(differ) - most} more keys")
+    return ", ".join(sides[0]), ", ".join(sides[1])
+
+
+_NONE = "(not set)"
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested recipe as {dotted key: value}."""
+    if isinstance(tree, dict) and tree:
+        return {
+            k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()
+        }
+    return {prefix.removesuffix("."): tree}
+
+
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def parameters(identity: NodeIdentity) -> dict[str, Any]:

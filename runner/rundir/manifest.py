@@ -117,10 +117,14 @@ def sha256_data(path: Path) -> str:
     return digest.hexdigest()
 
 
+def hashed_config(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The redacted recipe without its run-specific keys: what config_hash hashes."""
+    return {k: v for k, v in redact(recipe).items() if k not in RUN_SPECIFIC_KEYS}
+
+
 def config_hash(recipe: dict[str, Any]) -> str:
-    """sha256 of the redacted recipe without its run-specific keys, in canonical JSON."""
-    kept = {k: v for k, v in redact(recipe).items() if k not in RUN_SPECIFIC_KEYS}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    """sha256 of the hashed_config, in canonical JSON."""
+    return hashlib.sha256(json.dumps(hashed_config(recipe), sort_keys=True).encode()).hexdigest()
 
 
 def _git(cwd: Path) -> GitState | None:
