@@ -313,6 +313,28 @@ def test_validate_and_estimate_name_the_backend_and_why(sources, runner_cli, tmp
     assert recipe.model.backend_reason.startswith("model.backend=transformers")
 
 
+def test_a_family_checkpoint_with_a_setting_torchtune_lacks_trains_through_transformers(
+    runner_cli, tmp_path
+) -> None:
+    """A Llama with biases in attention: torchtune's llama3 builder has none, transformers'
+    LlamaForCausalLM builds it, and auto picks it saying why; torchtune is refused by name."""
+    biased = tmp_path / "llama_bias"
+    shutil.copytree(write_tiny_checkpoint("llama3_2", tmp_path / "llama"), biased)
+    config = json.loads((biased / "config.json").read_text()) | {"attention_bias": True}
+    (biased / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_pretrained(biased).save_pretrained(biased)  # with its new biases
+    result = runner_cli("validate", *model_args(biased))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "ok  backend    transformers: attention_bias=true in config.json, which torchtune's "
+        "llama3 builder does not build; transformers' LlamaForCausalLM" in result.stdout
+    )
+    with pytest.raises(UserError, match="model.backend=auto trains it through") as refused:
+        resolved(*model_args(biased), "model.backend=torchtune", tmp_path=tmp_path)
+    assert refused.value.key == "model.backend"
+
+
 @pytest.mark.parametrize(
     "overrides,key,fix",
     [

@@ -282,18 +282,29 @@ def _backend(model: DictConfig, config: dict[str, Any] | None) -> tuple[str, str
             )
         weights = "random init" if model.source is None else f"{model.source}, not here yet"
         return "torchtune", f"model={model.name} is runner's {model.family} family ({weights})"
-    return _source_backend(model, wanted, config.get("model_type"))
+    return _source_backend(model, wanted, config)
 
 
-def _source_backend(model: DictConfig, wanted: str, model_type: Any) -> tuple[str, str]:
-    """_backend of a source whose config.json names `model_type` (or none: None)."""
+def _source_backend(model: DictConfig, wanted: str, config: dict[str, Any]) -> tuple[str, str]:
+    """_backend of a source whose config.json is `config`. A family's model with a setting its
+    torchtune builder lacks (Llama's biases) goes to transformers, which builds it, under auto."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from runner.models.families import FAMILIES
+    from runner.models.families import FAMILIES, complete_config, unbuilt_setting
 
+    model_type: Any = config.get("model_type")
     family = {f.model_type: f for f in FAMILIES.values()}.get(model_type)
-    if family is not None and wanted != "transformers":
+    unbuilt = unbuilt_setting(family, complete_config(config)) if family else None
+    if family is not None and wanted != "transformers" and unbuilt is None:
         return "torchtune", f"model_type {model_type!r} is runner's {family.name} family"
+    if family is not None and wanted == "torchtune":
+        raise UserError(
+            "model.backend",
+            wanted,
+            f"model.source={model.source} sets {unbuilt} in its config.json, which torchtune's "
+            f"{family.name} builder does not build; model.backend=auto trains it through "
+            f"transformers' {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}",
+        )
     known = ", ".join(f"{f.model_type} ({f.name})" for f in FAMILIES.values())
     if wanted == "torchtune" or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(
@@ -308,18 +319,20 @@ def _source_backend(model: DictConfig, wanted: str, model_type: Any) -> tuple[st
                 "of a causal LM architecture that transformers implements"
             ),
         )
+    if family is None:
+        why = f"model_type {model_type!r} has no runner family"
+    elif unbuilt is not None:
+        why = f"{unbuilt} in config.json, which torchtune's {family.name} builder does not build"
+    else:
+        why = "model.backend=transformers"
     if model.family is not None or model.builder is not None:
+        held = f"a {model_type!r} model" + (f" ({why})" if unbuilt else "")
         raise UserError(
             "model",
             model.name,
-            f"is an option of runner's {model.family} family, and model.source holds a "
-            f"{model_type!r} model; give model=hf model.source={model.source}",
+            f"is an option of runner's {model.family} family, and model.source holds {held}; "
+            f"give model=hf model.source={model.source}",
         )
-    why = (
-        "model.backend=transformers"
-        if family
-        else f"model_type {model_type!r} has no runner family"
-    )
     return "transformers", f"{why}; transformers' {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}"
 
 

@@ -27,6 +27,7 @@ from runner.models.families._builder import (
     full_builder_args,
     hf_config,
     ties_embeddings,
+    unbuilt_setting,
 )
 from runner.models.families._family import (
     SHARED_ARGS,
@@ -58,6 +59,7 @@ __all__ = [
     "ties_embeddings",
     "tune_to_hf",
     "tune_to_peft",
+    "unbuilt_setting",
 ]
 
 

@@ -25,25 +25,35 @@ def builder_component(family: Family, builder: dict[str, Any]) -> str:
     return component
 
 
-def builder_args(family: Family, config: dict[str, Any], source: str) -> dict[str, Any]:
-    """The builder arguments (without _component_) that build the model a config.json describes."""
-    dim = head_dim(config)
+def unbuilt_setting(family: Family, config: dict[str, Any]) -> str | None:
+    """The config.json setting that torchtune's builder of `family` does not build
+    (`attention_bias=true`, another RoPE scaling), or None where it builds the model."""
     try:
         activation = config.get(family.activation_key)
         if activation not in family.activations:
             raise Unsupported(f"{family.activation_key}={activation}")
+        dim = head_dim(config)
         if not family.own_head_dim and dim * config["num_attention_heads"] != config["hidden_size"]:
             raise Unsupported(f"head_dim={dim} (not hidden_size / num_attention_heads)")
-        extra = family.extra_args(config)
+        family.extra_args(config)
     except Unsupported as err:
+        return str(err)
+    return None
+
+
+def builder_args(family: Family, config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The builder arguments (without _component_) that build the model a config.json describes."""
+    unbuilt = unbuilt_setting(family, config)
+    if unbuilt is not None:
+        # model.backend=auto sends such a source to transformers (runner.config.model).
         raise UserError(
             "model.source",
             source,
-            f"its config.json sets {err}, which torchtune's {family.name} builder does not "
-            "build; fine-tune a checkpoint without it",
-        ) from err
+            f"its config.json sets {unbuilt}, which torchtune's {family.name} builder does not "
+            "build; model=hf with model.backend=auto trains it through transformers' own class",
+        )
     args = {ours: config[theirs] for ours, theirs in SHARED_ARGS.items()}
-    return {**args, "rope_base": rope(config)["rope_theta"], **extra}
+    return {**args, "rope_base": rope(config)["rope_theta"], **family.extra_args(config)}
 
 
 def full_builder_args(family: Family, builder: dict[str, Any]) -> dict[str, Any]:
