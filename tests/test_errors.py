@@ -146,6 +146,24 @@ def test_a_secret_in_runtime_env_is_refused_unwritten(runner_cli, tmp_path: Path
     assert not any("hf_s3cr3t" in text for text in written)
 
 
+def test_a_secret_typed_as_a_value_is_refused_before_any_config_is_printed(runner_cli) -> None:
+    """--cfg job and --info print every value as typed (Hydra's, before runner's checks run),
+    and an export without push_to never reads its hf_token: each is refused first, unprinted."""
+    for command, override in (
+        ("train", "runtime.hf_token=hf_s3cr3t"),
+        ("export", "hf_token=hf_s3cr3t"),
+        ("deploy", "api_key.env=sk-s3cr3t"),
+        ("train", "+runtime.env.WANDB_API_KEY=s3cr3t"),
+    ):
+        for flags in (["--cfg", "job"], ["--info"], []):
+            given = [override] if command == "train" else ["checkpoint=x", override]
+            result = runner_cli(command, *given, *flags)
+            assert result.returncode == 2, (command, override, flags, result.stderr[-2000:])
+            key = override.lstrip("+").partition("=")[0]
+            assert result.stderr.startswith(f"error: {key}='<hidden>': "), result.stderr
+            assert "s3cr3t" not in result.stdout + result.stderr
+
+
 def test_a_diverged_run_is_one_clear_message_and_keeps_its_directory(
     runner_cli, tmp_path: Path
 ) -> None:

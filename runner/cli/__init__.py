@@ -63,6 +63,9 @@ def _run(name: str, argv: list[str]) -> int | None:
     if name == "export":
         module.check_argv(argv)
     _warn_groups_given_twice(argv)
+    from runner.config.secrets import refuse_typed_secrets
+
+    refuse_typed_secrets(argv)
     if name in ("validate", "estimate", "download"):
         argv = [*argv, *NO_OUTPUT]
     # Hydra's app reads its overrides and flags (-m, --cfg, --help) from sys.argv, and names

@@ -13,6 +13,7 @@ from omegaconf import MISSING, DictConfig
 
 from runner.config.fields import flag, integer
 from runner.config.loggers import check_loggers
+from runner.config.secrets import env_secret_error
 from runner.errors import UserError
 from runner.rundir.manifest import SECRET_KEY
 
@@ -82,10 +83,5 @@ def _plain_env(env: DictConfig) -> dict[str, str]:
     plain = {str(key): str(value) for key, value in env.items()}
     for name in plain:
         if SECRET_KEY.search(name):
-            raise UserError(
-                f"runtime.env.{name}",
-                "<hidden>",
-                "looks like a secret, and runtime.env is written to the run directory; export "
-                "it in the environment of `runner train` instead (training processes inherit it)",
-            )
+            raise env_secret_error(name)
     return plain

@@ -7,7 +7,6 @@ import functools
 import ipaddress
 import logging
 import os
-import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.components import plain_dict
 from runner.config.schema import Deploy, typed
+from runner.config.secrets import ENV_NAME
 from runner.deploy.routes import ServedModel
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
 from runner.errors import UserError
@@ -25,7 +25,6 @@ from runner.errors import UserError
 log = logging.getLogger(__name__)
 
 ENGINES = ("transformers", "vllm")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def deploy(cfg: DictConfig) -> None:
@@ -82,7 +81,7 @@ def read_api_key(*, env: str | None, file: str | None) -> str | None:
     if env is not None and file is not None:
         raise UserError("api_key", "env and file", "set api_key.env or api_key.file, not both")
     if env is not None:
-        if not _ENV_NAME.fullmatch(env):
+        if not ENV_NAME.fullmatch(env):
             # The value may be a key pasted by mistake: never echo it.
             raise UserError(
                 "api_key.env",
