@@ -131,6 +131,29 @@ def test_lifecycle_commands_refuse_what_is_not_a_run(runner_cli, tmp_path: Path)
     assert runner_cli("runs", str(tmp_path)).stdout.startswith("no runs under")
 
 
+def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
+    runner_cli, tmp_path: Path
+) -> None:
+    """A status.json cut short (a full disk, a copy stopped midway) has no state: stop and
+    resume each say so and the way on, rather than send the user from one to the other."""
+    run = tmp_path / "cut"
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    (run / "checkpoints" / "step_4" / "config.json").write_text("{}")
+    (run / "status.json").write_text('{"state": "cancelled", "step": 4, "ho')
+    (run / "train.log").write_text("step 4 of 10\n")
+    fix = f"start a new run from its last checkpoint: runner train load_checkpoint.path={run}"
+    for command in ("stop", "resume"):
+        result = runner_cli(command, str(run))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.startswith(f"error: RUN='{run}': its status.json cannot be read")
+        assert fix in result.stderr and "host None" not in result.stderr
+    # Its log is shown all the same, and -f does not follow a run that no process trains.
+    assert runner_cli("logs", "-f", str(run)).stdout == "step 4 of 10\n"
+    (run / "train.log").unlink()
+    result = runner_cli("logs", str(run))
+    assert result.returncode == 2 and "wrote no train.log" in result.stderr, result.stderr
+
+
 def test_logs_of_a_starting_run_waits_for_it_then_follows(runner_cli, hermetic_env, tmp_path):
     """A run holds its lock before Hydra writes into its directory and records its status
     seconds later, once its recipe is resolved and its data checked: `runner logs -f` typed in

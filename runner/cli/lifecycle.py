@@ -21,7 +21,7 @@ from runner.job.lifecycle import (
     stopped_processes,
     wait_until_final,
 )
-from runner.rundir import FINAL_STATES, STALLED
+from runner.rundir import FINAL_STATES, LOG_FILE, STALLED
 
 
 def main(command: str, argv: list[str]) -> int:
@@ -68,7 +68,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    reader = LogReader(run_dir_at(args.run))
+    # The log is worth reading whatever its status.json says.
+    reader = LogReader(run_dir_at(args.run, readable=False))
+    if reader.ended() and not (reader.run.path / LOG_FILE).is_file():
+        raise UserError("RUN", str(args.run), f"the run is over and wrote no {LOG_FILE}")
     while True:
         sys.stdout.write(reader.read())
         sys.stdout.flush()

@@ -33,9 +33,10 @@ DEFAULT_ROOTS = ("outputs", "multirun")
 ORPHANS_WAIT_S = 300.0
 
 
-def run_dir_at(path: Path, key: str = "RUN") -> RunDir:
+def run_dir_at(path: Path, key: str = "RUN", *, readable: bool = True) -> RunDir:
     """The run at `path`; one that is starting (its launcher holds the lock while it resolves
-    the recipe and checks the data, seconds before it records its status) is waited for."""
+    the recipe and checks the data, seconds before it records its status) is waited for.
+    readable: refuse a run whose status.json cannot be read (no state to stop or resume by)."""
     run = RunDir(path)
     waiting = False
     while not is_run_dir(run.path) and lock_held(run.path):
@@ -49,7 +50,26 @@ def run_dir_at(path: Path, key: str = "RUN") -> RunDir:
             str(path),
             "not a run directory (no status.json); `runner runs` lists the runs here",
         )
+    if readable and _unreadable(run):
+        latest = run.latest_checkpoint()
+        raise UserError(
+            key,
+            str(path),
+            "its status.json cannot be read (cut short, or not runner's), so its state is "
+            "unknown; "
+            + (
+                f"start a new run from its last checkpoint: runner train "
+                f"load_checkpoint.path={latest}"
+                if latest
+                else "it saved no checkpoint: train it again under another hydra.run.dir"
+            ),
+        )
     return run
+
+
+def _unreadable(run: RunDir) -> bool:
+    """Whether the run's status.json says no state and no process of the run is left to."""
+    return run.status().state == "unknown" and not lock_held(run.path)
 
 
 def find_runs(roots: list[Path]) -> list[RunDir]:
@@ -139,8 +159,9 @@ class LogReader:
         return text
 
     def ended(self) -> bool:
-        """Whether the run is over, so that nothing more will be written."""
-        return self.run.effective_state()[0] in FINAL_STATES
+        """Whether the run is over, so that nothing more will be written (also where its
+        status.json cannot be read and no process of it is left)."""
+        return self.run.effective_state()[0] in FINAL_STATES or _unreadable(self.run)
 
 
 def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) -> int:
