@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from runner.components import instantiate
 from runner.data import Split, training_splits, validation_split
 from runner.data.stream import StreamSplit
+from runner.errors import UserError
 from runner.hub.download import TokenRef
 from runner.models.backends import backend_for, set_output_chunks
 from runner.models.checkpoint import read_training_state
@@ -383,4 +384,10 @@ def run(recipe_path: str | Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1])
+    # Under torchrun (or runner's launcher with fresh interpreters) each process is its own
+    # entry point: a user error is one line, as runner's CLI prints it.
+    try:
+        run(sys.argv[1])
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(err.exit_code) from None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
@@ -27,19 +29,19 @@ def straight_then_resumed(runner_cli, tmp_path: Path, *extra: str, n: int = N) -
         f"hydra.run.dir={straight}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    # The same run killed right after its step-N checkpoint: drop what came later.
+    # The same run killed right after its step-N checkpoint: drop what came later. A copy, whose
+    # recipe.yaml names the run it was copied from: it trains where it lies, and records that.
     interrupted = tmp_path / "interrupted"
     shutil.copytree(straight, interrupted)
     shutil.rmtree(interrupted / "checkpoints" / f"step_{2 * n}")
-    recipe = (interrupted / "recipe.yaml").read_text().replace(str(straight), str(interrupted))
-    (interrupted / "recipe.yaml").write_text(recipe)
     result = runner_cli("train", f"resume={interrupted}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {interrupted / 'checkpoints' / f'step_{n}'}" in result.stderr
+    assert f"run_dir: {interrupted}\n" in (interrupted / "recipe.yaml").read_text()
     return losses(straight), losses(interrupted)
 
 
-def test_resume_gives_bit_identical_losses(runner_cli, tmp_path: Path) -> None:
+def test_resume_gives_bit_identical_losses(runner_cli, hermetic_env, tmp_path: Path) -> None:
     """One process; two resume the same way in test_precision (full-2proc) and test_stream."""
     straight, resumed = straight_then_resumed(runner_cli, tmp_path, "compute=cpu")
     assert sorted(resumed) == list(range(1, 2 * N + 1))
@@ -48,6 +50,24 @@ def test_resume_gives_bit_identical_losses(runner_cli, tmp_path: Path) -> None:
     # not the first step after the resume.
     first_loss = json.loads((tmp_path / "interrupted" / "status.json").read_text())["first_loss"]
     assert first_loss == resumed[1]
+    # `torchrun ... -m runner.recipes.finetune RUN/recipe.yaml` (docs/nodes.md) of a copy, whose
+    # run_dir names the run it came from, would train that one: one line names both.
+    original, copy = tmp_path / "straight", tmp_path / "copy"
+    shutil.copytree(original, copy)
+    metrics = (original / "metrics.jsonl").read_text()
+    result = subprocess.run(
+        [sys.executable, "-m", "runner.recipes.finetune", str(copy / "recipe.yaml")],
+        env=hermetic_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.startswith(
+        f"error: run_dir='{original}': {copy / 'recipe.yaml'} lies in the run directory {copy}, "
+        f"copied or moved from {original}; `runner resume {copy}` goes on with the run where"
+    ), result.stderr
+    assert (original / "metrics.jsonl").read_text() == metrics
 
 
 def test_resume_refuses_other_overrides(runner_cli, tmp_path: Path) -> None:

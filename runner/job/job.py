@@ -185,6 +185,11 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
             _print_summary(run)
             return None
         recipe = read_recipe(run.recipe_path)
+        if Path(recipe.run_dir).resolve() != run.path.resolve():
+            # Moved or copied since it started: it goes on where it lies, and says so from now.
+            log.info("%s was moved from %s: it trains where it lies", run.path, recipe.run_dir)
+            recipe.run_dir = str(run.path.resolve())
+            write_recipe(run.recipe_path, recipe)
     else:
         # torch, transformers and datasets load here, not at import: `runner train --help` and
         # `--cfg job` (Hydra prints and exits before calling main) stay fast.

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner.config.schema import read_recipe
-from runner.errors import Diverged
-from runner.rundir import LOG_FILE, Heartbeat, RunDir, join_run_lock
+from runner.errors import Diverged, UserError
+from runner.rundir import LOG_FILE, STATUS_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.trainer import determinism
 from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG
@@ -127,6 +127,7 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
     """Runs `recipe_class` on the recipe at `recipe_path` in this process (one of several under
     torchrun): process group, threads, log file, heartbeat, SIGTERM, and the final status."""
     cfg = read_recipe(Path(recipe_path))
+    _check_own_run(Path(recipe_path), cfg)
     _join_launcher_lock()
     distributed = _start_process(cfg)
     recipe = recipe_class(cfg)
@@ -177,6 +178,21 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             raise SystemExit(128 + STOP.signal)  # 143 for SIGTERM, 130 for Ctrl-C
     return result
+
+
+def _check_own_run(recipe_path: Path, cfg: DictConfig) -> None:
+    """A recipe.yaml that lies in a run directory trains that run. One copied along with its
+    run (cp -r RUN COPY) still names RUN in run_dir, which a torchrun of the copy would write
+    into: refused, naming both."""
+    home = recipe_path.resolve().parent
+    if (home / STATUS_FILE).is_file() and home != Path(cfg.run_dir).resolve():
+        raise UserError(
+            "run_dir",
+            cfg.run_dir,
+            f"{recipe_path} lies in the run directory {home}, copied or moved from "
+            f"{cfg.run_dir}; `runner resume {home}` goes on with the run where it lies (and "
+            f"records it there), or give {cfg.run_dir}/recipe.yaml",
+        )
 
 
 @contextlib.contextmanager
