@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,6 +133,25 @@ def test_unknown_command_is_a_user_error(runner_cli) -> None:
     result = runner_cli("trian")
     assert result.returncode == 2
     assert "did you mean `runner train`" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["train", "--help"], ["cluster", "--help"], ["--help"]])
+def test_help_paged_to_a_reader_that_left_ends_quietly(hermetic_env, args: list[str]) -> None:
+    """`runner train --help | head -1`: the reader closes the pipe; runner writes no traceback.
+    The pipe's reading end closes before runner writes (a `head` that already has its line):
+    whether head's close comes before runner's last write is otherwise a race."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with subprocess.Popen(
+        [sys.executable, "-m", "runner", *args],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        env=hermetic_env,
+        text=True,
+    ) as proc:
+        os.close(write_end)
+        _, stderr = proc.communicate(timeout=120)
+    assert stderr == "" and proc.returncode == 1, stderr[-2000:]
 
 
 def test_a_secret_in_runtime_env_is_refused_unwritten(runner_cli, tmp_path: Path) -> None:

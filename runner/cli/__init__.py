@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import select
 import sys
 
 from runner.config import interpolations
@@ -92,6 +93,35 @@ def _warn_groups_given_twice(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `runner` console script."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # What is still buffered meets a reader that left here, not in the interpreter's
+            # flush at exit, which would print "Exception ignored ... BrokenPipeError".
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_reader_left():
+            raise  # a pipe of the command's own (a worker, a socket), not its output
+        # `runner train --help | head -1`: the reader has what it wanted. Python's recipe
+        # (docs.python.org/3/library/signal.html#note-on-sigpipe): what is left to write goes
+        # to devnull, and the command ends quietly, exit 1 as Python's own EPIPE exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
