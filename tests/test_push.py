@@ -10,6 +10,7 @@ import base64
 import gzip
 import hashlib
 import json
+import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -214,6 +215,40 @@ def test_a_push_cut_short_resumes_without_sending_the_weights_again(
     repo = UploadHub.uploaded["acme/resumed"]
     assert not repo["private"] and repo["branches"]["main"] == {}
     assert repo["branches"]["dev"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
+
+
+def test_a_run_or_sweep_dir_is_refused_naming_the_checkpoint_to_push(
+    hub_env, run_dir: Path, tmp_path: Path
+) -> None:
+    """A run dir would upload every checkpoint with its optimizer state, the heartbeat, status
+    and logs: refused by name before any upload, pointing at its latest checkpoint."""
+    target = "hf://acme/whole-run"
+
+    def refused(path: Path) -> str:
+        argv = ["push", str(path), target, "--hf-token", "env:PUSH_TOKEN"]
+        result = cli(hub_env, tmp_path, *argv)
+        assert result.returncode == 2, result.stderr[-2000:]
+        error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(error) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert error[0].startswith(f"error: path='{path}': "), error[0]
+        return error[0]
+
+    latest = run_dir / "checkpoints" / "step_4"
+    assert latest.is_dir()
+    for path in (run_dir, run_dir / "checkpoints"):
+        error = refused(path)
+        assert f"push its latest checkpoint, `runner push {latest} {target}`" in error
+        assert f"`runner export checkpoint={run_dir} push_to={target}`" in error
+    sweep = tmp_path / "sweep"
+    shutil.copytree(run_dir, sweep / "0")
+    (sweep / "multirun.yaml").write_text("{}")  # as Hydra's sweeper writes it
+    error = refused(sweep)
+    assert "a sweep dir, not a model" in error
+    assert f"`runner export checkpoint={sweep} push_to={target}`" in error
+    fresh = tmp_path / "fresh"  # a run that has not saved a checkpoint yet
+    shutil.copytree(run_dir, fresh, ignore=lambda folder, names: ["checkpoints"])
+    assert "the run has no checkpoint yet" in refused(fresh)
+    assert "acme/whole-run" not in UploadHub.uploaded
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from pathlib import Path
 from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
 from runner.hub.download import SCHEME, TokenRef
-from runner.hub.push import parse_target, push
+from runner.hub.push import check_pushable, parse_target, push
 from runner.rundir import is_checkpoint_dir
 
 
@@ -18,7 +18,11 @@ def main(argv: list[str]) -> int:
         description="Upload an export or a checkpoint to a Hugging Face hub repo, with a model "
         "card; pushing again sends only what the hub does not have.",
     )
-    parser.add_argument("path", help="an export (directory or .gguf file) or a checkpoint dir")
+    parser.add_argument(
+        "path",
+        help="an export (directory or .gguf file) or a checkpoint dir (RUN/checkpoints/step_N), "
+        "not a run or sweep dir",
+    )
     parser.add_argument("to", help=f"{SCHEME}org/name[@branch]")
     parser.add_argument("--public", action="store_true", help="create the repo public")
     parser.add_argument(
@@ -28,6 +32,7 @@ def main(argv: list[str]) -> int:
     path = Path(args.path)
     if not path.exists():
         raise UserError("path", args.path, "no such file or directory: give an export's path")
+    check_pushable(path, args.to)
     target = parse_target(args.to, "to")
     token = TokenRef.parse(args.hf_token, key="--hf-token")
     checkpoint = path if is_checkpoint_dir(path) else None

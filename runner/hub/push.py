@@ -26,6 +26,7 @@ from runner.rundir import (
     CHECKPOINTS_DIR,
     RunDir,
     is_run_dir,
+    is_sweep_dir,
 )
 from runner.rundir.manifest import MANIFEST_FILE
 
@@ -40,6 +41,45 @@ def parse_target(uri: str, key: str) -> HubSource:
             key, uri, "name a model repo and optionally a branch: hf://org/name[@branch]"
         )
     return target
+
+
+def check_pushable(path: Path, to: str) -> None:
+    """Refuse a run dir (or its checkpoints/) and a sweep dir, naming what to push instead: they
+    hold every checkpoint with its optimizer state, the logs and the status files, not a model."""
+
+    def push_command(source: Path) -> str:
+        return f"`runner push {shlex.quote(str(source))} {shlex.quote(to)}`"
+
+    def export_command(source: Path) -> str:
+        return f"`runner export checkpoint={shlex.quote(str(source))} push_to={shlex.quote(to)}`"
+
+    if is_sweep_dir(path):
+        one_run = path / "N" / CHECKPOINTS_DIR / "step_M"
+        raise UserError(
+            "path",
+            str(path),
+            f"a sweep dir, not a model: push one run's checkpoint, {push_command(one_run)}, or "
+            f"export the sweep's best run first: {export_command(path)}",
+        )
+    run = path.parent if path.name == CHECKPOINTS_DIR else path
+    if not is_run_dir(run):
+        return
+    what = "a run dir" if run == path else "a run's checkpoints folder"
+    latest = RunDir(run).latest_checkpoint()
+    if latest is None:
+        raise UserError(
+            "path",
+            str(path),
+            f"{what}, not a model, and the run has no checkpoint yet: once it saves one, push "
+            f"that ({run / CHECKPOINTS_DIR / 'step_N'})",
+        )
+    raise UserError(
+        "path",
+        str(path),
+        f"{what}, not a model (every checkpoint with its optimizer state, and the run's logs): "
+        f"push its latest checkpoint, {push_command(latest)}, or export it first: "
+        f"{export_command(run)}",
+    )
 
 
 def source_run(path: Path, checkpoint: Path | None = None) -> RunDir | None:
