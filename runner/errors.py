@@ -9,14 +9,17 @@ from contextlib import contextmanager
 class UserError(Exception):
     """A mistake the user can fix: printed as one message, exit code 2, no traceback.
 
-    The message names the key, the bad value and the fix.
+    The message names the key, the bad value and the fix: `key='value': fix`, or `key: fix` where
+    the value is None (nothing typed: an argument left out, a key left null), which is no value
+    a user gave.
     """
 
     exit_code = 2
 
     def __init__(self, key: str, value: object, fix: str) -> None:
         self.key, self.value, self.fix = key, value, fix
-        super().__init__(f"{key}={value!r}: {fix}")
+        given = "" if value is None else f"={value!r}"
+        super().__init__(f"{key}{given}: {fix}")
 
 
 def user_error_in(err: BaseException) -> UserError | None:

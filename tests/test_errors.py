@@ -135,6 +135,14 @@ def test_unknown_command_is_a_user_error(runner_cli) -> None:
     assert "did you mean `runner train`" in result.stderr
 
 
+def test_an_argument_left_out_is_named_not_shown_as_none(runner_cli) -> None:
+    result = runner_cli("logs")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: RUN: missing: give RUN (usage: runner logs "), (
+        result.stderr
+    )
+
+
 @pytest.mark.parametrize("args", [["train", "--help"], ["cluster", "--help"], ["--help"]])
 def test_help_paged_to_a_reader_that_left_ends_quietly(hermetic_env, args: list[str]) -> None:
     """`runner train --help | head -1`: the reader closes the pipe; runner writes no traceback.
