@@ -251,6 +251,23 @@ def test_a_run_or_sweep_dir_is_refused_naming_the_checkpoint_to_push(
     assert "acme/whole-run" not in UploadHub.uploaded
 
 
+def test_push_names_a_target_left_out_or_mistyped_as_to(
+    hub_env, run_dir: Path, tmp_path: Path
+) -> None:
+    checkpoint = str(run_dir / "checkpoints" / "step_4")
+    for target, message in (
+        ([], "error: to: missing: give to (usage: runner push "),
+        # One slash short: the repo is not cme/tiny.
+        (["hf:/acme/tiny"], "error: to='hf:/acme/tiny': give hf://org/name[@branch]"),
+        (["acme/tiny"], "error: to='acme/tiny': give hf://org/name[@branch]"),
+    ):
+        argv = ["push", checkpoint, *target, "--hf-token", "env:PUSH_TOKEN"]
+        result = cli(hub_env, tmp_path, *argv)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.startswith(message) and "None" not in result.stderr, result.stderr
+    assert not {"cme/tiny", "acme/tiny"} & set(UploadHub.uploaded)
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
@@ -282,13 +299,18 @@ def test_a_push_to_a_hub_out_of_reach_is_one_message(
     out = tmp_path / "merged"
     exported = cli(env, tmp_path, "export", f"checkpoint={run_dir}", f"out={out}")
     assert exported.returncode == 0, exported.stderr[-2000:]
-    for argv in (
-        ["push", str(out), "hf://acme/x", "--hf-token", "env:PUSH_TOKEN"],
-        ["export", f"checkpoint={run_dir}", f"out={tmp_path / 'y'}", "push_to=hf://acme/y"],
+    # Each command names the target by its own name for it: push's `to`, export's `push_to`.
+    for argv, named in (
+        (["push", str(out), "hf://acme/x", "--hf-token", "env:PUSH_TOKEN"], "to='hf://acme/x'"),
+        (
+            ["export", f"checkpoint={run_dir}", f"out={tmp_path / 'y'}", "push_to=hf://acme/y"],
+            "push_to='hf://acme/y'",
+        ),
     ):
         result = cli(env, tmp_path, *argv)
         assert result.returncode == 2, result.stderr[-2000:]
         assert "Traceback" not in result.stderr, result.stderr[-2000:]
         error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-        assert len(error) == 1 and f"the hub ({endpoint}) is out of reach" in error[0], error
+        assert len(error) == 1 and error[0].startswith(f"error: {named}: "), error
+        assert f"the hub ({endpoint}) is out of reach" in error[0], error
         assert "check the network" in error[0] and "pushes again" in error[0]

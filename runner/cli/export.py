@@ -55,7 +55,10 @@ def app(cfg: DictConfig) -> None:
             target, token = push
             # The checkpoint export chose: the model card describes the run it came from.
             chosen = choose_checkpoint(Path(request.checkpoint), **request.select)
-            print(upload(path, target, token=token, private=cfg.private, checkpoint=chosen))
+            pushed = upload(
+                path, target, key="push_to", token=token, private=cfg.private, checkpoint=chosen
+            )
+            print(pushed)
 
 
 def _export_request(cfg: DictConfig) -> ExportRequest:

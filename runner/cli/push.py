@@ -36,5 +36,8 @@ def main(argv: list[str]) -> int:
     target = parse_target(args.to, "to")
     token = TokenRef.parse(args.hf_token, key="--hf-token")
     checkpoint = path if is_checkpoint_dir(path) else None
-    print(push(path, target, token=token, private=not args.public, checkpoint=checkpoint))
+    pushed = push(
+        path, target, key="to", token=token, private=not args.public, checkpoint=checkpoint
+    )
+    print(pushed)
     return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
-from runner.hub.download import HubSource, TokenRef, out_of_reach, parse_uri
+from runner.hub.download import SCHEME, HubSource, TokenRef, out_of_reach, parse_uri
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     CHECKPOINTS_DIR,
@@ -34,12 +34,15 @@ CARD_FILE = "README.md"
 
 
 def parse_target(uri: str, key: str) -> HubSource:
-    """push_to's hf://org/name[@branch]: a model repo, no path inside it."""
+    """The target hf://org/name[@branch] (`key`: push_to, or push's to): a model repo, no path
+    inside it."""
+    form = f"{SCHEME}org/name[@branch]"
+    if not str(uri).startswith(SCHEME):
+        # parse_uri reads what follows the scheme's length: hf:/acme/x would name cme/x.
+        raise UserError(key, uri, f"give {form}")
     target = parse_uri(str(uri), key=key, repo_type="model")
     if target.path or target.repo_type != "model":
-        raise UserError(
-            key, uri, "name a model repo and optionally a branch: hf://org/name[@branch]"
-        )
+        raise UserError(key, uri, f"name a model repo and optionally a branch: {form}")
     return target
 
 
@@ -99,12 +102,14 @@ def push(
     path: Path,
     target: HubSource,
     *,
+    key: str,
     token: TokenRef,
     private: bool = True,
     checkpoint: Path | None = None,
 ) -> str:
     """Uploads `path` (a directory's files, or one file) and its model card in one commit to
-    `target`; returns the commit's URL. A refused or failed push is one UserError."""
+    `target`; returns the commit's URL. A refused or failed push is one UserError naming `key`,
+    the command's name for the target (export's push_to, push's to)."""
     from huggingface_hub import CommitOperationAdd, HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -129,10 +134,10 @@ def push(
         fix = f"the hub refused the push (HTTP {status}: {_reason(err)})"
         if status in (401, 403):
             fix += f"; {token.state()} or it cannot write to {target.repo_id}"
-        raise UserError("push_to", target.uri, f"{fix}; {_again(path, target)}") from None
+        raise UserError(key, target.uri, f"{fix}; {_again(path, target)}") from None
     except out_of_reach() as err:  # a connection that failed or broke off
         raise UserError(
-            "push_to",
+            key,
             target.uri,
             f"the hub ({constants.ENDPOINT}) is out of reach or the upload broke off "
             f"({type(err).__name__}: {err}); check the network (and HF_ENDPOINT), then "
