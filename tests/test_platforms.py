@@ -303,6 +303,19 @@ def test_trainjob_manifest_field_by_field() -> None:
     }
 
 
+def test_cpu_nodes_ask_for_no_gpu() -> None:
+    """cluster.gpus_per_node=0 is CPU nodes (conf/cluster.yaml, docs/nodes.md): the files are
+    the GPU nodes' without their GPU request."""
+    on_gpus = cluster_files([*TRAIN, *CLUSTER])
+    on_cpus = [o for o in CLUSTER if not o.startswith("cluster.gpus_per_node=")]
+    files = cluster_files([*TRAIN, *on_cpus, "cluster.gpus_per_node=0"])
+    assert "#SBATCH --gpus-per-node=4\n" in on_gpus["slurm"]
+    assert files["slurm"] == on_gpus["slurm"].replace("#SBATCH --gpus-per-node=4\n", "")
+    manifest = yaml.safe_load(on_gpus["kubeflow"])
+    assert manifest["spec"]["trainer"].pop("resourcesPerNode")
+    assert yaml.safe_load(files["kubeflow"]) == manifest
+
+
 def test_script_and_manifest_run_one_composed_config() -> None:
     files = cluster_files([*TRAIN, *CLUSTER])
     srun = shlex.split(files["slurm"].splitlines()[-1])

@@ -199,7 +199,7 @@ class Cluster:
     print: str = "both"
     name: str = "runner-train"
     nodes: int = integer(2, 1)
-    gpus_per_node: int = integer(8, 1)
+    gpus_per_node: int = integer(8, 0)
     shared_dir: str = "/shared/runs"
     slurm: Slurm = field(default_factory=Slurm)
     kubeflow: Kubeflow = field(default_factory=Kubeflow)
