@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 import yaml
@@ -15,6 +17,7 @@ from omegaconf import OmegaConf
 from runner.cli import as_user_error
 from runner.config import platforms
 from runner.config.resolve import resolve_recipe
+from runner.config.schema import Cluster
 from runner.errors import UserError
 from runner.job.cluster import cluster_files
 from runner.paths import CONF_DIR
@@ -368,3 +371,48 @@ def test_cluster_command_prints_or_explains(runner_cli) -> None:
     assert helped.returncode == 0 and "kubeflow:" in helped.stdout and "slurm:" in helped.stdout
     wrong = runner_cli("cluster", "batch_sise=3")
     assert wrong.returncode == 2 and "did you mean 'batch_size'" in wrong.stderr
+
+
+def _dotted(section: object, prefix: str = "") -> set[str]:
+    """The dotted keys of a YAML mapping or a schema dataclass, sections unfolded."""
+    if isinstance(section, dict):
+        children = dict(section)
+    else:
+        assert isinstance(section, type)
+        hints = get_type_hints(section)
+        children = {spec.name: hints[spec.name] for spec in dataclasses.fields(section)}
+    keys = set()
+    for name, child in children.items():
+        if isinstance(child, dict) or dataclasses.is_dataclass(child):
+            keys |= _dotted(child, f"{prefix}{name}.")
+        else:
+            keys.add(f"{prefix}{name}")
+    return keys
+
+
+def test_cluster_messages_name_what_runner_cluster_runs(runner_cli) -> None:
+    """runner cluster is no Hydra app (`--cfg job` is not its): a key it does not know points at
+    `runner cluster --help`, which prints every cluster key, or, for a train override, at
+    `runner train --cfg job`; the image left null reads as missing, not as None."""
+    helped = runner_cli("cluster", "--help")
+    assert helped.returncode == 0, helped.stderr
+    printed = yaml.safe_load(helped.stdout.split("(conf/cluster.yaml):\n", 1)[1])
+    assert _dotted(printed) == _dotted(Cluster)
+    cluster_key = runner_cli("cluster", "cluster.bogus=1")
+    assert cluster_key.returncode == 2
+    assert cluster_key.stderr == (
+        "error: cluster.bogus='1': no such key; `runner cluster --help` prints every key\n"
+    )
+    train_key = runner_cli("cluster", "bogus=1")
+    assert train_key.returncode == 2
+    assert train_key.stderr == (
+        "error: bogus='1': no such key; `runner train --cfg job` prints every key\n"
+    )
+    listed = runner_cli("train", "--cfg", "job")
+    assert listed.returncode == 0 and "max_steps:" in listed.stdout, listed.stderr
+    no_image = runner_cli("cluster", "max_steps=10")
+    assert no_image.returncode == 2
+    assert no_image.stderr == (
+        "error: cluster.kubeflow.image: give a container image with runner installed, or "
+        "cluster.print=slurm\n"
+    )

@@ -19,6 +19,10 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from runner.errors import UserError
 
+# What prints every key of the config a Hydra command composed (`runner train --cfg job`); a
+# command that is no Hydra app names its own (runner cluster: `runner cluster --help`).
+EVERY_KEY = "--cfg job"
+
 
 def override_key(override: str) -> str:
     """The dotted key a command-line override sets: `+a.b=1`, `~a.b` and `a.b=1` all set a.b."""
@@ -51,9 +55,11 @@ def flag(default: bool | None) -> Any:
     return field(default=default, metadata={"flag": True})
 
 
-def typed_as(cfg: DictConfig, schema: type, prefix: str = "") -> DictConfig:
+def typed_as(
+    cfg: DictConfig, schema: type, prefix: str = "", listed_by: str = EVERY_KEY
+) -> DictConfig:
     """`cfg` merged into `schema`, every bounded field checked; `prefix` is where `cfg` sits in
-    the whole config, for the messages."""
+    the whole config, and `listed_by` what prints its keys, for the messages."""
     _check_sections(schema, cfg, prefix)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
@@ -61,12 +67,14 @@ def typed_as(cfg: DictConfig, schema: type, prefix: str = "") -> DictConfig:
         given = OmegaConf.select(cfg, str(err.full_key), default="", throw_on_missing=False)
         hint = _closest_key(schema, str(err.full_key))
         raise UserError(
-            f"{prefix}{err.full_key}", given, f"no such key; {hint}`--cfg job` prints every key"
+            f"{prefix}{err.full_key}", given, f"no such key; {hint}`{listed_by}` prints every key"
         ) from None
     except ValidationError as err:
         key = str(err.full_key)
         given = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
-        raise UserError(f"{prefix}{key}", given, _fix(_field_of(schema, key))) from None
+        found = _field_of(schema, key)
+        fix = _fix(found) if found else f"give a value of the type `{listed_by}` shows"
+        raise UserError(f"{prefix}{key}", given, fix) from None
     assert isinstance(merged, DictConfig)  # a dataclass merges into a DictConfig
     _check_bounds(schema, merged, cfg, prefix)
     return merged
@@ -136,10 +144,8 @@ def _section(annotation: Any) -> type | None:
     return section if dataclasses.is_dataclass(section) else None
 
 
-def _fix(typed_field: TypedField | None) -> str:
+def _fix(typed_field: TypedField) -> str:
     """What to give instead, from the field's declared bound."""
-    if typed_field is None:
-        return "give a value of the type `--cfg job` shows"
     spec, annotation = typed_field
     optional = " or null" if type(None) in get_args(annotation) else ""
     if "minimum" in spec.metadata:

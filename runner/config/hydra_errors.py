@@ -13,6 +13,7 @@ from hydra.errors import (
 )
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.config.fields import EVERY_KEY
 from runner.errors import UserError
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
@@ -27,9 +28,12 @@ def _closest(word: str, choices: list[str]) -> str:
     return f"did you mean {match[0]!r}? " if match else ""
 
 
-def from_hydra_error(err: BaseException, command: str | None = None) -> UserError | None:
+def from_hydra_error(
+    err: BaseException, command: str | None = None, listed_by: str = EVERY_KEY
+) -> UserError | None:
     """A UserError for a bad override or unknown group option; None for anything else.
-    `command` (train, deploy, ...) is the runner command that composed, where it is known."""
+    `command` (train, deploy, ...) is the runner command that composed, where it is known, and
+    `listed_by` what prints the composed config's keys."""
     if isinstance(err, SearchPathException):
         missing = re.search(r"directory '(.*)' not found", str(err))
         return UserError(
@@ -56,11 +60,13 @@ def from_hydra_error(err: BaseException, command: str | None = None) -> UserErro
             return UserError("override", override, f"{reason}; {fix}")
         return UserError("override", override, f"{reason}; {OVERRIDE_FORMS}")
     if isinstance(err, ConfigCompositionException):
-        return _composition_error(err, command)
+        return _composition_error(err, command, listed_by)
     return None
 
 
-def _composition_error(err: ConfigCompositionException, command: str | None) -> UserError:
+def _composition_error(
+    err: ConfigCompositionException, command: str | None, listed_by: str
+) -> UserError:
     """An override Hydra could not apply: an unknown key or group, or a comma list."""
     cause = err.__cause__
     message = str(err).splitlines()[0]
@@ -72,7 +78,7 @@ def _composition_error(err: ConfigCompositionException, command: str | None) -> 
         hint = _closest(str(cause.key), known)
         key = str(cause.full_key)
         add = f" (add it with +{key}={given})" if not hint and _addable(key) else ""
-        return UserError(key, given, f"no such key; {hint}`--cfg job` prints every key{add}")
+        return UserError(key, given, f"no such key; {hint}`{listed_by}` prints every key{add}")
     group = re.match(r"Could not override '(.*)'\. No match in the defaults list", message)
     if group:
         runner = f"runner {command}" if command else "this command"

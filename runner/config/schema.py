@@ -21,7 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runner.config.compute import Compute, ComputeRecipe, Dtype
 from runner.config.dataset import Dataset, DatasetRecipe
 from runner.config.evaluation import Eval, EvalRecipe, Objective
-from runner.config.fields import flag, integer, number, typed_as
+from runner.config.fields import EVERY_KEY, flag, integer, number, typed_as
 from runner.config.method import Method, MethodRecipe
 from runner.config.model import Model, ModelRecipe
 from runner.config.runtime import Runtime, RuntimeRecipe
@@ -275,7 +275,10 @@ def write_recipe(path: Path, resolved: DictConfig) -> None:
     write_text_atomic(path, OmegaConf.to_yaml(resolved))
 
 
-def typed(cfg: DictConfig, schema: type = Train, prefix: str = "") -> DictConfig:
+def typed(
+    cfg: DictConfig, schema: type = Train, prefix: str = "", listed_by: str = EVERY_KEY
+) -> DictConfig:
     """`cfg` merged into `schema` (the composed `train` config into Train), every bounded field
-    checked; `prefix` is where `cfg` sits in the whole config, for the messages."""
-    return typed_as(cfg, schema, prefix)
+    checked; `prefix` is where `cfg` sits in the whole config, and `listed_by` what prints its
+    keys, for the messages."""
+    return typed_as(cfg, schema, prefix, listed_by)

@@ -29,11 +29,21 @@ Prints a Slurm batch script and a Kubeflow Trainer TrainJob manifest that run
 The cluster keys and their defaults (conf/cluster.yaml):
 """
 _K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# What prints the keys of each config runner cluster composes (it is no Hydra app: `--cfg job`
+# is not its): its --help prints conf/cluster.yaml; the rest of its overrides are runner train's.
+CLUSTER_KEYS = "runner cluster --help"
+TRAIN_KEYS = "runner train --cfg job"
 
 
-def _compose(config_name: str, overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name, overrides=overrides)
+def _compose_train(overrides: list[str]) -> DictConfig:
+    """The train config the nodes run; a composition error points at `runner train`'s keys."""
+    try:
+        return _compose("train", overrides)
+    except Exception as err:  # noqa: BLE001 - recast below if Hydra's, else re-raised
+        error = from_hydra_error(err, command="train", listed_by=TRAIN_KEYS)
+        if error is None:
+            raise
+        raise error from None
 
 
 def _compose_cluster(overrides: list[str]) -> DictConfig:
@@ -42,11 +52,16 @@ def _compose_cluster(overrides: list[str]) -> DictConfig:
     try:
         return _compose("cluster", overrides)
     except Exception as err:  # noqa: BLE001 - recast below if Hydra's, else re-raised
-        error = from_hydra_error(err)
+        error = from_hydra_error(err, listed_by=CLUSTER_KEYS)
         if error is None:
             raise
         key = error.key if error.key in ("override", "config") else f"cluster.{error.key}"
         raise UserError(key, error.value, error.fix) from None
+
+
+def _compose(config_name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=overrides)
 
 
 def _on_multi_node(train_overrides: list[str]) -> list[str]:
@@ -146,12 +161,12 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
     """{"slurm": script, "kubeflow": manifest}, as cluster.print selects."""
     cluster_overrides = [o[len("cluster.") :] for o in overrides if o.startswith("cluster.")]
     train_overrides = [o for o in overrides if not o.startswith("cluster.")]
-    cluster = typed(_compose_cluster(cluster_overrides), Cluster, "cluster.")
+    cluster = typed(_compose_cluster(cluster_overrides), Cluster, "cluster.", CLUSTER_KEYS)
     if cluster.print not in ("both", "slurm", "kubeflow"):
         raise UserError("cluster.print", cluster.print, "choose both, slurm or kubeflow")
     # Composing and typing check every train override (keys, options, types, bounds) before
     # anything is written.
-    composed = typed(_compose("train", _on_multi_node(train_overrides)))
+    composed = typed(_compose_train(_on_multi_node(train_overrides)), listed_by=TRAIN_KEYS)
     explicit = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in train_overrides if "=" in o}
     if "compute.nnodes" in explicit and composed.compute.nnodes != cluster.nodes:
         raise UserError(
