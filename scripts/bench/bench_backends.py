@@ -83,6 +83,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of tokens/s")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error(
+            f"--steps {args.steps}: at least {args.warmup + 1}, "
+            f"the first {args.warmup} (--warmup) are warm-up, not timed"
+        )
     sys.path.insert(0, str(ROOT))
     from tests.hf_backend_fixtures import write_arch_checkpoint
 

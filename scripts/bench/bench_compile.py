@@ -92,6 +92,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens a pack (packing)")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(
+            f"--steps {args.steps}: at least 1, the steps timed after --warmup's {args.warmup}"
+        )
     print(f"bench_compile: {vars(args)}, {os.cpu_count()} cores", flush=True)
     results: dict[str, list[dict[str, float]]] = {"eager": [], "compiled": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,6 +43,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(
+            f"--steps {args.steps}: at least {WARMUP + 1}, "
+            f"the first {WARMUP} are warm-up, not timed"
+        )
     arms = list(args.workers)
     figures: dict[int, list[float]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as scratch:

@@ -40,6 +40,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each side")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(
+            f"--repeats {args.repeats}: at least 1, "
+            f"the {WARMUP} runs of each side before them are warm-up, not timed"
+        )
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(1, args.tokens, args.vocab, generator=generator).to(args.device)
     labels = torch.randint(0, args.vocab, (1, args.tokens), generator=generator).to(args.device)

@@ -63,6 +63,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(
+            f"--repeats {args.repeats}: at least 1, "
+            "the 2 runs of each before them are warm-up, not timed"
+        )
     torch.manual_seed(0)
     print(f"{'shape':<11} {'quantizer':<34} {'rel. error':>10} {'bytes/w':>8} {'fwd+bwd ms':>10}")
     for rows, columns in SHAPES:

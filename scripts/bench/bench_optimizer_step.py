@@ -75,6 +75,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats of each side")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(
+            f"--repeats {args.repeats}: at least 1, "
+            f"the {WARMUP} runs of each side before them are warm-up, not timed"
+        )
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     scale = torch.tensor(1 / 8192, device=args.device)
     models, steps = {}, {}

@@ -119,6 +119,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arms", nargs="+", choices=["stream", "map"], default=["stream", "map"])
     args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(
+            f"--steps {args.steps}: at least {WARMUP + 1}, "
+            f"the first {WARMUP} are warm-up, not timed"
+        )
     sizes = [int(gb * 2**30) for gb in args.sizes_gb]
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         scratch = Path(tmp)

@@ -155,6 +155,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--which", choices=["bare", *METHODS], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        parser.error(
+            f"--steps {args.steps}: at least {WARMUP_STEPS + 1}, "
+            f"the first {WARMUP_STEPS} are warm-up, not timed"
+        )
     if args.which == "bare":
         print(json.dumps(run_bare(args.steps, args.batch_size, args.device)))
         return
