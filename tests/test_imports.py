@@ -1,12 +1,13 @@
 """The light paths stay light: `runner --help`, every `runner COMMAND --help` and `import
 runner.api` load no torch, torchtune, transformers or datasets (each checked in a fresh
-interpreter, as a user's shell starts one); and the package's imports run one way, with no
-circle."""
+interpreter, as a user's shell starts one); the package's imports run one way, with no circle;
+and docs/architecture.md gives that order and names every module as the tree has them."""
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from runner.cli import COMMANDS
 
 HEAVY = ("torch", "torchtune", "transformers", "datasets")
 ROOT = Path(__file__).resolve().parent.parent
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
 def _loaded_after(statement: str) -> list[str]:
@@ -158,3 +160,44 @@ def test_every_torchtune_import_goes_through_the_boundary() -> None:
         if path != boundary and any(name.split(".")[0] == "torchtune" for name in _imported(path))
     ]
     assert importers == []
+
+
+def test_architecture_page_gives_flow_as_it_is() -> None:
+    """The page's sentence `... the tuple `FLOW`: `cli`, ..., `errors`.` lists FLOW, in order."""
+    text = " ".join(ARCHITECTURE.read_text().split())
+    found = re.search(r"the tuple `FLOW`: (.*?)\. ", text)
+    assert found, "docs/architecture.md no longer gives FLOW"
+    assert tuple(re.findall(r"`(\w+)`", found[1])) == FLOW
+
+
+def _rows(text: str) -> dict[str, str]:
+    """The page's table rows by each path their first cell names (`runner/job/`, `runner/api.py`;
+    a cell naming `runner/components.py`, `devices.py` gives runner/devices.py too)."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            first = line.split("|")[1]
+            names = re.findall(r"`([^`]+)`", first)
+            folder = names[0].rsplit("/", 1)[0] + "/" if "/" in names[0] else ""
+            for name in names:
+                rows[name if "/" in name else folder + name] = line
+    return rows
+
+
+def test_architecture_page_names_every_module() -> None:
+    """Each module of runner/, recipes/ and scripts/ is named in the row of its folder (by its
+    path from there, or its name: `kv_cache.py`, `families/gemma.py`), or by its whole path."""
+    text = ARCHITECTURE.read_text()
+    rows = _rows(text)
+    modules = [ROOT / folder for folder in ("runner", "recipes", "scripts")]
+    missing = []
+    for module in sorted(m for folder in modules for m in folder.rglob("*.py")):
+        path = module.relative_to(ROOT).as_posix()
+        if module.name == "__init__.py" or path in rows or f"`{path}`" in text:
+            continue
+        parts = path.split("/")
+        folders = ["/".join(parts[:i]) + "/" for i in range(len(parts) - 1, 0, -1)]
+        row = next((rows[f] for f in folders if f in rows), "")
+        if not any(f"`{'/'.join(parts[i:])}`" in row for i in range(1, len(parts))):
+            missing.append(path)
+    assert missing == [], f"docs/architecture.md names no {missing} in its folder's row"
