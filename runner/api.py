@@ -4,8 +4,8 @@ own front (a job service, a notebook, a scheduler).
 Every function runs the code the CLI runs: `validate` and `estimate` compose conf/ in this
 process and call runner.job.preflight; `launch`, `sweep` and `deploy` start `python -m runner ...`
 as a detached process in a session of its own, so that training outlives the caller; a `Run` is
-a handle on a run directory (the contract of DESIGN.md) and reads it through runner.rundir and
-runner.job.lifecycle, as `runner runs | logs | stop | resume` do.
+a handle on a run directory (the contract docs/run-directory.md gives) and reads it through
+runner.rundir and runner.job.lifecycle, as `runner runs | logs | stop | resume` do.
 
     from runner import api
 

@@ -1,5 +1,5 @@
-"""The run directory contract (see DESIGN.md): the status record, metrics, whole checkpoints,
-and the sweeps made of run directories.
+"""The run directory contract (docs/run-directory.md): the status record, metrics, whole
+checkpoints, and the sweeps made of run directories.
 
 The names other modules use, from the modules that define them: io (atomic writes),
 checkpoint_files (a checkpoint's files and their checks), status (status.json), run (RunDir),

@@ -1,4 +1,4 @@
-"""One run's directory (see DESIGN.md, the run directory contract): its status, metrics and
+"""One run's directory (the contract docs/run-directory.md gives): its status, metrics and
 whole checkpoints, and which of them is the latest and the best.
 
 Everything downstream (sweeps, deploy, export, repro, runs/logs/stop/resume) reads runs through
