@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
 
 N = 6
@@ -154,7 +156,25 @@ def test_a_run_directory_is_trained_again_only_by_the_command_that_started_it(
 
     result = runner_cli("train", *args, "eval.strategy=no", f"hydra.run.dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+    assert "completed at step 4: nothing to train" in result.stdout
+    record = {
+        p: files[p] for p in (run / "recipe.yaml", run / "manifest.json", run / "status.json")
+    }
+    assert {p: p.read_bytes() for p in record} == record  # trained nothing: rewrote nothing
+
+    # Another layout goes on from a checkpoint only with the global batch it trained by.
+    batch_size = yaml.safe_load((run / "recipe.yaml").read_text())["batch_size"]
+    result = runner_cli(
+        "train", *args, "eval.strategy=no", f"batch_size={batch_size // 2}", f"hydra.run.dir={run}"
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (
+        f"error: batch_size={batch_size // 2}: {run} trained with a global batch of {batch_size} "
+        f"samples a step (batch_size={batch_size} x gradient_accumulation_steps=1 x 1 "
+        f"process(es)); this layout makes {batch_size // 2}, which would change the math of the "
+        f"steps left: give batch_size={batch_size} on 1 process(es)"
+    ) in result.stderr
+    assert {p: p.read_bytes() for p in record} == record
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -> None:

@@ -177,12 +177,7 @@ def _by_key(overrides: list[str]) -> dict[str, str]:
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
     if cfg.resume is not None:
         check_resume(cfg.resume, overrides)
-        status, latest = run.status(), run.latest_checkpoint()
-        step = status.step if status.state == "completed" else None
-        if step is not None and latest == run.checkpoint_path(step):
-            # Its final checkpoint is there (were it deleted, the run would train it again).
-            print(f"{run.path} completed at step {status.step}: nothing to train", flush=True)
-            _print_summary(run)
+        if _finished(run):
             return None
         recipe = read_recipe(run.recipe_path)
         if Path(recipe.run_dir).resolve() != run.path.resolve():
@@ -196,6 +191,11 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         from runner.config.resolve import resolve_recipe
 
         recipe = resolve_recipe(cfg, run.path, overrides)
+        if run.latest_checkpoint() is not None:
+            # Trained again (a requeue, another layout): it goes on from its checkpoint.
+            _check_same_global_batch(run, recipe)
+            if _finished(run):
+                return None  # its record stays the one it was trained by
         _check_data(recipe)
         write_recipe(run.recipe_path, recipe)
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
@@ -216,6 +216,53 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     result = launch(recipe, run.recipe_path, node_rank)
     _print_summary(run)
     return result
+
+
+def _finished(run: RunDir) -> bool:
+    """Whether the run completed with its final checkpoint there (were it deleted, the run
+    would train it again): then it says so, with its summary, and nothing is written."""
+    status = run.status()
+    if status.state != "completed" or status.step is None:
+        return False
+    if run.latest_checkpoint() != run.checkpoint_path(status.step):
+        return False
+    print(f"{run.path} completed at step {status.step}: nothing to train", flush=True)
+    _print_summary(run)
+    return True
+
+
+def _global_batch(recipe: DictConfig) -> tuple[int, int]:
+    """(samples per optimizer step, processes)."""
+    processes = recipe.compute.nproc_per_node * recipe.compute.nnodes
+    return recipe.batch_size * recipe.gradient_accumulation_steps * processes, processes
+
+
+def _check_same_global_batch(run: RunDir, recipe: DictConfig) -> None:
+    """A checkpoint goes on over any number of processes with the global batch it trained by
+    (docs/nodes.md); another would change the steps' math under those trained."""
+    try:
+        recorded = read_recipe(run.recipe_path)
+    except UserError:
+        return  # another runner's record: its checkpoint's own checks speak for it
+    (before, _), (now, processes) = _global_batch(recorded), _global_batch(recipe)
+    if before == now:
+        return
+    per_process, accumulation = divmod(before, processes * recipe.gradient_accumulation_steps)
+    fix = (
+        f"give batch_size={per_process} on {processes} process(es)"
+        if per_process and not accumulation
+        else f"give batch_size x gradient_accumulation_steps = {before} / {processes} process(es)"
+        if before % processes == 0
+        else f"run it on a number of processes that divides {before}"
+    )
+    raise UserError(
+        "batch_size",
+        recipe.batch_size,
+        f"{run.path} trained with a global batch of {before} samples a step (batch_size="
+        f"{recorded.batch_size} x gradient_accumulation_steps="
+        f"{recorded.gradient_accumulation_steps} x {_global_batch(recorded)[1]} process(es)); "
+        f"this layout makes {now}, which would change the math of the steps left: {fix}",
+    )
 
 
 def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
