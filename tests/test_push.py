@@ -217,6 +217,19 @@ def test_a_push_cut_short_resumes_without_sending_the_weights_again(
     assert repo["branches"]["dev"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
 
 
+def test_a_checkpoint_is_pushed_without_its_optimizer_state(
+    hub_env, run_dir: Path, tmp_path: Path
+) -> None:
+    checkpoint = run_dir / "checkpoints" / "step_4"
+    argv = ["push", str(checkpoint), "hf://acme/checkpoint", "--hf-token", "env:PUSH_TOKEN"]
+    result = cli(hub_env, tmp_path, *argv)
+    assert result.returncode == 0, result.stderr[-2000:]
+    files = UploadHub.uploaded["acme/checkpoint"]["branches"]["main"]
+    kept = {p.name for p in checkpoint.iterdir()} - {"training_state.pt"}
+    assert (checkpoint / "training_state.pt").is_file() and set(files) == kept | {"README.md"}
+    assert files["model.safetensors"] == (checkpoint / "model.safetensors").read_bytes()
+
+
 def test_a_run_or_sweep_dir_is_refused_naming_the_checkpoint_to_push(
     hub_env, run_dir: Path, tmp_path: Path
 ) -> None:

@@ -24,6 +24,7 @@ from runner.hub.download import SCHEME, HubSource, TokenRef, out_of_reach, parse
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     CHECKPOINTS_DIR,
+    TRAINING_STATE_FILE,
     RunDir,
     is_run_dir,
     is_sweep_dir,
@@ -162,7 +163,9 @@ def _reason(err: Exception) -> str:
 
 
 def _files(path: Path) -> dict[str, Path]:
-    """{path in the repo: local file}: a directory's files (hidden ones left out), or the file."""
+    """{path in the repo: local file}: a directory's files (hidden ones left out), or the file.
+    A checkpoint's training_state.pt stays here: the optimizer's state, pickled, is no part of
+    the model, and a hub flags a pickle as unsafe to load."""
     if path.is_file():
         return {path.name: path}
     if not path.is_dir():
@@ -170,7 +173,9 @@ def _files(path: Path) -> dict[str, Path]:
     files = {
         str(p.relative_to(path)): p
         for p in sorted(path.rglob("*"))
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        and p != path / TRAINING_STATE_FILE
     }
     if not files:
         raise UserError("path", str(path), "the directory holds no files to push")
