@@ -17,6 +17,7 @@ from runner.config.hydra_errors import as_user_error
 from runner.paths import CONF_DIR
 from runner.rundir import RunDir
 from tests.conftest import QUICK
+from tests.fixtures import write_tiny_checkpoint
 
 CASES = [
     # (overrides, text the message must contain)
@@ -192,6 +193,23 @@ def test_a_secret_typed_as_a_value_is_refused_before_any_config_is_printed(runne
             key = override.lstrip("+").partition("=")[0]
             assert result.stderr.startswith(f"error: {key}='<hidden>': "), result.stderr
             assert "s3cr3t" not in result.stdout + result.stderr
+
+
+def test_pickled_weights_are_refused_naming_how_to_save_safetensors(runner_cli, tmp_path) -> None:
+    """A pickle can run code as it loads: training, deploy and export take safetensors only."""
+    from safetensors.torch import load_file
+
+    source = write_tiny_checkpoint("llama3_2", tmp_path / "bin")
+    torch.save(load_file(source / "model.safetensors"), source / "pytorch_model.bin")
+    (source / "model.safetensors").unlink()
+    resave = "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)"
+    for command, given in (
+        ("train", ["model=hf", f"model.source={source}", "compute=cpu", "dtype=fp32"]),
+        ("deploy", [f"checkpoint={source}", f"allowed_roots=[{tmp_path}]"]),
+    ):
+        result = runner_cli(command, *given)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert "pickled .bin files" in result.stderr and resave in result.stderr, result.stderr
 
 
 def test_a_diverged_run_is_one_clear_message_and_keeps_its_directory(

@@ -95,8 +95,10 @@ def _model_source(value: str | None) -> Path | None:
         raise UserError(
             "model.source",
             value,
-            "has no safetensors weights (model.safetensors or an index of shards); save the "
-            "model with save_pretrained(safe_serialization=True)",
+            "has no safetensors weights (model.safetensors or an index of shards), and runner "
+            "loads no pickled .bin files: re-save it as safetensors, "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR), with its "
+            "tokenizer files",
         )
     return path
 

@@ -175,7 +175,8 @@ def require_safetensors(model_dir: Path, command: str) -> None:
             "checkpoint",
             str(model_dir),
             f"no *.safetensors weights here; {command} loads safetensors only (never pickled "
-            ".bin files): re-save the model with safe_serialization=True",
+            ".bin files): re-save it as safetensors, "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)",
         )
     for path in weight_files(model_dir):
         check_safetensors(path, key="checkpoint")
