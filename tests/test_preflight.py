@@ -75,6 +75,34 @@ def test_estimate_cli(runner_cli) -> None:
     ) in result.stdout
 
 
+def test_estimate_prices_a_gpu_layout_from_any_machine(runner_cli, tmp_path: Path) -> None:
+    """docs/getting-started.md: estimate is what to run before spending accelerator time, so it
+    prices a GPU layout on a machine without one (it builds the model on the meta device)."""
+    gpu_layout = ["compute=multi_gpu", "compute.nproc_per_node=8", "model=llama3_2_1b"]
+    result = runner_cli("estimate", *gpu_layout, "dtype=bf16")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1,235,814,400 parameters, bf16, cuda x 8" in result.stdout
+    # A full fine-tune's bf16 weights, sharded over the 8 processes by FSDP2.
+    per_device = 1_235_814_400 * 2 / 8 / 2**30
+    assert f"weights        {per_device:.3f} GiB per device" in result.stdout
+    # dtype=auto prices what the run on the GPUs would use.
+    result = runner_cli("estimate", "compute=gpu", "model=llama3_2_1b")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1,235,814,400 parameters, bf16_mixed, cuda x 1" in result.stdout
+    if torch.cuda.is_available():
+        return
+    # Without GPUs to count, auto has no number to price; training still needs the GPUs here.
+    result = runner_cli("estimate", "compute=multi_gpu")
+    assert result.returncode == 2
+    assert "compute.nproc_per_node='auto'" in result.stderr
+    assert "compute.nproc_per_node=8" in result.stderr
+    out_root = tmp_path / "outputs"
+    result = runner_cli("train", *gpu_layout, f"runtime.output_root={out_root}")
+    assert result.returncode == 2
+    assert "compute='multi_gpu': no CUDA GPU is visible" in result.stderr
+    assert not out_root.exists()
+
+
 def test_estimate_counts_the_activations_of_one_forward_pass(tmp_path: Path) -> None:
     base = ["compute=cpu", "dtype=fp32", "batch_size=16", ESTIMATE_DATA]
     whole = estimate(resolve_recipe(compose_train(base), tmp_path))

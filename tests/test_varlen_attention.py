@@ -290,6 +290,15 @@ H100 |= {"torch_version": "2.13.0", "has_flex": True, "has_varlen": True}
             "torchtune's gemma2 attention does its own arithmetic on a dense mask, which it "
             "always gets; set attention=auto",
         ),
+        # No GPU here (runner estimate pricing a GPU layout): what the GPU decides is left to it.
+        ("varlen", {"capability": None, "has_flex": False}, None),
+        ("flex", {"capability": None, "has_flex": False}, None),
+        (
+            "varlen",
+            {"capability": None, "has_flex": False, "dtype": "fp32"},
+            "FlashAttention computes in bf16: set dtype=bf16_mixed or dtype=bf16, or "
+            "attention=auto",
+        ),
     ],
     ids=[
         "varlen",
@@ -301,6 +310,9 @@ H100 |= {"torch_version": "2.13.0", "has_flex": True, "has_varlen": True}
         "volta",
         "old-torch",
         "gemma2",
+        "varlen-no-gpu-here",
+        "flex-no-gpu-here",
+        "fp32-no-gpu-here",
     ],
 )
 def test_what_cuda_refuses_of_each_kernel_and_why(

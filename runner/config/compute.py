@@ -66,8 +66,11 @@ class Dtype:
 DTYPES = ("fp32", "bf16_mixed", "bf16")
 
 
-def resolve_device(compute: DictConfig, overrides: Sequence[str] = ()) -> tuple[str, int]:
-    """(device, processes per node) for the compute group, checked against this machine;
+def resolve_device(
+    compute: DictConfig, overrides: Sequence[str] = (), gpus_here: bool = True
+) -> tuple[str, int]:
+    """(device, processes per node) for the compute group, checked against this machine's GPUs
+    where `gpus_here` (runner estimate prices a GPU layout from any machine: gpus_here=False);
     `overrides` (the command line) tell which one chose the device, for a message."""
     import torch
 
@@ -77,7 +80,7 @@ def resolve_device(compute: DictConfig, overrides: Sequence[str] = ()) -> tuple[
         device = "cuda" if has_cuda else "cpu"
     if device not in ("cpu", "cuda"):
         raise UserError("compute.device", device, "give cpu, cuda or auto")
-    if device == "cuda" and not has_cuda:
+    if device == "cuda" and not has_cuda and gpus_here:
         key, given = _device_given(overrides, device)
         raise UserError(
             key,
@@ -88,9 +91,16 @@ def resolve_device(compute: DictConfig, overrides: Sequence[str] = ()) -> tuple[
     nproc = compute.nproc_per_node
     if nproc == "auto":
         nproc = torch.cuda.device_count() if device == "cuda" else 1
+        if nproc == 0:  # a GPU layout priced on a machine without one
+            raise UserError(
+                "compute.nproc_per_node",
+                "auto",
+                "auto counts the GPUs visible here, and none is; give the number of GPUs per "
+                "node to price (e.g. compute.nproc_per_node=8)",
+            )
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise UserError("compute.nproc_per_node", nproc, "give an integer >= 1 or auto")
-    if device == "cuda" and nproc > torch.cuda.device_count():
+    if device == "cuda" and gpus_here and nproc > torch.cuda.device_count():
         raise UserError(
             "compute.nproc_per_node",
             nproc,
@@ -100,11 +110,16 @@ def resolve_device(compute: DictConfig, overrides: Sequence[str] = ()) -> tuple[
 
 
 def resolve_dtype(name: str, device: str) -> str:
-    """auto: mixed bf16 (fp32 master weights) on a GPU with bf16, else fp32."""
+    """auto: mixed bf16 (fp32 master weights) on a GPU with bf16, else fp32. A GPU layout priced
+    on a machine that shows none (runner estimate) is taken to have bf16, as GPUs from Ampere on
+    do."""
     import torch
 
     if name == "auto":
-        return "bf16_mixed" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        if device != "cuda":
+            return "fp32"
+        has_bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+        return "bf16_mixed" if has_bf16 else "fp32"
     if name not in DTYPES:
         raise UserError("dtype", name, f"choose one of: {', '.join(DTYPES)}")
     return name
@@ -126,10 +141,12 @@ def checked_int(value: Any, key: str, minimum: int) -> int:
     return value
 
 
-def resolve_compute(compute: DictConfig, overrides: Sequence[str] = ()) -> ComputeRecipe:
-    """The recipe's compute section: device and counts checked against this machine, and how
-    the processes meet (the same on every node)."""
-    device, nproc_per_node = resolve_device(compute, overrides)
+def resolve_compute(
+    compute: DictConfig, overrides: Sequence[str] = (), gpus_here: bool = True
+) -> ComputeRecipe:
+    """The recipe's compute section: device and counts checked against this machine (its GPUs
+    only where `gpus_here`), and how the processes meet (the same on every node)."""
+    device, nproc_per_node = resolve_device(compute, overrides, gpus_here)
     nnodes = checked_int(compute.nnodes, "compute.nnodes", 1)
     refuse_torchrun_worker()
     resolved = ComputeRecipe(

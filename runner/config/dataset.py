@@ -351,7 +351,8 @@ def _check_kernel(attention: str, model: ModelRecipe, dtype: str) -> None:
         family=model.family,
         block_mask=model.family is None or family_named(model.family).block_mask,
         dtype=dtype,
-        capability=torch.cuda.get_device_capability(),
+        # None: no GPU here, a GPU layout that runner estimate prices.
+        capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None,
         torch_version=torch.__version__,
         has_flex=SUPPORTS_FLEX_ATTENTION,
         has_varlen=VARLEN_KEYWORDS is not None,
@@ -366,7 +367,7 @@ def kernel_refusal(
     family: str | None,
     block_mask: bool,
     dtype: str,
-    capability: tuple[int, int],
+    capability: tuple[int, int] | None,
     torch_version: str,
     has_flex: bool,
     has_varlen: bool,
@@ -374,14 +375,15 @@ def kernel_refusal(
     """Why the model (its `family`, whose torchtune attention takes a `block_mask` or not),
     `dtype`, torch and GPU (its compute `capability`; `has_flex`, torchtune's own verdict on
     flex attention, which RowAttention follows) cannot take `attention` (flex or varlen), with
-    the fix; None where they can."""
+    the fix; None where they can. capability=None: no GPU is here (a layout runner estimate
+    prices), so what the GPU decides is left to the run on it."""
     if not block_mask:
         return (
             f"torchtune's {family} attention does its own arithmetic on a dense mask, which it "
             "always gets; set attention=auto"
         )
-    gpu = f"this GPU's is {capability[0]}.{capability[1]}"
-    if attention == "flex" and not has_flex:  # compute capability 7.5 and up
+    gpu = "" if capability is None else f"this GPU's is {capability[0]}.{capability[1]}"
+    if attention == "flex" and not has_flex and gpu:  # compute capability 7.5 and up
         return f"flex attention needs compute capability 7.5 or more, and {gpu}; set attention=auto"
     if attention != "varlen":
         return None
@@ -394,7 +396,7 @@ def kernel_refusal(
             f"torch {torch_version} has no torch.nn.attention.varlen (2.10 and later have it); "
             "set attention=auto"
         )
-    if capability < (8, 0):
+    if capability is not None and capability < (8, 0):
         return f"FlashAttention needs compute capability 8.0 or more, and {gpu}; set attention=auto"
     return None
 

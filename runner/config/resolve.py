@@ -36,7 +36,11 @@ from runner.hub.download import Hub, localize
 
 
 def resolve_recipe(
-    cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (), fetch: bool = True
+    cfg: DictConfig,
+    run_dir: Path,
+    overrides: Sequence[str] = (),
+    fetch: bool = True,
+    gpus_here: bool = True,
 ) -> DictConfig:
     """The recipe (runner.config.schema.Recipe) of a composed `train` config.
 
@@ -44,14 +48,15 @@ def resolve_recipe(
     `runner download ...` command that an error about a missing source names. fetch=False (a
     dry run such as `runner estimate`) takes only what is cached and resolves a model whose
     source is not on this machine from its option's builder alone (tokenizer and config.json
-    left unresolved: None).
+    left unresolved: None). gpus_here=False (`runner estimate`, which prices a layout and runs
+    nothing) takes a GPU layout as given, without holding it to the GPUs this machine shows.
     """
     cfg = typed(cfg)
     loaded_weights, resume_from = resolve_load_checkpoint(cfg, overrides)
     if loaded_weights is not None:
         cfg.model.source = loaded_weights
     check_pairing(cfg.method.name, cfg.dataset)
-    compute = resolve_compute(cfg.compute, overrides)
+    compute = resolve_compute(cfg.compute, overrides, gpus_here)
     optimizer = resolve_optimizer(cfg.optimizer)
     runtime = resolve_runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.

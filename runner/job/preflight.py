@@ -29,11 +29,17 @@ BYTES = {"fp32": (4, 4), "bf16_mixed": (4, 2), "bf16": (2, 2)}
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
-def _recipe(cfg: DictConfig, fetch: bool = True, overrides: list[str] | None = None) -> DictConfig:
+def _recipe(
+    cfg: DictConfig, overrides: list[str] | None = None, estimating: bool = False
+) -> DictConfig:
+    """The recipe `runner train` would run; estimating, nothing is downloaded and a GPU layout
+    is priced as given on any machine (resolve_recipe's fetch and gpus_here)."""
     if overrides is None:
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = resolve_recipe(cfg, Path(tmp), overrides, fetch=fetch)
+        recipe = resolve_recipe(
+            cfg, Path(tmp), overrides, fetch=not estimating, gpus_here=not estimating
+        )
     recipe.run_dir = "<new run directory>"
     return recipe
 
@@ -366,6 +372,8 @@ def _print_by_dtype(found: Estimate, bound: str = "") -> None:
 
 def estimated(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[DictConfig, Estimate]:
     """The resolved recipe and its Estimate. The builder gives the parameter count: an
-    uncached hf:// model is not downloaded. `overrides`: as for `check`."""
-    recipe = _recipe(cfg, fetch=False, overrides=overrides)
+    uncached hf:// model is not downloaded. A GPU layout (compute=multi_gpu with
+    compute.nproc_per_node=8) is priced on any machine, with or without GPUs: the model is built
+    on the meta device. `overrides`: as for `check`."""
+    recipe = _recipe(cfg, overrides=overrides, estimating=True)
     return recipe, estimate(recipe)
