@@ -79,6 +79,24 @@ def test_the_page_has_commands_to_run_and_only_setup_lines_are_left_out() -> Non
     }
 
 
+def test_the_estimate_the_page_shows_is_what_it_prints_with_nothing_downloaded(runner_cli) -> None:
+    """Cheap (no training): the page's LoRA estimate of the 1B model, with nothing downloaded,
+    shows the lines estimate prints, the same ones not estimated and bounded (`at least`)."""
+    text = PAGE.read_text()
+    (shown,) = [b for lang, b in blocks(text) if lang == "text" and b.startswith("model ")]
+    assert "runner estimate model=llama3_2_1b method=lora\n" in text
+    result = runner_cli("estimate", "model=llama3_2_1b", "method=lora")
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = {line[:15]: line for line in result.stdout.splitlines()}
+    assert list(printed) == [line[:15] for line in shown.splitlines()]
+    for line in shown.splitlines():
+        for words in ("not estimated", "at least"):
+            assert (words in line) == (words in printed[line[:15]]), line
+    # What needs the tokenizer names its source and the command that fetches it, as shown.
+    (activations,) = [line for line in shown.splitlines() if line.startswith("activations")]
+    assert printed[activations[:15]] == activations
+
+
 @pytest.mark.docs
 def test_every_command_of_getting_started_runs(tmp_path: Path) -> None:
     text = PAGE.read_text()
