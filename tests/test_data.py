@@ -450,6 +450,7 @@ def test_missing_column_and_empty_splits(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         check_datasets(data(*base, "dataset.validation.held_out=10%"), tok)
     assert err.value.key == "dataset.validation.held_out" and "holds out 0 of" in err.value.fix
+    assert err.value.value == "10%"  # as typed
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n")
     with pytest.raises(UserError) as err:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -95,6 +96,32 @@ def test_the_estimate_the_page_shows_is_what_it_prints_with_nothing_downloaded(r
     # What needs the tokenizer names its source and the command that fetches it, as shown.
     (activations,) = [line for line in shown.splitlines() if line.startswith("activations")]
     assert printed[activations[:15]] == activations
+
+
+def test_the_pages_held_out_share_evaluates_its_own_data(runner_cli, tmp_path: Path) -> None:
+    """Cheap (4 steps): the held-out share the page offers for its 8-record my_data.jsonl,
+    added to the page's own command, trains and evaluates; one that holds out no record is
+    refused, quoting the share as typed."""
+    text = PAGE.read_text()
+    (page,) = [b for lang, b in blocks(text) if lang == "bash" and "my_data.jsonl <<" in b]
+    records, _, command = page.partition("<<'EOF'\n")[2].partition("EOF\n")
+    (tmp_path / "my_data.jsonl").write_text(records)
+    train = shlex.split(command.replace("\\\n", " "))
+    assert train[:2] == ["runner", "train"] and len(records.splitlines()) == 8
+    (held_out,) = re.findall(r"`(dataset\.validation\.held_out=[^`]+)`", text)
+    result = runner_cli(*train[1:], held_out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "eval loss:" in result.stdout and "status:        completed at step 4" in result.stdout
+    outputs = tmp_path / "refused"
+    result = runner_cli(
+        *train[1:], "dataset.validation.held_out=5%", f"runtime.output_root={outputs}"
+    )
+    assert result.returncode == 2
+    assert (
+        "error: dataset.validation.held_out='5%': holds out 0 of the split's 8 records"
+        in result.stderr
+    )
+    assert not outputs.exists()
 
 
 @pytest.mark.docs

@@ -32,9 +32,11 @@ class Validation:
 
 @dataclass
 class ValidationRecipe(Validation):
-    """The recipe's dataset.validation: held_out as a fraction, a source as a local path."""
+    """The recipe's dataset.validation: held_out as typed (5% or 0.05, so that a message about
+    it quotes what the user wrote; runner.data.held_out_fraction reads it), a source as a local
+    path."""
 
-    held_out: Optional[float] = None
+    held_out: Optional[str] = None
 
 
 @dataclass
@@ -238,20 +240,14 @@ def _conversation_style(kind: str, style: str | None) -> str | None:
     return style
 
 
-def _held_out(value: Any) -> float | None:
-    """dataset.validation.held_out: a percentage (5%) or a fraction (0.05) -> the fraction."""
+def _held_out(value: Any) -> str | None:
+    """dataset.validation.held_out, checked: a percentage (5%) or a fraction (0.05), as typed."""
+    from runner.data import held_out_fraction
+
     if value is None:
         return None
-    text = str(value).strip()
-    try:
-        fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        fraction = -1.0
-    if isinstance(value, bool) or not 0 < fraction < 1:
-        raise UserError(
-            "dataset.validation.held_out", value, "give a percentage such as 5% (or 0.05), or null"
-        )
-    return fraction
+    held_out_fraction(value)
+    return str(value).strip()
 
 
 def _validation(held: DictConfig) -> ValidationRecipe:

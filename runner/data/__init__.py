@@ -24,6 +24,7 @@ from runner.data.sources import FORMATS, local_source, source_format
 from runner.data.splits import (
     Split,
     check_datasets,
+    held_out_fraction,
     train_dataset,
     training_splits,
     validation_split,
@@ -50,6 +51,7 @@ __all__ = [
     "EvalPrompt",
     "TokenizedSplit",
     "check_datasets",
+    "held_out_fraction",
     "collate",
     "forward_parts",
     "eval_prompts",

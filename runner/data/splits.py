@@ -24,20 +24,38 @@ if TYPE_CHECKING:
 Split = TokenizedSplit | PreferenceSplit
 
 
+def held_out_fraction(held_out: Any) -> float:
+    """dataset.validation.held_out as typed, a percentage (5%) or a fraction (0.05): the
+    fraction."""
+    text = str(held_out).strip()
+    try:
+        fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        fraction = -1.0
+    if isinstance(held_out, bool) or not 0 < fraction < 1:
+        raise UserError(
+            "dataset.validation.held_out",
+            held_out,
+            "give a percentage such as 5% (or 0.05), or null",
+        )
+    return fraction
+
+
 def _held_out(
     tokenized: Split,
-    fraction: float,
+    held_out: str,
     seed: int,
     data: Mapping[str, Any],
     tokenizer: ChatTokenizer,
 ) -> tuple[Split, Split]:
-    """(train, validation): `fraction` of the records, drawn with `seed`, kept in file order."""
+    """(train, validation): the `held_out` share of the records (as typed: 5% or 0.05), drawn
+    with `seed`, kept in file order."""
     total = len(tokenized)
-    count = round(total * fraction)
+    count = round(total * held_out_fraction(held_out))
     if count == 0 or count == total:
         raise UserError(
             "dataset.validation.held_out",
-            f"{fraction:.4g}",
+            held_out,
             f"holds out {count} of the split's {total} records; give a share that leaves "
             "records on both sides",
         )

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.components import instantiate, plain_dict
 from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
-from runner.data import check_datasets, train_dataset
+from runner.data import check_datasets, held_out_fraction, train_dataset
 from runner.data.sources import is_remote
 from runner.models.backends import Backend, backend_for
 
@@ -96,7 +96,8 @@ def _validation(recipe: DictConfig) -> str:
     data = recipe.dataset
     held = data.validation
     if held.held_out is not None:
-        return f"{held.held_out:.1%} of the train split, held out (seed {held.seed})"
+        share = held_out_fraction(held.held_out)
+        return f"{share:.1%} of the train split, held out (seed {held.seed})"
     if held.source is None:
         return f"{data.source} [{held.split}]{_origin(recipe, 'dataset.source')}"
     return f"{held.source} [{held.split}]{_origin(recipe, 'dataset.validation.source')}"
