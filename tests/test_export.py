@@ -201,6 +201,7 @@ def test_merged_fp32_of_a_run_has_the_checkpoints_logits(full_checkpoint: Path) 
         p.name for p in out.iterdir()
     }
     assert not (out / "training_state.pt").exists()
+    assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [257, 260]
     assert AutoTokenizer.from_pretrained(out).chat_template  # the chat template travels along
     original, merged = load(full_checkpoint), load(out)

@@ -79,6 +79,11 @@ def test_run_directory_holds_the_contract(trained_run: Path) -> None:
     assert sorted(losses(trained_run)) == list(range(1, 25))
     recipe = OmegaConf.load(trained_run / "recipe.yaml")
     assert recipe.compute.device == "cpu" and recipe.dtype.name == "fp32"
+    # The weights are as readable as the config beside them (safetensors 0.8 writes 0600), so a
+    # server run as another user loads what it can see.
+    checkpoint = trained_run / "checkpoints" / "step_24"
+    mode = (checkpoint / "config.json").stat().st_mode
+    assert (checkpoint / "model.safetensors").stat().st_mode == mode
 
 
 def test_retention_keeps_the_last_whole_checkpoints(trained_run: Path) -> None:

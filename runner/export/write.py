@@ -29,6 +29,7 @@ from runner.rundir import (
     check_safetensors,
     is_run_dir,
     lora_base,
+    readable_as_umask,
 )
 
 log = logging.getLogger(__name__)
@@ -242,6 +243,8 @@ def staged(destination: Path) -> Iterator[Path]:
     tmp = destination.parent / f".tmp-{destination.name}-{os.getpid()}"
     try:
         yield tmp
+        if tmp.exists():
+            readable_as_umask(tmp)  # save_pretrained writes safetensors 0600 too
         os.rename(tmp, destination)
     finally:
         if tmp.is_dir():

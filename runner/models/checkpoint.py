@@ -23,6 +23,7 @@ from runner.rundir import (
     TOKENIZER_FILES,
     TRAINING_STATE_FILE,
     check_safetensors,
+    readable_as_umask,
     weight_files,
 )
 
@@ -55,6 +56,7 @@ def write_hf_model(
     """config.json and model.safetensors; `model_state` is in Hugging Face names and layouts."""
     hf_state = {k: v.contiguous() for k, v in model_state.items()}
     save_file(hf_state, str(out_dir / MODEL_FILE), metadata={"format": "pt"})
+    readable_as_umask(out_dir / MODEL_FILE)
     (out_dir / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
@@ -109,6 +111,7 @@ def write_lora_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=False)
     peft_state = {k: v.contiguous() for k, v in adapter_state.items()}
     save_file(peft_state, str(out_dir / ADAPTER_FILE), metadata={"format": "pt"})
+    readable_as_umask(out_dir / ADAPTER_FILE)
     (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n")
     if merged_state is not None:
         write_hf_model(out_dir, merged_state, hf_config)

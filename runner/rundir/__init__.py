@@ -24,6 +24,7 @@ from runner.rundir.checkpoint_files import (
     check_safetensors,
     checkpoint_problem,
     is_checkpoint_dir,
+    readable_as_umask,
     weight_files,
 )
 from runner.rundir.io import write_json_atomic, write_text_atomic

@@ -7,6 +7,7 @@ is; the checks read headers and tails only, never the weights.
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -33,6 +34,17 @@ TOKENIZER_FILES = (
 )
 # The largest header the safetensors library reads; a larger length is not a header's.
 _SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def readable_as_umask(path: Path) -> None:
+    """Gives `path` (a *.safetensors file, or each under a directory) the mode every other new
+    file takes here: 0o666 less the umask. safetensors 0.8 writes its files 0600 (a temporary
+    file renamed into place; safetensors issue 782), so a server or a container run as another
+    user read a checkpoint's config.json and tokenizer but could not open its weights."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for file in path.rglob("*.safetensors") if path.is_dir() else [path]:
+        file.chmod(0o666 & ~mask)
 
 
 def is_checkpoint_dir(path: Path) -> bool:
