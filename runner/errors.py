@@ -9,16 +9,21 @@ from contextlib import contextmanager
 class UserError(Exception):
     """A mistake the user can fix: printed as one message, exit code 2, no traceback.
 
-    The message names the key, the bad value and the fix: `key='value': fix`, or `key: fix` where
-    the value is None (nothing typed: an argument left out, a key left null), which is no value
-    a user gave.
+    The message names the key, the bad value and the fix: `key='value': fix` (a bool as `true`
+    or `false`, as typed), or `key: fix` where the value is None (nothing typed: an argument
+    left out, a key left null), which is no value a user gave.
     """
 
     exit_code = 2
 
     def __init__(self, key: str, value: object, fix: str) -> None:
         self.key, self.value, self.fix = key, value, fix
-        given = "" if value is None else f"={value!r}"
+        if value is None:
+            given = ""
+        elif isinstance(value, bool):
+            given = f"={str(value).lower()}"  # as YAML and the command line spell it
+        else:
+            given = f"={value!r}"
         super().__init__(f"{key}{given}: {fix}")
 
 

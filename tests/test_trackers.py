@@ -185,4 +185,7 @@ def test_a_missing_tracker_package_is_a_user_error_before_anything_is_written(
 def test_runtime_tensorboard_is_refused_with_its_replacement(runner_cli) -> None:
     result = runner_cli("validate", "runtime.tensorboard=false")
     assert result.returncode == 2
-    assert "replaced by runtime.loggers: write runtime.loggers=[]" in result.stderr
+    # The value as typed: YAML's false, not Python's False.
+    assert result.stderr.startswith(
+        "error: runtime.tensorboard=false: replaced by runtime.loggers: write runtime.loggers=[]"
+    ), result.stderr
