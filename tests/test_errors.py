@@ -68,6 +68,10 @@ CASES = [
         ["batch_size=100000", "fewer than one global batch of 100000", "or less"],
     ),
     (
+        ["model=hf", f"model.source={CONF_DIR / 'train.yaml'}"],
+        ["is a file; give the checkpoint directory that holds it", f"model.source={CONF_DIR}"],
+    ),
+    (
         ["dataset.format=yaml"],
         ["dataset.format='yaml'", "choose one of: json, jsonl, csv, parquet, arrow, text, xml"],
     ),

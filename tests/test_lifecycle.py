@@ -129,6 +129,12 @@ def test_lifecycle_commands_refuse_what_is_not_a_run(runner_cli, tmp_path: Path)
         result = runner_cli(command, str(tmp_path))
         assert result.returncode == 2 and "not a run directory" in result.stderr
     assert runner_cli("runs", str(tmp_path)).stdout.startswith("no runs under")
+    # Each says what is there: nothing, or a file.
+    missing = runner_cli("logs", str(tmp_path / "nothing"))
+    assert missing.stderr.startswith(f"error: RUN='{tmp_path / 'nothing'}': no such directory")
+    (tmp_path / "train.log").write_text("")
+    a_file = runner_cli("runs", str(tmp_path / "train.log"))
+    assert a_file.returncode == 2 and "train.log': a file; give a directory" in a_file.stderr
 
 
 def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(

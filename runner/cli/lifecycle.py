@@ -56,9 +56,10 @@ def main(command: str, argv: list[str]) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     roots = args.dirs or [Path(d) for d in DEFAULT_ROOTS]
-    missing = [str(root) for root in args.dirs if not root.is_dir()]
+    missing = [root for root in args.dirs if not root.is_dir()]
     if missing:
-        raise UserError("DIR", missing[0], "no such directory; give a directory that holds runs")
+        found = "a file" if missing[0].exists() else "no such directory"
+        raise UserError("DIR", str(missing[0]), f"{found}; give a directory that holds runs")
     runs = find_runs(roots)
     if not runs:
         print(f"no runs under {', '.join(map(str, roots))}")

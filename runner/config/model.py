@@ -84,6 +84,12 @@ def _model_source(value: str | None) -> Path | None:
         # cached or fetched hf:// source a local path.
         raise UserError("model.source", value, "is not in the cache; `runner download` fetches it")
     path = Path(value).expanduser().resolve()
+    if path.is_file():
+        raise UserError(
+            "model.source",
+            value,
+            f"is a file; give the checkpoint directory that holds it: model.source={path.parent}",
+        )
     if not (path / "config.json").is_file():
         raise UserError(
             "model.source",

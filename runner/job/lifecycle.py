@@ -45,11 +45,8 @@ def run_dir_at(path: Path, key: str = "RUN", *, readable: bool = True) -> RunDir
             waiting = True
         time.sleep(0.1)
     if not is_run_dir(run.path):
-        raise UserError(
-            key,
-            str(path),
-            "not a run directory (no status.json); `runner runs` lists the runs here",
-        )
+        found = "not a run directory (no status.json)" if path.exists() else "no such directory"
+        raise UserError(key, str(path), f"{found}; `runner runs` lists the runs here")
     if readable and _unreadable(run):
         latest = run.latest_checkpoint()
         raise UserError(
