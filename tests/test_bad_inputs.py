@@ -220,8 +220,8 @@ CASES = [
     case("repro-old-recipe", "repro {files}/old_run --out {files}/fresh", "recipe.yaml", "old_run"),
     # argparse's own refusals, worded as the Hydra commands' are
     case("repro-steps-type", "repro {files}/old_run --steps abc", "--steps='abc'", "an integer"),
-    case("repro-no-run-dir", "repro", "RUN_DIR=", "usage: runner repro"),
-    case("push-no-target", "push {files}/full_ckpt", "to=", "usage: runner push"),
+    case("repro-no-run-dir", "repro", "RUN_DIR: missing", "usage: runner repro"),
+    case("push-no-target", "push {files}/full_ckpt", "to: missing", "usage: runner push"),
     case("logs-unknown-flag", "logs {files}/old_run -n 3", "argument='-n 3'"),
     case("stop-timeout-type", "stop {files}/old_run --timeout soon", "--timeout='soon'"),
     # lifecycle

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from runner.components import instantiate
 from runner.config.dataset import check_packing
-from runner.config.model import resolve_model
+from runner.config.model import _backend, resolve_model
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
@@ -517,17 +517,27 @@ def test_each_family_loads_from_a_hub_cache_snapshot(
         ),
     ],
 )
-def test_a_setting_torchtune_does_not_build_is_a_user_error(
+def test_a_setting_torchtune_does_not_build_goes_to_transformers(
     checkpoints: dict[str, Path], tmp_path: Path, family: str, edit: dict, named: str
 ) -> None:
+    """model.backend=auto trains it through transformers' own class, naming the setting as its
+    reason; model.backend=torchtune is refused naming it."""
     source = tmp_path / family
     shutil.copytree(checkpoints[family], source)
     config = json.loads((source / "config.json").read_text())
     config.pop("rope_parameters", None)  # transformers 5 keeps RoPE settings here too
     (source / "config.json").write_text(json.dumps({**config, **edit, "rope_theta": 10000.0}))
     with pytest.raises(UserError) as err:
-        resolve_model(model_config(["model=hf", f"model.source={source}"]))
-    assert err.value.key == "model.source" and named in err.value.fix, err.value.fix
+        resolve_model(
+            model_config(["model=hf", f"model.source={source}", "model.backend=torchtune"])
+        )
+    assert err.value.key == "model.backend" and named in err.value.fix, err.value.fix
+    assert "model.backend=auto trains it through transformers'" in err.value.fix
+    # The choice alone: edited so, some of these are no loadable checkpoint (gemma's untied
+    # head has no weights here), which transformers' loading says in its own words.
+    written = json.loads((source / "config.json").read_text())
+    backend, reason = _backend(model_config(["model=hf", f"model.source={source}"]), written)
+    assert backend == "transformers" and named in reason, reason
 
 
 @pytest.mark.parametrize("family", ["mistral", "phi3"])
