@@ -416,3 +416,6 @@ def test_cluster_messages_name_what_runner_cluster_runs(runner_cli) -> None:
         "error: cluster.kubeflow.image: give a container image with runner installed, or "
         "cluster.print=slurm\n"
     )
+    # A value of the wrong kind is named in the words it is typed in, not Python's type.
+    not_a_list = runner_cli("cluster", "cluster.slurm.setup=3")
+    assert not_a_list.stderr == "error: cluster.slurm.setup=3: give a list, e.g. [a, b]\n"

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import field
-from typing import Any, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -157,7 +158,22 @@ def _fix(typed_field: TypedField) -> str:
     kind = _number_type(annotation)
     if kind is not None:
         return f"give {'an integer' if kind is int else 'a number'}{optional}"
-    return f"give a value of type {annotation}"
+    return f"give {_in_words(annotation)}{optional}"
+
+
+def _in_words(annotation: Any) -> str:
+    """A field's type as a user types its value (`a list, e.g. [a, b]`), not Python's name."""
+    union = get_origin(annotation) is Union or isinstance(annotation, UnionType)
+    kinds = [a for a in get_args(annotation) if a is not type(None)] if union else [annotation]
+    words: dict[Any, str] = {
+        list: "a list, e.g. [a, b]",
+        dict: "a mapping, e.g. {key: value}",
+        str: "a string",
+        bool: "true or false",
+    }
+    if len(kinds) != 1:
+        return f"a value of type {annotation}"
+    return words.get(get_origin(kinds[0]) or kinds[0], f"a value of type {annotation}")
 
 
 def _number_type(annotation: Any) -> type | None:
