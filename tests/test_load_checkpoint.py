@@ -87,7 +87,15 @@ def test_a_run_given_with_mode_weights_gives_its_latest_weights(
 
 
 @pytest.mark.parametrize(
-    "case", ["two_mounted", "not_a_checkpoint", "both_sources", "resume_a_model"]
+    "case",
+    [
+        "two_mounted",
+        "not_a_checkpoint",
+        "both_sources",
+        "resume_a_model",
+        "another_method",
+        "no_steps_left",
+    ],
 )
 def test_what_cannot_be_started_from_is_refused_by_name(
     runner_cli, straight: Path, tmp_path: Path, case: str
@@ -102,9 +110,19 @@ def test_what_cannot_be_started_from_is_refused_by_name(
     elif case == "both_sources":
         env = mount_with(tmp_path, ("step_4", step))
         extra, wanted = [f"model.source={step}"], "both name the weights to start from"
-    else:
+    elif case == "resume_a_model":
         extra = [f"load_checkpoint.path={step}", "load_checkpoint.mode=resume"]
         wanted = "is a model checkpoint; give weights"
+    elif case == "another_method":
+        # Its checkpoint holds full weights, no adapter: a LoRA run cannot continue it.
+        extra = [f"load_checkpoint.path={straight}", "method=lora", "max_steps=6"]
+        wanted = "error: method='lora': load_checkpoint.path="
+    else:
+        # At step 4 already: max_steps=4 would train nothing and save no checkpoint.
+        extra, wanted = [f"load_checkpoint.path={straight}"], "error: max_steps=4: "
+    # validate refuses what train refuses (the job service's validate-then-launch).
+    checked = runner_cli("validate", *STEPS, *extra, env=env)
+    assert checked.returncode == 2 and wanted in checked.stderr, checked.stderr[-3000:]
     run = tmp_path / "new"
     result = runner_cli("train", *STEPS, *extra, f"hydra.run.dir={run}", env=env)
     assert result.returncode == 2, result.stderr[-3000:]

@@ -120,4 +120,40 @@ def resolve_load_checkpoint(
                 "load_checkpoint.path=null to train from model.source",
             )
         return str(path), None
-    return None, str(latest_whole_checkpoint(path))
+    checkpoint = latest_whole_checkpoint(path)
+    _check_continuable(path, checkpoint, cfg)
+    return None, str(checkpoint)
+
+
+def _check_continuable(run: Path, checkpoint: Path, cfg: DictConfig) -> None:
+    """A run continued from another's checkpoint trains by its method and on past its step:
+    another method's checkpoint holds other weights (an adapter, or none), and a max_steps at or
+    below its step would train nothing and save no checkpoint."""
+    from omegaconf import OmegaConf
+
+    method = OmegaConf.load(run / RECIPE_FILE).method.name
+    if method != cfg.method.name:
+        weights = (checkpoint / "config.json").is_file() and any(
+            checkpoint.glob("model*.safetensors")
+        )
+        raise UserError(
+            "method",
+            cfg.method.name,
+            f"load_checkpoint.path={run} is a method={method} run, continued only by method="
+            f"{method}"
+            + (
+                f"; or start a method={cfg.method.name} run from its weights: "
+                "load_checkpoint.mode=weights"
+                if weights
+                else ""
+            ),
+        )
+    step = dict((path, step) for step, path in RunDir(run).checkpoints())[checkpoint]
+    if cfg.max_steps is not None and cfg.max_steps <= step:
+        raise UserError(
+            "max_steps",
+            cfg.max_steps,
+            f"load_checkpoint.path={run} is already at step {step}: give max_steps above "
+            f"{step} to train on from it, or load_checkpoint.mode=weights to start afresh from "
+            "its weights",
+        )
