@@ -134,6 +134,17 @@ def test_a_group_chosen_twice_is_named_before_its_keys_are_refused(runner_cli, t
     assert not out_root.exists()
 
 
+def test_the_commands_that_only_look_refuse_a_sweep(runner_cli, tmp_path: Path) -> None:
+    """-m would have Hydra make a sweep directory of jobs that never ran, and a summary of them."""
+    for command, flag in (("validate", "-m"), ("estimate", "--multirun")):
+        result = runner_cli(command, flag, "optimizer.lr=1e-4,1e-3", "max_steps=10")
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.startswith(
+            f"error: {flag}: runner {command} checks one config and writes nothing; drop {flag}"
+        ), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_command_is_a_user_error(runner_cli) -> None:
     result = runner_cli("trian")
     assert result.returncode == 2

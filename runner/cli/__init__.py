@@ -10,7 +10,7 @@ import sys
 
 from runner.config import interpolations
 from runner.config.hydra_errors import as_user_error
-from runner.errors import UserErrorExit
+from runner.errors import UserError, UserErrorExit
 
 USAGE = """usage: runner COMMAND [hydra overrides] [--help]
 
@@ -68,6 +68,15 @@ def _run(name: str, argv: list[str]) -> int | None:
 
     refuse_typed_secrets(argv)
     if name in ("validate", "estimate", "download"):
+        given = next((a for a in argv if a in ("-m", "--multirun")), None)
+        if given is not None:
+            # Hydra would make a sweep directory, with a summary of jobs that never ran.
+            raise UserError(
+                given,
+                None,
+                f"runner {name} checks one config and writes nothing; drop {given} and give "
+                "one value of each key (runner train -m sweeps them)",
+            )
         argv = [*argv, *NO_OUTPUT]
     # Hydra's app reads its overrides and flags (-m, --cfg, --help) from sys.argv, and names
     # itself by sys.argv[0] in its --help.
