@@ -52,6 +52,11 @@ def test_resume_gives_bit_identical_losses(runner_cli, hermetic_env, tmp_path: P
     # not the first step after the resume.
     first_loss = json.loads((tmp_path / "interrupted" / "status.json").read_text())["first_loss"]
     assert first_loss == resumed[1]
+    # The final training state too, byte for byte: runner repro compares checkpoints by hash.
+    final = Path("checkpoints") / f"step_{2 * N}" / "training_state.pt"
+    assert (tmp_path / "interrupted" / final).read_bytes() == (
+        tmp_path / "straight" / final
+    ).read_bytes()
     # `torchrun ... -m runner.recipes.finetune RUN/recipe.yaml` (docs/nodes.md) of a copy, whose
     # run_dir names the run it came from, would train that one: one line names both.
     original, copy = tmp_path / "straight", tmp_path / "copy"

@@ -84,7 +84,17 @@ class Optimization:
 
     def restore(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
         """The optimizer and schedule of a training state (written at any world size)."""
+        tuples = [
+            {key for key, value in group.items() if isinstance(value, tuple)}
+            for group in self.optimizer.param_groups
+        ]
         set_optimizer_state_dict(model, self.optimizer, state["optimizer"], options=FULL)
+        # It gives tuple hyperparameters (AdamW's betas) back as lists: a resumed run's training
+        # state then pickled to other bytes than the straight run's, and runner repro's hashes
+        # called a run that reproduced a drift.
+        for group, keys in zip(self.optimizer.param_groups, tuples, strict=True):
+            for key in keys:
+                group[key] = tuple(group[key])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
 
