@@ -95,6 +95,7 @@ def test_a_run_given_with_mode_weights_gives_its_latest_weights(
         "resume_a_model",
         "another_method",
         "no_steps_left",
+        "a_sweep",
     ],
 )
 def test_what_cannot_be_started_from_is_refused_by_name(
@@ -117,6 +118,11 @@ def test_what_cannot_be_started_from_is_refused_by_name(
         # Its checkpoint holds full weights, no adapter: a LoRA run cannot continue it.
         extra = [f"load_checkpoint.path={straight}", "method=lora", "max_steps=6"]
         wanted = "error: method='lora': load_checkpoint.path="
+    elif case == "a_sweep":
+        sweep = tmp_path / "sweep"
+        shutil.copytree(straight, sweep / "0")
+        (sweep / "multirun.yaml").write_text("{}")
+        extra, wanted = [f"load_checkpoint.path={sweep}"], "a sweep dir: name the run of it"
     else:
         # At step 4 already: max_steps=4 would train nothing and save no checkpoint.
         extra, wanted = [f"load_checkpoint.path={straight}"], "error: max_steps=4: "

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from runner.config.fields import override_key
 from runner.errors import UserError
-from runner.rundir import RECIPE_FILE, RunDir, checkpoint_problem, is_run_dir
+from runner.rundir import RECIPE_FILE, RunDir, checkpoint_problem, is_run_dir, is_sweep_dir
 
 MOUNT_VAR = "BT_LOAD_CHECKPOINT_DIR"
 MODES = ("resume", "weights")
@@ -68,6 +68,12 @@ def mode(path: Any) -> str | None:
     if path is None:
         return None
     found = _mode(Path(str(path)))
+    if found is None and is_sweep_dir(Path(str(path))):
+        raise UserError(
+            "load_checkpoint.path",
+            path,
+            "a sweep dir: name the run of it to start from (SWEEP/N; its summary.md ranks them)",
+        )
     if found is None:
         raise UserError(
             "load_checkpoint.path",
