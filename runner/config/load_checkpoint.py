@@ -84,11 +84,12 @@ def mode(path: Any) -> str | None:
     return found
 
 
-def latest_whole_checkpoint(run: Path) -> Path:
-    """The newest whole checkpoint of a loaded run, read-only (a mount is not ours to tidy)."""
-    for _, checkpoint in reversed(RunDir(run).checkpoints()):
+def latest_whole_checkpoint(run: Path) -> tuple[int, Path]:
+    """(step, path) of the newest whole checkpoint of a loaded run, read-only (a mount is not
+    ours to tidy)."""
+    for step, checkpoint in reversed(RunDir(run).checkpoints()):
         if not checkpoint_problem(checkpoint):
-            return checkpoint
+            return step, checkpoint
     raise UserError(
         "load_checkpoint.path",
         str(run),
@@ -116,7 +117,7 @@ def resolve_load_checkpoint(
         )
     if section.mode == "weights":
         if found == "resume":  # the weights of the run's latest whole checkpoint
-            path = latest_whole_checkpoint(path)
+            _, path = latest_whole_checkpoint(path)
         given = [o for o in overrides if override_key(o) == "model.source"]
         if given:
             raise UserError(
@@ -126,12 +127,12 @@ def resolve_load_checkpoint(
                 "load_checkpoint.path=null to train from model.source",
             )
         return str(path), None
-    checkpoint = latest_whole_checkpoint(path)
-    _check_continuable(path, checkpoint, cfg)
+    step, checkpoint = latest_whole_checkpoint(path)
+    _check_continuable(path, step, checkpoint, cfg)
     return None, str(checkpoint)
 
 
-def _check_continuable(run: Path, checkpoint: Path, cfg: DictConfig) -> None:
+def _check_continuable(run: Path, step: int, checkpoint: Path, cfg: DictConfig) -> None:
     """A run continued from another's checkpoint trains by its method and on past its step:
     another method's checkpoint holds other weights (an adapter, or none), and a max_steps at or
     below its step would train nothing and save no checkpoint."""
@@ -139,9 +140,6 @@ def _check_continuable(run: Path, checkpoint: Path, cfg: DictConfig) -> None:
 
     method = OmegaConf.load(run / RECIPE_FILE).method.name
     if method != cfg.method.name:
-        weights = (checkpoint / "config.json").is_file() and any(
-            checkpoint.glob("model*.safetensors")
-        )
         raise UserError(
             "method",
             cfg.method.name,
@@ -150,11 +148,10 @@ def _check_continuable(run: Path, checkpoint: Path, cfg: DictConfig) -> None:
             + (
                 f"; or start a method={cfg.method.name} run from its weights: "
                 "load_checkpoint.mode=weights"
-                if weights
+                if _mode(checkpoint) == "weights"  # what load_checkpoint.mode=weights takes
                 else ""
             ),
         )
-    step = dict((path, step) for step, path in RunDir(run).checkpoints())[checkpoint]
     if cfg.max_steps is not None and cfg.max_steps <= step:
         raise UserError(
             "max_steps",
