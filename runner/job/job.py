@@ -244,23 +244,22 @@ def _check_same_global_batch(run: RunDir, recipe: DictConfig) -> None:
         recorded = read_recipe(run.recipe_path)
     except UserError:
         return  # another runner's record: its checkpoint's own checks speak for it
-    (before, _), (now, processes) = _global_batch(recorded), _global_batch(recipe)
+    (before, processes_before), (now, processes) = _global_batch(recorded), _global_batch(recipe)
     if before == now:
         return
     per_process, accumulation = divmod(before, processes * recipe.gradient_accumulation_steps)
-    fix = (
-        f"give batch_size={per_process} on {processes} process(es)"
-        if per_process and not accumulation
-        else f"give batch_size x gradient_accumulation_steps = {before} / {processes} process(es)"
-        if before % processes == 0
-        else f"run it on a number of processes that divides {before}"
-    )
+    if per_process and not accumulation:
+        fix = f"give batch_size={per_process} on {processes} process(es)"
+    elif before % processes == 0:
+        fix = f"give batch_size x gradient_accumulation_steps = {before} / {processes} process(es)"
+    else:
+        fix = f"run it on a number of processes that divides {before}"
     raise UserError(
         "batch_size",
         recipe.batch_size,
         f"{run.path} trained with a global batch of {before} samples a step (batch_size="
         f"{recorded.batch_size} x gradient_accumulation_steps="
-        f"{recorded.gradient_accumulation_steps} x {_global_batch(recorded)[1]} process(es)); "
+        f"{recorded.gradient_accumulation_steps} x {processes_before} process(es)); "
         f"this layout makes {now}, which would change the math of the steps left: {fix}",
     )
 
@@ -268,9 +267,9 @@ def _check_same_global_batch(run: RunDir, recipe: DictConfig) -> None:
 def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
     """An epoch is whole global batches: a training split with fewer records than one trains
     nothing, which the trainer would find only after the run had started."""
-    compute = recipe.compute
-    per_batch = recipe.gradient_accumulation_steps * compute.nnodes * compute.nproc_per_node
-    if records is None or records >= recipe.batch_size * per_batch:
+    global_batch, processes = _global_batch(recipe)
+    per_batch = recipe.gradient_accumulation_steps * processes
+    if records is None or records >= global_batch:
         return
     largest = records // per_batch
     fix = f"give batch_size={largest} or less" if largest else "lower gradient_accumulation_steps"
@@ -278,9 +277,8 @@ def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
         "batch_size",
         recipe.batch_size,
         f"the training split has {records} records, fewer than one global batch of "
-        f"{recipe.batch_size * per_batch} (batch_size x gradient_accumulation_steps="
-        f"{recipe.gradient_accumulation_steps} x {per_batch // recipe.gradient_accumulation_steps}"
-        f" process(es)); {fix}, or add records",
+        f"{global_batch} (batch_size x gradient_accumulation_steps="
+        f"{recipe.gradient_accumulation_steps} x {processes} process(es)); {fix}, or add records",
     )
 
 
