@@ -14,7 +14,7 @@ from runner.config.fields import override_key
 from runner.errors import UserError
 from runner.rundir.manifest import SECRET_KEY
 
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def env_secret_error(name: str) -> UserError:
@@ -25,6 +25,17 @@ def env_secret_error(name: str) -> UserError:
         "looks like a secret, and runtime.env is written to the run directory; export it in "
         "the environment of `runner train` instead (training processes inherit it)",
     )
+
+
+def check_env_name(key: str, name: str) -> None:
+    """A UserError where `key` (api_key.env) holds no environment variable's name: it may be a
+    key pasted by mistake, so the value is never echoed."""
+    if not _ENV_NAME.fullmatch(name):
+        raise UserError(
+            key,
+            "<hidden>",
+            "give the NAME of an environment variable holding the key, never the key itself",
+        )
 
 
 def refuse_typed_secrets(overrides: list[str]) -> None:
@@ -38,11 +49,7 @@ def refuse_typed_secrets(overrides: list[str]) -> None:
             from runner.hub.download import TokenRef
 
             TokenRef.parse(value, key)
-        elif key == "api_key.env" and not ENV_NAME.fullmatch(value):
-            raise UserError(
-                key,
-                "<hidden>",
-                "give the NAME of an environment variable holding the key, never the key itself",
-            )
+        elif key == "api_key.env":
+            check_env_name(key, value)
         elif key.startswith("runtime.env.") and SECRET_KEY.search(key.removeprefix("runtime.env.")):
             raise env_secret_error(key.removeprefix("runtime.env."))

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.components import plain_dict
 from runner.config.schema import Deploy, typed
-from runner.config.secrets import ENV_NAME
+from runner.config.secrets import check_env_name
 from runner.deploy.routes import ServedModel
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
 from runner.errors import UserError
@@ -81,13 +81,7 @@ def read_api_key(*, env: str | None, file: str | None) -> str | None:
     if env is not None and file is not None:
         raise UserError("api_key", "env and file", "set api_key.env or api_key.file, not both")
     if env is not None:
-        if not ENV_NAME.fullmatch(env):
-            # The value may be a key pasted by mistake: never echo it.
-            raise UserError(
-                "api_key.env",
-                "<hidden>",
-                "give the NAME of an environment variable holding the key, never the key itself",
-            )
+        check_env_name("api_key.env", env)
         key = os.environ.get(env, "").strip()
         if not key:
             raise UserError("api_key.env", env, f"set it first: export {env}=<the key>")
