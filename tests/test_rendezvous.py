@@ -79,25 +79,30 @@ def test_a_timeout_after_a_loss_names_the_node_that_did_not_come_back(store) -> 
     assert store.get(f"runner/agent/host-0/{os.getpid()}")  # this node said who it is
 
 
-def test_nodes_of_different_runs_name_both_values(store) -> None:
-    other = NodeIdentity(1, "host-1", "/shared/other", RECIPE)
+@pytest.mark.parametrize(
+    ("run_dir", "recipe", "named"),
+    [
+        (
+            "/shared/other",
+            RECIPE,
+            "node 1 (host-1) trains run directory /shared/other, node 0 (host-0) (this node) "
+            "run directory /shared/run",
+        ),
+        # The values, not two config hashes: the lines to mend are found without a diff.
+        (
+            "/shared/run",
+            RECIPE | {"max_steps": 6, "optimizer": {"lr": 0.001, "fused": True}, "seed": 7},
+            "node 1 (host-1) trains max_steps=6, optimizer.fused=true, seed=7, "
+            "node 0 (host-0) (this node) max_steps=5, optimizer.fused=null, seed=(not set)",
+        ),
+    ],
+    ids=["run directory", "recipe keys"],
+)
+def test_nodes_that_train_different_runs_name_both_values(
+    store, run_dir: str, recipe: dict, named: str
+) -> None:
+    other = NodeIdentity(1, "host-1", run_dir, recipe)
     rendezvous = handler(store, NODES[0], [other, NODES[2]])
     with pytest.raises(NodesDisagree) as disagree:
         rendezvous.next_rendezvous()
-    assert str(disagree.value) == (
-        "node 1 (host-1) trains run directory /shared/other, node 0 (host-0) (this node) "
-        "run directory /shared/run"
-    )
-
-
-def test_nodes_started_with_other_overrides_name_each_key_that_differs(store) -> None:
-    """The values, not two config hashes: the lines to mend are found without a diff."""
-    changed = RECIPE | {"max_steps": 6, "optimizer": {"lr": 0.001, "fused": True}}
-    other = NodeIdentity(1, "host-1", "/shared/run", changed | {"seed": 7})
-    rendezvous = handler(store, NODES[0], [other, NODES[2]])
-    with pytest.raises(NodesDisagree) as disagree:
-        rendezvous.next_rendezvous()
-    assert str(disagree.value) == (
-        "node 1 (host-1) trains max_steps=6, optimizer.fused=true, seed=7, "
-        "node 0 (host-0) (this node) max_steps=5, optimizer.fused=null, seed=(not set)"
-    )
+    assert str(disagree.value) == named
