@@ -211,7 +211,9 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def ctrl_c_after_two_steps(args: list[str], env: dict[str, str], metrics: Path) -> str:
     """`runner ARGS` interrupted by Ctrl-C (SIGINT) once `metrics` (its run's metrics.jsonl)
-    holds two steps; its exit code checked (130), its stderr returned."""
+    holds two steps more than it held before; its exit code checked (130), its stderr
+    returned."""
+    before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     proc = subprocess.Popen(
         [sys.executable, "-m", "runner", *args],
         env=env,
@@ -220,7 +222,7 @@ def ctrl_c_after_two_steps(args: list[str], env: dict[str, str], metrics: Path) 
         text=True,
     )
     deadline = time.monotonic() + 600
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= before + 2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)

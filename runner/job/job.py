@@ -27,7 +27,7 @@ from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, user_errors_pass_hydra
 from runner.job.launch import as_launcher, launch, node_rank_of
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
-from runner.job.sweep import write_summary
+from runner.job.sweep import refresh_sweep_of, write_summary
 from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
 from runner.rundir.manifest import (
     MANIFEST_FILE,
@@ -213,7 +213,11 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         else:
             state = run.status().state
             run.write_status(state if state in STATES else "created", launcher_pid=os.getpid())
-    result = launch(recipe, run.recipe_path, node_rank)
+    try:
+        result = launch(recipe, run.recipe_path, node_rank)
+    finally:  # stopped again too
+        if cfg.resume is not None:
+            refresh_sweep_of(run.path)
     _print_summary(run)
     return result
 

@@ -1,7 +1,8 @@
 """Sweep summaries: a table of a multirun's jobs, the best one, and a plot of their loss curves.
 
 The summary is rewritten as each job ends (SweepSummary.on_job_end) and once more, printed,
-when the sweep ends; it is built from the run directories alone.
+when the sweep ends, and again when a job is resumed on its own (refresh_sweep_of); it is built
+from the run directories alone.
 """
 
 from __future__ import annotations
@@ -151,6 +152,17 @@ def write_summary(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
     tmp.write_text(table(summary) + "\n")
     tmp.replace(sweep_dir / SUMMARY_TABLE)
     return summary
+
+
+def refresh_sweep_of(run_dir: Path) -> None:
+    """A sweep's job trained again on its own (`runner resume SWEEP/N`): the sweep's summary
+    and plot say where its jobs now stand, ranked as the sweep ranked them."""
+    sweep_dir = run_dir.parent
+    if not (sweep_dir / SUMMARY_JSON).is_file():
+        return  # not a sweep's job, or one that ended before its first job did
+    recorded = json.loads((sweep_dir / SUMMARY_JSON).read_text())
+    summary = write_summary(sweep_dir, recorded["metric"], recorded["mode"])
+    plot_losses(sweep_dir, summary)
 
 
 # objective.mode as Optuna's sweeper names the same direction.
