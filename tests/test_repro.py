@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import UserError
-from runner.job.repro import compare_losses, compare_metrics
+from runner.job.repro import _rerun_dir, compare_losses, compare_metrics
 from runner.paths import SAMPLE_DATA_DIR
 from runner.rundir import RunDir
 from runner.trainer import determinism
@@ -171,6 +171,16 @@ def test_repro_of_something_else_is_a_user_error(runner_cli, tmp_path: Path) -> 
     result = runner_cli("repro", str(tmp_path))
     assert result.returncode == 2
     assert "not a run directory" in result.stderr
+
+
+def test_a_sweep_jobs_rerun_goes_beside_the_sweep(tmp_path: Path) -> None:
+    """Inside the sweep directory, a re-run would be listed, and deployed, as one of its jobs."""
+    sweep = tmp_path / "16-38-44"
+    (sweep / "0").mkdir(parents=True)
+    assert _rerun_dir(RunDir(sweep / "0"), None).path.name.startswith("0-repro-")
+    (sweep / "multirun.yaml").write_text("{}\n")
+    rerun = _rerun_dir(RunDir(sweep / "0"), None).path
+    assert rerun.parent == tmp_path and rerun.name.startswith("16-38-44-0-repro-"), rerun
 
 
 def test_one_ulp_is_drift() -> None:

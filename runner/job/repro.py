@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import UserError
 from runner.job.launch import as_launcher, launch
-from runner.rundir import RunDir
+from runner.rundir import RunDir, is_sweep_dir
 from runner.rundir.manifest import (
     MANIFEST_FILE,
     RUN_SPECIFIC_KEYS,
@@ -236,9 +236,13 @@ def _check_logged(recorded: RunDir, steps: int | None, *, log_every: int) -> Non
 
 
 def _rerun_dir(recorded: RunDir, out: Path | None) -> RunDir:
-    """Where the re-run trains: `out`, or a new directory beside the run; not one that exists."""
+    """Where the re-run trains: `out`, or a new directory beside the run (beside its sweep, for
+    a sweep's job: inside, it would read as one more job); not one that exists."""
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    rerun = RunDir(out or recorded.path.with_name(f"{recorded.path.name}-repro-{stamp}"))
+    beside, name = recorded.path, recorded.path.name
+    if is_sweep_dir(beside.parent):
+        beside, name = beside.parent, f"{beside.parent.name}-{name}"
+    rerun = RunDir(out or beside.with_name(f"{name}-repro-{stamp}"))
     if rerun.path.exists():
         raise UserError("--out", str(rerun.path), "already exists; give a new directory")
     return rerun
