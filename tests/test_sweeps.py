@@ -146,7 +146,9 @@ def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: 
     assert "| cancelled |" in (sweep / "summary.md").read_text()
     assert not (sweep / "1").exists()
     # Resumed on its own and stopped again, the job is where the sweep's summary says it is.
-    ctrl_c_after_two_steps(["resume", str(sweep / "0")], hermetic_env, sweep / "0" / "metrics.jsonl")
+    ctrl_c_after_two_steps(
+        ["resume", str(sweep / "0")], hermetic_env, sweep / "0" / "metrics.jsonl"
+    )
     (resumed,) = summary_of(sweep)["runs"]
     assert resumed["state"] == "cancelled" and row["step"] + 2 <= resumed["step"] < 400, resumed
     assert f"| cancelled | {resumed['step']}/400 |" in (sweep / "summary.md").read_text()
