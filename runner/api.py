@@ -42,10 +42,20 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from runner.config import interpolations
+from runner.config.schema import typed
 from runner.errors import UserError
 from runner.job import lifecycle
 from runner.paths import CONF_DIR
-from runner.rundir import FINAL_STATES, STALLED, STATES, STOPPING, SUMMARY_JSON, RunDir, Status
+from runner.rundir import (
+    FINAL_STATES,
+    STALLED,
+    STATES,
+    STOPPING,
+    SUMMARY_JSON,
+    RunDir,
+    Status,
+    is_sweep_dir,
+)
 
 if TYPE_CHECKING:
     from runner.job.preflight import Estimate
@@ -140,8 +150,9 @@ def launch(
     overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
 ) -> Run:
     """Starts `runner train OVERRIDES` in a new directory under runtime.output_root and returns
-    at once; the Run reports how it goes. A bad override or option raises here; what training
-    finds later (a missing file, a bad record) ends the run `failed`, with the message."""
+    at once; the Run reports how it goes. A bad override, option or value raises here; what
+    training finds later (a missing file, a bad record) ends the run `failed`, with the
+    message."""
     resumes = [o for o in overrides if o.startswith("resume=")]
     if resumes:
         raise UserError(
@@ -150,19 +161,22 @@ def launch(
             "launch starts a new run; continue one with api.Run(RUN).resume()",
         )
     base = Path(cwd or Path.cwd())
-    path = _new_dir(base / str(compose(overrides).runtime.output_root))
+    path = _new_dir(base / str(typed(compose(overrides)).runtime.output_root))
     args = ["train", *overrides, f"hydra.run.dir={path}"]
     return Run(path, _process=_start(args, _console(path), base, env), _cwd=base)
 
 
 class Run:
-    """A training run, by its directory: launched here, or any run directory (`Run(path)`)."""
+    """A training run, by its directory: launched here, or any run directory (`Run(path)`; a
+    path that holds none raises a UserError, a run that is starting is waited for)."""
 
     def __init__(
         self, path: str | os.PathLike[str], *, _process: Any = None, _cwd: Path | None = None
     ) -> None:
         self.path = Path(path).resolve()
         self.dir = RunDir(self.path)
+        if _process is None:
+            lifecycle.run_dir_at(self.path, key="path", readable=False)
         self._process: subprocess.Popen[bytes] | None = _process
         # Where its command ran: relative paths in its config are read from there.
         self._cwd = _cwd or Path.cwd()
@@ -304,7 +318,7 @@ def sweep(
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     plain = [line for line, o in zip(overrides, parsed, strict=True) if not o.is_sweep_override()]
     base = Path(cwd or Path.cwd())
-    path = _new_dir(base / str(compose(plain).runtime.multirun_root))
+    path = _new_dir(base / str(typed(compose(plain)).runtime.multirun_root))
     args = ["train", "-m", *overrides, f"hydra.sweep.dir={path}"]
     return Sweep(path, _process=_start(args, _console(path), base, env))
 
@@ -315,6 +329,13 @@ class Sweep:
     def __init__(self, path: str | os.PathLike[str], *, _process: Any = None) -> None:
         self.path = Path(path).resolve()
         self._process: subprocess.Popen[bytes] | None = _process
+        if _process is None and not is_sweep_dir(self.path):
+            found = "not a sweep directory" if self.path.exists() else "no such directory"
+            raise UserError(
+                "path",
+                str(path),
+                f"{found} (no multirun.yaml or summary.json); `runner runs` lists the runs here",
+            )
 
     def runs(self) -> list[Run]:
         """One Run per job of the sweep, none before its directory exists."""

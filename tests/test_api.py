@@ -110,6 +110,16 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
         api.launch(["model=nope"], cwd=workdir, env=hermetic_env)
     with pytest.raises(UserError, match=r"Run\(RUN\).resume\(\)"):
         api.launch([f"resume={workdir}"], cwd=workdir, env=hermetic_env)
+    with pytest.raises(UserError, match="max_steps='abc': give an integer"):
+        api.launch([*BASE, "max_steps=abc"], cwd=workdir, env=hermetic_env)
+    with pytest.raises(UserError, match="batch_size=0: give an integer >= 1"):
+        api.sweep([*BASE, "batch_size=0", "seed=0,1"], cwd=workdir, env=hermetic_env)
+    # A handle on a directory that holds no run, or no sweep, says so (it would read `unknown`
+    # and wait for ever).
+    with pytest.raises(UserError, match="not a run directory"):
+        api.Run(workdir)
+    with pytest.raises(UserError, match="no such directory"):
+        api.Sweep(workdir / "nowhere")
     # Found by the training process: the run fails with the message; its directory is gone.
     run = api.launch([*BASE, f"dataset.source={missing}"], cwd=workdir, env=hermetic_env)
     status = run.wait(timeout=300)
