@@ -403,6 +403,10 @@ def test_cluster_messages_name_what_runner_cluster_runs(runner_cli) -> None:
     assert cluster_key.stderr == (
         "error: cluster.bogus='1': no such key; `runner cluster --help` prints every key\n"
     )
+    appended = runner_cli("cluster", "+cluster.bogus=1")  # a key added is the cluster's too
+    assert appended.stderr == (
+        "error: cluster.bogus=1: no such key; `runner cluster --help` prints every key\n"
+    )
     train_key = runner_cli("cluster", "bogus=1")
     assert train_key.returncode == 2
     assert train_key.stderr == (

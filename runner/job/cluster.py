@@ -157,10 +157,19 @@ def trainjob_manifest(cluster: DictConfig, command: list[str], nproc: Any) -> st
     return header + body
 
 
+def _of_cluster(override: str) -> str | None:
+    """A `cluster.` override as the cluster config takes it (`+cluster.x=1`: `+x=1`); None for
+    one of the train config."""
+    sign = override[: len(override) - len(override.lstrip("+~"))]
+    rest = override[len(sign) :]
+    return sign + rest.removeprefix("cluster.") if rest.startswith("cluster.") else None
+
+
 def cluster_files(overrides: list[str]) -> dict[str, str]:
     """{"slurm": script, "kubeflow": manifest}, as cluster.print selects."""
-    cluster_overrides = [o[len("cluster.") :] for o in overrides if o.startswith("cluster.")]
-    train_overrides = [o for o in overrides if not o.startswith("cluster.")]
+    by_cluster = {o: _of_cluster(o) for o in overrides}
+    cluster_overrides = [own for own in by_cluster.values() if own is not None]
+    train_overrides = [o for o, own in by_cluster.items() if own is None]
     cluster = typed(_compose_cluster(cluster_overrides), Cluster, "cluster.", CLUSTER_KEYS)
     if cluster.print not in ("both", "slurm", "kubeflow"):
         raise UserError("cluster.print", cluster.print, "choose both, slurm or kubeflow")
