@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -68,6 +72,38 @@ def test_parallel_launcher(runner_cli, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["state"] for r in summary_of(sweep)["runs"]] == ["completed", "completed"]
+
+
+def test_sigterm_stops_a_parallel_sweep_as_a_sequential_one(hermetic_env, tmp_path: Path) -> None:
+    """Each running job saves and ends cancelled, the third never trains, the summary says so
+    and the sweep exits 143; joblib alone left the jobs training on as orphans (SIGTERM) or
+    killed them without a checkpoint (Ctrl-C)."""
+    sweep = tmp_path / "sweep"
+    args = [*QUICK, "compute=cpu", "max_steps=400", "runtime.log_every_n_steps=1"]
+    args += ["eval.strategy=no", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "train", "-m", *args, "optimizer.lr=1e-3,2e-3,3e-3"]
+        + [f"hydra.sweep.dir={sweep}"],
+        env=hermetic_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = [sweep / job / "metrics.jsonl" for job in ("0", "1")]
+    deadline = time.monotonic() + 600
+    while not all(m.exists() and len(m.read_text().splitlines()) >= 2 for m in metrics):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    assert "SIGTERM: stopping the sweep's running jobs, starting no other" in err
+    rows = summary_of(sweep)["runs"]
+    assert [r["job"] for r in rows] == ["0", "1"], rows
+    for row in rows:
+        assert row["state"] == "cancelled" and 2 <= row["step"] < 400, row
+        assert (sweep / row["job"] / "checkpoints" / f"step_{row['step']}").is_dir()
+    assert not (sweep / "2" / "status.json").exists() and not (sweep / ".stopping").exists()
 
 
 def test_submitit_launcher_through_its_local_executor(runner_cli, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, user_errors_pass_hydra
 from runner.job.launch import as_launcher, launch, node_rank_of
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
-from runner.job.sweep import refresh_sweep_of, write_summary
+from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
 from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
 from runner.rundir.manifest import (
     MANIFEST_FILE,
@@ -84,6 +84,9 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
     which the Optuna sweeper optimizes; NaN for a failed job.
     """
     run = RunDir(run_dir)
+    sweep_dir = Path(HydraConfig.get().sweep.dir)
+    if stopping(sweep_dir):
+        return math.nan  # a parallel sweep told to stop starts no other job
     try:
         train(cfg, run_dir, overrides, keep_failed=True)
     except Exception as err:  # noqa: BLE001 - recorded in the run directory, reported below
@@ -91,10 +94,11 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
             run.write_status("failed", error=f"{type(err).__name__}: {err}")
         print(f"error: job {run_dir.name} ({' '.join(overrides)}): {err}", file=sys.stderr)
         return math.nan
-    except BaseException:  # Ctrl-C or SIGTERM: the sweep ends with this job, which Hydra's
-        # on_job_end will not see; the summary says what the sweep did up to here.
-        write_summary(Path(HydraConfig.get().sweep.dir), cfg.objective.metric, cfg.objective.mode)
-        raise
+    except BaseException:  # Ctrl-C or SIGTERM: the job saved and ended cancelled
+        write_summary(sweep_dir, cfg.objective.metric, cfg.objective.mode)
+        if not in_sweep_process():
+            return math.nan  # a parallel worker: the sweep's own process says how it ends
+        raise  # the sweep ends with this job, which Hydra's on_job_end will not see
     scored = run.objective_value(cfg.objective.metric)
     return float(scored[0]) if scored else math.nan
 

@@ -7,8 +7,14 @@ from the run directories alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import sys
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,10 +26,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.errors import UserError, user_errors_pass_hydra
+from runner.job.lifecycle import request_stop
 from runner.rundir import SUMMARY_JSON, RunDir, Status, best_run, sweep_runs, write_json_atomic
 
 SUMMARY_TABLE = "summary.md"
 LOSS_PLOT = "loss_curves.png"
+# The sweep's own process, which its jobs' processes (a parallel launcher's workers) inherit:
+# a job stopped there ends as a cancelled run, and the sweep's own process ends the sweep.
+SWEEP_PID_ENV = "RUNNER_SWEEP_PID"
+# Written in the sweep directory by a parallel sweep told to stop (the signal's number): its
+# jobs not yet started start no training, and the sweep exits 128 + that number.
+STOP_FILE = ".stopping"
 
 
 def _duration_s(status: Status) -> float | None:
@@ -189,14 +202,66 @@ def check_direction(sweeper: DictConfig, objective: DictConfig) -> None:
         )
 
 
+def in_sweep_process() -> bool:
+    """Whether this process is the sweep's own (its jobs run here one after another), not one
+    of a parallel launcher's workers."""
+    return os.environ.get(SWEEP_PID_ENV, str(os.getpid())) == str(os.getpid())
+
+
+def stopping(sweep_dir: Path) -> bool:
+    """Whether a parallel sweep has been told to stop (its jobs not yet started start none)."""
+    return (sweep_dir / STOP_FILE).is_file()
+
+
+def _stop_parallel_jobs_on_signals(sweep_dir: Path) -> None:
+    """A parallel sweep's own process told to stop (Ctrl-C, SIGTERM) stops every job running
+    as `runner stop` does, each saving a checkpoint and ending cancelled, starts no other, and
+    then ends as a sequential sweep does (SweepSummary.on_multirun_end). Left to joblib, Ctrl-C
+    killed the jobs without a checkpoint, and SIGTERM left them training on as orphans. A
+    second signal ends it at once."""
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if stopping(sweep_dir):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.raise_signal(signum)
+            return
+        (sweep_dir / STOP_FILE).write_text(f"{signum}\n")
+        name = signal.Signals(signum).name
+        print(f"{name}: stopping the sweep's running jobs, starting no other", file=sys.stderr)
+        threading.Thread(target=_stop_jobs, args=(sweep_dir,), daemon=True).start()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+
+
+def _stop_jobs(sweep_dir: Path) -> None:
+    """Stops each job of the sweep that runs, and each that starts after (one that had passed
+    its check of STOP_FILE as the signal came), until the sweep's process ends."""
+    stopped: set[Path] = set()
+    while True:
+        for run in sweep_runs(sweep_dir):
+            if run.path not in stopped and run.status().state in ("created", "running"):
+                with contextlib.suppress(UserError, ProcessLookupError):
+                    request_stop(run)
+                    stopped.add(run.path)
+        time.sleep(0.2)
+
+
 class SweepSummary(Callback):
     """Hydra callback: checks an Optuna sweep's direction, keeps the sweep directory's summary
-    current, prints it at the end."""
+    current, prints it at the end; stops a parallel sweep's jobs as a signal asks."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
         with user_errors_pass_hydra():
             check_direction(config.hydra.sweeper, config.objective)
+        os.environ[SWEEP_PID_ENV] = str(os.getpid())
+        if "joblib" in str(config.hydra.launcher.get("_target_", "")):
+            sweep_dir = Path(config.hydra.sweep.dir)
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            (sweep_dir / STOP_FILE).unlink(missing_ok=True)  # a sweep stopped before, again
+            _stop_parallel_jobs_on_signals(sweep_dir)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
@@ -211,5 +276,8 @@ class SweepSummary(Callback):
         print(f"sweep directory: {sweep_dir}\nsummary: {sweep_dir / SUMMARY_TABLE}\nplot: {plot}")
         # Hydra's multirun returns nothing to its caller: the sweep's exit code leaves from here.
         code = exit_code(sweep_dir)
+        if stopping(sweep_dir):  # a parallel sweep stopped: as the signal's sequential one
+            code = 128 + int((sweep_dir / STOP_FILE).read_text())
+            (sweep_dir / STOP_FILE).unlink()
         if code:
             raise SystemExit(code)
