@@ -278,6 +278,13 @@ BAD_REQUESTS = {
     "prompts times n over the cap": (completion_body(prompt=["a"] * 5, n=2), 400),
     "seed too large": (completion_body(seed=2**70), 400),
     "unsupported logprobs": (completion_body(logprobs=5), 400),
+    "logprobs 0, the sampled tokens' logprobs": (completion_body(logprobs=0), 400),
+    "a misspelt field": (completion_body(max_token=2), 400),
+    "another server's sampling option": (completion_body(repetition_penalty=2.0), 400),
+    "chat's max_completion_tokens on completions": (completion_body(max_completion_tokens=2), 400),
+    "max_tokens a string": (completion_body(max_tokens="5"), 400),
+    "max_tokens a bool": (completion_body(max_tokens=True), 400),
+    "stream a string": (completion_body(stream="yes"), 400),
     "unsupported top_k": (completion_body(top_k=40), 400),
     "unsupported presence_penalty": (completion_body(presence_penalty=1.5), 400),
     "temperature negative": (completion_body(temperature=-0.5), 400),
@@ -315,6 +322,33 @@ def test_malformed_and_oversize_completions_get_a_clear_4xx(base_url: str, name:
     status, _, payload = raw_request(base_url, "POST", "/v1/completions", body)
     assert status == expected, payload
     assert json.loads(payload)["error"]["message"]
+
+
+WRONG_FIELDS = {  # body fields -> the error's param and message
+    "misspelt": (
+        {"max_token": 2},
+        "max_token",
+        "unrecognized request argument: max_token; this route takes model, max_tokens, "
+        "temperature, top_p, n, stop, seed, stream, stream_options, prompt",
+    ),
+    "a number as text": ({"n": "2"}, "n", "n: Input should be a valid integer"),
+    "a prompt of no kind it takes": (
+        {"prompt": 123},
+        "prompt",
+        "prompt: give a string, a list of strings, a list of token ids or a list of lists of "
+        "token ids",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_FIELDS)
+def test_a_field_it_does_not_take_or_of_the_wrong_kind_is_named(base_url: str, name: str) -> None:
+    """Refused as OpenAI refuses them; dropped or coerced, the client would get an answer to
+    another request than its own (256 tokens for a misspelt max_tokens)."""
+    fields, param, message = WRONG_FIELDS[name]
+    status, _, payload = raw_request(base_url, "POST", "/v1/completions", completion_body(**fields))
+    error = json.loads(payload)["error"]
+    assert (status, error["param"], error["message"]) == (400, param, message)
 
 
 @pytest.mark.parametrize("depth", [65, 5000])

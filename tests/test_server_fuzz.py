@@ -61,7 +61,7 @@ SAMPLING = {
     "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "user": field(TEXT),
     # Unsupported, so right only at values that change nothing.
-    "logprobs": field(st.sampled_from([None, False, 0])),
+    "logprobs": field(st.sampled_from([None, False])),
     "presence_penalty": field(st.sampled_from([None, 0, 0.0])),
     "frequency_penalty": field(st.sampled_from([None, 0, 0.0])),
     "logit_bias": field(st.sampled_from([None, {}])),
@@ -89,6 +89,8 @@ CHAT = {
     "max_completion_tokens": field(st.integers(1, 6)),
     "tools": field(st.sampled_from([None, []])),
     "response_format": field(st.sampled_from([None, {"type": "text"}])),
+    "tool_choice": field(st.sampled_from([None, "none", "auto"])),
+    "parallel_tool_calls": field(st.booleans()),
 }
 
 

@@ -13,9 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from runner.deploy.generation import SamplingRequest
 
 # OpenAI parameters this server does not implement: accepted only at values that change nothing,
-# so a client never silently gets something other than what it asked for.
+# so a client never silently gets something other than what it asked for. (logprobs=0 asks a
+# completion for its sampled tokens' logprobs: not nothing.)
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -27,6 +28,33 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none", "auto"),  # with no tools, auto is none
+    "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]),
+}
+# OpenAI parameters that change nothing in the answer (who asks, what the client keeps, how it
+# is billed; parallel_tool_calls without tools): accepted at any value. Any other field not in
+# the request's model is refused, as OpenAI refuses it: a misspelt max_tokens or another
+# server's sampling option would otherwise be dropped unseen.
+_NO_EFFECT = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "parallel_tool_calls",
+    }
+)
+
+# The kinds of a field that takes several, as pydantic names them in an error's location.
+_KINDS = {
+    "str": "a string",
+    "list[str]": "a list of strings",
+    "list[int]": "a list of token ids",
+    "list[list[int]]": "a list of lists of token ids",
+    "list[TextPart]": "a list of text parts",
 }
 
 # Arrays and objects nested deeper than this are refused; a real request nests about 5 deep.
@@ -153,15 +181,44 @@ def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_json_values(body)
+    unknown = sorted(set(body) - set(model.model_fields) - set(_NEUTRAL_VALUES) - _NO_EFFECT)
+    if unknown:
+        takes = ", ".join(model.model_fields)
+        message = f"unrecognized request argument: {unknown[0]}; this route takes {takes}"
+        raise ApiError(400, message, param=unknown[0])
     for key, neutral in _NEUTRAL_VALUES.items():
-        if key in body and body[key] not in neutral:
+        if key in body and not any(_same(body[key], value) for value in neutral):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
     try:
-        return model.model_validate(body)
+        # Strict: a "5" is not a max_tokens, nor "yes" a stream (OpenAI refuses both).
+        return model.model_validate(body, strict=True)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from error
+        raise _invalid(error) from error
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal, and a bool only to a bool (0 == False in Python, not in a request)."""
+    return bool(value == neutral) and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def _invalid(error: ValidationError) -> ApiError:
+    """A 400 naming the field as the client wrote it; one that takes several kinds (a prompt:
+    text, texts or token ids) names them all, where pydantic gives one complaint a kind."""
+    errors = error.errors()
+    path = [str(part) for part in errors[0]["loc"]]
+    cut = next((i for i, part in enumerate(path) if part in _KINDS), None)
+    if cut is None:
+        where = ".".join(path)
+        return ApiError(400, f"{where}: {errors[0]['msg']}", param=where or None)
+    where = ".".join(path[:cut])
+    kinds = [
+        _KINDS[str(e["loc"][cut])]
+        for e in errors
+        if [str(part) for part in e["loc"][:cut]] == path[:cut] and len(e["loc"]) > cut
+    ]
+    kinds = list(dict.fromkeys(kinds))
+    listed = ", ".join(kinds[:-1]) + f" or {kinds[-1]}" if len(kinds) > 1 else kinds[0]
+    return ApiError(400, f"{where}: give {listed}", param=where)
 
 
 def _check_json_values(body: dict[str, Any]) -> None:
