@@ -5,6 +5,7 @@ queue's 429, its startup heap frozen, and the config's checks; a tiny checkpoint
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -59,9 +60,20 @@ def test_a_full_queue_answers_429_with_retry_after(served_run: Path) -> None:
     )
     with serving(cfg) as url:
         results = send_at_once(url, completion_body(**LONG_REQUEST), 6)
+        # Idle again: one row and one place in the queue take two choices; three never fit,
+        # which a retry would not mend.
+        two = raw_request(url, "POST", "/v1/completions", completion_body(n=2))
+        three = raw_request(url, "POST", "/v1/completions", completion_body(n=3))
     statuses = sorted(status for status, _ in results)
     assert set(statuses) == {200, 429}, statuses
     assert all(headers["retry-after"] == "1" for status, headers in results if status == 429)
+    assert two[0] == 200, two
+    error = json.loads(three[2])["error"]
+    assert (three[0], error["param"]) == (400, "n"), three
+    assert error["message"] == (
+        "the request asks for 3 sequences (its prompts times n); this server holds 2 at once "
+        "(its batch and max_queue): ask for fewer"
+    )
 
 
 @pytest.mark.parametrize(

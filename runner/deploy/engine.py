@@ -36,10 +36,10 @@ from runner.deploy.decode_step import DecodeStep, Prefilled
 from runner.deploy.generation import (
     ChoiceEvent,
     EngineFailed,
-    QueueFull,
     RequestHandle,
     RequestTooLarge,
     SamplingRequest,
+    check_room,
     deliver,
 )
 from runner.deploy.kv_budget import GIB, Joining, KvBudget, default_budget
@@ -179,7 +179,8 @@ class TransformersEngine:
         self, requests: list[SamplingRequest], handle: RequestHandle | None = None
     ) -> RequestHandle:
         """Queue the prompts' sequences (under `handle`, else a new one on the running event
-        loop); raises QueueFull when they do not all fit."""
+        loop); raises as check_room does when they do not fit beside those running or
+        waiting."""
         handle = handle or RequestHandle(n=sum(request.n for request in requests))
         sequences: list[_Sequence] = []
         for request in requests:
@@ -198,8 +199,8 @@ class TransformersEngine:
         with self._wake:
             if self._closed:
                 raise EngineFailed("the engine has shut down")
-            if len(self._waiting) + len(sequences) > self._max_queue:
-                raise QueueFull(f"{len(self._waiting)} sequences are already waiting")
+            in_flight = len(self._waiting) + len(self._running)
+            check_room(in_flight, len(sequences), self._max_batch_size + self._max_queue)
             self._waiting.extend(sequences)
             self._wake.notify()
         return handle

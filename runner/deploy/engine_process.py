@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 from runner.deploy.generation import (
     ChoiceEvent,
     EngineFailed,
-    QueueFull,
     RequestHandle,
     SamplingRequest,
+    check_room,
     deliver,
 )
 
@@ -132,15 +132,13 @@ class EngineProcess:
         return self
 
     def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
-        """Queue the prompts' sequences in the engine; raises QueueFull when they do not all fit
-        in the queue (the sequences beyond a full batch are the ones waiting)."""
+        """Queue the prompts' sequences in the engine; raises as check_room does when they do
+        not fit beside those running or waiting."""
         count = sum(request.n for request in requests)
         with self._lock:
             if self._closed:
                 raise EngineFailed("the engine has shut down")
-            waiting = max(self._unfinished - self._max_batch_size, 0)
-            if waiting + count > self._max_queue:  # as the engine counts: new ones all wait
-                raise QueueFull(f"{waiting} sequences are already waiting")
+            check_room(self._unfinished, count, self._max_batch_size + self._max_queue)
             request_id = next(self._ids)
             handle = RequestHandle(n=count, on_cancel=lambda: self._cancel(request_id))
             self._handles[request_id] = (handle, count)

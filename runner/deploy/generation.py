@@ -22,6 +22,19 @@ class RequestTooLarge(EngineFailed):
     change (fewer tokens), answered 400."""
 
 
+def check_room(in_flight: int, count: int, capacity: int) -> None:
+    """Whether `count` more sequences fit beside the `in_flight` ones (running or waiting) of
+    an engine that holds `capacity` at once (its batch, and max_queue waiting beyond it):
+    QueueFull when not now, RequestTooLarge when never."""
+    if count > capacity:
+        raise RequestTooLarge(
+            f"the request asks for {count} sequences (its prompts times n); this server holds "
+            f"{capacity} at once (its batch and max_queue): ask for fewer"
+        )
+    if in_flight + count > capacity:
+        raise QueueFull(f"{in_flight} sequences are running or waiting")
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
     """One prompt, already tokenized and validated, and how to sample `n` continuations of it."""

@@ -235,6 +235,8 @@ async def _respond(
     assert model.engine is not None, "engines start with the app"
     try:
         handle = model.engine.submit(requests)
+    except RequestTooLarge as error:
+        raise ApiError(400, str(error), param="n") from error
     except QueueFull as error:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
         message = f"the server is busy ({error}): retry after {RETRY_AFTER_S}s"

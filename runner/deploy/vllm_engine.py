@@ -19,9 +19,9 @@ from typing import Any
 from runner.deploy.generation import (
     ChoiceEvent,
     EngineFailed,
-    QueueFull,
     RequestHandle,
     SamplingRequest,
+    check_room,
 )
 from runner.deploy.loading import lora_base_dir
 from runner.errors import UserError
@@ -126,8 +126,7 @@ class VllmEngine:
     def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
         """Queue the prompts with vLLM; raises QueueFull past its batch plus `max_queue`."""
         choices = sum(request.n for request in requests)
-        if self._in_flight + choices > self._capacity:
-            raise QueueFull(f"{self._in_flight} sequences are already in flight")
+        check_room(self._in_flight, choices, self._capacity)
         handle = RequestHandle(n=choices)
         offset = 0
         for request in requests:
