@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from runner.deploy.serve import prepare
+from runner.deploy.serve import GRACE_S, Server, prepare
 from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
 
 API_KEY = "test-key-0123456789"
@@ -77,13 +77,12 @@ def deploy_config(*overrides: str) -> DictConfig:
 
 
 @contextlib.contextmanager
-def serving(cfg: DictConfig) -> Iterator[str]:
-    """Run the server that `runner deploy` would run, in a thread; yield its base URL."""
-    import uvicorn
-
+def serving(cfg: DictConfig, grace_s: float = GRACE_S) -> Iterator[str]:
+    """Run the server that `runner deploy` would run, in a thread; yield its base URL. Leaving
+    the block stops it as a SIGTERM would (`grace_s`: runner.deploy.serve.Server's)."""
     app, sock = prepare(cfg)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = Server(app, grace_s=grace_s, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -5,7 +5,9 @@ queue's 429, its startup heap frozen, and the config's checks; a tiny checkpoint
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
+import logging
 import os
 import re
 import shutil
@@ -13,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +77,66 @@ def test_a_full_queue_answers_429_with_retry_after(served_run: Path) -> None:
         "the request asks for 3 sequences (its prompts times n); this server holds 2 at once "
         "(its batch and max_queue): ask for fewer"
     )
+
+
+@pytest.mark.parametrize("process", ["true", "false"])
+def test_requests_a_stop_leaves_unfinished_are_answered_503(
+    served_run: Path, process: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the stop's grace, what is in flight is answered, not cut off: a 503 a whole
+    request, its error event and [DONE] a stream; nothing for uvicorn to cancel (a traceback
+    each in the log, a text/plain 500, a stream ended mid-answer)."""
+    cfg = deploy_config(
+        f"checkpoint={served_run}",
+        "served_model_name=tiny",
+        "port=0",
+        f"transformers.process={process}",
+        "transformers.max_batch_size=1",  # one runs, the others wait
+    )
+    answers: dict[str, tuple[int, bytes]] = {}
+    started = {name: threading.Event() for name in ("whole", "stream")}
+
+    def send(name: str, body: bytes) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        if name != "stream":
+            started["whole"].set()
+        response = connection.getresponse()  # a stream's, as its first event is to come
+        if name == "stream":
+            started["stream"].set()
+        answers[name] = (response.status, response.read())
+
+    whole = completion_body(**LONG_REQUEST)
+    threads = [threading.Thread(target=send, args=(f"whole {i}", whole)) for i in range(8)]
+    threads.append(
+        threading.Thread(target=send, args=("stream", completion_body(**LONG_REQUEST, stream=True)))
+    )
+    with caplog.at_level(logging.WARNING), serving(cfg, grace_s=0.05) as url:
+        for thread in threads[:-1]:
+            thread.start()
+        assert started["whole"].wait(60)
+        time.sleep(0.05)
+        threads[-1].start()  # behind the others: 1,600 steps of them, then its own
+        assert started["stream"].wait(60)
+    for thread in threads:
+        thread.join(60)
+    status, stream = answers.pop("stream")
+    events = stream.decode().split("\n\n")
+    assert status == 200 and events[-2:] == ["data: [DONE]", ""], stream[-300:]
+    error = json.loads(events[-3].removeprefix("data: "))["error"]
+    assert error["code"] == "server_shutting_down", stream[-300:]
+    assert error["message"] == "the server is shutting down: retry"
+    statuses = []
+    for status, payload in answers.values():
+        statuses.append(status)
+        if status != 200:
+            error = json.loads(payload)["error"]
+            assert (status, error["code"]) == (503, "server_shutting_down"), payload
+    assert 503 in statuses and set(statuses) <= {200, 503}, statuses
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not logged, logged
+    assert "requests still in flight after 0.05 s: answering them 503" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from runner.deploy.generation import (
     RequestHandle,
     RequestTooLarge,
     SamplingRequest,
+    ShuttingDown,
     check_room,
     deliver,
 )
@@ -198,7 +199,7 @@ class TransformersEngine:
                 sequences.append(_Sequence(handle, len(sequences), request, text, generator))
         with self._wake:
             if self._closed:
-                raise EngineFailed("the engine has shut down")
+                raise ShuttingDown()
             in_flight = len(self._waiting) + len(self._running)
             check_room(in_flight, len(sequences), self._max_batch_size + self._max_queue)
             self._waiting.extend(sequences)
@@ -242,7 +243,7 @@ class TransformersEngine:
                     self._running = []
                     self._cache = None  # its buffers may be half-written: start afresh
                     ahead = None
-        self._fail([*self._running, *self._waiting], EngineFailed("the engine has shut down"))
+        self._fail([*self._running, *self._waiting], ShuttingDown())
 
     def _next_admissions(self) -> list[_Sequence] | None:
         """Waiting sequences that fit in the batch now, in order; blocks while idle, None once

@@ -37,6 +37,7 @@ from runner.deploy.generation import (
     EngineFailed,
     RequestHandle,
     SamplingRequest,
+    ShuttingDown,
     check_room,
     deliver,
 )
@@ -137,7 +138,7 @@ class EngineProcess:
         count = sum(request.n for request in requests)
         with self._lock:
             if self._closed:
-                raise EngineFailed("the engine has shut down")
+                raise ShuttingDown()
             check_room(self._unfinished, count, self._max_batch_size + self._max_queue)
             request_id = next(self._ids)
             handle = RequestHandle(n=count, on_cancel=lambda: self._cancel(request_id))
@@ -195,10 +196,11 @@ class EngineProcess:
                 break
             self._deliver(events)
         with self._lock:
-            self._closed = True
+            closed, self._closed = self._closed, True
             left = [handle for handle, _ in self._handles.values()]
             self._handles.clear()
-        deliver([(handle, EngineFailed("the engine has shut down")) for handle in left])
+        ended = EngineFailed("the engine's process ended unexpectedly")
+        deliver([(handle, ShuttingDown() if closed else ended) for handle in left])
 
     def _deliver(self, events: list[tuple[int, ChoiceEvent | Exception]]) -> None:
         outgoing: list[tuple[RequestHandle, ChoiceEvent | Exception]] = []

@@ -17,6 +17,13 @@ class EngineFailed(Exception):
     """The engine could not finish a request (it is the server's fault, not the client's)."""
 
 
+class ShuttingDown(EngineFailed):
+    """The server is stopping: what the engine had not finished ends here, answered 503."""
+
+    def __init__(self, message: str = "the server is shutting down") -> None:
+        super().__init__(message)  # as pickle gives it back, from the engine's process
+
+
 class RequestTooLarge(EngineFailed):
     """The request needs more than the engine may hold (its KV cache's budget): the client's to
     change (fewer tokens), answered 400."""

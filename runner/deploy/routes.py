@@ -26,6 +26,7 @@ from runner.deploy.generation import (
     QueueFull,
     RequestHandle,
     RequestTooLarge,
+    ShuttingDown,
 )
 from runner.deploy.hosts import HostCheckMiddleware
 from runner.deploy.protocol import ApiError, Limits
@@ -78,6 +79,7 @@ def build_app(
     app.add_exception_handler(HTTPException, _http_error_response)
     app.add_exception_handler(Exception, _internal_error_response)
     _add_routes(app, models, limits)
+    app.state.models = models  # runner.deploy.serve.Server ends their engines as it stops
     return app
 
 
@@ -102,11 +104,18 @@ def _lifespan(
             yield
         finally:
             gc.unfreeze()  # a server run inside a longer process (the tests) leaves nothing behind
-            for model in models:
-                if model.engine is not None:
-                    await asyncio.to_thread(model.engine.close)
+            await close_engines(models)
 
     return lifespan
+
+
+async def close_engines(models: list[ServedModel]) -> None:
+    """Stop every model's engine, failing what it had not finished (ShuttingDown: a 503);
+    once, whether the shutdown's grace ran out (runner.deploy.serve.Server) or the app ends."""
+    for model in models:
+        engine, model.engine = model.engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
 
 
 def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None:
@@ -232,7 +241,8 @@ async def _respond(
         context=model.max_model_len,
         vocab_size=len(model.tokenizer),
     )
-    assert model.engine is not None, "engines start with the app"
+    if model.engine is None:  # engines start with the app, and end as the server stops
+        raise _shutting_down(ShuttingDown())
     try:
         handle = model.engine.submit(requests)
     except RequestTooLarge as error:
@@ -241,6 +251,8 @@ async def _respond(
         headers = {"Retry-After": str(RETRY_AFTER_S)}
         message = f"the server is busy ({error}): retry after {RETRY_AFTER_S}s"
         raise ApiError(429, message, code="queue_full", headers=headers) from error
+    except ShuttingDown as error:
+        raise _shutting_down(error) from error
     except EngineFailed as error:
         raise ApiError(503, str(error)) from error
     prompt_tokens = sum(len(prompt) for prompt in prompts)
@@ -254,6 +266,11 @@ async def _respond(
     # A response, not a dict: FastAPI would pass a dict through jsonable_encoder first (about
     # 20 us a body of plain values, which it leaves as they are).
     return JSONResponse(await answer.whole(handle, prompt_tokens))
+
+
+def _shutting_down(error: ShuttingDown) -> ApiError:
+    """What a request the stopping server will not finish is answered: another server may."""
+    return ApiError(503, f"{error}: retry", code="server_shutting_down")
 
 
 @dataclass(frozen=True)
@@ -290,6 +307,8 @@ class _Answer:
                 tokens[event.index] = event.completion_tokens
         except RequestTooLarge as error:
             raise ApiError(400, str(error), param="max_tokens") from error
+        except ShuttingDown as error:
+            raise _shutting_down(error) from error
         except EngineFailed as error:
             raise ApiError(500, f"generation failed: {error}") from error
         finally:
@@ -321,6 +340,8 @@ class _Answer:
                 yield _sse({**self.envelope(chunk=True), "choices": [], "usage": usage})
         except RequestTooLarge as error:
             yield _sse(ApiError(400, str(error), param="max_tokens").body())
+        except ShuttingDown as error:
+            yield _sse(_shutting_down(error).body())
         except EngineFailed as error:
             yield _sse(ApiError(500, f"generation failed: {error}").body())
         except Exception:  # headers are sent: end the stream cleanly rather than cut it off

@@ -2,29 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import ipaddress
 import logging
+import math
 import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import plain_dict
 from runner.config.schema import Deploy, typed
 from runner.config.secrets import check_env_name
-from runner.deploy.routes import ServedModel
+from runner.deploy.routes import ServedModel, close_engines
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
 from runner.errors import UserError
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("transformers", "vllm")
+# Seconds the requests in flight as the server stops have to finish (Server).
+GRACE_S = 5.0
 
 
 def deploy(cfg: DictConfig) -> None:
@@ -258,12 +263,36 @@ def _vllm_model(
 
 def run_server(app: FastAPI, sock: socket.socket) -> None:
     """Serve `app` on the bound socket until SIGINT/SIGTERM, then drain and stop the engines."""
-    import uvicorn
-
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
     # uvicorn shuts down gracefully on Ctrl-C, then raises it again: that is a normal end.
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(app).run(sockets=[sock])
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown gives the requests in flight `grace_s` seconds to
+    finish, then ends those left through their engines (routes.close_engines): each is
+    answered, a 503 or a stream's error event and [DONE], in the second uvicorn waits beyond.
+    Left to uvicorn, its tasks were cancelled: a traceback each, a text/plain 500, a stream
+    cut off."""
+
+    def __init__(self, app: FastAPI, grace_s: float = GRACE_S, log_level: str = "info") -> None:
+        config = uvicorn.Config(
+            app, log_level=log_level, timeout_graceful_shutdown=math.ceil(grace_s) + 1
+        )
+        super().__init__(config)
+        self._app, self._grace_s = app, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        async def end_in_flight() -> None:
+            await asyncio.sleep(self._grace_s)
+            log.warning("requests still in flight after %g s: answering them 503", self._grace_s)
+            await close_engines(self._app.state.models)
+
+        ending = asyncio.create_task(end_in_flight())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
 
 
 def _plain(value: Any) -> Any:
