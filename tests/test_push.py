@@ -273,6 +273,12 @@ def test_push_names_a_target_left_out_or_mistyped_as_to(
         # One slash short: the repo is not cme/tiny.
         (["hf:/acme/tiny"], "error: to='hf:/acme/tiny': give hf://org/name[@branch]"),
         (["acme/tiny"], "error: to='acme/tiny': give hf://org/name[@branch]"),
+        # No repo name: the forms push takes, not those a download takes (a path in a repo).
+        (
+            ["hf://acme"],
+            "error: to='hf://acme': name a model repo and optionally a branch: "
+            "hf://org/name[@branch]\n",
+        ),
     ):
         argv = ["push", checkpoint, *target, "--hf-token", "env:PUSH_TOKEN"]
         result = cli(hub_env, tmp_path, *argv)

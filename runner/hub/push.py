@@ -41,8 +41,11 @@ def parse_target(uri: str, key: str) -> HubSource:
     if not str(uri).startswith(SCHEME):
         # parse_uri reads what follows the scheme's length: hf:/acme/x would name cme/x.
         raise UserError(key, uri, f"give {form}")
-    target = parse_uri(str(uri), key=key, repo_type="model")
-    if target.path or target.repo_type != "model":
+    try:
+        target = parse_uri(str(uri), key=key, repo_type="model")
+    except UserError:  # its fix names the forms a download takes, paths in a repo among them
+        target = None
+    if target is None or target.path or target.repo_type != "model":
         raise UserError(key, uri, f"name a model repo and optionally a branch: {form}")
     return target
 
