@@ -134,6 +134,8 @@ CASES = [
     case("loss-option", "estimate loss=mse", "loss="),
     case("loss-component", "estimate loss._component_=os.system", "loss._component_="),
     case("loss-argument", "validate loss.ignore_index=abc", "loss"),
+    case("loss-chunks-zero", "validate loss.num_output_chunks=0", "loss.num_output_chunks=0"),
+    case("loss-ignore-index", "validate loss=ce loss.ignore_index=0", "loss.ignore_index=0"),
     # compute
     case(
         "compute-nproc-zero",

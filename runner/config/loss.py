@@ -11,9 +11,24 @@ from runner.errors import UserError
 
 
 def resolve_loss(loss: DictConfig) -> dict[str, Any]:
-    """The loss component and its arguments, built once."""
+    """The loss component and its arguments, built once, and the two arguments a build takes
+    but training does not: a chunk count under one, a label to ignore other than the data's."""
+    from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
+
     resolved = plain_dict(loss, resolve=True)
     built_once(resolved, "loss")
+    chunks = resolved.get("num_output_chunks", 1)
+    if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks < 1:
+        raise UserError(
+            "loss.num_output_chunks", chunks, "give an integer >= 1 (the logits in that many parts)"
+        )
+    if resolved.get("ignore_index", CROSS_ENTROPY_IGNORE_IDX) != CROSS_ENTROPY_IGNORE_IDX:
+        raise UserError(
+            "loss.ignore_index",
+            resolved["ignore_index"],
+            f"the data marks the labels not trained on with {CROSS_ENTROPY_IGNORE_IDX}, which "
+            "the loss must ignore; leave it out or give that",
+        )
     return resolved
 
 
