@@ -124,6 +124,18 @@ CASES = [
         "dataset.column_map",
     ),
     case(
+        "data-column-twice",
+        "validate dataset=instruct dataset.source={files}/records.jsonl "
+        "dataset.column_map.output=instruction",
+        "dataset.column_map.output='instruction'",
+    ),
+    case(
+        "data-text-eval-samples",
+        "validate dataset=text dataset.source={files}/notes.txt dataset.validation.held_out=10% "
+        "dataset.eval_samples=3",
+        "dataset.eval_samples=3",
+    ),
+    case(
         "data-held-out-range",
         "validate dataset=instruct dataset.source={files}/records.jsonl "
         "dataset.validation.held_out=150%",

@@ -147,6 +147,13 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
             "a preference pair's chosen and rejected answers run in one forward pass; set "
             "dataset.max_forward_tokens=null",
         )
+    if kind == "text" and dataset.eval_samples:
+        raise UserError(
+            "dataset.eval_samples",
+            dataset.eval_samples,
+            "text records have no answers to match (their held-out loss is evaluated without "
+            "them); set it to 0",
+        )
     data_format = source_format("dataset.source", source, dataset.format)
     if dataset.streaming:
         _check_stream(dataset, data_format)
@@ -222,6 +229,17 @@ def _column_map(kind: str, given: DictConfig) -> dict[str, str | None]:
                 f"dataset.kind={kind} needs "
                 f"the column that holds {ours}: dataset.column_map.{ours}=<column>",
             )
+    read_for: dict[str, str] = {}  # column: the field read from it
+    for ours in COLUMNS[kind]:
+        column = column_map[ours]
+        if column is not None and column in read_for:
+            raise UserError(
+                f"dataset.column_map.{ours}",
+                column,
+                f"dataset.column_map.{read_for[column]} reads that column already; give each "
+                "field a column of its own",
+            )
+        read_for.setdefault(column, ours)
     return {k: column_map[k] for k in COLUMNS[kind]}
 
 
