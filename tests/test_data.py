@@ -132,6 +132,26 @@ def test_every_format_reads_the_same_samples_through_column_map(tmp_path: Path) 
     assert set(FORMATS) == {"json", "jsonl", "csv", "parquet", "arrow", "text", "xml"}
 
 
+def test_a_validation_source_is_read_in_its_own_files_format(tmp_path: Path) -> None:
+    """dataset.format=null reads each source's extension: a .csv held out beside a .jsonl
+    (read as JSON, it was refused as not JSON; a parquet file as not UTF-8)."""
+    rows, tok = records(12), tokenizer()
+    train = write(rows, tmp_path / "train.jsonl")
+    for suffix in (".csv", ".parquet"):
+        held = write(rows[:4], tmp_path / f"held{suffix}")
+        spec = data("dataset=instruct", f"dataset.source={train}", *RENAMED)
+        assert spec["validation"]["format"] is None
+        spec = data(
+            "dataset=instruct",
+            f"dataset.source={train}",
+            f"dataset.validation.source={held}",
+            *RENAMED,
+        )
+        assert (spec["format"], spec["validation"]["format"]) == ("json", suffix.lstrip("."))
+        validation = validation_split(spec, tok)
+        assert [validation[i] for i in range(4)] == [train_dataset(spec, tok)[i] for i in range(4)]
+
+
 def test_xml_reads_records_from_attributes_and_nested_elements(tmp_path: Path) -> None:
     """dataset.format=xml: fields as attributes or child elements; dataset.xml.record names the
     record element wherever it sits (null: each child of the root)."""

@@ -37,6 +37,9 @@ class ValidationRecipe(Validation):
     path."""
 
     held_out: Optional[str] = None
+    # The format validation.source is read in: dataset.format, or its own extension's where
+    # that is null (a .csv beside a .jsonl training file); null without a source.
+    format: Optional[str] = None
 
 
 @dataclass
@@ -172,7 +175,7 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
         max_forward_tokens=dataset.max_forward_tokens,
         streaming=dataset.streaming,
         shuffle_buffer=dataset.shuffle_buffer,
-        validation=_validation(dataset.validation),
+        validation=_validation(dataset.validation, dataset.format),
         eval_samples=dataset.eval_samples,
         eval_max_new_tokens=dataset.eval_max_new_tokens,
     )
@@ -268,9 +271,10 @@ def _held_out(value: Any) -> str | None:
     return str(value).strip()
 
 
-def _validation(held: DictConfig) -> ValidationRecipe:
-    """dataset.validation: one of a held-out share, a split or a source."""
-    from runner.data import local_source
+def _validation(held: DictConfig, given_format: str | None) -> ValidationRecipe:
+    """dataset.validation: one of a held-out share, a split or a source (read in
+    `given_format`, dataset.format, or where it is null in its own extension's)."""
+    from runner.data import local_source, source_format
 
     given = [k for k in ("held_out", "split", "source") if held[k] is not None]
     if given and given != ["held_out"] and "held_out" in given:
@@ -280,9 +284,10 @@ def _validation(held: DictConfig) -> ValidationRecipe:
             f"set either held_out or a split/source, not both (also set: {given[1:]}); "
             "override the other with null",
         )
-    source, split = held.source, held.split
+    source, split, data_format = held.source, held.split, None
     if source is not None:
         source = local_source("dataset.validation.source", str(source))
+        data_format = source_format("dataset.validation.source", source, given_format)
         # A separate file is read whole unless a split of it is named.
         split = "train" if split is None else split
     return ValidationRecipe(
@@ -290,6 +295,7 @@ def _validation(held: DictConfig) -> ValidationRecipe:
         seed=held.seed,
         split=None if split is None else str(split),
         source=source,
+        format=data_format,
     )
 
 

@@ -316,12 +316,13 @@ def checked_split(
     source: str,
     split_key: str,
     split: str,
+    data_format: str,
 ) -> TokenizedSplit | PreferenceSplit:
     """The records of one split spec, read and checked whole, ready to tokenize on access."""
     records = load_records(
         source_key=source_key,
         source=source,
-        data_format=data["format"],
+        data_format=data_format,
         split_key=split_key,
         split=split,
         xml_record=data["xml"]["record"],

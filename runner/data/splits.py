@@ -81,6 +81,7 @@ def _splits(
         source=data["source"],
         split_key="dataset.split",
         split=data["split"],
+        data_format=data["format"],
     )
     if held["held_out"] is not None:
         train, held_out = _held_out(train, held["held_out"], held["seed"], data, tokenizer)
@@ -96,9 +97,13 @@ def validation_split(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> Split
         return None
     # A separate source, or a named split of the training source.
     if held["source"] is not None:
-        source_key, source = "dataset.validation.source", held["source"]
+        source_key, source, data_format = (
+            "dataset.validation.source",
+            held["source"],
+            held["format"],
+        )
     else:
-        source_key, source = "dataset.source", data["source"]
+        source_key, source, data_format = "dataset.source", data["source"], data["format"]
     return checked_split(
         data,
         tokenizer,
@@ -106,6 +111,7 @@ def validation_split(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> Split
         source=source,
         split_key="dataset.validation.split",
         split=held["split"],
+        data_format=data_format,
     )
 
 
