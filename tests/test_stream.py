@@ -116,9 +116,13 @@ def test_a_bad_record_mid_stream_names_its_file_and_row(tmp_path: Path) -> None:
     assert caught.value.key == "dataset.source"
 
 
-def test_a_bad_record_mid_stream_stops_the_run_there(runner_cli, tmp_path: Path) -> None:
+@pytest.mark.parametrize("save_every", [4, 1000], ids=["checkpoints", "none saved yet"])
+def test_a_bad_record_mid_stream_stops_the_run_there(
+    runner_cli, tmp_path: Path, save_every: int
+) -> None:
     """Steps 1-12 train on the three windows before it; the run ends failed, naming the record,
-    with its whole checkpoints and nothing half-written."""
+    with its whole checkpoints and nothing half-written; a run that trained keeps its record
+    with none saved yet (its directory was removed, as a run refused before its first step)."""
     folder = tmp_path / "corpus"
     rows = [
         {"instruction": f"Reverse word {i}.", "input": "", "output": f"a{i}"} for i in range(80)
@@ -133,7 +137,7 @@ def test_a_bad_record_mid_stream_stops_the_run_there(runner_cli, tmp_path: Path)
         f"dataset.source={folder}",
         "dataset.shuffle_buffer=16",
         "max_steps=20",
-        "runtime.save_every_n_steps=4",
+        f"runtime.save_every_n_steps={save_every}",
         f"hydra.run.dir={run}",
     )
     assert result.returncode == 2, result.stderr[-3000:]
@@ -142,7 +146,8 @@ def test_a_bad_record_mid_stream_stops_the_run_there(runner_cli, tmp_path: Path)
     assert status["state"] == "failed" and "row 58" in status["error"], status
     assert sorted(losses(run)) == list(range(1, 13))
     # Whole checkpoints only (the last 2 kept), nothing half-written.
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_12", "step_8"]
+    saved = sorted(p.name for p in (run / "checkpoints").glob("*"))
+    assert saved == (["step_12", "step_8"] if save_every == 4 else []), saved
 
 
 @pytest.mark.parametrize(

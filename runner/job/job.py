@@ -45,9 +45,11 @@ def train(
 ) -> dict[str, Any] | None:
     """Resolves `cfg` into run_dir/recipe.yaml and trains; resume=RUN continues RUN's recipe.
 
-    A new run that fails on bad input leaves no run directory behind, unless `keep_failed`
-    (a sweep's job, which the sweep summary reports as failed). A directory that held a run
-    before this call (a requeue, another node of a shared run) is never removed.
+    A new run that fails on bad input before its first step leaves no run directory behind,
+    unless `keep_failed` (a sweep's job, which the sweep summary reports as failed); one that
+    trained (a stream's bad record, met as it is read) keeps its record, failed. A directory
+    that held a run before this call (a requeue, another node of a shared run) is never
+    removed.
     """
     as_launcher()
     run = RunDir(run_dir)
@@ -60,7 +62,8 @@ def train(
         user_error = as_user_error(err)
         if user_error is None or isinstance(user_error, (RunLocked, Diverged)):
             raise  # a bug; or the directory is another trainer's, or a run's that trained
-        if new_here and cfg.resume is None and not keep_failed and not run.checkpoints():
+        trained = (run.status().step or 0) > 0 or run.checkpoints()
+        if new_here and cfg.resume is None and not keep_failed and not trained:
             shutil.rmtree(run_dir, ignore_errors=True)
             _remove_empty_day(run_dir, Path(cfg.runtime.output_root))
         raise
