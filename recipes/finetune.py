@@ -272,8 +272,9 @@ class FinetuneRecipe:
         return self.objective.step(batches, self.optim)
 
     def _log(self, values: dict[str, float]) -> None:
-        """A logged step: its loss and throughput (and what the objective adds), and the lr."""
-        logged = {**values, **self.objective.logged(), "lr": self.optim.lr}
+        """A logged step: its loss and throughput (and what the objective adds), and the lr
+        it trained with."""
+        logged = {**values, **self.objective.logged(), "lr": self.optim.stepped_lr}
         self.reporter.step(self.step, self.total_steps, logged)
 
     def _status_running(self, **fields: Any) -> None:

@@ -19,7 +19,7 @@ from runner.errors import UserError
 from runner.models.checkpoint import read_model_state
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message
-from runner.rundir import STATES
+from runner.rundir import STATES, RunDir
 from runner.trainer.progress import shows_bar
 from tests.conftest import QUICK, losses, transformers_warnings
 from tests.test_config import compose_train
@@ -79,6 +79,11 @@ def test_run_directory_holds_the_contract(trained_run: Path) -> None:
     assert sorted(losses(trained_run)) == list(range(1, 25))
     recipe = OmegaConf.load(trained_run / "recipe.yaml")
     assert recipe.compute.device == "cpu" and recipe.dtype.name == "fp32"
+    # Each step logs the learning rate it trained with: the warmup's, from 0 at the first step
+    # (torchtune's schedule), not the next step's.
+    lrs = {m["step"]: m["lr"] for m in RunDir(trained_run).read_metrics() if "lr" in m}
+    peak, warmup = recipe.optimizer.lr, recipe.optimizer.warmup_steps
+    assert [lrs[step] for step in (1, 2, 3)] == pytest.approx([0, peak / warmup, 2 * peak / warmup])
     # The weights are as readable as the config beside them (safetensors 0.8 writes 0600), so a
     # server run as another user loads what it can see.
     checkpoint = trained_run / "checkpoints" / "step_24"

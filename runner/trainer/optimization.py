@@ -35,10 +35,14 @@ class Optimization:
         self.optimizer: torch.optim.Optimizer = instantiate(OmegaConf.create(settings), parameters)
         self.lr_scheduler = _lr_scheduler(self.optimizer, schedule, total_steps)
         self.clip_grad_norm = clip_grad_norm
+        # The learning rate the last step trained with, which is what a step's log reports
+        # (torchtune's and the HF Trainer's logs read the schedule after stepping it: the next).
+        self.stepped_lr = self.lr
 
     @property
     def lr(self) -> float:
-        """The learning rate of the next step."""
+        """The learning rate of the next step (the schedule's value once a step has stepped it;
+        what a step trained with is `stepped_lr`)."""
         return float(self.optimizer.param_groups[0]["lr"])
 
     def step(self, model: torch.nn.Module, scale: torch.Tensor) -> None:
@@ -58,6 +62,7 @@ class Optimization:
             factor = scale * self._clip_coefficient(by_dtype, scale)
         for dtype, grads in by_dtype.items():
             torch._foreach_mul_(grads, factor.to(dtype))
+        self.stepped_lr = self.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
