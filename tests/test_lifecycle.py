@@ -160,6 +160,23 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     assert result.returncode == 2 and "wrote no train.log" in result.stderr, result.stderr
 
 
+def test_a_stop_as_the_run_starts_is_kept_until_its_first_step(hermetic_env, tmp_path) -> None:
+    """Signalled as soon as its status names its process, before the loop's own handlers: the
+    run saves after its first step and ends cancelled (the signal killed it, `created`)."""
+    run_dir = tmp_path / "starting"
+    proc = start_run(hermetic_env, run_dir)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "status.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.005)
+    assert state_of(run_dir)["state"] == "created"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 143, proc.stderr.read()[-3000:]
+    status = state_of(run_dir)
+    assert status["state"] == "cancelled" and status["step"] == 1, status
+    assert (run_dir / "checkpoints" / "step_1").is_dir()
+
+
 def test_logs_of_a_starting_run_waits_for_it_then_follows(runner_cli, hermetic_env, tmp_path):
     """A run holds its lock before Hydra writes into its directory and records its status
     seconds later, once its recipe is resolved and its data checked: `runner logs -f` typed in

@@ -25,7 +25,7 @@ from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, user_errors_pass_hydra
-from runner.job.launch import as_launcher, launch, node_rank_of
+from runner.job.launch import as_launcher, in_process, launch, node_rank_of
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
 from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
@@ -207,6 +207,19 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         write_recipe(run.recipe_path, recipe)
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
     node_rank = node_rank_of(cfg.compute, recipe)
+    from runner.trainer import process
+
+    process.STOP.clear()  # a parallel sweep's earlier job here, stopped alone
+    if not in_process(recipe):
+        return _launch(cfg, run, recipe, node_rank)  # the elastic agent takes the signals
+    with process.stop_signals():
+        return _launch(cfg, run, recipe, node_rank)
+
+
+def _launch(
+    cfg: DictConfig, run: RunDir, recipe: DictConfig, node_rank: int | None
+) -> dict[str, Any] | None:
+    """The run's status names this process, which `runner stop` signals; then it trains."""
     # On several nodes the status is node 0's (then global rank 0's): another node, or one that
     # rejoins a running group, leaves it be.
     if node_rank == 0 or not is_run_dir(run.path):

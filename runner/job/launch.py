@@ -62,6 +62,14 @@ def as_launcher() -> None:
     torch.set_num_threads(1)
 
 
+def in_process(recipe: DictConfig) -> bool:
+    """Whether `launch` runs the recipe in this process: one process, no restarts, and not
+    the pinned kernel path (whose environment a fresh worker starts with)."""
+    compute = recipe.compute
+    one = compute.nnodes * compute.nproc_per_node == 1
+    return one and compute.max_restarts == 0 and not recipe.runtime.deterministic
+
+
 def launch(
     recipe: DictConfig, recipe_path: Path, node_rank: int | None = None
 ) -> dict[str, Any] | None:
@@ -82,7 +90,7 @@ def launch(
         nproc_per_node,
         platforms.detect(compute.platform).describe(),
     )
-    if nnodes * nproc_per_node == 1 and compute.max_restarts == 0 and not deterministic:
+    if in_process(recipe):
         global _trained_here
         _trained_here = True
         result: dict[str, Any] = importlib.import_module(RECIPE_MODULE).run(recipe_path)

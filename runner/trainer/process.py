@@ -138,7 +138,7 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         heartbeat.start()
         record_kernels(recipe.run, determinism.kernel_settings())
     try:
-        with _stop_signals():
+        with stop_signals():
             _stop_with_launcher(several_nodes=cfg.compute.nnodes > 1)
             recipe.setup()
             result = recipe.train()
@@ -196,10 +196,12 @@ def _check_own_run(recipe_path: Path, cfg: DictConfig) -> None:
 
 
 @contextlib.contextmanager
-def _stop_signals() -> Iterator[None]:
+def stop_signals() -> Iterator[None]:
     """SIGTERM and SIGINT ask the loop to stop at its next step boundary (a second Ctrl-C
-    interrupts at once); the previous handlers come back after."""
-    STOP.clear()
+    interrupts at once); the previous handlers come back after. A launcher takes them from
+    the moment it records its process in the run's status (runner.job.job), so that a stop
+    typed as the run starts, before its loop, is kept until the loop's first step boundary:
+    it killed the process there, which left the run `created` with no checkpoint."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
