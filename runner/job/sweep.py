@@ -248,16 +248,30 @@ def _stop_jobs(sweep_dir: Path) -> None:
         time.sleep(0.2)
 
 
+def _check_jobs(n_jobs: Any) -> None:
+    """hydra.launcher.n_jobs of hydra/launcher=parallel: how many jobs run at once (joblib
+    reads 0 as an error and -N as all the CPUs but N-1)."""
+    if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs < 1:
+        raise UserError(
+            "hydra.launcher.n_jobs",
+            n_jobs,
+            "give the jobs to run at once, an integer >= 1 (left out: one per GPU, else per core)",
+        )
+
+
 class SweepSummary(Callback):
     """Hydra callback: checks an Optuna sweep's direction, keeps the sweep directory's summary
     current, prints it at the end; stops a parallel sweep's jobs as a signal asks."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
+        parallel = "joblib" in str(config.hydra.launcher.get("_target_", ""))
         with user_errors_pass_hydra():
             check_direction(config.hydra.sweeper, config.objective)
+            if parallel:
+                _check_jobs(config.hydra.launcher.n_jobs)
         os.environ[SWEEP_PID_ENV] = str(os.getpid())
-        if "joblib" in str(config.hydra.launcher.get("_target_", "")):
+        if parallel:
             sweep_dir = Path(config.hydra.sweep.dir)
             sweep_dir.mkdir(parents=True, exist_ok=True)
             (sweep_dir / STOP_FILE).unlink(missing_ok=True)  # a sweep stopped before, again
