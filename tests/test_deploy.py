@@ -332,6 +332,12 @@ WRONG_FIELDS = {  # body fields -> the error's param and message
         "temperature, top_p, n, stop, seed, stream, stream_options, prompt",
     ),
     "a number as text": ({"n": "2"}, "n", "n: Input should be a valid integer"),
+    "a prompt past the context": (
+        {"prompt": [5] * 300},
+        "prompt",
+        "this model's maximum context length is 256 tokens; the prompt has 300 tokens, which "
+        "leaves none to generate: shorten the prompt",
+    ),
     "a prompt of no kind it takes": (
         {"prompt": 123},
         "prompt",

@@ -155,6 +155,22 @@ def test_sizes_and_caps_must_be_at_least_1(override: str) -> None:
         prepare(deploy_config("checkpoint=unused", override))
 
 
+def test_a_default_max_tokens_above_the_cap_is_refused_as_the_server_starts() -> None:
+    # Served, every request that leaves max_tokens out got a 400 for a value it never sent.
+    with pytest.raises(UserError) as refused:
+        prepare(deploy_config("checkpoint=unused", "limits.max_tokens=5"))
+    assert str(refused.value) == (
+        "limits.default_max_tokens=256: is above limits.max_tokens=5, so every request that "
+        "leaves max_tokens out would be refused; give at most that"
+    )
+
+
+def test_a_host_not_of_this_machine_is_one_error_and_no_warning(caplog) -> None:
+    with pytest.raises(UserError, match="host='999.1.1.1'"):
+        prepare(deploy_config("checkpoint=unused", "host=999.1.1.1"))
+    assert "reachable from other machines" not in caplog.text
+
+
 def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off() -> None:
     # With proto 0, asyncio leaves Nagle on and each keep-alive response waits ~40 ms.
     sock = bind_socket("127.0.0.1", 0)

@@ -274,10 +274,13 @@ def sampling_requests(
         message = f"each stop sequence must have 1 to {limits.max_stop_chars} characters"
         raise ApiError(400, message, param="stop")
     temperature = 1.0 if params.temperature is None else params.temperature
+    field = "messages" if hasattr(params, "messages") else "prompt"
     return [
         SamplingRequest(
             prompt_ids=prompt_ids,
-            max_tokens=_tokens_to_generate(prompt_ids, max_tokens, limits, context, vocab_size),
+            max_tokens=_tokens_to_generate(
+                prompt_ids, max_tokens, limits, context, vocab_size, field
+            ),
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=1.0 if params.top_p is None else params.top_p,
             seed=params.seed,
@@ -290,21 +293,33 @@ def sampling_requests(
 
 
 def _tokens_to_generate(
-    prompt_ids: list[int], max_tokens: int | None, limits: Limits, context: int, vocab_size: int
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    limits: Limits,
+    context: int,
+    vocab_size: int,
+    field: str,
 ) -> int:
     """How many tokens one prompt may generate: max_tokens, or the default where it is left
-    out; a 400 when the prompt's token ids or that count do not fit the model."""
+    out; a 400 when the prompt's token ids or that count do not fit the model (`field`: what
+    holds the prompt, named where the prompt alone does not fit)."""
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if any(not 0 <= token_id < vocab_size for token_id in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     room = context - len(prompt_ids)
+    if room < 1:
+        message = (
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{len(prompt_ids)} tokens, which leaves none to generate: shorten the {field}"
+        )
+        raise ApiError(400, message, param=field, code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, room)
     if max_tokens > limits.max_tokens:
         message = f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens}"
         raise ApiError(400, message, param="max_tokens")
-    if room < 1 or max_tokens > room:
+    if max_tokens > room:
         message = (
             f"this model's maximum context length is {context} tokens; the prompt has "
             f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}: shorten the prompt "

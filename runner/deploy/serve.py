@@ -52,10 +52,17 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
             "checkpoint=[a,b] to serve several",
         )
     cfg = typed(cfg, Deploy)
+    if cfg.limits.default_max_tokens > cfg.limits.max_tokens:
+        raise UserError(
+            "limits.default_max_tokens",
+            cfg.limits.default_max_tokens,
+            f"is above limits.max_tokens={cfg.limits.max_tokens}, so every request that leaves "
+            "max_tokens out would be refused; give at most that",
+        )
     api_key = read_api_key(env=cfg.api_key.env, file=cfg.api_key.file)
+    sock = bind_socket(cfg.host, cfg.port)  # a host that is not this machine's: refused
     if api_key is None and not is_loopback(cfg.host):
         log.warning("host=%s is reachable from other machines and no api_key is set", cfg.host)
-    sock = bind_socket(cfg.host, cfg.port)
     checkpoints = resolve_checkpoints(
         _plain(cfg.checkpoint),
         names=_plain(cfg.served_model_name),
