@@ -78,17 +78,19 @@ def state_per_weight(node: dict[str, Any]) -> int:
 
     arguments = {k: v for k, v in node.items() if k != "_component_"}
     component = resolve_component(node["_component_"], "optimizer._component_")
-    # Fused or not, the state per weight is the same; the probe uses the default kernel.
-    arguments.pop("fused", None)
+    # With the kernel training takes (fused: PyTorch's, on CPU as on CUDA), which refuses what
+    # the default one lets by (amsgrad="maybe" is a true value to it).
     try:
         optimizer, probe = _step_once(component, arguments)
     except TypeError as err:
         key, value = _culprit(component, arguments)
+        # A kernel's message lists every signature it has after its first line.
+        said = str(err).splitlines()[0].removesuffix(", but expected one of:")
         raise UserError(
             key,
             value,
-            f"{node['_component_']} does not take these arguments ({err}); drop or rename the "
-            "key in the optimizer option",
+            f"{node['_component_']} does not take it ({said}); drop or rename the key in the "
+            "optimizer option, or give a value of the kind the class takes",
         ) from None
     except (ValueError, IndexError, RuntimeError) as err:
         key, value = _culprit(component, arguments)
@@ -116,9 +118,10 @@ def _step_once(component: Any, arguments: dict[str, Any]) -> tuple[Any, torch.nn
 def _culprit(component: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
     """The key and value of the one argument the component refuses on its own
     (`optimizer.betas`, [0.9]); `optimizer` and all of them when none does alone."""
+    kernel = {key: arguments[key] for key in ("fused",) if key in arguments}
     for name, value in arguments.items():
         try:
-            _step_once(component, {"lr": arguments.get("lr", 1e-3), name: value})
+            _step_once(component, {"lr": arguments.get("lr", 1e-3), **kernel, name: value})
         except (TypeError, ValueError, IndexError, RuntimeError):
             return f"optimizer.{name}", value
     return "optimizer", arguments
