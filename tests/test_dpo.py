@@ -342,6 +342,25 @@ def test_bad_preference_inputs_are_refused_by_name(runner_cli, tmp_path: Path) -
         runner_cli("validate", *quick, "method=dpo", "dataset=preference", f"dataset.source={odd}")
     )
     assert "row 1, column 'chosen'" in message and "assistant" in message
+    # Two answers to two prompts (a mis-joined file) are no pair: named at its row.
+    mixed = tmp_path / "mixed.jsonl"
+    pair = {
+        "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        "rejected": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "no"}],
+    }
+    mixed.write_text((json.dumps(pair) + "\n") * 40)
+    message = user_error(
+        runner_cli(
+            "validate",
+            *quick,
+            "method=dpo",
+            "dataset=preference",
+            "dataset.column_map.prompt=null",
+            f"dataset.source={mixed}",
+        )
+    )
+    assert "row 1, column 'rejected'" in message, message
+    assert "differs from the chosen one's" in message, message
     # A prompt that fills dataset.max_seq_len leaves no answer token to score.
     message = user_error(
         runner_cli("validate", *quick, "method=dpo", "dataset=preference", "dataset.max_seq_len=20")

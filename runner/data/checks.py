@@ -234,9 +234,16 @@ def _check_preferences(
         columns[name] = values.to_pylist() if plain else table[name]
     for index in range(len(table)):
         sample = {name: values[index] for name, values in columns.items()}
+        prompts = []  # each side's conversation before its answer: one prompt, two answers
         for side in SIDES:
             messages, problem = transform.messages(sample, side)
             where = {"column": data["column_map"][side]}
+            prompts.append([(m.role, m.text_content) for m in messages[:-1]])
+            if not problem and side == "rejected" and prompts[0] != prompts[1]:
+                problem = (
+                    "its conversation before the answer differs from the chosen one's; a pair "
+                    "holds two answers to one prompt"
+                )
             if problem:
                 where["file"], where["row"] = records.where(index)
                 raise DataError(
