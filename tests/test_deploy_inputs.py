@@ -58,6 +58,14 @@ def test_best_checkpoint_of_a_run_by_its_eval_line(tmp_path: Path) -> None:
     assert serve(run, checkpoint="best", metric="eval_loss", mode="max").name == "step_10"
     with pytest.raises(UserError, match="select.metric"):
         serve(run, checkpoint="best", metric="accuracy")
+    # Best by its own record, which a run still training writes at its first evaluation.
+    with pytest.raises(UserError) as refused:
+        serve(run, checkpoint="best")
+    assert str(refused.value) == (
+        f"select.checkpoint='best': {run} has not recorded a best checkpoint yet (running at "
+        "step 30): select.checkpoint=latest serves its latest, or name a metrics.jsonl key to "
+        "judge by, e.g. select.metric=loss"
+    )
 
 
 def test_a_metric_picks_a_runs_checkpoint_only_with_best_in_deploy_and_export_alike(

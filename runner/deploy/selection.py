@@ -218,12 +218,18 @@ def best_checkpoint(run: RunDir, *, metric: str | None, mode: str | None) -> Pat
     if metric is None:
         chosen = run.best_checkpoint(None, mode)
         if chosen is None:
+            status = run.status()
+            why = (
+                f"has not recorded a best checkpoint yet ({status.state} at step {status.step})"
+                if status.state in ("created", "running")
+                else "recorded no best checkpoint (it trained without evaluation, or its best "
+                "was deleted)"
+            )
             raise UserError(
-                "select.metric",
-                metric,
-                f"{run.path} recorded no best checkpoint (it trained without evaluation, or its "
-                "best was deleted): name a metrics.jsonl key, e.g. select.metric=loss, or "
-                "select.checkpoint=latest",
+                "select.checkpoint",
+                "best",
+                f"{run.path} {why}: select.checkpoint=latest serves its latest, or name a "
+                "metrics.jsonl key to judge by, e.g. select.metric=loss",
             )
         return chosen
     check_recorded(metric, [run], f"{run.path}")
