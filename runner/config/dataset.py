@@ -150,7 +150,9 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
             "a preference pair's chosen and rejected answers run in one forward pass; set "
             "dataset.max_forward_tokens=null",
         )
-    if kind == "text" and dataset.eval_samples:
+    held = dataset.validation
+    evaluated = any(held[k] is not None for k in ("held_out", "split", "source"))
+    if kind == "text" and dataset.eval_samples and evaluated:
         raise UserError(
             "dataset.eval_samples",
             dataset.eval_samples,
