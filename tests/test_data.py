@@ -511,6 +511,19 @@ def test_bad_data_stops_runner_train_before_launch(runner_cli, tmp_path: Path) -
 
 
 # ---- packing --------------------------------------------------------------------------------
+def test_packing_without_a_row_length_says_it_packs_the_whole_context(caplog) -> None:
+    """Null max_seq_len packs rows of the model's whole context: 131,072 tokens a row for a
+    Llama 3.2, where the docs ask for max_seq_len with packing."""
+    packed = ["dataset=instruct", f"dataset.source={SAMPLE_DATA_DIR / 'validation.jsonl'}"]
+    data(*packed, "dataset.packing=true", "dataset.max_seq_len=96")
+    assert "dataset.packing" not in caplog.text
+    assert data(*packed, "dataset.packing=true")["max_seq_len"] == MODEL_MAX
+    assert (
+        "dataset.packing=true packs rows of dataset.max_seq_len tokens, left null: the model's "
+        f"whole context, {MODEL_MAX} tokens a row" in caplog.text
+    )
+
+
 def test_packed_and_unpacked_batches_give_the_same_per_token_loss(tmp_path: Path) -> None:
     """On a fixed model: the summed loss and the token count of the same samples agree."""
     torch.manual_seed(0)

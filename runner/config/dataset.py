@@ -137,6 +137,12 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
             max_seq_len,
             f"the model takes at most {model_max_seq_len} tokens; give at most that, or null",
         )
+    if dataset.packing and max_seq_len is None:
+        log.warning(
+            "dataset.packing=true packs rows of dataset.max_seq_len tokens, left null: the "
+            "model's whole context, %d tokens a row; set dataset.max_seq_len to pack shorter ones",
+            model_max_seq_len,
+        )
     column_map = _column_map(kind, dataset.column_map)
     chat_style = _conversation_style(kind, dataset.conversation_style)
     if kind == "preference" and dataset.packing:
