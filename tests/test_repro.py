@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import UserError
-from runner.job.repro import _rerun_dir, compare_losses, compare_metrics
+from runner.job.repro import _rerun_dir, compare_losses, compare_metrics, repro
 from runner.paths import SAMPLE_DATA_DIR
 from runner.rundir import RunDir
 from runner.trainer import determinism
@@ -181,6 +181,13 @@ def test_a_sweep_jobs_rerun_goes_beside_the_sweep(tmp_path: Path) -> None:
     (sweep / "multirun.yaml").write_text("{}\n")
     rerun = _rerun_dir(RunDir(sweep / "0"), None).path
     assert rerun.parent == tmp_path and rerun.name.startswith("16-38-44-0-repro-"), rerun
+
+
+@pytest.mark.parametrize("tolerance", [math.nan, math.inf, -1.0])
+def test_a_tolerance_that_is_no_finite_share_is_refused(one_process_run: Path, tolerance) -> None:
+    """NaN compares false with everything (every value drifted), and inf times 0 is NaN."""
+    with pytest.raises(UserError, match="give a finite relative tolerance >= 0"):
+        repro(one_process_run, steps=None, tolerance=tolerance, out=None)
 
 
 def test_one_ulp_is_drift() -> None:

@@ -5,6 +5,7 @@ Exit codes: 0 the re-run matches, 1 drift (numbers or record differ), 2 a user e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -188,8 +189,8 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
         )
     if steps is not None and steps < 1:
         raise UserError("--steps", steps, "give a number of steps >= 1")
-    if tolerance is not None and tolerance < 0:
-        raise UserError("--tolerance", tolerance, "give a relative tolerance >= 0")
+    if tolerance is not None and not 0 <= tolerance < math.inf:  # nan fails both
+        raise UserError("--tolerance", tolerance, "give a finite relative tolerance >= 0")
     rerun = _rerun_dir(recorded, out)
     recipe = read_recipe(recorded.recipe_path)
     steps = _stop_step(recorded, steps)
