@@ -398,6 +398,17 @@ def test_gguf_of_an_architecture_runner_has_no_family_for(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+def test_a_gguf_file_llama_cpp_cannot_load_is_removed_and_named(tmp_path: Path) -> None:
+    """export's sample run of the file it wrote: a traceback after `exported`, the file left."""
+    from runner.cli.export import _print_sample
+
+    written = tmp_path / "unloadable.gguf"
+    written.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(UserError, match="llama.cpp cannot load the file written") as refused:
+        _print_sample(written)
+    assert refused.value.key == "format" and not written.exists()
+
+
 def test_gguf_of_a_lora_checkpoint_is_the_merged_model(lora_checkpoint: Path, tmp_path: Path):
     out = run_export(lora_checkpoint, "gguf", out=str(tmp_path / "lora.gguf"))
     model = load_peft(lora_checkpoint)

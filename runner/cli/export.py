@@ -45,9 +45,9 @@ def app(cfg: DictConfig) -> None:
         push = _push_request(cfg)
         request = _export_request(cfg)
         path = export(request)
-        print(path)
         if cfg.format == "gguf":
             _print_sample(path)
+        print(path)
         if push is not None:
             from runner.deploy.selection import choose_checkpoint
             from runner.hub.push import push as upload
@@ -84,7 +84,17 @@ def _print_sample(path: Path) -> None:
     """A greedy answer from llama.cpp (on stderr: stdout is the path), where it is installed."""
     from runner.export.gguf_file import greedy_sample
 
-    answer = greedy_sample(path)
+    try:
+        answer = greedy_sample(path)
+    except ValueError as err:  # llama.cpp's "Failed to load model from file"
+        path.unlink()  # a file that llama.cpp cannot load is no export
+        raise UserError(
+            "format",
+            "gguf",
+            f"llama.cpp cannot load the file written ({err}): a tokenizer or architecture it "
+            "does not take as runner writes them; removed it. Export format=merged and convert "
+            "that with llama.cpp's convert_hf_to_gguf.py, or serve it with runner deploy",
+        ) from None
     if answer is None:
         print("(no sample: llama-cpp-python is not installed)", file=sys.stderr)
     else:
