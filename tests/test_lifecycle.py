@@ -160,11 +160,20 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     assert result.returncode == 2 and "wrote no train.log" in result.stderr, result.stderr
 
 
-def test_a_stop_as_the_run_starts_is_kept_until_its_first_step(hermetic_env, tmp_path) -> None:
-    """Signalled as soon as its status names its process, before the loop's own handlers: the
-    run saves after its first step and ends cancelled (the signal killed it, `created`)."""
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_stop_as_the_run_starts_ends_it_cancelled(hermetic_env, tmp_path, processes) -> None:
+    """Signalled as soon as its status names its process, before the loop's own handlers (or
+    the elastic agent's): a one-process run saves after its first step, a run of workers ends
+    before they start; cancelled either way, where the signal killed it, left `created`."""
     run_dir = tmp_path / "starting"
-    proc = start_run(hermetic_env, run_dir)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "train", *LONG_JOB, f"hydra.run.dir={run_dir}"]
+        + [f"compute.nproc_per_node={processes}"],
+        env=hermetic_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while not (run_dir / "status.json").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
@@ -173,8 +182,12 @@ def test_a_stop_as_the_run_starts_is_kept_until_its_first_step(hermetic_env, tmp
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=300) == 143, proc.stderr.read()[-3000:]
     status = state_of(run_dir)
-    assert status["state"] == "cancelled" and status["step"] == 1, status
-    assert (run_dir / "checkpoints" / "step_1").is_dir()
+    if processes == 1:
+        assert status["state"] == "cancelled" and status["step"] == 1, status
+        assert (run_dir / "checkpoints" / "step_1").is_dir()
+    else:
+        assert status["state"] == "cancelled" and status["step"] == 0, status
+        assert status["error"] == "stopped by SIGTERM before its first step", status
 
 
 def test_logs_of_a_starting_run_waits_for_it_then_follows(runner_cli, hermetic_env, tmp_path):

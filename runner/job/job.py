@@ -25,7 +25,13 @@ from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, user_errors_pass_hydra
-from runner.job.launch import as_launcher, in_process, launch, node_rank_of
+from runner.job.launch import (
+    as_launcher,
+    in_process,
+    launch,
+    node_rank_of,
+    stops_before_workers,
+)
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
 from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
@@ -210,9 +216,8 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
     from runner.trainer import process
 
     process.STOP.clear()  # a parallel sweep's earlier job here, stopped alone
-    if not in_process(recipe):
-        return _launch(cfg, run, recipe, node_rank)  # the elastic agent takes the signals
-    with process.stop_signals():
+    stops = process.stop_signals() if in_process(recipe) else stops_before_workers(run)
+    with stops:
         return _launch(cfg, run, recipe, node_rank)
 
 

@@ -30,6 +30,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,41 @@ def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:
     )
 
 
+@contextlib.contextmanager
+def stops_before_workers(run: RunDir) -> Iterator[None]:
+    """SIGTERM and Ctrl-C to a launcher of workers, from the moment the run's status names it
+    until the elastic agent takes them as it starts the workers, raise what the agent's own
+    handlers raise (SignalException): the run ends cancelled, with nothing trained, and the
+    launcher exits 128 + the signal. Left to the default action, the launcher died there, and
+    the run stayed `created`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def raise_it(signum: int, frame: Any) -> None:
+        sigval = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {
+        signum: signal.signal(signum, raise_it) for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        yield
+    except SignalException as err:  # before _elastic_launch's own answer to it
+        _cancelled_before_workers(run, err.sigval)
+        raise SystemExit(128 + int(err.sigval)) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _cancelled_before_workers(run: RunDir, sigval: signal.Signals) -> None:
+    """A run stopped before its workers recorded anything: cancelled, as they would have."""
+    if run.status().state == "created":
+        run.write_status("cancelled", error=f"stopped by {sigval.name} before its first step")
+
+
 def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -249,6 +285,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
             elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
+        _cancelled_before_workers(run, err.sigval)
         _check_out()
         name = signal.Signals(err.sigval).name
         print(f"stopped by {name}; status in {recipe.run_dir}/status.json", file=sys.stderr)
