@@ -552,6 +552,13 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
 
     bare = runner_cli("export", f"checkpoint={full_checkpoint}", "dtype=bf16")
     assert bare.returncode == 2 and "write merged.dtype=bf16" in bare.stderr
+    # Another format's option would be ignored unseen: an fp32 adapter for merged.dtype=bf16.
+    other = runner_cli(
+        "export", f"checkpoint={full_checkpoint}", "format=gguf", "merged.dtype=bf16"
+    )
+    assert other.returncode == 2 and other.stderr == (
+        "error: merged.dtype='bf16': only format=merged reads it; drop it, or give format=merged\n"
+    )
     assert runner_cli("export", "--help").stdout.startswith("runner export:")
 
 

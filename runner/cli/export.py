@@ -23,11 +23,19 @@ _NAMESPACED = {"dtype": "merged.dtype", "quantization": "gguf.quantization"}
 
 
 def check_argv(argv: list[str]) -> None:
-    """Point a bare dtype= or quantization= at the key it means, before Hydra's own error."""
-    for argument in argv:
-        key, _, value = argument.partition("=")
+    """Point a bare dtype= or quantization= at the key it means, before Hydra's own error; and
+    refuse an option of another format than the one exported, which would be ignored unseen
+    (format=adapter merged.dtype=bf16 wrote an fp32 adapter)."""
+    pairs = [argument.partition("=") for argument in argv]
+    exported = next((value for key, _, value in pairs if key == "format"), "merged")
+    for key, _, value in pairs:
         if key in _NAMESPACED:
             raise UserError(key, value, f"write {_NAMESPACED[key]}={value}")
+        owner = key.lstrip("+~").split(".")[0]
+        if owner in ("merged", "gguf") and owner != exported:
+            raise UserError(
+                key, value, f"only format={owner} reads it; drop it, or give format={owner}"
+            )
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
