@@ -43,7 +43,7 @@ NO_OUTPUT = [
     "hydra.output_subdir=null",
     "hydra.run.dir=.",
     "~hydra.callbacks.run_lock",
-    "hydra/job_logging=disabled",
+    "hydra/job_logging=console",
     "hydra/hydra_logging=disabled",
 ]
 

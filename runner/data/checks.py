@@ -5,6 +5,7 @@ Each problem is one UserError naming the file, the row (counting records from 1)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message
 
 if TYPE_CHECKING:
     from runner.models.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
 
 
 class DataError(UserError):
@@ -232,13 +235,16 @@ def _check_preferences(
         plain = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
         plain = plain or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
         columns[name] = values.to_pylist() if plain else table[name]
+    same = 0  # pairs whose two answers are one text: no gradient, no signal
     for index in range(len(table)):
         sample = {name: values[index] for name, values in columns.items()}
         prompts = []  # each side's conversation before its answer: one prompt, two answers
+        answers = []
         for side in SIDES:
             messages, problem = transform.messages(sample, side)
             where = {"column": data["column_map"][side]}
             prompts.append([(m.role, m.text_content) for m in messages[:-1]])
+            answers.append(messages[-1].text_content if messages else None)
             if not problem and side == "rejected" and prompts[0] != prompts[1]:
                 problem = (
                     "its conversation before the answer differs from the chosen one's; a pair "
@@ -267,6 +273,15 @@ def _check_preferences(
                     "tokens (what comes before it fills them)",
                     fix="raise dataset.max_seq_len, shorten the prompt, or drop the row",
                 )
+        same += answers[0] == answers[1]
+    if same:
+        log.warning(
+            "%s: %d of %d pairs have one answer as both chosen and rejected, which train "
+            "nothing (their DPO gradient is zero)",
+            records.source,
+            same,
+            len(table),
+        )
 
 
 def _template_tokens(tokenizer: ChatTokenizer) -> int:

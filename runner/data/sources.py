@@ -11,6 +11,7 @@ import contextlib
 import csv
 import itertools
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -251,7 +252,7 @@ def _read_if_any(
     try:
         options = _options(builder, files[0])
         reader = datasets.load_dataset_builder(builder, data_files=files, **options)
-        with _no_progress_bars():
+        with _no_progress_bars(), _no_log_of_its_own():
             reader.download_and_prepare()
     except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
         raise _read_error(key, source, data_format, files, err) from err
@@ -272,6 +273,19 @@ def _no_progress_bars() -> Iterator[None]:
     finally:
         if shown:
             datasets.enable_progress_bars()
+
+
+@contextlib.contextmanager
+def _no_log_of_its_own() -> Iterator[None]:
+    """Without the line datasets logs for a file it cannot read (`Failed to load JSON from file
+    ... JSON parse error`), above the one error that names the file, line and column."""
+    library = logging.getLogger("datasets")
+    level = library.level
+    library.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        library.setLevel(level)
 
 
 def _read_xml(
