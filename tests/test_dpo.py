@@ -361,6 +361,18 @@ def test_bad_preference_inputs_are_refused_by_name(runner_cli, tmp_path: Path) -
     )
     assert "row 1, column 'rejected'" in message, message
     assert "differs from the chosen one's" in message, message
+    # Pairs with one answer on both sides train nothing: validate counts them, in a warning.
+    same = tmp_path / "same.jsonl"
+    rows = [
+        {"prompt": "hi", "chosen": "yo", "rejected": "yo" if i % 4 == 0 else "no"}
+        for i in range(40)
+    ]
+    same.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = runner_cli(
+        "validate", *quick, "method=dpo", "dataset=preference", f"dataset.source={same}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{same}: 10 of 40 pairs have one answer as both chosen and rejected" in result.stderr
     # A prompt that fills dataset.max_seq_len leaves no answer token to score.
     message = user_error(
         runner_cli("validate", *quick, "method=dpo", "dataset=preference", "dataset.max_seq_len=20")
