@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from runner.errors import UserError
 from runner.job.repro import _rerun_dir, compare_losses, compare_metrics, repro
@@ -188,6 +189,27 @@ def test_a_tolerance_that_is_no_finite_share_is_refused(one_process_run: Path, t
     """NaN compares false with everything (every value drifted), and inf times 0 is NaN."""
     with pytest.raises(UserError, match="give a finite relative tolerance >= 0"):
         repro(one_process_run, steps=None, tolerance=tolerance, out=None)
+
+
+def test_a_run_whose_data_is_gone_is_refused_before_a_rerun_dir(
+    one_process_run: Path, tmp_path: Path
+) -> None:
+    """Where it failed inside a new run directory, left failed (a moved model.source was named
+    as model.tokenizer, with transformers' message about hub repo ids)."""
+    source = Path(
+        yaml.safe_load((one_process_run / "recipe.yaml").read_text())["dataset"]["source"]
+    )
+    moved = source.rename(source.with_name("moved.jsonl"))
+    try:
+        with pytest.raises(UserError) as refused:
+            repro(one_process_run, steps=None, tolerance=None, out=tmp_path / "rerun")
+    finally:
+        moved.rename(source)
+    assert str(refused.value) == (
+        f"RUN_DIR='{one_process_run}': its dataset.source, {source}, is no longer there (moved "
+        "or deleted); put it back where the run read it to re-run the run"
+    )
+    assert not (tmp_path / "rerun").exists()
 
 
 def test_one_ulp_is_drift() -> None:

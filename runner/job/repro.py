@@ -193,6 +193,7 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
         raise UserError("--tolerance", tolerance, "give a finite relative tolerance >= 0")
     rerun = _rerun_dir(recorded, out)
     recipe = read_recipe(recorded.recipe_path)
+    _check_inputs_there(recorded, recipe)
     steps = _stop_step(recorded, steps)
     _check_logged(recorded, steps, log_every=recipe.runtime.log_every_n_steps)
     _rerun(recorded, recipe, steps, rerun)
@@ -234,6 +235,27 @@ def _check_logged(recorded: RunDir, steps: int | None, *, log_every: int) -> Non
         f"the run logged its first loss at step {logged[0]} (runtime.log_every_n_steps="
         f"{log_every}), so {steps} step(s) compare no loss; give --steps {logged[0]} or more",
     )
+
+
+def _check_inputs_there(recorded: RunDir, recipe: DictConfig) -> None:
+    """The local files the run read (weights, tokenizer, data, a checkpoint it went on from)
+    are where it read them: refused before the re-run's directory is made, where the re-run
+    failed inside it, on a key the user never typed (model.tokenizer, for a moved source)."""
+    inputs = {
+        "model.source": recipe.model.source,
+        "model.tokenizer": recipe.model.tokenizer.path,
+        "dataset.source": recipe.dataset.source,
+        "dataset.validation.source": recipe.dataset.validation.source,
+        "load_checkpoint.path": recipe.resume_from,
+    }
+    for key, path in inputs.items():
+        if path is not None and "://" not in str(path) and not Path(path).exists():
+            raise UserError(
+                "RUN_DIR",
+                str(recorded.path),
+                f"its {key}, {path}, is no longer there (moved or deleted); put it back where "
+                "the run read it to re-run the run",
+            )
 
 
 def _rerun_dir(recorded: RunDir, out: Path | None) -> RunDir:
