@@ -292,6 +292,8 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         async def end_in_flight() -> None:
             await asyncio.sleep(self._grace_s)
+            if not self.server_state.tasks:
+                return  # all answered: the app's lifespan is closing the engines
             log.warning("requests still in flight after %g s: answering them 503", self._grace_s)
             await close_engines(self._app.state.models)
 
