@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from runner.config.fields import override_key
 from runner.config.schema import Export, typed
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.paths import CONF_DIR
@@ -26,12 +27,12 @@ def check_argv(argv: list[str]) -> None:
     """Point a bare dtype= or quantization= at the key it means, before Hydra's own error; and
     refuse an option of another format than the one exported, which would be ignored unseen
     (format=adapter merged.dtype=bf16 wrote an fp32 adapter)."""
-    pairs = [argument.partition("=") for argument in argv]
-    exported = next((value for key, _, value in pairs if key == "format"), "merged")
-    for key, _, value in pairs:
+    given = [(override_key(argument), argument.partition("=")) for argument in argv]
+    exported = next((value for key, (_, _, value) in given if key == "format"), "merged")
+    for owned, (key, _, value) in given:
         if key in _NAMESPACED:
             raise UserError(key, value, f"write {_NAMESPACED[key]}={value}")
-        owner = key.lstrip("+~").split(".")[0]
+        owner = owned.split(".")[0]
         if owner in ("merged", "gguf") and owner != exported:
             raise UserError(
                 key, value, f"only format={owner} reads it; drop it, or give format={owner}"

@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.config.fields import flag, integer, typed_as
+from runner.config.interpolations import has_validation
 from runner.config.model import ModelRecipe
 from runner.errors import UserError
 
@@ -156,9 +157,7 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
             "a preference pair's chosen and rejected answers run in one forward pass; set "
             "dataset.max_forward_tokens=null",
         )
-    held = dataset.validation
-    evaluated = any(held[k] is not None for k in ("held_out", "split", "source"))
-    if kind == "text" and dataset.eval_samples and evaluated:
+    if kind == "text" and dataset.eval_samples and has_validation(dataset.validation):
         raise UserError(
             "dataset.eval_samples",
             dataset.eval_samples,

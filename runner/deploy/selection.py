@@ -9,6 +9,7 @@ from pathlib import Path
 
 from runner.errors import UserError
 from runner.rundir import (
+    ACTIVE_STATES,
     SWEEP_MARKERS,
     RunDir,
     best_run,
@@ -221,7 +222,7 @@ def best_checkpoint(run: RunDir, *, metric: str | None, mode: str | None) -> Pat
             status = run.status()
             why = (
                 f"has not recorded a best checkpoint yet ({status.state} at step {status.step})"
-                if status.state in ("created", "running")
+                if status.state in ACTIVE_STATES
                 else "recorded no best checkpoint (it trained without evaluation, or its best "
                 "was deleted)"
             )

@@ -124,7 +124,8 @@ class VllmEngine:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
-        """Queue the prompts with vLLM; raises QueueFull past its batch plus `max_queue`."""
+        """Queue the prompts with vLLM; raises as check_room does past its batch plus
+        `max_queue`."""
         choices = sum(request.n for request in requests)
         check_room(self._in_flight, choices, self._capacity)
         handle = RequestHandle(n=choices)

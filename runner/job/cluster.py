@@ -15,6 +15,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from runner.config.fields import override_key
 from runner.config.hydra_errors import from_hydra_error
 from runner.config.schema import Cluster, typed
 from runner.errors import UserError
@@ -160,9 +161,9 @@ def trainjob_manifest(cluster: DictConfig, command: list[str], nproc: Any) -> st
 def _of_cluster(override: str) -> str | None:
     """A `cluster.` override as the cluster config takes it (`+cluster.x=1`: `+x=1`); None for
     one of the train config."""
-    sign = override[: len(override) - len(override.lstrip("+~"))]
-    rest = override[len(sign) :]
-    return sign + rest.removeprefix("cluster.") if rest.startswith("cluster.") else None
+    if not override_key(override).startswith("cluster."):
+        return None
+    return override.replace("cluster.", "", 1)  # the first is the key's, after its sign
 
 
 def cluster_files(overrides: list[str]) -> dict[str, str]:

@@ -241,6 +241,8 @@ def _check_inputs_there(recorded: RunDir, recipe: DictConfig) -> None:
     """The local files the run read (weights, tokenizer, data, a checkpoint it went on from)
     are where it read them: refused before the re-run's directory is made, where the re-run
     failed inside it, on a key the user never typed (model.tokenizer, for a moved source)."""
+    from runner.data.sources import is_remote
+
     inputs = {
         "model.source": recipe.model.source,
         "model.tokenizer": recipe.model.tokenizer.path,
@@ -249,7 +251,7 @@ def _check_inputs_there(recorded: RunDir, recipe: DictConfig) -> None:
         "load_checkpoint.path": recipe.resume_from,
     }
     for key, path in inputs.items():
-        if path is not None and "://" not in str(path) and not Path(path).exists():
+        if path is not None and not is_remote(str(path)) and not Path(path).exists():
             raise UserError(
                 "RUN_DIR",
                 str(recorded.path),

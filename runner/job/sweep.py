@@ -27,7 +27,15 @@ from omegaconf import DictConfig
 
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import request_stop
-from runner.rundir import SUMMARY_JSON, RunDir, Status, best_run, sweep_runs, write_json_atomic
+from runner.rundir import (
+    ACTIVE_STATES,
+    SUMMARY_JSON,
+    RunDir,
+    Status,
+    best_run,
+    sweep_runs,
+    write_json_atomic,
+)
 
 SUMMARY_TABLE = "summary.md"
 LOSS_PLOT = "loss_curves.png"
@@ -241,7 +249,7 @@ def _stop_jobs(sweep_dir: Path) -> None:
     stopped: set[Path] = set()
     while True:
         for run in sweep_runs(sweep_dir):
-            if run.path not in stopped and run.status().state in ("created", "running"):
+            if run.path not in stopped and run.status().state in ACTIVE_STATES:
                 with contextlib.suppress(UserError, ProcessLookupError):
                     request_stop(run)
                     stopped.add(run.path)

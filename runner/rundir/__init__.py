@@ -47,6 +47,7 @@ from runner.rundir.run import (
     lora_base,
 )
 from runner.rundir.status import (
+    ACTIVE_STATES,
     FINAL_STATES,
     STALLED,
     STATES,
