@@ -252,7 +252,7 @@ def _read_if_any(
     try:
         options = _options(builder, files[0])
         reader = datasets.load_dataset_builder(builder, data_files=files, **options)
-        with _no_progress_bars(), _no_log_of_its_own():
+        with _quietly():
             reader.download_and_prepare()
     except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
         raise _read_error(key, source, data_format, files, err) from err
@@ -262,30 +262,22 @@ def _read_if_any(
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """Without datasets' "Generating train split" bars: noise on the console of every first
-    read of a file (and carriage returns in a log file); the job logs the records it read and
-    how long the check took."""
-    shown = not datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if shown:
-            datasets.enable_progress_bars()
-
-
-@contextlib.contextmanager
-def _no_log_of_its_own() -> Iterator[None]:
-    """Without the line datasets logs for a file it cannot read (`Failed to load JSON from file
-    ... JSON parse error`), above the one error that names the file, line and column."""
-    library = logging.getLogger("datasets")
+def _quietly() -> Iterator[None]:
+    """Without datasets' own output as it reads: its "Generating train split" bars (noise on the
+    console of every first read of a file, carriage returns in a log file: the job logs the
+    records it read and how long the check took), and the line it logs for a file it cannot
+    read (`Failed to load JSON from file ...`, above the one error that names the file, line
+    and column)."""
+    shown, library = not datasets.are_progress_bars_disabled(), logging.getLogger("datasets")
     level = library.level
+    datasets.disable_progress_bars()
     library.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         library.setLevel(level)
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def _read_xml(
