@@ -177,11 +177,19 @@ CASES = [
     case("optimizer-lr-type", "estimate optimizer.lr=fast", "optimizer.lr="),
     case("optimizer-lr-string", "estimate optimizer.lr='1e-3'", "optimizer.lr='1e-3'"),
     case("max-steps-string", "estimate max_steps='12'", "max_steps='12'", "an integer"),
-    case("optimizer-betas-short", "train optimizer.betas=[0.9]", "optimizer.betas"),
+    case(
+        "optimizer-betas-short", "train optimizer.betas=[0.9]", "optimizer.betas", "give 2 values"
+    ),
     case(
         "sweep-parallel-no-jobs",
         "train -m hydra/launcher=parallel hydra.launcher.n_jobs=0 optimizer.lr=1e-3,2e-3",
         "hydra.launcher.n_jobs=0",
+    ),
+    case(
+        "sweep-parallel-jobs-type",
+        "train -m hydra/launcher=parallel hydra.launcher.n_jobs=abc optimizer.lr=1e-3,2e-3",
+        "hydra.launcher.n_jobs='abc'",
+        "give a whole number",
     ),
     case("optimizer-betas-range", "estimate optimizer.betas=[1.5,0.9]", "optimizer.betas"),
     case("optimizer-weight-decay", "estimate optimizer.weight_decay=-1", "optimizer.weight_decay"),

@@ -11,13 +11,15 @@ from hydra.errors import (
     OverrideParseException,
     SearchPathException,
 )
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from runner.config.fields import EVERY_KEY
 from runner.errors import UserError
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
 # A group of `runner train` that another command sets with a key of its own.
+# OmegaConf's type names, as the fix for a value of a typed key of Hydra's own says them.
+_A_KIND = {"Integer": "a whole number", "Float": "a number", "bool": "true or false"}
 OWN_KEYS: dict[tuple[str | None, str], str] = {
     ("deploy", "compute"): "device=cpu, device=cuda or device=auto"
 }
@@ -79,6 +81,13 @@ def _composition_error(
         key = str(cause.full_key)
         add = f" (add it with +{key}={given})" if not hint and _addable(key) else ""
         return UserError(key, given, f"no such key; {hint}`{listed_by}` prints every key{add}")
+    if isinstance(cause, ValidationError) and message.startswith("Error merging override"):
+        # A typed key of Hydra's own (hydra.launcher.n_jobs=abc): OmegaConf names the type.
+        value = message.partition("=")[2]
+        kind = re.search(r"converted to (\w+)|not a valid (bool)", str(cause.msg))
+        name = kind and (kind.group(1) or kind.group(2))
+        fix = f"give {_A_KIND.get(name, name)}" if name else str(cause.msg)
+        return UserError(str(cause.full_key), value, fix.splitlines()[0])
     group = re.match(r"Could not override '(.*)'\. No match in the defaults list", message)
     if group:
         runner = f"runner {command}" if command else "this command"

@@ -94,12 +94,15 @@ def state_per_weight(node: dict[str, Any]) -> int:
         ) from None
     except (ValueError, IndexError, RuntimeError) as err:
         key, value = _culprit(component, arguments)
-        raise UserError(
-            key,
-            value,
-            f"{node['_component_']} refuses them: {err}; give values it takes (see its "
-            "documentation)",
-        ) from None
+        default = _default(component, key.removeprefix("optimizer."))
+        given = value if isinstance(value, list | tuple) else [value]
+        if isinstance(default, tuple | list) and len(given) != len(default):
+            # betas=[0.9]: torch reads betas[1] ("list index out of range").
+            fix = f"give {len(default)} values, as its default {list(default)}"
+        else:
+            fix = f"{node['_component_']} refuses them: {err}; give values it takes (see its "
+            fix += "documentation)"
+        raise UserError(key, value, fix) from None
     state = optimizer.state[probe].values()
     return sum(torch.is_tensor(t) and t.shape == probe.shape for t in state)
 
@@ -113,6 +116,14 @@ def _step_once(component: Any, arguments: dict[str, Any]) -> tuple[Any, torch.nn
     probe.grad = torch.ones(_PROBE_WEIGHTS)
     optimizer.step()
     return optimizer, probe
+
+
+def _default(component: Any, name: str) -> Any:
+    """The default of the component's argument `name`; None where it has none or no such one."""
+    import inspect
+
+    parameter = inspect.signature(component).parameters.get(name)
+    return None if parameter is None else parameter.default
 
 
 def _culprit(component: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
