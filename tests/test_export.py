@@ -398,15 +398,16 @@ def test_gguf_of_an_architecture_runner_has_no_family_for(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_a_gguf_file_llama_cpp_cannot_load_is_removed_and_named(tmp_path: Path) -> None:
-    """export's sample run of the file it wrote: a traceback after `exported`, the file left."""
-    from runner.cli.export import _print_sample
+def test_a_gguf_file_llama_cpp_cannot_load_is_named(tmp_path: Path) -> None:
+    """export's sample run of the file it wrote, before the rename: was a traceback after
+    `exported`, the file left."""
+    from runner.export.gguf_file import checked_sample
 
     written = tmp_path / "unloadable.gguf"
     written.write_bytes(b"GGUF" + bytes(64))
     with pytest.raises(UserError, match="llama.cpp cannot load the file written") as refused:
-        _print_sample(written)
-    assert refused.value.key == "format" and not written.exists()
+        checked_sample(written)
+    assert refused.value.key == "format" and "nothing was written" in refused.value.fix
 
 
 def test_gguf_of_a_lora_checkpoint_is_the_merged_model(lora_checkpoint: Path, tmp_path: Path):
@@ -536,7 +537,7 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
         turn = [{"role": "user", "content": "Hello!"}]
         expected = llm.create_chat_completion(messages=turn, max_tokens=16, temperature=0)
     assert f"llama.cpp, greedy: 'Hello!' -> {expected['choices'][0]['message']['content']!r}" in (
-        done.stderr
+        done.stdout
     )
 
     # An architecture gguf's tables do not know (OPT): one error naming the checkpoint.

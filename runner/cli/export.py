@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,8 +53,6 @@ def app(cfg: DictConfig) -> None:
         push = _push_request(cfg)
         request = _export_request(cfg)
         path = export(request)
-        if cfg.format == "gguf":
-            _print_sample(path)
         print(path)
         if push is not None:
             from runner.deploy.selection import choose_checkpoint
@@ -87,27 +84,6 @@ def _export_request(cfg: DictConfig) -> ExportRequest:
         base=cfg.base,
         out=cfg.out,
     )
-
-
-def _print_sample(path: Path) -> None:
-    """A greedy answer from llama.cpp (on stderr: stdout is the path), where it is installed."""
-    from runner.export.gguf_file import greedy_sample
-
-    try:
-        answer = greedy_sample(path)
-    except ValueError as err:  # llama.cpp's "Failed to load model from file"
-        path.unlink()  # a file that llama.cpp cannot load is no export
-        raise UserError(
-            "format",
-            "gguf",
-            f"llama.cpp cannot load the file written ({err}): a tokenizer or architecture it "
-            "does not take as runner writes them; removed it. Export format=merged and convert "
-            "that with llama.cpp's convert_hf_to_gguf.py, or serve it with runner deploy",
-        ) from None
-    if answer is None:
-        print("(no sample: llama-cpp-python is not installed)", file=sys.stderr)
-    else:
-        print(f"llama.cpp, greedy: 'Hello!' -> {answer!r}", file=sys.stderr)
 
 
 def _push_request(cfg: DictConfig) -> tuple | None:

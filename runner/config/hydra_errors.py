@@ -83,11 +83,10 @@ def _composition_error(
         return UserError(key, given, f"no such key; {hint}`{listed_by}` prints every key{add}")
     if isinstance(cause, ValidationError) and message.startswith("Error merging override"):
         # A typed key of Hydra's own (hydra.launcher.n_jobs=abc): OmegaConf names the type.
-        value = message.partition("=")[2]
         kind = re.search(r"converted to (\w+)|not a valid (bool)", str(cause.msg))
         name = kind and (kind.group(1) or kind.group(2))
-        fix = f"give {_A_KIND.get(name, name)}" if name else str(cause.msg)
-        return UserError(str(cause.full_key), value, fix.splitlines()[0])
+        fix = f"give {_A_KIND.get(name, name)}" if name else str(cause.msg).splitlines()[0]
+        return UserError(str(cause.full_key), message.partition("=")[2], fix)
     group = re.match(r"Could not override '(.*)'\. No match in the defaults list", message)
     if group:
         runner = f"runner {command}" if command else "this command"

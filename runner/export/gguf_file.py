@@ -92,6 +92,21 @@ def greedy_sample(path: Path, prompt: str = "Hello!", max_tokens: int = 16) -> s
     return answer["choices"][0]["message"]["content"]
 
 
+def checked_sample(path: Path) -> str | None:
+    """greedy_sample, run on each file export writes: a UserError where llama.cpp cannot load
+    the file (a tokenizer or architecture it takes otherwise than runner writes them)."""
+    try:
+        return greedy_sample(path)
+    except ValueError as err:  # llama.cpp's "Failed to load model from file"
+        raise UserError(
+            "format",
+            "gguf",
+            f"llama.cpp cannot load the file written ({err}): a tokenizer or architecture it "
+            "does not take as runner writes them; nothing was written. Export format=merged and "
+            "convert that with llama.cpp's convert_hf_to_gguf.py, or serve it with runner deploy",
+        ) from None
+
+
 # llama.cpp picks its pre-tokenizer (the regex split before BPE) by name. Its converter names it
 # by hashing the token ids of this text (PRE_TOKENIZERS).
 _CHECK_TEXT = (

@@ -81,6 +81,7 @@ def export(request: ExportRequest) -> Path:
     """Export one checkpoint; returns the path written (a directory, or a .gguf file)."""
     plan = check_request(request)
     plan.destination.parent.mkdir(exist_ok=True)  # RUN/exports/ the first time
+    sample = None  # a GGUF file's greedy answer, from llama.cpp
     with staged(plan.destination) as tmp:
         if request.format == "adapter":
             write_adapter(plan.checkpoint, tmp)
@@ -94,6 +95,10 @@ def export(request: ExportRequest) -> Path:
             )
         else:
             write_gguf_file(plan.checkpoint, plan.base, tmp, quantization=request.quantization)
+            from runner.export.gguf_file import checked_sample
+
+            # Before the rename: a file llama.cpp cannot load is no export.
+            sample = checked_sample(tmp)
     size = sum(p.stat().st_size for p in plan.destination.rglob("*") if p.is_file())
     if plan.destination.is_file():
         size = plan.destination.stat().st_size
@@ -104,6 +109,11 @@ def export(request: ExportRequest) -> Path:
         plan.destination,
         size / 1e6,
     )
+    if request.format == "gguf":
+        if sample is None:
+            log.info("(no sample: llama-cpp-python is not installed)")
+        else:
+            log.info("llama.cpp, greedy: 'Hello!' -> %r", sample)
     return plan.destination
 
 
