@@ -221,67 +221,86 @@ def _check_conversations(
 def _check_preferences(
     records: Records, data: Mapping[str, Any], tokenizer: ChatTokenizer, *, key: str
 ) -> None:
-    """Every record gives a chosen and a rejected conversation that end in an answer, and
-    truncation to dataset.max_seq_len leaves a token of each answer (tokenized only where the
-    bytes before the answer could come near it, as _check_trainable does)."""
+    """Every record gives a chosen and a rejected conversation that end in an answer to one
+    prompt, and truncation to dataset.max_seq_len leaves a token of each answer (tokenized only
+    where the bytes before the answer could come near it, as _check_trainable does)."""
     max_seq_len, per_message = data["max_seq_len"], _template_tokens(tokenizer) + 2
     transform = PreferenceToMessages(
         data["column_map"], data["conversation_style"], data["new_system_prompt"]
     )
-    table = records.table
-    columns = {}
-    for name in {c for c in data["column_map"].values() if c}:
-        values = table.data.column(name)
-        plain = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
-        plain = plain or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
-        columns[name] = values.to_pylist() if plain else table[name]
+    columns = _as_python(records.table, data["column_map"])
     same = 0  # pairs whose two answers are one text: no gradient, no signal
-    for index in range(len(table)):
-        sample = {name: values[index] for name, values in columns.items()}
-        prompts = []  # each side's conversation before its answer: one prompt, two answers
-        answers = []
-        for side in SIDES:
-            messages, problem = transform.messages(sample, side)
-            where = {"column": data["column_map"][side]}
-            prompts.append([(m.role, m.text_content) for m in messages[:-1]])
-            answers.append(messages[-1].text_content if messages else None)
-            if not problem and side == "rejected" and prompts[0] != prompts[1]:
-                problem = (
-                    "its conversation before the answer differs from the chosen one's; a pair "
-                    "holds two answers to one prompt"
-                )
-            if problem:
-                where["file"], where["row"] = records.where(index)
-                raise DataError(
-                    key,
-                    records.source,
-                    **where,
-                    problem=problem,
-                    fix="fix or drop the row (dataset.column_map names the prompt, chosen and "
-                    "rejected columns; dataset.conversation_style the message format)",
-                )
+    for index in range(len(records.table)):
+        pair, problem, side = _pair(transform, {n: v[index] for n, v in columns.items()})
+        file, row = records.where(index)
+        where = {"file": file, "row": row, "column": data["column_map"][side]}
+        if problem:
+            raise DataError(
+                key,
+                records.source,
+                **where,
+                problem=problem,
+                fix="fix or drop the row (dataset.column_map names the prompt, chosen and "
+                "rejected columns; dataset.conversation_style the message format)",
+            )
+        for side, messages in pair.items():
             before = sum(len(m.text_content.encode()) for m in messages[:-1])
             if 1 + before + len(messages) * per_message < max_seq_len - 2:
                 continue
             if all(tokenizer.tokenize_messages(messages)[1]):
-                where["file"], where["row"] = records.where(index)
                 raise DataError(
                     "dataset.max_seq_len",
                     max_seq_len,
-                    **where,
+                    **where | {"column": data["column_map"][side]},
                     problem=f"no token of the answer is left after truncation to {max_seq_len} "
                     "tokens (what comes before it fills them)",
                     fix="raise dataset.max_seq_len, shorten the prompt, or drop the row",
                 )
-        same += answers[0] == answers[1]
+        same += pair["chosen"][-1].text_content == pair["rejected"][-1].text_content
     if same:
         log.warning(
             "%s: %d of %d pairs have one answer as both chosen and rejected, which train "
             "nothing (their DPO gradient is zero)",
             records.source,
             same,
-            len(table),
+            len(records.table),
         )
+
+
+def _as_python(table: datasets.Dataset, column_map: Mapping[str, str | None]) -> dict[str, Any]:
+    """The mapped columns, list and string ones as Python lists (read once: a row at a time
+    from the table costs a conversion each); others as the table's own column."""
+    columns = {}
+    for name in {c for c in column_map.values() if c}:
+        values = table.data.column(name)
+        plain = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+        plain = plain or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+        columns[name] = values.to_pylist() if plain else table[name]
+    return columns
+
+
+def _pair(
+    transform: PreferenceToMessages, sample: Mapping[str, Any]
+) -> tuple[dict[str, list[Message]], str, str]:
+    """A record's chosen and rejected conversations, and the first problem with them ("" when
+    there is none) with the side it is on."""
+    pair: dict[str, list[Message]] = {}
+    for side in SIDES:
+        messages, problem = transform.messages(sample, side)
+        pair[side] = messages
+        if not problem and side == "rejected" and _prompt(messages) != _prompt(pair["chosen"]):
+            problem = (
+                "its conversation before the answer differs from the chosen one's; a pair holds "
+                "two answers to one prompt"
+            )
+        if problem:
+            return pair, problem, side
+    return pair, "", SIDES[0]
+
+
+def _prompt(messages: list[Message]) -> list[tuple[str, str]]:
+    """A conversation before its answer, as the roles and texts that make it."""
+    return [(m.role, m.text_content) for m in messages[:-1]]
 
 
 def _template_tokens(tokenizer: ChatTokenizer) -> int:
