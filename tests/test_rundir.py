@@ -170,3 +170,24 @@ def test_the_latest_checkpoint_is_the_newest_whole_one(
     tmp.mkdir()
     run.commit_checkpoint(tmp, 10, keep_last=2)
     assert [step for step, _ in run.checkpoints()] == [4, 10]
+
+
+@pytest.mark.parametrize(
+    "key", ["hf_token", "HF_TOKEN", "token", "GITHUB_TOKEN", "api_key", "WANDB_API_KEY", "secret"]
+)
+def test_a_credential_is_redacted_from_the_manifest(key: str) -> None:
+    from runner.rundir.manifest import REDACTED, redact
+
+    assert redact({"runtime": {key: "s3cr3t"}}) == {"runtime": {key: REDACTED}}
+
+
+@pytest.mark.parametrize(
+    "key", ["eval_max_new_tokens", "eos_token_id", "bos_token", "TOKENIZERS_PARALLELISM"]
+)
+def test_a_count_or_special_token_is_kept_in_the_manifest_and_its_hash(key: str) -> None:
+    """A key with 'token' in its name that holds no credential: its value is the run's, and
+    two runs that differ in it hash apart (they hashed alike when every 'token' was hidden)."""
+    from runner.rundir.manifest import config_hash, redact
+
+    assert redact({"dataset": {key: 12}}) == {"dataset": {key: 12}}
+    assert config_hash({"dataset": {key: 12}}) != config_hash({"dataset": {key: 99}})

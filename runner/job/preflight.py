@@ -150,7 +150,8 @@ def estimate(recipe: DictConfig) -> Estimate:
     with QLoRA its projections take NF4's ~4.1 bits a weight. bf16_mixed in one process also
     holds autocast's bf16 copy of the weights.
     Activations, in the compute dtype, follow Korthikanti et al. (2022) for the longest sample
-    in a full batch, with layer inputs only under activation checkpointing, plus the fp32 logits.
+    in a full batch, with layer inputs only under activation checkpointing, plus the fp32 logits;
+    without the attention scores where fused attention keeps none (_activations).
     """
     counts = _parameter_counts(recipe)
     world = recipe.compute.nproc_per_node * recipe.compute.nnodes
@@ -304,10 +305,23 @@ def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
     pass takes (dataset.max_forward_tokens)."""
     builder, batch = recipe.model.builder, _forward_samples(recipe, seq)
     hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
-    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) / 2
+    # Their 5as/h: the attention's scores, softmax and dropout mask, quadratic in the length.
+    # Fused attention (SDPA on the CPU and CUDA, flex, varlen) keeps none of them; a torchtune
+    # attention that does its own arithmetic on a dense mask (Gemma 2's soft-capping) does.
+    scores = 5 * heads * seq / hidden if _computes_scores(recipe.model) else 0
+    per_layer = seq * batch * hidden * (34 + scores) / 2
     kept = layers * seq * batch * hidden + per_layer
     values = kept if recipe.activation_checkpointing else layers * per_layer
     return values, seq * batch * builder["vocab_size"] * 4
+
+
+def _computes_scores(model: DictConfig) -> bool:
+    """Whether the model's attention computes its scores itself, keeping them for backward."""
+    from runner.models.families import family_named
+
+    if model.backend != "torchtune" or model.family is None:
+        return False
+    return not family_named(model.family).block_mask
 
 
 def _adapter_parameters(backend: Backend, lora: DictConfig) -> int:

@@ -33,7 +33,14 @@ PACKAGES = (
     "safetensors",
     "numpy",
 )
-SECRET_KEY = re.compile(r"token|secret|password|passwd|api[_-]?key|credential", re.IGNORECASE)
+# A key that holds a credential: a token as the last word of its name (hf_token, GITHUB_TOKEN,
+# token), where a tokenizer's special token (eos_token) or a count (max_new_tokens, bos_token_id,
+# TOKENIZERS_PARALLELISM) is none; a secret, password, API key or credential anywhere in it.
+SECRET_KEY = re.compile(
+    r"(?<!bos)(?<!eos)(?<!pad)(?<!unk)(?<!sep)(?<!cls)(?<!mask)(^|[_.-])token$"
+    r"|secret|password|passwd|api[_-]?key|credential",
+    re.IGNORECASE,
+)
 REDACTED = "<redacted>"
 # Recipe keys that name this run rather than what it computes: left out of the config hash.
 RUN_SPECIFIC_KEYS = ("run_dir", "stop_at_step")
