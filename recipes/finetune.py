@@ -314,6 +314,10 @@ class FinetuneRecipe:
         self.step = state["step"]
         # A training state written without evaluation has no best.
         self.best = state.get("best")
+        loaded = RunDir(checkpoint.parents[1].resolve())  # RUN/checkpoints/step_N
+        if self.best and loaded.path != self.run.path.resolve():
+            # Continued from another run's checkpoint (load_checkpoint): its best is there.
+            self.best.setdefault("checkpoint", str(loaded.checkpoint_path(self.best["step"])))
         self.data.restore(state, checkpoint)
         checkpointing.restore_rng(state, self.place)
         if self.is_rank_zero:
@@ -368,7 +372,8 @@ class FinetuneRecipe:
         """status.json's `best`: the best evaluation and its checkpoint (once saved), or None."""
         if self.best is None:
             return None
-        return {**self.best, "checkpoint": str(self.run.checkpoint_path(self.best["step"]))}
+        own = str(self.run.checkpoint_path(self.best["step"]))
+        return {**self.best, "checkpoint": self.best.get("checkpoint", own)}
 
     def _best_field(self) -> dict[str, Any]:
         best = self.best_checkpoint()

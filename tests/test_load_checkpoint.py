@@ -31,6 +31,18 @@ def straight(tmp_path_factory: pytest.TempPathFactory, forked_cli) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def lora_run(straight: Path, tmp_path_factory: pytest.TempPathFactory, forked_cli) -> Path:
+    """Two LoRA steps on the straight run's step-4 weights, checkpointed and evaluated at step 2."""
+    run = tmp_path_factory.mktemp("lora") / "run"
+    given = [f"load_checkpoint.path={straight}", "load_checkpoint.mode=weights", "method=lora"]
+    result = forked_cli(
+        ["train", *STEPS, *given, "max_steps=2", f"hydra.run.dir={run}"], run.parent, timeout_s=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
 def mount_with(tmp_path: Path, *entries: tuple[str, Path]) -> dict[str, str]:
     """A BT_LOAD_CHECKPOINT_DIR holding copies of `entries` (name, source) under a job folder."""
     mount = tmp_path / "loaded_checkpoints"
@@ -86,10 +98,37 @@ def test_a_run_given_with_mode_weights_gives_its_latest_weights(
     )
 
 
+def test_a_lora_run_is_continued_on_its_own_base_with_its_best(
+    runner_cli, straight: Path, lora_run: Path, tmp_path: Path
+) -> None:
+    """The continued run's adapter sits on the base the loaded run trained it on (it sat on the
+    seed's random weights, and its loss went back to the untrained model's), and its best,
+    where no later evaluation beats it, names the loaded run's checkpoint (it named one of the
+    new run's, never saved)."""
+    import json
+
+    run = tmp_path / "new"
+    given = [f"load_checkpoint.path={lora_run}", "method=lora", "max_steps=3"]
+    # No evaluation in the new run: its best stays the loaded run's.
+    unevaluated = ["eval.strategy=no", "objective.metric=loss"]
+    result = runner_cli("train", *STEPS, *given, *unevaluated, f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    base = str(straight / "checkpoints" / "step_4")
+    assert OmegaConf.load(run / "recipe.yaml").model.source == base
+    adapter = json.loads((run / "checkpoints" / "step_3" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == base
+    # Trained on the base it adapts: its loss is the loaded run's, below the untrained model's.
+    assert abs(losses(run)[3] - losses(lora_run)[2]) < 0.05 < losses(straight)[1] - losses(run)[3]
+    best = json.loads((run / "status.json").read_text())["best"]
+    assert best["checkpoint"] == str(lora_run / "checkpoints" / "step_2"), best
+
+
 @pytest.mark.parametrize(
     "case",
     [
         "two_mounted",
+        "another_shape",
+        "weights_of_an_adapter",
         "not_a_checkpoint",
         "both_sources",
         "resume_a_model",
@@ -99,13 +138,22 @@ def test_a_run_given_with_mode_weights_gives_its_latest_weights(
     ],
 )
 def test_what_cannot_be_started_from_is_refused_by_name(
-    runner_cli, straight: Path, tmp_path: Path, case: str
+    runner_cli, straight: Path, tmp_path: Path, case: str, request: pytest.FixtureRequest
 ) -> None:
     step = straight / "checkpoints" / "step_4"
     env, extra = None, []
     if case == "two_mounted":
         env = mount_with(tmp_path, ("a", step), ("b", straight))
         wanted = "2 checkpoints are mounted there"
+    elif case == "another_shape":
+        # Its weights load into no model of another shape (a load_state_dict traceback).
+        extra = [f"load_checkpoint.path={straight}", "model.builder.num_layers=1", "max_steps=6"]
+        wanted = "a run of model.builder.num_layers=4, where this run's model has 1"
+    elif case == "weights_of_an_adapter":
+        # A LoRA run's checkpoints hold its adapter alone (the model.source error, no config.json).
+        lora = request.getfixturevalue("lora_run")
+        extra = [f"load_checkpoint.path={lora}", "load_checkpoint.mode=weights"]
+        wanted = "saved a LoRA adapter, not the whole model's weights"
     elif case == "not_a_checkpoint":
         extra, wanted = [f"load_checkpoint.path={tmp_path}"], "neither a runner run directory"
     elif case == "both_sources":

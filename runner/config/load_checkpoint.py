@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import override_key
 from runner.errors import UserError
@@ -115,30 +115,68 @@ def resolve_load_checkpoint(
             f"; give {' or '.join(MODES) if found == 'resume' else 'weights'} (or leave the "
             "default, which is what the path is)",
         )
+    given = [o for o in overrides if override_key(o) == "model.source"]
+    if given:
+        raise UserError(
+            "load_checkpoint.path",
+            str(path),
+            f"and {given[0]} both name the weights to start from; set "
+            "load_checkpoint.path=null to train from model.source",
+        )
     if section.mode == "weights":
         if found == "resume":  # the weights of the run's latest whole checkpoint
-            _, path = latest_whole_checkpoint(path)
-        given = [o for o in overrides if override_key(o) == "model.source"]
-        if given:
-            raise UserError(
-                "load_checkpoint.path",
-                str(path),
-                f"and {given[0]} both name the weights to start from; set "
-                "load_checkpoint.path=null to train from model.source",
-            )
+            _, path = _whole_weights(path)
         return str(path), None
     step, checkpoint = latest_whole_checkpoint(path)
-    _check_continuable(path, step, checkpoint, cfg)
-    return None, str(checkpoint)
+    loaded = OmegaConf.load(path / RECIPE_FILE)
+    _check_continuable(path, step, checkpoint, cfg, loaded.method.name)
+    # The model the loaded run trained: a LoRA adapter's base, DPO's reference (its own
+    # RUN/base_model where it started from the seed), a full run's source.
+    return loaded.method.base_model_dir or loaded.model.source, str(checkpoint)
 
 
-def _check_continuable(run: Path, step: int, checkpoint: Path, cfg: DictConfig) -> None:
+def _whole_weights(run: Path) -> tuple[int, Path]:
+    """(step, path) of a loaded run's latest whole checkpoint, which holds the whole model's
+    weights (a LoRA run's holds its adapter alone, unless method.save_merged)."""
+    step, checkpoint = latest_whole_checkpoint(run)
+    if _mode(checkpoint) != "weights":
+        raise UserError(
+            "load_checkpoint.mode",
+            "weights",
+            f"load_checkpoint.path={run} saved a LoRA adapter, not the whole model's weights: "
+            f"export them merged (runner export checkpoint={run} format=merged) and give that "
+            "as load_checkpoint.path, or continue the run by its method (load_checkpoint.mode="
+            "resume)",
+        )
+    return step, checkpoint
+
+
+def check_same_model(resume_from: str, builder: dict[str, Any]) -> None:
+    """A continued run's model is the shape of the loaded run's (its checkpoint's weights load
+    into no other)."""
+    run = Path(resume_from).parents[1]  # RUN/checkpoints/step_N
+    loaded = OmegaConf.to_container(OmegaConf.load(run / RECIPE_FILE).model.builder)
+    assert isinstance(loaded, dict)
+    differ = [
+        key for key in sorted(set(loaded) | set(builder)) if loaded.get(key) != builder.get(key)
+    ]
+    if differ:
+        key = differ[0]
+        raise UserError(
+            "load_checkpoint.path",
+            str(run),
+            f"a run of model.builder.{key}={loaded.get(key)}, where this run's model has "
+            f"{builder.get(key)}; continue it with its model as it recorded it, or train this "
+            "model from its own start (load_checkpoint.path=null)",
+        )
+
+
+def _check_continuable(
+    run: Path, step: int, checkpoint: Path, cfg: DictConfig, method: str
+) -> None:
     """A run continued from another's checkpoint trains by its method and on past its step:
     another method's checkpoint holds other weights (an adapter, or none), and a max_steps at or
     below its step would train nothing and save no checkpoint."""
-    from omegaconf import OmegaConf
-
-    method = OmegaConf.load(run / RECIPE_FILE).method.name
     if method != cfg.method.name:
         raise UserError(
             "method",
@@ -157,6 +195,10 @@ def _check_continuable(run: Path, step: int, checkpoint: Path, cfg: DictConfig) 
             "max_steps",
             cfg.max_steps,
             f"load_checkpoint.path={run} is already at step {step}: give max_steps above "
-            f"{step} to train on from it, or load_checkpoint.mode=weights to start afresh from "
-            "its weights",
+            f"{step} to train on from it"
+            + (
+                ", or load_checkpoint.mode=weights to start afresh from its weights"
+                if _mode(checkpoint) == "weights"
+                else ""
+            ),
         )

@@ -25,13 +25,14 @@ from runner.config.dataset import (
     resolve_dataset,
 )
 from runner.config.evaluation import resolve_eval, resolve_objective
-from runner.config.load_checkpoint import resolve_load_checkpoint
+from runner.config.load_checkpoint import check_same_model, resolve_load_checkpoint
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_pairing, resolve_method
 from runner.config.model import ModelRecipe, resolve_model
 from runner.config.optimizer import resolve_optimizer
 from runner.config.runtime import resolve_runtime
 from runner.config.schema import Recipe, Training, typed
+from runner.errors import UserError
 from runner.hub.download import Hub, localize
 
 
@@ -62,8 +63,16 @@ def resolve_recipe(
     # Last among the checks: fetching a source is the slow part.
     hub = Hub.from_runtime(cfg.runtime, list(overrides))
     cfg, hub_sources = localize(cfg, hub, only_cached=not fetch)
-    model = resolve_model(cfg.model, need_files=fetch)
+    try:
+        model = resolve_model(cfg.model, need_files=fetch)
+    except UserError as err:
+        if loaded_weights is None or err.key != "model.source":
+            raise
+        # The source is what load_checkpoint.path gave, which the user typed.
+        raise UserError("load_checkpoint.path", cfg.load_checkpoint.path, err.fix) from None
     built_once(model.builder, "model.builder")
+    if resume_from is not None:
+        check_same_model(resume_from, model.builder)
     loss = resolve_loss(cfg.loss)
     method = resolve_method(cfg.method, model, run_dir, compute)
     dataset = _dataset(cfg.dataset, model, compute)
