@@ -191,3 +191,28 @@ def test_a_count_or_special_token_is_kept_in_the_manifest_and_its_hash(key: str)
 
     assert redact({"dataset": {key: 12}}) == {"dataset": {key: 12}}
     assert config_hash({"dataset": {key: 12}}) != config_hash({"dataset": {key: 99}})
+
+
+def _write_status_often(path: str) -> None:
+    from runner.rundir.io import write_json_atomic
+
+    for i in range(300):
+        write_json_atomic(Path(path), {"state": "running", "write": i})
+
+
+def test_two_processes_write_one_status_file_without_taking_each_others(tmp_path: Path) -> None:
+    """The nodes of a run write one status.json on shared storage at the same moments (a
+    disagreement found at the rendezvous): under one temporary name, one's rename took the
+    other's file (FileNotFoundError, a traceback where the one-line message belonged)."""
+    import multiprocessing
+
+    status = tmp_path / "status.json"
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_status_often, args=(str(status),)) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    assert json.loads(status.read_text())["write"] == 299
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -15,8 +16,9 @@ def now_iso() -> str:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Writes under a temporary name and renames it, so readers (and a run killed mid-write,
-    then resumed) never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    then resumed) never see half a file. The name is this process's own: the nodes of a run
+    write one status.json on shared storage, and one's rename took another's file."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
