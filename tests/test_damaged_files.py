@@ -233,29 +233,34 @@ def test_resume_names_a_source_cut_short_since(runner_cli, tiny_source, tmp_path
 
 # ---- resume ---------------------------------------------------------------------------------
 def test_resume_passes_over_a_damaged_newest_checkpoint(runner_cli, tmp_path: Path) -> None:
-    """Killed while its step-4 checkpoint's weights or training state were cut short: resume
-    sets that checkpoint aside, warns naming the file, and trains on from step 2 as if
-    interrupted there."""
+    """Killed while its step-4 checkpoint's weights or training state were cut short, or its
+    weights deleted since: resume sets that checkpoint aside, warns naming the file, and trains
+    on from step 2 as if interrupted there."""
     straight = tmp_path / "straight"
     args = [*QUICK, "compute=cpu", "max_steps=4", "runtime.save_every_n_steps=2"]
     args += ["runtime.log_every_n_steps=1", "eval.strategy=no", f"hydra.run.dir={straight}"]
     result = runner_cli("train", *args)
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("model.safetensors", "training_state.pt"):
-        run = tmp_path / f"cut-{name}"
+    # A file cut short, or deleted (a checkpoint's own files were looked at, not those missing).
+    damages = [("model.safetensors", "is cut short"), ("training_state.pt", "is cut short")]
+    for name, problem in [*damages, ("model.safetensors", "is missing")]:
+        run = tmp_path / f"{problem.split()[-1]}-{name}"
         shutil.copytree(straight, run)
         recipe = (run / "recipe.yaml").read_text().replace(str(straight), str(run))
         (run / "recipe.yaml").write_text(recipe)
         status = json.loads((run / "status.json").read_text())
         (run / "status.json").write_text(json.dumps({**status, "state": "failed"}))
-        cut_short(run / "checkpoints" / "step_4" / name)
+        if problem == "is missing":
+            (run / "checkpoints" / "step_4" / name).unlink()
+        else:
+            cut_short(run / "checkpoints" / "step_4" / name)
 
         result = runner_cli("train", f"resume={run}")
         assert result.returncode == 0, result.stderr[-3000:]
         checkpoints = run / "checkpoints"
         warning = f"checkpoint step_4 is damaged, set aside as {checkpoints / '.damaged-step_4'}"
         assert warning in result.stderr
-        assert f"{checkpoints / 'step_4' / name} is cut short" in result.stderr
+        assert f"{checkpoints / 'step_4' / name} {problem}" in result.stderr
         assert f"resuming from {checkpoints / 'step_2'} at step 2" in result.stderr
         assert sorted(p.name for p in checkpoints.iterdir()) == [
             ".damaged-step_4",

@@ -69,10 +69,16 @@ def check_safetensors(path: Path, *, key: str) -> None:
 
 
 def checkpoint_problem(checkpoint: Path) -> str:
-    """What is wrong with a checkpoint's files ("" if nothing): each safetensors file and the
-    training state it holds. A file it lacks is not looked for: a checkpoint is committed whole,
-    by a rename, and its kind (full, LoRA, LoRA with merged weights) says which it holds."""
-    for path in sorted(checkpoint.glob("*.safetensors")):
+    """What is wrong with a checkpoint's files ("" if nothing): the weights its configs name
+    (config.json's model, adapter_config.json's adapter: a full run's, a LoRA run's, both with
+    merged weights), each safetensors file, and the training state it holds (none where it was
+    not written by training: a published model)."""
+    named = set(checkpoint.glob("*.safetensors"))
+    if (checkpoint / HF_CONFIG_FILE).is_file():
+        named.update(weight_files(checkpoint))
+    if (checkpoint / ADAPTER_CONFIG_FILE).is_file():
+        named.add(checkpoint / ADAPTER_FILE)
+    for path in sorted(named):
         problem = _safetensors_problem(path)
         if problem:
             return f"{path} {problem}"
