@@ -207,7 +207,7 @@ def test_two_processes_write_one_status_file_without_taking_each_others(tmp_path
     import multiprocessing
 
     status = tmp_path / "status.json"
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")
     writers = [context.Process(target=_write_status_often, args=(str(status),)) for _ in range(2)]
     for writer in writers:
         writer.start()
