@@ -220,12 +220,13 @@ class FinetuneRecipe:
             if self._last_step():
                 self._log_totals()
             self.reporter.advance()
-            # A new best is saved at its step, whatever the checkpoint cadence.
-            improved = self._eval_due() and self.evaluate()
-            stop = self._stop_due()
-            if stop or improved or (save_every and self.step % save_every == 0):
-                losses.read(self.step)
-                self.save_checkpoint()
+            with throughput.paused():
+                # A new best is saved at its step, whatever the checkpoint cadence.
+                improved = self._eval_due() and self.evaluate()
+                stop = self._stop_due()
+                if stop or improved or (save_every and self.step % save_every == 0):
+                    losses.read(self.step)
+                    self.save_checkpoint()
             if stop:
                 break
         profiler.stop(self.step)  # a window the run stopped in

@@ -267,3 +267,18 @@ def test_a_cuda_traces_kernels_fall_in_their_kinds() -> None:
         "void at::native::vectorized_layer_norm_kernel<c10::BFloat16>": "other",
     }
     assert {name: kind_of(name) for name in names} == names
+
+
+def test_the_throughput_leaves_evaluations_and_saves_out() -> None:
+    """The step logged after an evaluation or a checkpoint read 10-100x below the others: its
+    window held their time (tokens_per_s in metrics.jsonl, every tracker, the ETA)."""
+    import time
+
+    from runner.trainer.progress import Throughput
+
+    throughput = Throughput()
+    throughput.add(1000)
+    with throughput.paused():
+        time.sleep(0.5)  # an evaluation
+    # What is left is the few statements around the pause: well under a tenth of it.
+    assert throughput.read() > 1000 / 0.05
