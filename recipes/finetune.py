@@ -323,7 +323,7 @@ class FinetuneRecipe:
         checkpointing.restore_rng(state, self.place)
         if self.is_rank_zero:
             self.run.truncate_metrics(self.step)
-            print(f"resuming from {checkpoint} at step {self.step}", file=sys.stderr)
+            process.tell(f"resuming from {checkpoint} at step {self.step}")
 
     # ---- evaluation ---------------------------------------------------------------------
     def _eval_due(self) -> bool:

@@ -111,6 +111,12 @@ def test_stop_then_resume_through_the_cli(runner_cli, hermetic_env, tmp_path: Pa
     resumed = runner_cli("resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert state_of(run_dir)["state"] == "completed" and state_of(run_dir)["step"] == 100
+    # `runner logs` tells where the first run ended and the resumed one began (train.log had
+    # neither line: the console's alone).
+    logs = runner_cli("logs", str(run_dir)).stdout
+    checkpoint = run_dir / "checkpoints" / f"step_{status['step']}"
+    assert f"stopped by SIGTERM at step {status['step']}: checkpoint {checkpoint}" in logs, logs
+    assert f"resuming from {checkpoint} at step {status['step']}" in logs, logs
     again = runner_cli("resume", str(run_dir))
     assert (
         again.returncode == 2

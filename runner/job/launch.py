@@ -42,6 +42,7 @@ from runner.config import platforms
 from runner.rundir import RunDir
 from runner.trainer import determinism
 from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG
+from runner.trainer.process import tell
 
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
 RECIPE_MODULE = "runner.recipes.finetune"
@@ -288,27 +289,26 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         _cancelled_before_workers(run, err.sigval)
         _check_out()
         name = signal.Signals(err.sigval).name
-        print(f"stopped by {name}; status in {recipe.run_dir}/status.json", file=sys.stderr)
+        tell(f"stopped by {name}; status in {recipe.run_dir}/status.json")
         raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure = min(err.failures.items())
         error = run.status().error or "see its output above"
-        print(
+        tell(
             f"training failed after {config.max_restarts} restart(s) (compute.max_restarts): "
-            f"rank {rank} exited with {failure.exitcode}; {error}",
-            file=sys.stderr,
+            f"rank {rank} exited with {failure.exitcode}; {error}"
         )
         raise SystemExit(1) from None
     except RendezvousError as err:
         message = _rendezvous_failure(err, recipe.compute, node_rank, run.latest_checkpoint())
         # Every node that reports it writes the same; a node that lost its group has no rank 0.
         run.write_status("failed", error=message)
-        print(message, file=sys.stderr)
+        tell(message)
         raise SystemExit(1) from None
     # Workers stopped by SIGTERM end cleanly (no restart) and leave the run `cancelled`.
     status = run.status()
     if status.state == "cancelled":
-        print(f"{status.error}; status in {run.path}/status.json", file=sys.stderr)
+        tell(f"{status.error}; status in {run.path}/status.json")
         raise SystemExit(EXIT_SIGTERM)
 
 

@@ -60,13 +60,21 @@ class StopRequest:
 STOP = StopRequest()
 
 
+def tell(line: str) -> None:
+    """A line for the user on stderr that train.log keeps too (its console handler shows
+    warnings only): how a run resumed, stopped or failed, which `runner logs` shows after."""
+    log.info(line)
+    print(line, file=sys.stderr, flush=True)
+
+
 def _log_to_file(path: Path) -> None:
     """Sends the recipe's log lines to the run's log file, unless Hydra already does."""
     root = logging.getLogger()
     if any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
         return
     handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    # Hydra's format (conf/hydra/job_logging/runner.yaml), as a one-process run writes it.
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
 
@@ -153,12 +161,14 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
     except BaseException as err:
         state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
         at_step = {"step": err.step} if isinstance(err, Diverged) else {}
-        status(state, error=_error_message(err, cfg), **at_step)
+        message = _error_message(err, cfg)
+        status(state, error=message, **at_step)
+        log.info("%s at step %d: %s", state, recipe.step, message)  # the console's is the CLI's
         lost = lost_peer_line(err)
         if lost is None:
             raise  # a bug: its traceback is the report
         # Not a bug but a peer gone: one line, then the launcher's message.
-        print(lost, file=sys.stderr, flush=True)
+        tell(lost)
         raise SystemExit(1) from None
     finally:
         if heartbeat is not None:
@@ -168,10 +178,9 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
             dist.destroy_process_group()
     if recipe.stopped_by is not None:
         if rank_zero:
-            print(
+            tell(
                 f"{recipe.stopped_by}: checkpoint {recipe.run.latest_checkpoint()}; "
-                f"`runner resume {cfg.run_dir}` continues",
-                file=sys.stderr,
+                f"`runner resume {cfg.run_dir}` continues"
             )
         # A worker of the elastic agent ends cleanly, so that no agent restarts the group; the
         # launcher reads `cancelled` and exits 143 itself (runner/job/launch.py).
