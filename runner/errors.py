@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+# A key that holds a credential: a token as the last word of its name (hf_token, GITHUB_TOKEN,
+# token), where a tokenizer's special token (eos_token) or a count (max_new_tokens, bos_token_id,
+# TOKENIZERS_PARALLELISM) is none; a secret, password, API key or credential anywhere in it.
+SECRET_KEY = re.compile(
+    r"(?<!bos)(?<!eos)(?<!pad)(?<!unk)(?<!sep)(?<!cls)(?<!mask)(^|[_.-])token$"
+    r"|secret|password|passwd|api[_-]?key|credential",
+    re.IGNORECASE,
+)
+# A value shaped as the tokens of the services a run talks to (the hub's hf_..., OpenAI's sk-...,
+# GitHub's, Slack's, GitLab's): never echoed, whatever key it was given to.
+SECRET_VALUE = re.compile(r"(hf_|sk-|ghp_|gho_|github_pat_|xox[abpr]-|glpat-)[A-Za-z0-9_-]{6,}")
+HIDDEN = "<hidden>"
 
 
 class UserError(Exception):
@@ -11,7 +25,9 @@ class UserError(Exception):
 
     The message names the key, the bad value and the fix: `key='value': fix` (a bool as `true`
     or `false`, as typed), or `key: fix` where the value is None (nothing typed: an argument
-    left out, a key left null), which is no value a user gave.
+    left out, a key left null), which is no value a user gave. A secret is shown as '<hidden>'
+    (_looks_secret: a token typed under a misspelt key, runtime.hf_tokn=hf_..., or any value of
+    a credential's key, +model.api_key=...).
     """
 
     exit_code = 2
@@ -20,11 +36,24 @@ class UserError(Exception):
         self.key, self.value, self.fix = key, value, fix
         if value is None:
             given = ""
+        elif _looks_secret(key, value):
+            given = f"={HIDDEN!r}"
         elif isinstance(value, bool):
             given = f"={str(value).lower()}"  # as YAML and the command line spell it
         else:
             given = f"={value!r}"
         super().__init__(f"{key}{given}: {fix}")
+
+
+def _looks_secret(key: str, value: object) -> bool:
+    """A value shaped as a token, or a credential key's value other than a reference to one
+    (env:NAME, file:PATH: runtime.hf_token's forms) or the bare name of a variable."""
+    if not isinstance(value, str) or value == HIDDEN:
+        return False
+    if SECRET_VALUE.search(value):
+        return True
+    reference = value.startswith(("env:", "file:")) or re.fullmatch(r"[A-Z_][A-Z0-9_]*", value)
+    return bool(SECRET_KEY.search(key.rpartition(".")[2])) and not reference
 
 
 def user_error_in(err: BaseException) -> UserError | None:

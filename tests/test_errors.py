@@ -210,6 +210,27 @@ def test_a_secret_typed_as_a_value_is_refused_before_any_config_is_printed(runne
             assert "s3cr3t" not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    "override",
+    ["runtime.hf_tokn=hf_s3cr3tvalue", "+model.api_key=s3cr3t", "runtime.env={HF_TOKEN:s3cr3t}"],
+)
+def test_a_secret_under_a_misspelt_or_unknown_key_is_never_echoed(runner_cli, override) -> None:
+    """The 'no such key' message showed the value, and for runtime.env={HF_TOKEN:...} told the
+    user to write the secret into runtime.env."""
+    result = runner_cli("validate", "compute=cpu", override)
+    assert result.returncode == 2 and "='<hidden>': " in result.stderr, result.stderr
+    assert "s3cr3t" not in result.stdout + result.stderr
+
+
+def test_a_dict_given_to_an_open_section_says_how_it_merges(runner_cli) -> None:
+    result = runner_cli("validate", "compute=cpu", "runtime.env={FOO:bar}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(
+        "error: runtime.env='{FOO:bar}': a dict of new keys merges into it with "
+        "+runtime.env={FOO:bar}"
+    ), result.stderr
+
+
 def test_pickled_weights_are_refused_naming_how_to_save_safetensors(runner_cli, tmp_path) -> None:
     """A pickle can run code as it loads: training, deploy and export take safetensors only."""
     from safetensors.torch import load_file

@@ -14,7 +14,7 @@ from hydra.errors import (
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from runner.config.fields import EVERY_KEY
-from runner.errors import UserError
+from runner.errors import HIDDEN, SECRET_KEY, UserError
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
 # A group of `runner train` that another command sets with a key of its own.
@@ -77,8 +77,15 @@ def _composition_error(
     if isinstance(cause, OmegaConfBaseException) and message.startswith("Could not override"):
         parent = getattr(cause, "parent_node", None)
         known = [str(k) for k in parent.keys()] if parent is not None else []
-        hint = _closest(str(cause.key), known)
+        close = difflib.get_close_matches(str(cause.key), known, n=1)
         key = str(cause.full_key)
+        if any(SECRET_KEY.search(name) for name in [key, *close]):  # runtime.hf_tokn=hf_...
+            given = HIDDEN
+        typed = re.match(r"Could not override '(.*)'", message)
+        if typed and key.startswith(f"{typed.group(1)}."):  # runtime.env={FOO:bar}
+            fix = f"a dict of new keys merges into it with +{typed.group(1)}={given}"
+            return UserError(typed.group(1), given, fix)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         add = f" (add it with +{key}={given})" if not hint and _addable(key) else ""
         return UserError(key, given, f"no such key; {hint}`{listed_by}` prints every key{add}")
     if isinstance(cause, ValidationError) and message.startswith("Error merging override"):

@@ -14,8 +14,7 @@ from omegaconf import MISSING, DictConfig
 from runner.config.fields import flag, integer
 from runner.config.loggers import check_loggers
 from runner.config.secrets import env_secret_error
-from runner.errors import UserError
-from runner.rundir.manifest import SECRET_KEY
+from runner.errors import SECRET_KEY, UserError
 
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP006, UP035, UP045

@@ -11,8 +11,7 @@ from __future__ import annotations
 import re
 
 from runner.config.fields import override_key
-from runner.errors import UserError
-from runner.rundir.manifest import SECRET_KEY
+from runner.errors import SECRET_KEY, UserError
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

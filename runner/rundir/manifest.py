@@ -16,6 +16,7 @@ from typing import Any, TypedDict
 from omegaconf import DictConfig
 
 from runner.components import plain_dict
+from runner.errors import SECRET_KEY
 from runner.rundir.io import write_json_atomic
 from runner.rundir.run import RunDir
 
@@ -32,14 +33,6 @@ PACKAGES = (
     "omegaconf",
     "safetensors",
     "numpy",
-)
-# A key that holds a credential: a token as the last word of its name (hf_token, GITHUB_TOKEN,
-# token), where a tokenizer's special token (eos_token) or a count (max_new_tokens, bos_token_id,
-# TOKENIZERS_PARALLELISM) is none; a secret, password, API key or credential anywhere in it.
-SECRET_KEY = re.compile(
-    r"(?<!bos)(?<!eos)(?<!pad)(?<!unk)(?<!sep)(?<!cls)(?<!mask)(^|[_.-])token$"
-    r"|secret|password|passwd|api[_-]?key|credential",
-    re.IGNORECASE,
 )
 REDACTED = "<redacted>"
 # Recipe keys that name this run rather than what it computes: left out of the config hash.
