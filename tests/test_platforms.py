@@ -349,6 +349,9 @@ def test_the_slurm_line_reads_its_node_from_slurm(runner_cli) -> None:
         (["compute=cpu"], "compute"),
         (["hydra.run.dir=/tmp/x"], "hydra.run.dir"),
         (["cluster.nodes=2", "compute.nnodes=3"], "compute.nnodes"),
+        # Every node runs the one line: a rank in it would be every node's.
+        (["cluster.print=slurm", "compute.node_rank=1"], "compute.node_rank"),
+        (["cluster.print=slurm", "++compute.node_rank=0"], "compute.node_rank"),
         (["cluster.print=kubeflow"], "cluster.kubeflow.image"),
         (["cluster.name=Bad_Name", "cluster.kubeflow.image=i"], "cluster.name"),
         (["cluster.print=pdf"], "cluster.print"),

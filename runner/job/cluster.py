@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import override_key
 from runner.config.hydra_errors import from_hydra_error
@@ -177,12 +177,20 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
     # Composing and typing check every train override (keys, options, types, bounds) before
     # anything is written.
     composed = typed(_compose_train(_on_multi_node(train_overrides)), listed_by=TRAIN_KEYS)
-    explicit = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in train_overrides if "=" in o}
+    explicit = {override_key(o): o.split("=", 1)[1] for o in train_overrides if "=" in o}
     if "compute.nnodes" in explicit and composed.compute.nnodes != cluster.nodes:
         raise UserError(
             "compute.nnodes",
             composed.compute.nnodes,
             f"cluster.nodes={cluster.nodes} sets the node count; drop compute.nnodes",
+        )
+    if "compute.node_rank" in explicit:
+        # Every node runs the one line: a rank in it would be every node's, and no two may share.
+        raise UserError(
+            "compute.node_rank",
+            OmegaConf.select(composed, "compute.node_rank", throw_on_resolution_failure=False),
+            "every node runs the same line and reads its own rank from its scheduler "
+            "(SLURM_NODEID, PET_NODE_RANK); drop compute.node_rank",
         )
     nproc = composed.compute.nproc_per_node if "compute.nproc_per_node" in explicit else None
     files = {}
