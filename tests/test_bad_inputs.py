@@ -261,6 +261,8 @@ CASES = [
     case("cluster-shared-dir", "cluster cluster.shared_dir=/shared/$HOME", "cluster.shared_dir="),
     case("cluster-unknown-key", "cluster cluster.gpus=4", "cluster.gpus="),
     case("cluster-train-key", "cluster batch_sise=3", "batch_sise="),
+    case("cluster-multirun", "cluster -m max_steps=1,2", "-m:", "hydra/launcher=slurm"),
+    case("cluster-slurm-time", "cluster cluster.slurm.time=forever", "cluster.slurm.time="),
 ]
 if not torch.cuda.is_available():
     CASES.append(case("compute-gpu-without-one", "validate compute=gpu", "compute="))

@@ -352,6 +352,11 @@ def test_the_slurm_line_reads_its_node_from_slurm(runner_cli) -> None:
         # Every node runs the one line: a rank in it would be every node's.
         (["cluster.print=slurm", "compute.node_rank=1"], "compute.node_rank"),
         (["cluster.print=slurm", "++compute.node_rank=0"], "compute.node_rank"),
+        # One job: a sweep is runner train -m hydra/launcher=slurm.
+        (["cluster.print=slurm", "-m", "max_steps=1,2"], "-m"),
+        (["cluster.print=slurm", "--multirun", "max_steps=1,2"], "--multirun"),
+        (["cluster.print=slurm", "cluster.slurm.time=forever"], "cluster.slurm.time"),
+        (["cluster.print=slurm", "cluster.slurm.time=1:2:3:4"], "cluster.slurm.time"),
         (["cluster.print=kubeflow"], "cluster.kubeflow.image"),
         (["cluster.name=Bad_Name", "cluster.kubeflow.image=i"], "cluster.name"),
         (["cluster.print=pdf"], "cluster.print"),
@@ -365,6 +370,17 @@ def test_cluster_refuses_what_cannot_run(args: list[str], key: str) -> None:
     with pytest.raises(UserError) as err:
         cluster_files(args)
     assert err.value.key == key
+
+
+def test_cluster_takes_sbatch_times_and_no_sweep() -> None:
+    """Each of sbatch's --time forms is written as given; a comma list is not sent to -m."""
+    for time in ("90", "90:30", "24:00:00", "2-12", "2-12:30", "2-12:30:00", "UNLIMITED"):
+        script = cluster_files(["cluster.print=slurm", f"cluster.slurm.time={time}"])["slurm"]
+        assert f"#SBATCH --time={time}\n" in script
+    with pytest.raises(UserError) as err:
+        cluster_files(["cluster.print=slurm", "max_steps=1,2"])
+    assert err.value.key == "max_steps" and "add -m" not in err.value.fix
+    assert "runner train -m hydra/launcher=slurm" in err.value.fix
 
 
 def test_cluster_command_prints_or_explains(runner_cli) -> None:

@@ -30,6 +30,19 @@ Prints a Slurm batch script and a Kubeflow Trainer TrainJob manifest that run
 The cluster keys and their defaults (conf/cluster.yaml):
 """
 _K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# sbatch's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds; or no limit. sbatch refuses anything else only
+# when the job is submitted, after the script was written and copied to the cluster.
+_SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:infinite|unlimited)")
+SLURM_TIME_FORMATS = (
+    "minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes or "
+    "days-hours:minutes:seconds (e.g. 24:00:00 or 2-00:00:00)"
+)
+# Where a sweep on a cluster is made: runner cluster prints the files of one job.
+CLUSTER_SWEEP = (
+    "runner cluster prints one job and has no -m; a sweep on a cluster is "
+    "`runner train -m hydra/launcher=slurm ...` (docs/sweeps.md)"
+)
 # What prints the keys of each config runner cluster composes (it is no Hydra app: `--cfg job`
 # is not its): its --help prints conf/cluster.yaml; the rest of its overrides are runner train's.
 CLUSTER_KEYS = "runner cluster --help"
@@ -44,6 +57,11 @@ def _compose_train(overrides: list[str]) -> DictConfig:
         error = from_hydra_error(err, command="train", listed_by=TRAIN_KEYS)
         if error is None:
             raise
+        if error.fix.startswith("a comma list is a sweep"):
+            # runner train's advice (add -m) is no option of runner cluster's.
+            listed = f"{error.key}=[{error.value}]"
+            fix = f"{CLUSTER_SWEEP}; for one value that is a list give {listed}"
+            raise UserError(error.key, error.value, fix) from None
         raise error from None
 
 
@@ -85,6 +103,8 @@ def train_command(train_overrides: list[str], run_dir: str) -> list[str]:
 def slurm_script(cluster: DictConfig, command: list[str]) -> str:
     """An sbatch script: one task per node, each running `command`."""
     slurm = cluster.slurm
+    if not _SLURM_TIME.fullmatch(str(slurm.time)):
+        raise UserError("cluster.slurm.time", slurm.time, f"give {SLURM_TIME_FORMATS}")
     options = {
         "job-name": cluster.name,
         "nodes": cluster.nodes,
@@ -168,6 +188,9 @@ def _of_cluster(override: str) -> str | None:
 
 def cluster_files(overrides: list[str]) -> dict[str, str]:
     """{"slurm": script, "kubeflow": manifest}, as cluster.print selects."""
+    for flag in ("-m", "--multirun"):
+        if flag in overrides:
+            raise UserError(flag, None, CLUSTER_SWEEP)
     by_cluster = {o: _of_cluster(o) for o in overrides}
     cluster_overrides = [own for own in by_cluster.values() if own is not None]
     train_overrides = [o for o, own in by_cluster.items() if own is None]
