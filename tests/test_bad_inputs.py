@@ -73,7 +73,21 @@ CASES = [
         "model.source=",
         "{files}/cut_ckpt",
     ),
-    case("model-builder-type", "estimate model.builder.num_layers=abc", "model.builder"),
+    case(
+        "model-builder-type", "estimate model.builder.num_layers=abc", "model.builder.num_layers="
+    ),
+    # a count of 0 builds a model with no layers, which fails only in training
+    case("model-builder-no-layers", "estimate model.builder.num_layers=0", "num_layers=0", ">= 1"),
+    case("model-builder-layers-train", "train model.builder.num_layers=-1", "num_layers=-1"),
+    # the one argument the builder refuses, else all of them (136 / 8 and 128 / 16 divide)
+    case(
+        "model-builder-one-arg", "validate model.builder.num_heads=7", "model.builder.num_heads=7"
+    ),
+    case(
+        "model-builder-together",
+        "validate model.builder.embed_dim=136 model.builder.num_heads=16",
+        "model.builder={",
+    ),
     # token ids against the model's embedding rows
     case("vocab-too-small", "validate model.builder.vocab_size=200", "model.builder.vocab_size="),
     case(

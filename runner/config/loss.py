@@ -16,7 +16,7 @@ def resolve_loss(loss: DictConfig) -> dict[str, Any]:
     from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
 
     resolved = plain_dict(loss, resolve=True)
-    built_once(resolved, "loss")
+    built_once(resolved, "loss", reference={})
     chunks = resolved.get("num_output_chunks", 1)
     if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks < 1:
         raise UserError(
@@ -32,22 +32,55 @@ def resolve_loss(loss: DictConfig) -> dict[str, Any]:
     return resolved
 
 
-def built_once(node: dict[str, Any], key: str) -> None:
+def built_once(node: dict[str, Any], key: str, reference: dict[str, Any] | None = None) -> None:
     """Builds a component node once (a builder on the meta device), so that a refused argument
-    (`loss.ignore_index=abc`, `model.builder.num_layers=abc`) fails here, not in training."""
-    import torch
+    (`loss.ignore_index=abc`, `model.builder.num_heads=7`) fails here, not in training.
 
+    `reference`: arguments known to build (the model option's own builder arguments; {} for a
+    component whose every argument has a default), against which the one argument refused on
+    its own is named; without one, or where no argument alone is at fault, all of them are.
+    """
     arguments = {k: v for k, v in node.items() if k != "_component_"}
     # None when the node names none: resolve_component refuses it by name.
     path: Any = node.get("_component_")
     component = resolve_component(path, f"{key}._component_")
     try:
-        with torch.device("meta"):
-            component(**arguments)
+        _build(component, arguments)
     except (TypeError, ValueError, AssertionError) as err:
+        culprit = _culprit(component, arguments, reference)
+        name, value = (f"{key}.{culprit}", arguments[culprit]) if culprit else (key, arguments)
+        what = "it" if culprit else "them"
         raise UserError(
-            key,
-            arguments,
-            f"{node['_component_']} refuses them ({err}); give arguments it takes (see its "
+            name,
+            value,
+            f"{node['_component_']} refuses {what} ({err}); give arguments it takes (see its "
             "documentation)",
         ) from None
+
+
+def _build(component: Any, arguments: dict[str, Any]) -> None:
+    import torch
+
+    with torch.device("meta"):
+        component(**arguments)
+
+
+def _culprit(
+    component: Any, arguments: dict[str, Any], reference: dict[str, Any] | None
+) -> str | None:
+    """The one argument that, put alone into `reference` (which builds), is refused; None
+    where there is no reference or no argument fails on its own."""
+    if reference is None:
+        return None
+    try:
+        _build(component, reference)
+    except (TypeError, ValueError, AssertionError):
+        return None  # another builder than the reference's: nothing to hold one argument to
+    for name, value in arguments.items():
+        if name in reference and reference[name] == value:
+            continue
+        try:
+            _build(component, {**reference, name: value})
+        except (TypeError, ValueError, AssertionError):
+            return name
+    return None

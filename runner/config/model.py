@@ -109,6 +109,48 @@ def _model_source(value: str | None) -> Path | None:
     return path
 
 
+# The builder arguments that count something (layers, heads, rows, widths, positions): torchtune
+# builds a model with 0 or -1 of them (no layers, an empty embedding), which fails only in
+# training, with an IndexError.
+COUNT_ARGS = (
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "embed_dim",
+    "vocab_size",
+    "intermediate_dim",
+    "head_dim",
+    "max_seq_len",
+)
+
+
+def check_builder_counts(args: dict[str, Any]) -> None:
+    """A UserError naming the first count argument of model.builder that is no integer >= 1
+    (null stays: a builder computes intermediate_dim or head_dim from the rest)."""
+    for name in COUNT_ARGS:
+        value = args.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"model.builder.{name}", value, "give an integer >= 1")
+
+
+def option_builder(name: str) -> dict[str, Any] | None:
+    """The builder arguments of the model option `name` as conf/model/ gives them (arguments
+    known to build, for naming the one a changed builder is refused for); None where the
+    option has no file or no builder (model=hf)."""
+    from runner.paths import CONF_DIR
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    option = OmegaConf.load(path)
+    builder = option.get("builder") if isinstance(option, DictConfig) else None
+    if not isinstance(builder, DictConfig):
+        return None
+    return {k: v for k, v in plain_dict(builder, resolve=True).items() if k != "_component_"}
+
+
 # Weight name -> shape (or, for a checkpoint that cannot be read, the reason).
 Shapes = dict[str, tuple[Any, ...]]
 
@@ -374,6 +416,7 @@ def _family_and_builder(
         assert derived is not None  # resolve_model refuses no builder and no source
         return family, {"_component_": family.builder, **derived}
     args = plain_dict(model.builder, resolve=True)
+    check_builder_counts(args)
     builder = {"_component_": builder_component(family, args), **args}
     if derived is not None:
         check_source_matches(family, builder, derived, str(model.source))

@@ -28,7 +28,7 @@ from runner.config.evaluation import resolve_eval, resolve_objective
 from runner.config.load_checkpoint import check_same_model, resolve_load_checkpoint
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_pairing, resolve_method
-from runner.config.model import ModelRecipe, resolve_model
+from runner.config.model import ModelRecipe, option_builder, resolve_model
 from runner.config.optimizer import resolve_optimizer
 from runner.config.runtime import resolve_runtime
 from runner.config.schema import Recipe, Training, typed
@@ -70,7 +70,7 @@ def resolve_recipe(
             raise
         # The source is what load_checkpoint.path gave, which the user typed.
         raise UserError("load_checkpoint.path", cfg.load_checkpoint.path, err.fix) from None
-    built_once(model.builder, "model.builder")
+    built_once(model.builder, "model.builder", reference=option_builder(model.name))
     if resume_from is not None:
         check_same_model(resume_from, model.builder)
     loss = resolve_loss(cfg.loss)
