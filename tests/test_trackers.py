@@ -182,6 +182,55 @@ def test_a_missing_tracker_package_is_a_user_error_before_anything_is_written(
     assert result.returncode == 2 and "listed twice" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("env", "refused"),
+    [
+        # MLflow 3 refuses a file store (a file: URI, a plain path) when the tracker starts.
+        ({"MLFLOW_TRACKING_URI": "file:///shared/mlruns"}, "runtime.loggers"),
+        ({"MLFLOW_TRACKING_URI": "/shared/mlruns"}, "runtime.loggers"),
+        (
+            {"MLFLOW_TRACKING_URI": "/x", "MLFLOW_ALLOW_FILE_STORE": "maybe"},
+            "MLFLOW_ALLOW_FILE_STORE",
+        ),
+        ({"MLFLOW_TRACKING_URI": "file:///shared/mlruns", "MLFLOW_ALLOW_FILE_STORE": "True"}, None),
+        ({"MLFLOW_TRACKING_URI": "/shared/mlruns", "MLFLOW_ALLOW_FILE_STORE": "1"}, None),
+        ({"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}, None),
+        ({"MLFLOW_TRACKING_URI": "http://mlflow:5000"}, None),
+    ],
+)
+def test_an_mlflow_file_store_without_its_opt_in_is_refused_up_front(
+    env: dict[str, str], refused: str | None
+) -> None:
+    from runner.config.loggers import check_loggers
+    from runner.errors import UserError
+
+    if refused is None:
+        check_loggers(["jsonl", "mlflow"], env=env)
+        return
+    with pytest.raises(UserError) as err:
+        check_loggers(["jsonl", "mlflow"], env=env)
+    assert err.value.key == refused
+    if refused == "runtime.loggers":
+        assert env["MLFLOW_TRACKING_URI"] in err.value.fix
+        assert "MLFLOW_ALLOW_FILE_STORE=true" in err.value.fix and "sqlite:///" in err.value.fix
+
+
+def test_runtime_env_reaches_the_mlflow_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime.env is the training processes' environment: its opt-in counts."""
+    from omegaconf import OmegaConf
+
+    from runner.config.runtime import Runtime, resolve_runtime
+    from runner.errors import UserError
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///shared/mlruns")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    runtime = OmegaConf.merge(OmegaConf.structured(Runtime(cache_dir="c")), {"loggers": ["mlflow"]})
+    with pytest.raises(UserError):
+        resolve_runtime(runtime)
+    runtime.env = {"MLFLOW_ALLOW_FILE_STORE": "true"}
+    assert resolve_runtime(runtime).loggers == ["mlflow"]
+
+
 def test_runtime_tensorboard_is_refused_with_its_replacement(runner_cli) -> None:
     result = runner_cli("validate", "runtime.tensorboard=false")
     assert result.returncode == 2

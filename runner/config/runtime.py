@@ -6,6 +6,7 @@ group as the user types it adds where runs are written and how hf:// sources are
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -61,7 +62,9 @@ def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
             runtime.tensorboard,
             f"replaced by runtime.loggers: write runtime.loggers={fix}",
         )
-    check_loggers(list(runtime.loggers))
+    env = _plain_env(runtime.env)
+    # runtime.env reaches the training processes (runner.job.launch), where the trackers start.
+    check_loggers(list(runtime.loggers), env={**os.environ, **env})
     if not (isinstance(runtime.progress_bar, bool) or runtime.progress_bar == "auto"):
         raise UserError("runtime.progress_bar", runtime.progress_bar, "give true, false or auto")
     return RuntimeRecipe(
@@ -72,7 +75,7 @@ def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
         project=runtime.project,
         progress_bar=runtime.progress_bar,
         deterministic=runtime.deterministic,
-        env=_plain_env(runtime.env),
+        env=env,
         hf_token=runtime.hf_token,
     )
 
