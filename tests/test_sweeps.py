@@ -13,6 +13,7 @@ import yaml
 
 from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
 
+SAMPLE = Path(__file__).parents[1] / "runner" / "assets" / "sample" / "train.jsonl"
 TINY_JOB = [*QUICK, "max_steps=4", "batch_size=4", "dataset.eval_samples=0"]
 
 
@@ -44,13 +45,20 @@ def test_sweep_summary_matches_its_run_directories(runner_cli, tmp_path: Path) -
 
 
 def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path) -> None:
+    """A job whose data holds no record fails at its checks, which read the data (the values of
+    a sweep are checked before it starts, its data files are not read)."""
+    empty, good = tmp_path / "empty.jsonl", tmp_path / "good.jsonl"
+    empty.write_text("")
+    good.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:40]))
     sweep = tmp_path / "sweep"
-    result = runner_cli("train", "-m", *TINY_JOB, "batch_size=0,4,0", f"hydra.sweep.dir={sweep}")
+    sources = f"dataset.source={empty},{good},{empty}"
+    data = ["dataset=instruct", sources, f"hydra.sweep.dir={sweep}"]
+    result = runner_cli("train", "-m", *TINY_JOB, *data)
     assert result.returncode == 2  # the number of failed jobs
     states = {r["job"]: r["state"] for r in summary_of(sweep)["runs"]}
     assert states == {"0": "failed", "1": "completed", "2": "failed"}
-    assert "batch_size=0" in summary_of(sweep)["runs"][0]["error"]
-    assert "job 0 failed: UserError: batch_size=0: give an integer >= 1" in result.stdout
+    assert "has no records" in summary_of(sweep)["runs"][0]["error"]
+    assert f"job 0 failed: UserError: dataset.source='{empty}': has no records" in result.stdout
     # Failed at its checks, a job recorded no recipe: a resume says there is nothing to go on.
     resumed = runner_cli("resume", str(sweep / "0"))
     assert resumed.returncode == 2, resumed.stderr
@@ -139,6 +147,19 @@ def test_optuna_search_optimizes_the_objective(runner_cli, tmp_path: Path) -> No
     assert len(rows) == 3
     found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert found["best_value"] == min(r["metric"] for r in rows)
+
+
+def test_a_bad_value_of_a_sweep_is_refused_before_any_job(runner_cli, tmp_path: Path) -> None:
+    """It was found when its job came, after the jobs before it trained, and a sweep refused
+    for a mistyped key left a directory holding Hydra's multirun.yaml alone."""
+    sweep = tmp_path / "sweep"
+    for values, wanted in (
+        ("optimizer.lr=1e-3,abc", "error: optimizer.lr='abc': give a number > 0"),
+        ("batch_sise=2,4", "error: batch_sise='2': no such key; did you mean 'batch_size'?"),
+    ):
+        result = runner_cli("train", "-m", *TINY_JOB, values, f"hydra.sweep.dir={sweep}")
+        assert result.returncode == 2 and wanted in result.stderr, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr and not sweep.exists()
 
 
 def test_an_optuna_direction_against_the_objective_is_refused_before_any_job(

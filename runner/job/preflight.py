@@ -29,7 +29,7 @@ BYTES = {"fp32": (4, 4), "bf16_mixed": (4, 2), "bf16": (2, 2)}
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
-def _recipe(
+def recipe_of(
     cfg: DictConfig, overrides: list[str] | None = None, estimating: bool = False
 ) -> DictConfig:
     """The recipe `runner train` would run; estimating, nothing is downloaded and a GPU layout
@@ -60,7 +60,7 @@ def check(
     `overrides`: those `cfg` was composed with (None: Hydra's, inside a Hydra app).
     """
     say = report or (lambda line: None)
-    recipe = _recipe(cfg, overrides=overrides)
+    recipe = recipe_of(cfg, overrides=overrides)
     say(OmegaConf.to_yaml(recipe))
     model = recipe.model
     weights = model.source or f"random init (seed {recipe.seed})"
@@ -390,5 +390,5 @@ def estimated(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[Dict
     uncached hf:// model is not downloaded. A GPU layout (compute=multi_gpu with
     compute.nproc_per_node=8) is priced on any machine, with or without GPUs: the model is built
     on the meta device. `overrides`: as for `check`."""
-    recipe = _recipe(cfg, overrides=overrides, estimating=True)
+    recipe = recipe_of(cfg, overrides=overrides, estimating=True)
     return recipe, estimate(recipe)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -210,6 +211,40 @@ def check_direction(sweeper: DictConfig, objective: DictConfig) -> None:
         )
 
 
+def check_sweep_values(config: DictConfig) -> None:
+    """Every value a sweep gives a key, composed and resolved as `runner estimate` resolves it
+    (every key checked, nothing read or downloaded) before any job starts or the sweep
+    directory is made: a bad value (optimizer.lr=1e-3,abc) was found
+    only when its job came, the jobs before it trained, and a refused sweep left a directory
+    holding Hydra's multirun.yaml alone. One job each, the value among the fixed overrides (a
+    value against each of another key's values would be their product); an Optuna sweep's
+    values are drawn as it goes, from ranges Optuna checks."""
+    # torchao, imported with the checks, says that it found no Triton (runner.models.
+    # torchtune_boundary demotes it to INFO), which the sweep process's console (Hydra's own
+    # logging, INFO and up) would show above the sweep.
+    logging.getLogger("torchao.kernel.intmm").setLevel(logging.ERROR)
+    from hydra import compose
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from runner.config.hydra_errors import as_user_error
+    from runner.job.preflight import recipe_of
+
+    if "direction" in config.hydra.sweeper:
+        return
+    overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    fixed = [str(o.input_line) for o in overrides if not o.is_sweep_override()]
+    for override in (o for o in overrides if o.is_sweep_override()):
+        for value in override.sweep_string_iterator():
+            job = [*fixed, f"{override.get_key_element()}={value}"]
+            try:
+                recipe_of(compose(config_name="train", overrides=job), job, estimating=True)
+            except Exception as err:
+                user_error = as_user_error(err, "train")
+                if user_error is None:
+                    raise
+                raise user_error from None
+
+
 def in_sweep_process() -> bool:
     """Whether this process is the sweep's own (its jobs run here one after another), not one
     of a parallel launcher's workers."""
@@ -278,6 +313,7 @@ class SweepSummary(Callback):
             check_direction(config.hydra.sweeper, config.objective)
             if parallel:
                 _check_jobs(config.hydra.launcher.n_jobs)
+            check_sweep_values(config)
         os.environ[SWEEP_PID_ENV] = str(os.getpid())
         if parallel:
             sweep_dir = Path(config.hydra.sweep.dir)
