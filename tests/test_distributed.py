@@ -340,6 +340,13 @@ def test_a_lost_node_started_again_rejoins_and_the_run_ends_with_the_same_losses
     node1 = start(lost_env, tmp_path, *args, "compute.node_rank=1")
     assert node1.wait(timeout=300) == -signal.SIGKILL
     assert node0.poll() is None  # waiting for the lost node
+    # Alive while node 0 waits for it: its workers' failure is a restart, not the run's end
+    # (status.json and `runner runs` read `failed` for the whole wait).
+    deadline = time.monotonic() + 60
+    while "restarting" not in (RunDir(run_dir).status().error or ""):
+        assert time.monotonic() < deadline, RunDir(run_dir).status()
+        time.sleep(0.5)
+    assert RunDir(run_dir).effective_state() == ("initializing", None)
     node1 = start(lost_env, tmp_path, *args, "compute.node_rank=1")  # the same line again
     (code0, out0), (code1, out1) = finish(node0), finish(node1)
     assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])

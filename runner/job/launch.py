@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from runner.components import plain_dict
 from runner.config import platforms
-from runner.rundir import RunDir
+from runner.rundir import ACTIVE_STATES, RunDir
 from runner.trainer import determinism
 from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG
 from runner.trainer.process import tell
@@ -293,11 +293,15 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure = min(err.failures.items())
-        error = run.status().error or "see its output above"
-        tell(
+        status = run.status()
+        error = status.error or "see its output above"
+        message = (
             f"training failed after {config.max_restarts} restart(s) (compute.max_restarts): "
             f"rank {rank} exited with {failure.exitcode}; {error}"
         )
+        if status.state in ACTIVE_STATES:  # a worker killed, or restarted until none was left
+            run.write_status("failed", error=message)
+        tell(message)
         raise SystemExit(1) from None
     except RendezvousError as err:
         message = _rendezvous_failure(err, recipe.compute, node_rank, run.latest_checkpoint())

@@ -162,6 +162,12 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
         at_step = {"step": err.step} if isinstance(err, Diverged) else {}
         message = _error_message(err, cfg)
+        left = _restarts_left()
+        if state == "failed" and left:
+            # The elastic agents start the workers again (a lost node may come back within
+            # compute.rdzv_timeout_s): the run lives on; the launcher records a failure at last.
+            state = "initializing"
+            message = f"restarting ({left} restart(s) left of compute.max_restarts) after {message}"
         status(state, error=message, **at_step)
         log.info("%s at step %d: %s", state, recipe.step, message)  # the console's is the CLI's
         lost = lost_peer_line(err)
@@ -187,6 +193,14 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             raise SystemExit(128 + STOP.signal)  # 143 for SIGTERM, 130 for Ctrl-C
     return result
+
+
+def _restarts_left() -> int:
+    """How many more times the elastic agent starts this process's group again once it fails
+    (torch elastic's environment of its workers; 0 for a process of no agent's)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    return 0 if count is None or most is None else max(0, int(most) - int(count))
 
 
 def _check_own_run(recipe_path: Path, cfg: DictConfig) -> None:
