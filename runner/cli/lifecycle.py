@@ -82,6 +82,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    if not args.timeout > 0:  # NaN too
+        raise UserError("--timeout", args.timeout, "give the seconds to wait, a number > 0")
     run = run_dir_at(args.run)
     state, why = run.effective_state()
     stopped = stopped_processes(run) if state == STALLED else []

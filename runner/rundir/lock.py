@@ -114,7 +114,8 @@ def _held_by(fd: int, path: Path, run_dir: Path, key: str) -> str:
     if key == "hydra.run.dir":
         fix = (
             "give another hydra.run.dir for a new run (or leave it out), or wait for that run "
-            f"to end (`runner stop {run_dir}` ends it, `runner resume {run_dir}` continues it)"
+            f"to end (`runner stop {run_dir}` ends it, and `runner resume {run_dir}` then "
+            "continues it)"
         )
     else:
         fix = f"wait for it to end, or `runner stop {run_dir}` and then resume it"
