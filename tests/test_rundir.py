@@ -216,3 +216,20 @@ def test_two_processes_write_one_status_file_without_taking_each_others(tmp_path
     assert [writer.exitcode for writer in writers] == [0, 0]
     assert json.loads(status.read_text())["write"] == 299
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+
+
+def test_runs_shows_the_step_of_a_loss_the_run_is_past(tmp_path: Path) -> None:
+    """A run at step 12 that logs every 5 steps: its last loss is step 10's, which `runner runs`
+    showed beside 12/300 with nothing saying so."""
+    from runner.job.lifecycle import runs_table
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_status("running", step=12, total_steps=300)
+    (run.path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in (5, 10))
+    )
+    (line,) = runs_table([run], tmp_path).splitlines()[1:]
+    assert line.split()[2:4] == ["12/300", "4.0000@10"], line
+    run.write_status("running", step=10)
+    assert runs_table([run], tmp_path).splitlines()[1].split()[2:4] == ["10/300", "4.0000"]

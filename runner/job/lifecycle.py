@@ -110,10 +110,10 @@ def _rewards_text(rewards: dict[str, float]) -> str:
 
 
 def runs_table(runs: list[RunDir], base: Path) -> str:
-    """One line per run: where, state, step of total, last loss, recorded best eval, a
-    preference run's reward accuracy and margin, age."""
+    """One line per run: where, state, step of total, last loss logged (with its step where the
+    run is past it), recorded best eval, a preference run's reward accuracy and margin, age."""
     head = (
-        f"{'run':<44} {'state':<13} {'step':>11} {'loss':>8} {'best eval@step':>26} "
+        f"{'run':<44} {'state':<13} {'step':>11} {'loss':>11} {'best eval@step':>26} "
         f"{'rewards':>24} {'age':>5}"
     )
     lines = [head]
@@ -122,17 +122,20 @@ def runs_table(runs: list[RunDir], base: Path) -> str:
         state, _ = run.effective_state()
         if state == STALLED:  # and for how long: the heartbeat's age
             state = f"{state} {_duration(run.seconds_since_heartbeat() or 0.0)}"
-        losses = list(run.losses().values())
+        losses = run.losses()
         best = status.best
         where = os.path.relpath(run.path, base)
         step = f"{status.step or 0}/{status.total_steps or '-'}"
-        loss = f"{losses[-1]:.4f}" if losses else "-"
+        loss = "-"
+        if losses:
+            logged = max(losses)  # the step of the last loss logged, which the run may be past
+            loss = f"{losses[logged]:.4f}" + (f"@{logged}" if logged != status.step else "")
         best_text = "-"
         if best is not None:
             best_text = f"{best['metric'].removeprefix('eval_')}={best['value']:.4g}@{best['step']}"
         rewards = _rewards_text(preference_rewards(run))
         lines.append(
-            f"{where:<44} {state:<13} {step:>11} {loss:>8} {best_text:>26} {rewards:>24} "
+            f"{where:<44} {state:<13} {step:>11} {loss:>11} {best_text:>26} {rewards:>24} "
             f"{_age(status.updated_at):>5}"
         )
     return "\n".join(lines)
