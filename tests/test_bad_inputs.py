@@ -216,6 +216,14 @@ CASES = [
         "runtime-save-every", "estimate runtime.save_every_n_steps=0", "runtime.save_every_n_steps="
     ),
     case("runtime-loggers", "estimate runtime.loggers=[maybe]", "runtime.loggers="),
+    # '': the runs went to the file system's root (/<date>/<time>)
+    case("runtime-output-root-empty", "train runtime.output_root=''", "runtime.output_root=''"),
+    case(
+        "runtime-output-root-a-file",
+        "train runtime.output_root={files}/full_ckpt/config.json/runs",
+        "runtime.output_root=",
+        "Not a directory",
+    ),
     # eval and objective
     case("eval-strategy", "estimate eval.strategy=sometimes", "eval.strategy="),
     case("objective-mode", "estimate objective.mode=up", "objective.mode="),

@@ -233,3 +233,28 @@ def test_runs_shows_the_step_of_a_loss_the_run_is_past(tmp_path: Path) -> None:
     assert line.split()[2:4] == ["12/300", "4.0000@10"], line
     run.write_status("running", step=10)
     assert runs_table([run], tmp_path).splitlines()[1].split()[2:4] == ["10/300", "4.0000"]
+
+
+def test_a_refused_output_root_leaves_nothing_in_the_working_directory(
+    runner_cli, tmp_path: Path
+) -> None:
+    """runtime.output_root=null was refused after a directory named None was made."""
+    result = runner_cli("train", "compute=cpu", "runtime.output_root=null", cwd=tmp_path)
+    assert result.returncode == 2 and "error: runtime.output_root: give the directory" in (
+        result.stderr
+    ), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_started_in_one_second_each_claim_a_directory(tmp_path: Path) -> None:
+    """Two `runner train` started together took one outputs/<date>/<time>, and the second was
+    refused for a hydra.run.dir it never gave: each claims its own, -1, -2 after the first."""
+    from omegaconf import OmegaConf
+
+    from runner.job.job import _unclaimed
+
+    config = OmegaConf.create({"hydra": {"overrides": {"hydra": []}}, "runtime": {}})
+    first = tmp_path / "outputs" / "2026-11-29" / "10-00-00"
+    claimed = [_unclaimed(first, config) for _ in range(3)]
+    assert [p.name for p in claimed] == ["10-00-00", "10-00-00-1", "10-00-00-2"]
+    assert all(p.is_dir() for p in claimed)

@@ -53,6 +53,15 @@ class Runtime(RuntimeRecipe):
     hub_model_ignore_patterns: List[str] = field(default_factory=list)
 
 
+def check_root(root: Any, key: str) -> None:
+    """runtime.output_root (multirun_root): a directory's path; '' made runs at the file
+    system's root (/<date>/<time>), and null a directory named None before it was refused."""
+    if not isinstance(root, str) or not root.strip():
+        default = Runtime.__dataclass_fields__[key.removeprefix("runtime.")].default
+        fix = f"give the directory to write runs under ({default}, the default)"
+        raise UserError(key, root, fix)
+
+
 def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
     """The recipe's runtime section: trackers checked, runtime.env free of secrets."""
     if runtime.tensorboard is not None:
@@ -62,6 +71,8 @@ def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
             runtime.tensorboard,
             f"replaced by runtime.loggers: write runtime.loggers={fix}",
         )
+    check_root(runtime.output_root, "runtime.output_root")
+    check_root(runtime.multirun_root, "runtime.multirun_root")
     env = _plain_env(runtime.env)
     # runtime.env reaches the training processes (runner.job.launch), where the trackers start.
     check_loggers(list(runtime.loggers), env={**os.environ, **env})

@@ -18,11 +18,12 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, read_write
 
 from runner.config.fields import override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
+from runner.config.runtime import check_root
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, user_errors_pass_hydra
 from runner.job.launch import (
@@ -124,13 +125,60 @@ class RunDirLock(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
         with user_errors_pass_hydra():
+            check_root(config.runtime.output_root, "runtime.output_root")  # before any mkdir
             run = RunDir(str(config.hydra.run.dir))  # as Hydra resolves it: ${now:} is cached
-            self._lock.enter_context(_trainer_lock(config, run))
+            if _fresh_by_time(config, run.path):
+                run = RunDir(_unclaimed(run.path, config))
+                with read_write(config.hydra):  # where Hydra's run_job writes, from here on
+                    config.hydra.run.dir = str(run.path)
+            try:
+                self._lock.enter_context(_trainer_lock(config, run))
+            except OSError as err:  # a read-only file system, a file on the path
+                raise _unwritable(config, run.path, err) from None
             if config.resume is None:
                 _check_same_command(run, list(config.hydra.overrides.task))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._lock.close()
+
+
+def _fresh_by_time(config: DictConfig, path: Path) -> bool:
+    """Whether `path` is the one-node run directory named by the time the run started
+    (runtime.output_root/<date>/<time>), not one given, resumed or named by a platform's job."""
+    given = any(override_key(o) == "hydra.run.dir" for o in config.hydra.overrides.hydra)
+    if given or config.resume is not None or str(config.compute.nnodes) != "1":
+        return False
+    return path.parent.parent == Path(str(config.runtime.output_root))
+
+
+def _unclaimed(path: Path, config: DictConfig) -> Path:
+    """`path`, or `path`-1, -2, ...: the first that no other run started in the same second
+    has claimed (mkdir claims it, atomically). Two `runner train` started together took one
+    directory, and the second was refused for a hydra.run.dir it never gave."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1000):
+            candidate = path.with_name(f"{path.name}-{n}") if n else path
+            with contextlib.suppress(FileExistsError):
+                candidate.mkdir()
+                return candidate
+    except OSError as err:
+        raise _unwritable(config, path, err) from None
+    raise UserError("hydra.run.dir", str(path), "1000 runs started in this second; give one")
+
+
+def _unwritable(config: DictConfig, path: Path, err: OSError) -> UserError:
+    """The key of a run directory that cannot be made, as the user gave it."""
+    if any(override_key(o) == "hydra.run.dir" for o in config.hydra.overrides.hydra):
+        key, value = "hydra.run.dir", str(path)
+    else:
+        key, value = "runtime.output_root", str(config.runtime.output_root)
+    return UserError(
+        key,
+        value,
+        f"cannot make the run directory {path} ({err.strerror}); give a directory this user "
+        "can write",
+    )
 
 
 def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextManager[None]:

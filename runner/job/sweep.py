@@ -26,6 +26,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from runner.config.runtime import check_root
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import request_stop
 from runner.rundir import (
@@ -310,6 +311,7 @@ class SweepSummary(Callback):
         # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
         parallel = "joblib" in str(config.hydra.launcher.get("_target_", ""))
         with user_errors_pass_hydra():
+            check_root(config.runtime.multirun_root, "runtime.multirun_root")
             check_direction(config.hydra.sweeper, config.objective)
             if parallel:
                 _check_jobs(config.hydra.launcher.n_jobs)
