@@ -365,6 +365,16 @@ CHAT_GOOD = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant"
 BAD_CELLS = [
     # (kind, rows written as jsonl, extra overrides, row, column, text in the message)
     ("instruct", [GOOD, GOOD, {**GOOD, "answer": 42}], [], 3, "answer", "holds a number ('42')"),
+    # Text that looks like a number beside a number: the loader reads the column as pandas does
+    # ("5" a number too), and the message named row 1, which holds text.
+    (
+        "instruct",
+        [{**GOOD, "answer": "5"}, GOOD, {**GOOD, "answer": 42}],
+        [],
+        3,
+        "answer",
+        "holds a number ('42')",
+    ),
     ("instruct", [GOOD, {**GOOD, "prompt": None}, GOOD], [], 2, "prompt", "holds null"),
     ("chat", [CHAT_GOOD, {"messages": "hello"}], [], 2, "messages", "not a list of"),
     (

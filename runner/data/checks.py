@@ -5,6 +5,7 @@ Each problem is one UserError naming the file, the row (counting records from 1)
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,25 @@ def _first_bad_text(table: datasets.Dataset, column: str, required: bool) -> tup
         if not isinstance(value, str) and (value is not None or required):
             return index, _describe(value)
     return -1, ""
+
+
+def _as_written(file: str, row: int, column: str, required: bool) -> tuple[str, int, str] | None:
+    """Where a JSON-lines file's record at `row` holds text in `column` as written, though it
+    was read as a number: the loader read a column of mixed kinds the way pandas does
+    (datasets falls back to it), turning text that looks like a number ("5") into one. The
+    first record that holds no text as written, and what it holds; None where `row` is as
+    written, or the file is no JSON-lines file of this machine's."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            records = [json.loads(line) if line.strip() else {} for line in f]
+        if isinstance(records[row - 1].get(column), str):
+            for number, record in enumerate(records, 1):
+                value = record.get(column) if isinstance(record, dict) else record
+                if not isinstance(value, str) and (value is not None or required):
+                    return file, number, _describe(value)
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass  # not JSON lines (a JSON array, parquet, CSV), or not a local file
+    return None
 
 
 def _conversation_problem(
@@ -177,6 +197,7 @@ def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> Non
         index, found = _first_bad_text(table, theirs, required)
         if index >= 0:
             file, row = records.where(index)
+            file, row, found = _as_written(file, row, theirs, required) or (file, row, found)
             optional = "" if required else " or null"
             raise DataError(
                 key,
