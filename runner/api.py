@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from runner.config import interpolations
+from runner.config.fields import override_key
 from runner.config.schema import typed
 from runner.errors import UserError
 from runner.job import lifecycle
@@ -160,6 +161,14 @@ def launch(
             resumes[0].removeprefix("resume="),
             "launch starts a new run; continue one with api.Run(RUN).resume()",
         )
+    named = [o for o in overrides if override_key(o) == "hydra.run.dir"]
+    if named:  # the launch's own names the run's directory: the user's was dropped unseen
+        raise UserError(
+            "hydra.run.dir",
+            named[0].partition("=")[2],
+            "launch makes a new directory under runtime.output_root; give runtime.output_root "
+            "(or cwd=), or resume a run of that directory with api.Run(RUN).resume()",
+        )
     base = Path(cwd or Path.cwd())
     path = _new_dir(base / str(typed(compose(overrides)).runtime.output_root))
     args = ["train", *overrides, f"hydra.run.dir={path}"]
@@ -178,6 +187,8 @@ class Run:
         if _process is None:
             lifecycle.run_dir_at(self.path, key="path", readable=False)
         self._process: subprocess.Popen[bytes] | None = _process
+        # The status a resume started from, until the resumed process writes its own.
+        self._resumed_from: str | None = None
         # Where its command ran: relative paths in its config are read from there.
         self._cwd = _cwd or Path.cwd()
 
@@ -192,6 +203,10 @@ class Run:
         reads `created` until it writes its status, and `failed`, with the error it printed, if
         it was refused."""
         status = self.dir.status()
+        resuming = self._resumed_from is not None and status.updated_at == self._resumed_from
+        if resuming and self._process is not None and self._process.poll() is None:
+            # Not the attempt before's end (cancelled, failed): a poller would stop at it.
+            return dataclasses.replace(status, state="created", error=None)
         if status.state == "unknown" and self._process is not None:
             if self._process.poll() is None:
                 return Status(state="created")  # resolving its recipe, checking its data
@@ -245,9 +260,9 @@ class Run:
         step = self.dir.status().step
         _wait_gone(pid, self._process)
         latest = self.dir.latest_checkpoint()
+        then = f"resume continues from {latest}" if latest else "a resume starts from step 0"
         self.dir.write_status(
-            "cancelled",
-            error=f"killed without a checkpoint at step {step}; resume continues from {latest}",
+            "cancelled", error=f"killed without a checkpoint at step {step}; {then}"
         )
         return self.status()
 
@@ -265,6 +280,7 @@ class Run:
                     "an earlier one, train a new run from it (model.source=<that checkpoint>)",
                 )
         args = ["train", f"resume={self.path}"]
+        self._resumed_from = self.dir.status().updated_at
         self._process = _start(args, _console(self.path), self._cwd, None)
         return self
 
@@ -329,6 +345,8 @@ class Sweep:
     def __init__(self, path: str | os.PathLike[str], *, _process: Any = None) -> None:
         self.path = Path(path).resolve()
         self._process: subprocess.Popen[bytes] | None = _process
+        # The status a resume started from, until the resumed process writes its own.
+        self._resumed_from: str | None = None
         if _process is None and not is_sweep_dir(self.path):
             found = "not a sweep directory" if self.path.exists() else "no such directory"
             raise UserError(

@@ -84,6 +84,8 @@ def test_stop_and_resume_through_the_api_give_the_straight_run_losses(
     with pytest.raises(UserError, match="already cancelled"):
         run.stop()
     run.resume()
+    # Resuming, not the attempt before's end: a poller for a final state stopped at once.
+    assert run.status().state != "cancelled" or run.dir.status().updated_at != stopped.updated_at
     wait_for_step(run, stopped.step + 3)
     killed = run.stop(save_checkpoint=False)  # SIGKILL: the steps since step_<stopped> are lost
     assert killed.state == "cancelled" and "killed without a checkpoint" in killed.error, killed
@@ -110,6 +112,9 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
         api.launch(["model=nope"], cwd=workdir, env=hermetic_env)
     with pytest.raises(UserError, match=r"Run\(RUN\).resume\(\)"):
         api.launch([f"resume={workdir}"], cwd=workdir, env=hermetic_env)
+    # Launch's own hydra.run.dir came after it and won: the run went elsewhere, unsaid.
+    with pytest.raises(UserError, match="hydra.run.dir='/elsewhere': launch makes a new"):
+        api.launch(["hydra.run.dir=/elsewhere"], cwd=workdir, env=hermetic_env)
     with pytest.raises(UserError, match="max_steps='abc': give an integer"):
         api.launch([*BASE, "max_steps=abc"], cwd=workdir, env=hermetic_env)
     with pytest.raises(UserError, match="batch_size=0: give an integer >= 1"):
