@@ -128,6 +128,7 @@ def test_a_lora_run_is_continued_on_its_own_base_with_its_best(
     [
         "two_mounted",
         "another_shape",
+        "another_optimizer",
         "weights_of_an_adapter",
         "not_a_checkpoint",
         "both_sources",
@@ -149,6 +150,10 @@ def test_what_cannot_be_started_from_is_refused_by_name(
         # Its weights load into no model of another shape (a load_state_dict traceback).
         extra = [f"load_checkpoint.path={straight}", "model.builder.num_layers=1", "max_steps=6"]
         wanted = "a run of model.builder.num_layers=4, where this run's model has 1"
+    elif case == "another_optimizer":
+        # Its optimizer state goes on: the new lr was recorded, and never trained with.
+        extra = [f"load_checkpoint.path={straight}", "optimizer.lr=1e-2", "max_steps=6"]
+        wanted = "error: optimizer.lr=0.01: load_checkpoint.path="
     elif case == "weights_of_an_adapter":
         # A LoRA run's checkpoints hold its adapter alone (the model.source error, no config.json).
         lora = request.getfixturevalue("lora_run")

@@ -151,24 +151,40 @@ def _whole_weights(run: Path) -> tuple[int, Path]:
     return step, checkpoint
 
 
-def check_same_model(resume_from: str, builder: dict[str, Any]) -> None:
+def check_same_model(resume_from: str, builder: dict[str, Any], optimizer: dict[str, Any]) -> None:
     """A continued run's model is the shape of the loaded run's (its checkpoint's weights load
-    into no other)."""
+    into no other), and its optimizer the loaded run's: the checkpoint's optimizer and
+    schedule state go on, and a new optimizer.lr was recorded but never trained with."""
     run = Path(resume_from).parents[1]  # RUN/checkpoints/step_N
-    loaded = OmegaConf.to_container(OmegaConf.load(run / RECIPE_FILE).model.builder)
-    assert isinstance(loaded, dict)
-    differ = [
-        key for key in sorted(set(loaded) | set(builder)) if loaded.get(key) != builder.get(key)
-    ]
-    if differ:
-        key = differ[0]
+    recorded = OmegaConf.load(run / RECIPE_FILE)
+    key, was, now = _first_difference(recorded.model.builder, builder)
+    if key is not None:
         raise UserError(
             "load_checkpoint.path",
             str(run),
-            f"a run of model.builder.{key}={loaded.get(key)}, where this run's model has "
-            f"{builder.get(key)}; continue it with its model as it recorded it, or train this "
-            "model from its own start (load_checkpoint.path=null)",
+            f"a run of model.builder.{key}={was}, where this run's model has {now}; continue "
+            "it with its model as it recorded it, or train this model from its own start "
+            "(load_checkpoint.path=null)",
         )
+    key, was, now = _first_difference(recorded.optimizer, optimizer)
+    if key is not None:
+        raise UserError(
+            f"optimizer.{key}",
+            now,
+            f"load_checkpoint.path={run} trained with optimizer.{key}={was}, which its "
+            "checkpoint's optimizer state goes on with; leave it as it was, or start from its "
+            "weights with a new optimizer: load_checkpoint.mode=weights",
+        )
+
+
+def _first_difference(recorded: DictConfig, given: dict[str, Any]) -> tuple[str | None, Any, Any]:
+    """The first key (sorted) whose value differs, with the recorded and the given value."""
+    loaded = OmegaConf.to_container(recorded)
+    assert isinstance(loaded, dict)
+    for key in sorted(set(loaded) | set(given)):
+        if loaded.get(key) != given.get(key):
+            return key, loaded.get(key), given.get(key)
+    return None, None, None
 
 
 def _check_continuable(

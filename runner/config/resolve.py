@@ -72,7 +72,7 @@ def resolve_recipe(
         raise UserError("load_checkpoint.path", cfg.load_checkpoint.path, err.fix) from None
     built_once(model.builder, "model.builder", reference=option_builder(model.name))
     if resume_from is not None:
-        check_same_model(resume_from, model.builder)
+        check_same_model(resume_from, model.builder, optimizer)
     loss = resolve_loss(cfg.loss)
     method = resolve_method(cfg.method, model, run_dir, compute)
     dataset = _dataset(cfg.dataset, model, compute)
