@@ -8,21 +8,26 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from runner.deploy.loading import model_context_length
 from runner.deploy.selection import resolve_checkpoints
 from runner.deploy.serve import load_served_models, prepare, read_api_key
 from runner.errors import UserError
+from runner.rundir import MODEL_FILE
 from tests.serving import deploy_config, make_run
 
 LATEST = {"checkpoint": "latest", "metric": None, "mode": None}
 
 
 def fake_run(run_dir: Path, *, steps: list[int], state: str, metrics: list[dict]) -> Path:
-    """A run dir whose checkpoints hold only config.json: selection never loads weights."""
+    """A run dir whose checkpoints hold a config.json and one tensor's weights: selection
+    never loads weights (it sets aside a checkpoint missing them)."""
     for step in steps:
         (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
         (run_dir / "checkpoints" / f"step_{step}" / "config.json").write_text("{}")
+        save_file({"w": torch.zeros(1)}, run_dir / "checkpoints" / f"step_{step}" / MODEL_FILE)
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     status = {"state": state, "step": max(steps, default=0), "total_steps": 100}
     (run_dir / "status.json").write_text(json.dumps(status))
@@ -183,7 +188,8 @@ def test_checkpoints_must_stay_inside_the_allowed_roots(tmp_path: Path) -> None:
     roots = [str(elsewhere)]
     (served,) = resolve_checkpoints(str(run), names=None, allowed_roots=roots, **LATEST)
     assert served.path == target.resolve()
-    (target / "model.safetensors").symlink_to("/etc/hostname")  # a file leading out
+    (target / MODEL_FILE).unlink()
+    (target / MODEL_FILE).symlink_to("/etc/hostname")  # a file leading out
     with pytest.raises(UserError, match="allowed_roots"):
         resolve_checkpoints(str(run), names=None, allowed_roots=roots, **LATEST)
 

@@ -15,6 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from runner import api
 from runner.rundir import RunDir, RunLocked, run_lock
@@ -151,6 +153,7 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     run = tmp_path / "cut"
     (run / "checkpoints" / "step_4").mkdir(parents=True)
     (run / "checkpoints" / "step_4" / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(1)}, run / "checkpoints" / "step_4" / "model.safetensors")
     (run / "status.json").write_text('{"state": "cancelled", "step": 4, "ho')
     (run / "train.log").write_text("step 4 of 10\n")
     fix = f"start a new run from its last checkpoint: runner train load_checkpoint.path={run}"

@@ -33,6 +33,7 @@ def fake_run(run_dir: Path, *, state: str, steps: list[int], metrics: list[dict]
     for step in steps:
         run.checkpoint_path(step).mkdir(parents=True)
         (run.checkpoint_path(step) / "config.json").write_text("{}")
+        save_file({"w": torch.zeros(1)}, run.checkpoint_path(step) / "model.safetensors")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "status.json").write_text(json.dumps({"state": state, "step": max(steps or [0])}))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
