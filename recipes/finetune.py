@@ -220,7 +220,7 @@ class FinetuneRecipe:
             if self._last_step():
                 self._log_totals()
             self.reporter.advance()
-            with throughput.paused():
+            with throughput.paused(), self.reporter.paused():
                 # A new best is saved at its step, whatever the checkpoint cadence.
                 improved = self._eval_due() and self.evaluate()
                 stop = self._stop_due()

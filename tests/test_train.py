@@ -269,12 +269,12 @@ def test_a_cuda_traces_kernels_fall_in_their_kinds() -> None:
     assert {name: kind_of(name) for name in names} == names
 
 
-def test_the_throughput_leaves_evaluations_and_saves_out() -> None:
+def test_the_throughput_and_the_eta_leave_evaluations_and_saves_out() -> None:
     """The step logged after an evaluation or a checkpoint read 10-100x below the others: its
     window held their time (tokens_per_s in metrics.jsonl, every tracker, the ETA)."""
     import time
 
-    from runner.trainer.progress import Throughput
+    from runner.trainer.progress import Console, Throughput
 
     throughput = Throughput()
     throughput.add(1000)
@@ -282,3 +282,8 @@ def test_the_throughput_leaves_evaluations_and_saves_out() -> None:
         time.sleep(0.5)  # an evaluation
     # What is left is the few statements around the pause: well under a tenth of it.
     assert throughput.read() > 1000 / 0.05
+    # The ETA's mean step likewise (it read 4-5 s here: the evaluation's 0.5 s times 9 steps).
+    console = Console(step=0, total_steps=10, bar=False)
+    with console.paused():
+        time.sleep(0.5)
+    assert console.eta(1) == "0:00:00"

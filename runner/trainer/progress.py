@@ -65,6 +65,10 @@ class Reporter:
         if self.console is not None:
             self.console.advance()
 
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """The block's time is left out of the ETA's mean step (Console.paused)."""
+        return contextlib.nullcontext() if self.console is None else self.console.paused()
+
     def step(self, step: int, total_steps: int, values: dict[str, float]) -> None:
         """A logged training step: `values` (loss, tokens_per_s, ...) and the learning rate lr."""
         if not self.is_rank_zero:
@@ -143,6 +147,17 @@ class StepLosses:
         return self.last
 
 
+@contextlib.contextmanager
+def _left_out(owner: Any, start: str) -> Iterator[None]:
+    """The block's time added to `owner.<start>`, a perf_counter reading that a rate or a mean
+    is timed from: left out of it."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(owner, start, getattr(owner, start) + time.perf_counter() - began)
+
+
 class Throughput:
     """Tokens per second over the steps since the last reading."""
 
@@ -154,15 +169,10 @@ class Throughput:
         """The tokens of one more step."""
         self.tokens += tokens
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """The block's time (an evaluation, a checkpoint's save) is left out of the rate: the
         step logged after one read 10-100x below the others."""
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.start += time.perf_counter() - began
+        return _left_out(self, "start")
 
     def read(self) -> float:
         """Tokens per second since the last reading; the window starts again."""
@@ -195,6 +205,10 @@ class Console:
         """One more step taken."""
         if self.bar is not None:
             self.bar.update(1)
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """The block's time (an evaluation, a save) is left out of the steps' mean time."""
+        return _left_out(self, "started")
 
     def eta(self, step: int) -> str:
         """The time left to total_steps at the pace so far (H:MM:SS)."""
