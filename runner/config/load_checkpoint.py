@@ -151,12 +151,16 @@ def _whole_weights(run: Path) -> tuple[int, Path]:
     return step, checkpoint
 
 
-def check_same_model(resume_from: str, builder: dict[str, Any], optimizer: dict[str, Any]) -> None:
-    """A continued run's model is the shape of the loaded run's (its checkpoint's weights load
-    into no other), and its optimizer the loaded run's: the checkpoint's optimizer and
-    schedule state go on, and a new optimizer.lr was recorded but never trained with."""
+def check_continued(
+    resume_from: str, cfg: DictConfig, compute: Any, builder: dict[str, Any], optimizer: Any
+) -> None:
+    """A continued run trains by the loaded run's global batch (check_same_global_batch), on
+    a model of its shape (its checkpoint's weights load into no other) and with its optimizer:
+    the checkpoint's optimizer and schedule state go on, and a new optimizer.lr was recorded
+    but never trained with."""
     run = Path(resume_from).parents[1]  # RUN/checkpoints/step_N
     recorded = OmegaConf.load(run / RECIPE_FILE)
+    check_same_global_batch(f"load_checkpoint.path={run}", recorded, cfg, compute)
     key, was, now = _first_difference(recorded.model.builder, builder)
     if key is not None:
         raise UserError(
@@ -218,3 +222,32 @@ def _check_continuable(
                 else ""
             ),
         )
+
+
+def check_same_global_batch(run: str, recorded: Any, given: Any, compute: Any) -> None:
+    """A checkpoint goes on over any number of processes with the global batch it trained by
+    (docs/nodes.md): another would change the steps' math under those trained, and its data
+    position, counted in its own batches, may fall within one of the new (a ValueError).
+    `run` names the run that trained, `given` holds batch_size and gradient_accumulation_steps,
+    `compute` the new layout."""
+    processes_before = recorded.compute.nproc_per_node * recorded.compute.nnodes
+    before = recorded.batch_size * recorded.gradient_accumulation_steps * processes_before
+    processes = compute.nproc_per_node * compute.nnodes
+    now = given.batch_size * given.gradient_accumulation_steps * processes
+    if before == now:
+        return
+    per_process, accumulation = divmod(before, processes * given.gradient_accumulation_steps)
+    if per_process and not accumulation:
+        fix = f"give batch_size={per_process} on {processes} process(es)"
+    elif before % processes == 0:
+        fix = f"give batch_size x gradient_accumulation_steps = {before} / {processes} process(es)"
+    else:
+        fix = f"run it on a number of processes that divides {before}"
+    raise UserError(
+        "batch_size",
+        given.batch_size,
+        f"{run} trained with a global batch of {before} samples a step (batch_size="
+        f"{recorded.batch_size} x gradient_accumulation_steps="
+        f"{recorded.gradient_accumulation_steps} x {processes_before} process(es)); "
+        f"this layout makes {now}, which would change the math of the steps left: {fix}",
+    )

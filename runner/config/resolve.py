@@ -25,7 +25,7 @@ from runner.config.dataset import (
     resolve_dataset,
 )
 from runner.config.evaluation import resolve_eval, resolve_objective
-from runner.config.load_checkpoint import check_same_model, resolve_load_checkpoint
+from runner.config.load_checkpoint import check_continued, resolve_load_checkpoint
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_pairing, resolve_method
 from runner.config.model import ModelRecipe, option_builder, resolve_model
@@ -72,7 +72,7 @@ def resolve_recipe(
         raise UserError("load_checkpoint.path", cfg.load_checkpoint.path, err.fix) from None
     built_once(model.builder, "model.builder", reference=option_builder(model.name))
     if resume_from is not None:
-        check_same_model(resume_from, model.builder, optimizer)
+        check_continued(resume_from, cfg, compute, model.builder, optimizer)
     loss = resolve_loss(cfg.loss)
     method = resolve_method(cfg.method, model, run_dir, compute)
     dataset = _dataset(cfg.dataset, model, compute)

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, read_write
 from runner.config.fields import override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
+from runner.config.load_checkpoint import check_same_global_batch
 from runner.config.runtime import check_root
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, user_errors_pass_hydra
@@ -254,7 +255,12 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         recipe = resolve_recipe(cfg, run.path, overrides)
         if run.latest_checkpoint() is not None:
             # Trained again (a requeue, another layout): it goes on from its checkpoint.
-            _check_same_global_batch(run, recipe)
+            try:
+                recorded = read_recipe(run.recipe_path)
+            except UserError:
+                recorded = None  # another runner's record: its checkpoint's checks speak
+            if recorded is not None:
+                check_same_global_batch(str(run.path), recorded, recipe, recipe.compute)
             if _finished(run):
                 return None  # its record stays the one it was trained by
         _check_data(recipe)
@@ -312,33 +318,6 @@ def _global_batch(recipe: DictConfig) -> tuple[int, int]:
     """(samples per optimizer step, processes)."""
     processes = recipe.compute.nproc_per_node * recipe.compute.nnodes
     return recipe.batch_size * recipe.gradient_accumulation_steps * processes, processes
-
-
-def _check_same_global_batch(run: RunDir, recipe: DictConfig) -> None:
-    """A checkpoint goes on over any number of processes with the global batch it trained by
-    (docs/nodes.md); another would change the steps' math under those trained."""
-    try:
-        recorded = read_recipe(run.recipe_path)
-    except UserError:
-        return  # another runner's record: its checkpoint's own checks speak for it
-    (before, processes_before), (now, processes) = _global_batch(recorded), _global_batch(recipe)
-    if before == now:
-        return
-    per_process, accumulation = divmod(before, processes * recipe.gradient_accumulation_steps)
-    if per_process and not accumulation:
-        fix = f"give batch_size={per_process} on {processes} process(es)"
-    elif before % processes == 0:
-        fix = f"give batch_size x gradient_accumulation_steps = {before} / {processes} process(es)"
-    else:
-        fix = f"run it on a number of processes that divides {before}"
-    raise UserError(
-        "batch_size",
-        recipe.batch_size,
-        f"{run.path} trained with a global batch of {before} samples a step (batch_size="
-        f"{recorded.batch_size} x gradient_accumulation_steps="
-        f"{recorded.gradient_accumulation_steps} x {processes_before} process(es)); "
-        f"this layout makes {now}, which would change the math of the steps left: {fix}",
-    )
 
 
 def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
