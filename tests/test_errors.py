@@ -47,6 +47,12 @@ CASES = [
             "\"dataset.split='train[:50%]'\"",
         ],
     ),
+    # A letter beyond ASCII, which Hydra's grammar reads only quoted: "override look like
+    # key=value", said of a key=value.
+    (
+        ["dataset.source=dätä.jsonl"],
+        ["quote the value", "\"dataset.source='dätä.jsonl'\""],
+    ),
     (
         ["optimizer.lr=1e-3,2e-3"],
         ["optimizer.lr='1e-3,2e-3'", "a comma list is a sweep: add -m (--multirun)", "quote it"],

@@ -56,8 +56,10 @@ def from_hydra_error(
         reason = str(err.message).splitlines()[0]
         override = err.override or ""
         key, _, value = override.partition("=")
-        if any(c in value for c in "[]{}(),") and value[:1] not in ("[", "{", "(", "'", '"'):
-            # train[:50%]: a slice, a string to Hydra only when quoted (docs/datasets.md).
+        special = any(c in value for c in "[]{}(),") or not value.isascii()
+        if (special or " " in value) and value[:1] not in ("[", "{", "(", "'", '"'):
+            # train[:50%]: a slice, a string to Hydra only when quoted (docs/datasets.md); a
+            # path with a space or a letter beyond ASCII (dätä.jsonl) likewise.
             fix = f"quote the value (and the whole, for the shell): \"{key}='{value}'\""
             return UserError("override", override, f"{reason}; {fix}")
         return UserError("override", override, f"{reason}; {OVERRIDE_FORMS}")
