@@ -77,3 +77,22 @@ def test_estimate_counts_the_chosen_optimizers_state(runner_cli) -> None:
     assert adamw.returncode == sgd.returncode == 0, adamw.stderr + sgd.stderr
     assert "(AdamW, 2 state tensor(s) per weight)" in adamw.stdout
     assert "(SGD, 1 state tensor(s) per weight)" in sgd.stdout
+
+
+def test_the_constant_schedule_warms_up_as_the_cosine_one() -> None:
+    """optimizer.cosine_decay=false began at lr/warmup_steps and peaked a step before the
+    cosine schedule; both start from 0 now, as conf/optimizer/adamw.yaml says."""
+    import torch
+
+    from runner.trainer.optimization import _lr_scheduler
+
+    rates = {}
+    for cosine in (True, False):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        schedule = _lr_scheduler(optimizer, {"cosine_decay": cosine, "warmup_steps": 4}, 100)
+        rates[cosine] = []
+        for _ in range(5):
+            rates[cosine].append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+    assert rates[False] == rates[True] == [0.0, 0.25, 0.5, 0.75, 1.0]

@@ -111,5 +111,9 @@ def _lr_scheduler(
             optimizer, schedule["warmup_steps"], total_steps
         )
         return cosine
-    warmup = max(schedule["warmup_steps"], 1)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    # The cosine schedule's warmup (from 0 at the first step, full at warmup_steps), then
+    # constant: it began at lr/warmup_steps and peaked a step earlier than the cosine's.
+    warmup = schedule["warmup_steps"]
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 1.0 if step >= warmup else step / warmup
+    )
