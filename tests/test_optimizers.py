@@ -96,3 +96,16 @@ def test_the_constant_schedule_warms_up_as_the_cosine_one() -> None:
             optimizer.step()
             schedule.step()
     assert rates[False] == rates[True] == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_a_warmup_as_long_as_the_run_is_said(caplog) -> None:
+    """The default 50 steps of warmup in a run of 20 trains at 2/5 of optimizer.lr at most,
+    unsaid: said now, not refused."""
+    from runner.config.optimizer import warn_long_warmup
+
+    warn_long_warmup({"lr": 1e-3, "warmup_steps": 50}, 100)
+    assert not caplog.records
+    warn_long_warmup({"lr": 1e-3, "warmup_steps": 50}, 20)
+    (record,) = caplog.records
+    assert "optimizer.warmup_steps=50 is not below max_steps=20" in record.getMessage()
+    assert "(at most 0.00038)" in record.getMessage()

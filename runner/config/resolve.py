@@ -29,7 +29,7 @@ from runner.config.load_checkpoint import check_continued, resolve_load_checkpoi
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_pairing, resolve_method
 from runner.config.model import ModelRecipe, option_builder, resolve_model
-from runner.config.optimizer import resolve_optimizer
+from runner.config.optimizer import resolve_optimizer, warn_long_warmup
 from runner.config.runtime import resolve_runtime
 from runner.config.schema import Recipe, Training, typed
 from runner.errors import UserError
@@ -59,6 +59,7 @@ def resolve_recipe(
     check_pairing(cfg.method.name, cfg.dataset)
     compute = resolve_compute(cfg.compute, overrides, gpus_here)
     optimizer = resolve_optimizer(cfg.optimizer)
+    warn_long_warmup(optimizer, cfg.max_steps)
     runtime = resolve_runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.
     hub = Hub.from_runtime(cfg.runtime, list(overrides))

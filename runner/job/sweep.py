@@ -234,16 +234,20 @@ def check_sweep_values(config: DictConfig) -> None:
         return
     overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
     fixed = [str(o.input_line) for o in overrides if not o.is_sweep_override()]
-    for override in (o for o in overrides if o.is_sweep_override()):
-        for value in override.sweep_string_iterator():
-            job = [*fixed, f"{override.get_key_element()}={value}"]
-            try:
-                recipe_of(compose(config_name="train", overrides=job), job, estimating=True)
-            except Exception as err:
-                user_error = as_user_error(err, "train")
-                if user_error is None:
-                    raise
-                raise user_error from None
+    logging.disable(logging.WARNING)  # each job says its own warnings as it starts
+    try:
+        for override in (o for o in overrides if o.is_sweep_override()):
+            for value in override.sweep_string_iterator():
+                job = [*fixed, f"{override.get_key_element()}={value}"]
+                try:
+                    recipe_of(compose(config_name="train", overrides=job), job, estimating=True)
+                except Exception as err:
+                    user_error = as_user_error(err, "train")
+                    if user_error is None:
+                        raise
+                    raise user_error from None
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def in_sweep_process() -> bool:
