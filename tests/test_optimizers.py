@@ -38,6 +38,8 @@ def test_state_per_weight_is_counted_from_the_optimizer_itself(node: dict, tenso
 
 def test_an_argument_the_optimizer_refuses_is_a_user_error() -> None:
     with pytest.raises(UserError, match="torch.optim.AdamW refuses them"):
+        state_per_weight({"_component_": "torch.optim.AdamW", "lr": 1e-3, "betas": [1.5, 0.9]})
+    with pytest.raises(UserError, match=r"give 2 values, as its default \[0.9, 0.999\]"):
         state_per_weight({"_component_": "torch.optim.AdamW", "lr": 1e-3, "betas": [0.9]})
     with pytest.raises(UserError, match="does not take it"):
         state_per_weight({"_component_": "torch.optim.SGD", "lr": 1e-2, "betas": [0.9, 0.9]})

@@ -42,7 +42,6 @@ from runner.config import platforms
 from runner.rundir import ACTIVE_STATES, RunDir
 from runner.trainer import determinism
 from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG
-from runner.trainer.process import tell
 
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
 RECIPE_MODULE = "runner.recipes.finetune"
@@ -265,6 +264,8 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
+
+    from runner.trainer.process import tell
 
     config = _rendezvous_config(recipe, node_rank)
     log.info("rendezvous: c10d at %s, run id %s", config.rdzv_endpoint, config.run_id)
