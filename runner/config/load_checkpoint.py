@@ -224,16 +224,21 @@ def _check_continuable(
         )
 
 
+def global_batch(batch: Any, compute: Any) -> tuple[int, int]:
+    """(samples per optimizer step, processes) of `batch`'s batch_size and
+    gradient_accumulation_steps on `compute`'s layout."""
+    processes = compute.nproc_per_node * compute.nnodes
+    return batch.batch_size * batch.gradient_accumulation_steps * processes, processes
+
+
 def check_same_global_batch(run: str, recorded: Any, given: Any, compute: Any) -> None:
     """A checkpoint goes on over any number of processes with the global batch it trained by
     (docs/nodes.md): another would change the steps' math under those trained, and its data
     position, counted in its own batches, may fall within one of the new (a ValueError).
     `run` names the run that trained, `given` holds batch_size and gradient_accumulation_steps,
     `compute` the new layout."""
-    processes_before = recorded.compute.nproc_per_node * recorded.compute.nnodes
-    before = recorded.batch_size * recorded.gradient_accumulation_steps * processes_before
-    processes = compute.nproc_per_node * compute.nnodes
-    now = given.batch_size * given.gradient_accumulation_steps * processes
+    before, processes_before = global_batch(recorded, recorded.compute)
+    now, processes = global_batch(given, compute)
     if before == now:
         return
     per_process, accumulation = divmod(before, processes * given.gradient_accumulation_steps)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, read_write
 from runner.config.fields import override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
-from runner.config.load_checkpoint import check_same_global_batch
+from runner.config.load_checkpoint import check_same_global_batch, global_batch
 from runner.config.runtime import check_root
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, user_errors_pass_hydra
@@ -314,18 +314,12 @@ def _finished(run: RunDir) -> bool:
     return True
 
 
-def _global_batch(recipe: DictConfig) -> tuple[int, int]:
-    """(samples per optimizer step, processes)."""
-    processes = recipe.compute.nproc_per_node * recipe.compute.nnodes
-    return recipe.batch_size * recipe.gradient_accumulation_steps * processes, processes
-
-
 def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
     """An epoch is whole global batches: a training split with fewer records than one trains
     nothing, which the trainer would find only after the run had started."""
-    global_batch, processes = _global_batch(recipe)
+    global_batch_size, processes = global_batch(recipe, recipe.compute)
     per_batch = recipe.gradient_accumulation_steps * processes
-    if records is None or records >= global_batch:
+    if records is None or records >= global_batch_size:
         return
     largest = records // per_batch
     fix = f"give batch_size={largest} or less" if largest else "lower gradient_accumulation_steps"
@@ -333,7 +327,7 @@ def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
         "batch_size",
         recipe.batch_size,
         f"the training split has {records} records, fewer than one global batch of "
-        f"{global_batch} (batch_size x gradient_accumulation_steps="
+        f"{global_batch_size} (batch_size x gradient_accumulation_steps="
         f"{recipe.gradient_accumulation_steps} x {processes} process(es)); {fix}, or add records",
     )
 

@@ -215,11 +215,11 @@ def check_direction(sweeper: DictConfig, objective: DictConfig) -> None:
 def check_sweep_values(config: DictConfig) -> None:
     """Every value a sweep gives a key, composed and resolved as `runner estimate` resolves it
     (every key checked, nothing read or downloaded) before any job starts or the sweep
-    directory is made: a bad value (optimizer.lr=1e-3,abc) was found
-    only when its job came, the jobs before it trained, and a refused sweep left a directory
-    holding Hydra's multirun.yaml alone. One job each, the value among the fixed overrides (a
-    value against each of another key's values would be their product); an Optuna sweep's
-    values are drawn as it goes, from ranges Optuna checks."""
+    directory is made: a bad value (optimizer.lr=1e-3,abc) was found only when its job came,
+    the jobs before it trained, and a refused sweep left a directory holding Hydra's
+    multirun.yaml alone. One job each, the value among the fixed overrides (a value against
+    each of another key's values would be their product); an Optuna sweep's values are drawn
+    as it goes, from ranges Optuna checks."""
     # torchao, imported with the checks, says that it found no Triton (runner.models.
     # torchtune_boundary demotes it to INFO), which the sweep process's console (Hydra's own
     # logging, INFO and up) would show above the sweep.
