@@ -345,8 +345,6 @@ class Sweep:
     def __init__(self, path: str | os.PathLike[str], *, _process: Any = None) -> None:
         self.path = Path(path).resolve()
         self._process: subprocess.Popen[bytes] | None = _process
-        # The status a resume started from, until the resumed process writes its own.
-        self._resumed_from: str | None = None
         if _process is None and not is_sweep_dir(self.path):
             found = "not a sweep directory" if self.path.exists() else "no such directory"
             raise UserError(
