@@ -253,13 +253,11 @@ def _check_preferences(
     same = 0  # pairs whose two answers are one text: no gradient, no signal
     for index in range(len(records.table)):
         pair, problem, side = _pair(transform, {n: v[index] for n, v in columns.items()})
-        file, row = records.where(index)
-        where = {"file": file, "row": row, "column": data["column_map"][side]}
         if problem:
             raise DataError(
                 key,
                 records.source,
-                **where,
+                **_cell(records, index, data["column_map"][side]),
                 problem=problem,
                 fix="fix or drop the row (dataset.column_map names the prompt, chosen and "
                 "rejected columns; dataset.conversation_style the message format)",
@@ -272,7 +270,7 @@ def _check_preferences(
                 raise DataError(
                     "dataset.max_seq_len",
                     max_seq_len,
-                    **where | {"column": data["column_map"][side]},
+                    **_cell(records, index, data["column_map"][side]),
                     problem=f"no token of the answer is left after truncation to {max_seq_len} "
                     "tokens (what comes before it fills them)",
                     fix="raise dataset.max_seq_len, shorten the prompt, or drop the row",
@@ -286,6 +284,12 @@ def _check_preferences(
             same,
             len(records.table),
         )
+
+
+def _cell(records: Records, index: int, column: str) -> dict[str, Any]:
+    """Where record `index`'s `column` is, as DataError names it (looked up for an error)."""
+    file, row = records.where(index)
+    return {"file": file, "row": row, "column": column}
 
 
 def _as_python(table: datasets.Dataset, column_map: Mapping[str, str | None]) -> dict[str, Any]:
