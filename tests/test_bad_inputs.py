@@ -219,6 +219,12 @@ CASES = [
     # '': the runs went to the file system's root (/<date>/<time>)
     case("runtime-output-root-empty", "train runtime.output_root=''", "runtime.output_root=''"),
     case(
+        "runtime-multirun-root-a-file",
+        "train -m runtime.multirun_root={files}/full_ckpt/config.json/mr seed=1,2",
+        "runtime.multirun_root=",
+        "Not a directory",
+    ),
+    case(
         "runtime-output-root-a-file",
         "train runtime.output_root={files}/full_ckpt/config.json/runs",
         "runtime.output_root=",

@@ -259,3 +259,18 @@ def test_runs_started_in_one_second_each_claim_a_directory(tmp_path: Path) -> No
     claimed = [_unclaimed(first, config) for _ in range(3)]
     assert [p.name for p in claimed] == ["10-00-00", "10-00-00-1", "10-00-00-2"]
     assert all(p.is_dir() for p in claimed)
+
+
+def test_the_summary_next_command_pastes_for_a_path_with_a_space(tmp_path: Path, capsys) -> None:
+    """`try next: runner deploy checkpoint=/a dir/...` was two words to the shell."""
+    import shlex
+
+    from runner.job.job import _print_summary
+
+    run = RunDir(tmp_path / "my runs" / "r")
+    whole_checkpoint(run, 2)
+    run.write_status("completed", step=2)
+    _print_summary(run)
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("try next:")]
+    command = line.removeprefix("try next:").strip()
+    assert shlex.split(command) == ["runner", "deploy", f"checkpoint={run.checkpoint_path(2)}"]

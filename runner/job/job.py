@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -379,5 +380,6 @@ def _print_summary(run: RunDir) -> None:
     if (run.profile_dir / "trace.json").is_file():
         lines.append(f"profile:       {run.profile_dir} (trace.json opens in ui.perfetto.dev)")
     lines.append(f"status:        {status.state} at step {status.step}")
-    lines.append(f"try next:      runner deploy checkpoint={checkpoint}")
+    # Pasteable as it prints: a path with a space is one word to the shell only quoted.
+    lines.append(f"try next:      runner deploy {shlex.quote(f'checkpoint={checkpoint}')}")
     print("\n".join(lines), flush=True)

@@ -250,6 +250,23 @@ def check_sweep_values(config: DictConfig) -> None:
         logging.disable(logging.NOTSET)
 
 
+def _make_sweep_dir(config: DictConfig) -> None:
+    """The sweep directory, made once its values are checked: one that cannot be made (a
+    read-only file system, a file on the path) was a traceback from Hydra's sweeper."""
+    try:
+        Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        given = any(o.startswith("hydra.sweep.dir=") for o in config.hydra.overrides.hydra)
+        key = "hydra.sweep.dir" if given else "runtime.multirun_root"
+        value = config.hydra.sweep.dir if given else config.runtime.multirun_root
+        raise UserError(
+            key,
+            str(value),
+            f"cannot make the sweep directory {config.hydra.sweep.dir} ({err.strerror}); give "
+            "a directory this user can write",
+        ) from None
+
+
 def in_sweep_process() -> bool:
     """Whether this process is the sweep's own (its jobs run here one after another), not one
     of a parallel launcher's workers."""
@@ -320,6 +337,7 @@ class SweepSummary(Callback):
             if parallel:
                 _check_jobs(config.hydra.launcher.n_jobs)
             check_sweep_values(config)
+            _make_sweep_dir(config)
         os.environ[SWEEP_PID_ENV] = str(os.getpid())
         if parallel:
             sweep_dir = Path(config.hydra.sweep.dir)

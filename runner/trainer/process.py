@@ -13,6 +13,7 @@ import ctypes
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -186,7 +187,7 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         if rank_zero:
             tell(
                 f"{recipe.stopped_by}: checkpoint {recipe.run.latest_checkpoint()}; "
-                f"`runner resume {cfg.run_dir}` continues"
+                f"`runner resume {shlex.quote(str(cfg.run_dir))}` continues"
             )
         # A worker of the elastic agent ends cleanly, so that no agent restarts the group; the
         # launcher reads `cancelled` and exits 143 itself (runner/job/launch.py).
