@@ -362,7 +362,7 @@ def test_a_node_that_does_not_come_back_fails_the_run_naming_it(
 ) -> None:
     """Node 1 starts first (torch alone would host the rendezvous store there) and is lost for
     good: node 0, which hosts the store, ends within the rendezvous timeout, naming node 1."""
-    run_dir, timeout_s = tmp_path / "lost", 30
+    run_dir, timeout_s = tmp_path / "lost", 20
     port = free_port()
     args = [*node_args(port, f"compute.rdzv_timeout_s={timeout_s}"), f"hydra.run.dir={run_dir}"]
     node1 = start(losing_env(hermetic_env, tmp_path), tmp_path, *args, "compute.node_rank=1")
