@@ -144,11 +144,15 @@ class RunDirLock(Callback):
         self._lock.close()
 
 
+def _run_dir_given(config: DictConfig) -> bool:
+    """Whether the user named the run directory (hydra.run.dir=...), not its time."""
+    return any(override_key(o) == "hydra.run.dir" for o in config.hydra.overrides.hydra)
+
+
 def _fresh_by_time(config: DictConfig, path: Path) -> bool:
     """Whether `path` is the one-node run directory named by the time the run started
     (runtime.output_root/<date>/<time>), not one given, resumed or named by a platform's job."""
-    given = any(override_key(o) == "hydra.run.dir" for o in config.hydra.overrides.hydra)
-    if given or config.resume is not None or str(config.compute.nnodes) != "1":
+    if _run_dir_given(config) or config.resume is not None or str(config.compute.nnodes) != "1":
         return False
     return path.parent.parent == Path(str(config.runtime.output_root))
 
@@ -171,7 +175,7 @@ def _unclaimed(path: Path, config: DictConfig) -> Path:
 
 def _unwritable(config: DictConfig, path: Path, err: OSError) -> UserError:
     """The key of a run directory that cannot be made, as the user gave it."""
-    if any(override_key(o) == "hydra.run.dir" for o in config.hydra.overrides.hydra):
+    if _run_dir_given(config):
         key, value = "hydra.run.dir", str(path)
     else:
         key, value = "runtime.output_root", str(config.runtime.output_root)

@@ -26,6 +26,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from runner.config.fields import override_key
 from runner.config.runtime import check_root
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import request_stop
@@ -256,7 +257,7 @@ def _make_sweep_dir(config: DictConfig) -> None:
     try:
         Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        given = any(o.startswith("hydra.sweep.dir=") for o in config.hydra.overrides.hydra)
+        given = any(override_key(o) == "hydra.sweep.dir" for o in config.hydra.overrides.hydra)
         key = "hydra.sweep.dir" if given else "runtime.multirun_root"
         value = config.hydra.sweep.dir if given else config.runtime.multirun_root
         raise UserError(
