@@ -20,12 +20,22 @@ SECRET_VALUE = re.compile(r"(hf_|sk-|ghp_|gho_|github_pat_|xox[abpr]-|glpat-)[A-
 HIDDEN = "<hidden>"
 
 
+class _Null:
+    """A null the user typed (key=null), told from None, which is no value given at all."""
+
+    def __repr__(self) -> str:
+        return "null"
+
+
+NULL = _Null()
+
+
 class UserError(Exception):
     """A mistake the user can fix: printed as one message, exit code 2, no traceback.
 
     The message names the key, the bad value and the fix: `key='value': fix` (a bool as `true`
-    or `false`, as typed), or `key: fix` where the value is None (nothing typed: an argument
-    left out, a key left null), which is no value a user gave. A secret is shown as '<hidden>'
+    or `false`, as typed; NULL, a null typed, as `null`), or `key: fix` where the value is None
+    (nothing typed: an argument left out), which is no value a user gave. A secret is shown as '<hidden>'
     (_looks_secret: a token typed under a misspelt key, runtime.hf_tokn=hf_..., or any value of
     a credential's key, +model.api_key=...).
     """

@@ -217,3 +217,21 @@ def test_a_typed_field_refuses_a_value_of_another_type(key, value, fix, tmp_path
     with pytest.raises(UserError) as err:
         resolve_recipe(cfg, tmp_path)
     assert (err.value.key, err.value.value, err.value.fix) == (key, value, fix)
+
+
+@pytest.mark.parametrize(
+    ("key", "fix"),
+    [
+        ("epochs", "give an integer >= 1 (it takes no null)"),
+        ("optimizer.lr", "give a number > 0 (it takes no null)"),
+    ],
+)
+def test_a_null_typed_where_none_is_taken_is_named_as_typed(key, fix, tmp_path: Path) -> None:
+    """`epochs=null` read `epochs: give an integer >= 1`, as if nothing had been given."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_train(["compute=cpu", "max_steps=null"])
+    OmegaConf.update(cfg, key, None, force_add=True)
+    with pytest.raises(UserError) as err:
+        resolve_recipe(cfg, tmp_path)
+    assert str(err.value) == f"{key}=null: {fix}"

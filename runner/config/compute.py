@@ -15,7 +15,7 @@ from omegaconf import MISSING, DictConfig
 
 from runner.config.fields import integer, override_key
 from runner.config.platforms import refuse_torchrun_worker
-from runner.errors import UserError
+from runner.errors import NULL, UserError
 
 # typing's Optional: the form OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP045
@@ -99,7 +99,8 @@ def resolve_device(
                 "node to price (e.g. compute.nproc_per_node=8)",
             )
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise UserError("compute.nproc_per_node", nproc, "give an integer >= 1 or auto")
+        given = NULL if nproc is None else nproc
+        raise UserError("compute.nproc_per_node", given, "give an integer >= 1 or auto")
     if device == "cuda" and gpus_here and nproc > torch.cuda.device_count():
         raise UserError(
             "compute.nproc_per_node",

@@ -18,7 +18,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from runner.errors import UserError
+from runner.errors import NULL, UserError
 
 # What prints every key of the config a Hydra command composed (`runner train --cfg job`); a
 # command that is no Hydra app names its own (runner cluster: `runner cluster --help`).
@@ -75,10 +75,19 @@ def typed_as(
         given = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         found = _field_of(schema, key)
         fix = _fix(found) if found else f"give a value of the type `{listed_by}` shows"
+        if given is None and _typed_null(cfg, key):
+            given, fix = NULL, f"{fix} (it takes no null)"
         raise UserError(f"{prefix}{key}", given, fix) from None
     assert isinstance(merged, DictConfig)  # a dataclass merges into a DictConfig
     _check_bounds(schema, merged, cfg, prefix)
     return merged
+
+
+def _typed_null(cfg: DictConfig, key: str) -> bool:
+    """Whether `cfg` holds `key` as a null the user gave (epochs=null), not a key left out."""
+    parent_key, _, name = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, throw_on_missing=False) if parent_key else cfg
+    return isinstance(parent, DictConfig) and name in parent and parent[name] is None
 
 
 # A schema field and its annotation, resolved (the modules that declare schemas postpone their
