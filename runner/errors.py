@@ -35,9 +35,9 @@ class UserError(Exception):
 
     The message names the key, the bad value and the fix: `key='value': fix` (a bool as `true`
     or `false`, as typed; NULL, a null typed, as `null`), or `key: fix` where the value is None
-    (nothing typed: an argument left out), which is no value a user gave. A secret is shown as '<hidden>'
-    (_looks_secret: a token typed under a misspelt key, runtime.hf_tokn=hf_..., or any value of
-    a credential's key, +model.api_key=...).
+    (nothing typed: an argument left out), which is no value a user gave. A secret is shown as
+    '<hidden>' (_looks_secret: a token typed under a misspelt key, runtime.hf_tokn=hf_..., or any
+    value of a credential's key, +model.api_key=...).
     """
 
     exit_code = 2

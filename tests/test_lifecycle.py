@@ -237,6 +237,27 @@ def test_logs_of_a_starting_run_waits_for_it_then_follows(runner_cli, hermetic_e
     assert "step 1/4 loss" in followed and "eval at step 4: eval_loss" in followed
 
 
+def test_logs_follow_waits_for_a_run_to_start_where_none_is_yet(hermetic_env, tmp_path) -> None:
+    """`runner logs -f RUN` typed just after `runner train hydra.run.dir=RUN &` came before the
+    directory did, and was refused as no such directory: it waits for a run to start there."""
+    run = tmp_path / "soon"
+    logs = subprocess.Popen(
+        [sys.executable, "-m", "runner", "logs", "-f", str(run)],
+        env=hermetic_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(3)  # the command is up and waiting (it would have been refused by now)
+    assert logs.poll() is None
+    run.mkdir()
+    (run / "train.log").write_text("step 4 of 4\n")
+    (run / "status.json").write_text(json.dumps({"state": "completed", "step": 4}))
+    out, err = logs.communicate(timeout=60)
+    assert logs.returncode == 0 and out == "step 4 of 4\n", err
+    assert f"{run}: no run there yet; waiting up to 30 s for one to start" in err
+
+
 TWO_PROCESSES = [
     "compute=cpu",
     "dtype=fp32",

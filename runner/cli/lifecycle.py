@@ -23,6 +23,10 @@ from runner.job.lifecycle import (
 )
 from runner.rundir import FINAL_STATES, LOG_FILE, STALLED
 
+# How long `runner logs -f RUN` waits for a run to start at RUN, where none is yet: a
+# `runner train hydra.run.dir=RUN &` typed just before takes seconds to make it.
+FOLLOW_APPEAR_S = 30.0
+
 
 def main(command: str, argv: list[str]) -> int:
     """Entry point of `runner runs|logs|stop`."""
@@ -70,7 +74,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     # The log is worth reading whatever its status.json says.
-    reader = LogReader(run_dir_at(args.run, readable=False))
+    appear_s = FOLLOW_APPEAR_S if args.follow else 0
+    reader = LogReader(run_dir_at(args.run, readable=False, appear_s=appear_s))
     if reader.ended() and not (reader.run.path / LOG_FILE).is_file():
         raise UserError("RUN", str(args.run), f"the run is over and wrote no {LOG_FILE}")
     while True:

@@ -33,15 +33,26 @@ DEFAULT_ROOTS = ("outputs", "multirun")
 ORPHANS_WAIT_S = 300.0
 
 
-def run_dir_at(path: Path, key: str = "RUN", *, readable: bool = True) -> RunDir:
+def run_dir_at(
+    path: Path, key: str = "RUN", *, readable: bool = True, appear_s: float = 0
+) -> RunDir:
     """The run at `path`; one that is starting (its launcher holds the lock while it resolves
     the recipe and checks the data, seconds before it records its status) is waited for.
-    readable: refuse a run whose status.json cannot be read (no state to stop or resume by)."""
+    readable: refuse a run whose status.json cannot be read (no state to stop or resume by).
+    appear_s: how long to wait for a run to start at a path that holds none yet (`runner logs
+    -f RUN` typed just after `runner train hydra.run.dir=RUN &`, which takes seconds to start)."""
     run = RunDir(path)
+    deadline = time.monotonic() + appear_s
     waiting = False
-    while not is_run_dir(run.path) and lock_held(run.path):
+    while not is_run_dir(run.path) and (lock_held(run.path) or time.monotonic() < deadline):
         if not waiting:
-            print(f"{path}: the run is starting; waiting for its status.json", file=sys.stderr)
+            starting = lock_held(run.path)
+            print(
+                f"{path}: the run is starting; waiting for its status.json"
+                if starting
+                else f"{path}: no run there yet; waiting up to {appear_s:.0f} s for one to start",
+                file=sys.stderr,
+            )
             waiting = True
         time.sleep(0.1)
     if not is_run_dir(run.path):
