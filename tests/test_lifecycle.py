@@ -169,6 +169,28 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     assert result.returncode == 2 and "wrote no train.log" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_run_stopped_before_its_status_leaves_no_directory(hermetic_env, tmp_path, signum, code):
+    """Ctrl-C or SIGTERM in the seconds before a run records its status (importing torch,
+    resolving the recipe): the directory held .hydra/, .lock and train.log, which no command
+    lists, resumes or cleans; SIGTERM killed the process outright."""
+    run_dir = tmp_path / "outputs" / "starting"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "train", *QUICK, f"hydra.run.dir={run_dir}"],
+        env=hermetic_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not (run_dir / ".hydra").exists():  # Hydra's, once the run took its directory
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.005)
+    proc.send_signal(signum)
+    assert proc.wait(timeout=300) == code, proc.stderr.read()[-3000:]
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_stop_as_the_run_starts_ends_it_cancelled(hermetic_env, tmp_path, processes) -> None:
     """Signalled as soon as its status names its process, before the loop's own handlers (or

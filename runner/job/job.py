@@ -12,8 +12,11 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +61,12 @@ def train(
     unless `keep_failed` (a sweep's job, which the sweep summary reports as failed); one that
     trained (a stream's bad record, met as it is read) keeps its record, failed. A directory
     that held a run before this call (a requeue, another node of a shared run) is never
-    removed.
+    removed. (One stopped before it records its status: RunDirLock.)
     """
-    as_launcher()
     run = RunDir(run_dir)
     new_here = not run.recipe_path.exists() and not run.checkpoints()
     try:
+        as_launcher()
         with _trainer_lock(cfg, run):
             return _train(cfg, run, overrides)
     except Exception as err:
@@ -73,9 +76,14 @@ def train(
             raise  # a bug; or the directory is another trainer's, or a run's that trained
         trained = (run.status().step or 0) > 0 or run.checkpoints()
         if new_here and cfg.resume is None and not keep_failed and not trained:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            _remove_empty_day(run_dir, Path(cfg.runtime.output_root))
+            _discard(run_dir, Path(cfg.runtime.output_root))
         raise
+
+
+def _discard(run_dir: Path, output_root: Path) -> None:
+    """A new run directory that holds no run, with its day's folder where it was alone in it."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    _remove_empty_day(run_dir, output_root)
 
 
 def _remove_empty_day(run_dir: Path, output_root: Path) -> None:
@@ -119,7 +127,8 @@ class RunDirLock(Callback):
     """Hydra callback of `runner train` (not of -m): takes the run directory's lock before Hydra
     writes into it (.hydra/, train.log), so that a hydra.run.dir or resume= naming a run that
     another process trains is refused with that run untouched, as is a hydra.run.dir naming a
-    run that other overrides started. The job then finds the lock held."""
+    run that other overrides started. The job then finds the lock held. A new run stopped before
+    it records its status leaves no directory (_stopped_leaves_nothing)."""
 
     def __init__(self) -> None:
         self._lock = contextlib.ExitStack()
@@ -137,11 +146,46 @@ class RunDirLock(Callback):
                 self._lock.enter_context(_trainer_lock(config, run))
             except OSError as err:  # a read-only file system, a file on the path
                 raise _unwritable(config, run.path, err) from None
+            if config.resume is None and not run.recipe_path.exists() and not run.checkpoints():
+                output_root = Path(str(config.runtime.output_root))
+                self._lock.enter_context(_stopped_leaves_nothing(run, output_root))
             if config.resume is None:
                 _check_same_command(run, list(config.hydra.overrides.task))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._lock.close()
+
+
+@contextlib.contextmanager
+def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
+    """Ctrl-C or SIGTERM in the seconds before a new run records its status (importing torch,
+    resolving the recipe, checking the data) removes its directory, which holds no run yet
+    (.hydra/, .lock, train.log: no command would list, resume or clean it), and ends the process
+    at once, 128 + the signal. From its first status the run's own handlers take the signals
+    (launch.stops_before_workers, process.stop_signals); past them, these do as the ones before.
+    No exception is raised in the window: one raised inside an import leaves that module half
+    made (a Ctrl-C in torch's import failed a second import of numpy)."""
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if is_run_dir(run.path):
+            signal.signal(signum, previous[signum])
+            signal.raise_signal(signum)
+            return
+        _discard(run.path, output_root)
+        print("interrupted" if signum == signal.SIGINT else "stopped by SIGTERM", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, on_signal) for signum in stop_signals}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _run_dir_given(config: DictConfig) -> bool:
