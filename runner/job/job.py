@@ -164,7 +164,7 @@ def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
     at once, 128 + the signal. From its first status the run's own handlers take the signals
     (launch.stops_before_workers, process.stop_signals); past them, these do as the ones before.
     No exception is raised in the window: one raised inside an import leaves that module half
-    made (a Ctrl-C in torch's import failed a second import of numpy)."""
+    made (tried: a SystemExit raised in torch's import failed a later import of numpy)."""
     stop_signals = (signal.SIGINT, signal.SIGTERM)
 
     def on_signal(signum: int, frame: Any) -> None:
