@@ -99,8 +99,8 @@ def resolve_device(
                 "node to price (e.g. compute.nproc_per_node=8)",
             )
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        given = NULL if nproc is None else nproc
-        raise UserError("compute.nproc_per_node", given, "give an integer >= 1 or auto")
+        typed: object = NULL if nproc is None else nproc
+        raise UserError("compute.nproc_per_node", typed, "give an integer >= 1 or auto")
     if device == "cuda" and gpus_here and nproc > torch.cuda.device_count():
         raise UserError(
             "compute.nproc_per_node",

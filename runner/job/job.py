@@ -169,7 +169,7 @@ def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
 
     def on_signal(signum: int, frame: Any) -> None:
         if is_run_dir(run.path):
-            signal.signal(signum, previous[signum])
+            signal.signal(signum, previous[signal.Signals(signum)])
             signal.raise_signal(signum)
             return
         _discard(run.path, output_root)
