@@ -45,7 +45,7 @@ from runner.trainer.evaluate import eval_due, new_best, validation_shares
 from runner.trainer.methods import METHODS
 from runner.trainer.optimization import Optimization
 from runner.trainer.profiling import StepProfiler
-from runner.trainer.progress import Reporter, StepLosses, Throughput
+from runner.trainer.progress import Reporter, StepLosses, Throughput, Tokens
 from runner.trainer.weights import model_files
 
 log = logging.getLogger("runner.recipe")
@@ -267,9 +267,9 @@ class FinetuneRecipe:
             return True
         return False
 
-    def _optimizer_step(self, batches: list[Batch]) -> tuple[torch.Tensor, int]:
+    def _optimizer_step(self, batches: list[Batch]) -> tuple[torch.Tensor, Tokens]:
         """One optimizer step over a step's micro-batches: its loss (on the device, unread)
-        and the tokens it saw (the objective's)."""
+        and the positions every rank computed (the objective's)."""
         return self.objective.step(batches, self.optim)
 
     def _log(self, values: dict[str, float]) -> None:

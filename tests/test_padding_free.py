@@ -268,11 +268,13 @@ def test_cuda_takes_a_block_mask_except_for_gemma2() -> None:
 @dataclass
 class Step:
     """What one_step saw: the step's loss, the weights after it, its forward passes (their
-    [rows, width]), and with `evaluate` the eval_loss after it and the evaluation's passes."""
+    [rows, width]), the tokens it counts for tokens/s, and with `evaluate` the eval_loss after
+    it and the evaluation's passes."""
 
     loss: torch.Tensor
     weights: list[torch.Tensor]
     forwards: list[tuple[int, int]]
+    tokens: float
     eval_loss: float | None = None
     eval_forwards: list[tuple[int, int]] | None = None
 
@@ -316,9 +318,9 @@ def one_step(
     )
     forwards: list[tuple[int, int]] = []
     model.register_forward_pre_hook(lambda _, args: forwards.append(tuple(args[0].shape)))
-    loss, _ = objective.step([objective.collate(samples)], optim)
+    loss, tokens = objective.step([objective.collate(samples)], optim)
     weights = [getattr(p, "full_tensor", p.detach)().detach().clone() for p in model.parameters()]
-    step = Step(loss, weights, list(forwards))
+    step = Step(loss, weights, list(forwards), float(tokens))
     if evaluate:
         shares = iter([(samples, len(samples))])
         evaluated = objective.eval_metrics(shares, None, wanted=["eval_loss"])
@@ -382,6 +384,9 @@ def test_max_forward_tokens_with_two_processes_keeps_the_ranks_in_step(tmp_path:
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     alone = one_step(samples[:2], cap)  # rank 0's share in a process of its own
     assert len(ranks[0].forwards) == len(ranks[1].forwards) > len(alone.forwards)
+    # tokens/s counts every rank's own positions (it was rank 0's times two).
+    both = alone.tokens + one_step(samples[2:], cap).tokens
+    assert ranks[0].tokens == ranks[1].tokens == both != 2 * alone.tokens
     assert len(ranks[0].eval_forwards) == len(ranks[1].eval_forwards)
     whole = one_step(samples, None, evaluate=True)
     for rank in ranks:

@@ -47,7 +47,8 @@ from runner.trainer import parallel
 from runner.trainer.batches import Batch
 from runner.trainer.evaluate import LOSS_METRICS, exact_match, loss_metrics, loss_sums
 from runner.trainer.optimization import Optimization
-from runner.trainer.parallel import Placement
+from runner.trainer.parallel import Placement, all_ranks_sum
+from runner.trainer.progress import Tokens
 
 # The reference model's logits for some tokens (no gradients are taken through it).
 Reference = Callable[[torch.Tensor], Any]
@@ -99,9 +100,10 @@ class Supervised:
             min_rows=self.attention.min_rows,
         )
 
-    def step(self, batches: list[Batch], optim: Optimization) -> tuple[torch.Tensor, int]:
+    def step(self, batches: list[Batch], optim: Optimization) -> tuple[torch.Tensor, Tokens]:
         """One optimizer step over micro-batches: its loss (normalized by all ranks' tokens, on
-        the device, unread) and the tokens it saw."""
+        the device, unread) and the positions all ranks computed (padding included: the work
+        done; with several ranks a sum on the device, unread)."""
         device, world_size = self.place.device, self.place.world_size
         loss_sum = torch.zeros((), device=device)
         num_tokens = torch.zeros((), device=device)
@@ -123,12 +125,14 @@ class Supervised:
             loss_sum += loss.detach()
             num_tokens += batch_tokens
             seen_tokens += tokens.numel()
+        seen: Tokens = seen_tokens
         if world_size > 1:
-            dist.all_reduce(num_tokens)
+            # Each rank's own count: padding-free rows hold different numbers of tokens.
+            num_tokens, seen = all_ranks_sum(num_tokens, seen_tokens)
             dist.all_reduce(loss_sum)
         # FSDP averages gradients over ranks; scaling by world/tokens makes it a per-token mean.
         optim.step(self.model, world_size / num_tokens.clamp(min=1))
-        return (loss_sum / num_tokens.clamp(min=1)).detach(), seen_tokens * world_size
+        return (loss_sum / num_tokens.clamp(min=1)).detach(), seen
 
     def _passes_behind(self, passes: int) -> int:
         """How many fewer forward passes this rank's step runs than the rank with the most.
@@ -269,9 +273,9 @@ class Preference:
 
     def step(
         self, batches: list[dict[str, torch.Tensor]], optim: Optimization
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, Tokens]:
         """One optimizer step over micro-batches of pairs: its loss (the mean over all ranks'
-        pairs, on the device, unread) and the tokens it saw."""
+        pairs, on the device, unread) and the positions all ranks computed (Supervised.step)."""
         sums = torch.zeros(len(PAIR_SUMS), device=self.place.device)
         num_pairs = torch.zeros((), device=self.place.device)
         seen_tokens = 0
@@ -282,16 +286,17 @@ class Preference:
             sums += pair_sums(losses, chosen, rejected)
             num_pairs += losses.numel()
             seen_tokens += batch["tokens"].numel()
+        seen: Tokens = seen_tokens
         if self.place.world_size > 1:
             dist.all_reduce(sums)
-            dist.all_reduce(num_pairs)
+            num_pairs, seen = all_ranks_sum(num_pairs, seen_tokens)
         # FSDP averages gradients over ranks; scaling by world/pairs makes it a per-pair mean.
         optim.step(self.model, self.place.world_size / num_pairs)
         means = sums / num_pairs
         # No host sync here: the loop reads the loss when it logs or saves (and fails the run
         # on a non-finite one), `logged` the rewards.
         self.step_rewards = means[1:]
-        return means[0], seen_tokens * self.place.world_size
+        return means[0], seen
 
     def logged(self) -> dict[str, float]:
         """The last step's reward means, which a logged step records beside its loss."""

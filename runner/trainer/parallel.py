@@ -133,6 +133,15 @@ def any_rank(flag: bool, place: Placement) -> bool:
     return largest_on_any_rank(int(flag), place) > 0
 
 
+def all_ranks_sum(count: torch.Tensor, host_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` (on the device) and `host_count` (on the host), each summed over the ranks in one
+    all-reduce on the device; both unread. The host's count is filled in on the device (no copy,
+    which would wait for the device)."""
+    both = torch.stack([count.float(), torch.full((), float(host_count), device=count.device)])
+    dist.all_reduce(both)
+    return both[0], both[1]
+
+
 def largest_on_any_rank(value: int, place: Placement) -> int:
     """The largest of the ranks' `value`s, every rank joining: on one node a CPU all-reduce over
     the vote group, which waits for the other ranks' hosts to reach it, never for this rank's

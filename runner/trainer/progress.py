@@ -158,15 +158,21 @@ def _left_out(owner: Any, start: str) -> Iterator[None]:
         setattr(owner, start, getattr(owner, start) + time.perf_counter() - began)
 
 
+# The positions a step computed: a count on the host, or where several ranks summed theirs, on
+# the device, unread.
+Tokens = int | torch.Tensor
+
+
 class Throughput:
-    """Tokens per second over the steps since the last reading."""
+    """Tokens per second over the steps since the last reading: the positions the model
+    computed on every rank (padding included: the work done, which MFU counts too)."""
 
     def __init__(self) -> None:
-        self.tokens = 0
+        self.tokens: Tokens = 0
         self.start = time.perf_counter()
 
-    def add(self, tokens: int) -> None:
-        """The tokens of one more step."""
+    def add(self, tokens: Tokens) -> None:
+        """The tokens of one more step (a count on the device is read at the next reading)."""
         self.tokens += tokens
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
@@ -176,7 +182,7 @@ class Throughput:
 
     def read(self) -> float:
         """Tokens per second since the last reading; the window starts again."""
-        rate = self.tokens / (time.perf_counter() - self.start)
+        rate = float(self.tokens) / (time.perf_counter() - self.start)
         self.tokens, self.start = 0, time.perf_counter()
         return rate
 
