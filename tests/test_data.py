@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -629,3 +630,8 @@ def test_training_with_packing_through_the_cli(runner_cli, tmp_path: Path) -> No
     found = losses(run)
     assert len(found) == 6 and all(map(torch.isfinite, torch.tensor(list(found.values()))))
     assert found[6] < found[1]
+    # torchtune's "Packing dataset" bar filled the console; a line of the log says it instead.
+    assert "Packing dataset" not in result.stderr
+    assert re.search(
+        r"data: 32000 samples packed into \d+ rows of 256 tokens", (run / "train.log").read_text()
+    )

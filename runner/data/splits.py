@@ -5,6 +5,10 @@ Each is read and checked whole once per call, so a process that calls once reads
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +20,8 @@ from runner.data.preference import PreferenceSplit
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import PackedDataset
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from runner.models.tokenizer import ChatTokenizer
@@ -123,11 +129,22 @@ def training_splits(
     or None without `validation` or when the dataset has none. Reads each split once."""
     train, held = _splits(data, tokenizer, validation=validation)
     if data["packing"]:
-        train = PackedDataset(
-            train,
-            max_seq_len=data["max_seq_len"],
-            padding_idx=tokenizer.pad_id,
-            split_across_pack=False,
+        started, samples = time.perf_counter(), len(train)
+        # torchtune's "Packing dataset" bar takes no switch: hundreds of its states filled the
+        # console and any captured log. The line after says what it did, as the data check's.
+        with contextlib.redirect_stderr(io.StringIO()):
+            train = PackedDataset(
+                train,
+                max_seq_len=data["max_seq_len"],
+                padding_idx=tokenizer.pad_id,
+                split_across_pack=False,
+            )
+        log.info(
+            "data: %d samples packed into %d rows of %d tokens in %.1f s",
+            samples,
+            len(train),
+            data["max_seq_len"],
+            time.perf_counter() - started,
         )
     return train, held
 
