@@ -397,10 +397,20 @@ class Deployment:
     def __init__(self, process: subprocess.Popen[bytes], console: Path) -> None:
         self.process, self.console_path = process, console
         self.url: str | None = None
+        self._ended_console: str | None = None
 
     def console(self) -> str:
-        """What the server process has printed so far."""
+        """What the server process has printed so far (all it printed, once it has ended)."""
+        if self._ended_console is not None:
+            return self._ended_console
         return self.console_path.read_text(errors="replace") if self.console_path.exists() else ""
+
+    def _ended(self) -> None:
+        """The server has ended: its console is kept here and its temporary file removed (one
+        was left in /tmp for every deployment)."""
+        if self._ended_console is None:
+            self._ended_console = self.console()
+            self.console_path.unlink(missing_ok=True)
 
     def wait_ready(self, timeout: float = 300.0) -> str:
         """The base URL (http://host:port/v1) once the models are loaded and it serves; a
@@ -412,6 +422,7 @@ class Deployment:
                 self.url = found.group(1)
             elif self.process.poll() is not None:
                 error = _last_error(self.console_path) or f"exit code {self.process.returncode}"
+                self._ended()
                 raise UserError("deploy", "ended", error)
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"runner deploy not ready after {timeout:.0f} s")
@@ -425,7 +436,9 @@ class Deployment:
         once it has shut down cleanly, so a clean stop is -SIGTERM (-15), as for `kill`."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
+        code = self.process.wait(timeout)
+        self._ended()
+        return code
 
 
 def _new_dir(root: Path) -> Path:

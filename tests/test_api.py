@@ -195,3 +195,4 @@ def test_a_sweep_and_a_deployment_of_its_best_run(
     finally:
         code = deployment.stop()
     assert code == -signal.SIGTERM and "Application shutdown complete" in deployment.console()
+    assert not deployment.console_path.exists()  # one was left in /tmp for every deployment
