@@ -1,9 +1,9 @@
-"""Datasets: every format and kind reads through the real config; bad data is one clear error."""
+"""Datasets: every format and kind reads through the real config (bad data: test_data_errors.py;
+packing: test_packing.py)."""
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -12,27 +12,21 @@ from xml.etree import ElementTree
 import datasets
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from runner.components import instantiate
 from runner.config.dataset import resolve_dataset
-from runner.config.model import resolve_model
 from runner.data import (
     FORMATS,
     DataError,
     check_datasets,
     checks,
-    collate,
     eval_prompts,
     train_dataset,
     training_splits,
 )
 from runner.errors import UserError
-from runner.models.attention import RowAttention
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
-from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
-from tests.conftest import losses
+from runner.paths import TINY_TOKENIZER_DIR
 from tests.test_config import compose_train
 
 CPU = torch.device("cpu")
@@ -357,281 +351,4 @@ def test_chat_in_both_styles(tmp_path: Path) -> None:
     assert prompt.reference == "Goodbye"
     assert tok.decode(prompt.tokens, skip_special_tokens=False).endswith(
         "Bye<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-    )
-
-
-# ---- bad data: one message naming the file, the row and the column ----------------------------
-GOOD = {"prompt": "p", "context": "", "answer": "a"}
-CHAT_GOOD = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
-BAD_CELLS = [
-    # (kind, rows written as jsonl, extra overrides, row, column, text in the message)
-    ("instruct", [GOOD, GOOD, {**GOOD, "answer": 42}], [], 3, "answer", "holds a number ('42')"),
-    # Text that looks like a number beside a number: the loader reads the column as pandas does
-    # ("5" a number too), and the message named row 1, which holds text.
-    (
-        "instruct",
-        [{**GOOD, "answer": "5"}, GOOD, {**GOOD, "answer": 42}],
-        [],
-        3,
-        "answer",
-        "holds a number ('42')",
-    ),
-    ("instruct", [GOOD, {**GOOD, "prompt": None}, GOOD], [], 2, "prompt", "holds null"),
-    ("chat", [CHAT_GOOD, {"messages": "hello"}], [], 2, "messages", "not a list of"),
-    (
-        "chat",
-        [
-            CHAT_GOOD,
-            CHAT_GOOD,
-            {
-                "messages": [
-                    {"role": "user", "content": "u"},
-                    {"role": "assistant", "content": None},
-                ]
-            },
-        ],
-        [],
-        3,
-        "messages",
-        "message 2's 'content' is null",
-    ),
-    (
-        "chat",
-        [{"messages": [{"role": "bot", "content": "x"}]}],
-        [],
-        1,
-        "messages",
-        "role='bot'",
-    ),
-    (
-        "chat",
-        [CHAT_GOOD, {"messages": [{"role": "user", "content": "u"}]}],
-        [],
-        2,
-        "messages",
-        "no assistant message",
-    ),
-    (
-        "chat",
-        [CHAT_GOOD],
-        ["dataset.conversation_style=sharegpt"],
-        1,
-        "messages",
-        "sharegpt style",
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    ("kind", "rows", "extra", "row", "column", "problem"),
-    BAD_CELLS,
-    ids=[f"{c[0]}-{c[5]}" for c in BAD_CELLS],
-)
-def test_a_bad_cell_names_file_row_and_column(tmp_path, kind, rows, extra, row, column, problem):
-    path = tmp_path / "bad.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    renamed = RENAMED if kind == "instruct" else []
-    with pytest.raises(DataError) as err:
-        check_datasets(
-            data(f"dataset={kind}", f"dataset.source={path}", *renamed, *extra), tokenizer()
-        )
-    assert (err.value.file, err.value.row, err.value.column) == (str(path), row, column)
-    message = str(err.value)
-    assert f"dataset.source='{path}': row {row}, column {column!r}: " in message, message
-    assert problem in message, message
-
-
-def test_a_bad_row_in_a_later_file_of_a_directory(tmp_path: Path) -> None:
-    write(records(5), tmp_path / "d" / "part-0.csv")
-    bad = write(
-        [*records(3), {"prompt": None, "context": "x", "answer": "y"}],
-        tmp_path / "d" / "part-1.csv",
-    )
-    with pytest.raises(DataError) as err:
-        check_datasets(
-            data("dataset=instruct", f"dataset.source={tmp_path / 'd'}", *RENAMED), tokenizer()
-        )
-    assert (err.value.file, err.value.row, err.value.column) == (str(bad), 4, "prompt")
-    assert f"{bad} row 4, column 'prompt': holds null" in str(err.value)
-
-
-def test_no_trainable_token_after_truncation(tmp_path: Path) -> None:
-    rows = [*records(3), {"prompt": "x" * 60, "context": "", "answer": "y"}, *records(2)]
-    path = write(rows, tmp_path / "long.jsonl")
-    base = ["dataset=instruct", f"dataset.source={path}", *RENAMED, "dataset.max_seq_len=48"]
-    with pytest.raises(DataError) as err:
-        check_datasets(data(*base), tokenizer(48))
-    assert (err.value.row, err.value.column) == (4, "prompt, context")
-    assert err.value.key == "dataset.max_seq_len" and "raise dataset.max_seq_len" in str(err.value)
-    # Training on the prompt too leaves tokens to train on.
-    assert check_datasets(data(*base, "dataset.train_on_input=true"), tokenizer(48))["train"] == 6
-
-
-def test_missing_column_and_empty_splits(tmp_path: Path) -> None:
-    path = write(records(4), tmp_path / "d.jsonl")
-    tok = tokenizer()
-    with pytest.raises(UserError) as err:
-        check_datasets(data("dataset=instruct", f"dataset.source={path}"), tok)
-    assert err.value.key == "dataset.column_map.instruction"
-    assert str(path) in err.value.fix and "['prompt', 'context', 'answer']" in err.value.fix
-    base = ["dataset=instruct", f"dataset.source={path}", *RENAMED]
-    with pytest.raises(UserError) as err:
-        check_datasets(data(*base, "dataset.split='train[4:]'"), tok)
-    assert err.value.key == "dataset.split" and "no records" in err.value.fix
-    with pytest.raises(UserError) as err:
-        check_datasets(data(*base, "dataset.validation.held_out=10%"), tok)
-    assert err.value.key == "dataset.validation.held_out" and "holds out 0 of" in err.value.fix
-    assert err.value.value == "10%"  # as typed
-    blank = tmp_path / "blank.txt"
-    blank.write_text("\n  \n\n")
-    with pytest.raises(UserError) as err:
-        check_datasets(data("dataset=text", f"dataset.source={blank}"), tok)
-    assert err.value.key == "dataset.split" and "only blank lines" in err.value.fix
-    with pytest.raises(UserError) as err:
-        data("dataset=chat")
-    assert err.value.key == "dataset.source" and "dataset.source=PATH" in err.value.fix
-
-
-def test_an_unreadable_file_is_a_user_error(tmp_path: Path) -> None:
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"instruction": "x", "output": "y"}\n{not json\n')
-    with pytest.raises(UserError) as err:
-        check_datasets(data(f"dataset.source={broken}"), tokenizer())
-    assert err.value.key == "dataset.source"
-    assert err.value.fix.startswith("line 2, column 2: not valid JSON (Expecting property name")
-    # Where no line is at fault, the reader's own message.
-    parquet = tmp_path / "broken.parquet"
-    parquet.write_bytes(b"not parquet")
-    with pytest.raises(UserError) as err:
-        check_datasets(data("dataset=instruct", f"dataset.source={parquet}"), tokenizer())
-    assert "could not be read as dataset.format=parquet" in err.value.fix
-
-
-def test_bad_data_stops_runner_train_before_launch(runner_cli, tmp_path: Path) -> None:
-    lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text().splitlines()[:50]
-    lines[36] = json.dumps({"instruction": "Reverse the word.", "input": 7, "output": "x"})
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("\n".join(lines) + "\n")
-    out_root = tmp_path / "outputs"
-    result = runner_cli("train", f"dataset.source={bad}", f"runtime.output_root={out_root}")
-    assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.stderr
-    assert f"dataset.source='{bad}': row 37, column 'input': holds a number ('7')" in errors[0]
-    assert not out_root.exists() or not any(out_root.rglob("status.json"))
-
-
-# ---- packing --------------------------------------------------------------------------------
-def test_packing_without_a_row_length_says_it_packs_the_whole_context(caplog) -> None:
-    """Null max_seq_len packs rows of the model's whole context: 131,072 tokens a row for a
-    Llama 3.2, where the docs ask for max_seq_len with packing."""
-    packed = ["dataset=instruct", f"dataset.source={SAMPLE_DATA_DIR / 'validation.jsonl'}"]
-    data(*packed, "dataset.packing=true", "dataset.max_seq_len=96")
-    assert "dataset.packing" not in caplog.text
-    assert data(*packed, "dataset.packing=true")["max_seq_len"] == MODEL_MAX
-    assert (
-        "dataset.packing=true packs rows of dataset.max_seq_len tokens, left null: the model's "
-        f"whole context, {MODEL_MAX} tokens a row" in caplog.text
-    )
-
-
-def test_packed_and_unpacked_batches_give_the_same_per_token_loss(tmp_path: Path) -> None:
-    """On a fixed model: the summed loss and the token count of the same samples agree."""
-    torch.manual_seed(0)
-    # The builder node as resolved: its family supplies the torchtune builder.
-    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model).builder))
-    tok = tokenizer(96)
-    base = [
-        f"dataset.source={SAMPLE_DATA_DIR / 'validation.jsonl'}",
-        "dataset.max_seq_len=96",
-        "dataset.split='train[:24]'",
-    ]
-    plain = train_dataset(data(*base), tok)
-    packed = train_dataset(data(*base, "dataset.packing=true"), tok)
-    assert sum(len(p["seq_lens"]) for p in packed) > len(packed)  # several samples per pack
-
-    def summed(dataset: Any, is_packed: bool) -> tuple[float, int]:
-        batch = collate(
-            [dataset[i] for i in range(len(dataset))], packed=is_packed, padding_idx=tok.pad_id
-        )
-        with torch.no_grad():
-            logits = model(batch["tokens"], **RowAttention.of(model, CPU).inputs(batch, CPU))
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1), reduction="sum"
-        )
-        return loss.item(), int((batch["labels"] != CROSS_ENTROPY_IGNORE_IDX).sum())
-
-    loss_plain, tokens_plain = summed(plain, False)
-    loss_packed, tokens_packed = summed(packed, True)
-    assert tokens_plain == tokens_packed > 0
-    assert loss_packed == pytest.approx(loss_plain, rel=1e-5)
-
-
-def test_padding_free_batches_train_each_token_as_padded_batches_do(tmp_path: Path) -> None:
-    """Samples of mixed lengths packed into one row, attended per sample: every trained
-    token's loss the same as padded (attention stays within each sample, positions restart);
-    the multiset of per-token losses shows a leak across samples."""
-    torch.manual_seed(0)
-    model = instantiate(OmegaConf.create(resolve_model(compose_train([]).model).builder))
-    tok = tokenizer(256)
-    lines = (SAMPLE_DATA_DIR / "validation.jsonl").read_text().splitlines()[:60]
-    words = [json.loads(line)["input"] for line in lines]
-    rows = [
-        {"instruction": "Reverse:", "input": " ".join(words[:n]), "output": words[n]}
-        for n in (40, 3, 17, 1, 9, 25, 2, 12)
-    ]
-    source = write(rows, tmp_path / "mixed.jsonl")
-    samples = list(train_dataset(data(f"dataset.source={source}"), tok))
-    attention = RowAttention.of(model, CPU)  # per sample, in one row
-
-    def token_losses(padding_free: bool) -> tuple[torch.Tensor, int]:
-        batch = collate(
-            samples,
-            packed=False,
-            padding_free=padding_free,
-            padding_idx=tok.pad_id,
-            row_limit=attention.row_limit,
-        )
-        with torch.no_grad():
-            logits = model(batch["tokens"], **attention.inputs(batch, CPU))
-        labels = batch["labels"].reshape(-1)
-        trained = labels != CROSS_ENTROPY_IGNORE_IDX
-        each = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1))[trained], labels[trained], reduction="none"
-        )
-        return each.sort().values, batch["tokens"].shape[0]
-
-    padded, padded_rows = token_losses(False)
-    packed, packed_rows = token_losses(True)
-    assert padded_rows == len(samples) and packed_rows == 1
-    # The same tokens; float32 sums in another order (other row shapes): 1e-5 relative.
-    assert packed.shape == padded.shape
-    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
-
-
-def test_training_with_packing_through_the_cli(runner_cli, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    result = runner_cli(
-        "train",
-        "compute=cpu",
-        "dtype=fp32",
-        "max_steps=6",
-        "batch_size=4",
-        "dataset.packing=true",
-        "dataset.max_seq_len=256",
-        "dataset.eval_samples=0",
-        "runtime.log_every_n_steps=1",
-        "runtime.save_every_n_steps=null",
-        "runtime.progress_bar=false",
-        "runtime.loggers=[]",
-        f"hydra.run.dir={run}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = losses(run)
-    assert len(found) == 6 and all(map(torch.isfinite, torch.tensor(list(found.values()))))
-    assert found[6] < found[1]
-    # torchtune's "Packing dataset" bar filled the console; a line of the log says it instead.
-    assert "Packing dataset" not in result.stderr
-    assert re.search(
-        r"data: 32000 samples packed into \d+ rows of 256 tokens", (run / "train.log").read_text()
     )

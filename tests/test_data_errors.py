@@ -1,0 +1,178 @@
+"""Bad data: one message naming the file, the row and the column, before anything trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runner.data import DataError, check_datasets
+from runner.errors import UserError
+from runner.paths import SAMPLE_DATA_DIR
+from tests.test_data import (
+    RENAMED,
+    data,
+    records,
+    tokenizer,
+    write,
+)
+
+GOOD = {"prompt": "p", "context": "", "answer": "a"}
+CHAT_GOOD = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
+BAD_CELLS = [
+    # (kind, rows written as jsonl, extra overrides, row, column, text in the message)
+    ("instruct", [GOOD, GOOD, {**GOOD, "answer": 42}], [], 3, "answer", "holds a number ('42')"),
+    # Text that looks like a number beside a number: the loader reads the column as pandas does
+    # ("5" a number too), and the message named row 1, which holds text.
+    (
+        "instruct",
+        [{**GOOD, "answer": "5"}, GOOD, {**GOOD, "answer": 42}],
+        [],
+        3,
+        "answer",
+        "holds a number ('42')",
+    ),
+    ("instruct", [GOOD, {**GOOD, "prompt": None}, GOOD], [], 2, "prompt", "holds null"),
+    ("chat", [CHAT_GOOD, {"messages": "hello"}], [], 2, "messages", "not a list of"),
+    (
+        "chat",
+        [
+            CHAT_GOOD,
+            CHAT_GOOD,
+            {
+                "messages": [
+                    {"role": "user", "content": "u"},
+                    {"role": "assistant", "content": None},
+                ]
+            },
+        ],
+        [],
+        3,
+        "messages",
+        "message 2's 'content' is null",
+    ),
+    (
+        "chat",
+        [{"messages": [{"role": "bot", "content": "x"}]}],
+        [],
+        1,
+        "messages",
+        "role='bot'",
+    ),
+    (
+        "chat",
+        [CHAT_GOOD, {"messages": [{"role": "user", "content": "u"}]}],
+        [],
+        2,
+        "messages",
+        "no assistant message",
+    ),
+    (
+        "chat",
+        [CHAT_GOOD],
+        ["dataset.conversation_style=sharegpt"],
+        1,
+        "messages",
+        "sharegpt style",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "rows", "extra", "row", "column", "problem"),
+    BAD_CELLS,
+    ids=[f"{c[0]}-{c[5]}" for c in BAD_CELLS],
+)
+def test_a_bad_cell_names_file_row_and_column(tmp_path, kind, rows, extra, row, column, problem):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    renamed = RENAMED if kind == "instruct" else []
+    with pytest.raises(DataError) as err:
+        check_datasets(
+            data(f"dataset={kind}", f"dataset.source={path}", *renamed, *extra), tokenizer()
+        )
+    assert (err.value.file, err.value.row, err.value.column) == (str(path), row, column)
+    message = str(err.value)
+    assert f"dataset.source='{path}': row {row}, column {column!r}: " in message, message
+    assert problem in message, message
+
+
+def test_a_bad_row_in_a_later_file_of_a_directory(tmp_path: Path) -> None:
+    write(records(5), tmp_path / "d" / "part-0.csv")
+    bad = write(
+        [*records(3), {"prompt": None, "context": "x", "answer": "y"}],
+        tmp_path / "d" / "part-1.csv",
+    )
+    with pytest.raises(DataError) as err:
+        check_datasets(
+            data("dataset=instruct", f"dataset.source={tmp_path / 'd'}", *RENAMED), tokenizer()
+        )
+    assert (err.value.file, err.value.row, err.value.column) == (str(bad), 4, "prompt")
+    assert f"{bad} row 4, column 'prompt': holds null" in str(err.value)
+
+
+def test_no_trainable_token_after_truncation(tmp_path: Path) -> None:
+    rows = [*records(3), {"prompt": "x" * 60, "context": "", "answer": "y"}, *records(2)]
+    path = write(rows, tmp_path / "long.jsonl")
+    base = ["dataset=instruct", f"dataset.source={path}", *RENAMED, "dataset.max_seq_len=48"]
+    with pytest.raises(DataError) as err:
+        check_datasets(data(*base), tokenizer(48))
+    assert (err.value.row, err.value.column) == (4, "prompt, context")
+    assert err.value.key == "dataset.max_seq_len" and "raise dataset.max_seq_len" in str(err.value)
+    # Training on the prompt too leaves tokens to train on.
+    assert check_datasets(data(*base, "dataset.train_on_input=true"), tokenizer(48))["train"] == 6
+
+
+def test_missing_column_and_empty_splits(tmp_path: Path) -> None:
+    path = write(records(4), tmp_path / "d.jsonl")
+    tok = tokenizer()
+    with pytest.raises(UserError) as err:
+        check_datasets(data("dataset=instruct", f"dataset.source={path}"), tok)
+    assert err.value.key == "dataset.column_map.instruction"
+    assert str(path) in err.value.fix and "['prompt', 'context', 'answer']" in err.value.fix
+    base = ["dataset=instruct", f"dataset.source={path}", *RENAMED]
+    with pytest.raises(UserError) as err:
+        check_datasets(data(*base, "dataset.split='train[4:]'"), tok)
+    assert err.value.key == "dataset.split" and "no records" in err.value.fix
+    with pytest.raises(UserError) as err:
+        check_datasets(data(*base, "dataset.validation.held_out=10%"), tok)
+    assert err.value.key == "dataset.validation.held_out" and "holds out 0 of" in err.value.fix
+    assert err.value.value == "10%"  # as typed
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n\n")
+    with pytest.raises(UserError) as err:
+        check_datasets(data("dataset=text", f"dataset.source={blank}"), tok)
+    assert err.value.key == "dataset.split" and "only blank lines" in err.value.fix
+    with pytest.raises(UserError) as err:
+        data("dataset=chat")
+    assert err.value.key == "dataset.source" and "dataset.source=PATH" in err.value.fix
+
+
+def test_an_unreadable_file_is_a_user_error(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"instruction": "x", "output": "y"}\n{not json\n')
+    with pytest.raises(UserError) as err:
+        check_datasets(data(f"dataset.source={broken}"), tokenizer())
+    assert err.value.key == "dataset.source"
+    assert err.value.fix.startswith("line 2, column 2: not valid JSON (Expecting property name")
+    # Where no line is at fault, the reader's own message.
+    parquet = tmp_path / "broken.parquet"
+    parquet.write_bytes(b"not parquet")
+    with pytest.raises(UserError) as err:
+        check_datasets(data("dataset=instruct", f"dataset.source={parquet}"), tokenizer())
+    assert "could not be read as dataset.format=parquet" in err.value.fix
+
+
+def test_bad_data_stops_runner_train_before_launch(runner_cli, tmp_path: Path) -> None:
+    lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text().splitlines()[:50]
+    lines[36] = json.dumps({"instruction": "Reverse the word.", "input": 7, "output": "x"})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    out_root = tmp_path / "outputs"
+    result = runner_cli("train", f"dataset.source={bad}", f"runtime.output_root={out_root}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert f"dataset.source='{bad}': row 37, column 'input': holds a number ('7')" in errors[0]
+    assert not out_root.exists() or not any(out_root.rglob("status.json"))
