@@ -46,10 +46,9 @@ def run_dir_at(
     waiting = False
     while not is_run_dir(run.path) and (lock_held(run.path) or time.monotonic() < deadline):
         if not waiting:
-            starting = lock_held(run.path)
             print(
                 f"{path}: the run is starting; waiting for its status.json"
-                if starting
+                if lock_held(run.path)
                 else f"{path}: no run there yet; waiting up to {appear_s:.0f} s for one to start",
                 file=sys.stderr,
             )
