@@ -42,6 +42,20 @@ def test_sweep_summary_matches_its_run_directories(runner_cli, tmp_path: Path) -
     assert (sweep / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"best by eval_loss (min): job {best['job']}" in result.stdout
     assert "| 0 | optimizer.lr=0.001 seed=0 | completed | 4/4 |" in result.stdout
+    # Other values into it: its jobs found their directories trained and trained nothing, and
+    # the summary named them by values they never trained with.
+    written = {p: p.stat().st_mtime_ns for p in sweep.rglob("*") if p.is_file()}
+    other = runner_cli(
+        "train", "-m", *TINY_JOB, "optimizer.lr=1e-3,8e-3", "seed=0,1", f"hydra.sweep.dir={sweep}"
+    )
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert other.stderr == (
+        f"error: hydra.sweep.dir='{sweep}': holds a sweep that other overrides started: "
+        "optimizer.lr=1e-3,8e-3 (recorded: optimizer.lr=1e-3,3e-3); go on with it by its own "
+        "command (compute, batch_size and gradient_accumulation_steps may change), or give "
+        "another hydra.sweep.dir\n"
+    )
+    assert {p: p.stat().st_mtime_ns for p in sweep.rglob("*") if p.is_file()} == written
 
 
 def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path) -> None:

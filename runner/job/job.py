@@ -44,8 +44,8 @@ from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_
 from runner.rundir.manifest import (
     MANIFEST_FILE,
     build_manifest,
+    changed_overrides,
     read_manifest,
-    recorded_form,
     write_manifest,
 )
 
@@ -247,12 +247,6 @@ def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextMan
     return run_lock(run.path, key="hydra.run.dir" if cfg.resume is None else "resume")
 
 
-# What may change when a run's directory is trained again: the layout, the processes and the
-# batch each takes (docs/nodes.md: a checkpoint resumes on any number of processes with the same
-# global batch), of which the node's rank tells apart the nodes of one run.
-_LAYOUT = ("compute", "batch_size", "gradient_accumulation_steps")
-
-
 def _check_same_command(run: RunDir, overrides: list[str]) -> None:
     """A directory that holds a run is trained again by the command that started it (a requeue,
     a node started again) or by that command on another layout: it goes on from its last
@@ -262,13 +256,7 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
     (nodes that disagreed, or a run that failed before its first save, are started corrected)."""
     if not (run.path / MANIFEST_FILE).is_file() or run.latest_checkpoint() is None:
         return  # killed before it recorded anything, or before it saved anything
-    recorded = _by_key(read_manifest(run)["overrides"])
-    given = _by_key(recorded_form(overrides))
-    changes = [
-        f"{given.get(key, key + ' not given')} (recorded: {recorded.get(key, 'not given')})"
-        for key in sorted(recorded.keys() | given.keys())
-        if recorded.get(key) != given.get(key)
-    ]
+    changes = changed_overrides(read_manifest(run)["overrides"], overrides)
     if changes:
         raise UserError(
             "hydra.run.dir",
@@ -277,12 +265,6 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
             f"its own (runner resume {run.path}), on another layout if need be (compute, "
             "batch_size and gradient_accumulation_steps may change), or give another hydra.run.dir",
         )
-
-
-def _by_key(overrides: list[str]) -> dict[str, str]:
-    """Overrides by the key each sets (`+a.b=1`: a.b), those of the layout left out."""
-    by_key = {override_key(o): o for o in overrides}
-    return {k: o for k, o in by_key.items() if k.split(".")[0] not in _LAYOUT}
 
 
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:

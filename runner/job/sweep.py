@@ -24,7 +24,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import override_key
 from runner.config.runtime import check_root
@@ -39,6 +39,7 @@ from runner.rundir import (
     sweep_runs,
     write_json_atomic,
 )
+from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
 
 SUMMARY_TABLE = "summary.md"
 LOSS_PLOT = "loss_curves.png"
@@ -251,21 +252,51 @@ def check_sweep_values(config: DictConfig) -> None:
         logging.disable(logging.NOTSET)
 
 
+def check_same_sweep(config: DictConfig) -> None:
+    """A sweep directory that holds jobs goes on by the overrides that started it (its command
+    given again; compute, batch_size and gradient_accumulation_steps may change): other values
+    gave its jobs' directories to other jobs, which found them trained and trained nothing, and
+    the summary named them by values they never trained with. Refused by name before anything
+    is written, as a run directory is (runner.job.job._check_same_command)."""
+    sweep_dir = Path(config.hydra.sweep.dir)
+    started = sweep_dir / "multirun.yaml"  # Hydra's record of the sweep
+    if not started.is_file() or not any(sweep_dir.glob(f"*/{MANIFEST_FILE}")):
+        return  # no job of it started
+    recorded = [str(o) for o in OmegaConf.load(started).hydra.overrides.task]
+    changes = changed_overrides(recorded, list(config.hydra.overrides.task))
+    if changes:
+        key, value = _sweep_dir_key(config)
+        where = "" if key == "hydra.sweep.dir" else f"its sweep directory {sweep_dir} "
+        raise UserError(
+            key,
+            value,
+            f"{where}holds a sweep that other overrides started: {', '.join(changes)}; go on "
+            "with it by its own command (compute, batch_size and gradient_accumulation_steps may "
+            "change), or give another hydra.sweep.dir",
+        )
+
+
 def _make_sweep_dir(config: DictConfig) -> None:
     """The sweep directory, made once its values are checked: one that cannot be made (a
     read-only file system, a file on the path) was a traceback from Hydra's sweeper."""
     try:
         Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        given = any(override_key(o) == "hydra.sweep.dir" for o in config.hydra.overrides.hydra)
-        key = "hydra.sweep.dir" if given else "runtime.multirun_root"
-        value = config.hydra.sweep.dir if given else config.runtime.multirun_root
+        key, value = _sweep_dir_key(config)
         raise UserError(
             key,
-            str(value),
+            value,
             f"cannot make the sweep directory {config.hydra.sweep.dir} ({err.strerror}); give "
             "a directory this user can write",
         ) from None
+
+
+def _sweep_dir_key(config: DictConfig) -> tuple[str, str]:
+    """The key that named the sweep directory, as the user gave it, and its value."""
+    given = any(override_key(o) == "hydra.sweep.dir" for o in config.hydra.overrides.hydra)
+    if given:
+        return "hydra.sweep.dir", str(config.hydra.sweep.dir)
+    return "runtime.multirun_root", str(config.runtime.multirun_root)
 
 
 def in_sweep_process() -> bool:
@@ -338,6 +369,7 @@ class SweepSummary(Callback):
             if parallel:
                 _check_jobs(config.hydra.launcher.n_jobs)
             check_sweep_values(config)
+            check_same_sweep(config)
             _make_sweep_dir(config)
         os.environ[SWEEP_PID_ENV] = str(os.getpid())
         if parallel:

@@ -16,6 +16,7 @@ from typing import Any, TypedDict
 from omegaconf import DictConfig
 
 from runner.components import plain_dict
+from runner.config.fields import override_key
 from runner.errors import SECRET_KEY
 from runner.rundir.io import write_json_atomic
 from runner.rundir.run import RunDir
@@ -205,6 +206,29 @@ def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> Man
 def recorded_form(overrides: list[str]) -> list[str]:
     """Command-line overrides as the manifest records them: a secret's whole override redacted."""
     return [o if not SECRET_KEY.search(o.split("=")[0]) else REDACTED for o in overrides]
+
+
+# What may change when a run (or a sweep) goes on in its directory: the layout, the processes and
+# the batch each takes (docs/nodes.md: a checkpoint resumes on any number of processes with the
+# same global batch), of which the node's rank tells apart the nodes of one run.
+LAYOUT = ("compute", "batch_size", "gradient_accumulation_steps")
+
+
+def changed_overrides(recorded: list[str], given: list[str]) -> list[str]:
+    """The overrides in which `given` differs from `recorded`, as recorded (recorded_form),
+    by the key each sets (`+a.b=1` sets a.b), those of the LAYOUT left out: `given (recorded:
+    ...)` each, a key one of them lacks as `not given`."""
+
+    def by_key(overrides: list[str]) -> dict[str, str]:
+        keyed = {override_key(o): o for o in recorded_form(overrides)}
+        return {k: o for k, o in keyed.items() if k.split(".")[0] not in LAYOUT}
+
+    before, now = by_key(recorded), by_key(given)
+    return [
+        f"{now.get(key, key + ' not given')} (recorded: {before.get(key, 'not given')})"
+        for key in sorted(before.keys() | now.keys())
+        if before.get(key) != now.get(key)
+    ]
 
 
 def write_manifest(run: RunDir, manifest: Manifest | dict[str, Any]) -> None:
