@@ -129,6 +129,7 @@ def test_a_lora_run_is_continued_on_its_own_base_with_its_best(
         "two_mounted",
         "another_shape",
         "another_optimizer",
+        "another_optimizer_of_an_adapter",
         "another_global_batch",
         "weights_of_an_adapter",
         "not_a_checkpoint",
@@ -155,6 +156,11 @@ def test_what_cannot_be_started_from_is_refused_by_name(
         # Its optimizer state goes on: the new lr was recorded, and never trained with.
         extra = [f"load_checkpoint.path={straight}", "optimizer.lr=1e-2", "max_steps=6"]
         wanted = "error: optimizer.lr=0.01: load_checkpoint.path="
+    elif case == "another_optimizer_of_an_adapter":
+        # mode=weights, which a full run's refusal gives, refuses an adapter: its export merged.
+        lora = request.getfixturevalue("lora_run")
+        extra = [f"load_checkpoint.path={lora}", "method=lora", "optimizer.lr=0.5", "max_steps=6"]
+        wanted = f"new optimizer: export it merged (runner export checkpoint={lora} format=merged)"
     elif case == "another_global_batch":
         # Its data position is in its own batches: 10 a step went on into a ValueError traceback.
         extra = [f"load_checkpoint.path={straight}", "batch_size=10", "max_steps=6"]

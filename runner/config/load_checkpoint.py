@@ -172,12 +172,19 @@ def check_continued(
         )
     key, was, now = _first_difference(recorded.optimizer, optimizer)
     if key is not None:
+        fresh = (
+            "load_checkpoint.mode=weights"
+            if _mode(Path(resume_from)) == "weights"
+            # An adapter alone: mode=weights refuses it (_whole_weights), as its fix says.
+            else f"export it merged (runner export checkpoint={run} format=merged) and give "
+            "that as load_checkpoint.path"
+        )
         raise UserError(
             f"optimizer.{key}",
             now,
             f"load_checkpoint.path={run} trained with optimizer.{key}={was}, which its "
             "checkpoint's optimizer state goes on with; leave it as it was, or start from its "
-            "weights with a new optimizer: load_checkpoint.mode=weights",
+            f"weights with a new optimizer: {fresh}",
         )
 
 
