@@ -195,4 +195,5 @@ def test_a_sweep_and_a_deployment_of_its_best_run(
     finally:
         code = deployment.stop()
     assert code == -signal.SIGTERM and "Application shutdown complete" in deployment.console()
+    assert "Loading weights" not in deployment.console()  # transformers' bar, a line per model
     assert not deployment.console_path.exists()  # one was left in /tmp for every deployment

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -138,6 +139,26 @@ def test_console_holds_no_third_party_noise(trained_run: Path) -> None:
         assert noise not in console, noise
     if importlib.util.find_spec("triton") is None:
         assert "Detected no triton" in (trained_run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_library_notices_are_demoted_or_dropped(drop: bool, caplog) -> None:
+    """Training keeps them in train.log (INFO) off its console (WARNING and up); serving, whose
+    console shows INFO and is its only log, drops them: bitsandbytes' "Failed to load CPU
+    gemm_4bit_forward" read as an error on every healthy start of a LoRA deployment."""
+    from runner.notices import NOTICES, keep_notices_off_the_console
+
+    try:
+        keep_notices_off_the_console(drop=drop)
+        with caplog.at_level(logging.INFO):
+            for name, start in NOTICES:
+                logging.getLogger(name).warning("%s: a notice", start)
+            logging.getLogger(NOTICES[0][0]).warning("another warning")
+        kept = [(r.levelname, r.getMessage()) for r in caplog.records]
+        notices = [] if drop else [("INFO", f"{start}: a notice") for _, start in NOTICES]
+        assert kept == [*notices, ("WARNING", "another warning")]
+    finally:
+        keep_notices_off_the_console(drop=False)  # as this process's training imports left it
 
 
 @pytest.mark.parametrize(

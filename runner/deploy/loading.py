@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import UserError
+from runner.notices import keep_notices_off_the_console
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 _DTYPES = {"bf16": "bfloat16", "bf16_mixed": "bfloat16", "fp32": "float32"}
 
 log = logging.getLogger(__name__)
+keep_notices_off_the_console(drop=True)  # before transformers and peft are imported
 
 
 @dataclass
@@ -130,7 +132,9 @@ def load_hf_model(
     weights only, each checked whole first, no remote code, no hub access; with `adapter_dir`,
     its PEFT adapter merged in (the rank from its adapter_config.json)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # its "Loading weights" bar, a line per model
     for path in weight_files(model_dir):
         check_safetensors(path, key="checkpoint")
     if adapter_dir is not None:

@@ -6,24 +6,13 @@ library's touches this file only.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+from runner.notices import keep_notices_off_the_console
 
-class _TritonNotice(logging.Filter):
-    """torchao, which torchtune imports, warns at import on every machine without Triton (every
-    CPU one) that some of its kernels will not work; runner uses none of them. The line is
-    demoted to INFO: train.log keeps it, the console (WARNING and up) does not."""
+keep_notices_off_the_console(drop=False)
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "Detected no triton" in record.getMessage():
-            record.levelno, record.levelname = logging.INFO, "INFO"
-        return True
-
-
-logging.getLogger("torchao.kernel.intmm").addFilter(_TritonNotice())
-
-# torchtune's imports come after the filter: torchao warns as it is imported.
+# torchtune's imports come after the filters: torchao warns as it is imported.
 # ruff: noqa: E402
 import torchtune.models.gemma as gemma_builders
 import torchtune.models.gemma2 as gemma2_builders

@@ -1,0 +1,47 @@
+"""Other libraries' notices that a user cannot act on, kept off the console. Training demotes them
+to INFO, which its train.log keeps and its console (WARNING and up) does not
+(runner.models.torchtune_boundary); serving and export, whose console is their only log, drop
+them (runner.deploy.loading). Installed before those libraries are imported."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (logger, the start of its message).
+NOTICES = (
+    # torchao, which torchtune and peft import, on every machine without Triton (every CPU
+    # one): some of its kernels will not work. runner uses none of them.
+    ("torchao.kernel.intmm", "Warning: Detected no triton"),
+    # bitsandbytes, which peft imports, on a CPU with AVX-512 BF16 and no `kernels` package:
+    # it uses its own 4-bit kernel. runner serves no 4-bit model.
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+)
+
+
+class _Notice(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start, self.drop = start, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.start):
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return not self.drop
+
+
+def keep_notices_off_the_console(*, drop: bool) -> None:
+    """Demotes the NOTICES to INFO, or drops them; and silences peft's use of a name
+    transformers deprecated (`is_gradient_checkpointing`, a FutureWarning at every LoRA
+    checkpoint loaded). Called again, the last call's `drop` holds."""
+    for name, start in NOTICES:
+        logger = logging.getLogger(name)
+        found = [f for f in logger.filters if isinstance(f, _Notice) and f.start == start]
+        notice = found[0] if found else _Notice(start)
+        notice.drop = drop
+        if not found:
+            logger.addFilter(notice)
+    warnings.filterwarnings(
+        "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+    )
