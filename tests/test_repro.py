@@ -217,6 +217,12 @@ def test_one_ulp_is_drift() -> None:
     assert compare_losses({1: loss}, {1: loss}) == []
     (drift,) = compare_losses({1: loss}, {1: math.nextafter(loss, math.inf)})
     assert drift.what == "loss at step 1"
+    # A step one side logged and the other did not: a golden file of fewer or more steps than
+    # the run's matched on the steps they shared.
+    (fewer,) = compare_losses({1: loss}, {1: loss, 2: loss})
+    (more,) = compare_losses({1: loss, 9: 1.0}, {1: loss})
+    assert (fewer.what, fewer.recorded, fewer.rerun) == ("loss at step 2", None, loss)
+    assert (more.what, more.recorded, more.rerun) == ("loss at step 9", 1.0, None)
 
 
 def best_capability(hermetic_env: dict[str, str]) -> str:

@@ -65,7 +65,9 @@ def _diff(what: str, recorded: Any, rerun: Any, skip: tuple[str, ...] = ()) -> l
 def compare_losses(
     recorded: dict[int, float], rerun: dict[int, float], tolerance: float = 0.0
 ) -> list[Drift]:
-    """Per-step losses at the steps both logged: equal (tolerance 0) or within `tolerance`."""
+    """Per-step losses, equal (tolerance 0) or within `tolerance` at the steps both logged; a
+    step that one side logged and the other did not is drift too (a golden file of other steps
+    than the run's matched on the steps they shared)."""
     steps = sorted(set(recorded) & set(rerun))
     if not steps:
         return [Drift("losses", sorted(recorded)[:5], sorted(rerun)[:5])]
@@ -74,7 +76,8 @@ def compare_losses(
         [{"step": s, "loss": rerun[s]} for s in steps],
         tolerance,
     )
-    return drifts
+    one_side = sorted(set(recorded) ^ set(rerun))
+    return drifts + [Drift(f"loss at step {s}", recorded.get(s), rerun.get(s)) for s in one_side]
 
 
 def _differs(a: float, b: float, tolerance: float) -> bool:

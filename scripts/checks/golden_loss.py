@@ -1,6 +1,7 @@
 """Golden-loss check: a fixed tiny config's per-step losses against a stored file, exactly.
 
-    python scripts/checks/golden_loss.py           # exit 0 on a match, 1 on drift (.ci/run runs it)
+    python scripts/checks/golden_loss.py           # exit 0 on a match, 1 on drift, 2 on bad input
+                                                   # (.ci/run runs it)
     python scripts/checks/golden_loss.py --update  # rewrite the stored file on an intended change
 
 runtime.deterministic=true pins the kernel path (runner/trainer/determinism.py: ATen's AVX2
@@ -70,6 +71,12 @@ def main() -> int:
     parser.add_argument("--update", action="store_true", help="rewrite the stored losses")
     parser.add_argument("--golden", type=Path, default=GOLDEN, help="the stored losses file")
     args = parser.parse_args()
+    if not args.update and not args.golden.is_file():  # before the minute of training
+        print(
+            f"error: --golden={args.golden}: no such file; give a stored losses file",
+            file=sys.stderr,
+        )
+        return 2
     losses = train_losses()
     if args.update:
         args.golden.write_text(json.dumps({"overrides": OVERRIDES, "losses": losses}, indent=2))
