@@ -269,6 +269,15 @@ class Run:
     def resume(self, checkpoint: str | os.PathLike[str] | None = None) -> Run:
         """`runner resume`: continues a cancelled or failed run from its latest whole checkpoint
         (`checkpoint`, when given, must be that one: training goes on from the newest state)."""
+        if self._process is not None and self._process.poll() is None:
+            # A second resume (a retry, a double click) read the status the first had not yet
+            # replaced, started a process the lock refused, and left this handle following it.
+            raise UserError(
+                "run",
+                str(self.path),
+                f"process {self._process.pid} of this handle trains it still (a resume under "
+                "way); wait() for it, or stop() it and resume again",
+            )
         lifecycle.check_resumable(self.dir, key="run")
         if checkpoint is not None:
             latest = self.dir.latest_checkpoint()

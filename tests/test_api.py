@@ -86,6 +86,9 @@ def test_stop_and_resume_through_the_api_give_the_straight_run_losses(
     run.resume()
     # Resuming, not the attempt before's end: a poller for a final state stopped at once.
     assert run.status().state != "cancelled" or run.dir.status().updated_at != stopped.updated_at
+    # A second resume (a retry) started a process the lock refused, and wait() followed that.
+    with pytest.raises(UserError, match="a resume under way"):
+        run.resume()
     wait_for_step(run, stopped.step + 3)
     killed = run.stop(save_checkpoint=False)  # SIGKILL: the steps since step_<stopped> are lost
     assert killed.state == "cancelled" and "killed without a checkpoint" in killed.error, killed
