@@ -212,6 +212,27 @@ def test_a_run_whose_data_is_gone_is_refused_before_a_rerun_dir(
     assert not (tmp_path / "rerun").exists()
 
 
+def test_a_run_still_training_is_not_re_run(one_process_run: Path, tmp_path: Path) -> None:
+    """It was re-run as far as its status said at that moment ("the run stopped at step 40 of
+    300 (running)"), beside the run, on its cores."""
+    import os
+    import socket
+
+    from runner.rundir import run_lock
+
+    live = tmp_path / "live"
+    shutil.copytree(one_process_run, live)
+    me = {"pid": os.getpid(), "launcher_pid": os.getpid(), "host": socket.gethostname()}
+    RunDir(live).write_status("running", **me)
+    with run_lock(live, key="hydra.run.dir"), pytest.raises(UserError) as refused:
+        repro(live, steps=None, tolerance=None, out=tmp_path / "rerun")
+    assert str(refused.value) == (
+        f"RUN_DIR='{live}': the run is running (process {os.getpid()}); re-run it once it has "
+        f"ended: wait for it, or `runner stop {live}`"
+    )
+    assert not (tmp_path / "rerun").exists()
+
+
 def test_one_ulp_is_drift() -> None:
     loss = 5.592266082763672
     assert compare_losses({1: loss}, {1: loss}) == []

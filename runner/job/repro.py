@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import UserError
 from runner.job.launch import as_launcher, launch
-from runner.rundir import RunDir, is_sweep_dir
+from runner.rundir import ACTIVE_STATES, STALLED, STOPPING, RunDir, is_sweep_dir
 from runner.rundir.manifest import (
     MANIFEST_FILE,
     RUN_SPECIFIC_KEYS,
@@ -194,6 +194,15 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
         raise UserError("--steps", steps, "give a number of steps >= 1")
     if tolerance is not None and not 0 <= tolerance < math.inf:  # nan fails both
         raise UserError("--tolerance", tolerance, "give a finite relative tolerance >= 0")
+    state, _ = recorded.effective_state()
+    if state in ACTIVE_STATES or state in (STALLED, STOPPING):
+        # It was re-run as far as the status said at that moment, beside the run, on its cores.
+        raise UserError(
+            "RUN_DIR",
+            str(run_dir),
+            f"the run is {state} (process {recorded.status().pid}); re-run it once it has ended: "
+            f"wait for it, or `runner stop {run_dir}`",
+        )
     rerun = _rerun_dir(recorded, out)
     recipe = read_recipe(recorded.recipe_path)
     _check_inputs_there(recorded, recipe)
