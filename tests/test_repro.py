@@ -233,6 +233,22 @@ def test_a_run_still_training_is_not_re_run(one_process_run: Path, tmp_path: Pat
     assert not (tmp_path / "rerun").exists()
 
 
+def test_an_out_that_cannot_be_made_is_one_message(one_process_run: Path, tmp_path: Path) -> None:
+    """A path under a file was a traceback with exit 1, the code of drift; one inside the
+    recorded run was taken."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError) as refused:
+        repro(one_process_run, steps=None, tolerance=None, out=tmp_path / "file" / "x")
+    assert str(refused.value) == (
+        f"--out='{tmp_path / 'file' / 'x'}': cannot make this directory (Not a directory); give "
+        "one this user can write"
+    )
+    inside = one_process_run / "checkpoints" / "again"
+    with pytest.raises(UserError, match="is inside the recorded run"):
+        repro(one_process_run, steps=None, tolerance=None, out=inside)
+    assert not inside.exists()
+
+
 def test_one_ulp_is_drift() -> None:
     loss = 5.592266082763672
     assert compare_losses({1: loss}, {1: loss}) == []

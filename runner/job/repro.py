@@ -282,13 +282,24 @@ def _rerun_dir(recorded: RunDir, out: Path | None) -> RunDir:
     rerun = RunDir(out or beside.with_name(f"{name}-repro-{stamp}"))
     if rerun.path.exists():
         raise UserError("--out", str(rerun.path), "already exists; give a new directory")
+    if rerun.path.resolve().is_relative_to(recorded.path.resolve()):
+        raise UserError(
+            "--out", str(rerun.path), "is inside the recorded run; give a directory outside it"
+        )
     return rerun
 
 
 def _rerun(recorded: RunDir, recipe: DictConfig, steps: int | None, rerun: RunDir) -> None:
     """Trains the recorded recipe again, into `rerun` (_rerun_dir)."""
     as_launcher()
-    rerun.path.mkdir(parents=True)
+    try:
+        rerun.path.mkdir(parents=True)
+    except OSError as err:  # a file on the path, a read-only file system: a traceback, exit 1
+        raise UserError(
+            "--out",
+            str(rerun.path),
+            f"cannot make this directory ({err.strerror}); give one this user can write",
+        ) from None
     recipe.run_dir, recipe.stop_at_step = str(rerun.path.resolve()), steps
     write_recipe(rerun.recipe_path, recipe)
     overrides = read_manifest(recorded)["overrides"]
