@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -118,12 +118,43 @@ def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
     interpolations.register()
     with _HYDRA, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
-            return hydra_compose(config_name, overrides=list(overrides))
+            return hydra_compose(config_name, overrides=_listed(overrides))
         except Exception as err:  # noqa: BLE001 - recast as the CLI does, re-raised otherwise
-            user_error = as_user_error(err)
+            user_error = as_user_error(err, config_name)
             if user_error is None:
                 raise
             raise user_error from None
+
+
+def _listed(overrides: Sequence[str]) -> list[str]:
+    """`overrides` as a list of strings; one string given for the list was read a character at
+    a time ("override='m': Error parsing override")."""
+    if isinstance(overrides, str | bytes) or not all(isinstance(o, str) for o in overrides):
+        raise UserError("overrides", overrides, "give a list of strings, e.g. ['max_steps=4']")
+    return list(overrides)
+
+
+def _environment(env: Any) -> dict[str, str] | None:
+    """`env` (the process's environment, None for this one's) as a dict of strings, checked
+    before a directory is made (a bad one raised a bare TypeError from Popen, after it). Its
+    values are never shown: they may hold a secret."""
+    if env is None:
+        return None
+    if not isinstance(env, Mapping):
+        raise UserError(
+            "env",
+            None,
+            f"a {type(env).__name__}; give a mapping of names to strings, e.g. "
+            "{**os.environ, 'A': '1'}",
+        )
+    for name, value in env.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise UserError(
+                f"env[{name!r}]",
+                None,
+                f"a {type(value).__name__}; give names and values as strings",
+            )
+    return dict(env)
 
 
 def validate(overrides: Sequence[str]) -> list[UserError]:
@@ -154,6 +185,7 @@ def launch(
     at once; the Run reports how it goes. A bad override, option or value raises here; what
     training finds later (a missing file, a bad record) ends the run `failed`, with the
     message."""
+    overrides, env = _listed(overrides), _environment(env)
     resumes = [o for o in overrides if o.startswith("resume=")]
     if resumes:
         raise UserError(
@@ -340,7 +372,8 @@ def sweep(
     runtime.multirun_root; returns at once."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    overrides, env = _listed(overrides), _environment(env)
+    parsed = OverridesParser.create().parse_overrides(overrides)
     plain = [line for line, o in zip(overrides, parsed, strict=True) if not o.is_sweep_override()]
     base = Path(cwd or Path.cwd())
     path = _new_dir(base / str(typed(compose(plain)).runtime.multirun_root))
@@ -393,6 +426,7 @@ def deploy(
 ) -> Deployment:
     """`runner deploy OVERRIDES` (checkpoint=<run, checkpoint or sweep dir>, port=0 for any free
     port); returns at once: Deployment.wait_ready() gives its URL."""
+    overrides, env = _listed(overrides), _environment(env)
     compose(overrides, "deploy")
     handle, name = tempfile.mkstemp(prefix="runner-deploy-", suffix=".log")
     os.close(handle)
@@ -462,13 +496,15 @@ def _console(path: Path) -> Path:
     return path.with_name(f".{path.name}.console.log")
 
 
-def _start(args: list[str], console: Path, cwd: Path, env: Any) -> subprocess.Popen[bytes]:
+def _start(
+    args: list[str], console: Path, cwd: Path, env: dict[str, str] | None
+) -> subprocess.Popen[bytes]:
     """`python -m runner ARGS` detached: its own session, output appended to `console`."""
     with open(console, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "runner", *args],
             cwd=cwd,
-            env=None if env is None else dict(env),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -122,6 +122,16 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
         api.launch([*BASE, "max_steps=abc"], cwd=workdir, env=hermetic_env)
     with pytest.raises(UserError, match="batch_size=0: give an integer >= 1"):
         api.sweep([*BASE, "batch_size=0", "seed=0,1"], cwd=workdir, env=hermetic_env)
+    # One string for the list was read a character at a time; a bad env raised Popen's
+    # TypeError after the run's directory was made; deploy's message named "this command".
+    (problem,) = api.validate("max_steps=4")
+    assert str(problem) == "overrides='max_steps=4': give a list of strings, e.g. ['max_steps=4']"
+    made = sorted(workdir.rglob("*"))
+    with pytest.raises(UserError, match=r"env\['A'\]: a int; give names and values as strings"):
+        api.launch(BASE, cwd=workdir, env={**hermetic_env, "A": 1})
+    assert sorted(workdir.rglob("*")) == made
+    with pytest.raises(UserError, match="runner deploy has no compute group"):
+        api.deploy(["checkpoint=run", "compute=cpu"], cwd=workdir, env=hermetic_env)
     # A handle on a directory that holds no run, or no sweep, says so (it would read `unknown`
     # and wait for ever).
     with pytest.raises(UserError, match="not a run directory"):
