@@ -38,6 +38,7 @@ from runner.rundir import (
     best_run,
     sweep_runs,
     write_json_atomic,
+    write_text_atomic,
 )
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
 
@@ -172,10 +173,10 @@ def plot_losses(sweep_dir: Path, summary: dict[str, Any]) -> Path:
 
 def write_summary(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
     summary = summarize(sweep_dir, metric, mode)
+    # Both under names of this process's own: the jobs of a parallel sweep write them at once,
+    # and one's rename took the other's file (a FileNotFoundError that failed the sweep).
     write_json_atomic(sweep_dir / SUMMARY_JSON, summary)
-    tmp = sweep_dir / f".{SUMMARY_TABLE}.tmp"
-    tmp.write_text(table(summary) + "\n")
-    tmp.replace(sweep_dir / SUMMARY_TABLE)
+    write_text_atomic(sweep_dir / SUMMARY_TABLE, table(summary) + "\n")
     return summary
 
 

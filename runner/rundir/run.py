@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.rundir.checkpoint_files import ADAPTER_CONFIG_FILE, checkpoint_problem
-from runner.rundir.io import now_iso, write_json_atomic
+from runner.rundir.io import now_iso, write_json_atomic, write_text_atomic
 from runner.rundir.lock import lock_held, pid_alive, pid_stopped
 from runner.rundir.status import (
     ACTIVE_STATES,
@@ -237,9 +237,7 @@ class RunDir:
     def truncate_metrics(self, last_step: int) -> None:
         """Drops metric lines past `last_step`: a resumed run logs those steps again."""
         kept = [r for r in self.read_metrics() if r["step"] <= last_step]
-        tmp = self.path / f".{METRICS_FILE}.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path / METRICS_FILE)
+        write_text_atomic(self.path / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
 
     # ---- checkpoints ----------------------------------------------------------------------
     def checkpoint_path(self, step: int) -> Path:
