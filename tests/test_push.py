@@ -333,3 +333,14 @@ def test_a_push_to_a_hub_out_of_reach_is_one_message(
         assert len(error) == 1 and error[0].startswith(f"error: {named}: "), error
         assert f"the hub ({endpoint}) is out of reach" in error[0], error
         assert "check the network" in error[0] and "pushes again" in error[0]
+    # Offline by choice: not the network's fault, said before anything is exported.
+    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    result = cli(offline, tmp_path, "push", str(out), "hf://acme/x")
+    assert result.returncode == 2 and result.stderr == (
+        "error: to='hf://acme/x': HF_HUB_OFFLINE=1 keeps runner off the hub; unset "
+        "HF_HUB_OFFLINE to push\n"
+    ), result.stderr[-2000:]
+    argv = ["export", f"checkpoint={run_dir}", f"out={tmp_path / 'z'}", "push_to=hf://acme/z"]
+    result = cli(offline, tmp_path, *argv)
+    assert result.returncode == 2 and "HF_HUB_OFFLINE=1 keeps runner off" in result.stderr
+    assert not (tmp_path / "z").exists()

@@ -47,6 +47,12 @@ def parse_target(uri: str, key: str) -> HubSource:
         target = None
     if target is None or target.path or target.repo_type != "model":
         raise UserError(key, uri, f"name a model repo and optionally a branch: {form}")
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:  # before an export, a card, a connection: as a download says
+        raise UserError(
+            key, uri, "HF_HUB_OFFLINE=1 keeps runner off the hub; unset HF_HUB_OFFLINE to push"
+        )
     return target
 
 
