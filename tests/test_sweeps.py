@@ -216,6 +216,12 @@ def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: 
     assert row["state"] == "cancelled" and 2 <= row["step"] < 400, row
     assert "| cancelled |" in (sweep / "summary.md").read_text()
     assert not (sweep / "1").exists()
+    # It read as a finished sweep, its best chosen among the jobs that happened to run.
+    assert summary_of(sweep)["jobs"] == 2
+    assert (
+        f"1 of 2 jobs not started (the best is of the 1 run): the sweep's own command with "
+        f"hydra.sweep.dir={sweep} runs them"
+    ) in (sweep / "summary.md").read_text()
     # Resumed on its own and stopped again, the job is where the sweep's summary says it is.
     ctrl_c_after_two_steps(
         ["resume", str(sweep / "0")], hermetic_env, sweep / "0" / "metrics.jsonl"

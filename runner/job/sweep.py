@@ -85,7 +85,8 @@ def job_row(run: RunDir, metric: str) -> dict[str, Any]:
 
 
 def summarize(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
-    """Rows for every job directory of a sweep, and the best run by `metric` (`best_run`)."""
+    """Rows for every job directory of a sweep, the best run by `metric` (`best_run`), and how
+    many jobs the sweep has (None where that is not known ahead: Optuna's trials)."""
     runs = sweep_runs(sweep_dir)
     rows = [job_row(run, metric) for run in runs]
     best = best_run(runs, metric, mode)
@@ -95,8 +96,27 @@ def summarize(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
         "mode": mode,
         "best": rows[runs.index(best)] if best is not None else None,
         "failed": sum(r["state"] == "failed" for r in rows),
+        "jobs": _grid_size(sweep_dir),
         "runs": rows,
     }
+
+
+def _grid_size(sweep_dir: Path) -> int | None:
+    """The number of jobs of a grid sweep, from Hydra's record of it (multirun.yaml): the
+    product of its swept values' counts; None for another sweeper, or no record."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    record = sweep_dir / "multirun.yaml"
+    if not record.is_file():
+        return None
+    hydra = OmegaConf.load(record).hydra
+    if "BasicSweeper" not in str(hydra.sweeper.get("_target_", "")):
+        return None
+    size = 1
+    for override in OverridesParser.create().parse_overrides(list(hydra.overrides.task)):
+        if override.is_sweep_override():
+            size *= len(list(override.sweep_string_iterator()))
+    return size
 
 
 def exit_code(sweep_dir: Path) -> int:
@@ -146,6 +166,13 @@ def table(summary: dict[str, Any]) -> str:
     for r in summary["runs"]:
         if r["state"] == "failed":
             lines.append(f"job {r['job']} failed: {r['error']}")
+    jobs, ran = summary.get("jobs"), len(summary["runs"])
+    if jobs is not None and ran < jobs:
+        # A sweep stopped midway read as a finished one, its best chosen among the jobs run.
+        lines.append(
+            f"{jobs - ran} of {jobs} jobs not started (the best is of the {ran} run): the "
+            f"sweep's own command with hydra.sweep.dir={summary['sweep_dir']} runs them"
+        )
     return "\n".join(lines)
 
 
