@@ -104,8 +104,8 @@ def test_no_import_circle() -> None:
 
 # The folders of runner/ in the order a job flows through them (README, Architecture): a module
 # imports from its own folder and from folders after its own, never before. runner.api is the
-# Python front beside the CLI; errors, paths, components and devices are the ground every folder
-# stands on.
+# Python front beside the CLI; errors, paths, notices, components and devices are the ground every
+# folder stands on.
 FLOW = (
     "cli",
     "api",
@@ -122,6 +122,7 @@ FLOW = (
     "components",
     "devices",
     "paths",
+    "notices",
     "errors",
 )
 
