@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig
 
 from runner.components import instantiate
-from runner.data import Split, training_splits, validation_split
+from runner.data import Split, said_at_launch, training_splits, validation_split
 from runner.data.stream import StreamSplit
 from runner.errors import UserError
 from runner.hub.download import TokenRef
@@ -127,7 +127,8 @@ class FinetuneRecipe:
         evaluates = cfg.eval.strategy != "no"
         common = {"batch_size": cfg.batch_size, "accumulation": cfg.gradient_accumulation_steps}
         if cfg.dataset.streaming:
-            self.validation = validation_split(cfg.dataset, tokenizer) if evaluates else None
+            with said_at_launch():
+                self.validation = validation_split(cfg.dataset, tokenizer) if evaluates else None
 
             # Read here, in the training process, from its reference: never in the recipe.
             token = TokenRef.parse(cfg.runtime.hf_token).read()
@@ -150,7 +151,8 @@ class FinetuneRecipe:
                 max_steps=cfg.max_steps,
                 num_workers=cfg.dataset.num_workers,
             )
-        dataset, self.validation = training_splits(cfg.dataset, tokenizer, validation=evaluates)
+        with said_at_launch():
+            dataset, self.validation = training_splits(cfg.dataset, tokenizer, validation=evaluates)
         return EpochBatches(
             dataset,
             self.objective.collate,

@@ -378,3 +378,30 @@ def test_bad_preference_inputs_are_refused_by_name(runner_cli, tmp_path: Path) -
         runner_cli("validate", *quick, "method=dpo", "dataset=preference", "dataset.max_seq_len=20")
     )
     assert "dataset.max_seq_len=20" in message and "no token of the answer is left" in message
+
+
+def test_a_data_warning_is_said_at_launch_not_again_in_training(tmp_path: Path, caplog) -> None:
+    """The launcher's check says what it finds in the data; the training process reads the data
+    again: a pair with one answer as both was warned of twice, 0.3 s apart."""
+    import logging
+
+    from runner.data import check_datasets, said_at_launch, training_splits
+    from tests.test_data import data, tokenizer
+
+    same = tmp_path / "same.jsonl"
+    rows = [{"prompt": "hi", "chosen": "yo", "rejected": "yo" if i else "no"} for i in range(8)]
+    same.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = data(
+        "dataset=preference", f"dataset.source={same}", "dataset.validation.held_out=null"
+    )
+    with caplog.at_level(logging.WARNING):
+        check_datasets(section, tokenizer())
+        with said_at_launch():
+            training_splits(section, tokenizer(), validation=True)
+    warned = [
+        r.getMessage() for r in caplog.records if "both chosen and rejected" in r.getMessage()
+    ]
+    assert warned == [
+        f"{same}: 7 of 8 pairs have one answer as both chosen and rejected, which "
+        "train nothing (their DPO gradient is zero)"
+    ]

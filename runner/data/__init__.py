@@ -16,7 +16,7 @@ The rest of the runner imports these names from here.
 
 from __future__ import annotations
 
-from runner.data.checks import DataError
+from runner.data.checks import DataError, said_at_launch
 from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, KINDS, SFT_KINDS
 from runner.data.preference import PreferenceSplit, answer_log_probs, collate_preference
 from runner.data.prompts import EvalPrompt, eval_prompts
@@ -51,6 +51,7 @@ __all__ = [
     "EvalPrompt",
     "TokenizedSplit",
     "check_datasets",
+    "said_at_launch",
     "held_out_fraction",
     "collate",
     "forward_parts",

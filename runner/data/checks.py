@@ -5,9 +5,10 @@ Each problem is one UserError naming the file, the row (counting records from 1)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import datasets
@@ -284,6 +285,19 @@ def _check_preferences(
             same,
             len(records.table),
         )
+
+
+@contextlib.contextmanager
+def said_at_launch() -> Iterator[None]:
+    """The data read again in a training process, once the launcher's check of it said what it
+    found (runner.job.job._check_data): its warnings are not said a second time (a preference
+    file's pair with one answer as both was warned of twice, 0.3 s apart)."""
+    previous = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(previous)
 
 
 def _cell(records: Records, index: int, column: str) -> dict[str, Any]:
