@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -339,3 +340,26 @@ def test_cli_exports_and_reports_user_errors(runner_cli, full_checkpoint: Path, 
         "error: merged.dtype='bf16': only format=merged reads it; drop it, or give format=merged\n"
     )
     assert runner_cli("export", "--help").stdout.startswith("runner export:")
+
+
+def test_matrices_stored_in_another_type_are_one_warning(
+    runner_cli, full_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A k-quant's blocks are 256 wide: llama.cpp stores a narrower matrix as q8_0 and said so
+    in a line per matrix (25 lines for model=tiny)."""
+    out = tmp_path / "q6.gguf"
+    done = runner_cli(
+        "export",
+        f"checkpoint={full_checkpoint}",
+        "format=gguf",
+        "gguf.quantization=q6_k",
+        f"out={out}",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warned) == 1, warned
+    assert re.fullmatch(
+        r"warning: llama\.cpp stored \d+ matrices in another type \(rows of 64 or 128, not a "
+        r"multiple of 256: q6_K -> q8_0\): \S+\.weight, .*",
+        warned[0],
+    ), warned

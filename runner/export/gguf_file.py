@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -47,6 +48,13 @@ LLAMA_CPP_TYPES = {
 }
 
 
+# llama.cpp's line for a matrix whose rows do not fit its type's blocks, stored in another type.
+_FALLBACK = re.compile(
+    r"(?P<tensor>\S+)\s+- ncols\s+(?P<ncols>\d+) not divisible by\s+(?P<block>\d+) \(required "
+    r"for type\s+(?P<wanted>\w+)\) -> falling back to\s+(?P<got>\w+)"
+)
+
+
 def quantize_with_llama_cpp(source: Path, out: Path, quantization: str) -> None:
     """`source` (an f32 GGUF file) quantized to `quantization` at `out` by llama.cpp."""
     import llama_cpp
@@ -67,9 +75,24 @@ def quantize_with_llama_cpp(source: Path, out: Path, quantization: str) -> None:
             os.close(saved)
         captured.seek(0)
         said = captured.read().decode(errors="replace").splitlines()
+    fallbacks = [m for m in map(_FALLBACK.search, said) if m]
     for line in said:
-        if line.startswith("warning") or "error" in line.lower():
+        if (line.startswith("warning") or "error" in line.lower()) and not _FALLBACK.search(line):
             print(line, file=sys.stderr)
+    if fallbacks:  # a line per matrix was 25 lines for model=tiny: one, with the count
+        widths: dict[tuple[str, str, str], set[int]] = {}
+        for m in fallbacks:
+            widths.setdefault((m["block"], m["wanted"], m["got"]), set()).add(int(m["ncols"]))
+        why = "; ".join(
+            f"rows of {' or '.join(map(str, sorted(ncols)))}, not a multiple of {block}: "
+            f"{wanted} -> {got}"
+            for (block, wanted, got), ncols in sorted(widths.items())
+        )
+        named = ", ".join(m["tensor"] for m in fallbacks[:3]) + (", ..." if fallbacks[3:] else "")
+        print(
+            f"warning: llama.cpp stored {len(fallbacks)} matrices in another type ({why}): {named}",
+            file=sys.stderr,
+        )
     if code != 0:
         raise RuntimeError(f"llama.cpp's quantizer failed ({code}) on {source}")
 
