@@ -171,6 +171,9 @@ def test_the_readme_job_service_runs_a_job(
 
     refused = client.post("/jobs", json=["model=nope"])
     assert refused.status_code == 422 and "model='nope'" in refused.json()["detail"][0]
+    # What a launch alone refuses is a bad request too, not a conflict (409).
+    refused = client.post("/jobs", json=[*BASE, "hydra.run.dir=/elsewhere"])
+    assert refused.status_code == 422 and "hydra.run.dir=" in refused.json()["detail"][0]
     created = client.post("/jobs", json=[*BASE, "max_steps=8"])
     assert created.status_code == 201, created.text
     job = created.json()["id"]

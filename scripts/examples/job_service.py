@@ -31,7 +31,10 @@ def job(job_id: str) -> api.Run:
 def create(overrides: list[str]) -> dict:
     if problems := api.validate(overrides):
         raise HTTPException(422, [str(problem) for problem in problems])
-    run = api.launch(overrides)
+    try:
+        run = api.launch(overrides)
+    except UserError as err:  # what a launch alone refuses (hydra.run.dir=, resume=): a bad request
+        raise HTTPException(422, [str(err)]) from None
     jobs[run.path.name] = run
     return {"id": run.path.name, "run_dir": str(run.path)}
 
