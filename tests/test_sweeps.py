@@ -219,8 +219,8 @@ def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: 
     # It read as a finished sweep, its best chosen among the jobs that happened to run.
     assert summary_of(sweep)["jobs"] == 2
     assert (
-        f"1 of 2 jobs not started (the best is of the 1 run): the sweep's own command with "
-        f"hydra.sweep.dir={sweep} runs them"
+        f"1 of 2 jobs not started (the best is of the 1 that have); a sweep stopped before them "
+        f"goes on by its own command with hydra.sweep.dir={sweep}"
     ) in (sweep / "summary.md").read_text()
     # Resumed on its own and stopped again, the job is where the sweep's summary says it is.
     ctrl_c_after_two_steps(

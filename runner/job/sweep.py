@@ -170,8 +170,9 @@ def table(summary: dict[str, Any]) -> str:
     if jobs is not None and ran < jobs:
         # A sweep stopped midway read as a finished one, its best chosen among the jobs run.
         lines.append(
-            f"{jobs - ran} of {jobs} jobs not started (the best is of the {ran} run): the "
-            f"sweep's own command with hydra.sweep.dir={summary['sweep_dir']} runs them"
+            f"{jobs - ran} of {jobs} jobs not started (the best is of the {ran} that have); a "
+            f"sweep stopped before them goes on by its own command with "
+            f"hydra.sweep.dir={summary['sweep_dir']}"
         )
     return "\n".join(lines)
 
