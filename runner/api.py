@@ -285,6 +285,7 @@ class Run:
         where they share it, its workers), so it loses the steps since its last checkpoint,
         and records it `cancelled` with the step it had logged.
         """
+        self._started(timeout)
         if save_checkpoint:
             lifecycle.request_stop(self.dir, key="run")
             return self.wait(timeout)
@@ -297,6 +298,20 @@ class Run:
             "cancelled", error=f"killed without a checkpoint at step {step}; {then}"
         )
         return self.status()
+
+    def _started(self, timeout: float | None) -> None:
+        """A run launched (or resumed) here, waited for until its process records its status
+        (its pid, its host), as `runner stop` waits: a stop in its first seconds found no status
+        and was refused ("the run is on host None"), and the run trained to its end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._process is not None and self._process.poll() is None:
+            status = self.dir.status()
+            # A resume's process records its own; the status before it is the attempt before's.
+            if status.launcher_pid is not None and status.updated_at != self._resumed_from:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.path} has not recorded its status yet")
+            time.sleep(0.1)
 
     def resume(self, checkpoint: str | os.PathLike[str] | None = None) -> Run:
         """`runner resume`: continues a cancelled or failed run from its latest whole checkpoint

@@ -101,6 +101,17 @@ def test_stop_and_resume_through_the_api_give_the_straight_run_losses(
     assert run.dir.losses() == straight[0].dir.losses()
 
 
+def test_a_stop_right_after_the_launch_stops_the_run(
+    workdir: Path, hermetic_env: dict[str, str]
+) -> None:
+    """Before the run recorded its process, stop() was refused ("the run is on host None"),
+    and the run trained to its end."""
+    run = api.launch([*BASE, "max_steps=400"], cwd=workdir, env=hermetic_env)
+    stopped = run.stop(timeout=300)
+    assert stopped.state == "cancelled" and "SIGTERM" in stopped.error, stopped
+    assert stopped.step < 400
+
+
 def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     workdir: Path, hermetic_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
