@@ -79,6 +79,11 @@ CASES = [
     # a count of 0 builds a model with no layers, which fails only in training
     case("model-builder-no-layers", "estimate model.builder.num_layers=0", "num_layers=0", ">= 1"),
     case("model-builder-layers-train", "train model.builder.num_layers=-1", "num_layers=-1"),
+    # a real that is no number passed validate and failed the first step with a TypeError; -1
+    # made the loss nan, blamed on the learning rate; null failed the build with a traceback
+    case("model-builder-eps-type", "validate model.builder.norm_eps=abc", "norm_eps='abc'", "> 0"),
+    case("model-builder-rope-base", "validate model.builder.rope_base=-1", "rope_base=-1"),
+    case("model-builder-null-scale", "validate model.builder.scale_factor=null", "=null"),
     # the one argument the builder refuses, else all of them (136 / 8 and 128 / 16 divide)
     case(
         "model-builder-one-arg", "validate model.builder.num_heads=7", "model.builder.num_heads=7"

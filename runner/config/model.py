@@ -20,7 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.components import plain_dict
 from runner.config.fields import number, typed_as
-from runner.errors import UserError
+from runner.errors import NULL, UserError
 
 if TYPE_CHECKING:
     from runner.models.families import Family
@@ -124,15 +124,30 @@ COUNT_ARGS = (
 )
 
 
-def check_builder_counts(args: dict[str, Any]) -> None:
+# The builder arguments that are positive reals: 'abc' passed validate and failed the first step
+# with a TypeError traceback, -1 (rope_base) made the loss nan, blamed on the learning rate, and
+# null failed the build with a traceback. query_pre_attn_scalar may be null (Gemma 2's default).
+POSITIVE_ARGS = ("norm_eps", "rope_base", "scale_factor", "query_pre_attn_scalar")
+
+
+def check_builder_args(args: dict[str, Any]) -> None:
     """A UserError naming the first count argument of model.builder that is no integer >= 1
-    (null stays: a builder computes intermediate_dim or head_dim from the rest)."""
+    (null stays: a builder computes intermediate_dim or head_dim from the rest), or the first
+    positive real argument that is no number > 0."""
     for name in COUNT_ARGS:
         value = args.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"model.builder.{name}", value, "give an integer >= 1")
+    for name in POSITIVE_ARGS:
+        if name not in args or (args[name] is None and name == "query_pre_attn_scalar"):
+            continue
+        value = args[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise UserError(
+                f"model.builder.{name}", NULL if value is None else value, "give a number > 0"
+            )
 
 
 def option_builder(name: str) -> dict[str, Any] | None:
@@ -416,7 +431,7 @@ def _family_and_builder(
         assert derived is not None  # resolve_model refuses no builder and no source
         return family, {"_component_": family.builder, **derived}
     args = plain_dict(model.builder, resolve=True)
-    check_builder_counts(args)
+    check_builder_args(args)
     builder = {"_component_": builder_component(family, args), **args}
     if derived is not None:
         check_source_matches(family, builder, derived, str(model.source))
