@@ -67,6 +67,13 @@ CASES = [
         "model.source=",
         "{files}/empty_dir",
     ),
+    # a config.json cut short was a JSONDecodeError traceback
+    case(
+        "model-config-not-json",
+        "validate model=hf model.source={files}/config_not_json",
+        "model.source=",
+        "config.json is not valid JSON",
+    ),
     case(
         "model-weights-cut-short",
         "train model=hf model.source={files}/cut_ckpt",
@@ -352,6 +359,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.truncate(weights, weights.stat().st_size // 2)
     shutil.copytree(full, root / "no_weights")
     (root / "no_weights" / "model.safetensors").unlink()
+    shutil.copytree(full, root / "config_not_json")
+    (root / "config_not_json" / "config.json").write_text('{"model_type": "llama", ')
 
     # A completed run recorded by a runner of an older recipe layout.
     old = root / "old_run"

@@ -109,6 +109,28 @@ def _model_source(value: str | None) -> Path | None:
     return path
 
 
+def _config_json(source: Path) -> dict[str, Any]:
+    """The checkpoint's config.json, read; one that is not JSON (cut short, edited by hand) is
+    refused by key, where it was a JSONDecodeError traceback."""
+    path = source / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = (
+            f" (line {err.lineno} column {err.colno})"
+            if isinstance(err, json.JSONDecodeError)
+            else ""
+        )
+        raise UserError(
+            "model.source",
+            str(source),
+            f"its config.json is not valid JSON{where}; download, copy or save it again",
+        ) from None
+    if not isinstance(config, dict):
+        raise UserError("model.source", str(source), "its config.json holds no JSON object")
+    return config
+
+
 # The builder arguments that count something (layers, heads, rows, widths, positions): torchtune
 # builds a model with 0 or -1 of them (no layers, an empty embedding), which fails only in
 # training, with an IndexError.
@@ -249,7 +271,7 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> ModelRecipe:
         if need_files or model.builder is None:
             raise
         source = None
-    raw_config = json.loads((source / "config.json").read_text()) if source else None
+    raw_config = _config_json(source) if source else None
     resolved, family = _built_model(model, source, raw_config)
     tokenizer_dir = model.tokenizer or source
     if tokenizer_dir is None:
