@@ -67,6 +67,13 @@ CASES = [
         "model.source=",
         "{files}/empty_dir",
     ),
+    # blamed on model.tokenizer, never given, with transformers' advice to install sentencepiece
+    case(
+        "model-source-no-tokenizer",
+        "validate model=hf model.source={files}/no_tokenizer",
+        "model.source=",
+        "holds no tokenizer files",
+    ),
     # a config.json cut short was a JSONDecodeError traceback
     case(
         "model-config-not-json",
@@ -359,6 +366,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.truncate(weights, weights.stat().st_size // 2)
     shutil.copytree(full, root / "no_weights")
     (root / "no_weights" / "model.safetensors").unlink()
+    shutil.copytree(full, root / "no_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (root / "no_tokenizer" / name).unlink(missing_ok=True)
     shutil.copytree(full, root / "config_not_json")
     (root / "config_not_json" / "config.json").write_text('{"model_type": "llama", ')
 

@@ -483,7 +483,14 @@ def _checked_tokenizer(
     from runner.models.tokenizer import ChatTokenizer
 
     template = _chat_template_file(model.chat_template)
-    tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], template)
+    try:
+        tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], template)
+    except UserError as err:
+        if err.key != "model.tokenizer" or model.tokenizer is not None:
+            raise
+        # model.tokenizer left null is model.source's files: the key the user gave.
+        fix = f"{err.fix} (model.tokenizer left null reads the source's)"
+        raise UserError("model.source", model.source, fix) from None
     rows = builder["vocab_size"]
     if tokenizer.max_token_id >= rows:
         fits = (

@@ -51,6 +51,15 @@ def load_hf_tokenizer(path: Path) -> Any:
     """transformers' tokenizer of a directory (local files only); a UserError if it has none."""
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if path.is_dir() and not any((path / name).is_file() for name in files):
+        # transformers' own message on it is about installing sentencepiece or tiktoken.
+        raise UserError(
+            "model.tokenizer",
+            str(path),
+            "holds no tokenizer files; give a directory holding tokenizer.json and "
+            "tokenizer_config.json",
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
