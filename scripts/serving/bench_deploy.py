@@ -69,6 +69,8 @@ def median(results: list[Result]) -> Result:
     return ordered[(len(ordered) - 1) // 2]
 
 
+# What --engines names: servers and libraries measured beside `generate`.
+ENGINES = ("runner", "engine", "vllm", "generate_batch")
 # The repeats' range (max - min) over their median above which a figure is marked noisy.
 NOISY = 0.10
 # A client process busier than this (CPU seconds over wall seconds) may be what a figure measures.
@@ -205,6 +207,9 @@ def _arguments() -> argparse.Namespace:
         parser.error(f"--client-processes {args.client_processes}: give 1 or more")
     args.concurrency = sorted({1, *(int(c) for c in args.concurrency.split(","))})
     args.engines = args.engines.split(",")
+    unknown = sorted(set(args.engines) - set(ENGINES))
+    if unknown:  # an unknown name was left out unseen
+        parser.error(f"--engines {','.join(unknown)}: choose from {', '.join(ENGINES)}")
     return args
 
 
@@ -230,13 +235,24 @@ def _servers(
         wanted[f"runner deploy {variant}"] = (variant.split(), None)
     if "vllm" in args.engines:
         wanted["runner deploy engine=vllm"] = (["engine=vllm"], None)
-    servers = {}
-    for label, (extra, source) in wanted.items():
-        batch = max(args.concurrency)
-        servers[label] = start_server(
-            checkpoint, str(device), args.dtype, batch, *extra, source=source
-        )
+    servers: dict[str, tuple] = {}
+    try:
+        for label, (extra, source) in wanted.items():
+            batch = max(args.concurrency)
+            servers[label] = start_server(
+                checkpoint, str(device), args.dtype, batch, *extra, source=source
+            )
+    except BaseException:  # the servers started before the one that did not: none is left on
+        stop_servers(servers)
+        raise
     return servers
+
+
+def stop_servers(servers: dict[str, tuple]) -> None:
+    """Ctrl-C to each server (it drains and exits), waited for."""
+    for process, _ in servers.values():
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
 
 
 def _progress(result: Result) -> Result:
@@ -412,9 +428,7 @@ def main() -> None:
             clients.close()
             if engine is not None:
                 engine.close()
-            for process, _ in servers.values():
-                process.send_signal(signal.SIGINT)
-                process.wait(timeout=30)
+            stop_servers(servers)
     baseline = f"runner deploy @{args.baseline_source.name}" if args.baseline_source else None
     report(runs, baseline)
     ratio_lines(runs)

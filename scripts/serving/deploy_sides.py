@@ -214,12 +214,16 @@ def start_server(
         env=env,
         cwd=None if source is None else source.resolve(),
     )
+    said = []
     for line in process.stdout:
+        said.append(line.rstrip())
         if match := re.search(r"API at (http://\S+)/v1", line):
             url = match.group(1)
             break
     else:
-        raise SystemExit(f"the server did not start (exit code {process.wait()})")
+        # Its own last line says why (vLLM not installed, a bad override): it was dropped.
+        why = next((line for line in reversed(said) if line.strip()), "")
+        raise SystemExit(f"the server did not start (exit code {process.wait()}): {why}")
     # Keep reading its log (one line per request) so that a full pipe never blocks it.
     threading.Thread(target=lambda: all(process.stdout), daemon=True).start()
     # The engines start before the first answer: vLLM's compiles its model first (a minute or more).
