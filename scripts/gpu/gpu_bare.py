@@ -154,7 +154,7 @@ def main() -> None:
     """Parses the arguments, trains, prints the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3_2_1b", help="a conf/model/ name")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to try it")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -162,7 +162,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile-out", type=Path, help="profile the last 2 warm-up steps")
-    print(json.dumps(train(parser.parse_args())), flush=True)
+    args = parser.parse_args()
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA GPU is visible here; give --device cpu")
+    if not (CONF_MODEL / f"{args.model}.yaml").is_file():
+        parser.error(f"--model {args.model}: no conf/model/{args.model}.yaml")
+    print(json.dumps(train(args)), flush=True)
 
 
 if __name__ == "__main__":
