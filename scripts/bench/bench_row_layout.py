@@ -1,5 +1,5 @@
 """What the layout and attention of padding-free rows cost, in one process: the same training
-steps on bench_peers' model and data, with the rows laid out and attended three ways.
+steps on bench_peers' model and data, with the rows laid out and attended four ways.
 
     python scripts/bench/bench_row_layout.py [--lengths mixed] [--repeats 3] [--size default]
                                        [--profile]
