@@ -249,6 +249,20 @@ def test_an_out_that_cannot_be_made_is_one_message(one_process_run: Path, tmp_pa
     assert not inside.exists()
 
 
+def test_a_run_that_diverged_is_reproduced_by_diverging_alike(runner_cli, tmp_path: Path) -> None:
+    """Its re-run failed as it did and repro exited 2, bad input, with no verdict."""
+    diverging = [o for o in SHORT if not o.startswith(("optimizer.lr", "runtime.deterministic"))]
+    diverging += ["optimizer.lr=1e12", "optimizer.warmup_steps=1", "max_steps=6"]
+    run = tmp_path / "diverged"
+    failed = runner_cli("train", *diverging, f"hydra.run.dir={run}")
+    assert failed.returncode == 2 and "the training loss is nan" in failed.stderr
+    result = runner_cli("repro", str(run), "--out", str(tmp_path / "again"))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    step = json.loads((run / "status.json").read_text())["step"]
+    assert f"repro: the re-run failed as the run did, at step {step}: Diverged: " in result.stdout
+    assert "repro: match (" in result.stdout
+
+
 def test_one_ulp_is_drift() -> None:
     loss = 5.592266082763672
     assert compare_losses({1: loss}, {1: loss}) == []

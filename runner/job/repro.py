@@ -208,7 +208,16 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
     _check_inputs_there(recorded, recipe)
     steps = _stop_step(recorded, steps)
     _check_logged(recorded, steps, log_every=recipe.runtime.log_every_n_steps)
-    _rerun(recorded, recipe, steps, rerun)
+    try:
+        _rerun(recorded, recipe, steps, rerun)
+    except (UserError, SystemExit):
+        # A run that failed (its loss diverged) failing again at the same step with the same
+        # error is reproduced: the steps before it are compared. It read as bad input, exit 2.
+        failed, again = recorded.status(), rerun.status()
+        alike = failed.state == again.state == "failed" and failed.error == again.error
+        if not (alike and failed.step == again.step):
+            raise
+        print(f"repro: the re-run failed as the run did, at step {again.step}: {again.error}")
     print(f"re-run directory: {rerun.path}")
     return _compare(recorded, rerun, steps, tolerance)
 
