@@ -161,6 +161,19 @@ def test_optuna_search_optimizes_the_objective(runner_cli, tmp_path: Path) -> No
     assert len(rows) == 3
     found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert found["best_value"] == min(r["metric"] for r in rows)
+    # Run again into it, it drew new values, and its trials found their directories trained:
+    # the best it reported was a value never trained.
+    again = runner_cli(
+        "train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.direction=minimize",
+        "optimizer.lr=tag(log, interval(1e-4, 1e-2))",
+        *TINY_JOB,
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert again.returncode == 2 and "holds the trials of a sweep before" in again.stderr
 
 
 def test_a_bad_value_of_a_sweep_is_refused_before_any_job(runner_cli, tmp_path: Path) -> None:

@@ -288,14 +288,23 @@ def check_same_sweep(config: DictConfig) -> None:
     the summary named them by values they never trained with. Refused by name before anything
     is written, as a run directory is (runner.job.job._check_same_command)."""
     sweep_dir = Path(config.hydra.sweep.dir)
-    started = sweep_dir / "multirun.yaml"  # Hydra's record of the sweep
-    if not started.is_file() or not any(sweep_dir.glob(f"*/{MANIFEST_FILE}")):
+    if not any(sweep_dir.glob(f"*/{MANIFEST_FILE}")):
         return  # no job of it started
+    key, value = _sweep_dir_key(config)
+    where = "" if key == "hydra.sweep.dir" else f"its sweep directory {sweep_dir} "
+    if "direction" in config.hydra.sweeper:  # Optuna's, which keeps no record of its trials
+        raise UserError(
+            key,
+            value,
+            f"{where}holds the trials of a sweep before: an Optuna sweep draws new values each "
+            "time, which its trials' directories did not train with; give another hydra.sweep.dir",
+        )
+    started = sweep_dir / "multirun.yaml"  # Hydra's record of the sweep
+    if not started.is_file():
+        return
     recorded = [str(o) for o in OmegaConf.load(started).hydra.overrides.task]
     changes = changed_overrides(recorded, list(config.hydra.overrides.task))
     if changes:
-        key, value = _sweep_dir_key(config)
-        where = "" if key == "hydra.sweep.dir" else f"its sweep directory {sweep_dir} "
         raise UserError(
             key,
             value,
