@@ -119,6 +119,12 @@ def test_every_format_reads_the_same_samples_through_column_map(tmp_path: Path) 
                 tok,
             )
             samples[f"{suffix} {fmt}"] = [train[i] for i in range(len(train))]
+    # A CSV saved with a byte-order mark (Excel's "CSV UTF-8") was refused: its first column
+    # read as "\ufeffprompt".
+    marked = tmp_path / "marked.csv"
+    marked.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "data.csv").read_bytes())
+    train = train_dataset(data("dataset=instruct", f"dataset.source={marked}", *RENAMED), tok)
+    samples["marked.csv"] = [train[i] for i in range(len(train))]
     first = samples.pop(".jsonl null")
     assert len(first) == 12 and trained_text(first[0], tok) == "a0<|eot_id|>"
     assert "Reverse word 0.\nw0" in tok.decode(first[0]["tokens"])

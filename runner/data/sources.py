@@ -196,7 +196,9 @@ def _options(builder: str, file: str, token: str | None = None) -> dict[str, Any
     CSV file is read as text (an empty cell is null)."""
     if builder != "csv":
         return {}
-    with _open(file, token, "r", newline="", encoding="utf-8") as f:
+    # utf-8-sig: a file saved with a byte-order mark (Excel's "CSV UTF-8") named its first
+    # column "\ufeffinstruction" here, where the reader strips it: the file was refused.
+    with _open(file, token, "r", newline="", encoding="utf-8-sig") as f:
         header = next(csv.reader(f), [])
     return {"features": datasets.Features({c: datasets.Value("string") for c in header})}
 
