@@ -187,6 +187,10 @@ def test_a_stream_needs_max_steps_and_whole_splits_and_validate_says_it_is_one(
         result = runner_cli("train", *STREAM, f"dataset.source={folder}", *extra)
         assert result.returncode == 2, result.stderr[-2000:]
         assert wanted in result.stderr, result.stderr
+    # validate refuses the slice train refuses: it passed, and train was refused at launch.
+    sliced = ["max_steps=2", "dataset.split='train[:50%]'"]
+    refused = runner_cli("validate", *STREAM, f"dataset.source={folder}", *sliced)
+    assert refused.returncode == 2 and "a stream reads whole splits" in refused.stderr
     validated = runner_cli("validate", *STREAM, f"dataset.source={folder}", "max_steps=2")
     assert validated.returncode == 0, validated.stderr[-2000:]
     assert "a stream, checked window by window (32 records" in validated.stdout

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 
 from runner.data.checks import checked_split
 from runner.data.preference import PreferenceSplit
+from runner.data.sources import is_remote, stream_files
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import PackedDataset
@@ -159,6 +160,12 @@ def check_datasets(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> dict[st
     """Reads and checks every split whole; records per split. Raises one UserError if not.
     A streamed training split is checked as it is read (runner.data.stream): only validation."""
     if data["streaming"]:
+        if not is_remote(data["source"]):  # a hub's files are listed as the stream starts
+            # Its files, listed (nothing read): a slice, or a split the source has not, passed
+            # validate and was refused by train.
+            stream_files(
+                "dataset.source", data["source"], data["format"], "dataset.split", data["split"]
+            )
         held = validation_split(data, tokenizer)
         return {} if held is None else {"validation": len(held)}
     train, validation = _splits(data, tokenizer, validation=True)
