@@ -35,6 +35,15 @@ BAD_CELLS = [
     ),
     ("instruct", [GOOD, {**GOOD, "prompt": None}, GOOD], [], 2, "prompt", "holds null"),
     ("chat", [CHAT_GOOD, {"messages": "hello"}], [], 2, "messages", "not a list of"),
+    # A number among texts: Arrow held it as JSON text, which passed for text, and trained.
+    (
+        "chat",
+        [CHAT_GOOD, {"messages": [CHAT_GOOD["messages"][0], {"role": "assistant", "content": 5}]}],
+        [],
+        2,
+        "messages",
+        "message 2's 'content' is a number ('5'), not text",
+    ),
     (
         "chat",
         [

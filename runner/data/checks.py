@@ -220,8 +220,11 @@ def _check_conversations(
     sizes = np.zeros(len(records.table), dtype=np.int64)
     messages = np.zeros(len(records.table), dtype=np.int64)
     values = records.table.data.column(column)
-    # Plain nested Arrow reads fastest as Python lists; mixed JSON needs datasets' decoding.
-    plain = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+    # Plain nested Arrow reads fastest as Python lists; mixed JSON needs datasets' decoding,
+    # a column of it inside a list too (a number among texts: Arrow holds '5' as JSON text, and
+    # read as a list it passed for text).
+    listed = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+    plain = listed and "Json(" not in repr(records.table.features[column])
     for index, conversation in enumerate(values.to_pylist() if plain else records.table[column]):
         problem, sizes[index], messages[index] = _conversation_problem(
             conversation, style, name, data
