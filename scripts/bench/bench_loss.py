@@ -40,6 +40,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each side")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
+    for name in ("tokens", "vocab"):
+        if getattr(args, name) < 1:  # an empty batch gave a ratio of nothing, exit 0
+            parser.error(f"--{name} {getattr(args, name)}: give 1 or more")
     if args.repeats < 1:
         parser.error(
             f"--repeats {args.repeats}: at least 1, "

@@ -48,6 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: give 1 or more")
     times: dict[str, list[float]] = {name: [] for name in COMMANDS}
     loaded: dict[str, list[str]] = {}
     for _ in range(args.runs):

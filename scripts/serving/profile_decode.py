@@ -87,6 +87,12 @@ def main() -> None:
         "--compile", action="store_true", help="each row count again, the step compiled"
     )
     args = parser.parse_args()
+    try:
+        args.rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows {args.rows}: give batch sizes as integers, comma-separated")
+    if min(args.rows) < 1:
+        parser.error(f"--rows {args.rows}: give batch sizes of 1 or more")
     checkpoint, loaded = load_model(args)
     device = loaded.model.device
     cuda = device.type == "cuda"
@@ -98,7 +104,7 @@ def main() -> None:
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}, prompts of "
         f"{args.prompt_tokens} tokens, {args.steps} steps timed, CUDA graphs: {cuda}"
     )
-    counts = [int(r) for r in args.rows.split(",")]
+    counts = args.rows
     eager = {
         rows: profile(DecodeStep(loaded.model, graphs=cuda), loaded, rows, args, activities)
         for rows in counts
