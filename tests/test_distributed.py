@@ -233,12 +233,12 @@ def test_killed_worker_restarts_the_group_and_ends_with_the_same_loss(
     assert losses(run_dir) == straight  # exact: same layout, replayed from the checkpoint
 
 
-@pytest.mark.parametrize("target", ["launcher", "one worker"])
-def test_sigterm_saves_a_checkpoint_and_exits_143(
-    hermetic_env, tmp_path: Path, target: str
+def test_sigterm_to_one_worker_saves_a_checkpoint_and_exits_143(
+    hermetic_env, tmp_path: Path
 ) -> None:
-    """SIGTERM to `runner train` (the agent passes it on), or to rank 0 alone (a preempted node:
-    the others must stop with it, not restart the group)."""
+    """SIGTERM to rank 0 alone (a preempted node: the others must stop with it, not restart the
+    group). SIGTERM to a launcher, which its agent passes on to its workers, is the two-node
+    test's (test_sigterm_to_one_node_stops_every_node_at_once)."""
     run_dir = tmp_path / "preempted"
     args = [*BASE, *ONE_BY_TWO, "max_steps=400", "runtime.save_every_n_steps=null"]
     proc = start(hermetic_env, tmp_path, *args, f"hydra.run.dir={run_dir}")
@@ -248,8 +248,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
     status = json.loads((run_dir / "status.json").read_text())
-    pid = proc.pid if target == "launcher" else status["pid"]  # rank 0 writes the status
-    os.kill(pid, signal.SIGTERM)
+    os.kill(status["pid"], signal.SIGTERM)  # rank 0 writes the status
     code, output = finish(proc)
     assert code == 143, output[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
@@ -505,4 +504,8 @@ def test_sigterm_to_one_node_stops_every_node_at_once(hermetic_env, tmp_path: Pa
         assert code == 143, output[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
-    assert (run_dir / "checkpoints" / f"step_{status['step']}" / "model.safetensors").is_file()
+    checkpoint = run_dir / "checkpoints" / f"step_{status['step']}"
+    assert (checkpoint / "model.safetensors").is_file()
+    assert (checkpoint / "training_state.pt").is_file()
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [checkpoint.name]
+    assert all("resuming from" not in output for _, output in results)  # stopped, not restarted
