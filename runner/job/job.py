@@ -14,7 +14,6 @@ import shlex
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +47,7 @@ from runner.rundir.manifest import (
     read_manifest,
     write_manifest,
 )
+from runner.trainer.parent import stop_signals_to
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,6 @@ def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
     (launch.stops_before_workers, process.stop_signals); past them, these do as the ones before.
     No exception is raised in the window: one raised inside an import leaves that module half
     made (tried: a SystemExit raised in torch's import failed a later import of numpy)."""
-    stop_signals = (signal.SIGINT, signal.SIGTERM)
 
     def on_signal(signum: int, frame: Any) -> None:
         if is_run_dir(run.path):
@@ -177,15 +176,8 @@ def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
         sys.stderr.flush()
         os._exit(128 + signum)
 
-    if threading.current_thread() is not threading.main_thread():
+    with stop_signals_to(on_signal) as previous:
         yield
-        return
-    previous = {signum: signal.signal(signum, on_signal) for signum in stop_signals}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _run_dir_given(config: DictConfig) -> bool:

@@ -30,7 +30,6 @@ import signal
 import socket
 import stat
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from runner.components import plain_dict
 from runner.config import platforms
 from runner.rundir import ACTIVE_STATES, RunDir
 from runner.trainer import determinism
-from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG
+from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG, stop_signals_to
 
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
 RECIPE_MODULE = "runner.recipes.finetune"
@@ -237,20 +236,12 @@ def stops_before_workers(run: RunDir) -> Iterator[None]:
         sigval = signal.Signals(signum)
         raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {
-        signum: signal.signal(signum, raise_it) for signum in (signal.SIGTERM, signal.SIGINT)
-    }
-    try:
-        yield
-    except SignalException as err:  # before _elastic_launch's own answer to it
-        _cancelled_before_workers(run, err.sigval)
-        raise SystemExit(128 + int(err.sigval)) from None
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    with stop_signals_to(raise_it):
+        try:
+            yield
+        except SignalException as err:  # before _elastic_launch's own answer to it
+            _cancelled_before_workers(run, err.sigval)
+            raise SystemExit(128 + int(err.sigval)) from None
 
 
 def _cancelled_before_workers(run: RunDir, sigval: signal.Signals) -> None:

@@ -32,7 +32,7 @@ from runner.errors import Diverged, UserError
 from runner.rundir import LOG_FILE, STATUS_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.trainer import determinism
-from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG
+from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG, stop_signals_to
 from runner.trainer.progress import Reporter
 
 log = logging.getLogger("runner.recipe")
@@ -226,16 +226,8 @@ def stop_signals() -> Iterator[None]:
     the moment it records its process in the run's status (runner.job.job), so that a stop
     typed as the run starts, before its loop, is kept until the loop's first step boundary:
     it killed the process there, which left the run `created` with no checkpoint."""
-    if threading.current_thread() is not threading.main_thread():
+    with stop_signals_to(_on_stop_signal):
         yield
-        return
-    stop_signals = (signal.SIGTERM, signal.SIGINT)
-    previous = {signum: signal.signal(signum, _on_stop_signal) for signum in stop_signals}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _join_launcher_lock() -> None:
