@@ -172,7 +172,7 @@ def test_architecture_page_gives_flow_as_it_is() -> None:
 
 
 def _rows(text: str) -> dict[str, str]:
-    """The page's table rows by each path their first cell names (`runner/job/`, `runner/api.py`;
+    """The page's table rows by each path their first cell names (`runner/job/`, `runner/paths.py`;
     a cell naming `runner/components.py`, `devices.py` gives runner/devices.py too)."""
     rows = {}
     for line in text.splitlines():

@@ -1,23 +1,6 @@
-"""runner.api: the `runner` commands as a Python API, for services that put runner behind their
-own front (a job service, a notebook, a scheduler).
-
-Every function runs the code the CLI runs: `validate` and `estimate` compose conf/ in this
-process and call runner.job.preflight; `launch`, `sweep` and `deploy` start `python -m runner ...`
-as a detached process in a session of its own, so that training outlives the caller; a `Run` is
-a handle on a run directory (the contract docs/run-directory.md gives) and reads it through
-runner.rundir and runner.job.lifecycle, as `runner runs | logs | stop | resume` do.
-
-    from runner import api
-
-    problems = api.validate(["max_steps=100"])     # [] or the UserErrors, not raised
-    run = api.launch(["max_steps=100"])            # returns at once
-    for line in run.logs(follow=True): print(line)
-    status = run.wait()                            # runner.rundir.Status, state `completed`
-
-The console output of each process started here (what `runner train` prints, its `error:` line
-included) goes to a file beside its directory: `.<name>.console.log`. It outlives a launch whose
-run directory was removed because its config was refused, and that is where the error is read.
-"""
+"""Training through runner.api: `launch` and `sweep` start `runner train` detached, and a Run or
+Sweep is a handle on the directory it writes (docs/run-directory.md), read through runner.rundir
+and runner.job.lifecycle as `runner runs | logs | stop | resume` read it."""
 
 from __future__ import annotations
 
@@ -25,157 +8,20 @@ import asyncio
 import dataclasses
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
-import tempfile
-import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from omegaconf import DictConfig
-
-from runner.config import interpolations
+from runner.api.configs import compose, environment, listed
+from runner.api.processes import console_of, last_error, new_dir, start, wait_gone
 from runner.config.fields import override_key
 from runner.config.schema import typed
 from runner.errors import UserError
 from runner.job import lifecycle
-from runner.paths import CONF_DIR
-from runner.rundir import (
-    FINAL_STATES,
-    STALLED,
-    STATES,
-    STOPPING,
-    SUMMARY_JSON,
-    RunDir,
-    Status,
-    is_sweep_dir,
-)
-
-if TYPE_CHECKING:
-    from runner.job.preflight import Estimate
-
-_HYDRA = threading.Lock()  # Hydra's compose API keeps global state
-_URL_LINE = re.compile(r"OpenAI-compatible API at (http://\S+)")
-_CONFIG_GROUPS = ("model", "dataset", "method", "dtype", "compute", "optimizer", "loss")
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What this installation of runner offers: the options of each config group (conf/), the
-    deploy engines, the trackers and the lifecycle states a run goes through."""
-
-    models: tuple[str, ...]
-    datasets: tuple[str, ...]
-    methods: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    compute: tuple[str, ...]
-    optimizers: tuple[str, ...]
-    losses: tuple[str, ...]
-    engines: tuple[str, ...]
-    loggers: tuple[str, ...]
-    states: tuple[str, ...]
-
-
-def capabilities() -> Capabilities:
-    """The options this installation offers, read from conf/ and the code that serves them."""
-    from runner.config.loggers import TRACKERS
-    from runner.deploy.serve import ENGINES
-
-    def options(group: str) -> tuple[str, ...]:
-        """The options of a config group: its YAML files' names."""
-        return tuple(sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml")))
-
-    groups = dict(zip(_CONFIG_GROUPS, map(options, _CONFIG_GROUPS), strict=True))
-    return Capabilities(
-        models=groups["model"],
-        datasets=groups["dataset"],
-        methods=groups["method"],
-        dtypes=groups["dtype"],
-        compute=groups["compute"],
-        optimizers=groups["optimizer"],
-        losses=groups["loss"],
-        engines=tuple(ENGINES),
-        loggers=tuple(TRACKERS),
-        states=(*STATES, STOPPING, STALLED),
-    )
-
-
-def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
-    """conf/`config_name` composed with `overrides`, as `runner train` composes it; a bad
-    override or option raises the UserError the CLI would print."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from runner.config.hydra_errors import as_user_error
-
-    interpolations.register()
-    with _HYDRA, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        try:
-            return hydra_compose(config_name, overrides=_listed(overrides))
-        except Exception as err:  # noqa: BLE001 - recast as the CLI does, re-raised otherwise
-            user_error = as_user_error(err, config_name)
-            if user_error is None:
-                raise
-            raise user_error from None
-
-
-def _listed(overrides: Sequence[str]) -> list[str]:
-    """`overrides` as a list of strings; one string given for the list was read a character at
-    a time ("override='m': Error parsing override")."""
-    if isinstance(overrides, str | bytes) or not all(isinstance(o, str) for o in overrides):
-        raise UserError("overrides", overrides, "give a list of strings, e.g. ['max_steps=4']")
-    return list(overrides)
-
-
-def _environment(env: Any) -> dict[str, str] | None:
-    """`env` (the process's environment, None for this one's) as a dict of strings, checked
-    before a directory is made (a bad one raised a bare TypeError from Popen, after it). Its
-    values are never shown: they may hold a secret."""
-    if env is None:
-        return None
-    if not isinstance(env, Mapping):
-        raise UserError(
-            "env",
-            None,
-            f"a {type(env).__name__}; give a mapping of names to strings, e.g. "
-            "{**os.environ, 'A': '1'}",
-        )
-    for name, value in env.items():
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise UserError(
-                f"env[{name!r}]",
-                None,
-                f"a {type(value).__name__}; give names and values as strings",
-            )
-    return dict(env)
-
-
-def validate(overrides: Sequence[str]) -> list[UserError]:
-    """The problems `runner validate` would report for `overrides` (config, weights, tokenizer,
-    every data record), as UserErrors, not raised: [] when it would train. The checks build on
-    one another, so the list holds the first problem found."""
-    from runner.job.preflight import check
-
-    try:
-        check(compose(overrides), list(overrides))
-    except UserError as err:
-        return [err]
-    return []
-
-
-def estimate(overrides: Sequence[str]) -> Estimate:
-    """`runner estimate`: parameters, memory per device and tokens per epoch (raises a
-    UserError for a bad config)."""
-    from runner.job.preflight import estimated
-
-    return estimated(compose(overrides), list(overrides))[1]
+from runner.rundir import FINAL_STATES, SUMMARY_JSON, RunDir, Status, is_sweep_dir
 
 
 def launch(
@@ -185,7 +31,7 @@ def launch(
     at once; the Run reports how it goes. A bad override, option or value raises here; what
     training finds later (a missing file, a bad record) ends the run `failed`, with the
     message."""
-    overrides, env = _listed(overrides), _environment(env)
+    overrides, env = listed(overrides), environment(env)
     resumes = [o for o in overrides if o.startswith("resume=")]
     if resumes:
         raise UserError(
@@ -202,9 +48,9 @@ def launch(
             "(or cwd=), or resume a run of that directory with api.Run(RUN).resume()",
         )
     base = Path(cwd or Path.cwd())
-    path = _new_dir(base / str(typed(compose(overrides)).runtime.output_root))
+    path = new_dir(base / str(typed(compose(overrides)).runtime.output_root))
     args = ["train", *overrides, f"hydra.run.dir={path}"]
-    return Run(path, _process=_start(args, _console(path), base, env), _cwd=base)
+    return Run(path, _process=start(args, console_of(path), base, env), _cwd=base)
 
 
 class Run:
@@ -242,7 +88,7 @@ class Run:
         if status.state == "unknown" and self._process is not None:
             if self._process.poll() is None:
                 return Status(state="created")  # resolving its recipe, checking its data
-            error = _last_error(_console(self.path)) or f"exit code {self._process.returncode}"
+            error = last_error(console_of(self.path)) or f"exit code {self._process.returncode}"
             return Status(state="failed", error=error)
         state, why = self.dir.effective_state()
         if state != status.state:
@@ -275,7 +121,7 @@ class Run:
 
     def console(self) -> str:
         """What the processes started here printed (the summary, an `error:` line)."""
-        path = _console(self.path)
+        path = console_of(self.path)
         return path.read_text(errors="replace") if path.exists() else ""
 
     def stop(self, save_checkpoint: bool = True, timeout: float | None = 300.0) -> Status:
@@ -291,7 +137,7 @@ class Run:
             return self.wait(timeout)
         pid = lifecycle.request_stop(self.dir, key="run", sig=signal.SIGKILL)
         step = self.dir.status().step
-        _wait_gone(pid, self._process)
+        wait_gone(pid, self._process)
         latest = self.dir.latest_checkpoint()
         then = f"resume continues from {latest}" if latest else "a resume starts from step 0"
         self.dir.write_status(
@@ -337,7 +183,7 @@ class Run:
                 )
         args = ["train", f"resume={self.path}"]
         self._resumed_from = self.dir.status().updated_at
-        self._process = _start(args, _console(self.path), self._cwd, None)
+        self._process = start(args, console_of(self.path), self._cwd, None)
         return self
 
 
@@ -387,13 +233,13 @@ def sweep(
     runtime.multirun_root; returns at once."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides, env = _listed(overrides), _environment(env)
+    overrides, env = listed(overrides), environment(env)
     parsed = OverridesParser.create().parse_overrides(overrides)
     plain = [line for line, o in zip(overrides, parsed, strict=True) if not o.is_sweep_override()]
     base = Path(cwd or Path.cwd())
-    path = _new_dir(base / str(typed(compose(plain)).runtime.multirun_root))
+    path = new_dir(base / str(typed(compose(plain)).runtime.multirun_root))
     args = ["train", "-m", *overrides, f"hydra.sweep.dir={path}"]
-    return Sweep(path, _process=_start(args, _console(path), base, env))
+    return Sweep(path, _process=start(args, console_of(path), base, env))
 
 
 class Sweep:
@@ -434,129 +280,3 @@ class Sweep:
             except subprocess.TimeoutExpired:
                 raise TimeoutError(f"sweep {self.path} is still running") from None
         return self.summary()
-
-
-def deploy(
-    overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
-) -> Deployment:
-    """`runner deploy OVERRIDES` (checkpoint=<run, checkpoint or sweep dir>, port=0 for any free
-    port); returns at once: Deployment.wait_ready() gives its URL."""
-    overrides, env = _listed(overrides), _environment(env)
-    compose(overrides, "deploy")
-    handle, name = tempfile.mkstemp(prefix="runner-deploy-", suffix=".log")
-    os.close(handle)
-    console, base = Path(name), Path(cwd or Path.cwd())
-    return Deployment(_start(["deploy", *overrides], console, base, env), console)
-
-
-class Deployment:
-    """A running `runner deploy`: its OpenAI-compatible URL once ready, and stop()."""
-
-    def __init__(self, process: subprocess.Popen[bytes], console: Path) -> None:
-        self.process, self.console_path = process, console
-        self.url: str | None = None
-        self._ended_console: str | None = None
-
-    def console(self) -> str:
-        """What the server process has printed so far (all it printed, once it has ended)."""
-        if self._ended_console is not None:
-            return self._ended_console
-        return self.console_path.read_text(errors="replace") if self.console_path.exists() else ""
-
-    def _ended(self) -> None:
-        """The server has ended: its console is kept here and its temporary file removed (one
-        was left in /tmp for every deployment)."""
-        if self._ended_console is None:
-            self._ended_console = self.console()
-            self.console_path.unlink(missing_ok=True)
-
-    def wait_ready(self, timeout: float = 300.0) -> str:
-        """The base URL (http://host:port/v1) once the models are loaded and it serves; a
-        UserError with the server's message if it ended instead."""
-        deadline = time.monotonic() + timeout
-        while self.url is None:
-            found = _URL_LINE.search(self.console())
-            if found:
-                self.url = found.group(1)
-            elif self.process.poll() is not None:
-                error = _last_error(self.console_path) or f"exit code {self.process.returncode}"
-                self._ended()
-                raise UserError("deploy", "ended", error)
-            elif time.monotonic() > deadline:
-                raise TimeoutError(f"runner deploy not ready after {timeout:.0f} s")
-            else:
-                time.sleep(0.2)
-        _wait_health(self.url.removesuffix("/v1") + "/health", deadline)
-        return self.url
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """Drains and stops the server (SIGTERM); its exit code. uvicorn raises the signal again
-        once it has shut down cleanly, so a clean stop is -SIGTERM (-15), as for `kill`."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout)
-        self._ended()
-        return code
-
-
-def _new_dir(root: Path) -> Path:
-    """A directory under `root` named by date and time, made here so no other launch takes it."""
-    now = datetime.now()
-    path = root / now.strftime("%Y-%m-%d") / f"{now:%H-%M-%S}-{uuid.uuid4().hex[:6]}"
-    path.mkdir(parents=True)
-    return path.resolve()
-
-
-def _console(path: Path) -> Path:
-    return path.with_name(f".{path.name}.console.log")
-
-
-def _start(
-    args: list[str], console: Path, cwd: Path, env: dict[str, str] | None
-) -> subprocess.Popen[bytes]:
-    """`python -m runner ARGS` detached: its own session, output appended to `console`."""
-    with open(console, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "runner", *args],
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def _last_error(console: Path) -> str | None:
-    """The message of the last `error: ...` line a runner command printed."""
-    if not console.exists():
-        return None
-    errors = [line for line in console.read_text().splitlines() if line.startswith("error: ")]
-    return errors[-1].removeprefix("error: ") if errors else None
-
-
-def _wait_gone(pid: int, process: subprocess.Popen[bytes] | None) -> None:
-    """Until process `pid` has exited (reaping it when it was started here)."""
-    while True:
-        if process is not None and process.pid == pid:
-            process.wait()
-            return
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-
-
-def _wait_health(url: str, deadline: float) -> None:
-    import urllib.request
-
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} does not answer") from None
-        time.sleep(0.2)
