@@ -347,6 +347,47 @@ WRONG_FIELDS = {  # body fields -> the error's param and message
 }
 
 
+HI = [{"role": "user", "content": "hi"}]
+WRONG_CHAT_FIELDS = {  # body fields -> the error's param and message
+    "a misspelt content": (
+        {"messages": [{"role": "user", "contnet": "hi"}]},
+        "messages.0.contnet",
+        "unrecognized request argument: messages.0.contnet",
+    ),
+    "a user message without content": (
+        {"messages": [*HI, {"role": "assistant", "content": None}, {"role": "user"}]},
+        "messages.2.content",
+        "messages.2.content: a user message needs its content",
+    ),
+    "an assistant's tool calls": (
+        {"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": []}]},
+        "messages.1.tool_calls",
+        "unrecognized request argument: messages.1.tool_calls",
+    ),
+    "a misspelt include_usage": (
+        {"messages": HI, "stream": True, "stream_options": {"include_usag": True}},
+        "stream_options.include_usag",
+        "unrecognized request argument: stream_options.include_usag",
+    ),
+    "max_completion_tokens over the cap, by its own name": (
+        {"messages": HI, "max_completion_tokens": 10**6},
+        "max_completion_tokens",
+        "max_completion_tokens is 1000000; this server allows at most 4096",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_CHAT_FIELDS)
+def test_a_chat_field_it_does_not_take_is_named_by_its_place(base_url: str, name: str) -> None:
+    """Inside a message or stream_options as at the top: a misspelt content was dropped, and
+    the model answered an empty message; a misspelt include_usage sent no usage, unsaid."""
+    fields, param, message = WRONG_CHAT_FIELDS[name]
+    body = json.dumps({"model": "tiny", **fields}).encode()
+    status, _, payload = raw_request(base_url, "POST", "/v1/chat/completions", body)
+    error = json.loads(payload)["error"]
+    assert (status, error["param"], error["message"]) == (400, param, message)
+
+
 @pytest.mark.parametrize("name", WRONG_FIELDS)
 def test_a_field_it_does_not_take_or_of_the_wrong_kind_is_named(base_url: str, name: str) -> None:
     """Refused as OpenAI refuses them; dropped or coerced, the client would get an answer to
@@ -398,6 +439,10 @@ BAD_CHATS = {
         "max_completion_tokens": 1000,
     },
     "tools": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+    "stream_options without a stream": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream_options": {"include_usage": True},
+    },
 }
 
 

@@ -200,6 +200,9 @@ def test_several_checkpoints_need_distinct_names(tmp_path: Path) -> None:
         resolve_checkpoints([str(run), str(run)], names=["a", "a"], allowed_roots=[], **LATEST)
     with pytest.raises(UserError, match="served_model_name"):
         resolve_checkpoints([str(run)], names=["a", "b"], allowed_roots=[], **LATEST)
+    for blank in ("", " ", [""]):  # served as "", which /v1/models/{name} cannot address
+        with pytest.raises(UserError, match="served_model_name.*a name of some text"):
+            resolve_checkpoints([str(run)], names=blank, allowed_roots=[], **LATEST)
 
 
 def test_not_a_checkpoint_run_or_sweep_is_a_user_error(tmp_path: Path) -> None:

@@ -104,6 +104,8 @@ class Limits:
 class StreamOptions(BaseModel):
     """`stream_options`: whether the last streamed chunk carries the usage counts."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt include_usage is no usage, unseen
+
     include_usage: bool | None = False
 
 
@@ -127,6 +129,17 @@ class SamplingBody(BaseModel):
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def token_cap(self) -> tuple[str, int | None]:
+        """The field that caps the answer's tokens, as the client named it, and its value."""
+        return "max_tokens", self.max_tokens
+
+    def check(self) -> None:
+        """What holds between fields, past each field's own type and range: a 400 naming it."""
+        if self.stream_options is not None and not self.stream:
+            # OpenAI refuses it so: the options of a stream asked of no stream are no options.
+            message = "stream_options is only allowed when stream is true"
+            raise ApiError(400, message, param="stream_options")
+
 
 BodyT = TypeVar("BodyT", bound=SamplingBody)
 
@@ -145,19 +158,24 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message of a chat, rendered through the checkpoint's chat template."""
+    """One message of a chat, rendered through the checkpoint's chat template. Any other field
+    (a misspelt `content`, an assistant's `tool_calls`) is refused: dropped, the model
+    answered another conversation than the one sent."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # the speaker, for the templates that write it (as vLLM passes it)
 
     def as_template_input(self) -> dict[str, str]:
-        """The message as chat templates expect it: role and plain-text content."""
+        """The message as chat templates expect it: role, plain-text content, and its name
+        where it has one."""
         content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        named = {"name": self.name} if self.name is not None else {}
+        return {"role": self.role, "content": content, **named}
 
 
 class ChatRequest(SamplingBody):
@@ -165,6 +183,23 @@ class ChatRequest(SamplingBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def token_cap(self) -> tuple[str, int | None]:
+        """max_completion_tokens (OpenAI's name now) where given, else max_tokens."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().token_cap()
+
+    def check(self) -> None:
+        """Past SamplingBody's: every message but an assistant's has its content (OpenAI's
+        rule); one without read as an empty message."""
+        super().check()
+        for i, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                where = f"messages.{i}.content"
+                raise ApiError(
+                    400, f"{where}: a {message.role} message needs its content", param=where
+                )
 
 
 def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
@@ -191,9 +226,11 @@ def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
             raise ApiError(400, f"{key} is not supported by this server", param=key)
     try:
         # Strict: a "5" is not a max_tokens, nor "yes" a stream (OpenAI refuses both).
-        return model.model_validate(body, strict=True)
+        parsed = model.model_validate(body, strict=True)
     except ValidationError as error:
         raise _invalid(error) from error
+    parsed.check()
+    return parsed
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -206,6 +243,9 @@ def _invalid(error: ValidationError) -> ApiError:
     text, texts or token ids) names them all, where pydantic gives one complaint a kind."""
     errors = error.errors()
     path = [str(part) for part in errors[0]["loc"]]
+    if errors[0]["type"] == "extra_forbidden":  # inside a message or stream_options
+        where = ".".join(path)
+        return ApiError(400, f"unrecognized request argument: {where}", param=where)
     cut = next((i for i, part in enumerate(path) if part in _KINDS), None)
     if cut is None:
         where = ".".join(path)
@@ -255,7 +295,6 @@ def sampling_requests(
     params: SamplingBody,
     prompts: list[list[int]],
     *,
-    max_tokens: int | None,
     limits: Limits,
     context: int,
     vocab_size: int,
@@ -275,12 +314,11 @@ def sampling_requests(
         raise ApiError(400, message, param="stop")
     temperature = 1.0 if params.temperature is None else params.temperature
     field = "messages" if hasattr(params, "messages") else "prompt"
+    cap = params.token_cap()
     return [
         SamplingRequest(
             prompt_ids=prompt_ids,
-            max_tokens=_tokens_to_generate(
-                prompt_ids, max_tokens, limits, context, vocab_size, field
-            ),
+            max_tokens=_tokens_to_generate(prompt_ids, cap, limits, context, vocab_size, field),
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=1.0 if params.top_p is None else params.top_p,
             seed=params.seed,
@@ -294,15 +332,17 @@ def sampling_requests(
 
 def _tokens_to_generate(
     prompt_ids: list[int],
-    max_tokens: int | None,
+    cap: tuple[str, int | None],
     limits: Limits,
     context: int,
     vocab_size: int,
     field: str,
 ) -> int:
-    """How many tokens one prompt may generate: max_tokens, or the default where it is left
-    out; a 400 when the prompt's token ids or that count do not fit the model (`field`: what
-    holds the prompt, named where the prompt alone does not fit)."""
+    """How many tokens one prompt may generate: the cap (max_tokens or max_completion_tokens,
+    named as the client sent it), or the default where it is left out; a 400 when the prompt's
+    token ids or that count do not fit the model (`field`: what holds the prompt, named where
+    the prompt alone does not fit)."""
+    cap_field, max_tokens = cap
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if any(not 0 <= token_id < vocab_size for token_id in prompt_ids):
@@ -317,15 +357,15 @@ def _tokens_to_generate(
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, room)
     if max_tokens > limits.max_tokens:
-        message = f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens}"
-        raise ApiError(400, message, param="max_tokens")
+        message = f"{cap_field} is {max_tokens}; this server allows at most {limits.max_tokens}"
+        raise ApiError(400, message, param=cap_field)
     if max_tokens > room:
         message = (
             f"this model's maximum context length is {context} tokens; the prompt has "
-            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}: shorten the prompt "
-            "or lower max_tokens"
+            f"{len(prompt_ids)} tokens and {cap_field} is {max_tokens}: shorten the prompt "
+            f"or lower {cap_field}"
         )
-        raise ApiError(400, message, param="max_tokens", code="context_length_exceeded")
+        raise ApiError(400, message, param=cap_field, code="context_length_exceeded")
     return max_tokens
 
 

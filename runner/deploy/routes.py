@@ -147,7 +147,7 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         model = _find(by_name, params.model)
         size = _prompt_chars(params.prompt)
         prompts = await _off_loop(size, _tokenize_prompts, model.tokenizer, params.prompt)
-        return await _respond(model, params, prompts, params.max_tokens, limits, chat=False)
+        return await _respond(model, params, prompts, limits, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -157,8 +157,7 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         model = _find(by_name, params.model)
         size = sum(len(m.as_template_input()["content"]) for m in params.messages)
         prompt = await _off_loop(size, _render_chat, model.tokenizer, params.messages)
-        max_tokens = params.max_completion_tokens or params.max_tokens
-        return await _respond(model, params, [prompt], max_tokens, limits, chat=True)
+        return await _respond(model, params, [prompt], limits, chat=True)
 
 
 async def _off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
@@ -227,7 +226,6 @@ async def _respond(
     model: ServedModel,
     params: protocol.SamplingBody,
     prompts: list[list[int]],
-    max_tokens: int | None,
     limits: Limits,
     *,
     chat: bool,
@@ -236,7 +234,6 @@ async def _respond(
     requests = protocol.sampling_requests(
         params,
         prompts,
-        max_tokens=max_tokens,
         limits=limits,
         context=model.max_model_len,
         vocab_size=len(model.tokenizer),

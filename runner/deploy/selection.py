@@ -63,6 +63,11 @@ def resolve_checkpoints(
     if not paths:
         raise UserError("checkpoint", paths, "name at least one checkpoint, run or sweep dir")
     names = [names] if isinstance(names, str) else list(names or [])
+    if any(not isinstance(name, str) or not name.strip() for name in names):
+        # Served as "" (or " "), which /v1/models/{name} cannot address.
+        raise UserError(
+            "served_model_name", names, "give each checkpoint a name of some text, or null"
+        )
     if names and len(names) != len(paths):
         raise UserError(
             "served_model_name", names, f"give one name per checkpoint ({len(paths)}) or null"
