@@ -3,6 +3,7 @@ the platform (Baseten's BT_LOAD_CHECKPOINT_DIR)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -96,6 +97,10 @@ def test_a_run_given_with_mode_weights_gives_its_latest_weights(
     assert OmegaConf.load(run / "recipe.yaml").model.source == str(
         straight / "checkpoints" / "step_4"
     )
+    # The weights it started from, by hash: those the straight run recorded as it saved them.
+    started_from = json.loads((run / "manifest.json").read_text())["weights_sha256"]
+    saved = json.loads((straight / "manifest.json").read_text())["checkpoints"]["4"]
+    assert started_from == saved and "model.safetensors" in saved
 
 
 def test_a_lora_run_is_continued_on_its_own_base_with_its_best(

@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from runner.errors import UserError
-from runner.job.repro import _rerun_dir, compare_losses, compare_metrics, repro
+from runner.job.repro import _rerun_dir, compare_losses, compare_metrics, compare_records, repro
 from runner.paths import SAMPLE_DATA_DIR
 from runner.rundir import RunDir
+from runner.rundir.manifest import sha256_file, weights_sha256
 from runner.trainer import determinism
 from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK, load_script, losses
@@ -359,3 +360,41 @@ def test_deterministic_mode_refuses_a_machine_off_the_pinned_path(
         determinism.check_machine()
     assert err.value.key == "runtime.deterministic" and why in err.value.fix
     assert "runtime.deterministic=false" in err.value.fix
+
+
+def test_the_weights_a_run_starts_from_are_hashed_and_compared(tmp_path: Path) -> None:
+    """A run continued from a checkpoint that changed since re-ran from other weights, and the
+    drift named no cause. A file of the hub's cache is named by its blob (sha256, for LFS)."""
+    blob = "a" * 64
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / blob).write_bytes(b"weights")
+    (tmp_path / "blobs" / "0123abcd").write_text("{}")  # a small file: git's sha1, not sha256
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to(tmp_path / "blobs" / blob)
+    (snapshot / "config.json").symlink_to(tmp_path / "blobs" / "0123abcd")
+    found = weights_sha256(str(snapshot))
+    assert found == {
+        "config.json": sha256_file(snapshot / "config.json"),
+        "model.safetensors": blob,
+    }
+    assert weights_sha256(None) == {}  # random weights (model=tiny)
+
+    recorded = {  # the keys of a manifest that compare_records reads
+        "config": {},
+        "tokenizer_sha256": {},
+        "packages": {},
+        "python": "3.11",
+        "torch_build": {},
+        "world_size": 1,
+        "deterministic": True,
+        "data": {},
+        "hardware": {"device": "cpu"},
+        "checkpoints": {},
+        "weights_sha256": found,
+    }
+    rerun = {**recorded, "weights_sha256": {**found, "model.safetensors": "b" * 64}}
+    (drift,) = compare_records(recorded, rerun)
+    assert drift.what == "weights_sha256.model.safetensors"
+    older = {k: v for k, v in recorded.items() if k != "weights_sha256"}
+    assert compare_records(older, rerun) == []  # a manifest from before it recorded them

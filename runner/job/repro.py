@@ -124,7 +124,8 @@ def kernel_path(manifest: dict[str, Any]) -> dict[str, Any]:
 def compare_records(
     recorded: dict[str, Any], rerun: dict[str, Any], same_path: bool = True
 ) -> list[Drift]:
-    """What differs in the manifests: config, data, tokenizer, packages, build, world, device.
+    """What differs in the manifests: config, data, tokenizer, the weights it starts from,
+    packages, build, world, device.
 
     With `same_path` false (a re-run on another kernel path, compared within a tolerance), the
     kernel path and the checkpoint hashes are expected to differ and are not drift.
@@ -139,6 +140,8 @@ def compare_records(
         "deterministic",
     ):
         drifts += _diff(key, recorded[key], rerun[key])
+    if "weights_sha256" in recorded:  # recorded since 2026-11-30
+        drifts += _diff("weights_sha256", recorded["weights_sha256"], rerun["weights_sha256"])
     for split in sorted(set(recorded["data"]) | set(rerun["data"])):
         drifts += _diff(
             f"data.{split}.sha256",

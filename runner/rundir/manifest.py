@@ -82,6 +82,7 @@ class Manifest(TypedDict):
     git: GitState | None
     data: dict[str, DataFile]
     tokenizer_sha256: dict[str, str]
+    weights_sha256: dict[str, str]
     seed: int
     world_size: int
     deterministic: bool
@@ -115,6 +116,23 @@ def sha256_data(path: Path) -> str:
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         digest.update(f"{file.relative_to(path)}\0{sha256_file(file)}\n".encode())
     return digest.hexdigest()
+
+
+def weights_sha256(source: str | None) -> dict[str, str]:
+    """The sha256 of each file of the directory a run's weights start from (model.source: a
+    download's snapshot, a checkpoint it was continued from), by name; {} for random weights.
+    A file of the Hugging Face cache is a link to its blob, which the hub names by its sha256
+    where it stores it by Git LFS (the weights): that name is read, not the gigabytes."""
+    if not source or not Path(source).is_dir():
+        return {}
+    found = {}
+    for path in sorted(Path(source).iterdir()):
+        blob = path.resolve()
+        if not blob.is_file():
+            continue
+        named = blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", blob.name)
+        found[path.name] = blob.name if named else sha256_file(blob)
+    return found
 
 
 def hashed_config(recipe: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +212,7 @@ def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> Man
             if path
         },
         "tokenizer_sha256": {p.name: sha256_file(p) for p in sorted(tokenizer_dir.glob("*.json"))},
+        "weights_sha256": weights_sha256(recipe["model"]["source"]),
         "seed": recipe["seed"],
         "world_size": recipe["compute"]["nproc_per_node"] * recipe["compute"]["nnodes"],
         "deterministic": recipe["runtime"]["deterministic"],
