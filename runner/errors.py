@@ -68,13 +68,47 @@ def _looks_secret(key: str, value: object) -> bool:
 
 def user_error_in(err: BaseException) -> UserError | None:
     """The UserError that `err` is or was raised from (OmegaConf wraps one raised inside an
-    interpolation's resolver in an error of its own); None where there is none."""
+    interpolation's resolver in an error of its own), or that an interpolation the user wrote
+    could not be resolved; None where there is neither."""
     cause: BaseException | None = err
     while cause is not None:
         if isinstance(cause, UserError):
             return cause
         cause = cause.__cause__ or cause.__context__
-    return None
+    return interpolation_error(err)
+
+
+def interpolation_error(err: BaseException) -> UserError | None:
+    """A `${...}` that does not resolve, named by the key that holds it, as typed: a key that
+    is not there, one left ??? (to be given), an environment variable that is not set, or a
+    circle; None for any other error."""
+    from omegaconf.errors import (
+        InterpolationKeyError,
+        InterpolationResolutionError,
+        InterpolationToMissingValueError,
+    )
+
+    if not isinstance(err, InterpolationResolutionError):
+        return None
+    node = getattr(err, "child_node", None)
+    given = node._value() if node is not None else None  # the ${...} as written
+    reason = str(err.msg).splitlines()[0] if err.msg else ""
+    variable = re.search(r"Environment variable '(.*)' not found", reason)
+    if isinstance(err, InterpolationKeyError):
+        missing = re.search(r"key '(.*)' not found", reason)
+        what = f" ({missing.group(1)})" if missing else ""
+        fix = f"no such key to interpolate{what}; `--cfg job` prints every key"
+    elif isinstance(err, InterpolationToMissingValueError):
+        fix = "it interpolates a key left ??? (to be given): give that key a value"
+    elif variable:
+        name = variable.group(1)
+        default = f"${{oc.env:{name},DEFAULT}}"
+        fix = f"the environment variable {name} is not set: set it, or give a default, {default}"
+    elif "Recursive interpolation" in reason:
+        fix = "the interpolation leads back to itself: give one of its keys a value"
+    else:
+        fix = f"the interpolation does not resolve: {reason}"
+    return UserError(str(err.full_key), given, fix)
 
 
 @contextmanager

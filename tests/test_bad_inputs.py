@@ -49,6 +49,11 @@ CASES = [
     # unknown commands, options and keys
     case("unknown-command", "trian", "command="),
     case("unknown-key", "validate batch_sise=4", "batch_sise="),
+    case("group-removed", "validate ~model", "model:", "~model"),
+    # interpolations that do not resolve: named by the key that holds them, as typed
+    case("interpolation-no-key", "train eval.steps=${no.such.key}", "eval.steps=", "no.such.key"),
+    case("interpolation-circle", "validate max_steps=${batch_size} batch_size=${max_steps}", "="),
+    case("interpolation-env-unset", "validate seed=${oc.env:RUNNER_UNSET_X}", "RUNNER_UNSET_X"),
     case("not-key-value", "validate key=a=b", "override="),
     case("unknown-hydra-flag", "validate --frobnicate", "--frobnicate"),
     # model

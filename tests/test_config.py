@@ -110,6 +110,20 @@ def test_defaults_pick_what_runs_here(tmp_path: Path) -> None:
     assert resolve_recipe(compose_train(["dtype=bf16"]), tmp_path).dtype.name == "bf16"
 
 
+def test_a_section_interpolates_keys_outside_it(tmp_path: Path) -> None:
+    """dataset and model.builder were typed apart from the config around them, and an
+    interpolation out of them was "not found" (a traceback), though --cfg job --resolve gave it."""
+    overrides = [
+        "dataset.eval_samples=${batch_size}",
+        "dataset.max_seq_len=256",
+        "model.builder.max_seq_len=${dataset.max_seq_len}",
+        "eval.steps=${max_steps}",
+    ]
+    recipe = resolve_recipe(compose_train(overrides), tmp_path, fetch=False)
+    assert recipe.dataset.eval_samples == recipe.batch_size
+    assert recipe.model.builder.max_seq_len == 256 and recipe.eval.steps == recipe.max_steps
+
+
 def test_help_lists_groups_and_options(runner_cli) -> None:
     result = runner_cli("train", "--help")
     assert result.returncode == 0, result.stderr

@@ -10,6 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from runner.config.fields import as_typed
 from runner.errors import user_errors_pass_hydra
 from runner.job.job import sweep_job, train
 from runner.paths import CONF_DIR
@@ -25,7 +26,7 @@ def _share_cores(jobs: int) -> None:
 def app(cfg: DictConfig) -> float | None:
     """Hydra entry point of `runner train` (and of each job of `runner train -m`)."""
     hydra_cfg = HydraConfig.get()
-    run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
+    run_dir, overrides = Path(hydra_cfg.runtime.output_dir), as_typed(hydra_cfg.overrides.task)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         _share_cores(hydra_cfg.launcher.get("n_jobs") or 1)
         return sweep_job(cfg, run_dir, overrides)

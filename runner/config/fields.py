@@ -15,7 +15,7 @@ from dataclasses import field
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from runner.errors import NULL, UserError
@@ -28,6 +28,15 @@ EVERY_KEY = "--cfg job"
 def override_key(override: str) -> str:
     """The dotted key a command-line override sets: `+a.b=1`, `~a.b` and `a.b=1` all set a.b."""
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def as_typed(overrides: Any) -> list[str]:
+    """Hydra's list of overrides (hydra.overrides.task) as typed. Read as OmegaConf's list, an
+    override that holds an interpolation is resolved on the way (eval.steps=${max_steps} read
+    eval.steps=1600, and was recorded so), or fails where its key is not there."""
+    if isinstance(overrides, ListConfig):
+        overrides = OmegaConf.to_container(overrides, resolve=False)
+    return [str(o) for o in overrides]
 
 
 def groups_given_twice(overrides: list[str], groups: set[str]) -> dict[str, list[str]]:
@@ -62,6 +71,14 @@ def typed_as(
     """`cfg` merged into `schema`, every bounded field checked; `prefix` is where `cfg` sits in
     the whole config, and `listed_by` what prints its keys, for the messages."""
     _check_sections(schema, cfg, prefix)
+    # Every interpolation resolved here, where OmegaConf names the key that holds one that does
+    # not resolve (runner.errors.interpolation_error); and a section (dataset, model.builder)
+    # merged alone loses the config around it: one to a key outside it was "not found".
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if cfg._get_parent() is not None:
+        section = OmegaConf.create(resolved)
+        assert isinstance(section, DictConfig)  # a section's container is a dict
+        cfg = section
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
     except ConfigKeyError as err:
@@ -113,6 +130,19 @@ def _check_sections(schema: type, given: DictConfig, prefix: str) -> None:
         if not isinstance(value, DictConfig):
             raise UserError(key, value, f"is a section: set its keys, e.g. {key}.KEY=VALUE")
         _check_sections(section, value, f"{key}.")
+
+
+def check_chosen(cfg: DictConfig, schema: type) -> None:
+    """Each section of a composed config given, where its schema has a key that only an option
+    of its group gives (???): `~model` removed the option, and the ??? failed at its first read
+    with a traceback."""
+    for spec, annotation in _fields(schema):
+        section = _section(annotation)
+        if section is None or spec.name in cfg:
+            continue
+        if any(field.default is MISSING for field, _ in _fields(section)):
+            fix = f"removed (~{spec.name}); give {spec.name}=OPTION (`--help` lists them)"
+            raise UserError(spec.name, None, fix)
 
 
 def _field_of(schema: type | None, key: str) -> TypedField | None:
@@ -216,7 +246,11 @@ def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> 
             continue
         if not _given_as(raw, _number_type(annotation)):
             # OmegaConf converts "12" (a quoted YAML value, max_steps='12') to 12: not here.
-            raise UserError(key, raw, _fix((spec, annotation)))
+            fix = _fix((spec, annotation))
+            if isinstance(given, DictConfig) and OmegaConf.is_interpolation(given, spec.name):
+                # ${oc.env:STEPS} is always text: the number the user set read as a string.
+                fix += " (an interpolation gives text: '${oc.decode:${oc.env:NAME}}' a number)"
+            raise UserError(key, raw, fix)
         if not spec.metadata:
             continue
         if "flag" in spec.metadata:

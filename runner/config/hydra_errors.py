@@ -14,7 +14,7 @@ from hydra.errors import (
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from runner.config.fields import EVERY_KEY
-from runner.errors import HIDDEN, SECRET_KEY, UserError
+from runner.errors import HIDDEN, SECRET_KEY, UserError, interpolation_error
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
 # A group of `runner train` that another command sets with a key of its own.
@@ -135,4 +135,4 @@ def as_user_error(err: BaseException, command: str | None = None) -> UserError |
         if converted is not None:
             return converted
         cause = cause.__cause__ or cause.__context__
-    return None
+    return interpolation_error(err)

@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.config.fields import as_typed
 from runner.errors import UserError
 from runner.paths import ASSETS_DIR
 
@@ -75,7 +76,7 @@ def run_dir(resume: Any, fresh: str, *, _root_: DictConfig) -> str:
     from runner.config import platforms
 
     if resume:
-        check_resume(resume, list(_root_.hydra.overrides.task))
+        check_resume(resume, as_typed(_root_.hydra.overrides.task))
     return platforms.run_dir(resume, fresh, _root_=_root_)
 
 

@@ -25,13 +25,14 @@ from runner.config.dataset import (
     resolve_dataset,
 )
 from runner.config.evaluation import resolve_eval, resolve_objective
+from runner.config.fields import check_chosen
 from runner.config.load_checkpoint import check_continued, resolve_load_checkpoint
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_pairing, resolve_method
 from runner.config.model import ModelRecipe, option_builder, resolve_model
 from runner.config.optimizer import resolve_optimizer, warn_long_warmup
 from runner.config.runtime import resolve_runtime
-from runner.config.schema import Recipe, Training, typed
+from runner.config.schema import Recipe, Train, Training, typed
 from runner.errors import UserError
 from runner.hub.download import Hub, localize
 
@@ -52,6 +53,7 @@ def resolve_recipe(
     left unresolved: None). gpus_here=False (`runner estimate`, which prices a layout and runs
     nothing) takes a GPU layout as given, without holding it to the GPUs this machine shows.
     """
+    check_chosen(cfg, Train)
     cfg = typed(cfg)
     loaded_weights, resume_from = resolve_load_checkpoint(cfg, overrides)
     if loaded_weights is not None:

@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
-from runner.config.fields import override_key
+from runner.config.fields import as_typed, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.load_checkpoint import check_same_global_batch, global_batch
@@ -150,7 +150,7 @@ class RunDirLock(Callback):
                 output_root = Path(str(config.runtime.output_root))
                 self._lock.enter_context(_stopped_leaves_nothing(run, output_root))
             if config.resume is None:
-                _check_same_command(run, list(config.hydra.overrides.task))
+                _check_same_command(run, as_typed(config.hydra.overrides.task))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._lock.close()
@@ -182,7 +182,7 @@ def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
 
 def _run_dir_given(config: DictConfig) -> bool:
     """Whether the user named the run directory (hydra.run.dir=...), not its time."""
-    return any(override_key(o) == "hydra.run.dir" for o in config.hydra.overrides.hydra)
+    return any(override_key(o) == "hydra.run.dir" for o in as_typed(config.hydra.overrides.hydra))
 
 
 def _fresh_by_time(config: DictConfig, path: Path) -> bool:

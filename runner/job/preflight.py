@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate, plain_dict
+from runner.config.fields import as_typed
 from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
 from runner.data import check_datasets, held_out_fraction, train_dataset
@@ -35,7 +36,7 @@ def recipe_of(
     """The recipe `runner train` would run; estimating, nothing is downloaded and a GPU layout
     is priced as given on any machine (resolve_recipe's fetch and gpus_here)."""
     if overrides is None:
-        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        overrides = as_typed(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     with tempfile.TemporaryDirectory() as tmp:
         recipe = resolve_recipe(
             cfg, Path(tmp), overrides, fetch=not estimating, gpus_here=not estimating

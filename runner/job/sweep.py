@@ -26,7 +26,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.fields import override_key
+from runner.config.fields import as_typed, override_key
 from runner.config.runtime import check_root
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import request_stop
@@ -113,7 +113,7 @@ def _grid_size(sweep_dir: Path) -> int | None:
     if "BasicSweeper" not in str(hydra.sweeper.get("_target_", "")):
         return None
     size = 1
-    for override in OverridesParser.create().parse_overrides(list(hydra.overrides.task)):
+    for override in OverridesParser.create().parse_overrides(as_typed(hydra.overrides.task)):
         if override.is_sweep_override():
             size *= len(list(override.sweep_string_iterator()))
     return size
@@ -263,7 +263,7 @@ def check_sweep_values(config: DictConfig) -> None:
 
     if "direction" in config.hydra.sweeper:
         return
-    overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    overrides = OverridesParser.create().parse_overrides(as_typed(config.hydra.overrides.task))
     fixed = [str(o.input_line) for o in overrides if not o.is_sweep_override()]
     logging.disable(logging.WARNING)  # each job says its own warnings as it starts
     try:
@@ -302,8 +302,8 @@ def check_same_sweep(config: DictConfig) -> None:
     started = sweep_dir / "multirun.yaml"  # Hydra's record of the sweep
     if not started.is_file():
         return
-    recorded = [str(o) for o in OmegaConf.load(started).hydra.overrides.task]
-    changes = changed_overrides(recorded, list(config.hydra.overrides.task))
+    recorded = as_typed(OmegaConf.load(started).hydra.overrides.task)
+    changes = changed_overrides(recorded, as_typed(config.hydra.overrides.task))
     if changes:
         raise UserError(
             key,
@@ -331,7 +331,9 @@ def _make_sweep_dir(config: DictConfig) -> None:
 
 def _sweep_dir_key(config: DictConfig) -> tuple[str, str]:
     """The key that named the sweep directory, as the user gave it, and its value."""
-    given = any(override_key(o) == "hydra.sweep.dir" for o in config.hydra.overrides.hydra)
+    given = any(
+        override_key(o) == "hydra.sweep.dir" for o in as_typed(config.hydra.overrides.hydra)
+    )
     if given:
         return "hydra.sweep.dir", str(config.hydra.sweep.dir)
     return "runtime.multirun_root", str(config.runtime.multirun_root)
