@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -104,8 +106,6 @@ def summarize(sweep_dir: Path, metric: str, mode: str) -> dict[str, Any]:
 def _grid_size(sweep_dir: Path) -> int | None:
     """The number of jobs of a grid sweep, from Hydra's record of it (multirun.yaml): the
     product of its swept values' counts; None for another sweeper, or no record."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     record = sweep_dir / "multirun.yaml"
     if not record.is_file():
         return None
@@ -113,10 +113,25 @@ def _grid_size(sweep_dir: Path) -> int | None:
     if "BasicSweeper" not in str(hydra.sweeper.get("_target_", "")):
         return None
     size = 1
-    for override in OverridesParser.create().parse_overrides(as_typed(hydra.overrides.task)):
+    for override in parsed_overrides(as_typed(hydra.overrides.task)):
         if override.is_sweep_override():
-            size *= len(list(override.sweep_string_iterator()))
+            try:
+                size *= len(list(override.sweep_string_iterator()))
+            except HydraException:  # glob() where this process has no Hydra of its own
+                return None
     return size
+
+
+def parsed_overrides(overrides: list[str]) -> list[Override]:
+    """`overrides` parsed as Hydra's sweeper parses them: with the config loader of this
+    process's Hydra, which glob(...) reads a group's options through (without it, each of the
+    sweep's callbacks failed, 'ConfigLoader is not set', and the sweep had no summary)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    hydra = GlobalHydra.instance()
+    loader = hydra.config_loader() if hydra.is_initialized() else None
+    return OverridesParser.create(config_loader=loader).parse_overrides(overrides)
 
 
 def exit_code(sweep_dir: Path) -> int:
@@ -256,15 +271,22 @@ def check_sweep_values(config: DictConfig) -> None:
     # logging, INFO and up) would show above the sweep.
     logging.getLogger("torchao.kernel.intmm").setLevel(logging.ERROR)
     from hydra import compose
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from runner.config.hydra_errors import as_user_error
     from runner.job.preflight import recipe_of
 
     if "direction" in config.hydra.sweeper:
         return
-    overrides = OverridesParser.create().parse_overrides(as_typed(config.hydra.overrides.task))
+    overrides = parsed_overrides(as_typed(config.hydra.overrides.task))
     fixed = [str(o.input_line) for o in overrides if not o.is_sweep_override()]
+    for override in overrides:
+        if override.is_interval_sweep():  # Hydra's own sweeper raised its traceback
+            raise UserError(
+                override.get_key_element(),
+                override.input_line.partition("=")[2] if override.input_line else None,
+                "an interval is drawn from by the Optuna sweeper: add hydra/sweeper=optuna "
+                "(docs/sweeps.md), or give the values (a,b,c or range(START,STOP,STEP))",
+            )
     logging.disable(logging.WARNING)  # each job says its own warnings as it starts
     try:
         for override in (o for o in overrides if o.is_sweep_override()):
