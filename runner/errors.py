@@ -16,7 +16,8 @@ SECRET_KEY = re.compile(
 )
 # A value shaped as the tokens of the services a run talks to (the hub's hf_..., OpenAI's sk-...,
 # GitHub's, Slack's, GitLab's): never echoed, whatever key it was given to.
-SECRET_VALUE = re.compile(r"(hf_|sk-|ghp_|gho_|github_pat_|xox[abpr]-|glpat-)[A-Za-z0-9_-]{6,}")
+TOKEN_PREFIXES = r"hf_|sk-|ghp_|gho_|github_pat_|xox[abpr]-|glpat-"
+SECRET_VALUE = re.compile(rf"({TOKEN_PREFIXES})[A-Za-z0-9_-]{{6,}}")
 HIDDEN = "<hidden>"
 
 

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from runner.config.hydra_errors import as_user_error
+from runner.config.secrets import refuse_tokens
 from runner.paths import CONF_DIR
 from runner.rundir import RunDir
 from tests.conftest import QUICK
@@ -214,6 +215,30 @@ def test_a_secret_typed_as_a_value_is_refused_before_any_config_is_printed(runne
             key = override.lstrip("+").partition("=")[0]
             assert result.stderr.startswith(f"error: {key}='<hidden>': "), result.stderr
             assert "s3cr3t" not in result.stdout + result.stderr
+
+
+TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"  # a hub token's shape, no token
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_a_token_under_any_key_is_refused_unwritten(runner_cli, tmp_path: Path, typed) -> None:
+    """Under a key that names no secret, typed or brought in by an interpolation: it was
+    written in clear to recipe.yaml, manifest.json and the trackers' records. A path that
+    holds a prefix (/data/task-management.jsonl) is no token."""
+    out_root = tmp_path / "outputs"
+    given = "+runtime.env.FOO=" + (TOKEN if typed else "${oc.env:RUNNER_TEST_VALUE}")
+    result = runner_cli(
+        "train",
+        "compute=cpu",
+        given,
+        f"runtime.output_root={out_root}",
+        env=None if typed else {"RUNNER_TEST_VALUE": TOKEN},
+    )
+    assert result.returncode == 2 and "error: runtime.env.FOO='<hidden>': looks like a token" in (
+        result.stderr
+    ), result.stderr[-2000:]
+    assert TOKEN not in result.stdout + result.stderr and not out_root.exists()
+    refuse_tokens({"dataset": {"source": "/data/task-management_of_many_things.jsonl"}})
 
 
 @pytest.mark.parametrize(

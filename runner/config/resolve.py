@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.components import plain_dict
 from runner.config.compute import ComputeRecipe, Dtype, resolve_compute, resolve_dtype
 from runner.config.dataset import (
     DatasetRecipe,
@@ -33,6 +34,7 @@ from runner.config.model import ModelRecipe, option_builder, resolve_model
 from runner.config.optimizer import resolve_optimizer, warn_long_warmup
 from runner.config.runtime import resolve_runtime
 from runner.config.schema import Recipe, Train, Training, typed
+from runner.config.secrets import refuse_tokens
 from runner.errors import UserError
 from runner.hub.download import Hub, localize
 
@@ -102,6 +104,7 @@ def resolve_recipe(
         **{key.name: cfg[key.name] for key in fields(Training)},
     )
     typed_recipe: DictConfig = OmegaConf.structured(resolved)
+    refuse_tokens(plain_dict(typed_recipe))  # before the recipe, written in clear, has one
     return typed_recipe
 
 

@@ -3,17 +3,23 @@
 export without push_to) runs on with the secret in its shell history alone.
 
 A hub token is given by reference (env:NAME or file:PATH), deploy's API key by the name of its
-variable or file, and runtime.env, which the run directory records, holds no secret.
+variable or file, and runtime.env, which the run directory records, holds no secret; nor does
+any other key: a value that is a service's token, typed or brought in by an interpolation
+(${oc.env:NAME}), is refused before the recipe is written (refuse_tokens).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from runner.config.fields import override_key
-from runner.errors import SECRET_KEY, UserError
+from runner.errors import HIDDEN, SECRET_KEY, TOKEN_PREFIXES, UserError
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A whole value that is a token (hf_ and 34 more, sk-..., ghp_...): not a path or a name that
+# holds such a prefix inside it (/data/task-management.jsonl).
+_TOKEN = re.compile(rf"(?:{TOKEN_PREFIXES})[A-Za-z0-9_-]{{20,}}")
 
 
 def env_secret_error(name: str) -> UserError:
@@ -24,6 +30,31 @@ def env_secret_error(name: str) -> UserError:
         "looks like a secret, and runtime.env is written to the run directory; export it in "
         "the environment of `runner train` instead (training processes inherit it)",
     )
+
+
+def token_error(key: str) -> UserError:
+    """`key` holds a value shaped as a service's token, never shown."""
+    return UserError(
+        key,
+        HIDDEN,
+        "looks like a token, and the run directory records every value: export it in the "
+        "environment of `runner` (training processes inherit it), or give it by reference "
+        "where the key takes one (runtime.hf_token=env:NAME)",
+    )
+
+
+def refuse_tokens(section: Any, prefix: str = "") -> None:
+    """A UserError for the first value of a resolved config (a plain dict) that is a token:
+    one brought in by an interpolation (runtime.project=${oc.env:HF_TOKEN}) was written in
+    clear to recipe.yaml, manifest.json and the trackers' records."""
+    if isinstance(section, dict):
+        for name, value in section.items():
+            refuse_tokens(value, f"{prefix}{name}.")
+    elif isinstance(section, list):
+        for i, value in enumerate(section):
+            refuse_tokens(value, f"{prefix}{i}.")
+    elif isinstance(section, str) and _TOKEN.fullmatch(section.strip()):
+        raise token_error(prefix.removesuffix("."))
 
 
 def check_env_name(key: str, name: str) -> None:
@@ -52,3 +83,5 @@ def refuse_typed_secrets(overrides: list[str]) -> None:
             check_env_name(key, value)
         elif key.startswith("runtime.env.") and SECRET_KEY.search(key.removeprefix("runtime.env.")):
             raise env_secret_error(key.removeprefix("runtime.env."))
+        elif _TOKEN.fullmatch(value):
+            raise token_error(key)
