@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.components import plain_dict
 from runner.config.fields import override_key
 from runner.errors import UserError
 from runner.rundir import RECIPE_FILE, RunDir, checkpoint_problem, is_run_dir, is_sweep_dir
@@ -151,13 +152,33 @@ def _whole_weights(run: Path) -> tuple[int, Path]:
     return step, checkpoint
 
 
+# The adapter's arguments, as the method recipe names them, by the key a user gives each with:
+# an adapter of another shape loads into no other (a traceback), and another alpha scales the
+# trained adapter's output by another factor, a model that never trained. (Its dropout, which
+# acts in training alone, may change.)
+ADAPTER_KEYS = {
+    "lora_rank": "method.rank",
+    "lora_alpha": "method.alpha",
+    "lora_attn_modules": "method.lora_attn_modules",
+    "apply_lora_to_mlp": "method.apply_lora_to_mlp",
+    "apply_lora_to_output": "method.apply_lora_to_output",
+    "quantize_base": "method.quantize_base",
+}
+
+
 def check_continued(
-    resume_from: str, cfg: DictConfig, compute: Any, builder: dict[str, Any], optimizer: Any
+    resume_from: str,
+    cfg: DictConfig,
+    compute: Any,
+    builder: dict[str, Any],
+    adapter: dict[str, Any] | None,
+    optimizer: Any,
 ) -> None:
     """A continued run trains by the loaded run's global batch (check_same_global_batch), on
-    a model of its shape (its checkpoint's weights load into no other) and with its optimizer:
-    the checkpoint's optimizer and schedule state go on, and a new optimizer.lr was recorded
-    but never trained with."""
+    a model of its shape (its checkpoint's weights load into no other), a LoRA run on an
+    adapter of its arguments (ADAPTER_KEYS), and with its optimizer: the checkpoint's
+    optimizer and schedule state go on, and a new optimizer.lr was recorded but never trained
+    with."""
     run = Path(resume_from).parents[1]  # RUN/checkpoints/step_N
     recorded = OmegaConf.load(run / RECIPE_FILE)
     check_same_global_batch(f"load_checkpoint.path={run}", recorded, cfg, compute)
@@ -170,15 +191,25 @@ def check_continued(
             "it with its model as it recorded it, or train this model from its own start "
             "(load_checkpoint.path=null)",
         )
+    fresh = (
+        "load_checkpoint.mode=weights"
+        if _mode(Path(resume_from)) == "weights"
+        # An adapter alone: mode=weights refuses it (_whole_weights), as its fix says.
+        else f"export it merged (runner export checkpoint={run} format=merged) and give "
+        "that as load_checkpoint.path"
+    )
+    was_adapter = plain_dict(recorded.method.builder) if recorded.method.builder else {}
+    for name, key in ADAPTER_KEYS.items():
+        if (adapter or {}).get(name) != was_adapter.get(name):
+            raise UserError(
+                key,
+                (adapter or {}).get(name),
+                f"load_checkpoint.path={run} trained an adapter of {key}={was_adapter.get(name)}, "
+                "which its checkpoint goes on with; leave it as it was, or start a new adapter "
+                f"on its weights: {fresh}",
+            )
     key, was, now = _first_difference(recorded.optimizer, optimizer)
     if key is not None:
-        fresh = (
-            "load_checkpoint.mode=weights"
-            if _mode(Path(resume_from)) == "weights"
-            # An adapter alone: mode=weights refuses it (_whole_weights), as its fix says.
-            else f"export it merged (runner export checkpoint={run} format=merged) and give "
-            "that as load_checkpoint.path"
-        )
         raise UserError(
             f"optimizer.{key}",
             now,
@@ -210,11 +241,13 @@ def _check_continuable(
             cfg.method.name,
             f"load_checkpoint.path={run} is a method={method} run, continued only by method="
             f"{method}"
+            + f"; or start a method={cfg.method.name} run from its weights: "
             + (
-                f"; or start a method={cfg.method.name} run from its weights: "
                 "load_checkpoint.mode=weights"
                 if _mode(checkpoint) == "weights"  # what load_checkpoint.mode=weights takes
-                else ""
+                # An adapter alone: merged onto its base, it is a model to start from.
+                else f"export them merged (runner export checkpoint={run} format=merged) and "
+                "give that as load_checkpoint.path"
             ),
         )
     if cfg.max_steps is not None and cfg.max_steps <= step:

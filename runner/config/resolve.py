@@ -76,10 +76,10 @@ def resolve_recipe(
         # The source is what load_checkpoint.path gave, which the user typed.
         raise UserError("load_checkpoint.path", cfg.load_checkpoint.path, err.fix) from None
     built_once(model.builder, "model.builder", reference=option_builder(model.name))
-    if resume_from is not None:
-        check_continued(resume_from, cfg, compute, model.builder, optimizer)
     loss = resolve_loss(cfg.loss)
     method = resolve_method(cfg.method, model, run_dir, compute)
+    if resume_from is not None:
+        check_continued(resume_from, cfg, compute, model.builder, method.builder, optimizer)
     dataset = _dataset(cfg.dataset, model, compute)
     dtype = resolve_dtype(cfg.dtype.name, compute.device)
     check_attention(cfg.attention, dataset, model, compute.device, dtype)
