@@ -50,6 +50,10 @@ CASES = [
     case("unknown-command", "trian", "command="),
     case("unknown-key", "validate batch_sise=4", "batch_sise="),
     case("group-removed", "validate ~model", "model:", "~model"),
+    # loss arguments its class checks only as it computes (a traceback at step 0, a failed run)
+    case("loss-chunks-type", "validate loss=chunked_ce loss.num_output_chunks=abc", "chunks="),
+    case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),
+    case("optimizer-fused", "validate optimizer.fused=maybe", "optimizer.fused="),
     # interpolations that do not resolve: named by the key that holds them, as typed
     case("interpolation-no-key", "train eval.steps=${no.such.key}", "eval.steps=", "no.such.key"),
     case("interpolation-circle", "validate max_steps=${batch_size} batch_size=${max_steps}", "="),

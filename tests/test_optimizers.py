@@ -39,10 +39,13 @@ def test_state_per_weight_is_counted_from_the_optimizer_itself(node: dict, tenso
 def test_an_argument_the_optimizer_refuses_is_a_user_error() -> None:
     with pytest.raises(UserError, match="torch.optim.AdamW refuses them"):
         state_per_weight({"_component_": "torch.optim.AdamW", "lr": 1e-3, "betas": [1.5, 0.9]})
-    with pytest.raises(UserError, match=r"give 2 values, as its default \[0.9, 0.999\]"):
+    with pytest.raises(UserError, match=r"give 2 values \(its class's default is \[0.9, 0.999\]\)"):
         state_per_weight({"_component_": "torch.optim.AdamW", "lr": 1e-3, "betas": [0.9]})
     with pytest.raises(UserError, match="does not take it"):
         state_per_weight({"_component_": "torch.optim.SGD", "lr": 1e-2, "betas": [0.9, 0.9]})
+    # A key it takes, of another kind: no "drop or rename the key" (SGD takes momentum).
+    with pytest.raises(UserError, match="SGD refuses it .*; give a value of its kind, as its"):
+        state_per_weight({"_component_": "torch.optim.SGD", "lr": 1e-2, "momentum": "abc"})
     # Taken by the default kernel as a true value, refused by the fused one training runs.
     fused = {"_component_": "torch.optim.AdamW", "lr": 1e-3, "fused": True, "amsgrad": "maybe"}
     with pytest.raises(UserError) as refused:
@@ -67,7 +70,7 @@ def test_a_refused_optimizer_argument_stops_train_before_a_run_dir(
     run = tmp_path / "bad"
     result = runner_cli("train", *FOUR_STEPS, "optimizer.betas=[0.9]", f"hydra.run.dir={run}")
     assert result.returncode == 2, result.stderr[-3000:]
-    wanted = "error: optimizer.betas=[0.9]: give 2 values, as its default [0.9, 0.999]"
+    wanted = "error: optimizer.betas=[0.9]: give 2 values (its class's default is [0.9, 0.999])"
     assert wanted in result.stderr
     assert "Traceback" not in result.stderr
     assert not run.exists()

@@ -18,7 +18,7 @@ def resolve_loss(loss: DictConfig) -> dict[str, Any]:
     resolved = plain_dict(loss, resolve=True)
     built_once(resolved, "loss", reference={})
     chunks = resolved.get("num_output_chunks", 1)
-    if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks < 1:
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise UserError(
             "loss.num_output_chunks", chunks, "give an integer >= 1 (the logits in that many parts)"
         )
@@ -29,7 +29,38 @@ def resolve_loss(loss: DictConfig) -> dict[str, Any]:
             f"the data marks the labels not trained on with {CROSS_ENTROPY_IGNORE_IDX}, which "
             "the loss must ignore; leave it out or give that",
         )
+    _computed_once(resolved)
     return resolved
+
+
+def _computed_once(loss: dict[str, Any]) -> None:
+    """The loss computed once on a few positions, as training calls it (a list of chunks for a
+    chunked loss): an argument its class checks only then (CrossEntropyLoss's label_smoothing
+    above 1) failed the first step with a traceback and left a failed run."""
+    import torch
+
+    from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
+
+    arguments = {k: v for k, v in loss.items() if k != "_component_"}
+    loss_fn = resolve_component(loss["_component_"], "loss._component_")(**arguments)
+    logits = torch.zeros(1, 16, 4)
+    labels = torch.tensor([[0, 1, 2, CROSS_ENTROPY_IGNORE_IDX] * 4])
+    try:
+        if "num_output_chunks" in loss:
+            value = loss_fn(list(logits.chunk(loss["num_output_chunks"], dim=1)), labels)
+        else:
+            value = loss_fn(logits.reshape(-1, 4), labels.reshape(-1))
+        if value.dim() != 0:  # reduction=none: no number to step on (backward fails)
+            raise ValueError(f"it gives a tensor of shape {list(value.shape)}, not one number")
+    except (RuntimeError, TypeError, ValueError) as err:
+        named = [name for name in arguments if name in str(err)]
+        key, value = (f"loss.{named[0]}", arguments[named[0]]) if named else ("loss", arguments)
+        raise UserError(
+            key,
+            value,
+            f"{loss['_component_']} fails on a first batch with it ({err}); give a value it takes "
+            "(see its documentation)",
+        ) from None
 
 
 def built_once(node: dict[str, Any], key: str, reference: dict[str, Any] | None = None) -> None:

@@ -54,6 +54,13 @@ def resolve_optimizer(optimizer: DictConfig) -> dict[str, Any]:
     resolved = {str(k): v for k, v in option.items()}
     checked = typed_as(keys, OptimizerKeys, "optimizer.")
     resolved.update({key: checked[key] for key in shared})
+    if "fused" in resolved and not isinstance(resolved["fused"], bool | None):
+        # The fused kernel was taken on any value (fused=maybe, fused=2), and recorded so.
+        raise UserError(
+            "optimizer.fused",
+            resolved["fused"],
+            "give true, false or null (null: PyTorch's fused kernel, where it has one)",
+        )
     if "fused" in resolved and resolved["fused"] is None:
         # PyTorch's fused kernel, on CPU as on CUDA: one pass over each weight instead of a
         # dozen elementwise ops (AdamW's step is 3x faster on CPU; scripts/bench/bench_peers.py).
@@ -104,19 +111,20 @@ def state_per_weight(node: dict[str, Any]) -> int:
         key, value = _culprit(component, arguments)
         # A kernel's message lists every signature it has after its first line.
         said = str(err).splitlines()[0].removesuffix(", but expected one of:")
-        raise UserError(
-            key,
-            value,
-            f"{node['_component_']} does not take it ({said}); drop or rename the key in the "
-            "optimizer option, or give a value of the kind the class takes",
-        ) from None
+        name = key.removeprefix("optimizer.")
+        if _takes(component, name):  # momentum=abc: a key it takes, of another kind
+            default = _default(component, name)
+            fix = f"refuses it ({said}); give a value of its kind, as its default {default!r}"
+        else:
+            fix = f"does not take it ({said}); drop or rename the key in the optimizer option"
+        raise UserError(key, value, f"{node['_component_']} {fix}") from None
     except (ValueError, IndexError, RuntimeError) as err:
         key, value = _culprit(component, arguments)
         default = _default(component, key.removeprefix("optimizer."))
         given = value if isinstance(value, list | tuple) else [value]
         if isinstance(default, tuple | list) and len(given) != len(default):
             # betas=[0.9]: torch reads betas[1] ("list index out of range").
-            fix = f"give {len(default)} values, as its default {list(default)}"
+            fix = f"give {len(default)} values (its class's default is {list(default)})"
         else:
             fix = f"{node['_component_']} refuses them: {err}; give values it takes (see its "
             fix += "documentation)"
@@ -142,6 +150,13 @@ def _default(component: Any, name: str) -> Any:
 
     parameter = inspect.signature(component).parameters.get(name)
     return None if parameter is None else parameter.default
+
+
+def _takes(component: Any, name: str) -> bool:
+    """Whether the component's signature has an argument `name`."""
+    import inspect
+
+    return name in inspect.signature(component).parameters
 
 
 def _culprit(component: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
