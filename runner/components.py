@@ -23,6 +23,28 @@ def resolve_component(path: str, key: str = "_component_") -> Any:
         raise UserError(key, path, f"no such component ({err})") from err
 
 
+def check_arguments(path: str, arguments: dict[str, Any], key: str) -> None:
+    """The arguments of the component at `path` (section `key`) against its signature: one it
+    takes no such argument for (a misspelt num_layer) named with the nearest it takes, one it
+    needs and is not given named too, where a builder failed on either with a traceback."""
+    import difflib
+    import inspect
+
+    parameters = inspect.signature(resolve_component(path, f"{key}._component_")).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return  # it takes any keyword
+    for name, value in arguments.items():
+        if name != "_component_" and name not in parameters:
+            near = difflib.get_close_matches(name, list(parameters), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise UserError(f"{key}.{name}", value, f"{path} takes no such argument{hint}")
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    for name, parameter in parameters.items():
+        needed = parameter.default is inspect.Parameter.empty and parameter.kind in named
+        if needed and name not in arguments:
+            raise UserError(f"{key}.{name}", None, f"{path} needs it; give {key}.{name}=VALUE")
+
+
 def instantiate(node: DictConfig, *args: Any, **kwargs: Any) -> Any:
     """Calls node._component_ with the node's other keys as keyword arguments."""
     params = plain_dict(node, resolve=True)

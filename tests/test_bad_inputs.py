@@ -54,6 +54,7 @@ CASES = [
     case("loss-chunks-type", "validate loss=chunked_ce loss.num_output_chunks=abc", "chunks="),
     case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),
     case("optimizer-fused", "validate optimizer.fused=maybe", "optimizer.fused="),
+    case("dataset-kind", "validate dataset.kind=qa", "dataset.kind="),
     # interpolations that do not resolve: named by the key that holds them, as typed
     case("interpolation-no-key", "train eval.steps=${no.such.key}", "eval.steps=", "no.such.key"),
     case("interpolation-circle", "validate max_steps=${batch_size} batch_size=${max_steps}", "="),

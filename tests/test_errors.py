@@ -311,3 +311,24 @@ def test_a_diverged_run_is_one_clear_message_and_keeps_its_directory(
     assert result.returncode == 0, result.stderr[-2000:]
     assert RunDir(run_dir).status().state == "completed"
     assert "optimizer.lr=1e30" not in (run_dir / "manifest.json").read_text()
+
+
+def test_a_config_dir_option_that_is_broken_is_named(runner_cli, tmp_path: Path) -> None:
+    """An option of the user's own (--config-dir) that is no YAML, or whose builder misspells
+    an argument: each was a traceback (a ScannerError; a KeyError of the argument it lacked)."""
+    (tmp_path / "mine" / "model").mkdir(parents=True)
+    tiny = (CONF_DIR / "model" / "tiny.yaml").read_text()
+    (tmp_path / "mine" / "model" / "broken.yaml").write_text("name: broken\nbuilder:\n a: [1\n")
+    (tmp_path / "mine" / "model" / "typo.yaml").write_text(
+        tiny.replace("name: tiny", "name: typo").replace("num_layers:", "num_layer:")
+    )
+    for option, wanted in (
+        ("broken", "broken.yaml': not valid YAML at line 4, column 1"),
+        (
+            "typo",
+            "error: model.builder.num_layer=4: torchtune.models.llama3_2.llama3_2 takes no "
+            "such argument; did you mean 'num_layers'?",
+        ),
+    ):
+        result = runner_cli("validate", "--config-dir", str(tmp_path / "mine"), f"model={option}")
+        assert result.returncode == 2 and wanted in result.stderr, result.stderr[-2000:]

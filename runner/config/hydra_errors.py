@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 
+import yaml
 from hydra.errors import (
     ConfigCompositionException,
     MissingConfigException,
@@ -43,6 +44,15 @@ def from_hydra_error(
             missing.group(1) if missing else str(err),
             "no such directory; give the directory that holds your own options "
             "(DIR/model/mine.yaml for model=mine)",
+        )
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        # A config file of the user's own (--config-dir) that is not YAML: a traceback.
+        mark = err.problem_mark
+        return UserError(
+            "config file",
+            mark.name,
+            f"not valid YAML at line {mark.line + 1}, column {mark.column + 1} ({err.problem}); "
+            "fix the file",
         )
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, option = (err.missing_cfg_file or "").rpartition("/")

@@ -207,8 +207,10 @@ def _check_preference(method: DictConfig) -> None:
 
 def check_pairing(method: str, dataset: DictConfig) -> None:
     """Preference methods train on preference pairs, supervised methods on anything else."""
-    from runner.data import SFT_KINDS
+    from runner.data import KINDS, SFT_KINDS
 
+    if dataset.kind not in KINDS:  # kind=qa read as preference pairs, for a full run
+        raise UserError("dataset.kind", dataset.kind, f"choose one of: {', '.join(KINDS)}")
     if method in PREFERENCE_METHODS and dataset.kind != "preference":
         raise UserError(
             "dataset",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from runner.components import plain_dict
+from runner.components import check_arguments, plain_dict
 from runner.config.fields import number, typed_as
 from runner.errors import NULL, UserError
 
@@ -455,6 +455,7 @@ def _family_and_builder(
     args = plain_dict(model.builder, resolve=True)
     check_builder_args(args)
     builder = {"_component_": builder_component(family, args), **args}
+    check_arguments(builder["_component_"], args, "model.builder")
     if derived is not None:
         check_source_matches(family, builder, derived, str(model.source))
     return family, builder
