@@ -114,6 +114,11 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(
     result = runner_cli("train", f"resume={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "completed at step 4: nothing to train" in result.stdout
+    # validate checks the recipe a resume goes on with, where it checked a fresh default.
+    checked = runner_cli("validate", f"resume={run}")
+    assert checked.returncode == 0 and "\nmax_steps: 4\n" in checked.stdout, checked.stderr
+    missing = runner_cli("validate", f"resume={tmp_path / 'nothing'}")
+    assert missing.returncode == 2 and "not a run directory" in missing.stderr
 
     status = json.loads((run / "status.json").read_text())
     (run / "status.json").write_text(json.dumps({**status, "state": "running"}))

@@ -17,11 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.components import instantiate, plain_dict
 from runner.config.fields import as_typed
+from runner.config.interpolations import check_resume
 from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
+from runner.config.schema import read_recipe
 from runner.data import check_datasets, held_out_fraction, train_dataset
 from runner.data.sources import is_remote
 from runner.models.backends import Backend, backend_for
+from runner.rundir import RECIPE_FILE
 
 # Bytes a value of each dtype option: (trained parameters, their gradients and AdamW moments;
 # compute: frozen weights, activations).
@@ -34,9 +37,13 @@ def recipe_of(
     cfg: DictConfig, overrides: list[str] | None = None, estimating: bool = False
 ) -> DictConfig:
     """The recipe `runner train` would run; estimating, nothing is downloaded and a GPU layout
-    is priced as given on any machine (resolve_recipe's fetch and gpus_here)."""
+    is priced as given on any machine (resolve_recipe's fetch and gpus_here). With resume=RUN,
+    the recipe RUN recorded, which a resume goes on with (a fresh default was checked)."""
     if overrides is None:
         overrides = as_typed(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if cfg.get("resume") is not None:
+        check_resume(cfg.resume, overrides)
+        return read_recipe(Path(str(cfg.resume)) / RECIPE_FILE)
     with tempfile.TemporaryDirectory() as tmp:
         recipe = resolve_recipe(
             cfg, Path(tmp), overrides, fetch=not estimating, gpus_here=not estimating
