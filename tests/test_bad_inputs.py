@@ -50,6 +50,10 @@ CASES = [
     case("unknown-command", "trian", "command="),
     case("unknown-key", "validate batch_sise=4", "batch_sise="),
     case("group-removed", "validate ~model", "model:", "~model"),
+    case("config-name", "validate --config-name nosuch", "--config-name="),
+    case("sweep-without-m", "validate seed=choice(1,2)", "seed=", "one value"),
+    case("group-comma-list", "validate optimizer=adamw,sgd", "optimizer=", "-m"),
+    case("flag-without-value", "validate --config-dir", "--config-dir"),
     # loss arguments its class checks only as it computes (a traceback at step 0, a failed run)
     case("loss-chunks-type", "validate loss=chunked_ce loss.num_output_chunks=abc", "chunks="),
     case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),

@@ -38,7 +38,8 @@ CASES = [
         ["dataset.column_map.output=answer"],
         ["dataset.column_map.output='answer'", "columns are ['instruction', 'input', 'output']"],
     ),
-    (["key=a=b"], ["override='key=a=b'", "overrides look like key=value"]),
+    # A value holding =, which Hydra's grammar reads only quoted (as it does a slice).
+    (["key=a=b"], ["override='key=a=b'", "quote the value", "\"key='a=b'\""]),
     # A slice unquoted, which Hydra's grammar cannot read (docs/datasets.md).
     (
         ["dataset.split=train[:50%]"],
@@ -330,5 +331,7 @@ def test_a_config_dir_option_that_is_broken_is_named(runner_cli, tmp_path: Path)
             "such argument; did you mean 'num_layers'?",
         ),
     ):
-        result = runner_cli("validate", "--config-dir", str(tmp_path / "mine"), f"model={option}")
+        # --config-dir after an override: the overrides after a flag were "unrecognized".
+        mine = str(tmp_path / "mine")
+        result = runner_cli("validate", f"model={option}", "--config-dir", mine, "max_steps=4")
         assert result.returncode == 2 and wanted in result.stderr, result.stderr[-2000:]

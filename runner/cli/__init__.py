@@ -66,6 +66,7 @@ def _run(name: str, argv: list[str]) -> int | None:
     _warn_groups_given_twice(argv)
     from runner.config.secrets import refuse_typed_secrets
 
+    argv = flags_first(argv)
     refuse_typed_secrets(argv)
     if name in ("validate", "estimate", "download"):
         given = next((a for a in argv if a in ("-m", "--multirun")), None)
@@ -82,6 +83,50 @@ def _run(name: str, argv: list[str]) -> int | None:
     # itself by sys.argv[0] in its --help.
     sys.argv = [f"runner {name}", *argv]
     return module.app()
+
+
+# Hydra's flags that take a value, and --info's values: its parser takes the overrides as one
+# run of positional arguments, so a flag between two overrides (model=x --config-dir D y=1) left
+# the overrides after it "unrecognized" (listed with runner's own).
+_FLAG_VALUES = {
+    "--config-dir",
+    "-cd",
+    "--config-name",
+    "-cn",
+    "--config-path",
+    "-cp",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--experimental-rerun",
+}
+_INFO = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def flags_first(argv: list[str]) -> list[str]:
+    """`argv` with Hydra's flags (and their values) before the overrides, in their order."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    given = iter(argv)
+    for arg in given:
+        if arg in _FLAG_VALUES:
+            value = next(given, None)
+            if value is None:
+                raise UserError(arg, None, f"give its value after it ({arg} VALUE)")
+            flags += [arg, value]
+        elif arg in ("--info", "-i"):
+            flags.append(arg)
+            following = next(given, None)
+            if following in _INFO:
+                flags.append(following)
+            elif following is not None:
+                overrides.append(following)
+        elif arg.startswith("-"):
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+    return [*flags, *overrides]
 
 
 def _warn_groups_given_twice(argv: list[str]) -> None:

@@ -18,6 +18,8 @@ from runner.config.fields import EVERY_KEY
 from runner.errors import HIDDEN, SECRET_KEY, UserError, interpolation_error
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
+# The config groups of runner's commands, which a comma list of options cannot be given to.
+_GROUPS = ("model", "dataset", "method", "dtype", "compute", "optimizer", "loss", "runtime")
 # A group of `runner train` that another command sets with a key of its own.
 # OmegaConf's type names, as the fix for a value of a typed key of Hydra's own says them.
 _A_KIND = {"Integer": "a whole number", "Float": "a number", "bool": "true or false"}
@@ -66,7 +68,7 @@ def from_hydra_error(
         reason = str(err.message).splitlines()[0]
         override = err.override or ""
         key, _, value = override.partition("=")
-        special = any(c in value for c in "[]{}(),") or not value.isascii()
+        special = any(c in value for c in "[]{}(),=") or not value.isascii()
         if (special or " " in value) and value[:1] not in ("[", "{", "(", "'", '"'):
             # train[:50%]: a slice, a string to Hydra only when quoted (docs/datasets.md); a
             # path with a space or a letter beyond ASCII (dätä.jsonl) likewise.
@@ -113,6 +115,11 @@ def _composition_error(
         fix = f"set {own} instead" if own else f"`{runner} --help` lists its groups and keys"
         return UserError(group.group(1), given, f"{runner} has no {group.group(1)} group; {fix}")
     ambiguous = re.match(r"Ambiguous value for argument '([^=]*)=(.*)'$", message)
+    if ambiguous and "." not in ambiguous.group(1) and ambiguous.group(1) in _GROUPS:
+        key, listed = ambiguous.groups()  # optimizer=adamw,sgd: a list is no option
+        return UserError(
+            key, listed, "a comma list is a sweep: add -m (--multirun) for one run per option"
+        )
     if ambiguous:
         key, listed = ambiguous.groups()
         return UserError(
@@ -121,6 +128,21 @@ def _composition_error(
             "a comma list is a sweep: add -m (--multirun) for one run per value, or quote it "
             f"for one string (\"{key}='{listed}'\"), or give a list as {key}=[{listed}]",
         )
+    primary = re.match(r"Cannot find primary config '([^']*)'", message)
+    if primary:  # --config-name nosuch
+        return UserError(
+            "--config-name",
+            primary.group(1),
+            "no such config: each command composes its own (train.yaml for runner train); "
+            "drop --config-name, or name a file of your --config-dir",
+        )
+    sweep = re.match(r"Sweep parameters '([^=]*)=(.*)' requires --multirun", message)
+    if sweep:  # seed=choice(1,2) without -m
+        key, swept = sweep.groups()
+        fix = "a sweep of values: add -m (--multirun) to runner train for one run per value"
+        if command in ("validate", "estimate", "download"):
+            fix = f"runner {command} checks one config: give one value"
+        return UserError(key, swept, fix)
     return UserError("override", message, f"{OVERRIDE_FORMS}; `--help` lists the groups")
 
 
