@@ -59,6 +59,13 @@ CASES = [
     case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),
     case("optimizer-fused", "validate optimizer.fused=maybe", "optimizer.fused="),
     case("dataset-kind", "validate dataset.kind=qa", "dataset.kind="),
+    # dataset=sample reads its sources as json: a .csv validation file was "not valid JSON"
+    case(
+        "data-format-of-another-file",
+        "validate dataset.validation.source={files}/records.csv",
+        "dataset.validation.source=",
+        "dataset.format=null",
+    ),
     # interpolations that do not resolve: named by the key that holds them, as typed
     case("interpolation-no-key", "train eval.steps=${no.such.key}", "eval.steps=", "no.such.key"),
     case("interpolation-circle", "validate max_steps=${batch_size} batch_size=${max_steps}", "="),
@@ -352,6 +359,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "empty.jsonl").write_text("")
     (root / "malformed.jsonl").write_text("\n".join([*good[:2], '{"instruction": oops}']) + "\n")
     (root / "csv_inside.jsonl").write_text("instruction,input,output\nUpper:,ab,AB\n")
+    (root / "records.csv").write_text("instruction,input,output\nUpper:,ab,AB\n")
     (root / "latin1.jsonl").write_bytes(
         (good[0] + "\n").encode()
         + '{"instruction": "caf\xe9", "input": "", "output": "x"}\n'.encode("latin-1")

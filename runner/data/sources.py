@@ -119,6 +119,17 @@ def source_format(key: str, source: str, data_format: str | None, token: str | N
     if data_format is not None:
         if data_format not in FORMATS:
             raise UserError("dataset.format", data_format, f"choose one of: {', '.join(FORMATS)}")
+        named = _format_of(Path(source)) if Path(source).is_file() else None
+        if named not in (None, "text") and Path(source).suffix.lower() not in FORMATS[data_format]:
+            # dataset=sample sets json for both sources: a .csv validation file read as JSON
+            # was "not valid JSON ...; fix the JSON there".
+            raise UserError(
+                key,
+                source,
+                f"a .{named} file, read as dataset.format={data_format} (one format for every "
+                "source of the dataset option); give dataset.format=null to read each by its "
+                f"extension, or dataset.format={named}",
+            )
         return data_format
     if is_remote(source):
         hub = _hub_files(token)

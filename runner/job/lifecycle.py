@@ -92,10 +92,12 @@ def _age(iso: str | None) -> str:
 
 
 def _duration(seconds: float) -> str:
+    """Whole units gone by, as clocks read them: 90 s is 1m (rounded, it read 2m, and a run
+    stalled for 90 s read `stalled 2m`)."""
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
 
 
 def preference_rewards(run: RunDir) -> dict[str, float]:
@@ -142,7 +144,7 @@ def runs_table(runs: list[RunDir], base: Path) -> str:
             loss = f"{losses[logged]:.4f}" + (f"@{logged}" if logged != status.step else "")
         best_text = "-"
         if best is not None:
-            best_text = f"{best['metric'].removeprefix('eval_')}={best['value']:.4g}@{best['step']}"
+            best_text = f"{best['metric']}={best['value']:.4g}@{best['step']}"
         rewards = _rewards_text(preference_rewards(run))
         lines.append(
             f"{where:<44} {state:<13} {step:>11} {loss:>11} {best_text:>26} {rewards:>24} "
