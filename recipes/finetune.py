@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from runner.components import instantiate
+from runner.components import instantiate, plain_dict
+from runner.config.optimizer import warn_long_warmup
 from runner.data import Split, said_at_launch, training_splits, validation_split
 from runner.data.stream import StreamSplit
 from runner.errors import UserError
@@ -95,8 +96,13 @@ class FinetuneRecipe:
         )
         self.data = self._batches()
         self.total_steps = self.data.steps_per_epoch * cfg.epochs
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
+        if cfg.max_steps is None or self.total_steps < cfg.max_steps:
+            # Its epochs end it first: the launcher's check saw only max_steps.
+            epochs = f"the {{}} steps of its epochs={cfg.epochs}"
+            if self.place.rank == 0:
+                warn_long_warmup(plain_dict(cfg.optimizer), self.total_steps, epochs)
+        else:
+            self.total_steps = cfg.max_steps
         self.model, reference = self.weights.build(
             self._prepare_model, reference=self.objective.wants_reference
         )

@@ -84,8 +84,17 @@ def test_stop_and_resume_through_the_api_give_the_straight_run_losses(
     with pytest.raises(UserError, match="already cancelled"):
         run.stop()
     run.resume()
-    # Resuming, not the attempt before's end: a poller for a final state stopped at once.
-    assert run.status().state != "cancelled" or run.dir.status().updated_at != stopped.updated_at
+    # Resuming, not the attempt before's end, from the first read on: a poller for a final
+    # state stopped at once, and once the new launcher rewrote the old state with its own time,
+    # status.json itself read `cancelled` for seconds (a `runner stop` then was refused).
+    seen = set()
+    while (state := run.status().state) != "running":
+        assert not run.done(), run.console()[-3000:]
+        recorded = run.dir.status()  # once the new launcher has recorded itself
+        mine = recorded.launcher_pid not in (None, stopped.launcher_pid)
+        seen.add((state, recorded.state if mine else "-"))
+        time.sleep(0.02)
+    assert all("cancelled" not in pair for pair in seen), seen
     # A second resume (a retry) started a process the lock refused, and wait() followed that.
     with pytest.raises(UserError, match="a resume under way"):
         run.resume()

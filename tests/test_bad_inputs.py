@@ -54,6 +54,7 @@ CASES = [
     case("sweep-without-m", "validate seed=choice(1,2)", "seed=", "one value"),
     case("group-comma-list", "validate optimizer=adamw,sgd", "optimizer=", "-m"),
     case("flag-without-value", "validate --config-dir", "--config-dir"),
+    case("multirun-by-hydra-mode", "estimate hydra.mode=MULTIRUN", "hydra.mode=MULTIRUN"),
     # loss arguments its class checks only as it computes (a traceback at step 0, a failed run)
     case("loss-chunks-type", "validate loss=chunked_ce loss.num_output_chunks=abc", "chunks="),
     case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),

@@ -65,7 +65,7 @@ class Deployment:
             elif self.process.poll() is not None:
                 error = last_error(self.console_path) or f"exit code {self.process.returncode}"
                 self._ended()
-                raise UserError("deploy", "ended", error)
+                raise UserError("runner deploy", None, f"ended before it served: {error}")
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"runner deploy not ready after {timeout:.0f} s")
             else:

@@ -28,9 +28,10 @@ def launch(
     overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
 ) -> Run:
     """Starts `runner train OVERRIDES` in a new directory under runtime.output_root and returns
-    at once; the Run reports how it goes. A bad override, option or value raises here; what
-    training finds later (a missing file, a bad record) ends the run `failed`, with the
-    message."""
+    at once; the Run reports how it goes. A bad override or option, or a value of a key outside
+    the groups, raises here; what the run's own checks find (a group's value such as
+    optimizer.lr=-1, a missing file, a bad record) ends it `failed`, with the message, in
+    seconds. api.validate checks it all first."""
     overrides, env = listed(overrides), environment(env)
     resumes = [o for o in overrides if o.startswith("resume=")]
     if resumes:

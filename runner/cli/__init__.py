@@ -69,7 +69,9 @@ def _run(name: str, argv: list[str]) -> int | None:
     argv = flags_first(argv)
     refuse_typed_secrets(argv)
     if name in ("validate", "estimate", "download"):
-        given = next((a for a in argv if a in ("-m", "--multirun")), None)
+        # hydra.mode=MULTIRUN is Hydra's other spelling of -m.
+        multirun = ("-m", "--multirun", "hydra.mode=MULTIRUN")
+        given = next((a for a in argv if a in multirun), None)
         if given is not None:
             # Hydra would make a sweep directory, with a summary of jobs that never ran.
             raise UserError(

@@ -70,16 +70,19 @@ def resolve_optimizer(optimizer: DictConfig) -> dict[str, Any]:
     return resolved
 
 
-def warn_long_warmup(optimizer: dict[str, Any], max_steps: int | None) -> None:
+def warn_long_warmup(
+    optimizer: dict[str, Any], max_steps: int | None, steps: str = "max_steps={}"
+) -> None:
     """A warmup as long as the run or longer ends it before the lr reaches optimizer.lr (the
-    default 50 steps, in a run of 20, trains at 2/5 of it at most): said, not refused."""
+    default 50 steps, in a run of 20, trains at 2/5 of it at most): said, not refused. `steps`
+    says what the run's length is (max_steps, or the steps its epochs make)."""
     warmup = optimizer.get("warmup_steps", 0)
     if max_steps is not None and warmup >= max_steps > 0:
         log.warning(
-            "optimizer.warmup_steps=%d is not below max_steps=%d: the run ends before its lr "
-            "reaches optimizer.lr=%g (at most %g); give a shorter warmup",
+            "optimizer.warmup_steps=%d is not below %s: the run ends before its lr reaches "
+            "optimizer.lr=%g (at most %g); give a shorter warmup",
             warmup,
-            max_steps,
+            steps.format(max_steps),
             optimizer["lr"],
             optimizer["lr"] * (max_steps - 1) / warmup,
         )

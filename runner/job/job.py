@@ -39,7 +39,15 @@ from runner.job.launch import (
 )
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
-from runner.rundir import STATES, RunDir, RunLocked, held_here, is_run_dir, run_lock
+from runner.rundir import (
+    FINAL_STATES,
+    STATES,
+    RunDir,
+    RunLocked,
+    held_here,
+    is_run_dir,
+    run_lock,
+)
 from runner.rundir.manifest import (
     MANIFEST_FILE,
     build_manifest,
@@ -313,8 +321,12 @@ def _launch(
                 "created", step=0, total_steps=recipe.max_steps, launcher_pid=os.getpid()
             )
         else:
+            # A resume of a run that ended (cancelled, failed) is under way from here: left as
+            # it was, it read as over (Run.status, the job service's poll), and a `runner stop`
+            # in its first seconds was refused as "already cancelled" while it went on to train.
             state = run.status().state
-            run.write_status(state if state in STATES else "created", launcher_pid=os.getpid())
+            going_on = state if state in STATES and state not in FINAL_STATES else "created"
+            run.write_status(going_on, launcher_pid=os.getpid(), error=None)
     try:
         result = launch(recipe, run.recipe_path, node_rank)
     finally:  # stopped again too

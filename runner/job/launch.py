@@ -246,8 +246,10 @@ def stops_before_workers(run: RunDir) -> Iterator[None]:
 
 def _cancelled_before_workers(run: RunDir, sigval: signal.Signals) -> None:
     """A run stopped before its workers recorded anything: cancelled, as they would have."""
-    if run.status().state == "created":
-        run.write_status("cancelled", error=f"stopped by {sigval.name} before its first step")
+    status = run.status()
+    if status.state == "created":
+        before = f"it went on from step {status.step}" if status.step else "its first step"
+        run.write_status("cancelled", error=f"stopped by {sigval.name} before {before}")
 
 
 def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None) -> None:

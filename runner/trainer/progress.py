@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -192,8 +193,18 @@ def shows_bar(progress_bar: bool | str, stream: TextIO) -> bool:
     convention): a bar only when `stream`, where it is drawn, is a terminal; a log file, a pipe,
     nohup or a batch job's output gets plain lines instead of carriage returns."""
     if progress_bar == "auto":
-        return stream.isatty()
+        # A terminal nobody sized (0 columns: `script`, some CI ptys) draws tqdm's bar as
+        # nothing at all, and no step line came either.
+        return stream.isatty() and _columns(stream) > 0
     return bool(progress_bar)
+
+
+def _columns(stream: TextIO) -> int:
+    """The width of the terminal `stream` writes to; 0 where it says none."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):
+        return 0
 
 
 class Console:
