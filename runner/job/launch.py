@@ -30,6 +30,8 @@ import signal
 import socket
 import stat
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,9 +187,24 @@ def _forked_worker(recipe_path: str) -> None:
         # Its launcher died (and the worker saved and stopped): torch's wrapper around this
         # function would wait for it to take the result, for ever. A launcher that dies during
         # that wait ends the worker with the parent-death signal.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_now()
+    # torch's wrapper puts the result into its queue's pipe, then waits for the agent to have
+    # read every worker's: an agent that is shutting down on a stop (runner stop, Ctrl-C) never
+    # does, and killed the saved workers 30 s later ("Unable to shutdown process ... via 15"),
+    # the run's processes and its lock held all that while. The result is in the pipe by then,
+    # where the agent reads it after this process has gone, as after any worker's end.
+    threading.Thread(target=_exit_soon, daemon=True, name="exit-after-result").start()
+
+
+def _exit_soon(after_s: float = 1.0) -> None:
+    time.sleep(after_s)
+    _exit_now()
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:

@@ -192,8 +192,15 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
     pid = status.launcher_pid
     if pid is None:
         raise UserError(key, str(run.path), "the run recorded no process to signal")
-    if sig == signal.SIGKILL and os.getpgid(pid) == pid:
-        os.killpg(pid, sig)  # the launcher leads its group: its workers go with it
+    if sig == signal.SIGKILL:
+        # The launcher and each process under it: the workers forked on a CPU lead sessions
+        # of their own, which a kill of the launcher's group missed (they saved a checkpoint
+        # as it died, and recorded that over the kill).
+        for process in [*run_processes(run), pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process, sig)
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)  # and what shares its group (a loader's workers)
     else:
         os.kill(pid, sig)
     if state == STALLED:
@@ -206,6 +213,12 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
 def stopped_processes(run: RunDir) -> list[int]:
     """The run's processes on this machine that are stopped (SIGSTOP, Ctrl-Z): its launcher,
     the processes it started, and the one that last wrote its status."""
+    return [pid for pid in run_processes(run) if pid_stopped(pid)]
+
+
+def run_processes(run: RunDir) -> list[int]:
+    """The run's processes on this machine: its launcher, the processes it started (and
+    theirs), and the one that last wrote its status."""
     status = run.status()
     found: list[int] = []
     todo = [p for p in (status.launcher_pid, status.pid) if p is not None]
@@ -217,7 +230,7 @@ def stopped_processes(run: RunDir) -> list[int]:
         for task in Path(f"/proc/{pid}/task").glob("*/children"):
             with contextlib.suppress(OSError):
                 todo.extend(int(child) for child in task.read_text().split())
-    return sorted(pid for pid in found if pid_stopped(pid))
+    return sorted(found)
 
 
 def stall_note(run: RunDir, why: str | None, continued: list[int], timeout: float) -> str:
