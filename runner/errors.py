@@ -109,7 +109,9 @@ def interpolation_error(err: BaseException) -> UserError | None:
         fix = "the interpolation leads back to itself: give one of its keys a value"
     else:
         fix = f"the interpolation does not resolve: {reason}"
-    return UserError(str(err.full_key), given, fix)
+    # No key where OmegaConf resolved a value read apart from its config (--cfg hydra
+    # --resolve: Hydra's run directory interpolates the job's keys, which it prints without).
+    return UserError(str(err.full_key or "config"), given, fix)
 
 
 @contextmanager

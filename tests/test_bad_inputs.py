@@ -55,6 +55,12 @@ CASES = [
     case("group-comma-list", "validate optimizer=adamw,sgd", "optimizer=", "-m"),
     case("flag-without-value", "validate --config-dir", "--config-dir"),
     case("multirun-by-hydra-mode", "estimate hydra.mode=MULTIRUN", "hydra.mode=MULTIRUN"),
+    case(
+        "master-port-past-65535",
+        "validate compute=multi_node compute.device=cpu compute.nnodes=2 compute.node_rank=0 "
+        "compute.master_addr=127.0.0.1 compute.master_port=70000",
+        "compute.master_port=70000",
+    ),
     # loss arguments its class checks only as it computes (a traceback at step 0, a failed run)
     case("loss-chunks-type", "validate loss=chunked_ce loss.num_output_chunks=abc", "chunks="),
     case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),

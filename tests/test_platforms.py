@@ -364,6 +364,13 @@ def test_the_slurm_line_reads_its_node_from_slurm(runner_cli) -> None:
         (["cluster.nodes=0"], "cluster.nodes"),
         (["cluster.slurm.cpus_per_task=many"], "cluster.slurm.cpus_per_task"),
         (["batch_size=abc"], "batch_size"),
+        # What every node would refuse, or where each node would train alone.
+        (["cluster.print=slurm", "optimizer.lr=abc"], "optimizer.lr"),
+        (["cluster.print=slurm", "compute.platform=kubeflow"], "compute.platform"),
+        (["cluster.print=slurm", "compute.nproc_per_node=9"], "compute.nproc_per_node"),
+        # sbatch lines that a space or an empty value breaks.
+        (["cluster.print=slurm", "cluster.name=my job"], "cluster.name"),
+        (["cluster.print=slurm", "cluster.slurm.partition=''"], "cluster.slurm.partition"),
     ],
 )
 def test_cluster_refuses_what_cannot_run(args: list[str], key: str) -> None:

@@ -193,5 +193,7 @@ def _rendezvous(compute: DictConfig, nnodes: int) -> str:
             "compute.master_addr=HOST of node 0 (the same on every node)",
         )
     port = checked_int(compute.master_port, "compute.master_port", 1)
+    if port > 65535:  # torch's rendezvous refused it with a traceback, the run left created
+        raise UserError("compute.master_port", port, "give a port from 1 to 65535")
     host = str(compute.master_addr)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -40,6 +40,19 @@ class OptimizerKeys:
 
 def resolve_optimizer(optimizer: DictConfig) -> dict[str, Any]:
     """The chosen option: its component, the component's arguments and the schedule keys."""
+    resolved = checked_option(optimizer)
+    if "fused" in resolved and resolved["fused"] is None:
+        # PyTorch's fused kernel, on CPU as on CUDA: one pass over each weight instead of a
+        # dozen elementwise ops (AdamW's step is 3x faster on CPU; scripts/bench/bench_peers.py).
+        resolved["fused"] = True
+    # Builds it once: a refused argument fails here, not in training.
+    state_per_weight(split_option(resolved)[0])
+    return resolved
+
+
+def checked_option(optimizer: DictConfig) -> dict[str, Any]:
+    """The option's keys that runner itself reads (lr, the schedule, fused), each checked,
+    without torch: what `runner cluster` checks of the job it prints."""
     option = OmegaConf.to_container(optimizer, resolve=True)
     assert isinstance(option, dict)  # the optimizer group is a mapping
     if "_component_" not in option:
@@ -61,12 +74,6 @@ def resolve_optimizer(optimizer: DictConfig) -> dict[str, Any]:
             resolved["fused"],
             "give true, false or null (null: PyTorch's fused kernel, where it has one)",
         )
-    if "fused" in resolved and resolved["fused"] is None:
-        # PyTorch's fused kernel, on CPU as on CUDA: one pass over each weight instead of a
-        # dozen elementwise ops (AdamW's step is 3x faster on CPU; scripts/bench/bench_peers.py).
-        resolved["fused"] = True
-    # Builds it once: a refused argument fails here, not in training.
-    state_per_weight(split_option(resolved)[0])
     return resolved
 
 

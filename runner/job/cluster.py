@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import override_key
 from runner.config.hydra_errors import from_hydra_error
+from runner.config.optimizer import checked_option
 from runner.config.schema import Cluster, typed
 from runner.errors import UserError
 from runner.paths import CONF_DIR
@@ -105,6 +106,11 @@ def slurm_script(cluster: DictConfig, command: list[str]) -> str:
     slurm = cluster.slurm
     if not _SLURM_TIME.fullmatch(str(slurm.time)):
         raise UserError("cluster.slurm.time", slurm.time, f"give {SLURM_TIME_FORMATS}")
+    if not str(cluster.name).strip() or any(c.isspace() for c in str(cluster.name)):
+        # '#SBATCH --job-name=my job' and its output file's name broke at the space.
+        raise UserError("cluster.name", cluster.name, "give a name without spaces")
+    if slurm.partition is not None and not str(slurm.partition).strip():
+        raise UserError("cluster.slurm.partition", slurm.partition, "give a partition, or null")
     options = {
         "job-name": cluster.name,
         "nodes": cluster.nodes,
@@ -215,7 +221,22 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
             "every node runs the same line and reads its own rank from its scheduler "
             "(SLURM_NODEID, PET_NODE_RANK); drop compute.node_rank",
         )
+    if "compute.platform" in explicit:
+        # A platform of another scheduler's variables: each node found none, trained alone.
+        raise UserError(
+            "compute.platform",
+            explicit["compute.platform"],
+            "each node reads its place from its scheduler's variables (SLURM_*, PET_*); drop "
+            "compute.platform",
+        )
+    checked_option(composed.optimizer)  # optimizer.lr=abc: every node would refuse the job
     nproc = composed.compute.nproc_per_node if "compute.nproc_per_node" in explicit else None
+    if isinstance(nproc, int) and cluster.gpus_per_node and nproc > cluster.gpus_per_node:
+        raise UserError(
+            "compute.nproc_per_node",
+            nproc,
+            f"a node has cluster.gpus_per_node={cluster.gpus_per_node}: give at most that many",
+        )
     files = {}
     if cluster.print in ("both", "slurm"):
         run_dir = f"{cluster.shared_dir}/{cluster.name}-${{SLURM_JOB_ID}}"
