@@ -398,3 +398,18 @@ def test_the_weights_a_run_starts_from_are_hashed_and_compared(tmp_path: Path) -
     assert drift.what == "weights_sha256.model.safetensors"
     older = {k: v for k, v in recorded.items() if k != "weights_sha256"}
     assert compare_records(older, rerun) == []  # a manifest from before it recorded them
+
+
+def test_a_run_of_several_nodes_is_refused_with_the_way_on(
+    one_process_run: Path, tmp_path: Path
+) -> None:
+    """Re-run on one machine, it waited out the rendezvous for the others (15 minutes)."""
+    run = tmp_path / "two_nodes"
+    shutil.copytree(one_process_run, run)
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["compute"]["nnodes"] = 2
+    recipe["run_dir"] = str(run)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    with pytest.raises(UserError, match="2 nodes trained it, and repro re-runs on this machine"):
+        repro(run, steps=None, tolerance=None, out=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two_nodes"]  # no re-run directory
