@@ -201,6 +201,7 @@ def test_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
         ),
         ({**SLURM, "SLURM_NTASKS_PER_NODE": "4"}, [], "SLURM_NTASKS_PER_NODE"),
         ({"PET_NNODES": "two"}, [], "PET_NNODES"),
+        ({"PET_NNODES": "2", "PET_NPROC_PER_NODE": "two"}, [], "PET_NPROC_PER_NODE"),
         ({"LOCAL_RANK": "0", "RANK": "1", "WORLD_SIZE": "2"}, [], "LOCAL_RANK"),
         ({}, ["compute.platform=lsf"], "compute.platform"),
     ],

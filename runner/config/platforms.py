@@ -74,6 +74,10 @@ def _kubeflow(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     if "PET_NPROC_PER_NODE" in env:
         # torchrun's own spellings: an integer, or auto/gpu/cpu (one per GPU, else one).
         value = env["PET_NPROC_PER_NODE"]
+        if not value.isdigit() and value not in ("auto", "gpu", "cpu"):  # two: read as auto
+            raise UserError(
+                "PET_NPROC_PER_NODE", value, "give an integer, or auto, gpu or cpu (torchrun's)"
+            )
         nproc = int(value) if value.isdigit() else "auto"
         found["nproc_per_node"] = (nproc, "PET_NPROC_PER_NODE")
     return found
