@@ -59,7 +59,9 @@ def test_option_composes_and_resolves(
     group: str, option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Dataset options whose source is the user's (???) or on the hub read a local file here.
-    local = [f"dataset.source={SAMPLE_DATA_DIR / 'train.jsonl'}"] if group == "dataset" else []
+    # (read by its extension: the option's own format, parquet for alpaca, is another file's)
+    sample = [f"dataset.source={SAMPLE_DATA_DIR / 'train.jsonl'}", "dataset.format=null"]
+    local = sample if group == "dataset" else []
     # Offline, with an empty cache: tests never reach the hub.
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     cache = f"runtime.cache_dir={tmp_path / 'hub'}"

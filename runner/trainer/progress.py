@@ -195,16 +195,16 @@ def shows_bar(progress_bar: bool | str, stream: TextIO) -> bool:
     if progress_bar == "auto":
         # A terminal nobody sized (0 columns: `script`, some CI ptys) draws tqdm's bar as
         # nothing at all, and no step line came either.
-        return stream.isatty() and _columns(stream) > 0
+        return stream.isatty() and _columns(stream) != 0
     return bool(progress_bar)
 
 
-def _columns(stream: TextIO) -> int:
-    """The width of the terminal `stream` writes to; 0 where it says none."""
+def _columns(stream: TextIO) -> int | None:
+    """The width of the terminal `stream` writes to; None where it cannot say."""
     try:
         return os.get_terminal_size(stream.fileno()).columns
     except (OSError, ValueError):
-        return 0
+        return None
 
 
 class Console:
