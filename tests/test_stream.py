@@ -227,3 +227,26 @@ def test_a_killed_stream_resumes_with_the_straight_runs_losses(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {cut / 'checkpoints' / 'step_4'}" in resumed.stderr
     assert losses(cut) == straight
+
+
+def test_a_stream_goes_on_only_on_as_many_processes(tmp_path: Path) -> None:
+    """Checked as the launcher goes on with a run in another layout: refused in each worker,
+    with a traceback each, after the run's record had been rewritten to the refused layout."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from runner.config.load_checkpoint import check_same_global_batch
+
+    def recipe(processes: int, batch: int) -> DictConfig:
+        return OmegaConf.create(
+            {
+                "batch_size": batch,
+                "gradient_accumulation_steps": 1,
+                "dataset": {"streaming": True},
+                "compute": {"nproc_per_node": processes, "nnodes": 1},
+            }
+        )
+
+    one, two = recipe(1, 4), recipe(2, 2)  # the same global batch
+    with pytest.raises(UserError, match="streamed its data on 1 process"):
+        check_same_global_batch("RUN", one, two, two.compute)
+    check_same_global_batch("RUN", one, recipe(1, 4), one.compute)  # as it was: goes on

@@ -279,6 +279,15 @@ def check_same_global_batch(run: str, recorded: Any, given: Any, compute: Any) -
     `compute` the new layout."""
     before, processes_before = global_batch(recorded, recorded.compute)
     now, processes = global_batch(given, compute)
+    if recorded.dataset.streaming and processes != processes_before:
+        # Each process read its own share of the stream: refused in every worker, with a
+        # traceback each, after the run's record had been rewritten to the refused layout.
+        raise UserError(
+            "compute.nproc_per_node",
+            compute.nproc_per_node,
+            f"{run} streamed its data on {processes_before} process(es), each its own share of "
+            f"the records; go on with it on as many (a stream resumes only so)",
+        )
     if before == now:
         return
     per_process, accumulation = divmod(before, processes * given.gradient_accumulation_steps)
