@@ -274,3 +274,21 @@ def test_the_summary_next_command_pastes_for_a_path_with_a_space(tmp_path: Path,
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("try next:")]
     command = line.removeprefix("try next:").strip()
     assert shlex.split(command) == ["runner", "deploy", f"checkpoint={run.checkpoint_path(2)}"]
+
+
+def test_data_changed_since_a_run_started_is_named(tmp_path: Path) -> None:
+    """A resume over data with a record appended trained on other records than the
+    uninterrupted run, unsaid; the manifest's sha256 of each file says so."""
+    from runner.rundir.manifest import changed_data, sha256_data, write_manifest
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    recorded = {"path": str(data), "sha256": sha256_data(data)}
+    write_manifest(run, {"data": {"source": recorded}})
+    assert changed_data(run) == []
+    with data.open("a") as f:
+        f.write('{"instruction": "c", "output": "d"}\n')
+    (changed,) = changed_data(run)
+    assert changed.startswith(f"dataset.source {data} (sha256 {recorded['sha256'][:12]} -> ")

@@ -51,6 +51,7 @@ from runner.rundir import (
 from runner.rundir.manifest import (
     MANIFEST_FILE,
     build_manifest,
+    changed_data,
     changed_overrides,
     read_manifest,
     write_manifest,
@@ -267,12 +268,23 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
         )
 
 
+def _warn_changed_data(run: RunDir) -> None:
+    """Said as a run goes on from its checkpoint: its data changed since it started."""
+    for changed in changed_data(run):
+        log.warning(
+            "%s changed since the run started: the steps from here read other records than "
+            "its uninterrupted run would (its manifest keeps the data it started with)",
+            changed,
+        )
+
+
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
     if cfg.resume is not None:
         check_resume(cfg.resume, overrides)
         if _finished(run):
             return None
         recipe = read_recipe(run.recipe_path)
+        _warn_changed_data(run)
         if Path(recipe.run_dir).resolve() != run.path.resolve():
             # Moved or copied since it started: it goes on where it lies, and says so from now.
             log.info("%s was moved from %s: it trains where it lies", run.path, recipe.run_dir)
@@ -294,6 +306,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
                 check_same_global_batch(str(run.path), recorded, recipe, recipe.compute)
             if _finished(run):
                 return None  # its record stays the one it was trained by
+            _warn_changed_data(run)
         _check_data(recipe)
         write_recipe(run.recipe_path, recipe)
         write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))

@@ -251,6 +251,20 @@ def changed_overrides(recorded: list[str], given: list[str]) -> list[str]:
     ]
 
 
+def changed_data(run: RunDir) -> list[str]:
+    """The data files of the run's manifest that differ now from what it recorded as it
+    started (a record appended, a file cut short), each as `key PATH (sha256 A -> B)`: a run
+    going on over them trains on other data than its uninterrupted run would, unsaid."""
+    if not (run.path / MANIFEST_FILE).is_file():
+        return []
+    changed = []
+    for key, data in read_manifest(run).get("data", {}).items():
+        path = Path(data["path"])
+        if path.exists() and (now := sha256_data(path)) != data["sha256"]:
+            changed.append(f"dataset.{key} {path} (sha256 {data['sha256'][:12]} -> {now[:12]})")
+    return changed
+
+
 def write_manifest(run: RunDir, manifest: Manifest | dict[str, Any]) -> None:
     """Writes the run's manifest.json (whole, or not at all)."""
     write_json_atomic(run.path / MANIFEST_FILE, manifest)
