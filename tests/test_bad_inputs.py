@@ -66,6 +66,12 @@ CASES = [
     case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),
     case("optimizer-fused", "validate optimizer.fused=maybe", "optimizer.fused="),
     case("dataset-kind", "validate dataset.kind=qa", "dataset.kind="),
+    case(
+        "padding-free-and-packing",
+        "validate dataset.packing=true dataset.padding_free=true",
+        "dataset.padding_free=true",
+    ),
+    case("clip-grad-norm-nan", "validate clip_grad_norm=nan", "clip_grad_norm=nan"),
     # dataset=sample reads its sources as json: a .csv validation file was "not valid JSON"
     case(
         "data-format-of-another-file",

@@ -447,6 +447,13 @@ def padding_free(dataset: DatasetRecipe, given: bool | None, model: ModelRecipe)
             "preference pairs are batched padded; set dataset.padding_free=false",
         )
     if dataset.packing:  # packs are rows already
+        if given:  # taken, recorded and run as false, unsaid
+            raise UserError(
+                "dataset.padding_free",
+                True,
+                "dataset.packing=true lays the rows out already; set dataset.padding_free=null "
+                "(or false), or packing=false to batch padding-free",
+            )
         return False
     if given is not None:
         return given

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import field
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -264,5 +265,7 @@ def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> 
             or (positive is True and value <= 0)
             or (positive is False and value < 0)
         )
-        if too_small:
+        if too_small or value != value or value in (math.inf, -math.inf):
+            # nan compares false with every bound (clip_grad_norm=nan passed, and the run went
+            # nan at its second step, blamed on the learning rate); inf is no setting either.
             raise UserError(key, value, _fix((spec, annotation)))

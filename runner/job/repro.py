@@ -206,6 +206,7 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
             f"the run is {state} (process {recorded.status().pid}); re-run it once it has ended: "
             f"wait for it, or `runner stop {run_dir}`",
         )
+    rerun = _rerun_dir(recorded, out)  # named, not made yet
     recipe = read_recipe(recorded.recipe_path)
     nodes = recipe.compute.nnodes
     if nodes > 1:
@@ -217,7 +218,6 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
             f"{nodes} nodes, each `runner train` with the overrides its manifest.json records "
             "and a new hydra.run.dir, and compare the two runs' metrics.jsonl",
         )
-    rerun = _rerun_dir(recorded, out)
     _check_inputs_there(recorded, recipe)
     steps = _stop_step(recorded, steps)
     _check_logged(recorded, steps, log_every=recipe.runtime.log_every_n_steps)
