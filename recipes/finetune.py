@@ -216,7 +216,8 @@ class FinetuneRecipe:
             profiler.before_step(self.step + 1)
             loss, tokens = self._optimizer_step(batches)
             self.step += 1
-            profiler.after_step(self.step)
+            with throughput.paused():  # writing the window's files is no step's time
+                profiler.after_step(self.step)
             throughput.add(tokens)
             losses.add(loss)
             if losses.first is None and not self.resumed:
@@ -228,7 +229,7 @@ class FinetuneRecipe:
             if self._last_step():
                 self._log_totals()
             self.reporter.advance()
-            with throughput.paused(), self.reporter.paused():
+            with throughput.paused(), self.reporter.paused(), profiler.paused():
                 # A new best is saved at its step, whatever the checkpoint cadence.
                 improved = self._eval_due() and self.evaluate()
                 stop = self._stop_due()

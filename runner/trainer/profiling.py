@@ -152,6 +152,25 @@ class StepProfiler:
                 self.prof.start()
             self.started_at = time.perf_counter()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """What runs between two steps (an evaluation, a checkpoint's save) left out of the
+        window: its ops go uncollected and its time is not a step's (an evaluation inside the
+        window read as a step five times as long)."""
+        if self.prof is None:
+            yield
+            return
+        _synchronize(self.device)
+        paused_at = time.perf_counter()
+        activities = _activities(self.device)
+        self.prof.toggle_collection_dynamic(False, activities)
+        try:
+            yield
+        finally:
+            _synchronize(self.device)
+            self.prof.toggle_collection_dynamic(True, activities)
+            self.started_at += time.perf_counter() - paused_at
+
     def after_step(self, step: int) -> None:
         """Step `step` ran: at the window's last step, writes what was profiled (a run that
         stops inside the window writes it from `stop`)."""
