@@ -119,6 +119,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _graphs_compiled() -> int:
+    """torch._dynamo's count of graphs compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class StepProfiler:
     """Profiles steps `start` to `start + steps - 1` (the recipe's step numbers, from 1) and
     writes them into `out_dir`; on other ranks, or with `enabled` false, does nothing."""
@@ -130,6 +137,7 @@ class StepProfiler:
         self.device, self.out_dir = device, out_dir
         self.prof: torch.profiler.profile | None = None
         self.started_at = 0.0
+        self.graphs_before = 0
 
     def check_window(self, *, first_step: int, total_steps: int) -> None:
         """Warns when no profiled step is among this run's steps (first_step to total_steps)."""
@@ -151,6 +159,7 @@ class StepProfiler:
             with _kineto_quiet():
                 self.prof.start()
             self.started_at = time.perf_counter()
+            self.graphs_before = _graphs_compiled()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -192,6 +201,17 @@ class StepProfiler:
         summary = summarize(averages, on_cuda=on_cuda, steps=steps, wall_s=wall_s)
         write_profile(self.out_dir, self.prof, averages, summary)
         self.prof = None
+        compiled = _graphs_compiled() - self.graphs_before
+        if compiled:
+            # A batch of a new width (DPO's padded pairs) compiled again inside the window,
+            # which then measured the compiler (26 s a step, "other" 94%).
+            log.warning(
+                "profile: %d graph(s) compiled during steps %d-%d, so the window measures "
+                "compiling more than training; set profile.start_step past the compiles",
+                compiled,
+                self.start,
+                step,
+            )
         log.info(
             "profiled steps %d-%d: %.1f ms a step, %.1f ms of it in %s (%s)",
             self.start,
