@@ -93,7 +93,7 @@ def test_stop_and_resume_through_the_api_give_the_straight_run_losses(
         recorded = run.dir.status()  # once the new launcher has recorded itself
         mine = recorded.launcher_pid not in (None, stopped.launcher_pid)
         seen.add((state, recorded.state if mine else "-"))
-        time.sleep(0.02)
+        time.sleep(0.1)
     assert all("cancelled" not in pair for pair in seen), seen
     # A second resume (a retry) started a process the lock refused, and wait() followed that.
     with pytest.raises(UserError, match="a resume under way"):
@@ -152,6 +152,10 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     assert sorted(workdir.rglob("*")) == made
     with pytest.raises(UserError, match="runner deploy has no compute group"):
         api.deploy(["checkpoint=run", "compute=cpu"], cwd=workdir, env=hermetic_env)
+    # Refused here, as the CLI refuses it: the server's process did, after a Deployment (and its
+    # console file in /tmp) was returned.
+    with pytest.raises(UserError, match="checkpoint='.*nosuch': no such directory: pass a"):
+        api.deploy(["checkpoint=nosuch"], cwd=workdir, env=hermetic_env)
     # A handle on a directory that holds no run, or no sweep, says so (it would read `unknown`
     # and wait for ever).
     with pytest.raises(UserError, match="not a run directory"):

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import ListConfig, OmegaConf
+
 from runner.api.configs import compose, environment, listed
 from runner.api.processes import last_error, start
 from runner.errors import UserError
@@ -25,11 +27,20 @@ def deploy(
 ) -> Deployment:
     """`runner deploy OVERRIDES` (checkpoint=<run, checkpoint or sweep dir>, port=0 for any free
     port); returns at once: Deployment.wait_ready() gives its URL."""
+    from runner.deploy.selection import check_servable
+
     overrides, env = listed(overrides), environment(env)
-    compose(overrides, "deploy")
+    config = compose(overrides, "deploy")
+    base = Path(cwd or Path.cwd())
+    # A checkpoint that is not there, refused here as a bad option is: the server's process
+    # refused it after the call had returned a Deployment, whose console file was left behind.
+    given = OmegaConf.select(config, "checkpoint", throw_on_missing=False)
+    for path in given if isinstance(given, ListConfig) else [given]:
+        if isinstance(path, str) and path != "???":
+            check_servable(base / path)
     handle, name = tempfile.mkstemp(prefix="runner-deploy-", suffix=".log")
     os.close(handle)
-    console, base = Path(name), Path(cwd or Path.cwd())
+    console = Path(name)
     return Deployment(start(["deploy", *overrides], console, base, env), console)
 
 

@@ -144,18 +144,7 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: 
         raise UserError("select.mode", mode, "use min or max")
     if checkpoint not in _CHECKPOINT_CHOICES:
         raise UserError("select.checkpoint", checkpoint, "use latest or best")
-    if path.is_file() and path.suffix == ".gguf":
-        raise UserError(
-            "checkpoint",
-            str(path),
-            "a GGUF file is for llama.cpp (e.g. llama-server -m FILE), not for runner, which "
-            "takes a checkpoint dir, a run dir or a sweep dir: pass the one it was exported from",
-        )
-    if not path.is_dir():
-        found = "a file" if path.exists() else "no such directory"
-        raise UserError(
-            "checkpoint", str(path), f"{found}: pass a checkpoint dir, a run dir or a sweep dir"
-        )
+    check_servable(path)
     if is_checkpoint_dir(path):
         if metric is not None or checkpoint == "best":
             # A checkpoint dir is served as it is: select.* would pick nothing, and a typo there
@@ -309,3 +298,20 @@ def check_inside_roots(path: Path, roots: list[Path]) -> Path:
                 "to allowed_roots if you trust it",
             )
     return resolved
+
+
+def check_servable(path: Path) -> None:
+    """`path` is a directory runner serves from (a checkpoint, run or sweep dir), or a
+    UserError naming what it is instead."""
+    if path.is_file() and path.suffix == ".gguf":
+        raise UserError(
+            "checkpoint",
+            str(path),
+            "a GGUF file is for llama.cpp (e.g. llama-server -m FILE), not for runner, which "
+            "takes a checkpoint dir, a run dir or a sweep dir: pass the one it was exported from",
+        )
+    if not path.is_dir():
+        found = "a file" if path.exists() else "no such directory"
+        raise UserError(
+            "checkpoint", str(path), f"{found}: pass a checkpoint dir, a run dir or a sweep dir"
+        )
