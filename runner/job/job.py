@@ -268,12 +268,13 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
         )
 
 
-def _warn_changed_data(run: RunDir) -> None:
-    """Said as a run goes on from its checkpoint: its data changed since it started."""
-    for changed in changed_data(run):
+def _warn_changed_data(run: RunDir, now: dict[str, Any] | None = None) -> None:
+    """Said as a run goes on from its checkpoint: its data changed since it was recorded
+    (`now`: the data as the run's new manifest records it)."""
+    for changed in changed_data(run, now):
         log.warning(
             "%s changed since the run started: the steps from here read other records than "
-            "its uninterrupted run would (its manifest keeps the data it started with)",
+            "its uninterrupted run would",
             changed,
         )
 
@@ -296,7 +297,8 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         from runner.config.resolve import resolve_recipe
 
         recipe = resolve_recipe(cfg, run.path, overrides)
-        if run.latest_checkpoint() is not None:
+        continued = run.latest_checkpoint() is not None
+        if continued:
             # Trained again (a requeue, another layout): it goes on from its checkpoint.
             try:
                 recorded = read_recipe(run.recipe_path)
@@ -306,10 +308,12 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
                 check_same_global_batch(str(run.path), recorded, recipe, recipe.compute)
             if _finished(run):
                 return None  # its record stays the one it was trained by
-            _warn_changed_data(run)
         _check_data(recipe)
+        manifest = build_manifest(recipe, overrides, Path.cwd())
+        if continued:
+            _warn_changed_data(run, manifest["data"])  # before the new manifest replaces it
         write_recipe(run.recipe_path, recipe)
-        write_manifest(run, build_manifest(recipe, overrides, Path.cwd()))
+        write_manifest(run, manifest)
     node_rank = node_rank_of(cfg.compute, recipe)
     from runner.trainer import process
 

@@ -251,17 +251,22 @@ def changed_overrides(recorded: list[str], given: list[str]) -> list[str]:
     ]
 
 
-def changed_data(run: RunDir) -> list[str]:
-    """The data files of the run's manifest that differ now from what it recorded as it
-    started (a record appended, a file cut short), each as `key PATH (sha256 A -> B)`: a run
-    going on over them trains on other data than its uninterrupted run would, unsaid."""
+def changed_data(run: RunDir, now: dict[str, DataFile] | None = None) -> list[str]:
+    """The data files of the run's manifest that differ now from what it recorded (a record
+    appended, a file cut short), each as `key PATH (sha256 A -> B)`: a run going on over them
+    trains on other data than its uninterrupted run would, unsaid. `now`: the files as a new
+    manifest records them, hashed already (each file is read once, not twice)."""
     if not (run.path / MANIFEST_FILE).is_file():
         return []
     changed = []
     for key, data in read_manifest(run).get("data", {}).items():
-        path = Path(data["path"])
-        if path.exists() and (now := sha256_data(path)) != data["sha256"]:
-            changed.append(f"dataset.{key} {path} (sha256 {data['sha256'][:12]} -> {now[:12]})")
+        path, fresh = Path(data["path"]), (now or {}).get(key)
+        if fresh is not None and fresh["path"] == data["path"]:
+            sha = fresh["sha256"]
+        else:
+            sha = sha256_data(path) if path.exists() else data["sha256"]
+        if sha != data["sha256"]:
+            changed.append(f"dataset.{key} {path} (sha256 {data['sha256'][:12]} -> {sha[:12]})")
     return changed
 
 
