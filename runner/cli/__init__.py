@@ -135,9 +135,9 @@ def _warn_groups_given_twice(argv: list[str]) -> None:
     """Hydra keeps the last of a group chosen twice without a word: the keys of the first then
     read as unknown (`compute=multi_node compute=cpu compute.node_rank=0`)."""
     from runner.config.fields import groups_given_twice
-    from runner.paths import CONF_DIR
+    from runner.paths import config_groups
 
-    groups = {path.name for path in CONF_DIR.iterdir() if path.is_dir()}
+    groups = config_groups()
     for group, options in groups_given_twice(argv, groups).items():
         given = ", then ".join(f"{group}={option}" for option in options)
         print(

@@ -16,10 +16,9 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from runner.config.fields import EVERY_KEY
 from runner.errors import HIDDEN, SECRET_KEY, UserError, interpolation_error
+from runner.paths import config_groups
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
-# The config groups of runner's commands, which a comma list of options cannot be given to.
-_GROUPS = ("model", "dataset", "method", "dtype", "compute", "optimizer", "loss", "runtime")
 # A group of `runner train` that another command sets with a key of its own.
 # OmegaConf's type names, as the fix for a value of a typed key of Hydra's own says them.
 _A_KIND = {"Integer": "a whole number", "Float": "a number", "bool": "true or false"}
@@ -115,7 +114,7 @@ def _composition_error(
         fix = f"set {own} instead" if own else f"`{runner} --help` lists its groups and keys"
         return UserError(group.group(1), given, f"{runner} has no {group.group(1)} group; {fix}")
     ambiguous = re.match(r"Ambiguous value for argument '([^=]*)=(.*)'$", message)
-    if ambiguous and "." not in ambiguous.group(1) and ambiguous.group(1) in _GROUPS:
+    if ambiguous and ambiguous.group(1) in config_groups():
         key, listed = ambiguous.groups()  # optimizer=adamw,sgd: a list is no option
         return UserError(
             key, listed, "a comma list is a sweep: add -m (--multirun) for one run per option"
