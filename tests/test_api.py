@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -237,3 +239,24 @@ def test_a_sweep_and_a_deployment_of_its_best_run(
     assert code == -signal.SIGTERM and "Application shutdown complete" in deployment.console()
     assert "Loading weights" not in deployment.console()  # transformers' bar, a line per model
     assert not deployment.console_path.exists()  # one was left in /tmp for every deployment
+
+
+def test_a_deployment_that_ended_unseen_leaves_no_console_file(
+    straight, workdir: Path, hermetic_env: dict[str, str]
+) -> None:
+    """A handle dropped with neither wait_ready() nor stop() left its file in /tmp."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        deployment = api.deploy(
+            [f"checkpoint={straight[0].path}", f"port={port}", "device=cpu"],
+            cwd=workdir,
+            env=hermetic_env,
+        )
+        assert deployment.process.wait(timeout=120) != 0  # the port is taken
+    console = deployment.console_path
+    assert f"cannot listen on 127.0.0.1:{port}" in console.read_text()
+    del deployment
+    gc.collect()
+    assert not console.exists()

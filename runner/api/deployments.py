@@ -9,6 +9,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ class Deployment:
         self.process, self.console_path = process, console
         self.url: str | None = None
         self._ended_console: str | None = None
+        # A handle dropped without stop() (or a caller that exits): the console file of a
+        # server that has ended goes with it, where one was left in /tmp; a live server's stays.
+        weakref.finalize(self, _remove_if_ended, process, console)
 
     def console(self) -> str:
         """What the server process has printed so far (all it printed, once it has ended)."""
@@ -92,6 +96,11 @@ class Deployment:
         code = self.process.wait(timeout)
         self._ended()
         return code
+
+
+def _remove_if_ended(process: subprocess.Popen[bytes], console: Path) -> None:
+    if process.poll() is not None:
+        console.unlink(missing_ok=True)
 
 
 def _wait_health(url: str, deadline: float) -> None:
