@@ -5,7 +5,8 @@
 
 Prints the median and range (min-max) of each command's wall time and which heavy packages it
 loaded (none is the point: `--help` and `import runner.api` must not pay for torch), and what a
-training process started as a fresh interpreter pays before its first step. The
+training process started as a fresh interpreter pays before its first step, and what each of
+the libraries it needs adds to torch's import. The
 baselines: `python -c pass` (the interpreter's own start) and `import torch` (what a light
 path would cost if it loaded torch). The runs are interleaved so that a slow moment of the
 machine falls on every command alike.
@@ -32,7 +33,14 @@ COMMANDS = {
     # What a training process started as a fresh interpreter imports before it trains; a worker
     # forked from `runner train` (a CPU run's) has it already (runner/job/launch.py).
     "a fresh worker's imports": "import runner.recipes.finetune",
+    # What each library the recipe needs adds to torch (printed as the difference of medians):
+    # torchtune imports torchao and through it torch._dynamo; datasets (torchtune.datasets needs
+    # it); transformers, for the tokenizer.
+    "import torch, torchtune": "import torch, torchtune",
+    "import torch, datasets": "import torch, datasets",
+    "import torch, transformers": "import torch, transformers",
 }
+ON_TORCH = ("import torch, torchtune", "import torch, datasets", "import torch, transformers")
 
 
 def _time(statement: str) -> tuple[float, list[str]]:
@@ -63,6 +71,10 @@ def main() -> None:
             f"{name:<28} {statistics.median(samples):>9.2f} {spread:>13}  "
             f"{', '.join(loaded[name]) or '-'}"
         )
+    torch_alone = statistics.median(times["import torch (baseline)"])
+    for name in ON_TORCH:
+        added = statistics.median(times[name]) - torch_alone
+        print(f"{name.split(', ')[1]} adds {added:.2f} s to import torch (difference of medians)")
 
 
 if __name__ == "__main__":
