@@ -167,6 +167,7 @@ class DecodeStep:
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._allocation = 0  # BatchCache.allocation of the buffers the graphs were captured over
         self._pool: Any = None
+        self._capture_stream: torch.cuda.Stream | None = None
 
     @property
     def captured(self) -> int:
@@ -295,16 +296,23 @@ class DecodeStep:
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up on a side stream first (lazy initialisation and kernel selection must not
         # happen inside the capture); the warm-up writes the same keys and values the step will.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        device = cache.ids.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compiled: the first compiles, if these shapes are new
                 self._step(cache, window)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's threads may touch CUDA meanwhile (a request's generator),
-        # which the default mode ("global") would count as an error in this capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # which the default mode ("global") would count as an error in this capture. A stream
+        # of the model's device to capture on: torch's default is made once, on the device
+        # current at the first capture, and shared by every later one.
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device)
+        with torch.cuda.graph(
+            graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"
+        ):
             logits = self._step(cache, window)
         self._pool = graph.pool()
         return graph, logits

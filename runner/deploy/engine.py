@@ -217,6 +217,10 @@ class TransformersEngine:
         # The step compiles on the thread that runs it: compiled on another thread, the CPU's
         # compiled step ran about 5 times slower here (0.64 against 3.0 ms at 4 rows).
         try:
+            if self._device.type == "cuda":
+                # This thread's current device, which graph replays, streams and events take:
+                # left at cuda:0, a model on cuda:1 captured empty graphs that replayed nothing.
+                torch.cuda.set_device(self._device)
             warm_up()
             if self._kv_cache_gib is not None or self._device.type == "cuda":  # a bound applies
                 self._token_bytes = token_bytes(self.decode_step.prefill([[0, 0]]).cache)
@@ -398,7 +402,7 @@ class TransformersEngine:
             return _Step(list(self._running), next_ids, None)
         tokens = next_ids.to("cpu", non_blocking=True)  # into pinned memory: the step's one copy
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(self._device))
         return _Step(list(self._running), tokens, ready)
 
     def _finish(self, step: _Step) -> None:

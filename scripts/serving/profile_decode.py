@@ -99,6 +99,8 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    if cuda:
+        torch.cuda.set_device(device)  # graphs replay on the current device's stream (cuda:N)
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(
         f"{checkpoint} on {device} ({name}), {loaded.model.dtype}, prompts of "
