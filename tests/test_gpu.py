@@ -143,6 +143,7 @@ def plain_losses() -> dict[bool, dict[int, float]]:
     ],
     ids=["unpacked", "packed"],
 )
+@pytest.mark.timeout(2 * TIMEOUT_S)  # the first of a pair also trains the plain run
 def test_compile_and_activation_checkpointing_train_the_same_run(
     runner_cli,
     tmp_path: Path,

@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,8 @@ TEST_TIMEOUT_S = 150
 # The most a runner arm's final checkpoint may run past its share (the 1B model's weights and
 # AdamW state: about 14 GB to write).
 CHECKPOINT_GRACE_S = 120
+# The arm whose final checkpoint deploy serves and the profiles load.
+SERVED_ARM = "train runner eager"
 GROUPS = {
     "train": [s for s in SHARES if s.startswith("train")],
     "deploy": ["deploy", "profile decode", "profile engine"],
@@ -123,7 +126,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     profiles = {mode: out / slug(f"train bare {mode}") / "profile" for mode in MODES}
     train = [py, "-m", "runner", "train"]
     checkpoint = args.checkpoint or (
-        out / slug("train runner eager") / "checkpoints" / f"step_{args.warmup + args.steps}"
+        out / slug(SERVED_ARM) / "checkpoints" / f"step_{args.warmup + args.steps}"
     )
     deploy = [
         py,
@@ -386,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         stages.append(
             skipped(name, reason, log) if reason else run_stage(name, lines[name], log, left, run)
         )
+        if run is not None and name != SERVED_ARM:
+            # Only the served arm's checkpoint is read: the others' (the 1B's weights and AdamW
+            # state, about 14 GB each) would fill most of the lent machine's 64 GiB disk.
+            shutil.rmtree(run / "checkpoints", ignore_errors=True)
         print(f"{name}: {stages[-1].status} in {stages[-1].seconds:.0f} s ({log})", flush=True)
     report = (
         heading(args, device_name, params)
