@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -269,3 +272,30 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(runner_cli, tmp_path: Pa
         ]
         assert checkpoint_problem(checkpoints / "step_4") == ""
         assert losses(run) == losses(straight)
+
+
+def test_a_checkpoint_the_disk_refuses_is_one_message_with_nothing_half_written(
+    tmp_path: Path, hermetic_env: dict[str, str]
+) -> None:
+    """A full disk or a file-size limit (here 4 MiB, below the tiny model's training state):
+    torch.save's "[enforce fail at inline_container.cc] unexpected pos" ended a traceback of 60
+    lines, and the part written stayed in checkpoints/ until a resume."""
+    run = tmp_path / "run"
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "train", *QUICK, "max_steps=2", "eval.strategy=no"]
+        + ["dataset.eval_samples=0", f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        env=hermetic_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, hard)),
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert f"hydra.run.dir='{run}': the checkpoint of step 2 could not be written" in line
+    assert "files are limited to 4.0 MiB here (ulimit -f)" in line
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and "could not be written" in status["error"]
+    assert list((run / "checkpoints").iterdir()) == []  # no .tmp-step_2 left

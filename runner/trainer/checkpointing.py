@@ -5,14 +5,19 @@ rank's random state, and the write-then-rename commit that rank 0 makes into the
 from __future__ import annotations
 
 import random
+import resource
+import shlex
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from runner.errors import UserError
 from runner.rundir import RunDir
 from runner.rundir.manifest import record_checkpoint
 from runner.trainer.parallel import Placement
@@ -51,9 +56,39 @@ def commit(
     """Writes step `step`'s checkpoint under a temporary name (`write(dir)`), renames it into
     place, prunes to the last `keep_last_n` (and `keep_step`) and records its hashes."""
     tmp = run.fresh_checkpoint_tmp(step)
-    write(tmp)
+    try:
+        write(tmp)
+    except (OSError, RuntimeError, SafetensorError) as err:
+        # A disk that is full or read-only, or a file-size limit: torch.save says only
+        # "[enforce fail at inline_container.cc] unexpected pos", after a traceback of 60 lines.
+        # Another RuntimeError is a bug, whose traceback is the report.
+        if isinstance(err, RuntimeError) and "inline_container" not in str(err):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the part written, which holds the room taken
+        raise not_written(run, step, err) from err
     final = run.commit_checkpoint(tmp, step, keep_last_n, keep_step=keep_step)
     record_checkpoint(run, step, final)
+
+
+def not_written(run: RunDir, step: int, err: BaseException) -> UserError:
+    """Why step `step`'s checkpoint could not be written, with the room left on its disk and
+    the file-size limit where one is set."""
+    if isinstance(err, OSError) and err.strerror:
+        cause = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    else:
+        said = str(err).strip().splitlines() or [type(err).__name__]
+        cause = f"a file's write stopped short: {said[0]}"
+    room = f"its disk has {shutil.disk_usage(run.path).free / 2**30:.1f} GiB free"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        room += f", and files are limited to {limit / 2**20:.1f} MiB here (ulimit -f)"
+    return UserError(
+        "hydra.run.dir",
+        str(run.path),
+        f"the checkpoint of step {step} could not be written ({cause}); {room}: make room "
+        "(runtime.keep_last_n_checkpoints keeps fewer), then "
+        f"`runner resume {shlex.quote(str(run.path))}` goes on from its last whole checkpoint",
+    )
 
 
 def barrier(place: Placement) -> None:
