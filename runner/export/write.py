@@ -182,6 +182,15 @@ def check_destination(request: ExportRequest, checkpoint: Path) -> Path:
         raise UserError(
             "out", request.out, f"no such directory {destination.parent}: create it first"
         )
+    # RUN/exports/, made by the first export: else the run's directory must take it.
+    where = destination.parent if destination.parent.is_dir() else destination.parent.parent
+    if not os.access(where, os.W_OK):
+        raise UserError(
+            "out",
+            request.out or str(destination),
+            f"this user cannot write in {where} (a read-only disk, or another user's "
+            "directory); give out=PATH in a directory this user can write",
+        )
     return destination
 
 
