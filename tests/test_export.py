@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -261,37 +259,6 @@ def test_missing_base_and_existing_destination(lora_checkpoint: Path, tmp_path: 
     with pytest.raises(UserError, match="already exists") as caught:
         run_export(lora_checkpoint, "adapter", out=str(tmp_path / "taken"))
     assert caught.value.key == "out"
-
-
-def read_only_mounts() -> bool:
-    """Whether this user may bind-mount a directory read-only in a mount namespace of its own
-    (root, or unprivileged user namespaces): a read-only disk, where chmod binds no root."""
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "true"], capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not read_only_mounts(), reason="no mount namespace for a read-only disk")
-def test_a_run_on_a_read_only_disk_is_one_message(
-    full_checkpoint: Path, tmp_path: Path, hermetic_env: dict[str, str]
-) -> None:
-    """A colleague's run or a mounted checkpoint volume: RUN/exports/ could not be made, and the
-    export ended in Hydra's traceback."""
-    shared = tmp_path / "shared"
-    shutil.copytree(full_checkpoint.parents[1], shared / "run")
-    export = f"{sys.executable} -m runner export checkpoint={shared / 'run'} format=merged"
-    result = subprocess.run(
-        ["unshare", "--mount", "--map-root-user", "sh", "-c"]
-        + [f"mount --bind {shared} {shared} && mount -o remount,bind,ro {shared} && {export}"],
-        env=hermetic_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert f"this user cannot write in {shared / 'run'}" in line and "give out=PATH" in line
 
 
 def test_weights_cut_short_or_missing_are_named_before_anything_is_written(

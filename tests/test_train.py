@@ -7,6 +7,9 @@ import io
 import json
 import logging
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -308,3 +311,46 @@ def test_the_throughput_and_the_eta_leave_evaluations_and_saves_out() -> None:
     with console.paused():
         time.sleep(0.5)
     assert console.eta(1) == "0:00:00"
+
+
+def read_only_mounts() -> bool:
+    """Whether this user may bind-mount a directory read-only in a mount namespace of its own
+    (root, or unprivileged user namespaces): a read-only disk, where chmod binds no root."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not read_only_mounts(), reason="no mount namespace for a read-only disk")
+def test_a_run_on_a_read_only_disk_is_one_message_to_export_and_resume(
+    trained_run: Path, tmp_path: Path, hermetic_env: dict[str, str]
+) -> None:
+    """A colleague's run or a mounted checkpoint volume: RUN/exports/ could not be made, and the
+    export ended in Hydra's traceback; a resume named runtime.output_root, which it never read."""
+    shared = tmp_path / "shared"
+    run = shared / "run"
+    shutil.copytree(trained_run, run)
+    runner = f"{sys.executable} -m runner"
+    for command, said in [
+        (f"export checkpoint={run} format=merged", f"out='{run}/exports/step_24-merged-fp32': "),
+        (f"train resume={run}", f"resume='{run}': cannot write in the run directory"),
+    ]:
+        read_only = f"mount --bind {shared} {shared} && mount -o remount,bind,ro {shared}"
+        result = subprocess.run(
+            [
+                "unshare",
+                "--mount",
+                "--map-root-user",
+                "sh",
+                "-c",
+                f"{read_only} && {runner} {command}",
+            ],
+            env=hermetic_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert line.startswith(f"error: {said}"), line

@@ -219,7 +219,14 @@ def _unclaimed(path: Path, config: DictConfig) -> Path:
 
 
 def _unwritable(config: DictConfig, path: Path, err: OSError) -> UserError:
-    """The key of a run directory that cannot be made, as the user gave it."""
+    """The key of a run directory that cannot be made or written, as the user gave it."""
+    if config.resume is not None:
+        return UserError(
+            "resume",
+            str(config.resume),
+            f"cannot write in the run directory {path} ({err.strerror}): a run goes on where "
+            "it lies; copy it where this user can write, and resume the copy",
+        )
     if _run_dir_given(config):
         key, value = "hydra.run.dir", str(path)
     else:
