@@ -261,19 +261,25 @@ def test_runs_started_in_one_second_each_claim_a_directory(tmp_path: Path) -> No
     assert all(p.is_dir() for p in claimed)
 
 
-def test_the_summary_next_command_pastes_for_a_path_with_a_space(tmp_path: Path, capsys) -> None:
-    """`try next: runner deploy checkpoint=/a dir/...` was two words to the shell."""
+@pytest.mark.parametrize("name", ["my runs", "é ü 日本", "a,b=[c]", "1e5"])
+def test_the_summary_next_command_pastes_as_printed(tmp_path: Path, capsys, name: str) -> None:
+    """`try next: runner deploy checkpoint=/a dir/...` was two words to the shell, and a path
+    outside Hydra's unquoted grammar (a letter outside ASCII, a comma) one it refused."""
     import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from runner.job.job import _print_summary
 
-    run = RunDir(tmp_path / "my runs" / "r")
+    run = RunDir(tmp_path / name / "r")
     whole_checkpoint(run, 2)
     run.write_status("completed", step=2)
     _print_summary(run)
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("try next:")]
-    command = line.removeprefix("try next:").strip()
-    assert shlex.split(command) == ["runner", "deploy", f"checkpoint={run.checkpoint_path(2)}"]
+    program, command, override = shlex.split(line.removeprefix("try next:"))
+    assert (program, command) == ("runner", "deploy")
+    parsed = OverridesParser.create().parse_override(override)
+    assert (parsed.key_or_group, parsed.value()) == ("checkpoint", str(run.checkpoint_path(2)))
 
 
 def test_data_changed_since_a_run_started_is_named(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from runner.config.fields import pasteable
 from runner.errors import UserError
 from runner.hub.download import SCHEME, HubSource, TokenRef, out_of_reach, parse_uri
 from runner.rundir import (
@@ -64,7 +65,8 @@ def check_pushable(path: Path, to: str) -> None:
         return f"`runner push {shlex.quote(str(source))} {shlex.quote(to)}`"
 
     def export_command(source: Path) -> str:
-        return f"`runner export checkpoint={shlex.quote(str(source))} push_to={shlex.quote(to)}`"
+        export = f"{pasteable('checkpoint', str(source))} {pasteable('push_to', to)}"
+        return f"`runner export {export}`"
 
     if is_sweep_dir(path):
         one_run = path / "N" / CHECKPOINTS_DIR / "step_M"

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import math
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -23,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
-from runner.config.fields import as_typed, override_key
+from runner.config.fields import as_typed, override_key, pasteable
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.load_checkpoint import check_same_global_batch, global_batch
@@ -439,5 +438,5 @@ def _print_summary(run: RunDir) -> None:
         lines.append(f"profile:       {run.profile_dir} (trace.json opens in ui.perfetto.dev)")
     lines.append(f"status:        {status.state} at step {status.step}")
     # Pasteable as it prints: a path with a space is one word to the shell only quoted.
-    lines.append(f"try next:      runner deploy {shlex.quote(f'checkpoint={checkpoint}')}")
+    lines.append(f"try next:      runner deploy {pasteable('checkpoint', str(checkpoint))}")
     print("\n".join(lines), flush=True)

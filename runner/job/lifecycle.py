@@ -14,6 +14,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from runner.config.fields import pasteable
 from runner.errors import UserError
 from runner.rundir import (
     FINAL_STATES,
@@ -289,7 +290,8 @@ def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
             key,
             str(run.path),
             "the run is already completed; to train on from its last checkpoint, start a new "
-            f"run from it: runner train load_checkpoint.path={run.path} max_steps=<more>",
+            "run from it: runner train "
+            f"{pasteable('load_checkpoint.path', str(run.path))} max_steps=<more>",
         )
     if state == STOPPING:
         raise UserError(
