@@ -216,3 +216,22 @@ def test_what_cannot_be_started_from_is_refused_by_name(
     assert result.returncode == 2, result.stderr[-3000:]
     assert "load_checkpoint." in result.stderr and wanted in result.stderr, result.stderr
     assert not run.exists()
+
+
+def test_paths_given_with_a_tilde_are_in_the_home_directory(
+    runner_cli, straight: Path, tmp_path: Path, hermetic_env: dict[str, str]
+) -> None:
+    """Quoted, Hydra keeps `~` as typed: `hydra.run.dir='~/next'` made a directory named `~` in
+    the working directory, and `load_checkpoint.path='~/run'` or `runner resume '~/run'` found
+    no run (model.source and dataset.source expanded it)."""
+    home = tmp_path / "home"
+    shutil.copytree(straight, home / "straight")
+    env = {**hermetic_env, "HOME": str(home)}
+    given = ["load_checkpoint.path='~/straight'", "hydra.run.dir='~/next'", "max_steps=6"]
+    result = runner_cli("train", *STEPS, *given, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert max(losses(home / "next")) == 6 and not (tmp_path / "~").exists()
+    result = runner_cli("resume", "~/next", env=env)
+    assert result.returncode == 2 and f"RUN='{home / 'next'}': the run is already completed" in (
+        result.stderr
+    )

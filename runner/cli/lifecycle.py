@@ -21,6 +21,7 @@ from runner.job.lifecycle import (
     stopped_processes,
     wait_until_final,
 )
+from runner.paths import user_path
 from runner.rundir import FINAL_STATES, LOG_FILE, STALLED
 
 # How long `runner logs -f RUN` waits for a run to start at RUN, where none is yet: a
@@ -36,12 +37,12 @@ def main(command: str, argv: list[str]) -> int:
         parser.add_argument(
             "dirs",
             nargs="*",
-            type=Path,
+            type=user_path,
             metavar="DIR",
             help="directories to search (default: ./outputs ./multirun)",
         )
     else:
-        parser.add_argument("run", type=Path, metavar="RUN", help="a run directory")
+        parser.add_argument("run", type=user_path, metavar="RUN", help="a run directory")
     if command == "logs":
         parser.description = "Print a run's log; -f follows it until the run ends."
         parser.add_argument("-f", "--follow", action="store_true")
@@ -110,7 +111,7 @@ def resume_argv(argv: list[str]) -> list[str]:
         prog="runner resume",
         description="Continue a cancelled or failed run from its last whole checkpoint.",
     )
-    parser.add_argument("run", type=Path, metavar="RUN", help="a run directory")
+    parser.add_argument("run", type=user_path, metavar="RUN", help="a run directory")
     run = run_dir_at(parser.parse_args(argv).run)
     check_resumable(run)
     return ["train", f"resume={run.path.resolve()}"]

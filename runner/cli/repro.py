@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from runner.cli.arguments import ArgumentParser
 from runner.job.repro import CROSS_PATH_TOLERANCE, repro
+from runner.paths import user_path
 
 
 def main(argv: list[str]) -> int:
@@ -15,7 +14,7 @@ def main(argv: list[str]) -> int:
         description="Re-run a recorded run and compare per-step losses, checkpoint hashes and "
         "the manifest. Exit 0 on a match, 1 on drift, 2 on a user error.",
     )
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory")
+    parser.add_argument("run_dir", type=user_path, metavar="RUN_DIR", help="a run directory")
     parser.add_argument("--steps", type=int, help="re-run and compare only the first N steps")
     parser.add_argument(
         "--tolerance",
@@ -26,6 +25,8 @@ def main(argv: list[str]) -> int:
         f"{CROSS_PATH_TOLERANCE:g} where a non-deterministic run is re-run on another device, "
         "CPU kernel capability or thread count)",
     )
-    parser.add_argument("--out", type=Path, help="the new run directory (default: beside RUN_DIR)")
+    parser.add_argument(
+        "--out", type=user_path, help="the new run directory (default: beside RUN_DIR)"
+    )
     args = parser.parse_args(argv)
     return repro(args.run_dir, steps=args.steps, tolerance=args.tolerance, out=args.out)

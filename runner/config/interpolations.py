@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import as_typed
 from runner.errors import UserError
-from runner.paths import ASSETS_DIR
+from runner.paths import ASSETS_DIR, user_path
 
 
 def has_validation(validation: Any) -> bool:
@@ -55,9 +54,9 @@ def check_resume(resume: Any, overrides: list[str]) -> None:
             resume,
             f"a resumed run continues its recorded recipe; drop the other overrides {extra}",
         )
-    if (Path(str(resume)) / RECIPE_FILE).is_file():
+    if (user_path(resume) / RECIPE_FILE).is_file():
         return
-    if (Path(str(resume)) / STATUS_FILE).is_file():  # a sweep's job, failed at its checks
+    if (user_path(resume) / STATUS_FILE).is_file():  # a sweep's job, failed at its checks
         raise UserError(
             "resume",
             resume,
@@ -77,7 +76,7 @@ def run_dir(resume: Any, fresh: str, *, _root_: DictConfig) -> str:
 
     if resume:
         check_resume(resume, as_typed(_root_.hydra.overrides.task))
-    return platforms.run_dir(resume, fresh, _root_=_root_)
+    return str(user_path(platforms.run_dir(resume, fresh, _root_=_root_)))
 
 
 def platform_value(platform: str, key: str, default: Any) -> Any:
@@ -111,6 +110,7 @@ def load_mode(path: Any) -> str | None:
 RESOLVERS: dict[str, Callable[..., Any]] = {
     "runner_asset": lambda name: str(ASSETS_DIR / name),
     "runner_run_dir": run_dir,
+    "runner_user_path": lambda path: str(user_path(path)),  # runtime.multirun_root='~/sweeps'
     # A resumed run keeps the .hydra/ record of the run that created it.
     "runner_hydra_subdir": lambda resume: None if resume else ".hydra",
     "runner_objective": objective_metric,

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.components import plain_dict
 from runner.config.fields import override_key
 from runner.errors import UserError
+from runner.paths import user_path
 from runner.rundir import RECIPE_FILE, RunDir, checkpoint_problem, is_run_dir, is_sweep_dir
 
 MOUNT_VAR = "BT_LOAD_CHECKPOINT_DIR"
@@ -68,8 +69,8 @@ def mode(path: Any) -> str | None:
     """load_checkpoint.mode: what load_checkpoint.path is (None where it is null)."""
     if path is None:
         return None
-    found = _mode(Path(str(path)))
-    if found is None and is_sweep_dir(Path(str(path))):
+    found = _mode(user_path(path))
+    if found is None and is_sweep_dir(user_path(path)):
         raise UserError(
             "load_checkpoint.path",
             path,
@@ -106,7 +107,7 @@ def resolve_load_checkpoint(
     section = cfg.load_checkpoint
     if section.path is None:
         return None, None
-    path = Path(str(section.path)).resolve()
+    path = user_path(section.path).resolve()
     found = mode(path)
     if section.mode not in MODES or (section.mode == "resume" and found != "resume"):
         raise UserError(

@@ -38,6 +38,7 @@ from runner.job.launch import (
 )
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
+from runner.paths import user_path
 from runner.rundir import (
     FINAL_STATES,
     STATES,
@@ -145,7 +146,10 @@ class RunDirLock(Callback):
         # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
         with user_errors_pass_hydra():
             check_root(config.runtime.output_root, "runtime.output_root")  # before any mkdir
-            run = RunDir(str(config.hydra.run.dir))  # as Hydra resolves it: ${now:} is cached
+            run = RunDir(user_path(config.hydra.run.dir))  # as Hydra resolves it (${now:} cached)
+            if str(run.path) != str(config.hydra.run.dir):  # hydra.run.dir='~/...' given
+                with read_write(config.hydra):  # where Hydra's run_job writes, from here on
+                    config.hydra.run.dir = str(run.path)
             if _fresh_by_time(config, run.path):
                 run = RunDir(_unclaimed(run.path, config))
                 with read_write(config.hydra):  # where Hydra's run_job writes, from here on
@@ -198,7 +202,7 @@ def _fresh_by_time(config: DictConfig, path: Path) -> bool:
     (runtime.output_root/<date>/<time>), not one given, resumed or named by a platform's job."""
     if _run_dir_given(config) or config.resume is not None or str(config.compute.nnodes) != "1":
         return False
-    return path.parent.parent == Path(str(config.runtime.output_root))
+    return path.parent.parent == user_path(config.runtime.output_root)
 
 
 def _unclaimed(path: Path, config: DictConfig) -> Path:

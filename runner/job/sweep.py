@@ -339,6 +339,14 @@ def check_same_sweep(config: DictConfig) -> None:
 def _make_sweep_dir(config: DictConfig) -> None:
     """The sweep directory, made once its values are checked: one that cannot be made (a
     read-only file system, a file on the path) was a traceback from Hydra's sweeper."""
+    if str(config.hydra.sweep.dir).startswith("~"):  # as typed: no resolver reads it
+        key, value = _sweep_dir_key(config)
+        raise UserError(
+            key,
+            value,
+            "Hydra keeps ~ as a directory's name here: give the path from / (or $HOME/..., "
+            "which the shell expands unquoted)",
+        )
     try:
         Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
     except OSError as err:
