@@ -4,6 +4,7 @@ rank's random state, and the write-then-rename commit that rank 0 makes into the
 
 from __future__ import annotations
 
+import errno
 import random
 import resource
 import shlex
@@ -73,7 +74,17 @@ def commit(
 def not_written(run: RunDir, step: int, err: BaseException) -> UserError:
     """Why step `step`'s checkpoint could not be written, with the room left on its disk and
     the file-size limit where one is set."""
-    if isinstance(err, OSError) and err.strerror:
+    resume = f"`runner resume {shlex.quote(str(run.path))}` goes on from its last whole checkpoint"
+    if isinstance(err, OSError) and err.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        # Not the room: a read-only disk, a file where checkpoints/ belongs, permissions.
+        where = f": {err.filename}" if err.filename else ""
+        return UserError(
+            "hydra.run.dir",
+            str(run.path),
+            f"the checkpoint of step {step} could not be written ({err.strerror}{where}); "
+            f"once it can be, {resume}",
+        )
+    if isinstance(err, OSError):
         cause = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
     else:
         said = str(err).strip().splitlines() or [type(err).__name__]
@@ -86,8 +97,7 @@ def not_written(run: RunDir, step: int, err: BaseException) -> UserError:
         "hydra.run.dir",
         str(run.path),
         f"the checkpoint of step {step} could not be written ({cause}); {room}: make room "
-        "(runtime.keep_last_n_checkpoints keeps fewer), then "
-        f"`runner resume {shlex.quote(str(run.path))}` goes on from its last whole checkpoint",
+        f"(runtime.keep_last_n_checkpoints keeps fewer), then {resume}",
     )
 
 
