@@ -19,6 +19,14 @@ SECRET_KEY = re.compile(
 TOKEN_PREFIXES = r"hf_|sk-|ghp_|gho_|github_pat_|xox[abpr]-|glpat-"
 SECRET_VALUE = re.compile(rf"({TOKEN_PREFIXES})[A-Za-z0-9_-]{{6,}}")
 HIDDEN = "<hidden>"
+# A URL's password (scheme://user:PASSWORD@host), as MLFLOW_TRACKING_URI may hold one.
+URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
+
+
+def redact(text: str) -> str:
+    """`text` with a URL's password and a token-shaped value hidden: an error message a library
+    raised (MLflow's names its tracking URI) before it is printed or recorded."""
+    return SECRET_VALUE.sub(HIDDEN, URL_PASSWORD.sub(rf"\g<1>{HIDDEN}@", text))
 
 
 class _Null:

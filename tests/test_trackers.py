@@ -4,6 +4,7 @@ the best checkpoint's path and a redacted config; a missing package is a user er
 from __future__ import annotations
 
 import json
+import socket
 import struct
 from pathlib import Path
 from typing import Any
@@ -195,7 +196,6 @@ def test_a_missing_tracker_package_is_a_user_error_before_anything_is_written(
         ({"MLFLOW_TRACKING_URI": "file:///shared/mlruns", "MLFLOW_ALLOW_FILE_STORE": "True"}, None),
         ({"MLFLOW_TRACKING_URI": "/shared/mlruns", "MLFLOW_ALLOW_FILE_STORE": "1"}, None),
         ({"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}, None),
-        ({"MLFLOW_TRACKING_URI": "http://mlflow:5000"}, None),
     ],
 )
 def test_an_mlflow_file_store_without_its_opt_in_is_refused_up_front(
@@ -238,3 +238,59 @@ def test_runtime_tensorboard_is_refused_with_its_replacement(runner_cli) -> None
     assert result.stderr.startswith(
         "error: runtime.tensorboard=false: replaced by runtime.loggers: write runtime.loggers=[]"
     ), result.stderr
+
+
+def test_an_mlflow_server_out_of_reach_is_refused_up_front_its_password_hidden() -> None:
+    """MLflow's client retried a server that was down for about four minutes, in the training
+    process, then failed with a traceback of 166 lines that showed the URI's password."""
+    from runner.config.loggers import check_loggers
+    from runner.errors import UserError
+
+    with socket.socket() as server:  # a server that takes connections, on loopback
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        check_loggers(["mlflow"], env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
+    with pytest.raises(UserError) as err:  # closed now
+        check_loggers(["mlflow"], env={"MLFLOW_TRACKING_URI": f"http://me:Pa55@127.0.0.1:{port}"})
+    assert f"http://me:<hidden>@127.0.0.1:{port} is out of reach" in err.value.fix
+    assert "Pa55" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("loggers", "project", "refused"),
+    [
+        (["wandb"], "a/b", "W&B refuses a project name with any of"),
+        (["wandb"], "x" * 129, "over 128 characters"),
+        (["mlflow"], "", "give the trackers a project name"),
+        (["wandb", "mlflow"], " ", "give the trackers a project name"),
+        (["mlflow"], "a/b", None),  # an MLflow experiment may be named so
+        (["tensorboard"], "", None),  # no tracker that reads it
+    ],
+)
+def test_a_project_name_a_tracker_refuses_is_refused_up_front(
+    loggers: list[str], project: str, refused: str | None
+) -> None:
+    """W&B raised its UsageError (80 lines) and MLflow its own on an empty name, each as the
+    tracker started, after the run directory was written."""
+    from runner.config.loggers import check_loggers
+    from runner.errors import UserError
+
+    env = {"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}
+    if refused is None:
+        check_loggers(loggers, env=env, project=project)
+        return
+    with pytest.raises(UserError, match=refused) as err:
+        check_loggers(loggers, env=env, project=project)
+    assert err.value.key == "runtime.project"
+
+
+def test_a_url_with_a_password_is_refused_under_any_key(runner_cli) -> None:
+    """runtime.env's check read only the names of its keys: the URI and its password were
+    written to recipe.yaml, manifest.json and .hydra/."""
+    uri = "http://me:Pa55word@mlflow.example:5000"
+    result = runner_cli("validate", f"+runtime.env.MLFLOW_TRACKING_URI={uri}")
+    assert result.returncode == 2 and "Pa55word" not in result.stderr + result.stdout
+    assert "runtime.env.MLFLOW_TRACKING_URI='<hidden>': holds a password in its URL" in (
+        result.stderr
+    )

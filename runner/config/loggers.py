@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
-from runner.errors import UserError
+from runner.errors import UserError, redact
 
 # Each tracker name and the package (and extra of runner) it needs; None: always installed.
 TRACKERS: dict[str, tuple[str, str] | None] = {
@@ -20,12 +22,23 @@ TRACKERS: dict[str, tuple[str, str] | None] = {
 }
 
 
+# The characters W&B refuses in a project's name (wandb_settings.Settings.validate_project).
+WANDB_REFUSES = "/\\#?%:"
+# How long a tracking server has to take a connection.
+REACH_S = 10.0
+
+
 def check_loggers(
-    loggers: list[str], *, key: str = "runtime.loggers", env: Mapping[str, str] | None = None
+    loggers: list[str],
+    *,
+    key: str = "runtime.loggers",
+    env: Mapping[str, str] | None = None,
+    project: str | None = None,
 ) -> None:
-    """A UserError for an unknown or repeated tracker name, one whose package is missing, or an
-    MLflow file store that MLflow refuses. `env`: the training processes' environment (this
-    process's, runtime.env over it); None: this process's."""
+    """A UserError for an unknown or repeated tracker name, one whose package is missing, an
+    MLflow file store that MLflow refuses or a server out of reach, or a `project` (None: not
+    checked) a tracker refuses. `env`: the training processes' environment (this process's,
+    runtime.env over it); None: this process's."""
     for name in loggers:
         if name not in TRACKERS:
             raise UserError(key, list(loggers), f"{name!r} is no tracker; use any of {_names()}")
@@ -38,8 +51,25 @@ def check_loggers(
                 list(loggers),
                 f"{name} needs the {needs[0]} package: pip install '{needs[1]}'",
             )
+    if project is not None:
+        _check_project(project, [name for name in loggers if name in ("wandb", "mlflow")])
     if "mlflow" in loggers:
         _check_mlflow_store(list(loggers), key, os.environ if env is None else env)
+
+
+def _check_project(project: str, trackers: list[str]) -> None:
+    """runtime.project as the trackers take it: W&B refuses a name with any of / \\ # ? % : or
+    over 128 characters, MLflow an empty one; each failed when the tracker started, after the
+    run directory was written."""
+    if trackers and not project.strip():
+        raise UserError("runtime.project", project, "give the trackers a project name")
+    if "wandb" in trackers:
+        refused = sorted({c for c in project if c in WANDB_REFUSES})
+        if refused or len(project) > 128:
+            why = f"any of {' '.join(WANDB_REFUSES)}" if refused else "over 128 characters"
+            raise UserError(
+                "runtime.project", project, f"W&B refuses a project name with {why}; give another"
+            )
 
 
 def _check_mlflow_store(loggers: list[str], key: str, env: Mapping[str, str]) -> None:
@@ -60,7 +90,10 @@ def _check_mlflow_store(loggers: list[str], key: str, env: Mapping[str, str]) ->
         return
     # Where unset, MLflow's default: ./mlruns where it holds runs, else sqlite:///mlflow.db.
     uri = env.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
-    if get_uri_scheme(uri) not in ("", "file"):  # type: ignore[no-untyped-call]
+    scheme = get_uri_scheme(uri)  # type: ignore[no-untyped-call]
+    if scheme in ("http", "https"):
+        _check_reachable(uri, loggers, key)
+    if scheme not in ("", "file"):
         return
     raise UserError(
         key,
@@ -69,6 +102,23 @@ def _check_mlflow_store(loggers: list[str], key: str, env: Mapping[str, str]) ->
         "unless MLFLOW_ALLOW_FILE_STORE=true; set that, or give a database or server: "
         "MLFLOW_TRACKING_URI=sqlite:///mlflow.db or http://HOST:5000",
     )
+
+
+def _check_reachable(uri: str, loggers: list[str], key: str) -> None:
+    """A tracking server that does not take a connection: MLflow's client retried it for some
+    four minutes in the training process, then failed with a traceback of 166 lines."""
+    parts = urlsplit(uri)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=REACH_S).close()
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        raise UserError(
+            key,
+            loggers,
+            f"MLflow's tracking server {redact(uri)} is out of reach ({reason}); start it, or "
+            "give MLFLOW_TRACKING_URI one that answers",
+        ) from None
 
 
 def _names() -> str:

@@ -75,7 +75,7 @@ def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
     check_root(runtime.multirun_root, "runtime.multirun_root")
     env = _plain_env(runtime.env)
     # runtime.env reaches the training processes (runner.job.launch), where the trackers start.
-    check_loggers(list(runtime.loggers), env={**os.environ, **env})
+    check_loggers(list(runtime.loggers), env={**os.environ, **env}, project=runtime.project)
     if not (isinstance(runtime.progress_bar, bool) or runtime.progress_bar == "auto"):
         raise UserError("runtime.progress_bar", runtime.progress_bar, "give true, false or auto")
     return RuntimeRecipe(

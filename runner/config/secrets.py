@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from runner.config.fields import override_key
-from runner.errors import HIDDEN, SECRET_KEY, TOKEN_PREFIXES, UserError
+from runner.errors import HIDDEN, SECRET_KEY, TOKEN_PREFIXES, URL_PASSWORD, UserError
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A whole value that is a token (hf_ and 34 more, sk-..., ghp_...): not a path or a name that
@@ -55,6 +55,19 @@ def refuse_tokens(section: Any, prefix: str = "") -> None:
             refuse_tokens(value, f"{prefix}{i}.")
     elif isinstance(section, str) and _TOKEN.fullmatch(section.strip()):
         raise token_error(prefix.removesuffix("."))
+    elif isinstance(section, str) and URL_PASSWORD.search(section):
+        raise url_password_error(prefix.removesuffix("."))
+
+
+def url_password_error(key: str) -> UserError:
+    """`key` holds a URL with a password in it (scheme://user:PASSWORD@host), never shown."""
+    return UserError(
+        key,
+        HIDDEN,
+        "holds a password in its URL, and the run directory records every value: give the URL "
+        "without it, and the password by the service's own variable, exported where `runner` "
+        "starts (MLflow's MLFLOW_TRACKING_PASSWORD)",
+    )
 
 
 def check_env_name(key: str, name: str) -> None:
@@ -85,3 +98,5 @@ def refuse_typed_secrets(overrides: list[str]) -> None:
             raise env_secret_error(key.removeprefix("runtime.env."))
         elif _TOKEN.fullmatch(value):
             raise token_error(key)
+        elif URL_PASSWORD.search(value):
+            raise url_password_error(key)
