@@ -49,8 +49,10 @@ TRAIN = [
 METHODS = {
     # Every parameter: a checkpoint a step, so that step N's loss can be recomputed from N - 1.
     "dpo": ["method=dpo", "optimizer.lr=1e-3", "runtime.save_every_n_steps=1"],
-    "lora_dpo": ["method=lora_dpo", "optimizer.lr=1e-2"],
+    # IPO: the loss whose scores are the answers' per-token means (TRL's rule).
+    "lora_dpo": ["method=lora_dpo", "optimizer.lr=1e-2", "method.loss=ipo"],
 }
+LOSS = {"dpo": "sigmoid", "lora_dpo": "ipo"}
 REWARDS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin")
 
 
@@ -82,15 +84,17 @@ def test_dpo_lifts_held_out_reward_accuracy_above_chance(runs, method: str) -> N
     steps = [r for r in records(run) if "loss" in r]
     evals = [r for r in records(run) if "eval_loss" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    # Policy and reference start equal: every reward 0, every pair a tie, the loss log 2.
-    assert steps[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
+    # Policy and reference start equal: every reward 0, every pair a tie, the loss log 2 (IPO's
+    # the square of its target margin).
+    start = {"sigmoid": 0.6931472, "ipo": (1 / (2 * BETA)) ** 2}[LOSS[method]]
+    assert steps[0]["loss"] == pytest.approx(start, abs=1e-6)
     assert steps[0]["rewards_accuracy"] == 0.5 and steps[0]["rewards_margin"] == 0
     for record in steps:
         assert set(REWARDS) <= set(record)
     assert [r["step"] for r in evals] == [EVAL_STEPS, STEPS]
     last = evals[-1]
     assert last["eval_rewards_accuracy"] > 0.6, evals  # chance (and the start) is 0.5
-    assert last["eval_rewards_margin"] > 0 and last["eval_loss"] < 0.6931472
+    assert last["eval_rewards_margin"] > 0 and last["eval_loss"] < start
     assert last["eval_rewards_chosen"] > last["eval_rewards_rejected"]
     # The best checkpoint is judged by held-out reward accuracy.
     status = json.loads((run / "status.json").read_text())
@@ -111,8 +115,9 @@ def test_dpo_lifts_held_out_reward_accuracy_above_chance(runs, method: str) -> N
         )
 
 
-def answer_log_probs(model, tokenizer, prompt: str, answer: str) -> torch.Tensor:
-    """log p(answer + end of turn | prompt) under `model`, from the chat template's text."""
+def answer_log_probs(model, tokenizer, prompt: str, answer: str, mean: bool) -> torch.Tensor:
+    """log p(answer + end of turn | prompt) under `model`, from the chat template's text (with
+    `mean`, per token)."""
     user = {"role": "user", "content": prompt}
     texts = (
         tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False),
@@ -126,20 +131,26 @@ def answer_log_probs(model, tokenizer, prompt: str, answer: str) -> torch.Tensor
     with torch.no_grad():
         log_probs = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
     positions = torch.arange(len(asked), len(whole))
-    return log_probs[positions - 1, ids[0, positions]].sum()
+    picked = log_probs[positions - 1, ids[0, positions]]
+    return picked.mean() if mean else picked.sum()
 
 
-def dpo_terms(policy, reference, tokenizer, pairs: list[dict]) -> tuple[float, float]:
-    """(mean DPO loss, reward accuracy) of `pairs`, computed directly."""
+def dpo_terms(
+    policy, reference, tokenizer, pairs: list[dict], loss: str = "sigmoid"
+) -> tuple[float, float]:
+    """(mean preference loss, reward accuracy) of `pairs`, computed directly."""
     losses_, correct = [], []
     for pair in pairs:
         logps = [
-            answer_log_probs(model, tokenizer, pair["prompt"], pair[side])
+            answer_log_probs(model, tokenizer, pair["prompt"], pair[side], mean=loss == "ipo")
             for model in (policy, reference)
             for side in ("chosen", "rejected")
         ]
         margin = (logps[0] - logps[1]) - (logps[2] - logps[3])
-        losses_.append(-F.logsigmoid(BETA * margin))
+        if loss == "ipo":
+            losses_.append((margin - 1 / (2 * BETA)) ** 2)
+        else:
+            losses_.append(-F.logsigmoid(BETA * margin))
         correct.append(float(logps[0] - logps[2] > logps[1] - logps[3]))
     return float(torch.stack(losses_).mean()), sum(correct) / len(correct)
 
@@ -166,7 +177,7 @@ def test_logged_dpo_loss_is_the_direct_computation(runs, method: str) -> None:
     # The held-out loss at the last step: the saved policy against the saved reference. The
     # direct computation sums in float64, the run in float32: 1e-5 covers the difference.
     policy, reference = load(method, run, STEPS)
-    loss, accuracy = dpo_terms(policy, reference, tokenizer, held_out)
+    loss, accuracy = dpo_terms(policy, reference, tokenizer, held_out, LOSS[method])
     last = records(run)[-1]
     assert last["eval_loss"] == pytest.approx(loss, abs=1e-5)
     assert last["eval_rewards_accuracy"] == pytest.approx(accuracy, abs=1e-6)
@@ -295,6 +306,20 @@ def test_loss_variants_match_torchtunes_and_their_formulas() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     ipo, _, _ = preference_loss(*logps, loss="ipo", beta=0.3, label_smoothing=0.0)
     torch.testing.assert_close(ipo, (margin - 1 / 0.6) ** 2)
+
+
+def test_ipo_scores_an_answer_by_its_mean_token_log_probability() -> None:
+    """TRL's rule (DPOTrainer.concatenated_forward divides by the answer's length for ipo):
+    summed, the margin of long answers outgrew IPO's target 1/(2 beta), which is length-free."""
+    from runner.data import answer_log_probs
+
+    logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[-100, -100, 3, 4, 5, 6], [-100, 1, -100, -100, -100, -100]])
+    per_token = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    scored = labels != -100
+    sums = (per_token * scored).sum(-1)
+    torch.testing.assert_close(answer_log_probs(logits, labels), sums)
+    torch.testing.assert_close(answer_log_probs(logits, labels, mean=True), sums / scored.sum(-1))
 
 
 def user_error(result) -> str:

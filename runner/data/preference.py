@@ -152,9 +152,10 @@ def collate_preference(samples: list[dict[str, Any]], *, padding_idx: int) -> di
 
 
 def answer_log_probs(
-    logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor
+    logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor, *, mean: bool = False
 ) -> torch.Tensor:
-    """Sum over each row of the log-probability of its label tokens (ignored positions add 0).
+    """Sum over each row of the log-probability of its label tokens (ignored positions add 0);
+    with `mean`, their mean over the row's label tokens (IPO's, as TRL's DPOTrainer takes it).
 
     `logits` may be the chunks over the sequence that a chunked-loss model returns.
     """
@@ -166,4 +167,6 @@ def answer_log_probs(
         log_probs = torch.log_softmax(chunk.float(), dim=-1)
         picked = log_probs.gather(-1, chunk_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         total = total + (picked * scored).sum(dim=-1)
+    if mean:
+        return total / (labels != CROSS_ENTROPY_IGNORE_IDX).sum(dim=-1).clamp(min=1)
     return total

@@ -9,7 +9,8 @@ recipe (recipes/finetune.py) owns the loop around it; the model and what trains 
 Direct Preference Optimization (Rafailov et al., 2023) trains on pairs of a chosen and a rejected
 answer. Each micro-batch holds the chosen answers and then the rejected ones, scored in one
 forward (torchtune's concatenated_forward); the reference scores the same batch without
-gradients. An answer's log-probability is the sum over its tokens; its implicit reward is
+gradients. An answer's log-probability is the sum over its tokens (for ipo, as TRL takes it,
+the mean); its implicit reward is
 beta * (log p_policy - log p_reference). The loss of a pair (method.loss) is a function of its
 margin, the policy's log-ratio of chosen to rejected minus the reference's: sigmoid
 -log sigmoid(beta * margin) (with method.label_smoothing, the conservative DPO), ipo
@@ -257,9 +258,12 @@ class Preference:
         """(loss, chosen reward, rejected reward) of each pair of a batch."""
         tokens = to_device(batch["tokens"], self.place.device)
         labels = to_device(batch["labels"], self.place.device)
-        policy = answer_log_probs(self.model(tokens), labels)
+        # IPO's target margin 1/(2 beta) holds for answers of any length only over their
+        # per-token means (TRL's rule): summed, a long answer's margin outgrew it.
+        mean = self.method.loss == "ipo"
+        policy = answer_log_probs(self.model(tokens), labels, mean=mean)
         with torch.no_grad():
-            reference = answer_log_probs(self.reference(tokens), labels)
+            reference = answer_log_probs(self.reference(tokens), labels, mean=mean)
         pairs = tokens.size(0) // 2
         return preference_loss(
             policy[:pairs],
@@ -337,7 +341,8 @@ def preference_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, chosen reward, rejected reward) of each pair from the answers' log-probabilities.
 
-    sigmoid is torchtune's DPOLoss, hinge its RSOLoss; ipo follows TRL's.
+    sigmoid is torchtune's DPOLoss, hinge its RSOLoss; ipo follows TRL's (over the answers'
+    per-token mean log-probabilities, which the caller gives).
     """
     margin = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)
     if loss == "sigmoid":
