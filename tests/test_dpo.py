@@ -53,6 +53,9 @@ METHODS = {
     "lora_dpo": ["method=lora_dpo", "optimizer.lr=1e-2", "method.loss=ipo"],
 }
 LOSS = {"dpo": "sigmoid", "lora_dpo": "ipo"}
+# Policy and reference start equal: every reward 0, every pair a tie, the loss log 2 (IPO's the
+# square of its target margin).
+START = {"dpo": 0.6931472, "lora_dpo": (1 / (2 * BETA)) ** 2}
 REWARDS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin")
 
 
@@ -84,17 +87,14 @@ def test_dpo_lifts_held_out_reward_accuracy_above_chance(runs, method: str) -> N
     steps = [r for r in records(run) if "loss" in r]
     evals = [r for r in records(run) if "eval_loss" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    # Policy and reference start equal: every reward 0, every pair a tie, the loss log 2 (IPO's
-    # the square of its target margin).
-    start = {"sigmoid": 0.6931472, "ipo": (1 / (2 * BETA)) ** 2}[LOSS[method]]
-    assert steps[0]["loss"] == pytest.approx(start, abs=1e-6)
+    assert steps[0]["loss"] == pytest.approx(START[method], abs=1e-6)
     assert steps[0]["rewards_accuracy"] == 0.5 and steps[0]["rewards_margin"] == 0
     for record in steps:
         assert set(REWARDS) <= set(record)
     assert [r["step"] for r in evals] == [EVAL_STEPS, STEPS]
     last = evals[-1]
     assert last["eval_rewards_accuracy"] > 0.6, evals  # chance (and the start) is 0.5
-    assert last["eval_rewards_margin"] > 0 and last["eval_loss"] < start
+    assert last["eval_rewards_margin"] > 0 and last["eval_loss"] < START[method]
     assert last["eval_rewards_chosen"] > last["eval_rewards_rejected"]
     # The best checkpoint is judged by held-out reward accuracy.
     status = json.loads((run / "status.json").read_text())
@@ -249,7 +249,7 @@ def test_dpo_trains_in_two_processes(runner_cli, tmp_path: Path, method: str) ->
     assert result.returncode == 0, result.stderr[-3000:]
     curve = losses(run)
     assert sorted(curve) == [1, 2, 3, 4]
-    assert curve[1] == pytest.approx(0.6931472, abs=1e-5)
+    assert curve[1] == pytest.approx(START[method], abs=1e-5)
     assert curve[4] < curve[1]
     evals = [r for r in records(run) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
