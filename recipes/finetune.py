@@ -285,6 +285,8 @@ class FinetuneRecipe:
         """A logged step: its loss and throughput (and what the objective adds), and the lr
         it trained with."""
         logged = {**values, **self.objective.logged(), "lr": self.optim.stepped_lr}
+        if self.optim.grad_norm is not None:  # clip_grad_norm set: its norm, before clipping
+            logged["grad_norm"] = float(self.optim.grad_norm)
         self.reporter.step(self.step, self.total_steps, logged)
 
     def _status_running(self, **fields: Any) -> None:

@@ -88,6 +88,9 @@ def test_run_directory_holds_the_contract(trained_run: Path) -> None:
     lrs = {m["step"]: m["lr"] for m in RunDir(trained_run).read_metrics() if "lr" in m}
     peak, warmup = recipe.optimizer.lr, recipe.optimizer.warmup_steps
     assert [lrs[step] for step in (1, 2, 3)] == pytest.approx([0, peak / warmup, 2 * peak / warmup])
+    # And its gradient norm before clipping (clip_grad_norm=1.0): a random init's is far above.
+    norms = [m["grad_norm"] for m in RunDir(trained_run).read_metrics() if "loss" in m]
+    assert len(norms) == 24 and norms[0] > recipe.clip_grad_norm and min(norms) > 0
     # The weights are as readable as the config beside them (safetensors 0.8 writes 0600), so a
     # server run as another user loads what it can see.
     checkpoint = trained_run / "checkpoints" / "step_24"

@@ -38,6 +38,10 @@ class Optimization:
         # The learning rate the last step trained with, which is what a step's log reports
         # (torchtune's and the HF Trainer's logs read the schedule after stepping it: the next).
         self.stepped_lr = self.lr
+        # With clip_grad_norm: the last step's gradient norm before clipping, on the device and
+        # unread until the step is logged (`grad_norm`, as torchtune's recipes and the HF
+        # Trainer log it).
+        self.grad_norm: torch.Tensor | None = None
 
     @property
     def lr(self) -> float:
@@ -78,6 +82,7 @@ class Optimization:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         scaled = norm.float() * scale.float()  # in fp32, where the norm of bf16 gradients is bf16
+        self.grad_norm = scaled
         return (self.clip_grad_norm / (scaled + 1e-6)).clamp(max=1.0)
 
     def state(self, model: torch.nn.Module) -> dict[str, Any]:
