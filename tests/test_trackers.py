@@ -294,3 +294,33 @@ def test_a_url_with_a_password_is_refused_under_any_key(runner_cli) -> None:
     assert "runtime.env.MLFLOW_TRACKING_URI='<hidden>': holds a password in its URL" in (
         result.stderr
     )
+
+
+def test_a_new_run_that_fails_before_its_first_step_is_kept_for_its_tracker_run(
+    tmp_path: Path, hermetic_env: dict[str, str]
+) -> None:
+    """A stream's bad record met in its first window: the new run's directory was removed, as a
+    refused run's is, while MLflow kept a failed run named after it (and W&B said to sync files
+    that were gone)."""
+    import subprocess
+    import sys
+
+    records = [json.dumps({"instruction": f"add {i}", "output": f"{i + 1}"}) for i in range(40)]
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join([*records[:20], "{not json", *records[20:]]) + "\n")
+    run = tmp_path / "run"
+    args = [*QUICK, "runtime.loggers=[mlflow]", "max_steps=4", "batch_size=4"]
+    args += ["eval.strategy=no", "dataset.eval_samples=0", f"dataset.source={data}"]
+    args += ["dataset.streaming=true", "dataset.shuffle_buffer=16", f"hydra.run.dir={run}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "train", *args],
+        cwd=tmp_path,
+        env={**hermetic_env, **tracker_env(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 2 and "not valid JSON" in result.stderr, result.stderr[-3000:]
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and status["step"] == 0
+    assert (run / "trackers.json").is_file()  # the MLflow run's id, which names this directory

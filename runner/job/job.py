@@ -68,7 +68,8 @@ def train(
 
     A new run that fails on bad input before its first step leaves no run directory behind,
     unless `keep_failed` (a sweep's job, which the sweep summary reports as failed); one that
-    trained (a stream's bad record, met as it is read) keeps its record, failed. A directory
+    trained (a stream's bad record, met as it is read), or that W&B or MLflow holds a run for,
+    keeps its record, failed. A directory
     that held a run before this call (a requeue, another node of a shared run) is never
     removed. (One stopped before it records its status: RunDirLock.)
     """
@@ -83,8 +84,10 @@ def train(
         user_error = as_user_error(err)
         if user_error is None or isinstance(user_error, (RunLocked, Diverged)):
             raise  # a bug; or the directory is another trainer's, or a run's that trained
-        trained = (run.status().step or 0) > 0 or run.checkpoints()
-        if new_here and cfg.resume is None and not keep_failed and not trained:
+        # A tracker's run (W&B's, MLflow's) names the directory: removed, it left that run
+        # pointing at nothing (W&B's last line said to sync files that were gone).
+        kept = (run.status().step or 0) > 0 or run.checkpoints() or run.has_tracker_runs()
+        if new_here and cfg.resume is None and not keep_failed and not kept:
             _discard(run_dir, Path(cfg.runtime.output_root))
         raise
 

@@ -42,6 +42,7 @@ from runner.rundir.run import (
     CHECKPOINTS_DIR,
     LOG_FILE,
     RECIPE_FILE,
+    TRACKERS_FILE,
     RunDir,
     is_run_dir,
     lora_base,

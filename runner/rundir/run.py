@@ -50,6 +50,10 @@ CHECKPOINTS_DIR = "checkpoints"
 BASE_MODEL_DIR = "base_model"
 # What `profile.enabled=true` writes (runner.trainer.profiling).
 PROFILE_DIR = "profile"
+# Where a run keeps the ids of its tracker runs (MLflow's), so that a resumed run logs to the
+# same one; W&B keeps its files in RUN/wandb/.
+TRACKERS_FILE = "trackers.json"
+WANDB_DIR = "wandb"
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
 # A checkpoint whose files are damaged is renamed to this prefix + its name (kept to inspect).
 DAMAGED_PREFIX = ".damaged-"
@@ -238,6 +242,11 @@ class RunDir:
         """Drops metric lines past `last_step`: a resumed run logs those steps again."""
         kept = [r for r in self.read_metrics() if r["step"] <= last_step]
         write_text_atomic(self.path / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def has_tracker_runs(self) -> bool:
+        """Whether W&B or MLflow holds a run that names this directory (RUN/wandb/, the MLflow
+        id in trackers.json): such a directory is kept, failed, even before its first step."""
+        return (self.path / TRACKERS_FILE).is_file() or (self.path / WANDB_DIR).is_dir()
 
     # ---- checkpoints ----------------------------------------------------------------------
     def checkpoint_path(self, step: int) -> Path:

@@ -22,12 +22,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from runner.config.loggers import check_loggers
+from runner.rundir import TRACKERS_FILE
 from runner.rundir.manifest import redact
 
 log = logging.getLogger(__name__)
-
-# Where a run keeps the ids of its tracker runs, so that a resumed run logs to the same one.
-TRACKERS_FILE = "trackers.json"
 
 
 class Tracker(Protocol):
