@@ -208,6 +208,20 @@ CASES = [
         "dataset.validation.held_out=150%",
         "dataset.validation.held_out=",
     ),
+    # A validation split inside the training split: evaluation scored records it trained on.
+    case(
+        "data-validation-overlaps",
+        "validate dataset=instruct dataset.source={files}/records.jsonl dataset.split=train "
+        "dataset.validation.split='train[90%:]'",
+        "dataset.validation.split='train[90%:]'",
+        "{files}/records.jsonl",
+    ),
+    case(
+        "data-validation-overlaps-stream",
+        "validate dataset=instruct dataset.source={files}/records.jsonl dataset.streaming=true "
+        "dataset.validation.split='train[90%:]'",
+        "dataset.validation.split='train[90%:]'",
+    ),
     # dtype and loss
     case("dtype-option", "estimate dtype=bf61", "dtype="),
     case("loss-option", "estimate loss=mse", "loss="),

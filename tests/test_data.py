@@ -352,7 +352,12 @@ def test_chat_in_both_styles(tmp_path: Path) -> None:
     )[0]
     text = tok.decode(replaced["tokens"], skip_special_tokens=False)
     assert "Be terse." in text and "Be nice." not in text
-    chat = data("dataset=chat", f"dataset.source={openai}", "dataset.validation.split=train")
+    chat = data(
+        "dataset=chat",
+        f"dataset.source={openai}",
+        "dataset.split='train[:1]'",
+        "dataset.validation.split='train[1:]'",  # the same conversation, in its second record
+    )
     prompt = eval_prompts(validation_split(chat, tok), tok, 1)[0]
     assert prompt.reference == "Goodbye"
     assert tok.decode(prompt.tokens, skip_special_tokens=False).endswith(

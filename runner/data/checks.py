@@ -421,6 +421,7 @@ def checked_split(
             split,
             f"{source} has only blank lines in this split; give a split that holds some text",
         )
+    checked.parts = records.parts
     return checked
 
 

@@ -120,6 +120,8 @@ class PreferenceSplit(Dataset):
     ) -> None:
         tokenizer.require_chat_template()
         self.records, self.tokenizer = records, tokenizer
+        # The rows of its source's files it holds (Records.parts), where checked_split read it.
+        self.parts: list[tuple[list[str], int, int]] = []
         self.message_transform = PreferenceToMessages(
             data["column_map"], data["conversation_style"], data["new_system_prompt"]
         )

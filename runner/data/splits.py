@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -93,7 +94,48 @@ def _splits(
     if held["held_out"] is not None:
         train, held_out = _held_out(train, held["held_out"], held["seed"], data, tokenizer)
         return train, held_out if validation else None
-    return train, validation_split(data, tokenizer) if validation else None
+    if not validation:
+        return train, None
+    named = validation_split(data, tokenizer)
+    if named is not None:
+        _check_disjoint(train.parts, named.parts, data)
+    return train, named
+
+
+def _stream_parts(data: Mapping[str, Any]) -> list[tuple[list[str], int, int]]:
+    """A streamed split as Records.parts: every row of its files (a stream takes whole
+    splits), none of them read."""
+    files = stream_files(
+        "dataset.source", data["source"], data["format"], "dataset.split", data["split"]
+    )
+    return [(files, 0, sys.maxsize)]
+
+
+def _check_disjoint(
+    train: list[tuple[list[str], int, int]],
+    validation: list[tuple[list[str], int, int]],
+    data: Mapping[str, Any],
+) -> None:
+    """The validation records are none of the training records: a validation split that
+    overlaps the training split (dataset=alpaca dataset.split=train keeps the preset's
+    validation.split=train[95%:]) scored records the run trains on, and picked its best
+    checkpoint by them, without a word."""
+    for files, start, rows in train:
+        for other, other_start, other_rows in validation:
+            first, end = max(start, other_start), min(start + rows, other_start + other_rows)
+            if files != other or first >= end:
+                continue
+            held = data["validation"]
+            named_by = "source" if held["source"] is not None else "split"
+            raise UserError(
+                f"dataset.validation.{named_by}",
+                held[named_by],
+                f"holds records {first + 1} to {end} of {', '.join(files)}, which "
+                f"dataset.split={data['split']!r} trains on: evaluation would score training "
+                "records; give slices that do not meet (dataset.split='train[:95%]' beside "
+                "validation.split='train[95%:]'), or validation.held_out=5% to draw them from "
+                "the training split",
+            )
 
 
 def validation_split(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> Split | None:
@@ -167,7 +209,11 @@ def check_datasets(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> dict[st
                 "dataset.source", data["source"], data["format"], "dataset.split", data["split"]
             )
         held = validation_split(data, tokenizer)
-        return {} if held is None else {"validation": len(held)}
+        if held is None:
+            return {}
+        if not is_remote(data["source"]):
+            _check_disjoint(_stream_parts(data), held.parts, data)
+        return {"validation": len(held)}
     train, validation = _splits(data, tokenizer, validation=True)
     found = {"train": len(train)}
     if validation is not None:

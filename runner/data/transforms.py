@@ -118,6 +118,8 @@ class TokenizedSplit(Dataset):
         self, records: datasets.Dataset, data: Mapping[str, Any], tokenizer: ChatTokenizer
     ) -> None:
         self.records = records
+        # The rows of its source's files it holds (Records.parts), where checked_split read it.
+        self.parts: list[tuple[list[str], int, int]] = []
         self.kind = data["kind"]
         column_map = data["column_map"]
         if self.kind != "text":
