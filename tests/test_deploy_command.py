@@ -360,3 +360,68 @@ def test_the_engine_in_its_own_process_serves_a_lora_checkpoint(tiny_checkpoint:
             model="lora", prompt=PROMPTS[3], max_tokens=16, temperature=0
         )
     assert response.choices[0].text == answers["merged"]
+
+
+def _gone_after(url: str, body: bytes, wait_s: float) -> None:
+    """POST `body` to /v1/completions, then hang up after `wait_s` (a stream: once its first
+    event has come), as a client that went away."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    if json.loads(body).get("stream"):
+        connection.getresponse().read1(1)
+    time.sleep(wait_s)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+
+
+def test_clients_that_go_away_give_their_room_back(served_run: Path) -> None:
+    """The engine in its own process (the CPU's default) sends nothing for a cancelled
+    request, whose choices stayed counted: three streams cut off, and every request after was
+    answered 429 with the engine idle. A whole answer's client that left went on generating to
+    its last token, holding its rows and room."""
+    cfg = deploy_config(
+        f"checkpoint={served_run}",
+        "served_model_name=tiny",
+        "port=0",
+        "max_queue=1",
+        "transformers.max_batch_size=1",  # room for two choices: one running, one waiting
+    )
+    long = {"prompt": "hello", "max_tokens": 240, "temperature": 0, "n": 2}
+    with serving(cfg) as url:
+        for _ in range(3):
+            _gone_after(url, completion_body(**long, stream=True), 0.0)
+            deadline = time.monotonic() + 30
+            while (
+                status := raw_request(url, "POST", "/v1/completions", completion_body(n=2))[0]
+            ) != 200:
+                assert status == 429 and time.monotonic() < deadline, status
+                time.sleep(0.1)
+        # Whole: its two choices take about twice 240 steps; the room is back at once.
+        _gone_after(url, completion_body(**long), 0.1)
+        time.sleep(0.1)
+        status, _, body = raw_request(url, "POST", "/v1/completions", completion_body(n=2))
+        assert status == 200, body
+
+
+def test_an_engine_process_that_ends_fails_health_and_requests(served_run: Path) -> None:
+    """/health said ok and every request was answered 503 "shutting down: retry" for good: a
+    supervisor probing /health never restarted the server."""
+    import multiprocessing
+
+    cfg = deploy_config(
+        f"checkpoint={served_run}", "served_model_name=tiny", "port=0", "transformers.process=true"
+    )
+    before = set(multiprocessing.active_children())  # the module's other servers' engines
+    with serving(cfg) as url:
+        (engine,) = set(multiprocessing.active_children()) - before
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (health := raw_request(url, "GET", "/health", key=None))[0] != 503:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.1)
+        said = json.loads(health[2])
+        assert said["status"] == "failed", said
+        assert "the engine's process ended unexpectedly (exit code -9)" in said["error"]
+        status, _, body = raw_request(url, "POST", "/v1/completions", completion_body())
+        assert status == 503 and "ended unexpectedly" in json.loads(body)["error"]["message"]

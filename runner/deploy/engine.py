@@ -103,6 +103,8 @@ class _Step:
 class TransformersEngine:
     """Serves one loaded model to many concurrent requests from one generation thread."""
 
+    failure: str | None = None  # a step's error fails its requests, not the engine
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -200,7 +202,9 @@ class TransformersEngine:
         with self._wake:
             if self._closed:
                 raise ShuttingDown()
-            in_flight = len(self._waiting) + len(self._running)
+            # A cancelled sequence waits to be dropped at its turn: it holds no room.
+            waiting = sum(not sequence.handle.cancelled for sequence in self._waiting)
+            in_flight = waiting + len(self._running)
             check_room(in_flight, len(sequences), self._max_batch_size + self._max_queue)
             self._waiting.extend(sequences)
             self._wake.notify()

@@ -123,6 +123,7 @@ class EngineProcess:
         self._handles: dict[int, tuple[RequestHandle, int]] = {}  # id: handle, unfinished
         self._unfinished = 0  # sequences queued or running
         self._closed = False
+        self.failure: str | None = None  # why it can no longer generate (Engine.failure)
         self._ids = itertools.count()
         self._reader = threading.Thread(target=self._read, name="deploy-engine-reader")
 
@@ -137,6 +138,8 @@ class EngineProcess:
         not fit beside those running or waiting."""
         count = sum(request.n for request in requests)
         with self._lock:
+            if self.failure is not None:
+                raise EngineFailed(self.failure)
             if self._closed:
                 raise ShuttingDown()
             check_room(self._unfinished, count, self._max_batch_size + self._max_queue)
@@ -181,6 +184,11 @@ class EngineProcess:
         with self._lock:
             if request_id not in self._handles or self._closed:
                 return  # finished already: nothing to stop
+            # Its choices leave the count now: the engine sends nothing for a cancelled
+            # sequence, and every client that went away held its room for good, until the
+            # server answered each request 429 with the engine idle.
+            _, unfinished = self._handles.pop(request_id)
+            self._unfinished -= unfinished
         self._send(("cancel", request_id))
 
     def _send(self, message: tuple) -> None:
@@ -199,6 +207,12 @@ class EngineProcess:
             closed, self._closed = self._closed, True
             left = [handle for handle, _ in self._handles.values()]
             self._handles.clear()
+        if not closed:
+            self._process.join(CLOSE_TIMEOUT_S)
+            self.failure = (
+                f"the engine's process ended unexpectedly (exit code {self._process.exitcode})"
+            )
+            log.error("%s: requests are answered 503 and /health says so", self.failure)
         ended = EngineFailed("the engine's process ended unexpectedly")
         deliver([(handle, ShuttingDown() if closed else ended) for handle in left])
 
@@ -270,7 +284,10 @@ class _EngineSide:
                 count = sum(request.n for request in requests)
                 handle = RequestHandle(n=count, loop=None, request_id=request_id)
                 self._handles[request_id], self._unfinished[request_id] = handle, count
-                engine.submit(requests, handle)
+                try:
+                    engine.submit(requests, handle)
+                except Exception as error:  # its room (cancelled rows not yet dropped): that
+                    self.send([(handle, error)])  # request fails, not the engine's process
             elif message[0] == "cancel" and (cancelled := self._handles.get(message[1])):
                 cancelled.cancel()
             elif message[0] == "close":

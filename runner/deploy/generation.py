@@ -129,6 +129,10 @@ class RequestHandle:
 class Engine(Protocol):
     """Generates for many requests at once; `submit` is called on the server's event loop."""
 
+    # Why it can no longer generate (its process ended), which /health reports; None while it
+    # can.
+    failure: str | None
+
     def submit(self, requests: list[SamplingRequest]) -> RequestHandle:
         """Queue prompts whose choices are numbered in order (prompt i, choice j: i * n + j).
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -125,8 +125,12 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
     created = protocol.now()
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        """Liveness, without an API key."""
+    async def health() -> Any:
+        """Liveness, without an API key: 503 once an engine can no longer generate (its
+        process ended), so that a supervisor restarts the server."""
+        failed = [f"{m.name}: {m.engine.failure}" for m in models if m.engine and m.engine.failure]
+        if failed:
+            return JSONResponse({"status": "failed", "error": "; ".join(failed)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -147,7 +151,7 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         model = _find(by_name, params.model)
         size = _prompt_chars(params.prompt)
         prompts = await _off_loop(size, _tokenize_prompts, model.tokenizer, params.prompt)
-        return await _respond(model, params, prompts, limits, chat=False)
+        return await _respond(request, model, params, prompts, limits, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -157,7 +161,7 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         model = _find(by_name, params.model)
         size = sum(len(m.as_template_input()["content"]) for m in params.messages)
         prompt = await _off_loop(size, _render_chat, model.tokenizer, params.messages)
-        return await _respond(model, params, [prompt], limits, chat=True)
+        return await _respond(request, model, params, [prompt], limits, chat=True)
 
 
 async def _off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
@@ -223,13 +227,14 @@ class ApiKeyMiddleware:
 
 
 async def _respond(
+    request: Request,
     model: ServedModel,
     params: protocol.SamplingBody,
     prompts: list[list[int]],
     limits: Limits,
     *,
     chat: bool,
-) -> StreamingResponse | JSONResponse:
+) -> Response:
     """Validate, queue and answer a (chat) completion, whole or as server-sent events."""
     requests = protocol.sampling_requests(
         params,
@@ -260,9 +265,36 @@ async def _respond(
         # No caching or proxy buffering: each event should reach the client as it is made.
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    whole = asyncio.ensure_future(answer.whole(handle, prompt_tokens))
+    if not await _done_unless_gone(request, whole):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     # A response, not a dict: FastAPI would pass a dict through jsonable_encoder first (about
     # 20 us a body of plain values, which it leaves as they are).
-    return JSONResponse(await answer.whole(handle, prompt_tokens))
+    return JSONResponse(whole.result())
+
+
+async def _done_unless_gone(request: Request, work: asyncio.Future[Any]) -> bool:
+    """Whether `work` finished; False where the client went away first, and `work` is
+    cancelled (a whole answer's cancels its request): an answer nobody waited for held its
+    rows and its room in the queue to its last token. A stream's ends as its first write
+    after the client left fails."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work.done():
+        return True
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return False
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body already read, the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _shutting_down(error: ShuttingDown) -> ApiError:

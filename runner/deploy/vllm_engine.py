@@ -79,6 +79,8 @@ def unmerged_adapter(checkpoint_dir: Path) -> Adapter | None:
 class VllmEngine:
     """Serves one checkpoint through vLLM; vLLM batches and schedules, we bound its queue."""
 
+    failure: str | None = None  # vLLM's own engine process is vLLM's to watch
+
     def __init__(
         self,
         checkpoint_dir: Path,
