@@ -1,4 +1,5 @@
-"""Where the packaged configs, recipes and embedded assets live (editable or installed alike)."""
+"""Where the packaged configs, recipes and embedded assets live (editable or installed alike),
+and paths as a user types them (`~`) and pastes them (an override of a path)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,24 @@ def user_path(given: object) -> Path:
 def config_groups() -> set[str]:
     """The config groups of conf/ (model, dataset, ..., hydra): its folders."""
     return {path.name for path in CONF_DIR.iterdir() if path.is_dir()}
+
+
+def pasteable(key: str, value: str) -> str:
+    """`key=value` as one shell word that Hydra reads back as `value`: quoted for Hydra where its
+    grammar reads the value otherwise (a letter outside ASCII, `,`, `=`, brackets, a number),
+    then for the shell (a space)."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    override = f"{key}={value}"
+    try:
+        plain = OverridesParser.create().parse_override(override).value() == value
+    except Exception:  # Hydra's grammar refuses it as typed
+        plain = False
+    if not plain:
+        escaped = value.replace("'", "\\'")  # a quote inside Hydra's quotes: \'
+        override = f"{key}='{escaped}'"
+        if not set(override) & set('$`"\\!'):  # as the CLI's own advice quotes: "key='value'"
+            return f'"{override}"'
+    return shlex.quote(override)

@@ -31,27 +31,6 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def pasteable(key: str, value: str) -> str:
-    """`key=value` as one shell word that Hydra reads back as `value`: quoted for Hydra where its
-    grammar reads the value otherwise (a letter outside ASCII, `,`, `=`, brackets, a number),
-    then for the shell (a space)."""
-    import shlex
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    override = f"{key}={value}"
-    try:
-        plain = OverridesParser.create().parse_override(override).value() == value
-    except Exception:  # Hydra's grammar refuses it as typed
-        plain = False
-    if not plain:
-        escaped = value.replace("'", "\\'")  # a quote inside Hydra's quotes: \'
-        override = f"{key}='{escaped}'"
-        if not set(override) & set('$`"\\!'):  # as the CLI's own advice quotes: "key='value'"
-            return f'"{override}"'
-    return shlex.quote(override)
-
-
 def as_typed(overrides: Any) -> list[str]:
     """Hydra's list of overrides (hydra.overrides.task) as typed. Read as OmegaConf's list, an
     override that holds an interpolation is resolved on the way (eval.steps=${max_steps} read

@@ -19,9 +19,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from runner.config.fields import pasteable
 from runner.errors import UserError
 from runner.hub.download import SCHEME, HubSource, TokenRef, out_of_reach, parse_uri
+from runner.paths import pasteable
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     CHECKPOINTS_DIR,

@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
-from runner.config.fields import as_typed, override_key, pasteable
+from runner.config.fields import as_typed, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.load_checkpoint import check_same_global_batch, global_batch
@@ -38,7 +38,7 @@ from runner.job.launch import (
 )
 from runner.job.lifecycle import preference_rewards, wait_for_orphans
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
-from runner.paths import user_path
+from runner.paths import pasteable, user_path
 from runner.rundir import (
     FINAL_STATES,
     STATES,

@@ -14,8 +14,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from runner.config.fields import pasteable
 from runner.errors import UserError
+from runner.paths import pasteable
 from runner.rundir import (
     FINAL_STATES,
     LOG_FILE,
