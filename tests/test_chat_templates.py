@@ -185,6 +185,25 @@ def test_a_template_that_rewrites_history_is_refused_by_name(tokenizers_dir: Pat
     assert err.value.key == "model.chat_template" and "rewrites earlier turns" in err.value.fix
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma2", "phi3"])
+def test_a_cut_past_the_last_trained_token_keeps_the_end_of_turn_trained(
+    tokenizers_dir: Path, name: str
+) -> None:
+    """Templates that write after the answer's end-of-turn (a newline, Phi-3's end of text):
+    cut there alone, torchtune's truncate put an untrained EOS in the end-of-turn's place, and
+    the answer trained without learning to stop."""
+    whole, whole_mask = ChatTokenizer(str(tokenizers_dir / name)).tokenize_messages(
+        to_messages(CHAT[:2])
+    )
+    last_trained = max(i for i, masked in enumerate(whole_mask) if not masked)
+    assert last_trained < len(whole) - 1  # the template writes after it
+    cut = ChatTokenizer(str(tokenizers_dir / name), max_seq_len=last_trained + 1)
+    tokens, mask = cut.tokenize_messages(to_messages(CHAT[:2]))
+    assert tokens == whole[: last_trained + 1] and mask == whole_mask[: last_trained + 1]
+    end = TEMPLATES[name][-1]
+    assert [run.strip() for run in trained_runs(cut, tokens, mask)] == [f"{CHAT[1][1]}{end}"]
+
+
 @pytest.mark.parametrize("name", ["smollm2", "mistral"])
 def test_train_on_input_trains_each_message_content(tokenizers_dir: Path, name: str) -> None:
     ours = ChatTokenizer(str(tokenizers_dir / name))

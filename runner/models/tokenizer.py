@@ -322,6 +322,12 @@ class ChatTokenizer:
         text = self.render(messages, continue_final_message=not add_end_tokens)
         tokens, mask = self._encode(text, self._trained_spans(messages, text, not add_end_tokens))
         if self.max_seq_len and len(tokens) > self.max_seq_len:
+            if all(mask[self.max_seq_len :]):
+                # Only what the template writes after the last trained token (Qwen's and
+                # Gemma's newline after the end-of-turn) is past the limit: cut it alone. Put
+                # in its place, an untrained EOS took the end-of-turn's place, and the answer
+                # trained without learning to stop.
+                return tokens[: self.max_seq_len], mask[: self.max_seq_len]
             tokens = truncate(tokens, self.max_seq_len, self.eos_id if add_end_tokens else None)
             mask = truncate(mask, self.max_seq_len, True if add_end_tokens else None)
         return tokens, mask
