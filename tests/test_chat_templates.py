@@ -239,6 +239,23 @@ def test_a_template_file_for_a_tokenizer_without_one(tmp_path: Path) -> None:
     assert err.value.key == "model.chat_template" and "Jinja chat template file" in err.value.fix
 
 
+def test_a_template_whose_answers_end_in_no_stop_token_is_warned_of(
+    tokenizers_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its answers trained with no end-of-turn, and the model never learned to stop."""
+    for name in TEMPLATES:  # every published one ends its answers in one
+        assert ChatTokenizer(str(tokenizers_dir / name)).answers_end_in_a_stop_token(), name
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    assert not ChatTokenizer(
+        str(tokenizers_dir / "smollm2"), None, str(plain)
+    ).answers_end_in_a_stop_token()
+    with caplog.at_level("WARNING", logger="runner.config.model"):
+        model_section([f"model.chat_template={plain}"])
+    (warning,) = [r.getMessage() for r in caplog.records if "no stop token" in r.getMessage()]
+    assert warning.startswith(f"{plain} ends an assistant's answer with no stop token")
+
+
 TRAIN = [
     "compute=cpu",
     "dtype=fp32",

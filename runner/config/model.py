@@ -12,6 +12,7 @@ model. The family supplies the torchtune builder and its LoRA twin.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
@@ -21,6 +22,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runner.components import check_arguments, plain_dict
 from runner.config.fields import number, typed_as
 from runner.errors import NULL, UserError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from runner.models.families import Family
@@ -492,6 +495,15 @@ def _checked_tokenizer(
         # model.tokenizer left null is model.source's files: the key the user gave.
         fix = f"{err.fix} (model.tokenizer left null reads the source's)"
         raise UserError("model.source", model.source, fix) from None
+    if not tokenizer.answers_end_in_a_stop_token():
+        stops = [tokenizer.decode([t], skip_special_tokens=False) for t in tokenizer.stop_tokens]
+        log.warning(
+            "%s ends an assistant's answer with no stop token (%s): a model trained on it "
+            "never learns to stop, and generates to max_new_tokens; end the assistant's turn "
+            "with {{ eos_token }} in model.chat_template",
+            tokenizer.template_name,
+            ", ".join(stops),
+        )
     rows = builder["vocab_size"]
     if tokenizer.max_token_id >= rows:
         fits = (

@@ -203,6 +203,23 @@ class ChatTokenizer:
                 "model.chat_template=<a Jinja chat template file>, or train on dataset=text",
             )
 
+    def answers_end_in_a_stop_token(self) -> bool:
+        """Whether the template ends an assistant's answer with a stop token (eos, <|eot_id|>,
+        <|im_end|>, ...), which then trains: a model trained without one never learns to stop.
+        True where there is no template, or it refuses a bare user, assistant conversation."""
+        if self.template is None:
+            return True
+        messages = [
+            Message(role="user", content="x", masked=True),
+            Message(role="assistant", content="y"),
+        ]
+        try:
+            tokens, mask = self.tokenize_messages(messages)
+        except UserError:
+            return True
+        trained = [token for token, masked in zip(tokens, mask, strict=True) if not masked]
+        return bool(trained) and trained[-1] in self.stop_tokens
+
     def render(
         self,
         messages: Sequence[Message],
