@@ -12,7 +12,6 @@ model. The family supplies the torchtune builder and its LoRA twin.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
@@ -21,9 +20,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.components import check_arguments, plain_dict
 from runner.config.fields import number, typed_as
+from runner.config.tokenizer import checked_tokenizer
 from runner.errors import NULL, UserError
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from runner.models.families import Family
@@ -281,7 +279,7 @@ def resolve_model(model: DictConfig, need_files: bool = True) -> ModelRecipe:
         if need_files:
             raise UserError("model.tokenizer", None, "give a tokenizer directory or model.source")
         return resolved
-    tokenizer = _checked_tokenizer(model, resolved.builder, Path(tokenizer_dir))
+    tokenizer = checked_tokenizer(model, resolved.builder, Path(tokenizer_dir))
     resolved.hf_config = _hf_config(resolved, family, raw_config, tokenizer)
     resolved.tokenizer = {
         "_component_": "runner.models.tokenizer.ChatTokenizer",
@@ -462,69 +460,3 @@ def _family_and_builder(
     if derived is not None:
         check_source_matches(family, builder, derived, str(model.source))
     return family, builder
-
-
-def _chat_template_file(value: str | None) -> str | None:
-    """model.chat_template as an absolute path to a template file (None: the tokenizer's own)."""
-    if value is None:
-        return None
-    path = Path(value).expanduser().resolve()
-    if not path.is_file():
-        raise UserError(
-            "model.chat_template",
-            value,
-            "is not a file; give the path of a Jinja chat template file (for a tokenizer that "
-            "has none), or null to use the tokenizer's own template",
-        )
-    return str(path)
-
-
-def _checked_tokenizer(
-    model: DictConfig, builder: dict[str, Any], tokenizer_dir: Path
-) -> ChatTokenizer:
-    """The tokenizer with its chat template (the tokenizer's own unless model.chat_template
-    names a file), its vocabulary checked against the builder's."""
-    from runner.models.tokenizer import ChatTokenizer
-
-    template = _chat_template_file(model.chat_template)
-    try:
-        tokenizer = ChatTokenizer(str(tokenizer_dir), builder["max_seq_len"], template)
-    except UserError as err:
-        if err.key != "model.tokenizer" or model.tokenizer is not None:
-            raise
-        # model.tokenizer left null is model.source's files: the key the user gave.
-        fix = f"{err.fix} (model.tokenizer left null reads the source's)"
-        raise UserError("model.source", model.source, fix) from None
-    if not tokenizer.answers_end_in_a_stop_token():
-        stops = [tokenizer.decode([t], skip_special_tokens=False) for t in tokenizer.stop_tokens]
-        log.warning(
-            "%s ends an assistant's answer with no stop token (%s): a model trained on it "
-            "never learns to stop, and generates to max_new_tokens; end the assistant's turn "
-            "with {{ eos_token }} in model.chat_template",
-            tokenizer.template_name,
-            ", ".join(stops),
-        )
-    rows = builder["vocab_size"]
-    if tokenizer.max_token_id >= rows:
-        fits = (
-            f"token ids up to {tokenizer.max_token_id}, and the model's embedding has {rows} rows"
-        )
-        if model.builder is not None:
-            raise UserError(
-                "model.builder.vocab_size",
-                rows,
-                f"the tokenizer gives {fits}; give at least {tokenizer.max_token_id + 1}",
-            )
-        if model.tokenizer is not None:
-            raise UserError(
-                "model.tokenizer",
-                model.tokenizer,
-                f"it gives {fits} (model.source's vocab_size); give the model's own tokenizer",
-            )
-        raise UserError(
-            "model.source",
-            model.source,
-            f"its tokenizer gives {fits} (config.json's vocab_size); give a checkpoint whose "
-            "tokenizer and weights belong together",
-        )
-    return tokenizer
