@@ -25,22 +25,27 @@ def config_groups() -> set[str]:
     return {path.name for path in CONF_DIR.iterdir() if path.is_dir()}
 
 
-def pasteable(key: str, value: str) -> str:
-    """`key=value` as one shell word that Hydra reads back as `value`: quoted for Hydra where its
-    grammar reads the value otherwise (a letter outside ASCII, `,`, `=`, brackets, a number),
-    then for the shell (a space)."""
-    import shlex
-
+def override(key: str, value: str) -> str:
+    """`key=value` as Hydra reads it back as `value`: quoted for Hydra where its grammar reads
+    the value otherwise (a letter outside ASCII, `,`, `=`, brackets, a number)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    override = f"{key}={value}"
+    plain = f"{key}={value}"
     try:
-        plain = OverridesParser.create().parse_override(override).value() == value
+        if OverridesParser.create().parse_override(plain).value() == value:
+            return plain
     except Exception:  # Hydra's grammar refuses it as typed
-        plain = False
-    if not plain:
-        escaped = value.replace("'", "\\'")  # a quote inside Hydra's quotes: \'
-        override = f"{key}='{escaped}'"
-        if not set(override) & set('$`"\\!'):  # as the CLI's own advice quotes: "key='value'"
-            return f'"{override}"'
-    return shlex.quote(override)
+        pass
+    escaped = value.replace("'", "\\'")  # a quote inside Hydra's quotes: \'
+    return f"{key}='{escaped}'"
+
+
+def pasteable(key: str, value: str) -> str:
+    """`key=value` as one shell word that Hydra reads back as `value` (`override`, then quoted
+    for the shell: a space)."""
+    import shlex
+
+    given = override(key, value)
+    if given != f"{key}={value}" and not set(given) & set('$`"\\!'):
+        return f'"{given}"'  # as the CLI's own advice quotes: "key='value'"
+    return shlex.quote(given)

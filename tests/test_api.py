@@ -260,3 +260,18 @@ def test_a_deployment_that_ended_unseen_leaves_no_console_file(
     del deployment
     gc.collect()
     assert not console.exists()
+
+
+def test_a_launch_under_an_output_root_of_home_and_odd_letters(
+    workdir: Path, hermetic_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`~` made a directory named `~` in the caller's directory, and a root holding a comma or
+    a letter outside ASCII gave the run a hydra.run.dir that Hydra's grammar refused."""
+    monkeypatch.setenv("HOME", str(workdir / "home"))
+    given = [*BASE, "max_steps=2", "runtime.output_root='~/my runs,é'"]
+    run = api.launch(given, cwd=workdir, env=hermetic_env)
+    assert run.path.is_relative_to(workdir / "home" / "my runs,é"), run.path
+    final = run.wait(timeout=600)
+    assert final.state == "completed", run.console()[-3000:]
+    assert not (workdir / "~").exists()
+    assert api.Run(f"~/{run.path.relative_to(workdir / 'home')}").status() == final

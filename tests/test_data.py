@@ -363,3 +363,28 @@ def test_chat_in_both_styles(tmp_path: Path) -> None:
     assert tok.decode(prompt.tokens, skip_special_tokens=False).endswith(
         "Bye<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     )
+
+
+def test_a_validation_split_holding_training_records_is_refused_where_the_run_evaluates(
+    tmp_path: Path,
+) -> None:
+    """dataset=alpaca dataset.split=train kept the preset's validation.split=train[95%:]: the
+    run scored, and chose its best checkpoint by, records it trained on."""
+    source = write(
+        [{"instruction": f"add {i}", "output": f"{i + 1}"} for i in range(40)], tmp_path / "a.jsonl"
+    )
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(source)
+    given = ["dataset=instruct", f"dataset.source={source}", "dataset.column_map.input=null"]
+    apart = data(*given, "dataset.split='train[:90%]'", "dataset.validation.split='train[90%:]'")
+    assert check_datasets(apart, tokenizer()) == {"train": 36, "validation": 4}
+    inside = data(*given, "dataset.split=train", "dataset.validation.split='train[90%:]'")
+    with pytest.raises(UserError, match=f"holds records 37 to 40 of {source}") as err:
+        check_datasets(inside, tokenizer())
+    assert err.value.key == "dataset.validation.split"
+    # A run that does not evaluate reads no validation record: nothing to refuse.
+    assert check_datasets(inside, tokenizer(), evaluates=False) == {"train": 40, "validation": 4}
+    linked = data(*given, f"dataset.validation.source={link}")  # the same file, by a link
+    with pytest.raises(UserError, match="holds records 1 to 40") as err:
+        check_datasets(linked, tokenizer())
+    assert err.value.key == "dataset.validation.source"

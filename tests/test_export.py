@@ -261,6 +261,18 @@ def test_missing_base_and_existing_destination(lora_checkpoint: Path, tmp_path: 
     assert caught.value.key == "out"
 
 
+def test_a_checkpoint_and_out_given_with_a_tilde_are_in_the_home_directory(
+    full_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quoted, checkpoint='~/run' was no such directory (load_checkpoint.path and resume took
+    it as the home directory's)."""
+    home = tmp_path / "home"
+    shutil.copytree(full_checkpoint.parents[1], home / "run")
+    monkeypatch.setenv("HOME", str(home))
+    written = run_export(Path("~/run"), "merged", out="~/merged")
+    assert written == home / "merged" and (written / "config.json").is_file()
+
+
 def test_weights_cut_short_or_missing_are_named_before_anything_is_written(
     runner_cli, full_checkpoint: Path, lora_checkpoint: Path, tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ from omegaconf import ListConfig, OmegaConf
 from runner.api.configs import compose, environment, listed
 from runner.api.processes import last_error, start
 from runner.errors import UserError
+from runner.paths import user_path
 
 _URL_LINE = re.compile(r"OpenAI-compatible API at (http://\S+)")
 
@@ -38,7 +39,7 @@ def deploy(
     given = OmegaConf.select(config, "checkpoint", throw_on_missing=False)
     for path in given if isinstance(given, ListConfig) else [given]:
         if isinstance(path, str) and path != "???":
-            check_servable(base / path)
+            check_servable(base / user_path(path))
     handle, name = tempfile.mkstemp(prefix="runner-deploy-", suffix=".log")
     os.close(handle)
     console = Path(name)

@@ -21,6 +21,7 @@ from runner.config.fields import override_key
 from runner.config.schema import typed
 from runner.errors import UserError
 from runner.job import lifecycle
+from runner.paths import override, user_path
 from runner.rundir import FINAL_STATES, SUMMARY_JSON, RunDir, Status, is_sweep_dir
 
 
@@ -49,8 +50,8 @@ def launch(
             "(or cwd=), or resume a run of that directory with api.Run(RUN).resume()",
         )
     base = Path(cwd or Path.cwd())
-    path = new_dir(base / str(typed(compose(overrides)).runtime.output_root))
-    args = ["train", *overrides, f"hydra.run.dir={path}"]
+    path = new_dir(base / user_path(typed(compose(overrides)).runtime.output_root))
+    args = ["train", *overrides, override("hydra.run.dir", str(path))]
     return Run(path, _process=start(args, console_of(path), base, env), _cwd=base)
 
 
@@ -61,7 +62,7 @@ class Run:
     def __init__(
         self, path: str | os.PathLike[str], *, _process: Any = None, _cwd: Path | None = None
     ) -> None:
-        self.path = Path(path).resolve()
+        self.path = user_path(path).resolve()
         self.dir = RunDir(self.path)
         if _process is None:
             lifecycle.run_dir_at(self.path, key="path", readable=False)
@@ -238,8 +239,8 @@ def sweep(
     parsed = OverridesParser.create().parse_overrides(overrides)
     plain = [line for line, o in zip(overrides, parsed, strict=True) if not o.is_sweep_override()]
     base = Path(cwd or Path.cwd())
-    path = new_dir(base / str(typed(compose(plain)).runtime.multirun_root))
-    args = ["train", "-m", *overrides, f"hydra.sweep.dir={path}"]
+    path = new_dir(base / user_path(typed(compose(plain)).runtime.multirun_root))
+    args = ["train", "-m", *overrides, override("hydra.sweep.dir", str(path))]
     return Sweep(path, _process=start(args, console_of(path), base, env))
 
 
@@ -247,7 +248,7 @@ class Sweep:
     """A sweep, by its directory: one Run per job, and the summary runner.job.sweep writes."""
 
     def __init__(self, path: str | os.PathLike[str], *, _process: Any = None) -> None:
-        self.path = Path(path).resolve()
+        self.path = user_path(path).resolve()
         self._process: subprocess.Popen[bytes] | None = _process
         if _process is None and not is_sweep_dir(self.path):
             found = "not a sweep directory" if self.path.exists() else "no such directory"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
@@ -12,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config.fields import override_key
 from runner.config.schema import Export, typed
 from runner.errors import UserError, user_errors_pass_hydra
-from runner.paths import CONF_DIR
+from runner.paths import CONF_DIR, user_path
 
 if TYPE_CHECKING:  # imported where used: runner.export loads what `--help` must not
     from runner.export.write import ExportRequest
@@ -60,7 +59,7 @@ def app(cfg: DictConfig) -> None:
 
             target, token = push
             # The checkpoint export chose: the model card describes the run it came from.
-            chosen = choose_checkpoint(Path(request.checkpoint), **request.select)
+            chosen = choose_checkpoint(user_path(request.checkpoint), **request.select)
             pushed = upload(
                 path, target, key="push_to", token=token, private=cfg.private, checkpoint=chosen
             )

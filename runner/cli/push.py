@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
 from runner.hub.download import SCHEME, TokenRef
 from runner.hub.push import check_pushable, parse_target, push
+from runner.paths import user_path
 from runner.rundir import is_checkpoint_dir
 
 
@@ -29,7 +28,7 @@ def main(argv: list[str]) -> int:
         "--hf-token", default="env:HF_TOKEN", help="env:NAME or file:PATH (never the token)"
     )
     args = parser.parse_args(argv)
-    path = Path(args.path)
+    path = user_path(args.path)
     if not path.exists():
         raise UserError("path", args.path, "no such file or directory: give an export's path")
     check_pushable(path, args.to)

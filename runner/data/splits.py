@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -94,12 +95,7 @@ def _splits(
     if held["held_out"] is not None:
         train, held_out = _held_out(train, held["held_out"], held["seed"], data, tokenizer)
         return train, held_out if validation else None
-    if not validation:
-        return train, None
-    named = validation_split(data, tokenizer)
-    if named is not None:
-        _check_disjoint(train.parts, named.parts, data)
-    return train, named
+    return train, validation_split(data, tokenizer) if validation else None
 
 
 def _stream_parts(data: Mapping[str, Any]) -> list[tuple[list[str], int, int]]:
@@ -123,7 +119,8 @@ def _check_disjoint(
     for files, start, rows in train:
         for other, other_start, other_rows in validation:
             first, end = max(start, other_start), min(start + rows, other_start + other_rows)
-            if files != other or first >= end:
+            same = [os.path.realpath(f) for f in files] == [os.path.realpath(f) for f in other]
+            if not same or first >= end:  # a file and a link to it are the same records
                 continue
             held = data["validation"]
             named_by = "source" if held["source"] is not None else "split"
@@ -198,9 +195,12 @@ def train_dataset(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> Dataset:
     return train
 
 
-def check_datasets(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> dict[str, int]:
+def check_datasets(
+    data: Mapping[str, Any], tokenizer: ChatTokenizer, *, evaluates: bool = True
+) -> dict[str, int]:
     """Reads and checks every split whole; records per split. Raises one UserError if not.
-    A streamed training split is checked as it is read (runner.data.stream): only validation."""
+    A streamed training split is checked as it is read (runner.data.stream): only validation.
+    A run that `evaluates` may not evaluate on records it trains on."""
     if data["streaming"]:
         if not is_remote(data["source"]):  # a hub's files are listed as the stream starts
             # Its files, listed (nothing read): a slice, or a split the source has not, passed
@@ -211,10 +211,12 @@ def check_datasets(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> dict[st
         held = validation_split(data, tokenizer)
         if held is None:
             return {}
-        if not is_remote(data["source"]):
+        if evaluates and not is_remote(data["source"]):
             _check_disjoint(_stream_parts(data), held.parts, data)
         return {"validation": len(held)}
     train, validation = _splits(data, tokenizer, validation=True)
+    if evaluates and validation is not None:
+        _check_disjoint(train.parts, validation.parts, data)
     found = {"train": len(train)}
     if validation is not None:
         found["validation"] = len(validation)

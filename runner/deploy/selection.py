@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import UserError
+from runner.paths import user_path
 from runner.rundir import (
     ACTIVE_STATES,
     SWEEP_MARKERS,
@@ -59,7 +60,8 @@ def resolve_checkpoints(
     mode: str | None,
 ) -> list[ServedCheckpoint]:
     """Turn the `checkpoint=` paths into whole checkpoint dirs, each under a unique name."""
-    paths = [paths] if isinstance(paths, str) else list(paths)
+    # `~` as the shell reads it unquoted (a quoted checkpoint='~/run' was no such directory).
+    paths = [str(user_path(p)) for p in ([paths] if isinstance(paths, str) else paths)]
     if not paths:
         raise UserError("checkpoint", paths, "name at least one checkpoint, run or sweep dir")
     names = [names] if isinstance(names, str) else list(names or [])
@@ -73,7 +75,7 @@ def resolve_checkpoints(
             "served_model_name", names, f"give one name per checkpoint ({len(paths)}) or null"
         )
     # The paths the operator named are trusted roots; what they lead to must stay inside.
-    roots = [Path(root).resolve() for root in [*allowed_roots, *paths]]
+    roots = [user_path(root).resolve() for root in [*allowed_roots, *paths]]
     chosen = [
         check_inside_roots(path, roots)
         for path in _choose_each(paths, checkpoint=checkpoint, metric=metric, mode=mode)

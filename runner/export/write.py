@@ -20,6 +20,7 @@ from typing import Any, TypedDict
 from runner.deploy.loading import require_safetensors
 from runner.deploy.selection import choose_checkpoint
 from runner.errors import UserError
+from runner.paths import user_path
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
@@ -120,7 +121,7 @@ def export(request: ExportRequest) -> Path:
 def check_request(request: ExportRequest) -> ExportPlan:
     """Every user error, before anything is loaded or written."""
     check_options(request)
-    chosen = choose_checkpoint(Path(request.checkpoint), **request.select)
+    chosen = choose_checkpoint(user_path(request.checkpoint), **request.select)
     base = check_checkpoint(chosen, request.format, request.base)
     return ExportPlan(chosen, base, check_destination(request, chosen))
 
@@ -171,7 +172,7 @@ def check_destination(request: ExportRequest, checkpoint: Path) -> Path:
     quantization = request.merged_quantization if request.format == "merged" else None
     suffix = f"{variant}-{quantization}" if quantization else variant
     if request.out:
-        destination = Path(request.out)
+        destination = user_path(request.out)
     else:
         destination = default_destination(checkpoint, request.format, suffix)
     if destination.exists() or destination.is_symlink():

@@ -403,7 +403,8 @@ def _check_data(recipe: DictConfig) -> None:
     from runner.data import check_datasets
 
     started = time.perf_counter()
-    found = check_datasets(recipe.dataset, instantiate(recipe.model.tokenizer))
+    evaluates = recipe.eval.strategy != "no"
+    found = check_datasets(recipe.dataset, instantiate(recipe.model.tokenizer), evaluates=evaluates)
     records = ", ".join(f"{n} {split}" for split, n in found.items()) or "no"
     log.info("data: %s records checked in %.1f s", records, time.perf_counter() - started)
     _check_one_global_batch(recipe, found.get("train"))

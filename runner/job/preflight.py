@@ -84,7 +84,7 @@ def check(
         f"{_origin(recipe, 'model.tokenizer')}"
     )
     data = recipe.dataset
-    found = check_datasets(data, tokenizer)
+    found = check_datasets(data, tokenizer, evaluates=recipe.eval.strategy != "no")
     # A split streamed from the hub is named by its hub URL at the commit already.
     from_hub = is_remote(data.source)
     origin = "" if from_hub else _origin(recipe, "dataset.source")

@@ -90,14 +90,16 @@ def not_written(run: RunDir, step: int, err: BaseException) -> UserError:
         said = str(err).strip().splitlines() or [type(err).__name__]
         cause = f"a file's write stopped short: {said[0]}"
     room = f"its disk has {shutil.disk_usage(run.path).free / 2**30:.1f} GiB free"
+    fix = "make room (runtime.keep_last_n_checkpoints keeps fewer)"
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY:
         room += f", and files are limited to {limit / 2**20:.1f} MiB here (ulimit -f)"
+        fix = f"raise the file-size limit (ulimit -f) or {fix}"
     return UserError(
         "hydra.run.dir",
         str(run.path),
-        f"the checkpoint of step {step} could not be written ({cause}); {room}: make room "
-        f"(runtime.keep_last_n_checkpoints keeps fewer), then {resume}",
+        f"the checkpoint of step {step} could not be written ({cause}); {room}: {fix}, "
+        f"then {resume}",
     )
 
 
