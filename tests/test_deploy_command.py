@@ -28,6 +28,7 @@ from runner.deploy.loading import resolve_dtype
 from runner.deploy.serve import bind_socket, prepare
 from runner.errors import UserError
 from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
+from tests.conftest import deploy_server
 from tests.serving import (
     API_KEY,
     LONG_REQUEST,
@@ -425,3 +426,49 @@ def test_an_engine_process_that_ends_fails_health_and_requests(served_run: Path)
         assert "the engine's process ended unexpectedly (exit code -9)" in said["error"]
         status, _, body = raw_request(url, "POST", "/v1/completions", completion_body())
         assert status == 503 and "ended unexpectedly" in json.loads(body)["error"]["message"]
+
+
+def test_the_engines_process_holds_no_listening_socket(
+    served_run: Path, hermetic_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Forked after `runner deploy` bound its port, the engine's process held the listening
+    socket open: through the server's shutdown the port took connections nobody answered,
+    reset as the engine exited."""
+    args = [f"checkpoint={served_run}", "device=cpu", "transformers.process=true"]
+    with deploy_server(args, cwd=tmp_path, env=hermetic_env, up_within_s=120) as url:
+        port = int(url.rsplit(":", 1)[1])
+        listening = {  # /proc/net/tcp: local address, remote, state (0A: LISTEN), ..., inode
+            fields[9]
+            for table in ("/proc/net/tcp", "/proc/net/tcp6")
+            for fields in (line.split() for line in Path(table).read_text().splitlines()[1:])
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A"
+        }
+        served = [  # the server and its forked engine: both run its command line
+            pid
+            for pid in filter(str.isdigit, os.listdir("/proc"))
+            if f"port={port}".encode() in _read(f"/proc/{pid}/cmdline")
+        ]
+        holders = [pid for pid in served if _holds(pid, {f"socket:[{i}]" for i in listening})]
+    assert len(served) == 2 and len(holders) == 1, (served, holders)
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def _holds(pid: str, sockets: set[str]) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    return any(_link(f"/proc/{pid}/fd/{fd}") in sockets for fd in fds)
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

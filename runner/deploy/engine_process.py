@@ -25,7 +25,9 @@ import ctypes
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
+import socket
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -241,6 +243,7 @@ def serve_engine(conn: Connection, load: tuple, max_queue: int, options: dict[st
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _close_server_sockets()
     from runner.deploy.engine import TransformersEngine
     from runner.deploy.loading import load_checkpoint
 
@@ -260,6 +263,23 @@ def serve_engine(conn: Connection, load: tuple, max_queue: int, options: dict[st
     finally:
         engine.close()
         conn.close()
+
+
+def _close_server_sockets() -> None:
+    """The server's sockets (its port, bound before the engine was forked and listened on
+    after), which a forked engine inherits: held open here, the port took connections through
+    the server's shutdown that nobody answered, reset as the engine exited. The engine talks
+    to no network; the pipe to the server (a Unix socket pair) stays."""
+    fds = Path("/proc/self/fd")
+    for name in os.listdir(fds) if fds.is_dir() else []:
+        try:
+            probe = socket.socket(fileno=int(name))
+        except OSError:  # not a socket, or the listing's own descriptor, closed since
+            continue
+        if probe.family in (socket.AF_INET, socket.AF_INET6):
+            probe.close()
+        else:
+            probe.detach()
 
 
 class _EngineSide:
