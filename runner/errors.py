@@ -23,7 +23,7 @@ HIDDEN = "<hidden>"
 URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
 
 
-def redact(text: str) -> str:
+def redact_text(text: str) -> str:
     """`text` with a URL's password and a token-shaped value hidden: an error message a library
     raised (MLflow's names its tracking URI) before it is printed or recorded."""
     return SECRET_VALUE.sub(HIDDEN, URL_PASSWORD.sub(rf"\g<1>{HIDDEN}@", text))

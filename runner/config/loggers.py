@@ -11,7 +11,7 @@ import socket
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from runner.errors import UserError, redact
+from runner.errors import UserError, redact_text
 
 # Each tracker name and the package (and extra of runner) it needs; None: always installed.
 TRACKERS: dict[str, tuple[str, str] | None] = {
@@ -116,7 +116,7 @@ def _check_reachable(uri: str, loggers: list[str], key: str) -> None:
         raise UserError(
             key,
             loggers,
-            f"MLflow's tracking server {redact(uri)} is out of reach ({reason}); start it, or "
+            f"MLflow's tracking server {redact_text(uri)} is out of reach ({reason}); start it, or "
             "give MLFLOW_TRACKING_URI one that answers",
         ) from None
 

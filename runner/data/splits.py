@@ -98,15 +98,6 @@ def _splits(
     return train, validation_split(data, tokenizer) if validation else None
 
 
-def _stream_parts(data: Mapping[str, Any]) -> list[tuple[list[str], int, int]]:
-    """A streamed split as Records.parts: every row of its files (a stream takes whole
-    splits), none of them read."""
-    files = stream_files(
-        "dataset.source", data["source"], data["format"], "dataset.split", data["split"]
-    )
-    return [(files, 0, sys.maxsize)]
-
-
 def _check_disjoint(
     train: list[tuple[list[str], int, int]],
     validation: list[tuple[list[str], int, int]],
@@ -202,17 +193,18 @@ def check_datasets(
     A streamed training split is checked as it is read (runner.data.stream): only validation.
     A run that `evaluates` may not evaluate on records it trains on."""
     if data["streaming"]:
+        streamed = None
         if not is_remote(data["source"]):  # a hub's files are listed as the stream starts
             # Its files, listed (nothing read): a slice, or a split the source has not, passed
             # validate and was refused by train.
-            stream_files(
+            streamed = stream_files(
                 "dataset.source", data["source"], data["format"], "dataset.split", data["split"]
             )
         held = validation_split(data, tokenizer)
         if held is None:
             return {}
-        if evaluates and not is_remote(data["source"]):
-            _check_disjoint(_stream_parts(data), held.parts, data)
+        if evaluates and streamed is not None:  # every row of each file: a stream takes all
+            _check_disjoint([(streamed, 0, sys.maxsize)], held.parts, data)
         return {"validation": len(held)}
     train, validation = _splits(data, tokenizer, validation=True)
     if evaluates and validation is not None:

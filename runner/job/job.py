@@ -149,14 +149,14 @@ class RunDirLock(Callback):
         # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
         with user_errors_pass_hydra():
             check_root(config.runtime.output_root, "runtime.output_root")  # before any mkdir
-            run = RunDir(user_path(config.hydra.run.dir))  # as Hydra resolves it (${now:} cached)
-            if str(run.path) != str(config.hydra.run.dir):  # hydra.run.dir='~/...' given
+            given = str(config.hydra.run.dir)  # as Hydra resolves it: ${now:} is cached
+            path = user_path(given)  # hydra.run.dir='~/...'
+            if _fresh_by_time(config, path):
+                path = _unclaimed(path, config)
+            if str(path) != given:
                 with read_write(config.hydra):  # where Hydra's run_job writes, from here on
-                    config.hydra.run.dir = str(run.path)
-            if _fresh_by_time(config, run.path):
-                run = RunDir(_unclaimed(run.path, config))
-                with read_write(config.hydra):  # where Hydra's run_job writes, from here on
-                    config.hydra.run.dir = str(run.path)
+                    config.hydra.run.dir = str(path)
+            run = RunDir(path)
             try:
                 self._lock.enter_context(_trainer_lock(config, run))
             except OSError as err:  # a read-only file system, a file on the path
