@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
+import logging
 import os
 import re
 import signal
@@ -19,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner import api
+from runner.job import launch
 from runner.rundir import RunDir, RunLocked, run_lock
 from tests.conftest import QUICK
 
@@ -219,6 +222,36 @@ def test_a_stop_as_the_run_starts_ends_it_cancelled(hermetic_env, tmp_path, proc
     else:
         assert status["state"] == "cancelled" and status["step"] == 0, status
         assert status["error"] == "stopped by SIGTERM before its first step", status
+
+
+def test_a_stop_swallowed_before_the_workers_is_sent_again(tmp_path, capfd) -> None:
+    """SIGTERM to a launcher of workers raises in whatever its main thread runs, and code that
+    catches every Exception swallowed it (a logging handler's emit, as here, prints it and goes
+    on): the stop was lost, and the run trained to its end. The launcher sends it again."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_status("created", step=0, total_steps=4, launcher_pid=os.getpid())
+
+    class StoppedMidWrite(io.StringIO):
+        def write(self, text: str) -> int:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler raises here
+            return super().write(text)
+
+    logger = logging.getLogger("tests.swallowed")
+    logger.propagate = False
+    logger.addHandler(logging.StreamHandler(StoppedMidWrite()))
+    before, started = signal.getsignal(signal.SIGTERM), time.monotonic()
+    with pytest.raises(SystemExit) as stopped, launch.stops_before_workers(run):
+        logger.warning("launch: 1 node(s) x 2 process(es)")
+        time.sleep(60)  # the workers' start and training, which the signal sent again ends
+    assert stopped.value.code == 143
+    assert time.monotonic() - started < 30
+    assert "--- Logging error ---" in capfd.readouterr().err  # where the first one went
+    status = run.status()
+    assert status.state == "cancelled", status
+    assert status.error == "stopped by SIGTERM before its first step", status
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_logs_of_a_starting_run_waits_for_it_then_follows(runner_cli, hermetic_env, tmp_path):

@@ -246,19 +246,67 @@ def stops_before_workers(run: RunDir) -> Iterator[None]:
     until the elastic agent takes them as it starts the workers, raise what the agent's own
     handlers raise (SignalException): the run ends cancelled, with nothing trained, and the
     launcher exits 128 + the signal. Left to the default action, the launcher died there, and
-    the run stayed `created`."""
+    the run stayed `created`.
+
+    SignalException is an Exception, which code that catches every Exception swallows: a
+    logging handler's emit (it prints "--- Logging error ---" and goes on), some of torch's
+    start-up. A stop raised there was lost, and the run trained to its end. So a stop nothing
+    took within RESEND_S is sent again (_Resend); once the workers run, the agent's handler
+    takes it and stops them as on any stop."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    global _resend
+    resend = _resend = _Resend()
 
     def raise_it(signum: int, frame: Any) -> None:
         sigval = signal.Signals(signum)
+        resend.pending(sigval)
         raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
-    with stop_signals_to(raise_it):
+    with stop_signals_to(raise_it), resend:
         try:
             yield
         except SignalException as err:  # before _elastic_launch's own answer to it
+            resend.taken.set()
             _cancelled_before_workers(run, err.sigval)
             raise SystemExit(128 + int(err.sigval)) from None
+
+
+# How long a stop signal may go untaken before the launcher sends it again (_Resend).
+RESEND_S = 1.0
+
+
+class _Resend:
+    """A thread, for the stops_before_workers block, that sends a pending stop signal again
+    while nothing has taken it. The signal handler only notes the signal (no lock: the main
+    thread it interrupts may hold any); `taken` is set where a SignalException is caught, and
+    as the block ends."""
+
+    def __init__(self) -> None:
+        self.taken = threading.Event()
+        self._signal: tuple[signal.Signals, float] | None = None
+        self._thread = threading.Thread(target=self._run, name="resend-stop", daemon=True)
+
+    def pending(self, sigval: signal.Signals) -> None:
+        if self._signal is None:
+            self._signal = (sigval, time.monotonic())
+
+    def _run(self) -> None:
+        while not self.taken.wait(RESEND_S / 4):
+            pending = self._signal
+            if pending is not None and time.monotonic() - pending[1] >= RESEND_S:
+                self._signal = (pending[0], time.monotonic())
+                os.kill(os.getpid(), pending[0])
+
+    def __enter__(self) -> None:
+        self._thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.taken.set()
+
+
+# The latest stops_before_workers block's, which _elastic_launch tells that it took the stop.
+_resend = _Resend()
 
 
 def _cancelled_before_workers(run: RunDir, sigval: signal.Signals) -> None:
@@ -297,6 +345,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
             elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
+        _resend.taken.set()
         _cancelled_before_workers(run, err.sigval)
         _check_out()
         name = signal.Signals(err.sigval).name
