@@ -3,9 +3,10 @@ the best checkpoint's path and a redacted config; a missing package is a user er
 
 from __future__ import annotations
 
+import http.server
 import json
-import socket
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -240,17 +241,51 @@ def test_runtime_tensorboard_is_refused_with_its_replacement(runner_cli) -> None
     ), result.stderr
 
 
-def test_an_mlflow_server_out_of_reach_is_refused_up_front_its_password_hidden() -> None:
+def test_an_mlflow_server_out_of_reach_or_no_mlflow_is_refused_up_front() -> None:
     """MLflow's client retried a server that was down for about four minutes, in the training
-    process, then failed with a traceback of 166 lines that showed the URI's password."""
+    process, then failed with a traceback of 166 lines that showed the URI's password; a server
+    that answers as no MLflow does (a wrong port, a proxy's path left out) failed there in some
+    90 lines. The answers are a stand-in's: mlflow-skinny has no server. Its answers as
+    MLflow's (JSON, an error included), and one that asks for credentials, pass."""
     from runner.config.loggers import check_loggers
     from runner.errors import UserError
 
-    with socket.socket() as server:  # a server that takes connections, on loopback
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        check_loggers(["mlflow"], env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
+    class Answers(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.startswith("/mlflow/api/2.0/mlflow/experiments/get-by-name?"):
+                self.answer(404, b'{"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no"}')
+            elif self.path.startswith("/locked/"):
+                self.answer(401, b"<html>log in</html>")
+            else:
+                self.answer(404, b"<html>Not Found</html>")
+
+        def answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for path in ("/mlflow", "/mlflow/", "/locked"):
+            check_loggers(["mlflow"], env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}{path}"})
+        for uri in (f"http://127.0.0.1:{port}", f"http://me:Pa55@127.0.0.1:{port}/other"):
+            with pytest.raises(UserError) as err:
+                check_loggers(["mlflow"], env={"MLFLOW_TRACKING_URI": uri})
+            assert err.value.key == "runtime.loggers"
+            assert "is no MLflow tracking server: /api/2.0/mlflow/experiments/get-by-name " in (
+                err.value.fix
+            )
+            assert "answered HTTP 404 without MLflow's JSON" in err.value.fix
+            assert "Pa55" not in str(err.value)
+    finally:
+        server.shutdown()
+        server.server_close()
     with pytest.raises(UserError) as err:  # closed now
         check_loggers(["mlflow"], env={"MLFLOW_TRACKING_URI": f"http://me:Pa55@127.0.0.1:{port}"})
     assert f"http://me:<hidden>@127.0.0.1:{port} is out of reach" in err.value.fix

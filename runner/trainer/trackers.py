@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.config.loggers import check_loggers
 from runner.rundir import TRACKERS_FILE
 from runner.rundir.manifest import redact
 
@@ -61,8 +60,8 @@ class Trackers:
 
 
 def build(loggers: list[str], *, run_dir: Path, config: dict[str, Any], project: str) -> Trackers:
-    """The trackers `loggers` names for the run in `run_dir`, each sent the redacted `config`."""
-    check_loggers(loggers)
+    """The trackers `loggers` names for the run in `run_dir`, each sent the redacted `config`;
+    `loggers` were checked as the recipe was resolved (runner.config.runtime)."""
     config = redact(config)
     builders: dict[str, Callable[[Path, dict[str, Any], str], Tracker]] = {
         "tensorboard": TensorBoard,
