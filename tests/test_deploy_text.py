@@ -50,6 +50,24 @@ def test_streamed_text_never_takes_back_what_it_sent(step_decoding: bool) -> Non
     assert "".join(streamed(tokenizer, ids, [], step_decoding)) == tokenizer.decode(ids)
 
 
+@DECODING
+def test_a_stop_found_only_in_the_flushed_tail_is_a_stop(step_decoding: bool) -> None:
+    """An answer cut by max_tokens inside a character ends with U+FFFD for its bytes, and a
+    stop sequence found there cut the text but was reported as finish_reason `length`."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    ids = tokenizer.encode("xa€", add_special_tokens=False)[:3]  # "x", "a", €'s first byte
+    stream = TextStream(tokenizer, ["a\ufffd"], incremental=True, step_decoding=step_decoding)
+    for token_id in ids:
+        stream.push(token_id)
+    assert not stream.stop_found
+    assert stream.ready() + stream.finish() == "x"
+    assert stream.stop_found
+    unstopped = TextStream(tokenizer, ["b\ufffd"], incremental=True, step_decoding=step_decoding)
+    for token_id in ids:
+        unstopped.push(token_id)
+    assert unstopped.ready() + unstopped.finish() == "xa\ufffd" and not unstopped.stop_found
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_familys_stream_decodes_as_its_whole_answer(family: str, tmp_path: Path) -> None:
     # Each fixture family's tokenizer (byte-level and SentencePiece-style, special tokens,

@@ -446,6 +446,8 @@ class TransformersEngine:
                 sequence.finish_reason = "length"
         if sequence.finish_reason is not None:
             delta = text.finish()
+            if text.stop_found:  # in the trailing bytes finish() flushed, at the length limit
+                sequence.finish_reason = "stop"
         elif sequence.request.stream and (
             not text.started or sequence.completion_tokens % self._stream_interval == 0
         ):

@@ -49,7 +49,11 @@ class TextStream:
         self._read_offset = 0
         self._text = ""
         self._sent = 0
+        # Whether the text is over: a stop sequence found, or finish() called.
         self.stopped = False
+        # Whether a stop sequence was found (the text cut before it), by push() or by finish()'s
+        # flush of what was held back.
+        self.stop_found = False
         self._stream = DecodeStream(skip_special_tokens=True) if step_decoding else None
 
     def push(self, token_id: int) -> None:
@@ -119,7 +123,7 @@ class TextStream:
         hits = [i for i in (self._text.find(stop, start) for stop in self._stop) if i >= 0]
         if hits:
             self._text = self._text[: min(hits)]
-            self.stopped = True
+            self.stopped = self.stop_found = True
 
     def _held_back(self) -> int:
         """Length of the longest suffix of the text that begins some stop sequence."""
