@@ -52,6 +52,11 @@ def test_the_nucleus_is_the_fewest_most_likely_tokens_that_cover_top_p() -> None
     torch.testing.assert_close(kept[0], torch.tensor([0.0, 0.625, 0.0, 0.375]))
     torch.testing.assert_close(kept[1], torch.tensor([0.0, 1.0, 0.0, 0.0]))
     torch.testing.assert_close(kept[2], probs[0])
+    # More likely tokens that reach top_p exactly cover it: four of 0.25 at 0.5 keep two, two
+    # of 0.5 keep one (each kept a token too many).
+    for width, keeps in ((4, 2), (2, 1)):
+        kept = nucleus_probabilities(torch.full((1, width), 1 / width).log(), [0.5])
+        assert int((kept > 0).sum()) == keeps and float(kept.max()) == 1 / keeps
 
 
 def test_a_step_whose_rows_all_sample_at_one_temperature_draws_the_same() -> None:

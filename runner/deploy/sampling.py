@@ -78,7 +78,8 @@ def nucleus_probabilities(scaled: torch.Tensor, top_p: list[float]) -> torch.Ten
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
     cover = to_device(torch.tensor(top_p), scaled.device)[:, None]
-    # Drop a token when the more likely ones already cover top_p.
-    drop = sorted_probs.cumsum(dim=-1) - sorted_probs > cover
+    # Drop a token when the more likely ones already cover top_p (reach it, as transformers'
+    # TopPLogitsWarper and vLLM count: 0.5 and 0.5 at top_p 0.5 keep one).
+    drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= cover
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits.softmax(dim=-1))
