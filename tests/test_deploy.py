@@ -287,6 +287,7 @@ BAD_REQUESTS = {
     "stream a string": (completion_body(stream="yes"), 400),
     "unsupported top_k": (completion_body(top_k=40), 400),
     "unsupported presence_penalty": (completion_body(presence_penalty=1.5), 400),
+    "best_of under n": (completion_body(best_of=1, n=2), 400),
     "temperature negative": (completion_body(temperature=-0.5), 400),
     "temperature NaN": (
         completion_body().replace(b'"max_tokens"', b'"temperature": NaN, "max_tokens"'),
