@@ -9,7 +9,9 @@ import pytest
 
 from runner.data import DataError, check_datasets
 from runner.errors import UserError
+from runner.models.tokenizer import ChatTokenizer
 from runner.paths import SAMPLE_DATA_DIR
+from tests.fixtures import write_family_tokenizer
 from tests.test_data import (
     RENAMED,
     data,
@@ -131,6 +133,23 @@ def test_no_trainable_token_after_truncation(tmp_path: Path) -> None:
     assert err.value.key == "dataset.max_seq_len" and "raise dataset.max_seq_len" in str(err.value)
     # Training on the prompt too leaves tokens to train on.
     assert check_datasets(data(*base, "dataset.train_on_input=true"), tokenizer(48))["train"] == 6
+
+
+def test_a_default_system_prompt_counts_toward_the_prompt_that_fills_the_sample(tmp_path):
+    """A template that writes its default system prompt where a conversation has none (Qwen
+    2.5's, here on the fixture's coarse vocabulary): the check measured the template on a
+    conversation with an empty system message, which leaves it out, and passed a sample whose
+    prompt fills max_seq_len."""
+    write_family_tokenizer("qwen2_5", tmp_path / "qwen")
+    tok = ChatTokenizer(str(tmp_path / "qwen"), 64)
+    conversation = [{"role": "user", "content": "~" * 7}, {"role": "assistant", "content": "ok"}]
+    path = write([CHAT_GOOD, {"messages": conversation}], tmp_path / "chat.jsonl")
+    with pytest.raises(DataError) as err:
+        check_datasets(
+            data("dataset=chat", f"dataset.source={path}", "dataset.max_seq_len=64"), tok
+        )
+    assert (err.value.key, err.value.row) == ("dataset.max_seq_len", 2), str(err.value)
+    assert "no token is left to train on after truncation to 64 tokens" in str(err.value)
 
 
 def test_missing_column_and_empty_splits(tmp_path: Path) -> None:

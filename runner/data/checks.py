@@ -346,14 +346,15 @@ def _prompt(messages: list[Message]) -> list[tuple[str, str]]:
 
 
 def _template_tokens(tokenizer: ChatTokenizer) -> int:
-    """The tokens the chat template gives an empty system, user, assistant conversation; for a
-    template that refuses a system message (Gemma's), an empty user, assistant one."""
-    try:
-        empty = [Message(role=r, content="") for r in ("system", "user", "assistant")]
-        return len(tokenizer.tokenize_messages(empty)[0])
-    except UserError:
-        empty = [Message(role=r, content="") for r in ("user", "assistant")]
-        return len(tokenizer.tokenize_messages(empty)[0])
+    """The most tokens the chat template gives an empty conversation: an empty user and
+    assistant turn (where a template writes its default system prompt: Qwen's, SmolLM2's), or
+    with an empty system message before them (unless the template refuses one: Gemma's)."""
+    counts = []
+    for roles in (("user", "assistant"), ("system", "user", "assistant")):
+        with contextlib.suppress(UserError):
+            empty = [Message(role=role, content="") for role in roles]
+            counts.append(len(tokenizer.tokenize_messages(empty)[0]))
+    return max(counts, default=0)  # a template that takes neither refuses the data later
 
 
 def _check_trainable(
