@@ -181,41 +181,62 @@ def test_gguf_of_sentencepiece_families_decodes_like_transformers(family: str, t
 
 
 @pytest.mark.slow
-def test_gguf_of_an_architecture_runner_has_no_family_for(tmp_path: Path) -> None:
-    """Qwen3 (q/k norms, its own head_dim): gguf's tables name it and its tensors, and
-    llama.cpp gives transformers' logits."""
-    checkpoint = tmp_path / "qwen3" / "step_4"
-    config = Qwen3Config(
-        vocab_size=264,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        bos_token_id=256,
-        eos_token_id=260,
-    )
+@pytest.mark.parametrize("architecture", ["qwen3", "llama_with_biases"])
+def test_gguf_of_an_architecture_runner_has_no_family_for(architecture: str, tmp_path: Path):
+    """Qwen3 (q/k norms, its own head_dim), and a Llama with attention biases (whose q and k
+    biases take the weights' row order: they did not, and its logits were wrong): gguf's
+    tables name them and their tensors, and llama.cpp gives transformers' logits."""
+    checkpoint = tmp_path / architecture / "step_4"
+    shape = {
+        "vocab_size": 264,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.2,
+        "bos_token_id": 256,
+        "eos_token_id": 260,
+    }
     torch.manual_seed(2)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():  # HF initializes norms to one; make the q/k norms count
+    if architecture == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32, rope_theta=1000000.0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, attention_bias=True))
+    with torch.no_grad():  # HF initializes norms to one and biases to zero: make them count
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.normal_(1, 0.2)
+            elif name.endswith(".bias"):
+                parameter.normal_(0, 1.0)
     model.save_pretrained(checkpoint)
     add_tokenizer_files(checkpoint)
-    out = run_export(checkpoint, "gguf", out=str(tmp_path / "qwen3.gguf"))
+    out = run_export(checkpoint, "gguf", out=str(tmp_path / f"{architecture}.gguf"))
     model = load(checkpoint)
     with llama_cpp_model(out) as llm:
-        assert llm.metadata["general.architecture"] == "qwen3"
+        assert llm.metadata["general.architecture"] == architecture.split("_")[0]
         for ids in token_ids():
             expected = logits(model, ids)[-1]
             error = (llama_cpp_logits(llm, ids) - expected).abs().max()
             assert error < 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "gpt_neox", "gpt2", "phi", "mamba"])
+def test_gguf_of_an_architecture_it_does_not_write_is_refused_by_name(model_type: str) -> None:
+    """llama.cpp knows these, with fixes of their own this writer lacks (Cohere's logit scale,
+    GPT-NeoX's fused rows, GPT-2's hyperparameters): their files were written wrong, silently
+    where llama-cpp-python is not installed, or ended in a KeyError."""
+    from runner.export.gguf_file import gguf_arch
+
+    with pytest.raises(UserError) as err:
+        gguf_arch({"model_type": model_type, "architectures": ["X"]}, "ckpt")
+    assert err.value.key == "checkpoint"
+    assert f"model_type={model_type!r} (['X']), which the GGUF export does not write" in str(
+        err.value
+    )
+    assert "convert_hf_to_gguf.py" in err.value.fix
 
 
 @pytest.mark.slow

@@ -1,10 +1,13 @@
 """A GGUF file (llama.cpp's format) from a Hugging Face causal LM, with `gguf`.
 
 The architecture and tensor names come from gguf's own tables (gguf.MODEL_ARCH_NAMES,
-gguf.get_tensor_name_map), so any architecture llama.cpp knows exports. The layout follows
-llama.cpp's converter (convert_hf_to_gguf.py): the same metadata keys, the q/k permutation of
-its llama architecture, Gemma's norms stored with their 1 added, rope_freqs for Llama 3 RoPE
-scaling, and the same rule for which tensors stay F32. Tokenizers: byte-level BPE ("gpt2") and
+gguf.get_tensor_name_map). The layout follows llama.cpp's converter (convert_hf_to_gguf.py): the
+same metadata keys, the q/k permutation of its llama architecture, Gemma's norms stored with
+their 1 added, rope_freqs for Llama 3 RoPE scaling, and the same rule for which tensors stay F32.
+Only the architectures whose files llama.cpp has been seen to load with transformers' logits
+(GGUF_MODEL_TYPES) export: others llama.cpp names need fixes of their own (Cohere's logit
+scale, GPT-NeoX's fused rows, GPT-2's hyperparameters), which a file written without them lacks
+silently. Tokenizers: byte-level BPE ("gpt2") and
 SentencePiece-style BPE ("llama", its merge order written as scores).
 """
 
@@ -160,9 +163,17 @@ class _Writer(gguf.GGUFWriter):
         return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
-# config.json model_type -> llama.cpp architecture, where llama.cpp's name differs (its
-# converter registers these Hugging Face architectures on those models).
-ARCH_ALIASES = {"mistral": "llama", "phi": "phi2", "gpt_neox": "gptneox", "cohere": "command-r"}
+# config.json's model_types this writer exports (each checked in llama.cpp against transformers'
+# logits by tests/test_export_gguf.py) -> llama.cpp's architecture.
+GGUF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "phi3": "phi3",
+}
 # llama.cpp's graph rotates adjacent pairs for these and Hugging Face rotates halves: its
 # converter permutes q and k rows (LlamaModel.permute).
 PERMUTE_QK = {"llama"}
@@ -180,18 +191,18 @@ PRE_TOKENIZERS = {
 
 
 def gguf_arch(config: dict[str, Any], checkpoint: Path | str) -> gguf.MODEL_ARCH:
-    """llama.cpp's architecture of a config.json, from gguf's table; a UserError if none."""
+    """llama.cpp's architecture of a config.json; a UserError where this writer has none."""
     model_type = config.get("model_type")
-    by_name = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
-    name = ARCH_ALIASES.get(model_type, model_type) if isinstance(model_type, str) else None
-    if name not in by_name:
+    name = GGUF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if name is None:
         raise UserError(
             "checkpoint",
             str(checkpoint),
-            f"its config.json has model_type={model_type!r} ({config.get('architectures')}), an "
-            "architecture llama.cpp does not know (gguf's MODEL_ARCH_NAMES): export format=merged "
-            "instead",
+            f"its config.json has model_type={model_type!r} ({config.get('architectures')}), "
+            f"which the GGUF export does not write (it writes {', '.join(GGUF_MODEL_TYPES)}): "
+            "export format=merged, and convert that with llama.cpp's convert_hf_to_gguf.py",
         )
+    by_name = {arch_name: arch for arch, arch_name in gguf.MODEL_ARCH_NAMES.items()}
     return by_name[name]
 
 
@@ -439,9 +450,10 @@ def _tensors(
             raise UserError(
                 "format", "gguf", f"no GGUF name for tensor {hf_name}: export format=merged instead"
             )
-        if arch_name in PERMUTE_QK and hf_name.endswith("q_proj.weight"):
+        # Weights and biases alike (a Llama with attention_bias), as its converter permutes them.
+        if arch_name in PERMUTE_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _permute(tensor, config["num_attention_heads"])
-        elif arch_name in PERMUTE_QK and hf_name.endswith("k_proj.weight"):
+        elif arch_name in PERMUTE_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _permute(tensor, config["num_key_value_heads"])
         elif arch_name in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
             tensor = tensor.to(torch.float32) + 1
