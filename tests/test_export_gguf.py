@@ -262,7 +262,12 @@ def test_gguf_of_a_lora_checkpoint_is_the_merged_model(lora_checkpoint: Path, tm
 
 @pytest.mark.slow
 def test_gguf_q8_0_loads_and_generates(full_checkpoint: Path, tmp_path: Path) -> None:
-    f16 = run_export(full_checkpoint, "gguf", out=str(tmp_path / "f16.gguf"))
+    # The file is named by its run, here a sweep's of Phi-3 against Llama: in general.name,
+    # "phi3" made llama.cpp look for Phi-3's special tokens, and this Llama's file not load.
+    run = shutil.copytree(full_checkpoint.parent.parent, tmp_path / "lr_sweep_Phi3_vs_llama")
+    f16 = run_export(run / "checkpoints" / "step_4", "gguf", out=str(tmp_path / "f16.gguf"))
+    with llama_cpp_model(f16) as llm:
+        assert llm.metadata["general.name"] == "lr_sweep_phi 3_vs_llama"
     q8 = run_export(full_checkpoint, "gguf", quantization="q8_0", out=str(tmp_path / "q8.gguf"))
     assert q8.stat().st_size < 0.75 * f16.stat().st_size  # 8.5 bits a weight instead of 16
     model = load(full_checkpoint)

@@ -174,6 +174,10 @@ GGUF_MODEL_TYPES = {
     "gemma2": "gemma2",
     "phi3": "phi3",
 }
+# What in general.name makes llama.cpp take a model's special tokens as Phi-3's (llama-vocab.cpp
+# looks up "</s>", "<unk>", "<s>" and "<|endoftext|>", and fails to load a vocabulary without
+# them): in the name of a run of another model (a sweep's "phi3_vs_llama"), it reads "phi 3".
+PHI3_NAME = re.compile(r"phi-?3", re.IGNORECASE)
 # llama.cpp's graph rotates adjacent pairs for these and Hugging Face rotates halves: its
 # converter permutes q and k rows (LlamaModel.permute).
 PERMUTE_QK = {"llama"}
@@ -219,7 +223,7 @@ def write_gguf(
     arch = gguf_arch(config, name)
     file_type, weight_type = QUANTIZATIONS[quantization]
     writer = _Writer(path, gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_name(name)
+    writer.add_name(name if arch == gguf.MODEL_ARCH.PHI3 else PHI3_NAME.sub("phi 3", name))
     writer.add_file_type(file_type)
     _add_hparams(writer, config, arch)
     _add_tokenizer(writer, tokenizer, vocab_size=config["vocab_size"])
