@@ -199,7 +199,7 @@ def _tokenizer(family: str) -> tuple[Tokenizer, dict[str, Any]]:
     return _more_tokenizers(family)
 
 
-_GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+_GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<mask>"]
 _PHI3_SPECIAL = [
     "<unk>",
     "<s>",
@@ -218,11 +218,20 @@ def _more_tokenizers(family: str) -> tuple[Tokenizer, dict[str, Any]]:
     """Gemma's and Phi-3's SentencePiece-style tokenizers, Phi-4's and SmolLM2's byte-level."""
     if family in ("gemma", "gemma2"):
         tokenizer = _metaspace(_GEMMA_SPECIAL, 300)
+        # Gemma's own pipeline, which transformers 5 builds for GemmaTokenizer: spaces written
+        # as ▁ by the normalizer, none put before the text, and bytes for unknown characters.
+        tokenizer.normalizer = normalizers.Replace(" ", "▁")
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
         tokenizer.post_processor = processors.TemplateProcessing(
             single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)]
         )
         config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
+            # As Gemma's hub repos say: transformers 5 builds the class's own pipeline (no
+            # Metaspace, no space before the text) over tokenizer.json's vocabulary and merges.
+            "tokenizer_class": "GemmaTokenizer",
             "bos_token": "<bos>",
             "eos_token": "<eos>",
             "pad_token": "<pad>",

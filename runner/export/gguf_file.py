@@ -174,6 +174,8 @@ GGUF_MODEL_TYPES = {
     "gemma2": "gemma2",
     "phi3": "phi3",
 }
+# SentencePiece's space.
+SPACE = "\u2581"
 # What in general.name makes llama.cpp take a model's special tokens as Phi-3's (llama-vocab.cpp
 # looks up "</s>", "<unk>", "<s>" and "<|endoftext|>", and fails to load a vocabulary without
 # them): in the name of a run of another model (a sweep's "phi3_vs_llama"), it reads "phi 3".
@@ -317,7 +319,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Any, *, vocab_size: int) 
     model = spec["model"]
     if model["type"] == "BPE" and "ByteLevel" in json.dumps(spec["decoder"]):
         _add_byte_level_bpe(writer, tokenizer, model, vocab_size)
-    elif model["type"] == "BPE" and "Metaspace" in json.dumps(spec):
+    elif model["type"] == "BPE" and _sentencepiece_style(spec):
         _add_sentencepiece_bpe(writer, tokenizer, spec, vocab_size)
     else:
         raise UserError(
@@ -389,10 +391,16 @@ def _add_sentencepiece_bpe(
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         rank.setdefault(left + right, index)
     scores = [-float(rank.get(token, 0)) for token in tokens]
+    # A space before the text: Metaspace's prepend scheme, or a normalizer that prepends ▁
+    # (transformers 5's LlamaTokenizer); Gemma's writes none.
     prepend = [
         node.get("prepend_scheme", "always" if node.get("add_prefix_space") else "never")
         for node in _nodes(spec.get("pre_tokenizer"))
         if node.get("type") == "Metaspace"
+    ] + [
+        "always"
+        for node in _nodes(spec.get("normalizer"))
+        if node.get("type") == "Prepend" and node.get("prepend") == SPACE
     ]
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
@@ -402,11 +410,24 @@ def _add_sentencepiece_bpe(
     writer.add_add_space_prefix(bool(prepend) and prepend[0] != "never")
 
 
+def _sentencepiece_style(spec: dict[str, Any]) -> bool:
+    """Whether a tokenizer.json writes spaces as ▁: a Metaspace pre-tokenizer and decoder, or
+    (the pipeline transformers 5 builds for Gemma's tokenizer class, as its tokenizer.json
+    holds it) a normalizer that replaces spaces with ▁ and a decoder that puts them back."""
+    parts = [*_nodes(spec.get("pre_tokenizer")), *_nodes(spec.get("decoder"))]
+    if any(node.get("type") == "Metaspace" for node in parts):
+        return True
+    return any(
+        node.get("type") == "Replace" and node.get("pattern") == {"String": SPACE}
+        for node in _nodes(spec.get("decoder"))
+    )
+
+
 def _nodes(node: dict[str, Any] | None) -> list[dict[str, Any]]:
     """A tokenizer.json component and those a Sequence of it holds."""
     if not node:
         return []
-    inner = node.get("pretokenizers") or node.get("normalizers") or []
+    inner = node.get("pretokenizers") or node.get("normalizers") or node.get("decoders") or []
     return [node, *(n for child in inner for n in _nodes(child))]
 
 
