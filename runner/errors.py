@@ -136,6 +136,12 @@ def user_errors_pass_hydra() -> Iterator[None]:
         raise UserErrorExit(user_error) from err
 
 
+def error_line(err: BaseException) -> str:
+    """An error as status.json and a sweep's summary record it: a UserError as the command line
+    prints it (its key, value and fix), any other after its type's name (Diverged: ...)."""
+    return str(err) if type(err) is UserError else f"{type(err).__name__}: {err}"
+
+
 class UserErrorExit(SystemExit):
     """Carries a UserError past Hydra's job runner, which reports any Exception on its own."""
 

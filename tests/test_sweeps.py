@@ -72,7 +72,7 @@ def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path
     states = {r["job"]: r["state"] for r in summary_of(sweep)["runs"]}
     assert states == {"0": "failed", "1": "completed", "2": "failed"}
     assert "has no records" in summary_of(sweep)["runs"][0]["error"]
-    assert f"job 0 failed: UserError: dataset.source='{empty}': has no records" in result.stdout
+    assert f"job 0 failed: dataset.source='{empty}': has no records" in result.stdout
     # Failed at its checks, a job recorded no recipe: a resume says there is nothing to go on.
     resumed = runner_cli("resume", str(sweep / "0"))
     assert resumed.returncode == 2, resumed.stderr

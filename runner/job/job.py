@@ -28,7 +28,7 @@ from runner.config.interpolations import check_resume
 from runner.config.load_checkpoint import check_same_global_batch, global_batch
 from runner.config.runtime import check_root
 from runner.config.schema import read_recipe, write_recipe
-from runner.errors import Diverged, UserError, user_errors_pass_hydra
+from runner.errors import Diverged, UserError, error_line, user_errors_pass_hydra
 from runner.job.launch import (
     as_launcher,
     in_process,
@@ -123,7 +123,7 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
         train(cfg, run_dir, overrides, keep_failed=True)
     except Exception as err:  # noqa: BLE001 - recorded in the run directory, reported below
         if run.status().state != "failed":
-            run.write_status("failed", error=f"{type(err).__name__}: {err}")
+            run.write_status("failed", error=error_line(err))
         print(f"error: job {run_dir.name} ({' '.join(overrides)}): {err}", file=sys.stderr)
         return math.nan
     except BaseException:  # Ctrl-C or SIGTERM: the job saved and ended cancelled

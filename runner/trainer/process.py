@@ -28,7 +28,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner.config.schema import read_recipe
-from runner.errors import Diverged, UserError, redact_text
+from runner.errors import Diverged, UserError, error_line, redact_text
 from runner.rundir import LOG_FILE, STATUS_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.trainer import determinism
@@ -316,7 +316,7 @@ def _collective(err: BaseException) -> str:
 
 def _error_message(err: BaseException, cfg: DictConfig) -> str:
     # status.json and train.log keep it: a library's message may hold a URL's password.
-    message = redact_text(f"{type(err).__name__}: {err}")
+    message = redact_text(error_line(err))
     if isinstance(err, dist.DistError) or _from_backend(err):
         return (
             "lost contact with another rank (a dead or hung peer; collectives wait at most "
