@@ -22,6 +22,7 @@ from runner.components import check_arguments, plain_dict
 from runner.config.fields import number, typed_as
 from runner.config.tokenizer import checked_tokenizer
 from runner.errors import NULL, UserError
+from runner.paths import user_path
 
 if TYPE_CHECKING:
     from runner.models.families import Family
@@ -84,7 +85,7 @@ def _model_source(value: str | None) -> Path | None:
         # Only a dry run (fetch=False) gets here: runner.hub.download.localize has made every
         # cached or fetched hf:// source a local path.
         raise UserError("model.source", value, "is not in the cache; `runner download` fetches it")
-    path = Path(value).expanduser().resolve()
+    path = user_path(value).resolve()
     if path.is_file():
         raise UserError(
             "model.source",

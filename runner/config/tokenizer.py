@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from runner.errors import UserError
+from runner.paths import user_path
 
 if TYPE_CHECKING:
     from runner.models.tokenizer import ChatTokenizer
@@ -21,7 +22,7 @@ def _chat_template_file(value: str | None) -> str | None:
     """model.chat_template as an absolute path to a template file (None: the tokenizer's own)."""
     if value is None:
         return None
-    path = Path(value).expanduser().resolve()
+    path = user_path(value).resolve()
     if not path.is_file():
         raise UserError(
             "model.chat_template",

@@ -27,6 +27,7 @@ from datasets.data_files import DataFilesDict, get_data_patterns
 from datasets.exceptions import DatasetGenerationError
 
 from runner.errors import UserError
+from runner.paths import user_path
 
 FORMATS: dict[str, tuple[str, ...]] = {
     "json": (".json", ".jsonl"),
@@ -94,7 +95,7 @@ def local_source(key: str, source: str) -> str:
             "is not in the cache and this command downloads nothing; fetch it with "
             "`runner download` and the same overrides",
         )
-    path = Path(source).expanduser()
+    path = user_path(source)
     if not path.exists():
         raise UserError(
             key,

@@ -11,7 +11,6 @@ import math
 import os
 import socket
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -24,6 +23,7 @@ from runner.config.secrets import check_env_name
 from runner.deploy.routes import ServedModel, close_engines
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
 from runner.errors import UserError
+from runner.paths import user_path
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def read_api_key(*, env: str | None, file: str | None) -> str | None:
         return key
     if file is not None:
         try:
-            key = Path(file).expanduser().read_text().strip()
+            key = user_path(file).read_text().strip()
         except OSError as error:
             raise UserError("api_key.file", file, f"cannot read it ({error.strerror})") from error
         if not key:

@@ -33,6 +33,7 @@ from huggingface_hub.utils import validate_repo_id
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError
+from runner.paths import user_path
 
 SCHEME = "hf://"
 URI_FORM = "hf://org/repo, hf://org/repo/path/in/repo or hf://org/repo@revision/path"
@@ -144,7 +145,7 @@ class TokenRef:
         kind, _, where = self.ref.partition(":")
         if kind == "env":
             return os.environ.get(where) or None
-        path = Path(where).expanduser()
+        path = user_path(where)
         return (path.read_text().strip() or None) if path.is_file() else None
 
     def state(self) -> str:
@@ -181,7 +182,7 @@ class Hub:
     def from_runtime(cls, runtime: DictConfig, overrides: list[str] | None) -> Hub:
         """The hub settings of the `runtime` section."""
         return cls(
-            cache_dir=Path(runtime.cache_dir).expanduser(),
+            cache_dir=user_path(runtime.cache_dir),
             token=TokenRef.parse(runtime.hf_token),
             model_ignore_patterns=tuple(runtime.hub_model_ignore_patterns),
             download_command=(
@@ -199,7 +200,7 @@ class Hub:
         """
         if is_hub_uri(source):
             return self.fetch(parse_uri(source, key=key, repo_type=repo_type), key=key)[0]
-        path = Path(source).expanduser()
+        path = user_path(source)
         if not path.exists():
             raise UserError(key, source, f"no such file or directory; give a path or {URI_FORM}")
         return path.absolute()
