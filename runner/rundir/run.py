@@ -308,9 +308,11 @@ class RunDir:
         The checkpoint of `keep_step` (the run's best) is kept as well, whatever its age.
         """
         final = self.checkpoint_path(step)
+        _sync_tree(tmp)
         if final.exists():  # the same step saved by an earlier attempt of this run
             _remove_tree(final)
         os.replace(tmp, final)
+        _sync_dir(self.checkpoints_dir)
         for old_step, old in self.checkpoints()[: -max(keep_last, 1)]:
             if old_step != keep_step:
                 _remove_tree(old)
@@ -388,6 +390,32 @@ def _set_aside(checkpoint: Path, problem: str) -> None:
         aside,
         problem,
     )
+
+
+def _sync_tree(path: Path) -> None:
+    """Flushes a checkpoint's files and folders to the disk before the rename that makes it
+    whole, as torch's distributed checkpoint writer does (sync_files): after a crash of the
+    machine (not of the process), a file system may keep a rename whose files it never wrote,
+    and the whole-looking checkpoint holds empty files."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(Path(folder))
+
+
+def _sync_dir(path: Path) -> None:
+    """Flushes a folder's entries (a rename into it, the files made in it) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems take no fsync of a folder
+        pass
+    finally:
+        os.close(fd)
 
 
 def _remove_tree(path: Path) -> None:
