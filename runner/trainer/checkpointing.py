@@ -28,8 +28,11 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def rng_per_rank(place: Placement) -> list[dict[str, Any]]:
-    """Every rank's torch and Python random states (every rank joins)."""
+    """Every rank's torch and Python random states, its GPU's too (dropout draws there), every
+    rank joining."""
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if place.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(place.device)
     if place.world_size == 1:
         return [rng]
     gathered: list[dict[str, Any] | None] = [None] * place.world_size
@@ -44,6 +47,8 @@ def restore_rng(state: dict[str, Any], place: Placement) -> None:
         rng = state["rng_per_rank"][place.rank]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
+        if place.device.type == "cuda" and "cuda" in rng:  # saved on a GPU
+            torch.cuda.set_rng_state(rng["cuda"], place.device)
 
 
 def commit(
