@@ -137,9 +137,10 @@ def user_errors_pass_hydra() -> Iterator[None]:
 
 
 def error_line(err: BaseException) -> str:
-    """An error as status.json and a sweep's summary record it: a UserError as the command line
-    prints it (its key, value and fix), any other after its type's name (Diverged: ...)."""
-    return str(err) if type(err) is UserError else f"{type(err).__name__}: {err}"
+    """An error as status.json and a sweep's summary record it: a UserError (a DataError, a
+    loss gone nan: Diverged) as the command line prints it, its key, value and fix; any other
+    after its type's name."""
+    return str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
 
 
 class UserErrorExit(SystemExit):

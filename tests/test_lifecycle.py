@@ -224,13 +224,9 @@ def test_a_stop_as_the_run_starts_ends_it_cancelled(hermetic_env, tmp_path, proc
         assert status["error"] == "stopped by SIGTERM before its first step", status
 
 
-def test_a_stop_swallowed_before_the_workers_is_sent_again(tmp_path, capfd) -> None:
-    """SIGTERM to a launcher of workers raises in whatever its main thread runs, and code that
-    catches every Exception swallowed it (a logging handler's emit, as here, prints it and goes
-    on): the stop was lost, and the run trained to its end. The launcher sends it again."""
-    run = RunDir(tmp_path / "run")
-    run.path.mkdir()
-    run.write_status("created", step=0, total_steps=4, launcher_pid=os.getpid())
+def swallowing_logger() -> logging.Logger:
+    """A logger whose output is stopped midway by a SIGTERM: the SignalException the launcher's
+    handler raises there, a logging handler's emit catches, prints and goes on from."""
 
     class StoppedMidWrite(io.StringIO):
         def write(self, text: str) -> int:
@@ -240,10 +236,26 @@ def test_a_stop_swallowed_before_the_workers_is_sent_again(tmp_path, capfd) -> N
 
     logger = logging.getLogger("tests.swallowed")
     logger.propagate = False
-    logger.addHandler(logging.StreamHandler(StoppedMidWrite()))
+    logger.handlers = [logging.StreamHandler(StoppedMidWrite())]
+    return logger
+
+
+def created_run(path: Path) -> RunDir:
+    run = RunDir(path)
+    run.path.mkdir()
+    run.write_status("created", step=0, total_steps=4, launcher_pid=os.getpid())
+    return run
+
+
+def test_a_stop_swallowed_before_the_workers_is_sent_again(tmp_path, capfd, monkeypatch) -> None:
+    """SIGTERM to a launcher of workers raises in whatever its main thread runs, and code that
+    catches every Exception swallowed it (a logging handler's emit, as here): the stop was lost,
+    and the run trained to its end. The launcher sends it again."""
+    monkeypatch.setattr(launch, "RESEND_S", 0.3)
+    run = created_run(tmp_path / "run")
     before, started = signal.getsignal(signal.SIGTERM), time.monotonic()
     with pytest.raises(SystemExit) as stopped, launch.stops_before_workers(run):
-        logger.warning("launch: 1 node(s) x 2 process(es)")
+        swallowing_logger().warning("launch: 1 node(s) x 2 process(es)")
         time.sleep(60)  # the workers' start and training, which the signal sent again ends
     assert stopped.value.code == 143
     assert time.monotonic() - started < 30
@@ -252,6 +264,19 @@ def test_a_stop_swallowed_before_the_workers_is_sent_again(tmp_path, capfd) -> N
     assert status.state == "cancelled", status
     assert status.error == "stopped by SIGTERM before its first step", status
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_stop_sent_again_reaches_the_agents_handler_once(tmp_path, monkeypatch) -> None:
+    """A stop swallowed as the elastic agent took the signals: the agent's handler gets it once,
+    then waits for its workers to save; sent each second, it cut that wait short."""
+    monkeypatch.setattr(launch, "RESEND_S", 0.3)
+    run = created_run(tmp_path / "run")
+    agents: list[int] = []
+    with launch.stops_before_workers(run):
+        swallowing_logger().warning("launch: 1 node(s) x 2 process(es)")
+        signal.signal(signal.SIGTERM, lambda signum, frame: agents.append(signum))
+        time.sleep(2)  # the agent's wait for its workers (PContext's handlers set as it starts)
+    assert agents == [signal.SIGTERM]
 
 
 def test_logs_of_a_starting_run_waits_for_it_then_follows(runner_cli, hermetic_env, tmp_path):

@@ -260,7 +260,8 @@ def test_a_run_that_diverged_is_reproduced_by_diverging_alike(runner_cli, tmp_pa
     result = runner_cli("repro", str(run), "--out", str(tmp_path / "again"))
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     step = json.loads((run / "status.json").read_text())["step"]
-    assert f"repro: the re-run failed as the run did, at step {step}: Diverged: " in result.stdout
+    assert f"the re-run failed as the run did, at step {step}: optimizer.lr=" in result.stdout
+    assert "the training loss is nan" in result.stdout.split("the re-run failed")[1]
     assert "repro: match (" in result.stdout
 
 

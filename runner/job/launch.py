@@ -252,7 +252,7 @@ def stops_before_workers(run: RunDir) -> Iterator[None]:
     logging handler's emit (it prints "--- Logging error ---" and goes on), some of torch's
     start-up. A stop raised there was lost, and the run trained to its end. So a stop nothing
     took within RESEND_S is sent again (_Resend); once the workers run, the agent's handler
-    takes it and stops them as on any stop."""
+    takes it, once, and stops them as on any stop."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     global _resend
@@ -263,6 +263,7 @@ def stops_before_workers(run: RunDir) -> Iterator[None]:
         resend.pending(sigval)
         raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
+    resend.handler = raise_it
     with stop_signals_to(raise_it), resend:
         try:
             yield
@@ -278,12 +279,15 @@ RESEND_S = 1.0
 
 class _Resend:
     """A thread, for the stops_before_workers block, that sends a pending stop signal again
-    while nothing has taken it. The signal handler only notes the signal (no lock: the main
-    thread it interrupts may hold any); `taken` is set where a SignalException is caught, and
-    as the block ends."""
+    while nothing has taken it: as often as it takes while `handler` (the block's) holds the
+    signal, and once to the elastic agent's handler once that holds it (more would cut short
+    the agent's wait for its workers to save). The signal handler only notes the signal (no
+    lock: the main thread it interrupts may hold any); `taken` is set where a SignalException
+    is caught, and as the block ends."""
 
     def __init__(self) -> None:
         self.taken = threading.Event()
+        self.handler: Any = None
         self._signal: tuple[signal.Signals, float] | None = None
         self._thread = threading.Thread(target=self._run, name="resend-stop", daemon=True)
 
@@ -296,7 +300,10 @@ class _Resend:
             pending = self._signal
             if pending is not None and time.monotonic() - pending[1] >= RESEND_S:
                 self._signal = (pending[0], time.monotonic())
+                ours = signal.getsignal(pending[0]) is self.handler
                 os.kill(os.getpid(), pending[0])
+                if not ours:
+                    return  # the agent's: it stops the workers, and waits for them
 
     def __enter__(self) -> None:
         self._thread.start()

@@ -303,12 +303,12 @@ class RunDir:
     def commit_checkpoint(
         self, tmp: Path, step: int, keep_last: int, keep_step: int | None = None
     ) -> Path:
-        """Renames a fully written checkpoint into place, then prunes to the last `keep_last`.
+        """Renames a fully written checkpoint (flushed: sync_tree) into place, then prunes to
+        the last `keep_last`.
 
         The checkpoint of `keep_step` (the run's best) is kept as well, whatever its age.
         """
         final = self.checkpoint_path(step)
-        _sync_tree(tmp)
         if final.exists():  # the same step saved by an earlier attempt of this run
             _remove_tree(final)
         os.replace(tmp, final)
@@ -392,8 +392,8 @@ def _set_aside(checkpoint: Path, problem: str) -> None:
     )
 
 
-def _sync_tree(path: Path) -> None:
-    """Flushes a checkpoint's files and folders to the disk before the rename that makes it
+def sync_tree(path: Path) -> None:
+    """Flushes a checkpoint's files and folders to the disk, before the rename that makes it
     whole, as torch's distributed checkpoint writer does (sync_files): after a crash of the
     machine (not of the process), a file system may keep a rename whose files it never wrote,
     and the whole-looking checkpoint holds empty files."""

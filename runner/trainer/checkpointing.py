@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from runner.errors import UserError
 from runner.rundir import RunDir
 from runner.rundir.manifest import record_checkpoint
+from runner.rundir.run import sync_tree
 from runner.trainer.parallel import Placement
 
 # Whole tensors on the CPU of every rank: a checkpoint holds the unsharded state.
@@ -64,6 +65,7 @@ def commit(
     tmp = run.fresh_checkpoint_tmp(step)
     try:
         write(tmp)
+        sync_tree(tmp)  # a full disk or a quota may be reported only here
     except (OSError, RuntimeError, SafetensorError) as err:
         # A disk that is full or read-only, or a file-size limit: torch.save says only
         # "[enforce fail at inline_container.cc] unexpected pos", after a traceback of 60 lines.
