@@ -246,7 +246,7 @@ def test_an_mlflow_server_out_of_reach_or_no_mlflow_is_refused_up_front() -> Non
     process, then failed with a traceback of 166 lines that showed the URI's password; a server
     that answers as no MLflow does (a wrong port, a proxy's path left out) failed there in some
     90 lines. The answers are a stand-in's: mlflow-skinny has no server. Its answers as
-    MLflow's (JSON, an error included), and one that asks for credentials, pass."""
+    MLflow's (JSON, an error included), and those that ask for credentials, pass."""
     from runner.config.loggers import check_loggers
     from runner.errors import UserError
 
@@ -256,6 +256,11 @@ def test_an_mlflow_server_out_of_reach_or_no_mlflow_is_refused_up_front() -> Non
                 self.answer(404, b'{"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no"}')
             elif self.path.startswith("/locked/"):
                 self.answer(401, b"<html>log in</html>")
+            elif self.path.startswith("/sso/"):  # a proxy that sends strangers to its login
+                self.send_response(302)
+                self.send_header("Location", "/login")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
             else:
                 self.answer(404, b"<html>Not Found</html>")
 
@@ -272,7 +277,7 @@ def test_an_mlflow_server_out_of_reach_or_no_mlflow_is_refused_up_front() -> Non
     port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        for path in ("/mlflow", "/mlflow/", "/locked"):
+        for path in ("/mlflow", "/mlflow/", "/locked", "/sso"):
             check_loggers(["mlflow"], env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}{path}"})
         for uri in (f"http://127.0.0.1:{port}", f"http://me:Pa55@127.0.0.1:{port}/other"):
             with pytest.raises(UserError) as err:

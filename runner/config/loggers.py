@@ -105,69 +105,65 @@ def _check_mlflow_store(loggers: list[str], key: str, env: Mapping[str, str]) ->
 
 
 def _check_reachable(uri: str, loggers: list[str], key: str) -> None:
-    """A tracking server that does not take a connection, or answers as no MLflow server does
-    (a wrong port, a path behind a proxy): MLflow's client retried the first for some four
+    """A tracking server that does not take a connection, or answers that it has no MLflow API
+    (a wrong port, a proxy's path left out): MLflow's client retried the first for some four
     minutes in the training process, then failed with a traceback of 166 lines; the second
-    failed there at once, in some 90 lines. An answer that asks for credentials, or a TLS
-    handshake MLflow's own settings may allow, is left to MLflow."""
+    failed there at once, in some 90 lines."""
     parts = urlsplit(uri)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     shown = redact_text(uri)
-    fix = "start it, or give MLFLOW_TRACKING_URI one that answers"
     try:
         socket.create_connection((parts.hostname or "", port), timeout=REACH_S).close()
     except OSError as err:
         reason = err.strerror or str(err) or type(err).__name__
         raise UserError(
-            key, loggers, f"MLflow's tracking server {shown} is out of reach ({reason}); {fix}"
+            key,
+            loggers,
+            f"MLflow's tracking server {shown} is out of reach ({reason}); start it, or give "
+            "MLFLOW_TRACKING_URI one that answers",
         ) from None
-    answer = _mlflow_answer(uri)
-    if answer is not None:
+    status = _not_mlflow(uri)
+    if status is not None:
         raise UserError(
             key,
             loggers,
-            f"{shown} is no MLflow tracking server: {answer}; give MLFLOW_TRACKING_URI the "
-            "server's address (http://HOST:5000, with any path its proxy puts before /api)",
+            f"{shown} is no MLflow tracking server: {MLFLOW_PROBE} answered HTTP {status} "
+            "without MLflow's JSON; give MLFLOW_TRACKING_URI the server's address "
+            "(http://HOST:5000, with any path its proxy puts before /api)",
         )
 
 
 # What the training process's MLflow client asks a server first (MlflowClient's
-# get_experiment_by_name); an MLflow server answers JSON, an error included.
-MLFLOW_PROBE = "/api/2.0/mlflow/experiments/get-by-name?experiment_name=runner-check"
+# get_experiment_by_name); an MLflow server answers JSON, its errors included.
+MLFLOW_PROBE = "/api/2.0/mlflow/experiments/get-by-name"
 
 
-def _mlflow_answer(uri: str) -> str | None:
-    """Why what answers at `uri` is no MLflow server; None where it is, or may be."""
-    import json
-    import ssl
-    import urllib.error
-    import urllib.request
+def _not_mlflow(uri: str) -> int | None:
+    """The HTTP status of an answer that says no MLflow API is at `uri` (404 or 405, and no
+    MLflow JSON); None for any other. Asked as MLflow's client asks (requests: its proxies and
+    their exceptions), but without its credentials: an answer that wants them (401, 403, a
+    redirect to a login), or any other that may not be the server's own (a proxy's 502, a TLS
+    handshake MLflow's settings may allow), is left to MLflow."""
+    import requests
 
     parts = urlsplit(uri)
-    netloc = parts.hostname or ""
-    netloc = f"[{netloc}]" if ":" in netloc else netloc
-    probe = f"{parts.scheme}://{netloc}{f':{parts.port}' if parts.port else ''}"
-    probe += parts.path.rstrip("/") + MLFLOW_PROBE
+    probe = parts._replace(path=parts.path.rstrip("/") + MLFLOW_PROBE, query="", fragment="")
     try:
-        with urllib.request.urlopen(probe, timeout=REACH_S) as response:
-            status, body = response.status, response.read(65536)
-    except urllib.error.HTTPError as err:
-        if err.code in (401, 403):
-            return None  # credentials MLflow's client sends
-        status, body = err.code, err.read(65536)
-    except (ssl.SSLError, urllib.error.URLError) as err:
-        if isinstance(err, ssl.SSLError) or isinstance(err.reason, ssl.SSLError):
-            return None  # MLFLOW_TRACKING_INSECURE_TLS and its kin are MLflow's to read
-        return f"{MLFLOW_PROBE.split('?')[0]} got no answer ({err.reason})"
-    except (OSError, ValueError) as err:
-        return f"{MLFLOW_PROBE.split('?')[0]} got no answer ({err})"
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        answer = None
-    if isinstance(answer, dict) and (status == 200 or "error_code" in answer):
+        answer = requests.get(
+            probe.geturl(),
+            params={"experiment_name": "runner-check"},
+            timeout=REACH_S,
+            allow_redirects=False,
+        )
+    except requests.RequestException:
         return None
-    return f"{MLFLOW_PROBE.split('?')[0]} answered HTTP {status} without MLflow's JSON"
+    if answer.status_code not in (404, 405):
+        return None
+    try:
+        body = answer.json()
+    except ValueError:
+        body = None
+    return None if isinstance(body, dict) and "error_code" in body else answer.status_code
 
 
 def _names() -> str:
