@@ -51,9 +51,10 @@ def groups_given_twice(overrides: list[str], groups: set[str]) -> dict[str, list
     return {group: options for group, options in chosen.items() if len(set(options)) > 1}
 
 
-def integer(default: int | None, minimum: int) -> Any:
-    """An int field of at least `minimum` (an Optional one may be null)."""
-    return field(default=default, metadata={"minimum": minimum})
+def integer(default: int | None, minimum: int, maximum: int | None = None) -> Any:
+    """An int field of at least `minimum`, and at most `maximum` where given (an Optional one
+    may be null)."""
+    return field(default=default, metadata={"minimum": minimum, "maximum": maximum})
 
 
 def number(default: float | None, *, positive: bool) -> Any:
@@ -189,6 +190,9 @@ def _fix(typed_field: TypedField) -> str:
     """What to give instead, from the field's declared bound."""
     spec, annotation = typed_field
     optional = " or null" if type(None) in get_args(annotation) else ""
+    if spec.metadata.get("maximum") is not None:
+        bounds = f"from {spec.metadata['minimum']} to {spec.metadata['maximum']}"
+        return f"give an integer {bounds}{optional}"
     if "minimum" in spec.metadata:
         return f"give an integer >= {spec.metadata['minimum']}{optional}"
     if "positive" in spec.metadata:
@@ -260,12 +264,14 @@ def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> 
                 raise UserError(key, raw, _fix((spec, annotation)))
             continue
         minimum, positive = spec.metadata.get("minimum"), spec.metadata.get("positive")
-        too_small = (
+        maximum = spec.metadata.get("maximum")
+        out_of_range = (
             (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)
             or (positive is True and value <= 0)
             or (positive is False and value < 0)
         )
-        if too_small or value != value or value in (math.inf, -math.inf):
+        if out_of_range or value != value or value in (math.inf, -math.inf):
             # nan compares false with every bound (clip_grad_norm=nan passed, and the run went
             # nan at its second step, blamed on the learning rate); inf is no setting either.
             raise UserError(key, value, _fix((spec, annotation)))

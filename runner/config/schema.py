@@ -76,7 +76,8 @@ class Train(Training):
     compute: Compute = field(default_factory=Compute)
     method: Method = field(default_factory=Method)
     optimizer: Dict[str, Any] = field(default_factory=dict)
-    seed: int = integer(0, 0)
+    # torch's generators take 64 bits; the data's sampler adds the epoch to it.
+    seed: int = integer(0, 0, 2**63 - 1)
     resume: Optional[str] = None
     load_checkpoint: LoadCheckpoint = field(default_factory=LoadCheckpoint)
     objective: Objective = field(default_factory=Objective)
