@@ -64,6 +64,7 @@ def _run(name: str, argv: list[str]) -> int | None:
     if name == "export":
         module.check_argv(argv)
     _warn_groups_given_twice(argv)
+    _refuse_null_groups(argv)
     from runner.config.secrets import refuse_typed_secrets
 
     argv = flags_first(argv)
@@ -145,6 +146,23 @@ def _warn_groups_given_twice(argv: list[str]) -> None:
             f"{group}={options[-1]}, is used; choose one and set its keys ({group}.KEY=VALUE)",
             file=sys.stderr,
         )
+
+
+def _refuse_null_groups(argv: list[str]) -> None:
+    """A config group set to null (`model=null`): Hydra raised a ValueError that names no
+    group ("Config group override must be a string or a list")."""
+    from runner.errors import NULL
+    from runner.paths import CONF_DIR, config_groups
+
+    groups = config_groups()
+    for override in argv:
+        key, equals, value = override.partition("=")
+        group = key.lstrip("+")
+        if equals and group in groups and value.strip().lower() == "null":
+            options = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+            raise UserError(
+                group, NULL, f"a config group takes an option; choose one of: {', '.join(options)}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
