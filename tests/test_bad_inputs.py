@@ -51,6 +51,7 @@ CASES = [
     case("unknown-key", "validate batch_sise=4", "batch_sise="),
     case("group-removed", "validate ~model", "model:", "~model"),
     case("group-null", "validate dtype=null", "dtype=null", "choose one of: auto, bf16"),
+    case("family-null", "validate model=tiny model.family=null", "model.family=null", "gemma"),
     case("config-name", "validate --config-name nosuch", "--config-name="),
     case("sweep-without-m", "validate seed=choice(1,2)", "seed=", "one value"),
     case("group-comma-list", "validate optimizer=adamw,sgd", "optimizer=", "-m"),

@@ -449,7 +449,15 @@ def _family_and_builder(
             )
         family = found
     # A model option names its family, a source's config.json names it otherwise.
-    assert family is not None
+    if family is None:
+        from runner.models.families import FAMILIES
+
+        raise UserError(
+            "model.family",
+            NULL if model.family is None else model.family,
+            "a model with no model.source (random weights) is built by its family's builder; "
+            f"give one of: {', '.join(FAMILIES)}",
+        )
     derived = builder_args(family, config, str(model.source)) if config else None
     if model.builder is None:
         assert derived is not None  # resolve_model refuses no builder and no source
