@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import struct
 import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -239,6 +241,30 @@ def test_runtime_tensorboard_is_refused_with_its_replacement(runner_cli) -> None
     assert result.stderr.startswith(
         "error: runtime.tensorboard=false: replaced by runtime.loggers: write runtime.loggers=[]"
     ), result.stderr
+
+
+def test_wandb_with_no_api_key_is_refused_up_front(tmp_path, monkeypatch) -> None:
+    """wandb.init failed in the training process, after the run directory was written, with a
+    traceback of some 40 lines ("No API key configured"). Offline, or logged in (wandb login's
+    ~/.netrc), it starts."""
+    import wandb
+
+    from runner.config.loggers import check_loggers
+    from runner.errors import UserError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_CONFIG_DIR", "WANDB_DIR", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UserError) as err:
+        check_loggers(["jsonl", "wandb"], env=dict(os.environ))
+    assert err.value.key == "runtime.loggers"
+    assert "W&B has no API key for" in err.value.fix and "WANDB_MODE=offline" in err.value.fix
+    check_loggers(["wandb"], env={**os.environ, "WANDB_MODE": "offline"})
+    host = urlsplit(wandb.Settings().base_url).hostname
+    (tmp_path / ".netrc").write_text(f"machine {host}\n  login user\n  password {'k' * 40}\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    check_loggers(["wandb"], env=dict(os.environ))
 
 
 def test_an_mlflow_server_out_of_reach_or_no_mlflow_is_refused_up_front() -> None:

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from runner.errors import UserError, redact_text
@@ -53,8 +54,40 @@ def check_loggers(
             )
     if project is not None:
         _check_project(project, [name for name in loggers if name in ("wandb", "mlflow")])
+    env = os.environ if env is None else env
+    if "wandb" in loggers:
+        _check_wandb_login(list(loggers), key, env)
     if "mlflow" in loggers:
-        _check_mlflow_store(list(loggers), key, os.environ if env is None else env)
+        _check_mlflow_store(list(loggers), key, env)
+
+
+def _check_wandb_login(loggers: list[str], key: str, env: Mapping[str, str]) -> None:
+    """W&B online with no credentials (WANDB_API_KEY, wandb login's ~/.netrc): wandb.init failed
+    in the training process, after the run directory was written, with a traceback of some 40
+    lines ("No API key configured"). Where a settings file of W&B's own is there (`wandb
+    offline` writes one), or W&B's code is another version's, W&B is left to decide."""
+    if env.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return
+    config_dir = Path(env.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+    if (Path(env.get("WANDB_DIR") or ".") / "wandb" / "settings").is_file() or (
+        config_dir / "settings"
+    ).is_file():
+        return
+    try:
+        import wandb
+        from wandb.sdk.lib.wbauth.authenticate import authenticate_session
+
+        host = env.get("WANDB_BASE_URL") or wandb.Settings().base_url  # its default's W&B's
+        found = authenticate_session(host=host, source="runner", prompt=False, update_session=False)
+    except Exception:  # noqa: BLE001 - another version's API, or a key W&B reads as malformed
+        return
+    if found is None:
+        raise UserError(
+            key,
+            loggers,
+            f"W&B has no API key for {host} here (WANDB_API_KEY, or ~/.netrc from `wandb "
+            "login`): log in with `wandb login`, or set WANDB_MODE=offline",
+        )
 
 
 def _check_project(project: str, trackers: list[str]) -> None:
