@@ -107,6 +107,11 @@ def trained_text(sample: dict[str, Any], tok: ChatTokenizer) -> str:
 # ---- formats, column_map, splits ------------------------------------------------------------
 def test_every_format_reads_the_same_samples_through_column_map(tmp_path: Path) -> None:
     rows, tok = records(12), tokenizer()
+    # Text that pandas takes for null by default: a CSV made an answer "NA" (Namibia's code)
+    # null, refused, and dropped an input "None" from its prompt.
+    for row, column, text in ((1, "answer", "NA"), (2, "context", "None"), (4, "answer", "nan")):
+        rows[row][column] = text
+    rows[5]["context"], rows[7]["answer"] = "N/A", "null"
     samples = {}
     for suffix in (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".xml"):
         path = write(rows, tmp_path / f"data{suffix}")

@@ -205,14 +205,16 @@ def stream_files(
 
 def _options(builder: str, file: str, token: str | None = None) -> dict[str, Any]:
     """The `datasets` builder's options for `file`: a CSV cell has no type, so every column of a
-    CSV file is read as text (an empty cell is null)."""
+    CSV file is read as text, an empty cell alone as null (pandas' own list of null words made
+    an answer "NA", Namibia's code, or "None" null: refused, or left out of a prompt)."""
     if builder != "csv":
         return {}
     # utf-8-sig: a file saved with a byte-order mark (Excel's "CSV UTF-8") named its first
     # column "\ufeffinstruction" here, where the reader strips it: the file was refused.
     with _open(file, token, "r", newline="", encoding="utf-8-sig") as f:
         header = next(csv.reader(f), [])
-    return {"features": datasets.Features({c: datasets.Value("string") for c in header})}
+    features = datasets.Features({c: datasets.Value("string") for c in header})
+    return {"features": features, "keep_default_na": False, "na_values": [""]}
 
 
 def stream_records(
