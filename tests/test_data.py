@@ -393,3 +393,23 @@ def test_a_validation_split_holding_training_records_is_refused_where_the_run_ev
     with pytest.raises(UserError, match="holds records 1 to 40") as err:
         check_datasets(linked, tokenizer())
     assert err.value.key == "dataset.validation.source"
+    # One shard of a sharded split, named as the validation source, is that split's too:
+    # compared as whole lists of files, it passed. Named by its own rows.
+    shards = tmp_path / "shards"
+    for index, rows in enumerate((range(0, 30), range(30, 50))):
+        write([{"instruction": f"add {i}", "output": f"{i + 1}"} for i in rows],
+              shards / f"train-0000{index}-of-00002.jsonl")  # fmt: skip
+    shard = shards / "train-00001-of-00002.jsonl"
+    sharded = ["dataset=instruct", "dataset.column_map.input=null"]
+    for train_source, held_source in ((shards, shard), (shard, shards)):
+        one_shard = data(
+            *sharded,
+            f"dataset.source={train_source}",
+            f"dataset.validation.source={held_source}",
+            "dataset.validation.split=train",
+        )
+        with pytest.raises(UserError, match=f"holds records 1 to 20 of {shard}"):
+            check_datasets(one_shard, tokenizer())
+    tail = data(*sharded, f"dataset.source={shards}", "dataset.validation.split='train[45:]'")
+    with pytest.raises(UserError, match=f"holds records 16 to 20 of {shard}"):
+        check_datasets(tail, tokenizer())

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -448,18 +449,31 @@ class Records:
             index -= self.parts[part][2]
             part += 1
         files, start, _ = self.parts[part]
-        row = start + index
-        if len(files) == 1:
-            return files[0], row + 1
-        for file in files:
-            table = _read_if_any(
-                "dataset.source", self.source, self.data_format, [file], self.xml_record
-            )
-            rows = 0 if table is None else len(table)
-            if row < rows:
-                return file, row + 1
-            row -= rows
+        for file, row, _ in rows_by_file(
+            (files, start + index, 1), self.data_format, self.xml_record
+        ):
+            return file, row + 1
         raise AssertionError("row past the end of its split")
+
+
+def rows_by_file(
+    part: tuple[list[str], int, int], data_format: str, xml_record: str | None = None
+) -> list[tuple[str, int, int]]:
+    """(file, first row, rows) of each file whose rows a part of a split (Records.parts: its
+    files, first row, rows, over the files read as one) takes; a part of sys.maxsize rows (a
+    stream's) takes every row of each of its files, none read."""
+    files, start, rows = part
+    if len(files) == 1 or rows == sys.maxsize:
+        return [(file, start if len(files) == 1 else 0, rows) for file in files]
+    taken, offset = [], 0
+    for file in files:
+        table = _read_if_any("dataset.source", file, data_format, [file], xml_record)
+        count = 0 if table is None else len(table)
+        first, end = max(start, offset), min(start + rows, offset + count)
+        if end > first:
+            taken.append((file, first - offset, end - first))
+        offset += count
+    return taken
 
 
 def load_records(

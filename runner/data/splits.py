@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from runner.data.checks import checked_split
 from runner.data.preference import PreferenceSplit
-from runner.data.sources import is_remote, stream_files
+from runner.data.sources import is_remote, rows_by_file, stream_files
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import PackedDataset
@@ -106,24 +106,37 @@ def _check_disjoint(
     """The validation records are none of the training records: a validation split that
     overlaps the training split (dataset=alpaca dataset.split=train keeps the preset's
     validation.split=train[95%:]) scored records the run trains on, and picked its best
-    checkpoint by them, without a word."""
-    for files, start, rows in train:
-        for other, other_start, other_rows in validation:
-            first, end = max(start, other_start), min(start + rows, other_start + other_rows)
-            same = [os.path.realpath(f) for f in files] == [os.path.realpath(f) for f in other]
-            if not same or first >= end:  # a file and a link to it are the same records
+    checkpoint by them, without a word. Compared file by file (a file and a link to it are the
+    same records): one shard of a sharded split, named as a source, is that split's too."""
+    held = data["validation"]
+    held_format = held["format"] if held["source"] is not None else data["format"]
+    xml_record = data["xml"]["record"]
+    for part in train:
+        for other in validation:
+            if not {os.path.realpath(f) for f in part[0]} & {os.path.realpath(f) for f in other[0]}:
                 continue
-            held = data["validation"]
-            named_by = "source" if held["source"] is not None else "split"
-            raise UserError(
-                f"dataset.validation.{named_by}",
-                held[named_by],
-                f"holds records {first + 1} to {end} of {', '.join(files)}, which "
-                f"dataset.split={data['split']!r} trains on: evaluation would score training "
-                "records; give slices that do not meet (dataset.split='train[:95%]' beside "
-                "validation.split='train[95%:]'), or validation.held_out=5% to draw them from "
-                "the training split",
-            )
+            for file, start, rows in rows_by_file(part, data["format"], xml_record):
+                for other_file, other_start, other_rows in rows_by_file(
+                    other, held_format, xml_record
+                ):
+                    first = max(start, other_start)
+                    end = min(start + rows, other_start + other_rows)
+                    if os.path.realpath(file) == os.path.realpath(other_file) and first < end:
+                        _overlap(data, first, end, other_file)
+
+
+def _overlap(data: Mapping[str, Any], first: int, end: int, file: str) -> None:
+    held = data["validation"]
+    named_by = "source" if held["source"] is not None else "split"
+    rows = f"records {first + 1} to {end}" if end < sys.maxsize else f"records from {first + 1}"
+    raise UserError(
+        f"dataset.validation.{named_by}",
+        held[named_by],
+        f"holds {rows} of {file}, which dataset.split={data['split']!r} trains on: evaluation "
+        "would score training records; give slices that do not meet "
+        "(dataset.split='train[:95%]' beside validation.split='train[95%:]'), or "
+        "validation.held_out=5% to draw them from the training split",
+    )
 
 
 def validation_split(data: Mapping[str, Any], tokenizer: ChatTokenizer) -> Split | None:
