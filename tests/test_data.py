@@ -250,6 +250,30 @@ def test_split_slicing_and_named_splits_of_a_directory(tmp_path: Path) -> None:
     assert err.value.key == "dataset.split" and "['train', 'validation']" in err.value.fix
 
 
+def test_a_directory_is_split_as_its_dataset_cards_configs_say(tmp_path: Path) -> None:
+    """README.md's `configs:` name each split's files, as `datasets` reads a repository: split
+    by file name alone, the validation file was trained on."""
+    rows = records(36)
+    write(rows[:30], tmp_path / "repo" / "alpha.jsonl")
+    write(rows[30:], tmp_path / "repo" / "beta.jsonl")
+    card = tmp_path / "repo" / "README.md"
+    card.write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        "    path: alpha.jsonl\n  - split: validation\n    path: beta.jsonl\n---\n# A card\n"
+    )
+    given = ["dataset=instruct", f"dataset.source={tmp_path / 'repo'}", *RENAMED]
+    found = check_datasets(data(*given, "dataset.validation.split=validation"), tokenizer())
+    expected = datasets.load_dataset(str(tmp_path / "repo"))
+    assert found == {"train": 30, "validation": 6} == {k: len(v) for k, v in expected.items()}
+    # A card's only config is its default, whatever its name.
+    card.write_text(card.read_text().replace("config_name: default", "config_name: first"))
+    assert check_datasets(data(*given, "dataset.validation.split=validation"), tokenizer()) == found
+    two = "---\nconfigs:\n- config_name: a\n  data_files: alpha.jsonl\n- config_name: b\n"
+    card.write_text(two + "  data_files: beta.jsonl\n---\n")
+    with pytest.raises(UserError, match=r"names the configs \['a', 'b'\] and no default"):
+        check_datasets(data(*given), tokenizer())
+
+
 def test_held_out_validation_is_seeded_and_disjoint(tmp_path: Path) -> None:
     source = write(records(40), tmp_path / "all.jsonl")
     tok = tokenizer()

@@ -24,6 +24,7 @@ from xml.etree import ElementTree
 import datasets
 import numpy as np
 import pyarrow as pa
+import yaml
 from datasets.data_files import DataFilesDict, get_data_patterns
 from datasets.exceptions import DatasetGenerationError
 
@@ -166,9 +167,10 @@ def split_files(
     extensions = list(FORMATS[data_format])
     # datasets lists an hf:// directory through HfFileSystem, with this token.
     listing = {"download_config": datasets.DownloadConfig(token=token)} if remote else {}
+    patterns = _card_patterns(key, source, token) or get_data_patterns(source, **listing)
     try:
         found = DataFilesDict.from_patterns(
-            get_data_patterns(source, **listing),
+            patterns,
             base_path=source,
             allowed_extensions=extensions,
             **listing,
@@ -184,6 +186,41 @@ def split_files(
             "give a file or directory of them, or set dataset.format",
         )
     return splits
+
+
+def _card_patterns(key: str, source: str, token: str | None) -> dict[str, list[str]] | None:
+    """{split: file patterns} of the dataset card's default config (README.md's `configs:`), as
+    `datasets` reads a repository's; None where the card names none. Split by file name, a
+    repository whose card names its validation file otherwise trained on it."""
+    from datasets.data_files import sanitize_patterns
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    readme = f"{source.rstrip('/')}/README.md"
+    if is_remote(source):
+        files = _hub_files(token)
+        text = files.read_text(readme, encoding="utf-8") if files.isfile(readme) else None
+    else:
+        text = Path(readme).read_text(encoding="utf-8") if Path(readme).is_file() else None
+    if text is None:
+        return None
+    try:
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard(text).data)
+        name = configs.get_default_config_name() if configs else None
+    except (ValueError, yaml.YAMLError) as err:  # two defaults, data_files of another shape
+        raise UserError(key, source, f"its README.md's configs do not read ({err})") from err
+    if not configs:
+        return None
+    if name is None:
+        raise UserError(
+            key,
+            source,
+            f"its README.md names the configs {sorted(configs)} and no default; give the "
+            "files of one as the source (a file, or a directory of them)",
+        )
+    if "data_files" not in configs[name]:
+        return None
+    return dict(sanitize_patterns(configs[name]["data_files"]))
 
 
 def stream_files(
