@@ -196,7 +196,8 @@ def test_bad_xml_names_the_file_line_column_or_record(tmp_path: Path) -> None:
 def test_text_trains_on_every_token_in_any_format(tmp_path: Path) -> None:
     lines = ["the first line", "", "   ", "a second, longer line"]
     txt = tmp_path / "corpus.txt"
-    txt.write_text("\n".join(lines) + "\n")
+    # Saved with a byte-order mark (Notepad's), which began the first record.
+    txt.write_bytes(b"\xef\xbb\xbf" + ("\n".join(lines) + "\n").encode())
     jsonl = write([{"body": line} for line in lines], tmp_path / "corpus.jsonl")
     tok = tokenizer()
     from_txt = train_dataset(data("dataset=text", f"dataset.source={txt}"), tok)
@@ -232,6 +233,12 @@ def test_split_slicing_and_named_splits_of_a_directory(tmp_path: Path) -> None:
     )
     assert answers(train_dataset(sliced, tok)) == [f"a{i}" for i in range(5)]
     assert answers(validation_split(sliced, tok)) == ["a17", "a18", "a19"]
+    # A percent slice's rounding, as datasets takes it (it was refused): 33% of 150 rows.
+    longer = write(records(150), tmp_path / "longer.jsonl")
+    for rounding, rows in (("closest", 50), ("pct1_dropremainder", 33)):
+        rounded = {**sliced, "source": str(longer), "split": f"train[:33%]({rounding})"}
+        taken = datasets.load_dataset("json", data_files=str(longer), split=rounded["split"])
+        assert len(train_dataset(rounded, tok)) == rows == len(taken)
     # A directory split by file names, as hub repositories are.
     repo = tmp_path / "repo"
     write(records(6), repo / "data" / "train-00000-of-00001.parquet")

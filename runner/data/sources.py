@@ -52,7 +52,10 @@ BUILDERS = {
 }
 # Records read from a streamed file at a time.
 STREAM_CHUNK = 1000
-SPLIT_PART = re.compile(r"^\s*([\w.-]+)\s*(\[[^\]]*\])?\s*$")
+# A split's name, its slice, and the slice's rounding (datasets': train[:10%](closest)).
+SPLIT_PART = re.compile(
+    r"^\s*([\w.-]+)\s*(\[[^\]]*\])?\s*(\((?:closest|pct1_dropremainder)\))?\s*$"
+)
 # A dataset repo's file or directory pinned to a commit, as runner.hub.download streams it.
 HUB_STREAM = re.compile(r"^hf://datasets/[^/@]+/[^/@]+@[0-9a-f]{40}(/|$)")
 
@@ -245,6 +248,10 @@ def _options(builder: str, file: str, token: str | None = None) -> dict[str, Any
     """The `datasets` builder's options for `file`: a CSV cell has no type, so every column of a
     CSV file is read as text, an empty cell alone as null (pandas' own list of null words made
     an answer "NA", Namibia's code, or "None" null: refused, or left out of a prompt)."""
+    if builder == "text":
+        # A byte-order mark (Notepad's) began the first record, as the json and csv readers
+        # strip it.
+        return {"encoding": "utf-8-sig"}
     if builder != "csv":
         return {}
     # utf-8-sig: a file saved with a byte-order mark (Excel's "CSV UTF-8") named its first
