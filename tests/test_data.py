@@ -3,7 +3,10 @@ packing: test_packing.py)."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -130,6 +133,17 @@ def test_every_format_reads_the_same_samples_through_column_map(tmp_path: Path) 
     marked.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "data.csv").read_bytes())
     train = train_dataset(data("dataset=instruct", f"dataset.source={marked}", *RENAMED), tok)
     samples["marked.csv"] = [train[i] for i in range(len(train))]
+    # Compressed files, read decompressed as datasets reads them (a CSV's header was read
+    # compressed, and refused as "not UTF-8").
+    for name, compress in (
+        ("data.jsonl.gz", gzip.compress),
+        ("data.csv.bz2", bz2.compress),
+        ("data.xml.xz", lzma.compress),
+    ):
+        packed = tmp_path / name
+        packed.write_bytes(compress((tmp_path / name.rsplit(".", 1)[0]).read_bytes()))
+        train = train_dataset(data("dataset=instruct", f"dataset.source={packed}", *RENAMED), tok)
+        samples[name] = [train[i] for i in range(len(train))]
     first = samples.pop(".jsonl null")
     assert len(first) == 12 and trained_text(first[0], tok) == "a0<|eot_id|>"
     assert "Reverse word 0.\nw0" in tok.decode(first[0]["tokens"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -183,6 +184,12 @@ def test_an_unreadable_file_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         check_datasets(data(f"dataset.source={broken}"), tokenizer())
     assert err.value.key == "dataset.source"
+    assert err.value.fix.startswith("line 2, column 2: not valid JSON (Expecting property name")
+    # Compressed, the line is found in the text (it was "line 1: byte 0x8b", gzip's header).
+    packed = tmp_path / "broken.jsonl.gz"
+    packed.write_bytes(gzip.compress(broken.read_bytes()))
+    with pytest.raises(UserError) as err:
+        check_datasets(data(f"dataset.source={packed}"), tokenizer())
     assert err.value.fix.startswith("line 2, column 2: not valid JSON (Expecting property name")
     # Where no line is at fault, the reader's own message.
     parquet = tmp_path / "broken.parquet"

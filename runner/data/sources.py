@@ -40,6 +40,9 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "text": (".txt",),
     "xml": (".xml",),
 }
+# A data file compressed (data.jsonl.gz), read decompressed, as `datasets` reads it: fsspec
+# infers the compression from the extension.
+COMPRESSED = (".gz", ".bz2", ".xz")
 # dataset.format -> the `datasets` builder that reads it (xml: runner.data.sources reads it;
 # datasets' own xml builder yields each file as one string).
 BUILDERS = {
@@ -74,10 +77,12 @@ def _hub_files(token: str | None) -> Any:
 
 
 def _open(file: str, token: str | None, mode: str = "rb", **options: Any) -> Any:
-    """A local file, or a hub file read in ranges as it is read (nothing cached on disk)."""
-    if is_remote(file):
-        return _hub_files(token).open(file, mode, **options)
-    return open(file, mode, **options)
+    """A local file, or a hub file read in ranges as it is read (nothing cached on disk); a
+    compressed one (COMPRESSED) decompressed."""
+    import fsspec
+
+    files = _hub_files(token) if is_remote(file) else fsspec.filesystem("file")
+    return files.open(file, mode, compression="infer", **options)
 
 
 def _size(file: str, token: str | None) -> int:
@@ -115,9 +120,14 @@ def _extensions(formats: tuple[str, ...] = tuple(FORMATS)) -> str:
     return ", ".join(sorted({ext for f in formats for ext in FORMATS[f]}))
 
 
-def _format_of(path: Path) -> str | None:
+def _suffix(path: Path) -> str:
+    """A data file's extension: a compressed one's (data.jsonl.gz) the one before it."""
     suffix = path.suffix.lower()
-    return next((f for f, exts in FORMATS.items() if suffix in exts), None)
+    return Path(path.stem).suffix.lower() if suffix in COMPRESSED else suffix
+
+
+def _format_of(path: Path) -> str | None:
+    return next((f for f, exts in FORMATS.items() if _suffix(path) in exts), None)
 
 
 def source_format(key: str, source: str, data_format: str | None, token: str | None = None) -> str:
@@ -126,7 +136,7 @@ def source_format(key: str, source: str, data_format: str | None, token: str | N
         if data_format not in FORMATS:
             raise UserError("dataset.format", data_format, f"choose one of: {', '.join(FORMATS)}")
         named = _format_of(Path(source)) if Path(source).is_file() else None
-        if named not in (None, "text") and Path(source).suffix.lower() not in FORMATS[data_format]:
+        if named not in (None, "text") and _suffix(Path(source)) not in FORMATS[data_format]:
             # dataset=sample sets json for both sources: a .csv validation file read as JSON
             # was "not valid JSON ...; fix the JSON there".
             raise UserError(
@@ -360,7 +370,8 @@ def _read_xml(
 
 def _xml_rows(key: str, source: str, file: str, record: str | None) -> list[dict[str, str]]:
     try:
-        root = ElementTree.parse(file).getroot()
+        with _open(file, None) as f:
+            root = ElementTree.parse(f).getroot()
     except ElementTree.ParseError as err:
         found = _undecodable_line(file)
         if found is None:
