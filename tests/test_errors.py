@@ -75,6 +75,11 @@ CASES = [
         ["batch_size=100000"],
         ["batch_size=100000", "fewer than one global batch of 100000", "or less"],
     ),
+    # One sample a process is already too many: the processes are at fault, not accumulation.
+    (
+        ["batch_size=1", "compute.nproc_per_node=100000"],
+        ["fewer than one global batch of 100000", "train on fewer processes (compute.nproc_per"],
+    ),
     (
         ["model=hf", f"model.source={CONF_DIR / 'train.yaml'}"],
         ["is a file; give the checkpoint directory that holds it", f"model.source={CONF_DIR}"],

@@ -387,7 +387,12 @@ def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
     if records is None or records >= global_batch_size:
         return
     largest = records // per_batch
-    fix = f"give batch_size={largest} or less" if largest else "lower gradient_accumulation_steps"
+    if largest:
+        fix = f"give batch_size={largest} or less"
+    elif recipe.gradient_accumulation_steps > 1:
+        fix = "lower gradient_accumulation_steps"
+    else:  # one sample a process is more than the split holds
+        fix = "train on fewer processes (compute.nproc_per_node, compute.nnodes)"
     raise UserError(
         "batch_size",
         recipe.batch_size,
