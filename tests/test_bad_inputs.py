@@ -52,6 +52,12 @@ CASES = [
     case("group-removed", "validate ~model", "model:", "~model"),
     case("group-null", "validate dtype=null", "dtype=null", "choose one of: auto, bf16"),
     case("family-null", "validate model=tiny model.family=null", "model.family=null", "gemma"),
+    case(
+        "platform-on-one-machine",
+        "validate compute=cpu +compute.platform=slurm",
+        "compute.platform='slurm'",
+        "compute=multi_node compute.platform=slurm",
+    ),
     case("config-name", "validate --config-name nosuch", "--config-name="),
     case("sweep-without-m", "validate seed=choice(1,2)", "seed=", "one value"),
     case("group-comma-list", "validate optimizer=adamw,sgd", "optimizer=", "-m"),

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig
 
 from runner.config.fields import integer, override_key
-from runner.config.platforms import refuse_torchrun_worker
+from runner.config.platforms import check_platform, refuse_torchrun_worker
 from runner.errors import NULL, UserError
 
 # typing's Optional: the form OmegaConf 2.3 reads in structured-config annotations.
@@ -158,6 +158,14 @@ def resolve_compute(
         max_restarts=compute.max_restarts,
         collective_timeout_s=compute.collective_timeout_s,
     )
+    if compute.platform is not None and compute.rdzv_backend is None:
+        # +compute.platform=slurm on compute=cpu: only multi_node has a rendezvous to read.
+        raise UserError(
+            "compute.platform",
+            compute.platform,
+            "a single-machine compute option reads no platform; give compute=multi_node "
+            f"compute.platform={compute.platform}",
+        )
     if compute.platform is None:  # a single-machine compute option
         if nnodes != 1:
             raise UserError(
@@ -167,6 +175,7 @@ def resolve_compute(
                 "platform or compute.master_addr)",
             )
         return resolved
+    check_platform(compute.platform)  # multi_node's resolver checked its own
     resolved.platform = compute.platform
     resolved.rdzv_timeout_s = compute.rdzv_timeout_s
     resolved.rdzv_endpoint = _rendezvous(compute, nnodes)

@@ -157,13 +157,18 @@ def first_host(nodelist: str) -> str:
     return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
 
 
+def check_platform(platform: str) -> None:
+    """A UserError unless compute.platform names one: auto, none, or one of PLATFORMS."""
+    if platform not in ("auto", "none", *PLATFORMS):
+        raise UserError("compute.platform", platform, f"choose auto, none, {', '.join(PLATFORMS)}")
+
+
 def detect(platform: str, env: Mapping[str, str] | None = None) -> Detection:
     """Reads the node layout from the environment: `auto` tries every platform, in order."""
     env = os.environ if env is None else env
+    check_platform(platform)
     if platform == "none":
         return Detection()
-    if platform != "auto" and platform not in PLATFORMS:
-        raise UserError("compute.platform", platform, f"choose auto, none, {', '.join(PLATFORMS)}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     used: list[str] = []
