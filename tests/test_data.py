@@ -190,6 +190,15 @@ def test_xml_reads_records_from_attributes_and_nested_elements(tmp_path: Path) -
         tok,
     )
     assert [got[i] for i in range(6)] == [expected[i] for i in range(6)]
+    # In a default namespace, elements and attributes go by their local names (the file had
+    # no <item>, and its fields were named "{urn:x}answer").
+    spaced = tmp_path / "spaced.xml"
+    spaced.write_text(nested.read_text().replace("<export>", '<export xmlns="urn:x">'))
+    got = train_dataset(
+        data("dataset=instruct", f"dataset.source={spaced}", "dataset.xml.record=item", *RENAMED),
+        tok,
+    )
+    assert [got[i] for i in range(6)] == [expected[i] for i in range(6)]
 
 
 def test_bad_xml_names_the_file_line_column_or_record(tmp_path: Path) -> None:

@@ -382,11 +382,21 @@ def _xml_rows(key: str, source: str, file: str, record: str | None) -> list[dict
         raise LineError(
             key, source, file=file, line=line, column=column, problem=problem, fix=fix
         ) from None
-    elements = list(root) if record is None else list(root.iter(record))
+    # Elements and attributes by their local names: a file with a default namespace
+    # (<root xmlns="...">) had no <item>, its fields named "{http://...}instruction".
+    elements = list(root) if record is None else [e for e in root.iter() if _local(e.tag) == record]
     return [
-        {**element.attrib, **{child.tag: "".join(child.itertext()) for child in element}}
+        {
+            **{_local(name): value for name, value in element.attrib.items()},
+            **{_local(child.tag): "".join(child.itertext()) for child in element},
+        }
         for element in elements
     ]
+
+
+def _local(name: str) -> str:
+    """An XML name without its namespace ({http://example.com/x}item: item)."""
+    return name.rpartition("}")[2]
 
 
 def _no_records(key: str, source: str, files: list[str]) -> UserError:
