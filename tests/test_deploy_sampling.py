@@ -54,6 +54,10 @@ def test_the_nucleus_is_the_fewest_most_likely_tokens_that_cover_top_p() -> None
     torch.testing.assert_close(kept[2], probs[0])
     # More likely tokens that reach top_p exactly cover it: four of 0.25 at 0.5 keep two, two
     # of 0.5 keep one (each kept a token too many).
+    # A top_p that rounds to 0 in float32 keeps the most likely alone (it dropped every token,
+    # and the step failed on a softmax of nothing).
+    alone = nucleus_probabilities(probs.log(), [1e-50])
+    torch.testing.assert_close(alone[0], torch.tensor([0.0, 1.0, 0.0, 0.0]))
     for width, keeps in ((4, 2), (2, 1)):
         kept = nucleus_probabilities(torch.full((1, width), 1 / width).log(), [0.5])
         assert int((kept > 0).sum()) == keeps and float(kept.max()) == 1 / keeps

@@ -21,7 +21,7 @@ from tests.test_imports import _loaded_after
         (["batch_size=abc"], "batch_size='abc': give an integer >= 1"),
         (["batch_size=2.5"], "batch_size=2.5: give an integer >= 1"),
         (["max_steps=0"], "max_steps=0: give an integer >= 1 or null"),
-        (["seed=-1"], "seed=-1: give an integer >= 0"),
+        (["seed=-1"], "seed=-1: give an integer from 0 to 9223372036854775807"),
         (["compile=3"], "compile=3: give true or false"),
         (["runtime.deterministic=maybe"], "runtime.deterministic='maybe': give true or false"),
         (["clip_grad_norm=0"], "clip_grad_norm=0.0: give a number > 0 or null"),

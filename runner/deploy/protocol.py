@@ -230,7 +230,7 @@ def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
     except ValidationError as error:
         raise _invalid(error) from error
     parsed.check()
-    n = getattr(parsed, "n", 1)
+    n = getattr(parsed, "n", None) or 1  # n left out (null) is 1
     if body.get("best_of") is not None and n > 1:  # best_of is 1 here: one candidate, n answers
         message = f"best_of must be at least n ({n}), as OpenAI's API says; leave best_of out"
         raise ApiError(400, message, param="best_of")

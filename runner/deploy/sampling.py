@@ -81,5 +81,6 @@ def nucleus_probabilities(scaled: torch.Tensor, top_p: list[float]) -> torch.Ten
     # Drop a token when the more likely ones already cover top_p (reach it, as transformers'
     # TopPLogitsWarper and vLLM count: 0.5 and 0.5 at top_p 0.5 keep one).
     drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= cover
+    drop[:, 0] = False  # a top_p that rounds to 0 in float32 (1e-50) keeps the most likely
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits.softmax(dim=-1))
