@@ -191,6 +191,10 @@ def test_an_unreadable_file_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         check_datasets(data(f"dataset.source={packed}"), tokenizer())
     assert err.value.fix.startswith("line 2, column 2: not valid JSON (Expecting property name")
+    empty = tmp_path / "empty.jsonl.gz"  # gzip of nothing: 20 bytes, which datasets stopped on
+    empty.write_bytes(gzip.compress(b""))
+    with pytest.raises(UserError, match="has no records; give a data file that holds some"):
+        check_datasets(data(f"dataset.source={empty}"), tokenizer())
     # Where no line is at fault, the reader's own message.
     parquet = tmp_path / "broken.parquet"
     parquet.write_bytes(b"not parquet")

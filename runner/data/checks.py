@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, ConversationStyle
 from runner.data.preference import SIDES, PreferenceSplit, PreferenceToMessages
-from runner.data.sources import Records, load_records
+from runner.data.sources import Records, load_records, open_data
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message
@@ -92,7 +92,7 @@ def _as_written(file: str, row: int, column: str, required: bool) -> tuple[str, 
     first record that holds no text as written, and what it holds; None where `row` is as
     written, or the file is no JSON-lines file of this machine's."""
     try:
-        with open(file, encoding="utf-8") as f:
+        with open_data(file, mode="r", encoding="utf-8") as f:  # a compressed one decompressed
             records = [json.loads(line) if line.strip() else {} for line in f]
         if isinstance(records[row - 1].get(column), str):
             for number, record in enumerate(records, 1):

@@ -76,7 +76,7 @@ def _hub_files(token: str | None) -> Any:
     return HfFileSystem(token=token, endpoint=constants.ENDPOINT)
 
 
-def _open(file: str, token: str | None, mode: str = "rb", **options: Any) -> Any:
+def open_data(file: str, token: str | None = None, mode: str = "rb", **options: Any) -> Any:
     """A local file, or a hub file read in ranges as it is read (nothing cached on disk); a
     compressed one (COMPRESSED) decompressed."""
     import fsspec
@@ -87,6 +87,15 @@ def _open(file: str, token: str | None, mode: str = "rb", **options: Any) -> Any
 
 def _size(file: str, token: str | None) -> int:
     return int(_hub_files(token).size(file)) if is_remote(file) else os.path.getsize(file)
+
+
+def _empty(file: str, token: str | None = None) -> bool:
+    """Whether a data file holds no byte: a compressed one decompressed (gzip of nothing is 20
+    bytes, which `datasets` then stopped on with a StopIteration)."""
+    if _suffix(Path(file)) != Path(file).suffix.lower():  # compressed
+        with open_data(file, token) as f:
+            return not f.read(1)
+    return _size(file, token) == 0
 
 
 def local_source(key: str, source: str) -> str:
@@ -266,7 +275,7 @@ def _options(builder: str, file: str, token: str | None = None) -> dict[str, Any
         return {}
     # utf-8-sig: a file saved with a byte-order mark (Excel's "CSV UTF-8") named its first
     # column "\ufeffinstruction" here, where the reader strips it: the file was refused.
-    with _open(file, token, "r", newline="", encoding="utf-8-sig") as f:
+    with open_data(file, token, "r", newline="", encoding="utf-8-sig") as f:
         header = next(csv.reader(f), [])
     features = datasets.Features({c: datasets.Value("string") for c in header})
     return {"features": features, "keep_default_na": False, "na_values": [""]}
@@ -279,7 +288,7 @@ def stream_records(
     a chunk of the file is in memory at a time (of a hub file, read in ranges from the hub). A
     file that does not read is a UserError naming it (and the line and column, for a text
     format)."""
-    if _size(file, token) == 0:
+    if _empty(file, token):
         return
     builder = BUILDERS[data_format]
     try:
@@ -315,7 +324,7 @@ def _read_if_any(
 ) -> datasets.Dataset | None:
     """The records of `files`, None if they hold none; a file that does not read is a UserError
     naming it (and the line and column, for a text format)."""
-    if all(os.path.getsize(file) == 0 for file in files):
+    if all(_empty(file) for file in files):
         return None  # `datasets` would stop at its first file, with a StopIteration
     if data_format == "xml":
         return _read_xml(key, source, files, xml_record)
@@ -370,7 +379,7 @@ def _read_xml(
 
 def _xml_rows(key: str, source: str, file: str, record: str | None) -> list[dict[str, str]]:
     try:
-        with _open(file, None) as f:
+        with open_data(file, None) as f:
             root = ElementTree.parse(f).getroot()
     except ElementTree.ParseError as err:
         found = _undecodable_line(file)
@@ -445,7 +454,7 @@ def _read_error(
 
 def _undecodable_line(file: str, token: str | None = None) -> tuple[int, int, str, str] | None:
     """(line, column, problem, fix) of the first line of `file` that is not UTF-8 text."""
-    with _open(file, token) as f:
+    with open_data(file, token) as f:
         for number, raw in enumerate(f, 1):
             try:
                 raw.decode("utf-8")
@@ -460,7 +469,7 @@ def _unparsable_json(file: str, token: str | None = None) -> tuple[int, int, str
     """(line, column, problem, fix) of the first line of a JSON-lines file that is not one JSON
     object; for a file that is one JSON document (a list of records), where it stops parsing."""
     fix = "fix or drop the line (a JSON-lines file holds one JSON object a line)"
-    with _open(file, token, "r", encoding="utf-8-sig") as f:
+    with open_data(file, token, "r", encoding="utf-8-sig") as f:
         lines = ((number, line) for number, line in enumerate(f, 1) if line.strip())
         first = next(lines, None)
         if first is None:
@@ -523,22 +532,24 @@ class Records:
 
 def rows_by_file(
     part: tuple[list[str], int, int], data_format: str, xml_record: str | None = None
-) -> list[tuple[str, int, int]]:
+) -> Iterator[tuple[str, int, int]]:
     """(file, first row, rows) of each file whose rows a part of a split (Records.parts: its
-    files, first row, rows, over the files read as one) takes; a part of sys.maxsize rows (a
-    stream's) takes every row of each of its files, none read."""
+    files, first row, rows, over the files read as one) takes, in order, each file read as it
+    comes; a part of sys.maxsize rows (a stream's) takes every row of each file, none read."""
     files, start, rows = part
     if len(files) == 1 or rows == sys.maxsize:
-        return [(file, start if len(files) == 1 else 0, rows) for file in files]
-    taken, offset = [], 0
+        yield from ((file, start if len(files) == 1 else 0, rows) for file in files)
+        return
+    offset = 0
     for file in files:
+        if offset >= start + rows:
+            return
         table = _read_if_any("dataset.source", file, data_format, [file], xml_record)
         count = 0 if table is None else len(table)
         first, end = max(start, offset), min(start + rows, offset + count)
         if end > first:
-            taken.append((file, first - offset, end - first))
+            yield file, first - offset, end - first
         offset += count
-    return taken
 
 
 def load_records(

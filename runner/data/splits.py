@@ -106,19 +106,26 @@ def _check_disjoint(
     """The validation records are none of the training records: a validation split that
     overlaps the training split (dataset=alpaca dataset.split=train keeps the preset's
     validation.split=train[95%:]) scored records the run trains on, and picked its best
-    checkpoint by them, without a word. Compared file by file (a file and a link to it are the
-    same records): one shard of a sharded split, named as a source, is that split's too."""
+    checkpoint by them, without a word. A file and a link to it are the same records; one shard
+    of a sharded split, named as a source, is that split's too. Parts of the same files compare
+    by their rows; files are read (to count each one's rows) only where parts of different
+    files share one, or to name an overlap's file and rows."""
     held = data["validation"]
     held_format = held["format"] if held["source"] is not None else data["format"]
     xml_record = data["xml"]["record"]
     for part in train:
+        files = [os.path.realpath(f) for f in part[0]]
         for other in validation:
-            if not {os.path.realpath(f) for f in part[0]} & {os.path.realpath(f) for f in other[0]}:
+            other_files = [os.path.realpath(f) for f in other[0]]
+            if not set(files) & set(other_files):
                 continue
+            if files == other_files:  # the same files read as one: their rows are comparable
+                first = max(part[1], other[1])
+                if first >= min(part[1] + part[2], other[1] + other[2]):
+                    continue
+            held_rows = list(rows_by_file(other, held_format, xml_record))
             for file, start, rows in rows_by_file(part, data["format"], xml_record):
-                for other_file, other_start, other_rows in rows_by_file(
-                    other, held_format, xml_record
-                ):
+                for other_file, other_start, other_rows in held_rows:
                     first = max(start, other_start)
                     end = min(start + rows, other_start + other_rows)
                     if os.path.realpath(file) == os.path.realpath(other_file) and first < end:
