@@ -192,8 +192,14 @@ def test_xml_reads_records_from_attributes_and_nested_elements(tmp_path: Path) -
     assert [got[i] for i in range(6)] == [expected[i] for i in range(6)]
     # In a default namespace, elements and attributes go by their local names (the file had
     # no <item>, and its fields were named "{urn:x}answer").
+    # Another namespace's field of the same local name is another field (it overwrote the
+    # record's own).
     spaced = tmp_path / "spaced.xml"
-    spaced.write_text(nested.read_text().replace("<export>", '<export xmlns="urn:x">'))
+    spaced.write_text(
+        nested.read_text()
+        .replace("<export>", '<export xmlns="urn:x" xmlns:m="urn:m">')
+        .replace("</answer>", "</answer><m:answer>draft</m:answer>")
+    )
     got = train_dataset(
         data("dataset=instruct", f"dataset.source={spaced}", "dataset.xml.record=item", *RENAMED),
         tok,

@@ -391,21 +391,28 @@ def _xml_rows(key: str, source: str, file: str, record: str | None) -> list[dict
         raise LineError(
             key, source, file=file, line=line, column=column, problem=problem, fix=fix
         ) from None
-    # Elements and attributes by their local names: a file with a default namespace
-    # (<root xmlns="...">) had no <item>, its fields named "{http://...}instruction".
-    elements = list(root) if record is None else [e for e in root.iter() if _local(e.tag) == record]
+    # A file with a default namespace (<root xmlns="...">) had no <item>, its fields named
+    # "{http://...}instruction": a record is matched by its local name too, and its fields in
+    # its own namespace go by theirs; another namespace's keep their full names (<meta:output>
+    # beside <output> is another field).
+    elements = (
+        list(root)
+        if record is None
+        else [e for e in root.iter() if record in (e.tag, e.tag.rpartition("}")[2])]
+    )
     return [
         {
-            **{_local(name): value for name, value in element.attrib.items()},
-            **{_local(child.tag): "".join(child.itertext()) for child in element},
+            **element.attrib,  # an attribute's name has no default namespace
+            **{_in_own(child.tag, element.tag): "".join(child.itertext()) for child in element},
         }
         for element in elements
     ]
 
 
-def _local(name: str) -> str:
-    """An XML name without its namespace ({http://example.com/x}item: item)."""
-    return name.rpartition("}")[2]
+def _in_own(name: str, record: str) -> str:
+    """An XML name without its namespace where it is the record element's own."""
+    space = record[: record.index("}") + 1] if record.startswith("{") else ""
+    return name.removeprefix(space) if space else name
 
 
 def _no_records(key: str, source: str, files: list[str]) -> UserError:
