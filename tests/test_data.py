@@ -308,6 +308,16 @@ def test_a_directory_is_split_as_its_dataset_cards_configs_say(tmp_path: Path) -
     card.write_text(two + "  data_files: beta.jsonl\n---\n")
     with pytest.raises(UserError, match=r"names the configs \['a', 'b'\] and no default"):
         check_datasets(data(*given), tokenizer())
+    # A config's data_dir holds its files (every file there, none naming a split, is train).
+    write(rows[:5], tmp_path / "repo" / "sub" / "part1.jsonl")
+    write(rows[5:8], tmp_path / "repo" / "sub" / "part2.jsonl")
+    card.write_text("---\nconfigs:\n- config_name: default\n  data_dir: sub\n---\n")
+    expected = datasets.load_dataset(str(tmp_path / "repo"))
+    assert (
+        check_datasets(data(*given), tokenizer())
+        == {"train": 8}
+        == {k: len(v) for k, v in expected.items()}
+    )
 
 
 def test_held_out_validation_is_seeded_and_disjoint(tmp_path: Path) -> None:

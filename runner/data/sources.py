@@ -25,7 +25,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import yaml
-from datasets.data_files import DataFilesDict, get_data_patterns
+from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
 from datasets.exceptions import DatasetGenerationError
 
 from runner.errors import UserError
@@ -189,11 +189,17 @@ def split_files(
     extensions = list(FORMATS[data_format])
     # datasets lists an hf:// directory through HfFileSystem, with this token.
     listing = {"download_config": datasets.DownloadConfig(token=token)} if remote else {}
-    patterns = _card_patterns(key, source, token) or get_data_patterns(source, **listing)
+    card = _card_config(key, source, token) or {}
+    # A config's data_dir is where its data_files (or, without them, the split files) lie.
+    base = f"{source.rstrip('/')}/{card['data_dir']}" if card.get("data_dir") else source
+    if "data_files" in card:
+        patterns = dict(sanitize_patterns(card["data_files"]))
+    else:
+        patterns = get_data_patterns(base, **listing)
     try:
         found = DataFilesDict.from_patterns(
             patterns,
-            base_path=source,
+            base_path=base,
             allowed_extensions=extensions,
             **listing,
         )
@@ -210,11 +216,10 @@ def split_files(
     return splits
 
 
-def _card_patterns(key: str, source: str, token: str | None) -> dict[str, list[str]] | None:
-    """{split: file patterns} of the dataset card's default config (README.md's `configs:`), as
-    `datasets` reads a repository's; None where the card names none. Split by file name, a
-    repository whose card names its validation file otherwise trained on it."""
-    from datasets.data_files import sanitize_patterns
+def _card_config(key: str, source: str, token: str | None) -> dict[str, Any] | None:
+    """The default config of the dataset card (README.md's `configs:`: its data_files, its
+    data_dir), as `datasets` reads a repository's; None where the card names none. Split by
+    file name, a repository whose card names its validation file otherwise trained on it."""
     from datasets.utils.metadata import MetadataConfigs
     from huggingface_hub import DatasetCard
 
@@ -224,7 +229,7 @@ def _card_patterns(key: str, source: str, token: str | None) -> dict[str, list[s
         text = files.read_text(readme, encoding="utf-8") if files.isfile(readme) else None
     else:
         text = Path(readme).read_text(encoding="utf-8") if Path(readme).is_file() else None
-    if text is None:
+    if text is None or not text.lstrip("\ufeff \t\r\n").startswith("---"):  # a plain README
         return None
     try:
         configs = MetadataConfigs.from_dataset_card_data(DatasetCard(text).data)
@@ -240,9 +245,7 @@ def _card_patterns(key: str, source: str, token: str | None) -> dict[str, list[s
             f"its README.md names the configs {sorted(configs)} and no default; give the "
             "files of one as the source (a file, or a directory of them)",
         )
-    if "data_files" not in configs[name]:
-        return None
-    return dict(sanitize_patterns(configs[name]["data_files"]))
+    return dict(configs[name])
 
 
 def stream_files(

@@ -451,6 +451,8 @@ def _streamed_from_the_hub(
     commit = str(source.revision)
     repo = f"{SCHEME}datasets/{source.repo_id}@{commit}"
     wanted = [file.removeprefix(f"{repo}/") for name in names for file in files[name]]
+    # Its dataset card too, whose configs: may be what named the files a split (split_files).
+    wanted.append(f"{source.path}/README.md" if source.path else "README.md")
     with hub.refusals(source, STREAMED):
         snapshot = snapshot_download(
             source.repo_id,
