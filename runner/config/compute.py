@@ -158,8 +158,9 @@ def resolve_compute(
         max_restarts=compute.max_restarts,
         collective_timeout_s=compute.collective_timeout_s,
     )
-    if compute.platform is not None and compute.rdzv_backend is None:
-        # +compute.platform=slurm on compute=cpu: only multi_node has a rendezvous to read.
+    if compute.platform is not None and compute.detected is None:
+        # +compute.platform=slurm on compute=cpu: only multi_node reads one (and says what it
+        # detected, always).
         raise UserError(
             "compute.platform",
             compute.platform,
