@@ -53,6 +53,12 @@ CASES = [
     case("group-null", "validate dtype=null", "dtype=null", "choose one of: auto, bf16"),
     case("family-null", "validate model=tiny model.family=null", "model.family=null", "gemma"),
     case(
+        "lora-rank-past-width",
+        "validate model=tiny method=lora method.rank=100000",
+        "method.rank=100000",
+        "give at most 128",
+    ),
+    case(
         "platform-on-one-machine",
         "validate compute=cpu +compute.platform=slurm",
         "compute.platform='slurm'",

@@ -122,6 +122,15 @@ def _adapter_builder(
         _check_bitsandbytes(model, device, world_size)
     if method.dropout >= 1:
         raise UserError("method.dropout", method.dropout, "give a probability in [0, 1)")
+    width = (model.hf_config or {}).get("hidden_size")
+    if isinstance(width, int) and method.rank > width:
+        # A rank of 1e12 passed, and the adapter's allocation failed in a traceback.
+        raise UserError(
+            "method.rank",
+            method.rank,
+            f"give at most {width}, the model's width (hidden_size): a larger rank adapts "
+            "nothing more",
+        )
     lora = {
         **({"_component_": model.lora_builder} if model.lora_builder else {}),
         "lora_attn_modules": modules,
