@@ -53,6 +53,13 @@ CASES = [
     case("group-null", "validate dtype=null", "dtype=null", "choose one of: auto, bf16"),
     case("family-null", "validate model=tiny model.family=null", "model.family=null", "gemma"),
     case(
+        "weight-decay-past-1-over-lr",
+        "validate optimizer.lr=1e-3 optimizer.weight_decay=1000",
+        "optimizer.weight_decay=1000",
+        "give less than 1000 (1/optimizer.lr)",
+    ),
+    case("momentum-of-1", "validate optimizer=sgd optimizer.momentum=1", "optimizer.momentum=1"),
+    case(
         "lora-rank-past-width",
         "validate model=tiny method=lora method.rank=100000",
         "method.rank=100000",

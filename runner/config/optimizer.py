@@ -74,7 +74,25 @@ def checked_option(optimizer: DictConfig) -> dict[str, Any]:
             resolved["fused"],
             "give true, false or null (null: PyTorch's fused kernel, where it has one)",
         )
+    _check_decay_and_momentum(resolved)
     return resolved
+
+
+def _check_decay_and_momentum(option: dict[str, Any]) -> None:
+    """torch takes any weight_decay and momentum of 0 or more; a step of lr x weight_decay of 1
+    zeroes the weights (past it flips them), a momentum of 1 never lets a gradient go. Either
+    ran to a loss of nan, blamed on the learning rate it never came from."""
+    decay, momentum = option.get("weight_decay"), option.get("momentum")
+    lr = option["lr"]
+    if isinstance(decay, int | float) and not isinstance(decay, bool) and decay * lr >= 1:
+        raise UserError(
+            "optimizer.weight_decay",
+            decay,
+            f"give less than {1 / lr:g} (1/optimizer.lr): each step shrinks the weights by "
+            "lr x weight_decay, and at 1 none is left",
+        )
+    if isinstance(momentum, int | float) and not isinstance(momentum, bool) and momentum >= 1:
+        raise UserError("optimizer.momentum", momentum, "give a value in [0, 1)")
 
 
 def warn_long_warmup(
