@@ -317,6 +317,14 @@ BAD_REQUESTS = {
 }
 
 
+def test_best_of_1_beside_one_answer_changes_nothing(base_url: str) -> None:
+    """best_of=1 is OpenAI's default; below n it is refused (BAD_REQUESTS)."""
+    status, _, payload = raw_request(
+        base_url, "POST", "/v1/completions", completion_body(best_of=1, n=1)
+    )
+    assert status == 200 and len(json.loads(payload)["choices"]) == 1, payload
+
+
 @pytest.mark.parametrize("name", BAD_REQUESTS)
 def test_malformed_and_oversize_completions_get_a_clear_4xx(base_url: str, name: str) -> None:
     body, expected = BAD_REQUESTS[name]
