@@ -92,7 +92,7 @@ def _size(file: str, token: str | None) -> int:
 def _empty(file: str, token: str | None = None) -> bool:
     """Whether a data file holds no byte: a compressed one decompressed (gzip of nothing is 20
     bytes, which `datasets` then stopped on with a StopIteration)."""
-    if _suffix(Path(file)) != Path(file).suffix.lower():  # compressed
+    if Path(file).suffix.lower() in COMPRESSED:
         with open_data(file, token) as f:
             return not f.read(1)
     return _size(file, token) == 0

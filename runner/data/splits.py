@@ -123,12 +123,16 @@ def _check_disjoint(
                 first = max(part[1], other[1])
                 if first >= min(part[1] + part[2], other[1] + other[2]):
                     continue
-            held_rows = list(rows_by_file(other, held_format, xml_record))
+            held_rows = [
+                (os.path.realpath(file), file, start, rows)
+                for file, start, rows in rows_by_file(other, held_format, xml_record)
+            ]
             for file, start, rows in rows_by_file(part, data["format"], xml_record):
-                for other_file, other_start, other_rows in held_rows:
+                same = os.path.realpath(file)
+                for other_same, other_file, other_start, other_rows in held_rows:
                     first = max(start, other_start)
                     end = min(start + rows, other_start + other_rows)
-                    if os.path.realpath(file) == os.path.realpath(other_file) and first < end:
+                    if same == other_same and first < end:
                         _overlap(data, first, end, other_file)
 
 
