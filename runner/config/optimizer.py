@@ -136,7 +136,7 @@ def state_per_weight(node: dict[str, Any]) -> int:
     try:
         optimizer, probe = _step_once(component, arguments)
     except TypeError as err:
-        key, value = _culprit(component, arguments)
+        key, value = _culprit(node, component, arguments)
         # A kernel's message lists every signature it has after its first line.
         said = str(err).splitlines()[0].removesuffix(", but expected one of:")
         name = key.removeprefix("optimizer.")
@@ -147,7 +147,7 @@ def state_per_weight(node: dict[str, Any]) -> int:
             fix = f"does not take it ({said}); drop or rename the key in the optimizer option"
         raise UserError(key, value, f"{node['_component_']} {fix}") from None
     except (ValueError, IndexError, RuntimeError) as err:
-        key, value = _culprit(component, arguments)
+        key, value = _culprit(node, component, arguments)
         default = _default(component, key.removeprefix("optimizer."))
         given = value if isinstance(value, list | tuple) else [value]
         if isinstance(default, tuple | list) and len(given) != len(default):
@@ -187,13 +187,28 @@ def _takes(component: Any, name: str) -> bool:
     return name in inspect.signature(component).parameters
 
 
-def _culprit(component: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
+def _culprit(node: dict[str, Any], component: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
     """The key and value of the one argument the component refuses on its own
-    (`optimizer.betas`, [0.9]); `optimizer` and all of them when none does alone."""
-    kernel = {key: arguments[key] for key in ("fused",) if key in arguments}
+    (`optimizer.betas`, [0.9]); `optimizer` and all of them when none does alone.
+
+    A UserError naming `optimizer._component_` where the component does not step as training
+    steps it (`step()`, no closure: LBFGS) even with its defaults."""
+    base = {"lr": arguments["lr"]} if "lr" in arguments and _takes(component, "lr") else {}
+    try:
+        _step_once(component, base)
+    except (TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise UserError(
+            "optimizer._component_",
+            node["_component_"],
+            f"does not step as training steps it, with its defaults ({err}); give an optimizer "
+            "whose step() needs no closure, as torch.optim.AdamW or torch.optim.SGD",
+        ) from None
+    # With the fused kernel only where the component has one: else every probe fails on it.
+    fused = "fused" in arguments and _takes(component, "fused")
+    kernel = {"fused": arguments["fused"]} if fused else {}
     for name, value in arguments.items():
         try:
-            _step_once(component, {"lr": arguments.get("lr", 1e-3), **kernel, name: value})
+            _step_once(component, {**base, **kernel, name: value})
         except (TypeError, ValueError, IndexError, RuntimeError):
             return f"optimizer.{name}", value
     return "optimizer", arguments
