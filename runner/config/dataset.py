@@ -70,8 +70,8 @@ class Dataset:
     # The most tokens one forward pass takes (null: a whole batch in one).
     max_forward_tokens: Optional[int] = integer(None, 1)
     # Processes that tokenize and collate batches beside each training process (null: by device,
-    # loader_workers()).
-    num_workers: Optional[int] = integer(None, 0)
+    # loader_workers()); at most 64 (past it a typo, e.g. 1000, would start a fork storm).
+    num_workers: Optional[int] = integer(None, 0, 64)
     # Read the training split as a stream (runner.data.stream), shuffled in windows of
     # shuffle_buffer records of each reader's share.
     streaming: bool = flag(False)
@@ -165,6 +165,12 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
             "them); set it to 0",
         )
     data_format = source_format("dataset.source", source, dataset.format)
+    if data_format == "xml" and dataset.xml.record is not None and not dataset.xml.record.strip():
+        raise UserError(
+            "dataset.xml.record",
+            dataset.xml.record,
+            "give the name of a record's element, or null (each child of the root a record)",
+        )
     if dataset.streaming:
         _check_stream(dataset, data_format)
     return DatasetRecipe(
@@ -243,10 +249,13 @@ def _column_map(kind: str, given: DictConfig) -> dict[str, str | None]:
     for ours in COLUMNS[kind]:
         column = column_map[ours]
         if column is not None and column in read_for:
+            # Named: the field moved onto the column, not the one reading its namesake (the
+            # default, `output: output`) that it was moved onto.
+            fields = sorted((read_for[column], ours), key=lambda field: field == column)
             raise UserError(
-                f"dataset.column_map.{ours}",
+                f"dataset.column_map.{fields[0]}",
                 column,
-                f"dataset.column_map.{read_for[column]} reads that column already; give each "
+                f"dataset.column_map.{fields[1]} reads that column already; give each "
                 "field a column of its own",
             )
         read_for.setdefault(column, ours)

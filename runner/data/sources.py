@@ -403,6 +403,14 @@ def _xml_rows(key: str, source: str, file: str, record: str | None) -> list[dict
         if record is None
         else [e for e in root.iter() if record in (e.tag, e.tag.rpartition("}")[2])]
     )
+    if not elements and len(root):
+        children = ", ".join(dict.fromkeys(f"<{child.tag.rpartition('}')[2]}>" for child in root))
+        raise UserError(
+            "dataset.xml.record",
+            record,
+            f"{file} has no <{record}> element (its root's children are {children}); give the "
+            "name of a record's element, or null (each child of the root a record)",
+        )
     return [
         {
             **element.attrib,  # an attribute's name has no default namespace
