@@ -91,24 +91,23 @@ def resolve_eval(cfg: DictConfig) -> EvalRecipe:
 
 
 def _metrics(metrics: Any, method: DictConfig) -> list[str]:
-    """eval.metrics: known metrics, each one the method computes."""
+    """eval.metrics: known metrics, each one the method computes. Named as method.eval_metrics
+    where they are its list (eval.metrics' default)."""
+    key = "eval.metrics"
+    if OmegaConf.is_list(metrics) and list(metrics) == list(method.eval_metrics):
+        key = "method.eval_metrics"
     if not OmegaConf.is_list(metrics):
-        raise UserError("eval.metrics", metrics, f"give a list of: {', '.join(METRIC_MODES)}")
+        raise UserError(key, metrics, f"give a list of: {', '.join(METRIC_MODES)}")
     for name in metrics:
         if name not in METRIC_MODES:
-            raise UserError(
-                "eval.metrics", name, f"no such metric; choose from: {', '.join(METRIC_MODES)}"
-            )
+            raise UserError(key, name, f"no such metric; choose from: {', '.join(METRIC_MODES)}")
     preference = method.name in PREFERENCE_METHODS
     for name in metrics:
         if name in (SFT_METRICS if preference else PREFERENCE_METRICS):
             other = "supervised methods" if preference else "preference methods (method=dpo)"
-            raise UserError(
-                "eval.metrics",
-                name,
-                f"is a metric of {other}; method={method.name} computes "
-                f"{', '.join(method.eval_metrics)}",
-            )
+            own = ("eval_loss", *(PREFERENCE_METRICS if preference else SFT_METRICS))
+            fix = f"is a metric of {other}; method={method.name} computes {', '.join(own)}"
+            raise UserError(key, name, fix)
     return [str(name) for name in metrics]
 
 

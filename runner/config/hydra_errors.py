@@ -99,6 +99,13 @@ def _composition_error(
             fix = f"a dict of new keys merges into it with +{typed.group(1)}={given}"
             return UserError(typed.group(1), given, fix)
         hint = f"did you mean {close[0]!r}? " if close else ""
+        if key.startswith("method.") and not hint:
+            from runner.config.method import METHOD_NAMES, methods_reading
+
+            readers = methods_reading(key.removeprefix("method."))
+            if readers != list(METHOD_NAMES):  # method.rank=4 with method=full
+                fix = f"this method has no such key; it is a key of method={', '.join(readers)}"
+                return UserError(key, given, fix)
         add = f" (add it with +{key}={given})" if not hint and _addable(key) else ""
         return UserError(key, given, f"no such key; {hint}`{listed_by}` prints every key{add}")
     if isinstance(cause, ValidationError) and message.startswith("Error merging override"):

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -11,7 +13,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config.compute import ComputeRecipe
-from runner.config.fields import flag, integer, number
+from runner.config.fields import flag, integer, number, override_key
 from runner.config.model import ModelRecipe
 from runner.errors import UserError
 from runner.rundir import BASE_MODEL_DIR
@@ -19,12 +21,26 @@ from runner.rundir import BASE_MODEL_DIR
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP006, UP035, UP045
 
+log = logging.getLogger(__name__)
+
 # The methods (runner.trainer.methods pairs each with what trains and what its loss is made of).
 METHOD_NAMES = ("full", "lora", "qlora", "dpo", "lora_dpo", "qlora_dpo")
 # The methods that train on preference pairs (dataset.kind=preference), and their losses.
 PREFERENCE_METHODS = ("dpo", "lora_dpo", "qlora_dpo")
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+# The keys of the method group that only some methods read (the others read none of them).
+LORA_KEYS = (
+    "rank",
+    "alpha",
+    "dropout",
+    "lora_attn_modules",
+    "apply_lora_to_mlp",
+    "apply_lora_to_output",
+    "quantize_base",
+    "save_merged",
+)
+PREFERENCE_KEYS = ("beta", "loss", "label_smoothing")
 # method.quantize_base through transformers' backend: bitsandbytes' NF4, every linear
 # projection of the decoder layers in blocks of 64 (any shape), the output head kept as loaded.
 BITSANDBYTES_NF4 = "bitsandbytes: in NF4 (blocks of 64): every linear projection of the layers"
@@ -195,6 +211,13 @@ def _ties_embeddings(model: ModelRecipe) -> bool:
 
 def _check_preference(method: DictConfig) -> None:
     """The DPO loss keys (beta > 0 is Method's bound)."""
+    if method.beta > 10:
+        # 1e12 ran to a loss of 0 and a gradient of 0 at its first step: nothing trained.
+        log.warning(
+            "method.beta=%g is far above the usual 0.1 to 0.5: the loss saturates as soon as "
+            "the policy moves off the reference, and its gradient with it",
+            method.beta,
+        )
     if method.loss not in PREFERENCE_LOSSES:
         raise UserError(
             "method.loss", method.loss, f"choose one of: {', '.join(PREFERENCE_LOSSES)}"
@@ -212,6 +235,38 @@ def _check_preference(method: DictConfig) -> None:
             smoothing,
             f"only method.loss=sigmoid smooths labels; set it to 0.0 with loss={method.loss}",
         )
+
+
+def methods_reading(key: str) -> list[str]:
+    """The methods that read method.`key` (every one, for a key all of them read)."""
+    return [
+        name
+        for name in METHOD_NAMES
+        if (key not in LORA_KEYS or name not in ("full", "dpo"))
+        and (key not in PREFERENCE_KEYS or name in PREFERENCE_METHODS)
+    ]
+
+
+def check_method_overrides(method: str, overrides: Sequence[str]) -> None:
+    """A method key the command line sets that the method does not read (`+method.rank=4` with
+    method=full) is refused, as is method.name, which the option sets: either went unread."""
+    for override in overrides:
+        key = override_key(override)
+        if not key.startswith("method.") or override.startswith("~"):
+            continue
+        name = key.removeprefix("method.")
+        value = override.partition("=")[2]
+        if name == "name":
+            raise UserError(
+                key, value, f"the option sets it: choose the method with method={value}"
+            )
+        readers = methods_reading(name)
+        if method not in readers:
+            raise UserError(
+                key,
+                value,
+                f"method={method} does not read it; it is a key of method={', '.join(readers)}",
+            )
 
 
 def check_pairing(method: str, dataset: DictConfig) -> None:
