@@ -243,6 +243,20 @@ CASES = [
         "dataset.validation.split='train[90%:]'",
         "dataset.validation.split='train[90%:]'",
     ),
+    # the key the user set is named, not the default it collided with
+    case(
+        "data-column-onto-another",
+        "validate dataset=instruct dataset.source={files}/records.jsonl "
+        "dataset.column_map.instruction=output",
+        "dataset.column_map.instruction='output'",
+    ),
+    case(
+        "data-xml-record-missing",
+        "validate dataset=instruct dataset.source={files}/records.xml dataset.xml.record=bogus",
+        "dataset.xml.record='bogus'",
+        "<item>",
+    ),
+    case("data-num-workers", "validate dataset.num_workers=1000", "dataset.num_workers=1000"),
     # dtype and loss
     case("dtype-option", "estimate dtype=bf61", "dtype="),
     case("loss-option", "estimate loss=mse", "loss="),
@@ -275,7 +289,23 @@ CASES = [
         "train method=lora method.apply_lora_to_output=true model.builder.tie_word_embeddings=true",
         "method.apply_lora_to_output=",
     ),
+    # a key of another method: it was dropped without a word
+    case("method-key-added", "validate method=full +method.rank=4", "method.rank='4'", "lora"),
+    case("method-key-absent", "validate method=full method.beta=0.5", "method.beta=", "dpo"),
+    case("method-name", "validate method=lora method.name=full", "method.name=", "method=full"),
+    case(
+        "method-eval-metrics",
+        "validate method=dpo dataset=preference method.eval_metrics=[eval_exact_match]",
+        "method.eval_metrics='eval_exact_match'",
+        "eval_rewards_accuracy",
+    ),
     # optimizer
+    case(
+        "optimizer-needs-closure",
+        "validate optimizer._component_=torch.optim.LBFGS",
+        "optimizer._component_='torch.optim.LBFGS'",
+        "closure",
+    ),
     case("optimizer-lr-type", "estimate optimizer.lr=fast", "optimizer.lr="),
     case("optimizer-lr-string", "estimate optimizer.lr='1e-3'", "optimizer.lr='1e-3'"),
     case("max-steps-string", "estimate max_steps='12'", "max_steps='12'", "an integer"),
@@ -408,6 +438,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "malformed.jsonl").write_text("\n".join([*good[:2], '{"instruction": oops}']) + "\n")
     (root / "csv_inside.jsonl").write_text("instruction,input,output\nUpper:,ab,AB\n")
     (root / "records.csv").write_text("instruction,input,output\nUpper:,ab,AB\n")
+    item = "<item><instruction>Upper:</instruction><input>ab</input><output>AB</output></item>"
+    (root / "records.xml").write_text(f"<rows>{item * 20}</rows>")
     (root / "latin1.jsonl").write_bytes(
         (good[0] + "\n").encode()
         + '{"instruction": "caf\xe9", "input": "", "output": "x"}\n'.encode("latin-1")
