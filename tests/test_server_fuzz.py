@@ -18,7 +18,11 @@ from hypothesis import strategies as st
 
 from tests.serving import deploy_config, make_checkpoint, make_run, raw_request, serving
 
-# About 30 s on 2 CPU cores; derandomized, so every run sends the same requests.
+# About 30 s on 2 CPU cores. Derandomized, but not the same requests on every tree: Hypothesis
+# mixes the string and number constants of the local modules imported so far (runner's, as
+# hypothesis.internal.conjecture.providers collects them) into what it draws, so a change in
+# runner, or the runner modules that a worker's earlier tests imported, change the requests
+# (and a change in `send` below, whose source seeds the draws). A failure prints its request.
 MAX_EXAMPLES = 600
 VOCAB_SIZE = 264  # the tiny checkpoint's
 
@@ -168,9 +172,9 @@ def test_every_fuzzed_request_gets_a_2xx_or_a_well_formed_4xx(fuzz_url: str, cap
         with capsys.disabled():
             summary = ", ".join(f"{key} {counts[key]}" for key in ("requests", "2xx", "4xx", "5xx"))
             print(f"\nschema fuzz of runner deploy: {summary}")
-    # The fuzz reaches generation too: 81 of its 600 requests alone, 60 in the whole suite's
-    # run (twice, in clean-clone CIs), for a reason not found yet; the floor is below both.
-    assert counts["2xx"] > MAX_EXAMPLES // 20, counts
+    # The fuzz reaches generation too: from 46 to 84 of its 600 requests on the trees and
+    # suites tried (the constants above); the floor only says that it is not nearly none.
+    assert counts["2xx"] > MAX_EXAMPLES // 30, counts
     assert counts["4xx"] > MAX_EXAMPLES // 10, counts
 
 
