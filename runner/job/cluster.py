@@ -63,6 +63,8 @@ def _compose_train(overrides: list[str]) -> DictConfig:
             listed = f"{error.key}=[{error.value}]"
             fix = f"{CLUSTER_SWEEP}; for one value that is a list give {listed}"
             raise UserError(error.key, error.value, fix) from None
+        if error.fix.startswith("a sweep of values"):  # choice(), range(), glob()
+            raise UserError(error.key, error.value, CLUSTER_SWEEP) from None
         raise error from None
 
 
@@ -109,6 +111,8 @@ def slurm_script(cluster: DictConfig, command: list[str]) -> str:
     if not str(cluster.name).strip() or any(c.isspace() for c in str(cluster.name)):
         # '#SBATCH --job-name=my job' and its output file's name broke at the space.
         raise UserError("cluster.name", cluster.name, "give a name without spaces")
+    if re.search(r'["`\\$]', str(cluster.name)):  # it is in the double-quoted run directory
+        raise UserError("cluster.name", cluster.name, 'give a name without " ` \\ or $')
     if slurm.partition is not None and not str(slurm.partition).strip():
         raise UserError("cluster.slurm.partition", slurm.partition, "give a partition, or null")
     options = {
@@ -141,7 +145,10 @@ def slurm_script(cluster: DictConfig, command: list[str]) -> str:
     if re.search(r'["`\\]|\$(?!\{SLURM_JOB_ID\})', run_dir):
         raise UserError("cluster.shared_dir", run_dir, 'give a path without " ` \\ or $')
     quoted = " ".join(shlex.quote(a) for a in args)
-    lines.append(f'srun --ntasks-per-node=1 --kill-on-bad-exit=1 {quoted} "{run_dir}"')
+    # Slurm 22.05 to 23.02's srun does not take sbatch's --cpus-per-task: said again.
+    cpus = f" --cpus-per-task={slurm.cpus_per_task}" if slurm.cpus_per_task else ""
+    srun = f"srun --ntasks-per-node=1{cpus} --kill-on-bad-exit=1"
+    lines.append(f'{srun} {quoted} "{run_dir}"')
     return "\n".join(lines) + "\n"
 
 
@@ -154,15 +161,25 @@ def trainjob_manifest(cluster: DictConfig, command: list[str], nproc: Any) -> st
             None,
             "give a container image with runner installed, or cluster.print=slurm",
         )
-    if not _K8S_NAME.match(cluster.name) or len(cluster.name) > 63:
+    if not _K8S_NAME.match(cluster.name):
         raise UserError(
             "cluster.name",
             cluster.name,
             "a TrainJob name is lower-case letters, digits and '-', starting with a letter",
         )
+    # JobSet refuses a TrainJob whose longest pod name (NAME-node-0-LAST-abcde) passes 63.
+    longest = 63 - len(f"-node-0-{cluster.nodes - 1}-abcde")
+    if len(cluster.name) > longest:
+        raise UserError(
+            "cluster.name",
+            cluster.name,
+            f"give at most {longest} characters: Kubeflow's JobSet names each pod "
+            f"NAME-node-0-INDEX-XXXXX, at most 63 characters",
+        )
     trainer: dict[str, Any] = {
         "image": kubeflow.image,
-        "command": command,
+        # Kubernetes reads $(VAR) in a command as a variable and $$ as $: each $ is kept.
+        "command": [arg.replace("$", "$$") for arg in command],
         "numNodes": cluster.nodes,
     }
     if isinstance(nproc, int):
@@ -194,9 +211,18 @@ def _of_cluster(override: str) -> str | None:
 
 def cluster_files(overrides: list[str]) -> dict[str, str]:
     """{"slurm": script, "kubeflow": manifest}, as cluster.print selects."""
-    for flag in ("-m", "--multirun"):
+    for flag in ("-m", "--multirun", "hydra.mode=MULTIRUN"):
         if flag in overrides:
             raise UserError(flag, None, CLUSTER_SWEEP)
+    flag = next((o for o in overrides if o.startswith("-")), None)
+    if flag is not None:  # --config-dir: a directory here, which the nodes need not have
+        raise UserError(
+            flag,
+            None,
+            "runner cluster takes overrides only, and the nodes compose runner's own options; "
+            "for options of your own, run runner train with --config-dir on a directory every "
+            "node mounts",
+        )
     by_cluster = {o: _of_cluster(o) for o in overrides}
     cluster_overrides = [own for own in by_cluster.values() if own is not None]
     train_overrides = [o for o, own in by_cluster.items() if own is None]
@@ -205,7 +231,18 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
         raise UserError("cluster.print", cluster.print, "choose both, slurm or kubeflow")
     # Composing and typing check every train override (keys, options, types, bounds) before
     # anything is written.
-    composed = typed(_compose_train(_on_multi_node(train_overrides)), listed_by=TRAIN_KEYS)
+    # Composed without this machine's scheduler variables (platform none): a shell inside an
+    # allocation of its own (SLURM_NTASKS_PER_NODE=4) is not the job being written.
+    on_nodes = _on_multi_node(train_overrides)
+    composed = typed(_compose_train([*on_nodes, "compute.platform=none"]), listed_by=TRAIN_KEYS)
+    # The GPUs asked of the scheduler are those the run trains on (auto: what each node has).
+    device, gpus = composed.compute.device, cluster.gpus_per_node
+    if device == "cpu" and gpus:
+        fix = "compute.device=cpu trains on the CPUs: give cluster.gpus_per_node=0"
+        raise UserError("cluster.gpus_per_node", gpus, fix)
+    if device == "cuda" and not gpus:
+        fix = "compute.device=cuda trains on GPUs: give the number each node has"
+        raise UserError("cluster.gpus_per_node", gpus, fix)
     explicit = {override_key(o): o.split("=", 1)[1] for o in train_overrides if "=" in o}
     if "compute.nnodes" in explicit and composed.compute.nnodes != cluster.nodes:
         raise UserError(
