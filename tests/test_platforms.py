@@ -283,8 +283,9 @@ def test_slurm_script_field_by_field() -> None:
     body = [line for line in lines if line and not line.startswith("#")]
     assert body[:2] == ["set -euo pipefail", "source /scratch/venv/bin/activate"]
     srun = shlex.split(body[2])
-    assert srun[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    assert srun[3:] == [*LINE, "hydra.run.dir=/scratch/runs/ft-tiny-${SLURM_JOB_ID}"]
+    # --cpus-per-task again: srun 22.05 to 23.02 does not take sbatch's.
+    assert srun[:4] == ["srun", "--ntasks-per-node=1", "--cpus-per-task=16", "--kill-on-bad-exit=1"]
+    assert srun[4:] == [*LINE, "hydra.run.dir=/scratch/runs/ft-tiny-${SLURM_JOB_ID}"]
     assert len(body) == 3
 
 
@@ -324,7 +325,7 @@ def test_script_and_manifest_run_one_composed_config() -> None:
     files = cluster_files([*TRAIN, *CLUSTER])
     srun = shlex.split(files["slurm"].splitlines()[-1])
     command = yaml.safe_load(files["kubeflow"])["spec"]["trainer"]["command"]
-    slurm_cfg = compose_train([a for a in srun[5:] if not a.startswith("hydra.")])
+    slurm_cfg = compose_train([a for a in srun[6:] if not a.startswith("hydra.")])
     kubeflow_cfg = compose_train([a for a in command[2:] if not a.startswith("hydra.")])
     assert OmegaConf.to_container(slurm_cfg) == OmegaConf.to_container(kubeflow_cfg)
     assert OmegaConf.to_container(slurm_cfg) == OmegaConf.to_container(
@@ -334,7 +335,7 @@ def test_script_and_manifest_run_one_composed_config() -> None:
 
 def test_the_slurm_line_reads_its_node_from_slurm(runner_cli) -> None:
     srun = shlex.split(cluster_files([*TRAIN, *CLUSTER])["slurm"].splitlines()[-1])
-    train_args = [a.replace("${SLURM_JOB_ID}", "4242") for a in srun[5:]]
+    train_args = [a.replace("${SLURM_JOB_ID}", "4242") for a in srun[6:]]
     env = {**SLURM, "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NODEID": "1"}
     result = runner_cli("train", *train_args, "--cfg", "job", "--resolve", env=env)
     assert result.returncode == 0, result.stderr
@@ -369,8 +370,22 @@ def test_the_slurm_line_reads_its_node_from_slurm(runner_cli) -> None:
         (["cluster.print=slurm", "optimizer.lr=abc"], "optimizer.lr"),
         (["cluster.print=slurm", "compute.platform=kubeflow"], "compute.platform"),
         (["cluster.print=slurm", "compute.nproc_per_node=9"], "compute.nproc_per_node"),
-        # sbatch lines that a space or an empty value breaks.
+        (["cluster.print=slurm", "hydra.mode=MULTIRUN"], "hydra.mode=MULTIRUN"),
+        (["cluster.print=slurm", "max_steps=choice(1,2)"], "max_steps"),
+        # A directory of options here, which the nodes need not have.
+        (["cluster.print=slurm", "--config-dir", "/tmp"], "--config-dir"),
+        # GPUs asked for that the run does not train on, or none for a run on GPUs.
+        (["cluster.print=slurm", "compute.device=cpu"], "cluster.gpus_per_node"),
+        (["compute.device=cuda", "cluster.gpus_per_node=0"], "cluster.gpus_per_node"),
+        # JobSet's pod names (NAME-node-0-INDEX-XXXXX) are at most 63 characters.
+        (
+            [f"cluster.name={'a' * 49}", "cluster.print=kubeflow", "cluster.kubeflow.image=i"],
+            "cluster.name",
+        ),
+        # sbatch lines that a space or an empty value breaks, and the double-quoted run
+        # directory that a $ in the name would expand.
         (["cluster.print=slurm", "cluster.name=my job"], "cluster.name"),
+        (["cluster.print=slurm", "cluster.name=a$b"], "cluster.name"),
         (["cluster.print=slurm", "cluster.slurm.partition=''"], "cluster.slurm.partition"),
     ],
 )
@@ -391,6 +406,17 @@ def test_cluster_takes_sbatch_times_and_no_sweep() -> None:
     assert "runner train -m hydra/launcher=slurm" in err.value.fix
 
 
+def test_the_files_keep_every_dollar_and_ignore_this_machines_scheduler(monkeypatch) -> None:
+    """Kubernetes expands $(VAR) and reads $$ as $ in a command: each $ is written $$. The
+    machine that prints may sit inside an allocation of its own, which is not the job's."""
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    prompt = "dataset.new_system_prompt='Reply in $$ or $(CURRENCY)'"
+    files = cluster_files([prompt, *CLUSTER])
+    command = yaml.safe_load(files["kubeflow"])["spec"]["trainer"]["command"]
+    assert "dataset.new_system_prompt='Reply in $$$$ or $$(CURRENCY)'" in command
+    assert prompt in shlex.split(files["slurm"].splitlines()[-1])
+
+
 def test_cluster_command_prints_or_explains(runner_cli) -> None:
     printed = runner_cli("cluster", "cluster.print=slurm", "max_steps=10")
     assert printed.returncode == 0 and printed.stdout.startswith("#!/bin/bash")
@@ -398,6 +424,11 @@ def test_cluster_command_prints_or_explains(runner_cli) -> None:
     assert helped.returncode == 0 and "kubeflow:" in helped.stdout and "slurm:" in helped.stdout
     wrong = runner_cli("cluster", "batch_sise=3")
     assert wrong.returncode == 2 and "did you mean 'batch_size'" in wrong.stderr
+    # A secret typed on the line is refused as runner train refuses it, never printed.
+    token = "hf_" + "x" * 34
+    secret = runner_cli("cluster", "cluster.print=slurm", f"runtime.hf_token={token}")
+    assert secret.returncode == 2 and "runtime.hf_token='<hidden>'" in secret.stderr
+    assert token not in secret.stdout + secret.stderr
 
 
 def _dotted(section: object, prefix: str = "") -> set[str]:
