@@ -200,6 +200,15 @@ class FinetuneRecipe:
     # ---- train loop ---------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Runs optimizer steps until total_steps, checkpointing on the configured cadence."""
+        if self.step >= self.total_steps and not self.resumed and self.cfg.resume_from:
+            # load_checkpoint at or past this run's length (max_steps is checked at launch; the
+            # steps that epochs make are known only here): it would end with no checkpoint.
+            raise UserError(
+                "epochs",
+                self.cfg.epochs,
+                f"load_checkpoint.path's checkpoint is at step {self.step}, and this run ends at "
+                f"step {self.total_steps}: give more epochs (or max_steps above {self.step})",
+            )
         if self.step >= self.total_steps:
             # Resumed from the final checkpoint (killed before the run was marked completed):
             # nothing is left to train, and that checkpoint is kept as it is.
@@ -212,6 +221,7 @@ class FinetuneRecipe:
         )
         losses, throughput = StepLosses(self.cfg.optimizer.lr), Throughput()
         profiler = self._profiler()
+        started = self.step
         for batches in self.data:
             profiler.before_step(self.step + 1)
             loss, tokens = self._optimizer_step(batches)
@@ -238,6 +248,18 @@ class FinetuneRecipe:
                     self.save_checkpoint()
             if stop:
                 break
+        else:
+            # The data ran out first: a position saved on other data (a file grown since its
+            # checkpoint) starts later in the epochs than its step. The steps trained are kept.
+            log.warning(
+                "the data ran out at step %d of %d (the checkpoint's data position was saved on "
+                "other data)",
+                self.step,
+                self.total_steps,
+            )
+            if self.step > started:
+                losses.read(self.step)
+                self.save_checkpoint()
         profiler.stop(self.step)  # a window the run stopped in
         return {"first_loss": losses.first, "last_loss": losses.last}
 

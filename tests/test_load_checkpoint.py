@@ -218,6 +218,58 @@ def test_what_cannot_be_started_from_is_refused_by_name(
     assert not run.exists()
 
 
+def test_a_run_continued_with_more_steps_trains_on_the_longer_schedule(
+    forked_cli, straight: Path, tmp_path: Path
+) -> None:
+    """The fix a completed run's resume gives (load_checkpoint.path=RUN max_steps=<more>): the
+    first step goes on at the 8-step schedule's lr for step 5, as torchtune's recipes rebuild
+    theirs at the resumed step; it trained at the 4-step schedule's end, 0."""
+    import torch
+
+    from runner.models.torchtune_boundary import get_cosine_schedule_with_warmup
+
+    run = tmp_path / "longer"
+    args = ["train", *STEPS, f"load_checkpoint.path={straight}", "max_steps=8"]
+    result = forked_cli([*args, f"hydra.run.dir={run}"], tmp_path, timeout_s=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    recipe = OmegaConf.load(run / "recipe.yaml").optimizer
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=recipe.lr)
+    schedule = get_cosine_schedule_with_warmup(optimizer, recipe.warmup_steps, 8)
+    for _ in range(4):
+        optimizer.step()
+        schedule.step()
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(step for step in steps if step.get("step") == 5 and "lr" in step)
+    # The same product (base lr x the schedule's factor) in both: equal to the last bit.
+    assert first["lr"] == optimizer.param_groups[0]["lr"] > 0
+
+
+def test_a_data_position_that_the_data_does_not_fit(forked_cli, tmp_path: Path) -> None:
+    """A run continued on more data than its checkpoint's (2 steps an epoch, now 4): the saved
+    position, epoch 1 after its 2 steps, leaves 2 steps of 8 in the new data's epochs. The
+    steps trained are kept in a checkpoint, said; a run that would end before its checkpoint's
+    step is refused by its epochs (it ended completed, with no checkpoint)."""
+    short = tmp_path / "short"
+    args = ["train", *STEPS, "dataset.split='train[:32]'", "epochs=2", "max_steps=null"]
+    result = forked_cli([*args, f"hydra.run.dir={short}"], tmp_path, timeout_s=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    longer = tmp_path / "longer"
+    args = ["train", *STEPS, "dataset.split='train[:64]'", "epochs=2", "max_steps=null"]
+    result = forked_cli(
+        [*args, f"load_checkpoint.path={short}", f"hydra.run.dir={longer}"], tmp_path, 600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the data ran out at step 6 of 8" in result.stderr
+    assert (longer / "checkpoints" / "step_6").is_dir()
+    fewer = tmp_path / "fewer"
+    args = ["train", *STEPS, "dataset.split='train[:32]'", "epochs=1", "max_steps=null"]
+    result = forked_cli(
+        [*args, f"load_checkpoint.path={short}", f"hydra.run.dir={fewer}"], tmp_path, 600
+    )
+    assert result.returncode != 0
+    assert "error: epochs=1: load_checkpoint.path's checkpoint is at step 4" in result.stderr
+
+
 def test_paths_given_with_a_tilde_are_in_the_home_directory(
     runner_cli, straight: Path, tmp_path: Path, hermetic_env: dict[str, str]
 ) -> None:

@@ -105,7 +105,18 @@ class Optimization:
         for group, keys in zip(self.optimizer.param_groups, tuples, strict=True):
             for key in keys:
                 group[key] = tuple(group[key])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        scheduler = self.lr_scheduler
+        scheduler.load_state_dict(state["lr_scheduler"])
+        # The next step's lr from this run's schedule at the restored step, as torchtune's
+        # recipes rebuild theirs (last_epoch=step-1): the state's own is its run's, and a run
+        # continued with more steps (load_checkpoint.path, max_steps=<more>) trained its first
+        # step at the old schedule's end, 0. The same value where the schedule is the same.
+        assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)  # _lr_scheduler's
+        for group, base_lr, factor in zip(
+            self.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+        ):
+            group["lr"] = base_lr * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
 def _lr_scheduler(
