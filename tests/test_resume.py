@@ -129,6 +129,17 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(
     assert (run / "metrics.jsonl").read_text() == metrics
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
+    # A recipe edited since the run started (its optimizer state would override the new lr,
+    # recorded as trained) is refused by the keys that differ.
+    (run / "status.json").write_text(json.dumps({**status, "state": "cancelled"}))
+    recipe = (run / "recipe.yaml").read_text()
+    assert "\n  lr: 0.001\n" in recipe
+    (run / "recipe.yaml").write_text(recipe.replace("\n  lr: 0.001\n", "\n  lr: 0.005\n"))
+    result = runner_cli("train", f"resume={run}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "optimizer.lr=0.005 (recorded: 0.001)" in result.stderr
+    assert final.read_bytes() == weights
+
 
 def written(run: Path) -> dict[Path, bytes]:
     """Every file of a run but its lock, which names the last process that took it."""

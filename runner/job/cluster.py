@@ -214,10 +214,10 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
     for flag in ("-m", "--multirun", "hydra.mode=MULTIRUN"):
         if flag in overrides:
             raise UserError(flag, None, CLUSTER_SWEEP)
-    flag = next((o for o in overrides if o.startswith("-")), None)
-    if flag is not None:  # --config-dir: a directory here, which the nodes need not have
+    given = next((o for o in overrides if o.startswith("-")), None)
+    if given is not None:  # --config-dir: a directory here, which the nodes need not have
         raise UserError(
-            flag,
+            given,
             None,
             "runner cluster takes overrides only, and the nodes compose runner's own options; "
             "for options of your own, run runner train with --config-dir on a directory every "

@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
+from runner.components import plain_dict
 from runner.config.fields import as_typed, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
@@ -51,6 +52,7 @@ from runner.rundir import (
 from runner.rundir.manifest import (
     MANIFEST_FILE,
     build_manifest,
+    changed_config,
     changed_data,
     changed_overrides,
     read_manifest,
@@ -292,12 +294,29 @@ def _warn_changed_data(run: RunDir, now: dict[str, Any] | None = None) -> None:
         )
 
 
+def _check_recipe_as_recorded(run: RunDir, recipe: DictConfig) -> None:
+    """runner resume goes on with the recipe the run started with: one edited since (a new lr,
+    which the checkpoint's optimizer state overrides) would be recorded as trained, and never
+    trained with. Refused by the keys that differ."""
+    changed = changed_config(run, plain_dict(recipe))
+    if changed:
+        raise UserError(
+            str(run.recipe_path),
+            "edited",
+            f"{'; '.join(changed)}, where manifest.json recorded the run's start: runner resume "
+            "goes on with the recipe a run started with; put it back, or start a new run from "
+            f"its checkpoint with the new settings (runner train load_checkpoint.path={run.path} "
+            "...)",
+        )
+
+
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
     if cfg.resume is not None:
         check_resume(cfg.resume, overrides)
         if _finished(run):
             return None
         recipe = read_recipe(run.recipe_path)
+        _check_recipe_as_recorded(run, recipe)
         _warn_changed_data(run)
         if Path(recipe.run_dir).resolve() != run.path.resolve():
             # Moved or copied since it started: it goes on where it lies, and says so from now.

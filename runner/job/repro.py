@@ -21,6 +21,7 @@ from runner.rundir.manifest import (
     MANIFEST_FILE,
     RUN_SPECIFIC_KEYS,
     build_manifest,
+    dotted,
     read_manifest,
     write_manifest,
 )
@@ -43,17 +44,8 @@ class Drift:
     rerun: Any
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(value, dict):
-        return {prefix: value}
-    flat: dict[str, Any] = {}
-    for key, child in value.items():
-        flat.update(_flatten(child, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
-
-
 def _diff(what: str, recorded: Any, rerun: Any, skip: tuple[str, ...] = ()) -> list[Drift]:
-    a, b = _flatten(recorded), _flatten(rerun)
+    a, b = dotted(recorded), dotted(rerun)
     keys = sorted(k for k in set(a) | set(b) if not k.startswith(skip))
     return [
         Drift(f"{what}.{k}" if k else what, a.get(k), b.get(k))

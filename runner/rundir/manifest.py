@@ -270,6 +270,32 @@ def changed_data(run: RunDir, now: dict[str, DataFile] | None = None) -> list[st
     return changed
 
 
+def dotted(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A config's leaves by their dotted keys ({"a": {"b": 1}}: {"a.b": 1})."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    leaves: dict[str, Any] = {}
+    for key, child in value.items():
+        leaves.update(dotted(child, f"{prefix}.{key}" if prefix else str(key)))
+    return leaves
+
+
+def changed_config(run: RunDir, recipe: dict[str, Any]) -> list[str]:
+    """The keys of `recipe` (recipe.yaml as it reads now) whose values differ from the config
+    the run's manifest recorded as it started, each as `key=NOW (recorded: THEN)`; those a
+    run sets itself (run_dir, stop_at_step) left out."""
+    recorded = read_manifest(run).get("config") if (run.path / MANIFEST_FILE).is_file() else None
+    if recorded is None:
+        return []
+    before = dotted(hashed_config(recorded))
+    now = dotted(hashed_config(recipe))
+    return [
+        f"{key}={now.get(key)!r} (recorded: {before.get(key)!r})"
+        for key in sorted(before.keys() | now.keys())
+        if before.get(key) != now.get(key)
+    ]
+
+
 def write_manifest(run: RunDir, manifest: Manifest | dict[str, Any]) -> None:
     """Writes the run's manifest.json (whole, or not at all)."""
     write_json_atomic(run.path / MANIFEST_FILE, manifest)
