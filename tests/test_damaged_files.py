@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner.data import DataError, check_datasets
-from runner.data.sources import LineError
+from runner.data.files import LineError
 from runner.errors import UserError
 from runner.paths import SAMPLE_DATA_DIR
 from runner.rundir import check_safetensors, checkpoint_problem

@@ -16,9 +16,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from runner.data.files import open_data
 from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, ConversationStyle
 from runner.data.preference import SIDES, PreferenceSplit, PreferenceToMessages
-from runner.data.sources import Records, load_records, open_data
+from runner.data.sources import Records, load_records
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import itertools
-import json
 import logging
 import os
 import re
@@ -19,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from xml.etree import ElementTree
 
 import datasets
 import numpy as np
@@ -28,6 +25,15 @@ import yaml
 from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
 from datasets.exceptions import DatasetGenerationError
 
+from runner.data.files import (
+    data_suffix,
+    hub_files,
+    is_empty,
+    is_remote,
+    open_data,
+    read_error,
+    xml_rows,
+)
 from runner.errors import UserError
 from runner.paths import user_path
 
@@ -40,10 +46,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "text": (".txt",),
     "xml": (".xml",),
 }
-# A data file compressed (data.jsonl.gz), read decompressed, as `datasets` reads it: fsspec
-# infers the compression from the extension.
-COMPRESSED = (".gz", ".bz2", ".xz")
-# dataset.format -> the `datasets` builder that reads it (xml: runner.data.sources reads it;
+# dataset.format -> the `datasets` builder that reads it (xml: runner.data.files parses it;
 # datasets' own xml builder yields each file as one string).
 BUILDERS = {
     "json": "json",
@@ -59,43 +62,6 @@ STREAM_CHUNK = 1000
 SPLIT_PART = re.compile(
     r"^\s*([\w.-]+)\s*(\[[^\]]*\])?\s*(\((?:closest|pct1_dropremainder)\))?\s*$"
 )
-# A dataset repo's file or directory pinned to a commit, as runner.hub.download streams it.
-HUB_STREAM = re.compile(r"^hf://datasets/[^/@]+/[^/@]+@[0-9a-f]{40}(/|$)")
-
-
-def is_remote(source: str) -> bool:
-    """Whether `source` is a hub file or directory streamed from the hub (HUB_STREAM)."""
-    return HUB_STREAM.match(source) is not None
-
-
-def _hub_files(token: str | None) -> Any:
-    """huggingface_hub's file system (HF_ENDPOINT's hub), with the token (None: its login)."""
-    from huggingface_hub import HfFileSystem, constants
-
-    # The endpoint named: a file system is cached by its arguments, and HF_ENDPOINT may differ.
-    return HfFileSystem(token=token, endpoint=constants.ENDPOINT)
-
-
-def open_data(file: str, token: str | None = None, mode: str = "rb", **options: Any) -> Any:
-    """A local file, or a hub file read in ranges as it is read (nothing cached on disk); a
-    compressed one (COMPRESSED) decompressed."""
-    import fsspec
-
-    files = _hub_files(token) if is_remote(file) else fsspec.filesystem("file")
-    return files.open(file, mode, compression="infer", **options)
-
-
-def _size(file: str, token: str | None) -> int:
-    return int(_hub_files(token).size(file)) if is_remote(file) else os.path.getsize(file)
-
-
-def _empty(file: str, token: str | None = None) -> bool:
-    """Whether a data file holds no byte: a compressed one decompressed (gzip of nothing is 20
-    bytes, which `datasets` then stopped on with a StopIteration)."""
-    if Path(file).suffix.lower() in COMPRESSED:
-        with open_data(file, token) as f:
-            return not f.read(1)
-    return _size(file, token) == 0
 
 
 def local_source(key: str, source: str) -> str:
@@ -129,14 +95,8 @@ def _extensions(formats: tuple[str, ...] = tuple(FORMATS)) -> str:
     return ", ".join(sorted({ext for f in formats for ext in FORMATS[f]}))
 
 
-def _suffix(path: Path) -> str:
-    """A data file's extension: a compressed one's (data.jsonl.gz) the one before it."""
-    suffix = path.suffix.lower()
-    return Path(path.stem).suffix.lower() if suffix in COMPRESSED else suffix
-
-
 def _format_of(path: Path) -> str | None:
-    return next((f for f, exts in FORMATS.items() if _suffix(path) in exts), None)
+    return next((f for f, exts in FORMATS.items() if data_suffix(path) in exts), None)
 
 
 def source_format(key: str, source: str, data_format: str | None, token: str | None = None) -> str:
@@ -145,7 +105,7 @@ def source_format(key: str, source: str, data_format: str | None, token: str | N
         if data_format not in FORMATS:
             raise UserError("dataset.format", data_format, f"choose one of: {', '.join(FORMATS)}")
         named = _format_of(Path(source)) if Path(source).is_file() else None
-        if named not in (None, "text") and _suffix(Path(source)) not in FORMATS[data_format]:
+        if named not in (None, "text") and data_suffix(Path(source)) not in FORMATS[data_format]:
             # dataset=sample sets json for both sources: a .csv validation file read as JSON
             # was "not valid JSON ...; fix the JSON there".
             raise UserError(
@@ -157,7 +117,7 @@ def source_format(key: str, source: str, data_format: str | None, token: str | N
             )
         return data_format
     if is_remote(source):
-        hub = _hub_files(token)
+        hub = hub_files(token)
         files = [Path(source)] if hub.isfile(source) else [Path(f) for f in hub.find(source)]
     else:
         path = Path(source)
@@ -184,7 +144,7 @@ def split_files(
     by split the way the Hugging Face hub names them (train-*.parquet, data/validation.json...).
     A hub directory is listed on the hub (`token`: its token), its files left there."""
     remote = is_remote(source)
-    if _hub_files(token).isfile(source) if remote else Path(source).is_file():
+    if hub_files(token).isfile(source) if remote else Path(source).is_file():
         return {"train": [source]}
     extensions = list(FORMATS[data_format])
     # datasets lists an hf:// directory through HfFileSystem, with this token.
@@ -225,7 +185,7 @@ def _card_config(key: str, source: str, token: str | None) -> dict[str, Any] | N
 
     readme = f"{source.rstrip('/')}/README.md"
     if is_remote(source):
-        files = _hub_files(token)
+        files = hub_files(token)
         text = files.read_text(readme, encoding="utf-8") if files.isfile(readme) else None
     else:
         text = Path(readme).read_text(encoding="utf-8") if Path(readme).is_file() else None
@@ -291,7 +251,7 @@ def stream_records(
     a chunk of the file is in memory at a time (of a hub file, read in ranges from the hub). A
     file that does not read is a UserError naming it (and the line and column, for a text
     format)."""
-    if _empty(file, token):
+    if is_empty(file, token):
         return
     builder = BUILDERS[data_format]
     try:
@@ -310,7 +270,7 @@ def stream_records(
             for row in range(len(batch[columns[0]]) if columns else 0):
                 yield {column: batch[column][row] for column in columns}
     except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
-        raise _read_error(key, source, data_format, [file], err, token) from err
+        raise read_error(key, source, data_format, [file], err, token) from err
 
 
 def _read(
@@ -327,7 +287,7 @@ def _read_if_any(
 ) -> datasets.Dataset | None:
     """The records of `files`, None if they hold none; a file that does not read is a UserError
     naming it (and the line and column, for a text format)."""
-    if all(_empty(file) for file in files):
+    if all(is_empty(file) for file in files):
         return None  # `datasets` would stop at its first file, with a StopIteration
     if data_format == "xml":
         return _read_xml(key, source, files, xml_record)
@@ -338,7 +298,7 @@ def _read_if_any(
         with _quietly():
             reader.download_and_prepare()
     except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
-        raise _read_error(key, source, data_format, files, err) from err
+        raise read_error(key, source, data_format, files, err) from err
     if not reader.info.splits["train"].num_examples:
         return None
     return reader.as_dataset(split="train")
@@ -370,7 +330,7 @@ def _read_xml(
     its fields its attributes and the text of its child elements, every value a string (a field
     a record lacks is null), as a CSV cell is. Python's expat refuses entity expansion bombs
     and fetches no external entity."""
-    rows = [row for file in files for row in _xml_rows(key, source, file, record)]
+    rows = [row for file in files for row in xml_rows(key, source, file, record)]
     if not rows:
         return None
     columns = list(dict.fromkeys(name for row in rows for name in row))
@@ -380,141 +340,12 @@ def _read_xml(
     )
 
 
-def _xml_rows(key: str, source: str, file: str, record: str | None) -> list[dict[str, str]]:
-    try:
-        with open_data(file, None) as f:
-            root = ElementTree.parse(f).getroot()
-    except ElementTree.ParseError as err:
-        found = _undecodable_line(file)
-        if found is None:
-            line, column = err.position
-            problem = f"not well-formed XML ({str(err).split(':')[0]})"
-            found = line, column + 1, problem, "fix the XML there"
-        line, column, problem, fix = found
-        raise LineError(
-            key, source, file=file, line=line, column=column, problem=problem, fix=fix
-        ) from None
-    # A file with a default namespace (<root xmlns="...">) had no <item>, its fields named
-    # "{http://...}instruction": a record is matched by its local name too, and its fields in
-    # its own namespace go by theirs; another namespace's keep their full names (<meta:output>
-    # beside <output> is another field).
-    elements = (
-        list(root)
-        if record is None
-        else [e for e in root.iter() if record in (e.tag, e.tag.rpartition("}")[2])]
-    )
-    if not elements and len(root):
-        children = ", ".join(dict.fromkeys(f"<{child.tag.rpartition('}')[2]}>" for child in root))
-        raise UserError(
-            "dataset.xml.record",
-            record,
-            f"{file} has no <{record}> element (its root's children are {children}); give the "
-            "name of a record's element, or null (each child of the root a record)",
-        )
-    return [
-        {
-            **element.attrib,  # an attribute's name has no default namespace
-            **{_in_own(child.tag, element.tag): "".join(child.itertext()) for child in element},
-        }
-        for element in elements
-    ]
-
-
-def _in_own(name: str, record: str) -> str:
-    """An XML name without its namespace where it is the record element's own."""
-    space = record[: record.index("}") + 1] if record.startswith("{") else ""
-    return name.removeprefix(space) if space else name
-
-
 def _no_records(key: str, source: str, files: list[str]) -> UserError:
     if files == [source]:
         return UserError(key, source, "has no records; give a data file that holds some")
     return UserError(
         key, source, f"its files {', '.join(files)} hold no records; give files that hold some"
     )
-
-
-class LineError(UserError):
-    """A data file that does not read: names the file, the line and the column (from 1)."""
-
-    def __init__(
-        self, key: str, source: str, *, file: str, line: int, column: int, problem: str, fix: str
-    ) -> None:
-        self.file, self.line, self.column = file, line, column
-        where = "" if file == source else f"{file} "  # the file is the value already
-        super().__init__(key, source, f"{where}line {line}, column {column}: {problem}; {fix}")
-
-
-def _read_error(
-    key: str,
-    source: str,
-    data_format: str,
-    files: list[str],
-    err: Exception,
-    token: str | None = None,
-) -> UserError:
-    """What `datasets` could not read: the file, line and column at fault where a line of a text
-    format is found that is not UTF-8 (or not JSON), else the reader's own message. A hub file
-    is read again from the hub to find them."""
-    if data_format not in ("parquet", "arrow"):
-        for file in files:
-            found = _undecodable_line(file, token)
-            if found is None and data_format in ("json", "jsonl"):
-                found = _unparsable_json(file, token)
-            if found is not None:
-                line, column, problem, fix = found
-                return LineError(
-                    key, source, file=file, line=line, column=column, problem=problem, fix=fix
-                )
-    cause = err.__cause__ or err
-    return UserError(key, source, f"could not be read as dataset.format={data_format} ({cause})")
-
-
-def _undecodable_line(file: str, token: str | None = None) -> tuple[int, int, str, str] | None:
-    """(line, column, problem, fix) of the first line of `file` that is not UTF-8 text."""
-    with open_data(file, token) as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                column = len(raw[: err.start].decode("utf-8")) + 1
-                problem = f"byte {raw[err.start]:#04x} is not UTF-8 text"
-                return number, column, problem, "save the file as UTF-8, or fix or drop the line"
-    return None
-
-
-def _unparsable_json(file: str, token: str | None = None) -> tuple[int, int, str, str] | None:
-    """(line, column, problem, fix) of the first line of a JSON-lines file that is not one JSON
-    object; for a file that is one JSON document (a list of records), where it stops parsing."""
-    fix = "fix or drop the line (a JSON-lines file holds one JSON object a line)"
-    with open_data(file, token, "r", encoding="utf-8-sig") as f:
-        lines = ((number, line) for number, line in enumerate(f, 1) if line.strip())
-        first = next(lines, None)
-        if first is None:
-            return None
-        if not first[1].lstrip().startswith("["):
-            for number, line in itertools.chain([first], lines):
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as err:
-                    if number == first[0]:
-                        break  # perhaps one JSON document over several lines: read below
-                    return number, err.colno, _json_problem(err), fix
-                if not isinstance(value, dict):
-                    return number, 1, f"holds {json.dumps(value)[:40]}, not a JSON object", fix
-            else:
-                return None
-        f.seek(0)
-        try:
-            json.load(f)
-        except json.JSONDecodeError as err:
-            return err.lineno, err.colno, _json_problem(err), "fix the JSON there"
-    return None
-
-
-def _json_problem(err: json.JSONDecodeError) -> str:
-    # Some of json's messages end in "at", before the position it adds (given here apart).
-    return f"not valid JSON ({err.msg.removesuffix(' at')})"
 
 
 @dataclass

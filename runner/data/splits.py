@@ -18,8 +18,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from runner.data.checks import checked_split
+from runner.data.files import is_remote
 from runner.data.preference import PreferenceSplit
-from runner.data.sources import is_remote, rows_by_file, stream_files
+from runner.data.sources import rows_by_file, stream_files
 from runner.data.transforms import TokenizedSplit
 from runner.errors import UserError
 from runner.models.torchtune_boundary import PackedDataset

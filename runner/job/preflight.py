@@ -22,7 +22,7 @@ from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
 from runner.config.schema import read_recipe
 from runner.data import check_datasets, held_out_fraction, train_dataset
-from runner.data.sources import is_remote
+from runner.data.files import is_remote
 from runner.models.backends import Backend, backend_for
 from runner.rundir import RECIPE_FILE
 

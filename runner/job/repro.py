@@ -267,7 +267,7 @@ def _check_inputs_there(recorded: RunDir, recipe: DictConfig) -> None:
     """The local files the run read (weights, tokenizer, data, a checkpoint it went on from)
     are where it read them: refused before the re-run's directory is made, where the re-run
     failed inside it, on a key the user never typed (model.tokenizer, for a moved source)."""
-    from runner.data.sources import is_remote
+    from runner.data.files import is_remote
 
     inputs = {
         "model.source": recipe.model.source,
