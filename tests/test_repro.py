@@ -309,11 +309,17 @@ def test_deterministic_losses_do_not_depend_on_the_machines_kernels(
     golden_loss = load_script("checks/golden_loss")
     stored = json.loads(GOLDEN.read_text())
     assert golden_loss.OVERRIDES == overrides
-    assert golden_loss.check({str(s): v for s, v in first.items()}, GOLDEN) == 0
+    trained = {str(s): v for s, v in first.items()}
+    assert golden_loss.check(trained, golden_loss.read_golden(GOLDEN), GOLDEN.name) == 0
     stored["losses"]["5"] = math.nextafter(stored["losses"]["5"], 0.0)
     (tmp_path / "golden.json").write_text(json.dumps(stored))
-    assert golden_loss.check({str(s): v for s, v in first.items()}, tmp_path / "golden.json") == 1
+    off = golden_loss.read_golden(tmp_path / "golden.json")
+    assert golden_loss.check(trained, off, "golden.json") == 1
     assert "loss at step 5" in capsys.readouterr().out
+    # A file that is no stored losses is bad input (exit 2), not drift: named before training.
+    (tmp_path / "golden.json").write_text(json.dumps({"losses": [1.0, 2.0]}))
+    with pytest.raises(ValueError, match="not a stored losses file"):
+        golden_loss.read_golden(tmp_path / "golden.json")
 
 
 def test_repro_on_another_kernel_path_compares_within_a_tolerance(

@@ -149,17 +149,30 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def _varying(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """Each job's overrides less those every job shares: what the sweep varied."""
-    common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
-    return {r["job"]: " ".join(o for o in r["overrides"] if o not in common) for r in rows}
+def _varying(summary: dict[str, Any]) -> dict[str, str]:
+    """Each job's overrides less those of the keys the sweep's command fixed, and those every
+    job shares: what the sweep varied (a sweep stopped after its first job has one row, which
+    shares all of its overrides with itself)."""
+    rows = summary["runs"]
+    record = Path(summary["sweep_dir"]) / "multirun.yaml"
+    fixed: set[str] = set()
+    if record.is_file():
+        given = parsed_overrides(as_typed(OmegaConf.load(record).hydra.overrides.task))
+        fixed = {o.key_or_group for o in given if not o.is_sweep_override()}
+    shared = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
+    return {
+        r["job"]: " ".join(
+            o for o in r["overrides"] if o not in shared and override_key(o) not in fixed
+        )
+        for r in rows
+    }
 
 
 def table(summary: dict[str, Any]) -> str:
     """The summary as a Markdown table (printed at the end of a sweep)."""
     head = ["job", "overrides", "state", "step", "final loss", summary["metric"], "seconds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    varying = _varying(summary["runs"])
+    varying = _varying(summary)
     for r in summary["runs"]:
         step = f"{_fmt(r['step'])}/{_fmt(r['total_steps'])}"
         cells = [
@@ -200,7 +213,7 @@ def plot_losses(sweep_dir: Path, summary: dict[str, Any]) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    varying = _varying(summary["runs"])
+    varying = _varying(summary)
     for row in summary["runs"]:
         points = sorted(RunDir(row["run_dir"]).losses().items())
         if points:

@@ -53,16 +53,26 @@ def train_losses() -> dict[str, float]:
         return {str(step): loss for step, loss in RunDir(Path(tmp) / "run").losses().items()}
 
 
-def check(losses: dict[str, float], golden: Path) -> int:
-    """Compares `losses` with the stored file, step by step and exactly; prints the report and
+def read_golden(golden: Path) -> dict[int, float]:
+    """The stored per-step losses; a ValueError saying what is wrong with the file."""
+    try:
+        stored = json.loads(golden.read_text())
+        losses = stored["losses"]
+        return {int(step): float(loss) for step, loss in losses.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ValueError(
+            f"--golden={golden}: not a stored losses file ({type(err).__name__}: {err}); give "
+            'one that --update wrote: {"losses": {"STEP": LOSS, ...}}'
+        ) from None
+
+
+def check(losses: dict[str, float], stored: dict[int, float], name: str) -> int:
+    """Compares `losses` with the stored ones, step by step and exactly; prints the report and
     returns the exit status (0 on a match, 1 on drift)."""
     from runner.job.repro import compare_losses, print_report
 
-    stored = json.loads(golden.read_text())
-    drifts = compare_losses(
-        {int(k): v for k, v in stored["losses"].items()}, {int(k): v for k, v in losses.items()}
-    )
-    print_report(drifts, f"{len(losses)} steps equal to {golden.name}")
+    drifts = compare_losses(stored, {int(k): v for k, v in losses.items()})
+    print_report(drifts, f"{len(losses)} steps equal to {name}")
     return 1 if drifts else 0
 
 
@@ -71,18 +81,19 @@ def main() -> int:
     parser.add_argument("--update", action="store_true", help="rewrite the stored losses")
     parser.add_argument("--golden", type=Path, default=GOLDEN, help="the stored losses file")
     args = parser.parse_args()
-    if not args.update and not args.golden.is_file():  # before the minute of training
-        print(
-            f"error: --golden={args.golden}: no such file; give a stored losses file",
-            file=sys.stderr,
-        )
-        return 2
+    stored: dict[int, float] = {}
+    if not args.update:  # before the minute of training
+        try:
+            stored = read_golden(args.golden)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     losses = train_losses()
     if args.update:
         args.golden.write_text(json.dumps({"overrides": OVERRIDES, "losses": losses}, indent=2))
         print(f"wrote {len(losses)} losses to {args.golden}")
         return 0
-    return check(losses, args.golden)
+    return check(losses, stored, args.golden.name)
 
 
 if __name__ == "__main__":
