@@ -56,6 +56,7 @@ from runner.rundir.manifest import (
     changed_data,
     changed_overrides,
     read_manifest,
+    unlike_loaded,
     write_manifest,
 )
 from runner.trainer.parent import stop_signals_to
@@ -344,6 +345,15 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         manifest = build_manifest(recipe, overrides, Path.cwd())
         if continued:
             _warn_changed_data(run, manifest["data"])  # before the new manifest replaces it
+        elif recipe.resume_from is not None:
+            loaded = RunDir(Path(recipe.resume_from).parents[1])  # RUN/checkpoints/step_N
+            for unlike in unlike_loaded(loaded, manifest):
+                log.warning(
+                    "%s: the steps from %s's data position read other records than its "
+                    "uninterrupted run would",
+                    unlike,
+                    loaded.path,
+                )
         write_recipe(run.recipe_path, recipe)
         write_manifest(run, manifest)
     node_rank = node_rank_of(cfg.compute, recipe)

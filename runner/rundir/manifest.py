@@ -270,6 +270,25 @@ def changed_data(run: RunDir, now: dict[str, DataFile] | None = None) -> list[st
     return changed
 
 
+def unlike_loaded(loaded: RunDir, manifest: Manifest | dict[str, Any]) -> list[str]:
+    """How a run continued from another's checkpoint (load_checkpoint, mode resume; `manifest`
+    its own) reads other records than the loaded run did: each data file of other content, and
+    another seed (another order of the records), as `what (loaded run: THEN)`."""
+    if not (loaded.path / MANIFEST_FILE).is_file():
+        return []
+    recorded = read_manifest(loaded)
+    unlike = []
+    # The training split's: the position goes on in it (a validation source is read whole).
+    data, before = manifest["data"].get("source"), recorded.get("data", {}).get("source")
+    if data is not None and before is not None and before["sha256"] != data["sha256"]:
+        unlike.append(
+            f"dataset.source {data['path']} (loaded run: {before['path']}, other records)"
+        )
+    if recorded.get("seed") not in (None, manifest["seed"]):
+        unlike.append(f"seed={manifest['seed']} (loaded run: {recorded['seed']})")
+    return unlike
+
+
 def dotted(value: Any, prefix: str = "") -> dict[str, Any]:
     """A config's leaves by their dotted keys ({"a": {"b": 1}}: {"a.b": 1})."""
     if not isinstance(value, dict):
