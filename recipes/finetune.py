@@ -200,6 +200,18 @@ class FinetuneRecipe:
     # ---- train loop ---------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Runs optimizer steps until total_steps, checkpointing on the configured cadence."""
+        left = self.data.steps_left() if isinstance(self.data, EpochBatches) else None
+        if left is not None and self.step + left < self.total_steps:
+            # A position saved on other data (a file grown since its checkpoint) is later in
+            # the epochs than its step: the run ends where its data does, as a last step (its
+            # loss logged, evaluated, saved), its schedule the one it started with.
+            log.warning(
+                "the data ends at step %d of %d: the checkpoint's data position was saved on "
+                "other data",
+                self.step + left,
+                self.total_steps,
+            )
+            self.total_steps = self.step + left
         if self.step >= self.total_steps and not self.resumed and self.cfg.resume_from:
             # load_checkpoint at or past this run's length (max_steps is checked at launch; the
             # steps that epochs make are known only here): it would end with no checkpoint.
@@ -249,14 +261,8 @@ class FinetuneRecipe:
             if stop:
                 break
         else:
-            # The data ran out first: a position saved on other data (a file grown since its
-            # checkpoint) starts later in the epochs than its step. The steps trained are kept.
-            log.warning(
-                "the data ran out at step %d of %d (the checkpoint's data position was saved on "
-                "other data)",
-                self.step,
-                self.total_steps,
-            )
+            # The data ended before the steps did, unforeseen (steps_left): what trained is kept.
+            log.warning("the data ended at step %d of %d", self.step, self.total_steps)
             if self.step > started:
                 losses.read(self.step)
                 self.save_checkpoint()

@@ -293,6 +293,8 @@ CASES = [
     case("method-key-added", "validate method=full +method.rank=4", "method.rank='4'", "lora"),
     case("method-key-absent", "validate method=full method.beta=0.5", "method.beta=", "dpo"),
     case("method-name", "validate method=lora method.name=full", "method.name=", "method=full"),
+    case("method-name-removed", "validate method=lora ~method.name", "method.name=", "method=<"),
+    case("method-removed", "validate ~method", "method:", "~method"),
     case(
         "method-eval-metrics",
         "validate method=dpo dataset=preference method.eval_metrics=[eval_exact_match]",

@@ -246,9 +246,9 @@ def test_a_run_continued_with_more_steps_trains_on_the_longer_schedule(
 
 def test_a_data_position_that_the_data_does_not_fit(forked_cli, tmp_path: Path) -> None:
     """A run continued on more data than its checkpoint's (2 steps an epoch, now 4): the saved
-    position, epoch 1 after its 2 steps, leaves 2 steps of 8 in the new data's epochs. The
-    steps trained are kept in a checkpoint, said; a run that would end before its checkpoint's
-    step is refused by its epochs (it ended completed, with no checkpoint)."""
+    position, epoch 1 after its 2 steps, leaves 2 steps of 8 in the new data's epochs: the run
+    ends where its data does, said (it ended completed at step 6 of 8 with no checkpoint of its
+    steps); one that would end before its checkpoint's step is refused by its epochs."""
     short = tmp_path / "short"
     args = ["train", *STEPS, "dataset.split='train[:32]'", "epochs=2", "max_steps=null"]
     result = forked_cli([*args, f"hydra.run.dir={short}"], tmp_path, timeout_s=600)
@@ -261,10 +261,15 @@ def test_a_data_position_that_the_data_does_not_fit(forked_cli, tmp_path: Path) 
         600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "the data ran out at step 6 of 8" in result.stderr
+    assert "the data ends at step 6 of 8" in result.stderr
     # Another seed orders the records otherwise: the position goes on in another order, said.
     assert f"seed=1 (loaded run: 0): the steps from {short}'s data position" in result.stderr
+    # Its last step is a last step: logged, evaluated, saved; the run completed there.
     assert (longer / "checkpoints" / "step_6").is_dir()
+    steps = [json.loads(line) for line in (longer / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "eval_loss"} <= {key for step in steps if step["step"] == 6 for key in step}
+    status = json.loads((longer / "status.json").read_text())
+    assert (status["state"], status["step"], status["total_steps"]) == ("completed", 6, 6)
     fewer = tmp_path / "fewer"
     args = ["train", *STEPS, "dataset.split='train[:32]'", "epochs=1", "max_steps=null"]
     result = forked_cli(

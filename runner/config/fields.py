@@ -135,14 +135,19 @@ def _check_sections(schema: type, given: DictConfig, prefix: str) -> None:
 
 
 def check_chosen(cfg: DictConfig, schema: type) -> None:
-    """Each section of a composed config given, where its schema has a key that only an option
-    of its group gives (???): `~model` removed the option, and the ??? failed at its first read
-    with a traceback."""
+    """Each section of a composed config given that is a config group's, or has a key that
+    only an option of its group gives (???): `~model` removed the option, and the ??? failed
+    at its first read with a traceback."""
+    from runner.paths import config_groups
+
+    groups = config_groups()
     for spec, annotation in _fields(schema):
         section = _section(annotation)
         if section is None or spec.name in cfg:
             continue
-        if any(field.default is MISSING for field, _ in _fields(section)):
+        # A group's option removed: its defaults would stand in, or (~method) a key another
+        # reads (eval.metrics: ${method.eval_metrics}) would not resolve.
+        if spec.name in groups or any(f.default is MISSING for f, _ in _fields(section)):
             fix = f"removed (~{spec.name}); give {spec.name}=OPTION (`--help` lists them)"
             raise UserError(spec.name, None, fix)
 

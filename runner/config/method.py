@@ -252,14 +252,13 @@ def check_method_overrides(method: str, overrides: Sequence[str]) -> None:
     method=full) is refused, as is method.name, which the option sets: either went unread."""
     for override in overrides:
         key = override_key(override)
-        if not key.startswith("method.") or override.startswith("~"):
-            continue
         name = key.removeprefix("method.")
+        if not key.startswith("method.") or (override.startswith("~") and name != "name"):
+            continue
         value = override.partition("=")[2]
-        if name == "name":
-            raise UserError(
-                key, value, f"the option sets it: choose the method with method={value}"
-            )
+        if name == "name":  # ~method.name too: the schema's default, full, took its place
+            choose = f"method={value}" if value else f"method=<one of {', '.join(METHOD_NAMES)}>"
+            raise UserError(key, value, f"the option sets it: choose the method with {choose}")
         readers = methods_reading(name)
         if method not in readers:
             raise UserError(

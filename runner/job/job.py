@@ -20,7 +20,7 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, read_write
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from runner.components import plain_dict
 from runner.config.fields import as_typed, override_key
@@ -295,11 +295,14 @@ def _warn_changed_data(run: RunDir, now: dict[str, Any] | None = None) -> None:
         )
 
 
-def _check_recipe_as_recorded(run: RunDir, recipe: DictConfig) -> None:
+def _check_recipe_as_recorded(run: RunDir) -> None:
     """runner resume goes on with the recipe the run started with: one edited since (a new lr,
     which the checkpoint's optimizer state overrides) would be recorded as trained, and never
-    trained with. Refused by the keys that differ."""
-    changed = changed_config(run, plain_dict(recipe))
+    trained with. Refused by the keys that differ, in the file as written (a key an older
+    runner did not write is in neither)."""
+    written = OmegaConf.load(run.recipe_path)
+    assert isinstance(written, DictConfig), "read_recipe read it as a mapping"
+    changed = changed_config(run, plain_dict(written))
     if changed:
         raise UserError(
             str(run.recipe_path),
@@ -317,7 +320,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         if _finished(run):
             return None
         recipe = read_recipe(run.recipe_path)
-        _check_recipe_as_recorded(run, recipe)
+        _check_recipe_as_recorded(run)
         _warn_changed_data(run)
         if Path(recipe.run_dir).resolve() != run.path.resolve():
             # Moved or copied since it started: it goes on where it lies, and says so from now.

@@ -95,6 +95,15 @@ class EpochBatches:
             self.epoch += 1
             self.batches_done_in_epoch = 0
 
+    def steps_left(self) -> int:
+        """The optimizer steps __iter__ yields from the position: fewer than the run's steps
+        where the position was saved on other data (a file grown since: a later epoch)."""
+        if self.epoch >= self.epochs:
+            return 0
+        batches = self.steps_per_epoch * self.accumulation - self.batches_done_in_epoch
+        this_epoch = max(batches, 0) // self.accumulation
+        return this_epoch + (self.epochs - self.epoch - 1) * self.steps_per_epoch
+
     def position(self) -> dict[str, int]:
         """The training state's data position."""
         return {
