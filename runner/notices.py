@@ -32,9 +32,11 @@ class _Notice(logging.Filter):
 
 
 def keep_notices_off_the_console(*, drop: bool) -> None:
-    """Demotes the NOTICES to INFO, or drops them; and silences peft's use of a name
-    transformers deprecated (`is_gradient_checkpointing`, a FutureWarning at every LoRA
-    checkpoint loaded). Called again, the last call's `drop` holds."""
+    """Demotes the NOTICES to INFO, or drops them; and silences two uses of names deprecated
+    under the libraries that use them, FutureWarnings: peft's of transformers'
+    `is_gradient_checkpointing` (at every LoRA checkpoint loaded), and torchtune's and
+    torchao's of torch's `all_gather_into_tensor` (QLoRA's NF4 weights gathered for a
+    checkpoint, on several processes). Called again, the last call's `drop` holds."""
     for name, start in NOTICES:
         logger = logging.getLogger(name)
         found = [f for f in logger.filters if isinstance(f, _Notice) and f.start == start]
@@ -42,6 +44,7 @@ def keep_notices_off_the_console(*, drop: bool) -> None:
         notice.drop = drop
         if not found:
             logger.addFilter(notice)
-    warnings.filterwarnings(
-        "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
-    )
+    for deprecated in ("is_gradient_checkpointing", "torch.distributed.all_gather_into_tensor"):
+        warnings.filterwarnings(
+            "ignore", message=f"`{deprecated}` is deprecated", category=FutureWarning
+        )

@@ -76,6 +76,8 @@ CASES = [
     case("group-comma-list", "validate optimizer=adamw,sgd", "optimizer=", "-m"),
     case("flag-without-value", "validate --config-dir", "--config-dir"),
     case("multirun-by-hydra-mode", "estimate hydra.mode=MULTIRUN", "hydra.mode=MULTIRUN"),
+    # Each job trained a new directory with no recipe: a FileNotFoundError, jobs failed.
+    case("sweep-of-resume", "train -m resume=a,b", "resume='a,b'", "runner resume RUN"),
     case(
         "master-port-past-65535",
         "validate compute=multi_node compute.device=cpu compute.nnodes=2 compute.node_rank=0 "

@@ -69,9 +69,18 @@ def _run(name: str, argv: list[str]) -> int | None:
 
     argv = flags_first(argv)
     refuse_typed_secrets(argv)
+    multirun = ("-m", "--multirun", "hydra.mode=MULTIRUN")
+    resumed = next((a for a in argv if a.partition("=")[0].lstrip("+") == "resume"), None)
+    if name == "train" and resumed and any(a in multirun for a in argv):
+        # Each job would train a new directory of the sweep's, which holds no recipe to resume.
+        raise UserError(
+            "resume",
+            resumed.partition("=")[2],
+            "a sweep does not resume runs: resume each with runner resume RUN (a sweep's job: "
+            "runner resume SWEEP/N; a whole sweep: its command with hydra.sweep.dir=SWEEP)",
+        )
     if name in ("validate", "estimate", "download"):
         # hydra.mode=MULTIRUN is Hydra's other spelling of -m.
-        multirun = ("-m", "--multirun", "hydra.mode=MULTIRUN")
         given = next((a for a in argv if a in multirun), None)
         if given is not None:
             # Hydra would make a sweep directory, with a summary of jobs that never ran.
