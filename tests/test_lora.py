@@ -143,6 +143,21 @@ def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path
     assert (served_logits - ours).abs().max() <= 1e-4
 
 
+def test_saving_merged_weights_leaves_training_as_it_was(forked_cli, tmp_path: Path) -> None:
+    """method.save_merged merges the adapter into a copy of the base: in place, each save added
+    the adapter into the fp32 base that went on training (step 3 on differed from the run that
+    saved no merged weights)."""
+    found = []
+    for merged in ("true", "false"):
+        run = tmp_path / merged
+        args = [*TRAIN, "method=lora", f"method.save_merged={merged}", "max_steps=4"]
+        args += ["runtime.save_every_n_steps=2", f"hydra.run.dir={run}"]
+        result = forked_cli(["train", *args], tmp_path, timeout_s=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        found.append(losses(run))
+    assert found[0] == found[1] and len(found[0]) == 4  # bit for bit
+
+
 def test_a_moved_or_copied_lora_run_merges_onto_its_own_base(runner_cli, tmp_path: Path) -> None:
     # A random-init base: the run writes RUN/base_model/, and its adapters name it by the
     # absolute path it had. Moved, that path is gone; copied, it still holds the original's.

@@ -200,7 +200,9 @@ class LoraWeights(FullWeights):
         adapter = backend.adapter_state(model_state)
         merged = None
         if self.method.save_merged:
-            merged = {k: v.to(torch.float32) for k, v in model_state.items()}
+            # A copy (of fp32 weights too: .to() would give the live tensor itself, and the
+            # merge adds the adapter into it in place, into the base that goes on training).
+            merged = {k: v.to(torch.float32, copy=True) for k, v in model_state.items()}
             merged = backend.merged_hf_state(merged, lora)
         write_lora_checkpoint(
             out_dir,
