@@ -292,10 +292,20 @@ CASES = [
         "method.apply_lora_to_output=",
     ),
     # a key of another method: it was dropped without a word
-    case("method-key-added", "validate method=full +method.rank=4", "method.rank='4'", "lora"),
+    case("method-key-added", "validate method=full +method.rank=4", "method.rank=4", "lora"),
+    case(
+        "method-key-of-own-option",
+        "validate --config-dir {files}/conf method=full_with_rank",
+        "method.rank=4",
+        "method=lora",
+    ),
+    case("key-added-twice", "validate method=lora +method.rank=4", "+method.rank", "method.rank="),
+    case("key-removed-absent", "validate method=full ~method.rank", "~method.rank"),
+    case("group-removed-untyped", "validate ~optimizer", "optimizer:", "~optimizer"),
+    case("cluster-method-key", "cluster cluster.print=slurm ++method.rank=4", "method.rank=4"),
     case("method-key-absent", "validate method=full method.beta=0.5", "method.beta=", "dpo"),
     case("method-name", "validate method=lora method.name=full", "method.name=", "method=full"),
-    case("method-name-removed", "validate method=lora ~method.name", "method.name=", "method=<"),
+    case("method-name-removed", "validate method=lora ~method.name", "method.name:", "method=<"),
     case("method-removed", "validate ~method", "method:", "~method"),
     case(
         "method-eval-metrics",
@@ -444,6 +454,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "records.csv").write_text("instruction,input,output\nUpper:,ab,AB\n")
     item = "<item><instruction>Upper:</instruction><input>ab</input><output>AB</output></item>"
     (root / "records.xml").write_text(f"<rows>{item * 20}</rows>")
+    # A user's own method option (--config-dir) with a key its method does not read.
+    (root / "conf" / "method").mkdir(parents=True)
+    (root / "conf" / "method" / "full_with_rank.yaml").write_text(
+        "defaults:\n  - full\n  - _self_\n\nrank: 4\n"
+    )
     (root / "latin1.jsonl").write_bytes(
         (good[0] + "\n").encode()
         + '{"instruction": "caf\xe9", "input": "", "output": "x"}\n'.encode("latin-1")

@@ -264,6 +264,7 @@ def test_a_data_position_that_the_data_does_not_fit(forked_cli, tmp_path: Path) 
     assert "the data ends at step 6 of 8" in result.stderr
     # Another seed orders the records otherwise: the position goes on in another order, said.
     assert f"seed=1 (loaded run: 0): the steps from {short}'s data position" in result.stderr
+    assert "dataset.split='train[:64]' (loaded run: 'train[:32]')" in result.stderr
     # Its last step is a last step: logged, evaluated, saved; the run completed there.
     assert (longer / "checkpoints" / "step_6").is_dir()
     steps = [json.loads(line) for line in (longer / "metrics.jsonl").read_text().splitlines()]

@@ -64,7 +64,7 @@ def _run(name: str, argv: list[str]) -> int | None:
     if name == "export":
         module.check_argv(argv)
     _warn_groups_given_twice(argv)
-    _refuse_null_groups(argv)
+    _refuse_groups_without_option(argv)
     from runner.config.secrets import refuse_typed_secrets
 
     argv = flags_first(argv)
@@ -157,15 +157,20 @@ def _warn_groups_given_twice(argv: list[str]) -> None:
         )
 
 
-def _refuse_null_groups(argv: list[str]) -> None:
+def _refuse_groups_without_option(argv: list[str]) -> None:
     """A config group set to null (`model=null`): Hydra raised a ValueError that names no
-    group ("Config group override must be a string or a list")."""
+    group ("Config group override must be a string or a list"); or removed (`~optimizer`)."""
     from runner.errors import NULL
     from runner.paths import CONF_DIR, config_groups
 
-    groups = config_groups()
+    groups = config_groups() - {"hydra"}
     for override in argv:
         key, equals, value = override.partition("=")
+        if key.startswith("~") and key.lstrip("~") in groups:
+            # ~optimizer: its defaults stood in, or a key of its option was missed by name.
+            group = key.lstrip("~")
+            fix = f"removed ({key}); give {group}=OPTION (`--help` lists them)"
+            raise UserError(group, None, fix)
         group = key.lstrip("+")
         if equals and group in groups and value.strip().lower() == "null":
             options = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))

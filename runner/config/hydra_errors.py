@@ -142,6 +142,20 @@ def _composition_error(
             "no such config: each command composes its own (train.yaml for runner train); "
             "drop --config-name, or name a file of your --config-dir",
         )
+    # +key=value on a key that is there, ~key on one that is not, ~key=value on another value.
+    added = re.match(r"Could not append to config\. An item is already at '(.*)'", message)
+    if added:
+        key = added.group(1)
+        return UserError(f"+{key}", None, f"{key} is there already: set it with {key}=VALUE")
+    gone = re.match(r"Could not delete from config\. '(.*)' does not exist", message)
+    if gone:
+        return UserError(f"~{gone.group(1)}", None, "no such key to remove")
+    other = re.match(r"Could not delete from config\. The value of '(.*)' is (.*) and not", message)
+    if other:
+        key, held = other.groups()
+        return UserError(
+            f"~{key}", None, f"{key} is {held}, not the value given: ~{key} removes it as it is"
+        )
     sweep = re.match(r"Sweep parameters '([^=]*)=(.*)' requires --multirun", message)
     if sweep:  # seed=choice(1,2) without -m
         key, swept = sweep.groups()

@@ -247,24 +247,25 @@ def methods_reading(key: str) -> list[str]:
     ]
 
 
-def check_method_overrides(method: str, overrides: Sequence[str]) -> None:
-    """A method key the command line sets that the method does not read (`+method.rank=4` with
-    method=full) is refused, as is method.name, which the option sets: either went unread."""
+def check_method_keys(method: DictConfig, overrides: Sequence[str]) -> None:
+    """A key of the composed method section (its option's, an override's, a user's own
+    option's) that the method does not read (`+method.rank=4` with method=full) is refused, as
+    is method.name given on the command line (or removed), which the option sets: either went
+    unread. `method` before typing, which gives every method every key."""
     for override in overrides:
-        key = override_key(override)
-        name = key.removeprefix("method.")
-        if not key.startswith("method.") or (override.startswith("~") and name != "name"):
-            continue
-        value = override.partition("=")[2]
-        if name == "name":  # ~method.name too: the schema's default, full, took its place
+        if override_key(override) == "method.name" and not override.startswith("~~"):
+            value = override.partition("=")[2]
             choose = f"method={value}" if value else f"method=<one of {', '.join(METHOD_NAMES)}>"
-            raise UserError(key, value, f"the option sets it: choose the method with {choose}")
+            fix = f"the option sets it: choose the method with {choose}"
+            raise UserError("method.name", value or None, fix)
+    for name in map(str, method):
         readers = methods_reading(name)
-        if method not in readers:
+        if method.name not in readers:
             raise UserError(
-                key,
-                value,
-                f"method={method} does not read it; it is a key of method={', '.join(readers)}",
+                f"method.{name}",
+                method[name],
+                f"method={method.name} does not read it: drop it, or choose a method that "
+                f"does (method={', '.join(readers)})",
             )
 
 

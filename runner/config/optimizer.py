@@ -201,7 +201,8 @@ def _culprit(node: dict[str, Any], component: Any, arguments: dict[str, Any]) ->
             "optimizer._component_",
             node["_component_"],
             f"does not step as training steps it, with its defaults ({err}); give an optimizer "
-            "whose step() needs no closure, as torch.optim.AdamW or torch.optim.SGD",
+            "that steps dense gradients with step() alone, as torch.optim.AdamW or "
+            "torch.optim.SGD",
         ) from None
     # With the fused kernel only where the component has one: else every probe fails on it.
     fused = "fused" in arguments and _takes(component, "fused")

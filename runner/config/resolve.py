@@ -29,7 +29,7 @@ from runner.config.evaluation import resolve_eval, resolve_objective
 from runner.config.fields import check_chosen
 from runner.config.load_checkpoint import check_continued, resolve_load_checkpoint
 from runner.config.loss import built_once, resolve_loss
-from runner.config.method import check_method_overrides, check_pairing, resolve_method
+from runner.config.method import check_method_keys, check_pairing, resolve_method
 from runner.config.model import ModelRecipe, option_builder, resolve_model
 from runner.config.optimizer import resolve_optimizer, warn_long_warmup
 from runner.config.runtime import resolve_runtime
@@ -56,11 +56,11 @@ def resolve_recipe(
     nothing) takes a GPU layout as given, without holding it to the GPUs this machine shows.
     """
     check_chosen(cfg, Train)
+    check_method_keys(cfg.method, overrides)
     cfg = typed(cfg)
     loaded_weights, resume_from = resolve_load_checkpoint(cfg, overrides)
     if loaded_weights is not None:
         cfg.model.source = loaded_weights
-    check_method_overrides(cfg.method.name, overrides)
     check_pairing(cfg.method.name, cfg.dataset)
     compute = resolve_compute(cfg.compute, overrides, gpus_here)
     optimizer = resolve_optimizer(cfg.optimizer)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import override_key
 from runner.config.hydra_errors import from_hydra_error
+from runner.config.method import check_method_keys
 from runner.config.optimizer import checked_option
 from runner.config.schema import Cluster, typed
 from runner.errors import UserError
@@ -234,7 +235,9 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
     # Composed without this machine's scheduler variables (platform none): a shell inside an
     # allocation of its own (SLURM_NTASKS_PER_NODE=4) is not the job being written.
     on_nodes = _on_multi_node(train_overrides)
-    composed = typed(_compose_train([*on_nodes, "compute.platform=none"]), listed_by=TRAIN_KEYS)
+    untyped = _compose_train([*on_nodes, "compute.platform=none"])
+    check_method_keys(untyped.method, train_overrides)  # every node would refuse the job
+    composed = typed(untyped, listed_by=TRAIN_KEYS)
     # The GPUs asked of the scheduler are those the run trains on (auto: what each node has).
     device, gpus = composed.compute.device, cluster.gpus_per_node
     if device == "cpu" and gpus:

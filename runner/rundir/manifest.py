@@ -286,6 +286,11 @@ def unlike_loaded(loaded: RunDir, manifest: Manifest | dict[str, Any]) -> list[s
         )
     if recorded.get("seed") not in (None, manifest["seed"]):
         unlike.append(f"seed={manifest['seed']} (loaded run: {recorded['seed']})")
+    # Other records of the same files: another slice, another share held out of them.
+    now, then = dotted(manifest["config"]), dotted(recorded.get("config", {}))
+    for key in ("dataset.split", "dataset.validation.held_out"):
+        if key in then and then[key] != now.get(key):
+            unlike.append(f"{key}={now.get(key)!r} (loaded run: {then[key]!r})")
     return unlike
 
 
