@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from runner.components import instantiate
 from runner.config.resolve import resolve_recipe
+from runner.data import train_dataset
 from runner.job.preflight import estimate
 from tests.conftest import ESTIMATE_DATA
 from tests.test_config import compose_train
@@ -125,3 +127,28 @@ def test_estimate_prices_packed_rows_linearly_in_their_length(tmp_path: Path) ->
         found[length] = estimate(resolve_recipe(compose_train(given), tmp_path)).activations_bytes
     assert found[1024] is not None and found[2048] is not None
     assert abs(found[2048] / found[1024] - 2) < 1e-6
+
+
+def test_estimate_prices_dpo_as_it_trains(tmp_path: Path) -> None:
+    """Full DPO's frozen reference is built as the policy is, in the master dtype (fp32 under
+    bf16_mixed: priced at 2 bytes a weight, it was 2 bytes short); a pair's answers are two
+    rows of a forward pass, each padded to the longer (priced as one row of both, the
+    activations of unequal answers were up to half the run's)."""
+    pairs = tmp_path / "pairs.jsonl"
+    with pairs.open("w") as f:
+        for i in range(16):
+            long, short = "word " * 60, "no"
+            chosen, rejected = (long, short) if i % 2 else (short, long)
+            f.write(json.dumps({"prompt": "Say.", "chosen": chosen, "rejected": rejected}) + "\n")
+    args = ["compute=cpu", "method=dpo", "dataset=preference", f"dataset.source={pairs}"]
+    args += ["eval.strategy=no", "batch_size=4"]
+    found = estimate(resolve_recipe(compose_train([*args, "dtype=bf16_mixed"]), tmp_path))
+    # The policy and the reference in fp32, and autocast's bf16 copy of the policy.
+    assert found.weights_bytes == found.parameters * (4 + 4 + 2)
+    recipe = resolve_recipe(compose_train([*args, "dtype=fp32"]), tmp_path)
+    tokenizer = instantiate(recipe.model.tokenizer)
+    rows = [
+        max(len(pair["chosen_tokens"]), len(pair["rejected_tokens"]))
+        for pair in train_dataset(recipe.dataset, tokenizer)
+    ]
+    assert estimate(recipe).longest_sample == max(rows)

@@ -132,6 +132,7 @@ class Estimate:
     # None: the model's tokenizer is not on this machine, so the data is not measured.
     activations_bytes: int | None
     tokens_per_epoch: int | None
+    # The longest row of a forward pass: a sample, or a preference pair's longer answer.
     longest_sample: int | None
     steps_per_epoch: int | None
     # The total per device under each dtype option, for comparison (without activations where
@@ -189,7 +190,7 @@ def estimate(recipe: DictConfig) -> Estimate:
     if recipe.dataset.streaming:
         # A stream is not read ahead: a batch of samples of max_seq_len tokens bounds it.
         values, logits_bytes = _activations(recipe, recipe.dataset.max_seq_len)
-        streamed = _Data([], values, logits_bytes)
+        streamed = _Data([], values, logits_bytes, recipe.dataset.max_seq_len)
         return dataclasses.replace(
             model_only,
             activations_bytes=streamed.activations_bytes(recipe.dtype.name),
@@ -205,7 +206,7 @@ def estimate(recipe: DictConfig) -> Estimate:
         model_only,
         activations_bytes=data.activations_bytes(recipe.dtype.name),
         tokens_per_epoch=sum(data.lengths),
-        longest_sample=max(data.lengths),
+        longest_sample=data.row,
         steps_per_epoch=len(data.lengths) // global_batch,
         total_by_dtype={
             dtype: sum(state_bytes(dtype)) + data.activations_bytes(dtype) for dtype in BYTES
@@ -217,6 +218,7 @@ def _state_bytes(counts: _Counts, world: int, moments: int, dtype: str) -> tuple
     """Weights, gradients and optimizer state per device under `dtype`."""
     master, compute = BYTES[dtype]
     weights = counts.trainable * master + counts.frozen * compute + counts.quantized * NF4_BYTES
+    weights += counts.reference * master
     if master != compute and world == 1:
         weights += counts.trainable * compute
     shard = counts.trainable * master // world
@@ -226,11 +228,13 @@ def _state_bytes(counts: _Counts, world: int, moments: int, dtype: str) -> tuple
 @dataclass(frozen=True)
 class _Data:
     """The training split as measured: each sample's tokens, and the activations of a full batch
-    of the longest (values kept for backward, and the fp32 logits' bytes)."""
+    of the longest (values kept for backward, and the fp32 logits' bytes); `row` the longest
+    row a forward pass takes (a preference pair's longer answer: its answers are two rows)."""
 
     lengths: list[int]
     activation_values: float
     logits_bytes: int
+    row: int
 
     def activations_bytes(self, dtype: str) -> int:
         """The activations' bytes, their values in `dtype`'s compute dtype."""
@@ -243,19 +247,24 @@ def _measure_data(recipe: DictConfig) -> _Data:
     # torch's Dataset declares no __iter__; the splits (tokenized records, torchtune's packs)
     # are sequences of samples, read by index until IndexError.
     samples = cast("Iterable[dict[str, Any]]", train_dataset(recipe.dataset, tokenizer))
-    lengths = [_sample_tokens(sample) for sample in samples]
-    values, logits_bytes = _activations(recipe, max(lengths))
-    return _Data(lengths, values, logits_bytes)
+    lengths, rows = [], []
+    for sample in samples:
+        lengths.append(_sample_tokens(sample))
+        rows.append(_sample_rows(sample))
+    values, logits_bytes = _activations(recipe, max(rows))
+    return _Data(lengths, values, logits_bytes, max(rows))
 
 
 @dataclass(frozen=True)
 class _Counts:
-    """Parameters of the model as trained: all, trained, frozen in the compute dtype, in NF4."""
+    """Parameters of the model as trained: all, trained, frozen in the compute dtype, in NF4,
+    and DPO's frozen reference (built as the policy is, in the master dtype)."""
 
     parameters: int
     trainable: int
     frozen: int
     quantized: int
+    reference: int = 0
 
 
 def _parameter_counts(recipe: DictConfig) -> _Counts:
@@ -267,7 +276,7 @@ def _parameter_counts(recipe: DictConfig) -> _Counts:
     method = recipe.method
     if method.builder is None:  # full, dpo: every parameter trains
         # DPO holds a frozen reference copy of the weights besides.
-        return _Counts(parameters, parameters, parameters if method.name == "dpo" else 0, 0)
+        return _Counts(parameters, parameters, 0, 0, parameters if method.name == "dpo" else 0)
     trainable = _adapter_parameters(backend, method.builder)
     quantized = 0
     if method.builder.quantize_base and recipe.model.backend == "torchtune":
@@ -293,18 +302,33 @@ def _parameter_counts(recipe: DictConfig) -> _Counts:
 
 
 def _sample_tokens(sample: dict[str, Any]) -> int:
-    """A sample's tokens; a preference pair's forward holds both answers (as one sequence of
-    their joint length here: an upper bound on its activations)."""
+    """A sample's tokens; a preference pair's, both answers'."""
     if "tokens" in sample:
         return len(sample["tokens"])
     return len(sample["chosen_tokens"]) + len(sample["rejected_tokens"])
 
 
+def _sample_rows(sample: dict[str, Any]) -> int:
+    """The longest row of a sample in a forward pass: a preference pair's answers are two rows
+    (runner.data.preference.collate_preference), each padded to the longest."""
+    if "tokens" in sample:
+        return len(sample["tokens"])
+    return max(len(sample["chosen_tokens"]), len(sample["rejected_tokens"]))
+
+
+def _rows_per_sample(recipe: DictConfig) -> int:
+    """Rows a sample makes in a forward pass: a preference pair two, its answers."""
+    from runner.config.method import PREFERENCE_METHODS
+
+    return 2 if recipe.method.name in PREFERENCE_METHODS else 1
+
+
 def _forward_samples(recipe: DictConfig, seq: int) -> int:
-    """How many `seq`-token samples one forward pass takes: the batch, or as many of its rows as
-    dataset.max_forward_tokens holds (one at least)."""
+    """How many `seq`-token rows one forward pass takes: the batch's (a preference pair's two),
+    or of as many of its samples as dataset.max_forward_tokens holds (one at least)."""
     cap, batch = recipe.dataset.max_forward_tokens, int(recipe.batch_size)
-    return batch if cap is None else max(1, min(batch, int(cap) // seq))
+    rows = _rows_per_sample(recipe)
+    return rows * (batch if cap is None else max(1, min(batch, int(cap) // seq)))
 
 
 def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
