@@ -181,7 +181,7 @@ def test_what_cannot_be_started_from_is_refused_by_name(
         extra, wanted = [f"load_checkpoint.path={tmp_path}"], "neither a runner run directory"
     elif case == "both_sources":
         env = mount_with(tmp_path, ("step_4", step))
-        extra, wanted = [f"model.source={step}"], "both name the weights to start from"
+        extra, wanted = [f"model.source={step}"], "names the weights to start from too"
     elif case == "resume_a_model":
         extra = [f"load_checkpoint.path={step}", "load_checkpoint.mode=resume"]
         wanted = "is a model checkpoint; give weights"

@@ -12,7 +12,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runner.config.fields import flag, integer, typed_as
 from runner.config.interpolations import has_validation
 from runner.config.model import ModelRecipe
-from runner.errors import UserError
+from runner.errors import NULL, UserError
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def check_stream_steps(streaming: bool, max_steps: int | None, eval_strategy: st
     """A stream has no length: max_steps ends the run, and there is no epoch to evaluate at."""
     if streaming and max_steps is None:
         raise UserError(
-            "max_steps", None, "dataset.streaming=true: a stream has no length; give max_steps=N"
+            "max_steps", NULL, "dataset.streaming=true: a stream has no length; give max_steps=N"
         )
     if streaming and eval_strategy == "epoch":
         raise UserError(

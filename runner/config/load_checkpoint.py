@@ -122,8 +122,8 @@ def resolve_load_checkpoint(
         raise UserError(
             "load_checkpoint.path",
             str(path),
-            f"and {given[0]} both name the weights to start from; set "
-            "load_checkpoint.path=null to train from model.source",
+            f"{given[0]} names the weights to start from too; set load_checkpoint.path=null "
+            "to train from model.source, or drop model.source",
         )
     if section.mode == "weights":
         if found == "resume":  # the weights of the run's latest whole checkpoint

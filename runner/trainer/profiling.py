@@ -100,7 +100,7 @@ def _activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
 
 @contextlib.contextmanager
 def _kineto_quiet() -> Iterator[None]:
-    """Standard error closed to libkineto's lines as the profiler starts and stops
+    """Standard error closed to libkineto's lines as the profiler starts, stops and toggles
     ("USDT: ... profiler_start", at every KINETO_LOG_LEVEL): written from C++ straight to
     file descriptor 2, they would be the console's only lines that are not runner's."""
     sys.stderr.flush()
@@ -172,12 +172,14 @@ class StepProfiler:
         _synchronize(self.device)
         paused_at = time.perf_counter()
         activities = _activities(self.device)
-        self.prof.toggle_collection_dynamic(False, activities)
+        with _kineto_quiet():  # "Toggling CPU activity with GPU activity on ...", on a CPU too
+            self.prof.toggle_collection_dynamic(False, activities)
         try:
             yield
         finally:
             _synchronize(self.device)
-            self.prof.toggle_collection_dynamic(True, activities)
+            with _kineto_quiet():
+                self.prof.toggle_collection_dynamic(True, activities)
             self.started_at += time.perf_counter() - paused_at
 
     def after_step(self, step: int) -> None:
