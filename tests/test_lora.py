@@ -143,14 +143,17 @@ def test_lora_trains_adapters_whose_peft_logits_match(runner_cli, tmp_path: Path
     assert (served_logits - ours).abs().max() <= 1e-4
 
 
-def test_saving_merged_weights_leaves_training_as_it_was(forked_cli, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_saving_merged_weights_leaves_training_as_it_was(
+    forked_cli, tmp_path: Path, method: str
+) -> None:
     """method.save_merged merges the adapter into a copy of the base: in place, each save added
     the adapter into the fp32 base that went on training (step 3 on differed from the run that
-    saved no merged weights)."""
+    saved no merged weights); model=tiny's NF4 base (runner's own quantization) is copied too."""
     found = []
     for merged in ("true", "false"):
         run = tmp_path / merged
-        args = [*TRAIN, "method=lora", f"method.save_merged={merged}", "max_steps=4"]
+        args = [*TRAIN, f"method={method}", f"method.save_merged={merged}", "max_steps=4"]
         args += ["runtime.save_every_n_steps=2", f"hydra.run.dir={run}"]
         result = forked_cli(["train", *args], tmp_path, timeout_s=600)
         assert result.returncode == 0, result.stderr[-3000:]

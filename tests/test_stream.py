@@ -181,7 +181,10 @@ def test_a_stream_needs_max_steps_and_whole_splits_and_validate_says_it_is_one(
 ) -> None:
     folder = corpus(tmp_path)
     for extra, wanted in (
-        (["max_steps=null"], "error: max_steps=null: dataset.streaming=true: a stream has no length"),
+        (
+            ["max_steps=null"],
+            "error: max_steps=null: dataset.streaming=true: a stream has no length",
+        ),
         (["max_steps=2", "dataset.split='train[:50%]'"], "a stream reads whole splits"),
     ):
         result = runner_cli("train", *STREAM, f"dataset.source={folder}", *extra)

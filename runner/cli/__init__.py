@@ -70,7 +70,10 @@ def _run(name: str, argv: list[str]) -> int | None:
     argv = flags_first(argv)
     refuse_typed_secrets(argv)
     multirun = ("-m", "--multirun", "hydra.mode=MULTIRUN")
-    resumed = next((a for a in argv if a.partition("=")[0].lstrip("+") == "resume"), None)
+    resumed = next(
+        (a for a in argv if a.partition("=")[0].lstrip("+") == "resume" and a[-5:] != "=null"),
+        None,
+    )
     if name == "train" and resumed and any(a in multirun for a in argv):
         # Each job would train a new directory of the sweep's, which holds no recipe to resume.
         raise UserError(

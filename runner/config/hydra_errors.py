@@ -146,7 +146,10 @@ def _composition_error(
     added = re.match(r"Could not append to config\. An item is already at '(.*)'", message)
     if added:
         key = added.group(1)
-        return UserError(f"+{key}", None, f"{key} is there already: set it with {key}=VALUE")
+        fix = f"{key} is there already: set it with {key}=VALUE"
+        if key == "method.name":  # which check_method_keys refuses: the option sets it
+            fix = "the option sets it: choose the method with method=NAME"
+        return UserError(f"+{key}", None, fix)
     gone = re.match(r"Could not delete from config\. '(.*)' does not exist", message)
     if gone:
         return UserError(f"~{gone.group(1)}", None, "no such key to remove")

@@ -258,6 +258,8 @@ def check_method_keys(method: DictConfig, overrides: Sequence[str]) -> None:
             choose = f"method={value}" if value else f"method=<one of {', '.join(METHOD_NAMES)}>"
             fix = f"the option sets it: choose the method with {choose}"
             raise UserError("method.name", value or None, fix)
+    if method.name not in METHOD_NAMES:
+        return  # resolve_method names the methods there are
     for name in map(str, method):
         readers = methods_reading(name)
         if method.name not in readers:

@@ -288,7 +288,7 @@ def unlike_loaded(loaded: RunDir, manifest: Manifest | dict[str, Any]) -> list[s
         unlike.append(f"seed={manifest['seed']} (loaded run: {recorded['seed']})")
     # Other records of the same files: another slice, another share held out of them.
     now, then = dotted(manifest["config"]), dotted(recorded.get("config", {}))
-    for key in ("dataset.split", "dataset.validation.held_out"):
+    for key in ("dataset.split", "dataset.validation.held_out", "dataset.validation.seed"):
         if key in then and then[key] != now.get(key):
             unlike.append(f"{key}={now.get(key)!r} (loaded run: {then[key]!r})")
     return unlike

@@ -200,9 +200,7 @@ class LoraWeights(FullWeights):
         adapter = backend.adapter_state(model_state)
         merged = None
         if self.method.save_merged:
-            # A copy (of fp32 weights too: .to() would give the live tensor itself, and the
-            # merge adds the adapter into it in place, into the base that goes on training).
-            merged = {k: v.to(torch.float32, copy=True) for k, v in model_state.items()}
+            merged = {k: _fp32_copy(v) for k, v in model_state.items()}
             merged = backend.merged_hf_state(merged, lora)
         write_lora_checkpoint(
             out_dir,
@@ -226,6 +224,14 @@ class LoraWeights(FullWeights):
         set_model_state_dict(
             model, {k: v.to(dtype) for k, v in adapter.items()}, options=ADAPTER_ONLY
         )
+
+
+def _fp32_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A weight in fp32, never the live tensor: .to() gives an fp32 weight itself, and the merge
+    adds the adapter into it in place, into the base that goes on training. (torchao's NF4
+    tensors take no .to(copy=True); their .to() dequantizes into a new tensor.)"""
+    converted = tensor.to(torch.float32)
+    return converted.clone() if converted is tensor else converted
 
 
 def _base_forward(model: nn.Module, tokens: torch.Tensor) -> Any:
