@@ -286,9 +286,13 @@ def unlike_loaded(loaded: RunDir, manifest: Manifest | dict[str, Any]) -> list[s
         )
     if recorded.get("seed") not in (None, manifest["seed"]):
         unlike.append(f"seed={manifest['seed']} (loaded run: {recorded['seed']})")
-    # Other records of the same files: another slice, another share held out of them.
+    # Other records of the same files: another slice, another share held out of them; or
+    # other samples of them (the position counts samples: packs, where either run packs).
     now, then = dotted(manifest["config"]), dotted(recorded.get("config", {}))
-    for key in ("dataset.split", "dataset.validation.held_out", "dataset.validation.seed"):
+    keys = ["dataset.split", "dataset.validation.held_out", "dataset.validation.seed"]
+    if now.get("dataset.packing") or then.get("dataset.packing"):
+        keys += ["dataset.packing", "dataset.max_seq_len"]
+    for key in keys:
         if key in then and then[key] != now.get(key):
             unlike.append(f"{key}={now.get(key)!r} (loaded run: {then[key]!r})")
     return unlike
