@@ -9,6 +9,7 @@ import select
 import sys
 
 from runner.config import interpolations
+from runner.config.fields import override_key
 from runner.config.hydra_errors import as_user_error
 from runner.errors import UserError, UserErrorExit
 
@@ -64,15 +65,14 @@ def _run(name: str, argv: list[str]) -> int | None:
     if name == "export":
         module.check_argv(argv)
     _warn_groups_given_twice(argv)
-    _refuse_groups_without_option(argv)
+    _refuse_null_groups(argv)
     from runner.config.secrets import refuse_typed_secrets
 
     argv = flags_first(argv)
     refuse_typed_secrets(argv)
     multirun = ("-m", "--multirun", "hydra.mode=MULTIRUN")
     resumed = next(
-        (a for a in argv if a.partition("=")[0].lstrip("+") == "resume" and a[-5:] != "=null"),
-        None,
+        (a for a in argv if override_key(a) == "resume" and a.partition("=")[2] != "null"), None
     )
     if name == "train" and resumed and any(a in multirun for a in argv):
         # Each job would train a new directory of the sweep's, which holds no recipe to resume.
@@ -160,20 +160,15 @@ def _warn_groups_given_twice(argv: list[str]) -> None:
         )
 
 
-def _refuse_groups_without_option(argv: list[str]) -> None:
+def _refuse_null_groups(argv: list[str]) -> None:
     """A config group set to null (`model=null`): Hydra raised a ValueError that names no
-    group ("Config group override must be a string or a list"); or removed (`~optimizer`)."""
+    group ("Config group override must be a string or a list")."""
     from runner.errors import NULL
     from runner.paths import CONF_DIR, config_groups
 
-    groups = config_groups() - {"hydra"}
+    groups = config_groups()
     for override in argv:
         key, equals, value = override.partition("=")
-        if key.startswith("~") and key.lstrip("~") in groups:
-            # ~optimizer: its defaults stood in, or a key of its option was missed by name.
-            group = key.lstrip("~")
-            fix = f"removed ({key}); give {group}=OPTION (`--help` lists them)"
-            raise UserError(group, None, fix)
         group = key.lstrip("+")
         if equals and group in groups and value.strip().lower() == "null":
             options = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))

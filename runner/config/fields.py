@@ -142,12 +142,15 @@ def check_chosen(cfg: DictConfig, schema: type) -> None:
 
     groups = config_groups()
     for spec, annotation in _fields(schema):
-        section = _section(annotation)
-        if section is None or spec.name in cfg:
+        if spec.name in cfg:
             continue
-        # A group's option removed: its defaults would stand in, or (~method) a key another
-        # reads (eval.metrics: ${method.eval_metrics}) would not resolve.
-        if spec.name in groups or any(f.default is MISSING for f, _ in _fields(section)):
+        section = _section(annotation)
+        # A group's option removed (optimizer and loss, untyped, too): its defaults would stand
+        # in, or (~method) a key another reads (eval.metrics: ${method.eval_metrics}) would not
+        # resolve.
+        if spec.name in groups or (
+            section is not None and any(f.default is MISSING for f, _ in _fields(section))
+        ):
             fix = f"removed (~{spec.name}); give {spec.name}=OPTION (`--help` lists them)"
             raise UserError(spec.name, None, fix)
 

@@ -253,7 +253,7 @@ def check_method_keys(method: DictConfig, overrides: Sequence[str]) -> None:
     is method.name given on the command line (or removed), which the option sets: either went
     unread. `method` before typing, which gives every method every key."""
     for override in overrides:
-        if override_key(override) == "method.name" and not override.startswith("~~"):
+        if override_key(override) == "method.name":
             value = override.partition("=")[2]
             choose = f"method={value}" if value else f"method=<one of {', '.join(METHOD_NAMES)}>"
             fix = f"the option sets it: choose the method with {choose}"

@@ -15,11 +15,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.fields import override_key
+from runner.config.fields import check_chosen, override_key
 from runner.config.hydra_errors import from_hydra_error
 from runner.config.method import check_method_keys
 from runner.config.optimizer import checked_option
-from runner.config.schema import Cluster, typed
+from runner.config.schema import Cluster, Train, typed
 from runner.errors import UserError
 from runner.paths import CONF_DIR
 
@@ -236,7 +236,8 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
     # allocation of its own (SLURM_NTASKS_PER_NODE=4) is not the job being written.
     on_nodes = _on_multi_node(train_overrides)
     untyped = _compose_train([*on_nodes, "compute.platform=none"])
-    check_method_keys(untyped.method, train_overrides)  # every node would refuse the job
+    check_chosen(untyped, Train)  # what every node would refuse: ~optimizer, a key unread
+    check_method_keys(untyped.method, train_overrides)
     composed = typed(untyped, listed_by=TRAIN_KEYS)
     # The GPUs asked of the scheduler are those the run trains on (auto: what each node has).
     device, gpus = composed.compute.device, cluster.gpus_per_node

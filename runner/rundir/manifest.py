@@ -272,8 +272,9 @@ def changed_data(run: RunDir, now: dict[str, DataFile] | None = None) -> list[st
 
 def unlike_loaded(loaded: RunDir, manifest: Manifest | dict[str, Any]) -> list[str]:
     """How a run continued from another's checkpoint (load_checkpoint, mode resume; `manifest`
-    its own) reads other records than the loaded run did: each data file of other content, and
-    another seed (another order of the records), as `what (loaded run: THEN)`."""
+    its own) reads other records than the loaded run did: a training file of other content,
+    another seed (another order), slice, held-out share or packing, as `what (loaded run:
+    THEN)`."""
     if not (loaded.path / MANIFEST_FILE).is_file():
         return []
     recorded = read_manifest(loaded)
@@ -284,12 +285,10 @@ def unlike_loaded(loaded: RunDir, manifest: Manifest | dict[str, Any]) -> list[s
         unlike.append(
             f"dataset.source {data['path']} (loaded run: {before['path']}, other records)"
         )
-    if recorded.get("seed") not in (None, manifest["seed"]):
-        unlike.append(f"seed={manifest['seed']} (loaded run: {recorded['seed']})")
-    # Other records of the same files: another slice, another share held out of them; or
+    # Other records of the same files: another order, slice or share held out of them; or
     # other samples of them (the position counts samples: packs, where either run packs).
     now, then = dotted(manifest["config"]), dotted(recorded.get("config", {}))
-    keys = ["dataset.split", "dataset.validation.held_out", "dataset.validation.seed"]
+    keys = ["seed", "dataset.split", "dataset.validation.held_out", "dataset.validation.seed"]
     if now.get("dataset.packing") or then.get("dataset.packing"):
         keys += ["dataset.packing", "dataset.max_seq_len"]
     for key in keys:
