@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.components import instantiate, plain_dict
 from runner.config.fields import as_typed
 from runner.config.interpolations import check_resume
+from runner.config.method import PREFERENCE_METHODS
 from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
 from runner.config.schema import read_recipe
@@ -318,8 +319,6 @@ def _sample_rows(sample: dict[str, Any]) -> int:
 
 def _rows_per_sample(recipe: DictConfig) -> int:
     """Rows a sample makes in a forward pass: a preference pair two, its answers."""
-    from runner.config.method import PREFERENCE_METHODS
-
     return 2 if recipe.method.name in PREFERENCE_METHODS else 1
 
 
