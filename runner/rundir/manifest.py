@@ -298,8 +298,9 @@ def unlike_loaded(loaded: RunDir, manifest: Manifest | dict[str, Any]) -> list[s
 
 
 def dotted(value: Any, prefix: str = "") -> dict[str, Any]:
-    """A config's leaves by their dotted keys ({"a": {"b": 1}}: {"a.b": 1})."""
-    if not isinstance(value, dict):
+    """A config's leaves by their dotted keys ({"a": {"b": 1}}: {"a.b": 1}); an empty mapping
+    is a leaf of its own, so that a section emptied or filled is a change."""
+    if not isinstance(value, dict) or (prefix and not value):
         return {prefix: value}
     leaves: dict[str, Any] = {}
     for key, child in value.items():

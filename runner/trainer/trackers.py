@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from runner.rundir import TRACKERS_FILE
-from runner.rundir.manifest import redact
+from runner.rundir.manifest import dotted, redact
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +71,6 @@ def build(loggers: list[str], *, run_dir: Path, config: dict[str, Any], project:
     return Trackers(
         [builders[name](run_dir, config, project) for name in loggers if name in builders]
     )
-
-
-def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} as {"a.b": 1}: MLflow's params and TensorBoard's text are flat."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class TensorBoard:
@@ -157,7 +146,7 @@ class MLflow:
             run_id = run.info.run_id
             ids_file.write_text(json.dumps({**ids, "mlflow_run_id": run_id}) + "\n")
             self.client.log_dict(run_id, config, "config.json")
-            params = [Param(name, str(value)) for name, value in flatten(config).items()]
+            params = [Param(name, str(value)) for name, value in dotted(config).items()]
             for start in range(0, len(params), 100):  # MLflow takes 100 params a batch
                 self.client.log_batch(run_id, params=params[start : start + 100])
         else:
