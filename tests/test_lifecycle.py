@@ -9,9 +9,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -170,6 +172,67 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     (run / "train.log").unlink()
     result = runner_cli("logs", str(run))
     assert result.returncode == 2 and "wrote no train.log" in result.stderr, result.stderr
+
+
+def test_a_state_no_runner_writes_signals_no_process(runner_cli, tmp_path: Path) -> None:
+    """A state another version or a hand wrote (`paused`) read as a live run: `runner stop`
+    signalled whatever process then had the pid it names (here, someone's sleep)."""
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        run = RunDir(tmp_path / "paused")
+        run.path.mkdir()
+        run.write_status("running", step=2, launcher_pid=sleeper.pid)
+        status = json.loads((run.path / "status.json").read_text())
+        (run.path / "status.json").write_text(json.dumps({**status, "state": "paused"}))
+        result = runner_cli("stop", str(run.path))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"error: RUN='{run.path}': its status.json cannot be read")
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="runs commands as another user: needs root and setpriv",
+)
+def test_another_users_run_is_one_line_of_permission(hermetic_env) -> None:
+    """`runner stop` of another user's run and `runner logs` of one this user may not read were
+    tracebacks (PermissionError); `runner runs` left an unreadable run out without a word."""
+    root = Path(tempfile.mkdtemp(prefix="runner-perm-"))  # pytest's tmp_path is root's alone
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        root.chmod(0o755)
+        run = RunDir(root / "theirs")
+        with run_lock(run.path, key="RUN"):
+            run.write_status("running", step=2, launcher_pid=sleeper.pid)
+            (run.path / "status.json").chmod(0o644)
+            (run.path / "train.log").write_text("step 2\n")
+
+            def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+                nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+                return subprocess.run(
+                    [*nobody, sys.executable, "-m", "runner", *args],
+                    cwd=root,
+                    env=hermetic_env,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+
+            stop = as_nobody("stop", str(run.path))
+            assert stop.returncode == 2 and "Traceback" not in stop.stderr, stop.stderr
+            assert "is another user's; only that user (or root) can stop it" in stop.stderr
+            assert sleeper.poll() is None
+            run.path.chmod(0o700)
+            logs = as_nobody("logs", str(run.path))
+            assert logs.returncode == 2 and "Traceback" not in logs.stderr, logs.stderr
+            assert "permission denied" in logs.stderr
+            runs = as_nobody("runs", str(root))
+            assert f"not read (permission denied): {run.path}" in runs.stderr, runs.stderr
+    finally:
+        sleeper.kill()
+        shutil.rmtree(root)
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

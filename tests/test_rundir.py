@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,62 @@ def test_an_older_status_file_reads_what_it_has(tmp_path: Path) -> None:
     status = RunDir(tmp_path).status()
     assert (status.state, status.step, status.version) == ("completed", 3, 0)
     assert status.pid is None and status.best is None  # wrong types read as unset
+
+
+def test_a_state_or_time_no_runner_writes_reads_as_unset(tmp_path: Path) -> None:
+    """A state another version or a hand wrote (`paused`) read as a live run, and `runner stop`
+    signalled whatever process had its pid; a time that does not parse, or has no zone, made
+    `runner runs` a traceback for the whole root."""
+    odd = {"state": "paused", "updated_at": "yesterday", "created_at": "2026-11-30T10:00:00"}
+    (tmp_path / "status.json").write_text(json.dumps({**odd, "step": 3, "pid": 1}))
+    status = RunDir(tmp_path).status()
+    assert (status.state, status.updated_at, status.created_at) == ("unknown", None, None)
+    assert (status.step, status.pid) == (3, 1)
+
+
+def test_records_read_from_the_end_are_the_files_records_last_first(tmp_path: Path) -> None:
+    """Across blocks of the file, a line cut short at its end, and one not a record."""
+    lines = [
+        json.dumps({"step": s, "loss": s / 7, "pad": "x" * (s * 37 % 900)}) for s in range(1, 3000)
+    ]
+    lines.insert(5, "not json")
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 3000, "lo')
+    run = RunDir(tmp_path)
+    assert list(run.records_from_end()) == run.read_metrics()[::-1]
+    assert len(run.read_metrics()) == 2999 and (tmp_path / "metrics.jsonl").stat().st_size > 1 << 17
+
+
+def test_runs_lists_every_run_beside_one_with_odd_values(tmp_path: Path) -> None:
+    """One run's `"loss": null`, `"loss": "nan"`, a reward in words or a time in the future made
+    `runner runs` a traceback, listing none of the good runs beside it; it read each run's
+    whole metrics.jsonl twice (22 s for 900 runs of 30,000 steps)."""
+    from runner.job.lifecycle import find_runs, runs_table
+
+    good = fake_run(
+        tmp_path / "good", state="completed", steps=[2], metrics=[{"step": 2, "loss": 1.5}]
+    )
+    odd = {"null": {"loss": None}, "text": {"loss": "nan"}, "words": {"rewards_accuracy": "high"}}
+    for name, record in odd.items():
+        fake_run(tmp_path / name, state="completed", steps=[], metrics=[{"step": 1, **record}])
+    later = json.loads((good.path / "status.json").read_text())
+    (tmp_path / "future" / "status.json").parent.mkdir()
+    (tmp_path / "future" / "status.json").write_text(
+        json.dumps({**later, "updated_at": "2999-01-01T00:00:00+00:00"})
+    )
+    table = runs_table(find_runs([tmp_path]), tmp_path).splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[1:]}
+    assert sorted(rows) == ["future", "good", "null", "text", "words"]
+    assert rows["good"][2] == "1.5000" and rows["null"][2] == rows["words"][4] == "-"
+    assert rows["future"][-1] == "0s"
+
+
+def test_a_run_removed_while_runs_lists_is_passed_over(tmp_path: Path) -> None:
+    from runner.job.lifecycle import find_runs, runs_table
+
+    runs = [fake_run(tmp_path / str(i), state="completed", steps=[], metrics=[]) for i in range(3)]
+    shutil.rmtree(runs[1].path)
+    listed = [line.split()[0] for line in runs_table(runs, tmp_path).splitlines()[1:]]
+    assert listed == ["0", "2"] and len(find_runs([tmp_path])) == 2
 
 
 def test_a_half_written_metrics_line_is_skipped(tmp_path: Path) -> None:

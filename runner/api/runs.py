@@ -272,7 +272,9 @@ class Sweep:
     def best(self) -> Run | None:
         """The best job by the sweep's objective (runner.rundir.best_run), if any."""
         best = (self.summary() or {}).get("best")
-        return Run(best["run_dir"]) if best else None
+        # By its job's name under this sweep: its run_dir is as the sweep was given (relative
+        # to the sweep's own directory then), and a sweep copied elsewhere holds its own jobs.
+        return Run(self.path / best["job"]) if best else None
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The summary once the sweep process has ended; TimeoutError after `timeout` s."""

@@ -232,6 +232,14 @@ def _main(argv: list[str] | None) -> int:
     except UserErrorExit as err:
         print(f"error: {err.error}", file=sys.stderr)
         return err.error.exit_code
+    except PermissionError as err:  # another user's run or file, on a shared disk
+        where = err.filename or "a file"
+        print(
+            f"error: {where}: permission denied to this user (uid {os.getuid()}); run the "
+            "command as a user who may read and write it",
+            file=sys.stderr,
+        )
+        return UserError.exit_code
     except Exception as err:  # noqa: BLE001 - classified below, re-raised if not a user error
         user_error = as_user_error(err, command=name)
         if user_error is None:

@@ -65,11 +65,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if missing:
         found = "a file" if missing[0].exists() else "no such directory"
         raise UserError("DIR", str(missing[0]), f"{found}; give a directory that holds runs")
-    runs = find_runs(roots)
-    if not runs:
+    unreadable: list[Path] = []
+    runs = find_runs(roots, unreadable)
+    if runs:
+        print(runs_table(runs, Path.cwd()))
+    else:
         print(f"no runs under {', '.join(map(str, roots))}")
-        return 0
-    print(runs_table(runs, Path.cwd()))
+    if unreadable:
+        print(f"not read (permission denied): {', '.join(map(str, unreadable))}", file=sys.stderr)
     return 0
 
 

@@ -475,9 +475,11 @@ def _print_summary(run: RunDir) -> None:
         lines.insert(1, f"eval loss:     {evaluation['eval_loss']:.4f}")
     best = status.best
     if best is not None:
+        # Found among the run's own checkpoints: the path recorded is where the run was
+        # trained, which a copied run's is not.
+        kept = run.best_checkpoint() or "its checkpoint is not kept"
         lines.append(
-            f"best:          {best['metric']}={best['value']:.4g} at step {best['step']}, "
-            f"{best['checkpoint']}"
+            f"best:          {best['metric']}={best['value']:.4g} at step {best['step']}, {kept}"
         )
     if (run.profile_dir / "trace.json").is_file():
         lines.append(f"profile:       {run.profile_dir} (trace.json opens in ui.perfetto.dev)")

@@ -27,6 +27,7 @@ from runner.rundir import (
     lock_held,
     pid_stopped,
 )
+from runner.rundir.status import number
 
 DEFAULT_ROOTS = ("outputs", "multirun")
 # How long a resume waits for the workers of a launcher that is gone (kill -9 of its process
@@ -80,16 +81,30 @@ def _unreadable(run: RunDir) -> bool:
     return run.status().state == "unknown" and not lock_held(run.path)
 
 
-def find_runs(roots: list[Path]) -> list[RunDir]:
-    """Run directories under `roots`, newest first."""
-    found = {p.parent for root in roots if root.is_dir() for p in root.rglob(STATUS_FILE)}
-    return [RunDir(p) for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+def find_runs(roots: list[Path], unreadable: list[Path] | None = None) -> list[RunDir]:
+    """Run directories under `roots`, newest first. A directory that cannot be read is added
+    to `unreadable` (where given); one removed while the roots are read is passed over, as a
+    run on a shared disk may be by its owner's cleanup."""
+
+    def passed_over(err: OSError) -> None:
+        if unreadable is not None and not isinstance(err, FileNotFoundError):
+            unreadable.append(Path(err.filename))
+
+    found: dict[Path, float] = {}
+    for root in roots:
+        for here, subdirs, files in os.walk(root, onerror=passed_over):
+            if STATUS_FILE in files:
+                subdirs.clear()  # a run holds no runs: its checkpoints are not searched
+                with contextlib.suppress(OSError):
+                    found[Path(here)] = os.stat(here).st_mtime
+    return [RunDir(path) for path in sorted(found, key=found.__getitem__, reverse=True)]
 
 
 def _age(iso: str | None) -> str:
     if not iso:
         return "-"
-    return _duration((datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds())
+    # A time ahead of this machine's clock (another host's, on a shared disk) is just now.
+    return _duration(max(0.0, (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()))
 
 
 def _duration(seconds: float) -> str:
@@ -101,17 +116,31 @@ def _duration(seconds: float) -> str:
     return f"{int(seconds)}s"
 
 
-def preference_rewards(run: RunDir) -> dict[str, float]:
-    """A preference run's implicit-reward accuracy and margin: the last training step's
-    (train_accuracy, train_margin) and the last evaluation's (eval_accuracy, eval_margin), those
-    it recorded; empty for a supervised run."""
-    found: dict[str, float] = {}
-    for record in run.read_metrics():
+def last_logged(run: RunDir) -> tuple[tuple[int, float] | None, dict[str, float]]:
+    """The last training loss logged, as (step, loss), and a preference run's rewards: the
+    last training step's (train_accuracy, train_margin) and the last evaluation's
+    (eval_accuracy, eval_margin), those it recorded; empty for a supervised run. Read from the
+    end of metrics.jsonl, as far back as they are: a long run logs thousands of lines."""
+    loss: tuple[int, float] | None = None
+    rewards: dict[str, float] = {}
+    preference = False
+    for record in run.records_from_end():
         for split, prefix in (("train", ""), ("eval", "eval_")):
             for what in ("accuracy", "margin"):
-                if f"{prefix}rewards_{what}" in record:
-                    found[f"{split}_{what}"] = float(record[f"{prefix}rewards_{what}"])
-    return found
+                value = number(record.get(f"{prefix}rewards_{what}"))
+                if value is not None:
+                    rewards.setdefault(f"{split}_{what}", value)
+        if loss is None and (value := number(record.get("loss"))) is not None:
+            loss, preference = (record["step"], value), "rewards_accuracy" in record
+        if loss is not None and (not preference or "eval_accuracy" in rewards):
+            break
+    return loss, rewards
+
+
+def preference_rewards(run: RunDir) -> dict[str, float]:
+    """A preference run's last training and evaluation rewards (last_logged); empty for a
+    supervised run."""
+    return last_logged(run)[1]
 
 
 def _rewards_text(rewards: dict[str, float]) -> str:
@@ -124,34 +153,40 @@ def _rewards_text(rewards: dict[str, float]) -> str:
 
 def runs_table(runs: list[RunDir], base: Path) -> str:
     """One line per run: where, state, step of total, last loss logged (with its step where the
-    run is past it), recorded best eval, a preference run's reward accuracy and margin, age."""
+    run is past it), recorded best eval, a preference run's reward accuracy and margin, age. A
+    run removed while it is read is left out."""
     head = (
         f"{'run':<44} {'state':<13} {'step':>11} {'loss':>11} {'best eval@step':>26} "
         f"{'rewards':>24} {'age':>5}"
     )
     lines = [head]
     for run in runs:
-        status = run.status()
-        state, _ = run.effective_state()
-        if state == STALLED:  # and for how long: the heartbeat's age
-            state = f"{state} {_duration(run.seconds_since_heartbeat() or 0.0)}"
-        losses = run.losses()
-        best = status.best
-        where = os.path.relpath(run.path, base)
-        step = f"{status.step or 0}/{status.total_steps or '-'}"
-        loss = "-"
-        if losses:
-            logged = max(losses)  # the step of the last loss logged, which the run may be past
-            loss = f"{losses[logged]:.4f}" + (f"@{logged}" if logged != status.step else "")
-        best_text = "-"
-        if best is not None:
-            best_text = f"{best['metric']}={best['value']:.4g}@{best['step']}"
-        rewards = _rewards_text(preference_rewards(run))
-        lines.append(
-            f"{where:<44} {state:<13} {step:>11} {loss:>11} {best_text:>26} {rewards:>24} "
-            f"{_age(status.updated_at):>5}"
-        )
+        with contextlib.suppress(FileNotFoundError):
+            if is_run_dir(run.path):
+                lines.append(_run_line(run, base))
     return "\n".join(lines)
+
+
+def _run_line(run: RunDir, base: Path) -> str:
+    status = run.status()
+    state, _ = run.effective_state()
+    if state == STALLED:  # and for how long: the heartbeat's age
+        state = f"{state} {_duration(run.seconds_since_heartbeat() or 0.0)}"
+    logged, rewards = last_logged(run)
+    where = os.path.relpath(run.path, base)
+    step = f"{status.step or 0}/{status.total_steps or '-'}"
+    loss = "-"
+    if logged is not None:  # with the step it was logged at, where the run is past it
+        loss = f"{logged[1]:.4f}" + (f"@{logged[0]}" if logged[0] != status.step else "")
+    best = (
+        "-"
+        if status.best is None
+        else (f"{status.best['metric']}={status.best['value']:.4g}@{status.best['step']}")
+    )
+    return (
+        f"{where:<44} {state:<13} {step:>11} {loss:>11} {best:>26} {_rewards_text(rewards):>24} "
+        f"{_age(status.updated_at):>5}"
+    )
 
 
 class LogReader:
@@ -203,7 +238,16 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
         if os.getpgid(pid) == pid:
             os.killpg(pid, sig)  # and what shares its group (a loader's workers)
     else:
-        os.kill(pid, sig)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            raise UserError(key, str(run.path), f"its process {pid} is gone") from None
+        except PermissionError:
+            raise UserError(
+                key,
+                str(run.path),
+                f"its process {pid} is another user's; only that user (or root) can stop it",
+            ) from None
     if state == STALLED:
         # A stopped process handles SIGTERM only once continued; a hung one may never.
         for stopped in stopped_processes(run):

@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -215,15 +216,27 @@ class RunDir:
             text = (self.path / METRICS_FILE).read_text()
         except OSError:
             return []
-        records = []
-        for line in text.splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                records.append(record)
-        return records
+        return [record for line in text.splitlines() if (record := _record(line)) is not None]
+
+    def records_from_end(self) -> Iterator[dict[str, Any]]:
+        """metrics.jsonl's records, last first, read from the file's end a block at a time: a
+        listing wants the last few of a long run's thousands."""
+        try:
+            file = open(self.path / METRICS_FILE, "rb")  # noqa: SIM115 - closed by the with below
+        except OSError:
+            return
+        with file:
+            end, carried = file.seek(0, os.SEEK_END), b""
+            while end > 0:
+                start = max(0, end - (1 << 16))
+                file.seek(start)
+                lines = (file.read(end - start) + carried).split(b"\n")
+                # The block's first line may begin in the block before: carried to it.
+                carried = lines.pop(0) if start else b""
+                for line in reversed(lines):
+                    if (record := _record(line)) is not None:
+                        yield record
+                end = start
 
     def metric_names(self) -> set[str]:
         """The keys that metrics.jsonl records a number under, step aside."""
@@ -235,8 +248,10 @@ class RunDir:
         }
 
     def losses(self) -> dict[int, float]:
-        """Per-step training losses, by step, from metrics.jsonl."""
-        return {r["step"]: r["loss"] for r in self.read_metrics() if "loss" in r}
+        """Per-step training losses, by step, from metrics.jsonl (those logged as numbers)."""
+        return {
+            r["step"]: r["loss"] for r in self.read_metrics() if number(r.get("loss")) is not None
+        }
 
     def truncate_metrics(self, last_step: int) -> None:
         """Drops metric lines past `last_step`: a resumed run logs those steps again."""
@@ -357,6 +372,15 @@ class RunDir:
             if (value := number(record.get(metric))) is not None
         ]
         return scored[-1] if scored else None
+
+
+def _record(line: str | bytes) -> dict[str, Any] | None:
+    """A metrics.jsonl line's record; None for one cut short (still being written) or not one."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def best_key(scores: dict[int, float], mode: str) -> int | None:

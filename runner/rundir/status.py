@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, NotRequired, TypedDict
 
 STATES = ("created", "initializing", "running", "checkpointing", "completed", "failed", "cancelled")
@@ -79,13 +80,26 @@ def number(value: object) -> float | None:
 
 
 def _fits(name: str, value: object) -> bool:
-    """Whether `value` has the type of Status field `name` (a float field takes an int too)."""
+    """Whether `value` has the type of Status field `name` (a float field takes an int too), a
+    state is one of STATES, and a time is one with its zone: a state another version or a hand
+    wrote (`paused`) reads as unknown, not as a run to signal."""
     if value is None or isinstance(value, bool):
         return False
     if name == "best":
         return _is_best(value)
+    if name == "state":
+        return value in STATES
+    if name.endswith("_at"):
+        return isinstance(value, str) and _zoned_time(value)
     kind = _FIELD_KINDS[name]
     return isinstance(value, int | float) if kind is float else isinstance(value, kind)
+
+
+def _zoned_time(text: str) -> bool:
+    try:
+        return datetime.fromisoformat(text).tzinfo is not None
+    except ValueError:
+        return False
 
 
 def _is_best(value: object) -> bool:
