@@ -29,7 +29,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from runner.config.resolve import resolve_recipe
 from runner.data.stream import START, StreamSplit
 from runner.errors import UserError
-from runner.hub.download import Hub, TokenRef, default_cache_dir, localize, parse_uri
+from runner.hub.download import (
+    Hub,
+    TokenRef,
+    allow_patterns,
+    default_cache_dir,
+    localize,
+    parse_uri,
+)
 from runner.job.preflight import check
 from runner.models.families import FAMILIES, hf_config
 from runner.models.tokenizer import ChatTokenizer
@@ -255,6 +262,41 @@ def test_uris_name_a_repo_a_revision_and_a_path() -> None:
     assert found.pinned("abc") == "hf://tatsu-lab/alpaca@abc/data"
 
 
+@pytest.mark.parametrize(
+    ("uri", "revision", "path"),
+    [
+        # A pull request's ref and a conversion's span slashes, as huggingface_hub reads them;
+        # they read as revision `refs` and a path `pr/3/...`.
+        ("hf://acme/words@refs/pr/3/sub/train.jsonl", "refs/pr/3", "sub/train.jsonl"),
+        ("hf://acme/words@refs/pr/3", "refs/pr/3", ""),
+        (
+            "hf://datasets/acme/w@refs/convert/parquet/default/0.parquet",
+            "refs/convert/parquet",
+            "default/0.parquet",
+        ),
+        # Any other revision with a slash is written quoted, and reached the hub still quoted.
+        ("hf://acme/words@feature%2Fx/a.json", "feature/x", "a.json"),
+        ("hf://acme/words@refs%2Fpr%2F3", "refs/pr/3", ""),
+    ],
+)
+def test_revisions_with_slashes(uri: str, revision: str, path: str) -> None:
+    found = parse_uri(uri, key="k", repo_type="dataset")
+    assert (found.repo_id.split("/")[0], found.revision, found.path) == ("acme", revision, path)
+
+
+def test_a_path_with_glob_characters_is_fetched_as_named() -> None:
+    """snapshot_download's allow_patterns are globs: part[1].jsonl fetched part1.jsonl."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    names = ["sub/part[1].jsonl", "sub/part1.jsonl", "sub/a*b?.txt", "sub/axb1.txt"]
+    for wanted in ("sub/part[1].jsonl", "sub/a*b?.txt"):
+        patterns = allow_patterns(wanted)
+        assert list(filter_repo_objects(names, allow_patterns=patterns)) == [wanted]
+    assert list(
+        filter_repo_objects(["sub/x/y.json", "subx"], allow_patterns=allow_patterns("sub"))
+    ) == ["sub/x/y.json"]
+
+
 def test_a_dry_run_resolves_what_is_cached_and_fetches_nothing(
     repos, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -298,8 +340,14 @@ def test_token_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert TokenRef.parse(f"file:{secret_file}").read() == SECRET
     monkeypatch.setenv("MY_HUB_TOKEN", SECRET)
     assert TokenRef.parse("env:MY_HUB_TOKEN").read() == SECRET
+    # A reference to nothing sends no token (False), never huggingface_hub's own (None: HF_TOKEN,
+    # else the login's), another account's; env:HF_TOKEN unset is huggingface_hub's own.
+    monkeypatch.setenv("HF_TOKEN", "hf_anotherAccountsToken0123456789")
     missing = TokenRef.parse("env:NO_SUCH_VARIABLE_HERE")
-    assert missing.read() is None and "NO_SUCH_VARIABLE_HERE is not set" in missing.state()
+    assert missing.read() is False and "NO_SUCH_VARIABLE_HERE is not set" in missing.state()
+    assert TokenRef.parse(f"file:{tmp_path / 'none'}").read() is False
+    monkeypatch.delenv("HF_TOKEN")
+    assert TokenRef.parse("env:HF_TOKEN").read() is None and TokenRef.parse(None).read() is None
     for raw in (SECRET, "env:", "vault:x"):
         with pytest.raises(UserError) as raised:
             TokenRef.parse(raw)
@@ -537,6 +585,31 @@ def test_a_download_cut_short_is_one_message(online_env, tmp_path: Path) -> None
     error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1, result.stderr[-2000:]
     assert f"the hub ({online_env['HF_ENDPOINT']}) is out of reach" in error[0]
+
+
+def test_a_cache_that_cannot_take_the_download_is_one_message(online_env, tmp_path: Path) -> None:
+    """A full disk during a download was a traceback and exit 1. A file-size limit fails the
+    write as a full disk does (EFBIG for ENOSPC; Python ignores SIGXFSZ)."""
+    import resource
+
+    env = {**online_env, "HF_HOME": str(tmp_path / "hf_home")}
+    limit = 4096  # bytes a file may grow to: the config is smaller, the weights are not
+    assert len(LoopbackHub.repos[("model", "acme/tiny-llama")]["model.safetensors"]) > limit
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "download", f"model.source={MODEL}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1, result.stderr[-2000:]
+    assert error[0].startswith(f"error: model.source='{MODEL}': the model repo acme/tiny-llama")
+    cache = tmp_path / "hf_home" / "hub"
+    assert f"could not be written into the cache {cache} (File too large); free space" in error[0]
 
 
 STREAMED = [

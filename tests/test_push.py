@@ -206,7 +206,10 @@ def test_a_push_cut_short_resumes_without_sending_the_weights_again(
     assert cut.returncode == 2, cut.stderr[-2000:]
     error = [line for line in cut.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and "HTTP 500" in error[0] and "Traceback" not in cut.stderr
-    assert f"`runner push {out} hf://acme/resumed@dev` pushes again" in error[0]
+    # The push it repeats: its visibility and token too (without them, a retry made the repo
+    # private and sent HF_TOKEN's token).
+    again = f"runner push {out} hf://acme/resumed@dev --public --hf-token env:PUSH_TOKEN"
+    assert f"`{again}` pushes again" in error[0], error[0]
     weights = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     assert UploadHub.lfs_puts == [weights]  # uploaded before the commit failed
     again = cli(hub_env, tmp_path, *argv)
@@ -344,3 +347,56 @@ def test_a_push_to_a_hub_out_of_reach_is_one_message(
     result = cli(offline, tmp_path, *argv)
     assert result.returncode == 2 and "HF_HUB_OFFLINE=1 keeps runner off" in result.stderr
     assert not (tmp_path / "z").exists()
+
+
+def test_a_token_reference_to_nothing_is_refused_not_replaced_by_another(
+    hub_env, run_dir: Path, tmp_path: Path
+) -> None:
+    """`--hf-token env:ORG_TOKEN` unset (or a file: that is not there) pushed with HF_TOKEN's
+    token, another account's, through huggingface_hub's fallback for a token of None."""
+    personal = "hf_personalTokenOfAnotherAccount0123"
+    env = {**hub_env, "HF_TOKEN": personal}
+    checkpoint = str(run_dir / "checkpoints" / "step_4")
+    for ref in ("env:ORG_TOKEN", f"file:{tmp_path / 'no-such-token'}"):
+        result = cli(env, tmp_path, "push", checkpoint, "hf://acme/org-model", "--hf-token", ref)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.startswith(f"error: --hf-token='{ref}': no token was given"), (
+            result.stderr
+        )
+    out = tmp_path / "merged"
+    argv = ["export", f"checkpoint={run_dir}", f"out={out}", "push_to=hf://acme/org-model"]
+    result = cli(env, tmp_path, *argv, "hf_token=env:ORG_TOKEN")
+    assert result.returncode == 2 and "error: hf_token='env:ORG_TOKEN': no token" in result.stderr
+    assert not out.exists() and "acme/org-model" not in UploadHub.uploaded
+    assert f"Bearer {personal}" not in UploadHub.authorizations
+
+
+def test_the_card_and_adapter_config_describe_the_model_pushed(tmp_path: Path, capsys) -> None:
+    """The card gave the run's last loss and evaluation for an earlier checkpoint's weights; a
+    LoRA adapter's config named its base by the training machine's cache path."""
+    from runner.hub.download import parse_uri
+    from runner.hub.push import _adapter_config, model_card
+    from runner.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    (run.path / "checkpoints" / "step_2").mkdir(parents=True)
+    run.write_status("completed", step=4)
+    for step, loss in ((1, 5.0), (2, 4.0), (3, 3.0), (4, 2.0)):
+        run.append_metrics({"step": step, "loss": loss})
+    run.append_metrics({"step": 2, "eval_loss": 4.5})
+    run.append_metrics({"step": 4, "eval_loss": 2.5})
+    target = parse_uri("hf://acme/x", key="to", repo_type="model")
+    card = model_card(run.path, target, {}, run, step=2)
+    assert "- training loss 4.0000 at step 2" in card and "- at step 2: eval_loss 4.5000" in card
+    assert "at step 4" not in card and "2.0000" not in card
+
+    sha = "5f3e6b2c" * 5
+    snapshot = f"/cache/hub/models--acme--tiny-llama/snapshots/{sha}"
+    local = tmp_path / "adapter_config.json"
+    local.write_text(json.dumps({"base_model_name_or_path": snapshot, "r": 8}))
+    hub = {"hub_sources": {"model.source": f"hf://acme/tiny-llama@{sha}"}}
+    pushed = json.loads(_adapter_config(local, hub))
+    assert pushed == {"base_model_name_or_path": "acme/tiny-llama", "revision": sha, "r": 8}
+    assert json.loads(local.read_text())["base_model_name_or_path"] == snapshot  # left alone
+    assert json.loads(_adapter_config(local, {}))["base_model_name_or_path"] == snapshot
+    assert "a local path; whoever loads it from the hub gives the base" in capsys.readouterr().err

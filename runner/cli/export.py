@@ -89,7 +89,6 @@ def _push_request(cfg: DictConfig) -> tuple | None:
     """push_to and hf_token checked before anything is written (None: no push)."""
     if cfg.push_to is None:
         return None
-    from runner.hub.download import TokenRef
-    from runner.hub.push import parse_target
+    from runner.hub.push import parse_target, push_token
 
-    return parse_target(cfg.push_to, "push_to"), TokenRef.parse(cfg.hf_token, key="hf_token")
+    return parse_target(cfg.push_to, "push_to"), push_token(cfg.hf_token, key="hf_token")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
-from runner.hub.download import SCHEME, TokenRef
-from runner.hub.push import check_pushable, parse_target, push
+from runner.hub.download import SCHEME
+from runner.hub.push import check_pushable, parse_target, push, push_token
 from runner.paths import user_path
 from runner.rundir import is_checkpoint_dir
 
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         raise UserError("path", args.path, "no such file or directory: give an export's path")
     check_pushable(path, args.to)
     target = parse_target(args.to, "to")
-    token = TokenRef.parse(args.hf_token, key="--hf-token")
+    token = push_token(args.hf_token, key="--hf-token")
     checkpoint = path if is_checkpoint_dir(path) else None
     pushed = push(
         path, target, key="to", token=token, private=not args.public, checkpoint=checkpoint

@@ -28,15 +28,15 @@ def is_remote(source: str) -> bool:
     return HUB_STREAM.match(source) is not None
 
 
-def hub_files(token: str | None) -> Any:
-    """huggingface_hub's file system (HF_ENDPOINT's hub), with the token (None: its login)."""
+def hub_files(token: str | bool | None) -> Any:
+    """huggingface_hub's file system (HF_ENDPOINT's hub), with the token (TokenRef.read)."""
     from huggingface_hub import HfFileSystem, constants
 
     # The endpoint named: a file system is cached by its arguments, and HF_ENDPOINT may differ.
     return HfFileSystem(token=token, endpoint=constants.ENDPOINT)
 
 
-def open_data(file: str, token: str | None = None, mode: str = "rb", **options: Any) -> Any:
+def open_data(file: str, token: str | bool | None = None, mode: str = "rb", **options: Any) -> Any:
     """A local file, or a hub file read in ranges as it is read (nothing cached on disk); a
     compressed one (COMPRESSED) decompressed."""
     import fsspec
@@ -45,11 +45,11 @@ def open_data(file: str, token: str | None = None, mode: str = "rb", **options: 
     return files.open(file, mode, compression="infer", **options)
 
 
-def _size(file: str, token: str | None) -> int:
+def _size(file: str, token: str | bool | None) -> int:
     return int(hub_files(token).size(file)) if is_remote(file) else os.path.getsize(file)
 
 
-def is_empty(file: str, token: str | None = None) -> bool:
+def is_empty(file: str, token: str | bool | None = None) -> bool:
     """Whether a data file holds no byte: a compressed one decompressed (gzip of nothing is 20
     bytes, which `datasets` then stopped on with a StopIteration)."""
     if Path(file).suffix.lower() in COMPRESSED:
@@ -127,7 +127,7 @@ def read_error(
     data_format: str,
     files: list[str],
     err: Exception,
-    token: str | None = None,
+    token: str | bool | None = None,
 ) -> UserError:
     """What `datasets` could not read: the file, line and column at fault where a line of a text
     format is found that is not UTF-8 (or not JSON), else the reader's own message. A hub file
@@ -146,7 +146,7 @@ def read_error(
     return UserError(key, source, f"could not be read as dataset.format={data_format} ({cause})")
 
 
-def _undecodable_line(file: str, token: str | None = None) -> tuple[int, int, str, str] | None:
+def _undecodable_line(file: str, token: str | bool | None = None) -> tuple[int, int, str, str] | None:
     """(line, column, problem, fix) of the first line of `file` that is not UTF-8 text."""
     with open_data(file, token) as f:
         for number, raw in enumerate(f, 1):
@@ -159,7 +159,7 @@ def _undecodable_line(file: str, token: str | None = None) -> tuple[int, int, st
     return None
 
 
-def _unparsable_json(file: str, token: str | None = None) -> tuple[int, int, str, str] | None:
+def _unparsable_json(file: str, token: str | bool | None = None) -> tuple[int, int, str, str] | None:
     """(line, column, problem, fix) of the first line of a JSON-lines file that is not one JSON
     object; for a file that is one JSON document (a list of records), where it stops parsing."""
     fix = "fix or drop the line (a JSON-lines file holds one JSON object a line)"

@@ -99,7 +99,7 @@ def _format_of(path: Path) -> str | None:
     return next((f for f, exts in FORMATS.items() if data_suffix(path) in exts), None)
 
 
-def source_format(key: str, source: str, data_format: str | None, token: str | None = None) -> str:
+def source_format(key: str, source: str, data_format: str | None, token: str | bool | None = None) -> str:
     """dataset.format, or, when it is null, the format the source's file extensions name."""
     if data_format is not None:
         if data_format not in FORMATS:
@@ -138,7 +138,7 @@ def source_format(key: str, source: str, data_format: str | None, token: str | N
 
 
 def split_files(
-    key: str, source: str, data_format: str, token: str | None = None
+    key: str, source: str, data_format: str, token: str | bool | None = None
 ) -> dict[str, list[str]]:
     """{split name: data files}: a file is the split `train`; a directory's files are named
     by split the way the Hugging Face hub names them (train-*.parquet, data/validation.json...).
@@ -176,7 +176,7 @@ def split_files(
     return splits
 
 
-def _card_config(key: str, source: str, token: str | None) -> dict[str, Any] | None:
+def _card_config(key: str, source: str, token: str | bool | None) -> dict[str, Any] | None:
     """The default config of the dataset card (README.md's `configs:`: its data_files, its
     data_dir), as `datasets` reads a repository's; None where the card names none. Split by
     file name, a repository whose card names its validation file otherwise trained on it."""
@@ -209,7 +209,7 @@ def _card_config(key: str, source: str, token: str | None) -> dict[str, Any] | N
 
 
 def stream_files(
-    key: str, source: str, data_format: str, split_key: str, split: str, token: str | None = None
+    key: str, source: str, data_format: str, split_key: str, split: str, token: str | bool | None = None
 ) -> list[str]:
     """The files of a split (or of splits joined by +) to read as a stream, which takes no slice."""
     files_by_split = split_files(key, source, data_format, token)
@@ -226,7 +226,7 @@ def stream_files(
     return [file for name in names for file in files_by_split[name]]
 
 
-def _options(builder: str, file: str, token: str | None = None) -> dict[str, Any]:
+def _options(builder: str, file: str, token: str | bool | None = None) -> dict[str, Any]:
     """The `datasets` builder's options for `file`: a CSV cell has no type, so every column of a
     CSV file is read as text, an empty cell alone as null (pandas' own list of null words made
     an answer "NA", Namibia's code, or "None" null: refused, or left out of a prompt)."""
@@ -245,7 +245,7 @@ def _options(builder: str, file: str, token: str | None = None) -> dict[str, Any
 
 
 def stream_records(
-    key: str, source: str, data_format: str, file: str, token: str | None = None
+    key: str, source: str, data_format: str, file: str, token: str | bool | None = None
 ) -> Iterator[dict[str, Any]]:
     """The records of one data file in order, read as a stream (datasets' IterableDataset): only
     a chunk of the file is in memory at a time (of a hub file, read in ranges from the hub). A

@@ -62,12 +62,12 @@ class StreamSplit:
         reader: int,
         readers: int,
         seed: int,
-        token: str | None = None,
+        token: str | bool | None = None,
     ) -> None:
         self.data, self.tokenizer = data, tokenizer
         self.reader, self.readers, self.seed = reader, readers, seed
         self.window = data["shuffle_buffer"]
-        # The hub token, for a split streamed from the hub (None: huggingface_hub's login).
+        # The hub token, for a split streamed from the hub (TokenRef.read: None, its login).
         self.token = token
         self.files = stream_files(
             "dataset.source", data["source"], data["format"], "dataset.split", data["split"], token

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
+import re
 import shlex
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
@@ -41,8 +44,16 @@ URI_FORM = "hf://org/repo, hf://org/repo/path/in/repo or hf://org/repo@revision/
 REPO_TYPES = {"model": "model", "dataset": "dataset"}
 # The hub's own spelling of a repo type in a URI (hf://datasets/org/repo).
 TYPE_PREFIXES = {"models": "model", "datasets": "dataset"}
+# The revisions whose names hold slashes that a URI writes as they are (huggingface_hub's
+# utils/_hf_uris.py: a pull request's, a parquet conversion's).
+SPECIAL_REF = re.compile(r"refs/(?:convert/[\w.-]+|pr/\d+)")
+# The token reference whose variable is huggingface_hub's own: unset, the hub's login is used.
+HF_TOKEN_REF = "env:HF_TOKEN"
 # The source that dataset.streaming reads as a stream: from the hub, it is not downloaded.
 STREAMED = "dataset.source"
+# A cache that cannot take a download: full, over quota or a file-size limit, read-only, or
+# another user's.
+CACHE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 # Local paths that nothing downstream checks before a process starts.
 LOCAL_CHECKED = ("model.source", "model.tokenizer")
 
@@ -109,25 +120,37 @@ def parse_uri(uri: str, *, key: str, repo_type: str) -> HubSource:
     name, at, revision = parts[1].partition("@")
     if at and not revision:
         raise UserError(key, uri, f"the revision after @ is empty; give {URI_FORM}")
+    path = parts[2:]
+    if at:
+        # A pull request's or a conversion's ref spans slashes (hf://org/repo@refs/pr/3/x.json),
+        # as huggingface_hub's own hf:// reader takes it; another revision with a slash in its
+        # name is written with %2F (@feature%2Fx).
+        special = SPECIAL_REF.match("/".join([revision, *path]))
+        if special:
+            path = path[special.group().count("/") :]
+            revision = special.group()
+        revision = unquote(revision)
     repo_id = f"{parts[0]}/{name}"
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
         raise UserError(key, uri, f"{repo_id!r} is not a hub repo id ({err})") from None
-    return HubSource(uri, repo_id, repo_type, revision or None, "/".join(parts[2:]))
+    return HubSource(uri, repo_id, repo_type, revision or None, "/".join(path))
 
 
 @dataclass(frozen=True)
 class TokenRef:
-    """Where the hub token is, never the token: env:NAME, file:PATH, or null (hub login)."""
+    """Where the hub token is, never the token: env:NAME, file:PATH, or null (hub login), as
+    given under `key`."""
 
     ref: str | None
+    key: str = "runtime.hf_token"
 
     @classmethod
     def parse(cls, value: Any, key: str = "runtime.hf_token") -> TokenRef:
-        """A runtime.hf_token value checked to be a reference; a UserError if not."""
+        """A token reference checked to be one; a UserError naming `key` if not."""
         if value is None:
-            return cls(None)
+            return cls(None, key)
         kind, _, where = str(value).partition(":")
         if kind not in ("env", "file") or not where:
             raise UserError(
@@ -136,28 +159,32 @@ class TokenRef:
                 "give a reference to the token, env:NAME or file:PATH (or null for the login of "
                 "`hf auth login`), never the token itself",
             )
-        return cls(str(value))
+        return cls(str(value), key)
 
-    def read(self) -> str | None:
-        """The token, or None where the reference points at nothing (huggingface_hub's login)."""
+    def read(self) -> str | bool | None:
+        """The token, as huggingface_hub takes one. None (its own: HF_TOKEN, else the login of
+        `hf auth login`) for null and for env:HF_TOKEN unset; False (send none) where another
+        reference points at nothing: another account's token is never sent in its place."""
         if self.ref is None:
             return None
         kind, _, where = self.ref.partition(":")
         if kind == "env":
-            return os.environ.get(where) or None
-        path = user_path(where)
-        return (path.read_text().strip() or None) if path.is_file() else None
+            token = os.environ.get(where) or None
+        else:
+            path = user_path(where)
+            token = (path.read_text().strip() or None) if path.is_file() else None
+        return False if token is None and self.ref != HF_TOKEN_REF else token
 
     def state(self) -> str:
         """How the token stands, in words, for an error message (never its value)."""
         if self.ref is None:
-            return "no token reference was given (runtime.hf_token=null)"
+            return f"no token reference was given ({self.key}=null)"
         kind, _, where = self.ref.partition(":")
-        if self.read() is not None:
-            return f"the token from runtime.hf_token={self.ref} has no access to it"
+        if isinstance(self.read(), str):
+            return f"the token from {self.key}={self.ref} has no access to it"
         if kind == "env":
-            return f"no token was given (runtime.hf_token={self.ref}, and {where} is not set)"
-        return f"no token was given (runtime.hf_token={self.ref}, and {where} is missing or empty)"
+            return f"no token was given ({self.key}={self.ref}, and {where} is not set)"
+        return f"no token was given ({self.key}={self.ref}, and {where} is missing or empty)"
 
 
 class NotCachedError(UserError):
@@ -264,6 +291,18 @@ class Hub:
             raise UserError(key, source.uri, self._refused(source, err)) from err
         except _transport_errors() as err:  # the hub out of reach, or a download cut short
             raise NotCachedError(key, source, self.not_cached([(key, source)], err), err) from err
+        except OSError as err:
+            if err.errno not in CACHE_ERRNOS:
+                raise
+            full = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            room = "free space there, or " if err.errno in full else ""
+            raise UserError(
+                key,
+                source.uri,
+                f"{source.describe()} could not be written into the cache {self.cache_dir} "
+                f"({err.strerror}); {room}set runtime.cache_dir to a directory with room that "
+                "this user may write",
+            ) from None
 
     def _no_path(self, source: HubSource, key: str) -> UserError:
         return UserError(
@@ -273,7 +312,7 @@ class Hub:
         )
 
     def _snapshot(self, source: HubSource, only_cached: bool) -> str:
-        patterns = [source.path, f"{source.path}/*"] if source.path else None
+        patterns = allow_patterns(source.path) if source.path else None
         # A whole model repo skips what training never reads; a path asked for is taken as it is.
         whole_model = source.repo_type == "model" and not source.path
         ignore = list(self.model_ignore_patterns) if whole_model else None
@@ -339,6 +378,14 @@ class Hub:
             f"the hub is reachable, into the same cache (runtime.cache_dir, BT_RW_CACHE_DIR or "
             f"HF_HOME), or {how}"
         )
+
+
+def allow_patterns(path: str) -> list[str]:
+    """snapshot_download's allow_patterns for a file or directory `path` of a repo: fnmatch
+    globs, in which the name's own `[`, `*` and `?` are escaped (part[1].jsonl matched
+    part1.jsonl, and not itself)."""
+    literal = re.sub(r"([\[*?])", r"[\1]", path)
+    return [literal, f"{literal}/*"]
 
 
 def out_of_reach() -> tuple[type[Exception], ...]:

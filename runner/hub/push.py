@@ -16,11 +16,19 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
-from runner.hub.download import SCHEME, HubSource, TokenRef, out_of_reach, parse_uri
+from runner.hub.download import (
+    HF_TOKEN_REF,
+    SCHEME,
+    HubSource,
+    TokenRef,
+    out_of_reach,
+    parse_uri,
+)
 from runner.paths import pasteable
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
@@ -55,6 +63,18 @@ def parse_target(uri: str, key: str) -> HubSource:
             key, uri, "HF_HUB_OFFLINE=1 keeps runner off the hub; unset HF_HUB_OFFLINE to push"
         )
     return target
+
+
+def push_token(value: str | None, key: str) -> TokenRef:
+    """The token reference a push sends (`key`: hf_token, or push's --hf-token), checked before
+    anything is written: one that points at nothing is refused, as the push would go out with
+    no token (huggingface_hub's login stands in only for null and an unset HF_TOKEN)."""
+    token = TokenRef.parse(value, key=key)
+    if token.read() is False:
+        raise UserError(
+            key, value, f"{token.state()}; set it to a token with write access to the repo"
+        )
+    return token
 
 
 def check_pushable(path: Path, to: str) -> None:
@@ -126,10 +146,16 @@ def push(
     from huggingface_hub.errors import HfHubHTTPError
 
     files = _files(path)
-    card = model_card(path, target, files, source_run(path, checkpoint))
-    operations = [CommitOperationAdd(name, str(local)) for name, local in files.items()]
-    if CARD_FILE not in files:
-        operations.append(CommitOperationAdd(CARD_FILE, card.encode()))
+    run = source_run(path, checkpoint)
+    card = model_card(path, target, files, run, _step(checkpoint or path))
+    written = {CARD_FILE: card.encode()} if CARD_FILE not in files else {}
+    if ADAPTER_CONFIG_FILE in files:
+        written[ADAPTER_CONFIG_FILE] = _adapter_config(files[ADAPTER_CONFIG_FILE], _recipe(run))
+    operations = [
+        CommitOperationAdd(name, written.pop(name) if name in written else str(local))
+        for name, local in files.items()
+    ]
+    operations += [CommitOperationAdd(name, content) for name, content in written.items()]
     api = HfApi(token=token.read())
     try:
         api.create_repo(target.repo_id, private=private, exist_ok=True)
@@ -146,23 +172,51 @@ def push(
         fix = f"the hub refused the push (HTTP {status}: {_reason(err)})"
         if status in (401, 403):
             fix += f"; {token.state()} or it cannot write to {target.repo_id}"
-        raise UserError(key, target.uri, f"{fix}; {_again(path, target)}") from None
+        raise UserError(key, target.uri, f"{fix}; {_again(path, target, token, private)}") from None
     except out_of_reach() as err:  # a connection that failed or broke off
         raise UserError(
             key,
             target.uri,
             f"the hub ({constants.ENDPOINT}) is out of reach or the upload broke off "
             f"({type(err).__name__}: {err}); check the network (and HF_ENDPOINT), then "
-            f"{_again(path, target)}",
+            f"{_again(path, target, token, private)}",
         ) from None
     return commit.commit_url
 
 
-def _again(path: Path, target: HubSource) -> str:
-    return (
-        f"`runner push {shlex.quote(str(path))} {target.uri}` pushes again, sending only what "
-        "the hub does not have"
+def _again(path: Path, target: HubSource, token: TokenRef, private: bool) -> str:
+    """The `runner push` that repeats this push: its target, visibility and token."""
+    flags = ([] if private else ["--public"]) + (
+        ["--hf-token", token.ref] if token.ref not in (None, HF_TOKEN_REF) else []
     )
+    command = shlex.join(["runner", "push", str(path), target.uri, *flags])
+    return f"`{command}` pushes again, sending only what the hub does not have"
+
+
+def _step(path: Path) -> int | None:
+    """The step of a checkpoint dir (RUN/checkpoints/step_N), else None."""
+    name = path.name
+    if path.parent.name == CHECKPOINTS_DIR and name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def _adapter_config(local: Path, recipe: dict[str, Any]) -> bytes:
+    """adapter_config.json as the hub gets it: the base named by its hub repo and commit, where
+    the run read it from the hub. On disk it names the base by the path the run loaded it from
+    (a cache snapshot), which loads on no other machine."""
+    config = json.loads(local.read_text())
+    pinned = (recipe.get("hub_sources") or {}).get("model.source")
+    if pinned:
+        base = parse_uri(pinned, key="model.source", repo_type="model")
+        config.update(base_model_name_or_path=base.repo_id, revision=base.revision)
+    else:
+        print(
+            f"warning: the adapter's base is {config.get('base_model_name_or_path')!r}, a local "
+            "path; whoever loads it from the hub gives the base themselves",
+            file=sys.stderr,
+        )
+    return (json.dumps(config, indent=2) + "\n").encode()
 
 
 def _reason(err: Exception) -> str:
@@ -194,9 +248,16 @@ def _files(path: Path) -> dict[str, Path]:
 
 
 # ---- the model card -----------------------------------------------------------------------
-def model_card(path: Path, target: HubSource, files: dict[str, Path], run: RunDir | None) -> str:
+def model_card(
+    path: Path,
+    target: HubSource,
+    files: dict[str, Path],
+    run: RunDir | None,
+    step: int | None = None,
+) -> str:
     """README.md for the repo: YAML front matter (base_model, datasets, library_name, tags) and
-    what the run did, read from its recipe.yaml, manifest.json and metrics.jsonl."""
+    what the run did, read from its recipe.yaml, manifest.json and metrics.jsonl: its metrics
+    up to `step`, the checkpoint's, where the files are one."""
     recipe = _recipe(run)
     adapter = (path / ADAPTER_CONFIG_FILE).is_file() if path.is_dir() else False
     gguf = any(name.endswith(".gguf") for name in files)
@@ -215,7 +276,7 @@ def model_card(path: Path, target: HubSource, files: dict[str, Path], run: RunDi
     if run is None:
         lines += [f"`{path.name}`, uploaded with runner; the run it came from is not known.", ""]
     else:
-        lines += _run_sections(run, recipe, base, data)
+        lines += _run_sections(run, recipe, base, data, step)
     lines += ["## Files", "", "| file | bytes |", "| --- | ---: |"]
     lines += [f"| `{name}` | {local.stat().st_size:,} |" for name, local in files.items()]
     return "\n".join(lines) + "\n"
@@ -238,7 +299,7 @@ def _hub_id(recipe: dict[str, Any], key: str) -> str | None:
 
 
 def _run_sections(
-    run: RunDir, recipe: dict[str, Any], base: str | None, data: str | None
+    run: RunDir, recipe: dict[str, Any], base: str | None, data: str | None, step: int | None
 ) -> list[str]:
     model, dataset = recipe.get("model", {}), recipe.get("dataset", {})
     method = recipe.get("method", {})
@@ -265,7 +326,7 @@ def _run_sections(
     if "rank" in method:
         keys.update({"LoRA rank": method.get("rank"), "LoRA alpha": method.get("alpha")})
     lines += [f"| {key} | {value} |" for key, value in keys.items() if value is not None]
-    lines += ["", "## Results", "", *_results(run), ""]
+    lines += ["", "## Results", "", *_results(run, step), ""]
     manifest = run.path / MANIFEST_FILE
     if manifest.is_file():
         overrides = json.loads(manifest.read_text()).get("overrides", [])
@@ -274,8 +335,9 @@ def _run_sections(
     return lines
 
 
-def _results(run: RunDir) -> list[str]:
-    records = run.read_metrics()
+def _results(run: RunDir, step: int | None) -> list[str]:
+    """The last training loss and evaluation at or before `step` (None: the run's last)."""
+    records = [r for r in run.read_metrics() if step is None or r["step"] <= step]
     losses = [r for r in records if "loss" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
     lines = []
