@@ -77,6 +77,33 @@ def test_a_killed_run_shows_as_failed(runner_cli, hermetic_env, tmp_path: Path) 
     assert "step 1/100 loss" in logs.stdout
 
 
+def test_a_run_outlives_its_console_and_saves_on_a_hangup(hermetic_env, tmp_path: Path) -> None:
+    """`runner train ... 2>&1 | head` failed the run without a checkpoint once head had its lines
+    (a BrokenPipeError from the step line), and SIGHUP (the terminal it ran in, closed) killed
+    it outright, its status left `running`."""
+    run_dir = tmp_path / "outputs" / "hangup"
+    job = [*(arg for arg in LONG_JOB if not arg.startswith("max_steps=")), "max_steps=5000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "train", *job, f"hydra.run.dir={run_dir}"],
+        env=hermetic_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    while "step 2/5000" not in proc.stdout.readline():
+        assert proc.poll() is None
+    proc.stdout.close()  # the reader goes, as head does once it has its lines
+    deadline = time.monotonic() + 300
+    while max(RunDir(run_dir).losses(), default=0) < 30:  # and the run trains on
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGHUP)
+    assert proc.wait(timeout=300) == 128 + signal.SIGHUP
+    status = state_of(run_dir)
+    assert status["state"] == "cancelled" and "stopped by SIGHUP" in status["error"], status
+    assert (run_dir / "checkpoints" / f"step_{status['step']}").is_dir()
+
+
 def freeze(run_dir: Path, pid: int, seconds: float) -> None:
     """SIGSTOP `pid`, then date the run's heartbeat and status back by `seconds`, as that long
     frozen leaves them (the frozen process writes neither)."""

@@ -11,6 +11,7 @@ import sys
 from runner.config import interpolations
 from runner.config.fields import override_key
 from runner.config.hydra_errors import as_user_error
+from runner.console import outlive_the_reader
 from runner.errors import UserError, UserErrorExit
 
 USAGE = """usage: runner COMMAND [hydra overrides] [--help]
@@ -55,6 +56,8 @@ def _run(name: str, argv: list[str]) -> int | None:
         from runner.cli.lifecycle import resume_argv
 
         name, *argv = resume_argv(argv)
+    if name in ("train", "deploy"):
+        outlive_the_reader()  # `runner train ... | head` trains on once head has its lines
     if name in LIFECYCLE_COMMANDS:
         from runner.cli.lifecycle import main as lifecycle_main
 
@@ -184,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             return _main(argv)
         finally:
             # What is still buffered meets a reader that left here, not in the interpreter's
-            # flush at exit, which would print "Exception ignored ... BrokenPipeError".
-            sys.stdout.flush()
+            # flush at exit, which would print "Exception ignored ... BrokenPipeError". A
+            # stdout closed (>&-) is None: print() writes nothing to it.
+            if sys.stdout is not None:
+                sys.stdout.flush()
     except BrokenPipeError:
         if not _stdout_reader_left():
             raise  # a pipe of the command's own (a worker, a socket), not its output

@@ -190,7 +190,8 @@ def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
             signal.raise_signal(signum)
             return
         _discard(run.path, output_root)
-        print("interrupted" if signum == signal.SIGINT else "stopped by SIGTERM", file=sys.stderr)
+        name = signal.Signals(signum).name
+        print("interrupted" if signum == signal.SIGINT else f"stopped by {name}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(128 + signum)
 

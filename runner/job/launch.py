@@ -42,7 +42,12 @@ from runner.components import plain_dict
 from runner.config import platforms
 from runner.rundir import ACTIVE_STATES, RunDir
 from runner.trainer import determinism
-from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG, stop_signals_to
+from runner.trainer.parent import (
+    LAUNCHER_PID_ENV,
+    PR_SET_PDEATHSIG,
+    STOP_SIGNALS,
+    stop_signals_to,
+)
 
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
 RECIPE_MODULE = "runner.recipes.finetune"
@@ -169,9 +174,10 @@ def _forked_worker(recipe_path: str) -> None:
     # (runner.trainer.process).
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
-    # The launcher's handlers: the elastic agent's SIGTERM and SIGINT; Hydra's logging (its
+    # The launcher's handlers: the elastic agent's of the stop signals; Hydra's logging (its
     # console, and RUN/train.log, which rank 0 alone writes: _log_to_file).
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)

@@ -43,6 +43,7 @@ from runner.rundir import (
     write_text_atomic,
 )
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
+from runner.trainer.parent import STOP_SIGNALS
 
 SUMMARY_TABLE = "summary.md"
 LOSS_PLOT = "loss_curves.png"
@@ -402,7 +403,8 @@ def _stop_parallel_jobs_on_signals(sweep_dir: Path) -> None:
 
     def on_signal(signum: int, frame: Any) -> None:
         if stopping(sweep_dir):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            for other in STOP_SIGNALS:
+                signal.signal(other, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.raise_signal(signum)
             return
@@ -411,7 +413,7 @@ def _stop_parallel_jobs_on_signals(sweep_dir: Path) -> None:
         print(f"{name}: stopping the sweep's running jobs, starting no other", file=sys.stderr)
         threading.Thread(target=_stop_jobs, args=(sweep_dir,), daemon=True).start()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)
 
 

@@ -14,15 +14,17 @@ from typing import Any
 LAUNCHER_PID_ENV = "RUNNER_LAUNCHER_PID"
 # prctl's option for the signal a process gets when its parent dies (<linux/prctl.h>).
 PR_SET_PDEATHSIG = 1
-# What a user or a scheduler stops a run with: Ctrl-C, and SIGTERM (runner stop, kill, Slurm).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What a user or a scheduler stops a run with: Ctrl-C, SIGTERM (runner stop, kill, Slurm), and
+# SIGHUP (the terminal or ssh session the run was started in, closed): it killed the run
+# without a checkpoint, its status left `running`.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 Handler = Callable[[int, Any], None]
 
 
 @contextlib.contextmanager
 def stop_signals_to(handler: Handler) -> Iterator[dict[signal.Signals, Any]]:
-    """`handler` takes SIGINT and SIGTERM inside the block, which gets the handlers it replaced
+    """`handler` takes the STOP_SIGNALS inside the block, which gets the handlers it replaced
     (to hand a second signal back to them); they come back as the block ends. Off the main
     thread, where Python lets no handler be set, the block runs with the signals as they are."""
     if threading.current_thread() is not threading.main_thread():

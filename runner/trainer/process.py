@@ -28,6 +28,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner.config.schema import read_recipe
+from runner.console import outlive_the_reader
 from runner.errors import Diverged, UserError, error_line, redact_text
 from runner.rundir import LOG_FILE, STATUS_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
@@ -135,6 +136,7 @@ class Recipe(Protocol):
 def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -> dict[str, Any]:
     """Runs `recipe_class` on the recipe at `recipe_path` in this process (one of several under
     torchrun): process group, threads, log file, heartbeat, SIGTERM, and the final status."""
+    outlive_the_reader()  # a worker started as a fresh interpreter: its console, as its launcher's
     cfg = read_recipe(Path(recipe_path))
     _check_own_run(Path(recipe_path), cfg)
     _join_launcher_lock()
