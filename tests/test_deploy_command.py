@@ -196,8 +196,8 @@ def _children(pid: int) -> set[int]:
 def test_deploy_command_serves_until_interrupted(
     served_run: Path, generate_reference, stop, process
 ) -> None:
-    # compute=cpu dtype=fp32 (the command serves on the CPU here). Ctrl-C reaches the whole
-    # process group, SIGTERM only the server: either way nothing it started is left running.
+    # compute=cpu dtype=fp32 (the command serves on the CPU here). Either stop, sent to the
+    # whole process group, leaves nothing it started running.
     env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
     command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={served_run}", "port=0"]
     command += ["device=cpu", "dtype=fp32", f"transformers.process={process}"]
@@ -244,10 +244,25 @@ def test_deploy_command_serves_until_interrupted(
         assert (response.choices[0].text, response.usage.completion_tokens) == generate(
             tokenizer.encode("hi"), 3
         )
-        if stop == signal.SIGINT:
-            os.killpg(process_.pid, stop)
-        else:
-            process_.send_signal(stop)
+        # A stream in flight as the stop comes finishes: the server drains it. Sent to the
+        # whole group (a terminal's Ctrl-C; the SIGTERM of `timeout`, systemd, Slurm), the
+        # engine's process was killed by it, and the stream failed with a 500.
+        streamed: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            for chunk in client.completions.create(
+                model=listed.id, prompt="hi", max_tokens=60, temperature=0, stream=True
+            ):
+                streamed.append(chunk.choices[0].finish_reason or "")
+                first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(timeout=60)
+        os.killpg(process_.pid, stop)
+        reader.join(timeout=60)
+        assert streamed and streamed[-1] == "length", streamed
         # uvicorn ends a graceful shutdown by raising the signal again: SIGTERM's exit is -15.
         assert process_.wait(timeout=60) in (0, -stop)
         deadline = time.monotonic() + 10

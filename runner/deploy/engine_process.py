@@ -239,7 +239,11 @@ class EngineProcess:
 
 def serve_engine(conn: Connection, load: tuple, max_queue: int, options: dict[str, Any]) -> None:
     """The engine's process: load the model, then serve the server's messages until it closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A stop sent to the whole process group (a terminal's Ctrl-C; the SIGTERM of `timeout`,
+    # systemd, Slurm) is the server's to act on: it drains its requests, then closes this
+    # process. Killed at once, the engine failed the requests in flight with a 500.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
