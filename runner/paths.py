@@ -3,6 +3,7 @@ and paths as a user types them (`~`) and pastes them (an override of a path)."""
 
 from __future__ import annotations
 
+import errno
 from importlib.resources import files
 from pathlib import Path
 
@@ -11,6 +12,12 @@ RECIPES_DIR = Path(str(files("runner.recipes")))
 ASSETS_DIR = Path(str(files("runner"))) / "assets"
 TINY_TOKENIZER_DIR = ASSETS_DIR / "tiny_tokenizer"
 SAMPLE_DATA_DIR = ASSETS_DIR / "sample"
+
+
+# What a cache directory answers when it cannot take a file: full, over quota or a file-size
+# limit, read-only, or another user's.
+UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def user_path(given: object) -> Path:

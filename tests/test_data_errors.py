@@ -215,3 +215,31 @@ def test_bad_data_stops_runner_train_before_launch(runner_cli, tmp_path: Path) -
     assert len(errors) == 1 and "Traceback" not in result.stderr
     assert f"dataset.source='{bad}': row 37, column 'input': holds a number ('7')" in errors[0]
     assert not out_root.exists() or not any(out_root.rglob("status.json"))
+
+
+def test_a_cache_that_cannot_take_a_file_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """A read-only or full home (clusters, containers) failed every run, the shipped data's too,
+    in a 40-line traceback from `datasets`' cache. A file-size limit fails the cache's write
+    as a full disk does (EFBIG for ENOSPC; Python ignores SIGXFSZ)."""
+    import resource
+
+    import datasets
+
+    from runner.data import sources
+
+    data = tmp_path / "train.jsonl"
+    record = {"instruction": "x" * 50, "input": "", "output": "y" * 50}
+    data.write_text((json.dumps(record) + "\n") * 2000)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, hard))
+    try:
+        with pytest.raises(UserError) as raised:
+            sources._read_if_any("dataset.source", str(data), "json", [str(data)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(raised.value) == (
+        f"dataset.source='{data}': datasets could not write its cache {tmp_path / 'cache'} "
+        "(File too large); free space there, or set HF_DATASETS_CACHE (or HF_HOME) to a "
+        "directory with room that this user may write"
+    )

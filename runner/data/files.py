@@ -146,7 +146,9 @@ def read_error(
     return UserError(key, source, f"could not be read as dataset.format={data_format} ({cause})")
 
 
-def _undecodable_line(file: str, token: str | bool | None = None) -> tuple[int, int, str, str] | None:
+def _undecodable_line(
+    file: str, token: str | bool | None = None
+) -> tuple[int, int, str, str] | None:
     """(line, column, problem, fix) of the first line of `file` that is not UTF-8 text."""
     with open_data(file, token) as f:
         for number, raw in enumerate(f, 1):
@@ -159,7 +161,9 @@ def _undecodable_line(file: str, token: str | bool | None = None) -> tuple[int, 
     return None
 
 
-def _unparsable_json(file: str, token: str | bool | None = None) -> tuple[int, int, str, str] | None:
+def _unparsable_json(
+    file: str, token: str | bool | None = None
+) -> tuple[int, int, str, str] | None:
     """(line, column, problem, fix) of the first line of a JSON-lines file that is not one JSON
     object; for a file that is one JSON document (a list of records), where it stops parsing."""
     fix = "fix or drop the line (a JSON-lines file holds one JSON object a line)"

@@ -35,7 +35,7 @@ from runner.data.files import (
     xml_rows,
 )
 from runner.errors import UserError
-from runner.paths import user_path
+from runner.paths import FULL, UNWRITABLE, user_path
 
 FORMATS: dict[str, tuple[str, ...]] = {
     "json": (".json", ".jsonl"),
@@ -99,7 +99,9 @@ def _format_of(path: Path) -> str | None:
     return next((f for f, exts in FORMATS.items() if data_suffix(path) in exts), None)
 
 
-def source_format(key: str, source: str, data_format: str | None, token: str | bool | None = None) -> str:
+def source_format(
+    key: str, source: str, data_format: str | None, token: str | bool | None = None
+) -> str:
     """dataset.format, or, when it is null, the format the source's file extensions name."""
     if data_format is not None:
         if data_format not in FORMATS:
@@ -209,7 +211,12 @@ def _card_config(key: str, source: str, token: str | bool | None) -> dict[str, A
 
 
 def stream_files(
-    key: str, source: str, data_format: str, split_key: str, split: str, token: str | bool | None = None
+    key: str,
+    source: str,
+    data_format: str,
+    split_key: str,
+    split: str,
+    token: str | bool | None = None,
 ) -> list[str]:
     """The files of a split (or of splits joined by +) to read as a stream, which takes no slice."""
     files_by_split = split_files(key, source, data_format, token)
@@ -297,11 +304,35 @@ def _read_if_any(
         reader = datasets.load_dataset_builder(builder, data_files=files, **options)
         with _quietly():
             reader.download_and_prepare()
-    except (DatasetGenerationError, ValueError, pa.ArrowInvalid) as err:
+    except (DatasetGenerationError, ValueError, pa.ArrowInvalid, OSError) as err:
+        unwritable = _cache_error(key, source, err if isinstance(err, OSError) else err.__cause__)
+        if unwritable is not None:
+            raise unwritable from None
+        if isinstance(err, OSError):
+            raise
         raise read_error(key, source, data_format, files, err) from err
     if not reader.info.splits["train"].num_examples:
         return None
     return reader.as_dataset(split="train")
+
+
+def _cache_error(key: str, source: str, err: BaseException | None) -> UserError | None:
+    """`datasets`' cache (a read-only or full home, as on clusters and in containers) that
+    cannot take what it prepares of a file: one line naming it and the fix. None for another
+    error (a data file's own)."""
+    if not isinstance(err, OSError) or err.errno not in UNWRITABLE:
+        return None
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+    at = Path(err.filename) if err.filename else cache  # a directory made for it, or in it
+    if not (at in (cache, *cache.parents) or cache in at.parents):
+        return None
+    room = "free space there, or " if err.errno in FULL else ""
+    return UserError(
+        key,
+        source,
+        f"datasets could not write its cache {cache} ({err.strerror}); {room}set "
+        "HF_DATASETS_CACHE (or HF_HOME) to a directory with room that this user may write",
+    )
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import os
 import re
 import shlex
@@ -36,7 +35,7 @@ from huggingface_hub.utils import validate_repo_id
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError
-from runner.paths import user_path
+from runner.paths import FULL, UNWRITABLE, user_path
 
 SCHEME = "hf://"
 URI_FORM = "hf://org/repo, hf://org/repo/path/in/repo or hf://org/repo@revision/path"
@@ -51,9 +50,6 @@ SPECIAL_REF = re.compile(r"refs/(?:convert/[\w.-]+|pr/\d+)")
 HF_TOKEN_REF = "env:HF_TOKEN"
 # The source that dataset.streaming reads as a stream: from the hub, it is not downloaded.
 STREAMED = "dataset.source"
-# A cache that cannot take a download: full, over quota or a file-size limit, read-only, or
-# another user's.
-CACHE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 # Local paths that nothing downstream checks before a process starts.
 LOCAL_CHECKED = ("model.source", "model.tokenizer")
 
@@ -292,10 +288,9 @@ class Hub:
         except _transport_errors() as err:  # the hub out of reach, or a download cut short
             raise NotCachedError(key, source, self.not_cached([(key, source)], err), err) from err
         except OSError as err:
-            if err.errno not in CACHE_ERRNOS:
+            if err.errno not in UNWRITABLE:
                 raise
-            full = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-            room = "free space there, or " if err.errno in full else ""
+            room = "free space there, or " if err.errno in FULL else ""
             raise UserError(
                 key,
                 source.uri,
