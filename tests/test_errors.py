@@ -340,3 +340,25 @@ def test_a_config_dir_option_that_is_broken_is_named(runner_cli, tmp_path: Path)
         mine = str(tmp_path / "mine")
         result = runner_cli("validate", f"model={option}", "--config-dir", mine, "max_steps=4")
         assert result.returncode == 2 and wanted in result.stderr, result.stderr[-2000:]
+
+
+def test_a_current_directory_removed_under_the_shell_is_one_line(hermetic_env, tmp_path) -> None:
+    """Hydra read os.getcwd() first: a 40-line FileNotFoundError traceback, for any command."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; from runner.cli import main; "
+            f"os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); sys.exit(main(['runs']))",
+        ],
+        env=hermetic_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stderr) == (
+        2,
+        "error: the current directory no longer exists; cd to one that does\n",
+    )

@@ -225,6 +225,11 @@ def _main(argv: list[str] | None) -> int:
             f"error: command={name!r}: {hint}choose one of: {', '.join(COMMANDS)}", file=sys.stderr
         )
         return 2
+    try:
+        os.getcwd()  # which Hydra reads first: a 40-line traceback where it was removed
+    except FileNotFoundError:
+        print("error: the current directory no longer exists; cd to one that does", file=sys.stderr)
+        return 2
     # Hydra raises instead of printing its own report, so every user error reads the same.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     interpolations.register()

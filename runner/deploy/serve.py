@@ -283,8 +283,13 @@ class Server(uvicorn.Server):
     cut off."""
 
     def __init__(self, app: FastAPI, grace_s: float = GRACE_S, log_level: str = "info") -> None:
+        # Colours where uvicorn finds a terminal, but none asked off (no-color.org) or unable.
+        plain = bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
         config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=math.ceil(grace_s) + 1
+            app,
+            log_level=log_level,
+            timeout_graceful_shutdown=math.ceil(grace_s) + 1,
+            use_colors=False if plain else None,
         )
         super().__init__(config)
         self._app, self._grace_s = app, grace_s
