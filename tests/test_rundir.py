@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from runner.deploy.selection import choose_checkpoint
@@ -355,3 +356,21 @@ def test_data_changed_since_a_run_started_is_named(tmp_path: Path) -> None:
         f.write('{"instruction": "c", "output": "d"}\n')
     (changed,) = changed_data(run)
     assert changed.startswith(f"dataset.source {data} (sha256 {recorded['sha256'][:12]} -> ")
+
+
+def test_a_stop_of_a_sequential_sweeps_job_says_it_ends_the_sweep(tmp_path: Path) -> None:
+    """`runner stop SWEEP/N` signals the job's launcher: in a sequential sweep, the sweep's own
+    process, which then started no other job, while stop said only that the job was cancelled."""
+    from runner.job.lifecycle import sweep_it_ends
+
+    launchers = {
+        "sequential": "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+        "parallel": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
+    }
+    for name, target in launchers.items():
+        (tmp_path / name / "0").mkdir(parents=True)
+        record = {"hydra": {"launcher": {"_target_": target}}, "model": {"name": "tiny"}}
+        (tmp_path / name / "multirun.yaml").write_text(yaml.safe_dump(record))
+    assert sweep_it_ends(RunDir(tmp_path / "sequential" / "0")) == tmp_path / "sequential"
+    assert sweep_it_ends(RunDir(tmp_path / "parallel" / "0")) is None
+    assert sweep_it_ends(RunDir(tmp_path / "alone")) is None  # no sweep's

@@ -19,6 +19,7 @@ from runner.job.lifecycle import (
     runs_table,
     stall_note,
     stopped_processes,
+    sweep_it_ends,
     wait_until_final,
 )
 from runner.paths import user_path
@@ -98,6 +99,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     stopped = stopped_processes(run) if state == STALLED else []
     pid = request_stop(run)
     print(f"asked process {pid} to save a checkpoint and stop")
+    sweep = sweep_it_ends(run)
+    if sweep is not None:
+        print(
+            f"{sweep}: the sweep stops with it, as its jobs run one after another in that "
+            "process, and starts no other job; its own command given again with "
+            f"hydra.sweep.dir={sweep} goes on with the sweep"
+        )
     if state == STALLED:
         print(stall_note(run, why, stopped, args.timeout))
     state = wait_until_final(run, args.timeout)

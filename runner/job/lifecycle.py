@@ -14,6 +14,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import yaml
+
 from runner.errors import UserError
 from runner.paths import pasteable
 from runner.rundir import (
@@ -253,6 +255,18 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
         for stopped in stopped_processes(run):
             os.kill(stopped, signal.SIGCONT)
     return pid
+
+
+def sweep_it_ends(run: RunDir) -> Path | None:
+    """The sweep that a stop of `run` ends too: a sequential sweep's, whose own process trains
+    its jobs one after another (a parallel sweep's job has a process of its own); else None."""
+    record = run.path.parent / "multirun.yaml"  # Hydra's record of the sweep, its launcher's
+    try:
+        hydra = (yaml.safe_load(record.read_text()) or {}).get("hydra") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    launcher = str((hydra.get("launcher") or {}).get("_target_", ""))
+    return None if "joblib" in launcher else run.path.parent
 
 
 def stopped_processes(run: RunDir) -> list[int]:
