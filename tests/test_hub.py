@@ -348,6 +348,17 @@ def test_token_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert TokenRef.parse(f"file:{tmp_path / 'none'}").read() is False
     monkeypatch.delenv("HF_TOKEN")
     assert TokenRef.parse("env:HF_TOKEN").read() is None and TokenRef.parse(None).read() is None
+    # Those two send huggingface_hub's login, where there is one: a refusal says so, where it
+    # said that no token was given.
+    login = tmp_path / "login_token"
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(login))
+    assert TokenRef.parse("env:HF_TOKEN").state().startswith("no token was given (")
+    login.write_text(SECRET)
+    for ref, given in (("env:HF_TOKEN", "env:HF_TOKEN"), (None, "null")):
+        assert TokenRef.parse(ref).state() == (
+            f"the token of the login of `hf auth login` (runtime.hf_token={given}) has no access "
+            "to it"
+        )
     for raw in (SECRET, "env:", "vault:x"):
         with pytest.raises(UserError) as raised:
             TokenRef.parse(raw)

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from runner import api
 from runner.job import launch
+from runner.paths import SAMPLE_DATA_DIR
 from runner.rundir import RunDir, RunLocked, run_lock
 from tests.conftest import QUICK
 
@@ -102,6 +103,26 @@ def test_a_run_outlives_its_console_and_saves_on_a_hangup(hermetic_env, tmp_path
     status = state_of(run_dir)
     assert status["state"] == "cancelled" and "stopped by SIGHUP" in status["error"], status
     assert (run_dir / "checkpoints" / f"step_{status['step']}").is_dir()
+
+
+def test_a_stop_signal_ignored_at_the_start_stays_ignored() -> None:
+    """`nohup runner train` (SIGHUP ignored) took the stop handlers' SIGHUP over, so a closed
+    terminal cancelled the run nohup was there to keep; a job a script starts in the
+    background (SIGINT ignored) took Ctrl-C."""
+    from runner.trainer.parent import stop_signals_to
+
+    def handler(signum: int, frame: object) -> None:
+        pass
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_signals_to(handler) as replaced:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is handler
+            assert signal.SIGHUP not in replaced and signal.SIGTERM in replaced
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def freeze(run_dir: Path, pid: int, seconds: float) -> None:
@@ -257,6 +278,19 @@ def test_another_users_run_is_one_line_of_permission(hermetic_env) -> None:
             assert "permission denied" in logs.stderr
             runs = as_nobody("runs", str(root))
             assert f"not read (permission denied): {run.path}" in runs.stderr, runs.stderr
+        # A data file of another user's: Hydra's report, a generic line, the run's directory
+        # left behind.
+        data = root / "data.jsonl"
+        data.write_text((SAMPLE_DATA_DIR / "train.jsonl").read_text())
+        data.chmod(0o600)
+        (root / "theirs_too").mkdir()
+        (root / "theirs_too").chmod(0o777)
+        new = root / "theirs_too" / "new"
+        train = as_nobody("train", *QUICK, f"dataset.source={data}", f"hydra.run.dir={new}")
+        assert train.returncode == 2 and not new.exists(), train.stderr[-3000:]
+        assert train.stderr.endswith(
+            f"error: dataset.source='{data}': this user (uid 65534) may not read it\n"
+        ), train.stderr[-3000:]
     finally:
         sleeper.kill()
         shutil.rmtree(root)

@@ -87,6 +87,9 @@ def local_source(key: str, source: str) -> str:
             source,
             f"no such file or directory; give a data file ({_extensions()}) or a directory of them",
         )
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        # Another user's, on a shared disk: the read that failed later was a traceback.
+        raise UserError(key, source, f"this user (uid {os.getuid()}) may not read it")
     # Not resolve(): a file in the hub cache is a symlink to a blob without its name.
     return os.path.abspath(path)
 

@@ -173,10 +173,17 @@ class TokenRef:
 
     def state(self) -> str:
         """How the token stands, in words, for an error message (never its value)."""
+        token = self.read()
+        if token is None:
+            from huggingface_hub import get_token
+
+            if get_token():  # what huggingface_hub sent in its place: HF_TOKEN's, the login's
+                given = f"{self.key}={self.ref or 'null'}"
+                return f"the token of the login of `hf auth login` ({given}) has no access to it"
         if self.ref is None:
             return f"no token reference was given ({self.key}=null)"
         kind, _, where = self.ref.partition(":")
-        if isinstance(self.read(), str):
+        if isinstance(token, str):
             return f"the token from {self.key}={self.ref} has no access to it"
         if kind == "env":
             return f"no token was given ({self.key}={self.ref}, and {where} is not set)"

@@ -174,11 +174,14 @@ def _forked_worker(recipe_path: str) -> None:
     # (runner.trainer.process).
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
-    # The launcher's handlers: the elastic agent's of the stop signals; Hydra's logging (its
-    # console, and RUN/train.log, which rank 0 alone writes: _log_to_file).
+    # The launcher's handlers: the elastic agent's of the stop signals (one ignored stays so,
+    # as across a fresh interpreter's exec); Hydra's logging (its console, and RUN/train.log,
+    # which rank 0 alone writes: _log_to_file).
     for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)
     try:
@@ -345,6 +348,9 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     # gloo ranks can read a dead peer's address ("connectFullMesh ... Connection refused"); a
     # store per attempt, hosted by rank 0, starts each attempt clean.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        # Under nohup: the elastic agent took SIGHUP over, and stopped the workers with it.
+        config.signals_to_handle = "SIGTERM,SIGINT,SIGQUIT"
     why_fresh = _why_fresh(recipe)
     log.info("workers: %s", f"fresh interpreters ({why_fresh})" if why_fresh else "forked")
     try:

@@ -414,7 +414,8 @@ def _stop_parallel_jobs_on_signals(sweep_dir: Path) -> None:
         threading.Thread(target=_stop_jobs, args=(sweep_dir,), daemon=True).start()
 
     for signum in STOP_SIGNALS:
-        signal.signal(signum, on_signal)
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(signum, on_signal)
 
 
 def _stop_jobs(sweep_dir: Path) -> None:

@@ -25,12 +25,19 @@ Handler = Callable[[int, Any], None]
 @contextlib.contextmanager
 def stop_signals_to(handler: Handler) -> Iterator[dict[signal.Signals, Any]]:
     """`handler` takes the STOP_SIGNALS inside the block, which gets the handlers it replaced
-    (to hand a second signal back to them); they come back as the block ends. Off the main
-    thread, where Python lets no handler be set, the block runs with the signals as they are."""
+    (to hand a second signal back to them); they come back as the block ends. A signal this
+    process was started with ignored stays ignored: `nohup runner train` outlives its terminal's
+    SIGHUP, and a job started in the background of a script, Ctrl-C (POSIX shells start it with
+    SIGINT ignored). Off the main thread, where Python lets no handler be set, the block runs
+    with the signals as they are."""
     if threading.current_thread() is not threading.main_thread():
         yield {}
         return
-    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    previous = {
+        signum: signal.signal(signum, handler)
+        for signum in STOP_SIGNALS
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    }
     try:
         yield previous
     finally:
