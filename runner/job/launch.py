@@ -348,9 +348,13 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     # gloo ranks can read a dead peer's address ("connectFullMesh ... Connection refused"); a
     # store per attempt, hosted by rank 0, starts each attempt clean.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
-        # Under nohup: the elastic agent took SIGHUP over, and stopped the workers with it.
-        config.signals_to_handle = "SIGTERM,SIGINT,SIGQUIT"
+    # The elastic agent takes its signals over even where this process ignores them (nohup's
+    # SIGHUP, a background job's SIGINT), and stopped the workers with them: left out.
+    config.signals_to_handle = ",".join(
+        name
+        for name in config.signals_to_handle.split(",")
+        if signal.getsignal(getattr(signal, name.strip())) is not signal.SIG_IGN
+    )
     why_fresh = _why_fresh(recipe)
     log.info("workers: %s", f"fresh interpreters ({why_fresh})" if why_fresh else "forked")
     try:

@@ -413,9 +413,27 @@ def _stop_parallel_jobs_on_signals(sweep_dir: Path) -> None:
         print(f"{name}: stopping the sweep's running jobs, starting no other", file=sys.stderr)
         threading.Thread(target=_stop_jobs, args=(sweep_dir,), daemon=True).start()
 
+    _trackers_outlive_a_hangup()
     for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             signal.signal(signum, on_signal)
+
+
+def _trackers_outlive_a_hangup() -> None:
+    """joblib's and multiprocessing's resource trackers, started here with SIGHUP ignored (which
+    stays so across their exec). They ignore SIGINT and SIGTERM themselves, not SIGHUP: a closed
+    terminal's hangup killed them while the sweep stopped its jobs, and each job's end printed
+    their KeyError tracebacks and "resource_tracker: process died unexpectedly"."""
+    from multiprocessing import resource_tracker
+
+    from joblib.externals.loky.backend import resource_tracker as loky_tracker
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+        loky_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def _stop_jobs(sweep_dir: Path) -> None:
