@@ -104,8 +104,8 @@ def test_no_import_circle() -> None:
 
 # The folders of runner/ in the order a job flows through them (README, Architecture): a module
 # imports from its own folder and from folders after its own, never before. runner.api is the
-# Python front beside the CLI; errors, paths, notices, components and devices are the ground every
-# folder stands on.
+# Python front beside the CLI; errors, paths, notices, console, components and devices are the
+# ground every folder stands on.
 FLOW = (
     "cli",
     "api",
@@ -123,6 +123,7 @@ FLOW = (
     "devices",
     "paths",
     "notices",
+    "console",
     "errors",
 )
 

@@ -56,7 +56,7 @@ def _run(name: str, argv: list[str]) -> int | None:
         from runner.cli.lifecycle import resume_argv
 
         name, *argv = resume_argv(argv)
-    if name in ("train", "deploy"):
+    if name in ("train", "deploy") and not {"-h", "--help"} & set(argv):
         outlive_the_reader()  # `runner train ... | head` trains on once head has its lines
     if name in LIFECYCLE_COMMANDS:
         from runner.cli.lifecycle import main as lifecycle_main

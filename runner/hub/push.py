@@ -35,6 +35,7 @@ from runner.rundir import (
     CHECKPOINTS_DIR,
     TRAINING_STATE_FILE,
     RunDir,
+    checkpoint_step,
     is_run_dir,
     is_sweep_dir,
 )
@@ -147,7 +148,9 @@ def push(
 
     files = _files(path)
     run = source_run(path, checkpoint)
-    card = model_card(path, target, files, run, _step(checkpoint or path))
+    pushed = checkpoint or path  # a checkpoint's step, whose metrics the card gives
+    step = checkpoint_step(pushed) if pushed.parent.name == CHECKPOINTS_DIR else None
+    card = model_card(path, target, files, run, step)
     written = {CARD_FILE: card.encode()} if CARD_FILE not in files else {}
     if ADAPTER_CONFIG_FILE in files:
         written[ADAPTER_CONFIG_FILE] = _adapter_config(files[ADAPTER_CONFIG_FILE], _recipe(run))
@@ -191,14 +194,6 @@ def _again(path: Path, target: HubSource, token: TokenRef, private: bool) -> str
     )
     command = shlex.join(["runner", "push", str(path), target.uri, *flags])
     return f"`{command}` pushes again, sending only what the hub does not have"
-
-
-def _step(path: Path) -> int | None:
-    """The step of a checkpoint dir (RUN/checkpoints/step_N), else None."""
-    name = path.name
-    if path.parent.name == CHECKPOINTS_DIR and name.startswith("step_") and name[5:].isdigit():
-        return int(name[5:])
-    return None
 
 
 def _adapter_config(local: Path, recipe: dict[str, Any]) -> bytes:

@@ -44,6 +44,7 @@ from runner.rundir.run import (
     RECIPE_FILE,
     TRACKERS_FILE,
     RunDir,
+    checkpoint_step,
     is_run_dir,
     lora_base,
 )

@@ -274,9 +274,9 @@ class RunDir:
             return []
         found = []
         for child in self.checkpoints_dir.iterdir():
-            match = _CHECKPOINT_NAME.match(child.name)
-            if match and child.is_dir():
-                found.append((int(match.group(1)), child))
+            step = checkpoint_step(child)
+            if step is not None and child.is_dir():
+                found.append((step, child))
         return sorted(found)
 
     def latest_checkpoint(self) -> Path | None:
@@ -372,6 +372,12 @@ class RunDir:
             if (value := number(record.get(metric))) is not None
         ]
         return scored[-1] if scored else None
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a checkpoint's directory by its name (step_<N>), else None."""
+    match = _CHECKPOINT_NAME.match(path.name)
+    return int(match.group(1)) if match else None
 
 
 def _record(line: str | bytes) -> dict[str, Any] | None:
