@@ -6,7 +6,9 @@ import importlib.util
 import io
 import json
 import logging
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -357,3 +359,34 @@ def test_a_run_on_a_read_only_disk_is_one_message_to_export_and_resume(
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
         (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert line.startswith(f"error: {said}"), line
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="mounts a tiny /dev/shm in a mount namespace of its own: needs root and unshare",
+)
+def test_a_shared_memory_without_room_for_the_loaders_workers_is_one_line(
+    hermetic_env, tmp_path: Path
+) -> None:
+    """A container's /dev/shm (Docker's is 64 MB) full: `dataset.num_workers=2` failed the run
+    with a bare `OSError: [Errno 28] No space left on device`, naming neither."""
+    run_dir = tmp_path / "run"
+    train = shlex.join(
+        [sys.executable, "-m", "runner", "train", *QUICK, "max_steps=2", "eval.strategy=no"]
+        + ["dataset.num_workers=2", f"hydra.run.dir={run_dir}"]
+    )
+    fill = "dd if=/dev/zero of=/dev/shm/fill bs=1k count=1100 2>/dev/null"
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs /dev/shm; {fill}; {train}"],
+        env=hermetic_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.endswith(
+        "give dataset.num_workers=0, or more shared memory (a container's --shm-size)\n"
+    ), result.stderr[-3000:]
+    assert "error: dataset.num_workers=2: its workers pass batches through /dev/shm" in (
+        result.stderr
+    )

@@ -4,6 +4,9 @@ saved position onwards."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import shutil
 import signal
 from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
@@ -22,6 +25,10 @@ from torch.utils.data import (
 from runner.data.stream import START, Position, StreamSplit
 from runner.errors import UserError
 from runner.trainer.parallel import Placement
+from runner.trainer.parent import STOP_SIGNALS
+
+# Where a loader's workers put the batches they pass to the trainer (POSIX shared memory).
+SHARED_MEMORY = Path("/dev/shm")
 
 Batch = dict[str, torch.Tensor]
 
@@ -86,12 +93,13 @@ class EpochBatches:
                 generator=torch.Generator(),
             )
             group = []
-            for batch in loader:
-                group.append(batch)
-                if len(group) == self.accumulation:
-                    self.batches_done_in_epoch += self.accumulation
-                    yield group
-                    group = []
+            with _shared_memory(self.num_workers):
+                for batch in loader:
+                    group.append(batch)
+                    if len(group) == self.accumulation:
+                        self.batches_done_in_epoch += self.accumulation
+                        yield group
+                        group = []
             self.epoch += 1
             self.batches_done_in_epoch = 0
 
@@ -204,12 +212,13 @@ class StreamBatches:
             worker_init_fn=_leave_signals_to_the_trainer,
         )
         group = []
-        for batch, position in loader:
-            group.append(batch)
-            if len(group) == self.accumulation:
-                self.stream.position = (position[0], position[1], position[2])
-                yield group
-                group = []
+        with _shared_memory(self.num_workers):
+            for batch, position in loader:
+                group.append(batch)
+                if len(group) == self.accumulation:
+                    self.stream.position = (position[0], position[1], position[2])
+                    yield group
+                    group = []
 
     def position(self) -> dict[str, Any]:
         """The training state's stream position: each rank's reader's (every rank joins)."""
@@ -240,10 +249,31 @@ class StreamBatches:
         self.stream.position = (epoch, window, index)
 
 
+@contextlib.contextmanager
+def _shared_memory(num_workers: int) -> Iterator[None]:
+    """A loader's workers pass their batches through /dev/shm: one without room for them
+    (a container's, 64 MB by default in Docker) failed the run with a bare ENOSPC, naming
+    neither. Only the loader's own work runs inside: the trainer's runs between its yields."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        full = getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
+        if not num_workers or not full:
+            raise
+        free = shutil.disk_usage(SHARED_MEMORY).free // 2**20 if SHARED_MEMORY.is_dir() else 0
+        raise UserError(
+            "dataset.num_workers",
+            num_workers,
+            f"its workers pass batches through {SHARED_MEMORY}, which has no room for them "
+            f"({free} MiB free; {err}); give dataset.num_workers=0, or more shared memory (a "
+            "container's --shm-size)",
+        ) from None
+
+
 def _leave_signals_to_the_trainer(_worker_id: int) -> None:
-    """A loader worker ignores SIGTERM and SIGINT: `runner stop` signals the launcher's whole
-    process group and Ctrl-C the terminal's, and a worker killed by either would fail the
-    training process's next batch before it saves its checkpoint. The trainer ends its workers
-    as it exits (and each ends on its own when the trainer is gone)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """A loader worker ignores the stop signals: `runner stop` signals the launcher's whole
+    process group, Ctrl-C and a closed terminal's SIGHUP the terminal's, and a worker killed by
+    one would fail the training process's next batch before it saves its checkpoint. The
+    trainer ends its workers as it exits (and each ends on its own when the trainer is gone)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
