@@ -37,7 +37,7 @@ from runner.job.launch import (
     node_rank_of,
     stops_before_workers,
 )
-from runner.job.lifecycle import preference_rewards, wait_for_orphans
+from runner.job.lifecycle import last_logged, wait_for_orphans
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
 from runner.paths import pasteable, user_path
 from runner.rundir import (
@@ -464,7 +464,7 @@ def _print_summary(run: RunDir) -> None:
     evaluation = status.eval or {}
     if "eval_exact_match" in evaluation:
         lines.insert(1, f"held-out exact match: {evaluation['eval_exact_match']:.1%}")
-    rewards = preference_rewards(run)
+    _, rewards = last_logged(run)  # a preference run's; empty for a supervised one
     for split, label in (("eval", "held-out"), ("train", "train")):
         if f"{split}_accuracy" in rewards:
             lines.insert(

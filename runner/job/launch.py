@@ -47,6 +47,7 @@ from runner.trainer.parent import (
     PR_SET_PDEATHSIG,
     STOP_SIGNALS,
     stop_signals_to,
+    takeable,
 )
 
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
@@ -177,11 +178,9 @@ def _forked_worker(recipe_path: str) -> None:
     # The launcher's handlers: the elastic agent's of the stop signals (one ignored stays so,
     # as across a fresh interpreter's exec); Hydra's logging (its console, and RUN/train.log,
     # which rank 0 alone writes: _log_to_file).
-    for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in takeable(STOP_SIGNALS):
+        default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        signal.signal(signum, default)
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)
     try:
@@ -350,11 +349,8 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # The elastic agent takes its signals over even where this process ignores them (nohup's
     # SIGHUP, a background job's SIGINT), and stopped the workers with them: left out.
-    config.signals_to_handle = ",".join(
-        name
-        for name in config.signals_to_handle.split(",")
-        if signal.getsignal(getattr(signal, name.strip())) is not signal.SIG_IGN
-    )
+    named = tuple(signal.Signals[name.strip()] for name in config.signals_to_handle.split(","))
+    config.signals_to_handle = ",".join(signum.name for signum in takeable(named))
     why_fresh = _why_fresh(recipe)
     log.info("workers: %s", f"fresh interpreters ({why_fresh})" if why_fresh else "forked")
     try:

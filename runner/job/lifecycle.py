@@ -139,12 +139,6 @@ def last_logged(run: RunDir) -> tuple[tuple[int, float] | None, dict[str, float]
     return loss, rewards
 
 
-def preference_rewards(run: RunDir) -> dict[str, float]:
-    """A preference run's last training and evaluation rewards (last_logged); empty for a
-    supervised run."""
-    return last_logged(run)[1]
-
-
 def _rewards_text(rewards: dict[str, float]) -> str:
     """'acc 62%, margin 0.41' of the eval pairs where evaluated, else of the training pairs."""
     split = "eval" if "eval_accuracy" in rewards else "train"

@@ -43,7 +43,7 @@ from runner.rundir import (
     write_text_atomic,
 )
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
-from runner.trainer.parent import STOP_SIGNALS
+from runner.trainer.parent import STOP_SIGNALS, takeable
 
 SUMMARY_TABLE = "summary.md"
 LOSS_PLOT = "loss_curves.png"
@@ -414,9 +414,8 @@ def _stop_parallel_jobs_on_signals(sweep_dir: Path) -> None:
         threading.Thread(target=_stop_jobs, args=(sweep_dir,), daemon=True).start()
 
     _trackers_outlive_a_hangup()
-    for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
-            signal.signal(signum, on_signal)
+    for signum in takeable(STOP_SIGNALS):
+        signal.signal(signum, on_signal)
 
 
 def _trackers_outlive_a_hangup() -> None:

@@ -22,6 +22,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 Handler = Callable[[int, Any], None]
 
 
+def takeable(signals: tuple[signal.Signals, ...]) -> list[signal.Signals]:
+    """Of `signals`, those this process may take a handler for: one it was started with
+    ignored (nohup's SIGHUP, a background job's SIGINT) stays ignored."""
+    return [signum for signum in signals if signal.getsignal(signum) is not signal.SIG_IGN]
+
+
 @contextlib.contextmanager
 def stop_signals_to(handler: Handler) -> Iterator[dict[signal.Signals, Any]]:
     """`handler` takes the STOP_SIGNALS inside the block, which gets the handlers it replaced
@@ -33,11 +39,7 @@ def stop_signals_to(handler: Handler) -> Iterator[dict[signal.Signals, Any]]:
     if threading.current_thread() is not threading.main_thread():
         yield {}
         return
-    previous = {
-        signum: signal.signal(signum, handler)
-        for signum in STOP_SIGNALS
-        if signal.getsignal(signum) is not signal.SIG_IGN
-    }
+    previous = {signum: signal.signal(signum, handler) for signum in takeable(STOP_SIGNALS)}
     try:
         yield previous
     finally:
