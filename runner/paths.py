@@ -20,6 +20,14 @@ UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+def unwritable_fix(err: OSError, setting: str) -> str:
+    """What a cache that could not take a file (an errno of UNWRITABLE) says after naming it:
+    why, and the fix, `setting` pointed elsewhere."""
+    room = "free space there, or " if err.errno in FULL else ""
+    where = "a directory with room that this user may write"
+    return f"({err.strerror}); {room}set {setting} to {where}"
+
+
 def user_path(given: object) -> Path:
     """A path a user typed, `~` expanded as the shell does unquoted: Hydra keeps a quoted
     `hydra.run.dir='~/runs'` as typed, and a directory named `~` was made in the working

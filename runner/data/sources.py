@@ -35,7 +35,7 @@ from runner.data.files import (
     xml_rows,
 )
 from runner.errors import UserError
-from runner.paths import FULL, UNWRITABLE, user_path
+from runner.paths import UNWRITABLE, unwritable_fix, user_path
 
 FORMATS: dict[str, tuple[str, ...]] = {
     "json": (".json", ".jsonl"),
@@ -329,13 +329,8 @@ def _cache_error(key: str, source: str, err: BaseException | None) -> UserError 
     at = Path(err.filename) if err.filename else cache  # a directory made for it, or in it
     if not (at in (cache, *cache.parents) or cache in at.parents):
         return None
-    room = "free space there, or " if err.errno in FULL else ""
-    return UserError(
-        key,
-        source,
-        f"datasets could not write its cache {cache} ({err.strerror}); {room}set "
-        "HF_DATASETS_CACHE (or HF_HOME) to a directory with room that this user may write",
-    )
+    fix = unwritable_fix(err, "HF_DATASETS_CACHE (or HF_HOME)")
+    return UserError(key, source, f"datasets could not write its cache {cache} {fix}")
 
 
 @contextlib.contextmanager

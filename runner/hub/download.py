@@ -35,7 +35,7 @@ from huggingface_hub.utils import validate_repo_id
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError
-from runner.paths import FULL, UNWRITABLE, user_path
+from runner.paths import UNWRITABLE, unwritable_fix, user_path
 
 SCHEME = "hf://"
 URI_FORM = "hf://org/repo, hf://org/repo/path/in/repo or hf://org/repo@revision/path"
@@ -297,13 +297,11 @@ class Hub:
         except OSError as err:
             if err.errno not in UNWRITABLE:
                 raise
-            room = "free space there, or " if err.errno in FULL else ""
             raise UserError(
                 key,
                 source.uri,
                 f"{source.describe()} could not be written into the cache {self.cache_dir} "
-                f"({err.strerror}); {room}set runtime.cache_dir to a directory with room that "
-                "this user may write",
+                + unwritable_fix(err, "runtime.cache_dir"),
             ) from None
 
     def _no_path(self, source: HubSource, key: str) -> UserError:
