@@ -233,6 +233,46 @@ def test_killed_worker_restarts_the_group_and_ends_with_the_same_loss(
     assert losses(run_dir) == straight  # exact: same layout, replayed from the checkpoint
 
 
+# Loaded as KILL_RANK_1 is: rank 1 fails with an error of its own in its 2nd optimizer step.
+FAIL_RANK_1 = """
+import os
+import torch.optim
+
+_step, _calls = torch.optim.AdamW.step, [0]
+
+def step(self, *args, **kwargs):
+    if os.environ.get("RANK") == "1":
+        _calls[0] += 1
+        if _calls[0] == 2:
+            raise RuntimeError("can't start new thread")
+    return _step(self, *args, **kwargs)
+
+torch.optim.AdamW.step = step
+"""
+
+
+def test_a_ranks_own_error_is_the_runs_not_the_lost_contact_it_causes(
+    hermetic_env, tmp_path: Path
+) -> None:
+    """Rank 0, which writes status.json, only loses contact with a rank that failed on its own
+    (a thread it could not start under a pids limit, a file it could not read): the run's error,
+    in status.json, train.log and the last line, is that rank's own."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FAIL_RANK_1)
+    path = ":".join(p for p in (str(hooks), hermetic_env.get("PYTHONPATH", "")) if p)
+    run_dir = tmp_path / "failed"
+    args = [*BASE, *ONE_BY_TWO, "compute.max_restarts=0", f"hydra.run.dir={run_dir}"]
+    code, output = finish(start({**hermetic_env, "PYTHONPATH": path}, tmp_path, *args))
+    assert code == 1, output[-3000:]
+    error = "rank 1 failed: RuntimeError: can't start new thread"
+    assert output.strip().splitlines()[-1].endswith(error), output[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["error"].endswith(error), status
+    assert error in (run_dir / "train.log").read_text()
+    assert not list(run_dir.glob(".failed-rank*"))  # read by the launcher, and gone
+
+
 def test_sigterm_to_one_worker_saves_a_checkpoint_and_exits_143(
     hermetic_env, tmp_path: Path
 ) -> None:

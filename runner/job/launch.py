@@ -338,7 +338,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    from runner.trainer.process import tell
+    from runner.trainer.process import LOST_CONTACT, tell
 
     config = _rendezvous_config(recipe, node_rank)
     log.info("rendezvous: c10d at %s, run id %s", config.rdzv_endpoint, config.run_id)
@@ -353,6 +353,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     config.signals_to_handle = ",".join(signum.name for signum in takeable(named))
     why_fresh = _why_fresh(recipe)
     log.info("workers: %s", f"fresh interpreters ({why_fresh})" if why_fresh else "forked")
+    launched = time.time()
     try:
         if why_fresh is None:
             config.start_method = "fork"
@@ -374,11 +375,16 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         rank, failure = min(err.failures.items())
         status = run.status()
         error = status.error or "see its output above"
+        why = f"rank {rank} exited with {failure.exitcode}; {error}"
+        # Rank 0, which writes status.json, may only have lost contact with the rank that failed.
+        cause = run.take_failure(since=launched)
+        others = cause is not None and error.startswith((LOST_CONTACT, "see its output"))
+        if cause is not None and others:
+            why = f"rank {cause[0]} failed: {cause[1]}"
         message = (
-            f"training failed after {config.max_restarts} restart(s) (compute.max_restarts): "
-            f"rank {rank} exited with {failure.exitcode}; {error}"
+            f"training failed after {config.max_restarts} restart(s) (compute.max_restarts): {why}"
         )
-        if status.state in ACTIVE_STATES:  # a worker killed, or restarted until none was left
+        if status.state in ACTIVE_STATES or others:  # a worker killed, or another rank's error
             run.write_status("failed", error=message)
         tell(message)
         raise SystemExit(1) from None

@@ -165,6 +165,9 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
         at_step = {"step": err.step} if isinstance(err, Diverged) else {}
         message = _error_message(err, cfg)
+        lost = lost_peer_line(err)
+        if lost is None and state == "failed" and not rank_zero:
+            recipe.run.record_failure(_rank(), message)  # its peers lose contact with it after
         left = _restarts_left()
         if state == "failed" and left:
             # The elastic agents start the workers again (a lost node may come back within
@@ -173,7 +176,6 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
             message = f"restarting ({left} restart(s) left of compute.max_restarts) after {message}"
         status(state, error=message, **at_step)
         log.info("%s at step %d: %s", state, recipe.step, message)  # the console's is the CLI's
-        lost = lost_peer_line(err)
         if lost is None:
             raise  # a bug: its traceback is the report
         # Not a bug but a peer gone: one line, then the launcher's message.
@@ -298,12 +300,16 @@ def lost_peer_line(err: BaseException) -> str | None:
         return None
     address = _PEER_ADDRESS.search(text)
     peer = f"its peer at {address[1]}:{address[2]}" if address else "a peer"
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     why = found[0] if found else type(err).__name__
     return (
-        f"[rank{rank}]: lost {peer} during {_collective(err)} ({why}): a process or node of the "
+        f"[rank{_rank()}]: lost {peer} during {_collective(err)} ({why}): a process or node of the "
         "run is gone or hung"
     )
+
+
+def _rank() -> int:
+    """This process's rank in the run (0 for a process of none)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def _collective(err: BaseException) -> str:
@@ -316,12 +322,15 @@ def _collective(err: BaseException) -> str:
     return names[-1] if names else "a collective"
 
 
+LOST_CONTACT = "lost contact with another rank"
+
+
 def _error_message(err: BaseException, cfg: DictConfig) -> str:
     # status.json and train.log keep it: a library's message may hold a URL's password.
     message = redact_text(error_line(err))
     if isinstance(err, dist.DistError) or _from_backend(err):
         return (
-            "lost contact with another rank (a dead or hung peer; collectives wait at most "
+            f"{LOST_CONTACT} (a dead or hung peer; collectives wait at most "
             f"compute.collective_timeout_s={cfg.compute.collective_timeout_s} s): {message}"
         )
     return message
