@@ -4,13 +4,15 @@
 to the console fails (EPIPE, EIO, ENOSPC), and each process of the run met it as an error in
 whatever wrote (the loop's step line), which failed the run without a checkpoint. The console is
 a side channel (train.log keeps every line; a server answers over HTTP), so once it fails its
-descriptor is pointed at /dev/null and the process goes on.
+descriptor is pointed at /dev/null and the process goes on. A closed terminal also sends
+SIGHUP, which such a command takes as it takes SIGTERM, unless started with it ignored (nohup).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 from typing import Any, TextIO
 
@@ -59,3 +61,9 @@ def outlive_the_reader() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _Console):
             setattr(sys, name, _Console(stream))
+
+
+def takeable(signals: tuple[signal.Signals, ...]) -> list[signal.Signals]:
+    """Of `signals`, those this process may take a handler for: one it was started with
+    ignored (nohup's SIGHUP, a background job's SIGINT) stays ignored."""
+    return [signum for signum in signals if signal.getsignal(signum) is not signal.SIG_IGN]

@@ -1,4 +1,4 @@
-"""`runner deploy` as a command and as a server's lifetime: interrupted by Ctrl-C or SIGTERM
+"""`runner deploy` as a command and as a server's lifetime: interrupted by Ctrl-C, SIGTERM or SIGHUP
 with nothing left running, the engine in a process of its own or in the server's, a full
 queue's 429, its startup heap frozen, and the config's checks; a tiny checkpoint on the CPU."""
 
@@ -190,14 +190,15 @@ def _children(pid: int) -> set[int]:
 
 @pytest.mark.parametrize(
     ("stop", "process"),
-    [(signal.SIGINT, "true"), (signal.SIGTERM, "true"), (signal.SIGINT, "false")],
-    ids=["ctrl-c, engine process", "sigterm, engine process", "ctrl-c, one process"],
+    [(signal.SIGINT, "true"), (signal.SIGTERM, "true"), (signal.SIGHUP, "false")],
+    ids=["ctrl-c, engine process", "sigterm, engine process", "hangup, one process"],
 )
 def test_deploy_command_serves_until_interrupted(
     served_run: Path, generate_reference, stop, process
 ) -> None:
-    # compute=cpu dtype=fp32 (the command serves on the CPU here). Either stop, sent to the
-    # whole process group, leaves nothing it started running.
+    # compute=cpu dtype=fp32 (the command serves on the CPU here). Each stop, sent to the
+    # whole process group, leaves nothing it started running; a hangup (its terminal closed)
+    # ended the server at once, the stream in flight cut off.
     env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
     command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={served_run}", "port=0"]
     command += ["device=cpu", "dtype=fp32", f"transformers.process={process}"]

@@ -9,8 +9,10 @@ import ipaddress
 import logging
 import math
 import os
+import signal
 import socket
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import uvicorn
@@ -20,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.components import plain_dict
 from runner.config.schema import Deploy, typed
 from runner.config.secrets import check_env_name
+from runner.console import takeable
 from runner.deploy.routes import ServedModel, close_engines
 from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
 from runner.errors import UserError
@@ -269,7 +272,8 @@ def _vllm_model(
 
 
 def run_server(app: FastAPI, sock: socket.socket) -> None:
-    """Serve `app` on the bound socket until SIGINT/SIGTERM, then drain and stop the engines."""
+    """Serve `app` on the bound socket until SIGINT, SIGTERM or SIGHUP, then drain and stop the
+    engines."""
     # uvicorn shuts down gracefully on Ctrl-C, then raises it again: that is a normal end.
     with contextlib.suppress(KeyboardInterrupt):
         Server(app).run(sockets=[sock])
@@ -293,6 +297,21 @@ class Server(uvicorn.Server):
         )
         super().__init__(config)
         self._app, self._grace_s = app, grace_s
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's SIGINT and SIGTERM, and SIGHUP (the terminal or ssh session the server
+        was started in, closed: it ended the server at once, the requests in flight with it),
+        unless it was started ignored (nohup)."""
+        on_main = threading.current_thread() is threading.main_thread()  # as uvicorn's
+        with super().capture_signals():
+            taken = takeable((signal.SIGHUP,)) if on_main else []
+            previous = {signum: signal.signal(signum, self.handle_exit) for signum in taken}
+            try:
+                yield
+            finally:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         async def end_in_flight() -> None:

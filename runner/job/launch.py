@@ -40,6 +40,7 @@ from omegaconf import DictConfig
 
 from runner.components import plain_dict
 from runner.config import platforms
+from runner.console import takeable
 from runner.rundir import ACTIVE_STATES, RunDir
 from runner.trainer import determinism
 from runner.trainer.parent import (
@@ -47,7 +48,6 @@ from runner.trainer.parent import (
     PR_SET_PDEATHSIG,
     STOP_SIGNALS,
     stop_signals_to,
-    takeable,
 )
 
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.

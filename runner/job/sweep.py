@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import as_typed, override_key
 from runner.config.runtime import check_root
+from runner.console import takeable
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import request_stop
 from runner.rundir import (
@@ -43,7 +44,7 @@ from runner.rundir import (
     write_text_atomic,
 )
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
-from runner.trainer.parent import STOP_SIGNALS, takeable
+from runner.trainer.parent import STOP_SIGNALS
 
 SUMMARY_TABLE = "summary.md"
 LOSS_PLOT = "loss_curves.png"

@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from runner.console import takeable
+
 # The launcher's process id, in the environment of the workers it starts.
 LAUNCHER_PID_ENV = "RUNNER_LAUNCHER_PID"
 # prctl's option for the signal a process gets when its parent dies (<linux/prctl.h>).
@@ -20,12 +22,6 @@ PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 Handler = Callable[[int, Any], None]
-
-
-def takeable(signals: tuple[signal.Signals, ...]) -> list[signal.Signals]:
-    """Of `signals`, those this process may take a handler for: one it was started with
-    ignored (nohup's SIGHUP, a background job's SIGINT) stays ignored."""
-    return [signum for signum in signals if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 @contextlib.contextmanager
