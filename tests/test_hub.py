@@ -754,3 +754,26 @@ def test_off_the_hub_a_stream_reads_the_cached_copy(
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: closed
     local, _ = localize(cfg, hub)
     assert local.dataset.source == cached
+
+
+def test_a_file_a_cache_lacks_with_the_hub_out_of_reach_is_not_called_absent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repo cached without the hub's tree listing (by `hf download REPO FILE`, or an older
+    huggingface_hub), and the hub out of reach: snapshot_download answers with the cached
+    snapshot, which cannot say whether the repo has the file. It was reported as not on the
+    hub ("has no file or directory"), sending the user to fix a path that was right."""
+    cache = tmp_path / "hub"
+    cache_repo(
+        cache, "dataset", "acme/corpus", {"data/validation.jsonl": CORPUS["data/validation.jsonl"]}
+    )
+    hub = Hub(cache, TokenRef.parse(None), (), download_command=None)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: closed
+    source = parse_uri(
+        "hf://acme/corpus/data/train-00000-of-00002.jsonl", key="k", repo_type="dataset"
+    )
+    with pytest.raises(UserError) as refused:
+        hub.fetch(source, key="dataset.source")
+    assert "is not in the cache" in str(refused.value), refused.value
+    assert "the hub (http://127.0.0.1:9) is out of reach" in str(refused.value)

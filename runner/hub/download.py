@@ -248,6 +248,15 @@ class Hub:
             return local, snapshot.name
         if constants.HF_HUB_OFFLINE or only_cached:
             raise NotCachedError(key, source, self.not_cached([(key, source)], None), None)
+        # With the hub out of reach, snapshot_download answers with the cached snapshot, which
+        # without the hub's tree listing (`hf download REPO FILE` writes none) cannot say what
+        # the repo holds: asked, the hub out of reach is a NotCachedError.
+        with self.refusals(source, key):
+            from huggingface_hub import HfApi
+
+            HfApi(token=self.token.read()).repo_info(
+                source.repo_id, repo_type=source.repo_type, revision=source.revision
+            )
         raise self._no_path(source, key)
 
     def stream(self, source: HubSource, *, key: str) -> tuple[str | Path, str]:
