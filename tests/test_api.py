@@ -73,6 +73,11 @@ def test_a_run_launched_through_the_api_trains_to_completion(straight, workdir: 
     assert asyncio.run(collect()) == followed
     assert f"status:        completed at step {STEPS}" in run.console()
     assert api.Run(run.path).status() == status  # a handle on the directory reads the same
+    # Listed as `runner runs` lists it.
+    (listed,) = [found for found in api.runs(workdir / "outputs") if found.path == run.path]
+    assert listed.status() == status
+    with pytest.raises(UserError, match="no such directory; give a directory that holds runs"):
+        api.runs(workdir / "nowhere")
 
 
 def test_stop_and_resume_through_the_api_give_the_straight_run_losses(

@@ -18,7 +18,7 @@ The console output of each process started here (what `runner train` prints, its
 included) goes to a file beside its directory: `.<name>.console.log`. It outlives a launch whose
 run directory was removed because its config was refused, and that is where the error is read.
 
-configs: capabilities, compose, validate, estimate (in this process); runs: launch, Run,
+configs: capabilities, compose, validate, estimate (in this process); runs: launch, runs, Run,
 LogStream, sweep, Sweep; deployments: deploy, Deployment; processes: the detached processes they
 start and read.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from runner.api.configs import Capabilities, capabilities, compose, estimate, validate
 from runner.api.deployments import Deployment, deploy
-from runner.api.runs import LogStream, Run, Sweep, launch, sweep
+from runner.api.runs import LogStream, Run, Sweep, launch, runs, sweep
 
 __all__ = [
     "Capabilities",
@@ -40,6 +40,7 @@ __all__ = [
     "deploy",
     "estimate",
     "launch",
+    "runs",
     "sweep",
     "validate",
 ]

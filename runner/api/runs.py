@@ -55,6 +55,19 @@ def launch(
     return Run(path, _process=start(args, console_of(path), base, env), _cwd=base)
 
 
+def runs(*dirs: str | os.PathLike[str]) -> list[Run]:
+    """The runs under `dirs` (default ./outputs and ./multirun), newest first: those `runner
+    runs` lists. A directory that cannot be read, or a run removed as it is read, is passed
+    over; a dir that is no directory is a UserError."""
+    found = []
+    for run in lifecycle.find_runs(lifecycle.run_roots([user_path(d) for d in dirs])):
+        try:
+            found.append(Run(run.path))
+        except UserError:
+            continue  # removed since it was found
+    return found
+
+
 class Run:
     """A training run, by its directory: launched here, or any run directory (`Run(path)`; a
     path that holds none raises a UserError, a run that is starting is waited for)."""

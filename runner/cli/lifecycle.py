@@ -10,12 +10,12 @@ from pathlib import Path
 from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
 from runner.job.lifecycle import (
-    DEFAULT_ROOTS,
     LogReader,
     check_resumable,
     find_runs,
     request_stop,
     run_dir_at,
+    run_roots,
     runs_table,
     stall_note,
     stopped_processes,
@@ -61,11 +61,7 @@ def main(command: str, argv: list[str]) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    roots = args.dirs or [Path(d) for d in DEFAULT_ROOTS]
-    missing = [root for root in args.dirs if not root.is_dir()]
-    if missing:
-        found = "a file" if missing[0].exists() else "no such directory"
-        raise UserError("DIR", str(missing[0]), f"{found}; give a directory that holds runs")
+    roots = run_roots(args.dirs)
     unreadable: list[Path] = []
     runs = find_runs(roots, unreadable)
     if runs:

@@ -83,6 +83,15 @@ def _unreadable(run: RunDir) -> bool:
     return run.status().state == "unknown" and not lock_held(run.path)
 
 
+def run_roots(dirs: list[Path]) -> list[Path]:
+    """Where to look for runs: `dirs`, each a directory, else ./outputs and ./multirun."""
+    missing = [root for root in dirs if not root.is_dir()]
+    if missing:
+        found = "a file" if missing[0].exists() else "no such directory"
+        raise UserError("DIR", str(missing[0]), f"{found}; give a directory that holds runs")
+    return dirs or [Path(d) for d in DEFAULT_ROOTS]
+
+
 def find_runs(roots: list[Path], unreadable: list[Path] | None = None) -> list[RunDir]:
     """Run directories under `roots`, newest first. A directory that cannot be read is added
     to `unreadable` (where given); one removed while the roots are read is passed over, as a
