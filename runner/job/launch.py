@@ -375,16 +375,20 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         rank, failure = min(err.failures.items())
         status = run.status()
         error = status.error or "see its output above"
-        why = f"rank {rank} exited with {failure.exitcode}; {error}"
-        # Rank 0, which writes status.json, may only have lost contact with the rank that failed.
+        # Rank 0 writes status.json: where it only lost contact with a rank that failed of its
+        # own error (or wrote nothing), that rank's error is the run's.
         cause = run.take_failure(since=launched)
-        others = cause is not None and error.startswith((LOST_CONTACT, "see its output"))
-        if cause is not None and others:
-            why = f"rank {cause[0]} failed: {cause[1]}"
+        if not error.startswith((LOST_CONTACT, "see its output")):
+            cause = None
+        why = (
+            f"rank {cause[0]} failed: {cause[1]}"
+            if cause is not None
+            else f"rank {rank} exited with {failure.exitcode}; {error}"
+        )
         message = (
             f"training failed after {config.max_restarts} restart(s) (compute.max_restarts): {why}"
         )
-        if status.state in ACTIVE_STATES or others:  # a worker killed, or another rank's error
+        if status.state in ACTIVE_STATES or cause is not None:  # a worker killed; a rank's error
             run.write_status("failed", error=message)
         tell(message)
         raise SystemExit(1) from None
