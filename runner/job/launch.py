@@ -398,6 +398,8 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         run.write_status("failed", error=message)
         tell(message)
         raise SystemExit(1) from None
+    finally:
+        run.take_failure(since=launched)  # a restarted attempt's, in a run that went on
     # Workers stopped by SIGTERM end cleanly (no restart) and leave the run `cancelled`.
     status = run.status()
     if status.state == "cancelled":
