@@ -29,14 +29,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from runner.config.resolve import resolve_recipe
 from runner.data.stream import START, StreamSplit
 from runner.errors import UserError
-from runner.hub.download import (
-    Hub,
-    TokenRef,
-    allow_patterns,
-    default_cache_dir,
-    localize,
-    parse_uri,
-)
+from runner.hub.download import Hub, allow_patterns, default_cache_dir, localize, parse_uri
+from runner.hub.token import TokenRef
 from runner.job.preflight import check
 from runner.models.families import FAMILIES, hf_config
 from runner.models.tokenizer import ChatTokenizer

@@ -89,7 +89,7 @@ def refuse_typed_secrets(overrides: list[str]) -> None:
         if not equals or value == "null":
             continue
         if key.rpartition(".")[2] == "hf_token":
-            from runner.hub.download import TokenRef
+            from runner.hub.token import TokenRef
 
             TokenRef.parse(value, key)
         elif key == "api_key.env":

@@ -4,8 +4,8 @@
 Kubeflow's initializers take them). Everything lands in one cache per project
 (`runtime.cache_dir`), in huggingface_hub's own layout (models--org--name/snapshots/<commit>/),
 so a cache filled by `hf download` serves `runner` and the other way round.
-The hub token comes by reference (`runtime.hf_token`: env:NAME or file:PATH) and is read here,
-only when a download asks for it: never into a config, a run directory or a log.
+The hub token comes by reference (`runtime.hf_token`: runner.hub.token), read only when a
+download asks for it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from huggingface_hub.utils import validate_repo_id
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError
+from runner.hub.token import TokenRef
 from runner.paths import UNWRITABLE, unwritable_fix, user_path
 
 SCHEME = "hf://"
@@ -46,8 +47,6 @@ TYPE_PREFIXES = {"models": "model", "datasets": "dataset"}
 # The revisions whose names hold slashes that a URI writes as they are (huggingface_hub's
 # utils/_hf_uris.py: a pull request's, a parquet conversion's).
 SPECIAL_REF = re.compile(r"refs/(?:convert/[\w.-]+|pr/\d+)")
-# The token reference whose variable is huggingface_hub's own: unset, the hub's login is used.
-HF_TOKEN_REF = "env:HF_TOKEN"
 # The source that dataset.streaming reads as a stream: from the hub, it is not downloaded.
 STREAMED = "dataset.source"
 # Local paths that nothing downstream checks before a process starts.
@@ -132,62 +131,6 @@ def parse_uri(uri: str, *, key: str, repo_type: str) -> HubSource:
     except HFValidationError as err:
         raise UserError(key, uri, f"{repo_id!r} is not a hub repo id ({err})") from None
     return HubSource(uri, repo_id, repo_type, revision or None, "/".join(path))
-
-
-@dataclass(frozen=True)
-class TokenRef:
-    """Where the hub token is, never the token: env:NAME, file:PATH, or null (hub login), as
-    given under `key`."""
-
-    ref: str | None
-    key: str = "runtime.hf_token"
-
-    @classmethod
-    def parse(cls, value: Any, key: str = "runtime.hf_token") -> TokenRef:
-        """A token reference checked to be one; a UserError naming `key` if not."""
-        if value is None:
-            return cls(None, key)
-        kind, _, where = str(value).partition(":")
-        if kind not in ("env", "file") or not where:
-            raise UserError(
-                key,
-                "<hidden>",
-                "give a reference to the token, env:NAME or file:PATH (or null for the login of "
-                "`hf auth login`), never the token itself",
-            )
-        return cls(str(value), key)
-
-    def read(self) -> str | bool | None:
-        """The token, as huggingface_hub takes one. None (its own: HF_TOKEN, else the login of
-        `hf auth login`) for null and for env:HF_TOKEN unset; False (send none) where another
-        reference points at nothing: another account's token is never sent in its place."""
-        if self.ref is None:
-            return None
-        kind, _, where = self.ref.partition(":")
-        if kind == "env":
-            token = os.environ.get(where) or None
-        else:
-            path = user_path(where)
-            token = (path.read_text().strip() or None) if path.is_file() else None
-        return False if token is None and self.ref != HF_TOKEN_REF else token
-
-    def state(self) -> str:
-        """How the token stands, in words, for an error message (never its value)."""
-        token = self.read()
-        if token is None:
-            from huggingface_hub import get_token
-
-            if get_token():  # what huggingface_hub sent in its place: HF_TOKEN's, the login's
-                given = f"{self.key}={self.ref or 'null'}"
-                return f"the token of the login of `hf auth login` ({given}) has no access to it"
-        if self.ref is None:
-            return f"no token reference was given ({self.key}=null)"
-        kind, _, where = self.ref.partition(":")
-        if isinstance(token, str):
-            return f"the token from {self.key}={self.ref} has no access to it"
-        if kind == "env":
-            return f"no token was given ({self.key}={self.ref}, and {where} is not set)"
-        return f"no token was given ({self.key}={self.ref}, and {where} is missing or empty)"
 
 
 class NotCachedError(UserError):

@@ -21,14 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
-from runner.hub.download import (
-    HF_TOKEN_REF,
-    SCHEME,
-    HubSource,
-    TokenRef,
-    out_of_reach,
-    parse_uri,
-)
+from runner.hub.download import SCHEME, HubSource, out_of_reach, parse_uri
+from runner.hub.token import HF_TOKEN_REF, TokenRef
 from runner.paths import pasteable
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
