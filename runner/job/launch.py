@@ -377,7 +377,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         error = status.error or "see its output above"
         # Rank 0 writes status.json: where it only lost contact with a rank that failed of its
         # own error (or wrote nothing), that rank's error is the run's.
-        cause = run.take_failure(since=launched)
+        cause = run.first_failure(since=launched)
         if not error.startswith((LOST_CONTACT, "see its output")):
             cause = None
         why = (
@@ -385,9 +385,8 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
             if cause is not None
             else f"rank {rank} exited with {failure.exitcode}; {error}"
         )
-        message = (
-            f"training failed after {config.max_restarts} restart(s) (compute.max_restarts): {why}"
-        )
+        failed = f"training failed after {config.max_restarts} restart(s) (compute.max_restarts):"
+        message = error if error.startswith(failed) else f"{failed} {why}"  # another node's said
         if status.state in ACTIVE_STATES or cause is not None:  # a worker killed; a rank's error
             run.write_status("failed", error=message)
         tell(message)
@@ -398,8 +397,6 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         run.write_status("failed", error=message)
         tell(message)
         raise SystemExit(1) from None
-    finally:
-        run.take_failure(since=launched)  # a restarted attempt's, in a run that went on
     # Workers stopped by SIGTERM end cleanly (no restart) and leave the run `cancelled`.
     status = run.status()
     if status.state == "cancelled":

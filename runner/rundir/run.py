@@ -58,7 +58,7 @@ WANDB_DIR = "wandb"
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
 # A checkpoint whose files are damaged is renamed to this prefix + its name (kept to inspect).
 DAMAGED_PREFIX = ".damaged-"
-# A rank's own error, for its launcher to name (RunDir.record_failure): `.failed-rank<N>`.
+# A rank's own error, for the launchers to name (RunDir.record_failure): `.failed-rank<N>`.
 FAILED_RANK_PREFIX = ".failed-rank"
 
 # The package's logger (runner.rundir), which log lines named before the package had modules.
@@ -141,21 +141,24 @@ class RunDir:
         write_json_atomic(self.path / STATUS_FILE, status.to_json())
         return status
 
-    def record_failure(self, rank: int, message: str) -> None:
-        """Rank `rank`'s own error (not a peer lost), for its launcher to name: status.json is
-        rank 0's, which only loses contact with a rank that failed so."""
-        write_text_atomic(self.path / f"{FAILED_RANK_PREFIX}{rank}", message)
+    def record_failure(self, rank: int, message: str | None) -> None:
+        """Rank `rank`'s own error (not a peer lost), for the launchers to name: status.json is
+        rank 0's, which only loses contact with a rank that failed so. Kept until the rank
+        starts again (an attempt the agent restarts, a resume), which clears it (None)."""
+        path = self.path / f"{FAILED_RANK_PREFIX}{rank}"
+        if message is None:
+            path.unlink(missing_ok=True)
+        else:
+            write_text_atomic(path, message)
 
-    def take_failure(self, since: float) -> tuple[int, str] | None:
-        """The rank whose own error was recorded first since `since` (a time.time()), with the
-        error; every record is removed."""
+    def first_failure(self, since: float) -> tuple[int, str] | None:
+        """The rank whose own error was recorded first since `since` (a time.time()), and the
+        error: the others' failures follow from it."""
         recorded = []
         for path in self.path.glob(f"{FAILED_RANK_PREFIX}*"):
             with contextlib.suppress(OSError, ValueError):
                 rank = int(path.name.removeprefix(FAILED_RANK_PREFIX))
-                when = path.stat().st_mtime
-                message = path.read_text().strip()
-                path.unlink()
+                when, message = path.stat().st_mtime, path.read_text().strip()
                 if when >= since and message:
                     recorded.append((when, rank, message))
         return min(recorded)[1:] if recorded else None

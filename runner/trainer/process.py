@@ -139,6 +139,7 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
     outlive_the_reader()  # a worker started as a fresh interpreter: its console, as its launcher's
     cfg = read_recipe(Path(recipe_path))
     _check_own_run(Path(recipe_path), cfg)
+    RunDir(cfg.run_dir).record_failure(_rank(), None)  # an earlier attempt's, gone with it
     _join_launcher_lock()
     distributed = _start_process(cfg)
     recipe = recipe_class(cfg)
