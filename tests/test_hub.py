@@ -751,18 +751,20 @@ def test_off_the_hub_a_stream_reads_the_cached_copy(
 
 
 def test_a_file_a_cache_lacks_with_the_hub_out_of_reach_is_not_called_absent(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    hub_in_process, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A repo cached without the hub's tree listing (by `hf download REPO FILE`, or an older
-    huggingface_hub), and the hub out of reach: snapshot_download answers with the cached
-    snapshot, which cannot say whether the repo has the file. It was reported as not on the
-    hub ("has no file or directory"), sending the user to fix a path that was right."""
+    """The hub out of reach: snapshot_download answers with the cached snapshot. Where the cache
+    holds no tree listing of the repo (`hf download REPO FILE` writes none), it cannot say
+    whether the repo has the file: a missing one was called absent from the hub ("has no file
+    or directory"), sending the user to fix a path that was right. Where it holds the listing
+    (a snapshot_download's, here from the loopback hub), a file not in it is absent."""
     cache = tmp_path / "hub"
     cache_repo(
         cache, "dataset", "acme/corpus", {"data/validation.jsonl": CORPUS["data/validation.jsonl"]}
     )
     hub = Hub(cache, TokenRef.parse(None), (), download_command=None)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    listed = Hub(tmp_path / "listed", TokenRef.parse(None), (), download_command=None)
+    listed.fetch(parse_uri(f"{DATA}/sub/train.jsonl", key="k", repo_type="dataset"), key="k")
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: closed
     source = parse_uri(
         "hf://acme/corpus/data/train-00000-of-00002.jsonl", key="k", repo_type="dataset"
@@ -771,3 +773,5 @@ def test_a_file_a_cache_lacks_with_the_hub_out_of_reach_is_not_called_absent(
         hub.fetch(source, key="dataset.source")
     assert "is not in the cache" in str(refused.value), refused.value
     assert "the hub (http://127.0.0.1:9) is out of reach" in str(refused.value)
+    with pytest.raises(UserError, match="acme/words has no file or directory 'sub/nope.jsonl'"):
+        listed.fetch(parse_uri(f"{DATA}/sub/nope.jsonl", key="k", repo_type="dataset"), key="k")

@@ -191,16 +191,35 @@ class Hub:
             return local, snapshot.name
         if constants.HF_HUB_OFFLINE or only_cached:
             raise NotCachedError(key, source, self.not_cached([(key, source)], None), None)
-        # With the hub out of reach, snapshot_download answers with the cached snapshot, which
-        # without the hub's tree listing (`hf download REPO FILE` writes none) cannot say what
-        # the repo holds: asked, the hub out of reach is a NotCachedError.
-        with self.refusals(source, key):
-            from huggingface_hub import HfApi
+        if not self._listed(source, snapshot.name):
+            # With the hub out of reach, snapshot_download answers with the cached snapshot,
+            # which without the repo's tree listing (`hf download REPO FILE` writes none) cannot
+            # say what the repo holds: asked, the hub out of reach is a NotCachedError.
+            with self.refusals(source, key):
+                from huggingface_hub import HfApi
 
-            HfApi(token=self.token.read()).repo_info(
-                source.repo_id, repo_type=source.repo_type, revision=source.revision
-            )
+                HfApi(token=self.token.read()).repo_info(
+                    source.repo_id, repo_type=source.repo_type, revision=source.revision
+                )
         raise self._no_path(source, key)
+
+    def _listed(self, source: HubSource, commit: str) -> bool:
+        """Whether the cache holds the hub's listing of every file of the repo at `commit`."""
+        try:
+            from huggingface_hub import get_cached_repo_tree
+            from huggingface_hub.errors import CachedRepoTreeNotFoundError
+        except ImportError:  # a huggingface_hub older than its listing's cache: none is known
+            return False
+        try:
+            get_cached_repo_tree(
+                source.repo_id,
+                repo_type=source.repo_type,
+                revision=commit,
+                cache_dir=self.cache_dir,
+            )
+        except CachedRepoTreeNotFoundError:
+            return False
+        return True
 
     def stream(self, source: HubSource, *, key: str) -> tuple[str | Path, str]:
         """(hf://datasets/org/repo@<commit>/path, commit) of a dataset source to stream: the
