@@ -362,3 +362,40 @@ def test_a_current_directory_removed_under_the_shell_is_one_line(hermetic_env, t
         2,
         "error: the current directory no longer exists; cd to one that does\n",
     )
+
+
+def test_memory_run_out_is_one_line_with_what_takes_less() -> None:
+    """torch's own errors of memory run out (the CUDA allocator's, the CPU allocator's, Python's
+    MemoryError), each with the settings that take less; any other error is left to its
+    traceback. The address-space limit is named where one is set (a login node's ulimit -v)."""
+    import resource
+
+    from omegaconf import OmegaConf
+
+    from runner.trainer.process import out_of_memory_line
+
+    cfg = OmegaConf.create(
+        {"batch_size": 8, "activation_checkpointing": False, "dataset": {"max_seq_len": 2048}}
+    )
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore")
+    assert out_of_memory_line(gpu, cfg, 3) == (
+        "out of memory on the GPU after 3 step(s): OutOfMemoryError: CUDA out of memory. Tried "
+        "to allocate 2.00 GiB.; lower batch_size=8 (a larger gradient_accumulation_steps keeps "
+        "the global batch) or dataset.max_seq_len=2048, or set activation_checkpointing=true; "
+        "`runner estimate` gives the memory a config takes"
+    )
+    with pytest.raises(RuntimeError) as host:
+        torch.empty(2**60, dtype=torch.uint8)  # more than any address space holds
+    cfg.activation_checkpointing = True
+    line = out_of_memory_line(host.value, cfg, 0)
+    assert line is not None and line.startswith("out of memory on the host after 0 step(s): ")
+    assert "activation_checkpointing" not in line and "ulimit" not in line
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = 2**45 if hard == resource.RLIM_INFINITY else hard  # finite, far above any use here
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        line = out_of_memory_line(MemoryError(), cfg, 1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert line is not None and line.endswith(f"at most {limit / 2**30:.1f} GiB (ulimit -v)")
+    assert out_of_memory_line(RuntimeError("shape mismatch"), cfg, 1) is None

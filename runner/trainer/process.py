@@ -13,6 +13,7 @@ import ctypes
 import logging
 import os
 import re
+import resource
 import shlex
 import signal
 import sys
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.config.schema import read_recipe
 from runner.console import outlive_the_reader
@@ -165,8 +166,9 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
     except BaseException as err:
         state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
         at_step = {"step": err.step} if isinstance(err, Diverged) else {}
-        message = _error_message(err, cfg)
         lost = lost_peer_line(err)
+        short = out_of_memory_line(err, cfg, recipe.step)
+        message = short or _error_message(err, cfg)
         if lost is None and state == "failed" and not rank_zero:
             recipe.run.record_failure(_rank(), message)  # its peers lose contact with it after
         left = _restarts_left()
@@ -176,11 +178,12 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
             state = "initializing"
             message = f"restarting ({left} restart(s) left of compute.max_restarts) after {message}"
         status(state, error=message, **at_step)
-        log.info("%s at step %d: %s", state, recipe.step, message)  # the console's is the CLI's
-        if lost is None:
+        # The console's is the CLI's; an error told in one line keeps its traceback here.
+        log.info("%s at step %d: %s", state, recipe.step, message, exc_info=short is not None)
+        if lost is None and short is None:
             raise  # a bug: its traceback is the report
-        # Not a bug but a peer gone: one line, then the launcher's message.
-        tell(lost)
+        # Not a bug but a peer gone, or memory run out: one line, then the launcher's message.
+        tell(lost or (f"[rank{_rank()}]: {short}" if distributed else str(short)))
         raise SystemExit(1) from None
     finally:
         if heartbeat is not None:
@@ -321,6 +324,35 @@ def _collective(err: BaseException) -> str:
         if f"torch{os.sep}distributed{os.sep}" in frame.filename and frame.name != "wrapper"
     ]
     return names[-1] if names else "a collective"
+
+
+# What torch's CPU allocator says where it gets no memory (a CUDA one raises OutOfMemoryError).
+_HOST_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+
+
+def out_of_memory_line(err: BaseException, cfg: DictConfig, done: int) -> str | None:
+    """One line for an error that says memory ran out, with the settings that take less, after
+    `done` steps; None for any other error. Not a bug but a config too big for the device: the
+    traceback says nothing more to its user."""
+    if isinstance(err, torch.OutOfMemoryError):
+        where = "the GPU"
+    elif isinstance(err, MemoryError) or _HOST_OUT_OF_MEMORY in str(err):
+        where = "the host"
+    else:
+        return None
+    length = OmegaConf.select(cfg, "dataset.max_seq_len")
+    fix = (
+        f"lower batch_size={cfg.batch_size} (a larger gradient_accumulation_steps keeps the "
+        f"global batch) or dataset.max_seq_len={length}"
+        + ("" if cfg.activation_checkpointing else ", or set activation_checkpointing=true")
+        + "; `runner estimate` gives the memory a config takes"
+    )
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if where == "the host" and limit != resource.RLIM_INFINITY:
+        fix += f"; this process may map at most {limit / 2**30:.1f} GiB (ulimit -v)"
+    return (
+        f"out of memory on {where} after {done} step(s): {error_line(err).splitlines()[0]}; {fix}"
+    )
 
 
 LOST_CONTACT = "lost contact with another rank"
