@@ -318,6 +318,42 @@ def test_a_run_stopped_before_its_status_leaves_no_directory(hermetic_env, tmp_p
     assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
 
 
+def test_a_stop_before_the_workers_passes_code_that_catches_every_exception() -> None:
+    """The stop a launcher takes before its workers start is raised wherever its code stands:
+    as an Exception, OmegaConf remade it from its message alone (a TypeError: the test above
+    failed 1 run in 20 with a traceback, the run left `created`) and a logging handler's emit
+    swallowed it (the run went on to its first step)."""
+    import io
+
+    from omegaconf import OmegaConf
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from runner.job.launch import StopBeforeWorkers
+
+    def stop(exc: BaseException) -> None:
+        raise exc
+
+    OmegaConf.register_new_resolver("test_stop", lambda: stop(raised), replace=True)
+    cfg = OmegaConf.create({"compute": {"platform": "${test_stop:}"}})
+    raised: BaseException = SignalException("got signal", sigval=signal.SIGTERM)
+    with pytest.raises(Exception) as remade:  # noqa: PT011 - whatever OmegaConf made of it
+        _ = cfg.compute.platform
+    assert not isinstance(remade.value, SignalException)
+    raised = StopBeforeWorkers(signal.SIGTERM)
+    with pytest.raises(StopBeforeWorkers) as passed:
+        _ = cfg.compute.platform
+    assert passed.value.sigval == signal.SIGTERM
+
+    class Stopping(io.StringIO):
+        def write(self, text: str) -> int:
+            raise StopBeforeWorkers(signal.SIGINT)
+
+    handler = logging.StreamHandler(Stopping())
+    record = logging.LogRecord("runner", logging.INFO, __file__, 1, "line", None, None)
+    with pytest.raises(StopBeforeWorkers):
+        handler.emit(record)
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_stop_as_the_run_starts_ends_it_cancelled(hermetic_env, tmp_path, processes) -> None:
     """Signalled as soon as its status names its process, before the loop's own handlers (or

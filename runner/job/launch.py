@@ -251,16 +251,18 @@ def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:
 @contextlib.contextmanager
 def stops_before_workers(run: RunDir) -> Iterator[None]:
     """SIGTERM and Ctrl-C to a launcher of workers, from the moment the run's status names it
-    until the elastic agent takes them as it starts the workers, raise what the agent's own
-    handlers raise (SignalException): the run ends cancelled, with nothing trained, and the
-    launcher exits 128 + the signal. Left to the default action, the launcher died there, and
-    the run stayed `created`.
+    until the elastic agent takes them as it starts the workers, end the run cancelled, with
+    nothing trained, and the launcher with 128 + the signal. Left to the default action, the
+    launcher died there, and the run stayed `created`.
 
-    SignalException is an Exception, which code that catches every Exception swallows: a
-    logging handler's emit (it prints "--- Logging error ---" and goes on), some of torch's
-    start-up. A stop raised there was lost, and the run trained to its end. So a stop nothing
-    took within RESEND_S is sent again (_Resend); once the workers run, the agent's handler
-    takes it, once, and stops them as on any stop."""
+    In runner's own code the stop is raised as StopBeforeWorkers, a BaseException as Ctrl-C's
+    KeyboardInterrupt is: an Exception was swallowed by code that catches every one (a logging
+    handler's emit, which prints "--- Logging error ---" and goes on), or remade from its message
+    alone (OmegaConf's attribute access: a TypeError, a traceback, and the run left `created`).
+    In torch's start-up (_Resend.in_torch) it is what the agent's own handlers raise,
+    SignalException, which torch answers as a stop. A stop nothing took within RESEND_S is sent
+    again (_Resend); once the workers run, the agent's handler takes it, once, and stops them as
+    on any stop."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     global _resend
@@ -269,16 +271,26 @@ def stops_before_workers(run: RunDir) -> Iterator[None]:
     def raise_it(signum: int, frame: Any) -> None:
         sigval = signal.Signals(signum)
         resend.pending(sigval)
-        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+        if resend.in_torch:
+            raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+        raise StopBeforeWorkers(sigval)
 
     resend.handler = raise_it
     with stop_signals_to(raise_it), resend:
         try:
             yield
-        except SignalException as err:  # before _elastic_launch's own answer to it
+        except (SignalException, StopBeforeWorkers) as err:  # before _elastic_launch's answer
             resend.taken.set()
             _cancelled_before_workers(run, err.sigval)
             raise SystemExit(128 + int(err.sigval)) from None
+
+
+class StopBeforeWorkers(BaseException):
+    """A stop signal a launcher took before its workers started (stops_before_workers)."""
+
+    def __init__(self, sigval: signal.Signals) -> None:
+        super().__init__(f"stopped by {sigval.name}")
+        self.sigval = sigval
 
 
 # How long a stop signal may go untaken before the launcher sends it again (_Resend).
@@ -296,6 +308,7 @@ class _Resend:
     def __init__(self) -> None:
         self.taken = threading.Event()
         self.handler: Any = None
+        self.in_torch = False  # inside elastic_launch: the handler raises torch's SignalException
         self._signal: tuple[signal.Signals, float] | None = None
         self._thread = threading.Thread(target=self._run, name="resend-stop", daemon=True)
 
@@ -354,6 +367,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     why_fresh = _why_fresh(recipe)
     log.info("workers: %s", f"fresh interpreters ({why_fresh})" if why_fresh else "forked")
     launched = time.time()
+    _resend.in_torch = True
     try:
         if why_fresh is None:
             config.start_method = "fork"
