@@ -320,11 +320,9 @@ def test_a_run_stopped_before_its_status_leaves_no_directory(hermetic_env, tmp_p
 
 def test_a_stop_before_the_workers_passes_code_that_catches_every_exception() -> None:
     """The stop a launcher takes before its workers start is raised wherever its code stands:
-    as an Exception, OmegaConf remade it from its message alone (a TypeError: the test above
-    failed 1 run in 20 with a traceback, the run left `created`) and a logging handler's emit
-    swallowed it (the run went on to its first step)."""
-    import io
-
+    as an Exception, OmegaConf remade it from its message alone (a TypeError: the test below
+    failed 1 run in 20 with a traceback, the run left `created`); a logging handler's emit
+    swallowed it (test_a_stop_swallowed_before_the_workers_is_sent_again)."""
     from omegaconf import OmegaConf
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -343,15 +341,6 @@ def test_a_stop_before_the_workers_passes_code_that_catches_every_exception() ->
     with pytest.raises(StopBeforeWorkers) as passed:
         _ = cfg.compute.platform
     assert passed.value.sigval == signal.SIGTERM
-
-    class Stopping(io.StringIO):
-        def write(self, text: str) -> int:
-            raise StopBeforeWorkers(signal.SIGINT)
-
-    handler = logging.StreamHandler(Stopping())
-    record = logging.LogRecord("runner", logging.INFO, __file__, 1, "line", None, None)
-    with pytest.raises(StopBeforeWorkers):
-        handler.emit(record)
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -385,8 +374,9 @@ def test_a_stop_as_the_run_starts_ends_it_cancelled(hermetic_env, tmp_path, proc
 
 
 def swallowing_logger() -> logging.Logger:
-    """A logger whose output is stopped midway by a SIGTERM: the SignalException the launcher's
-    handler raises there, a logging handler's emit catches, prints and goes on from."""
+    """A logger whose output is stopped midway by a SIGTERM: what the launcher's handler raises
+    there, which a logging handler's emit catches, prints and goes on from where it is an
+    Exception (torch's SignalException, inside elastic_launch)."""
 
     class StoppedMidWrite(io.StringIO):
         def write(self, text: str) -> int:
@@ -408,13 +398,22 @@ def created_run(path: Path) -> RunDir:
 
 
 def test_a_stop_swallowed_before_the_workers_is_sent_again(tmp_path, capfd, monkeypatch) -> None:
-    """SIGTERM to a launcher of workers raises in whatever its main thread runs, and code that
-    catches every Exception swallowed it (a logging handler's emit, as here): the stop was lost,
-    and the run trained to its end. The launcher sends it again."""
+    """SIGTERM to a launcher of workers raises in whatever its main thread runs. In runner's own
+    code that is StopBeforeWorkers, which no `except Exception` swallows: the launcher ends at
+    once. In torch's start-up it is torch's SignalException, which code that catches every
+    Exception swallowed (a logging handler's emit, as here): the stop was lost, and the run
+    trained to its end. The launcher sends it again."""
     monkeypatch.setattr(launch, "RESEND_S", 0.3)
     run = created_run(tmp_path / "run")
-    before, started = signal.getsignal(signal.SIGTERM), time.monotonic()
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped, launch.stops_before_workers(run):
+        swallowing_logger().warning("workers: forked")
+        pytest.fail("the stop was swallowed")
+    assert stopped.value.code == 143 and "--- Logging error ---" not in capfd.readouterr().err
+    assert run.status().state == "cancelled"
+    run, started = created_run(tmp_path / "in_torch"), time.monotonic()
+    with pytest.raises(SystemExit) as stopped, launch.stops_before_workers(run):
+        launch._resend.in_torch = True  # as _elastic_launch sets it before elastic_launch
         swallowing_logger().warning("launch: 1 node(s) x 2 process(es)")
         time.sleep(60)  # the workers' start and training, which the signal sent again ends
     assert stopped.value.code == 143
@@ -433,6 +432,7 @@ def test_a_stop_sent_again_reaches_the_agents_handler_once(tmp_path, monkeypatch
     run = created_run(tmp_path / "run")
     agents: list[int] = []
     with launch.stops_before_workers(run):
+        launch._resend.in_torch = True  # as _elastic_launch sets it before elastic_launch
         swallowing_logger().warning("launch: 1 node(s) x 2 process(es)")
         signal.signal(signal.SIGTERM, lambda signum, frame: agents.append(signum))
         time.sleep(2)  # the agent's wait for its workers (PContext's handlers set as it starts)
