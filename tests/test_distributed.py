@@ -214,15 +214,21 @@ torch.optim.AdamW.step = step
 """
 
 
+def hooked_env(env: dict[str, str], tmp_path: Path, hook: str) -> dict[str, str]:
+    """`env` with `hook` as the sitecustomize.py of every Python process it starts (first on
+    its PYTHONPATH): a fresh launcher loads it at its start, and its forked workers keep it."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(hook)
+    path = ":".join(p for p in (str(hooks), env.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path}
+
+
 def test_killed_worker_restarts_the_group_and_ends_with_the_same_loss(
     hermetic_env, layouts, tmp_path: Path
 ) -> None:
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(KILL_RANK_1)
-    path = ":".join(p for p in (str(hooks), hermetic_env.get("PYTHONPATH", "")) if p)
     run_dir = tmp_path / "killed"
-    env = {**hermetic_env, "PYTHONPATH": path}  # a fresh launcher: the hook loads at its start
+    env = hooked_env(hermetic_env, tmp_path, KILL_RANK_1)
     code, output = finish(start(env, tmp_path, *BASE, *ONE_BY_TWO, f"hydra.run.dir={run_dir}"))
     assert code == 0, output[-3000:]
     assert f"resuming from {run_dir / 'checkpoints' / 'step_3'} at step 3" in output
@@ -260,13 +266,9 @@ def test_a_ranks_own_error_is_the_runs_not_the_lost_contact_it_causes(
     (here out of memory; a thread it could not start under a pids limit, a file it could not
     read): the run's error, in status.json, train.log and the last line, is that rank's own. Out
     of memory is one line with what takes less, not a traceback."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(OOM_RANK_1)
-    path = ":".join(p for p in (str(hooks), hermetic_env.get("PYTHONPATH", "")) if p)
     run_dir = tmp_path / "failed"
     args = [*BASE, *ONE_BY_TWO, "compute.max_restarts=0", f"hydra.run.dir={run_dir}"]
-    code, output = finish(start({**hermetic_env, "PYTHONPATH": path}, tmp_path, *args))
+    code, output = finish(start(hooked_env(hermetic_env, tmp_path, OOM_RANK_1), tmp_path, *args))
     assert code == 1 and "Traceback" not in output, output[-3000:]
     assert "[rank1]: out of memory on the host after " in output, output[-3000:]
     cause = r"rank 1 failed: out of memory on the host after \d step\(s\): RuntimeError: \["
@@ -359,11 +361,10 @@ torch.optim.AdamW.step = step
 
 def losing_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """`env` for the node that the LOSE_NODE hook kills once."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(LOSE_NODE)
-    path = ":".join(p for p in (str(hooks), env.get("PYTHONPATH", "")) if p)
-    return {**env, "PYTHONPATH": path, "RUNNER_TEST_LOSE_NODE": str(tmp_path / "node-lost")}
+    return {
+        **hooked_env(env, tmp_path, LOSE_NODE),
+        "RUNNER_TEST_LOSE_NODE": str(tmp_path / "node-lost"),
+    }
 
 
 def wait_for(path: Path, proc: subprocess.Popen, within_s: float = 300) -> None:

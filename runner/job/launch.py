@@ -391,9 +391,8 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         error = status.error or "see its output above"
         # Rank 0 writes status.json: where it only lost contact with a rank that failed of its
         # own error (or wrote nothing), that rank's error is the run's.
-        cause = run.first_failure(since=launched)
-        if not error.startswith((LOST_CONTACT, "see its output")):
-            cause = None
+        lost = status.error is None or status.error.startswith(LOST_CONTACT)
+        cause = run.first_failure(since=launched) if lost else None
         why = (
             f"rank {cause[0]} failed: {cause[1]}"
             if cause is not None
