@@ -267,18 +267,42 @@ def test_a_ranks_own_error_is_the_runs_not_the_lost_contact_it_causes(
     read): the run's error, in status.json, train.log and the last line, is that rank's own. Out
     of memory is one line with what takes less, not a traceback."""
     run_dir = tmp_path / "failed"
-    args = [*BASE, *ONE_BY_TWO, "compute.max_restarts=0", f"hydra.run.dir={run_dir}"]
+    args = [*BASE, *ONE_BY_TWO, "compute.max_restarts=1", f"hydra.run.dir={run_dir}"]
     code, output = finish(start(hooked_env(hermetic_env, tmp_path, OOM_RANK_1), tmp_path, *args))
     assert code == 1 and "Traceback" not in output, output[-3000:]
     assert "[rank1]: out of memory on the host after " in output, output[-3000:]
     cause = r"rank 1 failed: out of memory on the host after \d step\(s\): RuntimeError: \["
     last = output.strip().splitlines()[-1]
+    assert last.startswith("training failed after 1 restart(s) (compute.max_restarts): "), last
     assert re.search(cause, last) and "lower batch_size=2 (a larger gradient_acc" in last, last
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "failed" and status["error"] == last, status
-    assert last in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert last in log
+    # While the group restarts, status.json names the same cause (rank 0 reads the record).
+    assert re.search(
+        r"restarting \(1 restart\(s\) left of compute.max_restarts\) after " + cause, log
+    )
     # Kept until rank 1 starts again (a restart, a resume), which clears it.
     assert (run_dir / ".failed-rank1").read_text().startswith("out of memory on the host")
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_lost_contact_it_causes(
+    hermetic_env, tmp_path: Path
+) -> None:
+    """A rank killed (the kernel's out-of-memory killer sends SIGKILL) records nothing: the
+    launcher names it from its exit, not rank 0, which exits 1 having lost contact with it."""
+    run_dir = tmp_path / "killed"
+    args = [*BASE, *ONE_BY_TWO, "compute.max_restarts=0", f"hydra.run.dir={run_dir}"]
+    code, output = finish(start(hooked_env(hermetic_env, tmp_path, KILL_RANK_1), tmp_path, *args))
+    assert code == 1 and "Traceback" not in output, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(
+        "training failed after 0 restart(s) (compute.max_restarts): rank 1 was killed by "
+        "SIGKILL: by the kernel's out-of-memory killer"
+    ), output[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["error"] == last, status
 
 
 def test_sigterm_to_one_worker_saves_a_checkpoint_and_exits_143(

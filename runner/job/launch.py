@@ -220,6 +220,7 @@ def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:
 
     from runner.job import rendezvous
     from runner.rundir.manifest import hashed_config
+    from runner.trainer.process import AGENT_MONITOR_INTERVAL_S
 
     compute = recipe.compute
     identity = rendezvous.NodeIdentity(
@@ -244,7 +245,7 @@ def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:
         rdzv_endpoint=compute.rdzv_endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=compute.max_restarts,
-        monitor_interval=0.5,
+        monitor_interval=AGENT_MONITOR_INTERVAL_S,
     )
 
 
@@ -351,7 +352,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    from runner.trainer.process import LOST_CONTACT, tell
+    from runner.trainer.process import tell
 
     config = _rendezvous_config(recipe, node_rank)
     log.info("rendezvous: c10d at %s, run id %s", config.rdzv_endpoint, config.run_id)
@@ -386,21 +387,18 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         tell(f"stopped by {name}; status in {recipe.run_dir}/status.json")
         raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
         status = run.status()
         error = status.error or "see its output above"
-        # Rank 0 writes status.json: where it only lost contact with a rank that failed of its
-        # own error (or wrote nothing), that rank's error is the run's.
-        lost = status.error is None or status.error.startswith(LOST_CONTACT)
-        cause = run.first_failure(since=launched) if lost else None
-        why = (
-            f"rank {cause[0]} failed: {cause[1]}"
-            if cause is not None
-            else f"rank {rank} exited with {failure.exitcode}; {error}"
-        )
         failed = f"training failed after {config.max_restarts} restart(s) (compute.max_restarts):"
-        message = error if error.startswith(failed) else f"{failed} {why}"  # another node's said
-        if status.state in ACTIVE_STATES or cause is not None:  # a worker killed; a rank's error
+        why = _why_failed(err.failures, status.error, run.first_failure(since=launched))
+        if error.startswith(failed):  # another node's launcher said it
+            message = error
+        elif why is not None:
+            message = f"{failed} {why}"
+        else:
+            rank, failure = min(err.failures.items())
+            message = f"{failed} rank {rank} exited with {failure.exitcode}; {error}"
+        if status.state in ACTIVE_STATES or why is not None:
             run.write_status("failed", error=message)
         tell(message)
         raise SystemExit(1) from None
@@ -415,6 +413,36 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     if status.state == "cancelled":
         tell(f"{status.error}; status in {run.path}/status.json")
         raise SystemExit(EXIT_SIGTERM)
+
+
+def _why_failed(
+    failures: dict[int, Any], error: str | None, recorded: tuple[int, str] | None
+) -> str | None:
+    """Why the workers failed, where rank 0 only lost contact with the rank that failed first
+    (or wrote nothing): the error that rank recorded of its own, or the signal that killed it;
+    None where rank 0's own error in status.json is the run's."""
+    from runner.trainer.process import LOST_CONTACT, rank_failed
+
+    named = rank_failed(recorded)
+    if named is not None and error == named:  # rank 0 read the record itself
+        return named
+    lost = error is None or error.startswith(LOST_CONTACT)
+    if not lost:
+        return None
+    if named is not None:
+        return named
+    killed = sorted((rank, f) for rank, f in failures.items() if f.exitcode < 0)
+    if killed:
+        rank, failure = killed[0]
+        name = failure.signal_name()
+        if name == "SIGKILL":
+            return (
+                f"rank {rank} was killed by SIGKILL: by the kernel's out-of-memory killer where "
+                "the host ran out of memory (`dmesg` says so; `runner estimate` prices a run's "
+                "memory), or by a `kill -9`"
+            )
+        return f"rank {rank} was killed by {name}"
+    return None
 
 
 def _check_out() -> None:

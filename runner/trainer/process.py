@@ -18,6 +18,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -171,6 +172,10 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         message = short or _error_message(err, cfg)
         if lost is None and state == "failed" and not rank_zero:
             recipe.run.record_failure(_rank(), message)  # its peers lose contact with it after
+        if lost is not None:
+            # The rank that failed of its own error recorded it before its peers lost it (each
+            # record left is this attempt's: every rank cleared its own before the group met).
+            message = rank_failed(recipe.run.first_failure(since=0)) or message
         left = _restarts_left()
         if state == "failed" and left:
             # The elastic agents start the workers again (a lost node may come back within
@@ -184,6 +189,10 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
             raise  # a bug: its traceback is the report
         # Not a bug but a peer gone, or memory run out: one line, then the launcher's message.
         tell(lost or (f"[rank{_rank()}]: {short}" if distributed else str(short)))
+        if lost is not None:
+            # The agent names the first worker it finds ended: the peer gone first, where it is
+            # on this node (killed by a signal, it recorded nothing), not this rank after it.
+            time.sleep(2 * AGENT_MONITOR_INTERVAL_S)
         raise SystemExit(1) from None
     finally:
         if heartbeat is not None:
@@ -356,6 +365,14 @@ def out_of_memory_line(err: BaseException, cfg: DictConfig, done: int) -> str | 
 
 
 LOST_CONTACT = "lost contact with another rank"
+# How often the launcher's elastic agent looks at its workers (runner/job/launch.py).
+AGENT_MONITOR_INTERVAL_S = 0.5
+
+
+def rank_failed(cause: tuple[int, str] | None) -> str | None:
+    """The run's error where a rank failed of its own (RunDir.first_failure's) and its peers only
+    lost contact with it; None where none recorded one."""
+    return None if cause is None else f"rank {cause[0]} failed: {cause[1]}"
 
 
 def _error_message(err: BaseException, cfg: DictConfig) -> str:
