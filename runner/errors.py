@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -84,7 +85,30 @@ def user_error_in(err: BaseException) -> UserError | None:
         if isinstance(cause, UserError):
             return cause
         cause = cause.__cause__ or cause.__context__
-    return interpolation_error(err)
+    return interpolation_error(err) or address_space_error(err)
+
+
+def address_space_error(err: BaseException) -> UserError | None:
+    """Memory run out under an address-space limit (`ulimit -v`, as login nodes set), where a
+    library loads or allocates outside training (which says it in a line of its own): named
+    with the limit; None where no limit is set or `err` is not memory run out."""
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit == resource.RLIM_INFINITY:
+        return None
+    text = str(err)
+    # A shared library that cannot be mapped; a C extension whose allocation failed without
+    # an exception set (SystemError, as torch._dynamo's import gave at 2 GB).
+    mapped = "failed to map segment" in text or "annot allocate memory" in text
+    if not (isinstance(err, (MemoryError, SystemError)) or mapped):
+        return None
+    what = error_line(err) if text else type(err).__name__
+    return UserError(
+        "ulimit -v",
+        None,
+        f"this shell lets a process map at most {limit // 1024} KiB ({limit / 2**30:.1f} GiB) "
+        f"of memory, and runner ran out of it ({what}); raise the limit (`ulimit -v "
+        "unlimited`, where the machine allows) or run where it is higher",
+    )
 
 
 def interpolation_error(err: BaseException) -> UserError | None:

@@ -399,3 +399,48 @@ def test_memory_run_out_is_one_line_with_what_takes_less() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     assert line is not None and line.endswith(f"at most {limit / 2**30:.1f} GiB (ulimit -v)")
     assert out_of_memory_line(RuntimeError("shape mismatch"), cfg, 1) is None
+
+
+# Loaded first by the command below (sitecustomize.py): the training loop's module asks for
+# more memory than the address-space limit allows as it loads, as a library too big for a login
+# node's `ulimit -v` does (a real MemoryError: the kernel refuses the mapping).
+TRAINING_MODULE_OUT_OF_MEMORY = """
+import sys
+
+class _Greedy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "runner.recipes.finetune":
+            bytearray(2**46)
+        return None
+
+sys.meta_path.insert(0, _Greedy())
+"""
+
+
+def test_libraries_that_do_not_fit_the_address_space_are_one_line_and_leave_nothing(
+    hermetic_env, tmp_path: Path
+) -> None:
+    """Under `ulimit -v`, what training loads is loaded before Hydra makes the run directory:
+    out of address space, the process could not even list the directory to remove it."""
+    import resource
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(TRAINING_MODULE_OUT_OF_MEMORY)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = 2**45 if hard == resource.RLIM_INFINITY else hard  # finite, far above any use here
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "train", *QUICK, f"hydra.run.dir={run_dir}"],
+        env={**hermetic_env, "PYTHONPATH": str(hooks)},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, hard)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and result.stderr == (
+        f"error: ulimit -v: this shell lets a process map at most {limit // 1024} KiB "
+        f"({limit / 2**30:.1f} GiB) of memory, and runner ran out of it (MemoryError); raise the "
+        "limit (`ulimit -v unlimited`, where the machine allows) or run where it is higher\n"
+    ), result.stderr[-3000:]
+    assert not run_dir.exists()

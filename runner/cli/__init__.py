@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import resource
 import select
 import sys
 
@@ -12,7 +13,7 @@ from runner.config import interpolations
 from runner.config.fields import override_key
 from runner.config.hydra_errors import as_user_error
 from runner.console import outlive_the_reader
-from runner.errors import UserError, UserErrorExit
+from runner.errors import UserError, UserErrorExit, address_space_error
 
 USAGE = """usage: runner COMMAND [hydra overrides] [--help]
 
@@ -58,6 +59,8 @@ def _run(name: str, argv: list[str]) -> int | None:
         name, *argv = resume_argv(argv)
     if name in ("train", "deploy") and not {"-h", "--help"} & set(argv):
         outlive_the_reader()  # `runner train ... | head` trains on once head has its lines
+    if name == "train" and not {"-h", "--help"} & set(argv):
+        _load_training_libraries_under_a_limit()
     if name in LIFECYCLE_COMMANDS:
         from runner.cli.lifecycle import main as lifecycle_main
 
@@ -101,6 +104,24 @@ def _run(name: str, argv: list[str]) -> int | None:
     # itself by sys.argv[0] in its --help.
     sys.argv = [f"runner {name}", *argv]
     return module.app()
+
+
+def _load_training_libraries_under_a_limit() -> None:
+    """Under an address-space limit (`ulimit -v`, as login nodes set), loads what training
+    loads before Hydra makes the run directory: libraries that do not fit leave nothing behind
+    (out of address space, the process could not even list the directory to remove it)."""
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit == resource.RLIM_INFINITY:
+        return
+    from runner.job.launch import RECIPE_MODULE
+
+    try:
+        importlib.import_module(RECIPE_MODULE)
+    except Exception as err:
+        user_error = address_space_error(err)
+        if user_error is None:
+            raise
+        raise user_error from err
 
 
 # Hydra's flags that take a value, and --info's values: its parser takes the overrides as one

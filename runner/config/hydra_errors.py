@@ -15,7 +15,13 @@ from hydra.errors import (
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from runner.config.fields import EVERY_KEY
-from runner.errors import HIDDEN, SECRET_KEY, UserError, interpolation_error
+from runner.errors import (
+    HIDDEN,
+    SECRET_KEY,
+    UserError,
+    address_space_error,
+    interpolation_error,
+)
 from runner.paths import config_groups
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
@@ -190,4 +196,4 @@ def as_user_error(err: BaseException, command: str | None = None) -> UserError |
         if converted is not None:
             return converted
         cause = cause.__cause__ or cause.__context__
-    return interpolation_error(err)
+    return interpolation_error(err) or address_space_error(err)
