@@ -13,9 +13,16 @@ import pytest
 import yaml
 
 from runner.errors import UserError
-from runner.job.repro import _rerun_dir, compare_losses, compare_metrics, compare_records, repro
+from runner.job.repro import (
+    _rerun_dir,
+    compare_ends,
+    compare_losses,
+    compare_metrics,
+    compare_records,
+    repro,
+)
 from runner.paths import SAMPLE_DATA_DIR
-from runner.rundir import RunDir
+from runner.rundir import RunDir, Status
 from runner.rundir.manifest import sha256_file, weights_sha256
 from runner.trainer import determinism
 from tests.cli_forks import Forked, ForkedCli
@@ -90,7 +97,8 @@ def test_repro_of_a_fresh_run_matches(runner_cli, tmp_path: Path, nproc: int, re
 def test_drift_is_reported_with_its_reason(runner_cli, tmp_path: Path, one_process_run) -> None:
     run = one_process_run
     train_file = run.parent / "data" / "train.jsonl"  # train_on_own_data's copy
-    originals = {path: path.read_bytes() for path in (run / "recipe.yaml", run / "manifest.json")}
+    recorded = (run / "recipe.yaml", run / "manifest.json", run / "metrics.jsonl")
+    originals = {path: path.read_bytes() for path in recorded}
     originals[train_file] = train_file.read_bytes()
     try:
         reported_drifts(runner_cli, tmp_path, run, train_file)
@@ -111,13 +119,30 @@ def reported_drifts(runner_cli, tmp_path: Path, run: Path, train_file: Path) -> 
     (run / "recipe.yaml").write_text(recipe)
 
     # A different package version recorded than installed.
-    manifest = json.loads((run / "manifest.json").read_text())
+    written = (run / "manifest.json").read_text()
+    manifest = json.loads(written)
     manifest["packages"]["transformers"] = "0.0.1"
     (run / "manifest.json").write_text(json.dumps(manifest))
     result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "pkg"))
     assert result.returncode == 1
     assert "packages.transformers" in result.stdout and "0.0.1" in result.stdout
     assert "loss at step" not in result.stdout  # the numbers themselves still agree
+    (run / "manifest.json").write_text(written)
+
+    # A value the run logged and the re-run does not (a change that stopped evaluating).
+    metrics = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text(metrics + json.dumps({"step": 1, "eval_loss": 5.3}) + "\n")
+    result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "eval"))
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "eval_loss at step 1" in result.stdout and "1 difference(s)" in result.stdout
+    (run / "metrics.jsonl").write_text(metrics)
+
+    # A tolerance given: weights within it may differ in their last bits, as GPU runs' do.
+    result = runner_cli(
+        "repro", str(run), "--steps", "2", "--tolerance", "1e-6", "--out", str(tmp_path / "tol")
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "within 1e-06; checkpoint hashes not compared; record agrees" in result.stdout
 
     # A changed data file at the recorded path.
     lines = train_file.read_text().splitlines()
@@ -125,6 +150,13 @@ def reported_drifts(runner_cli, tmp_path: Path, run: Path, train_file: Path) -> 
     result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "data2"))
     assert result.returncode == 1
     assert "data.source.sha256" in result.stdout
+
+    # One the re-run cannot read: a failure where the run completed is drift, not bad input.
+    train_file.write_text("not json\n")
+    result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "data3"))
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "repro: the re-run failed, at step 0: " in result.stdout
+    assert "data.source.sha256" in result.stdout and "\nend " in result.stdout
 
 
 def test_steps_that_log_no_step_are_refused_by_name(runner_cli, tmp_path: Path) -> None:
@@ -210,6 +242,17 @@ def test_a_run_whose_data_is_gone_is_refused_before_a_rerun_dir(
         f"RUN_DIR='{one_process_run}': its dataset.source, {source}, is no longer there (moved "
         "or deleted); put it back where the run read it to re-run the run"
     )
+    assert not (tmp_path / "rerun").exists()
+
+
+def test_a_rerun_refused_by_the_machine_leaves_no_directory(
+    one_process_run: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A deterministic run re-run where its kernel path cannot run is refused as it launches:
+    its directory was left `created`, listed as failed, and an --out given again existed."""
+    monkeypatch.setattr(determinism.platform, "machine", lambda: "aarch64")
+    with pytest.raises(UserError, match="runtime.deterministic=false"):
+        repro(one_process_run, steps=None, tolerance=None, out=tmp_path / "rerun")
     assert not (tmp_path / "rerun").exists()
 
 
@@ -345,6 +388,33 @@ def test_repro_on_another_kernel_path_compares_within_a_tolerance(
     assert "repro: match (4 logged steps; within 0.01" in result.stdout
 
 
+def test_a_value_one_side_logged_is_drift_but_at_the_step_a_rerun_was_cut_at() -> None:
+    """A re-run that stopped evaluating or logging a step matched on the values both logged."""
+    recorded = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}, {"step": 2, "eval_loss": 1.5}]
+    rerun = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}]
+    (drift,) = compare_metrics(recorded, rerun, tolerance=0.0)[0]
+    assert (drift.what, drift.recorded, drift.rerun) == ("eval_loss at step 2", 1.5, None)
+    (drift,) = compare_metrics(rerun[:1], rerun, tolerance=0.0)[0]
+    assert (drift.what, drift.recorded, drift.rerun) == ("loss at step 2", None, 1.0)
+    # Cut short by --steps, a re-run logs the step it stops at, which the run may not have.
+    assert compare_metrics(recorded, rerun, tolerance=0.0, cut_at=2)[0] == []
+
+
+def test_how_the_runs_ended_is_compared_where_either_failed() -> None:
+    nan = "optimizer.lr=1.0: the training loss is nan at step 2; lower the learning rate"
+    failed = Status(state="failed", step=2, error=nan)
+    assert compare_ends(failed, Status(state="failed", step=2, error=nan)) == []
+    assert compare_ends(Status(state="cancelled", step=3), Status(state="completed", step=3)) == []
+    (fixed,) = compare_ends(failed, Status(state="completed", step=2))
+    assert (fixed.what, fixed.recorded, fixed.rerun) == (
+        "end",
+        f"failed at step 2: {nan}",
+        "completed",
+    )
+    (later,) = compare_ends(failed, Status(state="failed", step=3, error=nan))
+    assert later.rerun == f"failed at step 3: {nan}"
+
+
 def test_metrics_compare_within_a_relative_tolerance() -> None:
     recorded = [{"step": 1, "loss": 2.0, "tokens_per_s": 100.0}, {"step": 2, "eval_loss": 1.0}]
     rerun = [{"step": 1, "loss": 2.01, "tokens_per_s": 50.0}, {"step": 2, "eval_loss": 1.0}]
@@ -405,6 +475,11 @@ def test_the_weights_a_run_starts_from_are_hashed_and_compared(tmp_path: Path) -
     assert drift.what == "weights_sha256.model.safetensors"
     older = {k: v for k, v in recorded.items() if k != "weights_sha256"}
     assert compare_records(older, rerun) == []  # a manifest from before it recorded them
+    # The checkpoint a run went on from (load_checkpoint.path, to resume), beside model.source.
+    recorded["load_checkpoint_sha256"] = {"model.safetensors": "c" * 64}
+    rerun = {**recorded, "load_checkpoint_sha256": {"model.safetensors": "d" * 64}}
+    (drift,) = compare_records(recorded, rerun)
+    assert drift.what == "load_checkpoint_sha256.model.safetensors"
 
 
 def test_a_run_of_several_nodes_is_refused_with_the_way_on(
@@ -420,3 +495,23 @@ def test_a_run_of_several_nodes_is_refused_with_the_way_on(
     with pytest.raises(UserError, match="2 nodes trained it, and repro re-runs on this machine"):
         repro(run, steps=None, tolerance=None, out=None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two_nodes"]  # no re-run directory
+
+
+def test_a_moved_lora_run_on_a_seeded_base_keeps_its_base_with_it(runner_cli, tmp_path) -> None:
+    """The base a LoRA run writes from the seed (RUN/base_model) goes with the run: its re-run
+    wrote it again at the moved run's old path, outside --out, and an exported adapter named
+    that old path, where peft found nothing."""
+    trained = train_on_own_data(runner_cli, tmp_path, "method=lora")
+    run = tmp_path / "moved"
+    trained.rename(run)
+    again = tmp_path / "again"
+    result = runner_cli("repro", str(run), "--steps", "2", "--out", str(again))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "repro: match (2 logged steps; hashes of 1 checkpoint(s)" in result.stdout
+    assert (again / "base_model" / "model.safetensors").is_file() and not trained.exists()
+
+    out = tmp_path / "adapter"
+    result = runner_cli("export", f"checkpoint={run}", "format=adapter", f"out={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    named = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str((run / "base_model").resolve())

@@ -20,10 +20,10 @@ def main(argv: list[str]) -> int:
         "--tolerance",
         type=float,
         default=None,
-        help="relative tolerance of every metric (default: exact on the recorded kernel path "
-        "and for deterministic runs; "
+        help="relative tolerance of every metric, checkpoint hashes then not compared "
+        "(default: exact on the recorded kernel path and for deterministic runs; "
         f"{CROSS_PATH_TOLERANCE:g} where a non-deterministic run is re-run on another device, "
-        "CPU kernel capability or thread count)",
+        "GPU model, CPU kernel capability or thread count)",
     )
     parser.add_argument(
         "--out", type=user_path, help="the new run directory (default: beside RUN_DIR)"

@@ -113,6 +113,16 @@ def resolve_method(
     return resolved
 
 
+def move_recipe(recipe: DictConfig, run_dir: Path) -> None:
+    """Points `recipe` at `run_dir`, a run directory it moved or was copied to: its run_dir, and
+    the base the run wrote into its own directory (RUN/base_model, a random-init base), which
+    goes with it; a base read from model.source stays where it is."""
+    own = str((Path(recipe.run_dir) / BASE_MODEL_DIR).resolve())
+    recipe.run_dir = str(run_dir.resolve())
+    if OmegaConf.select(recipe, "method.base_model_dir") == own:
+        recipe.method.base_model_dir = str(Path(recipe.run_dir) / BASE_MODEL_DIR)
+
+
 def _adapter_builder(
     method: DictConfig, model: ModelRecipe, world_size: int, device: str
 ) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from runner.config.fields import as_typed, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.load_checkpoint import check_same_global_batch, global_batch
+from runner.config.method import move_recipe
 from runner.config.runtime import check_root
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, error_line, user_errors_pass_hydra
@@ -326,7 +327,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
         if Path(recipe.run_dir).resolve() != run.path.resolve():
             # Moved or copied since it started: it goes on where it lies, and says so from now.
             log.info("%s was moved from %s: it trains where it lies", run.path, recipe.run_dir)
-            recipe.run_dir = str(run.path.resolve())
+            move_recipe(recipe, run.path)
             write_recipe(run.recipe_path, recipe)
     else:
         # torch, transformers and datasets load here, not at import: `runner train --help` and

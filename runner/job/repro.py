@@ -6,6 +6,7 @@ Exit codes: 0 the re-run matches, 1 drift (numbers or record differ), 2 a user e
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -13,15 +14,24 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from runner.config.method import move_recipe
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import UserError
 from runner.job.launch import as_launcher, launch
-from runner.rundir import ACTIVE_STATES, STALLED, STOPPING, RunDir, is_sweep_dir
+from runner.rundir import (
+    ACTIVE_STATES,
+    ADAPTER_CONFIG_FILE,
+    STALLED,
+    STOPPING,
+    RunDir,
+    Status,
+    is_sweep_dir,
+)
 from runner.rundir.manifest import (
     MANIFEST_FILE,
-    RUN_SPECIFIC_KEYS,
     build_manifest,
     dotted,
+    hashed_config,
     read_manifest,
     write_manifest,
 )
@@ -44,9 +54,9 @@ class Drift:
     rerun: Any
 
 
-def _diff(what: str, recorded: Any, rerun: Any, skip: tuple[str, ...] = ()) -> list[Drift]:
+def _diff(what: str, recorded: Any, rerun: Any) -> list[Drift]:
     a, b = dotted(recorded), dotted(rerun)
-    keys = sorted(k for k in set(a) | set(b) if not k.startswith(skip))
+    keys = sorted(set(a) | set(b))
     return [
         Drift(f"{what}.{k}" if k else what, a.get(k), b.get(k))
         for k in keys
@@ -80,34 +90,50 @@ def _differs(a: float, b: float, tolerance: float) -> bool:
 
 
 def compare_metrics(
-    recorded: list[dict[str, Any]], rerun: list[dict[str, Any]], tolerance: float
+    recorded: list[dict[str, Any]],
+    rerun: list[dict[str, Any]],
+    tolerance: float,
+    cut_at: int | None = None,
 ) -> tuple[list[Drift], dict[str, float]]:
-    """Every metric of metrics.jsonl at the steps both logged, within a relative `tolerance`.
+    """Every metric of metrics.jsonl, within a relative `tolerance`; a value that one side
+    logged and the other did not is drift too (a re-run that no longer evaluates, or logs a
+    step), except at `cut_at`, the step a re-run was cut short at, which it logs as its last.
 
     Returns the drifts and the largest relative difference of each metric.
     """
-    by_step = {(r["step"], k): v for r in recorded for k, v in r.items() if k != "step"}
+    was, now = _by_step(recorded), _by_step(rerun)
     drifts: list[Drift] = []
     largest: dict[str, float] = {}
-    for row in rerun:
-        for metric, value in row.items():
-            if metric == "step" or metric in TIMING_METRICS:
-                continue
-            was = by_step.get((row["step"], metric))
-            if was is None:
-                continue
-            relative = abs(was - value) / max(abs(was), abs(value), 1e-12)
-            largest[metric] = max(largest.get(metric, 0.0), relative)
-            if _differs(was, value, tolerance):
-                drifts.append(Drift(f"{metric} at step {row['step']}", was, value))
+    for step, metric in sorted(set(was) | set(now)):
+        a, b = was.get((step, metric)), now.get((step, metric))
+        if a is None or b is None:
+            if step != cut_at:
+                drifts.append(Drift(f"{metric} at step {step}", a, b))
+            continue
+        relative = abs(a - b) / max(abs(a), abs(b), 1e-12)
+        largest[metric] = max(largest.get(metric, 0.0), relative)
+        if _differs(a, b, tolerance):
+            drifts.append(Drift(f"{metric} at step {step}", a, b))
     return drifts, largest
+
+
+def _by_step(rows: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
+    """metrics.jsonl's values by (step, metric), without those that measure the machine."""
+    return {
+        (row["step"], metric): value
+        for row in rows
+        for metric, value in row.items()
+        if metric != "step" and metric not in TIMING_METRICS
+    }
 
 
 def kernel_path(manifest: dict[str, Any]) -> dict[str, Any]:
     """What decides the float arithmetic of a run: device, CPU kernels, intra-op threads."""
-    kernels = manifest.get("kernels") or {}
+    kernels, hardware = manifest.get("kernels") or {}, manifest["hardware"]
     return {
-        "hardware.device": manifest["hardware"]["device"],
+        "hardware.device": hardware["device"],
+        # Another GPU model runs other kernels (a CPU's are told by its capability).
+        "hardware.name": hardware["name"] if hardware["device"] == "cuda" else None,
         "kernels.cpu_capability": kernels.get("cpu_capability"),
         "kernels.intra_op_threads": kernels.get("intra_op_threads"),
     }
@@ -122,7 +148,7 @@ def compare_records(
     With `same_path` false (a re-run on another kernel path, compared within a tolerance), the
     kernel path and the checkpoint hashes are expected to differ and are not drift.
     """
-    drifts = _diff("config", recorded["config"], rerun["config"], skip=RUN_SPECIFIC_KEYS)
+    drifts = _diff("config", hashed_config(recorded["config"]), hashed_config(rerun["config"]))
     for key in (
         "tokenizer_sha256",
         "packages",
@@ -132,8 +158,9 @@ def compare_records(
         "deterministic",
     ):
         drifts += _diff(key, recorded[key], rerun[key])
-    if "weights_sha256" in recorded:  # recorded since 2026-11-30
-        drifts += _diff("weights_sha256", recorded["weights_sha256"], rerun["weights_sha256"])
+    for key in ("weights_sha256", "load_checkpoint_sha256"):  # recorded since 2026-11-30
+        if key in recorded:
+            drifts += _diff(key, recorded[key], rerun[key])
     for split in sorted(set(recorded["data"]) | set(rerun["data"])):
         drifts += _diff(
             f"data.{split}.sha256",
@@ -145,9 +172,18 @@ def compare_records(
     drifts += _diff("hardware.device", recorded["hardware"]["device"], rerun["hardware"]["device"])
     for step in common_checkpoints(recorded, rerun):
         drifts += _diff(
-            f"checkpoint {step}", recorded["checkpoints"][step], rerun["checkpoints"][step]
+            f"checkpoint {step}",
+            _without_paths(recorded["checkpoints"][step]),
+            _without_paths(rerun["checkpoints"][step]),
         )
     return drifts
+
+
+def _without_paths(hashes: dict[str, str]) -> dict[str, str]:
+    """A checkpoint's file hashes, but a LoRA adapter's config's, which names its base by the
+    absolute path (the run's own base_model moves with it: move_recipe); its other fields are
+    the config's, compared as such."""
+    return {name: digest for name, digest in hashes.items() if name != ADAPTER_CONFIG_FILE}
 
 
 def common_checkpoints(recorded: dict[str, Any], rerun: dict[str, Any]) -> list[str]:
@@ -216,15 +252,33 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
     try:
         _rerun(recorded, recipe, steps, rerun)
     except (UserError, SystemExit):
-        # A run that failed (its loss diverged) failing again at the same step with the same
-        # error is reproduced: the steps before it are compared. It read as bad input, exit 2.
-        failed, again = recorded.status(), rerun.status()
-        alike = failed.state == again.state == "failed" and failed.error == again.error
-        if not (alike and failed.step == again.step):
+        again = rerun.status()
+        if again.state == "created":  # refused before it trained: nothing to keep
+            shutil.rmtree(rerun.path, ignore_errors=True)
+        if again.state != "failed":  # that, or stopped
             raise
-        print(f"repro: the re-run failed as the run did, at step {again.step}: {again.error}")
+        # A failure in training is compared as a result: reproduced where the run failed so
+        # too (its loss diverged at the same step), drift where it did not (compare_ends).
+        alike = not compare_ends(recorded.status(), again)
+        print(
+            f"repro: the re-run failed{' as the run did' if alike else ''}, at step "
+            f"{again.step}: {again.error}"
+        )
     print(f"re-run directory: {rerun.path}")
     return _compare(recorded, rerun, steps, tolerance)
+
+
+def compare_ends(recorded: Status, rerun: Status) -> list[Drift]:
+    """How the runs ended, where either failed: a re-run fails at the same step with the same
+    error as the run did, or neither fails."""
+
+    def end(status: Status) -> str | None:
+        failed = status.state == "failed"
+        return f"failed at step {status.step}: {status.error}" if failed else None
+
+    if end(recorded) == end(rerun):
+        return []
+    return [Drift("end", end(recorded) or recorded.state, end(rerun) or rerun.state)]
 
 
 def _stop_step(recorded: RunDir, steps: int | None) -> int | None:
@@ -314,7 +368,9 @@ def _rerun(recorded: RunDir, recipe: DictConfig, steps: int | None, rerun: RunDi
             str(rerun.path),
             f"cannot make this directory ({err.strerror}); give one this user can write",
         ) from None
-    recipe.run_dir, recipe.stop_at_step = str(rerun.path.resolve()), steps
+    # A base the run wrote from the seed (RUN/base_model) is written again, into the re-run.
+    move_recipe(recipe, rerun.path)
+    recipe.stop_at_step = steps
     write_recipe(rerun.recipe_path, recipe)
     overrides = read_manifest(recorded)["overrides"]
     write_manifest(rerun, build_manifest(recipe, overrides, Path.cwd()))
@@ -337,21 +393,26 @@ def _compare(recorded: RunDir, rerun: RunDir, steps: int | None, tolerance: floa
             "(--tolerance), checkpoint hashes not compared"
         )
     tolerance = tolerance or 0.0
+    # Weights whose metrics may differ within a tolerance may differ in their last bits too.
+    hashes = same_path and not tolerance
 
     recorded_metrics = [r for r in recorded.read_metrics() if steps is None or r["step"] <= steps]
     recorded_losses = {s: v for s, v in recorded.losses().items() if steps is None or s <= steps}
     rerun_losses = rerun.losses()
     steps_compared = len(set(recorded_losses) & set(rerun_losses))
-    drifts, largest = compare_metrics(recorded_metrics, rerun.read_metrics(), tolerance)
+    drifts, largest = compare_metrics(
+        recorded_metrics, rerun.read_metrics(), tolerance, cut_at=steps
+    )
     if steps_compared == 0:  # no step to compare: compare_losses names what each logged
         drifts = compare_losses(recorded_losses, rerun_losses) + drifts
-    drifts += compare_records(recorded_manifest, rerun_manifest, same_path=same_path)
-    if not same_path:
+    drifts += compare_ends(recorded.status(), rerun.status())
+    drifts += compare_records(recorded_manifest, rerun_manifest, same_path=hashes)
+    if tolerance:
         for metric, relative in sorted(largest.items()):
             print(f"largest relative difference of {metric}: {relative:.3g}")
     checkpoints = len(common_checkpoints(recorded_manifest, rerun_manifest))
-    if not same_path:
-        agreed = f"within {tolerance:g}; record agrees"
+    if not hashes:
+        agreed = f"within {tolerance:g}; checkpoint hashes not compared; record agrees"
     elif checkpoints:
         agreed = f"hashes of {checkpoints} checkpoint(s) and record agree"
     else:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from runner.components import plain_dict
 from runner.errors import SECRET_KEY
 from runner.rundir.io import write_json_atomic
-from runner.rundir.run import RunDir
+from runner.rundir.run import BASE_MODEL_DIR, RunDir
 
 MANIFEST_FILE = "manifest.json"
 PACKAGES = (
@@ -83,6 +83,7 @@ class Manifest(TypedDict):
     data: dict[str, DataFile]
     tokenizer_sha256: dict[str, str]
     weights_sha256: dict[str, str]
+    load_checkpoint_sha256: dict[str, str]
     seed: int
     world_size: int
     deterministic: bool
@@ -136,8 +137,16 @@ def weights_sha256(source: str | None) -> dict[str, str]:
 
 
 def hashed_config(recipe: dict[str, Any]) -> dict[str, Any]:
-    """The redacted recipe without its run-specific keys: what config_hash hashes."""
-    return {k: v for k, v in redact(recipe).items() if k not in RUN_SPECIFIC_KEYS}
+    """The redacted recipe without its run-specific keys: what config_hash hashes. A base that
+    the run wrote from the seed into its own directory (method.base_model_dir, RUN/base_model)
+    is one: it moves with the run (runner.config.method.move_recipe)."""
+    kept = {k: v for k, v in redact(recipe).items() if k not in RUN_SPECIFIC_KEYS}
+    method, run_dir = kept.get("method"), recipe.get("run_dir")
+    if isinstance(method, dict) and method.get("base_model_dir") and run_dir:
+        own = (Path(run_dir) / BASE_MODEL_DIR).resolve()
+        if Path(method["base_model_dir"]).resolve() == own:
+            kept["method"] = {k: v for k, v in method.items() if k != "base_model_dir"}
+    return kept
 
 
 def config_hash(recipe: dict[str, Any]) -> str:
@@ -213,6 +222,9 @@ def build_manifest(resolved: DictConfig, overrides: list[str], cwd: Path) -> Man
         },
         "tokenizer_sha256": {p.name: sha256_file(p) for p in sorted(tokenizer_dir.glob("*.json"))},
         "weights_sha256": weights_sha256(recipe["model"]["source"]),
+        # The checkpoint a run went on from (load_checkpoint.path, to resume): its weights and
+        # training state, where model.source names the base it was trained from.
+        "load_checkpoint_sha256": weights_sha256(recipe["resume_from"]),
         "seed": recipe["seed"],
         "world_size": recipe["compute"]["nproc_per_node"] * recipe["compute"]["nnodes"],
         "deterministic": recipe["runtime"]["deterministic"],
