@@ -30,6 +30,7 @@ from runner.rundir import (
     check_safetensors,
     is_run_dir,
     lora_base,
+    own_base,
     readable_as_umask,
 )
 
@@ -274,11 +275,18 @@ def staged(destination: Path) -> Iterator[Path]:
 
 
 def write_adapter(checkpoint: Path, out_dir: Path) -> None:
-    """The PEFT adapter and tokenizer files, without the training state."""
+    """The PEFT adapter and tokenizer files, without the training state. The base a run holds
+    in its own directory is named where it lies now: a moved run's adapter names where it
+    trained (`runner.rundir.lora_base`)."""
     out_dir.mkdir()
     for name in (*ADAPTER_FILES, *MODEL_FILES, "README.md"):
         if (checkpoint / name).is_file():
             shutil.copy2(checkpoint / name, out_dir / name)
+    base = own_base(checkpoint)
+    if base is not None:
+        config = json.loads((out_dir / ADAPTER_CONFIG_FILE).read_text())
+        config["base_model_name_or_path"] = str(base.resolve())
+        (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write_merged(

@@ -47,6 +47,7 @@ from runner.rundir.run import (
     checkpoint_step,
     is_run_dir,
     lora_base,
+    own_base,
 )
 from runner.rundir.status import (
     ACTIVE_STATES,

@@ -78,14 +78,23 @@ def lora_base(adapter_dir: Path) -> Path | None:
     which a moved run lost and a copied one still points at. Any other takes the base that its
     adapter_config.json names (`base_model_name_or_path`, kept as peft wrote it).
     """
-    run = adapter_dir.parent.parent
-    if adapter_dir.parent.name == CHECKPOINTS_DIR and is_run_dir(run):
-        if (run / BASE_MODEL_DIR).is_dir():
-            return run / BASE_MODEL_DIR
+    own = own_base(adapter_dir)
+    if own is not None:
+        return own
     named = json.loads((adapter_dir / ADAPTER_CONFIG_FILE).read_text()).get(
         "base_model_name_or_path"
     )
     return Path(named) if named else None
+
+
+def own_base(adapter_dir: Path) -> Path | None:
+    """The base that the run of a LoRA checkpoint holds in its own directory (RUN/base_model/,
+    written from the seed), wherever the run lies now; None where it holds none."""
+    run = adapter_dir.parent.parent
+    if adapter_dir.parent.name == CHECKPOINTS_DIR and is_run_dir(run):
+        if (run / BASE_MODEL_DIR).is_dir():
+            return run / BASE_MODEL_DIR
+    return None
 
 
 class RunDir:
