@@ -172,6 +172,18 @@ def test_a_host_not_of_this_machine_is_one_error_and_no_warning(caplog) -> None:
     assert "reachable from other machines" not in caplog.text
 
 
+def test_an_ipv6_host_is_bracketed_in_the_url_it_serves_at(served_run: Path, caplog) -> None:
+    """`http://:::PORT/v1` (host=::) is no URL: the OpenAI client refused it (Invalid port)."""
+    cfg = deploy_config(f"checkpoint={served_run}", "host=::1", "port=0")
+    with caplog.at_level(logging.INFO, logger="runner.deploy.serve"):
+        _, sock = prepare(cfg)
+    port = sock.getsockname()[1]
+    sock.close()
+    (url,) = re.findall(r"OpenAI-compatible API at (\S+)", caplog.text)
+    assert url == f"http://[::1]:{port}/v1"
+    assert openai.OpenAI(base_url=url, api_key="unused").base_url.port == port
+
+
 def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off() -> None:
     # With proto 0, asyncio leaves Nagle on and each keep-alive response waits ~40 ms.
     sock = bind_socket("127.0.0.1", 0)

@@ -87,7 +87,8 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     host, port = sock.getsockname()[:2]
     for model in checkpoints:
         log.info("serving %s as model %r", model.path, model.name)
-    log.info("OpenAI-compatible API at http://%s:%d/v1 (engine=%s)", host, port, cfg.engine)
+    where = f"[{host}]" if ":" in host else host  # an IPv6 address, as URLs write it (RFC 3986)
+    log.info("OpenAI-compatible API at http://%s:%d/v1 (engine=%s)", where, port, cfg.engine)
     return app, sock
 
 
