@@ -133,6 +133,17 @@ def test_a_run_removed_while_runs_lists_is_passed_over(tmp_path: Path) -> None:
     assert listed == ["0", "2"] and len(find_runs([tmp_path])) == 2
 
 
+def test_runs_are_listed_newest_first_by_their_status_not_their_directory(tmp_path) -> None:
+    """An export into an old run's directory (RUN/exports/) listed it first, above runs its
+    own age column showed newer."""
+    from runner.job.lifecycle import find_runs
+
+    old, new = (fake_run(tmp_path / n, state="completed", steps=[], metrics=[]) for n in "ab")
+    os.utime(old.path / "status.json", (1e9, 1e9))  # written in 2001
+    (old.path / "exports").mkdir()  # the directory's own time is now
+    assert [run.path.name for run in find_runs([tmp_path])] == ["b", "a"]
+
+
 def test_a_half_written_metrics_line_is_skipped(tmp_path: Path) -> None:
     run = fake_run(tmp_path, state="running", steps=[], metrics=[{"step": 1, "loss": 2.0}])
     with (tmp_path / "metrics.jsonl").open("a") as f:

@@ -93,9 +93,10 @@ def run_roots(dirs: list[Path]) -> list[Path]:
 
 
 def find_runs(roots: list[Path], unreadable: list[Path] | None = None) -> list[RunDir]:
-    """Run directories under `roots`, newest first. A directory that cannot be read is added
-    to `unreadable` (where given); one removed while the roots are read is passed over, as a
-    run on a shared disk may be by its owner's cleanup."""
+    """Run directories under `roots`, newest first: by when each last wrote its status, as
+    the age column reads it (an export into an old run's directory made it newer). A directory
+    that cannot be read is added to `unreadable` (where given); one removed while the roots are
+    read is passed over, as a run on a shared disk may be by its owner's cleanup."""
 
     def passed_over(err: OSError) -> None:
         if unreadable is not None and not isinstance(err, FileNotFoundError):
@@ -107,7 +108,7 @@ def find_runs(roots: list[Path], unreadable: list[Path] | None = None) -> list[R
             if STATUS_FILE in files:
                 subdirs.clear()  # a run holds no runs: its checkpoints are not searched
                 with contextlib.suppress(OSError):
-                    found[Path(here)] = os.stat(here).st_mtime
+                    found[Path(here)] = os.stat(os.path.join(here, STATUS_FILE)).st_mtime
     return [RunDir(path) for path in sorted(found, key=found.__getitem__, reverse=True)]
 
 
