@@ -132,6 +132,29 @@ class _LineOnly(logging.Filter):
         return True
 
 
+class _StopPassedOn(logging.Filter):
+    """The elastic agent's warnings as it passes a stop on to its workers, which runner's own
+    lines say (stopped at step N, the checkpoint, the status): off the console."""
+
+    NOTICES = (
+        "Received %s death signal, shutting down workers",
+        "Closing process %s via signal %s",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.NOTICES
+
+
+def _quiet_torch_elastic(forked: bool) -> None:
+    """Filters torch elastic's loggers, once a process (_LineOnly where workers are forked)."""
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    workers = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    wanted = [(agent, _StopPassedOn), (workers, _StopPassedOn)]
+    for torch_log, quiet in wanted + ([(workers, _LineOnly)] if forked else []):
+        if not any(isinstance(f, quiet) for f in torch_log.filters):
+            torch_log.addFilter(quiet())
+
+
 def node_rank_of(compute: DictConfig, recipe: DictConfig) -> int | None:
     """This node's rank: 0 on one node; else compute.node_rank as given or read from the
     platform (None where neither says, and c10d alone tells the nodes apart)."""
@@ -369,12 +392,10 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     log.info("workers: %s", f"fresh interpreters ({why_fresh})" if why_fresh else "forked")
     launched = time.time()
     _resend.in_torch = True
+    _quiet_torch_elastic(forked=why_fresh is None)
     try:
         if why_fresh is None:
             config.start_method = "fork"
-            torch_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-            if not any(isinstance(f, _LineOnly) for f in torch_log.filters):
-                torch_log.addFilter(_LineOnly())
             elastic_launch(config, entrypoint=_forked_worker)(str(recipe_path))
         else:
             elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
