@@ -10,7 +10,7 @@ import select
 import sys
 
 from runner.config import interpolations
-from runner.config.fields import override_key
+from runner.config.fields import MULTIRUN_FLAGS, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.console import outlive_the_reader
 from runner.errors import UserError, UserErrorExit, address_space_error
@@ -76,11 +76,10 @@ def _run(name: str, argv: list[str]) -> int | None:
 
     argv = flags_first(argv)
     refuse_typed_secrets(argv)
-    multirun = ("-m", "--multirun", "hydra.mode=MULTIRUN")
     resumed = next(
         (a for a in argv if override_key(a) == "resume" and a.partition("=")[2] != "null"), None
     )
-    if name == "train" and resumed and any(a in multirun for a in argv):
+    if name == "train" and resumed and any(a in MULTIRUN_FLAGS for a in argv):
         # Each job would train a new directory of the sweep's, which holds no recipe to resume.
         raise UserError(
             "resume",
@@ -90,7 +89,7 @@ def _run(name: str, argv: list[str]) -> int | None:
         )
     if name in ("validate", "estimate", "download"):
         # hydra.mode=MULTIRUN is Hydra's other spelling of -m.
-        given = next((a for a in argv if a in multirun), None)
+        given = next((a for a in argv if a in MULTIRUN_FLAGS), None)
         if given is not None:
             # Hydra would make a sweep directory, with a summary of jobs that never ran.
             raise UserError(

@@ -24,6 +24,8 @@ from runner.errors import NULL, UserError
 # What prints every key of the config a Hydra command composed (`runner train --cfg job`); a
 # command that is no Hydra app names its own (runner cluster: `runner cluster --help`).
 EVERY_KEY = "--cfg job"
+# The spellings of a sweep on the command line: Hydra's flag, and its mode set as a key.
+MULTIRUN_FLAGS = ("-m", "--multirun", "hydra.mode=MULTIRUN")
 
 
 def override_key(override: str) -> str:

@@ -15,7 +15,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.fields import check_chosen, override_key
+from runner.config.fields import MULTIRUN_FLAGS, check_chosen, override_key
 from runner.config.hydra_errors import from_hydra_error
 from runner.config.method import check_method_keys
 from runner.config.optimizer import checked_option
@@ -212,7 +212,7 @@ def _of_cluster(override: str) -> str | None:
 
 def cluster_files(overrides: list[str]) -> dict[str, str]:
     """{"slurm": script, "kubeflow": manifest}, as cluster.print selects."""
-    for flag in ("-m", "--multirun", "hydra.mode=MULTIRUN"):
+    for flag in MULTIRUN_FLAGS:
         if flag in overrides:
             raise UserError(flag, None, CLUSTER_SWEEP)
     given = next((o for o in overrides if o.startswith("-")), None)
