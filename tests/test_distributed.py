@@ -290,16 +290,17 @@ def test_a_ranks_own_error_is_the_runs_not_the_lost_contact_it_causes(
 def test_a_rank_killed_by_a_signal_is_named_not_the_lost_contact_it_causes(
     hermetic_env, tmp_path: Path
 ) -> None:
-    """A rank killed (the kernel's out-of-memory killer sends SIGKILL) records nothing: the
-    launcher names it from its exit, not rank 0, which exits 1 having lost contact with it."""
+    """A rank killed (the kernel's out-of-memory killer sends SIGKILL) records nothing: its
+    launcher records it from its exit, as the rank's own failure, which every node names, not
+    rank 0's lost contact with it."""
     run_dir = tmp_path / "killed"
     args = [*BASE, *ONE_BY_TWO, "compute.max_restarts=0", f"hydra.run.dir={run_dir}"]
     code, output = finish(start(hooked_env(hermetic_env, tmp_path, KILL_RANK_1), tmp_path, *args))
     assert code == 1 and "Traceback" not in output, output[-3000:]
     last = output.strip().splitlines()[-1]
     assert last.startswith(
-        "training failed after 0 restart(s) (compute.max_restarts): rank 1 was killed by "
-        "SIGKILL: by the kernel's out-of-memory killer"
+        "training failed after 0 restart(s) (compute.max_restarts): rank 1 failed: killed by "
+        "SIGKILL (the kernel's out-of-memory killer"
     ), output[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "failed" and status["error"] == last, status

@@ -375,7 +375,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    from runner.trainer.process import tell
+    from runner.trainer.process import killed_by, tell
 
     config = _rendezvous_config(recipe, node_rank)
     log.info("rendezvous: c10d at %s, run id %s", config.rdzv_endpoint, config.run_id)
@@ -408,10 +408,13 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         tell(f"stopped by {name}; status in {recipe.run_dir}/status.json")
         raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
+        for rank, failure in err.failures.items():
+            if failure.exitcode < 0:  # killed by a signal: it recorded nothing of its own
+                run.record_failure(rank, killed_by(failure.signal_name()))
         status = run.status()
         error = status.error or "see its output above"
         failed = f"training failed after {config.max_restarts} restart(s) (compute.max_restarts):"
-        why = _why_failed(err.failures, status.error, run.first_failure(since=launched))
+        why = _why_failed(status.error, run.first_failure(since=launched))
         if error.startswith(failed):  # another node's launcher said it
             message = error
         elif why is not None:
@@ -436,34 +439,15 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         raise SystemExit(EXIT_SIGTERM)
 
 
-def _why_failed(
-    failures: dict[int, Any], error: str | None, recorded: tuple[int, str] | None
-) -> str | None:
+def _why_failed(error: str | None, recorded: tuple[int, str] | None) -> str | None:
     """Why the workers failed, where rank 0 only lost contact with the rank that failed first
-    (or wrote nothing): the error that rank recorded of its own, or the signal that killed it;
-    None where rank 0's own error in status.json is the run's."""
+    (or wrote nothing): the failure recorded of that rank, its own error or the signal that
+    killed it; None where rank 0's own error in status.json is the run's."""
     from runner.trainer.process import LOST_CONTACT, rank_failed
 
     named = rank_failed(recorded)
-    if named is not None and error == named:  # rank 0 read the record itself
-        return named
     lost = error is None or error.startswith(LOST_CONTACT)
-    if not lost:
-        return None
-    if named is not None:
-        return named
-    killed = sorted((rank, f) for rank, f in failures.items() if f.exitcode < 0)
-    if killed:
-        rank, failure = killed[0]
-        name = failure.signal_name()
-        if name == "SIGKILL":
-            return (
-                f"rank {rank} was killed by SIGKILL: by the kernel's out-of-memory killer where "
-                "the host ran out of memory (`dmesg` says so; `runner estimate` prices a run's "
-                "memory), or by a `kill -9`"
-            )
-        return f"rank {rank} was killed by {name}"
-    return None
+    return named if lost or (named is not None and error == named) else None
 
 
 def _check_out() -> None:

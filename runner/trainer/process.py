@@ -369,6 +369,17 @@ LOST_CONTACT = "lost contact with another rank"
 AGENT_MONITOR_INTERVAL_S = 0.5
 
 
+def killed_by(signal_name: str) -> str:
+    """A rank's own failure where a signal killed it (recorded by its launcher, RunDir's
+    record_failure): SIGKILL is mostly the kernel's out-of-memory killer's."""
+    if signal_name != "SIGKILL":
+        return f"killed by {signal_name}"
+    return (
+        "killed by SIGKILL (the kernel's out-of-memory killer sends it where the host runs out "
+        "of memory: `dmesg` says so, and `runner estimate` prices a run's memory; or a `kill -9`)"
+    )
+
+
 def rank_failed(cause: tuple[int, str] | None) -> str | None:
     """The run's error where a rank failed of its own (RunDir.first_failure's) and its peers only
     lost contact with it; None where none recorded one."""
