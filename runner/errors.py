@@ -96,10 +96,16 @@ def address_space_error(err: BaseException) -> UserError | None:
     if limit == resource.RLIM_INFINITY:
         return None
     text = str(err)
-    # A shared library that cannot be mapped; a C extension whose allocation failed without
-    # an exception set (SystemError, as torch._dynamo's import gave at 2 GB).
-    mapped = "failed to map segment" in text or "annot allocate memory" in text
-    if not (isinstance(err, (MemoryError, SystemError)) or mapped):
+    # A shared library that cannot be mapped (glibc says so of any mapping refused, a noexec
+    # mount's too), or a C extension whose allocation failed without an exception set
+    # (SystemError, as torch._dynamo's import gave at 2 GB): memory only where little is left.
+    unsure = "failed to map segment" in text or isinstance(err, SystemError)
+    # A thread's stack (8 MiB, ulimit -s) that cannot be mapped; a pids limit says so too.
+    thread = "can't start new thread" in text
+    if not (isinstance(err, MemoryError) or "annot allocate memory" in text or unsure or thread):
+        return None
+    left = _address_space_left(limit)
+    if (unsure and not left < _LIBRARY_ROOM) or (thread and not left < _STACK_ROOM):
         return None
     what = error_line(err) if text else type(err).__name__
     return UserError(
@@ -109,6 +115,27 @@ def address_space_error(err: BaseException) -> UserError | None:
         f"of memory, and runner ran out of it ({what}); raise the limit (`ulimit -v "
         "unlimited`, where the machine allows) or run where it is higher",
     )
+
+
+# More address space than any library training loads maps at once (libtorch_cpu's segments:
+# about 0.5 GiB; a CUDA library's, more): a mapping refused with this much left was not refused
+# for room.
+_LIBRARY_ROOM = 2 << 30
+# Room for a few threads' stacks: a thread refused with more left was refused for another
+# reason (a pids limit).
+_STACK_ROOM = 64 << 20
+
+
+def _address_space_left(limit: int) -> float:
+    """Bytes this process may still map under `limit` (/proc/self/status's VmSize); infinite
+    where the kernel does not say."""
+    try:
+        with open("/proc/self/status") as proc:
+            status = proc.read()
+    except OSError:
+        return float("inf")
+    found = re.search(r"^VmSize:\s+(\d+) kB", status, re.M)
+    return float("inf") if found is None else limit - int(found[1]) * 1024
 
 
 def interpolation_error(err: BaseException) -> UserError | None:

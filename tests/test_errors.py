@@ -444,3 +444,36 @@ def test_libraries_that_do_not_fit_the_address_space_are_one_line_and_leave_noth
         "limit (`ulimit -v unlimited`, where the machine allows) or run where it is higher\n"
     ), result.stderr[-3000:]
     assert not run_dir.exists()
+    # Printing the config trains nothing here: it loads none of that (on a login node, too).
+    printed = subprocess.run(
+        [sys.executable, "-m", "runner", "train", *QUICK, "--cfg", "job"],
+        env={**hermetic_env, "PYTHONPATH": str(hooks)},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, hard)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert printed.returncode == 0 and "max_steps:" in printed.stdout, printed.stderr[-3000:]
+
+
+def test_only_memory_run_out_is_called_so_under_an_address_space_limit() -> None:
+    """glibc says "failed to map segment" of any mapping refused (a library on a noexec mount),
+    and a pids limit refuses threads: with room left under the limit, neither is memory."""
+    import resource
+
+    from runner.errors import address_space_error
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = 2**45 if hard == resource.RLIM_INFINITY else hard  # finite, far above any use here
+    mapped = ImportError("_sentencepiece.so: failed to map segment from shared object")
+    thread = RuntimeError("can't start new thread")
+    assert address_space_error(MemoryError()) is None  # no limit set
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        refused = address_space_error(MemoryError())
+        unsure = [address_space_error(err) for err in (mapped, thread, SystemError("x"))]
+        other = address_space_error(ValueError("bad value"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert refused is not None and refused.key == "ulimit -v"
+    assert unsure == [None, None, None] and other is None

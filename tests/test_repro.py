@@ -129,12 +129,13 @@ def reported_drifts(runner_cli, tmp_path: Path, run: Path, train_file: Path) -> 
     assert "loss at step" not in result.stdout  # the numbers themselves still agree
     (run / "manifest.json").write_text(written)
 
-    # A value the run logged and the re-run does not (a change that stopped evaluating).
+    # A value the run logged and the re-run does not (a change that stopped evaluating), at
+    # its last step too, which no --steps cut.
     metrics = (run / "metrics.jsonl").read_text()
-    (run / "metrics.jsonl").write_text(metrics + json.dumps({"step": 1, "eval_loss": 5.3}) + "\n")
-    result = runner_cli("repro", str(run), "--steps", "2", "--out", str(tmp_path / "eval"))
+    (run / "metrics.jsonl").write_text(metrics + json.dumps({"step": 4, "eval_loss": 5.3}) + "\n")
+    result = runner_cli("repro", str(run), "--out", str(tmp_path / "eval"))
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
-    assert "eval_loss at step 1" in result.stdout and "1 difference(s)" in result.stdout
+    assert "eval_loss at step 4" in result.stdout and "1 difference(s)" in result.stdout
     (run / "metrics.jsonl").write_text(metrics)
 
     # A tolerance given: weights within it may differ in their last bits, as GPU runs' do.
@@ -413,6 +414,12 @@ def test_how_the_runs_ended_is_compared_where_either_failed() -> None:
     )
     (later,) = compare_ends(failed, Status(state="failed", step=3, error=nan))
     assert later.rerun == f"failed at step 3: {nan}"
+    # Ended by its machine, not its computation: a re-run that goes as far matches.
+    killed = "training failed ...: rank 1 failed: killed by SIGKILL (the kernel's out-of-memory"
+    completed = Status(state="completed", step=5)
+    assert compare_ends(Status(state="failed", step=5, error=killed), completed) == []
+    (failing,) = compare_ends(completed, failed)
+    assert failing.recorded == "completed"
 
 
 def test_metrics_compare_within_a_relative_tolerance() -> None:

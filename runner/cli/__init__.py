@@ -51,6 +51,13 @@ NO_OUTPUT = [
 ]
 
 
+# Hydra's flags that print and exit before the task runs (--cfg job prints the config).
+PRINT_AND_EXIT = (
+    *("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-i", "--info"),
+    *("-sc", "--shell-completion"),
+)
+
+
 def _run(name: str, argv: list[str]) -> int | None:
     """Runs command `name` with the arguments after its name."""
     if name == "resume":
@@ -59,8 +66,8 @@ def _run(name: str, argv: list[str]) -> int | None:
         name, *argv = resume_argv(argv)
     if name in ("train", "deploy") and not {"-h", "--help"} & set(argv):
         outlive_the_reader()  # `runner train ... | head` trains on once head has its lines
-    if name == "train" and not {"-h", "--help"} & set(argv):
-        _load_training_libraries_under_a_limit()
+    if name == "train" and not {*PRINT_AND_EXIT, *MULTIRUN_FLAGS} & set(argv):
+        _load_training_libraries_under_a_limit()  # where this process trains
     if name in LIFECYCLE_COMMANDS:
         from runner.cli.lifecycle import main as lifecycle_main
 

@@ -247,6 +247,9 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
             "and a new hydra.run.dir, and compare the two runs' metrics.jsonl",
         )
     _check_inputs_there(recorded, recipe)
+    reached = recorded.status().step
+    # Where --steps cuts the re-run short of the run, it logs that step as its last.
+    cut_at = steps if steps is not None and reached is not None and steps < reached else None
     steps = _stop_step(recorded, steps)
     _check_logged(recorded, steps, log_every=recipe.runtime.log_every_n_steps)
     try:
@@ -265,20 +268,24 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
             f"{again.step}: {again.error}"
         )
     print(f"re-run directory: {rerun.path}")
-    return _compare(recorded, rerun, steps, tolerance)
+    return _compare(recorded, rerun, steps, tolerance, cut_at)
 
 
 def compare_ends(recorded: Status, rerun: Status) -> list[Drift]:
     """How the runs ended, where either failed: a re-run fails at the same step with the same
-    error as the run did, or neither fails."""
+    error as the run did, or neither fails. A run ended from outside (a process killed, a node
+    lost, memory run out) is matched by a re-run that goes as far: its steps are compared."""
 
     def end(status: Status) -> str | None:
         failed = status.state == "failed"
         return f"failed at step {status.step}: {status.error}" if failed else None
 
-    if end(recorded) == end(rerun):
+    from runner.trainer.process import ended_from_outside
+
+    ran, again = end(recorded), end(rerun)
+    if ran == again or (ran and again is None and ended_from_outside(ran)):
         return []
-    return [Drift("end", end(recorded) or recorded.state, end(rerun) or rerun.state)]
+    return [Drift("end", ran or recorded.state, again or rerun.state)]
 
 
 def _stop_step(recorded: RunDir, steps: int | None) -> int | None:
@@ -378,7 +385,9 @@ def _rerun(recorded: RunDir, recipe: DictConfig, steps: int | None, rerun: RunDi
     launch(recipe, rerun.recipe_path)
 
 
-def _compare(recorded: RunDir, rerun: RunDir, steps: int | None, tolerance: float | None) -> int:
+def _compare(
+    recorded: RunDir, rerun: RunDir, steps: int | None, tolerance: float | None, cut_at: int | None
+) -> int:
     """Prints what differs between the recorded run and its re-run; 1 on drift, else 0."""
     recorded_manifest, rerun_manifest = read_manifest(recorded), read_manifest(rerun)
     recorded_path, rerun_path = kernel_path(recorded_manifest), kernel_path(rerun_manifest)
@@ -401,7 +410,7 @@ def _compare(recorded: RunDir, rerun: RunDir, steps: int | None, tolerance: floa
     rerun_losses = rerun.losses()
     steps_compared = len(set(recorded_losses) & set(rerun_losses))
     drifts, largest = compare_metrics(
-        recorded_metrics, rerun.read_metrics(), tolerance, cut_at=steps
+        recorded_metrics, rerun.read_metrics(), tolerance, cut_at=cut_at
     )
     if steps_compared == 0:  # no step to compare: compare_losses names what each logged
         drifts = compare_losses(recorded_losses, rerun_losses) + drifts

@@ -380,6 +380,12 @@ def killed_by(signal_name: str) -> str:
     )
 
 
+def ended_from_outside(error: str) -> bool:
+    """Whether a run's error says it was ended by its machine, not by its computation: a process
+    killed, a peer lost, memory run out (the lines above)."""
+    return any(said in error for said in (LOST_CONTACT, "killed by ", "out of memory on "))
+
+
 def rank_failed(cause: tuple[int, str] | None) -> str | None:
     """The run's error where a rank failed of its own (RunDir.first_failure's) and its peers only
     lost contact with it; None where none recorded one."""
