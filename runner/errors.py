@@ -88,6 +88,15 @@ def user_error_in(err: BaseException) -> UserError | None:
     return interpolation_error(err) or address_space_error(err)
 
 
+# More address space than any library training loads maps at once (libtorch_cpu's segments:
+# about 0.5 GiB; a CUDA library's, more): a mapping refused with this much left was not refused
+# for room.
+_LIBRARY_ROOM = 2 << 30
+# Room for a few threads' stacks: a thread refused with more left was refused for another
+# reason (a pids limit).
+_STACK_ROOM = 64 << 20
+
+
 def address_space_error(err: BaseException) -> UserError | None:
     """Memory run out under an address-space limit (`ulimit -v`, as login nodes set), where a
     library loads or allocates outside training (which says it in a line of its own): named
@@ -115,15 +124,6 @@ def address_space_error(err: BaseException) -> UserError | None:
         f"of memory, and runner ran out of it ({what}); raise the limit (`ulimit -v "
         "unlimited`, where the machine allows) or run where it is higher",
     )
-
-
-# More address space than any library training loads maps at once (libtorch_cpu's segments:
-# about 0.5 GiB; a CUDA library's, more): a mapping refused with this much left was not refused
-# for room.
-_LIBRARY_ROOM = 2 << 30
-# Room for a few threads' stacks: a thread refused with more left was refused for another
-# reason (a pids limit).
-_STACK_ROOM = 64 << 20
 
 
 def _address_space_left(limit: int) -> float:

@@ -275,12 +275,11 @@ def compare_ends(recorded: Status, rerun: Status) -> list[Drift]:
     """How the runs ended, where either failed: a re-run fails at the same step with the same
     error as the run did, or neither fails. A run ended from outside (a process killed, a node
     lost, memory run out) is matched by a re-run that goes as far: its steps are compared."""
+    from runner.trainer.process import ended_from_outside
 
     def end(status: Status) -> str | None:
         failed = status.state == "failed"
         return f"failed at step {status.step}: {status.error}" if failed else None
-
-    from runner.trainer.process import ended_from_outside
 
     ran, again = end(recorded), end(rerun)
     if ran == again or (ran and again is None and ended_from_outside(ran)):
