@@ -202,6 +202,12 @@ class UserErrorExit(SystemExit):
         self.error = error
 
 
+def diverged(error: str) -> bool:
+    """Whether a run's recorded error (status.json's) says its loss went nan or inf (Diverged's
+    message, however an older runner prefixed it)."""
+    return "the training loss is " in error and "lower the learning rate" in error
+
+
 class Diverged(UserError):
     """The training loss became inf or nan: the run's directory (its metrics and log) is kept."""
 

@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runner.config.schema import read_recipe
 from runner.errors import UserError
 from runner.job.repro import (
+    Drift,
     _rerun_dir,
     compare_ends,
     compare_losses,
     compare_metrics,
     compare_records,
+    print_report,
     repro,
 )
 from runner.paths import SAMPLE_DATA_DIR
@@ -399,6 +402,9 @@ def test_a_value_one_side_logged_is_drift_but_at_the_step_a_rerun_was_cut_at() -
     assert (drift.what, drift.recorded, drift.rerun) == ("loss at step 2", None, 1.0)
     # Cut short by --steps, a re-run logs the step it stops at, which the run may not have.
     assert compare_metrics(recorded, rerun, tolerance=0.0, cut_at=2)[0] == []
+    # A metric the run never logged (an older runner's: no grad_norm) is no drift.
+    newer = [{**row, "grad_norm": 1.0} for row in recorded]
+    assert compare_metrics(recorded, newer, tolerance=0.0)[0] == []
 
 
 def test_how_the_runs_ended_is_compared_where_either_failed() -> None:
@@ -420,6 +426,45 @@ def test_how_the_runs_ended_is_compared_where_either_failed() -> None:
     assert compare_ends(Status(state="failed", step=5, error=killed), completed) == []
     (failing,) = compare_ends(completed, failed)
     assert failing.recorded == "completed"
+    # An older runner's record of the same divergence ("Diverged: " before it) is alike.
+    older = Status(state="failed", step=2, error=f"Diverged: {nan}")
+    assert compare_ends(older, failed) == []
+
+
+def test_what_an_older_runner_could_not_record_is_no_drift(capsys) -> None:
+    """A key it did not write, a value it redacted (every key with "token" in its name), each
+    called drift in a re-run that matched; a value the table cuts short is printed in full."""
+    recorded = {"dataset": {"eval_max_new_tokens": "<redacted>"}, "optimizer": {"lr": 1.0}}
+    rerun = {"dataset": {"eval_max_new_tokens": 12, "validation": {"format": "json"}}}
+    rerun["optimizer"] = {"lr": 2.0}
+    manifest = {  # the keys of a manifest that compare_records reads
+        "tokenizer_sha256": {},
+        "packages": {},
+        "python": "3.11",
+        "torch_build": {},
+        "world_size": 1,
+        "deterministic": True,
+        "data": {},
+        "hardware": {"device": "cpu"},
+        "checkpoints": {},
+    }
+    (drift,) = compare_records({**manifest, "config": recorded}, {**manifest, "config": rerun})
+    assert (drift.what, drift.recorded, drift.rerun) == ("config.optimizer.lr", 1.0, 2.0)
+    long = "failed at step 3: optimizer.lr=1e+12: the training loss is nan at step 3"
+    print_report([Drift("end", long, "completed")], "unused")
+    assert f"end: recorded {long}; re-run completed" in capsys.readouterr().out
+
+
+def test_an_older_recipe_reads_its_validation_file_in_the_datasets_format(
+    one_process_run: Path, tmp_path: Path
+) -> None:
+    """Recorded before validation.format was: repro and resume read the file with no format
+    (a KeyError traceback, and a half-made re-run directory)."""
+    recipe = yaml.safe_load((one_process_run / "recipe.yaml").read_text())
+    assert recipe["dataset"]["validation"]["source"] and recipe["dataset"]["format"] == "json"
+    del recipe["dataset"]["validation"]["format"]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert read_recipe(tmp_path / "recipe.yaml").dataset.validation.format == "json"
 
 
 def test_metrics_compare_within_a_relative_tolerance() -> None:

@@ -8,8 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+from runner import api
+from runner.errors import UserError
+from runner.job.lifecycle import check_resumable
+from runner.rundir import RunDir
 from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
 
 N = 6
@@ -139,6 +144,16 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(
     assert result.returncode == 2, result.stderr[-3000:]
     assert "optimizer.lr=0.005 (recorded: 0.001)" in result.stderr
     assert final.read_bytes() == weights
+    # The Python API's resume says so as it is called (its process's refusal went unseen).
+    with pytest.raises(UserError, match=r"edited since the run started \(optimizer.lr=0.005"):
+        api.Run(run).resume()
+    # A value manifest.json redacted (an older runner redacted every key with "token" in its
+    # name: eval_max_new_tokens) is no edit.
+    (run / "recipe.yaml").write_text(recipe)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["dataset"]["eval_max_new_tokens"] = "<redacted>"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    check_resumable(RunDir(run))
 
 
 def written(run: Path) -> dict[Path, bytes]:

@@ -266,6 +266,11 @@ def read_recipe(path: Path) -> DictConfig:
     # A key Recipe does not know is a bug of runner's, not the user's.
     typed_recipe = OmegaConf.merge(OmegaConf.structured(Recipe), values)
     assert isinstance(typed_recipe, DictConfig)  # a dataclass merges into a DictConfig
+    validation = typed_recipe.dataset.validation
+    if validation.source is not None and validation.format is None:
+        # Recorded before a validation file was read in its own format: it was read in
+        # dataset.format (a recipe written since holds the format it resolved).
+        validation.format = typed_recipe.dataset.format
     return typed_recipe
 
 

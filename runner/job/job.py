@@ -20,9 +20,8 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig, read_write
 
-from runner.components import plain_dict
 from runner.config.fields import as_typed, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
@@ -38,7 +37,7 @@ from runner.job.launch import (
     node_rank_of,
     stops_before_workers,
 )
-from runner.job.lifecycle import last_logged, wait_for_orphans
+from runner.job.lifecycle import check_recipe_as_recorded, last_logged, wait_for_orphans
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
 from runner.paths import pasteable, user_path
 from runner.rundir import (
@@ -53,7 +52,6 @@ from runner.rundir import (
 from runner.rundir.manifest import (
     MANIFEST_FILE,
     build_manifest,
-    changed_config,
     changed_data,
     changed_overrides,
     read_manifest,
@@ -297,32 +295,13 @@ def _warn_changed_data(run: RunDir, now: dict[str, Any] | None = None) -> None:
         )
 
 
-def _check_recipe_as_recorded(run: RunDir) -> None:
-    """runner resume goes on with the recipe the run started with: one edited since (a new lr,
-    which the checkpoint's optimizer state overrides) would be recorded as trained, and never
-    trained with. Refused by the keys that differ, in the file as written (a key an older
-    runner did not write is in neither)."""
-    written = OmegaConf.load(run.recipe_path)
-    assert isinstance(written, DictConfig), "read_recipe read it as a mapping"
-    changed = changed_config(run, plain_dict(written))
-    if changed:
-        raise UserError(
-            str(run.recipe_path),
-            "edited",
-            f"{'; '.join(changed)}, where manifest.json recorded the run's start: runner resume "
-            "goes on with the recipe a run started with; put it back, or start a new run from "
-            f"its checkpoint with the new settings (runner train load_checkpoint.path={run.path} "
-            "...)",
-        )
-
-
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any] | None:
     if cfg.resume is not None:
         check_resume(cfg.resume, overrides)
         if _finished(run):
             return None
         recipe = read_recipe(run.recipe_path)
-        _check_recipe_as_recorded(run)
+        check_recipe_as_recorded(run)
         _warn_changed_data(run)
         if Path(recipe.run_dir).resolve() != run.path.resolve():
             # Moved or copied since it started: it goes on where it lies, and says so from now.

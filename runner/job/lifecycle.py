@@ -342,9 +342,34 @@ def wait_for_orphans(run: RunDir, timeout: float = ORPHANS_WAIT_S) -> None:
         time.sleep(0.1)
 
 
+def check_recipe_as_recorded(run: RunDir) -> None:
+    """runner resume goes on with the recipe the run started with: one edited since (a new lr,
+    which the checkpoint's optimizer state overrides) would be recorded as trained, and never
+    trained with. Refused by the keys that differ, in the file as written (a key an older
+    runner did not write is in neither)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from runner.components import plain_dict
+    from runner.rundir.manifest import changed_config
+
+    written = OmegaConf.load(run.recipe_path)
+    assert isinstance(written, DictConfig), "read_recipe read it as a mapping"
+    changed = changed_config(run, plain_dict(written))
+    if changed:
+        raise UserError(
+            str(run.recipe_path),
+            None,
+            f"edited since the run started ({'; '.join(changed)}, where manifest.json recorded "
+            "its start): runner resume goes on with the recipe a run started with; put it back, "
+            "or start a new run from its checkpoint with the new settings (runner train "
+            f"load_checkpoint.path={run.path} ...)",
+        )
+
+
 def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
-    """A UserError under `key` unless `run` ended cancelled or failed (so it can go on); a run
-    whose workers are still saving is waited for (wait_for_orphans)."""
+    """A UserError under `key` unless `run` ended cancelled or failed (so it can go on) with the
+    recipe it started with; a run whose workers are still saving is waited for
+    (wait_for_orphans)."""
     wait_for_orphans(run)
     state, why = run.effective_state()
     if state == "completed":
@@ -365,3 +390,5 @@ def check_resumable(run: RunDir, *, key: str = "RUN") -> None:
         raise UserError(
             key, str(run.path), f"the run is still {state}; `runner stop {run.path}` first"
         )
+    if run.recipe_path.is_file():  # else the resume itself names what the run lacks
+        check_recipe_as_recorded(run)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from runner.config.method import move_recipe
 from runner.config.schema import read_recipe, write_recipe
-from runner.errors import UserError
+from runner.errors import UserError, diverged
 from runner.job.launch import as_launcher, launch
 from runner.rundir import (
     ACTIVE_STATES,
@@ -29,6 +29,7 @@ from runner.rundir import (
 )
 from runner.rundir.manifest import (
     MANIFEST_FILE,
+    REDACTED,
     build_manifest,
     dotted,
     hashed_config,
@@ -102,9 +103,10 @@ def compare_metrics(
     Returns the drifts and the largest relative difference of each metric.
     """
     was, now = _by_step(recorded), _by_step(rerun)
+    logged = {metric for _, metric in was}  # not a metric runner logs since it recorded the run
     drifts: list[Drift] = []
     largest: dict[str, float] = {}
-    for step, metric in sorted(set(was) | set(now)):
+    for step, metric in sorted(set(was) | {key for key in now if key[1] in logged}):
         a, b = was.get((step, metric)), now.get((step, metric))
         if a is None or b is None:
             if step != cut_at:
@@ -148,7 +150,14 @@ def compare_records(
     With `same_path` false (a re-run on another kernel path, compared within a tolerance), the
     kernel path and the checkpoint hashes are expected to differ and are not drift.
     """
-    drifts = _diff("config", hashed_config(recorded["config"]), hashed_config(rerun["config"]))
+    was, now = dotted(hashed_config(recorded["config"])), dotted(hashed_config(rerun["config"]))
+    # What the recording runner could not say is left out: a key it did not write (one added
+    # since, at its default), a value it redacted.
+    drifts = [
+        Drift(f"config.{key}", value, now.get(key))
+        for key, value in sorted(was.items())
+        if value != now.get(key) and value != REDACTED
+    ]
     for key in (
         "tokenizer_sha256",
         "packages",
@@ -203,6 +212,9 @@ def print_report(drifts: list[Drift], compared: str) -> None:
         print(f"{d.what:<{width}}  {str(d.recorded):>24.24}  {str(d.rerun):>24.24}")
     if len(drifts) > MAX_ROWS:
         print(f"... and {len(drifts) - MAX_ROWS} more")
+    for d in drifts[:MAX_ROWS]:  # in full, where the table cut a value short
+        if max(len(str(d.recorded)), len(str(d.rerun))) > 24:
+            print(f"{d.what}: recorded {d.recorded}; re-run {d.rerun}")
 
 
 def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Path | None) -> int:
@@ -281,8 +293,13 @@ def compare_ends(recorded: Status, rerun: Status) -> list[Drift]:
         failed = status.state == "failed"
         return f"failed at step {status.step}: {status.error}" if failed else None
 
+    def alike(status: Status) -> str | None:
+        # A loss gone nan or inf at a step is the run's own computation's, however its error
+        # was worded when it was recorded (an older runner put "Diverged: " before it).
+        return f"diverged at step {status.step}" if diverged(status.error or "") else end(status)
+
     ran, again = end(recorded), end(rerun)
-    if ran == again or (ran and again is None and ended_from_outside(ran)):
+    if alike(recorded) == alike(rerun) or (ran and again is None and ended_from_outside(ran)):
         return []
     return [Drift("end", ran or recorded.state, again or rerun.state)]
 

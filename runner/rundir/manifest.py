@@ -323,7 +323,8 @@ def dotted(value: Any, prefix: str = "") -> dict[str, Any]:
 def changed_config(run: RunDir, recipe: dict[str, Any]) -> list[str]:
     """The keys of `recipe` (recipe.yaml as it reads now) whose values differ from the config
     the run's manifest recorded as it started, each as `key=NOW (recorded: THEN)`; those a
-    run sets itself (run_dir, stop_at_step) left out."""
+    run sets itself (run_dir, stop_at_step) left out, and those whose value was redacted (an
+    older runner redacted every key with "token" in its name: eos_token_id)."""
     recorded = read_manifest(run).get("config") if (run.path / MANIFEST_FILE).is_file() else None
     if recorded is None:
         return []
@@ -332,7 +333,7 @@ def changed_config(run: RunDir, recipe: dict[str, Any]) -> list[str]:
     return [
         f"{key}={now.get(key)!r} (recorded: {before.get(key)!r})"
         for key in sorted(before.keys() | now.keys())
-        if before.get(key) != now.get(key)
+        if before.get(key) != now.get(key) and before.get(key) != REDACTED
     ]
 
 
