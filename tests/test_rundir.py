@@ -140,7 +140,9 @@ def test_runs_are_listed_newest_first_by_their_status_not_their_directory(tmp_pa
 
     old, new = (fake_run(tmp_path / n, state="completed", steps=[], metrics=[]) for n in "ab")
     os.utime(old.path / "status.json", (1e9, 1e9))  # written in 2001
-    (old.path / "exports").mkdir()  # the directory's own time is now
+    os.utime(new.path / "status.json", (1.1e9, 1.1e9))  # and in 2004
+    os.utime(new.path, (9e8, 9e8))  # its directory untouched since 1998
+    (old.path / "exports").mkdir()  # the old one's directory's time is now
     assert [run.path.name for run in find_runs([tmp_path])] == ["b", "a"]
 
 
