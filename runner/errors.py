@@ -92,9 +92,6 @@ def user_error_in(err: BaseException) -> UserError | None:
 # about 0.5 GiB; a CUDA library's, more): a mapping refused with this much left was not refused
 # for room.
 _LIBRARY_ROOM = 2 << 30
-# Room for a few threads' stacks: a thread refused with more left was refused for another
-# reason (a pids limit).
-_STACK_ROOM = 64 << 20
 
 
 def address_space_error(err: BaseException) -> UserError | None:
@@ -114,7 +111,7 @@ def address_space_error(err: BaseException) -> UserError | None:
     if not (isinstance(err, MemoryError) or "annot allocate memory" in text or unsure or thread):
         return None
     left = _address_space_left(limit)
-    if (unsure and not left < _LIBRARY_ROOM) or (thread and not left < _STACK_ROOM):
+    if (unsure and not left < _LIBRARY_ROOM) or (thread and not left < _stack_room()):
         return None
     what = error_line(err) if text else type(err).__name__
     return UserError(
@@ -124,6 +121,15 @@ def address_space_error(err: BaseException) -> UserError | None:
         f"of memory, and runner ran out of it ({what}); raise the limit (`ulimit -v "
         "unlimited`, where the machine allows) or run where it is higher",
     )
+
+
+def _stack_room() -> int:
+    """Room for a few threads' stacks (glibc gives each one ulimit -s): a thread refused with
+    more left was refused for another reason (a pids limit)."""
+    import threading
+
+    stack = threading.stack_size() or resource.getrlimit(resource.RLIMIT_STACK)[0]
+    return max(64 << 20, 4 * stack) if stack != resource.RLIM_INFINITY else 64 << 20
 
 
 def _address_space_left(limit: int) -> float:

@@ -445,15 +445,16 @@ def test_libraries_that_do_not_fit_the_address_space_are_one_line_and_leave_noth
     ), result.stderr[-3000:]
     assert not run_dir.exists()
     # Printing the config trains nothing here: it loads none of that (on a login node, too).
-    printed = subprocess.run(
-        [sys.executable, "-m", "runner", "train", *QUICK, "--cfg", "job"],
-        env={**hermetic_env, "PYTHONPATH": str(hooks)},
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, hard)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert printed.returncode == 0 and "max_steps:" in printed.stdout, printed.stderr[-3000:]
+    for flags in (["--cfg", "job"], ["--cfg=job"], ["-cjob"]):
+        printed = subprocess.run(
+            [sys.executable, "-m", "runner", "train", *QUICK, *flags],
+            env={**hermetic_env, "PYTHONPATH": str(hooks)},
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, hard)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert printed.returncode == 0 and "max_steps:" in printed.stdout, printed.stderr[-3000:]
 
 
 def test_only_memory_run_out_is_called_so_under_an_address_space_limit() -> None:

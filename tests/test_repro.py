@@ -450,6 +450,12 @@ def test_what_an_older_runner_could_not_record_is_no_drift(capsys) -> None:
     }
     (drift,) = compare_records({**manifest, "config": recorded}, {**manifest, "config": rerun})
     assert (drift.what, drift.recorded, drift.rerun) == ("config.optimizer.lr", 1.0, 2.0)
+    # But a key that recipe.yaml gained by an edit, which the record lacks, is compared.
+    edited = {"optimizer": {"lr": 1.0, "amsgrad": True}}
+    (added,) = compare_records(
+        {**manifest, "config": recorded}, {**manifest, "config": edited}, written=edited
+    )
+    assert (added.what, added.recorded, added.rerun) == ("config.optimizer.amsgrad", None, True)
     long = "failed at step 3: optimizer.lr=1e+12: the training loss is nan at step 3"
     print_report([Drift("end", long, "completed")], "unused")
     assert f"end: recorded {long}; re-run completed" in capsys.readouterr().out

@@ -66,7 +66,7 @@ def _run(name: str, argv: list[str]) -> int | None:
         name, *argv = resume_argv(argv)
     if name in ("train", "deploy") and not {"-h", "--help"} & set(argv):
         outlive_the_reader()  # `runner train ... | head` trains on once head has its lines
-    if name == "train" and not {*PRINT_AND_EXIT, *MULTIRUN_FLAGS} & set(argv):
+    if name == "train" and not _prints_or_sweeps(argv):
         _load_training_libraries_under_a_limit()  # where this process trains
     if name in LIFECYCLE_COMMANDS:
         from runner.cli.lifecycle import main as lifecycle_main
@@ -110,6 +110,17 @@ def _run(name: str, argv: list[str]) -> int | None:
     # itself by sys.argv[0] in its --help.
     sys.argv = [f"runner {name}", *argv]
     return module.app()
+
+
+def _prints_or_sweeps(argv: list[str]) -> bool:
+    """Whether Hydra prints and exits (--cfg job, --cfg=job, -cjob) or sweeps (its jobs may
+    train elsewhere): no training in this process."""
+    for arg in argv:
+        flag = arg.partition("=")[0]
+        attached = arg[:2] in ("-c", "-i") and arg[2:] in ("job", "hydra", "all", *_INFO)
+        if flag in PRINT_AND_EXIT or arg in MULTIRUN_FLAGS or attached:
+            return True
+    return False
 
 
 def _load_training_libraries_under_a_limit() -> None:

@@ -12,8 +12,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from runner.components import plain_dict
 from runner.config.method import move_recipe
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import UserError, diverged
@@ -142,21 +143,25 @@ def kernel_path(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_records(
-    recorded: dict[str, Any], rerun: dict[str, Any], same_path: bool = True
+    recorded: dict[str, Any],
+    rerun: dict[str, Any],
+    same_path: bool = True,
+    written: dict[str, Any] | None = None,
 ) -> list[Drift]:
     """What differs in the manifests: config, data, tokenizer, the weights it starts from,
     packages, build, world, device.
 
+    The config's keys are those the run recorded and those of its recipe.yaml as `written`
+    (an edit adds one), not one a later runner added at its default, nor a value redacted.
     With `same_path` false (a re-run on another kernel path, compared within a tolerance), the
     kernel path and the checkpoint hashes are expected to differ and are not drift.
     """
     was, now = dotted(hashed_config(recorded["config"])), dotted(hashed_config(rerun["config"]))
-    # What the recording runner could not say is left out: a key it did not write (one added
-    # since, at its default), a value it redacted.
+    keys = set(was) | (set(dotted(hashed_config(written))) if written is not None else set())
     drifts = [
-        Drift(f"config.{key}", value, now.get(key))
-        for key, value in sorted(was.items())
-        if value != now.get(key) and value != REDACTED
+        Drift(f"config.{key}", was.get(key), now.get(key))
+        for key in sorted(keys)
+        if was.get(key) != now.get(key) and was.get(key) != REDACTED
     ]
     for key in (
         "tokenizer_sha256",
@@ -431,7 +436,9 @@ def _compare(
     if steps_compared == 0:  # no step to compare: compare_losses names what each logged
         drifts = compare_losses(recorded_losses, rerun_losses) + drifts
     drifts += compare_ends(recorded.status(), rerun.status())
-    drifts += compare_records(recorded_manifest, rerun_manifest, same_path=hashes)
+    written = OmegaConf.load(recorded.recipe_path)  # as written: an edit's keys too
+    assert isinstance(written, DictConfig), "read_recipe read it as a mapping"
+    drifts += compare_records(recorded_manifest, rerun_manifest, hashes, plain_dict(written))
     if tolerance:
         for metric, relative in sorted(largest.items()):
             print(f"largest relative difference of {metric}: {relative:.3g}")
