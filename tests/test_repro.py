@@ -431,23 +431,27 @@ def test_how_the_runs_ended_is_compared_where_either_failed() -> None:
     assert compare_ends(older, failed) == []
 
 
+# The keys of a manifest that compare_records reads, but the config.
+RECORD = {
+    "tokenizer_sha256": {},
+    "packages": {},
+    "python": "3.11",
+    "torch_build": {},
+    "world_size": 1,
+    "deterministic": True,
+    "data": {},
+    "hardware": {"device": "cpu"},
+    "checkpoints": {},
+}
+
+
 def test_what_an_older_runner_could_not_record_is_no_drift(capsys) -> None:
     """A key it did not write, a value it redacted (every key with "token" in its name), each
     called drift in a re-run that matched; a value the table cuts short is printed in full."""
     recorded = {"dataset": {"eval_max_new_tokens": "<redacted>"}, "optimizer": {"lr": 1.0}}
     rerun = {"dataset": {"eval_max_new_tokens": 12, "validation": {"format": "json"}}}
     rerun["optimizer"] = {"lr": 2.0}
-    manifest = {  # the keys of a manifest that compare_records reads
-        "tokenizer_sha256": {},
-        "packages": {},
-        "python": "3.11",
-        "torch_build": {},
-        "world_size": 1,
-        "deterministic": True,
-        "data": {},
-        "hardware": {"device": "cpu"},
-        "checkpoints": {},
-    }
+    manifest = RECORD
     (drift,) = compare_records({**manifest, "config": recorded}, {**manifest, "config": rerun})
     assert (drift.what, drift.recorded, drift.rerun) == ("config.optimizer.lr", 1.0, 2.0)
     # But a key that recipe.yaml gained by an edit, which the record lacks, is compared.
@@ -515,19 +519,7 @@ def test_the_weights_a_run_starts_from_are_hashed_and_compared(tmp_path: Path) -
     }
     assert weights_sha256(None) == {}  # random weights (model=tiny)
 
-    recorded = {  # the keys of a manifest that compare_records reads
-        "config": {},
-        "tokenizer_sha256": {},
-        "packages": {},
-        "python": "3.11",
-        "torch_build": {},
-        "world_size": 1,
-        "deterministic": True,
-        "data": {},
-        "hardware": {"device": "cpu"},
-        "checkpoints": {},
-        "weights_sha256": found,
-    }
+    recorded = {**RECORD, "config": {}, "weights_sha256": found}
     rerun = {**recorded, "weights_sha256": {**found, "model.safetensors": "b" * 64}}
     (drift,) = compare_records(recorded, rerun)
     assert drift.what == "weights_sha256.model.safetensors"
