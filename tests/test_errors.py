@@ -478,3 +478,18 @@ def test_only_memory_run_out_is_called_so_under_an_address_space_limit() -> None
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     assert refused is not None and refused.key == "ulimit -v"
     assert unsure == [None, None, None] and other is None
+
+
+def test_the_room_a_refused_thread_needs_grows_with_its_stack() -> None:
+    """glibc gives each thread ulimit -s of stack: with 256 MiB stacks, 100 MiB left is too
+    little for one, and the refusal is memory's."""
+    import threading
+
+    from runner.errors import _stack_room
+
+    before = threading.stack_size(256 << 20)
+    try:
+        assert _stack_room() == 4 * (256 << 20)
+    finally:
+        threading.stack_size(before)
+    assert _stack_room() >= 64 << 20

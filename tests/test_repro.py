@@ -21,6 +21,7 @@ from runner.job.repro import (
     compare_losses,
     compare_metrics,
     compare_records,
+    kernel_path,
     print_report,
     repro,
 )
@@ -475,6 +476,18 @@ def test_an_older_recipe_reads_its_validation_file_in_the_datasets_format(
     del recipe["dataset"]["validation"]["format"]
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     assert read_recipe(tmp_path / "recipe.yaml").dataset.validation.format == "json"
+
+
+def test_another_gpu_model_is_another_kernel_path() -> None:
+    """A CUDA run re-run on another GPU model ran other kernels: compared within a tolerance,
+    as on another CPU kernel path; a CPU's model is told by its kernel capability."""
+    kernels = {"cpu_capability": "AVX2", "intra_op_threads": 1}
+    a100 = {"hardware": {"device": "cuda", "name": "NVIDIA A100"}, "kernels": kernels}
+    h100 = {"hardware": {"device": "cuda", "name": "NVIDIA H100"}, "kernels": kernels}
+    assert kernel_path(a100)["hardware.name"] != kernel_path(h100)["hardware.name"]
+    epyc = {"hardware": {"device": "cpu", "name": "AMD EPYC"}, "kernels": kernels}
+    xeon = {"hardware": {"device": "cpu", "name": "Intel Xeon"}, "kernels": kernels}
+    assert kernel_path(epyc) == kernel_path(xeon)
 
 
 def test_metrics_compare_within_a_relative_tolerance() -> None:
