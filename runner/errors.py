@@ -94,12 +94,18 @@ def user_error_in(err: BaseException) -> UserError | None:
 _LIBRARY_ROOM = 2 << 30
 
 
+def address_space_limit() -> int | None:
+    """The bytes a process may map here (`ulimit -v`, as login nodes set); None: no limit."""
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if limit == resource.RLIM_INFINITY else limit
+
+
 def address_space_error(err: BaseException) -> UserError | None:
     """Memory run out under an address-space limit (`ulimit -v`, as login nodes set), where a
     library loads or allocates outside training (which says it in a line of its own): named
     with the limit; None where no limit is set or `err` is not memory run out."""
-    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if limit == resource.RLIM_INFINITY:
+    limit = address_space_limit()
+    if limit is None:
         return None
     text = str(err)
     # A shared library that cannot be mapped (glibc says so of any mapping refused, a noexec

@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-import resource
 import select
 import sys
 
@@ -13,7 +12,7 @@ from runner.config import interpolations
 from runner.config.fields import MULTIRUN_FLAGS, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.console import outlive_the_reader
-from runner.errors import UserError, UserErrorExit, address_space_error
+from runner.errors import UserError, UserErrorExit, address_space_error, address_space_limit
 
 USAGE = """usage: runner COMMAND [hydra overrides] [--help]
 
@@ -127,8 +126,7 @@ def _load_training_libraries_under_a_limit() -> None:
     """Under an address-space limit (`ulimit -v`, as login nodes set), loads what training
     loads before Hydra makes the run directory: libraries that do not fit leave nothing behind
     (out of address space, the process could not even list the directory to remove it)."""
-    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if limit == resource.RLIM_INFINITY:
+    if address_space_limit() is None:
         return
     from runner.job.launch import RECIPE_MODULE
 

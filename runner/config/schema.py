@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from runner.components import plain_dict
 from runner.config.compute import Compute, ComputeRecipe, Dtype
 from runner.config.dataset import Dataset, DatasetRecipe
 from runner.config.evaluation import Eval, EvalRecipe, Objective
@@ -272,6 +273,14 @@ def read_recipe(path: Path) -> DictConfig:
         # dataset.format (a recipe written since holds the format it resolved).
         validation.format = typed_recipe.dataset.format
     return typed_recipe
+
+
+def recipe_as_written(path: Path) -> dict[str, Any]:
+    """A run's recipe.yaml as the file holds it: an edit's keys, and none a later Recipe added
+    at its default (read_recipe's typed recipe has those)."""
+    written = OmegaConf.load(path)
+    assert isinstance(written, DictConfig), "read_recipe reads it as a mapping"
+    return plain_dict(written)
 
 
 def write_recipe(path: Path, resolved: DictConfig) -> None:

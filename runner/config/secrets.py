@@ -26,7 +26,7 @@ def env_secret_error(name: str) -> UserError:
     """runtime.env.NAME, where NAME looks like a secret's."""
     return UserError(
         f"runtime.env.{name}",
-        "<hidden>",
+        HIDDEN,
         "looks like a secret, and runtime.env is written to the run directory; export it in "
         "the environment of `runner train` instead (training processes inherit it)",
     )
@@ -76,7 +76,7 @@ def check_env_name(key: str, name: str) -> None:
     if not _ENV_NAME.fullmatch(name):
         raise UserError(
             key,
-            "<hidden>",
+            HIDDEN,
             "give the NAME of an environment variable holding the key, never the key itself",
         )
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from runner.errors import UserError
+from runner.errors import HIDDEN, UserError
 from runner.paths import user_path
 
 # The token reference whose variable is huggingface_hub's own: unset, the hub's login is used.
@@ -32,7 +32,7 @@ class TokenRef:
         if kind not in ("env", "file") or not where:
             raise UserError(
                 key,
-                "<hidden>",
+                HIDDEN,
                 "give a reference to the token, env:NAME or file:PATH (or null for the login of "
                 "`hf auth login`), never the token itself",
             )

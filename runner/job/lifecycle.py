@@ -347,14 +347,10 @@ def check_recipe_as_recorded(run: RunDir) -> None:
     which the checkpoint's optimizer state overrides) would be recorded as trained, and never
     trained with. Refused by the keys that differ, in the file as written (a key an older
     runner did not write is in neither)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from runner.components import plain_dict
+    from runner.config.schema import recipe_as_written
     from runner.rundir.manifest import changed_config
 
-    written = OmegaConf.load(run.recipe_path)
-    assert isinstance(written, DictConfig), "read_recipe read it as a mapping"
-    changed = changed_config(run, plain_dict(written))
+    changed = changed_config(run, recipe_as_written(run.recipe_path))
     if changed:
         raise UserError(
             str(run.recipe_path),

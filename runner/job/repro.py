@@ -12,11 +12,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from runner.components import plain_dict
 from runner.config.method import move_recipe
-from runner.config.schema import read_recipe, write_recipe
+from runner.config.schema import read_recipe, recipe_as_written, write_recipe
 from runner.errors import UserError, diverged
 from runner.job.launch import as_launcher, launch
 from runner.rundir import (
@@ -30,8 +29,8 @@ from runner.rundir import (
 )
 from runner.rundir.manifest import (
     MANIFEST_FILE,
-    REDACTED,
     build_manifest,
+    config_differences,
     dotted,
     hashed_config,
     read_manifest,
@@ -156,12 +155,12 @@ def compare_records(
     With `same_path` false (a re-run on another kernel path, compared within a tolerance), the
     kernel path and the checkpoint hashes are expected to differ and are not drift.
     """
-    was, now = dotted(hashed_config(recorded["config"])), dotted(hashed_config(rerun["config"]))
-    keys = set(was) | (set(dotted(hashed_config(written))) if written is not None else set())
+    keys = set(dotted(hashed_config(recorded["config"])))
+    if written is not None:
+        keys |= set(dotted(hashed_config(written)))
     drifts = [
-        Drift(f"config.{key}", was.get(key), now.get(key))
-        for key in sorted(keys)
-        if was.get(key) != now.get(key) and was.get(key) != REDACTED
+        Drift(f"config.{key}", was, now)
+        for key, was, now in config_differences(recorded["config"], rerun["config"], keys)
     ]
     for key in (
         "tokenizer_sha256",
@@ -436,9 +435,8 @@ def _compare(
     if steps_compared == 0:  # no step to compare: compare_losses names what each logged
         drifts = compare_losses(recorded_losses, rerun_losses) + drifts
     drifts += compare_ends(recorded.status(), rerun.status())
-    written = OmegaConf.load(recorded.recipe_path)  # as written: an edit's keys too
-    assert isinstance(written, DictConfig), "read_recipe read it as a mapping"
-    drifts += compare_records(recorded_manifest, rerun_manifest, hashes, plain_dict(written))
+    written = recipe_as_written(recorded.recipe_path)  # an edit's keys too
+    drifts += compare_records(recorded_manifest, rerun_manifest, hashes, written)
     if tolerance:
         for metric, relative in sorted(largest.items()):
             print(f"largest relative difference of {metric}: {relative:.3g}")

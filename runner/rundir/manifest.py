@@ -328,12 +328,23 @@ def changed_config(run: RunDir, recipe: dict[str, Any]) -> list[str]:
     recorded = read_manifest(run).get("config") if (run.path / MANIFEST_FILE).is_file() else None
     if recorded is None:
         return []
-    before = dotted(hashed_config(recorded))
-    now = dotted(hashed_config(recipe))
     return [
-        f"{key}={now.get(key)!r} (recorded: {before.get(key)!r})"
-        for key in sorted(before.keys() | now.keys())
-        if before.get(key) != now.get(key) and before.get(key) != REDACTED
+        f"{key}={now!r} (recorded: {before!r})"
+        for key, before, now in config_differences(recorded, recipe)
+    ]
+
+
+def config_differences(
+    recorded: dict[str, Any], now: dict[str, Any], keys: set[str] | None = None
+) -> list[tuple[str, Any, Any]]:
+    """(key, recorded value, value now) for each dotted key whose values differ, of `keys`
+    (None: both configs' keys); the keys a run sets itself left out (hashed_config), and a value
+    the record redacted (an older runner redacted every key with "token" in its name)."""
+    before, after = dotted(hashed_config(recorded)), dotted(hashed_config(now))
+    return [
+        (key, before.get(key), after.get(key))
+        for key in sorted(before.keys() | after.keys() if keys is None else keys)
+        if before.get(key) != after.get(key) and before.get(key) != REDACTED
     ]
 
 

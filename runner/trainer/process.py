@@ -13,7 +13,6 @@ import ctypes
 import logging
 import os
 import re
-import resource
 import shlex
 import signal
 import sys
@@ -31,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.schema import read_recipe
 from runner.console import outlive_the_reader
-from runner.errors import Diverged, UserError, error_line, redact_text
+from runner.errors import Diverged, UserError, address_space_limit, error_line, redact_text
 from runner.rundir import LOG_FILE, STATUS_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.trainer import determinism
@@ -335,6 +334,9 @@ def _collective(err: BaseException) -> str:
     return names[-1] if names else "a collective"
 
 
+# How this process's lines say a run was ended by its machine (ended_from_outside reads them).
+OUT_OF_MEMORY = "out of memory on"
+KILLED_BY = "killed by"
 # What torch's CPU allocator says where it gets no memory (a CUDA one raises OutOfMemoryError).
 _HOST_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 
@@ -356,12 +358,10 @@ def out_of_memory_line(err: BaseException, cfg: DictConfig, done: int) -> str | 
         + ("" if cfg.activation_checkpointing else ", or set activation_checkpointing=true")
         + "; `runner estimate` gives the memory a config takes"
     )
-    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if where == "the host" and limit != resource.RLIM_INFINITY:
+    limit = address_space_limit()
+    if where == "the host" and limit is not None:
         fix += f"; this process may map at most {limit / 2**30:.1f} GiB (ulimit -v)"
-    return (
-        f"out of memory on {where} after {done} step(s): {error_line(err).splitlines()[0]}; {fix}"
-    )
+    return f"{OUT_OF_MEMORY} {where} after {done} step(s): {error_line(err).splitlines()[0]}; {fix}"
 
 
 LOST_CONTACT = "lost contact with another rank"
@@ -373,9 +373,9 @@ def killed_by(signal_name: str) -> str:
     """A rank's own failure where a signal killed it (recorded by its launcher, RunDir's
     record_failure): SIGKILL is mostly the kernel's out-of-memory killer's."""
     if signal_name != "SIGKILL":
-        return f"killed by {signal_name}"
+        return f"{KILLED_BY} {signal_name}"
     return (
-        "killed by SIGKILL (the kernel's out-of-memory killer sends it where the host runs out "
+        f"{KILLED_BY} SIGKILL (the kernel's out-of-memory killer sends it where the host runs out "
         "of memory: `dmesg` says so, and `runner estimate` prices a run's memory; or a `kill -9`)"
     )
 
@@ -383,7 +383,7 @@ def killed_by(signal_name: str) -> str:
 def ended_from_outside(error: str) -> bool:
     """Whether a run's error says it was ended by its machine, not by its computation: a process
     killed, a peer lost, memory run out (the lines above)."""
-    return any(said in error for said in (LOST_CONTACT, "killed by ", "out of memory on "))
+    return any(said in error for said in (LOST_CONTACT, f"{KILLED_BY} ", f"{OUT_OF_MEMORY} "))
 
 
 def rank_failed(cause: tuple[int, str] | None) -> str | None:
