@@ -25,7 +25,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from runner.deploy.loading import resolve_dtype
-from runner.deploy.serve import bind_socket, prepare
+from runner.deploy.serve import bind_socket, prepare, served_url
 from runner.errors import UserError
 from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
 from tests.conftest import deploy_server
@@ -172,14 +172,12 @@ def test_a_host_not_of_this_machine_is_one_error_and_no_warning(caplog) -> None:
     assert "reachable from other machines" not in caplog.text
 
 
-def test_an_ipv6_host_is_bracketed_in_the_url_it_serves_at(served_run: Path, caplog) -> None:
+def test_an_ipv6_host_is_bracketed_in_the_url_it_serves_at(served_run: Path) -> None:
     """`http://:::PORT/v1` (host=::) is no URL: the OpenAI client refused it (Invalid port)."""
-    cfg = deploy_config(f"checkpoint={served_run}", "host=::1", "port=0")
-    with caplog.at_level(logging.INFO, logger="runner.deploy.serve"):
-        _, sock = prepare(cfg)
+    _, sock = prepare(deploy_config(f"checkpoint={served_run}", "host=::1", "port=0"))
     port = sock.getsockname()[1]
+    url = served_url(sock)
     sock.close()
-    (url,) = re.findall(r"OpenAI-compatible API at (\S+)", caplog.text)
     assert url == f"http://[::1]:{port}/v1"
     assert openai.OpenAI(base_url=url, api_key="unused").base_url.port == port
 
@@ -230,11 +228,9 @@ def test_deploy_command_serves_until_interrupted(
                 break
         assert match, "".join(lines)
         url = match.group(1)
-        while True:  # the address is printed as the server starts listening
-            with contextlib.suppress(ConnectionError):
-                if raw_request(url, "GET", "/health", key=None)[0] == 200:
-                    break
-            time.sleep(0.05)
+        # The address is printed once the server answers: a request sent on reading it found
+        # the port closed, as the engines started.
+        assert raw_request(url, "GET", "/health", key=None)[0] == 200
         # The engine's process, or none; forked (the server's own command line, where a
         # spawned one runs multiprocessing's), as runner deploy starts it on the CPU.
         children = _children(process_.pid)

@@ -38,7 +38,9 @@ GRACE_S = 5.0
 def deploy(cfg: DictConfig) -> None:
     """Serve the checkpoints that `cfg` names until interrupted."""
     app, sock = prepare(cfg)
-    run_server(app, sock)
+    run_server(
+        app, sock, ready=f"OpenAI-compatible API at {served_url(sock)} (engine={cfg.engine})"
+    )
 
 
 def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
@@ -84,12 +86,16 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     )
     hosts = allowed_hosts(cfg.host, list(cfg.allowed_hosts))
     app = build_app(models, api_key=api_key, limits=Limits(**cfg.limits), allowed_hosts=hosts)
-    host, port = sock.getsockname()[:2]
     for model in checkpoints:
         log.info("serving %s as model %r", model.path, model.name)
-    where = f"[{host}]" if ":" in host else host  # an IPv6 address, as URLs write it (RFC 3986)
-    log.info("OpenAI-compatible API at http://%s:%d/v1 (engine=%s)", where, port, cfg.engine)
     return app, sock
+
+
+def served_url(sock: socket.socket) -> str:
+    """The base URL of the API served on the bound socket `sock`."""
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host  # an IPv6 address, as URLs write it (RFC 3986)
+    return f"http://{where}:{port}/v1"
 
 
 def read_api_key(*, env: str | None, file: str | None) -> str | None:
@@ -272,12 +278,12 @@ def _vllm_model(
     )
 
 
-def run_server(app: FastAPI, sock: socket.socket) -> None:
+def run_server(app: FastAPI, sock: socket.socket, *, ready: str) -> None:
     """Serve `app` on the bound socket until SIGINT, SIGTERM or SIGHUP, then drain and stop the
-    engines."""
+    engines; `ready` is logged once it answers."""
     # uvicorn shuts down gracefully on Ctrl-C, then raises it again: that is a normal end.
     with contextlib.suppress(KeyboardInterrupt):
-        Server(app).run(sockets=[sock])
+        Server(app, ready=ready).run(sockets=[sock])
 
 
 class Server(uvicorn.Server):
@@ -287,7 +293,13 @@ class Server(uvicorn.Server):
     Left to uvicorn, its tasks were cancelled: a traceback each, a text/plain 500, a stream
     cut off."""
 
-    def __init__(self, app: FastAPI, grace_s: float = GRACE_S, log_level: str = "info") -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        grace_s: float = GRACE_S,
+        log_level: str = "info",
+        ready: str | None = None,
+    ) -> None:
         # Colours where uvicorn finds a terminal, but none asked off (no-color.org) or unable.
         plain = bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
         config = uvicorn.Config(
@@ -297,7 +309,15 @@ class Server(uvicorn.Server):
             use_colors=False if plain else None,
         )
         super().__init__(config)
-        self._app, self._grace_s = app, grace_s
+        self._app, self._grace_s, self._ready = app, grace_s, ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # The engines have started and the socket listens: a request sent on reading this line
+        # is answered (printed before, as the engines started, it found the port closed).
+        # uvicorn logs no line of its own for sockets given to it.
+        if self.started and self._ready is not None:
+            log.info("%s", self._ready)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
