@@ -102,6 +102,29 @@ def test_chat_uses_the_checkpoint_chat_template(client, generate_reference) -> N
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), count)
 
 
+def test_an_answer_sent_back_as_history_is_the_conversation_it_was(
+    client, generate_reference
+) -> None:
+    """The openai client's message.model_dump() holds refusal, tool_calls, function_call, audio
+    and annotations, each null: they were refused (400), and so was a tool message's
+    tool_call_id, which OpenAI requires."""
+    tokenizer, generate = generate_reference
+    asked = [{"role": "user", "content": "hi"}]
+    answer = client.chat.completions.create(model="tiny", messages=asked, max_tokens=4)
+    sent_back = answer.choices[0].message.model_dump()
+    assert {"refusal", "tool_calls", "function_call", "audio", "annotations"} <= set(sent_back)
+    tool = {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    messages = [*asked, sent_back, tool, {"role": "user", "content": "more"}]
+    plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    response = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0
+    )
+    assert response.choices[0].message.content == generate(ids, 8)[0]
+    assert response.usage.prompt_tokens == len(ids)
+
+
 def test_streaming_gives_the_same_text_as_a_whole_response(client) -> None:
     whole = client.completions.create(model="tiny", prompt="hello", max_tokens=32, temperature=0)
     stream = client.completions.create(
@@ -119,7 +142,7 @@ def test_streaming_gives_the_same_text_as_a_whole_response(client) -> None:
         max_tokens=20,
         temperature=0,
         stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True, "include_obfuscation": False},  # no padding here
     )
     chunks = list(chat)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -357,6 +380,7 @@ WRONG_FIELDS = {  # body fields -> the error's param and message
 
 
 HI = [{"role": "user", "content": "hi"}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 WRONG_CHAT_FIELDS = {  # body fields -> the error's param and message
     "a misspelt content": (
         {"messages": [{"role": "user", "contnet": "hi"}]},
@@ -369,9 +393,14 @@ WRONG_CHAT_FIELDS = {  # body fields -> the error's param and message
         "messages.2.content: a user message needs its content",
     ),
     "an assistant's tool calls": (
-        {"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": []}]},
+        {"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [CALL]}]},
         "messages.1.tool_calls",
-        "unrecognized request argument: messages.1.tool_calls",
+        "messages.1.tool_calls is not supported by this server",
+    ),
+    "an assistant's refusal": (
+        {"messages": [*HI, {"role": "assistant", "content": None, "refusal": "no"}]},
+        "messages.1.refusal",
+        "messages.1.refusal is not supported by this server",
     ),
     "a misspelt include_usage": (
         {"messages": HI, "stream": True, "stream_options": {"include_usag": True}},

@@ -218,6 +218,11 @@ def test_json_with_parameters_or_in_capitals_is_served(fuzz_url: str, content_ty
         ("LOCALHOST", 200),
         ("[::1]:{port}", 200),
         ("runner.example:{port}", 200),  # in allowed_hosts
+        # An address is no name to resolve again: another machine, or a container, reaching a
+        # server on 0.0.0.0 by its address (it was refused, the machine's own address too).
+        ("192.0.2.7:{port}", 200),
+        ("[2001:db8::7]:{port}", 200),
+        ("192.0.2.7.nip.io", 400),
     ],
 )
 def test_without_an_api_key_the_host_must_name_the_server(

@@ -5,6 +5,9 @@ to 127.0.0.1, makes the browser send the page's requests there as to the page's 
 `Host: <the page's name>`. Refusing Hosts that name none of the server's addresses (as
 starlette's TrustedHostMiddleware does) stops that; an API key stops it too, and with one the
 check is left out, so that a server behind a proxy or a load balancer is reached by any name.
+A Host that is an IP address is no name to resolve again, so it is answered: a page's own
+requests carry one only where the page came from that address (another machine reaching a
+server on 0.0.0.0 by its address, a container by the host's).
 """
 
 from __future__ import annotations
@@ -41,13 +44,21 @@ def host_of(header: str) -> str:
     return _normalized(header.rpartition(":")[0] if header.count(":") == 1 else header)
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _normalized(name: str) -> str:
     return name.strip().strip("[]").rstrip(".").lower()
 
 
 class HostCheckMiddleware:
-    """Answers 400, naming the fix, to a request whose Host is none of `allowed` (`*`: any);
-    /health answers any Host (probes call a pod by its address)."""
+    """Answers 400, naming the fix, to a request whose Host is none of `allowed` (`*`: any)
+    and no IP address; /health answers any Host."""
 
     def __init__(self, app: ASGIApp, allowed: list[str]) -> None:
         self.app = app
@@ -59,16 +70,18 @@ class HostCheckMiddleware:
             return
         headers = dict(scope.get("headers", []))
         host = host_of(headers.get(b"host", b"").decode("latin-1"))
-        if host in self._allowed or (scope["type"] == "http" and scope["path"] == "/health"):
+        health = scope["type"] == "http" and scope["path"] == "/health"
+        if host in self._allowed or _is_address(host) or health:
             await self.app(scope, receive, send)
             return
         if scope["type"] != "http":
             return  # a websocket closes without being accepted
         named = f"Host {host[:100]!r}" if host else "no Host header"
+        names = ", ".join(sorted(self._allowed))
         error = ApiError(
             400,
-            f"this server answers requests for {', '.join(sorted(self._allowed))}, and this one "
-            f"gives {named} (a web page reaching it through DNS rebinding looks like this): "
+            f"this server answers requests for {names} or an IP address, and this one gives "
+            f"{named} (a web page reaching it through DNS rebinding looks like this): "
             "if you trust that name, start the server with allowed_hosts=[<name>], or require an "
             "API key (api_key.env or api_key.file)",
             code="invalid_host",

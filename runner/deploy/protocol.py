@@ -107,6 +107,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt include_usage is no usage, unseen
 
     include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of each chunk: none is added here
 
 
 class SamplingBody(BaseModel):
@@ -157,25 +158,49 @@ class TextPart(BaseModel):
     text: str
 
 
+# Fields of an assistant's message as OpenAI answers it, which a client sends back as the
+# conversation's history (the openai client's message.model_dump() holds them all): accepted at
+# the values that change nothing, as _NEUTRAL_VALUES are.
+_MESSAGE_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "refusal": (None,),
+    "tool_calls": (None, []),
+    "function_call": (None,),
+    "audio": (None,),
+    "annotations": (None, []),
+}
+
+
 class ChatMessage(BaseModel):
     """One message of a chat, rendered through the checkpoint's chat template. Any other field
-    (a misspelt `content`, an assistant's `tool_calls`) is refused: dropped, the model
-    answered another conversation than the one sent."""
+    (a misspelt `content`, an assistant's `tool_calls`) is refused (ChatRequest.check): dropped,
+    the model answered another conversation than the one sent."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # the speaker, for the templates that write it (as vLLM passes it)
+    tool_call_id: str | None = None  # the call a tool message answers (OpenAI requires it)
 
     def as_template_input(self) -> dict[str, str]:
-        """The message as chat templates expect it: role, plain-text content, and its name
-        where it has one."""
+        """The message as chat templates expect it: role, plain-text content, and its name and
+        tool_call_id where it has them."""
         content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
-        named = {"name": self.name} if self.name is not None else {}
-        return {"role": self.role, "content": content, **named}
+        given = {"name": self.name, "tool_call_id": self.tool_call_id}
+        return {"role": self.role, "content": content, **{k: v for k, v in given.items() if v}}
+
+    def check(self, where: str) -> None:
+        """A field of no use here is refused unless at a value that changes nothing."""
+        for key, value in (self.model_extra or {}).items():
+            if key not in _MESSAGE_NEUTRAL_VALUES:
+                raise ApiError(
+                    400, f"unrecognized request argument: {where}.{key}", param=f"{where}.{key}"
+                )
+            if not any(_same(value, neutral) for neutral in _MESSAGE_NEUTRAL_VALUES[key]):
+                message = f"{where}.{key} is not supported by this server"
+                raise ApiError(400, message, param=f"{where}.{key}")
 
 
 class ChatRequest(SamplingBody):
@@ -191,10 +216,11 @@ class ChatRequest(SamplingBody):
         return super().token_cap()
 
     def check(self) -> None:
-        """Past SamplingBody's: every message but an assistant's has its content (OpenAI's
-        rule); one without read as an empty message."""
+        """Past SamplingBody's: each message's fields, and every message but an assistant's
+        has its content (OpenAI's rule); one without read as an empty message."""
         super().check()
         for i, message in enumerate(self.messages):
+            message.check(f"messages.{i}")
             if message.content is None and message.role != "assistant":
                 where = f"messages.{i}.content"
                 raise ApiError(
