@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from runner.deploy.selection import resolve_checkpoints
 from runner.paths import TINY_TOKENIZER_DIR
-from tests.conftest import load_script
+from tests.conftest import load_script, transformers_warnings
 from tests.serving import (
     API_KEY,
     PROMPTS,
@@ -434,6 +434,16 @@ def test_a_field_it_does_not_take_or_of_the_wrong_kind_is_named(base_url: str, n
     status, _, payload = raw_request(base_url, "POST", "/v1/completions", completion_body(**fields))
     error = json.loads(payload)["error"]
     assert (status, error["param"], error["message"]) == (400, param, message)
+
+
+def test_a_prompt_past_the_context_is_refused_without_a_warning_of_a_run(base_url: str) -> None:
+    """The tokenizer's own length check logged "Running this sequence through the model will
+    result in indexing errors" for a prompt that is refused, never run."""
+    body = completion_body(prompt="hello " * 300)
+    with transformers_warnings() as warned:
+        status, _, payload = raw_request(base_url, "POST", "/v1/completions", body)
+    assert status == 400 and json.loads(payload)["error"]["param"] == "prompt", payload
+    assert not warned
 
 
 @pytest.mark.parametrize("depth", [65, 5000])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,9 @@ def test_a_sequence_that_could_not_fit_alone_fails_naming_the_key(
         engine.close()
     assert isinstance(refused, EngineFailed)
     assert "max_tokens=200" in str(refused) and "transformers.kv_cache_gib" in str(refused)
+    # In MiB, as a small cache is: it read "need 0.00 GiB ..., more than this engine's 0.00 GiB".
+    need, room = re.findall(r"([\d.]+) MiB", str(refused))
+    assert float(need) > float(room) == round(limit / 2**20, 2)
     assert answered == generate(ids, 20)[0]
 
 

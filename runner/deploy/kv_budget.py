@@ -76,7 +76,12 @@ class KvBudget:
         """Why a sequence that could not fit even alone fails."""
         return (
             f"a prompt of {len(prompt_ids)} tokens and max_tokens={max_tokens} need "
-            f"{peak / GIB:.2f} GiB of KV cache, more than this engine's "
-            f"{self.limit / GIB:.2f} GiB (transformers.kv_cache_gib): ask for fewer tokens, "
-            "or serve with a larger transformers.kv_cache_gib"
+            f"{_size(peak)} of KV cache, more than this engine's {_size(self.limit)} "
+            "(transformers.kv_cache_gib): ask for fewer tokens, or serve with a larger "
+            "transformers.kv_cache_gib"
         )
+
+
+def _size(n: float) -> str:
+    """Bytes in GiB, or in MiB below a tenth of one (a small cache read "0.00 GiB")."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"

@@ -47,9 +47,10 @@ class LoadedModel:
 def load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
     """The checkpoint's own tokenizer (and chat template), from local files only."""
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             checkpoint_dir, local_files_only=True, trust_remote_code=False
         )
     except (OSError, ValueError) as error:
@@ -59,6 +60,11 @@ def load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
             f"its tokenizer does not load ({error}); a checkpoint holds tokenizer.json and "
             "tokenizer_config.json beside the weights",
         ) from error
+    # Prompts are measured against max_model_len and one too long is refused before it runs;
+    # the tokenizer's own check logged "Running this sequence through the model will result in
+    # indexing errors" for each such prompt, of a run that never happens.
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
 
 
 def lora_base_dir(checkpoint_dir: Path) -> Path | None:
