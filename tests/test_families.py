@@ -27,7 +27,12 @@ from runner.config.model import _backend, resolve_model
 from runner.config.resolve import resolve_recipe
 from runner.deploy.loading import load_checkpoint
 from runner.errors import UserError
-from runner.models.checkpoint import read_adapter_state, read_model_state, write_lora_checkpoint
+from runner.models.checkpoint import (
+    read_adapter_state,
+    read_model_state,
+    write_lora_checkpoint,
+    write_model_files,
+)
 from runner.models.families import (
     builder_args,
     check_source_matches,
@@ -39,6 +44,7 @@ from runner.models.families import (
     tune_to_peft,
 )
 from runner.models.families.llama3 import LLAMA3_ROPE
+from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message, peft_adapter_config
 from runner.paths import CONF_DIR
 from tests.conftest import greedy_texts, losses, transformers_warnings
@@ -264,8 +270,14 @@ def test_runner_trains_a_source_of_each_family(
     assert {k: v for k, v in config.items() if k != "dtype"} == {
         k: v for k, v in original.items() if k != "dtype"
     }
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (checkpoint / name).read_bytes() == (source / name).read_bytes(), name
+    # The source's generation config, its eos joined by the tokens the run's evaluation stops at.
+    generation = json.loads((checkpoint / "generation_config.json").read_text())
+    own = json.loads((source / "generation_config.json").read_text())
+    eos = own["eos_token_id"] if isinstance(own["eos_token_id"], list) else [own["eos_token_id"]]
+    stops = instantiate(OmegaConf.load(run_dir / "recipe.yaml").model.tokenizer).stop_tokens
+    assert generation == {**own, "eos_token_id": [*eos, *(t for t in stops if t not in eos)]}
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint)
     before = AutoModelForCausalLM.from_pretrained(source)
     recipe = OmegaConf.load(run_dir / "recipe.yaml")
@@ -290,6 +302,40 @@ def test_runner_trains_a_source_of_each_family(
         trained_with.generation_prompt(messages(prompt))
     )
     assert trained_with.eos_id in served.eos_token_ids
+
+
+def test_a_chat_fine_tune_of_a_base_model_is_served_to_stop_where_it_learnt_to(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A base model's eos is its end of text (<|end_of_text|>), and its chat template ends each
+    answer with <|eot_id|>, which trains: its checkpoint kept the base's generation config, and
+    the served model answered to max_tokens (finish_reason "length") after its answer."""
+    source = tmp_path / "base"
+    shutil.copytree(checkpoints["llama3_2"], source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    end_of_text = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+    for name, key, value in [
+        ("tokenizer_config.json", "eos_token", "<|end_of_text|>"),
+        ("generation_config.json", "eos_token_id", end_of_text),
+    ]:
+        written = json.loads((source / name).read_text())
+        (source / name).write_text(json.dumps({**written, key: value}))
+    trained_with = ChatTokenizer(str(source))
+    assert trained_with.eos_id == end_of_text and trained_with.answers_end_in_a_stop_token()
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(source / name, checkpoint / name)
+    write_model_files(
+        checkpoint,
+        json.loads((source / "config.json").read_text()),
+        source,
+        trained_with.stop_tokens,
+        source_dir=source,
+    )
+    served = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert {end_of_text, end_of_turn} <= served.eos_token_ids
 
 
 @pytest.mark.parametrize(

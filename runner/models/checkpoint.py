@@ -41,8 +41,8 @@ def write_checkpoint(
 ) -> None:
     """Writes a directory that `transformers` loads as it is, plus training_state.pt.
 
-    `model_state` is in Hugging Face names (the backend's to_hf). A model fine-tuned from
-    `source_dir` keeps that checkpoint's generation_config.json.
+    `model_state` is in Hugging Face names (the backend's to_hf); the other files are
+    write_model_files'.
     """
     out_dir.mkdir(parents=True, exist_ok=False)
     write_hf_model(out_dir, model_state, hf_config)
@@ -70,25 +70,38 @@ def write_model_files(
 ) -> None:
     """What every checkpoint holds beside its weights: generation config and tokenizer files.
 
-    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json. A
-    `chat_template` file (model.chat_template, for a tokenizer without one) is written as
-    chat_template.jinja, where transformers reads it, so deploy and export render chats as the
-    run trained on them.
+    A model fine-tuned from `source_dir` keeps that checkpoint's generation_config.json, its
+    eos_token_id joined by `stop_token_ids`: the tokens the run's own evaluation stops at, the
+    template's end of a turn among them. A base model's eos is its end of text, and a chat
+    fine-tune of it ends each answer with <|eot_id|> or <|im_end|>: served with the base's eos
+    alone, it answered to max_tokens. A `chat_template` file (model.chat_template, for a
+    tokenizer without one) is written as chat_template.jinja, where transformers reads it, so
+    deploy and export render chats as the run trained on them.
     """
+    generation: Any = {"bos_token_id": hf_config.get("bos_token_id"), "do_sample": False}
     if source_dir is not None and (source_dir / GENERATION_CONFIG).is_file():
-        shutil.copy2(source_dir / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
-    else:
-        generation = {
-            "bos_token_id": hf_config.get("bos_token_id"),
-            "eos_token_id": stop_token_ids,
-            "do_sample": False,
-        }
-        (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+        try:
+            generation = json.loads((source_dir / GENERATION_CONFIG).read_text())
+        except ValueError:
+            generation = None
+        if not isinstance(generation, dict):  # not ours to mend: kept as the source has it
+            shutil.copy2(source_dir / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
+    if isinstance(generation, dict):
+        _write_generation_config(out_dir, generation, stop_token_ids)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, out_dir / name)
     if chat_template is not None:
         shutil.copy2(chat_template, out_dir / CHAT_TEMPLATE_FILE)
+
+
+def _write_generation_config(
+    out_dir: Path, generation: dict[str, Any], stop_token_ids: list[int]
+) -> None:
+    own = generation.get("eos_token_id")
+    own = [] if own is None else own if isinstance(own, list) else [own]
+    generation["eos_token_id"] = [*own, *(t for t in stop_token_ids if t not in own)]
+    (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def write_lora_checkpoint(
