@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from runner.config.optimizer import state_per_weight
+from runner.config.optimizer import resolve_optimizer, state_per_weight
 from runner.errors import UserError
 from runner.models.checkpoint import read_training_state
 from tests.conftest import ESTIMATE_DATA, QUICK
@@ -56,12 +57,35 @@ def test_an_argument_the_optimizer_refuses_is_a_user_error() -> None:
 
 
 def test_sgd_trains_and_keeps_its_momentum_in_the_checkpoint(runner_cli, tmp_path: Path) -> None:
+    # Two processes, whose weights FSDP2 shards: SGD's fused step has no rule for them, and its
+    # default (fused=null) failed every such run's first step, then each restart's.
     run = tmp_path / "sgd"
-    result = runner_cli("train", *FOUR_STEPS, "optimizer=sgd", f"hydra.run.dir={run}")
+    two = "compute.nproc_per_node=2"
+    result = runner_cli("train", *FOUR_STEPS, "optimizer=sgd", two, f"hydra.run.dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "_component_: torch.optim.SGD" in (run / "recipe.yaml").read_text()
+    recipe = (run / "recipe.yaml").read_text()
+    assert "_component_: torch.optim.SGD" in recipe and "fused: false" in recipe
     state = read_training_state(run / "checkpoints" / "step_4")["optimizer"]["state"]
     assert state and all(set(entry) == {"momentum_buffer"} for entry in state.values())
+
+
+@pytest.mark.parametrize(
+    ("component", "processes", "fused"),
+    [("SGD", 1, True), ("SGD", 2, False), ("AdamW", 2, True), ("Adam", 8, True)],
+)
+def test_null_fuses_where_the_kernel_runs_on_the_weights_as_trained(
+    component: str, processes: int, fused: bool
+) -> None:
+    node = {"_component_": f"torch.optim.{component}", "lr": 1e-2, "fused": None}
+    keys = {"warmup_steps": 0, "cosine_decay": True}
+    assert resolve_optimizer(OmegaConf.create({**node, **keys}), processes)["fused"] is fused
+
+
+def test_fused_sgd_over_several_processes_is_refused_naming_the_fix() -> None:
+    node = {"_component_": "torch.optim.SGD", "lr": 1e-2, "fused": True, "warmup_steps": 0}
+    with pytest.raises(UserError, match="over 2 processes .* give optimizer.fused=null") as refused:
+        resolve_optimizer(OmegaConf.create({**node, "cosine_decay": True}), 2)
+    assert (refused.value.key, refused.value.value) == ("optimizer.fused", True)
 
 
 def test_a_refused_optimizer_argument_stops_train_before_a_run_dir(

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 SCHEDULE_KEYS = ("warmup_steps", "cosine_decay")
 # Weights in the probe parameter: one step on it creates every optimizer's per-weight state.
 _PROBE_WEIGHTS = 3
+# The optimizers whose fused step PyTorch runs on sharded weights (DTensor's rules for
+# _fused_adam_ and _fused_adamw_); SGD's fused step on them failed the first step with
+# "Operator aten._fused_sgd_.default does not have a sharding strategy registered".
+_FUSED_SHARDED = frozenset({"torch.optim.Adam", "torch.optim.AdamW"})
 
 
 @dataclass
@@ -38,13 +42,23 @@ class OptimizerKeys:
     cosine_decay: bool = flag(True)
 
 
-def resolve_optimizer(optimizer: DictConfig) -> dict[str, Any]:
-    """The chosen option: its component, the component's arguments and the schedule keys."""
+def resolve_optimizer(optimizer: DictConfig, processes: int) -> dict[str, Any]:
+    """The chosen option: its component, the component's arguments and the schedule keys;
+    `processes` train together (FSDP2 shards the weights over them where there are several)."""
     resolved = checked_option(optimizer)
+    shards = resolved["_component_"] in _FUSED_SHARDED or processes == 1
     if "fused" in resolved and resolved["fused"] is None:
         # PyTorch's fused kernel, on CPU as on CUDA: one pass over each weight instead of a
         # dozen elementwise ops (AdamW's step is 3x faster on CPU; scripts/bench/bench_peers.py).
-        resolved["fused"] = True
+        resolved["fused"] = shards
+    if resolved.get("fused") and not shards:
+        raise UserError(
+            "optimizer.fused",
+            True,
+            f"{resolved['_component_']}'s fused kernel does not run on weights sharded over "
+            f"{processes} processes (FSDP2 shards them; PyTorch has the rule for Adam and AdamW "
+            "only); give optimizer.fused=null, which fuses where it can, or false",
+        )
     # Builds it once: a refused argument fails here, not in training.
     state_per_weight(split_option(resolved)[0])
     return resolved

@@ -63,7 +63,7 @@ def resolve_recipe(
         cfg.model.source = loaded_weights
     check_pairing(cfg.method.name, cfg.dataset)
     compute = resolve_compute(cfg.compute, overrides, gpus_here)
-    optimizer = resolve_optimizer(cfg.optimizer)
+    optimizer = resolve_optimizer(cfg.optimizer, compute.nproc_per_node * compute.nnodes)
     warn_long_warmup(optimizer, cfg.max_steps)
     runtime = resolve_runtime(cfg.runtime)
     # Last among the checks: fetching a source is the slow part.
