@@ -87,6 +87,8 @@ CASES = [
     # loss arguments its class checks only as it computes (a traceback at step 0, a failed run)
     case("loss-chunks-type", "validate loss=chunked_ce loss.num_output_chunks=abc", "chunks="),
     case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),
+    # The step scales the loss as a mean: a sum trained 100x too fast, unlike per layout.
+    case("loss-reduction-sum", "validate loss=ce +loss.reduction=sum", "loss.reduction='sum'"),
     case("optimizer-fused", "validate optimizer.fused=maybe", "optimizer.fused="),
     case("dataset-kind", "validate dataset.kind=qa", "dataset.kind="),
     case(
