@@ -102,6 +102,19 @@ def test_chat_uses_the_checkpoint_chat_template(client, generate_reference) -> N
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), count)
 
 
+def test_a_developer_message_is_the_system_message_of_a_template_without_one(client) -> None:
+    """OpenAI's newer name for the system message: the template has no such role, and wrote a
+    header its model never saw (ChatML's dropped the message)."""
+    answers = {}
+    for role in ("developer", "system"):
+        messages = [{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}]
+        answers[role] = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0
+        )
+    assert answers["developer"].choices[0].message == answers["system"].choices[0].message
+    assert answers["developer"].usage == answers["system"].usage
+
+
 def test_an_answer_sent_back_as_history_is_the_conversation_it_was(
     client, generate_reference
 ) -> None:

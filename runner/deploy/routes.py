@@ -434,12 +434,14 @@ def _render_chat(
     if not tokenizer.chat_template:
         message = "this model has no chat template: use /v1/completions with a plain prompt"
         raise ApiError(400, message, param="messages")
+    rendered = [message.as_template_input() for message in messages]
+    if "developer" not in str(tokenizer.chat_template):
+        # OpenAI's developer message is its newer models' system message. A template without
+        # it dropped it (ChatML's) or wrote a header no model was trained on (Llama 3's), and
+        # training refuses the role: it is rendered as the system message, as llama.cpp does.
+        rendered = [{**m, "role": "system"} if m["role"] == "developer" else m for m in rendered]
     try:
-        text = render_chat(
-            tokenizer,
-            [message.as_template_input() for message in messages],
-            add_generation_prompt=True,
-        )
+        text = render_chat(tokenizer, rendered, add_generation_prompt=True)
     except Exception as error:  # the template's own checks (raise_exception) and Jinja errors
         raise ApiError(400, f"the chat template refused these messages: {error}") from error
     # The template writes the special tokens (begin_of_text) itself.
