@@ -87,7 +87,7 @@ class FinetuneRecipe:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.tokenizer = instantiate(cfg.model.tokenizer)
-        files = model_files(cfg.model, self.tokenizer.stop_tokens)
+        files = model_files(cfg.model, self.tokenizer, cfg.dataset.new_system_prompt)
         self.weights = self.method.weights(
             self.backend, self.place, files, method=cfg.method, seed=cfg.seed
         )

@@ -20,10 +20,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from runner.config.model import resolve_model
+from runner.deploy.loading import load_tokenizer
+from runner.deploy.protocol import ChatMessage
+from runner.deploy.routes import _render_chat
 from runner.errors import UserError
+from runner.models.chat_template import with_system_prompt
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message
-from runner.paths import CONF_DIR
+from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
 from tests.conftest import losses
 from tests.published_templates import (
     GEMMA3_TEMPLATE,
@@ -328,3 +332,42 @@ def test_a_template_file_trains_and_every_checkpoint_keeps_it(runner_cli, tmp_pa
     checkpoint = run_dir / "checkpoints" / "step_2"
     assert (checkpoint / "chat_template.jinja").read_text() == SMOLLM2_TEMPLATE
     assert AutoTokenizer.from_pretrained(checkpoint).chat_template == SMOLLM2_TEMPLATE
+
+
+@pytest.mark.parametrize("name", [n for n in TEMPLATES if n not in ("qwen3", "gemma2")])
+def test_a_template_with_a_system_prompt_renders_it_where_a_chat_has_none(
+    tokenizers_dir: Path, name: str
+) -> None:
+    """What a checkpoint of a run trained with dataset.new_system_prompt carries: a chat
+    without a system message renders as with the prompt; one with its own keeps it."""
+    hf = AutoTokenizer.from_pretrained(tokenizers_dir / name)
+    prompt = 'Answer "yes" or\n"no" {{ not jinja }} \\ é'
+    template = with_system_prompt(hf.chat_template, prompt)
+    kwargs = {"add_generation_prompt": True, "tokenize": False, "date_string": "26 Jul 2024"}
+    asked = to_dicts(CHAT[:1])
+    given = [{"role": "system", "content": prompt}, *asked]
+    assert hf.apply_chat_template(asked, chat_template=template, **kwargs) == (
+        hf.apply_chat_template(given, **kwargs)
+    )
+    own = to_dicts(SYSTEM + CHAT[:1])
+    assert hf.apply_chat_template(own, chat_template=template, **kwargs) == (
+        hf.apply_chat_template(own, **kwargs)
+    )
+
+
+def test_a_run_trained_with_a_system_prompt_is_served_with_it(runner_cli, tmp_path: Path) -> None:
+    """dataset.new_system_prompt trained every chat, and built the run's evaluation prompts,
+    with it; the checkpoint carried the tokenizer's template alone, and a request without a
+    system message was served without it (or with the template's own default)."""
+    run_dir = tmp_path / "run"
+    prompt = "Answer in one word."
+    result = runner_cli(
+        "train", *TRAIN, f"dataset.new_system_prompt='{prompt}'", f"hydra.run.dir={run_dir}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    served = load_tokenizer(run_dir / "checkpoints" / "step_2")
+    trained = ChatTokenizer(str(TINY_TOKENIZER_DIR))  # today's date, where it writes one
+    user = [ChatMessage(role="user", content="hi")]
+    assert _render_chat(served, user) == trained.generation_prompt(
+        [Message(role="system", content=prompt), Message(role="user", content="hi")]
+    )

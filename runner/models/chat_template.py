@@ -7,6 +7,7 @@ with the same function without importing it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,3 +36,17 @@ def render_chat(
     )
     assert isinstance(text, str), "apply_chat_template(tokenize=False) renders text"
     return text
+
+
+def with_system_prompt(template: str, system_prompt: str) -> str:
+    """`template`, rendering a chat that has no system message as if `system_prompt` were its
+    first: what a checkpoint of a run trained with dataset.new_system_prompt carries, so that
+    it is served the prompt it trained and was evaluated on (the template's own default
+    system message, or none, otherwise)."""
+    # A JSON string is a Jinja string literal: quotes, backslashes and newlines escaped.
+    prompt = json.dumps(system_prompt, ensure_ascii=False)
+    return (
+        '{%- if not messages or messages[0]["role"] != "system" %}'
+        f'{{%- set messages = [{{"role": "system", "content": {prompt}}}] + messages %}}'
+        "{%- endif %}" + template
+    )

@@ -37,7 +37,7 @@ def write_checkpoint(
     training_state: dict[str, Any],
     stop_token_ids: list[int],
     source_dir: Path | None = None,
-    chat_template: Path | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Writes a directory that `transformers` loads as it is, plus training_state.pt.
 
@@ -66,7 +66,7 @@ def write_model_files(
     tokenizer_dir: Path,
     stop_token_ids: list[int],
     source_dir: Path | None = None,
-    chat_template: Path | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """What every checkpoint holds beside its weights: generation config and tokenizer files.
 
@@ -74,8 +74,9 @@ def write_model_files(
     eos_token_id joined by `stop_token_ids`: the tokens the run's own evaluation stops at, the
     template's end of a turn among them. A base model's eos is its end of text, and a chat
     fine-tune of it ends each answer with <|eot_id|> or <|im_end|>: served with the base's eos
-    alone, it answered to max_tokens. A `chat_template` file (model.chat_template, for a
-    tokenizer without one) is written as chat_template.jinja, where transformers reads it, so
+    alone, it answered to max_tokens. A `chat_template` (the text of model.chat_template's
+    file, or the template with the run's system prompt: runner.trainer.weights.model_files) is
+    written as chat_template.jinja, where transformers reads it before the tokenizer's own, so
     deploy and export render chats as the run trained on them.
     """
     generation: Any = {"bos_token_id": hf_config.get("bos_token_id"), "do_sample": False}
@@ -92,7 +93,7 @@ def write_model_files(
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, out_dir / name)
     if chat_template is not None:
-        shutil.copy2(chat_template, out_dir / CHAT_TEMPLATE_FILE)
+        (out_dir / CHAT_TEMPLATE_FILE).write_text(chat_template)
 
 
 def _write_generation_config(
@@ -115,7 +116,7 @@ def write_lora_checkpoint(
     stop_token_ids: list[int],
     merged_state: dict[str, torch.Tensor] | None,
     source_dir: Path | None = None,
-    chat_template: Path | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """A PEFT adapter (adapter_config.json, adapter_model.safetensors) that peft loads onto the
     base named by adapter_config's base_model_name_or_path; with `merged_state`, also the merged
@@ -139,7 +140,7 @@ def write_base_model(
     hf_config: dict[str, Any],
     tokenizer_dir: Path,
     stop_token_ids: list[int],
-    chat_template: Path | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """A whole Hugging Face model directory (`model_state` in Hugging Face names), written
     under a temporary name and renamed."""

@@ -36,12 +36,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from runner.components import plain_dict
 from runner.models.backends import Backend, LoraBuild
+from runner.models.chat_template import with_system_prompt
 from runner.models.checkpoint import (
     MODEL_FILE,
     write_base_model,
     write_checkpoint,
     write_lora_checkpoint,
 )
+from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import disable_adapter, gather_cpu_state_dict
 from runner.trainer.checkpointing import FULL
 from runner.trainer.objectives import Reference
@@ -61,20 +63,31 @@ class ModelFiles:
 
     hf_config: dict[str, Any]
     tokenizer_dir: Path
-    chat_template: Path | None
+    # model.chat_template's text (None: the tokenizer's own), as the base model carries it.
+    chat_template: str | None
+    # What each checkpoint carries: that, with the run's system prompt where it has one.
+    checkpoint_template: str | None
     stop_token_ids: list[int]
     # The checkpoint fine-tuned from (model.source), whose generation_config.json is kept.
     source_dir: Path | None
 
 
-def model_files(model: DictConfig, stop_token_ids: list[int]) -> ModelFiles:
-    """The ModelFiles of a recipe's model section and its tokenizer's stop tokens."""
-    template = model.tokenizer.chat_template
+def model_files(
+    model: DictConfig, tokenizer: ChatTokenizer, new_system_prompt: str | None
+) -> ModelFiles:
+    """The ModelFiles of a recipe's model section, its tokenizer, and the system prompt its
+    chats trained with (dataset.new_system_prompt)."""
+    given = tokenizer.chat_template_file
+    template = None if given is None else Path(given).read_text()
+    trained = template
+    if new_system_prompt is not None and tokenizer.template is not None:
+        trained = with_system_prompt(tokenizer.template, new_system_prompt)
     return ModelFiles(
         hf_config=plain_dict(model.hf_config),
         tokenizer_dir=Path(model.tokenizer.path),
-        chat_template=None if template is None else Path(template),
-        stop_token_ids=stop_token_ids,
+        chat_template=template,
+        checkpoint_template=trained,
+        stop_token_ids=tokenizer.stop_tokens,
         source_dir=None if model.source is None else Path(model.source),
     )
 
@@ -148,7 +161,7 @@ class FullWeights:
             ),
             hf_config=files.hf_config,
             tokenizer_dir=files.tokenizer_dir,
-            chat_template=files.chat_template,
+            chat_template=files.checkpoint_template,
             training_state=training_state,
             stop_token_ids=files.stop_token_ids,
             source_dir=files.source_dir,
@@ -210,7 +223,7 @@ class LoraWeights(FullWeights):
             adapter_config=backend.peft_config(lora, self.method.base_model_dir),
             hf_config=files.hf_config,
             tokenizer_dir=files.tokenizer_dir,
-            chat_template=files.chat_template,
+            chat_template=files.checkpoint_template,
             training_state=training_state,
             stop_token_ids=files.stop_token_ids,
             merged_state=merged,
