@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,9 @@ def sweep_dir(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -
     return sweep
 
 
+PAGE = "https://chat.example"  # a web page whose scripts may call the keyed server
+
+
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory, served_run: Path, sweep_dir: Path) -> Iterator[str]:
     key_file = tmp_path_factory.mktemp("secrets") / "api_key"
@@ -51,6 +55,7 @@ def base_url(tmp_path_factory, served_run: Path, sweep_dir: Path) -> Iterator[st
         f"api_key.file={key_file}",
         "port=0",
         "limits.max_body_bytes=65536",
+        f"allowed_origins=[{PAGE}]",
     )
     with serving(cfg) as url:
         yield url
@@ -100,6 +105,42 @@ def test_chat_uses_the_checkpoint_chat_template(client, generate_reference) -> N
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == expected
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), count)
+
+
+def browser_request(base_url: str, method: str, headers: dict[str, str], body: bytes = b""):
+    """Status and headers of a request to /v1/chat/completions as a browser sends it."""
+    host, port = base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request(method, "/v1/chat/completions", body=body or None, headers=headers)
+    response = connection.getresponse()
+    response.read()
+    connection.close()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}
+
+
+@pytest.mark.parametrize("origin", [PAGE, "https://evil.example"])
+def test_a_listed_web_page_may_call_the_api_from_a_browser(base_url: str, origin: str) -> None:
+    """allowed_origins (CORS): a browser asks first, without the key (it sends none on a
+    preflight), and reads an answer only where it is told the page may. Without the setting,
+    the preflight was a 401 (405 without a key), so no page could call even a keyed server."""
+    ask = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+    ask["Access-Control-Request-Headers"] = "authorization,content-type"
+    status, headers = browser_request(base_url, "OPTIONS", ask)
+    listed = origin == PAGE
+    assert (status == 200) == listed and headers.get("access-control-allow-origin") == (
+        origin if listed else None
+    )
+    body = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 1}).encode()
+    sent = {"Origin": origin, "Authorization": f"Bearer {API_KEY}"}
+    status, headers = browser_request(
+        base_url, "POST", {**sent, "Content-Type": "application/json"}, body
+    )
+    assert status == 200 and headers.get("access-control-allow-origin") == (
+        origin if listed else None
+    )
+    # The key is still asked of the request itself.
+    status, _ = browser_request(base_url, "POST", {"Origin": origin}, body)
+    assert status == 401
 
 
 def test_a_developer_message_is_the_system_message_of_a_template_without_one(client) -> None:

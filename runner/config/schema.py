@@ -148,6 +148,7 @@ class Deploy:
     port: int = integer(8000, 0)
     api_key: ApiKey = field(default_factory=ApiKey)
     allowed_hosts: List[str] = field(default_factory=list)
+    allowed_origins: List[str] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)
 
 

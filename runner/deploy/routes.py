@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -67,14 +68,24 @@ def build_app(
     api_key: str | None,
     limits: Limits,
     allowed_hosts: list[str],
+    allowed_origins: list[str],
 ) -> FastAPI:
     """The ASGI app; engines start with the app's lifespan and stop with it. Without an API
-    key, requests must name one of `allowed_hosts` in their Host (runner.deploy.hosts)."""
+    key, requests must name one of `allowed_hosts` in their Host (runner.deploy.hosts); web
+    pages of `allowed_origins` may call it from a browser (CORS)."""
     app = FastAPI(lifespan=_lifespan(models), docs_url=None, redoc_url=None, openapi_url=None)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     else:
         app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)
+    if allowed_origins:
+        # Outermost (added last): a browser's preflight carries no key, and is answered here.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
     app.add_exception_handler(ApiError, _api_error_response)
     app.add_exception_handler(HTTPException, _http_error_response)
     app.add_exception_handler(Exception, _internal_error_response)

@@ -85,7 +85,13 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
         vllm_options=plain_dict(cfg.vllm),
     )
     hosts = allowed_hosts(cfg.host, list(cfg.allowed_hosts))
-    app = build_app(models, api_key=api_key, limits=Limits(**cfg.limits), allowed_hosts=hosts)
+    app = build_app(
+        models,
+        api_key=api_key,
+        limits=Limits(**cfg.limits),
+        allowed_hosts=hosts,
+        allowed_origins=list(cfg.allowed_origins),
+    )
     for model in checkpoints:
         log.info("serving %s as model %r", model.path, model.name)
     return app, sock
