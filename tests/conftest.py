@@ -49,7 +49,7 @@ ESTIMATE_DATA = "dataset.split='train[:512]'"
 
 # The files that take longest, much of it waiting on nodes and timeouts, go first: xdist hands
 # out whole files in collection order, and the longest starting last would run on alone.
-LONGEST_FILES = ("test_distributed.py", "test_repro.py")
+LONGEST_FILES = ("test_distributed.py", "test_distributed_failures.py", "test_repro.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

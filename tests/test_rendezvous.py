@@ -1,7 +1,8 @@
 """The nodes' rendezvous (runner.job.rendezvous) in one process, on a real c10d store: the
 message of a rendezvous that times out names the node that did not come back, among three.
 
-The loopback tests of tests/test_distributed.py run it with real nodes.
+The loopback tests of tests/test_distributed.py and test_distributed_failures.py run it with real
+nodes.
 """
 
 from __future__ import annotations
