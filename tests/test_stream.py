@@ -116,6 +116,32 @@ def test_a_bad_record_mid_stream_names_its_file_and_row(tmp_path: Path) -> None:
     assert caught.value.key == "dataset.source"
 
 
+CHAT_GOOD = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
+MIXED = {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]}
+
+
+@pytest.mark.parametrize("window", [1, 4], ids=["alone in its window", "among others"])
+def test_a_record_of_mixed_types_mid_stream_names_its_file_and_row(tmp_path: Path, window: int):
+    """A number beside text in one conversation: the window's records did not read as a table,
+    nor did the record alone, and the stream recursed until Python's stack ran out."""
+    path = tmp_path / "corpus" / "train.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(r) + "\n" for r in [CHAT_GOOD] * 5 + [MIXED] + [CHAT_GOOD]))
+    recipe = data(
+        "dataset=chat",
+        f"dataset.source={path.parent}",
+        "dataset.streaming=true",
+        f"dataset.shuffle_buffer={window}",
+    )
+    split = StreamSplit(recipe, tokenizer(), reader=0, readers=1, seed=0)
+    with pytest.raises(UserError) as caught:
+        for _ in split.samples(START, lambda n: True):
+            pass
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"{path} row 6, column 'messages': message 1's 'content' is a number ('5')" in message
+
+
 @pytest.mark.parametrize("save_every", [4, 1000], ids=["checkpoints", "none saved yet"])
 def test_a_bad_record_mid_stream_stops_the_run_there(
     runner_cli, tmp_path: Path, save_every: int

@@ -105,19 +105,14 @@ class StreamSplit:
 
     def _checked(self, window: list[Located]) -> Any:
         """The window's records checked as a split is; None where only blank text is left."""
+        rows = [record for _, _, record in window]
         try:
-            table = datasets.Dataset.from_list([record for _, _, record in window])
+            table = datasets.Dataset.from_list(rows)
         except (pa.ArrowInvalid, pa.ArrowTypeError):
-            # Records that disagree on a column's type: the first that is wrong on its own.
-            for located in window:
-                self._checked([located])
-            file, row, _ = window[0]
-            raise UserError(
-                "dataset.source",
-                self.data["source"],
-                f"the records of {file} from row {row} on disagree on a column's type; give "
-                "each column one type",
-            ) from None
+            # Values of one column that disagree in type, across records or inside one (a
+            # number beside text in a conversation): held as JSON, as the whole-split read of a
+            # JSON file holds them, so that the checks name the first bad record.
+            table = datasets.Dataset.from_list(rows, on_mixed_types="use_json")
         records = WindowRecords(
             table,
             self.data["source"],
