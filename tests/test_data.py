@@ -71,6 +71,13 @@ def write(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def write_jsonl(rows: list[dict[str, Any]], path: Path) -> Path:
+    """`rows` as JSON lines, as written: values of mixed types too, which a table cannot hold."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def xml_document(rows: list[dict[str, Any]], record: str = "record") -> str:
     """`rows` as XML: a `record` element each, a child element per field."""
     root = ElementTree.Element("records")
@@ -438,6 +445,33 @@ def test_chat_in_both_styles(tmp_path: Path) -> None:
     assert tok.decode(prompt.tokens, skip_special_tokens=False).endswith(
         "Bye<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     )
+
+
+def parts(*texts: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": text} for text in texts]
+
+
+def test_openai_text_parts_train_as_the_server_joins_them(tmp_path: Path) -> None:
+    """Content as OpenAI's list of text parts (which runner deploy takes) was refused as "a
+    list, not text"; it trains as the same text given as a string does, whole or streamed."""
+    from runner.data.stream import START, StreamSplit
+    from runner.deploy.protocol import ChatMessage
+
+    text = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    split = [
+        {"role": "user", "content": parts("Hi", " there")},
+        {"role": "assistant", "content": parts("Hel", "lo")},
+    ]
+    served = [ChatMessage.model_validate(m).as_template_input()["content"] for m in split]
+    assert served == ["Hi there", "Hello"]
+    path = write_jsonl([{"messages": text}, {"messages": split}], tmp_path / "d" / "chat.jsonl")
+    tok = tokenizer()
+    whole = train_dataset(data("dataset=chat", f"dataset.source={path}"), tok)
+    assert whole[0] == whole[1] and trained_text(whole[1], tok) == "Hello<|eot_id|>"
+    stream = data("dataset=chat", f"dataset.source={path.parent}", "dataset.streaming=true")
+    samples = StreamSplit(stream, tok, reader=0, readers=1, seed=0).samples(START, lambda n: True)
+    first, second = (next(samples)[0] for _ in range(2))
+    assert first["tokens"] == second["tokens"] == whole[0]["tokens"]
 
 
 def test_a_validation_split_holding_training_records_is_refused_where_the_run_evaluates(

@@ -64,6 +64,62 @@ BAD_CELLS = [
         "messages",
         "message 2's 'content' is null",
     ),
+    # Valid OpenAI data that runner does not train: said so, not taken for a malformed file.
+    (
+        "chat",
+        [
+            CHAT_GOOD,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is this?"},
+                            {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                        ],
+                    },
+                    {"role": "assistant", "content": "a cat"},
+                ]
+            },
+        ],
+        [],
+        2,
+        "messages",
+        "message 1's 'content' holds a part of type 'image_url'; only text parts",
+    ),
+    (
+        "chat",
+        [
+            {
+                "messages": [
+                    CHAT_GOOD["messages"][0],
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                    {"role": "assistant", "content": "42"},
+                ]
+            }
+        ],
+        [],
+        1,
+        "messages",
+        "message 2 is a tool call or its result (its 'tool_calls'); tool calls are not supported",
+    ),
+    (
+        "chat",
+        [{"messages": [CHAT_GOOD["messages"][0], {"role": "tool", "content": "42"}]}],
+        [],
+        1,
+        "messages",
+        "message 2 is a tool call or its result (role='tool'); tool calls are not supported",
+    ),
+    (
+        "chat",
+        [{"conversations": [{"from": "human", "value": [{"type": "text", "text": "u"}]}]}],
+        ["dataset.conversation_style=sharegpt", "dataset.column_map.messages=conversations"],
+        1,
+        "conversations",
+        "message 1's 'value' is a list",
+    ),
     (
         "chat",
         [{"messages": [{"role": "bot", "content": "x"}]}],

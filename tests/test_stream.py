@@ -12,7 +12,7 @@ import pytest
 from runner.data.stream import START, StreamSplit
 from runner.errors import UserError
 from tests.conftest import QUICK, losses
-from tests.test_data import data, tokenizer, trained_text, write
+from tests.test_data import data, tokenizer, trained_text, write, write_jsonl
 
 RECORDS = 120
 
@@ -124,9 +124,7 @@ MIXED = {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "con
 def test_a_record_of_mixed_types_mid_stream_names_its_file_and_row(tmp_path: Path, window: int):
     """A number beside text in one conversation: the window's records did not read as a table,
     nor did the record alone, and the stream recursed until Python's stack ran out."""
-    path = tmp_path / "corpus" / "train.jsonl"
-    path.parent.mkdir()
-    path.write_text("".join(json.dumps(r) + "\n" for r in [CHAT_GOOD] * 5 + [MIXED] + [CHAT_GOOD]))
+    path = write_jsonl([CHAT_GOOD] * 5 + [MIXED] + [CHAT_GOOD], tmp_path / "corpus" / "train.jsonl")
     recipe = data(
         "dataset=chat",
         f"dataset.source={path.parent}",

@@ -105,6 +105,31 @@ def _as_written(file: str, row: int, column: str, required: bool) -> tuple[str, 
     return None
 
 
+def _message_text(content: Any, number: int, style: ConversationStyle) -> tuple[str, str]:
+    """A message's content as the text that trains, and what is wrong with it ("" if nothing).
+
+    OpenAI's list of text parts trains as its texts joined with nothing between them, as
+    `runner deploy` joins them (runner.deploy.protocol.ChatMessage) and torchtune's
+    Message.text_content does: train and serve see the same text.
+    """
+    where = f"message {number}'s {style.content!r}"
+    if isinstance(content, str):
+        return content, ""
+    if not (style.parts and isinstance(content, list)):
+        return "", f"{where} is {_describe(content)}, not text"
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            found = f"a part of type {kind!r}" if kind else f"the part {_describe(part)}"
+            return "", (
+                f"{where} holds {found}; only text parts ({{'type': 'text', 'text': ...}}) are "
+                "supported"
+            )
+        if not isinstance(part.get("text"), str):
+            return "", f"{where} holds a text part whose 'text' is {_describe(part.get('text'))}"
+    return "".join(part["text"] for part in content), ""
+
+
 def _conversation_problem(
     conversation: Any, style: ConversationStyle, name: str, data: Mapping[str, Any]
 ) -> tuple[str, int, int]:
@@ -122,12 +147,17 @@ def _conversation_problem(
     for number, message in enumerate(conversation, 1):
         if not isinstance(message, dict) or message.get(style.role) is None:
             return f"message {number} is {_describe(message)}, not {shape}", 0, 0
-        role, content = message[style.role], message.get(style.content)
+        role = message[style.role]
+        tool_key = next((key for key in style.tool_keys if message.get(key)), None)
+        if role in style.tool_roles or tool_key:
+            spelt = f"its {tool_key!r}" if tool_key else f"{style.role}={role!r}"
+            problem = f"message {number} is a tool call or its result ({spelt})"
+            return f"{problem}; tool calls are not supported in training", 0, 0
         if role not in style.roles:
             known = ", ".join(style.roles)
             return f"message {number} has {style.role}={role!r}; {name} roles are {known}", 0, 0
-        if not isinstance(content, str):
-            problem = f"message {number}'s {style.content!r} is {_describe(content)}, not text"
+        content, problem = _message_text(message.get(style.content), number, style)
+        if problem:
             return problem, 0, 0
         ours = style.roles[role]
         if ours == "system" and system is not None:

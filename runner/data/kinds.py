@@ -35,18 +35,36 @@ def required_column(column_map: Mapping[str, str | None], ours: str) -> str:
 
 @dataclass(frozen=True)
 class ConversationStyle:
-    """How a chat record spells a message: its two keys and its role names -> ours."""
+    """How a chat record spells a message: its two keys and its role names -> ours.
+
+    parts: whether content may be a list of {"type": "text", "text": ...} parts (OpenAI's).
+    tool_roles, tool_keys: the roles and keys of a message that spell tool calls and their
+    results, valid in the format but not trained (refused as unsupported, not as malformed).
+    """
 
     role: str
     content: str
     roles: dict[str, str]
+    parts: bool
+    tool_roles: tuple[str, ...]
+    tool_keys: tuple[str, ...]
 
 
 CONVERSATION_STYLES = {
     "openai": ConversationStyle(
-        "role", "content", {"system": "system", "user": "user", "assistant": "assistant"}
+        "role",
+        "content",
+        {"system": "system", "user": "user", "assistant": "assistant"},
+        parts=True,
+        tool_roles=("tool", "function"),
+        tool_keys=("tool_calls", "function_call"),
     ),
     "sharegpt": ConversationStyle(
-        "from", "value", {"system": "system", "human": "user", "gpt": "assistant"}
+        "from",
+        "value",
+        {"system": "system", "human": "user", "gpt": "assistant"},
+        parts=False,
+        tool_roles=("function_call", "observation"),
+        tool_keys=(),
     ),
 }
