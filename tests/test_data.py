@@ -474,6 +474,33 @@ def test_openai_text_parts_train_as_the_server_joins_them(tmp_path: Path) -> Non
     assert first["tokens"] == second["tokens"] == whole[0]["tokens"]
 
 
+def test_an_assistant_message_of_weight_0_stays_in_the_conversation_untrained(tmp_path):
+    """OpenAI's fine-tuning format marks an answer not to train with weight 0: it trained."""
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "BAD", "weight": 0},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "Good", "weight": 1},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "WORSE", "weight": 0},
+    ]
+    path = write_jsonl([{"messages": conversation}] * 2, tmp_path / "chat.jsonl")
+    tok = tokenizer()
+    for extra in ([], ["dataset.train_on_input=true"]):
+        sample = train_dataset(data("dataset=chat", f"dataset.source={path}", *extra), tok)[0]
+        assert "BAD" not in trained_text(sample, tok) and "Good<|eot_id|>" in trained_text(
+            sample, tok
+        )
+        assert "BAD<|eot_id|>" in tok.decode(sample["tokens"], skip_special_tokens=False)
+    chat = data(
+        "dataset=chat",
+        f"dataset.source={path}",
+        "dataset.split='train[:1]'",
+        "dataset.validation.split='train[1:]'",
+    )
+    assert eval_prompts(validation_split(chat, tok), tok, 1)[0].reference == "Good"
+
+
 def test_a_validation_split_holding_training_records_is_refused_where_the_run_evaluates(
     tmp_path: Path,
 ) -> None:

@@ -120,6 +120,33 @@ BAD_CELLS = [
         "conversations",
         "message 1's 'value' is a list",
     ),
+    # OpenAI's fine-tuning weight: 0 or 1, on an assistant message; something to train.
+    *[
+        (
+            "chat",
+            [
+                CHAT_GOOD,
+                {"messages": [CHAT_GOOD["messages"][0], {**CHAT_GOOD["messages"][1], **weight}]},
+            ],
+            [],
+            2,
+            "messages",
+            problem,
+        )
+        for weight, problem in (
+            ({"weight": 2}, "message 2's 'weight' is a number ('2'); give 0 (not trained) or 1"),
+            ({"weight": "0"}, "message 2's 'weight' is text ('0'); give 0"),
+            ({"weight": 0}, "has only assistant messages of weight 0, so nothing to train on"),
+        )
+    ],
+    (
+        "chat",
+        [{"messages": [{**CHAT_GOOD["messages"][0], "weight": 1}, CHAT_GOOD["messages"][1]]}],
+        [],
+        1,
+        "messages",
+        "message 1 is a user message with a 'weight' (1); only an assistant message has one",
+    ),
     (
         "chat",
         [{"messages": [{"role": "bot", "content": "x"}]}],

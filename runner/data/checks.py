@@ -143,7 +143,7 @@ def _conversation_problem(
     # torchtune's chat transforms train every message under train_on_input, the system's too.
     trained = bool(roles) and train_on_input
     prompt_bytes = len(system.encode()) if roles and not trained else 0
-    prompt_messages = len(roles)
+    prompt_messages, answers = len(roles), 0
     for number, message in enumerate(conversation, 1):
         if not isinstance(message, dict) or message.get(style.role) is None:
             return f"message {number} is {_describe(message)}, not {shape}", 0, 0
@@ -168,14 +168,38 @@ def _conversation_problem(
             return f"message {number} is an assistant message that answers no user message", 0, 0
         if ours == "user" and roles and roles[-1] == "user":
             return f"messages {number - 1} and {number} are both user messages", 0, 0
+        weight = message.get("weight")
+        problem = _weight_problem(weight, number, ours)
+        if problem:
+            return problem, 0, 0
         roles.append(ours)
-        trained = trained or ours == "assistant" or train_on_input
+        answers += ours == "assistant"
+        trained = trained or (ours == "assistant" and weight != 0) or train_on_input
         if not trained:
             prompt_bytes += len(content.encode())
             prompt_messages += 1
+    if not trained and answers:
+        return "has only assistant messages of weight 0, so nothing to train on", 0, 0
     if not trained:
         return "has no assistant message, so nothing to train on", 0, 0
     return "", prompt_bytes, prompt_messages
+
+
+def _weight_problem(weight: Any, number: int, ours: str) -> str:
+    """What is wrong with message `number`'s weight ("" if nothing): OpenAI's fine-tuning
+    format gives an assistant message 0 (not trained) or 1, read as 0.0 or 1.0 where the file's
+    other weights make its column a float one. null is no weight: the reader gives every
+    message of a file the keys any of them has."""
+    if weight is None:
+        return ""
+    if ours != "assistant":
+        return (
+            f"message {number} is a {ours} message with a 'weight' ({weight!r}); only an "
+            "assistant message has one"
+        )
+    if isinstance(weight, int | float) and not isinstance(weight, bool) and weight in (0, 1):
+        return ""
+    return f"message {number}'s 'weight' is {_describe(weight)}; give 0 (not trained) or 1"
 
 
 def _instruct_prompts(records: Records, data: Mapping[str, Any]) -> tuple[np.ndarray, int]:

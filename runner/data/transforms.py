@@ -9,7 +9,7 @@ import datasets
 import torch
 from torch.utils.data import Dataset
 
-from runner.data.kinds import required_column
+from runner.data.kinds import CONVERSATION_STYLES, required_column
 from runner.models.torchtune_boundary import (
     CROSS_ENTROPY_IGNORE_IDX,
     Message,
@@ -62,11 +62,15 @@ class InstructToMessages:
 
 
 class ChatToMessages:
-    """A conversation -> messages through torchtune's OpenAI or ShareGPT transform."""
+    """A conversation -> messages through torchtune's OpenAI or ShareGPT transform; an
+    assistant message of `weight` 0 (OpenAI's fine-tuning format) is masked: it stays in the
+    conversation and does not train."""
 
     def __init__(
         self, column: str, style: str, train_on_input: bool, new_system_prompt: str | None
     ) -> None:
+        self.column, self.style = column, CONVERSATION_STYLES[style]
+        self.new_system_prompt = new_system_prompt
         if style == "openai":
             self._transform = OpenAIToMessages(
                 train_on_input=train_on_input,
@@ -81,13 +85,23 @@ class ChatToMessages:
             )
 
     def prompt_and_answer(self, sample: Mapping[str, Any]) -> tuple[list[Message], Message]:
-        """The conversation up to its last assistant message, and that message."""
+        """The conversation up to its last trained assistant message (its last assistant
+        message, where none trains), and that message."""
         messages = self(sample)["messages"]
-        last = max(i for i, m in enumerate(messages) if m.role == "assistant")
+        answers = [i for i, m in enumerate(messages) if m.role == "assistant"]
+        last = max([i for i in answers if not messages[i].masked] or answers)
         return messages[:last], messages[last]
 
     def __call__(self, sample: Mapping[str, Any]) -> dict[str, Any]:
-        return self._transform(sample)
+        transformed = self._transform(sample)
+        given = sample[self.column]
+        if self.new_system_prompt is not None:  # its system messages dropped, one put first
+            roles = self.style.roles
+            given = [None] + [m for m in given if roles[m[self.style.role]] != "system"]
+        for message, source in zip(transformed["messages"], given, strict=True):
+            if source is not None and source.get("weight") == 0:
+                message.masked = True
+        return transformed
 
 
 class TextToTokens:
