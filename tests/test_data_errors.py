@@ -326,3 +326,47 @@ def test_a_cache_that_cannot_take_a_file_is_one_line(tmp_path: Path, monkeypatch
         "(File too large); free space there, or set HF_DATASETS_CACHE (or HF_HOME) to a "
         "directory with room that this user may write"
     )
+
+
+SYSTEM_CHAT = {"messages": [{"role": "system", "content": "Be brief."}, *CHAT_GOOD["messages"]]}
+
+
+@pytest.mark.parametrize(
+    ("family", "problem"),
+    [
+        (
+            "gemma2",
+            "refuses a conversation of roles ['system', 'user', 'assistant'] "
+            "(TemplateError: System role not supported)",
+        ),
+        (
+            "mistral",
+            "leaves the system message out of a conversation of roles "
+            "['system', 'user', 'assistant'], so it would train without it",
+        ),
+    ],
+)
+def test_a_conversation_the_chat_template_refuses_or_cuts_is_named_before_training(
+    tmp_path: Path, family: str, problem: str
+) -> None:
+    """Gemma 2's template raised on the row only when training drew it (the run failed there,
+    naming no row); Mistral's left its system message out of every sample, silently."""
+    write_family_tokenizer(family, tmp_path / family)
+    tok = ChatTokenizer(str(tmp_path / family))
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [CHAT_GOOD] * 5 + [SYSTEM_CHAT] * 2))
+    with pytest.raises(DataError) as err:
+        check_datasets(data("dataset=chat", f"dataset.source={path}"), tok)
+    assert (err.value.file, err.value.row, err.value.column) == (str(path), 6, "messages")
+    assert problem in str(err.value) and "drop such rows' system message" in str(err.value)
+    assert "model.chat_template=" in str(err.value)
+    # The system message new_system_prompt puts first, in instruct data too.
+    instruct = write(records(3), tmp_path / "instruct.jsonl")
+    prompt = ["dataset.new_system_prompt=Be brief.", *RENAMED]
+    with pytest.raises(DataError) as err:
+        check_datasets(data("dataset=instruct", f"dataset.source={instruct}", *prompt), tok)
+    assert (err.value.row, err.value.column) == (1, "prompt, context")
+    assert "set dataset.new_system_prompt=null" in str(err.value)
+    # The rows without a system message are taken.
+    sliced = data("dataset=chat", f"dataset.source={path}", "dataset.split='train[:5]'")
+    assert check_datasets(sliced, tok)["train"] == 5

@@ -130,59 +130,71 @@ def _message_text(content: Any, number: int, style: ConversationStyle) -> tuple[
     return "".join(part["text"] for part in content), ""
 
 
+# A conversation's messages as the chat template sees them: each one's role, and whether it is
+# an answer of weight 0 (which changes what is rendered to find the trained spans).
+Roles = tuple[tuple[str, bool], ...]
+
+
 def _conversation_problem(
     conversation: Any, style: ConversationStyle, name: str, data: Mapping[str, Any]
-) -> tuple[str, int, int]:
-    """What is wrong with one conversation ("" if nothing), and the UTF-8 bytes and the number
-    of the messages before its first trained one (its prompt)."""
+) -> tuple[str, int, int, Roles]:
+    """What is wrong with one conversation ("" if nothing), the UTF-8 bytes and the number of
+    the messages before its first trained one (its prompt), and its roles."""
     shape = f"a list of {{{style.role!r}, {style.content!r}}} messages ({name} style)"
     if not isinstance(conversation, list):
-        return f"holds {_describe(conversation)}, not {shape}", 0, 0
+        return f"holds {_describe(conversation)}, not {shape}", 0, 0, ()
     system, train_on_input = data["new_system_prompt"], data["train_on_input"]
     roles = ["system"] if system is not None else []
+    sequence = [("system", False)] if system is not None else []
     # torchtune's chat transforms train every message under train_on_input, the system's too.
     trained = bool(roles) and train_on_input
     prompt_bytes = len(system.encode()) if roles and not trained else 0
     prompt_messages, answers = len(roles), 0
     for number, message in enumerate(conversation, 1):
         if not isinstance(message, dict) or message.get(style.role) is None:
-            return f"message {number} is {_describe(message)}, not {shape}", 0, 0
+            return f"message {number} is {_describe(message)}, not {shape}", 0, 0, ()
         role = message[style.role]
         tool_key = next((key for key in style.tool_keys if message.get(key)), None)
         if role in style.tool_roles or tool_key:
             spelt = f"its {tool_key!r}" if tool_key else f"{style.role}={role!r}"
             problem = f"message {number} is a tool call or its result ({spelt})"
-            return f"{problem}; tool calls are not supported in training", 0, 0
+            return f"{problem}; tool calls are not supported in training", 0, 0, ()
         if role not in style.roles:
             known = ", ".join(style.roles)
-            return f"message {number} has {style.role}={role!r}; {name} roles are {known}", 0, 0
+            return f"message {number} has {style.role}={role!r}; {name} roles are {known}", 0, 0, ()
         content, problem = _message_text(message.get(style.content), number, style)
         if problem:
-            return problem, 0, 0
+            return problem, 0, 0, ()
         ours = style.roles[role]
         if ours == "system" and system is not None:
             continue  # replaced by the new system prompt
         if ours == "system" and roles:
-            return f"message {number} is a system message after the first", 0, 0
+            return f"message {number} is a system message after the first", 0, 0, ()
         if ours == "assistant" and (not roles or roles[-1] != "user"):
-            return f"message {number} is an assistant message that answers no user message", 0, 0
+            return (
+                f"message {number} is an assistant message that answers no user message",
+                0,
+                0,
+                (),
+            )
         if ours == "user" and roles and roles[-1] == "user":
-            return f"messages {number - 1} and {number} are both user messages", 0, 0
+            return f"messages {number - 1} and {number} are both user messages", 0, 0, ()
         weight = message.get("weight")
         problem = _weight_problem(weight, number, ours)
         if problem:
-            return problem, 0, 0
+            return problem, 0, 0, ()
         roles.append(ours)
+        sequence.append((ours, weight == 0))
         answers += ours == "assistant"
         trained = trained or (ours == "assistant" and weight != 0) or train_on_input
         if not trained:
             prompt_bytes += len(content.encode())
             prompt_messages += 1
     if not trained and answers:
-        return "has only assistant messages of weight 0, so nothing to train on", 0, 0
+        return "has only assistant messages of weight 0, so nothing to train on", 0, 0, ()
     if not trained:
-        return "has no assistant message, so nothing to train on", 0, 0
-    return "", prompt_bytes, prompt_messages
+        return "has no assistant message, so nothing to train on", 0, 0, ()
+    return "", prompt_bytes, prompt_messages, tuple(sequence)
 
 
 def _weight_problem(weight: Any, number: int, ours: str) -> str:
@@ -268,8 +280,9 @@ def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> Non
 
 def _check_conversations(
     records: Records, data: Mapping[str, Any], *, key: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Checks every conversation; returns the bytes and messages of each one's prompt."""
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Checks every conversation; returns the bytes and messages of each one's prompt, and the
+    index of the first conversation of each sequence of roles."""
     name = data["conversation_style"]
     style, column = CONVERSATION_STYLES[name], data["column_map"]["messages"]
     sizes = np.zeros(len(records.table), dtype=np.int64)
@@ -280,10 +293,12 @@ def _check_conversations(
     # read as a list it passed for text).
     listed = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
     plain = listed and "Json(" not in repr(records.table.features[column])
+    first: dict[Roles, int] = {}
     for index, conversation in enumerate(values.to_pylist() if plain else records.table[column]):
-        problem, sizes[index], messages[index] = _conversation_problem(
+        problem, sizes[index], messages[index], roles = _conversation_problem(
             conversation, style, name, data
         )
+        first.setdefault(roles, index)
         if problem:
             file, row = records.where(index)
             raise DataError(
@@ -295,7 +310,66 @@ def _check_conversations(
                 problem=problem,
                 fix="fix or drop the row (dataset.conversation_style names the message format)",
             )
-    return sizes, messages
+    return sizes, messages, list(first.values())
+
+
+def _check_template(
+    split: TokenizedSplit,
+    records: Records,
+    indices: list[int],
+    data: Mapping[str, Any],
+    tokenizer: ChatTokenizer,
+    *,
+    key: str,
+) -> None:
+    """The chat template renders the records at `indices` (one of each sequence of roles: few
+    in practice) with their system message in them. Checked here, as otherwise a template's
+    refusal is met when training draws such a record, ending the run there naming no row, and
+    a system message it leaves out (Mistral's template writes it into the last user turn only,
+    where a reply is asked for) trains no token though every served prompt holds it."""
+    assert split.message_transform is not None, "instruct and chat records have messages"
+    column = _prompt_columns(data["column_map"])
+    for index in indices:
+        messages = split.message_transform(split.records[index])["messages"]
+        problem = _template_problem(messages, tokenizer)
+        if not problem:
+            continue
+        system = data["new_system_prompt"] is not None
+        fix = "set dataset.new_system_prompt=null" if system else "drop such rows' system message"
+        if not any(m.role == "system" for m in messages):
+            fix = "fix or drop the row"
+        raise DataError(
+            key,
+            records.source,
+            **_cell(records, index, column),
+            problem=problem,
+            fix=f"{fix}, or give model.chat_template=<a Jinja chat template file that takes it>",
+        )
+
+
+def _prompt_columns(column_map: Mapping[str, str | None]) -> str:
+    """The columns a sample's conversation is made of, as a DataError names them."""
+    ours = ("instruction", "input", "messages")
+    return ", ".join(theirs for c in ours if (theirs := column_map.get(c)))
+
+
+def _template_problem(messages: list[Message], tokenizer: ChatTokenizer) -> str:
+    """What the chat template does wrong with a conversation ("" if nothing)."""
+    roles = [m.role for m in messages]
+    try:
+        tokenizer.tokenize_messages(messages)
+    except UserError as err:
+        if err.__cause__ is None:  # a refusal of the template itself (it rewrites history)
+            raise
+        cause = f"{type(err.__cause__).__name__}: {err.__cause__}"
+        return f"{tokenizer.template_name} refuses a conversation of roles {roles} ({cause})"
+    system = next((i for i, m in enumerate(messages) if m.role == "system"), None)
+    if system is not None and not tokenizer.renders_content(messages, system):
+        return (
+            f"{tokenizer.template_name} leaves the system message out of a conversation of roles "
+            f"{roles}, so it would train without it (and be served with it)"
+        )
+    return ""
 
 
 def _check_preferences(
@@ -433,14 +507,12 @@ def _check_trainable(
         if any(label != CROSS_ENTROPY_IGNORE_IDX for label in sample["labels"]):
             continue
         file, row = records.where(int(index))
-        column_map = data["column_map"]
-        prompt = [column_map[c] for c in ("instruction", "input", "messages") if column_map.get(c)]
         raise DataError(
             "dataset.max_seq_len",
             max_seq_len,
             file=file,
             row=row,
-            column=", ".join(prompt),
+            column=_prompt_columns(data["column_map"]),
             problem=f"no token is left to train on after truncation to {max_seq_len} tokens "
             "(the prompt fills them)",
             fix="raise dataset.max_seq_len, shorten the prompt, or drop the row",
@@ -501,9 +573,11 @@ def checked_records(
         return PreferenceSplit(records.table, data, tokenizer)
     tokenized = TokenizedSplit(records.table, data, tokenizer)
     if kind == "chat":
-        sizes, messages = _check_conversations(records, data, key=key)
+        sizes, messages, firsts = _check_conversations(records, data, key=key)
+        _check_template(tokenized, records, firsts, data, tokenizer, key=key)
         _check_trainable(tokenized, records, sizes, messages, data, tokenizer)
     elif kind == "instruct":
+        _check_template(tokenized, records, [0], data, tokenizer, key=key)
         sizes, count = _instruct_prompts(records, data)
         _check_trainable(tokenized, records, sizes, count, data, tokenizer)
     return tokenized

@@ -287,6 +287,17 @@ class ChatTokenizer:
                 break  # the change is the stand-in itself: its ends are the content's
         return start, max(start, end)
 
+    def renders_content(self, messages: Sequence[Message], index: int) -> bool:
+        """Whether the conversation's rendering holds message `index`'s content (Mistral's
+        template writes a system message into the last user turn only, so into no
+        conversation that ends in an answer)."""
+        renderings = set()
+        for stand_in in _STAND_INS:
+            changed = list(messages)
+            changed[index] = Message(role=messages[index].role, content=stand_in)
+            renderings.add(self.render(changed))
+        return len(renderings) == len(_STAND_INS)
+
     def _check_history(self, messages: list[Message], index: int, text: str, end: int) -> None:
         """A UserError unless the conversation up to answer `index` renders as `text` does up
         to that answer's end (`end`): what the model saw when it wrote the answer, and the
