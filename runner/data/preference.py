@@ -21,6 +21,7 @@ import datasets
 import torch
 from torch.utils.data import Dataset
 
+from runner.data.conversations import describe
 from runner.data.kinds import CONVERSATION_STYLES, required_column
 from runner.data.transforms import collate
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message
@@ -29,12 +30,6 @@ if TYPE_CHECKING:
     from runner.models.tokenizer import ChatTokenizer
 
 SIDES = ("chosen", "rejected")
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    return f"{type(value).__name__} ({str(value)[:40]!r})"
 
 
 class PreferenceToMessages:
@@ -54,7 +49,7 @@ class PreferenceToMessages:
         prompt_column = self.column_map["prompt"]
         prompt = sample[prompt_column] if prompt_column is not None else None
         if prompt is not None and not isinstance(prompt, str):
-            return [], f"the prompt is {_describe(prompt)}, not text"
+            return [], f"the prompt is {describe(prompt)}, not text"
         answer = sample[required_column(self.column_map, side)]
         if isinstance(answer, str):
             if prompt is None:
@@ -71,7 +66,7 @@ class PreferenceToMessages:
                 at = sum(1 for role, _ in turns if role == "system")
                 turns.insert(at, ("user", prompt))
         else:
-            return [], f"holds {_describe(answer)}, not text or a list of messages"
+            return [], f"holds {describe(answer)}, not text or a list of messages"
         if self.new_system_prompt is not None:
             turns = [("system", self.new_system_prompt)] + [t for t in turns if t[0] != "system"]
         if turns[-1][0] != "assistant" or not any(role == "user" for role, _ in turns):
@@ -87,13 +82,13 @@ class PreferenceToMessages:
         for number, message in enumerate(conversation, 1):
             if not isinstance(message, dict) or message.get(style.role) not in style.roles:
                 return [], (
-                    f"message {number} is {_describe(message)}, not a {{{style.role!r}, "
+                    f"message {number} is {describe(message)}, not a {{{style.role!r}, "
                     f"{style.content!r}}} message of the {self.style_name} style "
                     f"(roles {', '.join(style.roles)})"
                 )
             content = message.get(style.content)
             if not isinstance(content, str):
-                return [], f"message {number}'s {style.content!r} is {_describe(content)}"
+                return [], f"message {number}'s {style.content!r} is {describe(content)}"
             turns.append((style.roles[message[style.role]], content))
         if not turns:
             return [], "is an empty conversation"
