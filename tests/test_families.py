@@ -31,7 +31,6 @@ from runner.models.checkpoint import (
     read_adapter_state,
     read_model_state,
     write_lora_checkpoint,
-    write_model_files,
 )
 from runner.models.families import (
     builder_args,
@@ -44,7 +43,6 @@ from runner.models.families import (
     tune_to_peft,
 )
 from runner.models.families.llama3 import LLAMA3_ROPE
-from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message, peft_adapter_config
 from runner.paths import CONF_DIR
 from tests.conftest import greedy_texts, losses, transformers_warnings
@@ -304,12 +302,14 @@ def test_runner_trains_a_source_of_each_family(
     assert trained_with.eos_id in served.eos_token_ids
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
 def test_a_chat_fine_tune_of_a_base_model_is_served_to_stop_where_it_learnt_to(
-    checkpoints: dict[str, Path], tmp_path: Path
+    checkpoints: dict[str, Path], runner_cli, tmp_path: Path, method: str
 ) -> None:
     """A base model's eos is its end of text (<|end_of_text|>), and its chat template ends each
     answer with <|eot_id|>, which trains: its checkpoint kept the base's generation config, and
-    the served model answered to max_tokens (finish_reason "length") after its answer."""
+    the served model answered to max_tokens (finish_reason "length") after its answer; a LoRA
+    adapter's too, served on its base, whose generation config is the base's."""
     source = tmp_path / "base"
     shutil.copytree(checkpoints["llama3_2"], source)
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -320,19 +320,29 @@ def test_a_chat_fine_tune_of_a_base_model_is_served_to_stop_where_it_learnt_to(
     ]:
         written = json.loads((source / name).read_text())
         (source / name).write_text(json.dumps({**written, key: value}))
-    trained_with = ChatTokenizer(str(source))
-    assert trained_with.eos_id == end_of_text and trained_with.answers_end_in_a_stop_token()
-    checkpoint = tmp_path / "checkpoint"
-    checkpoint.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(source / name, checkpoint / name)
-    write_model_files(
-        checkpoint,
-        json.loads((source / "config.json").read_text()),
-        source,
-        trained_with.stop_tokens,
-        source_dir=source,
+    chats = tmp_path / "chats.jsonl"
+    chat = [
+        {"role": role, "content": text} for role, text in CHATS["user, assistant, user, assistant"]
+    ]
+    chats.write_text(json.dumps({"messages": chat}) + "\n")
+    run_dir = tmp_path / "run"
+    result = runner_cli(
+        "train",
+        "model=hf",
+        f"model.source={source}",
+        f"method={method}",
+        "dataset=chat",
+        f"dataset.source={chats}",
+        "compute=cpu",
+        "dtype=fp32",
+        "max_steps=1",
+        "batch_size=1",
+        "dataset.eval_samples=0",
+        "runtime.loggers=[]",
+        f"hydra.run.dir={run_dir}",
     )
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = run_dir / "checkpoints" / "step_1"
     served = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     end_of_turn = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     assert {end_of_text, end_of_turn} <= served.eos_token_ids

@@ -5,16 +5,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import UserError
 from runner.notices import keep_notices_off_the_console
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
+    GENERATION_CONFIG,
     HF_CONFIG_FILE,
     check_safetensors,
     lora_base,
@@ -124,11 +126,31 @@ def load_checkpoint(
     # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), which mypy reads
     # as the unbound function: it expects the model where the device goes.
     model.to(torch_device).eval()  # type: ignore[arg-type]
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos_ids = set(_token_ids(model.generation_config.eos_token_id)) | checkpoint_stops(
+        checkpoint_dir
+    )
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     return LoadedModel(model, tokenizer, frozenset(eos_ids), context)
+
+
+def checkpoint_stops(checkpoint_dir: Path) -> frozenset[int]:
+    """The eos_token_id of the checkpoint's own generation_config.json: runner joins a run's
+    stop tokens (the template's end of a turn) to its source's there. A LoRA adapter's model is
+    its base's, whose generation config holds the base's eos alone: a chat fine-tune of a base
+    model was served to max_tokens past each answer."""
+    try:
+        generation = json.loads((checkpoint_dir / GENERATION_CONFIG).read_text())
+    except (OSError, ValueError):
+        return frozenset()
+    found = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    return frozenset(_token_ids(found))
+
+
+def _token_ids(value: Any) -> list[int]:
+    """A generation config's eos_token_id (one id, a list, or none) as a list of ids."""
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def load_hf_model(

@@ -23,7 +23,7 @@ from runner.deploy.generation import (
     SamplingRequest,
     check_room,
 )
-from runner.deploy.loading import lora_base_dir
+from runner.deploy.loading import checkpoint_stops, lora_base_dir
 from runner.errors import UserError
 from runner.rundir import ADAPTER_CONFIG_FILE, MODEL_FILE
 
@@ -121,6 +121,7 @@ class VllmEngine:
             **lora,
         )
         self._engine = AsyncLLMEngine.from_engine_args(args)
+        self._stop_token_ids = sorted(checkpoint_stops(checkpoint_dir)) or None
         self._capacity = max_num_seqs + max_queue
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -149,6 +150,9 @@ class VllmEngine:
             top_p=request.top_p,
             max_tokens=request.max_tokens,
             stop=request.stop or None,
+            # vLLM reads the model's generation config: an adapter's base's, without the stop
+            # tokens the run joined to its checkpoint's (runner.deploy.loading.checkpoint_stops).
+            stop_token_ids=self._stop_token_ids,
             seed=request.seed,
         )
         request_id = uuid.uuid4().hex
