@@ -24,7 +24,7 @@ from runner.deploy.loading import load_tokenizer
 from runner.deploy.protocol import ChatMessage
 from runner.deploy.routes import _render_chat
 from runner.errors import UserError
-from runner.models.chat_template import with_system_prompt
+from runner.models.chat_template import names_role, with_system_prompt
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import Message
 from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
@@ -371,3 +371,29 @@ def test_a_run_trained_with_a_system_prompt_is_served_with_it(runner_cli, tmp_pa
     assert _render_chat(served, user) == trained.generation_prompt(
         [Message(role="system", content=prompt), Message(role="user", content="hi")]
     )
+
+
+@pytest.mark.parametrize("name", ["llama3_2", "qwen2_5"])
+def test_a_developer_role_is_told_by_the_templates_code_not_its_prompt(
+    tokenizers_dir: Path, name: str
+) -> None:
+    """runner deploy renders a developer message as the system message where the template has
+    no developer role: a run's system prompt that said "developers" turned that off, and the
+    message was dropped (ChatML) or written under a header no model trained on (Llama 3)."""
+    template = AutoTokenizer.from_pretrained(tokenizers_dir / name).chat_template
+    assert not names_role(template, "developer")
+    prompt = "You help 'developer' teams and \"developers\" {%- endif %} 'developer'"
+    assert not names_role(with_system_prompt(template, prompt), "developer")
+    own = "{%- if message['role'] == 'developer' %}D{%- endif %}" + template
+    assert names_role(own, "developer") and names_role(with_system_prompt(own, prompt), "developer")
+    served = load_tokenizer(tokenizers_dir / name)
+    served.chat_template = with_system_prompt(template, prompt)
+    asked = [
+        ChatMessage(role="developer", content="Reply in French."),
+        ChatMessage(role="user", content="hi"),
+    ]
+    told = [
+        ChatMessage(role="system", content="Reply in French."),
+        ChatMessage(role="user", content="hi"),
+    ]
+    assert _render_chat(served, asked) == _render_chat(served, told)

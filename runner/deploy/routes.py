@@ -31,7 +31,7 @@ from runner.deploy.generation import (
 )
 from runner.deploy.hosts import HostCheckMiddleware
 from runner.deploy.protocol import ApiError, Limits
-from runner.models.chat_template import render_chat
+from runner.models.chat_template import names_role, render_chat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -446,7 +446,7 @@ def _render_chat(
         message = "this model has no chat template: use /v1/completions with a plain prompt"
         raise ApiError(400, message, param="messages")
     rendered = [message.as_template_input() for message in messages]
-    if "developer" not in str(tokenizer.chat_template):
+    if not names_role(str(tokenizer.chat_template), "developer"):
         # OpenAI's developer message is its newer models' system message. A template without
         # it dropped it (ChatML's) or wrote a header no model was trained on (Llama 3's), and
         # training refuses the role: it is rendered as the system message, as llama.cpp does.

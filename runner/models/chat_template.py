@@ -8,6 +8,7 @@ with the same function without importing it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,12 @@ def render_chat(
     return text
 
 
+# What with_system_prompt puts before a template: its first and last statements.
+_SYSTEM_PROMPT_FIRST = '{%- if not messages or messages[0]["role"] != "system" %}'
+_SYSTEM_PROMPT_END = "{%- endif %}"
+_CONTENT = '"content": '
+
+
 def with_system_prompt(template: str, system_prompt: str) -> str:
     """`template`, rendering a chat that has no system message as if `system_prompt` were its
     first: what a checkpoint of a run trained with dataset.new_system_prompt carries, so that
@@ -46,7 +53,18 @@ def with_system_prompt(template: str, system_prompt: str) -> str:
     # A JSON string is a Jinja string literal: quotes, backslashes and newlines escaped.
     prompt = json.dumps(system_prompt, ensure_ascii=False)
     return (
-        '{%- if not messages or messages[0]["role"] != "system" %}'
-        f'{{%- set messages = [{{"role": "system", "content": {prompt}}}] + messages %}}'
-        "{%- endif %}" + template
+        _SYSTEM_PROMPT_FIRST
+        + f'{{%- set messages = [{{"role": "system", {_CONTENT}{prompt}}}] + messages %}}'
+        + _SYSTEM_PROMPT_END
+        + template
     )
+
+
+def names_role(template: str, role: str) -> bool:
+    """Whether the template's code names `role` (quoted, as a comparison of a message's role
+    does), with_system_prompt's prompt aside: a word of the prompt's text is no role."""
+    if template.startswith(_SYSTEM_PROMPT_FIRST):
+        prompt = template.index(_CONTENT) + len(_CONTENT)
+        _, end = json.JSONDecoder().raw_decode(template, prompt)  # the prompt's JSON string
+        template = template[end:].split(_SYSTEM_PROMPT_END, 1)[1]
+    return re.search(rf"""['"]{re.escape(role)}['"]""", template) is not None
