@@ -84,7 +84,9 @@ def build_app(
             CORSMiddleware,
             allow_origins=allowed_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type"],
+            # Any header a page's client sends (the OpenAI SDKs add X-Stainless-*): the key,
+            # or the Host check, guards the request itself.
+            allow_headers=["*"],
         )
     app.add_exception_handler(ApiError, _api_error_response)
     app.add_exception_handler(HTTPException, _http_error_response)
