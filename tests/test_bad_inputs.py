@@ -89,6 +89,7 @@ CASES = [
     case("loss-label-smoothing", "train loss=ce +loss.label_smoothing=2.0", "label_smoothing="),
     # The step scales the loss as a mean: a sum trained 100x too fast, unlike per layout.
     case("loss-reduction-sum", "validate loss=ce +loss.reduction=sum", "loss.reduction='sum'"),
+    case("loss-size-average", "validate loss=ce +loss.size_average=false", "loss.size_average="),
     case("optimizer-fused", "validate optimizer.fused=maybe", "optimizer.fused="),
     case("dataset-kind", "validate dataset.kind=qa", "dataset.kind="),
     case(
@@ -424,6 +425,8 @@ CASES = [
     case("cluster-shared-dir", "cluster cluster.shared_dir=/shared/$HOME", "cluster.shared_dir="),
     case("cluster-unknown-key", "cluster cluster.gpus=4", "cluster.gpus="),
     case("cluster-train-key", "cluster batch_sise=3", "batch_sise="),
+    # A fused SGD step on weights sharded over the job's 2 x 8 processes: every node refused it.
+    case("cluster-fused-sgd", "cluster optimizer=sgd optimizer.fused=true", "optimizer.fused=true"),
     case("cluster-multirun", "cluster -m max_steps=1,2", "-m:", "hydra/launcher=slurm"),
     case("cluster-slurm-time", "cluster cluster.slurm.time=forever", "cluster.slurm.time="),
 ]

@@ -17,15 +17,17 @@ def resolve_loss(loss: DictConfig) -> dict[str, Any]:
 
     resolved = plain_dict(loss, resolve=True)
     built_once(resolved, "loss", reference={})
-    if resolved.get("reduction", "mean") != "mean":
-        # Training scales each micro-batch's mean by its trained tokens, over the step's: a sum
-        # was scaled again (an update 100x too large, unlike from one layout to the next).
-        raise UserError(
-            "loss.reduction",
-            resolved["reduction"],
-            "training weighs each trained token of a step alike, across micro-batches and "
-            "processes, from the loss's mean; leave it out or give mean",
-        )
+    # Training scales each micro-batch's mean by its trained tokens, over the step's: a sum was
+    # scaled again (an update 100x too large, unlike from one layout to the next). size_average
+    # and reduce are CrossEntropyLoss's older spellings of reduction.
+    for key, mean in (("reduction", "mean"), ("size_average", True), ("reduce", True)):
+        if resolved.get(key, mean) not in (mean, None):
+            raise UserError(
+                f"loss.{key}",
+                resolved[key],
+                "training weighs each trained token of a step alike, across micro-batches and "
+                f"processes, from the loss's mean; leave {key} out",
+            )
     chunks = resolved.get("num_output_chunks", 1)
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise UserError(

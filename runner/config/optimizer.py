@@ -45,28 +45,26 @@ class OptimizerKeys:
 def resolve_optimizer(optimizer: DictConfig, processes: int) -> dict[str, Any]:
     """The chosen option: its component, the component's arguments and the schedule keys;
     `processes` train together (FSDP2 shards the weights over them where there are several)."""
-    resolved = checked_option(optimizer)
-    shards = resolved["_component_"] in _FUSED_SHARDED or processes == 1
+    resolved = checked_option(optimizer, processes)
     if "fused" in resolved and resolved["fused"] is None:
         # PyTorch's fused kernel, on CPU as on CUDA: one pass over each weight instead of a
         # dozen elementwise ops (AdamW's step is 3x faster on CPU; scripts/bench/bench_peers.py).
-        resolved["fused"] = shards
-    if resolved.get("fused") and not shards:
-        raise UserError(
-            "optimizer.fused",
-            True,
-            f"{resolved['_component_']}'s fused kernel does not run on weights sharded over "
-            f"{processes} processes (FSDP2 shards them; PyTorch has the rule for Adam and AdamW "
-            "only); give optimizer.fused=null, which fuses where it can, or false",
-        )
+        resolved["fused"] = _fused_runs(resolved["_component_"], processes)
     # Builds it once: a refused argument fails here, not in training.
     state_per_weight(split_option(resolved)[0])
     return resolved
 
 
-def checked_option(optimizer: DictConfig) -> dict[str, Any]:
-    """The option's keys that runner itself reads (lr, the schedule, fused), each checked,
-    without torch: what `runner cluster` checks of the job it prints."""
+def _fused_runs(component: str, processes: int) -> bool:
+    """Whether the optimizer's fused step runs on its weights: FSDP2 shards them over several
+    processes, and PyTorch has the rule for a sharded fused step of Adam and AdamW only."""
+    return processes == 1 or component in _FUSED_SHARDED
+
+
+def checked_option(optimizer: DictConfig, processes: int) -> dict[str, Any]:
+    """The option's keys that runner itself reads (lr, the schedule, fused), each checked for
+    `processes` training together, without torch: what `runner cluster` checks of the job it
+    prints."""
     option = OmegaConf.to_container(optimizer, resolve=True)
     assert isinstance(option, dict)  # the optimizer group is a mapping
     if "_component_" not in option:
@@ -87,6 +85,14 @@ def checked_option(optimizer: DictConfig) -> dict[str, Any]:
             "optimizer.fused",
             resolved["fused"],
             "give true, false or null (null: PyTorch's fused kernel, where it has one)",
+        )
+    if resolved.get("fused") and not _fused_runs(resolved["_component_"], processes):
+        raise UserError(
+            "optimizer.fused",
+            True,
+            f"{resolved['_component_']}'s fused kernel does not run on weights sharded over "
+            f"{processes} processes (FSDP2 shards them; PyTorch has the rule for Adam and AdamW "
+            "only); give optimizer.fused=null, which fuses where it can, or false",
         )
     _check_decay_and_momentum(resolved)
     return resolved

@@ -270,8 +270,10 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
             "each node reads its place from its scheduler's variables (SLURM_*, PET_*); drop "
             "compute.platform",
         )
-    checked_option(composed.optimizer)  # optimizer.lr=abc: every node would refuse the job
     nproc = composed.compute.nproc_per_node if "compute.nproc_per_node" in explicit else None
+    # optimizer.lr=abc, or a fused step the sharded weights refuse: every node would refuse it.
+    per_node = nproc if isinstance(nproc, int) else cluster.gpus_per_node or 1
+    checked_option(composed.optimizer, cluster.nodes * per_node)
     if isinstance(nproc, int) and cluster.gpus_per_node and nproc > cluster.gpus_per_node:
         raise UserError(
             "compute.nproc_per_node",
