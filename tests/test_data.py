@@ -387,6 +387,8 @@ def test_train_on_input_and_new_system_prompt(tmp_path: Path) -> None:
         system["tokens"], skip_special_tokens=False
     )
     assert trained_text(system, tok) == "a0<|eot_id|>"
+    # An empty prompt is none, as instruct data read it; its checkpoint was served an empty one.
+    assert data(*base, "dataset.new_system_prompt=''")["new_system_prompt"] is None
 
 
 CONVERSATION = [

@@ -182,7 +182,8 @@ def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecip
         column_map=column_map,
         conversation_style=chat_style,
         train_on_input=dataset.train_on_input if kind in ("instruct", "chat") else None,
-        new_system_prompt=dataset.new_system_prompt if kind != "text" else None,
+        # An empty prompt is none: instruct data put none first, chat data an empty one.
+        new_system_prompt=(dataset.new_system_prompt or None) if kind != "text" else None,
         max_seq_len=max_seq_len or model_max_seq_len,
         packing=dataset.packing,
         max_forward_tokens=dataset.max_forward_tokens,
