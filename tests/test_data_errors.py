@@ -370,3 +370,18 @@ def test_a_conversation_the_chat_template_refuses_or_cuts_is_named_before_traini
     # The rows without a system message are taken.
     sliced = data("dataset=chat", f"dataset.source={path}", "dataset.split='train[:5]'")
     assert check_datasets(sliced, tok)["train"] == 5
+
+
+def test_a_system_message_written_after_every_answer_trains_none_and_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Mistral's template writes the system message into the last user turn: a conversation
+    that ends with one holds it, after every answer, where no trained token sees it."""
+    write_family_tokenizer("mistral", tmp_path / "mistral")
+    tok = ChatTokenizer(str(tmp_path / "mistral"))
+    ending = {"messages": [*SYSTEM_CHAT["messages"], {"role": "user", "content": "More?"}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [CHAT_GOOD, ending]))
+    with pytest.raises(DataError) as err:
+        check_datasets(data("dataset=chat", f"dataset.source={path}"), tok)
+    assert err.value.row == 2 and "leaves the system message out" in str(err.value)

@@ -143,7 +143,11 @@ def template_problem(messages: list[Message], tokenizer: ChatTokenizer) -> str:
         cause = f"{type(err.__cause__).__name__}: {err.__cause__}"
         return f"{tokenizer.template_name} refuses a conversation of roles {roles} ({cause})"
     system = next((i for i, m in enumerate(messages) if m.role == "system"), None)
-    if system is not None and not tokenizer.renders_content(messages, system):
+    # Up to its first trained answer: Mistral's template writes the system message into a last
+    # user turn, after every answer, where no trained token sees it.
+    answers = [i for i, m in enumerate(messages) if m.role == "assistant" and not m.masked]
+    seen = messages[: answers[0] + 1] if answers else messages
+    if system is not None and not tokenizer.renders_content(seen, system):
         return (
             f"{tokenizer.template_name} leaves the system message out of a conversation of roles "
             f"{roles}, so it would train without it (and be served with it)"
