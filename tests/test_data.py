@@ -488,6 +488,13 @@ def test_an_assistant_message_of_weight_0_stays_in_the_conversation_untrained(tm
     ]
     path = write_jsonl([{"messages": conversation}] * 2, tmp_path / "chat.jsonl")
     tok = tokenizer()
+    # With a system message of the data's, which new_system_prompt replaces: the weights keep to
+    # their messages (the transform drops that one and puts its own first).
+    system = [{"role": "system", "content": "Old."}, *conversation]
+    replaced = write_jsonl([{"messages": system}], tmp_path / "system.jsonl")
+    prompt = ["dataset=chat", f"dataset.source={replaced}", "dataset.new_system_prompt=New."]
+    sample = train_dataset(data(*prompt), tok)[0]
+    assert trained_text(sample, tok) == "Good<|eot_id|>"
     for extra in ([], ["dataset.train_on_input=true"]):
         sample = train_dataset(data("dataset=chat", f"dataset.source={path}", *extra), tok)[0]
         assert "BAD" not in trained_text(sample, tok) and "Good<|eot_id|>" in trained_text(
