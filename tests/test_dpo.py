@@ -430,3 +430,42 @@ def test_a_data_warning_is_said_at_launch_not_again_in_training(tmp_path: Path, 
         f"{same}: 7 of 8 pairs have one answer as both chosen and rejected, which "
         "train nothing (their DPO gradient is zero)"
     ]
+
+
+def test_preference_pairs_pass_the_chat_templates_checks_before_training(tmp_path: Path) -> None:
+    """Gemma 2's template refuses a system message: a pair holding one passed runner validate,
+    and failed the run when training drew it, naming no row. Text parts, which a pair's
+    messages do not take, passed as text (a mixed column is read as JSON text) and failed
+    training with a traceback."""
+    from runner.data import DataError, check_datasets
+    from runner.models.tokenizer import ChatTokenizer
+    from tests.fixtures import write_family_tokenizer
+    from tests.test_data import data, tokenizer
+
+    def pair(system: bool, parts: bool = False) -> dict:
+        asked = [{"type": "text", "text": "q"}] if parts else "q"
+        first = [{"role": "system", "content": "Be brief."}] if system else []
+        prompt = [*first, {"role": "user", "content": asked}]
+        answer = [{"role": "assistant", "content": "good"}]
+        return {"chosen": prompt + answer, "rejected": [*prompt, {**answer[0], "content": "no"}]}
+
+    write_family_tokenizer("gemma2", tmp_path / "gemma2")
+    with_system = tmp_path / "system.jsonl"
+    with_system.write_text("".join(json.dumps(pair(i == 3)) + "\n" for i in range(8)))
+    section = [
+        "dataset=preference",
+        "dataset.column_map.prompt=null",
+        "dataset.validation.held_out=null",
+    ]
+    with pytest.raises(DataError) as refused:
+        check_datasets(
+            data(*section, f"dataset.source={with_system}"),
+            ChatTokenizer(str(tmp_path / "gemma2")),
+        )
+    assert (refused.value.row, refused.value.column) == (4, "chosen")
+    assert "System role not supported" in str(refused.value)
+    with_parts = tmp_path / "parts.jsonl"
+    with_parts.write_text("".join(json.dumps(pair(False, i == 5)) + "\n" for i in range(8)))
+    with pytest.raises(DataError) as refused:
+        check_datasets(data(*section, f"dataset.source={with_parts}"), tokenizer())
+    assert refused.value.row == 6 and "is a list" in str(refused.value)

@@ -251,6 +251,7 @@ def _check_preferences(
     )
     columns = _as_python(records.table, data["column_map"])
     same = 0  # pairs whose two answers are one text: no gradient, no signal
+    rendered: set[tuple[str, ...]] = set()  # the sequences of roles the template has rendered
     for index in range(len(records.table)):
         pair, problem, side = _pair(transform, {n: v[index] for n, v in columns.items()})
         if problem:
@@ -262,6 +263,21 @@ def _check_preferences(
                 fix="fix or drop the row (dataset.column_map names the prompt, chosen and "
                 "rejected columns; dataset.conversation_style the message format)",
             )
+        for side, messages in pair.items():
+            roles = tuple(m.role for m in messages)
+            if roles in rendered:
+                continue
+            rendered.add(roles)
+            problem = template_problem(messages, tokenizer)
+            if problem:
+                raise DataError(
+                    key,
+                    records.source,
+                    **_cell(records, index, data["column_map"][side]),
+                    problem=problem,
+                    fix="drop such rows' system message, or give model.chat_template=<a Jinja "
+                    "chat template file that takes it>",
+                )
         for side, messages in pair.items():
             before = sum(len(m.text_content.encode()) for m in messages[:-1])
             if 1 + before + len(messages) * per_message < max_seq_len - 2:
@@ -313,6 +329,8 @@ def _as_python(table: datasets.Dataset, column_map: Mapping[str, str | None]) ->
         values = table.data.column(name)
         plain = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
         plain = plain or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+        # A Json column (mixed values) holds them as JSON text: read decoded, through the table.
+        plain = plain and "Json(" not in repr(table.features[name])
         columns[name] = values.to_pylist() if plain else table[name]
     return columns
 
