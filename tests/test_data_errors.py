@@ -11,7 +11,7 @@ import pytest
 from runner.data import DataError, check_datasets
 from runner.errors import UserError
 from runner.models.tokenizer import ChatTokenizer
-from runner.paths import SAMPLE_DATA_DIR
+from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 from tests.fixtures import write_family_tokenizer
 from tests.test_data import (
     RENAMED,
@@ -385,3 +385,18 @@ def test_a_system_message_written_after_every_answer_trains_none_and_is_refused(
     with pytest.raises(DataError) as err:
         check_datasets(data("dataset=chat", f"dataset.source={path}"), tok)
     assert err.value.row == 2 and "leaves the system message out" in str(err.value)
+
+
+def test_a_template_that_does_not_compile_is_the_templates_error_not_a_rows(
+    tmp_path: Path,
+) -> None:
+    """It read "row 1, column 'messages': ... (TemplateSyntaxError ...); fix or drop the row"."""
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    tok = ChatTokenizer(str(TINY_TOKENIZER_DIR), chat_template=str(broken))
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(CHAT_GOOD) + "\n")
+    with pytest.raises(UserError) as refused:
+        check_datasets(data("dataset=chat", f"dataset.source={path}"), tok)
+    assert not isinstance(refused.value, DataError) and refused.value.key == "model.chat_template"
+    assert "TemplateSyntaxError" in str(refused.value)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateSyntaxError
+
 from runner.data.kinds import ConversationStyle
 from runner.errors import UserError
 
@@ -142,7 +144,9 @@ def template_problem(messages: list[Message], tokenizer: ChatTokenizer) -> str:
     try:
         tokenizer.tokenize_messages(messages)
     except UserError as err:
-        if err.__cause__ is None:  # a refusal of the template itself (it rewrites history)
+        # A refusal of the template itself (it rewrites history; it does not compile) is no
+        # row's: it stays model.chat_template's.
+        if err.__cause__ is None or isinstance(err.__cause__, TemplateSyntaxError):
             raise
         cause = f"{type(err.__cause__).__name__}: {err.__cause__}"
         return f"{tokenizer.template_name} refuses a conversation of roles {roles} ({cause})"
