@@ -172,6 +172,14 @@ def test_a_host_not_of_this_machine_is_one_error_and_no_warning(caplog) -> None:
     assert "reachable from other machines" not in caplog.text
 
 
+@pytest.mark.parametrize("origin", ["https://chat.example.com/", "chat.example.com", "https://A.b"])
+def test_an_origin_no_browser_sends_is_refused(origin: str) -> None:
+    """A browser's Origin is compared byte for byte: these never matched, and no page got in."""
+    with pytest.raises(UserError, match="no origin a browser sends") as refused:
+        prepare(deploy_config("checkpoint=unused", f"allowed_origins=[{origin}]"))
+    assert refused.value.key == "allowed_origins"
+
+
 def test_an_ipv6_host_is_bracketed_in_the_url_it_serves_at(served_run: Path) -> None:
     """`http://:::PORT/v1` (host=::) is no URL: the OpenAI client refused it (Invalid port)."""
     _, sock = prepare(deploy_config(f"checkpoint={served_run}", "host=::1", "port=0"))

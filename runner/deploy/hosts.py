@@ -13,14 +13,31 @@ server on 0.0.0.0 by its address, a container by the host's).
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runner.deploy.protocol import ApiError
+from runner.errors import UserError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# An Origin header as a browser sends it: scheme://host[:port], in lower case, nothing after.
+_ORIGIN = re.compile(r"https?://[a-z0-9.\-\[\]:]+")
+
+
+def check_origins(origins: list[str]) -> None:
+    """allowed_origins as a browser writes an Origin, which is compared byte for byte: one
+    written otherwise (a trailing slash, no scheme, capitals) never matched, unsaid."""
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise UserError(
+                "allowed_origins",
+                origins,
+                f"{origin!r} is no origin a browser sends: give scheme://host[:port] in lower "
+                "case, with no path or trailing slash (https://chat.example.com), or *",
+            )
 
 
 def allowed_hosts(host: str, extra: list[str]) -> list[str]:

@@ -45,7 +45,7 @@ def deploy(cfg: DictConfig) -> None:
 
 def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     """Everything before serving: the API key, the bound socket, the loaded models, the app."""
-    from runner.deploy.hosts import allowed_hosts
+    from runner.deploy.hosts import allowed_hosts, check_origins
     from runner.deploy.protocol import Limits
     from runner.deploy.routes import build_app
 
@@ -65,9 +65,14 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
             "max_tokens out would be refused; give at most that",
         )
     api_key = read_api_key(env=cfg.api_key.env, file=cfg.api_key.file)
+    check_origins(list(cfg.allowed_origins))
     sock = bind_socket(cfg.host, cfg.port)  # a host that is not this machine's: refused
     if api_key is None and not is_loopback(cfg.host):
         log.warning("host=%s is reachable from other machines and no api_key is set", cfg.host)
+    if api_key is None and "*" in cfg.allowed_origins:
+        log.warning(
+            "allowed_origins=[*] and no api_key: every web page its user visits can call it"
+        )
     checkpoints = resolve_checkpoints(
         _plain(cfg.checkpoint),
         names=_plain(cfg.served_model_name),
