@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from runner.deploy.protocol import ChatMessage
 from runner.deploy.selection import resolve_checkpoints
 from runner.paths import TINY_TOKENIZER_DIR
 from tests.conftest import load_script, transformers_warnings
@@ -178,6 +179,9 @@ def test_an_answer_sent_back_as_history_is_the_conversation_it_was(
     )
     assert response.choices[0].message.content == generate(ids, 8)[0]
     assert response.usage.prompt_tokens == len(ids)
+    # The tiny template writes no tool_call_id; a template that does is given it.
+    given = ChatMessage.model_validate(tool).as_template_input()
+    assert given == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
 
 
 def test_streaming_gives_the_same_text_as_a_whole_response(client) -> None:
