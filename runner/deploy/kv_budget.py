@@ -76,12 +76,14 @@ class KvBudget:
         """Why a sequence that could not fit even alone fails."""
         return (
             f"a prompt of {len(prompt_ids)} tokens and max_tokens={max_tokens} need "
-            f"{_size(peak)} of KV cache, more than this engine's {_size(self.limit)} "
+            f"{_size(peak, peak)} of KV cache, more than this engine's "
+            f"{_size(self.limit, peak)} "
             "(transformers.kv_cache_gib): ask for fewer tokens, or serve with a larger "
             "transformers.kv_cache_gib"
         )
 
 
-def _size(n: float) -> str:
-    """Bytes in GiB, or in MiB below a tenth of one (a small cache read "0.00 GiB")."""
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
+def _size(n: float, larger: float) -> str:
+    """Bytes in GiB, or in MiB where `larger`, of the sizes said together, is below a tenth of
+    one (a small cache read "0.00 GiB")."""
+    return f"{n / GIB:.2f} GiB" if larger >= GIB / 10 else f"{n / 2**20:.2f} MiB"
