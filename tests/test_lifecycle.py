@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from runner import api
 from runner.job import launch
 from runner.paths import SAMPLE_DATA_DIR
-from runner.rundir import RunDir, RunLocked, run_lock
+from runner.rundir import RunDir, RunLocked, lock_held, run_lock
 from tests.conftest import QUICK
 
 LONG_JOB = [
@@ -452,7 +452,9 @@ def test_logs_of_a_starting_run_waits_for_it_then_follows(runner_cli, hermetic_e
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 300
-    while not (run_dir / ".lock").exists():
+    # Held, not only made: stopped between making the file and taking its flock, the run read
+    # as none to `runner logs`, which waited 30 s for one while it stayed stopped.
+    while not ((run_dir / ".lock").exists() and lock_held(run_dir)):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGSTOP)  # within the seconds of its start-up
