@@ -47,9 +47,11 @@ QUICK = [
 ESTIMATE_DATA = "dataset.split='train[:512]'"
 
 
-# The files that take longest, much of it waiting on nodes and timeouts, go first: xdist hands
-# out whole files in collection order, and the longest starting last would run on alone.
-LONGEST_FILES = ("test_distributed.py", "test_distributed_failures.py", "test_repro.py")
+# The files that take longest go first: xdist hands out whole files in collection order, and
+# the longest starting last would run on alone. One waits on nodes and timeouts, the other
+# trains: two that mostly wait, side by side, leave the cores idle (test_distributed.py, which
+# waits too, comes early anyway, in the order of its name).
+LONGEST_FILES = ("test_distributed_failures.py", "test_repro.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
