@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +15,11 @@ from runner.notices import keep_notices_off_the_console
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
-    GENERATION_CONFIG,
     HF_CONFIG_FILE,
     check_safetensors,
+    eos_token_ids,
     lora_base,
+    read_generation_config,
     weight_files,
 )
 
@@ -139,18 +139,13 @@ def checkpoint_stops(checkpoint_dir: Path) -> frozenset[int]:
     stop tokens (the template's end of a turn) to its source's there. A LoRA adapter's model is
     its base's, whose generation config holds the base's eos alone: a chat fine-tune of a base
     model was served to max_tokens past each answer."""
-    try:
-        generation = json.loads((checkpoint_dir / GENERATION_CONFIG).read_text())
-    except (OSError, ValueError):
-        return frozenset()
-    found = generation.get("eos_token_id") if isinstance(generation, dict) else None
-    return frozenset(_token_ids(found))
+    generation = read_generation_config(checkpoint_dir) or {}
+    return frozenset(_token_ids(generation.get("eos_token_id")))
 
 
 def _token_ids(value: Any) -> list[int]:
-    """A generation config's eos_token_id (one id, a list, or none) as a list of ids."""
-    ids = value if isinstance(value, list) else [] if value is None else [value]
-    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    """A generation config's eos_token_id as the ids in it."""
+    return [i for i in eos_token_ids(value) if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def load_hf_model(

@@ -23,6 +23,8 @@ from runner.rundir import (
     TOKENIZER_FILES,
     TRAINING_STATE_FILE,
     check_safetensors,
+    eos_token_ids,
+    read_generation_config,
     readable_as_umask,
     weight_files,
 )
@@ -79,15 +81,15 @@ def write_model_files(
     written as chat_template.jinja, where transformers reads it before the tokenizer's own, so
     deploy and export render chats as the run trained on them.
     """
-    generation: Any = {"bos_token_id": hf_config.get("bos_token_id"), "do_sample": False}
+    generation: dict[str, Any] | None = {
+        "bos_token_id": hf_config.get("bos_token_id"),
+        "do_sample": False,
+    }
     if source_dir is not None and (source_dir / GENERATION_CONFIG).is_file():
-        try:
-            generation = json.loads((source_dir / GENERATION_CONFIG).read_text())
-        except ValueError:
-            generation = None
-        if not isinstance(generation, dict):  # not ours to mend: kept as the source has it
+        generation = read_generation_config(source_dir)
+        if generation is None:  # no JSON object: not ours to mend, kept as the source has it
             shutil.copy2(source_dir / GENERATION_CONFIG, out_dir / GENERATION_CONFIG)
-    if isinstance(generation, dict):
+    if generation is not None:
         _write_generation_config(out_dir, generation, stop_token_ids)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
@@ -99,8 +101,7 @@ def write_model_files(
 def _write_generation_config(
     out_dir: Path, generation: dict[str, Any], stop_token_ids: list[int]
 ) -> None:
-    own = generation.get("eos_token_id")
-    own = [] if own is None else own if isinstance(own, list) else [own]
+    own = eos_token_ids(generation.get("eos_token_id"))
     generation["eos_token_id"] = [*own, *(t for t in stop_token_ids if t not in own)]
     (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
 

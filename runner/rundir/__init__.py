@@ -23,7 +23,9 @@ from runner.rundir.checkpoint_files import (
     TRAINING_STATE_FILE,
     check_safetensors,
     checkpoint_problem,
+    eos_token_ids,
     is_checkpoint_dir,
+    read_generation_config,
     readable_as_umask,
     weight_files,
 )

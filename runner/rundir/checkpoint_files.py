@@ -10,6 +10,7 @@ import json
 import os
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from runner.errors import UserError
 
@@ -34,6 +35,21 @@ TOKENIZER_FILES = (
 )
 # The largest header the safetensors library reads; a larger length is not a header's.
 _SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def read_generation_config(directory: Path) -> dict[str, Any] | None:
+    """The directory's generation_config.json as a mapping; None where it has none, it does not
+    read, or it is no JSON object."""
+    try:
+        generation = json.loads((directory / GENERATION_CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    return generation if isinstance(generation, dict) else None
+
+
+def eos_token_ids(value: Any) -> list[Any]:
+    """A generation config's eos_token_id (one id, a list of them, or none) as a list."""
+    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def readable_as_umask(path: Path) -> None:
