@@ -198,9 +198,7 @@ class ChatMessage(BaseModel):
                 raise ApiError(
                     400, f"unrecognized request argument: {where}.{key}", param=f"{where}.{key}"
                 )
-            if not any(_same(value, neutral) for neutral in _MESSAGE_NEUTRAL_VALUES[key]):
-                message = f"{where}.{key} is not supported by this server"
-                raise ApiError(400, message, param=f"{where}.{key}")
+            _check_neutral(f"{where}.{key}", value, _MESSAGE_NEUTRAL_VALUES[key])
 
 
 class ChatRequest(SamplingBody):
@@ -248,8 +246,8 @@ def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
         message = f"unrecognized request argument: {unknown[0]}; this route takes {takes}"
         raise ApiError(400, message, param=unknown[0])
     for key, neutral in _NEUTRAL_VALUES.items():
-        if key in body and not any(_same(body[key], value) for value in neutral):
-            raise ApiError(400, f"{key} is not supported by this server", param=key)
+        if key in body:
+            _check_neutral(key, body[key], neutral)
     try:
         # Strict: a "5" is not a max_tokens, nor "yes" a stream (OpenAI refuses both).
         parsed = model.model_validate(body, strict=True)
@@ -261,6 +259,12 @@ def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
         message = f"best_of must be at least n ({n}), as OpenAI's API says; leave best_of out"
         raise ApiError(400, message, param="best_of")
     return parsed
+
+
+def _check_neutral(param: str, value: Any, neutral: tuple[Any, ...]) -> None:
+    """A 400 naming `param` unless its `value` is one of those that change nothing."""
+    if not any(_same(value, one) for one in neutral):
+        raise ApiError(400, f"{param} is not supported by this server", param=param)
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -65,11 +65,12 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
             "max_tokens out would be refused; give at most that",
         )
     api_key = read_api_key(env=cfg.api_key.env, file=cfg.api_key.file)
-    check_origins(list(cfg.allowed_origins))
+    origins = list(cfg.allowed_origins)
+    check_origins(origins)
     sock = bind_socket(cfg.host, cfg.port)  # a host that is not this machine's: refused
     if api_key is None and not is_loopback(cfg.host):
         log.warning("host=%s is reachable from other machines and no api_key is set", cfg.host)
-    if api_key is None and "*" in cfg.allowed_origins:
+    if api_key is None and "*" in origins:
         log.warning(
             "allowed_origins=[*] and no api_key: every web page its user visits can call it"
         )
@@ -95,7 +96,7 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
         api_key=api_key,
         limits=Limits(**cfg.limits),
         allowed_hosts=hosts,
-        allowed_origins=list(cfg.allowed_origins),
+        allowed_origins=origins,
     )
     for model in checkpoints:
         log.info("serving %s as model %r", model.path, model.name)

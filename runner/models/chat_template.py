@@ -7,6 +7,7 @@ with the same function without importing it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ def with_system_prompt(template: str, system_prompt: str) -> str:
     )
 
 
+@functools.cache  # asked of every chat a server renders, of a few templates
 def names_role(template: str, role: str) -> bool:
     """Whether the template's code names `role` (quoted, as a comparison of a message's role
     does), with_system_prompt's prompt aside: a word of the prompt's text is no role."""
