@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from runner.models.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
+# The fix of a conversation the chat template refuses or renders without its system message.
+_OTHER_TEMPLATE = "give model.chat_template=<a Jinja chat template file that takes it>"
 
 
 class DataError(UserError):
@@ -229,7 +231,7 @@ def _check_template(
             records.source,
             **_cell(records, index, column),
             problem=problem,
-            fix=f"{fix}, or give model.chat_template=<a Jinja chat template file that takes it>",
+            fix=f"{fix}, or {_OTHER_TEMPLATE}",
         )
 
 
@@ -275,8 +277,7 @@ def _check_preferences(
                     records.source,
                     **_cell(records, index, data["column_map"][side]),
                     problem=problem,
-                    fix="drop such rows' system message, or give model.chat_template=<a Jinja "
-                    "chat template file that takes it>",
+                    fix=f"drop such rows' system message, or {_OTHER_TEMPLATE}",
                 )
         for side, messages in pair.items():
             before = sum(len(m.text_content.encode()) for m in messages[:-1])

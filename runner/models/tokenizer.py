@@ -78,6 +78,13 @@ def load_hf_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
+def _standing_in(messages: Sequence[Message], index: int, stand_in: str) -> list[Message]:
+    """The conversation with `stand_in` for message `index`'s content."""
+    changed = list(messages)
+    changed[index] = Message(role=messages[index].role, content=stand_in)
+    return changed
+
+
 def _common_prefix(a: str, b: str) -> int:
     n = min(len(a), len(b))
     low, high = 0, n  # the longest common prefix is in [low, high]
@@ -275,9 +282,9 @@ class ChatTokenizer:
         """
         start, end = len(text), 0
         for stand_in in _STAND_INS:
-            changed = list(messages)
-            changed[index] = Message(role=messages[index].role, content=stand_in)
-            other = self.render(changed, continue_final_message=open_last)
+            other = self.render(
+                _standing_in(messages, index, stand_in), continue_final_message=open_last
+            )
             prefix = _common_prefix(text, other)
             suffix = _common_suffix(text, other, min(len(text), len(other)) - prefix)
             start, end = min(start, prefix), max(end, len(text) - suffix)
@@ -291,11 +298,7 @@ class ChatTokenizer:
         """Whether the conversation's rendering holds message `index`'s content (Mistral's
         template writes a system message into the last user turn only, so into no
         conversation that ends in an answer)."""
-        renderings = set()
-        for stand_in in _STAND_INS:
-            changed = list(messages)
-            changed[index] = Message(role=messages[index].role, content=stand_in)
-            renderings.add(self.render(changed))
+        renderings = {self.render(_standing_in(messages, index, s)) for s in _STAND_INS}
         return len(renderings) == len(_STAND_INS)
 
     def _check_history(self, messages: list[Message], index: int, text: str, end: int) -> None:
