@@ -85,6 +85,21 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {family: write_tiny_checkpoint(family, root / family) for family in FAMILIES}
 
 
+def train_source(runner_cli, source: Path, run_dir: Path, *overrides: str) -> None:
+    """`runner train model=hf model.source=SOURCE` on the CPU into `run_dir`, which succeeds."""
+    result = runner_cli(
+        "train",
+        "model=hf",
+        f"model.source={source}",
+        "compute=cpu",
+        "runtime.progress_bar=false",
+        "runtime.loggers=[]",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @functools.cache
 def resolved(source: Path) -> dict:
     """model=hf's recipe model section for a source."""
@@ -246,20 +261,15 @@ def test_runner_trains_a_source_of_each_family(
     checkpoints: dict[str, Path], family: str, runner_cli, tmp_path: Path
 ) -> None:
     source, run_dir = checkpoints[family], tmp_path / "run"
-    result = runner_cli(
-        "train",
-        "model=hf",
-        f"model.source={source}",
-        "compute=cpu",
+    train_source(
+        runner_cli,
+        source,
+        run_dir,
         "max_steps=2",
         "batch_size=2",
         "dataset.eval_samples=2",
-        "runtime.progress_bar=false",
-        "runtime.loggers=[]",
         "runtime.log_every_n_steps=1",
-        f"hydra.run.dir={run_dir}",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(run_dir)) == [1, 2]
     checkpoint = run_dir / "checkpoints" / "step_2"
     # Saved in the format loaded: the source's config.json and tokenizer files, HF names.
@@ -326,22 +336,18 @@ def test_a_chat_fine_tune_of_a_base_model_is_served_to_stop_where_it_learnt_to(
     ]
     chats.write_text(json.dumps({"messages": chat}) + "\n")
     run_dir = tmp_path / "run"
-    result = runner_cli(
-        "train",
-        "model=hf",
-        f"model.source={source}",
+    train_source(
+        runner_cli,
+        source,
+        run_dir,
         f"method={method}",
         "dataset=chat",
         f"dataset.source={chats}",
-        "compute=cpu",
         "dtype=fp32",
         "max_steps=1",
         "batch_size=1",
         "dataset.eval_samples=0",
-        "runtime.loggers=[]",
-        f"hydra.run.dir={run_dir}",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = run_dir / "checkpoints" / "step_1"
     served = load_checkpoint(checkpoint, device="cpu", dtype="fp32", max_model_len=None)
     end_of_turn = tokenizer.convert_tokens_to_ids("<|eot_id|>")
@@ -359,22 +365,17 @@ def test_runner_fine_tunes_adapters_of_the_new_families(
     from the base (QLoRA, whose base the recipe holds in NF4)."""
     source = write_tiny_checkpoint(family, tmp_path / family, width=256)
     run_dir = tmp_path / "run"
-    result = runner_cli(
-        "train",
-        "model=hf",
-        f"model.source={source}",
+    train_source(
+        runner_cli,
+        source,
+        run_dir,
         f"method={method}",
         "method.apply_lora_to_mlp=true",
-        "compute=cpu",
         "dtype=fp32",
         "max_steps=2",
         "batch_size=2",
         "dataset.eval_samples=2",
-        "runtime.progress_bar=false",
-        "runtime.loggers=[]",
-        f"hydra.run.dir={run_dir}",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = run_dir / "checkpoints" / "step_2"
     base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     tokens = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
