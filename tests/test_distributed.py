@@ -163,6 +163,7 @@ def test_killed_worker_restarts_the_group_and_ends_with_the_same_loss(
     assert losses(run_dir) == straight  # exact: same layout, replayed from the checkpoint
 
 
+@pytest.mark.long
 def test_a_lost_node_started_again_rejoins_and_the_run_ends_with_the_same_losses(
     hermetic_env, layouts, tmp_path: Path
 ) -> None:

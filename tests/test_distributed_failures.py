@@ -122,6 +122,7 @@ def test_sigterm_to_one_worker_saves_a_checkpoint_and_exits_143(
     assert "resuming from" not in output  # stopped, not restarted
 
 
+@pytest.mark.long
 def test_a_node_that_does_not_come_back_fails_the_run_naming_it(
     hermetic_env, tmp_path: Path
 ) -> None:
@@ -213,7 +214,13 @@ def test_the_ranks_vote_over_gloo_of_their_own_within_the_collective_timeout(
     compute.collective_timeout_s, reported as a lost peer."""
     import torch.multiprocessing as mp
 
-    processes = mp.spawn(_vote, args=(free_port(), tmp_path, nodes), nprocs=2, join=False)
+    import runner.trainer.parallel  # noqa: F401  imported once here, not in each rank (~4 s)
+
+    # Forked from this worker, which has imported what the ranks use and computes on one thread
+    # (conftest's _one_thread), as runner forks a CPU run's workers: spawned, each rank imported
+    # torch and runner's trainer again.
+    args = (free_port(), tmp_path, nodes)
+    processes = mp.start_processes(_vote, args=args, nprocs=2, join=False, start_method="fork")
     deadline = time.monotonic() + 60
     while not processes.join(timeout=5):
         if time.monotonic() > deadline:  # rank 0's vote waits past the timeout it was given

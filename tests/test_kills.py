@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from runner.rundir import RunDir
 from tests.conftest import losses
 
@@ -98,6 +100,7 @@ def tail(output: Path) -> str:
     return output.read_text()[-3000:]
 
 
+@pytest.mark.long
 def test_kill_9_at_chosen_moments_then_resume(hermetic_env, tmp_path: Path) -> None:
     started = time.monotonic()
     straight_dir, run_dir = tmp_path / "straight", tmp_path / "killed"
