@@ -7,18 +7,19 @@ storage needs the hub's CAS service, which a loopback server does not have.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hashlib
 import json
 import shutil
-import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK
 from tests.test_hub import LoopbackHub, _git_oid, cli
 
@@ -128,44 +129,80 @@ class UploadHub(LoopbackHub):
         self._send(status, data, {"Content-Type": "application/json", **(headers or {})})
 
 
+class Hub:
+    """The loopback hub's server, which a test can take out of reach and bring back on its port."""
+
+    def __init__(self) -> None:
+        self._start(0)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _start(self, port: int) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), UploadHub)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    @contextlib.contextmanager
+    def down(self) -> Iterator[None]:
+        """Nothing listens on the hub's port inside the block (a connection is refused)."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self._start(int(self.endpoint.rsplit(":", 1)[1]))
+
+
 @pytest.fixture(scope="module")
-def hub_env(hermetic_env) -> Iterator[dict[str, str]]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), UploadHub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield {
+def hub() -> Iterator[Hub]:
+    hub = Hub()
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture(scope="module")
+def hub_env(hermetic_env, hub: Hub) -> dict[str, str]:
+    return {
         **hermetic_env,
         "HF_HUB_OFFLINE": "0",
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_HUB_DISABLE_XET": "1",
-        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        "HF_ENDPOINT": hub.endpoint,
         "PUSH_TOKEN": SECRET,
     }
-    server.shutdown()
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory, hermetic_env) -> Path:
+def hub_cli(hub_env: dict[str, str]) -> Iterator[Callable[..., Forked]]:
+    """`hub_cli(cwd, *args)`: `runner ARGS` in hub_env, forked from a CLI server of its own
+    (tests/cli_forks.py) that imported torch and huggingface_hub once, with hub_env's endpoint
+    and token (read at import), sparing each command a fresh interpreter's imports. A command
+    in another environment (another HF_HUB_OFFLINE or HF_TOKEN) runs in a fresh one (`cli`)."""
+    server = ForkedCli(hub_env)
+    yield lambda cwd, *args: server(list(args), cwd, timeout_s=600)
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli) -> Path:
     run = tmp_path_factory.mktemp("push") / "run"
-    trained = cli(
-        hermetic_env,
-        run.parent,
-        "train",
-        *QUICK,
-        "max_steps=4",
-        "eval.strategy=no",
-        f"hydra.run.dir={run}",
-    )
+    argv = ["train", *QUICK, "max_steps=4", "eval.strategy=no", f"hydra.run.dir={run}"]
+    trained = forked_cli(argv, run.parent, timeout_s=600)
     assert trained.returncode == 0, trained.stderr[-2000:]
     return run
 
 
-def test_export_push_to_lands_in_a_private_repo_with_its_model_card(
-    hub_env, run_dir: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "merged"
-    result = cli(
-        hub_env,
-        tmp_path,
+@pytest.fixture(scope="module")
+def exported(
+    hub_cli, run_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Forked]:
+    """`runner export format=merged push_to=hf://acme/pushed` of the run: the export's folder,
+    which the tests below push again, and the command's outcome."""
+    cwd = tmp_path_factory.mktemp("exported")
+    out = cwd / "merged"
+    result = hub_cli(
+        cwd,
         "export",
         f"checkpoint={run_dir}",
         "format=merged",
@@ -173,6 +210,11 @@ def test_export_push_to_lands_in_a_private_repo_with_its_model_card(
         "push_to=hf://acme/pushed",
         "hf_token=env:PUSH_TOKEN",
     )
+    return out, result
+
+
+def test_export_push_to_lands_in_a_private_repo_with_its_model_card(hub_env, exported) -> None:
+    out, result = exported
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1].startswith(
         f"{hub_env['HF_ENDPOINT']}/acme/pushed/commit/"
@@ -193,16 +235,15 @@ def test_export_push_to_lands_in_a_private_repo_with_its_model_card(
 
 
 def test_a_push_cut_short_resumes_without_sending_the_weights_again(
-    hub_env, run_dir: Path, tmp_path: Path
+    hub_cli, exported, tmp_path: Path
 ) -> None:
-    out = tmp_path / "merged"
-    exported = cli(hub_env, tmp_path, "export", f"checkpoint={run_dir}", f"out={out}")
-    assert exported.returncode == 0, exported.stderr[-2000:]
-    UploadHub.lfs.clear()  # the first test pushed the same weights
+    out, pushed = exported
+    assert pushed.returncode == 0, pushed.stderr[-2000:]
+    UploadHub.lfs.clear()  # the export pushed the same weights
     UploadHub.lfs_puts.clear()
     UploadHub.fail_commits = 1
     argv = ["push", str(out), "hf://acme/resumed@dev", "--public", "--hf-token", "env:PUSH_TOKEN"]
-    cut = cli(hub_env, tmp_path, *argv)
+    cut = hub_cli(tmp_path, *argv)
     assert cut.returncode == 2, cut.stderr[-2000:]
     error = [line for line in cut.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and "HTTP 500" in error[0] and "Traceback" not in cut.stderr
@@ -212,7 +253,7 @@ def test_a_push_cut_short_resumes_without_sending_the_weights_again(
     assert f"`{again}` pushes again" in error[0], error[0]
     weights = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     assert UploadHub.lfs_puts == [weights]  # uploaded before the commit failed
-    again = cli(hub_env, tmp_path, *argv)
+    again = hub_cli(tmp_path, *argv)
     assert again.returncode == 0, again.stderr[-2000:]
     assert UploadHub.lfs_puts == [weights]  # not sent again
     repo = UploadHub.uploaded["acme/resumed"]
@@ -221,11 +262,11 @@ def test_a_push_cut_short_resumes_without_sending_the_weights_again(
 
 
 def test_a_checkpoint_is_pushed_without_its_optimizer_state(
-    hub_env, run_dir: Path, tmp_path: Path
+    hub_cli, run_dir: Path, tmp_path: Path
 ) -> None:
     checkpoint = run_dir / "checkpoints" / "step_4"
     argv = ["push", str(checkpoint), "hf://acme/checkpoint", "--hf-token", "env:PUSH_TOKEN"]
-    result = cli(hub_env, tmp_path, *argv)
+    result = hub_cli(tmp_path, *argv)
     assert result.returncode == 0, result.stderr[-2000:]
     files = UploadHub.uploaded["acme/checkpoint"]["branches"]["main"]
     kept = {p.name for p in checkpoint.iterdir()} - {"training_state.pt"}
@@ -234,7 +275,7 @@ def test_a_checkpoint_is_pushed_without_its_optimizer_state(
 
 
 def test_a_run_or_sweep_dir_is_refused_naming_the_checkpoint_to_push(
-    hub_env, run_dir: Path, tmp_path: Path
+    hub_cli, run_dir: Path, tmp_path: Path
 ) -> None:
     """A run dir would upload every checkpoint with its optimizer state, the heartbeat, status
     and logs: refused by name before any upload, pointing at its latest checkpoint."""
@@ -242,7 +283,7 @@ def test_a_run_or_sweep_dir_is_refused_naming_the_checkpoint_to_push(
 
     def refused(path: Path) -> str:
         argv = ["push", str(path), target, "--hf-token", "env:PUSH_TOKEN"]
-        result = cli(hub_env, tmp_path, *argv)
+        result = hub_cli(tmp_path, *argv)
         assert result.returncode == 2, result.stderr[-2000:]
         error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert len(error) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -268,7 +309,7 @@ def test_a_run_or_sweep_dir_is_refused_naming_the_checkpoint_to_push(
 
 
 def test_push_names_a_target_left_out_or_mistyped_as_to(
-    hub_env, run_dir: Path, tmp_path: Path
+    hub_cli, run_dir: Path, tmp_path: Path
 ) -> None:
     checkpoint = str(run_dir / "checkpoints" / "step_4")
     for target, message in (
@@ -284,7 +325,7 @@ def test_push_names_a_target_left_out_or_mistyped_as_to(
         ),
     ):
         argv = ["push", checkpoint, *target, "--hf-token", "env:PUSH_TOKEN"]
-        result = cli(hub_env, tmp_path, *argv)
+        result = hub_cli(tmp_path, *argv)
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.startswith(message) and "None" not in result.stderr, result.stderr
     assert not {"cme/tiny", "acme/tiny"} & set(UploadHub.uploaded)
@@ -299,11 +340,11 @@ def test_push_names_a_target_left_out_or_mistyped_as_to(
     ],
 )
 def test_a_bad_push_is_refused_before_anything_is_written(
-    hub_env, run_dir: Path, tmp_path: Path, override: str, expected: str
+    hub_cli, run_dir: Path, tmp_path: Path, override: str, expected: str
 ) -> None:
     out = tmp_path / "merged"
     argv = ["export", f"checkpoint={run_dir}", f"out={out}", "push_to=hf://acme/x", override]
-    result = cli(hub_env, tmp_path, *argv)
+    result = hub_cli(tmp_path, *argv)
     assert result.returncode == 2, result.stderr[-2000:]
     error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and expected in error[0], result.stderr
@@ -312,15 +353,10 @@ def test_a_bad_push_is_refused_before_anything_is_written(
 
 
 def test_a_push_to_a_hub_out_of_reach_is_one_message(
-    hub_env, run_dir: Path, tmp_path: Path
+    hub: Hub, hub_env, hub_cli, exported, run_dir: Path, tmp_path: Path
 ) -> None:
-    with socket.socket() as probe:  # a loopback port that nothing listens on once closed
-        probe.bind(("127.0.0.1", 0))
-        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    env = {**hub_env, "HF_ENDPOINT": endpoint}
-    out = tmp_path / "merged"
-    exported = cli(env, tmp_path, "export", f"checkpoint={run_dir}", f"out={out}")
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    out, _ = exported
+    endpoint = hub_env["HF_ENDPOINT"]
     # Each command names the target by its own name for it: push's `to`, export's `push_to`.
     for argv, named in (
         (["push", str(out), "hf://acme/x", "--hf-token", "env:PUSH_TOKEN"], "to='hf://acme/x'"),
@@ -329,7 +365,8 @@ def test_a_push_to_a_hub_out_of_reach_is_one_message(
             "push_to='hf://acme/y'",
         ),
     ):
-        result = cli(env, tmp_path, *argv)
+        with hub.down():  # a loopback port that nothing listens on
+            result = hub_cli(tmp_path, *argv)
         assert result.returncode == 2, result.stderr[-2000:]
         assert "Traceback" not in result.stderr, result.stderr[-2000:]
         error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -337,7 +374,7 @@ def test_a_push_to_a_hub_out_of_reach_is_one_message(
         assert f"the hub ({endpoint}) is out of reach" in error[0], error
         assert "check the network" in error[0] and "pushes again" in error[0]
     # Offline by choice: not the network's fault, said before anything is exported.
-    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    offline = {**hub_env, "HF_HUB_OFFLINE": "1"}
     result = cli(offline, tmp_path, "push", str(out), "hf://acme/x")
     assert result.returncode == 2 and result.stderr == (
         "error: to='hf://acme/x': HF_HUB_OFFLINE=1 keeps runner off the hub; unset "
