@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,6 +18,7 @@ import pytest
 from runner.rundir import RunDir
 from runner.rundir.manifest import REDACTED
 from runner.trainer import trackers
+from tests.cli_forks import ForkedCli
 from tests.conftest import QUICK
 
 SENTINEL = "sentinel-7d1e-not-for-trackers"
@@ -72,24 +74,26 @@ def series(records: list[dict[str, Any]], names: set[str]) -> dict[str, list[tup
 
 
 @pytest.fixture(scope="module")
-def tracked_run(tmp_path_factory: pytest.TempPathFactory, hermetic_env: dict[str, str]) -> Path:
-    import subprocess
-    import sys
+def tracker_cli(
+    tmp_path_factory: pytest.TempPathFactory, hermetic_env: dict[str, str]
+) -> Iterator[tuple[ForkedCli, Path]]:
+    """The CLI forked from a server of its own in tracker_env (read by wandb and MLflow in the
+    training process), with a secret the run can read (runtime.hf_token=env:HF_TOKEN) that no
+    tracker may receive; and the folder whose mlruns/ is its MLflow store. The two runs below
+    fork from it, sparing each a fresh interpreter's imports."""
+    root = tmp_path_factory.mktemp("tracked")
+    cli = ForkedCli({**hermetic_env, **tracker_env(root), "HF_TOKEN": SENTINEL})
+    yield cli, root
+    cli.close()
 
-    tmp = tmp_path_factory.mktemp("tracked")
+
+@pytest.fixture(scope="module")
+def tracked_run(tracker_cli: tuple[ForkedCli, Path]) -> Path:
+    cli, tmp = tracker_cli
     run = tmp / "run"
     args = [*QUICK, *TRACKED, "compute=cpu", "dtype=fp32", "max_steps=12"]
     args += ["runtime.log_every_n_steps=3", "eval.steps=6", "eval.max_samples=16"]
-    # A secret the run can read (runtime.hf_token=env:HF_TOKEN) that no tracker may receive.
-    env = {**hermetic_env, **tracker_env(tmp), "HF_TOKEN": SENTINEL}
-    result = subprocess.run(
-        [sys.executable, "-m", "runner", "train", *args, f"hydra.run.dir={run}"],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    result = cli(["train", *args, f"hydra.run.dir={run}"], tmp, timeout_s=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return run
 
@@ -363,14 +367,11 @@ def test_a_url_with_a_password_is_refused_under_any_key(runner_cli) -> None:
 
 
 def test_a_new_run_that_fails_before_its_first_step_is_kept_for_its_tracker_run(
-    tmp_path: Path, hermetic_env: dict[str, str]
+    tracker_cli: tuple[ForkedCli, Path], tmp_path: Path
 ) -> None:
     """A stream's bad record met in its first window: the new run's directory was removed, as a
     refused run's is, while MLflow kept a failed run named after it (and W&B said to sync files
     that were gone)."""
-    import subprocess
-    import sys
-
     records = [json.dumps({"instruction": f"add {i}", "output": f"{i + 1}"}) for i in range(40)]
     data = tmp_path / "bad.jsonl"
     data.write_text("\n".join([*records[:20], "{not json", *records[20:]]) + "\n")
@@ -378,14 +379,8 @@ def test_a_new_run_that_fails_before_its_first_step_is_kept_for_its_tracker_run(
     args = [*QUICK, "runtime.loggers=[mlflow]", "max_steps=4", "batch_size=4"]
     args += ["eval.strategy=no", "dataset.eval_samples=0", f"dataset.source={data}"]
     args += ["dataset.streaming=true", "dataset.shuffle_buffer=16", f"hydra.run.dir={run}"]
-    result = subprocess.run(
-        [sys.executable, "-m", "runner", "train", *args],
-        cwd=tmp_path,
-        env={**hermetic_env, **tracker_env(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cli, _ = tracker_cli
+    result = cli(["train", *args], tmp_path, timeout_s=600)
     assert result.returncode == 2 and "not valid JSON" in result.stderr, result.stderr[-3000:]
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and status["step"] == 0
