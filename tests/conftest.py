@@ -69,14 +69,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# What torch.compile compiles with on the CPU (TORCHINDUCTOR_COMPILE_THREADS): inductor's default,
+# a pool of compile processes, one per core, costs each compiling process a pool of fresh
+# interpreters importing torch, for no gain where two workers already share the cores (a compiled
+# run, 65.9 CPU-seconds, took 61.0 with one). A GPU machine keeps the default: its compiles are
+# of a 1B model, on many cores.
+COMPILE_THREADS = 1
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> None:
     """What a test computes in its own process runs on one thread, as its subprocesses do
     (hermetic_env): two xdist workers share the cores, and a second thread in each would only
-    spin waiting for the other worker's."""
+    spin waiting for the other worker's. It compiles in this process too (COMPILE_THREADS)."""
     import torch
 
     torch.set_num_threads(1)
+    if not torch.cuda.is_available():
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = COMPILE_THREADS
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -122,6 +134,10 @@ def hermetic_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # One thread per process: two xdist workers share the cores, and a second thread per
     # process would only wait on the other worker's (OpenMP spins while it waits).
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(home), OMP_NUM_THREADS="1")
+    import torch
+
+    if not torch.cuda.is_available():
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(COMPILE_THREADS))
     return env
 
 
