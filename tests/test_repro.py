@@ -61,16 +61,22 @@ def train_on_own_data(
     return run
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli) -> Path:
-    """The deterministic one-process run, trained once for this module: the match test re-runs
-    it; the tests of what repro refuses read it, copy it, or move its data and put it back."""
-    root = tmp_path_factory.mktemp("one_process")
+def forked_in(forked_cli: ForkedCli, root: Path):
+    """runner_cli for a module fixture (runner_cli is per test): the forked CLI, run in `root`."""
 
     def cli(*args: str, env: dict | None = None) -> Forked:
         assert env is None  # a fork inherits the server's environment
         return forked_cli(list(args), root, timeout_s=600)
 
+    return cli
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli) -> Path:
+    """The deterministic one-process run, trained once for this module: the match test re-runs
+    it; the tests of what repro refuses read it, copy it, or move its data and put it back."""
+    root = tmp_path_factory.mktemp("one_process")
+    cli = forked_in(forked_cli, root)
     return train_on_own_data(cli, root, "compute=cpu", "compute.nproc_per_node=1")
 
 
@@ -145,12 +151,23 @@ def test_drift_is_reported_with_its_reason(runner_cli, tmp_path: Path) -> None:
     assert "data.source.sha256" in result.stdout and "\nend " in result.stdout
 
 
-def test_steps_that_log_no_step_are_refused_by_name(runner_cli, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli) -> Path:
+    """A LoRA run on a base written from the seed (RUN/base_model) that logs every second step
+    and saves at its last, step 4, alone; trained once for the two tests that re-run it (not
+    deterministic: on the kernels it ran on, its re-runs in the forked CLI match exactly)."""
+    root = tmp_path_factory.mktemp("lora")
+    cli = forked_in(forked_cli, root)
+    every_second = ["runtime.log_every_n_steps=2", "runtime.save_every_n_steps=4"]
+    return train_on_own_data(cli, root, "method=lora", *every_second, short=NOT_DETERMINISTIC)
+
+
+def test_steps_that_log_no_step_are_refused_by_name(
+    runner_cli, lora_run: Path, tmp_path: Path
+) -> None:
     """A run that logs every second step: `--steps 1` would compare no loss, so it is refused
     before anything is re-run, with the value that works."""
-    run = train_on_own_data(
-        runner_cli, tmp_path, "runtime.log_every_n_steps=2", "runtime.save_every_n_steps=4"
-    )
+    run = lora_run
     result = runner_cli("repro", str(run), "--steps", "1", "--out", str(tmp_path / "one"))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
@@ -393,16 +410,26 @@ def test_a_run_of_several_nodes_is_refused_with_the_way_on(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two_nodes"]  # no re-run directory
 
 
-def test_a_moved_lora_run_on_a_seeded_base_keeps_its_base_with_it(runner_cli, tmp_path) -> None:
+def test_a_moved_lora_run_on_a_seeded_base_keeps_its_base_with_it(
+    runner_cli, lora_run: Path, tmp_path: Path
+) -> None:
     """The base a LoRA run writes from the seed (RUN/base_model) goes with the run: its re-run
     wrote it again at the moved run's old path, outside --out, and an exported adapter named
     that old path, where peft found nothing."""
-    trained = train_on_own_data(runner_cli, tmp_path, "method=lora")
     run = tmp_path / "moved"
-    trained.rename(run)
+    lora_run.rename(run)
+    try:
+        moved_lora_run_keeps_its_base(runner_cli, tmp_path, lora_run, run)
+    finally:  # the run is shared: where it was, whatever happened here
+        run.rename(lora_run)
+
+
+def moved_lora_run_keeps_its_base(runner_cli, tmp_path: Path, trained: Path, run: Path) -> None:
+    """`run`, moved from `trained`: re-run, and exported as an adapter."""
     again = tmp_path / "again"
-    result = runner_cli("repro", str(run), "--steps", "2", "--out", str(again))
+    result = runner_cli("repro", str(run), "--out", str(again))
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    # Its steps 2 and 4 logged, its step-4 adapter saved: the re-run trained on the same base.
     assert "repro: match (2 logged steps; hashes of 1 checkpoint(s)" in result.stdout
     assert (again / "base_model" / "model.safetensors").is_file() and not trained.exists()
 
