@@ -10,10 +10,17 @@ asks for the GPU's compute capability, which creates one; so the server starts w
 visible (CUDA_VISIBLE_DEVICES empty), checks that CUDA stayed uninitialised, and tests marked
 `gpu` run the CLI in fresh interpreters instead (tests/conftest.py).
 
+A command may be given environment variables that the runner reads as it runs (the platform's
+BT_LOAD_CHECKPOINT_DIR, HOME for a path given with `~`): the fork sets them before it runs the
+command. Not those read as the preloaded modules import (torch's thread and kernel settings,
+huggingface_hub's paths and offline switches): a command that needs those set runs in a fresh
+interpreter (tests/conftest.py), and the client refuses them here.
+
 Protocol (one JSON object per line): the client writes {"argv": [...], "cwd": "...",
-"timeout_s": N}; the server answers {"returncode": N, "stdout": "...", "stderr": "..."}, with
-returncode negative (the signal) when the command was killed, as subprocess reports it. A
-request {"probe": true} is answered with what the server's own process sees of CUDA.
+"timeout_s": N, "env": {...}}; the server answers {"returncode": N, "stdout": "...",
+"stderr": "..."}, with returncode negative (the signal) when the command was killed, as
+subprocess reports it. A request {"probe": true} is answered with what the server's own process
+sees of CUDA.
 """
 
 from __future__ import annotations
@@ -57,11 +64,16 @@ PRELOAD = (
 )
 
 
-def _child(argv: list[str], cwd: str, stdout: str, stderr: str) -> None:
+# What the preloaded modules read from the environment as they import: set in a fork, too late.
+READ_AT_IMPORT = ("ATEN_", "CUDA_", "HF_", "MKL_", "OMP_", "PYTORCH_", "TORCH", "TRANSFORMERS_")
+
+
+def _child(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> None:
     """Runs `runner ARGV` in this (forked) process and exits with its status; never returns."""
     code = 1
     try:
         os.setpgid(0, 0)
+        os.environ.update(env)
         os.chdir(cwd)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's stdin carries the requests
         for fd, path in ((1, stdout), (2, stderr)):
@@ -126,7 +138,7 @@ def serve() -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(request["argv"], request["cwd"], stdout, stderr)
+                _child(request["argv"], request["cwd"], request["env"], stdout, stderr)
             code = _wait(pid, request["timeout_s"])
             with open(stdout, errors="replace") as out, open(stderr, errors="replace") as err:
                 answer = {"returncode": code, "stdout": out.read(), "stderr": err.read()}
@@ -153,8 +165,15 @@ class ForkedCli:
             text=True,
         )
 
-    def __call__(self, argv: list[str], cwd: Path, timeout_s: float) -> Forked:
-        request = {"argv": argv, "cwd": str(cwd), "timeout_s": timeout_s}
+    def __call__(
+        self, argv: list[str], cwd: Path, timeout_s: float, env: dict[str, str] | None = None
+    ) -> Forked:
+        """`env`: variables the command reads as it runs, set in its fork (see the module's
+        docstring); one the preloaded modules read at import is refused."""
+        env = env or {}
+        early = sorted(name for name in env if name.upper().startswith(READ_AT_IMPORT))
+        assert not early, f"{early} are read at import: run this command in a fresh interpreter"
+        request = {"argv": argv, "cwd": str(cwd), "timeout_s": timeout_s, "env": env}
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
         line = self.server.stdout.readline()
