@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK, losses
 
 STEPS = [
@@ -44,6 +45,18 @@ def lora_run(straight: Path, tmp_path_factory: pytest.TempPathFactory, forked_cl
     return run
 
 
+@pytest.fixture
+def cli(forked_cli: ForkedCli, tmp_path: Path):
+    """`runner ARGS` forked as runner_cli forks it, with `env`: variables the runner reads as it
+    runs (BT_LOAD_CHECKPOINT_DIR, HOME), set in the fork (tests/cli_forks.py), where runner_cli
+    starts a fresh interpreter for any env (~5 s of imports a command)."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> Forked:
+        return forked_cli(list(args), tmp_path, timeout_s=600, env=env)
+
+    return run
+
+
 def mount_with(tmp_path: Path, *entries: tuple[str, Path]) -> dict[str, str]:
     """A BT_LOAD_CHECKPOINT_DIR holding copies of `entries` (name, source) under a job folder."""
     mount = tmp_path / "loaded_checkpoints"
@@ -52,19 +65,19 @@ def mount_with(tmp_path: Path, *entries: tuple[str, Path]) -> dict[str, str]:
     return {"BT_LOAD_CHECKPOINT_DIR": str(mount)}
 
 
-def test_a_mounted_run_is_continued_in_the_new_run(runner_cli, straight: Path, tmp_path: Path):
+def test_a_mounted_run_is_continued_in_the_new_run(cli, straight: Path, tmp_path: Path):
     """The mounted run stopped after its step-2 checkpoint; the new job continues it with the
     uninterrupted run's losses and leaves the mount as it was."""
     env = mount_with(tmp_path, ("run", straight))
     loaded = tmp_path / "loaded_checkpoints" / "job-1" / "run"
     shutil.rmtree(loaded / "checkpoints" / "step_4")
-    shown = runner_cli("train", *STEPS, "--cfg", "job", "--resolve", env=env)
+    shown = cli("train", *STEPS, "--cfg", "job", "--resolve", env=env)
     assert shown.returncode == 0, shown.stderr[-3000:]
     section = OmegaConf.create(shown.stdout).load_checkpoint
     assert (section.path, section.mode) == (str(loaded), "resume")
     before = sorted(str(p.relative_to(loaded)) for p in loaded.rglob("*"))
     run = tmp_path / "new"
-    result = runner_cli("train", *STEPS, f"hydra.run.dir={run}", env=env)
+    result = cli("train", *STEPS, f"hydra.run.dir={run}", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {loaded / 'checkpoints' / 'step_2'}" in result.stderr
     assert sorted(losses(run)) == [3, 4]
@@ -73,12 +86,12 @@ def test_a_mounted_run_is_continued_in_the_new_run(runner_cli, straight: Path, t
 
 
 def test_a_mounted_model_checkpoint_is_the_model_source(
-    runner_cli, straight: Path, tmp_path: Path
+    cli, straight: Path, tmp_path: Path
 ) -> None:
     env = mount_with(tmp_path, ("step_4", straight / "checkpoints" / "step_4"))
     loaded = tmp_path / "loaded_checkpoints" / "job-1" / "step_4"
     run = tmp_path / "new"
-    result = runner_cli("train", *STEPS, "max_steps=1", f"hydra.run.dir={run}", env=env)
+    result = cli("train", *STEPS, "max_steps=1", f"hydra.run.dir={run}", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     recipe = OmegaConf.load(run / "recipe.yaml")
     assert (recipe.model.source, recipe.resume_from) == (str(loaded), None)
@@ -148,7 +161,7 @@ def test_a_lora_run_is_continued_on_its_own_base_with_its_best(
     ],
 )
 def test_what_cannot_be_started_from_is_refused_by_name(
-    runner_cli, straight: Path, tmp_path: Path, case: str, request: pytest.FixtureRequest
+    cli, straight: Path, tmp_path: Path, case: str, request: pytest.FixtureRequest
 ) -> None:
     step = straight / "checkpoints" / "step_4"
     env, extra = None, []
@@ -209,10 +222,10 @@ def test_what_cannot_be_started_from_is_refused_by_name(
         # At step 4 already: max_steps=4 would train nothing and save no checkpoint.
         extra, wanted = [f"load_checkpoint.path={straight}"], "error: max_steps=4: "
     # validate refuses what train refuses (the job service's validate-then-launch).
-    checked = runner_cli("validate", *STEPS, *extra, env=env)
+    checked = cli("validate", *STEPS, *extra, env=env)
     assert checked.returncode == 2 and wanted in checked.stderr, checked.stderr[-3000:]
     run = tmp_path / "new"
-    result = runner_cli("train", *STEPS, *extra, f"hydra.run.dir={run}", env=env)
+    result = cli("train", *STEPS, *extra, f"hydra.run.dir={run}", env=env)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "load_checkpoint." in result.stderr and wanted in result.stderr, result.stderr
     assert not run.exists()
@@ -281,19 +294,19 @@ def test_a_data_position_that_the_data_does_not_fit(forked_cli, tmp_path: Path) 
 
 
 def test_paths_given_with_a_tilde_are_in_the_home_directory(
-    runner_cli, straight: Path, tmp_path: Path, hermetic_env: dict[str, str]
+    cli, straight: Path, tmp_path: Path
 ) -> None:
     """Quoted, Hydra keeps `~` as typed: `hydra.run.dir='~/next'` made a directory named `~` in
     the working directory, and `load_checkpoint.path='~/run'` or `runner resume '~/run'` found
     no run (model.source and dataset.source expanded it)."""
     home = tmp_path / "home"
     shutil.copytree(straight, home / "straight")
-    env = {**hermetic_env, "HOME": str(home)}
+    env = {"HOME": str(home)}
     given = ["load_checkpoint.path='~/straight'", "hydra.run.dir='~/next'", "max_steps=6"]
-    result = runner_cli("train", *STEPS, *given, env=env)
+    result = cli("train", *STEPS, *given, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert max(losses(home / "next")) == 6 and not (tmp_path / "~").exists()
-    result = runner_cli("resume", "~/next", env=env)
+    result = cli("resume", "~/next", env=env)
     assert result.returncode == 2 and f"RUN='{home / 'next'}': the run is already completed" in (
         result.stderr
     )
