@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -28,7 +29,6 @@ from runner.deploy.loading import resolve_dtype
 from runner.deploy.serve import bind_socket, prepare, served_url
 from runner.errors import UserError
 from runner.paths import CONF_DIR, TINY_TOKENIZER_DIR
-from tests.conftest import deploy_server
 from tests.serving import (
     API_KEY,
     LONG_REQUEST,
@@ -41,20 +41,11 @@ from tests.serving import (
 )
 
 
-def test_the_servers_startup_heap_is_frozen_while_it_serves(served_run: Path) -> None:
-    # What is alive once the engines start (torch, the model, the tokenizer) is kept out of the
-    # garbage collector's walks while the server runs, and given back when it stops.
-    import gc
-
-    cfg = deploy_config(f"checkpoint={served_run}", "served_model_name=tiny", "port=0")
-    with serving(cfg) as url:
-        assert gc.get_freeze_count() > 10_000, gc.get_freeze_count()
-        status, _, _ = raw_request(url, "GET", "/health", key=None)
-        assert status == 200
-    assert gc.get_freeze_count() == 0
-
-
-def test_a_full_queue_answers_429_with_retry_after(served_run: Path) -> None:
+@pytest.fixture(scope="module")
+def one_row_server(served_run: Path) -> Iterator[str]:
+    """A server with room for two choices (one row running, one place in its queue), its
+    engine in a process of its own (the CPU's default): its URL. Its tests fill it and leave
+    it idle again, so they share it rather than each start an engine's process (~5 s)."""
     cfg = deploy_config(
         f"checkpoint={served_run}",
         "served_model_name=tiny",
@@ -63,11 +54,16 @@ def test_a_full_queue_answers_429_with_retry_after(served_run: Path) -> None:
         "transformers.max_batch_size=1",
     )
     with serving(cfg) as url:
-        results = send_at_once(url, completion_body(**LONG_REQUEST), 6)
-        # Idle again: one row and one place in the queue take two choices; three never fit,
-        # which a retry would not mend.
-        two = raw_request(url, "POST", "/v1/completions", completion_body(n=2))
-        three = raw_request(url, "POST", "/v1/completions", completion_body(n=3))
+        yield url
+
+
+def test_a_full_queue_answers_429_with_retry_after(one_row_server: str) -> None:
+    url = one_row_server
+    results = send_at_once(url, completion_body(**LONG_REQUEST), 6)
+    # Idle again: one row and one place in the queue take two choices; three never fit,
+    # which a retry would not mend.
+    two = raw_request(url, "POST", "/v1/completions", completion_body(n=2))
+    three = raw_request(url, "POST", "/v1/completions", completion_body(n=3))
     statuses = sorted(status for status, _ in results)
     assert set(statuses) == {200, 429}, statuses
     assert all(headers["retry-after"] == "1" for status, headers in results if status == 429)
@@ -216,7 +212,10 @@ def test_deploy_command_serves_until_interrupted(
 ) -> None:
     # compute=cpu dtype=fp32 (the command serves on the CPU here). Each stop, sent to the
     # whole process group, leaves nothing it started running; a hangup (its terminal closed)
-    # ended the server at once, the stream in flight cut off.
+    # ended the server at once, the stream in flight cut off. The server alone holds its
+    # listening socket: the engine's process, forked after the port was bound, held it open,
+    # and through the server's shutdown the port took connections nobody answered, reset as the
+    # engine exited.
     env = {**os.environ, "DEPLOY_TEST_KEY": API_KEY}
     command = [sys.executable, "-m", "runner", "deploy", f"checkpoint={served_run}", "port=0"]
     command += ["device=cpu", "dtype=fp32", f"transformers.process={process}"]
@@ -246,6 +245,9 @@ def test_deploy_command_serves_until_interrupted(
         command_line = Path(f"/proc/{process_.pid}/cmdline").read_bytes()
         forked = [c for c in children if Path(f"/proc/{c}/cmdline").read_bytes() == command_line]
         assert forked == list(children), children
+        sockets = _listening_sockets(int(url.rsplit(":", 1)[1]))
+        holders = [pid for pid in (process_.pid, *children) if _holds(str(pid), sockets)]
+        assert holders == [process_.pid], (holders, children)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         # The server does not tell its clients where its files lie.
         (listed,) = client.models.list().data
@@ -297,7 +299,10 @@ def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
     served_run: Path, generate_reference
 ) -> None:
     # compute=cpu dtype=fp32. Greedy equals generate, streamed and whole, in both placements;
-    # seeded samples (n=3), a stop sequence and a full queue's 429 are the same in both.
+    # seeded samples (n=3), a stop sequence and a full queue's 429 are the same in both. And in
+    # both, what is alive once the engines start (torch, the model, the tokenizer) is kept out
+    # of the garbage collector's walks while the server runs, and given back when it stops.
+    import gc
     import multiprocessing
 
     tokenizer, generate = generate_reference
@@ -321,6 +326,7 @@ def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
         )
         with serving(cfg) as url:
             assert len(engines()) == (process == "true"), engines()
+            assert gc.get_freeze_count() > 10_000, gc.get_freeze_count()
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             greedy = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}
             whole = client.completions.create(**greedy)
@@ -337,23 +343,28 @@ def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
             answers[process] = ([c.text for c in sampled.choices], cut.choices[0].text)
             assert set(statuses) == {200, 429}, statuses
         assert not engines()
+        assert gc.get_freeze_count() == 0
     assert answers["true"] == answers["false"]
     assert answers["true"][1] == expected[0][: expected[0].index(stop)]
     assert len(set(answers["true"][0])) == 3
 
 
-def test_deploy_command_without_checkpoint_exits_2_with_one_message() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "runner", "deploy"], capture_output=True, text=True, timeout=60
-    )
+def test_deploy_command_without_checkpoint_exits_2_with_one_message(runner_cli) -> None:
+    result = runner_cli("deploy")
     assert result.returncode == 2
     assert "checkpoint" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_the_engine_in_its_own_process_serves_a_lora_checkpoint(tiny_checkpoint: Path) -> None:
-    # compute=cpu dtype=fp32. A LoRA checkpoint as method=lora writes one (a PEFT adapter naming
-    # its base by path, the tokenizer beside it), with random B matrices so that the adapter
-    # changes the answers: the engine's process merges it, as the server's own would.
+def test_the_engine_in_its_own_process_serves_a_lora_checkpoint_and_its_end_fails_health(
+    tiny_checkpoint: Path,
+) -> None:
+    """compute=cpu dtype=fp32. A LoRA checkpoint as method=lora writes one (a PEFT adapter
+    naming its base by path, the tokenizer beside it), with random B matrices so that the
+    adapter changes the answers: the engine's process merges it, as the server's own would.
+    Then that process is killed: /health said ok and every request was answered 503 "shutting
+    down: retry" for good, so a supervisor probing /health never restarted the server."""
+    import multiprocessing
+
     from peft import LoraConfig, PeftModel, get_peft_model
 
     adapter = tiny_checkpoint.parent / "lora"
@@ -387,12 +398,25 @@ def test_the_engine_in_its_own_process_serves_a_lora_checkpoint(tiny_checkpoint:
         "port=0",
         "transformers.process=true",
     )
+    before = set(multiprocessing.active_children())  # the module's other servers' engines
     with serving(cfg) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         response = client.completions.create(
             model="lora", prompt=PROMPTS[3], max_tokens=16, temperature=0
         )
-    assert response.choices[0].text == answers["merged"]
+        assert response.choices[0].text == answers["merged"]
+        (engine,) = set(multiprocessing.active_children()) - before
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (health := raw_request(url, "GET", "/health", key=None))[0] != 503:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.1)
+        said = json.loads(health[2])
+        assert said["status"] == "failed", said
+        assert "the engine's process ended unexpectedly (exit code -9)" in said["error"]
+        request = completion_body(model="lora")
+        status, _, body = raw_request(url, "POST", "/v1/completions", request)
+        assert status == 503 and "ended unexpectedly" in json.loads(body)["error"]["message"]
 
 
 def _gone_after(url: str, body: bytes, wait_s: float) -> None:
@@ -408,87 +432,36 @@ def _gone_after(url: str, body: bytes, wait_s: float) -> None:
     connection.close()
 
 
-def test_clients_that_go_away_give_their_room_back(served_run: Path) -> None:
+def test_clients_that_go_away_give_their_room_back(one_row_server: str) -> None:
     """The engine in its own process (the CPU's default) sends nothing for a cancelled
     request, whose choices stayed counted: three streams cut off, and every request after was
     answered 429 with the engine idle. A whole answer's client that left went on generating to
     its last token, holding its rows and room."""
-    cfg = deploy_config(
-        f"checkpoint={served_run}",
-        "served_model_name=tiny",
-        "port=0",
-        "max_queue=1",
-        "transformers.max_batch_size=1",  # room for two choices: one running, one waiting
-    )
+    url = one_row_server  # room for two choices: one running, one waiting
     long = {"prompt": "hello", "max_tokens": 240, "temperature": 0, "n": 2}
-    with serving(cfg) as url:
-        for _ in range(3):
-            _gone_after(url, completion_body(**long, stream=True), 0.0)
-            deadline = time.monotonic() + 30
-            while (
-                status := raw_request(url, "POST", "/v1/completions", completion_body(n=2))[0]
-            ) != 200:
-                assert status == 429 and time.monotonic() < deadline, status
-                time.sleep(0.1)
-        # Whole: its two choices take about twice 240 steps; the room is back at once.
-        _gone_after(url, completion_body(**long), 0.1)
-        time.sleep(0.1)
-        status, _, body = raw_request(url, "POST", "/v1/completions", completion_body(n=2))
-        assert status == 200, body
-
-
-def test_an_engine_process_that_ends_fails_health_and_requests(served_run: Path) -> None:
-    """/health said ok and every request was answered 503 "shutting down: retry" for good: a
-    supervisor probing /health never restarted the server."""
-    import multiprocessing
-
-    cfg = deploy_config(
-        f"checkpoint={served_run}", "served_model_name=tiny", "port=0", "transformers.process=true"
-    )
-    before = set(multiprocessing.active_children())  # the module's other servers' engines
-    with serving(cfg) as url:
-        (engine,) = set(multiprocessing.active_children()) - before
-        os.kill(engine.pid, signal.SIGKILL)
+    for _ in range(3):
+        _gone_after(url, completion_body(**long, stream=True), 0.0)
         deadline = time.monotonic() + 30
-        while (health := raw_request(url, "GET", "/health", key=None))[0] != 503:
-            assert time.monotonic() < deadline, health
+        while (
+            status := raw_request(url, "POST", "/v1/completions", completion_body(n=2))[0]
+        ) != 200:
+            assert status == 429 and time.monotonic() < deadline, status
             time.sleep(0.1)
-        said = json.loads(health[2])
-        assert said["status"] == "failed", said
-        assert "the engine's process ended unexpectedly (exit code -9)" in said["error"]
-        status, _, body = raw_request(url, "POST", "/v1/completions", completion_body())
-        assert status == 503 and "ended unexpectedly" in json.loads(body)["error"]["message"]
+    # Whole: its two choices take about twice 240 steps; the room is back at once.
+    _gone_after(url, completion_body(**long), 0.1)
+    time.sleep(0.1)
+    status, _, body = raw_request(url, "POST", "/v1/completions", completion_body(n=2))
+    assert status == 200, body
 
 
-def test_the_engines_process_holds_no_listening_socket(
-    served_run: Path, hermetic_env: dict[str, str], tmp_path: Path
-) -> None:
-    """Forked after `runner deploy` bound its port, the engine's process held the listening
-    socket open: through the server's shutdown the port took connections nobody answered,
-    reset as the engine exited."""
-    args = [f"checkpoint={served_run}", "device=cpu", "transformers.process=true"]
-    with deploy_server(args, cwd=tmp_path, env=hermetic_env, up_within_s=120) as url:
-        port = int(url.rsplit(":", 1)[1])
-        listening = {  # /proc/net/tcp: local address, remote, state (0A: LISTEN), ..., inode
-            fields[9]
-            for table in ("/proc/net/tcp", "/proc/net/tcp6")
-            for fields in (line.split() for line in Path(table).read_text().splitlines()[1:])
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A"
-        }
-        served = [  # the server and its forked engine: both run its command line
-            pid
-            for pid in filter(str.isdigit, os.listdir("/proc"))
-            if f"port={port}".encode() in _read(f"/proc/{pid}/cmdline")
-        ]
-        holders = [pid for pid in served if _holds(pid, {f"socket:[{i}]" for i in listening})]
-    assert len(served) == 2 and len(holders) == 1, (served, holders)
-
-
-def _read(path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError:
-        return b""
+def _listening_sockets(port: int) -> set[str]:
+    """The sockets listening on `port`, as a process's /proc/PID/fd links name them."""
+    return {  # /proc/net/tcp: local address, remote, state (0A: LISTEN), ..., inode
+        f"socket:[{fields[9]}]"
+        for table in ("/proc/net/tcp", "/proc/net/tcp6")
+        for fields in (line.split() for line in Path(table).read_text().splitlines()[1:])
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A"
+    }
 
 
 def _holds(pid: str, sockets: set[str]) -> bool:
