@@ -37,9 +37,11 @@ LONG_JOB = [
 ]
 
 
-def start_run(env: dict[str, str], run_dir: Path) -> subprocess.Popen:
+def start_run(env: dict[str, str], run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`runner train` of LONG_JOB, with `overrides` after it (Hydra keeps the last)."""
+    command = [sys.executable, "-m", "runner", "train", *LONG_JOB, *overrides]
     return subprocess.Popen(
-        [sys.executable, "-m", "runner", "train", *LONG_JOB, f"hydra.run.dir={run_dir}"],
+        [*command, f"hydra.run.dir={run_dir}"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -95,7 +97,8 @@ def test_a_run_outlives_its_console_and_saves_on_a_hangup(hermetic_env, tmp_path
         assert proc.poll() is None
     proc.stdout.close()  # the reader goes, as head does once it has its lines
     deadline = time.monotonic() + 300
-    while max(RunDir(run_dir).losses(), default=0) < 30:  # and the run trains on
+    # And the run trains on, writing its step lines from step 3 to a pipe no one reads.
+    while max(RunDir(run_dir).losses(), default=0) < 12:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
     os.kill(proc.pid, signal.SIGHUP)
@@ -137,8 +140,11 @@ def freeze(run_dir: Path, pid: int, seconds: float) -> None:
 
 
 def test_stop_then_resume_through_the_cli(runner_cli, hermetic_env, tmp_path: Path) -> None:
+    # max_steps=40: frozen as its first checkpoint (step 5) appears, the run is still some 35
+    # steps from its end. The resume trains what is left, a save every 5 steps: LONG_JOB's 100
+    # made it train and save 60 steps more than this needs.
     run_dir = tmp_path / "outputs" / "stopped"
-    proc = start_run(hermetic_env, run_dir)
+    proc = start_run(hermetic_env, run_dir, "max_steps=40")
     wait_for_checkpoint(run_dir, proc)
     # Suspended (a hang or a paused job looks the same): it holds its lock, but does not beat.
     freeze(run_dir, proc.pid, 150)
@@ -159,13 +165,13 @@ def test_stop_then_resume_through_the_cli(runner_cli, hermetic_env, tmp_path: Pa
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert proc.wait(timeout=300) == 143
     status = state_of(run_dir)
-    assert status["state"] == "cancelled" and 0 < status["step"] < 100
+    assert status["state"] == "cancelled" and 0 < status["step"] < 40
     assert (run_dir / "checkpoints" / f"step_{status['step']}").is_dir()
     again = runner_cli("stop", str(run_dir))
     assert again.returncode == 2 and "already cancelled" in again.stderr
     resumed = runner_cli("resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert state_of(run_dir)["state"] == "completed" and state_of(run_dir)["step"] == 100
+    assert state_of(run_dir)["state"] == "completed" and state_of(run_dir)["step"] == 40
     # `runner logs` tells where the first run ended and the resumed one began (train.log had
     # neither line: the console's alone).
     logs = runner_cli("logs", str(run_dir)).stdout
@@ -182,7 +188,7 @@ def test_stop_then_resume_through_the_cli(runner_cli, hermetic_env, tmp_path: Pa
         in again.stderr
     )
     listing = runner_cli("runs", str(tmp_path / "outputs"))
-    assert "completed" in listing.stdout and "100/100" in listing.stdout
+    assert "completed" in listing.stdout and "40/40" in listing.stdout
 
 
 def test_lifecycle_commands_refuse_what_is_not_a_run(runner_cli, tmp_path: Path) -> None:
@@ -483,21 +489,26 @@ def test_logs_follow_waits_for_a_run_to_start_where_none_is_yet(hermetic_env, tm
     """`runner logs -f RUN` typed just after `runner train hydra.run.dir=RUN &` came before the
     directory did, and was refused as no such directory: it waits for a run to start there."""
     run = tmp_path / "soon"
-    logs = subprocess.Popen(
-        [sys.executable, "-m", "runner", "logs", "-f", str(run)],
-        env=hermetic_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    time.sleep(3)  # the command is up and waiting (it would have been refused by now)
-    assert logs.poll() is None
+    err = tmp_path / "logs.err"
+    with open(err, "w") as stderr:
+        logs = subprocess.Popen(
+            [sys.executable, "-m", "runner", "logs", "-f", str(run)],
+            env=hermetic_env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    # The command is up and waiting, and says so (it would have been refused by now).
+    deadline = time.monotonic() + 300
+    waiting = f"{run}: no run there yet; waiting up to 30 s for one to start"
+    while waiting not in err.read_text():
+        assert logs.poll() is None and time.monotonic() < deadline, err.read_text()
+        time.sleep(0.05)
     run.mkdir()
     (run / "train.log").write_text("step 4 of 4\n")
     (run / "status.json").write_text(json.dumps({"state": "completed", "step": 4}))
-    out, err = logs.communicate(timeout=60)
-    assert logs.returncode == 0 and out == "step 4 of 4\n", err
-    assert f"{run}: no run there yet; waiting up to 30 s for one to start" in err
+    out, _ = logs.communicate(timeout=60)
+    assert logs.returncode == 0 and out == "step 4 of 4\n", err.read_text()
 
 
 TWO_PROCESSES = [
