@@ -22,10 +22,11 @@ def summary_of(sweep: Path) -> dict:
 
 
 def test_sweep_summary_matches_its_run_directories(runner_cli, tmp_path: Path) -> None:
+    """On the parallel launcher (joblib's workers, one per core), whose jobs end and write the
+    summary at once; the sequential launcher's summaries are the other tests' here."""
     sweep = tmp_path / "sweep"
-    result = runner_cli(
-        "train", "-m", *TINY_JOB, "optimizer.lr=1e-3,3e-3", "seed=0,1", f"hydra.sweep.dir={sweep}"
-    )
+    parallel = ["train", "-m", "hydra/launcher=parallel", *TINY_JOB]
+    result = runner_cli(*parallel, "optimizer.lr=1e-3,3e-3", "seed=0,1", f"hydra.sweep.dir={sweep}")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = summary_of(sweep)
     assert [r["job"] for r in summary["runs"]] == ["0", "1", "2", "3"]
@@ -45,9 +46,7 @@ def test_sweep_summary_matches_its_run_directories(runner_cli, tmp_path: Path) -
     # Other values into it: its jobs found their directories trained and trained nothing, and
     # the summary named them by values they never trained with.
     written = {p: p.stat().st_mtime_ns for p in sweep.rglob("*") if p.is_file()}
-    other = runner_cli(
-        "train", "-m", *TINY_JOB, "optimizer.lr=1e-3,8e-3", "seed=0,1", f"hydra.sweep.dir={sweep}"
-    )
+    other = runner_cli(*parallel, "optimizer.lr=1e-3,8e-3", "seed=0,1", f"hydra.sweep.dir={sweep}")
     assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
     assert other.stderr == (
         f"error: hydra.sweep.dir='{sweep}': holds a sweep that other overrides started: "
@@ -80,20 +79,6 @@ def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path
         "the run failed before it recorded its recipe (recipe.yaml): nothing to go on from; fix "
         "what its status.json error says and train it again"
     ) in resumed.stderr
-
-
-def test_parallel_launcher(runner_cli, tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
-    result = runner_cli(
-        "train",
-        "-m",
-        "hydra/launcher=parallel",
-        *TINY_JOB,
-        "optimizer.lr=1e-3,3e-3",
-        f"hydra.sweep.dir={sweep}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert [r["state"] for r in summary_of(sweep)["runs"]] == ["completed", "completed"]
 
 
 def test_sigterm_stops_a_parallel_sweep_as_a_sequential_one(hermetic_env, tmp_path: Path) -> None:
