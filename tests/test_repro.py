@@ -309,6 +309,7 @@ def best_capability(hermetic_env: dict[str, str]) -> str:
     return proc.stdout.strip().lower()
 
 
+@pytest.mark.long
 def test_deterministic_losses_do_not_depend_on_the_machines_kernels(
     runner_cli, tmp_path: Path, hermetic_env, capsys: pytest.CaptureFixture[str]
 ) -> None:
