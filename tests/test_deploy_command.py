@@ -178,7 +178,12 @@ def test_an_origin_no_browser_sends_is_refused(origin: str) -> None:
 
 def test_an_ipv6_host_is_bracketed_in_the_url_it_serves_at(served_run: Path) -> None:
     """`http://:::PORT/v1` (host=::) is no URL: the OpenAI client refused it (Invalid port)."""
-    _, sock = prepare(deploy_config(f"checkpoint={served_run}", "host=::1", "port=0"))
+    # The engine in this process, which nothing starts before the server does: with an
+    # engine's process, prepare() starts that process (to load meanwhile), which nothing here
+    # closed; it ignores the SIGTERM that multiprocessing sends at exit, so pytest's exit
+    # waited on it for good (and its imports and load cost ~5 s).
+    overrides = ["host=::1", "port=0", "transformers.process=false"]
+    _, sock = prepare(deploy_config(f"checkpoint={served_run}", *overrides))
     port = sock.getsockname()[1]
     url = served_url(sock)
     sock.close()
