@@ -360,6 +360,37 @@ def test_deploy_command_without_checkpoint_exits_2_with_one_message(runner_cli) 
     assert "checkpoint" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_checkpoint_refused_after_an_engine_started_ends_the_command(
+    served_run: Path, hermetic_env: dict[str, str], tmp_path: Path
+) -> None:
+    """device=cpu, whose engine runs in a process of its own. The first of two checkpoints had
+    its engine's process started (to load while the server starts) when the second was refused:
+    the error was printed, then `runner deploy` never exited, multiprocessing waiting at exit on
+    an engine that ignores its SIGTERM. In a fresh interpreter: a forked CLI ends without
+    running the exit handlers."""
+    bad = tmp_path / "bad"
+    shutil.copytree(served_run / "checkpoints" / "step_10", bad)
+    (bad / "config.json").write_text('{"model_type": "llama"')  # cut short
+    good = served_run / "checkpoints" / "step_10"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "deploy",
+            f"checkpoint=[{good},{bad}]",
+            "port=0",
+            "device=cpu",
+        ],
+        env=hermetic_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"error: checkpoint='{bad}': its config.json" in result.stderr, result.stderr[-3000:]
+
+
 def test_the_engine_in_its_own_process_serves_a_lora_checkpoint_and_its_end_fails_health(
     tiny_checkpoint: Path,
 ) -> None:

@@ -21,10 +21,12 @@ benchmarks), so it is the CPU's default (PROCESS_BY_DEVICE); CUDA waits for a GP
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util  # registers multiprocessing's exit handler before _kill_unclosed
 import os
 import signal
 import socket
@@ -67,6 +69,22 @@ PROCESS_BY_DEVICE = {"cpu": True, "cuda": False}
 ENGINE_SWITCH_INTERVAL_S = 0.0005
 # prctl's option for the signal a process gets when its parent dies (<linux/prctl.h>).
 _PR_SET_PDEATHSIG = 1
+# The engines' processes started and not closed (EngineProcess.close). At exit, multiprocessing
+# sends its daemonic children a SIGTERM and waits for them, and an engine ignores it
+# (serve_engine): one that a failure left open between its start and the server's (a second
+# checkpoint refused, a tokenizer that does not load) held `runner deploy` at exit for good,
+# after its error. Killed instead, by a handler registered after multiprocessing's own, so run
+# before it (atexit runs the last registered first).
+_UNCLOSED: set[multiprocessing.process.BaseProcess] = set()
+
+
+@atexit.register
+def _kill_unclosed() -> None:
+    """Kill the engines' processes that nothing closed: nothing is served by them at exit."""
+    for process in list(_UNCLOSED):
+        process.kill()
+        process.join()
+    _UNCLOSED.clear()
 
 
 def process_by_default(device: str) -> bool:
@@ -119,6 +137,7 @@ class EngineProcess:
             daemon=True,
         )
         self._process.start()
+        _UNCLOSED.add(self._process)
         child.close()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the fields below, shared with the reader thread
@@ -165,6 +184,7 @@ class EngineProcess:
             log.error("the engine's process did not end in %d s: killing it", CLOSE_TIMEOUT_S)
             self._process.kill()
             self._process.join()
+        _UNCLOSED.discard(self._process)
         if self._reader.ident is not None:
             self._reader.join()
         self._conn.close()
