@@ -48,10 +48,9 @@ ESTIMATE_DATA = "dataset.split='train[:512]'"
 
 
 # The files that take longest go first: xdist hands out whole files in collection order, and
-# the longest starting last would run on alone. One waits on nodes and timeouts, the other
-# trains: two that mostly wait, side by side, leave the cores idle (test_distributed.py, which
-# waits too, comes early anyway, in the order of its name).
-LONGEST_FILES = ("test_distributed_failures.py", "test_repro.py")
+# the longest starting last would run on alone (test_distributed.py, which waits on nodes,
+# comes early anyway, in the order of its name).
+LONGEST_FILES = ("test_sweeps.py", "test_repro.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -148,6 +148,7 @@ def test_checkpoint_of_one_rank_resumes_on_two(forked_cli, layouts, tmp_path: Pa
     assert_close(resumed, losses(layouts["1x1"]))
 
 
+@pytest.mark.long
 def test_killed_worker_restarts_the_group_and_ends_with_the_same_loss(
     hermetic_env, layouts, tmp_path: Path
 ) -> None:

@@ -47,6 +47,7 @@ torch.optim.AdamW.step = step
 """
 
 
+@pytest.mark.long
 def test_a_ranks_own_error_is_the_runs_not_the_lost_contact_it_causes(
     hermetic_env, tmp_path: Path
 ) -> None:
@@ -75,6 +76,7 @@ def test_a_ranks_own_error_is_the_runs_not_the_lost_contact_it_causes(
     assert (run_dir / ".failed-rank1").read_text().startswith("out of memory on the host")
 
 
+@pytest.mark.long
 def test_a_rank_killed_by_a_signal_is_named_not_the_lost_contact_it_causes(
     hermetic_env, tmp_path: Path
 ) -> None:
@@ -235,6 +237,7 @@ def test_the_ranks_vote_over_gloo_of_their_own_within_the_collective_timeout(
     assert 2 <= ranks[0]["waited_s"] < 30, ranks[0]
 
 
+@pytest.mark.long
 def test_nodes_with_different_run_directories_fail_at_once(hermetic_env, tmp_path: Path) -> None:
     """They meet (on the rendezvous address they share), compare and stop, long before
     compute.rdzv_timeout_s."""
@@ -255,6 +258,7 @@ def test_nodes_with_different_run_directories_fail_at_once(hermetic_env, tmp_pat
         assert status["state"] == "failed" and str(dirs[1 - dirs.index(run_dir)]) in status["error"]
 
 
+@pytest.mark.long
 def test_sigterm_to_one_node_stops_every_node_at_once(hermetic_env, tmp_path: Path) -> None:
     """A node preempted alone (`runner stop` there, an evicted pod): every rank saves, and the
     other node ends too, not held for 300 s in torch's exit barrier by the stopped agent."""
