@@ -50,7 +50,7 @@ ESTIMATE_DATA = "dataset.split='train[:512]'"
 # The files that take longest go first: xdist hands out whole files in collection order, and
 # the longest starting last would run on alone (test_distributed.py, which waits on nodes,
 # comes early anyway, in the order of its name).
-LONGEST_FILES = ("test_sweeps.py", "test_repro.py")
+LONGEST_FILES = ("test_repro.py", "test_lifecycle.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -80,6 +80,7 @@ def test_a_run_launched_through_the_api_trains_to_completion(straight, workdir: 
         api.runs(workdir / "nowhere")
 
 
+@pytest.mark.long
 def test_stop_and_resume_through_the_api_give_the_straight_run_losses(
     straight, workdir: Path, hermetic_env: dict[str, str]
 ) -> None:

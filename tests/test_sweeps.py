@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
@@ -81,6 +82,7 @@ def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path
     ) in resumed.stderr
 
 
+@pytest.mark.long
 def test_sigterm_stops_a_parallel_sweep_as_a_sequential_one(hermetic_env, tmp_path: Path) -> None:
     """Each running job saves and ends cancelled, the third never trains, the summary says so
     and the sweep exits 143; joblib alone left the jobs training on as orphans (SIGTERM) or
@@ -205,6 +207,7 @@ def test_an_optuna_direction_against_the_objective_is_refused_before_any_job(
     assert "Traceback" not in result.stderr and not sweep.exists()
 
 
+@pytest.mark.long
 def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: Path) -> None:
     """The job stopped saves as any run does; the jobs after it never start; the summary says
     so, as Hydra's end-of-job callback, which Ctrl-C skips, would have."""
