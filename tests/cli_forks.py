@@ -12,9 +12,10 @@ visible (CUDA_VISIBLE_DEVICES empty), checks that CUDA stayed uninitialised, and
 
 A command may be given environment variables that the runner reads as it runs (the platform's
 BT_LOAD_CHECKPOINT_DIR, HOME for a path given with `~`): the fork sets them before it runs the
-command. Not those read as the preloaded modules import (torch's thread and kernel settings,
-huggingface_hub's paths and offline switches): a command that needs those set runs in a fresh
-interpreter (tests/conftest.py), and the client refuses them here.
+command. Not those read as the interpreter starts (PYTHONPATH) or as the preloaded modules
+import (torch's thread and kernel settings, huggingface_hub's paths and offline switches): a
+command that needs those set runs in a fresh interpreter (tests/conftest.py), and the client
+refuses them here.
 
 Protocol (one JSON object per line): the client writes {"argv": [...], "cwd": "...",
 "timeout_s": N, "env": {...}}; the server answers {"returncode": N, "stdout": "...",
@@ -64,8 +65,19 @@ PRELOAD = (
 )
 
 
-# What the preloaded modules read from the environment as they import: set in a fork, too late.
-READ_AT_IMPORT = ("ATEN_", "CUDA_", "HF_", "MKL_", "OMP_", "PYTORCH_", "TORCH", "TRANSFORMERS_")
+# What the interpreter reads from the environment as it starts (PYTHONPATH, its sitecustomize)
+# and the preloaded modules as they import: set in a fork, too late.
+READ_AT_IMPORT = (
+    "ATEN_",
+    "CUDA_",
+    "HF_",
+    "MKL_",
+    "OMP_",
+    "PYTHON",
+    "PYTORCH_",
+    "TORCH",
+    "TRANSFORMERS_",
+)
 
 
 def _child(argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> None:

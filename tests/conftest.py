@@ -22,7 +22,7 @@ import pytest
 
 from runner.config import interpolations
 from runner.rundir import RunDir
-from tests.cli_forks import ForkedCli
+from tests.cli_forks import READ_AT_IMPORT, ForkedCli
 
 if TYPE_CHECKING:
     from runner.deploy.engine import TransformersEngine
@@ -152,8 +152,9 @@ def forked_cli(hermetic_env: dict[str, str]) -> Iterator[ForkedCli]:
 # status and output), sparing each ~4 s of imports; a training of one process runs in it as in
 # a user's `runner`, and several processes start under elastic_launch, forked from it as a
 # user's `runner` forks them on the CPU (runner/job/launch.py).
-# A call with its own environment (read by torch and huggingface_hub at import), and every call
-# of a test marked `gpu` (the server sees no GPU: tests/cli_forks.py), starts a fresh
+# A call with its own environment forks too, its variables set in the fork, unless it sets one
+# that torch or huggingface_hub read at import (cli_forks.READ_AT_IMPORT); such a call, and every
+# call of a test marked `gpu` (the server sees no GPU: tests/cli_forks.py), starts a fresh
 # interpreter.
 FORKED_COMMANDS = {
     "train",
@@ -175,7 +176,8 @@ def forks(node: pytest.Item, args: tuple[str, ...], env: dict[str, str] | None) 
     """Whether `runner_cli(*args, env=env)` in the test `node` runs in the fork server."""
     if node.get_closest_marker("gpu") is not None:
         return False
-    return env is None and bool(args) and args[0] in FORKED_COMMANDS
+    read_at_import = any(name.upper().startswith(READ_AT_IMPORT) for name in env or {})
+    return not read_at_import and bool(args) and args[0] in FORKED_COMMANDS
 
 
 @pytest.fixture
@@ -189,7 +191,7 @@ def runner_cli(
 
     def run(*args: str, cwd: Path = tmp_path, env: dict[str, str] | None = None) -> Result:
         if forks(request.node, args, env):
-            forked = forked_cli(list(args), cwd, timeout_s=600)
+            forked = forked_cli(list(args), cwd, timeout_s=600, env=env)
             return Result(forked.returncode, forked.stdout, forked.stderr)
         proc = subprocess.run(
             [sys.executable, "-m", "runner", *args],

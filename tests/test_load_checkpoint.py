@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK, losses
 
 STEPS = [
@@ -45,18 +44,6 @@ def lora_run(straight: Path, tmp_path_factory: pytest.TempPathFactory, forked_cl
     return run
 
 
-@pytest.fixture
-def cli(forked_cli: ForkedCli, tmp_path: Path):
-    """`runner ARGS` forked as runner_cli forks it, with `env`: variables the runner reads as it
-    runs (BT_LOAD_CHECKPOINT_DIR, HOME), set in the fork (tests/cli_forks.py), where runner_cli
-    starts a fresh interpreter for any env (~5 s of imports a command)."""
-
-    def run(*args: str, env: dict[str, str] | None = None) -> Forked:
-        return forked_cli(list(args), tmp_path, timeout_s=600, env=env)
-
-    return run
-
-
 def mount_with(tmp_path: Path, *entries: tuple[str, Path]) -> dict[str, str]:
     """A BT_LOAD_CHECKPOINT_DIR holding copies of `entries` (name, source) under a job folder."""
     mount = tmp_path / "loaded_checkpoints"
@@ -65,19 +52,19 @@ def mount_with(tmp_path: Path, *entries: tuple[str, Path]) -> dict[str, str]:
     return {"BT_LOAD_CHECKPOINT_DIR": str(mount)}
 
 
-def test_a_mounted_run_is_continued_in_the_new_run(cli, straight: Path, tmp_path: Path):
+def test_a_mounted_run_is_continued_in_the_new_run(runner_cli, straight: Path, tmp_path: Path):
     """The mounted run stopped after its step-2 checkpoint; the new job continues it with the
     uninterrupted run's losses and leaves the mount as it was."""
     env = mount_with(tmp_path, ("run", straight))
     loaded = tmp_path / "loaded_checkpoints" / "job-1" / "run"
     shutil.rmtree(loaded / "checkpoints" / "step_4")
-    shown = cli("train", *STEPS, "--cfg", "job", "--resolve", env=env)
+    shown = runner_cli("train", *STEPS, "--cfg", "job", "--resolve", env=env)
     assert shown.returncode == 0, shown.stderr[-3000:]
     section = OmegaConf.create(shown.stdout).load_checkpoint
     assert (section.path, section.mode) == (str(loaded), "resume")
     before = sorted(str(p.relative_to(loaded)) for p in loaded.rglob("*"))
     run = tmp_path / "new"
-    result = cli("train", *STEPS, f"hydra.run.dir={run}", env=env)
+    result = runner_cli("train", *STEPS, f"hydra.run.dir={run}", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {loaded / 'checkpoints' / 'step_2'}" in result.stderr
     assert sorted(losses(run)) == [3, 4]
@@ -86,12 +73,12 @@ def test_a_mounted_run_is_continued_in_the_new_run(cli, straight: Path, tmp_path
 
 
 def test_a_mounted_model_checkpoint_is_the_model_source(
-    cli, straight: Path, tmp_path: Path
+    runner_cli, straight: Path, tmp_path: Path
 ) -> None:
     env = mount_with(tmp_path, ("step_4", straight / "checkpoints" / "step_4"))
     loaded = tmp_path / "loaded_checkpoints" / "job-1" / "step_4"
     run = tmp_path / "new"
-    result = cli("train", *STEPS, "max_steps=1", f"hydra.run.dir={run}", env=env)
+    result = runner_cli("train", *STEPS, "max_steps=1", f"hydra.run.dir={run}", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     recipe = OmegaConf.load(run / "recipe.yaml")
     assert (recipe.model.source, recipe.resume_from) == (str(loaded), None)
@@ -161,7 +148,7 @@ def test_a_lora_run_is_continued_on_its_own_base_with_its_best(
     ],
 )
 def test_what_cannot_be_started_from_is_refused_by_name(
-    cli, straight: Path, tmp_path: Path, case: str, request: pytest.FixtureRequest
+    runner_cli, straight: Path, tmp_path: Path, case: str, request: pytest.FixtureRequest
 ) -> None:
     step = straight / "checkpoints" / "step_4"
     env, extra = None, []
@@ -222,17 +209,17 @@ def test_what_cannot_be_started_from_is_refused_by_name(
         # At step 4 already: max_steps=4 would train nothing and save no checkpoint.
         extra, wanted = [f"load_checkpoint.path={straight}"], "error: max_steps=4: "
     # validate refuses what train refuses (the job service's validate-then-launch).
-    checked = cli("validate", *STEPS, *extra, env=env)
+    checked = runner_cli("validate", *STEPS, *extra, env=env)
     assert checked.returncode == 2 and wanted in checked.stderr, checked.stderr[-3000:]
     run = tmp_path / "new"
-    result = cli("train", *STEPS, *extra, f"hydra.run.dir={run}", env=env)
+    result = runner_cli("train", *STEPS, *extra, f"hydra.run.dir={run}", env=env)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "load_checkpoint." in result.stderr and wanted in result.stderr, result.stderr
     assert not run.exists()
 
 
 def test_a_run_continued_with_more_steps_trains_on_the_longer_schedule(
-    forked_cli, straight: Path, tmp_path: Path
+    runner_cli, straight: Path, tmp_path: Path
 ) -> None:
     """The fix a completed run's resume gives (load_checkpoint.path=RUN max_steps=<more>): the
     first step goes on at the 8-step schedule's lr for step 5, as torchtune's recipes rebuild
@@ -243,7 +230,7 @@ def test_a_run_continued_with_more_steps_trains_on_the_longer_schedule(
 
     run = tmp_path / "longer"
     args = ["train", *STEPS, f"load_checkpoint.path={straight}", "max_steps=8"]
-    result = forked_cli([*args, f"hydra.run.dir={run}"], tmp_path, timeout_s=600)
+    result = runner_cli(*args, f"hydra.run.dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     recipe = OmegaConf.load(run / "recipe.yaml").optimizer
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=recipe.lr)
@@ -257,22 +244,18 @@ def test_a_run_continued_with_more_steps_trains_on_the_longer_schedule(
     assert first["lr"] == optimizer.param_groups[0]["lr"] > 0
 
 
-def test_a_data_position_that_the_data_does_not_fit(forked_cli, tmp_path: Path) -> None:
+def test_a_data_position_that_the_data_does_not_fit(runner_cli, tmp_path: Path) -> None:
     """A run continued on more data than its checkpoint's (2 steps an epoch, now 4): the saved
     position, epoch 1 after its 2 steps, leaves 2 steps of 8 in the new data's epochs: the run
     ends where its data does, said (it ended completed at step 6 of 8 with no checkpoint of its
     steps); one that would end before its checkpoint's step is refused by its epochs."""
     short = tmp_path / "short"
     args = ["train", *STEPS, "dataset.split='train[:32]'", "epochs=2", "max_steps=null"]
-    result = forked_cli([*args, f"hydra.run.dir={short}"], tmp_path, timeout_s=600)
+    result = runner_cli(*args, f"hydra.run.dir={short}")
     assert result.returncode == 0, result.stderr[-3000:]
     longer = tmp_path / "longer"
     args = ["train", *STEPS, "dataset.split='train[:64]'", "epochs=2", "max_steps=null"]
-    result = forked_cli(
-        [*args, "seed=1", f"load_checkpoint.path={short}", f"hydra.run.dir={longer}"],
-        tmp_path,
-        600,
-    )
+    result = runner_cli(*args, "seed=1", f"load_checkpoint.path={short}", f"hydra.run.dir={longer}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the data ends at step 6 of 8" in result.stderr
     # Another seed orders the records otherwise: the position goes on in another order, said.
@@ -286,15 +269,13 @@ def test_a_data_position_that_the_data_does_not_fit(forked_cli, tmp_path: Path) 
     assert (status["state"], status["step"], status["total_steps"]) == ("completed", 6, 6)
     fewer = tmp_path / "fewer"
     args = ["train", *STEPS, "dataset.split='train[:32]'", "epochs=1", "max_steps=null"]
-    result = forked_cli(
-        [*args, f"load_checkpoint.path={short}", f"hydra.run.dir={fewer}"], tmp_path, 600
-    )
+    result = runner_cli(*args, f"load_checkpoint.path={short}", f"hydra.run.dir={fewer}")
     assert result.returncode != 0
     assert "error: epochs=1: load_checkpoint.path's checkpoint is at step 4" in result.stderr
 
 
 def test_paths_given_with_a_tilde_are_in_the_home_directory(
-    cli, straight: Path, tmp_path: Path
+    runner_cli, straight: Path, tmp_path: Path
 ) -> None:
     """Quoted, Hydra keeps `~` as typed: `hydra.run.dir='~/next'` made a directory named `~` in
     the working directory, and `load_checkpoint.path='~/run'` or `runner resume '~/run'` found
@@ -303,10 +284,10 @@ def test_paths_given_with_a_tilde_are_in_the_home_directory(
     shutil.copytree(straight, home / "straight")
     env = {"HOME": str(home)}
     given = ["load_checkpoint.path='~/straight'", "hydra.run.dir='~/next'", "max_steps=6"]
-    result = cli("train", *STEPS, *given, env=env)
+    result = runner_cli("train", *STEPS, *given, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert max(losses(home / "next")) == 6 and not (tmp_path / "~").exists()
-    result = cli("resume", "~/next", env=env)
+    result = runner_cli("resume", "~/next", env=env)
     assert result.returncode == 2 and f"RUN='{home / 'next'}': the run is already completed" in (
         result.stderr
     )
