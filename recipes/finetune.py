@@ -343,6 +343,12 @@ class FinetuneRecipe:
                 lambda out_dir: self.weights.write(out_dir, model_state, training_state),
                 keep_last_n=self.cfg.runtime.keep_last_n_checkpoints,
                 keep_step=self.best["step"] if self.best else None,
+                saved=lambda: self.reporter.status(
+                    "checkpointing",
+                    step=self.step,
+                    total_steps=self.total_steps,
+                    **self._best_field(),
+                ),
             )
         checkpointing.barrier(self.place)
         self._status_running(**self._best_field())

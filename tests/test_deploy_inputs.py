@@ -71,6 +71,16 @@ def test_best_checkpoint_of_a_run_by_its_eval_line(tmp_path: Path) -> None:
         "step 30): select.checkpoint=latest serves its latest, or name a metrics.jsonl key to "
         "judge by, e.g. select.metric=loss"
     )
+    # A recorded best whose checkpoint is gone (deleted, set aside as damaged) is named so: it
+    # read as "not recorded yet".
+    status = json.loads((run / "status.json").read_text())
+    best = {"metric": "eval_loss", "mode": "min", "step": 40, "value": 0.1}
+    (run / "status.json").write_text(json.dumps({**status, "best": best}))
+    with pytest.raises(UserError) as refused:
+        serve(run, checkpoint="best")
+    assert f"{run} recorded its best at step 40, whose checkpoint is no longer among its" in str(
+        refused.value
+    )
 
 
 def test_a_metric_picks_a_runs_checkpoint_only_with_best_in_deploy_and_export_alike(

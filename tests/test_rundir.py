@@ -240,8 +240,52 @@ def test_the_latest_checkpoint_is_the_newest_whole_one(
     # Pruning after the next save counts whole checkpoints only.
     tmp = run.fresh_checkpoint_tmp(10)
     tmp.mkdir()
-    run.commit_checkpoint(tmp, 10, keep_last=2)
+    run.commit_checkpoint(tmp, 10)
+    run.prune_checkpoints(keep_last=2)
     assert [step for step, _ in run.checkpoints()] == [4, 10]
+
+
+def test_a_checkpoint_linked_in_from_other_storage_is_pruned_by_its_link(tmp_path: Path) -> None:
+    """Old checkpoints moved to a cheaper disk and linked back: pruning one removes the link and
+    leaves where it leads (rmtree refused the link: the run failed at its next save, and every
+    resume after it failed on the `.deleting-step_2` link left behind)."""
+    run = RunDir(tmp_path / "run")
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    for step in (2, 4):
+        whole_checkpoint(run, step)
+        run.checkpoint_path(step).rename(cold / f"step_{step}")
+        run.checkpoint_path(step).symlink_to(cold / f"step_{step}")
+    whole_checkpoint(run, 6)
+    run.prune_checkpoints(keep_last=2)
+    assert [step for step, _ in run.checkpoints()] == [4, 6]
+    assert (cold / "step_2" / MODEL_FILE).is_file()
+    # A prune killed between its rename and its delete leaves a `.deleting-` link.
+    (run.checkpoints_dir / ".deleting-step_4").symlink_to(cold / "step_4")
+    assert run.remove_leftovers() == [run.checkpoints_dir / ".deleting-step_4"]
+    assert not (run.checkpoints_dir / ".deleting-step_4").is_symlink()
+    assert (cold / "step_4" / MODEL_FILE).is_file()
+
+
+def test_a_new_best_is_recorded_before_the_old_best_is_pruned(tmp_path: Path) -> None:
+    """status.json's best names a checkpoint on disk at every moment of a save: it was written
+    after the prune, so a run killed between the two (its hashing of the new checkpoint, a
+    minute at 7B) recorded a best that was gone."""
+    from runner.trainer import checkpointing
+
+    run = RunDir(tmp_path / "run")
+    whole_checkpoint(run, 2)
+    on_disk_when_saved = []
+
+    def write(out_dir: Path) -> None:
+        shutil.copytree(run.checkpoint_path(2), out_dir)
+
+    def saved() -> None:
+        on_disk_when_saved.extend(step for step, _ in run.checkpoints())
+
+    checkpointing.commit(run, 4, write, keep_last_n=1, keep_step=4, saved=saved)
+    assert on_disk_when_saved == [2, 4]  # the old best (2) and the new one (4)
+    assert [step for step, _ in run.checkpoints()] == [4]
 
 
 @pytest.mark.parametrize(

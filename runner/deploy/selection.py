@@ -215,13 +215,17 @@ def best_checkpoint(run: RunDir, *, metric: str | None, mode: str | None) -> Pat
     if metric is None:
         chosen = run.best_checkpoint(None, mode)
         if chosen is None:
-            status = run.status()
-            why = (
-                f"has not recorded a best checkpoint yet ({status.state} at step {status.step})"
-                if status.state in ACTIVE_STATES
-                else "recorded no best checkpoint (it trained without evaluation, or its best "
-                "was deleted)"
-            )
+            recorded = run.best(None, mode)
+            state, _ = run.effective_state()
+            if recorded is not None:
+                why = (
+                    f"recorded its best at step {recorded['step']}, whose checkpoint is no "
+                    "longer among its checkpoints (deleted, or set aside as damaged)"
+                )
+            else:
+                at = f"{state} at step {run.status().step}"
+                yet = " yet" if state in ACTIVE_STATES else ""
+                why = f"has not recorded a best checkpoint{yet} ({at})"
             raise UserError(
                 "select.checkpoint",
                 "best",

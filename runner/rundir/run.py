@@ -335,10 +335,11 @@ class RunDir:
         found = [
             child
             for child in self.checkpoints_dir.iterdir()
-            if child.is_dir() and child.name.startswith((".tmp-", ".deleting-"))
+            if (child.is_dir() or child.is_symlink())
+            and child.name.startswith((".tmp-", ".deleting-"))
         ]
         for child in found:
-            shutil.rmtree(child)
+            _delete(child)
         return found
 
     def fresh_checkpoint_tmp(self, step: int) -> Path:
@@ -348,23 +349,21 @@ class RunDir:
             _remove_tree(tmp)
         return tmp
 
-    def commit_checkpoint(
-        self, tmp: Path, step: int, keep_last: int, keep_step: int | None = None
-    ) -> Path:
-        """Renames a fully written checkpoint (flushed: sync_tree) into place, then prunes to
-        the last `keep_last`.
-
-        The checkpoint of `keep_step` (the run's best) is kept as well, whatever its age.
-        """
+    def commit_checkpoint(self, tmp: Path, step: int) -> Path:
+        """Renames a fully written checkpoint (flushed: sync_tree) into place."""
         final = self.checkpoint_path(step)
-        if final.exists():  # the same step saved by an earlier attempt of this run
+        if final.exists() or final.is_symlink():  # the same step saved by an earlier attempt
             _remove_tree(final)
         os.replace(tmp, final)
         _sync_dir(self.checkpoints_dir)
+        return final
+
+    def prune_checkpoints(self, keep_last: int, keep_step: int | None = None) -> None:
+        """Removes all but the last `keep_last` checkpoints, and the one of `keep_step` (the
+        run's best), whatever its age."""
         for old_step, old in self.checkpoints()[: -max(keep_last, 1)]:
             if old_step != keep_step:
                 _remove_tree(old)
-        return final
 
     # ---- the best -------------------------------------------------------------------------
     def best(self, metric: str | None = None, mode: str | None = None) -> Best | None:
@@ -485,4 +484,13 @@ def _remove_tree(path: Path) -> None:
     # Rename first so a crash mid-delete leaves a name that is never picked up.
     doomed = path.with_name(f".deleting-{path.name}")
     os.replace(path, doomed)
-    shutil.rmtree(doomed)
+    _delete(doomed)
+
+
+def _delete(path: Path) -> None:
+    """A checkpoint linked in from elsewhere (moved to other storage, linked back) loses its
+    link alone: where it leads is not this run's to delete."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)

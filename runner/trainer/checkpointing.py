@@ -59,9 +59,15 @@ def commit(
     *,
     keep_last_n: int,
     keep_step: int | None,
+    saved: Callable[[], None],
 ) -> None:
     """Writes step `step`'s checkpoint under a temporary name (`write(dir)`), renames it into
-    place, prunes to the last `keep_last_n` (and `keep_step`) and records its hashes."""
+    place, calls `saved()`, records its hashes and prunes to the last `keep_last_n` (and
+    `keep_step`).
+
+    `saved` records the run's best in status.json while both the old best's checkpoint and the
+    new one are there: a run killed at any moment has its recorded best on disk.
+    """
     tmp = run.fresh_checkpoint_tmp(step)
     try:
         write(tmp)
@@ -74,8 +80,10 @@ def commit(
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # the part written, which holds the room taken
         raise not_written(run, step, err) from err
-    final = run.commit_checkpoint(tmp, step, keep_last_n, keep_step=keep_step)
+    final = run.commit_checkpoint(tmp, step)
+    saved()
     record_checkpoint(run, step, final)
+    run.prune_checkpoints(keep_last_n, keep_step=keep_step)
 
 
 def not_written(run: RunDir, step: int, err: BaseException) -> UserError:
