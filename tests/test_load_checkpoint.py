@@ -145,6 +145,7 @@ def test_a_lora_run_is_continued_on_its_own_base_with_its_best(
         "another_adapter",
         "no_steps_left",
         "a_sweep",
+        "no_training_state",
     ],
 )
 def test_what_cannot_be_started_from_is_refused_by_name(
@@ -205,6 +206,13 @@ def test_what_cannot_be_started_from_is_refused_by_name(
         shutil.copytree(straight, sweep / "0")
         (sweep / "multirun.yaml").write_text("{}")
         extra, wanted = [f"load_checkpoint.path={sweep}"], "a sweep dir: name the run of it"
+    elif case == "no_training_state":
+        # Deleted to save room: a FileNotFoundError traceback, after the new run dir was made.
+        copy = tmp_path / "copy"
+        shutil.copytree(straight, copy)
+        (copy / "checkpoints" / "step_4" / "training_state.pt").unlink()
+        extra = [f"load_checkpoint.path={copy}", "max_steps=6"]
+        wanted = f"{copy / 'checkpoints' / 'step_4'}': has no training_state.pt (the optimizer, "
     else:
         # At step 4 already: max_steps=4 would train nothing and save no checkpoint.
         extra, wanted = [f"load_checkpoint.path={straight}"], "error: max_steps=4: "

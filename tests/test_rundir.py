@@ -16,6 +16,7 @@ import yaml
 from safetensors.torch import save_file
 
 from runner.deploy.selection import choose_checkpoint
+from runner.errors import UserError
 from runner.job.sweep import exit_code, summarize, write_summary
 from runner.rundir import (
     MODEL_FILE,
@@ -265,6 +266,39 @@ def test_a_checkpoint_linked_in_from_other_storage_is_pruned_by_its_link(tmp_pat
     assert run.remove_leftovers() == [run.checkpoints_dir / ".deleting-step_4"]
     assert not (run.checkpoints_dir / ".deleting-step_4").is_symlink()
     assert (cold / "step_4" / MODEL_FILE).is_file()
+
+
+def test_a_checkpoint_with_a_config_cut_short_or_no_files_is_damaged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config.json cut short (resume and export ended in JSONDecodeError tracebacks, deploy
+    blamed remote code) and a step dir with nothing in it (a copy stopped before its files:
+    resume ended in a FileNotFoundError traceback, deploy and export blamed .bin files) are set
+    aside, as cut-short weights are, and the run goes on from the one before. A run's own
+    resume from a checkpoint whose training state is gone is refused by name; a loaded run's
+    damaged checkpoint, not ours to set aside, is named as it is skipped."""
+    from runner.config.load_checkpoint import latest_whole_checkpoint
+    from runner.models.checkpoint import read_training_state
+
+    run = RunDir(tmp_path / "run")
+    for step in (2, 4, 6):
+        whole_checkpoint(run, step)
+    (run.checkpoint_path(6) / "config.json").write_text('{"model_type": "lla')
+    shutil.rmtree(run.checkpoint_path(4))
+    run.checkpoint_path(4).mkdir()
+    with caplog.at_level(logging.WARNING):
+        assert latest_whole_checkpoint(run.path) == (2, run.checkpoint_path(2))
+    skipped = [r.getMessage() for r in caplog.records]
+    assert f"checkpoint {run.checkpoint_path(6)} is damaged, skipped: " in skipped[0]
+    assert "config.json is cut short or not JSON" in skipped[0]
+    assert f"{run.checkpoint_path(4)} holds no weights (no *.safetensors)" in skipped[1]
+    assert run.latest_checkpoint() == run.checkpoint_path(2)
+    aside = sorted(p.name for p in run.checkpoints_dir.iterdir())
+    assert aside == [".damaged-step_4", ".damaged-step_6", "step_2"]
+    (run.checkpoint_path(2) / TRAINING_STATE_FILE).unlink()
+    with pytest.raises(UserError, match="has no training_state.pt") as refused:
+        read_training_state(run.checkpoint_path(2))
+    assert f"runner train load_checkpoint.path={run.checkpoint_path(2)}" in str(refused.value)
 
 
 def test_a_new_best_is_recorded_before_the_old_best_is_pruned(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from it. A run that has checkpoints of its own (a restarted job) continues from 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,10 +24,20 @@ from runner.components import plain_dict
 from runner.config.fields import override_key
 from runner.errors import UserError
 from runner.paths import user_path
-from runner.rundir import RECIPE_FILE, RunDir, checkpoint_problem, is_run_dir, is_sweep_dir
+from runner.rundir import (
+    RECIPE_FILE,
+    TRAINING_STATE_FILE,
+    RunDir,
+    checkpoint_problem,
+    is_run_dir,
+    is_sweep_dir,
+    no_training_state,
+)
 
 MOUNT_VAR = "BT_LOAD_CHECKPOINT_DIR"
 MODES = ("resume", "weights")
+
+log = logging.getLogger(__name__)
 
 
 def _mode(path: Path) -> str | None:
@@ -90,8 +101,10 @@ def latest_whole_checkpoint(run: Path) -> tuple[int, Path]:
     """(step, path) of the newest whole checkpoint of a loaded run, read-only (a mount is not
     ours to tidy)."""
     for step, checkpoint in reversed(RunDir(run).checkpoints()):
-        if not checkpoint_problem(checkpoint):
+        problem = checkpoint_problem(checkpoint)
+        if not problem:
             return step, checkpoint
+        log.warning("checkpoint %s is damaged, skipped: %s", checkpoint, problem)
     raise UserError(
         "load_checkpoint.path",
         str(run),
@@ -130,6 +143,8 @@ def resolve_load_checkpoint(
             _, path = _whole_weights(path)
         return str(path), None
     step, checkpoint = latest_whole_checkpoint(path)
+    if not (checkpoint / TRAINING_STATE_FILE).is_file():
+        raise no_training_state(checkpoint)
     loaded = OmegaConf.load(path / RECIPE_FILE)
     _check_continuable(path, step, checkpoint, cfg, loaded.method.name)
     # The model the loaded run trained: a LoRA adapter's base, DPO's reference (its own

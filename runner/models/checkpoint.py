@@ -24,6 +24,7 @@ from runner.rundir import (
     TRAINING_STATE_FILE,
     check_safetensors,
     eos_token_ids,
+    no_training_state,
     read_generation_config,
     readable_as_umask,
     weight_files,
@@ -166,7 +167,10 @@ def read_model_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
 def read_training_state(checkpoint_dir: Path) -> dict[str, Any]:
     """Loads optimizer, scheduler, position and RNG state with weights_only (no code runs)."""
-    return torch.load(checkpoint_dir / TRAINING_STATE_FILE, weights_only=True)
+    path = checkpoint_dir / TRAINING_STATE_FILE
+    if not path.is_file():
+        raise no_training_state(checkpoint_dir)
+    return torch.load(path, weights_only=True)
 
 
 def read_adapter_state(checkpoint_dir: Path, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:

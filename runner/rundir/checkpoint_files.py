@@ -84,16 +84,34 @@ def check_safetensors(path: Path, *, key: str) -> None:
         raise UserError(key, str(path), f"{problem}; download, copy or save it again")
 
 
+def no_training_state(checkpoint_dir: Path) -> UserError:
+    """A run cannot go on from a checkpoint whose training_state.pt is gone (deleted to save
+    room: two thirds of a full checkpoint with AdamW); its weights still start a new run."""
+    return UserError(
+        "checkpoint",
+        str(checkpoint_dir),
+        f"has no {TRAINING_STATE_FILE} (the optimizer, schedule, data position and step a run "
+        "goes on from): put it back, or start a new run from its weights: runner train "
+        f"load_checkpoint.path={checkpoint_dir}",
+    )
+
+
 def checkpoint_problem(checkpoint: Path) -> str:
-    """What is wrong with a checkpoint's files ("" if nothing): the weights its configs name
-    (config.json's model, adapter_config.json's adapter: a full run's, a LoRA run's, both with
-    merged weights), each safetensors file, and the training state it holds (none where it was
-    not written by training: a published model)."""
+    """What is wrong with a checkpoint's files ("" if nothing): its configs (JSON), the weights
+    they name (config.json's model, adapter_config.json's adapter: a full run's, a LoRA run's,
+    both with merged weights), each safetensors file, and the training state it holds (none
+    where it was not written by training: a published model)."""
+    for name in _CONFIG_FILES:
+        problem = _json_problem(checkpoint / name)
+        if problem:
+            return f"{checkpoint / name} {problem}"
     named = set(checkpoint.glob("*.safetensors"))
     if (checkpoint / HF_CONFIG_FILE).is_file():
         named.update(weight_files(checkpoint))
     if (checkpoint / ADAPTER_CONFIG_FILE).is_file():
         named.add(checkpoint / ADAPTER_FILE)
+    if not named:  # what a copy stopped before its files leaves
+        return f"{checkpoint} holds no weights (no *.safetensors)"
     for path in sorted(named):
         problem = _safetensors_problem(path)
         if problem:
@@ -101,6 +119,23 @@ def checkpoint_problem(checkpoint: Path) -> str:
     state = checkpoint / TRAINING_STATE_FILE
     problem = _training_state_problem(state)
     return f"{state} {problem}" if problem else ""
+
+
+# A checkpoint's small JSON files, which its loaders parse whole.
+_CONFIG_FILES = (HF_CONFIG_FILE, ADAPTER_CONFIG_FILE, SHARDED_INDEX, GENERATION_CONFIG)
+
+
+def _json_problem(path: Path) -> str:
+    """What is wrong with a JSON file ("" if nothing, or if there is none)."""
+    try:
+        json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return ""
+    except OSError as err:
+        return f"does not read ({err})"
+    except ValueError as err:  # not JSON, or not UTF-8
+        return f"is cut short or not JSON ({err})"
+    return ""
 
 
 def _safetensors_problem(path: Path) -> str:
