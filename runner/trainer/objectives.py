@@ -122,6 +122,11 @@ class Supervised:
                 # of prompts alone) adds nothing; its mean over no tokens is nan.
                 weighted = self._loss(logits, labels) * batch_tokens
                 loss = torch.where(batch_tokens > 0, weighted, weighted.new_zeros(()))
+            # The logits' memory goes before backward makes the gradients beside it (as
+            # torchtune's recipes `del logits`): the graph keeps what backward needs of them.
+            # Held here, they were an extra copy at the step's peak, and through the next
+            # micro-batch's forward (a whole fp32 copy with loss=ce).
+            del logits, weighted
             loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             loss_sum += loss.detach()
             num_tokens += batch_tokens
