@@ -159,9 +159,10 @@ def estimate(recipe: DictConfig) -> Estimate:
     LoRA, gradients and moments are the adapters' only, the frozen base is in the compute dtype, and
     with QLoRA its projections take NF4's ~4.1 bits a weight. bf16_mixed in one process also
     holds autocast's bf16 copy of the weights.
-    Activations, in the compute dtype, follow Korthikanti et al. (2022) for the longest sample
-    in a full batch, with layer inputs only under activation checkpointing, plus the fp32 logits;
-    without the attention scores where fused attention keeps none (_activations).
+    Activations, in the compute dtype, are what each layer keeps for backward (measured:
+    LAYER_VALUES) for the longest sample in a full batch, with layer inputs only under
+    activation checkpointing, plus the fp32 logits; with Korthikanti et al.'s (2022) attention
+    scores where the attention is not fused (_activations).
     """
     counts = _parameter_counts(recipe)
     world = recipe.compute.nproc_per_node * recipe.compute.nnodes
@@ -330,17 +331,29 @@ def _forward_samples(recipe: DictConfig, seq: int) -> int:
     return rows * (batch if cap is None else max(1, min(batch, int(cap) // seq)))
 
 
+# The values a decoder layer keeps for backward, a token, as runner trains it (its feed-forward
+# and norms keeping fewer, runner.models.activation_memory; fused attention): 8 of the model's
+# width and 3 of its feed-forward's, measured with saved_tensors_hooks on torchtune's Llama
+# (tests/test_preflight.py). Korthikanti et al.'s 34 bytes at 2 a value, 17 of the width, were
+# a GPT layer's, whose feed-forward is 4 widths of GeLU: they priced every model's alike, 1.2x
+# low at Llama's 4 widths and 3.5x at 16.
+LAYER_VALUES = {"width": 8, "feed_forward": 3}
+
+
 def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
     """(activation values kept for backward, bytes of the fp32 logits) for a full batch of
-    `seq`-token samples (Korthikanti et al. count bytes at 2 a value), as many as one forward
-    pass takes (dataset.max_forward_tokens)."""
+    `seq`-token samples, as many as one forward pass takes (dataset.max_forward_tokens)."""
     builder, batch = recipe.model.builder, _forward_samples(recipe, seq)
     hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
-    # Their 5as/h: the attention's scores, softmax and dropout mask, quadratic in the length.
-    # Fused attention (SDPA on the CPU and CUDA, flex, varlen) keeps none of them; a torchtune
-    # attention that does its own arithmetic on a dense mask (Gemma 2's soft-capping) does.
-    scores = 5 * heads * seq / hidden if _computes_scores(recipe.model) else 0
-    per_layer = seq * batch * hidden * (34 + scores) / 2
+    # Korthikanti et al.'s 5as/h (bytes at 2 a value): the attention's scores, softmax and
+    # dropout mask, quadratic in the length. Fused attention (SDPA on the CPU and CUDA, flex,
+    # varlen) keeps none of them; a torchtune attention that does its own arithmetic on a dense
+    # mask (Gemma 2's soft-capping) does.
+    scores = 5 * heads * seq / hidden / 2 if _computes_scores(recipe.model) else 0
+    width = LAYER_VALUES["width"] + scores
+    per_layer = (
+        seq * batch * (width * hidden + LAYER_VALUES["feed_forward"] * builder["intermediate_dim"])
+    )
     kept = layers * seq * batch * hidden + per_layer
     values = kept if recipe.activation_checkpointing else layers * per_layer
     return values, seq * batch * builder["vocab_size"] * 4
