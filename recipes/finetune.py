@@ -440,6 +440,8 @@ if __name__ == "__main__":
     # entry point: a user error is one line, as runner's CLI prints it.
     try:
         run(sys.argv[1])
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(err.exit_code) from None
+    except Exception as err:  # noqa: BLE001 - a user error is one line, any other its traceback
+        ended = process.user_error_exit(err)
+        if ended is None:
+            raise
+        raise ended from None

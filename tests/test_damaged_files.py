@@ -274,17 +274,20 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(runner_cli, tmp_path: Pa
         assert losses(run) == losses(straight)
 
 
+@pytest.mark.parametrize("processes", [1, 2])
 def test_a_checkpoint_the_disk_refuses_is_one_message_with_nothing_half_written(
-    tmp_path: Path, hermetic_env: dict[str, str]
+    tmp_path: Path, hermetic_env: dict[str, str], processes: int
 ) -> None:
     """A full disk or a file-size limit (here 4 MiB, below the tiny model's training state):
     torch.save's "[enforce fail at inline_container.cc] unexpected pos" ended a traceback of 60
-    lines, and the part written stayed in checkpoints/ until a resume."""
+    lines, and the part written stayed in checkpoints/ until a resume. With two processes, rank
+    0's message came as three chained tracebacks, and the run exited 1 as for a bug."""
     run = tmp_path / "run"
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
     result = subprocess.run(
         [sys.executable, "-m", "runner", "train", *QUICK, "max_steps=2", "eval.strategy=no"]
-        + ["dataset.eval_samples=0", f"hydra.run.dir={run}"],
+        + ["dataset.eval_samples=0", f"compute.nproc_per_node={processes}"]
+        + [f"hydra.run.dir={run}"],
         cwd=tmp_path,
         env=hermetic_env,
         capture_output=True,
@@ -293,8 +296,16 @@ def test_a_checkpoint_the_disk_refuses_is_one_message_with_nothing_half_written(
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, hard)),
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert f"hydra.run.dir='{run}': the checkpoint of step 2 could not be written" in line
+    said = f"hydra.run.dir='{run}': the checkpoint of step 2 could not be written"
+    if processes == 1:
+        (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    else:  # rank 0's line, then the launcher's, which names it
+        (line,) = [line for line in result.stderr.splitlines() if line.startswith("[rank0]: ")]
+        assert line.startswith(f"[rank0]: error: {said}"), result.stderr[-3000:]
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("training failed after 0 restart(s) (compute.max_restarts): ")
+        assert "rank 0 exited with 2; " + said in last, last
+    assert said in line
     assert "files are limited to 4.0 MiB here (ulimit -f)" in line
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and "could not be written" in status["error"]

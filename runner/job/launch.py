@@ -41,6 +41,7 @@ from omegaconf import DictConfig
 from runner.components import plain_dict
 from runner.config import platforms
 from runner.console import takeable
+from runner.errors import UserError
 from runner.rundir import ACTIVE_STATES, RunDir
 from runner.trainer import determinism
 from runner.trainer.parent import (
@@ -211,7 +212,12 @@ def _forked_worker(recipe_path: str) -> None:
     except KeyboardInterrupt:
         sys.excepthook(*sys.exc_info())
         raise SystemExit(128 + signal.SIGINT) from None
-    except Exception:  # noqa: BLE001 - reported as an uncaught exception would be
+    except Exception as err:  # noqa: BLE001 - a user error is one line, any other its traceback
+        from runner.trainer.process import user_error_exit
+
+        ended = user_error_exit(err)
+        if ended is not None:
+            raise ended from None
         sys.excepthook(*sys.exc_info())  # torch.distributed's: each line names the rank
         raise SystemExit(1) from None
     if os.getppid() != int(os.environ[LAUNCHER_PID_ENV]):
@@ -425,7 +431,10 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         if status.state in ACTIVE_STATES or why is not None:
             run.write_status("failed", error=message)
         tell(message)
-        raise SystemExit(1) from None
+        # A worker that ended on a user error (a full disk, a file it cannot read) exits as the
+        # CLI does on one (user_error_exit): so does the run.
+        exits = {failure.exitcode for failure in err.failures.values()}
+        raise SystemExit(UserError.exit_code if UserError.exit_code in exits else 1) from None
     except RendezvousError as err:
         message = _rendezvous_failure(err, recipe.compute, node_rank, run.latest_checkpoint())
         # Every node that reports it writes the same; a node that lost its group has no rank 0.

@@ -30,7 +30,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.schema import read_recipe
 from runner.console import outlive_the_reader
-from runner.errors import Diverged, UserError, address_space_limit, error_line, redact_text
+from runner.errors import (
+    Diverged,
+    UserError,
+    address_space_limit,
+    error_line,
+    redact_text,
+    user_error_in,
+)
 from runner.rundir import LOG_FILE, STATUS_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.trainer import determinism
@@ -210,6 +217,20 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             raise SystemExit(128 + STOP.signal)  # 143 for SIGTERM, 130 for Ctrl-C
     return result
+
+
+def user_error_exit(err: BaseException) -> SystemExit | None:
+    """How a worker (of runner's launcher, or of torchrun) ends on a user error: its one line,
+    as the CLI prints it, led by the rank where there are ranks, and the CLI's exit status for
+    it, which the launcher passes on; None for any other error, a bug, whose traceback is the
+    report. Left to the interpreter, a user error came as its chain of tracebacks (a full disk's
+    three), and exit 1."""
+    user_error = user_error_in(err)
+    if user_error is None:
+        return None
+    rank = f"[rank{_rank()}]: " if "RANK" in os.environ else ""
+    print(f"{rank}error: {user_error}", file=sys.stderr, flush=True)
+    return SystemExit(user_error.exit_code)
 
 
 def _restarts_left() -> int:
