@@ -310,3 +310,34 @@ def test_a_checkpoint_the_disk_refuses_is_one_message_with_nothing_half_written(
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and "could not be written" in status["error"]
     assert list((run / "checkpoints").iterdir()) == []  # no .tmp-step_2 left
+
+
+def test_a_status_write_the_disk_refuses_is_one_message_with_nothing_left(tmp_path: Path) -> None:
+    """A disk that fills between checkpoints: the status.json write of the next logged step
+    ended the run in a traceback of 90 lines, and left an empty .status.json.HOST.PID.tmp that
+    nothing removed. A file-size limit fails the write as a full disk does (EFBIG for ENOSPC;
+    Python ignores SIGXFSZ)."""
+    from runner.rundir import RunDir
+    from runner.trainer.progress import Reporter
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_status("running", step=1, total_steps=10, loss=5.0)
+    before = (run.path / "status.json").read_text()
+    reporter = Reporter(run, is_rank_zero=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))  # below status.json's size
+    try:
+        with pytest.raises(UserError) as raised:
+            reporter.step(2, 10, {"loss": 4.0, "lr": 1e-3, "tokens_per_s": 100.0})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    said = str(raised.value)
+    assert said.startswith(
+        f"hydra.run.dir='{run.path}': its status.json could not be written (File too large); "
+        "its disk has "
+    ), said
+    assert "files are limited to 200 B here (ulimit -f)" in said
+    assert said.endswith(f"then `runner resume {run.path}` goes on from its last whole checkpoint")
+    assert (run.path / "status.json").read_text() == before
+    assert sorted(p.name for p in run.path.iterdir()) == ["metrics.jsonl", "status.json"]

@@ -1,12 +1,23 @@
-"""Writes that readers never see half done, and the time stamps the run directory records."""
+"""Writes that readers never see half done, what a write the disk refused says, and the time
+stamps the run directory records."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import resource
+import shlex
+import shutil
 import socket
 from datetime import UTC, datetime
 from pathlib import Path
+
+from runner.errors import UserError
+
+# What a write that found no room fails with: a full disk, a file-size limit, a quota.
+NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def now_iso() -> str:
@@ -19,10 +30,74 @@ def write_text_atomic(path: Path, text: str) -> None:
     then resumed) never see half a file. The name is this process's own: the nodes of a run
     write one status.json on shared storage, and one's rename took another's file."""
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk's part written, or nothing
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, data: object) -> None:
     """`data` as indented JSON, written as write_text_atomic writes."""
     write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def size_text(n: float) -> str:
+    """A size as people read it: 200 B, 5.8 MiB, 13.0 GiB."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
+
+
+def file_size_limit() -> int | None:
+    """The largest file this process may write (`ulimit -f`); None: no limit."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
+
+
+def room_on(path: Path) -> str:
+    """The room a write to `path` (or where it will be) has, as a message says it: its disk's
+    free space, and the file-size limit where one is set."""
+    there = path
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    room = f"its disk has {size_text(shutil.disk_usage(there).free)} free"
+    limit = file_size_limit()
+    if limit is not None:
+        room += f", and files are limited to {size_text(limit)} here (ulimit -f)"
+    return room
+
+
+def not_written(run_dir: Path, what: str, err: BaseException) -> UserError:
+    """Why `what` (its status.json, the checkpoint of step 6) could not be written into the
+    run directory `run_dir`: the disk's room, or what else refused it, and how the run goes on
+    once it can be written. `err`: the OSError, or the RuntimeError of a write that stopped
+    short (torch.save's "[enforce fail at inline_container.cc] unexpected pos")."""
+    resume = f"`runner resume {shlex.quote(str(run_dir))}` goes on from its last whole checkpoint"
+    if isinstance(err, OSError) and err.errno not in NO_ROOM:
+        # Not the room: a read-only disk, a file where a directory belongs, permissions.
+        where = f": {err.filename}" if err.filename else ""
+        return UserError(
+            "hydra.run.dir",
+            str(run_dir),
+            f"{what} could not be written ({err.strerror}{where}); once it can be, {resume}",
+        )
+    if isinstance(err, OSError):
+        cause = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    else:
+        said = str(err).strip().splitlines() or [type(err).__name__]
+        cause = f"a file's write stopped short: {said[0]}"
+    fix = "make room (runtime.keep_last_n_checkpoints keeps fewer)"
+    if file_size_limit() is not None:
+        fix = f"raise the file-size limit (ulimit -f) or {fix}"
+    return UserError(
+        "hydra.run.dir",
+        str(run_dir),
+        f"{what} could not be written ({cause}); {room_on(run_dir)}: {fix}, then {resume}",
+    )

@@ -4,10 +4,7 @@ rank's random state, and the write-then-rename commit that rank 0 makes into the
 
 from __future__ import annotations
 
-import errno
 import random
-import resource
-import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +15,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from runner.errors import UserError
 from runner.rundir import RunDir
+from runner.rundir.io import not_written
 from runner.rundir.manifest import record_checkpoint
 from runner.rundir.run import sync_tree
 from runner.trainer.parallel import Placement
@@ -79,43 +76,11 @@ def commit(
         if isinstance(err, RuntimeError) and "inline_container" not in str(err):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # the part written, which holds the room taken
-        raise not_written(run, step, err) from err
+        raise not_written(run.path, f"the checkpoint of step {step}", err) from err
     final = run.commit_checkpoint(tmp, step)
     saved()
     record_checkpoint(run, step, final)
     run.prune_checkpoints(keep_last_n, keep_step=keep_step)
-
-
-def not_written(run: RunDir, step: int, err: BaseException) -> UserError:
-    """Why step `step`'s checkpoint could not be written, with the room left on its disk and
-    the file-size limit where one is set."""
-    resume = f"`runner resume {shlex.quote(str(run.path))}` goes on from its last whole checkpoint"
-    if isinstance(err, OSError) and err.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        # Not the room: a read-only disk, a file where checkpoints/ belongs, permissions.
-        where = f": {err.filename}" if err.filename else ""
-        return UserError(
-            "hydra.run.dir",
-            str(run.path),
-            f"the checkpoint of step {step} could not be written ({err.strerror}{where}); "
-            f"once it can be, {resume}",
-        )
-    if isinstance(err, OSError):
-        cause = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
-    else:
-        said = str(err).strip().splitlines() or [type(err).__name__]
-        cause = f"a file's write stopped short: {said[0]}"
-    room = f"its disk has {shutil.disk_usage(run.path).free / 2**30:.1f} GiB free"
-    fix = "make room (runtime.keep_last_n_checkpoints keeps fewer)"
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY:
-        room += f", and files are limited to {limit / 2**20:.1f} MiB here (ulimit -f)"
-        fix = f"raise the file-size limit (ulimit -f) or {fix}"
-    return UserError(
-        "hydra.run.dir",
-        str(run.path),
-        f"the checkpoint of step {step} could not be written ({cause}); {room}: {fix}, "
-        f"then {resume}",
-    )
 
 
 def barrier(place: Placement) -> None:

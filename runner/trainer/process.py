@@ -188,7 +188,8 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
             # compute.rdzv_timeout_s): the run lives on; the launcher records a failure at last.
             state = "initializing"
             message = f"restarting ({left} restart(s) left of compute.max_restarts) after {message}"
-        status(state, error=message, **at_step)
+        with contextlib.suppress(UserError):  # its disk, full still: the error below says it
+            status(state, error=message, **at_step)
         # The console's is the CLI's; an error told in one line keeps its traceback here.
         log.info("%s at step %d: %s", state, recipe.step, message, exc_info=short is not None)
         if lost is None and short is None:

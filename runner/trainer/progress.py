@@ -23,7 +23,9 @@ from tqdm import tqdm
 
 from runner.components import plain_dict
 from runner.errors import Diverged
-from runner.rundir import RunDir
+from runner.rundir import STATUS_FILE, RunDir
+from runner.rundir.io import not_written
+from runner.rundir.run import METRICS_FILE
 from runner.trainer import trackers
 
 log = logging.getLogger("runner.recipe")
@@ -53,7 +55,17 @@ class Reporter:
     def status(self, state: str, **fields: Any) -> None:
         """Moves the run to `state` with `fields` (runner.rundir.Status)."""
         if self.is_rank_zero:
-            self.run.write_status(state, **fields)
+            with self._writing(STATUS_FILE):
+                self.run.write_status(state, **fields)
+
+    @contextlib.contextmanager
+    def _writing(self, name: str) -> Iterator[None]:
+        """A write of the run directory's file `name` that its disk refuses (full, read-only)
+        ends the run in one line, as a checkpoint's does, not in a traceback."""
+        try:
+            yield
+        except OSError as err:
+            raise not_written(self.run.path, f"its {name}", err) from err
 
     def start_console(self, *, step: int, total_steps: int, progress_bar: bool | str) -> None:
         """The console of the steps from `step` on (runtime.progress_bar: true, false or auto)."""
@@ -75,7 +87,8 @@ class Reporter:
         if not self.is_rank_zero:
             return
         record = {"step": step, **values}
-        self.run.append_metrics(record)
+        with self._writing(METRICS_FILE):
+            self.run.append_metrics(record)
         line = (
             f"step {step}/{total_steps} loss {values['loss']:.4f} lr {values['lr']:.3g} "
             f"tokens/s {values['tokens_per_s']:.0f}"
@@ -92,7 +105,8 @@ class Reporter:
         """An evaluation's metrics, at the step it followed."""
         if not self.is_rank_zero:
             return
-        self.run.append_metrics({"step": step, **metrics})
+        with self._writing(METRICS_FILE):
+            self.run.append_metrics({"step": step, **metrics})
         line = f"eval at step {step}: " + " ".join(
             f"{name} {value:.4f}" for name, value in metrics.items()
         )
