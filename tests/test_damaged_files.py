@@ -341,3 +341,41 @@ def test_a_status_write_the_disk_refuses_is_one_message_with_nothing_left(tmp_pa
     assert said.endswith(f"then `runner resume {run.path}` goes on from its last whole checkpoint")
     assert (run.path / "status.json").read_text() == before
     assert sorted(p.name for p in run.path.iterdir()) == ["metrics.jsonl", "status.json"]
+
+
+def test_a_checkpoint_the_disk_refuses_says_the_room_it_takes(tmp_path: Path) -> None:
+    """The message said "its disk has 0.0 GiB free" of a disk with 5.8 MiB left, kept torch's
+    "[enforce fail at inline_container.cc:672] . unexpected pos 1729856 vs 1729748", and never
+    said what a checkpoint takes, so "keep fewer" did not say whether keeping one would fit."""
+    from runner.rundir import RunDir
+    from runner.rundir.io import size_text
+    from runner.trainer.checkpointing import commit
+
+    run = RunDir(tmp_path / "run")
+    (run.checkpoint_path(2)).mkdir(parents=True)
+    (run.checkpoint_path(2) / "training_state.pt").write_bytes(b"\0" * 300 * 1024)
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        torch.save(torch.zeros(75 * 1024), tmp / "training_state.pt")  # 300 KiB
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, hard))
+    try:
+        with pytest.raises(UserError) as raised:
+            commit(run, 4, write, keep_last_n=2, keep_step=None)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    said = str(raised.value)
+    assert said.startswith(
+        f"hydra.run.dir='{run.path}': the checkpoint of step 4 could not be written (a file's "
+        "write stopped short); its disk has "
+    ), said
+    assert size_text(6_081_741) == "5.8 MiB"  # the room of the disk that read "0.0 GiB free"
+    assert (
+        "files are limited to 100.0 KiB here (ulimit -f); a checkpoint takes 300.0 KiB, and with "
+        "runtime.keep_last_n_checkpoints=2 the disk holds 3 at once while one is written: raise "
+        "the file-size limit (ulimit -f) or make room (runtime.keep_last_n_checkpoints keeps "
+        "fewer), then `runner resume "
+    ) in said, said
+    assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step_2"]

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -74,11 +75,12 @@ def room_on(path: Path) -> str:
     return room
 
 
-def not_written(run_dir: Path, what: str, err: BaseException) -> UserError:
+def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -> UserError:
     """Why `what` (its status.json, the checkpoint of step 6) could not be written into the
-    run directory `run_dir`: the disk's room, or what else refused it, and how the run goes on
-    once it can be written. `err`: the OSError, or the RuntimeError of a write that stopped
-    short (torch.save's "[enforce fail at inline_container.cc] unexpected pos")."""
+    run directory `run_dir`: the disk's room and what the run `needs` of it, or what else
+    refused it, and how the run goes on once it can be written. `err`: the OSError, or the
+    error of a write that stopped short (torch.save's "[enforce fail at inline_container.cc]
+    unexpected pos", which says nothing to its user; safetensors' "I/O error: ...")."""
     resume = f"`runner resume {shlex.quote(str(run_dir))}` goes on from its last whole checkpoint"
     if isinstance(err, OSError) and err.errno not in NO_ROOM:
         # Not the room: a read-only disk, a file where a directory belongs, permissions.
@@ -91,13 +93,14 @@ def not_written(run_dir: Path, what: str, err: BaseException) -> UserError:
     if isinstance(err, OSError):
         cause = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
     else:
-        said = str(err).strip().splitlines() or [type(err).__name__]
-        cause = f"a file's write stopped short: {said[0]}"
+        said = re.search(r"I/O error: (.+?) \(os error \d+\)", str(err))
+        cause = said[1] if said else "a file's write stopped short"
     fix = "make room (runtime.keep_last_n_checkpoints keeps fewer)"
     if file_size_limit() is not None:
         fix = f"raise the file-size limit (ulimit -f) or {fix}"
     return UserError(
         "hydra.run.dir",
         str(run_dir),
-        f"{what} could not be written ({cause}); {room_on(run_dir)}: {fix}, then {resume}",
+        f"{what} could not be written ({cause}); {room_on(run_dir)}{needs and '; ' + needs}: "
+        f"{fix}, then {resume}",
     )

@@ -4,6 +4,7 @@ rank's random state, and the write-then-rename commit that rank 0 makes into the
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from runner.rundir import RunDir
-from runner.rundir.io import not_written
+from runner.rundir.io import not_written, size_text
 from runner.rundir.manifest import record_checkpoint
 from runner.rundir.run import sync_tree
 from runner.trainer.parallel import Placement
@@ -76,11 +77,31 @@ def commit(
         if isinstance(err, RuntimeError) and "inline_container" not in str(err):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # the part written, which holds the room taken
-        raise not_written(run.path, f"the checkpoint of step {step}", err) from err
+        needs = _room_taken(run, keep_last_n, keep_step)
+        raise not_written(run.path, f"the checkpoint of step {step}", err, needs) from err
     final = run.commit_checkpoint(tmp, step)
     saved()
     record_checkpoint(run, step, final)
     run.prune_checkpoints(keep_last_n, keep_step=keep_step)
+
+
+def _room_taken(run: RunDir, keep_last_n: int, keep_step: int | None) -> str:
+    """What the run's checkpoints take of its disk, by the newest one written (none: nothing
+    to say): it holds keep_last_n of them, the best besides, and the one being written, as
+    pruning follows the write."""
+    saved = run.checkpoints()
+    if not saved:
+        return ""
+    size = 0
+    for path in saved[-1][1].rglob("*"):
+        with contextlib.suppress(OSError):
+            size += path.stat().st_size if path.is_file() else 0
+    kept = [saved_step for saved_step, _ in saved][-keep_last_n:]
+    held = keep_last_n + 1 + (keep_step is not None and keep_step not in kept)
+    return (
+        f"a checkpoint takes {size_text(size)}, and with runtime.keep_last_n_checkpoints="
+        f"{keep_last_n} the disk holds {held} at once while one is written"
+    )
 
 
 def barrier(place: Placement) -> None:
