@@ -32,7 +32,9 @@ from runner.rundir import (
     lora_base,
     own_base,
     readable_as_umask,
+    weight_files,
 )
+from runner.rundir.io import no_room_cause, room_on, size_text
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def export(request: ExportRequest) -> Path:
     plan = check_request(request)
     plan.destination.parent.mkdir(exist_ok=True)  # RUN/exports/ the first time
     sample = None  # a GGUF file's greedy answer, from llama.cpp
-    with staged(plan.destination) as tmp:
+    with staged(plan.destination) as tmp, _room_for(plan):
         if request.format == "adapter":
             write_adapter(plan.checkpoint, tmp)
         elif request.format == "merged":
@@ -256,6 +258,30 @@ def default_destination(checkpoint: Path, format: str, variant: str | None) -> P
         # Not inside checkpoints/: retention prunes old step dirs with whatever they hold.
         return parent.parent / "exports" / f"{checkpoint.name}{suffix}{extension}"
     return parent / f"{checkpoint.name}{suffix}{extension}"
+
+
+@contextlib.contextmanager
+def _room_for(plan: ExportPlan) -> Iterator[None]:
+    """A write of the export that its disk refuses (full, or a file-size limit): one line
+    naming out=, the room there and what the weights take, not a library's traceback (the
+    part written goes with `staged`)."""
+    try:
+        yield
+    except Exception as err:
+        cause = no_room_cause(err)
+        if cause is None:
+            raise
+        weights = 0
+        for source in (plan.base, plan.checkpoint):
+            files = [] if source is None else [*weight_files(source), source / ADAPTER_FILE]
+            weights += sum(path.stat().st_size for path in files if path.is_file())
+        raise UserError(
+            "out",
+            str(plan.destination),
+            f"the export could not be written ({cause}); {room_on(plan.destination)}, and the "
+            f"checkpoint's weights take {size_text(weights)}: make room, or give out=PATH on "
+            "another disk",
+        ) from err
 
 
 @contextlib.contextmanager

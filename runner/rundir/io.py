@@ -75,6 +75,25 @@ def room_on(path: Path) -> str:
     return room
 
 
+# What safetensors says of an OSError (the OS's text and errno), and numpy's tofile of a write
+# that stopped short, which carries no errno.
+_LIBRARY_OS_ERROR = re.compile(r"I/O error: (.+?) \(os error (\d+)\)")
+_SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")
+
+
+def no_room_cause(err: BaseException) -> str | None:
+    """What a write that found no room (NO_ROOM) failed with, in words its user reads: "No
+    space left on device"; None for an error of any other cause."""
+    if isinstance(err, OSError) and err.errno in NO_ROOM:
+        return err.strerror
+    said = _LIBRARY_OS_ERROR.search(str(err))
+    if said and int(said[2]) in NO_ROOM:
+        return said[1]
+    if isinstance(err, OSError) and err.errno is None and _SHORT_WRITE.match(str(err)):
+        return "a file's write stopped short"
+    return None
+
+
 def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -> UserError:
     """Why `what` (its status.json, the checkpoint of step 6) could not be written into the
     run directory `run_dir`: the disk's room and what the run `needs` of it, or what else
@@ -93,8 +112,7 @@ def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -
     if isinstance(err, OSError):
         cause = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
     else:
-        said = re.search(r"I/O error: (.+?) \(os error \d+\)", str(err))
-        cause = said[1] if said else "a file's write stopped short"
+        cause = no_room_cause(err) or "a file's write stopped short"
     fix = "make room (runtime.keep_last_n_checkpoints keeps fewer)"
     if file_size_limit() is not None:
         fix = f"raise the file-size limit (ulimit -f) or {fix}"
