@@ -4,6 +4,7 @@ of what it writes; GGUF files, which llama.cpp loads, in test_export_gguf.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -328,3 +329,19 @@ def test_an_export_the_disk_refuses_is_one_message_with_nothing_left(
         f"take {size_text(weights)}: make room, or give out=PATH on another disk"
     ), said
     assert list(out.parent.iterdir()) == []  # nothing half-written
+
+
+def test_a_tokenizer_file_cut_short_is_refused_by_name(full_checkpoint: Path, tmp_path: Path):
+    """A cut-short tokenizer.json was copied into the export as it was: exit 0, "exported ...",
+    and an export whose tokenizer does not load (a JSONDecodeError), which `runner push` would
+    publish."""
+    checkpoint = shutil.copytree(full_checkpoint, tmp_path / "step_4")
+    os.truncate(checkpoint / "tokenizer.json", 1000)
+    out = tmp_path / "out"
+    with pytest.raises(UserError) as raised:
+        run_export(checkpoint, "merged", out=str(out))
+    assert str(raised.value) == (
+        f"checkpoint='{checkpoint / 'tokenizer.json'}': is not valid JSON (line 48 column 26), "
+        "cut short or edited: an export copies it as it is; copy or save it again"
+    )
+    assert not out.exists()

@@ -157,6 +157,7 @@ def check_checkpoint(checkpoint: Path, format: str, base: str | None) -> Path | 
         if missing:
             raise UserError("checkpoint", str(checkpoint), f"LoRA checkpoint without {missing}")
         check_safetensors(checkpoint / ADAPTER_FILE, key="checkpoint")
+    check_json_copied(checkpoint)
     base_dir = check_base(checkpoint, base) if is_adapter and format != "adapter" else None
     model_dir = base_dir or checkpoint
     if format != "adapter":
@@ -166,6 +167,29 @@ def check_checkpoint(checkpoint: Path, format: str, base: str | None) -> Path | 
 
         gguf_arch(json.loads((model_dir / HF_CONFIG_FILE).read_text()), model_dir)
     return base_dir
+
+
+def check_json_copied(checkpoint: Path) -> None:
+    """The JSON files an export copies as they are (the tokenizer's, generation_config.json),
+    each whole: a cut-short tokenizer.json made an export whose tokenizer does not load."""
+    for name in MODEL_FILES:
+        path = checkpoint / name
+        if not (name.endswith(".json") and path.is_file()):
+            continue
+        try:
+            json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            where = (
+                f" (line {err.lineno} column {err.colno})"
+                if isinstance(err, json.JSONDecodeError)
+                else ""
+            )
+            raise UserError(
+                "checkpoint",
+                str(path),
+                f"is not valid JSON{where}, cut short or edited: an export copies it as it is; "
+                "copy or save it again",
+            ) from None
 
 
 def check_destination(request: ExportRequest, checkpoint: Path) -> Path:
