@@ -363,7 +363,7 @@ def test_a_checkpoint_the_disk_refuses_says_the_room_it_takes(tmp_path: Path) ->
     resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, hard))
     try:
         with pytest.raises(UserError) as raised:
-            commit(run, 4, write, keep_last_n=2, keep_step=None)
+            commit(run, 4, write, keep_last_n=2, keep_step=None, saved=lambda: None)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     said = str(raised.value)
