@@ -340,8 +340,8 @@ def test_a_tokenizer_file_cut_short_is_refused_by_name(full_checkpoint: Path, tm
     out = tmp_path / "out"
     with pytest.raises(UserError) as raised:
         run_export(checkpoint, "merged", out=str(out))
-    assert str(raised.value) == (
-        f"checkpoint='{checkpoint / 'tokenizer.json'}': is not valid JSON (line 48 column 26), "
-        "cut short or edited: an export copies it as it is; copy or save it again"
-    )
+    said = str(raised.value)
+    assert said.startswith(f"checkpoint='{checkpoint / 'tokenizer.json'}': is cut short or not ")
+    assert "line 48 column 26" in said
+    assert said.endswith(": an export copies it as it is; copy or save it again")
     assert not out.exists()

@@ -29,6 +29,7 @@ from runner.rundir import (
     TOKENIZER_FILES,
     check_safetensors,
     is_run_dir,
+    json_problem,
     lora_base,
     own_base,
     readable_as_umask,
@@ -173,23 +174,13 @@ def check_json_copied(checkpoint: Path) -> None:
     """The JSON files an export copies as they are (the tokenizer's, generation_config.json),
     each whole: a cut-short tokenizer.json made an export whose tokenizer does not load."""
     for name in MODEL_FILES:
-        path = checkpoint / name
-        if not (name.endswith(".json") and path.is_file()):
-            continue
-        try:
-            json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            where = (
-                f" (line {err.lineno} column {err.colno})"
-                if isinstance(err, json.JSONDecodeError)
-                else ""
-            )
+        problem = json_problem(checkpoint / name) if name.endswith(".json") else ""
+        if problem:
             raise UserError(
                 "checkpoint",
-                str(path),
-                f"is not valid JSON{where}, cut short or edited: an export copies it as it is; "
-                "copy or save it again",
-            ) from None
+                str(checkpoint / name),
+                f"{problem}: an export copies it as it is; copy or save it again",
+            )
 
 
 def check_destination(request: ExportRequest, checkpoint: Path) -> Path:

@@ -25,6 +25,7 @@ from runner.rundir.checkpoint_files import (
     checkpoint_problem,
     eos_token_ids,
     is_checkpoint_dir,
+    json_problem,
     no_training_state,
     read_generation_config,
     readable_as_umask,

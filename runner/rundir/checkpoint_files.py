@@ -102,7 +102,7 @@ def checkpoint_problem(checkpoint: Path) -> str:
     both with merged weights), each safetensors file, and the training state it holds (none
     where it was not written by training: a published model)."""
     for name in _CONFIG_FILES:
-        problem = _json_problem(checkpoint / name)
+        problem = json_problem(checkpoint / name)
         if problem:
             return f"{checkpoint / name} {problem}"
     named = set(checkpoint.glob("*.safetensors"))
@@ -125,7 +125,7 @@ def checkpoint_problem(checkpoint: Path) -> str:
 _CONFIG_FILES = (HF_CONFIG_FILE, ADAPTER_CONFIG_FILE, SHARDED_INDEX, GENERATION_CONFIG)
 
 
-def _json_problem(path: Path) -> str:
+def json_problem(path: Path) -> str:
     """What is wrong with a JSON file ("" if nothing, or if there is none)."""
     try:
         json.loads(path.read_bytes())
