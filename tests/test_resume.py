@@ -190,6 +190,26 @@ def test_a_run_directory_is_trained_again_only_by_the_command_that_started_it(
     assert "Traceback" not in result.stderr
     assert written(run) == files
 
+    # Its manifest.json gone (a partial copy): the overrides that started it cannot be compared,
+    # and were trained again by others, unsaid (the checkpoint's optimizer state training the
+    # old lr under a record of the new). Refused, whatever is given, and runner resume named.
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (copy / "manifest.json").unlink()
+    status = json.loads((copy / "status.json").read_text())
+    (copy / "status.json").write_text(json.dumps({**status, "state": "failed"}))  # killed
+    copied = written(copy)
+    other = ["eval.strategy=no", "optimizer.lr=5e-3", "max_steps=6", f"hydra.run.dir={copy}"]
+    result = runner_cli("train", *args, *other)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (
+        f"error: hydra.run.dir='{copy}': holds a run (checkpoints up to step_4) whose "
+        "manifest.json, the record of the overrides that started it, is missing, so these "
+        f"cannot be checked against them; go on with it by its recorded recipe (runner resume "
+        f"{copy}), or give another hydra.run.dir"
+    ) in result.stderr
+    assert written(copy) == copied
+
     result = runner_cli("train", *args, "eval.strategy=no", f"hydra.run.dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "completed at step 4: nothing to train" in result.stdout

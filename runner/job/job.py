@@ -270,9 +270,22 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
     checkpoint. Other overrides would change its recipe under the steps it trained. Refused
     before Hydra writes there. A run with no whole checkpoint has nothing to go on from: it
     starts again from its first step, as it would by its own command, on the overrides given
-    (nodes that disagreed, or a run that failed before its first save, are started corrected)."""
-    if not (run.path / MANIFEST_FILE).is_file() or run.latest_checkpoint() is None:
-        return  # killed before it recorded anything, or before it saved anything
+    (nodes that disagreed, or a run that failed before its first save, are started corrected).
+    A run whose manifest.json is gone (a partial copy, a clean-up) cannot be compared: refused,
+    since its checkpoint's optimizer state would train the values it started with, and its new
+    record would say the given ones; runner resume goes on with the recipe.yaml it recorded."""
+    checkpoint = run.latest_checkpoint()
+    if checkpoint is None:
+        return  # killed before it saved anything: nothing trained to keep
+    if not (run.path / MANIFEST_FILE).is_file():
+        raise UserError(
+            "hydra.run.dir",
+            str(run.path),
+            f"holds a run (checkpoints up to {checkpoint.name}) whose {MANIFEST_FILE}, the "
+            "record of the overrides that started it, is missing, so these cannot be checked "
+            f"against them; go on with it by its recorded recipe (runner resume {run.path}), "
+            "or give another hydra.run.dir",
+        )
     changes = changed_overrides(read_manifest(run)["overrides"], overrides)
     if changes:
         raise UserError(
