@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -284,6 +285,50 @@ def test_an_out_that_cannot_be_made_is_one_message(one_process_run: Path, tmp_pa
     with pytest.raises(UserError, match="is inside the recorded run"):
         repro(one_process_run, steps=None, tolerance=None, out=inside)
     assert not inside.exists()
+
+
+def test_a_manifest_cut_short_is_named_before_anything_is_written(
+    one_process_run: Path, runner_cli, tmp_path: Path
+) -> None:
+    """A copy interrupted, or a power cut that kept a rename without its data: resume, repro
+    and a run continued from it (load_checkpoint.path) each ended in a JSONDecodeError
+    traceback, repro's after it had made its re-run's directory."""
+    run = tmp_path / "run"
+    shutil.copytree(one_process_run, run)
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "state": "failed"}))  # killed
+    manifest = run / "manifest.json"
+    os.truncate(manifest, manifest.stat().st_size // 2)
+    named = f"{manifest}: cannot be read (cut short, or not runner's: "
+
+    with pytest.raises(UserError) as refused:
+        repro(run, steps=None, tolerance=None, out=tmp_path / "rerun")
+    assert str(refused.value).startswith(named)
+    assert str(refused.value).endswith(
+        f"put back a whole copy, or move it aside (mv {manifest} {manifest}.damaged) to go on "
+        "without it: runner resume then trains by recipe.yaml unchecked against it, and runner "
+        "repro cannot re-run the run"
+    )
+    assert not (tmp_path / "rerun").exists()
+
+    result = runner_cli("resume", str(run))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"error: {named}" in result.stderr
+
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    continued = tmp_path / "continued"
+    result = runner_cli(
+        "train",
+        *SHORT,
+        "max_steps=6",
+        f"dataset.source={recipe['dataset']['source']}",
+        f"dataset.validation.source={recipe['dataset']['validation']['source']}",
+        f"load_checkpoint.path={run}",
+        f"hydra.run.dir={continued}",
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"error: {named}" in result.stderr
+    assert not continued.exists()
 
 
 def test_a_run_that_diverged_is_reproduced_by_diverging_alike(runner_cli, tmp_path: Path) -> None:

@@ -237,6 +237,7 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
             "not a run directory with recipe.yaml and "
             f"{MANIFEST_FILE}; give a directory `runner train` made",
         )
+    read_manifest(recorded)  # one cut short is refused before the re-run's directory is made
     if steps is not None and steps < 1:
         raise UserError("--steps", steps, "give a number of steps >= 1")
     if tolerance is not None and not 0 <= tolerance < math.inf:  # nan fails both

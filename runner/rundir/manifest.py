@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from importlib import metadata
@@ -16,7 +17,7 @@ from typing import Any, TypedDict
 from omegaconf import DictConfig
 
 from runner.components import plain_dict
-from runner.errors import SECRET_KEY
+from runner.errors import SECRET_KEY, UserError
 from runner.rundir.io import write_json_atomic
 from runner.rundir.run import BASE_MODEL_DIR, RunDir
 
@@ -354,8 +355,28 @@ def write_manifest(run: RunDir, manifest: Manifest | dict[str, Any]) -> None:
 
 
 def read_manifest(run: RunDir) -> dict[str, Any]:
-    """The run's manifest.json as written: a Manifest, with what was recorded since."""
-    return json.loads((run.path / MANIFEST_FILE).read_text())
+    """The run's manifest.json as written: a Manifest, with what was recorded since. One that
+    does not read (cut short by a killed copy, or by a power cut that kept the rename without
+    the data) is a UserError naming it: resume, repro and a continued run read it before they
+    write anything."""
+    path = run.path / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_bytes())
+    except ValueError as err:  # not JSON, or not UTF-8
+        problem = str(err)
+    else:
+        if isinstance(manifest, dict):
+            return manifest
+        problem = "not a JSON object"
+    raise UserError(
+        str(path),
+        None,
+        f"cannot be read (cut short, or not runner's: {problem}), so how the run started is "
+        f"unknown; put back a whole copy, or move it aside "
+        f"({shlex.join(['mv', str(path), f'{path}.damaged'])}) to go "
+        "on without it: runner resume then trains by recipe.yaml unchecked against it, and "
+        "runner repro cannot re-run the run",
+    )
 
 
 def record_checkpoint(run: RunDir, step: int, checkpoint_dir: Path) -> None:
