@@ -209,6 +209,34 @@ def test_deploy_names_a_weights_file_cut_short(runner_cli, tiny_source, tmp_path
     assert error.endswith("download, copy or save it again")
 
 
+def test_deploy_names_a_lora_runs_base_cut_short_before_serving(
+    runner_cli, tiny_source, tmp_path
+) -> None:
+    """A LoRA run's own base (RUN/base_model, written from the seed) cut short: resume and
+    export named it in one line; deploy started the server, whose engine's process then failed
+    in two tracebacks, with "serving ..." between them, and exit 3."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_source, run / "base_model")
+    adapter = run / "checkpoints" / "step_2"
+    model = AutoModelForCausalLM.from_pretrained(run / "base_model")
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        adapter
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_source / name, adapter / name)
+    (run / "status.json").write_text(json.dumps({"state": "failed", "step": 2}))
+    weights = run / "base_model" / "model.safetensors"
+    cut_short(weights)
+    result = runner_cli("deploy", f"checkpoint={run}", "port=0", "device=cpu")
+    error = one_error(result)
+    assert error.startswith(f"error: checkpoint='{weights}': is cut short: tensor ")
+    assert error.endswith("download, copy or save it again")
+    assert "serving" not in result.stderr + result.stdout
+
+
 def test_train_names_a_source_weights_file_cut_short(runner_cli, tiny_source, tmp_path) -> None:
     weights = damaged_copy(tiny_source, tmp_path / "damaged")
     out_root = tmp_path / "outputs"

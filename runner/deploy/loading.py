@@ -181,7 +181,9 @@ def load_hf_model(
 
 
 def check_servable(checkpoint_dir: Path) -> None:
-    """Refuse what no engine may load: pickled weights, and adapters without their weights."""
+    """Refuse what no engine may load: pickled weights, weights cut short, and adapters without
+    their weights or their base's (checked here, before the server starts: in the engine's
+    process the same check came as two tracebacks after "serving")."""
     if (checkpoint_dir / ADAPTER_CONFIG_FILE).is_file():
         if not (checkpoint_dir / ADAPTER_FILE).is_file():
             raise UserError(
@@ -189,7 +191,10 @@ def check_servable(checkpoint_dir: Path) -> None:
                 str(checkpoint_dir),
                 f"a LoRA checkpoint without {ADAPTER_FILE}; serve a whole checkpoint",
             )
-        lora_base_dir(checkpoint_dir)
+        check_safetensors(checkpoint_dir / ADAPTER_FILE, key="checkpoint")
+        base = lora_base_dir(checkpoint_dir)
+        assert base is not None, "an adapter's base is a directory or a UserError"
+        require_safetensors(base, "deploy")
         return
     require_safetensors(checkpoint_dir, "deploy")
 
