@@ -228,6 +228,33 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     assert result.returncode == 2 and "wrote no train.log" in result.stderr, result.stderr
 
 
+def test_a_run_whose_status_is_missing_names_the_way_on(runner_cli, tmp_path: Path) -> None:
+    """A run's directory without its status.json (a partial copy, a clean-up): resume, stop and
+    deploy each said "not a run directory" and sent the user to `runner runs`, which lists no
+    run there; they name its last checkpoint, as for a status.json that cannot be read."""
+    run = tmp_path / "copied"
+    for step in (2, 4):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step}" / "config.json").write_text("{}")
+        save_file({"w": torch.zeros(1)}, run / "checkpoints" / f"step_{step}" / "model.safetensors")
+    (run / "recipe.yaml").write_text("version: 1\n")
+    latest = run / "checkpoints" / "step_4"
+    for command in ("stop", "resume"):
+        result = runner_cli(command, str(run))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr == (
+            f"error: RUN='{run}': its status.json is missing, so its state is unknown; start a "
+            f"new run from its last checkpoint: runner train load_checkpoint.path={latest}\n"
+        )
+    result = runner_cli("deploy", f"checkpoint={run}", "port=0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert (
+        f"error: checkpoint='{run}': a run dir whose status.json is missing, so it has no "
+        "recorded state or best to pick by; name one of its checkpoints, e.g. its latest: "
+        f"checkpoint={latest}"
+    ) in result.stderr
+
+
 def test_a_state_no_runner_writes_signals_no_process(runner_cli, tmp_path: Path) -> None:
     """A state another version or a hand wrote (`paused`) read as a live run: `runner stop`
     signalled whatever process then had the pid it names (here, someone's sleep)."""

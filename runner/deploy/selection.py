@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import UserError
-from runner.paths import user_path
+from runner.paths import pasteable, user_path
 from runner.rundir import (
     ACTIVE_STATES,
     SWEEP_MARKERS,
@@ -172,6 +172,16 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: 
             )
     elif is_sweep_dir(path):
         run = choose_run(path, sweep_runs(path), metric=metric, mode=mode)
+    elif (latest := RunDir(path).latest_checkpoint()) is not None:
+        # A run's directory without its status.json (a partial copy, a clean-up): no state or
+        # best to pick by, but its checkpoints serve as they are.
+        raise UserError(
+            "checkpoint",
+            str(path),
+            "a run dir whose status.json is missing, so it has no recorded state or best to "
+            f"pick by; name one of its checkpoints, e.g. its latest: "
+            f"{pasteable('checkpoint', str(latest))}",
+        )
     else:
         raise UserError(
             "checkpoint",

@@ -58,24 +58,33 @@ def run_dir_at(
             )
             waiting = True
         time.sleep(0.1)
+    if not is_run_dir(run.path) and (run.recipe_path.is_file() or run.checkpoints()):
+        # A run's directory without its status (a partial copy, a clean-up): `runner runs`
+        # lists no run there, so it is not the way on.
+        raise _state_unknown(run, key, "is missing")
     if not is_run_dir(run.path):
         found = "not a run directory (no status.json)" if path.exists() else "no such directory"
         raise UserError(key, str(path), f"{found}; `runner runs` lists the runs here")
     if readable and _unreadable(run):
-        latest = run.latest_checkpoint()
-        raise UserError(
-            key,
-            str(path),
-            "its status.json cannot be read (cut short, or not runner's), so its state is "
-            "unknown; "
-            + (
-                f"start a new run from its last checkpoint: runner train "
-                f"load_checkpoint.path={latest}"
-                if latest
-                else "it saved no checkpoint: train it again under another hydra.run.dir"
-            ),
-        )
+        raise _state_unknown(run, key, "cannot be read (cut short, or not runner's)")
     return run
+
+
+def _state_unknown(run: RunDir, key: str, why: str) -> UserError:
+    """A run whose status.json `why` (is missing, cannot be read): no state to go on by, and
+    the way on from its last whole checkpoint."""
+    latest = run.latest_checkpoint()
+    return UserError(
+        key,
+        str(run.path),
+        f"its status.json {why}, so its state is unknown; "
+        + (
+            f"start a new run from its last checkpoint: runner train "
+            f"{pasteable('load_checkpoint.path', str(latest))}"
+            if latest
+            else "it saved no checkpoint: train it again under another hydra.run.dir"
+        ),
+    )
 
 
 def _unreadable(run: RunDir) -> bool:
