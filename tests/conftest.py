@@ -207,6 +207,21 @@ def runner_cli(
 
 
 @contextlib.contextmanager
+def files_limited_to(size: int) -> Iterator[None]:
+    """This process may write no file past `size` bytes inside the block (`ulimit -f`): a disk
+    that refuses a write, made real without a full disk (Python ignores SIGXFSZ, so the write
+    fails with EFBIG or stops short)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@contextlib.contextmanager
 def transformers_warnings() -> Iterator[list[str]]:
     """The messages transformers' loggers warn with inside the block (its library logger does
     not propagate to the root logger that caplog watches)."""

@@ -21,7 +21,7 @@ from runner.data.files import LineError
 from runner.errors import UserError
 from runner.paths import SAMPLE_DATA_DIR
 from runner.rundir import check_safetensors, checkpoint_problem
-from tests.conftest import QUICK, losses
+from tests.conftest import QUICK, files_limited_to, losses
 from tests.fixtures import write_tiny_checkpoint
 from tests.test_data import data, tokenizer
 
@@ -353,13 +353,9 @@ def test_a_status_write_the_disk_refuses_is_one_message_with_nothing_left(tmp_pa
     run.write_status("running", step=1, total_steps=10, loss=5.0)
     before = (run.path / "status.json").read_text()
     reporter = Reporter(run, is_rank_zero=True)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))  # below status.json's size
-    try:
+    with files_limited_to(200):  # below status.json's size
         with pytest.raises(UserError) as raised:
             reporter.step(2, 10, {"loss": 4.0, "lr": 1e-3, "tokens_per_s": 100.0})
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     said = str(raised.value)
     assert said.startswith(
         f"hydra.run.dir='{run.path}': its status.json could not be written (File too large); "
@@ -387,13 +383,9 @@ def test_a_checkpoint_the_disk_refuses_says_the_room_it_takes(tmp_path: Path) ->
         tmp.mkdir()
         torch.save(torch.zeros(75 * 1024), tmp / "training_state.pt")  # 300 KiB
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, hard))
-    try:
+    with files_limited_to(100 * 1024):
         with pytest.raises(UserError) as raised:
             commit(run, 4, write, keep_last_n=2, keep_step=None, saved=lambda: None)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     said = str(raised.value)
     assert said.startswith(
         f"hydra.run.dir='{run.path}': the checkpoint of step 4 could not be written (a file's "

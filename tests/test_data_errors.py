@@ -12,6 +12,7 @@ from runner.data import DataError, check_datasets
 from runner.errors import UserError
 from runner.models.tokenizer import ChatTokenizer
 from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
+from tests.conftest import files_limited_to
 from tests.fixtures import write_family_tokenizer
 from tests.test_data import (
     RENAMED,
@@ -304,7 +305,6 @@ def test_a_cache_that_cannot_take_a_file_is_one_line(tmp_path: Path, monkeypatch
     """A read-only or full home (clusters, containers) failed every run, the shipped data's too,
     in a 40-line traceback from `datasets`' cache. A file-size limit fails the cache's write
     as a full disk does (EFBIG for ENOSPC; Python ignores SIGXFSZ)."""
-    import resource
 
     import datasets
 
@@ -314,13 +314,9 @@ def test_a_cache_that_cannot_take_a_file_is_one_line(tmp_path: Path, monkeypatch
     record = {"instruction": "x" * 50, "input": "", "output": "y" * 50}
     data.write_text((json.dumps(record) + "\n") * 2000)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, hard))
-    try:
+    with files_limited_to(16384):
         with pytest.raises(UserError) as raised:
             sources._read_if_any("dataset.source", str(data), "json", [str(data)])
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert str(raised.value) == (
         f"dataset.source='{data}': datasets could not write its cache {tmp_path / 'cache'} "
         "(File too large); free space there, or set HF_DATASETS_CACHE (or HF_HOME) to a "

@@ -23,6 +23,7 @@ from runner.export.write import ExportRequest, export
 from runner.models.families import FAMILIES, hf_config
 from runner.paths import TINY_TOKENIZER_DIR
 from runner.rundir.io import size_text
+from tests.conftest import files_limited_to
 
 # Token ids fed to both sides, so the comparison does not depend on either tokenizer; the texts
 # also check that llama.cpp's tokenizer gives the ids transformers' gives. They are picked so that
@@ -309,17 +310,12 @@ def test_an_export_the_disk_refuses_is_one_message_with_nothing_left(
     serializing: I/O error: No space left on device (os error 28)", GGUF in numpy's "65536
     requested and 45936 written", which has no errno. A file-size limit (64 KiB, below the
     weights) fails the write as a full disk does (EFBIG for ENOSPC; Python ignores SIGXFSZ)."""
-    import resource
 
     out = tmp_path / "out" / ("model.gguf" if format == "gguf" else "model")
     out.parent.mkdir()
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
-    try:
+    with files_limited_to(64 * 1024):
         with pytest.raises(UserError) as raised:
             run_export(full_checkpoint, format, out=str(out))
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     said = str(raised.value)
     cause = "File too large" if format == "merged" else "a file's write stopped short"
     assert said.startswith(f"out='{out}': the export could not be written ({cause}); its disk has ")
