@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from runner.errors import UserError
 from tests.cli_forks import Forked, ForkedCli
 from tests.conftest import QUICK
 from tests.test_hub import LoopbackHub, _git_oid, cli
@@ -425,6 +426,10 @@ def test_the_card_and_adapter_config_describe_the_model_pushed(tmp_path: Path, c
     card = model_card(run.path, target, {}, run, step=2)
     assert "- training loss 4.0000 at step 2" in card and "- at step 2: eval_loss 4.5000" in card
     assert "at step 4" not in card and "2.0000" not in card
+    # A manifest.json cut short is named, where the card's Reproduce section was a traceback.
+    (run.path / "manifest.json").write_text('{"overrides": ["max_st')
+    with pytest.raises(UserError, match="manifest.json: cannot be read"):
+        model_card(run.path, target, {}, run, step=2)
 
     sha = "5f3e6b2c" * 5
     snapshot = f"/cache/hub/models--acme--tiny-llama/snapshots/{sha}"

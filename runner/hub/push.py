@@ -33,7 +33,7 @@ from runner.rundir import (
     is_run_dir,
     is_sweep_dir,
 )
-from runner.rundir.manifest import MANIFEST_FILE
+from runner.rundir.manifest import MANIFEST_FILE, read_manifest
 
 CARD_FILE = "README.md"
 
@@ -316,9 +316,8 @@ def _run_sections(
         keys.update({"LoRA rank": method.get("rank"), "LoRA alpha": method.get("alpha")})
     lines += [f"| {key} | {value} |" for key, value in keys.items() if value is not None]
     lines += ["", "## Results", "", *_results(run, step), ""]
-    manifest = run.path / MANIFEST_FILE
-    if manifest.is_file():
-        overrides = json.loads(manifest.read_text()).get("overrides", [])
+    if (run.path / MANIFEST_FILE).is_file():  # one that does not read is refused by name
+        overrides = read_manifest(run).get("overrides", [])
         command = shlex.join(["runner", "train", *overrides])
         lines += ["## Reproduce", "", "```", command, "```", ""]
     return lines
