@@ -234,8 +234,10 @@ def best_checkpoint(run: RunDir, *, metric: str | None, mode: str | None) -> Pat
                 )
             else:
                 at = f"{state} at step {run.status().step}"
-                yet = " yet" if state in ACTIVE_STATES else ""
-                why = f"has not recorded a best checkpoint{yet} ({at})"
+                if state in ACTIVE_STATES:
+                    why = f"has not recorded a best checkpoint yet ({at})"
+                else:
+                    why = f"recorded no best checkpoint ({at})"
             raise UserError(
                 "select.checkpoint",
                 "best",

@@ -351,9 +351,10 @@ def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
     # mask (Gemma 2's soft-capping) does.
     scores = 5 * heads * seq / hidden / 2 if _computes_scores(recipe.model) else 0
     width = LAYER_VALUES["width"] + scores
-    per_layer = (
-        seq * batch * (width * hidden + LAYER_VALUES["feed_forward"] * builder["intermediate_dim"])
-    )
+    # Where the builder leaves it out (a transformers model's builder, or null: torchtune's
+    # Llama builders scale it from the width): a GPT's 4 widths.
+    feed_forward = builder.get("intermediate_dim") or 4 * hidden
+    per_layer = seq * batch * (width * hidden + LAYER_VALUES["feed_forward"] * feed_forward)
     kept = layers * seq * batch * hidden + per_layer
     values = kept if recipe.activation_checkpointing else layers * per_layer
     return values, seq * batch * builder["vocab_size"] * 4
