@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
+from runner.paths import pasteable
 
 HF_CONFIG_FILE = "config.json"
 MODEL_FILE = "model.safetensors"
@@ -92,7 +93,7 @@ def no_training_state(checkpoint_dir: Path) -> UserError:
         str(checkpoint_dir),
         f"has no {TRAINING_STATE_FILE} (the optimizer, schedule, data position and step a run "
         "goes on from): put it back, or start a new run from its weights: runner train "
-        f"load_checkpoint.path={checkpoint_dir}",
+        f"{pasteable('load_checkpoint.path', str(checkpoint_dir))}",
     )
 
 
