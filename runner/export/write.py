@@ -35,7 +35,7 @@ from runner.rundir import (
     readable_as_umask,
     weight_files,
 )
-from runner.rundir.io import no_room_cause, room_on, size_text
+from runner.rundir.io import no_room_cause, room_on, size_text, tree_size
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,7 @@ def export(request: ExportRequest) -> Path:
 
             # Before the rename: a file llama.cpp cannot load is no export.
             sample = checked_sample(tmp)
-    size = sum(p.stat().st_size for p in plan.destination.rglob("*") if p.is_file())
-    if plan.destination.is_file():
-        size = plan.destination.stat().st_size
+    size = tree_size(plan.destination)
     log.info(
         "exported %s as %s to %s (%.1f MB)",
         plan.checkpoint,

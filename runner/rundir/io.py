@@ -56,6 +56,18 @@ def size_text(n: float) -> str:
     return f"{n / 1024:.1f} TiB"
 
 
+def tree_size(path: Path) -> int:
+    """The bytes of the files under `path`, or of `path` where it is a file; one that goes
+    while they are counted counts nothing."""
+    if path.is_file():
+        return path.stat().st_size
+    size = 0
+    for file in path.rglob("*"):
+        with contextlib.suppress(OSError):
+            size += file.stat().st_size if file.is_file() else 0
+    return size
+
+
 def file_size_limit() -> int | None:
     """The largest file this process may write (`ulimit -f`); None: no limit."""
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]

@@ -4,7 +4,6 @@ rank's random state, and the write-then-rename commit that rank 0 makes into the
 
 from __future__ import annotations
 
-import contextlib
 import random
 import shutil
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from runner.rundir import RunDir
-from runner.rundir.io import not_written, size_text
+from runner.rundir.io import not_written, size_text, tree_size
 from runner.rundir.manifest import record_checkpoint
 from runner.rundir.run import sync_tree
 from runner.trainer.parallel import Placement
@@ -92,10 +91,7 @@ def _room_taken(run: RunDir, keep_last_n: int, keep_step: int | None) -> str:
     saved = run.checkpoints()
     if not saved:
         return ""
-    size = 0
-    for path in saved[-1][1].rglob("*"):
-        with contextlib.suppress(OSError):
-            size += path.stat().st_size if path.is_file() else 0
+    size = tree_size(saved[-1][1])
     kept = [saved_step for saved_step, _ in saved][-keep_last_n:]
     held = keep_last_n + 1 + (keep_step is not None and keep_step not in kept)
     return (
