@@ -340,6 +340,66 @@ def test_a_checkpoint_the_disk_refuses_is_one_message_with_nothing_half_written(
     assert list((run / "checkpoints").iterdir()) == []  # no .tmp-step_2 left
 
 
+def test_a_disk_too_full_to_start_a_run_on_is_refused_before_anything_is_written(
+    tmp_path: Path, hermetic_env: dict[str, str]
+) -> None:
+    """A disk with a few KiB left: Hydra's first write (.hydra/config.yaml) failed in a
+    traceback of 40 lines, and left .hydra/, .lock and an empty train.log. The floor a run
+    starts on (START_ROOM) is raised past this disk's free space, as a full disk would be."""
+    runs = tmp_path / "outputs"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; import runner.job.job as job; job.START_ROOM = 1 << 50; "
+            "from runner.cli import main; "
+            f"sys.exit(main(['train', *{QUICK!r}, 'runtime.output_root={runs}']))",
+        ],
+        cwd=tmp_path,
+        env=hermetic_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = one_error(result)
+    assert line.startswith(f"error: runtime.output_root='{runs}': the disk of {runs}/"), line
+    assert line.endswith(
+        "free, less than the 1024.0 TiB a run starts on (its checkpoints take more): make room, "
+        "or give a directory on another disk"
+    ), line
+    assert not runs.exists()
+
+
+def test_records_the_disk_refuses_at_a_runs_start_are_one_line_and_no_directory(
+    tmp_path: Path, hermetic_env: dict[str, str], runner_cli
+) -> None:
+    """A disk that fills between the check of its room and the run's first records: the
+    manifest's write (6.8 KiB) ended in a traceback and left a half-made run directory. A
+    file-size limit of 6 KiB takes Hydra's files and recipe.yaml and refuses manifest.json."""
+    assert runner_cli("validate", *QUICK).returncode == 0  # the data's cache, written ahead
+    run = tmp_path / "run"
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "train", *QUICK, f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        env=hermetic_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (6 << 10, hard)),
+    )
+    line = one_error(result)
+    assert line.startswith(
+        f"error: hydra.run.dir='{run}': the run's records could not be written (File too "
+        "large); its disk has "
+    ), line
+    assert line.endswith(
+        "and files are limited to 6.0 KiB here (ulimit -f): raise the file-size limit (ulimit "
+        "-f), make room, or give a directory on another disk"
+    ), line
+    assert not run.exists()
+
+
 def test_a_status_write_the_disk_refuses_is_one_message_with_nothing_left(tmp_path: Path) -> None:
     """A disk that fills between checkpoints: the status.json write of the next logged step
     ended the run in a traceback of 90 lines, and left an empty .status.json.HOST.PID.tmp that

@@ -49,6 +49,7 @@ from runner.rundir import (
     is_run_dir,
     run_lock,
 )
+from runner.rundir.io import file_size_limit, free_space, no_room_cause, room_on, size_text
 from runner.rundir.manifest import (
     MANIFEST_FILE,
     build_manifest,
@@ -61,6 +62,13 @@ from runner.rundir.manifest import (
 from runner.trainer.parent import stop_signals_to
 
 log = logging.getLogger(__name__)
+
+# The least free space a run starts on: its records (.hydra/, recipe.yaml, manifest.json,
+# status.json, train.log) take tens of KiB, and the smallest checkpoint, the tiny default's,
+# 12 MiB. On a disk with less, Hydra's first write failed in a traceback and left the
+# directory half made.
+START_ROOM = 2**20
+_MAKE_ROOM = "make room, or give a directory on another disk"
 
 
 def train(
@@ -153,6 +161,7 @@ class RunDirLock(Callback):
             check_root(config.runtime.output_root, "runtime.output_root")  # before any mkdir
             given = str(config.hydra.run.dir)  # as Hydra resolves it: ${now:} is cached
             path = user_path(given)  # hydra.run.dir='~/...'
+            _check_room(config, path)
             if _fresh_by_time(config, path):
                 path = _unclaimed(path, config)
             if str(path) != given:
@@ -227,25 +236,42 @@ def _unclaimed(path: Path, config: DictConfig) -> Path:
     raise UserError("hydra.run.dir", str(path), "1000 runs started in this second; give one")
 
 
+def _run_dir_key(config: DictConfig, path: Path) -> tuple[str, str]:
+    """The key that placed the run directory `path`, and its value, as the user gave it."""
+    if config.resume is not None:
+        return "resume", str(config.resume)
+    if _run_dir_given(config):
+        return "hydra.run.dir", str(path)
+    return "runtime.output_root", str(config.runtime.output_root)
+
+
 def _unwritable(config: DictConfig, path: Path, err: OSError) -> UserError:
-    """The key of a run directory that cannot be made or written, as the user gave it."""
+    """A run directory that cannot be made or written, under the key that placed it."""
+    key, value = _run_dir_key(config, path)
     if config.resume is not None:
         return UserError(
-            "resume",
-            str(config.resume),
+            key,
+            value,
             f"cannot write in the run directory {path} ({err.strerror}): a run goes on where "
             "it lies; copy it where this user can write, and resume the copy",
         )
-    if _run_dir_given(config):
-        key, value = "hydra.run.dir", str(path)
-    else:
-        key, value = "runtime.output_root", str(config.runtime.output_root)
     return UserError(
         key,
         value,
         f"cannot make the run directory {path} ({err.strerror}); give a directory this user "
         "can write",
     )
+
+
+def _check_room(config: DictConfig, path: Path) -> None:
+    """A run starts on a disk with START_ROOM free at least, before anything is written."""
+    free = free_space(path)
+    if free < START_ROOM:
+        raise UserError(
+            *_run_dir_key(config, path),
+            f"the disk of {path} has {size_text(free)} free, less than the "
+            f"{size_text(START_ROOM)} a run starts on (its checkpoints take more): {_MAKE_ROOM}",
+        )
 
 
 def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextManager[None]:
@@ -351,8 +377,21 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
                     unlike,
                     loaded.path,
                 )
-        write_recipe(run.recipe_path, recipe)
-        write_manifest(run, manifest)
+        try:
+            write_recipe(run.recipe_path, recipe)
+            write_manifest(run, manifest)
+        except OSError as err:
+            cause = no_room_cause(err)
+            if cause is None:
+                raise
+            # The disk filled after the run's start was checked (_check_room).
+            raise UserError(
+                "hydra.run.dir" if cfg.resume is None else "resume",
+                str(run.path),
+                f"the run's records could not be written ({cause}); {room_on(run.path)}: "
+                + ("raise the file-size limit (ulimit -f), " if file_size_limit() else "")
+                + _MAKE_ROOM,
+            ) from err
     node_rank = node_rank_of(cfg.compute, recipe)
     from runner.trainer import process
 

@@ -74,13 +74,19 @@ def file_size_limit() -> int | None:
     return None if limit == resource.RLIM_INFINITY else limit
 
 
-def room_on(path: Path) -> str:
-    """The room a write to `path` (or where it will be) has, as a message says it: its disk's
-    free space, and the file-size limit where one is set."""
+def free_space(path: Path) -> int:
+    """The bytes free on the disk of `path`, or of where it will be made (its nearest parent
+    that exists)."""
     there = path
     while not there.exists() and there != there.parent:
         there = there.parent
-    room = f"its disk has {size_text(shutil.disk_usage(there).free)} free"
+    return shutil.disk_usage(there).free
+
+
+def room_on(path: Path) -> str:
+    """The room a write to `path` (or where it will be) has, as a message says it: its disk's
+    free space, and the file-size limit where one is set."""
+    room = f"its disk has {size_text(free_space(path))} free"
     limit = file_size_limit()
     if limit is not None:
         room += f", and files are limited to {size_text(limit)} here (ulimit -f)"
