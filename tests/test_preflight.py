@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from runner.components import instantiate
@@ -144,6 +146,56 @@ def test_estimate_prices_a_layers_activations_as_the_trained_model_keeps_them(
         per_layer = (estimated[3] - estimated[1]) / 2, (measured[3] - measured[1]) / 2
         # Within 2%: the attention's logsumexp, a value a head and token, is left out.
         assert abs(per_layer[0] / per_layer[1] - 1) < 0.02, (widths, per_layer)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("loss", ["ce", "chunked_ce"])
+def test_estimate_prices_the_logits_as_the_loss_keeps_them(
+    tmp_path: Path, loss: str, dtype: str
+) -> None:
+    """The activations at a step's live peak (PeakBytes: what a GPU's max_memory_allocated
+    counts), a token more, at a vocabulary where the logits outweigh the layers: the logits were
+    priced as one fp32 copy, where loss=ce keeps 3 of them at the peak, and loss=chunked_ce
+    about 1.7 (explore76b measured as much by peak RSS)."""
+    from runner.job.preflight import BYTES, _activations
+    from runner.models.activation_memory import keep_fewer_activations
+    from runner.models.backends.base import set_output_chunks
+    from tests.conftest import load_script
+
+    peak_bytes = load_script("bench/bench_activations").PeakBytes
+    vocab, batch = 16384, 2
+    estimated, measured = {}, {}
+    for seq in (128, 256):
+        args = ["compute=cpu", f"dtype={dtype}", f"batch_size={batch}", f"loss={loss}"]
+        args += ["dataset.packing=false", f"model.builder.vocab_size={vocab}"]
+        recipe = resolve_recipe(compose_train(args), tmp_path)
+        values, logits_bytes = _activations(recipe, seq)
+        estimated[seq] = values * BYTES[dtype][1] + logits_bytes
+        torch.manual_seed(0)
+        model = keep_fewer_activations(instantiate(recipe.model.builder), torch.device("cpu"))
+        model.to(torch.float32 if dtype == "fp32" else torch.bfloat16)
+        loss_fn = instantiate(recipe.loss)
+        set_output_chunks(model, getattr(loss_fn, "num_output_chunks", 0))
+        tokens, labels = torch.randint(0, vocab, (2, batch, seq))
+        _forward_and_backward(model, loss_fn, tokens, labels)  # the step measured adds to them
+        with peak_bytes() as peak:
+            _forward_and_backward(model, loss_fn, tokens, labels)
+        measured[seq] = peak.peak
+    per_token = [(found[256] - found[128]) / (128 * batch) for found in (estimated, measured)]
+    assert abs(per_token[0] / per_token[1] - 1) < 0.05, per_token
+
+
+def _forward_and_backward(
+    model: torch.nn.Module, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor
+) -> None:
+    """A step's loss and backward, as runner.trainer.objectives.Supervised computes them."""
+    logits = model(tokens)
+    if isinstance(logits, list):  # chunked output, for a chunked loss
+        value = loss_fn(logits, labels)
+    else:
+        value = loss_fn(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
+    del logits
+    value.backward()
 
 
 def test_estimate_prices_packed_rows_linearly_in_their_length(tmp_path: Path) -> None:

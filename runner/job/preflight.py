@@ -161,8 +161,9 @@ def estimate(recipe: DictConfig) -> Estimate:
     holds autocast's bf16 copy of the weights.
     Activations, in the compute dtype, are what each layer keeps for backward (measured:
     LAYER_VALUES) for the longest sample in a full batch, with layer inputs only under
-    activation checkpointing, plus the fp32 logits; with Korthikanti et al.'s (2022) attention
-    scores where the attention is not fused (_activations).
+    activation checkpointing, plus the logits as the loss keeps them (LOGITS_BYTES); with
+    Korthikanti et al.'s (2022) attention scores where the attention is not fused
+    (_activations).
     """
     counts = _parameter_counts(recipe)
     world = recipe.compute.nproc_per_node * recipe.compute.nnodes
@@ -230,7 +231,7 @@ def _state_bytes(counts: _Counts, world: int, moments: int, dtype: str) -> tuple
 @dataclass(frozen=True)
 class _Data:
     """The training split as measured: each sample's tokens, and the activations of a full batch
-    of the longest (values kept for backward, and the fp32 logits' bytes); `row` the longest
+    of the longest (values kept for backward, and the logits' bytes); `row` the longest
     row a forward pass takes (a preference pair's longer answer: its answers are two rows)."""
 
     lengths: list[int]
@@ -338,10 +339,17 @@ def _forward_samples(recipe: DictConfig, seq: int) -> int:
 # a GPT layer's, whose feed-forward is 4 widths of GeLU: they priced every model's alike, 1.2x
 # low at Llama's 4 widths and 3.5x at 16.
 LAYER_VALUES = {"width": 8, "feed_forward": 3}
+# The bytes a logit takes at the step's live peak, in any dtype, measured (tests/test_preflight.py,
+# fp32 and bf16 within 5%): a loss over the whole logits (loss=ce) casts them to fp32 and keeps
+# their log-softmax, and backward makes its gradient and the logits' beside it, 12 bytes; a
+# chunked loss (loss=chunked_ce) keeps each chunk's fp32 log-softmax beside the logits, 7.
+# Priced as one fp32 copy, they were 1.7x (chunked) to 3x (ce) low: 7.8 GiB short with loss=ce
+# at a 128k vocabulary and 4 rows of 2,048 tokens.
+LOGITS_BYTES = {"whole": 12, "chunked": 7}
 
 
 def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
-    """(activation values kept for backward, bytes of the fp32 logits) for a full batch of
+    """(activation values kept for backward, the logits' bytes) for a full batch of
     `seq`-token samples, as many as one forward pass takes (dataset.max_forward_tokens)."""
     builder, batch = recipe.model.builder, _forward_samples(recipe, seq)
     hidden, layers, heads = builder["embed_dim"], builder["num_layers"], builder["num_heads"]
@@ -357,7 +365,9 @@ def _activations(recipe: DictConfig, seq: int) -> tuple[float, int]:
     per_layer = seq * batch * (width * hidden + LAYER_VALUES["feed_forward"] * feed_forward)
     kept = layers * seq * batch * hidden + per_layer
     values = kept if recipe.activation_checkpointing else layers * per_layer
-    return values, seq * batch * builder["vocab_size"] * 4
+    chunked = "num_output_chunks" in recipe.loss
+    per_logit = LOGITS_BYTES["chunked" if chunked else "whole"]
+    return values, seq * batch * builder["vocab_size"] * per_logit
 
 
 def _computes_scores(model: DictConfig) -> bool:

@@ -19,10 +19,13 @@ import argparse
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers_setup  # noqa: E402  (the model's shapes and data, as peers_setup.py's)
@@ -55,6 +58,37 @@ def saved_bytes(model: torch.nn.Module, inputs: dict) -> int:
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         model(**inputs)
     return sum(storages.values())
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes of tensors made inside the block that were alive at once (each storage
+    once; a storage counts until it is freed): the live peak that a GPU's
+    max_memory_allocated gives, on any device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._counted: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in self._counted or size == 0:
+            return
+        self._counted.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._freed, key, size)
+
+    def _freed(self, key: int, size: int) -> None:
+        self.live -= size
+        self._counted.discard(key)
 
 
 def main(argv: list[str]) -> None:
