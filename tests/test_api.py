@@ -7,15 +7,18 @@ import gc
 import json
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from runner import api
 from runner.errors import UserError
 from runner.paths import CONF_DIR
+from runner.rundir import Status
 from tests.conftest import ESTIMATE_DATA, load_script
 
 # One process on the CPU, a loss line every step, no evaluation: the runs are short.
@@ -127,6 +130,49 @@ def test_a_stop_right_after_the_launch_stops_the_run(
     stopped = run.stop(timeout=300)
     assert stopped.state == "cancelled" and "SIGTERM" in stopped.error, stopped
     assert stopped.step < 400
+
+
+def stop_within(run: api.Run, seconds: float, **options: Any) -> Status:
+    """run.stop(**options), which must return within `seconds` (it hung on a zombie)."""
+    stopped: list[Status] = []
+    thread = threading.Thread(target=lambda: stopped.append(run.stop(**options)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert stopped, f"stop() still waits after {seconds} s; status {run.dir.status()}"
+    return stopped[0]
+
+
+def test_a_kill_through_a_second_handle_ends_a_run_and_its_sweep_launched_here(
+    workdir: Path, hermetic_env: dict[str, str]
+) -> None:
+    """A handle from api.Run(path), api.runs() or Sweep.runs() on a run this process launched:
+    the killed launcher, a zombie until this process reaped it, was waited for for ever, and
+    the run stayed `running`; a sweep's job killed so left its summary as it was."""
+    run = api.launch([*BASE, "max_steps=400"], cwd=workdir, env=hermetic_env)
+    try:
+        wait_for_step(run, 2)
+        killed = stop_within(api.Run(run.path), 30, save_checkpoint=False)
+        assert killed.state == "cancelled" and "killed without a checkpoint" in killed.error
+        assert run.wait(timeout=60).state == "cancelled"
+    finally:
+        run.wait(timeout=60)  # reaps the launcher: a hung stop() then ends
+    sweep = api.sweep(
+        [*BASE, "runtime.save_every_n_steps=1", "max_steps=2,400"],
+        cwd=workdir,
+        env=hermetic_env,
+    )
+    try:
+        while len(sweep.runs()) < 2:
+            assert sweep._process is not None and sweep._process.poll() is None, sweep.path
+            time.sleep(0.1)
+        wait_for_step(sweep.runs()[1], 2)
+        killed = stop_within(sweep.runs()[1], 30, save_checkpoint=False)
+        assert killed.state == "cancelled" and "resume continues from" in killed.error, killed
+    finally:
+        summary = sweep.wait(timeout=60)  # the kill ended the sweep's process too
+    assert summary is not None, sweep.path
+    states = [(row["job"], row["state"]) for row in summary["runs"]]
+    assert states == [("0", "completed"), ("1", "cancelled")], summary
 
 
 def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(

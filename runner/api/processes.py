@@ -4,13 +4,14 @@ caller, and what it reads of them: the console file beside each run directory, t
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+
+from runner.rundir import pid_alive
 
 
 def new_dir(root: Path) -> Path:
@@ -50,13 +51,12 @@ def last_error(console: Path) -> str | None:
 
 
 def wait_gone(pid: int, process: subprocess.Popen[bytes] | None) -> None:
-    """Until process `pid` has exited (reaping it when it was started here)."""
+    """Until process `pid` has ended (reaping it when `process` is it; a zombie, a child of
+    this process that another handle started, has ended, and is left to that handle)."""
     while True:
         if process is not None and process.pid == pid:
             process.wait()
             return
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             return
         time.sleep(0.1)

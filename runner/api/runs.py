@@ -144,7 +144,9 @@ class Run:
 
         save_checkpoint=False kills it at once (SIGKILL to its process group: the launcher and,
         where they share it, its workers), so it loses the steps since its last checkpoint,
-        and records it `cancelled` with the step it had logged.
+        and records it `cancelled` with the step it had logged. A job of a sequential sweep
+        runs in the sweep's own process, so the sweep ends with it (its summary says so), as
+        with `runner stop`.
         """
         self._started(timeout)
         if save_checkpoint:
@@ -158,6 +160,12 @@ class Run:
         self.dir.write_status(
             "cancelled", error=f"killed without a checkpoint at step {step}; {then}"
         )
+        if lifecycle.sweep_it_ends(self.dir) is not None:
+            from runner.job.sweep import refresh_sweep_of
+
+            # The kill ended the sweep's own process, where its jobs run one after another,
+            # before it summed up this job: the summary says where its jobs stand.
+            refresh_sweep_of(self.path)
         return self.status()
 
     def _started(self, timeout: float | None) -> None:

@@ -38,6 +38,7 @@ from runner.rundir.lock import (
     held_here,
     join_run_lock,
     lock_held,
+    pid_alive,
     pid_stopped,
     run_lock,
 )

@@ -176,23 +176,31 @@ def lock_held(run_dir: Path) -> bool | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this machine exists (a zombie counts, until it is reaped)."""
+    """Whether process `pid` of this machine runs: it exists and has not ended. A zombie, whose
+    parent has not reaped it yet, has ended: a run's launcher killed by a caller that started it
+    read as alive until that caller reaped it, and a wait for it to end (runner.api's stop of a
+    run launched in the same process, through a second handle) never ended."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass  # another user's: it exists
+    return _process_state(pid) not in ("Z", "X")
 
 
 def pid_stopped(pid: int) -> bool:
     """Whether process `pid` of this machine is stopped (SIGSTOP, SIGTSTP: Ctrl-Z, a paused
     job), as /proc tells; False where there is no /proc."""
+    return _process_state(pid) in ("T", "t")
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter /proc gives process `pid` (R, S, T, Z, ...); None where it cannot."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
+        return None
     # The state follows the command name, which is in parentheses and may hold any character.
     fields = stat.rpartition(")")[2].split()
-    return bool(fields) and fields[0] in ("T", "t")
+    return fields[0] if fields else None
