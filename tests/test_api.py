@@ -200,6 +200,11 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     # TypeError after the run's directory was made; deploy's message named "this command".
     (problem,) = api.validate("max_steps=4")
     assert str(problem) == "overrides='max_steps=4': give a list of strings, e.g. ['max_steps=4']"
+    (problem,) = api.validate(None)  # type: ignore[arg-type]  # an optional body left out
+    assert str(problem) == "overrides: give a list of strings, e.g. ['max_steps=4']"
+    for call in (api.estimate, api.launch, api.sweep, api.deploy):
+        with pytest.raises(UserError, match="^overrides: give a list of strings"):
+            call(None)  # type: ignore[arg-type]
     made = sorted(workdir.rglob("*"))
     with pytest.raises(UserError, match=r"env\['A'\]: a int; give names and values as strings"):
         api.launch(BASE, cwd=workdir, env={**hermetic_env, "A": 1})

@@ -85,8 +85,13 @@ def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
 
 def listed(overrides: Sequence[str]) -> list[str]:
     """`overrides` as a list of strings; one string given for the list was read a character at
-    a time ("override='m': Error parsing override")."""
-    if isinstance(overrides, str | bytes) or not all(isinstance(o, str) for o in overrides):
+    a time ("override='m': Error parsing override"), and None (an optional request body left
+    out) raised a bare TypeError, from validate too, which returns its problems."""
+    if (
+        isinstance(overrides, str | bytes)
+        or not isinstance(overrides, Sequence)
+        or not all(isinstance(o, str) for o in overrides)
+    ):
         raise UserError("overrides", overrides, "give a list of strings, e.g. ['max_steps=4']")
     return list(overrides)
 
