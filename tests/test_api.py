@@ -209,6 +209,14 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     with pytest.raises(UserError, match=r"env\['A'\]: a int; give names and values as strings"):
         api.launch(BASE, cwd=workdir, env={**hermetic_env, "A": 1})
     assert sorted(workdir.rglob("*")) == made
+    # A mistyped cwd= was made, and the run trained under it.
+    nowhere = workdir / "no" / "such"
+    for call in (api.launch, api.sweep, api.deploy):
+        with pytest.raises(UserError, match=r"cwd='.*/no/such': no such directory; give the"):
+            call(["checkpoint=run"] if call is api.deploy else BASE, cwd=nowhere)
+    with pytest.raises(UserError, match=r"cwd='.*/test_api.py': a file; give the directory"):
+        api.launch(BASE, cwd=__file__)
+    assert sorted(workdir.rglob("*")) == made
     with pytest.raises(UserError, match="runner deploy has no compute group"):
         api.deploy(["checkpoint=run", "compute=cpu"], cwd=workdir, env=hermetic_env)
     # Refused here, as the CLI refuses it: the server's process did, after a Deployment (and its

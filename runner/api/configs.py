@@ -4,16 +4,18 @@ arguments every call takes (overrides, env)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from runner.config import interpolations
 from runner.errors import UserError
-from runner.paths import CONF_DIR
+from runner.paths import CONF_DIR, user_path
 from runner.rundir import STALLED, STATES, STOPPING
 
 if TYPE_CHECKING:
@@ -117,6 +119,21 @@ def environment(env: Any) -> dict[str, str] | None:
                 f"a {type(value).__name__}; give names and values as strings",
             )
     return dict(env)
+
+
+def working_dir(cwd: str | os.PathLike[str] | None) -> Path:
+    """Where a process started here runs: `cwd` (this process's own when None), which must be a
+    directory. A mistyped one was made, with the run under it, and the relative paths of the
+    overrides were read from that empty directory; one that could not be made was a traceback."""
+    if cwd is None:
+        return Path.cwd()
+    path = user_path(cwd)
+    if not path.is_dir():
+        found = "a file" if path.exists() else "no such directory"
+        raise UserError(
+            "cwd", str(cwd), f"{found}; give the directory the command runs in (or None: this one)"
+        )
+    return path.resolve()
 
 
 def validate(overrides: Sequence[str]) -> list[UserError]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import ListConfig, OmegaConf
 
-from runner.api.configs import compose, environment, listed
+from runner.api.configs import compose, environment, listed, working_dir
 from runner.api.processes import last_error, start
 from runner.errors import UserError
 from runner.paths import user_path
@@ -31,9 +31,8 @@ def deploy(
     port); returns at once: Deployment.wait_ready() gives its URL."""
     from runner.deploy.selection import check_servable
 
-    overrides, env = listed(overrides), environment(env)
+    overrides, env, base = listed(overrides), environment(env), working_dir(cwd)
     config = compose(overrides, "deploy")
-    base = Path(cwd or Path.cwd())
     # A checkpoint that is not there, refused here as a bad option is: the server's process
     # refused it after the call had returned a Deployment, whose console file was left behind.
     given = OmegaConf.select(config, "checkpoint", throw_on_missing=False)

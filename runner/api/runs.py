@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.api.configs import compose, environment, listed
+from runner.api.configs import compose, environment, listed, working_dir
 from runner.api.processes import console_of, last_error, new_dir, start, wait_gone
 from runner.config.fields import override_key
 from runner.config.schema import typed
@@ -33,7 +33,7 @@ def launch(
     the groups, raises here; what the run's own checks find (a group's value such as
     optimizer.lr=-1, a missing file, a bad record) ends it `failed`, with the message, in
     seconds. api.validate checks it all first."""
-    overrides, env = listed(overrides), environment(env)
+    overrides, env, base = listed(overrides), environment(env), working_dir(cwd)
     resumes = [o for o in overrides if o.startswith("resume=")]
     if resumes:
         raise UserError(
@@ -49,7 +49,6 @@ def launch(
             "launch makes a new directory under runtime.output_root; give runtime.output_root "
             "(or cwd=), or resume a run of that directory with api.Run(RUN).resume()",
         )
-    base = Path(cwd or Path.cwd())
     path = new_dir(base / user_path(typed(compose(overrides)).runtime.output_root))
     args = ["train", *overrides, override("hydra.run.dir", str(path))]
     return Run(path, _process=start(args, console_of(path), base, env), _cwd=base)
@@ -256,10 +255,9 @@ def sweep(
     runtime.multirun_root; returns at once."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides, env = listed(overrides), environment(env)
+    overrides, env, base = listed(overrides), environment(env), working_dir(cwd)
     parsed = OverridesParser.create().parse_overrides(overrides)
     plain = [line for line, o in zip(overrides, parsed, strict=True) if not o.is_sweep_override()]
-    base = Path(cwd or Path.cwd())
     path = new_dir(base / user_path(typed(compose(plain)).runtime.multirun_root))
     args = ["train", "-m", *overrides, override("hydra.sweep.dir", str(path))]
     return Sweep(path, _process=start(args, console_of(path), base, env))
