@@ -142,6 +142,19 @@ def test_cfg_job_prints_the_composed_config(runner_cli) -> None:
     assert "family: llama3" in result.stdout
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["seed=7", "--info"], ["--info", "seed=7"], ["-i", "seed=7"], ["seed=7", "--info", "config"]],
+)
+def test_info_prints_the_config_with_the_overrides_around_it(runner_cli, tmp_path, args) -> None:
+    """--info's value is optional: a bare one before or after the overrides prints all (or the
+    part named) of the config they compose, as plain Hydra does, and writes nothing."""
+    result = runner_cli("train", *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "seed: 7" in result.stdout, result.stdout[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_config_dir_adds_a_users_own_option(runner_cli, tmp_path: Path) -> None:
     (tmp_path / "mine" / "model").mkdir(parents=True)
     (tmp_path / "mine" / "model" / "tiny_wide.yaml").write_text(

@@ -162,20 +162,17 @@ def flags_first(argv: list[str]) -> list[str]:
     """`argv` with Hydra's flags (and their values) before the overrides, in their order."""
     flags: list[str] = []
     overrides: list[str] = []
-    given = iter(argv)
-    for arg in given:
+    given = list(argv)
+    while given:
+        arg = given.pop(0)
         if arg in _FLAG_VALUES:
-            value = next(given, None)
-            if value is None:
+            if not given:
                 raise UserError(arg, None, f"give its value after it ({arg} VALUE)")
-            flags += [arg, value]
+            flags += [arg, given.pop(0)]
         elif arg in ("--info", "-i"):
-            flags.append(arg)
-            following = next(given, None)
-            if following in _INFO:
-                flags.append(following)
-            elif following is not None:
-                overrides.append(following)
+            # --info's value is optional (all): a bare one, put before the overrides, took the
+            # first of them as its value (--info seed=1: "invalid choice: 'seed=1'").
+            flags += [arg, given.pop(0) if given and given[0] in _INFO else "all"]
         elif arg.startswith("-"):
             flags.append(arg)
         else:
