@@ -158,6 +158,24 @@ def test_the_commands_that_only_look_refuse_a_sweep(runner_cli, tmp_path: Path) 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["-m", "--cfg", "job"], "error: --cfg='job': prints one config and runs nothing, not a"),
+        (["--multirun", "-cjob"], "error: -cjob: prints one config and runs nothing"),
+        (["-m", "--info"], "error: --info: prints one config and runs nothing"),
+        (["--cfg", "job", "--info"], "error: --cfg and --info: Hydra takes one of these at a"),
+    ],
+)
+def test_two_of_hydras_modes_are_one_line(runner_cli, tmp_path: Path, flags, expected) -> None:
+    """-m --cfg job (what would a sweep's jobs get?) ended in Hydra's ValueError traceback."""
+    result = runner_cli("train", "seed=0,1", *flags)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith(expected), result.stderr
+    assert "drop -m (--multirun)" in result.stderr or "give one" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_command_is_a_user_error(runner_cli) -> None:
     result = runner_cli("trian")
     assert result.returncode == 2

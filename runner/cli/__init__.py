@@ -81,6 +81,7 @@ def _run(name: str, argv: list[str]) -> int | None:
     from runner.config.secrets import refuse_typed_secrets
 
     argv = flags_first(argv)
+    _refuse_two_modes(argv)
     refuse_typed_secrets(argv)
     resumed = next(
         (a for a in argv if override_key(a) == "resume" and a.partition("=")[2] != "null"), None
@@ -178,6 +179,45 @@ def flags_first(argv: list[str]) -> list[str]:
         else:
             overrides.append(arg)
     return [*flags, *overrides]
+
+
+# Hydra's flags that each choose what its app does: one at a time.
+_MODES = {
+    **dict.fromkeys(("-r", "--run"), "--run"),
+    **dict.fromkeys(("-m", "--multirun"), "--multirun"),
+    **dict.fromkeys(("-c", "--cfg"), "--cfg"),
+    **dict.fromkeys(("-i", "--info"), "--info"),
+    **dict.fromkeys(("-sc", "--shell-completion"), "--shell-completion"),
+}
+
+
+def _mode(arg: str) -> str | None:
+    """The mode a flag of Hydra's chooses (--cfg for --cfg, --cfg=job and -cjob), if any."""
+    flag = arg.partition("=")[0]
+    if arg[:2] in ("-c", "-i") and arg[2:] in ("job", "hydra", "all", *_INFO):
+        flag = arg[:2]
+    return _MODES.get(flag)
+
+
+def _refuse_two_modes(argv: list[str]) -> None:
+    """Hydra takes one of -m, --cfg, --info, ... and raised a ValueError at two (`-m --cfg
+    job`, to see what a sweep's jobs would get): a traceback."""
+    given = [(arg, _mode(arg)) for arg in argv if _mode(arg)]
+    modes = {mode for _, mode in given}
+    if len(modes) < 2:
+        return
+    printing = next((arg for arg, mode in given if mode in ("--cfg", "--info")), None)
+    if "--multirun" in modes and printing is not None:
+        # --cfg's value as given (job, hydra, all); --info's may be one flags_first wrote.
+        value = argv[argv.index(printing) + 1] if printing in ("--cfg", "-c") else None
+        raise UserError(
+            printing,
+            value,
+            "prints one config and runs nothing, not a sweep's jobs: drop -m (--multirun) and "
+            "give one value of each key to see what that job gets",
+        )
+    flags = " and ".join(arg for arg, _ in given)
+    raise UserError(flags, None, "Hydra takes one of these at a time: give one")
 
 
 def _warn_groups_given_twice(argv: list[str]) -> None:
