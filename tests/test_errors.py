@@ -176,6 +176,34 @@ def test_two_of_hydras_modes_are_one_line(runner_cli, tmp_path: Path, flags, exp
     assert list(tmp_path.iterdir()) == []
 
 
+def test_config_path_names_config_dir_as_the_fix(runner_cli, tmp_path: Path) -> None:
+    """--config-path replaces runner's conf/: Hydra's "Primary config module ... not found" (a
+    relative path) or "Could not load 'train'" (a base file of the user's) was shown as a
+    malformed override."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text(
+        (CONF_DIR / "model" / "tiny.yaml").read_text()
+    )
+    (tmp_path / "conf" / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\n")
+    for flags in (
+        ["--config-path", "conf"],
+        [f"--config-path={tmp_path / 'conf'}"],
+        ["-cp", "conf"],
+    ):
+        result = runner_cli("validate", *flags, "--config-name", "mine", "model=mine")
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        flag, _, given = " ".join(flags).replace("=", " ").partition(" ")
+        assert result.stderr == (
+            f"error: {flag}={given!r}: replaces runner's own configs (train.yaml and its "
+            f"groups); add yours beside them with --config-dir {given}\n"
+        )
+    # The fix it names composes the same files.
+    fixed = runner_cli(
+        "validate", "--config-dir", "conf", "--config-name", "mine", "model=mine", "compute=cpu"
+    )
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+
+
 def test_unknown_command_is_a_user_error(runner_cli) -> None:
     result = runner_cli("trian")
     assert result.returncode == 2

@@ -81,6 +81,7 @@ def _run(name: str, argv: list[str]) -> int | None:
     from runner.config.secrets import refuse_typed_secrets
 
     argv = flags_first(argv)
+    _refuse_config_path(argv)
     _refuse_two_modes(argv)
     refuse_typed_secrets(argv)
     resumed = next(
@@ -179,6 +180,21 @@ def flags_first(argv: list[str]) -> list[str]:
         else:
             overrides.append(arg)
     return [*flags, *overrides]
+
+
+def _refuse_config_path(argv: list[str]) -> None:
+    """--config-path replaces the directory a command composes from: runner's conf/ (train.yaml
+    and every group) was gone, and Hydra said only that a module or `train` was not found."""
+    for at, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
+        if flag in ("--config-path", "-cp"):
+            given = value if equals else argv[at + 1]  # flags_first: a flag's value follows it
+            raise UserError(
+                flag,
+                given,
+                "replaces runner's own configs (train.yaml and its groups); add yours beside "
+                f"them with --config-dir {given}",
+            )
 
 
 # Hydra's flags that each choose what its app does: one at a time.
