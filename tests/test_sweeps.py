@@ -182,6 +182,52 @@ def test_a_bad_value_of_a_sweep_is_refused_before_any_job(runner_cli, tmp_path: 
         assert "Traceback" not in result.stderr and not sweep.exists()
 
 
+@pytest.mark.parametrize("sweeper", ["basic", "optuna"])
+def test_a_secret_in_a_sweeps_config_file_is_refused_before_anything_is_written(
+    runner_cli, tmp_path: Path, sweeper: str
+) -> None:
+    """A token typed into the sweep's own config (--config-name) was refused in each job, after
+    Hydra had written it in clear to multirun.yaml and to every failed job's .hydra/."""
+    token = "hf_abcdefghijklmnopqrstuvwxyz123456"
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text(
+        f"defaults:\n  - train\n  - _self_\nruntime:\n  hf_token: {token}\n"
+    )
+    sweep = tmp_path / "sweep"
+    swept = ["seed=0,1"]
+    if sweeper == "optuna":
+        swept = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "seed=range(0,2)"]
+    result = runner_cli(
+        "train",
+        "-m",
+        *["--config-dir", str(tmp_path / "conf"), "--config-name", "mine"],
+        *TINY_JOB,
+        *swept,
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(
+        "error: runtime.hf_token='<hidden>': give a reference to the token, env:NAME or file:PATH"
+    ), result.stderr[-3000:]
+    assert token not in result.stdout + result.stderr and not sweep.exists()
+
+
+def test_a_bad_value_in_a_sweeps_config_file_is_refused_before_any_job(
+    runner_cli, tmp_path: Path
+) -> None:
+    """The values were checked against train's config, not the sweep's own (--config-name)."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text(
+        "defaults:\n  - train\n  - _self_\noptimizer:\n  lr: -1.0\n"
+    )
+    sweep = tmp_path / "sweep"
+    config = ["--config-dir", str(tmp_path / "conf"), "--config-name", "mine"]
+    result = runner_cli("train", "-m", *config, *TINY_JOB, "seed=0,1", f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith("error: optimizer.lr=-1.0: give a number > 0"), result.stderr
+    assert not sweep.exists()
+
+
 def test_an_optuna_direction_against_the_objective_is_refused_before_any_job(
     runner_cli, tmp_path: Path
 ) -> None:

@@ -11,7 +11,10 @@ any other key: a value that is a service's token, typed or brought in by an inte
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
+
+from omegaconf import DictConfig
 
 from runner.config.fields import override_key
 from runner.errors import HIDDEN, SECRET_KEY, TOKEN_PREFIXES, URL_PASSWORD, UserError
@@ -85,18 +88,48 @@ def refuse_typed_secrets(overrides: list[str]) -> None:
     """A UserError, naming the key and never the value, for a secret typed as a value."""
     for override in overrides:
         key, equals, value = override.partition("=")
-        key, value = override_key(key), value.strip("'\"")
-        if not equals or value == "null":
-            continue
-        if key.rpartition(".")[2] == "hf_token":
-            from runner.hub.token import TokenRef
+        if equals:
+            refuse_secret(override_key(key), value.strip("'\""))
 
-            TokenRef.parse(value, key)
-        elif key == "api_key.env":
-            check_env_name(key, value)
-        elif key.startswith("runtime.env.") and SECRET_KEY.search(key.removeprefix("runtime.env.")):
-            raise env_secret_error(key.removeprefix("runtime.env."))
-        elif _TOKEN.fullmatch(value):
-            raise token_error(key)
-        elif URL_PASSWORD.search(value):
-            raise url_password_error(key)
+
+def refuse_config_secrets(config: DictConfig) -> None:
+    """A UserError for the first secret among a composed config's values as written (a config
+    file's, --config-name's or an option's): a sweep writes its config to
+    multirun.yaml, and each job's to its .hydra/, before any job's checks run."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(config, resolve=False)
+    assert isinstance(values, dict)
+    values.pop("hydra", None)
+    for key, value in _leaves(values):
+        refuse_secret(key, value)
+
+
+def _leaves(section: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """Each (dotted key, value) of a nested dict's (and list's) string values."""
+    if isinstance(section, dict):
+        for name, value in section.items():
+            yield from _leaves(value, f"{prefix}{name}.")
+    elif isinstance(section, list):
+        for i, value in enumerate(section):
+            yield from _leaves(value, f"{prefix}{i}.")
+    elif isinstance(section, str):
+        yield prefix.removesuffix("."), section
+
+
+def refuse_secret(key: str, value: str) -> None:
+    """A UserError, naming `key` and never `value`, where `value` is a secret."""
+    if value == "null":
+        return
+    if key.rpartition(".")[2] == "hf_token":
+        from runner.hub.token import TokenRef
+
+        TokenRef.parse(value, key)
+    elif key == "api_key.env":
+        check_env_name(key, value)
+    elif key.startswith("runtime.env.") and SECRET_KEY.search(key.removeprefix("runtime.env.")):
+        raise env_secret_error(key.removeprefix("runtime.env."))
+    elif _TOKEN.fullmatch(value):
+        raise token_error(key)
+    elif URL_PASSWORD.search(value):
+        raise url_password_error(key)

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import as_typed, override_key
 from runner.config.runtime import check_root
+from runner.config.secrets import refuse_config_secrets
 from runner.console import takeable
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import request_stop
@@ -274,7 +275,8 @@ def check_direction(sweeper: DictConfig, objective: DictConfig) -> None:
 
 
 def check_sweep_values(config: DictConfig) -> None:
-    """Every value a sweep gives a key, composed and resolved as `runner estimate` resolves it
+    """Every value a sweep gives a key, composed from the sweep's own config (--config-name's:
+    train's left a user's base file unchecked) and resolved as `runner estimate` resolves it
     (every key checked, nothing read or downloaded) before any job starts or the sweep
     directory is made: a bad value (optimizer.lr=1e-3,abc) was found only when its job came,
     the jobs before it trained, and a refused sweep left a directory holding Hydra's
@@ -308,7 +310,8 @@ def check_sweep_values(config: DictConfig) -> None:
             for value in override.sweep_string_iterator():
                 job = [*fixed, f"{override.get_key_element()}={value}"]
                 try:
-                    recipe_of(compose(config_name="train", overrides=job), job, estimating=True)
+                    composed = compose(config_name=config.hydra.job.config_name, overrides=job)
+                    recipe_of(composed, job, estimating=True)
                 except Exception as err:
                     user_error = as_user_error(err, "train")
                     if user_error is None:
@@ -469,6 +472,7 @@ class SweepSummary(Callback):
         parallel = "joblib" in str(config.hydra.launcher.get("_target_", ""))
         with user_errors_pass_hydra():
             check_root(config.runtime.multirun_root, "runtime.multirun_root")
+            refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
             check_direction(config.hydra.sweeper, config.objective)
             if parallel:
                 _check_jobs(config.hydra.launcher.n_jobs)
