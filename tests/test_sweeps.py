@@ -182,6 +182,38 @@ def test_a_bad_value_of_a_sweep_is_refused_before_any_job(runner_cli, tmp_path: 
         assert "Traceback" not in result.stderr and not sweep.exists()
 
 
+def test_a_sweep_is_checked_on_the_jobs_its_grid_holds(runner_cli, tmp_path: Path) -> None:
+    """Each swept value was checked against the other swept keys' defaults: a grid of heads and
+    kv heads whose every job is valid was refused for the tiny model's 4 kv heads, in none of
+    them. A grid that holds a job its model refuses is refused naming that job."""
+    sweep = tmp_path / "sweep"
+    heads = [*TINY_JOB, "max_steps=1", "eval.strategy=no", "model.builder.embed_dim=96"]
+    result = runner_cli(
+        "train",
+        "-m",
+        *heads,
+        "model.builder.num_heads=6,12",
+        "model.builder.num_kv_heads=2,3",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["state"] for r in summary_of(sweep)["runs"]] == ["completed"] * 4
+    refused = tmp_path / "refused"
+    result = runner_cli(
+        "train",
+        "-m",
+        *heads,
+        "model.builder.num_heads=12,6",
+        "model.builder.num_kv_heads=4,3",
+        f"hydra.sweep.dir={refused}",
+    )
+    assert result.returncode == 2 and not refused.exists(), result.stderr[-3000:]
+    assert result.stderr.startswith("error: model.builder.num_heads=6: "), result.stderr
+    assert result.stderr.endswith(
+        " (in the job model.builder.num_heads=6 model.builder.num_kv_heads=4)\n"
+    ), result.stderr
+
+
 @pytest.mark.parametrize("sweeper", ["basic", "optuna"])
 def test_a_secret_in_a_sweeps_config_file_is_refused_before_anything_is_written(
     runner_cli, tmp_path: Path, sweeper: str

@@ -280,18 +280,14 @@ def check_sweep_values(config: DictConfig) -> None:
     (every key checked, nothing read or downloaded) before any job starts or the sweep
     directory is made: a bad value (optimizer.lr=1e-3,abc) was found only when its job came,
     the jobs before it trained, and a refused sweep left a directory holding Hydra's
-    multirun.yaml alone. One job each, the value among the fixed overrides (a value against
-    each of another key's values would be their product); an Optuna sweep's values are drawn
-    as it goes, from ranges Optuna checks."""
+    multirun.yaml alone. One job a value, the grid's first that gives it: the other swept keys
+    at their first values (at their defaults, a valid grid, num_heads=6,12 num_kv_heads=2,3,
+    was refused for the default's 4 kv heads; every job would be the values' product); an
+    Optuna sweep's values are drawn as it goes, from ranges Optuna checks."""
     # torchao, imported with the checks, says that it found no Triton (runner.models.
     # torchtune_boundary demotes it to INFO), which the sweep process's console (Hydra's own
     # logging, INFO and up) would show above the sweep.
     logging.getLogger("torchao.kernel.intmm").setLevel(logging.ERROR)
-    from hydra import compose
-
-    from runner.config.hydra_errors import as_user_error
-    from runner.job.preflight import recipe_of
-
     if "direction" in config.hydra.sweeper:
         return
     overrides = parsed_overrides(as_typed(config.hydra.overrides.task))
@@ -304,21 +300,45 @@ def check_sweep_values(config: DictConfig) -> None:
                 "an interval is drawn from by the Optuna sweeper: add hydra/sweeper=optuna "
                 "(docs/sweeps.md), or give the values (a,b,c or range(START,STOP,STEP))",
             )
+    swept = [
+        (o.get_key_element(), list(o.sweep_string_iterator()))
+        for o in overrides
+        if o.is_sweep_override()
+    ]
+    jobs = dict.fromkeys(  # in order, each once
+        tuple(f"{other}={value if other == key else values[0]}" for other, values in swept)
+        for key, given in swept
+        for value in given
+    )
     logging.disable(logging.WARNING)  # each job says its own warnings as it starts
     try:
-        for override in (o for o in overrides if o.is_sweep_override()):
-            for value in override.sweep_string_iterator():
-                job = [*fixed, f"{override.get_key_element()}={value}"]
-                try:
-                    composed = compose(config_name=config.hydra.job.config_name, overrides=job)
-                    recipe_of(composed, job, estimating=True)
-                except Exception as err:
-                    user_error = as_user_error(err, "train")
-                    if user_error is None:
-                        raise
-                    raise user_error from None
+        for job in jobs:
+            _check_job(config, [*fixed, *job], job if len(swept) > 1 else ())
     finally:
         logging.disable(logging.NOTSET)
+
+
+def _check_job(config: DictConfig, overrides: list[str], swept: tuple[str, ...]) -> None:
+    """One job of the sweep (`overrides`) resolved as `runner estimate` resolves it; a refusal
+    names the `swept` values of the job it is of."""
+    from hydra import compose
+
+    from runner.config.hydra_errors import as_user_error
+    from runner.job.preflight import recipe_of
+
+    try:
+        composed = compose(config_name=config.hydra.job.config_name, overrides=overrides)
+        recipe_of(composed, overrides, estimating=True)
+    except Exception as err:
+        user_error = as_user_error(err, "train")
+        if user_error is None:
+            raise
+        if swept:
+            job = " ".join(swept)
+            user_error = UserError(
+                user_error.key, user_error.value, f"{user_error.fix} (in the job {job})"
+            )
+        raise user_error from None
 
 
 def check_same_sweep(config: DictConfig) -> None:
