@@ -259,6 +259,8 @@ def test_a_secret_typed_as_a_value_is_refused_before_any_config_is_printed(runne
         ("export", "hf_token=hf_s3cr3t"),
         ("deploy", "api_key.env=sk-s3cr3t"),
         ("train", "+runtime.env.WANDB_API_KEY=s3cr3t"),
+        # Hydra's own environment of the job, which it writes to .hydra/hydra.yaml.
+        ("train", "+hydra.job.env_set.WANDB_API_KEY=s3cr3t"),
     ):
         for flags in (["--cfg", "job"], ["--info"], []):
             given = [override] if command == "train" else ["checkpoint=x", override]
@@ -267,6 +269,27 @@ def test_a_secret_typed_as_a_value_is_refused_before_any_config_is_printed(runne
             key = override.lstrip("+").partition("=")[0]
             assert result.stderr.startswith(f"error: {key}='<hidden>': "), result.stderr
             assert "s3cr3t" not in result.stdout + result.stderr
+
+
+def test_hydras_env_set_is_refused_for_runtime_env_which_the_run_records(runner_cli, tmp_path):
+    """hydra.job.env_set reached the training processes, but the run recorded it nowhere:
+    runner resume and repro ran without it (repro of a run on one thread re-ran on two)."""
+    run_dir = tmp_path / "run"
+    for command in (["validate"], ["train"], ["train", "-m", "seed=0,1"]):
+        result = runner_cli(
+            *command,
+            "compute=cpu",
+            "+hydra.job.env_set.OMP_NUM_THREADS=1",
+            f"hydra.run.dir={run_dir}",
+            f"hydra.sweep.dir={run_dir}",
+        )
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.endswith(
+            "error: hydra.job.env_set.OMP_NUM_THREADS='1': the run would not record it, and "
+            "runner resume and repro would run without it; give +runtime.env.OMP_NUM_THREADS=1 "
+            "(recorded, and set again by both)\n"
+        ), result.stderr[-2000:]
+        assert not run_dir.exists()
 
 
 TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"  # a hub token's shape, no token

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.components import plain_dict
@@ -32,7 +33,7 @@ from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_method_keys, check_pairing, resolve_method
 from runner.config.model import ModelRecipe, option_builder, resolve_model
 from runner.config.optimizer import resolve_optimizer, warn_long_warmup
-from runner.config.runtime import resolve_runtime
+from runner.config.runtime import check_env_set, resolve_runtime
 from runner.config.schema import Recipe, Train, Training, typed
 from runner.config.secrets import refuse_tokens
 from runner.errors import UserError
@@ -66,6 +67,8 @@ def resolve_recipe(
     optimizer = resolve_optimizer(cfg.optimizer, compute.nproc_per_node * compute.nnodes)
     warn_long_warmup(optimizer, cfg.max_steps)
     runtime = resolve_runtime(cfg.runtime)
+    if HydraConfig.initialized():  # a Hydra app's: the environment Hydra would set the job
+        check_env_set(HydraConfig.get().job.env_set)
     # Last among the checks: fetching a source is the slow part.
     hub = Hub.from_runtime(cfg.runtime, list(overrides))
     cfg, hub_sources = localize(cfg, hub, only_cached=not fetch)

@@ -7,6 +7,7 @@ group as the user types it adds where runs are written and how hf:// sources are
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -14,7 +15,7 @@ from omegaconf import MISSING, DictConfig
 
 from runner.config.fields import flag, integer
 from runner.config.loggers import check_loggers
-from runner.config.secrets import env_secret_error
+from runner.config.secrets import env_secret_error, refuse_secret
 from runner.errors import SECRET_KEY, UserError
 
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
@@ -89,6 +90,20 @@ def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
         env=env,
         hf_token=runtime.hf_token,
     )
+
+
+def check_env_set(env_set: Mapping[str, Any]) -> None:
+    """hydra.job.env_set, Hydra's environment of the job: runner records runtime.env, which
+    resume and repro set again, and not this, which they ran without."""
+    for name, value in env_set.items():
+        refuse_secret(f"hydra.job.env_set.{name}", str(value))  # never echoed in the fix
+        given = f"{name}={value}"
+        raise UserError(
+            f"hydra.job.env_set.{name}",
+            str(value),
+            "the run would not record it, and runner resume and repro would run without it; "
+            f"give +runtime.env.{given} (recorded, and set again by both)",
+        )
 
 
 def _plain_env(env: DictConfig) -> dict[str, str]:

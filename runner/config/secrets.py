@@ -25,13 +25,20 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TOKEN = re.compile(rf"(?:{TOKEN_PREFIXES})[A-Za-z0-9_-]{{20,}}")
 
 
-def env_secret_error(name: str) -> UserError:
-    """runtime.env.NAME, where NAME looks like a secret's."""
+# The sections whose keys name environment variables, and where each is written.
+_WRITTEN_TO = {
+    "runtime.env": "runtime.env is written to the run directory",
+    "hydra.job.env_set": "Hydra writes hydra.job.env_set to the run directory (.hydra/)",
+}
+
+
+def env_secret_error(name: str, section: str = "runtime.env") -> UserError:
+    """SECTION.NAME (runtime.env, hydra.job.env_set), where NAME looks like a secret's."""
     return UserError(
-        f"runtime.env.{name}",
+        f"{section}.{name}",
         HIDDEN,
-        "looks like a secret, and runtime.env is written to the run directory; export it in "
-        "the environment of `runner train` instead (training processes inherit it)",
+        f"looks like a secret, and {_WRITTEN_TO[section]}; export it in the environment of "
+        "`runner train` instead (training processes inherit it)",
     )
 
 
@@ -94,14 +101,14 @@ def refuse_typed_secrets(overrides: list[str]) -> None:
 
 def refuse_config_secrets(config: DictConfig) -> None:
     """A UserError for the first secret among a composed config's values as written (a config
-    file's, --config-name's or an option's): a sweep writes its config to
+    file's, --config-name's or an option's; hydra.job.env_set's): a sweep writes its config to
     multirun.yaml, and each job's to its .hydra/, before any job's checks run."""
     from omegaconf import OmegaConf
 
     values = OmegaConf.to_container(config, resolve=False)
     assert isinstance(values, dict)
-    values.pop("hydra", None)
-    for key, value in _leaves(values):
+    env_set = (values.pop("hydra", None) or {}).get("job", {}).get("env_set") or {}
+    for key, value in [*_leaves(values), *_leaves(env_set, "hydra.job.env_set.")]:
         refuse_secret(key, value)
 
 
@@ -127,8 +134,9 @@ def refuse_secret(key: str, value: str) -> None:
         TokenRef.parse(value, key)
     elif key == "api_key.env":
         check_env_name(key, value)
-    elif key.startswith("runtime.env.") and SECRET_KEY.search(key.removeprefix("runtime.env.")):
-        raise env_secret_error(key.removeprefix("runtime.env."))
+    elif key.rpartition(".")[0] in _WRITTEN_TO and SECRET_KEY.search(key.rpartition(".")[2]):
+        section, _, name = key.rpartition(".")
+        raise env_secret_error(name, section)
     elif _TOKEN.fullmatch(value):
         raise token_error(key)
     elif URL_PASSWORD.search(value):

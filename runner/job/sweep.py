@@ -29,7 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import as_typed, override_key
-from runner.config.runtime import check_root
+from runner.config.runtime import check_env_set, check_root
 from runner.config.secrets import refuse_config_secrets
 from runner.console import takeable
 from runner.errors import UserError, user_errors_pass_hydra
@@ -493,6 +493,7 @@ class SweepSummary(Callback):
         with user_errors_pass_hydra():
             check_root(config.runtime.multirun_root, "runtime.multirun_root")
             refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
+            check_env_set(config.hydra.job.env_set)  # the jobs' checks see it, this one's not
             check_direction(config.hydra.sweeper, config.objective)
             if parallel:
                 _check_jobs(config.hydra.launcher.n_jobs)
