@@ -14,6 +14,7 @@ import yaml
 from runner import api
 from runner.errors import UserError
 from runner.job.lifecycle import check_resumable
+from runner.paths import CONF_DIR
 from runner.rundir import RunDir
 from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
 
@@ -231,6 +232,73 @@ def test_a_run_directory_is_trained_again_only_by_the_command_that_started_it(
         f"steps left: give batch_size={batch_size} on 1 process(es)"
     ) in result.stderr
     assert {p: p.read_bytes() for p in record} == record
+
+
+class ConfiguredRun:
+    """A run trained by a command that composes the user's own files (--config-dir: a base
+    config and a model option), stopped after its step-2 checkpoint (a preemption, to be
+    requeued by the same command)."""
+
+    BASE = "defaults:\n  - train\n  - _self_\nmax_steps: 4\noptimizer:\n  lr: 1.0e-3\n"
+    MODEL = (CONF_DIR / "model" / "tiny.yaml").read_text().replace("name: tiny", "name: mine")
+
+    def __init__(self, runner_cli, tmp_path: Path) -> None:
+        self.cli, self.path = runner_cli, tmp_path / "run"
+        conf = tmp_path / "conf"
+        self.base_file, self.model_file = conf / "mine.yaml", conf / "model" / "mine.yaml"
+        self.model_file.parent.mkdir(parents=True)
+        self.base_file.write_text(self.BASE)
+        self.model_file.write_text(self.MODEL.replace("num_layers: 4", "num_layers: 2"))
+        self.command = ["train", "--config-dir", str(conf), "--config-name", "mine", "model=mine"]
+        self.command += [*QUICK, "runtime.save_every_n_steps=2", "eval.strategy=no"]
+        self.command.append(f"hydra.run.dir={self.path}")
+        result = runner_cli(*self.command)
+        assert result.returncode == 0, result.stderr[-3000:]
+        shutil.rmtree(self.path / "checkpoints" / "step_4")
+        status = json.loads((self.path / "status.json").read_text())
+        (self.path / "status.json").write_text(json.dumps({**status, "state": "cancelled"}))
+
+    def record(self) -> dict[Path, bytes]:
+        """Its recipe, manifest, status, checkpoints and .hydra/ (the composition that started
+        it); not train.log, which logs each attempt."""
+        return {p: b for p, b in written(self.path).items() if p.name != "train.log"}
+
+    def refused(self, changes: str) -> None:
+        """The same command again is refused by the recipe keys that differ, writing nothing."""
+        record = self.record()
+        result = self.cli(*self.command)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert (
+            f"error: hydra.run.dir='{self.path}': holds a run whose recipe these configs change "
+            f"(a config file edited since it started?): {changes}; go on with it by its recorded "
+            f"recipe (runner resume {self.path}), put the configs back, or give another "
+            "hydra.run.dir"
+        ) in result.stderr
+        assert self.record() == record
+
+    def goes_on(self, *command: str) -> None:
+        """It goes on from its step-2 checkpoint and completes at step 4."""
+        result = self.cli(*(command or self.command))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"resuming from {self.path / 'checkpoints' / 'step_2'}" in result.stderr
+        assert "status:        completed at step 4" in result.stdout
+
+
+def test_a_config_file_edited_under_a_run_is_refused_before_anything_is_written(
+    runner_cli, tmp_path: Path
+) -> None:
+    """The same command again (a requeue) after a file of its --config-dir changed: the recipe
+    resolved from it, not only the overrides, is held to the one the run recorded. A new lr
+    and max_steps were taken unsaid, recipe.yaml and manifest.json rewritten to them, while the
+    checkpoint's optimizer state trained on with the old lr (runner repro then re-ran every
+    step at the new one, and drifted). Refused by the keys that differ, with the run's record,
+    .hydra/ too, as it was; the file put back, the same command goes on."""
+    run = ConfiguredRun(runner_cli, tmp_path)
+    edited = run.BASE.replace("max_steps: 4", "max_steps: 6").replace("1.0e-3", "5.0e-3")
+    run.base_file.write_text(edited)
+    run.refused("max_steps=6 (recorded: 4), optimizer.lr=0.005 (recorded: 0.001)")
+    run.base_file.write_text(run.BASE)
+    run.goes_on()
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -> None:

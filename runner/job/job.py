@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
+from runner.components import plain_dict
 from runner.config.fields import as_typed, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
@@ -55,6 +56,7 @@ from runner.rundir.manifest import (
     build_manifest,
     changed_data,
     changed_overrides,
+    changed_recipe,
     read_manifest,
     unlike_loaded,
     write_manifest,
@@ -177,6 +179,13 @@ class RunDirLock(Callback):
                 self._lock.enter_context(_stopped_leaves_nothing(run, output_root))
             if config.resume is None:
                 _check_same_command(run, as_typed(config.hydra.overrides.task))
+                if run.latest_checkpoint() is not None:
+                    # Trained again in its directory (a requeue): as a resumed run does (its
+                    # resolver's), it keeps the .hydra/ record of the composition that started
+                    # it, which a config file edited since (refused by _check_same_recipe)
+                    # overwrote.
+                    with read_write(config.hydra):
+                        config.hydra.output_subdir = None
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._lock.close()
@@ -323,6 +332,24 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
         )
 
 
+def _check_same_recipe(run: RunDir, recorded: DictConfig, recipe: DictConfig) -> None:
+    """A run trained again by its own command goes on with the recipe it recorded: a config
+    file that command composes, edited since (a new lr, another model shape), changes it as
+    another override would, though the overrides are the same (_check_same_command). Refused
+    before its record is rewritten: its checkpoint's optimizer state would train on with the
+    old lr under a record of the new, and weights of one shape load into no model of another."""
+    changes = changed_recipe(plain_dict(recorded), plain_dict(recipe))
+    if changes:
+        shown = ", ".join(changes[:6]) + (f" and {len(changes) - 6} more" if changes[6:] else "")
+        raise UserError(
+            "hydra.run.dir",
+            str(run.path),
+            f"holds a run whose recipe these configs change (a config file edited since it "
+            f"started?): {shown}; go on with it by its recorded recipe (runner resume "
+            f"{run.path}), put the configs back, or give another hydra.run.dir",
+        )
+
+
 def _warn_changed_data(run: RunDir, now: dict[str, Any] | None = None) -> None:
     """Said as a run goes on from its checkpoint: its data changed since it was recorded
     (`now`: the data as the run's new manifest records it)."""
@@ -362,6 +389,8 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
                 recorded = None  # another runner's record: its checkpoint's checks speak
             if recorded is not None:
                 check_same_global_batch(str(run.path), recorded, recipe, recipe.compute)
+                _check_same_recipe(run, recorded, recipe)
+                recipe.resume_from = recorded.resume_from  # where it started, as it recorded
             if _finished(run):
                 return None  # its record stays the one it was trained by
         _check_data(recipe)

@@ -264,6 +264,32 @@ def changed_overrides(recorded: list[str], given: list[str]) -> list[str]:
     ]
 
 
+# What the layout decides where the config leaves it open: the dtype (auto: by the device), the
+# optimizer's fused step and the loader's workers (null: by the processes, by the device), and
+# what QLoRA keeps in NF4 (by the processes). They may change only where the layout does.
+DECIDED_BY_LAYOUT = ("dtype.name", "optimizer.fused", "dataset.num_workers", "method.quantization")
+
+
+def changed_recipe(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The keys in which a run's recipe, resolved again by its command on its directory (a
+    requeue), differs from the recipe it recorded, each as `key=NOW (recorded: THEN)`: the
+    overrides may be the same while a config file they compose was edited, or an interpolation
+    reads another value. Left out: the LAYOUT and what it decides (DECIDED_BY_LAYOUT) where it
+    changed, the keys that name the run (hashed_config), and resume_from (the checkpoint of
+    another run it started from: the run goes on from its own)."""
+
+    def layout(recipe: dict[str, Any]) -> tuple[str, int]:
+        compute = recipe["compute"]
+        return compute["device"], compute["nproc_per_node"] * compute["nnodes"]
+
+    decided = DECIDED_BY_LAYOUT if layout(recorded) != layout(now) else ()
+    return [
+        f"{key}={value!r} (recorded: {before!r})"
+        for key, before, value in config_differences(recorded, now)
+        if key.split(".")[0] not in (*LAYOUT, "resume_from") and key not in decided
+    ]
+
+
 def changed_data(run: RunDir, now: dict[str, DataFile] | None = None) -> list[str]:
     """The data files of the run's manifest that differ now from what it recorded (a record
     appended, a file cut short), each as `key PATH (sha256 A -> B)`: a run going on over them
