@@ -256,7 +256,8 @@ class ConfiguredRun:
         assert result.returncode == 0, result.stderr[-3000:]
         shutil.rmtree(self.path / "checkpoints" / "step_4")
         status = json.loads((self.path / "status.json").read_text())
-        (self.path / "status.json").write_text(json.dumps({**status, "state": "cancelled"}))
+        stopped = {**status, "state": "cancelled", "step": 2}
+        (self.path / "status.json").write_text(json.dumps(stopped))
 
     def record(self) -> dict[Path, bytes]:
         """Its recipe, manifest, status, checkpoints and .hydra/ (the composition that started
@@ -299,6 +300,25 @@ def test_a_config_file_edited_under_a_run_is_refused_before_anything_is_written(
     run.refused("max_steps=6 (recorded: 4), optimizer.lr=0.005 (recorded: 0.001)")
     run.base_file.write_text(run.BASE)
     run.goes_on()
+
+
+def test_a_model_file_edited_under_a_run_is_refused_and_the_run_resumes_as_recorded(
+    runner_cli, tmp_path: Path
+) -> None:
+    """The same command again after the user's model option got another shape: its weights
+    load into no such model. It failed in a torch traceback after recipe.yaml had been rewritten
+    to that model and status.json to failed at step 0, and runner resume read the new shape
+    from then on. Refused in one line naming the key, the record as it was: runner resume goes
+    on with the recorded model, the file left as edited."""
+    run = ConfiguredRun(runner_cli, tmp_path)
+    run.model_file.write_text(run.MODEL.replace("num_layers: 4", "num_layers: 3"))
+    run.refused(
+        "model.builder.num_layers=3 (recorded: 2), model.hf_config.num_hidden_layers=3 "
+        "(recorded: 2)"
+    )
+    status = json.loads((run.path / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("cancelled", 2)
+    run.goes_on("resume", str(run.path))
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(hermetic_env, tmp_path: Path) -> None:
