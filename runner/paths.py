@@ -55,6 +55,14 @@ def override(key: str, value: str) -> str:
     return f"{key}='{escaped}'"
 
 
+def shell_path(path: Path | str) -> str:
+    """`path` as one shell word, to paste into a command (`runner resume RUN`): a space or a
+    quote in it stays in it."""
+    import shlex
+
+    return shlex.quote(str(path))
+
+
 def pasteable(key: str, value: str) -> str:
     """`key=value` as one shell word that Hydra reads back as `value` (`override`, then quoted
     for the shell: a space)."""

@@ -54,6 +54,7 @@ PRELOAD = (
     "scipy.io",
     "runner.cli",
     "runner.job.job",
+    "runner.job.start",
     "runner.recipes.finetune",
     "runner.job.preflight",
     "runner.hub.download",

@@ -351,7 +351,7 @@ def test_a_disk_too_full_to_start_a_run_on_is_refused_before_anything_is_written
         [
             sys.executable,
             "-c",
-            "import sys; import runner.job.job as job; job.START_ROOM = 1 << 50; "
+            "import sys; import runner.job.start as start; start.START_ROOM = 1 << 50; "
             "from runner.cli import main; "
             f"sys.exit(main(['train', *{QUICK!r}, 'runtime.output_root={runs}']))",
         ],
@@ -395,7 +395,7 @@ def test_records_the_disk_refuses_at_a_runs_start_are_one_line_and_no_directory(
     ), line
     assert line.endswith(
         "and files are limited to 6.0 KiB here (ulimit -f): raise the file-size limit (ulimit "
-        "-f), make room, or give a directory on another disk"
+        "-f) or make room, or give a directory on another disk"
     ), line
     assert not run.exists()
 

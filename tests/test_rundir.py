@@ -401,7 +401,7 @@ def test_runs_started_in_one_second_each_claim_a_directory(tmp_path: Path) -> No
     refused for a hydra.run.dir it never gave: each claims its own, -1, -2 after the first."""
     from omegaconf import OmegaConf
 
-    from runner.job.job import _unclaimed
+    from runner.job.start import _unclaimed
 
     config = OmegaConf.create({"hydra": {"overrides": {"hydra": []}}, "runtime": {}})
     first = tmp_path / "outputs" / "2026-11-29" / "10-00-00"

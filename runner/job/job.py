@@ -6,31 +6,24 @@ multirun.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import shutil
-import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, read_write
+from omegaconf import DictConfig
 
 from runner.components import plain_dict
-from runner.config.fields import as_typed, override_key
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.load_checkpoint import check_same_global_batch, global_batch
 from runner.config.method import move_recipe
-from runner.config.runtime import check_root
 from runner.config.schema import read_recipe, write_recipe
-from runner.errors import Diverged, UserError, error_line, user_errors_pass_hydra
+from runner.errors import Diverged, UserError, error_line
 from runner.job.launch import (
     as_launcher,
     in_process,
@@ -38,39 +31,27 @@ from runner.job.launch import (
     node_rank_of,
     stops_before_workers,
 )
-from runner.job.lifecycle import check_recipe_as_recorded, last_logged, wait_for_orphans
+from runner.job.lifecycle import check_recipe_as_recorded, last_logged
+from runner.job.start import MAKE_ROOM, discard, trainer_lock
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
-from runner.paths import pasteable, user_path
+from runner.paths import pasteable, shell_path
 from runner.rundir import (
     FINAL_STATES,
     STATES,
     RunDir,
     RunLocked,
-    held_here,
     is_run_dir,
-    run_lock,
 )
-from runner.rundir.io import file_size_limit, free_space, no_room_cause, room_on, size_text
+from runner.rundir.io import no_room_cause, room_fix, room_on
 from runner.rundir.manifest import (
-    MANIFEST_FILE,
     build_manifest,
     changed_data,
-    changed_overrides,
     changed_recipe,
-    read_manifest,
     unlike_loaded,
     write_manifest,
 )
-from runner.trainer.parent import stop_signals_to
 
 log = logging.getLogger(__name__)
-
-# The least free space a run starts on: its records (.hydra/, recipe.yaml, manifest.json,
-# status.json, train.log) take tens of KiB, and the smallest checkpoint, the tiny default's,
-# 12 MiB. On a disk with less, Hydra's first write failed in a traceback and left the
-# directory half made.
-START_ROOM = 2**20
-_MAKE_ROOM = "make room, or give a directory on another disk"
 
 
 def train(
@@ -89,7 +70,7 @@ def train(
     new_here = not run.recipe_path.exists() and not run.checkpoints()
     try:
         as_launcher()
-        with _trainer_lock(cfg, run):
+        with trainer_lock(cfg, run):
             return _train(cfg, run, overrides)
     except Exception as err:
         # Bad input, ours or met in an interpolation (a ${runner_*:} of the config).
@@ -100,25 +81,8 @@ def train(
         # pointing at nothing (W&B's last line said to sync files that were gone).
         kept = (run.status().step or 0) > 0 or run.checkpoints() or run.has_tracker_runs()
         if new_here and cfg.resume is None and not keep_failed and not kept:
-            _discard(run_dir, Path(cfg.runtime.output_root))
+            discard(run_dir, Path(cfg.runtime.output_root))
         raise
-
-
-def _discard(run_dir: Path, output_root: Path) -> None:
-    """A new run directory that holds no run, with its day's folder where it was alone in it."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    _remove_empty_day(run_dir, output_root)
-
-
-def _remove_empty_day(run_dir: Path, output_root: Path) -> None:
-    """The day's folder of the default layout (output_root/<date>/<time>) that the removed
-    run was the only one in, and output_root if nothing else is in it (a first command with a
-    typo leaves nothing behind): made with the run, they go with it."""
-    day = run_dir.absolute().parent
-    if day.parent == output_root.absolute():
-        with contextlib.suppress(OSError):  # not empty: other runs, other days
-            day.rmdir()
-            day.parent.rmdir()
 
 
 def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
@@ -147,191 +111,6 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
     return float(scored[0]) if scored else math.nan
 
 
-class RunDirLock(Callback):
-    """Hydra callback of `runner train` (not of -m): takes the run directory's lock before Hydra
-    writes into it (.hydra/, train.log), so that a hydra.run.dir or resume= naming a run that
-    another process trains is refused with that run untouched, as is a hydra.run.dir naming a
-    run that other overrides started. The job then finds the lock held. A new run stopped before
-    it records its status leaves no directory (_stopped_leaves_nothing)."""
-
-    def __init__(self) -> None:
-        self._lock = contextlib.ExitStack()
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
-        with user_errors_pass_hydra():
-            check_root(config.runtime.output_root, "runtime.output_root")  # before any mkdir
-            given = str(config.hydra.run.dir)  # as Hydra resolves it: ${now:} is cached
-            path = user_path(given)  # hydra.run.dir='~/...'
-            _check_room(config, path)
-            if _fresh_by_time(config, path):
-                path = _unclaimed(path, config)
-            if str(path) != given:
-                with read_write(config.hydra):  # where Hydra's run_job writes, from here on
-                    config.hydra.run.dir = str(path)
-            run = RunDir(path)
-            try:
-                self._lock.enter_context(_trainer_lock(config, run))
-            except OSError as err:  # a read-only file system, a file on the path
-                raise _unwritable(config, run.path, err) from None
-            if config.resume is None and not run.recipe_path.exists() and not run.checkpoints():
-                output_root = Path(str(config.runtime.output_root))
-                self._lock.enter_context(_stopped_leaves_nothing(run, output_root))
-            if config.resume is None:
-                _check_same_command(run, as_typed(config.hydra.overrides.task))
-                if run.latest_checkpoint() is not None:
-                    # Trained again in its directory (a requeue): as a resumed run does (its
-                    # resolver's), it keeps the .hydra/ record of the composition that started
-                    # it, which a config file edited since (refused by _check_same_recipe)
-                    # overwrote.
-                    with read_write(config.hydra):
-                        config.hydra.output_subdir = None
-
-    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        self._lock.close()
-
-
-@contextlib.contextmanager
-def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
-    """Ctrl-C or SIGTERM in the seconds before a new run records its status (importing torch,
-    resolving the recipe, checking the data) removes its directory, which holds no run yet
-    (.hydra/, .lock, train.log: no command would list, resume or clean it), and ends the process
-    at once, 128 + the signal. From its first status the run's own handlers take the signals
-    (launch.stops_before_workers, process.stop_signals); past them, these do as the ones before.
-    No exception is raised in the window: one raised inside an import leaves that module half
-    made (tried: a SystemExit raised in torch's import failed a later import of numpy)."""
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if is_run_dir(run.path):
-            signal.signal(signum, previous[signal.Signals(signum)])
-            signal.raise_signal(signum)
-            return
-        _discard(run.path, output_root)
-        name = signal.Signals(signum).name
-        print("interrupted" if signum == signal.SIGINT else f"stopped by {name}", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(128 + signum)
-
-    with stop_signals_to(on_signal) as previous:
-        yield
-
-
-def _run_dir_given(config: DictConfig) -> bool:
-    """Whether the user named the run directory (hydra.run.dir=...), not its time."""
-    return any(override_key(o) == "hydra.run.dir" for o in as_typed(config.hydra.overrides.hydra))
-
-
-def _fresh_by_time(config: DictConfig, path: Path) -> bool:
-    """Whether `path` is the one-node run directory named by the time the run started
-    (runtime.output_root/<date>/<time>), not one given, resumed or named by a platform's job."""
-    if _run_dir_given(config) or config.resume is not None or str(config.compute.nnodes) != "1":
-        return False
-    return path.parent.parent == user_path(config.runtime.output_root)
-
-
-def _unclaimed(path: Path, config: DictConfig) -> Path:
-    """`path`, or `path`-1, -2, ...: the first that no other run started in the same second
-    has claimed (mkdir claims it, atomically). Two `runner train` started together took one
-    directory, and the second was refused for a hydra.run.dir it never gave."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for n in range(1000):
-            candidate = path.with_name(f"{path.name}-{n}") if n else path
-            with contextlib.suppress(FileExistsError):
-                candidate.mkdir()
-                return candidate
-    except OSError as err:
-        raise _unwritable(config, path, err) from None
-    raise UserError("hydra.run.dir", str(path), "1000 runs started in this second; give one")
-
-
-def _run_dir_key(config: DictConfig, path: Path) -> tuple[str, str]:
-    """The key that placed the run directory `path`, and its value, as the user gave it."""
-    if config.resume is not None:
-        return "resume", str(config.resume)
-    if _run_dir_given(config):
-        return "hydra.run.dir", str(path)
-    return "runtime.output_root", str(config.runtime.output_root)
-
-
-def _unwritable(config: DictConfig, path: Path, err: OSError) -> UserError:
-    """A run directory that cannot be made or written, under the key that placed it."""
-    key, value = _run_dir_key(config, path)
-    if config.resume is not None:
-        return UserError(
-            key,
-            value,
-            f"cannot write in the run directory {path} ({err.strerror}): a run goes on where "
-            "it lies; copy it where this user can write, and resume the copy",
-        )
-    return UserError(
-        key,
-        value,
-        f"cannot make the run directory {path} ({err.strerror}); give a directory this user "
-        "can write",
-    )
-
-
-def _check_room(config: DictConfig, path: Path) -> None:
-    """A run starts on a disk with START_ROOM free at least, before anything is written."""
-    free = free_space(path)
-    if free < START_ROOM:
-        raise UserError(
-            *_run_dir_key(config, path),
-            f"the disk of {path} has {size_text(free)} free, less than the "
-            f"{size_text(START_ROOM)} a run starts on (its checkpoints take more): {_MAKE_ROOM}",
-        )
-
-
-def _trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextManager[None]:
-    """The run directory's lock (runner.rundir.run_lock) for the time this process trains it;
-    the workers it starts hold it too, until they exit.
-
-    Only a single-node run takes it: every node's launcher of a multi-node run trains the same
-    shared directory, and the c10d rendezvous, not a rank known here, tells the nodes apart.
-    """
-    resumed = cfg.resume is not None and run.recipe_path.is_file()
-    nnodes = read_recipe(run.recipe_path).compute.nnodes if resumed else cfg.compute.nnodes
-    if str(nnodes) != "1":
-        return contextlib.nullcontext()
-    if resumed and not held_here(run.path):
-        wait_for_orphans(run)  # typed right after a kill -9 of the launcher: its workers save
-    return run_lock(run.path, key="hydra.run.dir" if cfg.resume is None else "resume")
-
-
-def _check_same_command(run: RunDir, overrides: list[str]) -> None:
-    """A directory that holds a run is trained again by the command that started it (a requeue,
-    a node started again) or by that command on another layout: it goes on from its last
-    checkpoint. Other overrides would change its recipe under the steps it trained. Refused
-    before Hydra writes there. A run with no whole checkpoint has nothing to go on from: it
-    starts again from its first step, as it would by its own command, on the overrides given
-    (nodes that disagreed, or a run that failed before its first save, are started corrected).
-    A run whose manifest.json is gone (a partial copy, a clean-up) cannot be compared: refused,
-    since its checkpoint's optimizer state would train the values it started with, and its new
-    record would say the given ones; runner resume goes on with the recipe.yaml it recorded."""
-    checkpoint = run.latest_checkpoint()
-    if checkpoint is None:
-        return  # killed before it saved anything: nothing trained to keep
-    if not (run.path / MANIFEST_FILE).is_file():
-        raise UserError(
-            "hydra.run.dir",
-            str(run.path),
-            f"holds a run (checkpoints up to {checkpoint.name}) whose {MANIFEST_FILE}, the "
-            "record of the overrides that started it, is missing, so these cannot be checked "
-            f"against them; go on with it by its recorded recipe (runner resume {run.path}), "
-            "or give another hydra.run.dir",
-        )
-    changes = changed_overrides(read_manifest(run)["overrides"], overrides)
-    if changes:
-        raise UserError(
-            "hydra.run.dir",
-            str(run.path),
-            f"holds a run that other overrides started: {', '.join(changes)}; go on with it by "
-            f"its own (runner resume {run.path}), on another layout if need be (compute, "
-            "batch_size and gradient_accumulation_steps may change), or give another hydra.run.dir",
-        )
-
-
 def _check_same_recipe(run: RunDir, recorded: DictConfig, recipe: DictConfig) -> None:
     """A run trained again by its own command goes on with the recipe it recorded: a config
     file that command composes, edited since (a new lr, another model shape), changes it as
@@ -346,7 +125,7 @@ def _check_same_recipe(run: RunDir, recorded: DictConfig, recipe: DictConfig) ->
             str(run.path),
             f"holds a run whose recipe these configs change (a config file edited since it "
             f"started?): {shown}; go on with it by its recorded recipe (runner resume "
-            f"{run.path}), put the configs back, or give another hydra.run.dir",
+            f"{shell_path(run.path)}), put the configs back, or give another hydra.run.dir",
         )
 
 
@@ -418,8 +197,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
                 "hydra.run.dir" if cfg.resume is None else "resume",
                 str(run.path),
                 f"the run's records could not be written ({cause}); {room_on(run.path)}: "
-                + ("raise the file-size limit (ulimit -f), " if file_size_limit() else "")
-                + _MAKE_ROOM,
+                + room_fix(MAKE_ROOM),
             ) from err
     node_rank = node_rank_of(cfg.compute, recipe)
     from runner.trainer import process

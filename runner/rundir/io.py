@@ -9,13 +9,13 @@ import json
 import os
 import re
 import resource
-import shlex
 import shutil
 import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
 from runner.errors import UserError
+from runner.paths import shell_path
 
 # What a write that found no room fails with: a full disk, a file-size limit, a quota.
 NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -74,6 +74,14 @@ def file_size_limit() -> int | None:
     return None if limit == resource.RLIM_INFINITY else limit
 
 
+def room_fix(make_room: str) -> str:
+    """How a write the disk refused goes through: `make_room`, or first, where this process
+    may write no file past a size, that limit raised."""
+    if file_size_limit() is None:
+        return make_room
+    return f"raise the file-size limit (ulimit -f) or {make_room}"
+
+
 def free_space(path: Path) -> int:
     """The bytes free on the disk of `path`, or of where it will be made (its nearest parent
     that exists)."""
@@ -118,7 +126,7 @@ def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -
     refused it, and how the run goes on once it can be written. `err`: the OSError, or the
     error of a write that stopped short (torch.save's "[enforce fail at inline_container.cc]
     unexpected pos", which says nothing to its user; safetensors' "I/O error: ...")."""
-    resume = f"`runner resume {shlex.quote(str(run_dir))}` goes on from its last whole checkpoint"
+    resume = f"`runner resume {shell_path(run_dir)}` goes on from its last whole checkpoint"
     if isinstance(err, OSError) and err.errno not in NO_ROOM:
         # Not the room: a read-only disk, a file where a directory belongs, permissions.
         where = f": {err.filename}" if err.filename else ""
@@ -131,9 +139,7 @@ def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -
         cause = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
     else:
         cause = no_room_cause(err) or "a file's write stopped short"
-    fix = "make room (runtime.keep_last_n_checkpoints keeps fewer)"
-    if file_size_limit() is not None:
-        fix = f"raise the file-size limit (ulimit -f) or {fix}"
+    fix = room_fix("make room (runtime.keep_last_n_checkpoints keeps fewer)")
     return UserError(
         "hydra.run.dir",
         str(run_dir),

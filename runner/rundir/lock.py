@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from runner.errors import UserError
+from runner.paths import shell_path
 
 # The package's logger (runner.rundir), which log lines named before the package had modules.
 log = logging.getLogger(__package__)
@@ -114,7 +115,8 @@ def _held_by(fd: int, path: Path, run_dir: Path, key: str) -> str:
     if key == "hydra.run.dir":
         fix = (
             "give another hydra.run.dir for a new run (or leave it out), or wait for that run "
-            f"to end (`runner stop {run_dir}` ends it, and `runner resume {run_dir}` then "
+            f"to end (`runner stop {shell_path(run_dir)}` ends it, and `runner resume "
+            f"{shell_path(run_dir)}` then "
             "continues it)"
         )
     else:

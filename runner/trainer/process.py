@@ -13,7 +13,6 @@ import ctypes
 import logging
 import os
 import re
-import shlex
 import signal
 import sys
 import threading
@@ -38,6 +37,7 @@ from runner.errors import (
     redact_text,
     user_error_in,
 )
+from runner.paths import shell_path
 from runner.rundir import LOG_FILE, STATUS_FILE, Heartbeat, RunDir, join_run_lock
 from runner.rundir.manifest import record_kernels
 from runner.trainer import determinism
@@ -211,7 +211,7 @@ def run(recipe_path: str | Path, recipe_class: Callable[[DictConfig], Recipe]) -
         if rank_zero:
             tell(
                 f"{recipe.stopped_by}: checkpoint {recipe.run.latest_checkpoint()}; "
-                f"`runner resume {shlex.quote(str(cfg.run_dir))}` continues"
+                f"`runner resume {shell_path(cfg.run_dir)}` continues"
             )
         # A worker of the elastic agent ends cleanly, so that no agent restarts the group; the
         # launcher reads `cancelled` and exits 143 itself (runner/job/launch.py).
@@ -252,8 +252,8 @@ def _check_own_run(recipe_path: Path, cfg: DictConfig) -> None:
             "run_dir",
             cfg.run_dir,
             f"{recipe_path} lies in the run directory {home}, copied or moved from "
-            f"{cfg.run_dir}; `runner resume {home}` goes on with the run where it lies (and "
-            f"records it there), or give {cfg.run_dir}/recipe.yaml",
+            f"{cfg.run_dir}; `runner resume {shell_path(home)}` goes on with the run where it "
+            f"lies (and records it there), or give {cfg.run_dir}/recipe.yaml",
         )
 
 
