@@ -231,7 +231,8 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
 def test_a_run_whose_status_is_missing_names_the_way_on(runner_cli, tmp_path: Path) -> None:
     """A run's directory without its status.json (a partial copy, a clean-up): resume, stop and
     deploy each said "not a run directory" and sent the user to `runner runs`, which lists no
-    run there; they name its last checkpoint, as for a status.json that cannot be read."""
+    run there; they name its last checkpoint, as for a status.json that cannot be read, and
+    `runner logs` prints its train.log where it wrote one."""
     run = tmp_path / "copied"
     for step in (2, 4):
         (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
@@ -246,6 +247,11 @@ def test_a_run_whose_status_is_missing_names_the_way_on(runner_cli, tmp_path: Pa
             f"error: RUN='{run}': its status.json is missing, so its state is unknown; start a "
             f"new run from its last checkpoint: runner train load_checkpoint.path={latest}\n"
         )
+    result = runner_cli("logs", str(run))
+    assert result.returncode == 2 and "status.json is missing" in result.stderr, result.stderr
+    # Its log is shown all the same, and -f does not follow a run that no process trains.
+    (run / "train.log").write_text("step 4 of 10\n")
+    assert runner_cli("logs", "-f", str(run)).stdout == "step 4 of 10\n"
     result = runner_cli("deploy", f"checkpoint={run}", "port=0")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert (

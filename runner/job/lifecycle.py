@@ -42,7 +42,8 @@ def run_dir_at(
 ) -> RunDir:
     """The run at `path`; one that is starting (its launcher holds the lock while it resolves
     the recipe and checks the data, seconds before it records its status) is waited for.
-    readable: refuse a run whose status.json cannot be read (no state to stop or resume by).
+    readable: refuse a run whose status.json cannot be read or is missing (no state to stop or
+    resume by); else such a run is taken where it wrote its train.log.
     appear_s: how long to wait for a run to start at a path that holds none yet (`runner logs
     -f RUN` typed just after `runner train hydra.run.dir=RUN &`, which takes seconds to start)."""
     run = RunDir(path)
@@ -60,8 +61,10 @@ def run_dir_at(
         time.sleep(0.1)
     if not is_run_dir(run.path) and (run.recipe_path.is_file() or run.checkpoints()):
         # A run's directory without its status (a partial copy, a clean-up): `runner runs`
-        # lists no run there, so it is not the way on.
-        raise _state_unknown(run, key, "is missing")
+        # lists no run there, so it is not the way on. Its log is read all the same.
+        if readable or not (run.path / LOG_FILE).is_file():
+            raise _state_unknown(run, key, "is missing")
+        return run
     if not is_run_dir(run.path):
         found = "not a run directory (no status.json)" if path.exists() else "no such directory"
         raise UserError(key, str(path), f"{found}; `runner runs` lists the runs here")
