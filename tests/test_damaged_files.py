@@ -400,6 +400,55 @@ def test_records_the_disk_refuses_at_a_runs_start_are_one_line_and_no_directory(
     assert not run.exists()
 
 
+def test_a_save_says_when_the_checkpoints_to_come_will_not_fit() -> None:
+    """A disk that holds this checkpoint but not the ones to come failed hours later, at the
+    save that found no room; the save before says so, by the size the run's checkpoints take."""
+    from runner.trainer.checkpointing import room_short
+
+    mib = 1 << 20
+    # keep_last_n_checkpoints=2: up to 3 at once. After the first save (1 held), 2 more to come.
+    assert room_short(free=20 * mib, size=10 * mib, held_now=1, held_at_most=3) is None
+    assert room_short(free=15 * mib, size=10 * mib, held_now=1, held_at_most=3) == (
+        "its disk has 15.0 MiB free and a checkpoint takes 10.0 MiB; the run holds up to 3 at "
+        "once (1 now), so the next 2 need 20.0 MiB and 1 of them fit"
+    )
+    # Pruned to its last 2: each save then needs room for one while the oldest is still there.
+    assert room_short(free=10 * mib, size=10 * mib, held_now=2, held_at_most=3) is None
+    assert room_short(free=9 * mib, size=10 * mib, held_now=2, held_at_most=3) == (
+        "its disk has 9.0 MiB free and a checkpoint takes 10.0 MiB; the run holds up to 3 at "
+        "once (2 now), so the next checkpoint will not fit"
+    )
+
+
+def test_a_commit_warns_of_the_room_its_next_checkpoints_lack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The save's own warning, by the checkpoint it wrote and the disk's room as it reads it
+    (a disk cannot be filled here, so its free space is read as 1.5 checkpoints)."""
+    from runner.rundir import RunDir
+    from runner.trainer import checkpointing
+
+    run = RunDir(tmp_path / "run")
+    run.checkpoints_dir.mkdir(parents=True)
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "training_state.pt").write_bytes(b"\0" * 1024 * 1024)
+
+    monkeypatch.setattr(checkpointing, "free_space", lambda path: 1536 * 1024)
+    with caplog.at_level("WARNING", logger="runner.recipe"):
+        checkpointing.commit(run, 2, write, keep_last_n=2, keep_step=None, saved=lambda: None)
+    assert caplog.messages == [
+        f"{run.path}: its disk has 1.5 MiB free and a checkpoint takes 1.0 MiB; the run holds "
+        "up to 3 at once (1 now), so the next 2 need 2.0 MiB and 1 of them fit; make room now, "
+        "or keep fewer (runtime.keep_last_n_checkpoints=2)"
+    ]
+    caplog.clear()
+    monkeypatch.setattr(checkpointing, "free_space", lambda path: 1 << 40)
+    checkpointing.commit(run, 4, write, keep_last_n=2, keep_step=None, saved=lambda: None)
+    assert caplog.messages == []
+
+
 def test_a_status_write_the_disk_refuses_is_one_message_with_nothing_left(tmp_path: Path) -> None:
     """A disk that fills between checkpoints: the status.json write of the next logged step
     ended the run in a traceback of 90 lines, and left an empty .status.json.HOST.PID.tmp that

@@ -4,6 +4,7 @@ rank's random state, and the write-then-rename commit that rank 0 makes into the
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 from collections.abc import Callable
@@ -16,10 +17,12 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from runner.rundir import RunDir
-from runner.rundir.io import not_written, size_text, tree_size
+from runner.rundir.io import free_space, not_written, size_text, tree_size
 from runner.rundir.manifest import record_checkpoint
 from runner.rundir.run import sync_tree
 from runner.trainer.parallel import Placement
+
+log = logging.getLogger("runner.recipe")
 
 # Whole tensors on the CPU of every rank: a checkpoint holds the unsharded state.
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -82,6 +85,39 @@ def commit(
     saved()
     record_checkpoint(run, step, final)
     run.prune_checkpoints(keep_last_n, keep_step=keep_step)
+    short = room_short(
+        free=free_space(run.path),
+        size=tree_size(final),
+        held_now=len(run.checkpoints()),
+        held_at_most=_held_at_most(run, keep_last_n, keep_step),
+    )
+    if short:
+        log.warning(
+            "%s: %s; make room now, or keep fewer (runtime.keep_last_n_checkpoints=%d)",
+            run.path,
+            short,
+            keep_last_n,
+        )
+
+
+def room_short(*, free: int, size: int, held_now: int, held_at_most: int) -> str | None:
+    """What the disk lacks for the checkpoints still to come, each of `size` bytes: the run
+    holds `held_now` and at most `held_at_most` at once (while one is written, before the
+    oldest is pruned), so the next saves need `size` each until it holds that many; None
+    where they fit. Told at a save, hours before the save that would fail."""
+    to_come = max(held_at_most - held_now, 1)
+    if free >= size * to_come:
+        return None
+    fit = free // size
+    return (
+        f"its disk has {size_text(free)} free and a checkpoint takes {size_text(size)}; the "
+        f"run holds up to {held_at_most} at once ({held_now} now), so "
+        + (
+            "the next checkpoint will not fit"
+            if fit == 0
+            else f"the next {to_come} need {size_text(size * to_come)} and {fit} of them fit"
+        )
+    )
 
 
 def _room_taken(run: RunDir, keep_last_n: int, keep_step: int | None) -> str:
@@ -92,12 +128,18 @@ def _room_taken(run: RunDir, keep_last_n: int, keep_step: int | None) -> str:
     if not saved:
         return ""
     size = tree_size(saved[-1][1])
-    kept = [saved_step for saved_step, _ in saved][-keep_last_n:]
-    held = keep_last_n + 1 + (keep_step is not None and keep_step not in kept)
+    held = _held_at_most(run, keep_last_n, keep_step)
     return (
         f"a checkpoint takes {size_text(size)}, and with runtime.keep_last_n_checkpoints="
         f"{keep_last_n} the disk holds {held} at once while one is written"
     )
+
+
+def _held_at_most(run: RunDir, keep_last_n: int, keep_step: int | None) -> int:
+    """The checkpoints the run's disk holds at once while one is written: the last
+    `keep_last_n`, the best besides where it is older, and the one being written."""
+    kept = [saved_step for saved_step, _ in run.checkpoints()][-keep_last_n:]
+    return keep_last_n + 1 + (keep_step is not None and keep_step not in kept)
 
 
 def barrier(place: Placement) -> None:
