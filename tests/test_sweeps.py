@@ -302,11 +302,12 @@ def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: 
     # Its one row names what the sweep varied, not every override its command fixed.
     assert "| 0 | optimizer.lr=0.001 | cancelled |" in (sweep / "summary.md").read_text()
     assert not (sweep / "1").exists()
-    # It read as a finished sweep, its best chosen among the jobs that happened to run.
+    # It read as a finished sweep, its best chosen among the jobs that happened to run; with
+    # no evaluation there is no best, and the stopped job goes on from its checkpoint.
     assert summary_of(sweep)["jobs"] == 2
     assert (
-        f"1 of 2 jobs not started (the best is of the 1 that have); a sweep stopped before them "
-        f"goes on by its own command with hydra.sweep.dir={sweep}"
+        f"1 of 2 jobs not started; a sweep stopped before them goes on by its own command with "
+        f"hydra.sweep.dir={sweep}, job 0 from its last checkpoint\n"
     ) in (sweep / "summary.md").read_text()
     # Resumed on its own and stopped again, the job is where the sweep's summary says it is.
     ctrl_c_after_two_steps(

@@ -200,10 +200,12 @@ def table(summary: dict[str, Any]) -> str:
     jobs, ran = summary.get("jobs"), len(summary["runs"])
     if jobs is not None and ran < jobs:
         # A sweep stopped midway read as a finished one, its best chosen among the jobs run.
+        best_of = f" (the best is of the {ran} that have)" if best else ""
+        cancelled = [r["job"] for r in summary["runs"] if r["state"] == "cancelled"]
+        each_on = f", job {', '.join(cancelled)} from its last checkpoint" if cancelled else ""
         lines.append(
-            f"{jobs - ran} of {jobs} jobs not started (the best is of the {ran} that have); a "
-            f"sweep stopped before them goes on by its own command with "
-            f"hydra.sweep.dir={summary['sweep_dir']}"
+            f"{jobs - ran} of {jobs} jobs not started{best_of}; a sweep stopped before them "
+            f"goes on by its own command with hydra.sweep.dir={summary['sweep_dir']}{each_on}"
         )
     return "\n".join(lines)
 
