@@ -59,6 +59,32 @@ def test_a_written_status_round_trips_with_its_version(tmp_path: Path) -> None:
         run.write_status("running", stepp=5)  # a misspelled field is an error, not a new key
 
 
+def test_a_run_started_again_counts_the_seconds_of_each_start(tmp_path: Path) -> None:
+    """A sweep's seconds column read a resumed job's last start alone (its started_at is
+    reset): 10 minutes trained, stopped, then 2 resumed read as 2. A start killed outright
+    counts to its last heartbeat; the hours between a stop and a resume do not count."""
+    stopped = {
+        "state": "cancelled",
+        "step": 40,
+        "started_at": "2026-11-30T10:00:00+00:00",
+        "ended_at": "2026-11-30T10:10:00+00:00",
+    }
+    (tmp_path / "status.json").write_text(json.dumps(stopped))
+    run = RunDir(tmp_path)
+    assert run.status().seconds() == 600.0
+    run.write_status("initializing")
+    assert run.status().earlier_s == 600.0 and run.status().seconds() is None
+    assert 600.0 <= run.write_status("completed", step=80).seconds() < 660.0
+    killed = {
+        "state": "running",
+        "started_at": "2026-11-30T10:00:00+00:00",
+        "heartbeat_at": "2026-11-30T10:05:00+00:00",
+        "earlier_s": 60.0,
+    }
+    (tmp_path / "status.json").write_text(json.dumps(killed))
+    assert run.write_status("initializing").earlier_s == 360.0
+
+
 @pytest.mark.parametrize(
     "text",
     ["", '{"state": "running", "st', "[1, 2]", "null"],

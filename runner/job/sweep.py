@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,6 @@ from runner.rundir import (
     ACTIVE_STATES,
     SUMMARY_JSON,
     RunDir,
-    Status,
     best_run,
     sweep_runs,
     write_json_atomic,
@@ -55,13 +53,6 @@ SWEEP_PID_ENV = "RUNNER_SWEEP_PID"
 # Written in the sweep directory by a parallel sweep told to stop (the signal's number): its
 # jobs not yet started start no training, and the sweep exits 128 + that number.
 STOP_FILE = ".stopping"
-
-
-def _duration_s(status: Status) -> float | None:
-    if not (status.started_at and status.ended_at):
-        return None
-    start, end = (datetime.fromisoformat(t) for t in (status.started_at, status.ended_at))
-    return (end - start).total_seconds()
 
 
 def job_row(run: RunDir, metric: str) -> dict[str, Any]:
@@ -85,7 +76,7 @@ def job_row(run: RunDir, metric: str) -> dict[str, Any]:
         "metric": scored[0] if scored else None,
         "metric_step": scored[1] if scored else None,
         "metric_checkpoint": str(checkpoint) if checkpoint and checkpoint.is_dir() else None,
-        "duration_s": _duration_s(status),
+        "duration_s": status.seconds(),
     }
 
 

@@ -140,6 +140,8 @@ class RunDir:
         if status.created_at is None:
             changes["created_at"] = now
         if state == "initializing":
+            if status.started_at:  # started again (a resume, a restart): its time so far kept
+                changes["earlier_s"] = round(status.span_so_far(), 3)
             changes.update(started_at=now, ended_at=None, error=None)
         if state in FINAL_STATES:
             changes["ended_at"] = now

@@ -51,6 +51,8 @@ class Status:
     created_at: str | None = None
     started_at: str | None = None
     ended_at: str | None = None
+    # The seconds its earlier starts ran, each to its end or last heartbeat (a resume's before).
+    earlier_s: float | None = None
     updated_at: str | None = None
     heartbeat_at: str | None = None
     host: str | None = None
@@ -66,6 +68,21 @@ class Status:
             return cls()
         known = {field.name for field in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known and _fits(k, v)})
+
+    def seconds(self) -> float | None:
+        """How long the run has trained, over its starts: from its latest start to its end,
+        and its earlier starts' own (None until it ends)."""
+        if not (self.started_at and self.ended_at):
+            return None
+        return (self.earlier_s or 0.0) + _span_s(self.started_at, self.ended_at)
+
+    def span_so_far(self) -> float:
+        """Its latest start's seconds, to its end or else its last heartbeat (a process killed
+        outright), with its earlier starts': what a start after it adds to earlier_s."""
+        end = self.ended_at or self.heartbeat_at
+        if not (self.started_at and end):
+            return self.earlier_s or 0.0
+        return (self.earlier_s or 0.0) + max(0.0, _span_s(self.started_at, end))
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object status.json holds: the set fields."""
@@ -123,3 +140,8 @@ def _field_kinds() -> dict[str, type]:
 
 
 _FIELD_KINDS = _field_kinds()
+
+
+def _span_s(start: str, end: str) -> float:
+    """The seconds from one ISO time to another."""
+    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
