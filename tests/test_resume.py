@@ -148,6 +148,15 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(
     # The Python API's resume says so as it is called (its process's refusal went unseen).
     with pytest.raises(UserError, match=r"edited since the run started \(optimizer.lr=0.005"):
         api.Run(run).resume()
+    # One cut short (a copy stopped midway) read as edited, naming every key it lacked as
+    # "=None": it is named so, by the keys it lacks.
+    lines = recipe.splitlines(keepends=True)
+    (run / "recipe.yaml").write_text("".join(lines[: len(lines) // 2]))
+    with pytest.raises(UserError) as cut_short:
+        check_resumable(RunDir(run))
+    said = str(cut_short.value)
+    assert f"{run / 'recipe.yaml'}: lacks " in said and "edited" not in said, said
+    assert " of the keys the run started with (" in said and ": cut short (" in said, said
     # A value manifest.json redacted (an older runner redacted every key with "token" in its
     # name: eval_max_new_tokens) is no edit.
     (run / "recipe.yaml").write_text(recipe)

@@ -360,9 +360,21 @@ def check_recipe_as_recorded(run: RunDir) -> None:
     trained with. Refused by the keys that differ, in the file as written (a key an older
     runner did not write is in neither)."""
     from runner.config.schema import recipe_as_written
-    from runner.rundir.manifest import changed_config
+    from runner.rundir.manifest import changed_config, missing_config
 
-    changed = changed_config(run, recipe_as_written(run.recipe_path))
+    recipe = recipe_as_written(run.recipe_path)
+    missing = missing_config(run, recipe)
+    if missing:
+        named = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise UserError(
+            str(run.recipe_path),
+            None,
+            f"lacks {len(missing)} of the keys the run started with ({named}): cut short (a "
+            "copy stopped midway, a full disk) or removed; put them back as manifest.json's "
+            "`config` recorded them, or start a new run from its checkpoint (runner train "
+            f"{pasteable('load_checkpoint.path', str(run.path))} ...)",
+        )
+    changed = changed_config(run, recipe)
     if changed:
         raise UserError(
             str(run.recipe_path),

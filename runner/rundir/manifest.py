@@ -361,6 +361,16 @@ def changed_config(run: RunDir, recipe: dict[str, Any]) -> list[str]:
     ]
 
 
+def missing_config(run: RunDir, recipe: dict[str, Any]) -> list[str]:
+    """The dotted keys of the config the run's manifest recorded as it started that `recipe`
+    (recipe.yaml as it reads now) lacks: a file cut short, or keys removed."""
+    recorded = read_manifest(run).get("config") if (run.path / MANIFEST_FILE).is_file() else None
+    if recorded is None:
+        return []
+    now = dotted(hashed_config(recipe))
+    return [key for key in dotted(hashed_config(recorded)) if key not in now]
+
+
 def config_differences(
     recorded: dict[str, Any], now: dict[str, Any], keys: set[str] | None = None
 ) -> list[tuple[str, Any, Any]]:
