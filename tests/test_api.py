@@ -175,6 +175,25 @@ def test_a_kill_through_a_second_handle_ends_a_run_and_its_sweep_launched_here(
     assert states == [("0", "completed"), ("1", "cancelled")], summary
 
 
+def test_a_handle_on_a_sweep_by_its_directory_waits_for_the_sweep_to_end(
+    workdir: Path, hermetic_env: dict[str, str]
+) -> None:
+    """api.Sweep(path), a handle with no process of its own (another caller's, a service's
+    restart), returned from wait() at once, with no summary, while the sweep trained on."""
+    sweep = api.sweep([*BASE, "max_steps=2", "seed=0,1"], cwd=workdir, env=hermetic_env)
+    assert sweep._process is not None
+    while not (sweep.path / "multirun.yaml").is_file():  # until it is a sweep directory
+        assert sweep._process.poll() is None, sweep.path
+        time.sleep(0.1)
+    other = api.Sweep(sweep.path)
+    with pytest.raises(TimeoutError, match="is still running"):
+        other.wait(timeout=0.5)
+    summary = other.wait(timeout=600)
+    assert sweep._process.poll() is not None, "wait() returned while the sweep ran"
+    assert summary is not None and [r["state"] for r in summary["runs"]] == ["completed"] * 2
+    assert summary == sweep.summary() and (sweep.path / "loss_curves.png").is_file()
+
+
 def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     workdir: Path, hermetic_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

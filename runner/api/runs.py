@@ -22,7 +22,7 @@ from runner.config.schema import typed
 from runner.errors import UserError
 from runner.job import lifecycle
 from runner.paths import override, user_path
-from runner.rundir import FINAL_STATES, SUMMARY_JSON, RunDir, Status, is_sweep_dir
+from runner.rundir import FINAL_STATES, SUMMARY_JSON, RunDir, Status, is_sweep_dir, lock_held
 
 
 def launch(
@@ -295,11 +295,22 @@ class Sweep:
         # to the sweep's own directory then), and a sweep copied elsewhere holds its own jobs.
         return Run(self.path / best["job"]) if best else None
 
-    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """The summary once the sweep process has ended; TimeoutError after `timeout` s."""
-        if self._process is not None:
-            try:
-                self._process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"sweep {self.path} is still running") from None
+    def done(self) -> bool:
+        """Whether the sweep has ended: its process (this handle's, or the one that holds the
+        sweep directory's lock) is gone and every job it started has ended."""
+        if self._process is not None and self._process.poll() is None:
+            return False
+        if lock_held(self.path):
+            return False
+        return all(run.done() for run in self.runs())
+
+    def wait(self, timeout: float | None = None, interval: float = 0.5) -> dict[str, Any] | None:
+        """The summary once the sweep has ended (done()); TimeoutError after `timeout` s. A
+        handle on a sweep's directory (api.Sweep(path)) waits for it as the one api.sweep
+        returned does: it returned at once, before the sweep's summary."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"sweep {self.path} is still running")
+            time.sleep(interval)
         return self.summary()

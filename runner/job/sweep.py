@@ -38,6 +38,7 @@ from runner.rundir import (
     SUMMARY_JSON,
     RunDir,
     best_run,
+    hold_until_exit,
     sweep_runs,
     write_json_atomic,
     write_text_atomic,
@@ -493,6 +494,8 @@ class SweepSummary(Callback):
             check_sweep_values(config)
             check_same_sweep(config)
             _make_sweep_dir(config)
+        # Until this process ends, its sweep runs: a handle on the directory waits on it.
+        hold_until_exit(Path(config.hydra.sweep.dir))
         os.environ[SWEEP_PID_ENV] = str(os.getpid())
         if parallel:
             sweep_dir = Path(config.hydra.sweep.dir)

@@ -36,6 +36,7 @@ from runner.rundir.liveness import Heartbeat
 from runner.rundir.lock import (
     RunLocked,
     held_here,
+    hold_until_exit,
     join_run_lock,
     lock_held,
     pid_alive,

@@ -157,6 +157,24 @@ def join_run_lock(launcher_pid: int) -> bool:
     return True
 
 
+def hold_until_exit(directory: Path) -> None:
+    """Holds a shared flock on DIRECTORY/.lock until this process exits, so that a reader tells
+    from lock_held whether it still lives: a sweep's own process holds its sweep directory's.
+    Nothing is held where the file system has no flock."""
+    path = (directory / LOCK_FILE).resolve()
+    if path in _held:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a reader's exclusive look lasts an instant
+    except OSError as err:
+        os.close(fd)
+        if err.errno not in _NO_FLOCK:
+            raise
+        return
+    _held[path] = fd  # open, so held, until this process exits
+
+
 def lock_held(run_dir: Path) -> bool | None:
     """Whether any process of the run holds its lock (so some process of the run still lives);
     None when that cannot be told: no lock file (a run of several nodes takes none), or no
