@@ -192,10 +192,12 @@ def test_a_handle_on_a_sweep_by_its_directory_waits_for_the_sweep_to_end(
     assert sweep._process.poll() is not None, "wait() returned while the sweep ran"
     assert summary is not None and [r["state"] for r in summary["runs"]] == ["completed"] * 2
     assert summary == sweep.summary() and (sweep.path / "loss_curves.png").is_file()
+    # What its process printed, the summary table, through either handle.
+    assert f"sweep directory: {sweep.path}" in sweep.console() == other.console()
 
 
 def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
-    workdir: Path, hermetic_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    workdir: Path, hermetic_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, runner_cli
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     missing = workdir / "missing.jsonl"
@@ -215,6 +217,21 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
         api.launch([*BASE, "max_steps=abc"], cwd=workdir, env=hermetic_env)
     with pytest.raises(UserError, match="batch_size=0: give an integer >= 1"):
         api.sweep([*BASE, "batch_size=0", "seed=0,1"], cwd=workdir, env=hermetic_env)
+    # Refused as `runner train -m` refuses them, before anything is made: a swept value its
+    # process refused came back as a handle on an empty sweep directory, and an override that
+    # is not one as Hydra's OverrideParseException.
+    made = sorted(workdir.rglob("*"))
+    with pytest.raises(UserError) as refused:
+        api.sweep([*BASE, "optimizer.lr=1e-3,abc"], cwd=workdir, env=hermetic_env)
+    printed = runner_cli("train", "-m", *BASE, "optimizer.lr=1e-3,abc", cwd=workdir).stderr
+    assert (
+        printed == f"error: {refused.value}\n" == "error: optimizer.lr='abc': give a number > 0\n"
+    )
+    with pytest.raises(UserError, match=r"^override='seed=0,,1': Error parsing override"):
+        api.sweep([*BASE, "seed=0,,1"], cwd=workdir, env=hermetic_env)
+    with pytest.raises(UserError, match=r"^model='nope': no such option"):
+        api.sweep([*BASE, "model=tiny,nope"], cwd=workdir, env=hermetic_env)
+    assert sorted(workdir.rglob("*")) == made
     # One string for the list was read a character at a time; a bad env raised Popen's
     # TypeError after the run's directory was made; deploy's message named "this command".
     (problem,) = api.validate("max_steps=4")

@@ -85,6 +85,31 @@ def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
             raise user_error from None
 
 
+def check_sweep(overrides: Sequence[str]) -> None:
+    """What `runner train -m OVERRIDES` checks before it makes its sweep directory: a bad
+    override, option or key, and each swept value in a job of the grid (as `runner estimate`
+    resolves it); the UserError the CLI would print."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from runner.config.hydra_errors import as_user_error
+    from runner.job.sweep import check_sweep as check
+
+    interpolations.register()
+    with _HYDRA, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        hydra = GlobalHydra.instance().hydra
+        assert hydra is not None  # initialized just above
+        try:
+            config = hydra.compose_config("train", listed(overrides), run_mode=RunMode.MULTIRUN)
+            check(config)
+        except Exception as err:  # noqa: BLE001 - recast as the CLI does, re-raised otherwise
+            user_error = as_user_error(err, "train")
+            if user_error is None:
+                raise
+            raise user_error from None
+
+
 def listed(overrides: Sequence[str]) -> list[str]:
     """`overrides` as a list of strings; one string given for the list was read a character at
     a time ("override='m': Error parsing override"), and None (an optional request body left

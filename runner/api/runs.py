@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.api.configs import compose, environment, listed, working_dir
+from runner.api.configs import check_sweep, compose, environment, listed, working_dir
 from runner.api.processes import console_of, last_error, new_dir, start, wait_gone
 from runner.config.fields import override_key
 from runner.config.schema import typed
@@ -252,10 +252,13 @@ def sweep(
     overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
 ) -> Sweep:
     """`runner train -m OVERRIDES` (e.g. optimizer.lr=1e-3,2e-3) in a new sweep directory under
-    runtime.multirun_root; returns at once."""
+    runtime.multirun_root; returns once the sweep's values are checked, as the CLI checks them
+    before its sweep directory is made (a bad override, option or swept value raises the
+    UserError it prints, and nothing is made)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     overrides, env, base = listed(overrides), environment(env), working_dir(cwd)
+    check_sweep(overrides)
     parsed = OverridesParser.create().parse_overrides(overrides)
     plain = [line for line, o in zip(overrides, parsed, strict=True) if not o.is_sweep_override()]
     path = new_dir(base / user_path(typed(compose(plain)).runtime.multirun_root))
@@ -282,6 +285,13 @@ class Sweep:
         from runner.rundir import sweep_runs
 
         return [Run(job.path) for job in sweep_runs(self.path)] if self.path.is_dir() else []
+
+    def console(self) -> str:
+        """What the sweep's process printed (its summary table at the end, an `error:` line):
+        "" before it printed anything, or for a sweep not started through runner.api, whose
+        output went to its own terminal."""
+        path = console_of(self.path)
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def summary(self) -> dict[str, Any] | None:
         """summary.json (jobs, their state and metric, the best), once a job has ended."""

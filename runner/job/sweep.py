@@ -312,6 +312,20 @@ def check_sweep_values(config: DictConfig) -> None:
         logging.disable(logging.NOTSET)
 
 
+def check_sweep(config: DictConfig) -> None:
+    """What `runner train -m` checks before its sweep directory is made (and runner.api's
+    sweep before it starts one), `config` composed for a multirun: a UserError for the first
+    problem found."""
+    check_root(config.runtime.multirun_root, "runtime.multirun_root")
+    refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
+    check_env_set(config.hydra.job.env_set)  # the jobs' checks see it, this one's not
+    check_direction(config.hydra.sweeper, config.objective)
+    if "joblib" in str(config.hydra.launcher.get("_target_", "")):
+        _check_jobs(config.hydra.launcher.n_jobs)
+    check_sweep_values(config)
+    check_same_sweep(config)
+
+
 def _check_job(config: DictConfig, overrides: list[str], swept: tuple[str, ...]) -> None:
     """One job of the sweep (`overrides`) resolved as `runner estimate` resolves it; a refusal
     names the `swept` values of the job it is of."""
@@ -485,14 +499,7 @@ class SweepSummary(Callback):
         # Hydra turns an Exception of a callback into a warning; a UserErrorExit ends the run.
         parallel = "joblib" in str(config.hydra.launcher.get("_target_", ""))
         with user_errors_pass_hydra():
-            check_root(config.runtime.multirun_root, "runtime.multirun_root")
-            refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
-            check_env_set(config.hydra.job.env_set)  # the jobs' checks see it, this one's not
-            check_direction(config.hydra.sweeper, config.objective)
-            if parallel:
-                _check_jobs(config.hydra.launcher.n_jobs)
-            check_sweep_values(config)
-            check_same_sweep(config)
+            check_sweep(config)
             _make_sweep_dir(config)
         # Until this process ends, its sweep runs: a handle on the directory waits on it.
         hold_until_exit(Path(config.hydra.sweep.dir))
