@@ -196,6 +196,23 @@ def test_a_handle_on_a_sweep_by_its_directory_waits_for_the_sweep_to_end(
     assert f"sweep directory: {sweep.path}" in sweep.console() == other.console()
 
 
+def test_a_sweep_goes_to_the_sweep_directory_its_overrides_name(
+    workdir: Path, hermetic_env: dict[str, str]
+) -> None:
+    """hydra.sweep.dir, as `runner train -m` takes it (relative to cwd=): api.sweep put the sweep
+    under runtime.multirun_root all the same; and given again with other values, it is refused
+    as the CLI refuses it."""
+    given = [*BASE, "max_steps=2", "seed=0,1", "hydra.sweep.dir=sweeps/lr"]
+    sweep = api.sweep(given, cwd=workdir, env=hermetic_env)
+    assert sweep.path == workdir / "sweeps" / "lr"
+    summary = sweep.wait(timeout=600)
+    assert summary is not None and [r["state"] for r in summary["runs"]] == ["completed"] * 2
+    assert [run.path for run in sweep.runs()] == [workdir / "sweeps/lr/0", workdir / "sweeps/lr/1"]
+    other = [*BASE, "max_steps=2", "seed=0,2", "hydra.sweep.dir=sweeps/lr"]
+    with pytest.raises(UserError, match=r"^hydra.sweep.dir='.*/sweeps/lr': holds a sweep that"):
+        api.sweep(other, cwd=workdir, env=hermetic_env)
+
+
 def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     workdir: Path, hermetic_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, runner_cli
 ) -> None:

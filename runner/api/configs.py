@@ -85,13 +85,16 @@ def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
             raise user_error from None
 
 
-def check_sweep(overrides: Sequence[str]) -> None:
+def check_sweep(overrides: Sequence[str], base: Path) -> DictConfig:
     """What `runner train -m OVERRIDES` checks before it makes its sweep directory: a bad
-    override, option or key, and each swept value in a job of the grid (as `runner estimate`
-    resolves it); the UserError the CLI would print."""
+    override, option or key, each swept value in a job of the grid (as `runner estimate`
+    resolves it), and a sweep directory that holds another sweep; the UserError the CLI would
+    print. Returns the sweep's config, its hydra.sweep.dir read from `base` (the command's
+    directory) as the sweep's process reads it."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
+    from omegaconf import read_write
 
     from runner.config.hydra_errors import as_user_error
     from runner.job.sweep import check_sweep as check
@@ -102,12 +105,15 @@ def check_sweep(overrides: Sequence[str]) -> None:
         assert hydra is not None  # initialized just above
         try:
             config = hydra.compose_config("train", listed(overrides), run_mode=RunMode.MULTIRUN)
+            with read_write(config.hydra):
+                config.hydra.sweep.dir = str(base / user_path(config.hydra.sweep.dir))
             check(config)
         except Exception as err:  # noqa: BLE001 - recast as the CLI does, re-raised otherwise
             user_error = as_user_error(err, "train")
             if user_error is None:
                 raise
             raise user_error from None
+    return config
 
 
 def listed(overrides: Sequence[str]) -> list[str]:

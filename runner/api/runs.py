@@ -252,16 +252,24 @@ def sweep(
     overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
 ) -> Sweep:
     """`runner train -m OVERRIDES` (e.g. optimizer.lr=1e-3,2e-3) in a new sweep directory under
-    runtime.multirun_root; returns once the sweep's values are checked, as the CLI checks them
-    before its sweep directory is made (a bad override, option or swept value raises the
-    UserError it prints, and nothing is made)."""
+    runtime.multirun_root, or in the hydra.sweep.dir they give (read from `cwd`); returns once
+    the sweep is checked as the CLI checks it before its sweep directory is made (a bad
+    override, option or swept value raises the UserError it prints, and nothing is made)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from runner.job.sweep import make_sweep_dir
+
     overrides, env, base = listed(overrides), environment(env), working_dir(cwd)
-    check_sweep(overrides)
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    plain = [line for line, o in zip(overrides, parsed, strict=True) if not o.is_sweep_override()]
-    path = new_dir(base / user_path(typed(compose(plain)).runtime.multirun_root))
+    config = check_sweep(overrides, base)
+    named = [o for o in overrides if override_key(o) == "hydra.sweep.dir"]
+    if named:  # the user's own, as `runner train -m` takes it (the sweep's own appended won)
+        make_sweep_dir(config)
+        path = Path(config.hydra.sweep.dir).resolve()
+        overrides = [o for o in overrides if o not in named]  # read here, from cwd=
+    else:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        plain = [o for o, p in zip(overrides, parsed, strict=True) if not p.is_sweep_override()]
+        path = new_dir(base / user_path(typed(compose(plain)).runtime.multirun_root))
     args = ["train", "-m", *overrides, override("hydra.sweep.dir", str(path))]
     return Sweep(path, _process=start(args, console_of(path), base, env))
 

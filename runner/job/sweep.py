@@ -382,7 +382,7 @@ def check_same_sweep(config: DictConfig) -> None:
         )
 
 
-def _make_sweep_dir(config: DictConfig) -> None:
+def make_sweep_dir(config: DictConfig) -> None:
     """The sweep directory, made once its values are checked: one that cannot be made (a
     read-only file system, a file on the path) was a traceback from Hydra's sweeper."""
     if str(config.hydra.sweep.dir).startswith("~"):  # as typed: no resolver reads it
@@ -500,7 +500,7 @@ class SweepSummary(Callback):
         parallel = "joblib" in str(config.hydra.launcher.get("_target_", ""))
         with user_errors_pass_hydra():
             check_sweep(config)
-            _make_sweep_dir(config)
+            make_sweep_dir(config)
         # Until this process ends, its sweep runs: a handle on the directory waits on it.
         hold_until_exit(Path(config.hydra.sweep.dir))
         os.environ[SWEEP_PID_ENV] = str(os.getpid())
