@@ -270,6 +270,11 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     with pytest.raises(UserError, match=r"cwd='.*/test_api.py': a file; give the directory"):
         api.launch(BASE, cwd=__file__)
     assert sorted(workdir.rglob("*")) == made
+    # Nothing to serve: refused here, naming checkpoint, as the CLI refuses it (a Deployment
+    # came back, whose wait_ready() said "runner deploy: ended before it served").
+    for given, value in (([], r"'\?\?\?'"), (["checkpoint=null"], "'null'")):
+        with pytest.raises(UserError, match=rf"^checkpoint={value}: say what to serve"):
+            api.deploy(given, cwd=workdir, env=hermetic_env)
     with pytest.raises(UserError, match="runner deploy has no compute group"):
         api.deploy(["checkpoint=run", "compute=cpu"], cwd=workdir, env=hermetic_env)
     # Refused here, as the CLI refuses it: the server's process did, after a Deployment (and its

@@ -354,10 +354,27 @@ def test_the_engine_answers_alike_in_a_process_of_its_own_and_in_the_servers(
     assert len(set(answers["true"][0])) == 3
 
 
-def test_deploy_command_without_checkpoint_exits_2_with_one_message(runner_cli) -> None:
-    result = runner_cli("deploy")
-    assert result.returncode == 2
-    assert "checkpoint" in result.stderr and "Traceback" not in result.stderr
+SAY_WHAT = (
+    "say what to serve: checkpoint=<checkpoint dir | run dir | sweep dir>, or a list "
+    "checkpoint=[a,b] to serve several"
+)
+
+
+@pytest.mark.parametrize(
+    "given,printed",
+    [
+        ((), f"checkpoint='???': {SAY_WHAT}"),
+        # A TypeError's traceback; a null in the list was "no such directory" of 'None'.
+        (("checkpoint=null",), f"checkpoint='null': {SAY_WHAT}"),
+        (("checkpoint=[null]",), f"checkpoint[0]='null': {SAY_WHAT}"),
+    ],
+)
+def test_deploy_command_without_checkpoint_exits_2_with_one_message(
+    runner_cli, given: tuple[str, ...], printed: str
+) -> None:
+    result = runner_cli("deploy", *given)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr == f"error: {printed}\n"
 
 
 def test_a_checkpoint_refused_after_an_engine_started_ends_the_command(

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import ListConfig, OmegaConf
+from omegaconf import ListConfig
 
 from runner.api.configs import compose, environment, listed, working_dir
 from runner.api.processes import last_error, start
@@ -29,15 +29,16 @@ def deploy(
 ) -> Deployment:
     """`runner deploy OVERRIDES` (checkpoint=<run, checkpoint or sweep dir>, port=0 for any free
     port); returns at once: Deployment.wait_ready() gives its URL."""
-    from runner.deploy.selection import check_servable
+    from runner.deploy.selection import check_given, check_servable
 
     overrides, env, base = listed(overrides), environment(env), working_dir(cwd)
     config = compose(overrides, "deploy")
+    check_given(config)  # nothing to serve: the server's process refused it, after the return
     # A checkpoint that is not there, refused here as a bad option is: the server's process
     # refused it after the call had returned a Deployment, whose console file was left behind.
-    given = OmegaConf.select(config, "checkpoint", throw_on_missing=False)
+    given = config.checkpoint
     for path in given if isinstance(given, ListConfig) else [given]:
-        if isinstance(path, str) and path != "???":
+        if isinstance(path, str):
             check_servable(base / user_path(path))
     handle, name = tempfile.mkstemp(prefix="runner-deploy-", suffix=".log")
     os.close(handle)

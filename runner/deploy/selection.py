@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from runner.errors import UserError
 from runner.paths import pasteable, user_path
 from runner.rundir import (
@@ -25,6 +27,10 @@ log = logging.getLogger(__name__)
 
 _MODES = ("min", "max")
 _CHECKPOINT_CHOICES = ("latest", "best")
+SAY_WHAT = (
+    "say what to serve: checkpoint=<checkpoint dir | run dir | sweep dir>, or a list "
+    "checkpoint=[a,b] to serve several"
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,21 @@ def short_name(checkpoint: Path) -> str:
     if checkpoint.parent.name == "checkpoints" and is_run_dir(run):
         return f"{run.parent.name}/{run.name}/{checkpoint.name}"
     return checkpoint.name
+
+
+def check_given(config: DictConfig) -> None:
+    """`checkpoint=` names something to serve: left out (???), null, or a null in its list is
+    refused by name (null was a TypeError's traceback, and a null in a list "no such directory"
+    of 'None')."""
+    if OmegaConf.is_missing(config, "checkpoint"):
+        raise UserError("checkpoint", "???", SAY_WHAT)
+    given = config.checkpoint
+    if given is None:
+        raise UserError("checkpoint", "null", SAY_WHAT)
+    if isinstance(given, ListConfig):
+        for index, path in enumerate(given):
+            if path is None:
+                raise UserError(f"checkpoint[{index}]", "null", SAY_WHAT)
 
 
 def resolve_checkpoints(

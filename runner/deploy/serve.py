@@ -24,7 +24,7 @@ from runner.config.schema import Deploy, typed
 from runner.config.secrets import check_env_name
 from runner.console import takeable
 from runner.deploy.routes import ServedModel, close_engines
-from runner.deploy.selection import ServedCheckpoint, resolve_checkpoints
+from runner.deploy.selection import ServedCheckpoint, check_given, resolve_checkpoints
 from runner.errors import UserError
 from runner.paths import user_path
 
@@ -49,13 +49,7 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     from runner.deploy.protocol import Limits
     from runner.deploy.routes import build_app
 
-    if OmegaConf.is_missing(cfg, "checkpoint"):
-        raise UserError(
-            "checkpoint",
-            "???",
-            "say what to serve: checkpoint=<checkpoint dir | run dir | sweep dir>, or a list "
-            "checkpoint=[a,b] to serve several",
-        )
+    check_given(cfg)
     cfg = typed(cfg, Deploy)
     if cfg.limits.default_max_tokens > cfg.limits.max_tokens:
         raise UserError(
