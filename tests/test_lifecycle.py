@@ -228,6 +228,34 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     assert result.returncode == 2 and "wrote no train.log" in result.stderr, result.stderr
 
 
+def test_a_running_sweeps_directory_is_not_read_as_a_run_starting(runner_cli, tmp_path) -> None:
+    """The sweep's own process holds a lock on its directory while it runs (api.Sweep.wait
+    reads it); held as a run's lock, `runner logs SWEEP` and `runner stop SWEEP` waited for a
+    run to start there until the sweep ended."""
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from runner.rundir import "
+            f"hold_until_exit; hold_until_exit(Path({str(sweep)!r})); print(flush=True); "
+            "time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+        for command in ("logs", "stop"):
+            result = runner_cli(command, str(sweep))
+            assert result.returncode == 2, result.stderr
+            assert "not a run directory" in result.stderr and "starting" not in result.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_run_whose_status_is_missing_names_the_way_on(runner_cli, tmp_path: Path) -> None:
     """A run's directory without its status.json (a partial copy, a clean-up): resume, stop and
     deploy each said "not a run directory" and sent the user to `runner runs`, which lists no

@@ -22,7 +22,15 @@ from runner.config.schema import typed
 from runner.errors import UserError
 from runner.job import lifecycle
 from runner.paths import override, user_path
-from runner.rundir import FINAL_STATES, SUMMARY_JSON, RunDir, Status, is_sweep_dir, lock_held
+from runner.rundir import (
+    FINAL_STATES,
+    SUMMARY_JSON,
+    SWEEP_LOCK_FILE,
+    RunDir,
+    Status,
+    is_sweep_dir,
+    lock_held,
+)
 
 
 def launch(
@@ -318,7 +326,7 @@ class Sweep:
         sweep directory's lock) is gone and every job it started has ended."""
         if self._process is not None and self._process.poll() is None:
             return False
-        if lock_held(self.path):
+        if lock_held(self.path, SWEEP_LOCK_FILE):
             return False
         return all(run.done() for run in self.runs())
 

@@ -34,6 +34,7 @@ from runner.rundir.checkpoint_files import (
 from runner.rundir.io import write_json_atomic, write_text_atomic
 from runner.rundir.liveness import Heartbeat
 from runner.rundir.lock import (
+    SWEEP_LOCK_FILE,
     RunLocked,
     held_here,
     hold_until_exit,

@@ -30,6 +30,9 @@ from runner.paths import shell_path
 # The package's logger (runner.rundir), which log lines named before the package had modules.
 log = logging.getLogger(__package__)
 LOCK_FILE = ".lock"
+# A sweep's own process holds its sweep directory's while it runs (a run's lock is not it: a
+# sweep directory read as a run that is starting).
+SWEEP_LOCK_FILE = ".sweep.lock"
 # Set while a process holds a run's lock, so that the workers it starts find the lock to join.
 RUN_LOCK_ENV = "RUNNER_RUN_LOCK"
 # Nobody holds the lock exclusively for more than an instant (a trainer entering, a reader
@@ -157,11 +160,11 @@ def join_run_lock(launcher_pid: int) -> bool:
     return True
 
 
-def hold_until_exit(directory: Path) -> None:
-    """Holds a shared flock on DIRECTORY/.lock until this process exits, so that a reader tells
+def hold_until_exit(directory: Path, name: str = SWEEP_LOCK_FILE) -> None:
+    """Holds a shared flock on DIRECTORY/NAME until this process exits, so that a reader tells
     from lock_held whether it still lives: a sweep's own process holds its sweep directory's.
     Nothing is held where the file system has no flock."""
-    path = (directory / LOCK_FILE).resolve()
+    path = (directory / name).resolve()
     if path in _held:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -175,13 +178,13 @@ def hold_until_exit(directory: Path) -> None:
     _held[path] = fd  # open, so held, until this process exits
 
 
-def lock_held(run_dir: Path) -> bool | None:
-    """Whether any process of the run holds its lock (so some process of the run still lives);
-    None when that cannot be told: no lock file (a run of several nodes takes none), or no
-    flock on this file system."""
+def lock_held(run_dir: Path, name: str = LOCK_FILE) -> bool | None:
+    """Whether any process of the run holds its lock (so some process of the run still lives;
+    `name`: SWEEP_LOCK_FILE for a sweep's process); None when that cannot be told: no lock file
+    (a run of several nodes takes none), or no flock on this file system."""
     try:
         # Read-write: where flock is made of fcntl locks (NFS), an exclusive one needs it.
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+        fd = os.open(run_dir / name, os.O_RDWR)
     except OSError:
         return None
     try:
