@@ -229,7 +229,10 @@ class FinetuneRecipe:
         self._status_running(**self._best_field())
         save_every = self.cfg.runtime.save_every_n_steps
         self.reporter.start_console(
-            step=self.step, total_steps=self.total_steps, progress_bar=self.cfg.runtime.progress_bar
+            step=self.step,
+            total_steps=self.total_steps,
+            progress_bar=self.cfg.runtime.progress_bar,
+            breaks_every=[save_every or 0, self._eval_every()],
         )
         losses, throughput = StepLosses(self.cfg.optimizer.lr), Throughput()
         profiler = self._profiler()
@@ -371,6 +374,13 @@ class FinetuneRecipe:
             process.tell(f"resuming from {checkpoint} at step {self.step}")
 
     # ---- evaluation ---------------------------------------------------------------------
+    def _eval_every(self) -> int:
+        """The steps between evaluations (0: none but the last's), as _eval_due asks for them."""
+        strategy = self.cfg.eval.strategy
+        if strategy == "no":
+            return 0
+        return self.cfg.eval.steps if strategy == "steps" else self.data.steps_per_epoch
+
     def _eval_due(self) -> bool:
         return eval_due(
             self.cfg.eval.strategy,

@@ -131,7 +131,8 @@ def test_console_without_a_terminal_gets_a_line_per_logged_step(trained_run: Pat
     assert "\r" not in console
     steps = [line for line in console.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in steps] == [f"{n}/24" for n in range(1, 25)]
-    pattern = r"step 24/24 loss \d+\.\d{4} lr \S+ tokens/s \d+ eta 0:00:00"
+    # Its ETA is the final evaluation's and save's, at the mean of those before.
+    pattern = r"step 24/24 loss \d+\.\d{4} lr \S+ tokens/s \d+ eta 0:00:\d\d"
     assert re.fullmatch(pattern, steps[-1]), steps[-1]
     # The same lines, timestamped, in train.log.
     assert steps[-1] in (trained_run / "train.log").read_text()
@@ -316,6 +317,27 @@ def test_the_throughput_and_the_eta_leave_evaluations_and_saves_out() -> None:
     with console.paused():
         time.sleep(0.5)
     assert console.eta(1) == "0:00:00"
+
+
+def test_the_eta_counts_the_evaluations_and_saves_still_to_come() -> None:
+    """The ETA left evaluations and saves out: "eta 0:00:00" at the last step, then the final
+    evaluation and save took 20-40 s more. The breaks still to come count at their mean."""
+    import time
+
+    from runner.trainer.progress import Console, breaks_after
+
+    # Every 4 steps (eval.steps) and every 6 (save_every_n_steps) of 14, and the last.
+    assert breaks_after(0, 14, [4, 6]) == len([4, 6, 8, 12, 14])
+    assert breaks_after(12, 14, [4, 6]) == 1 and breaks_after(14, 14, [4, 6]) == 0
+    assert breaks_after(0, 12, [4, 6]) == len([4, 6, 8, 12])  # the last is one of them
+    assert breaks_after(0, 10, [0, 0]) == 1  # no evaluation, no cadence: the final save
+
+    console = Console(step=0, total_steps=10, bar=False, breaks_every=[5])
+    assert console.eta(5) == "0:00:00"  # no break taken yet: nothing to price them by
+    with console.paused():  # step 5's evaluation and save
+        time.sleep(1.2)
+    assert console.eta(6) == "0:00:01"  # step 10's to come
+    assert console.eta(10) == "0:00:01"  # logged before its own break
 
 
 def read_only_mounts() -> bool:

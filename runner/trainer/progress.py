@@ -7,12 +7,13 @@ Only rank 0 writes; the other ranks get the same objects, which do nothing there
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -67,11 +68,17 @@ class Reporter:
         except OSError as err:
             raise not_written(self.run.path, f"its {name}", err) from err
 
-    def start_console(self, *, step: int, total_steps: int, progress_bar: bool | str) -> None:
-        """The console of the steps from `step` on (runtime.progress_bar: true, false or auto)."""
+    def start_console(
+        self, *, step: int, total_steps: int, progress_bar: bool | str, breaks_every: Sequence[int]
+    ) -> None:
+        """The console of the steps from `step` on (runtime.progress_bar: true, false or auto);
+        the loop breaks for an evaluation or a save every `breaks_every` steps, and after the
+        last."""
         if self.is_rank_zero:
             shown = shows_bar(progress_bar, sys.stderr)
-            self.console = Console(step=step, total_steps=total_steps, bar=shown)
+            self.console = Console(
+                step=step, total_steps=total_steps, bar=shown, breaks_every=breaks_every
+            )
 
     def advance(self) -> None:
         """One more step taken (the bar moves)."""
@@ -202,6 +209,20 @@ class Throughput:
         return rate
 
 
+def breaks_after(step: int, total_steps: int, every: Sequence[int]) -> int:
+    """The steps after `step`, to `total_steps`, at which training breaks for an evaluation or a
+    save: each multiple of one of `every` (eval.steps, an epoch's steps, save_every_n_steps),
+    and the last step."""
+    periods = sorted({n for n in every if n > 0})
+    count = 0
+    for size in range(1, len(periods) + 1):  # inclusion-exclusion over the periods
+        for chosen in itertools.combinations(periods, size):
+            common = math.lcm(*chosen)
+            count += (-1) ** (size + 1) * (total_steps // common - step // common)
+    last_counted = any(total_steps % n == 0 for n in periods)
+    return count + (step < total_steps and not last_counted)
+
+
 def shows_bar(progress_bar: bool | str, stream: TextIO) -> bool:
     """Whether the console gets a progress bar: runtime.progress_bar true or false, or auto (the
     convention): a bar only when `stream`, where it is drawn, is a terminal; a log file, a pipe,
@@ -226,27 +247,45 @@ class Console:
     loss and throughput, each evaluation's line above it; or, with no bar, each logged step's
     and evaluation's line (train.log's) as it comes."""
 
-    def __init__(self, *, step: int, total_steps: int, bar: bool) -> None:
-        self.total_steps = total_steps
+    def __init__(
+        self, *, step: int, total_steps: int, bar: bool, breaks_every: Sequence[int] = ()
+    ) -> None:
+        self.total_steps, self.breaks_every = total_steps, tuple(breaks_every)
         self.bar = tqdm(total=total_steps, initial=step, dynamic_ncols=True) if bar else None
-        # The ETA is the mean time of the steps taken since the console started.
+        # The ETA is the mean time of the steps taken since the console started, and of the
+        # breaks (evaluations, saves) taken: the final evaluation and save took 20-40 s more
+        # after an "eta 0:00:00".
         self.first_step, self.started = step, time.perf_counter()
+        self.break_s = 0.0
 
     def advance(self) -> None:
         """One more step taken."""
         if self.bar is not None:
             self.bar.update(1)
 
-    def paused(self) -> contextlib.AbstractContextManager[None]:
-        """The block's time (an evaluation, a save) is left out of the steps' mean time."""
-        return _left_out(self, "started")
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The block's time (an evaluation, a save) is left out of the steps' mean time, and
+        counted as the breaks'."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - began
+            self.started += spent
+            self.break_s += spent
 
     def eta(self, step: int) -> str:
-        """The time left to total_steps at the pace so far (H:MM:SS)."""
+        """The time left to total_steps at the pace so far, with the breaks still to come after
+        `step` (its own, which follows its log line, too) at the breaks' mean so far (H:MM:SS)."""
         taken = step - self.first_step
         if taken <= 0:
             return "?"
         left = (time.perf_counter() - self.started) / taken * (self.total_steps - step)
+        to_come = breaks_after(step - 1, self.total_steps, self.breaks_every)
+        breaks_taken = breaks_after(self.first_step, self.total_steps, self.breaks_every) - to_come
+        if breaks_taken > 0:
+            left += self.break_s / breaks_taken * to_come
         return str(timedelta(seconds=round(left)))
 
     def logged(self, line: str, values: dict[str, float]) -> None:
