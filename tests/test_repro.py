@@ -211,6 +211,25 @@ def test_repro_of_something_else_is_a_user_error(runner_cli, tmp_path: Path) -> 
     assert "not a run directory" in result.stderr
 
 
+def test_repro_of_a_job_that_failed_before_its_recipe_says_so(runner_cli, tmp_path: Path) -> None:
+    """A sweep's job failed at its checks keeps its directory, with no recipe.yaml: repro said
+    it was no directory `runner train` made."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    sweep = tmp_path / "sweep"
+    data = ["dataset=instruct", f"dataset.source={empty}", f"hydra.sweep.dir={sweep}"]
+    trained = runner_cli("train", "-m", *QUICK, "max_steps=2", *data)
+    assert trained.returncode == 1 and "job 0 failed" in trained.stdout, trained.stderr[-3000:]
+    result = runner_cli("repro", str(sweep / "0"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr == (
+        f"error: RUN_DIR='{sweep / '0'}': the run failed before it recorded its recipe "
+        "(recipe.yaml): nothing to re-run; fix what its status.json error says and train it "
+        "again\n"
+    )
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # no re-run's dir
+
+
 @pytest.mark.parametrize("tolerance", [math.nan, math.inf, -1.0])
 def test_a_tolerance_that_is_no_finite_share_is_refused(one_process_run: Path, tolerance) -> None:
     """NaN compares false with everything (every value drifted), and inf times 0 is NaN."""

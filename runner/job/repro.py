@@ -21,10 +21,13 @@ from runner.job.launch import as_launcher, launch
 from runner.rundir import (
     ACTIVE_STATES,
     ADAPTER_CONFIG_FILE,
+    RECIPE_FILE,
     STALLED,
+    STATUS_FILE,
     STOPPING,
     RunDir,
     Status,
+    is_run_dir,
     is_sweep_dir,
 )
 from runner.rundir.manifest import (
@@ -230,6 +233,14 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
     CROSS_PATH_TOLERANCE), and repro says what differs.
     """
     recorded = RunDir(run_dir)
+    failed = is_run_dir(recorded.path) and recorded.effective_state()[0] == "failed"
+    if failed and not recorded.recipe_path.is_file():  # a sweep's job, failed at its checks
+        raise UserError(
+            "RUN_DIR",
+            str(run_dir),
+            f"the run failed before it recorded its recipe ({RECIPE_FILE}): nothing to re-run; "
+            f"fix what its {STATUS_FILE} error says and train it again",
+        )
     if not (recorded.recipe_path.is_file() and (recorded.path / MANIFEST_FILE).is_file()):
         raise UserError(
             "RUN_DIR",
