@@ -292,6 +292,21 @@ def test_a_bad_config_is_a_problem_from_validate_and_a_failed_launch(
     status = run.wait(timeout=300)
     assert status.state == "failed" and status.error.startswith("dataset.source="), status
     assert not run.path.exists()
+    # Nothing trained: stop() said "the run is on host None; run `runner stop` there", and
+    # resume() "the run is still unknown; `runner stop RUN` first".
+    for call, doing in ((run.stop, "stop"), (run.resume, "resume")):
+        with pytest.raises(UserError) as refused:
+            call()
+        assert str(refused.value) == (
+            f"run='{run.path}': its launch was refused ({status.error}); nothing trained, so "
+            f"nothing to {doing}: fix that and launch it again"
+        )
+    for command in ("stop", "resume"):  # the CLI's, on the directory
+        printed = runner_cli(command, str(run.path), cwd=workdir).stderr
+        assert (
+            printed
+            == f"error: RUN='{run.path}': no such directory; `runner runs` lists the runs here\n"
+        )
 
 
 def test_capabilities_and_estimate_read_what_the_cli_reads(runner_cli) -> None:

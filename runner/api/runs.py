@@ -28,6 +28,7 @@ from runner.rundir import (
     SWEEP_LOCK_FILE,
     RunDir,
     Status,
+    is_run_dir,
     is_sweep_dir,
     lock_held,
 )
@@ -156,6 +157,7 @@ class Run:
         with `runner stop`.
         """
         self._started(timeout)
+        self._check_recorded("stop")
         if save_checkpoint:
             lifecycle.request_stop(self.dir, key="run")
             return self.wait(timeout)
@@ -189,6 +191,23 @@ class Run:
                 raise TimeoutError(f"{self.path} has not recorded its status yet")
             time.sleep(0.1)
 
+    def _check_recorded(self, doing: str) -> None:
+        """A run with no status.json has nothing to stop or resume (`doing`): a launch of this
+        handle's that its own checks refused (its directory went with it, its error is in
+        the console), or a directory removed or never a run's. Its status read `unknown`, and
+        stop() said "the run is on host None", resume() "`runner stop RUN` first"."""
+        if is_run_dir(self.path):
+            return
+        status = self.status()  # `failed`, with the error it printed, if refused here
+        if status.state == "failed" and status.error:
+            raise UserError(
+                "run",
+                str(self.path),
+                f"its launch was refused ({status.error}); nothing trained, so nothing to "
+                f"{doing}: fix that and launch it again",
+            )
+        lifecycle.run_dir_at(self.path, key="run", readable=False)  # says what is there
+
     def resume(self, checkpoint: str | os.PathLike[str] | None = None) -> Run:
         """`runner resume`: continues a cancelled or failed run from its latest whole checkpoint
         (`checkpoint`, when given, must be that one: training goes on from the newest state)."""
@@ -201,6 +220,7 @@ class Run:
                 f"process {self._process.pid} of this handle trains it still (a resume under "
                 "way); wait() for it, or stop() it and resume again",
             )
+        self._check_recorded("resume")
         lifecycle.check_resumable(self.dir, key="run")
         if checkpoint is not None:
             latest = self.dir.latest_checkpoint()
