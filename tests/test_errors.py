@@ -15,7 +15,7 @@ from hydra.errors import ConfigCompositionException
 
 from runner.config.hydra_errors import as_user_error
 from runner.config.secrets import refuse_tokens
-from runner.paths import CONF_DIR
+from runner.paths import CONF_DIR, SAMPLE_DATA_DIR
 from runner.rundir import RunDir
 from tests.conftest import QUICK
 from tests.fixtures import write_tiny_checkpoint
@@ -290,6 +290,25 @@ def test_hydras_env_set_is_refused_for_runtime_env_which_the_run_records(runner_
             "(recorded, and set again by both)\n"
         ), result.stderr[-2000:]
         assert not run_dir.exists()
+
+
+def test_hydras_chdir_is_refused_before_anything_is_written(runner_cli, tmp_path: Path) -> None:
+    """hydra.job.chdir=true moved the job into its run directory: a relative dataset.source was
+    "no such file" there, after Hydra had made the run's directories (an empty date folder was
+    left behind)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text((SAMPLE_DATA_DIR / "train.jsonl").read_text())
+    for command in (["validate"], ["train"], ["train", "-m", "seed=0,1"]):
+        result = runner_cli(
+            *command, "compute=cpu", "hydra.job.chdir=true", "dataset.source=data/train.jsonl"
+        )
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.endswith(
+            "error: hydra.job.chdir=true: runner reads the paths you give (dataset.source, "
+            "load_checkpoint.path, runtime.output_root, ...) from the directory you run it in; "
+            "leave hydra.job.chdir false, and give absolute paths for files elsewhere\n"
+        ), result.stderr[-2000:]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
 TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"  # a hub token's shape, no token

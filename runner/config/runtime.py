@@ -106,6 +106,19 @@ def check_env_set(env_set: Mapping[str, Any]) -> None:
         )
 
 
+def check_chdir(chdir: Any) -> None:
+    """hydra.job.chdir: the job stays in the directory the command was run in, where every
+    path the user gives is read from (Hydra would move it into its run directory)."""
+    if chdir:
+        raise UserError(
+            "hydra.job.chdir",
+            chdir,
+            "runner reads the paths you give (dataset.source, load_checkpoint.path, "
+            "runtime.output_root, ...) from the directory you run it in; leave hydra.job.chdir "
+            "false, and give absolute paths for files elsewhere",
+        )
+
+
 def _plain_env(env: DictConfig) -> dict[str, str]:
     """runtime.env is recorded in the run directory, so it may not carry secrets."""
     plain = {str(key): str(value) for key, value in env.items()}
