@@ -833,6 +833,9 @@ def test_ctrl_c_of_a_two_process_run_saves_and_exits_130(hermetic_env, tmp_path:
     assert status["state"] == "cancelled" and "SIGINT" in status["error"], status
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{status['step']}"]
     assert f"`runner resume {run_dir}` continues" in output
+    # Said once, by the worker that saved it: the launcher said "stopped by SIGINT" again.
+    stopped = [line for line in output.splitlines() if line.startswith("stopped by SIGINT")]
+    assert len(stopped) == 1, output[-3000:]
     # The saved workers end as they return: the agent, shutting down, never took their results
     # and killed them 30 s on, the run held all that while.
     assert "Unable to shutdown process" not in output, output[-3000:]

@@ -375,6 +375,17 @@ def _cancelled_before_workers(run: RunDir, sigval: signal.Signals) -> None:
         run.write_status("cancelled", error=f"stopped by {sigval.name} before {before}")
 
 
+def _told_by_a_worker(run: RunDir) -> bool:
+    """Whether a worker of this machine recorded the run's stop, and so told it on this console
+    with its checkpoint and the command that continues it (a second line said it again)."""
+    status = run.status()
+    return (
+        status.state == "cancelled"
+        and status.host == socket.gethostname()
+        and status.pid != os.getpid()
+    )
+
+
 def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -410,8 +421,9 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         _resend.taken.set()
         _cancelled_before_workers(run, err.sigval)
         _check_out()
-        name = signal.Signals(err.sigval).name
-        tell(f"stopped by {name}; status in {recipe.run_dir}/status.json")
+        if not _told_by_a_worker(run):
+            name = signal.Signals(err.sigval).name
+            tell(f"stopped by {name}; status in {recipe.run_dir}/status.json")
         raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
         for rank, failure in err.failures.items():
