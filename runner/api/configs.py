@@ -97,7 +97,7 @@ def check_sweep(overrides: Sequence[str], base: Path) -> DictConfig:
     from omegaconf import read_write
 
     from runner.config.hydra_errors import as_user_error
-    from runner.job.sweep import check_sweep as check
+    from runner.job.sweep_start import check_sweep as check
 
     interpolations.register()
     with _HYDRA, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

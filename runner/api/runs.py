@@ -285,7 +285,7 @@ def sweep(
     override, option or swept value raises the UserError it prints, and nothing is made)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from runner.job.sweep import make_sweep_dir
+    from runner.job.sweep_start import make_sweep_dir
 
     overrides, env, base = listed(overrides), environment(env), working_dir(cwd)
     config = check_sweep(overrides, base)

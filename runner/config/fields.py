@@ -14,12 +14,15 @@ import difflib
 import math
 from dataclasses import field
 from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from runner.errors import NULL, UserError
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 # What prints every key of the config a Hydra command composed (`runner train --cfg job`); a
 # command that is no Hydra app names its own (runner cluster: `runner cluster --help`).
@@ -40,6 +43,18 @@ def as_typed(overrides: Any) -> list[str]:
     if isinstance(overrides, ListConfig):
         overrides = OmegaConf.to_container(overrides, resolve=False)
     return [str(o) for o in overrides]
+
+
+def parsed_overrides(overrides: list[str]) -> list[Override]:
+    """`overrides` parsed as Hydra's sweeper parses them: with the config loader of this
+    process's Hydra, which glob(...) reads a group's options through (without it, each of the
+    sweep's callbacks failed, 'ConfigLoader is not set', and the sweep had no summary)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    hydra = GlobalHydra.instance()
+    loader = hydra.config_loader() if hydra.is_initialized() else None
+    return OverridesParser.create(config_loader=loader).parse_overrides(overrides)
 
 
 def groups_given_twice(overrides: list[str], groups: set[str]) -> dict[str, list[str]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import os
 import signal
@@ -21,18 +20,16 @@ from typing import Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.fields import as_typed, override_key
-from runner.config.runtime import check_env_set, check_root
-from runner.config.secrets import refuse_config_secrets
+from runner.config.fields import as_typed, override_key, parsed_overrides
 from runner.console import takeable
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import request_stop
+from runner.job.sweep_start import check_sweep, make_sweep_dir
 from runner.rundir import (
     ACTIVE_STATES,
     SUMMARY_JSON,
@@ -43,7 +40,6 @@ from runner.rundir import (
     write_json_atomic,
     write_text_atomic,
 )
-from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
 from runner.trainer.parent import STOP_SIGNALS
 
 SUMMARY_TABLE = "summary.md"
@@ -115,18 +111,6 @@ def _grid_size(sweep_dir: Path) -> int | None:
             except HydraException:  # glob() where this process has no Hydra of its own
                 return None
     return size
-
-
-def parsed_overrides(overrides: list[str]) -> list[Override]:
-    """`overrides` parsed as Hydra's sweeper parses them: with the config loader of this
-    process's Hydra, which glob(...) reads a group's options through (without it, each of the
-    sweep's callbacks failed, 'ConfigLoader is not set', and the sweep had no summary)."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    hydra = GlobalHydra.instance()
-    loader = hydra.config_loader() if hydra.is_initialized() else None
-    return OverridesParser.create(config_loader=loader).parse_overrides(overrides)
 
 
 def exit_code(sweep_dir: Path) -> int:
@@ -244,177 +228,6 @@ def refresh_sweep_of(run_dir: Path) -> None:
     plot_losses(sweep_dir, summary)
 
 
-# objective.mode as Optuna's sweeper names the same direction.
-OPTUNA_DIRECTIONS = {"min": "minimize", "max": "maximize"}
-HIGHER_OR_LOWER = {"min": "lower", "max": "higher"}
-
-
-def check_direction(sweeper: DictConfig, objective: DictConfig) -> None:
-    """An Optuna sweep (a sweeper with a direction) optimizes what each job returns, its
-    objective.metric: in the direction of objective.mode, or it would seek the worst job."""
-    if "direction" not in sweeper:
-        return  # Hydra's basic sweeper: the summary ranks by objective.mode
-    direction = sweeper.direction
-    direction = getattr(direction, "name", direction)  # Optuna's Direction enum, or its name
-    wanted = OPTUNA_DIRECTIONS[objective.mode]
-    other = "max" if objective.mode == "min" else "min"
-    if direction != wanted:
-        raise UserError(
-            "hydra.sweeper.direction",
-            direction if isinstance(direction, str) else list(direction),
-            f"the jobs return {objective.metric}, which objective.mode={objective.mode} says is "
-            f"better {HIGHER_OR_LOWER[objective.mode]}; set hydra.sweeper.direction={wanted} "
-            f"(or objective.mode={other}, if it is better {HIGHER_OR_LOWER[other]})",
-        )
-
-
-def check_sweep_values(config: DictConfig) -> None:
-    """Every value a sweep gives a key, composed from the sweep's own config (--config-name's:
-    train's left a user's base file unchecked) and resolved as `runner estimate` resolves it
-    (every key checked, nothing read or downloaded) before any job starts or the sweep
-    directory is made: a bad value (optimizer.lr=1e-3,abc) was found only when its job came,
-    the jobs before it trained, and a refused sweep left a directory holding Hydra's
-    multirun.yaml alone. One job a value, the grid's first that gives it: the other swept keys
-    at their first values (at their defaults, a valid grid, num_heads=6,12 num_kv_heads=2,3,
-    was refused for the default's 4 kv heads; every job would be the values' product); an
-    Optuna sweep's values are drawn as it goes, from ranges Optuna checks."""
-    # torchao, imported with the checks, says that it found no Triton (runner.models.
-    # torchtune_boundary demotes it to INFO), which the sweep process's console (Hydra's own
-    # logging, INFO and up) would show above the sweep.
-    logging.getLogger("torchao.kernel.intmm").setLevel(logging.ERROR)
-    if "direction" in config.hydra.sweeper:
-        return
-    overrides = parsed_overrides(as_typed(config.hydra.overrides.task))
-    fixed = [str(o.input_line) for o in overrides if not o.is_sweep_override()]
-    for override in overrides:
-        if override.is_interval_sweep():  # Hydra's own sweeper raised its traceback
-            raise UserError(
-                override.get_key_element(),
-                override.input_line.partition("=")[2] if override.input_line else None,
-                "an interval is drawn from by the Optuna sweeper: add hydra/sweeper=optuna "
-                "(docs/sweeps.md), or give the values (a,b,c or range(START,STOP,STEP))",
-            )
-    swept = [
-        (o.get_key_element(), list(o.sweep_string_iterator()))
-        for o in overrides
-        if o.is_sweep_override()
-    ]
-    jobs = dict.fromkeys(  # in order, each once
-        tuple(f"{other}={value if other == key else values[0]}" for other, values in swept)
-        for key, given in swept
-        for value in given
-    )
-    logging.disable(logging.WARNING)  # each job says its own warnings as it starts
-    try:
-        for job in jobs:
-            _check_job(config, [*fixed, *job], job if len(swept) > 1 else ())
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-def check_sweep(config: DictConfig) -> None:
-    """What `runner train -m` checks before its sweep directory is made (and runner.api's
-    sweep before it starts one), `config` composed for a multirun: a UserError for the first
-    problem found."""
-    check_root(config.runtime.multirun_root, "runtime.multirun_root")
-    refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
-    check_env_set(config.hydra.job.env_set)  # the jobs' checks see it, this one's not
-    check_direction(config.hydra.sweeper, config.objective)
-    if "joblib" in str(config.hydra.launcher.get("_target_", "")):
-        _check_jobs(config.hydra.launcher.n_jobs)
-    check_sweep_values(config)
-    check_same_sweep(config)
-
-
-def _check_job(config: DictConfig, overrides: list[str], swept: tuple[str, ...]) -> None:
-    """One job of the sweep (`overrides`) resolved as `runner estimate` resolves it; a refusal
-    names the `swept` values of the job it is of."""
-    from hydra import compose
-
-    from runner.config.hydra_errors import as_user_error
-    from runner.job.preflight import recipe_of
-
-    try:
-        composed = compose(config_name=config.hydra.job.config_name, overrides=overrides)
-        recipe_of(composed, overrides, estimating=True)
-    except Exception as err:
-        user_error = as_user_error(err, "train")
-        if user_error is None:
-            raise
-        if swept:
-            job = " ".join(swept)
-            user_error = UserError(
-                user_error.key, user_error.value, f"{user_error.fix} (in the job {job})"
-            )
-        raise user_error from None
-
-
-def check_same_sweep(config: DictConfig) -> None:
-    """A sweep directory that holds jobs goes on by the overrides that started it (its command
-    given again; compute, batch_size and gradient_accumulation_steps may change): other values
-    gave its jobs' directories to other jobs, which found them trained and trained nothing, and
-    the summary named them by values they never trained with. Refused by name before anything
-    is written, as a run directory is (runner.job.job._check_same_command)."""
-    sweep_dir = Path(config.hydra.sweep.dir)
-    if not any(sweep_dir.glob(f"*/{MANIFEST_FILE}")):
-        return  # no job of it started
-    key, value = _sweep_dir_key(config)
-    where = "" if key == "hydra.sweep.dir" else f"its sweep directory {sweep_dir} "
-    if "direction" in config.hydra.sweeper:  # Optuna's, which keeps no record of its trials
-        raise UserError(
-            key,
-            value,
-            f"{where}holds the trials of a sweep before: an Optuna sweep draws new values each "
-            "time, which its trials' directories did not train with; give another hydra.sweep.dir",
-        )
-    started = sweep_dir / "multirun.yaml"  # Hydra's record of the sweep
-    if not started.is_file():
-        return
-    recorded = as_typed(OmegaConf.load(started).hydra.overrides.task)
-    changes = changed_overrides(recorded, as_typed(config.hydra.overrides.task))
-    if changes:
-        raise UserError(
-            key,
-            value,
-            f"{where}holds a sweep that other overrides started: {', '.join(changes)}; go on "
-            "with it by its own command (compute, batch_size and gradient_accumulation_steps may "
-            "change), or give another hydra.sweep.dir",
-        )
-
-
-def make_sweep_dir(config: DictConfig) -> None:
-    """The sweep directory, made once its values are checked: one that cannot be made (a
-    read-only file system, a file on the path) was a traceback from Hydra's sweeper."""
-    if str(config.hydra.sweep.dir).startswith("~"):  # as typed: no resolver reads it
-        key, value = _sweep_dir_key(config)
-        raise UserError(
-            key,
-            value,
-            "Hydra keeps ~ as a directory's name here: give the path from / (or $HOME/..., "
-            "which the shell expands unquoted)",
-        )
-    try:
-        Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        key, value = _sweep_dir_key(config)
-        raise UserError(
-            key,
-            value,
-            f"cannot make the sweep directory {config.hydra.sweep.dir} ({err.strerror}); give "
-            "a directory this user can write",
-        ) from None
-
-
-def _sweep_dir_key(config: DictConfig) -> tuple[str, str]:
-    """The key that named the sweep directory, as the user gave it, and its value."""
-    given = any(
-        override_key(o) == "hydra.sweep.dir" for o in as_typed(config.hydra.overrides.hydra)
-    )
-    if given:
-        return "hydra.sweep.dir", str(config.hydra.sweep.dir)
-    return "runtime.multirun_root", str(config.runtime.multirun_root)
-
-
 def in_sweep_process() -> bool:
     """Whether this process is the sweep's own (its jobs run here one after another), not one
     of a parallel launcher's workers."""
@@ -478,17 +291,6 @@ def _stop_jobs(sweep_dir: Path) -> None:
                     request_stop(run)
                     stopped.add(run.path)
         time.sleep(0.2)
-
-
-def _check_jobs(n_jobs: Any) -> None:
-    """hydra.launcher.n_jobs of hydra/launcher=parallel: how many jobs run at once (joblib
-    reads 0 as an error and -N as all the CPUs but N-1)."""
-    if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs < 1:
-        raise UserError(
-            "hydra.launcher.n_jobs",
-            n_jobs,
-            "give the jobs to run at once, an integer >= 1 (left out: one per GPU, else per core)",
-        )
 
 
 class SweepSummary(Callback):
