@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig
 
 from runner.components import instantiate, plain_dict
-from runner.config.optimizer import warn_long_warmup
+from runner.config.optimizer import split_option, state_per_weight, warn_long_warmup
 from runner.data import Split, said_at_launch, training_splits, validation_split
 from runner.data.stream import StreamSplit
 from runner.errors import UserError
@@ -46,7 +46,7 @@ from runner.trainer.evaluate import eval_due, new_best, validation_shares
 from runner.trainer.methods import METHODS
 from runner.trainer.optimization import Optimization
 from runner.trainer.profiling import StepProfiler
-from runner.trainer.progress import Reporter, StepLosses, Throughput, Tokens
+from runner.trainer.progress import Reporter, StepLosses, Throughput, Tokens, breaks_after
 from runner.trainer.weights import model_files
 
 log = logging.getLogger("runner.recipe")
@@ -124,6 +124,20 @@ class FinetuneRecipe:
             set_output_chunks(self.model, loss_fn.num_output_chunks)
         self.objective.attach(self.model, loss_fn, reference, attention=cfg.attention)
         self._resume()
+        if self.is_rank_zero:
+            checkpointing.warn_before_training(
+                self.run,
+                self.model,
+                moments=state_per_weight(split_option(plain_dict(cfg.optimizer))[0]),
+                keep_last_n=cfg.runtime.keep_last_n_checkpoints,
+                keep_step=self.best["step"] if self.best else None,
+                # At most: a save each cadence step, each evaluation's new best, and the last.
+                saves_left=breaks_after(
+                    self.step,
+                    self.total_steps,
+                    [cfg.runtime.save_every_n_steps or 0, self._eval_every()],
+                ),
+            )
         self.reporter.start_trackers(cfg)
 
     def _batches(self) -> EpochBatches | StreamBatches:

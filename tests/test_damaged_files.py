@@ -420,6 +420,22 @@ def test_a_save_says_when_the_checkpoints_to_come_will_not_fit() -> None:
     )
 
 
+def test_the_best_being_written_is_counted_once_among_the_checkpoints_held(
+    tmp_path: Path,
+) -> None:
+    """A new best, being written, was counted twice: "the disk holds 4 at once" of 3."""
+    from runner.rundir import RunDir
+    from runner.trainer.checkpointing import _held_at_most
+
+    run = RunDir(tmp_path / "run")
+    for step in (1, 2, 4):
+        (run.checkpoints_dir / f"step_{step}").mkdir(parents=True)
+    assert _held_at_most(run, 2, keep_step=None) == 3  # steps 2 and 4, and the one written
+    assert _held_at_most(run, 2, keep_step=6) == 3  # the one written is the best
+    assert _held_at_most(run, 2, keep_step=4) == 3
+    assert _held_at_most(run, 2, keep_step=1) == 4  # an older best, kept besides
+
+
 def test_a_commit_warns_of_the_room_its_next_checkpoints_lack(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -447,6 +463,30 @@ def test_a_commit_warns_of_the_room_its_next_checkpoints_lack(
     monkeypatch.setattr(checkpointing, "free_space", lambda path: 1 << 40)
     checkpointing.commit(run, 4, write, keep_last_n=2, keep_step=None, saved=lambda: None)
     assert caplog.messages == []
+
+
+def test_a_run_warns_before_its_first_step_where_its_checkpoints_will_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk too small for one checkpoint was found at the first save, hours in. Before the
+    first step, the checkpoint is priced by the model (weights, and AdamW's 2 moments of each
+    trained one), and only the saves the run will make count."""
+    from runner.rundir import RunDir
+    from runner.trainer import checkpointing
+
+    run = RunDir(tmp_path / "run")
+    model = torch.nn.Linear(256, 1024, bias=False)  # 1 MiB of fp32 weights
+    monkeypatch.setattr(checkpointing, "free_space", lambda path: 2 << 20)  # 2 MiB free
+    with caplog.at_level("WARNING", logger="runner.recipe"):
+        for saves_left in (0, 1):
+            checkpointing.warn_before_training(
+                run, model, moments=2, keep_last_n=2, keep_step=None, saves_left=saves_left
+            )
+    assert caplog.messages == [
+        f"{run.path}: its disk has 2.0 MiB free and a checkpoint will take about 3.0 MiB; the "
+        "run holds up to 3 at once (0 now), so the next checkpoint will not fit; make room now, "
+        "or keep fewer (runtime.keep_last_n_checkpoints=2)"
+    ]
 
 
 def test_a_status_write_the_disk_refuses_is_one_message_with_nothing_left(tmp_path: Path) -> None:

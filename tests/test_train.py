@@ -319,6 +319,20 @@ def test_the_throughput_and_the_eta_leave_evaluations_and_saves_out() -> None:
     assert console.eta(1) == "0:00:00"
 
 
+def test_a_checkpoint_is_priced_before_one_is_written(trained_run: Path) -> None:
+    """The warning before the first step prices a checkpoint by the model's weights and the
+    optimizer's state (AdamW: 2 moments a weight): within 2% of the one the run wrote, whose
+    config and tokenizer files it leaves out."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runner.rundir.io import tree_size
+    from runner.trainer.checkpointing import expected_size
+
+    checkpoint = trained_run / "checkpoints" / "step_24"
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    assert 0.98 < expected_size(model, moments=2) / tree_size(checkpoint) <= 1.0
+
+
 def test_the_eta_counts_the_evaluations_and_saves_still_to_come() -> None:
     """The ETA left evaluations and saves out: "eta 0:00:00" at the last step, then the final
     evaluation and save took 20-40 s more. The breaks still to come count at their mean."""

@@ -85,11 +85,28 @@ def commit(
     saved()
     record_checkpoint(run, step, final)
     run.prune_checkpoints(keep_last_n, keep_step=keep_step)
+    warn_if_room_short(run, size=tree_size(final), keep_last_n=keep_last_n, keep_step=keep_step)
+
+
+def warn_if_room_short(
+    run: RunDir,
+    *,
+    size: int,
+    keep_last_n: int,
+    keep_step: int | None,
+    saves_left: int | None = None,
+    takes: str = "takes",
+) -> None:
+    """Warns where the checkpoints still to come, `size` bytes each, will not fit the run's
+    disk (room_short), hours before the save that would fail: told at each save by the one
+    written, and before the first step by the one expected (expected_size)."""
     short = room_short(
         free=free_space(run.path),
-        size=tree_size(final),
+        size=size,
         held_now=len(run.checkpoints()),
         held_at_most=_held_at_most(run, keep_last_n, keep_step),
+        saves_left=saves_left,
+        takes=takes,
     )
     if short:
         log.warning(
@@ -100,17 +117,64 @@ def commit(
         )
 
 
-def room_short(*, free: int, size: int, held_now: int, held_at_most: int) -> str | None:
+def warn_before_training(
+    run: RunDir,
+    model: torch.nn.Module,
+    *,
+    moments: int,
+    keep_last_n: int,
+    keep_step: int | None,
+    saves_left: int,
+) -> None:
+    """Before the first step: a warning where the `saves_left` checkpoints to come will not fit
+    the run's disk, by the size of its latest (a run that goes on) or else of the one expected:
+    a disk too small for even one was found at the first save, hours in."""
+    latest = run.latest_checkpoint()
+    if latest is not None:
+        size, takes = tree_size(latest), "takes"
+    else:
+        size, takes = expected_size(model, moments), "will take about"
+    warn_if_room_short(
+        run,
+        size=size,
+        keep_last_n=keep_last_n,
+        keep_step=keep_step,
+        saves_left=saves_left,
+        takes=takes,
+    )
+
+
+def expected_size(model: torch.nn.Module, moments: int) -> int:
+    """The bytes of a checkpoint before one is written: the weights in their dtype (a LoRA
+    run's merged weights as its base holds them, besides its adapters), and `moments`
+    weight-sized tensors of the optimizer's state for each trained one (AdamW: 2). The config
+    and tokenizer files, a few MiB at most, are left out."""
+    weights = sum(p.numel() * p.dtype.itemsize for p in model.parameters())
+    trained = sum(p.numel() * p.dtype.itemsize for p in model.parameters() if p.requires_grad)
+    return weights + moments * trained
+
+
+def room_short(
+    *,
+    free: int,
+    size: int,
+    held_now: int,
+    held_at_most: int,
+    saves_left: int | None = None,
+    takes: str = "takes",
+) -> str | None:
     """What the disk lacks for the checkpoints still to come, each of `size` bytes: the run
     holds `held_now` and at most `held_at_most` at once (while one is written, before the
-    oldest is pruned), so the next saves need `size` each until it holds that many; None
-    where they fit. Told at a save, hours before the save that would fail."""
+    oldest is pruned), so the next saves need `size` each until it holds that many, or until
+    its `saves_left` (where known) are made; None where they fit."""
     to_come = max(held_at_most - held_now, 1)
-    if free >= size * to_come:
+    if saves_left is not None:
+        to_come = min(to_come, saves_left)
+    if to_come <= 0 or free >= size * to_come:
         return None
     fit = free // size
     return (
-        f"its disk has {size_text(free)} free and a checkpoint takes {size_text(size)}; the "
+        f"its disk has {size_text(free)} free and a checkpoint {takes} {size_text(size)}; the "
         f"run holds up to {held_at_most} at once ({held_now} now), so "
         + (
             "the next checkpoint will not fit"
@@ -137,9 +201,11 @@ def _room_taken(run: RunDir, keep_last_n: int, keep_step: int | None) -> str:
 
 def _held_at_most(run: RunDir, keep_last_n: int, keep_step: int | None) -> int:
     """The checkpoints the run's disk holds at once while one is written: the last
-    `keep_last_n`, the best besides where it is older, and the one being written."""
+    `keep_last_n`, the best besides where it is older than they are, and the one being written
+    (which may be the best: counted once)."""
     kept = [saved_step for saved_step, _ in run.checkpoints()][-keep_last_n:]
-    return keep_last_n + 1 + (keep_step is not None and keep_step not in kept)
+    older_best = keep_step is not None and keep_step not in kept and keep_step < max(kept or [0])
+    return keep_last_n + 1 + older_best
 
 
 def barrier(place: Placement) -> None:
