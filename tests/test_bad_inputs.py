@@ -50,6 +50,30 @@ CASES = [
     case("unknown-command", "trian", "command="),
     case("unknown-key", "validate batch_sise=4", "batch_sise="),
     case("group-removed", "validate ~model", "model:", "~model"),
+    # A key runner reads, removed: it fell back on the schema's default, not its YAML's
+    # (~max_steps trained 4 epochs, not 1600 steps), or failed where it was read (a traceback
+    # for objective.metric, ~runtime.output_root named hydra.run.dir, ~eval objective.metric).
+    case("key-removed", "validate ~max_steps", "max_steps:", "~max_steps", "give max_steps=VALUE"),
+    case("key-removed-method", "validate method=lora ~method.rank", "method.rank:", "=VALUE"),
+    case("key-removed-mandatory", "validate ~objective.metric", "objective.metric:", "=VALUE"),
+    case(
+        "section-removed", "train compute=cpu max_steps=2 ~eval", "eval:", "~eval", "eval.KEY=VALUE"
+    ),
+    case(
+        "key-removed-run-dir",
+        "train compute=cpu max_steps=2 ~runtime.output_root",
+        "runtime.output_root:",
+        "runtime.output_root=VALUE",
+    ),
+    case(
+        "key-removed-in-sweep",
+        "train -m compute=cpu seed=0,1 ~max_steps",
+        "max_steps:",
+        "~max_steps",
+    ),
+    case("key-removed-optimizer", "validate ~optimizer.lr", "optimizer.lr:", "optimizer.lr=VALUE"),
+    # A null: Hydra removes none ("does not exist"), and said there was no such key.
+    case("key-removed-null", "validate ~resume", "~resume:", "null"),
     case("group-null", "validate dtype=null", "dtype=null", "choose one of: auto, bf16"),
     case("family-null", "validate model=tiny model.family=null", "model.family=null", "gemma"),
     case(

@@ -168,8 +168,38 @@ def check_chosen(cfg: DictConfig, schema: type) -> None:
         if spec.name in groups or (
             section is not None and any(f.default is MISSING for f, _ in _fields(section))
         ):
-            fix = f"removed (~{spec.name}); give {spec.name}=OPTION (`--help` lists them)"
-            raise UserError(spec.name, None, fix)
+            raise _removed(spec.name)
+
+
+def check_removed(
+    cfg: DictConfig, overrides: list[str], schema: type, listed_by: str = EVERY_KEY
+) -> None:
+    """Each `~KEY` among `overrides` that removed from `cfg` (composed) a key `schema` types:
+    the key fell back on the schema's default, not the one its YAML gives (~max_steps trained
+    4 epochs, not 1600 steps), or failed where it was read (~objective.metric in a traceback).
+    `listed_by` prints the composed config's keys."""
+    from runner.paths import config_groups
+
+    groups = config_groups()
+    absent = object()
+    for override in overrides:
+        key = override_key(override)
+        held = OmegaConf.select(cfg, key, default=absent, throw_on_resolution_failure=False)
+        if not override.startswith("~") or held is not absent:  # kept, or added back (+KEY=)
+            continue
+        if key in groups:
+            raise _removed(key)
+        found = _field_of(schema, key)
+        if found is None:
+            continue  # a key of an open section (runtime.env.NAME, model.builder.KEY)
+        give = f"set its keys, {key}.KEY=VALUE" if _section(found[1]) else f"give {key}=VALUE"
+        fix = f"removed (~{key}), but runner reads it: {give} instead"
+        raise UserError(key, None, f"{fix} (`{listed_by}` prints its default)")
+
+
+def _removed(group: str) -> UserError:
+    """A config group's option, removed (~GROUP)."""
+    return UserError(group, None, f"removed (~{group}); give {group}=OPTION (`--help` lists them)")
 
 
 def _field_of(schema: type | None, key: str) -> TypedField | None:

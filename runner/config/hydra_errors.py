@@ -158,7 +158,9 @@ def _composition_error(
         return UserError(f"+{key}", None, fix)
     gone = re.match(r"Could not delete from config\. '(.*)' does not exist", message)
     if gone:
-        return UserError(f"~{gone.group(1)}", None, "no such key to remove")
+        # Hydra reads a key that holds null (~resume) as one that does not exist.
+        fix = f"nothing to remove: no such key, or it holds null; `{listed_by}` prints every key"
+        return UserError(f"~{gone.group(1)}", None, fix)
     other = re.match(r"Could not delete from config\. The value of '(.*)' is (.*) and not", message)
     if other:
         key, held = other.groups()

@@ -257,17 +257,23 @@ def methods_reading(key: str) -> list[str]:
     ]
 
 
-def check_method_keys(method: DictConfig, overrides: Sequence[str]) -> None:
-    """A key of the composed method section (its option's, an override's, a user's own
-    option's) that the method does not read (`+method.rank=4` with method=full) is refused, as
-    is method.name given on the command line (or removed), which the option sets: either went
-    unread. `method` before typing, which gives every method every key."""
+def check_method_name(overrides: Sequence[str]) -> None:
+    """method.name given on the command line (or removed), which the option sets: refused,
+    naming the option to choose instead."""
     for override in overrides:
         if override_key(override) == "method.name":
             value = override.partition("=")[2]
             choose = f"method={value}" if value else f"method=<one of {', '.join(METHOD_NAMES)}>"
             fix = f"the option sets it: choose the method with {choose}"
             raise UserError("method.name", value or None, fix)
+
+
+def check_method_keys(method: DictConfig, overrides: Sequence[str]) -> None:
+    """A key of the composed method section (its option's, an override's, a user's own
+    option's) that the method does not read (`+method.rank=4` with method=full) is refused, as
+    is method.name given on the command line (or removed), which the option sets: either went
+    unread. `method` before typing, which gives every method every key."""
+    check_method_name(overrides)
     if method.name not in METHOD_NAMES:
         return  # resolve_method names the methods there are
     for name in map(str, method):

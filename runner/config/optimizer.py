@@ -74,7 +74,8 @@ def checked_option(optimizer: DictConfig, processes: int) -> dict[str, Any]:
     shared = ("lr", *SCHEDULE_KEYS)
     missing = [key for key in shared if key not in option]
     if missing:
-        raise UserError(f"optimizer.{missing[0]}", None, "every optimizer option sets it")
+        key = f"optimizer.{missing[0]}"
+        raise UserError(key, None, f"every optimizer option sets it: give it a value, {key}=VALUE")
     keys = OmegaConf.create({k: option[k] for k in shared})
     resolved = {str(k): v for k, v in option.items()}
     checked = typed_as(keys, OptimizerKeys, "optimizer.")

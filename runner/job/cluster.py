@@ -15,7 +15,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.fields import MULTIRUN_FLAGS, check_chosen, override_key
+from runner.config.fields import MULTIRUN_FLAGS, check_chosen, check_removed, override_key
 from runner.config.hydra_errors import from_hydra_error
 from runner.config.method import check_method_keys
 from runner.config.optimizer import checked_option
@@ -238,6 +238,7 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
     untyped = _compose_train([*on_nodes, "compute.platform=none"])
     check_chosen(untyped, Train)  # what every node would refuse: ~optimizer, a key unread
     check_method_keys(untyped.method, train_overrides)
+    check_removed(untyped, train_overrides, Train, TRAIN_KEYS)
     composed = typed(untyped, listed_by=TRAIN_KEYS)
     # The GPUs asked of the scheduler are those the run trains on (auto: what each node has).
     device, gpus = composed.compute.device, cluster.gpus_per_node
