@@ -75,6 +75,18 @@ CASES = [
     # A null: Hydra removes none ("does not exist"), and said there was no such key.
     case("key-removed-null", "validate ~resume", "~resume:", "null"),
     case("group-null", "validate dtype=null", "dtype=null", "choose one of: auto, bf16"),
+    # A group of the user's own that runner reads nowhere: "no such key" of its contents (a
+    # dict), the option not named; runner's own groups added again or as a list: Hydra's words.
+    case(
+        "own-group-unread",
+        "validate --config-dir {files}/conf +mygroup=x",
+        "mygroup='x'",
+        "runner reads no mygroup group",
+        "# @package _global_",
+    ),
+    case("group-added", "validate +model=tiny", "model='tiny'", "give model=tiny"),
+    case("group-force-added", "validate ++model=tiny", "model='tiny'", "give model=tiny"),
+    case("group-list", "validate model=[tiny,hf]", "model='[tiny,hf]'", "-m model=tiny,hf"),
     case("family-null", "validate model=tiny model.family=null", "model.family=null", "gemma"),
     case(
         "weight-decay-past-1-over-lr",
@@ -488,6 +500,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "conf" / "method" / "full_with_rank.yaml").write_text(
         "defaults:\n  - full\n  - _self_\n\nrank: 4\n"
     )
+    # A group of the user's own, which runner does not read.
+    (root / "conf" / "mygroup").mkdir()
+    (root / "conf" / "mygroup" / "x.yaml").write_text("lr: 0.1\n")
     (root / "latin1.jsonl").write_bytes(
         (good[0] + "\n").encode()
         + '{"instruction": "caf\xe9", "input": "", "output": "x"}\n'.encode("latin-1")

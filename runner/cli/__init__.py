@@ -37,6 +37,8 @@ commands:
 # Each command is a module of this package, imported only when it runs (`runner --help` stays
 # light): a Hydra command's module has `app` (its @hydra.main), the others `main(argv)`.
 HYDRA_COMMANDS = ("train", "validate", "estimate", "download", "deploy", "export")
+# The commands that compose train.yaml, whose defaults list chooses an option of every group.
+TRAIN_CONFIG_COMMANDS = ("train", "validate", "estimate", "download")
 LIFECYCLE_COMMANDS = ("runs", "logs", "stop", "resume")
 COMMANDS = (*HYDRA_COMMANDS, "push", "repro", *LIFECYCLE_COMMANDS, "cluster")
 # Hydra writes nothing for the commands that only look (validate, estimate, download): no run
@@ -77,7 +79,7 @@ def _run(name: str, argv: list[str]) -> int | None:
     if name == "export":
         module.check_argv(argv)
     _warn_groups_given_twice(argv)
-    _refuse_null_groups(argv)
+    _check_group_choices(name, argv)
     from runner.config.secrets import refuse_typed_secrets
 
     argv = flags_first(argv)
@@ -252,9 +254,12 @@ def _warn_groups_given_twice(argv: list[str]) -> None:
         )
 
 
-def _refuse_null_groups(argv: list[str]) -> None:
-    """A config group set to null (`model=null`): Hydra raised a ValueError that names no
-    group ("Config group override must be a string or a list")."""
+def _check_group_choices(name: str, argv: list[str]) -> None:
+    """Each config group given one option of its own: set to null (`model=null`: Hydra raised a
+    ValueError that named no group, "Config group override must be a string or a list"), a list
+    (`model=[tiny,hf]`: Hydra merged both options into one), or added again
+    (`+model=tiny`, `++model=tiny`: Hydra's "model appears more than once in the final defaults
+    list", "force-add of config groups is not supported")."""
     from runner.errors import NULL
     from runner.paths import CONF_DIR, config_groups
 
@@ -262,10 +267,28 @@ def _refuse_null_groups(argv: list[str]) -> None:
     for override in argv:
         key, equals, value = override.partition("=")
         group = key.lstrip("+")
-        if equals and group in groups and value.strip().lower() == "null":
+        if not equals or group not in groups:
+            continue
+        if value.strip().lower() == "null":
             options = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
             raise UserError(
                 group, NULL, f"a config group takes an option; choose one of: {', '.join(options)}"
+            )
+        if value.startswith("["):
+            listed = value.strip("[]").replace(" ", "")
+            raise UserError(
+                group,
+                value,
+                f"a config group takes one option: give one, or add -m for one run per "
+                f"option (-m {group}={listed})",
+            )
+        own_primary = {"--config-name", "-cn"} & {arg.partition("=")[0] for arg in argv}
+        if key.startswith("+") and name in TRAIN_CONFIG_COMMANDS and not own_primary:
+            raise UserError(
+                group,
+                value,
+                f"runner {name} chooses a {group} already (a config group takes one option): "
+                f"give {group}={value}, without {key.partition(group)[0]}",
             )
 
 

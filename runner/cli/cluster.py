@@ -13,12 +13,12 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + (CONF_DIR / "cluster.yaml").read_text())
         return 0
-    from runner.cli import _refuse_null_groups
+    from runner.cli import _check_group_choices
     from runner.config.secrets import refuse_typed_secrets
 
     # runner train's own checks of what is typed: the line is every node's, and a secret in it
     # would be written into the script, Slurm's copy of it and the TrainJob object.
-    _refuse_null_groups(argv)
+    _check_group_choices("train", argv)  # every node runs runner train
     refuse_typed_secrets(argv)
     files = cluster_files(argv)
     if len(files) == 1:

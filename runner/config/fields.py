@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import field
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
@@ -195,6 +196,29 @@ def check_removed(
         give = f"set its keys, {key}.KEY=VALUE" if _section(found[1]) else f"give {key}=VALUE"
         fix = f"removed (~{key}), but runner reads it: {give} instead"
         raise UserError(key, None, f"{fix} (`{listed_by}` prints its default)")
+
+
+def check_groups_read(cfg: DictConfig, choices: Mapping[str, Any], schema: type) -> None:
+    """A config group of the user's own (--config-dir, hydra.searchpath) whose option lands
+    under a key `schema` does not have (+mygroup=x: mygroup.*) is refused by its group and
+    option, not as "no such key" of the option's contents. One whose option is in the global
+    package (an experiment file) sets keys of runner's, and is read. `choices` are Hydra's
+    (hydra.runtime.choices)."""
+    from runner.paths import config_groups
+
+    groups = config_groups()
+    for group, option in choices.items():
+        top = group.partition("/")[0]  # mygroup/sub lands under mygroup
+        if top in groups or top not in cfg or _field_of(schema, top) is not None:
+            continue
+        ours = ", ".join(sorted(groups - {"hydra"}))
+        raise UserError(
+            group,
+            option,
+            f"runner reads no {group} group (its groups: {ours}); put your option in one of "
+            "those (DIR/model/NAME.yaml, chosen with model=NAME), or begin its file with "
+            "`# @package _global_` to set runner's keys from it",
+        )
 
 
 def _removed(group: str) -> UserError:

@@ -1,6 +1,6 @@
 """Checks of the composed config that come before Hydra acts on it (CheckComposed, the first
 callback conf/train.yaml names): a Hydra setting runner cannot run under, a key runner reads
-removed with ~KEY."""
+removed with ~KEY, a config group of the user's own that runner does not read."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from runner.config.fields import as_typed, check_removed
+from runner.config.fields import as_typed, check_groups_read, check_removed
 from runner.config.method import check_method_name
 from runner.config.runtime import check_chdir
 from runner.config.schema import Train
@@ -35,3 +35,4 @@ def _check(config: DictConfig) -> None:
         overrides = as_typed(config.hydra.overrides.task)
         check_method_name(overrides)  # ~method.name: the option to choose, not a value to give
         check_removed(config, overrides, Train)
+        check_groups_read(config, config.hydra.runtime.choices, Train)
