@@ -438,6 +438,9 @@ def test_a_stop_as_the_run_starts_ends_it_cancelled(hermetic_env, tmp_path, proc
     else:
         assert status["state"] == "cancelled" and status["step"] == 0, status
         assert status["error"] == "stopped by SIGTERM before its first step", status
+        # No worker said it (it said nothing at all): the launcher does.
+        stopped = f"stopped by SIGTERM; status in {run_dir}/status.json"
+        assert stopped in proc.stderr.read()
 
 
 def swallowing_logger() -> logging.Logger:

@@ -311,8 +311,7 @@ def stops_before_workers(run: RunDir) -> Iterator[None]:
             yield
         except (SignalException, StopBeforeWorkers) as err:  # before _elastic_launch's answer
             resend.taken.set()
-            _cancelled_before_workers(run, err.sigval)
-            raise SystemExit(128 + int(err.sigval)) from None
+            raise _ended_by_stop(run, err.sigval) from None
 
 
 class StopBeforeWorkers(BaseException):
@@ -367,12 +366,20 @@ class _Resend:
 _resend = _Resend()
 
 
-def _cancelled_before_workers(run: RunDir, sigval: signal.Signals) -> None:
-    """A run stopped before its workers recorded anything: cancelled, as they would have."""
+def _ended_by_stop(run: RunDir, sigval: signal.Signals) -> SystemExit:
+    """How a launcher of workers that a stop signal ended exits (128 + the signal): the run
+    recorded `cancelled` where its workers had recorded nothing, and the stop said once on this
+    console, where no worker here said it with its checkpoint (a stop before the workers
+    started was said nowhere)."""
+    from runner.trainer.process import tell
+
     status = run.status()
     if status.state == "created":
         before = f"it went on from step {status.step}" if status.step else "its first step"
         run.write_status("cancelled", error=f"stopped by {sigval.name} before {before}")
+    if not _told_by_a_worker(run):
+        tell(f"stopped by {sigval.name}; status in {run.path}/status.json")
+    return SystemExit(128 + int(sigval))
 
 
 def _told_by_a_worker(run: RunDir) -> bool:
@@ -419,12 +426,9 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
         _resend.taken.set()
-        _cancelled_before_workers(run, err.sigval)
+        ended = _ended_by_stop(run, err.sigval)
         _check_out()
-        if not _told_by_a_worker(run):
-            name = signal.Signals(err.sigval).name
-            tell(f"stopped by {name}; status in {recipe.run_dir}/status.json")
-        raise SystemExit(128 + int(err.sigval)) from None
+        raise ended from None
     except ChildFailedError as err:
         for rank, failure in err.failures.items():
             if failure.exitcode < 0:  # killed by a signal: it recorded nothing of its own
