@@ -277,6 +277,11 @@ def test_a_run_whose_status_is_missing_names_the_way_on(runner_cli, tmp_path: Pa
         )
     result = runner_cli("logs", str(run))
     assert result.returncode == 2 and "status.json is missing" in result.stderr, result.stderr
+    listed = runner_cli("runs", str(run))
+    assert listed.stdout == f"no runs under {run}\n", listed.stdout
+    assert f"{run}: a run's directory whose status.json is missing; `runner logs {run}`" in (
+        listed.stderr
+    )
     # Its log is shown all the same, and -f does not follow a run that no process trains.
     (run / "train.log").write_text("step 4 of 10\n")
     assert runner_cli("logs", "-f", str(run)).stdout == "step 4 of 10\n"

@@ -22,8 +22,8 @@ from runner.job.lifecycle import (
     sweep_it_ends,
     wait_until_final,
 )
-from runner.paths import user_path
-from runner.rundir import FINAL_STATES, LOG_FILE, STALLED
+from runner.paths import shell_path, user_path
+from runner.rundir import FINAL_STATES, LOG_FILE, STALLED, RunDir
 
 # How long `runner logs -f RUN` waits for a run to start at RUN, where none is yet: a
 # `runner train hydra.run.dir=RUN &` typed just before takes seconds to make it.
@@ -68,6 +68,15 @@ def cmd_runs(args: argparse.Namespace) -> int:
         print(runs_table(runs, Path.cwd()))
     else:
         print(f"no runs under {', '.join(map(str, roots))}")
+        for root in roots:
+            if RunDir(root).recipe_path.is_file() or RunDir(root).checkpoints():
+                # A run's directory without its status.json (a partial copy, a clean-up).
+                print(
+                    f"{root}: a run's directory whose status.json is missing; `runner logs "
+                    f"{shell_path(root)}` shows its log, and `runner resume {shell_path(root)}` "
+                    "says how to go on from its last checkpoint",
+                    file=sys.stderr,
+                )
     if unreadable:
         print(f"not read (permission denied): {', '.join(map(str, unreadable))}", file=sys.stderr)
     return 0
