@@ -111,6 +111,34 @@ CASES = [
     case("sweep-without-m", "validate seed=choice(1,2)", "seed=", "one value"),
     case("group-comma-list", "validate optimizer=adamw,sgd", "optimizer=", "-m"),
     case("flag-without-value", "validate --config-dir", "--config-dir"),
+    # A searchpath entry that is not there: Hydra warned and composed without it (model=mine:
+    # "no such option"); a scheme it does not know was a traceback; one entry, not a list, was
+    # "override='hydra.searchpath must be a list of strings ...'".
+    case(
+        "searchpath-no-dir",
+        "validate hydra.searchpath=[file:///no/such/dir]",
+        "hydra.searchpath='file:///no/such/dir'",
+        "no such directory",
+    ),
+    case(
+        "searchpath-no-package",
+        "validate hydra.searchpath=[pkg://no_such_package.conf]",
+        "hydra.searchpath='pkg://no_such_package.conf'",
+        "no such package",
+    ),
+    case(
+        "searchpath-scheme",
+        "validate hydra.searchpath=[fle://{files}/conf]",
+        "hydra.searchpath='fle://{files}/conf'",
+        "file://",
+        "pkg://",
+    ),
+    case(
+        "searchpath-not-a-list",
+        "validate hydra.searchpath=file://{files}/conf",
+        "hydra.searchpath='file://{files}/conf'",
+        "hydra.searchpath=[file://{files}/conf]",
+    ),
     case("multirun-by-hydra-mode", "estimate hydra.mode=MULTIRUN", "hydra.mode=MULTIRUN"),
     # Each job trained a new directory with no recipe: a FileNotFoundError, jobs failed.
     case("sweep-of-resume", "train -m resume=a,b", "resume='a,b'", "runner resume RUN"),

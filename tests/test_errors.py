@@ -311,6 +311,17 @@ def test_hydras_chdir_is_refused_before_anything_is_written(runner_cli, tmp_path
         assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
+def test_hydras_section_prints_resolved(runner_cli, tmp_path: Path) -> None:
+    """`--cfg hydra --resolve` said "config: no such key to interpolate": Hydra resolved its
+    section apart from the job's keys its run directory interpolates (runtime.output_root)."""
+    out = tmp_path / "out"
+    for cfg in (["--cfg", "hydra"], ["--cfg=hydra"], ["-chydra"]):
+        result = runner_cli("train", *cfg, "--resolve", f"runtime.output_root={out}")
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert re.search(rf"^run:\n  dir: {re.escape(str(out))}/\d{{4}}-", result.stdout, re.M)
+        assert "${runtime" not in result.stdout and not out.exists()
+
+
 TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"  # a hub token's shape, no token
 
 

@@ -82,8 +82,9 @@ def _run(name: str, argv: list[str]) -> int | None:
     _check_group_choices(name, argv)
     from runner.config.secrets import refuse_typed_secrets
 
-    argv = flags_first(argv)
+    argv = _hydra_section_resolved(flags_first(argv))
     _refuse_config_path(argv)
+    _check_searchpath(argv)
     _refuse_two_modes(argv)
     refuse_typed_secrets(argv)
     resumed = next(
@@ -197,6 +198,71 @@ def _refuse_config_path(argv: list[str]) -> None:
                 "replaces runner's own configs (train.yaml and its groups); add yours beside "
                 f"them with --config-dir {given}",
             )
+
+
+def _hydra_section_resolved(argv: list[str]) -> list[str]:
+    """`argv`, where it asks for Hydra's section resolved (--cfg hydra --resolve), asking for it
+    as a package of the whole config (--cfg all --package hydra), where its interpolations of
+    the job's keys (hydra.run.dir: ${runtime.output_root}/...) resolve: Hydra resolved the
+    section alone, and each was "no such key to interpolate"."""
+    if "--resolve" not in argv:
+        return argv
+    shown = [*argv]
+    for at, arg in enumerate(argv):
+        if arg in ("--cfg", "-c") and argv[at + 1 : at + 2] == ["hydra"]:
+            shown[at + 1] = "all"  # flags_first: a flag's value follows it
+        elif arg in ("--cfg=hydra", "-chydra"):
+            shown[at] = "--cfg=all"
+    if shown == argv:
+        return argv
+    packaged = {"--package", "-p"} & {arg.partition("=")[0] for arg in argv}
+    return shown if packaged else ["--package", "hydra", *shown]
+
+
+def _check_searchpath(argv: list[str]) -> None:
+    """Each entry of hydra.searchpath there, of a scheme Hydra reads: a directory (file://, or
+    no scheme) or a package (pkg://). Hydra warned of one that is not there and composed
+    without it (the user's model=mine was "no such option"), and a scheme it does not know was
+    a traceback."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for arg in argv:
+        if override_key(arg) != "hydra.searchpath" or arg.startswith("~"):
+            continue
+        try:
+            given = OverridesParser.create().parse_override(arg).value()
+        except Exception:  # noqa: BLE001 - Hydra's grammar refuses it: Hydra names it
+            continue
+        if isinstance(given, str):
+            raise UserError("hydra.searchpath", given, f"give a list, hydra.searchpath=[{given}]")
+        for entry in given if isinstance(given, list) else []:
+            fix = _searchpath_fix(str(entry))
+            if fix:
+                raise UserError("hydra.searchpath", str(entry), fix)
+
+
+def _searchpath_fix(entry: str) -> str | None:
+    """What is wrong with a hydra.searchpath entry, and the fix; None where it is there."""
+    from importlib.resources import files
+
+    scheme, found, path = entry.partition("://")
+    if not found:
+        scheme, path = "file", entry  # Hydra reads a path without a scheme as a directory
+    if scheme == "file":
+        if os.path.isdir(path):
+            return None
+        return (
+            "no such directory; give the directory that holds your own config groups "
+            "(DIR/model/mine.yaml for model=mine), as file://DIR or DIR"
+        )
+    if scheme == "pkg":
+        try:
+            if files(path).joinpath("__init__.py").is_file():
+                return None
+        except (ModuleNotFoundError, ValueError, TypeError):
+            pass
+        return "no such package; give an importable package (with an __init__.py) of your groups"
+    return f"Hydra reads no {scheme}:// scheme; give file://DIR (or DIR) or pkg://PACKAGE"
 
 
 # Hydra's flags that each choose what its app does: one at a time.
