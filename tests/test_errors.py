@@ -322,6 +322,30 @@ def test_hydras_section_prints_resolved(runner_cli, tmp_path: Path) -> None:
         assert "${runtime" not in result.stdout and not out.exists()
 
 
+def test_a_number_from_the_environment_says_how_to_read_it_as_one(runner_cli) -> None:
+    """${oc.env:LR} gives text: optimizer.lr='1e-4' was refused as "give a number > 0", and a
+    component's argument (weight_decay) by torch's words, with nothing on why or what to write;
+    written as the message says, it is read as the number."""
+    env = {"LR": "1e-4", "LAYERS": "2"}
+    for given, key, value, written in (
+        ("optimizer.lr=${oc.env:LR}", "optimizer.lr", "1e-4", "${oc.env:LR}"),
+        ("optimizer.weight_decay=${oc.env:LR}", "optimizer.weight_decay", "1e-4", "${oc.env:LR}"),
+        ("model.builder.num_layers=${oc.env:LAYERS}", "model.builder.num_layers", "2", None),
+        ("loss.num_output_chunks=${oc.env:LAYERS}", "loss.num_output_chunks", "2", None),
+        ("method=lora method.rank=${oc.env:LAYERS}", "method.rank", "2", None),
+    ):
+        result = runner_cli("validate", "compute=cpu", *given.split(), env=env)
+        assert result.returncode == 2, result.stderr[-2000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {key}='{value}': "), errors
+        decoded = "${oc.decode:" + (written or given.rpartition("=")[2]) + "}"
+        assert f"'{decoded}'" in errors[0], errors[0]
+    result = runner_cli(
+        "validate", "compute=cpu", "optimizer.lr='${oc.decode:${oc.env:LR}}'", env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"  # a hub token's shape, no token
 
 

@@ -120,6 +120,23 @@ def typed_as(
     return merged
 
 
+def decode_hint(written: Any, key: str) -> str:
+    """ " (an interpolation gives text: ...)" where `written` (a config as written, its
+    interpolations unresolved) holds `key` as an interpolation that resolves to text, as
+    ${oc.env:NAME} always does, where a number or true/false was wanted; "" otherwise."""
+    parent_key, _, name = key.rpartition(".")
+    select = {"throw_on_missing": False, "throw_on_resolution_failure": False}
+    parent = OmegaConf.select(written, parent_key, **select) if parent_key else written
+    if not (isinstance(parent, DictConfig) and name in parent):
+        return ""
+    if not OmegaConf.is_interpolation(parent, name):
+        return ""
+    if not isinstance(OmegaConf.select(parent, name, **select), str):
+        return ""
+    text = parent._get_node(name)._value()  # type: ignore[union-attr]  # the ${...} as written
+    return f" (an interpolation gives text: write '${{oc.decode:{text}}}', which decodes it)"
+
+
 def _typed_null(cfg: DictConfig, key: str) -> bool:
     """Whether `cfg` holds `key` as a null the user gave (epochs=null), not a key left out."""
     parent_key, _, name = key.rpartition(".")
@@ -330,11 +347,7 @@ def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> 
             continue
         if not _given_as(raw, _number_type(annotation)):
             # OmegaConf converts "12" (a quoted YAML value, max_steps='12') to 12: not here.
-            fix = _fix((spec, annotation))
-            if isinstance(given, DictConfig) and OmegaConf.is_interpolation(given, spec.name):
-                # ${oc.env:STEPS} is always text: the number the user set read as a string.
-                fix += " (an interpolation gives text: '${oc.decode:${oc.env:NAME}}' a number)"
-            raise UserError(key, raw, fix)
+            raise UserError(key, raw, _fix((spec, annotation)) + decode_hint(given, spec.name))
         if not spec.metadata:
             continue
         if "flag" in spec.metadata:

@@ -27,7 +27,7 @@ from runner.config.dataset import (
     resolve_dataset,
 )
 from runner.config.evaluation import resolve_eval, resolve_objective
-from runner.config.fields import check_chosen
+from runner.config.fields import check_chosen, decode_hint
 from runner.config.load_checkpoint import check_continued, resolve_load_checkpoint
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_method_keys, check_pairing, resolve_method
@@ -56,6 +56,20 @@ def resolve_recipe(
     left unresolved: None). gpus_here=False (`runner estimate`, which prices a layout and runs
     nothing) takes a GPU layout as given, without holding it to the GPUs this machine shows.
     """
+    try:
+        return _recipe(cfg, run_dir, overrides, fetch, gpus_here)
+    except UserError as err:
+        # A value the user gave through ${oc.env:...}, which is text, refused by whichever check
+        # read it (a field's bound, a component's argument): how to give it as a number.
+        hint = "" if "oc.decode" in err.fix else decode_hint(cfg, err.key)
+        if not hint:
+            raise
+        raise UserError(err.key, err.value, err.fix + hint) from err
+
+
+def _recipe(
+    cfg: DictConfig, run_dir: Path, overrides: Sequence[str], fetch: bool, gpus_here: bool
+) -> DictConfig:
     check_chosen(cfg, Train)
     check_method_keys(cfg.method, overrides)
     cfg = typed(cfg)
