@@ -17,7 +17,7 @@ import pytest
 
 from runner import api
 from runner.errors import UserError
-from runner.paths import CONF_DIR
+from runner.paths import CONF_DIR, SAMPLE_DATA_DIR
 from runner.rundir import Status
 from tests.conftest import ESTIMATE_DATA, load_script
 
@@ -201,14 +201,17 @@ def test_a_sweep_goes_to_the_sweep_directory_its_overrides_name(
 ) -> None:
     """hydra.sweep.dir, as `runner train -m` takes it (relative to cwd=): api.sweep put the sweep
     under runtime.multirun_root all the same; and given again with other values, it is refused
-    as the CLI refuses it."""
-    given = [*BASE, "max_steps=2", "seed=0,1", "hydra.sweep.dir=sweeps/lr"]
+    as the CLI refuses it. Its data by a path relative to cwd= too, checked from there."""
+    lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text().splitlines(keepends=True)
+    (workdir / "first_40.jsonl").write_text("".join(lines[:40]))
+    data = ["dataset=instruct", "dataset.source=first_40.jsonl"]
+    given = [*BASE, *data, "max_steps=2", "seed=0,1", "hydra.sweep.dir=sweeps/lr"]
     sweep = api.sweep(given, cwd=workdir, env=hermetic_env)
     assert sweep.path == workdir / "sweeps" / "lr"
     summary = sweep.wait(timeout=600)
     assert summary is not None and [r["state"] for r in summary["runs"]] == ["completed"] * 2
     assert [run.path for run in sweep.runs()] == [workdir / "sweeps/lr/0", workdir / "sweeps/lr/1"]
-    other = [*BASE, "max_steps=2", "seed=0,2", "hydra.sweep.dir=sweeps/lr"]
+    other = [*BASE, *data, "max_steps=2", "seed=0,2", "hydra.sweep.dir=sweeps/lr"]
     with pytest.raises(UserError, match=r"^hydra.sweep.dir='.*/sweeps/lr': holds a sweep that"):
         api.sweep(other, cwd=workdir, env=hermetic_env)
 

@@ -85,35 +85,27 @@ def compose(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
             raise user_error from None
 
 
-def check_sweep(overrides: Sequence[str], base: Path) -> DictConfig:
-    """What `runner train -m OVERRIDES` checks before it makes its sweep directory: a bad
-    override, option or key, each swept value in a job of the grid (as `runner estimate`
-    resolves it), and a sweep directory that holds another sweep; the UserError the CLI would
-    print. Returns the sweep's config, its hydra.sweep.dir read from `base` (the command's
-    directory) as the sweep's process reads it."""
+def compose_sweep(overrides: Sequence[str]) -> DictConfig:
+    """conf/train composed for `runner train -m OVERRIDES`, its swept values as given (Hydra's
+    sweeper applies them job by job), hydra's own keys included; a bad override or option
+    raises the UserError the CLI would print."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
-    from omegaconf import read_write
 
     from runner.config.hydra_errors import as_user_error
-    from runner.job.sweep_start import check_sweep as check
 
     interpolations.register()
     with _HYDRA, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         hydra = GlobalHydra.instance().hydra
         assert hydra is not None  # initialized just above
         try:
-            config = hydra.compose_config("train", listed(overrides), run_mode=RunMode.MULTIRUN)
-            with read_write(config.hydra):
-                config.hydra.sweep.dir = str(base / user_path(config.hydra.sweep.dir))
-            check(config)
+            return hydra.compose_config("train", listed(overrides), run_mode=RunMode.MULTIRUN)
         except Exception as err:  # noqa: BLE001 - recast as the CLI does, re-raised otherwise
             user_error = as_user_error(err, "train")
             if user_error is None:
                 raise
             raise user_error from None
-    return config
 
 
 def listed(overrides: Sequence[str]) -> list[str]:

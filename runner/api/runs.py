@@ -5,6 +5,7 @@ and runner.job.lifecycle as `runner runs | logs | stop | resume` read it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,8 +16,17 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.api.configs import check_sweep, compose, environment, listed, working_dir
-from runner.api.processes import console_of, last_error, new_dir, start, wait_gone
+from runner.api.configs import compose, compose_sweep, environment, listed, working_dir
+from runner.api.processes import (
+    console_of,
+    last_error,
+    missing,
+    new_dir,
+    new_name,
+    printed_error,
+    start,
+    wait_gone,
+)
 from runner.config.fields import override_key
 from runner.config.schema import typed
 from runner.errors import UserError
@@ -280,26 +290,39 @@ def sweep(
     overrides: Sequence[str], *, cwd: str | os.PathLike[str] | None = None, env: Any = None
 ) -> Sweep:
     """`runner train -m OVERRIDES` (e.g. optimizer.lr=1e-3,2e-3) in a new sweep directory under
-    runtime.multirun_root, or in the hydra.sweep.dir they give (read from `cwd`); returns once
-    the sweep is checked as the CLI checks it before its sweep directory is made (a bad
-    override, option or swept value raises the UserError it prints, and nothing is made)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from runner.job.sweep_start import make_sweep_dir
-
+    runtime.multirun_root, or in the hydra.sweep.dir they give (read from `cwd`), as the CLI
+    runs it. Returns once the sweep's process has checked the sweep (each swept value in a job
+    of the grid, from `cwd`) and taken its directory: a refusal raises the UserError it
+    printed, and what was made for it is removed."""
     overrides, env, base = listed(overrides), environment(env), working_dir(cwd)
-    config = check_sweep(overrides, base)
+    config = compose_sweep(overrides)  # a bad override or option, refused here at once
     named = [o for o in overrides if override_key(o) == "hydra.sweep.dir"]
-    if named:  # the user's own, as `runner train -m` takes it (the sweep's own appended won)
-        make_sweep_dir(config)
-        path = Path(config.hydra.sweep.dir).resolve()
-        overrides = [o for o in overrides if o not in named]  # read here, from cwd=
+    if named:  # the user's own, as `runner train -m` takes it (the one appended here won)
+        path = (base / user_path(config.hydra.sweep.dir)).resolve()
+        overrides = [o for o in overrides if o not in named]
     else:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        plain = [o for o, p in zip(overrides, parsed, strict=True) if not p.is_sweep_override()]
-        path = new_dir(base / user_path(typed(compose(plain)).runtime.multirun_root))
+        path = new_name(base / user_path(config.runtime.multirun_root)).resolve()
+    made, console = missing(path), console_of(path)
+    path.mkdir(parents=True, exist_ok=True)
+    printed = console.stat().st_size if console.exists() else None  # a sweep's there before
+    if lock_held(path, SWEEP_LOCK_FILE) is False:  # an ended sweep's there before
+        (path / SWEEP_LOCK_FILE).unlink()
     args = ["train", "-m", *overrides, override("hydra.sweep.dir", str(path))]
-    return Sweep(path, _process=start(args, console_of(path), base, env))
+    process = start(args, console, base, env)
+    # The sweep's process takes its lock once its checks pass (runner.job.sweep.SweepSummary).
+    while not (path / SWEEP_LOCK_FILE).exists() and process.poll() is None:
+        time.sleep(0.1)
+    error = None if (path / SWEEP_LOCK_FILE).exists() else last_error(console, printed or 0)
+    if error is not None:
+        if printed is None:
+            console.unlink(missing_ok=True)
+        else:
+            os.truncate(console, printed)  # as the sweep there before left it
+        for directory in made:
+            with contextlib.suppress(OSError):  # one it wrote into stays
+                directory.rmdir()
+        raise printed_error(error, "runner train -m")
+    return Sweep(path, _process=process)
 
 
 class Sweep:
