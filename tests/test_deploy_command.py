@@ -367,6 +367,8 @@ SAY_WHAT = (
         # A TypeError's traceback; a null in the list was "no such directory" of 'None'.
         (("checkpoint=null",), f"checkpoint='null': {SAY_WHAT}"),
         (("checkpoint=[null]",), f"checkpoint[0]='null': {SAY_WHAT}"),
+        (("checkpoint=''",), f"checkpoint='': {SAY_WHAT}"),  # was read as '.'
+        (("checkpoint=[a,'']",), f"checkpoint[1]='': {SAY_WHAT}"),
     ],
 )
 def test_deploy_command_without_checkpoint_exits_2_with_one_message(

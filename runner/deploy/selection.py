@@ -57,18 +57,19 @@ def short_name(checkpoint: Path) -> str:
 
 
 def check_given(config: DictConfig) -> None:
-    """`checkpoint=` names something to serve: left out (???), null, or a null in its list is
-    refused by name (null was a TypeError's traceback, and a null in a list "no such directory"
-    of 'None')."""
+    """`checkpoint=` names something to serve: left out (???), null, "", or a null or "" in its
+    list is refused by name (null was a TypeError's traceback, and a null in a list "no such
+    directory" of 'None')."""
     if OmegaConf.is_missing(config, "checkpoint"):
         raise UserError("checkpoint", "???", SAY_WHAT)
     given = config.checkpoint
-    if given is None:
-        raise UserError("checkpoint", "null", SAY_WHAT)
+    if given is None or (isinstance(given, str) and not given.strip()):
+        # "" was read as "." (the directory deploy ran in), and served were it a run's.
+        raise UserError("checkpoint", "null" if given is None else given, SAY_WHAT)
     if isinstance(given, ListConfig):
         for index, path in enumerate(given):
-            if path is None:
-                raise UserError(f"checkpoint[{index}]", "null", SAY_WHAT)
+            if path is None or (isinstance(path, str) and not path.strip()):
+                raise UserError(f"checkpoint[{index}]", "null" if path is None else path, SAY_WHAT)
 
 
 def resolve_checkpoints(
