@@ -303,7 +303,8 @@ class SweepSummary(Callback):
         with user_errors_pass_hydra():
             check_sweep(config)
             make_sweep_dir(config)
-        # Until this process ends, its sweep runs: a handle on the directory waits on it.
+        # Until this process ends, its sweep runs: a handle on the directory waits on it. Taken
+        # once the checks above passed: runner.api's sweep returns then, and not before.
         hold_until_exit(Path(config.hydra.sweep.dir))
         os.environ[SWEEP_PID_ENV] = str(os.getpid())
         if parallel:

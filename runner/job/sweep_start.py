@@ -22,9 +22,9 @@ HIGHER_OR_LOWER = {"min": "lower", "max": "higher"}
 
 
 def check_sweep(config: DictConfig) -> None:
-    """What `runner train -m` checks before its sweep directory is made (and runner.api's
-    sweep before it starts one), `config` composed for a multirun: a UserError for the first
-    problem found."""
+    """What `runner train -m` checks before its sweep directory is made (runner.api's sweep
+    waits for the sweep's process to pass them), `config` composed for a multirun: a UserError
+    for the first problem found."""
     check_root(config.runtime.multirun_root, "runtime.multirun_root")
     refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
     check_env_set(config.hydra.job.env_set)  # the jobs' checks see it, this one's not
