@@ -132,11 +132,7 @@ class FinetuneRecipe:
                 keep_last_n=cfg.runtime.keep_last_n_checkpoints,
                 keep_step=self.best["step"] if self.best else None,
                 # At most: a save each cadence step, each evaluation's new best, and the last.
-                saves_left=breaks_after(
-                    self.step,
-                    self.total_steps,
-                    [cfg.runtime.save_every_n_steps or 0, self._eval_every()],
-                ),
+                saves_left=breaks_after(self.step, self.total_steps, self._breaks_every()),
             )
         self.reporter.start_trackers(cfg)
 
@@ -246,7 +242,7 @@ class FinetuneRecipe:
             step=self.step,
             total_steps=self.total_steps,
             progress_bar=self.cfg.runtime.progress_bar,
-            breaks_every=[save_every or 0, self._eval_every()],
+            breaks_every=self._breaks_every(),
         )
         losses, throughput = StepLosses(self.cfg.optimizer.lr), Throughput()
         profiler = self._profiler()
@@ -388,12 +384,15 @@ class FinetuneRecipe:
             process.tell(f"resuming from {checkpoint} at step {self.step}")
 
     # ---- evaluation ---------------------------------------------------------------------
-    def _eval_every(self) -> int:
-        """The steps between evaluations (0: none but the last's), as _eval_due asks for them."""
+    def _breaks_every(self) -> list[int]:
+        """The steps between the loop's breaks (0: none but after the last step): a save each
+        runtime.save_every_n_steps, an evaluation as _eval_due asks for one."""
         strategy = self.cfg.eval.strategy
         if strategy == "no":
-            return 0
-        return self.cfg.eval.steps if strategy == "steps" else self.data.steps_per_epoch
+            evals = 0
+        else:
+            evals = self.cfg.eval.steps if strategy == "steps" else self.data.steps_per_epoch
+        return [self.cfg.runtime.save_every_n_steps or 0, evals]
 
     def _eval_due(self) -> bool:
         return eval_due(

@@ -136,11 +136,7 @@ class Run:
 
     def wait(self, timeout: float | None = None, interval: float = 0.5) -> Status:
         """The final status once the run ends; TimeoutError after `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done():
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{self.path} is still {self.status().state}")
-            time.sleep(interval)
+        _poll(self.done, timeout, interval, lambda: f"{self.path} is still {self.status().state}")
         return self.status()
 
     def metrics(self) -> list[dict[str, Any]]:
@@ -377,9 +373,17 @@ class Sweep:
         """The summary once the sweep has ended (done()); TimeoutError after `timeout` s. A
         handle on a sweep's directory (api.Sweep(path)) waits for it as the one api.sweep
         returned does: it returned at once, before the sweep's summary."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done():
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"sweep {self.path} is still running")
-            time.sleep(interval)
+        _poll(self.done, timeout, interval, lambda: f"sweep {self.path} is still running")
         return self.summary()
+
+
+def _poll(
+    done: Callable[[], bool], timeout: float | None, interval: float, still: Callable[[], str]
+) -> None:
+    """Returns once `done()`, asking every `interval` seconds; after `timeout` seconds (None:
+    never), TimeoutError saying `still()`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not done():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(still())
+        time.sleep(interval)

@@ -330,6 +330,7 @@ def _check_group_choices(name: str, argv: list[str]) -> None:
     from runner.paths import CONF_DIR, config_groups
 
     groups = config_groups()
+    own_primary = {"--config-name", "-cn"} & {arg.partition("=")[0] for arg in argv}
     for override in argv:
         key, equals, value = override.partition("=")
         group = key.lstrip("+")
@@ -348,7 +349,6 @@ def _check_group_choices(name: str, argv: list[str]) -> None:
                 f"a config group takes one option: give one, or add -m for one run per "
                 f"option (-m {group}={listed})",
             )
-        own_primary = {"--config-name", "-cn"} & {arg.partition("=")[0] for arg in argv}
         if key.startswith("+") and name in TRAIN_CONFIG_COMMANDS and not own_primary:
             raise UserError(
                 group,

@@ -18,6 +18,7 @@ from runner.job.lifecycle import (
     run_roots,
     runs_table,
     stall_note,
+    status_missing,
     stopped_processes,
     sweep_it_ends,
     wait_until_final,
@@ -69,8 +70,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     else:
         print(f"no runs under {', '.join(map(str, roots))}")
         for root in roots:
-            if RunDir(root).recipe_path.is_file() or RunDir(root).checkpoints():
-                # A run's directory without its status.json (a partial copy, a clean-up).
+            if status_missing(RunDir(root)):
                 print(
                     f"{root}: a run's directory whose status.json is missing; `runner logs "
                     f"{shell_path(root)}` shows its log, and `runner resume {shell_path(root)}` "

@@ -63,13 +63,12 @@ def check_given(config: DictConfig) -> None:
     if OmegaConf.is_missing(config, "checkpoint"):
         raise UserError("checkpoint", "???", SAY_WHAT)
     given = config.checkpoint
-    if given is None or (isinstance(given, str) and not given.strip()):
+    listed = enumerate(given) if isinstance(given, ListConfig) else [(None, given)]
+    for index, path in listed:
         # "" was read as "." (the directory deploy ran in), and served were it a run's.
-        raise UserError("checkpoint", "null" if given is None else given, SAY_WHAT)
-    if isinstance(given, ListConfig):
-        for index, path in enumerate(given):
-            if path is None or (isinstance(path, str) and not path.strip()):
-                raise UserError(f"checkpoint[{index}]", "null" if path is None else path, SAY_WHAT)
+        if path is None or (isinstance(path, str) and not path.strip()):
+            key = "checkpoint" if index is None else f"checkpoint[{index}]"
+            raise UserError(key, "null" if path is None else path, SAY_WHAT)
 
 
 def resolve_checkpoints(

@@ -59,9 +59,8 @@ def run_dir_at(
             )
             waiting = True
         time.sleep(0.1)
-    if not is_run_dir(run.path) and (run.recipe_path.is_file() or run.checkpoints()):
-        # A run's directory without its status (a partial copy, a clean-up): `runner runs`
-        # lists no run there, so it is not the way on. Its log is read all the same.
+    if status_missing(run):
+        # `runner runs` lists no run there, so it is not the way on. Its log is read all the same.
         if readable or not (run.path / LOG_FILE).is_file():
             raise _state_unknown(run, key, "is missing")
         return run
@@ -71,6 +70,12 @@ def run_dir_at(
     if readable and _unreadable(run):
         raise _state_unknown(run, key, "cannot be read (cut short, or not runner's)")
     return run
+
+
+def status_missing(run: RunDir) -> bool:
+    """Whether `run` is a run's directory without its status.json (a partial copy, a
+    clean-up): its recipe or checkpoints are there."""
+    return not is_run_dir(run.path) and (run.recipe_path.is_file() or bool(run.checkpoints()))
 
 
 def _state_unknown(run: RunDir, key: str, why: str) -> UserError:

@@ -170,14 +170,17 @@ class StepLosses:
 
 
 @contextlib.contextmanager
-def _left_out(owner: Any, start: str) -> Iterator[None]:
-    """The block's time added to `owner.<start>`, a perf_counter reading that a rate or a mean
-    is timed from: left out of it."""
+def _add_time(owner: Any, *names: str) -> Iterator[None]:
+    """The block's seconds added to each of `owner`'s attributes `names`: to a perf_counter
+    reading that a rate or a mean is timed from, it leaves the block out of it; to a sum, it
+    counts the block."""
     began = time.perf_counter()
     try:
         yield
     finally:
-        setattr(owner, start, getattr(owner, start) + time.perf_counter() - began)
+        spent = time.perf_counter() - began
+        for name in names:
+            setattr(owner, name, getattr(owner, name) + spent)
 
 
 # The positions a step computed: a count on the host, or where several ranks summed theirs, on
@@ -200,7 +203,7 @@ class Throughput:
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """The block's time (an evaluation, a checkpoint's save) is left out of the rate: the
         step logged after one read 10-100x below the others."""
-        return _left_out(self, "start")
+        return _add_time(self, "start")
 
     def read(self) -> float:
         """Tokens per second since the last reading; the window starts again."""
@@ -263,17 +266,10 @@ class Console:
         if self.bar is not None:
             self.bar.update(1)
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """The block's time (an evaluation, a save) is left out of the steps' mean time, and
         counted as the breaks'."""
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            spent = time.perf_counter() - began
-            self.started += spent
-            self.break_s += spent
+        return _add_time(self, "started", "break_s")
 
     def eta(self, step: int) -> str:
         """The time left to total_steps at the pace so far, with the breaks still to come after
