@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner import api
-from runner.job import launch
+from runner.job import stops
 from runner.paths import SAMPLE_DATA_DIR
 from runner.rundir import RunDir, RunLocked, lock_held, run_lock
 from tests.conftest import QUICK
@@ -398,7 +398,7 @@ def test_a_stop_before_the_workers_passes_code_that_catches_every_exception() ->
     from omegaconf import OmegaConf
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from runner.job.launch import StopBeforeWorkers
+    from runner.job.stops import StopBeforeWorkers
 
     def stop(exc: BaseException) -> None:
         raise exc
@@ -478,17 +478,17 @@ def test_a_stop_swallowed_before_the_workers_is_sent_again(tmp_path, capfd, monk
     once. In torch's start-up it is torch's SignalException, which code that catches every
     Exception swallowed (a logging handler's emit, as here): the stop was lost, and the run
     trained to its end. The launcher sends it again."""
-    monkeypatch.setattr(launch, "RESEND_S", 0.3)
+    monkeypatch.setattr(stops, "RESEND_S", 0.3)
     run = created_run(tmp_path / "run")
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as stopped, launch.stops_before_workers(run):
+    with pytest.raises(SystemExit) as stopped, stops.stops_before_workers(run):
         swallowing_logger().warning("workers: forked")
         pytest.fail("the stop was swallowed")
     assert stopped.value.code == 143 and "--- Logging error ---" not in capfd.readouterr().err
     assert run.status().state == "cancelled"
     run, started = created_run(tmp_path / "in_torch"), time.monotonic()
-    with pytest.raises(SystemExit) as stopped, launch.stops_before_workers(run):
-        launch._resend.in_torch = True  # as _elastic_launch sets it before elastic_launch
+    with pytest.raises(SystemExit) as stopped, stops.stops_before_workers(run):
+        stops.agent_holds_stops()  # as _elastic_launch does before elastic_launch
         swallowing_logger().warning("launch: 1 node(s) x 2 process(es)")
         time.sleep(60)  # the workers' start and training, which the signal sent again ends
     assert stopped.value.code == 143
@@ -503,11 +503,11 @@ def test_a_stop_swallowed_before_the_workers_is_sent_again(tmp_path, capfd, monk
 def test_a_stop_sent_again_reaches_the_agents_handler_once(tmp_path, monkeypatch) -> None:
     """A stop swallowed as the elastic agent took the signals: the agent's handler gets it once,
     then waits for its workers to save; sent each second, it cut that wait short."""
-    monkeypatch.setattr(launch, "RESEND_S", 0.3)
+    monkeypatch.setattr(stops, "RESEND_S", 0.3)
     run = created_run(tmp_path / "run")
     agents: list[int] = []
-    with launch.stops_before_workers(run):
-        launch._resend.in_torch = True  # as _elastic_launch sets it before elastic_launch
+    with stops.stops_before_workers(run):
+        stops.agent_holds_stops()  # as _elastic_launch does before elastic_launch
         swallowing_logger().warning("launch: 1 node(s) x 2 process(es)")
         signal.signal(signal.SIGTERM, lambda signum, frame: agents.append(signum))
         time.sleep(2)  # the agent's wait for its workers (PContext's handlers set as it starts)

@@ -24,15 +24,10 @@ from runner.config.load_checkpoint import check_same_global_batch, global_batch
 from runner.config.method import move_recipe
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, error_line
-from runner.job.launch import (
-    as_launcher,
-    in_process,
-    launch,
-    node_rank_of,
-    stops_before_workers,
-)
+from runner.job.launch import as_launcher, in_process, launch, node_rank_of
 from runner.job.lifecycle import check_recipe_as_recorded, last_logged
 from runner.job.start import MAKE_ROOM, discard, trainer_lock
+from runner.job.stops import stops_before_workers
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
 from runner.paths import pasteable, shell_path
 from runner.rundir import (

@@ -42,13 +42,13 @@ from runner.components import plain_dict
 from runner.config import platforms
 from runner.console import takeable
 from runner.errors import UserError
+from runner.job import stops
 from runner.rundir import ACTIVE_STATES, RunDir
 from runner.trainer import determinism
 from runner.trainer.parent import (
     LAUNCHER_PID_ENV,
     PR_SET_PDEATHSIG,
     STOP_SIGNALS,
-    stop_signals_to,
 )
 
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
@@ -278,121 +278,6 @@ def _rendezvous_config(recipe: DictConfig, node_rank: int | None) -> Any:
     )
 
 
-@contextlib.contextmanager
-def stops_before_workers(run: RunDir) -> Iterator[None]:
-    """SIGTERM and Ctrl-C to a launcher of workers, from the moment the run's status names it
-    until the elastic agent takes them as it starts the workers, end the run cancelled, with
-    nothing trained, and the launcher with 128 + the signal. Left to the default action, the
-    launcher died there, and the run stayed `created`.
-
-    In runner's own code the stop is raised as StopBeforeWorkers, a BaseException as Ctrl-C's
-    KeyboardInterrupt is: an Exception was swallowed by code that catches every one (a logging
-    handler's emit, which prints "--- Logging error ---" and goes on), or remade from its message
-    alone (OmegaConf's attribute access: a TypeError, a traceback, and the run left `created`).
-    In torch's start-up (_Resend.in_torch) it is what the agent's own handlers raise,
-    SignalException, which torch answers as a stop. A stop nothing took within RESEND_S is sent
-    again (_Resend); once the workers run, the agent's handler takes it, once, and stops them as
-    on any stop."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    global _resend
-    resend = _resend = _Resend()
-
-    def raise_it(signum: int, frame: Any) -> None:
-        sigval = signal.Signals(signum)
-        resend.pending(sigval)
-        if resend.in_torch:
-            raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
-        raise StopBeforeWorkers(sigval)
-
-    resend.handler = raise_it
-    with stop_signals_to(raise_it), resend:
-        try:
-            yield
-        except (SignalException, StopBeforeWorkers) as err:  # before _elastic_launch's answer
-            resend.taken.set()
-            raise _ended_by_stop(run, err.sigval) from None
-
-
-class StopBeforeWorkers(BaseException):
-    """A stop signal a launcher took before its workers started (stops_before_workers)."""
-
-    def __init__(self, sigval: signal.Signals) -> None:
-        super().__init__(f"stopped by {sigval.name}")
-        self.sigval = sigval
-
-
-# How long a stop signal may go untaken before the launcher sends it again (_Resend).
-RESEND_S = 1.0
-
-
-class _Resend:
-    """A thread, for the stops_before_workers block, that sends a pending stop signal again
-    while nothing has taken it: as often as it takes while `handler` (the block's) holds the
-    signal, and once to the elastic agent's handler once that holds it (more would cut short
-    the agent's wait for its workers to save). The signal handler only notes the signal (no
-    lock: the main thread it interrupts may hold any); `taken` is set where a SignalException
-    is caught, and as the block ends."""
-
-    def __init__(self) -> None:
-        self.taken = threading.Event()
-        self.handler: Any = None
-        self.in_torch = False  # inside elastic_launch: the handler raises torch's SignalException
-        self._signal: tuple[signal.Signals, float] | None = None
-        self._thread = threading.Thread(target=self._run, name="resend-stop", daemon=True)
-
-    def pending(self, sigval: signal.Signals) -> None:
-        if self._signal is None:
-            self._signal = (sigval, time.monotonic())
-
-    def _run(self) -> None:
-        while not self.taken.wait(RESEND_S / 4):
-            pending = self._signal
-            if pending is not None and time.monotonic() - pending[1] >= RESEND_S:
-                self._signal = (pending[0], time.monotonic())
-                ours = signal.getsignal(pending[0]) is self.handler
-                os.kill(os.getpid(), pending[0])
-                if not ours:
-                    return  # the agent's: it stops the workers, and waits for them
-
-    def __enter__(self) -> None:
-        self._thread.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.taken.set()
-
-
-# The latest stops_before_workers block's, which _elastic_launch tells that it took the stop.
-_resend = _Resend()
-
-
-def _ended_by_stop(run: RunDir, sigval: signal.Signals) -> SystemExit:
-    """How a launcher of workers that a stop signal ended exits (128 + the signal): the run
-    recorded `cancelled` where its workers had recorded nothing, and the stop said once on this
-    console, where no worker here said it with its checkpoint (a stop before the workers
-    started was said nowhere)."""
-    from runner.trainer.process import tell
-
-    status = run.status()
-    if status.state == "created":
-        before = f"it went on from step {status.step}" if status.step else "its first step"
-        run.write_status("cancelled", error=f"stopped by {sigval.name} before {before}")
-    if not _told_by_a_worker(run):
-        tell(f"stopped by {sigval.name}; status in {run.path}/status.json")
-    return SystemExit(128 + int(sigval))
-
-
-def _told_by_a_worker(run: RunDir) -> bool:
-    """Whether a worker of this machine recorded the run's stop, and so told it on this console
-    with its checkpoint and the command that continues it (a second line said it again)."""
-    status = run.status()
-    return (
-        status.state == "cancelled"
-        and status.host == socket.gethostname()
-        and status.pid != os.getpid()
-    )
-
-
 def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -415,7 +300,7 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
     why_fresh = _why_fresh(recipe)
     log.info("workers: %s", f"fresh interpreters ({why_fresh})" if why_fresh else "forked")
     launched = time.time()
-    _resend.in_torch = True
+    stops.agent_holds_stops()
     _quiet_torch_elastic(forked=why_fresh is None)
     try:
         if why_fresh is None:
@@ -425,8 +310,8 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
             elastic_launch(config, entrypoint=sys.executable)("-m", RECIPE_MODULE, str(recipe_path))
     except SignalException as err:
         # The agent has already passed the signal on and waited for the workers to save.
-        _resend.taken.set()
-        ended = _ended_by_stop(run, err.sigval)
+        stops.stop_taken()
+        ended = stops.ended_by_stop(run, err.sigval)
         _check_out()
         raise ended from None
     except ChildFailedError as err:

@@ -88,7 +88,7 @@ def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
     resolving the recipe, checking the data) removes its directory, which holds no run yet
     (.hydra/, .lock, train.log: no command would list, resume or clean it), and ends the process
     at once, 128 + the signal. From its first status the run's own handlers take the signals
-    (launch.stops_before_workers, process.stop_signals); past them, these do as the ones before.
+    (stops.stops_before_workers, process.stop_signals); past them, these do as the ones before.
     No exception is raised in the window: one raised inside an import leaves that module half
     made (tried: a SystemExit raised in torch's import failed a later import of numpy)."""
 
