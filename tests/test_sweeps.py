@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -167,6 +168,7 @@ def test_a_bad_value_of_a_sweep_is_refused_before_any_job(runner_cli, tmp_path: 
     """It was found when its job came, after the jobs before it trained, and a sweep refused
     for a mistyped key left a directory holding Hydra's multirun.yaml alone."""
     sweep = tmp_path / "sweep"
+    assert "RUNNER_TEST_UNSET_LR" not in os.environ
     for values, wanted in (
         ("optimizer.lr=1e-3,abc", "error: optimizer.lr='abc': give a number > 0"),
         ("batch_sise=2,4", "error: batch_sise='2': no such key; did you mean 'batch_size'?"),
@@ -175,6 +177,12 @@ def test_a_bad_value_of_a_sweep_is_refused_before_any_job(runner_cli, tmp_path: 
         ("optimizer=glob(sg*) seed=-1,1", "error: seed=-1: give an integer from 0 to"),
         # Hydra's own sweeper raised its traceback for an interval, which Optuna draws from.
         ("optimizer.lr=interval(1e-4,1e-2)", "an interval is drawn from by the Optuna sweeper"),
+        # -m that sweeps nothing: its one job's values were checked by none, and it failed
+        # with OmegaConf's text in a sweep directory left behind.
+        (
+            "optimizer.lr=${oc.env:RUNNER_TEST_UNSET_LR}",
+            "the environment variable RUNNER_TEST_UNSET_LR is not set",
+        ),
     ):
         given = values.split()
         result = runner_cli("train", "-m", *TINY_JOB, *given, f"hydra.sweep.dir={sweep}")

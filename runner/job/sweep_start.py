@@ -86,7 +86,8 @@ def check_sweep_values(config: DictConfig) -> None:
     multirun.yaml alone. One job a value, the grid's first that gives it: the other swept keys
     at their first values (at their defaults, a valid grid, num_heads=6,12 num_kv_heads=2,3,
     was refused for the default's 4 kv heads; every job would be the values' product); an
-    Optuna sweep's values are drawn as it goes, from ranges Optuna checks."""
+    Optuna sweep's values are drawn as it goes, from ranges Optuna checks. A sweep that sweeps
+    nothing (-m with fixed values alone) is its one job, checked as a job of a grid is."""
     # torchao, imported with the checks, says that it found no Triton (runner.models.
     # torchtune_boundary demotes it to INFO), which the sweep process's console (Hydra's own
     # logging, INFO and up) would show above the sweep.
@@ -112,7 +113,7 @@ def check_sweep_values(config: DictConfig) -> None:
         tuple(f"{other}={value if other == key else values[0]}" for other, values in swept)
         for key, given in swept
         for value in given
-    )
+    ) or {(): None}  # nothing swept: its one job, whose values were checked by none
     logging.disable(logging.WARNING)  # each job says its own warnings as it starts
     try:
         for job in jobs:
