@@ -284,7 +284,9 @@ def test_a_run_whose_status_is_missing_names_the_way_on(runner_cli, tmp_path: Pa
     )
     # Its log is shown all the same, and -f does not follow a run that no process trains.
     (run / "train.log").write_text("step 4 of 10\n")
-    assert runner_cli("logs", "-f", str(run)).stdout == "step 4 of 10\n"
+    shown = runner_cli("logs", "-f", str(run))
+    # At once: it waited its 30 s for a run to start there, as at a path that holds none.
+    assert shown.stdout == "step 4 of 10\n" and shown.stderr == "", shown.stderr
     result = runner_cli("deploy", f"checkpoint={run}", "port=0")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert (

@@ -29,6 +29,7 @@ from runner.rundir import (
     lock_held,
     pid_stopped,
 )
+from runner.rundir.lock import LOCK_FILE
 from runner.rundir.status import number
 
 DEFAULT_ROOTS = ("outputs", "multirun")
@@ -45,11 +46,15 @@ def run_dir_at(
     readable: refuse a run whose status.json cannot be read or is missing (no state to stop or
     resume by); else such a run is taken where it wrote its train.log.
     appear_s: how long to wait for a run to start at a path that holds none yet (`runner logs
-    -f RUN` typed just after `runner train hydra.run.dir=RUN &`, which takes seconds to start)."""
+    -f RUN` typed just after `runner train hydra.run.dir=RUN &`, which takes seconds to start);
+    a directory that holds files and no starting run's lock is answered at once (a copied run
+    without its status.json was waited on for the whole of it)."""
     run = RunDir(path)
     deadline = time.monotonic() + appear_s
     waiting = False
-    while not is_run_dir(run.path) and (lock_held(run.path) or time.monotonic() < deadline):
+    while not is_run_dir(run.path) and (
+        lock_held(run.path) or (time.monotonic() < deadline and _holds_nothing(run.path))
+    ):
         if not waiting:
             print(
                 f"{path}: the run is starting; waiting for its status.json"
@@ -70,6 +75,15 @@ def run_dir_at(
     if readable and _unreadable(run):
         raise _state_unknown(run, key, "cannot be read (cut short, or not runner's)")
     return run
+
+
+def _holds_nothing(path: Path) -> bool:
+    """Whether no run has started at `path`: it is missing, or holds at most a lock file (a
+    run takes its lock before Hydra writes into the directory)."""
+    try:
+        return all(entry.name == LOCK_FILE for entry in path.iterdir())
+    except OSError:  # missing, or not a directory
+        return not path.exists()
 
 
 def status_missing(run: RunDir) -> bool:
