@@ -127,6 +127,7 @@ def eager_and_compiled(vocab_size: int) -> tuple[torch.nn.Module, torch.nn.Modul
     return eager, compiled
 
 
+@pytest.mark.long  # compiles
 def test_compiled_packed_steps_break_no_graph_and_recompile_nothing(
     tmp_path: Path, fresh_dynamo: None
 ) -> None:
@@ -179,6 +180,7 @@ def mixed_length_batches(steps: int, attention: RowAttention) -> list[dict[str, 
     return batches
 
 
+@pytest.mark.long  # compiles
 def test_compiled_mixed_lengths_compile_once(fresh_dynamo: None) -> None:
     """compile=true on padding-free batches of mixed lengths, whose samples the attention
     gathers into buckets of like length: the first batch's graph serves every later one
@@ -227,6 +229,7 @@ def test_a_compiled_layer_calls_flex_attention_inside_its_graph(
     assert graph_breaks() == 0, dict(counters["graph_break"])
 
 
+@pytest.mark.long  # compiles
 def test_runner_train_compiled_with_packing_logs_no_graph_break(runner_cli, tmp_path: Path) -> None:
     """The issue's command, shorter: `runner train compile=true dataset.packing=true` on the CPU
     logs torch._dynamo's counts at its last step, no graph break among them (the old per-sample

@@ -69,9 +69,9 @@ def test_a_request_failing_inside_the_engine_fails_alone(
     [
         (False, False, False),
         (True, False, False),
-        (False, True, False),
+        pytest.param(False, True, False, marks=pytest.mark.long),  # compiles
         (True, False, True),
-        (True, True, True),
+        pytest.param(True, True, True, marks=pytest.mark.long),  # compiles
     ],
     ids=["exact", "padded", "exact-compiled", "padded-overlap", "cuda-path"],
 )

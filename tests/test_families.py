@@ -412,6 +412,7 @@ RANDOM_INIT = {
 }
 
 
+@pytest.mark.long  # compiles
 def test_the_cuda_paths_compiled_step_serves_gemma2_as_eager(checkpoints) -> None:
     # compute=cpu, dtype=fp32. The CUDA path's step (padded, compiled by layer: one compiled
     # decoder layer serves every layer, its index symbolic) on the family whose layers differ

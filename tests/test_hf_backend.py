@@ -180,6 +180,7 @@ def test_trains_on_two_processes_with_activation_checkpointing(
     assert any(not torch.equal(trained[k], v) for k, v in source.items())
 
 
+@pytest.mark.long  # compiles
 def test_compiled_layers_train_as_transformers_computes(sources, runner_cli, tmp_path) -> None:
     """compile=true compiles each decoder layer and the loss (as torchtune's recipes do); step
     1's loss is still transformers'."""

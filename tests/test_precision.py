@@ -82,7 +82,7 @@ def test_mixed_precision_keeps_fp32_master_weights_and_optimizer_state(small_run
     "extra",
     [
         pytest.param(["compute.nproc_per_node=1"], id="full"),
-        pytest.param(["compute.nproc_per_node=2"], id="full-2proc"),
+        pytest.param(["compute.nproc_per_node=2"], id="full-2proc", marks=pytest.mark.long),
         pytest.param(["method=lora", "optimizer.lr=1e-2"], id="lora"),
         pytest.param([*QLORA, "optimizer.lr=1e-2"], id="qlora"),
     ],

@@ -81,7 +81,7 @@ def one_process_run(tmp_path_factory: pytest.TempPathFactory, forked_cli: Forked
     return train_on_own_data(cli, root, "compute=cpu", "compute.nproc_per_node=1")
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_repro_of_a_fresh_run_matches(runner_cli, tmp_path: Path, nproc: int, request) -> None:
     if nproc == 1:
         run = request.getfixturevalue("one_process_run")

@@ -326,6 +326,7 @@ def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: 
     assert f"| cancelled | {resumed['step']}/400 |" in (sweep / "summary.md").read_text()
 
 
+@pytest.mark.long  # two trainings, in the sweep's process, then in fresh workers
 def test_a_job_after_one_trained_in_the_sweeps_process_starts_fresh_workers(
     forked_cli, tmp_path: Path
 ) -> None:

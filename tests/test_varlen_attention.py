@@ -175,6 +175,7 @@ def test_varlen_attention_is_sdpa_under_the_dense_mask(
             torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.long  # compiles
 def test_compiled_layers_call_varlen_inside_their_graphs(
     fresh_dynamo: None, varlen_on_the_cpu: None
 ) -> None:
