@@ -45,11 +45,7 @@ from runner.errors import UserError
 from runner.job import stops
 from runner.rundir import ACTIVE_STATES, RunDir
 from runner.trainer import determinism
-from runner.trainer.parent import (
-    LAUNCHER_PID_ENV,
-    PR_SET_PDEATHSIG,
-    STOP_SIGNALS,
-)
+from runner.trainer.parent import LAUNCHER_PID_ENV, PR_SET_PDEATHSIG, STOP_SIGNALS
 
 # The training loop of every method (recipes/finetune.py), a module that `python -m` runs.
 RECIPE_MODULE = "runner.recipes.finetune"
