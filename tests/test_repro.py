@@ -350,6 +350,29 @@ def test_a_manifest_cut_short_is_named_before_anything_is_written(
     assert not continued.exists()
 
 
+def test_a_recipe_cut_short_is_named_by_the_keys_it_lacks(
+    one_process_run: Path, runner_cli, tmp_path: Path
+) -> None:
+    """A recipe.yaml cut after `format:` (a copy stopped midway): repro, `runner train
+    resume=RUN` and a run trained again by its own command ended in omegaconf's traceback
+    "Incompatible value 'None' for field of type 'str'"; runner resume alone named the keys."""
+    run = tmp_path / "run"
+    shutil.copytree(one_process_run, run)
+    recipe = (run / "recipe.yaml").read_text()
+    (run / "recipe.yaml").write_text(recipe[: recipe.index("\n  format:") + len("\n  format:")])
+    lacks = f"{run / 'recipe.yaml'}: lacks "
+
+    with pytest.raises(UserError, match=f"^{lacks}"):
+        repro(run, steps=None, tolerance=None, out=tmp_path / "rerun")
+    assert not (tmp_path / "rerun").exists()
+    result = runner_cli("train", f"resume={run}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"error: {lacks}" in result.stderr
+    # Where no manifest.json names what it lacks, the recipe itself says it does not read.
+    with pytest.raises(UserError, match=r"does not read as a recipe \(dataset.format: "):
+        read_recipe(run / "recipe.yaml")
+
+
 def test_a_run_that_diverged_is_reproduced_by_diverging_alike(runner_cli, tmp_path: Path) -> None:
     """Its re-run failed as it did and repro exited 2, bad input, with no verdict."""
     diverging = [o for o in SHORT if not o.startswith(("optimizer.lr", "runtime.deterministic"))]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from runner.components import plain_dict
 from runner.config.compute import Compute, ComputeRecipe, Dtype
@@ -27,6 +27,7 @@ from runner.config.method import Method, MethodRecipe
 from runner.config.model import Model, ModelRecipe
 from runner.config.runtime import Runtime, RuntimeRecipe
 from runner.errors import UserError
+from runner.paths import pasteable
 from runner.rundir import write_text_atomic
 
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
@@ -256,6 +257,8 @@ class Recipe(Training, RecipeSections):
 def read_recipe(path: Path) -> DictConfig:
     """A run's recipe.yaml, typed; one recorded before the layout changed is refused by name."""
     values = OmegaConf.load(path)
+    if isinstance(values, DictConfig) and not values:
+        raise _cut_short(path, "it is empty")
     version = values.get("version") if isinstance(values, DictConfig) else None
     if version != RECIPE_VERSION:
         raise UserError(
@@ -266,7 +269,10 @@ def read_recipe(path: Path) -> DictConfig:
             "wrote it",
         )
     # A key Recipe does not know is a bug of runner's, not the user's.
-    typed_recipe = OmegaConf.merge(OmegaConf.structured(Recipe), values)
+    try:
+        typed_recipe = OmegaConf.merge(OmegaConf.structured(Recipe), values)
+    except ValidationError as err:  # a value cut off by the end of the file: `format:`
+        raise _cut_short(path, f"{err.full_key}: {err.msg}") from None
     assert isinstance(typed_recipe, DictConfig)  # a dataclass merges into a DictConfig
     validation = typed_recipe.dataset.validation
     if validation.source is not None and validation.format is None:
@@ -274,6 +280,19 @@ def read_recipe(path: Path) -> DictConfig:
         # dataset.format (a recipe written since holds the format it resolved).
         validation.format = typed_recipe.dataset.format
     return typed_recipe
+
+
+def _cut_short(path: Path, why: str) -> UserError:
+    """A run's recipe.yaml that does not read as a recipe: cut short (a copy stopped midway, a
+    full disk), or edited. Its run's checkpoints still start a new run."""
+    return UserError(
+        str(path),
+        None,
+        f"does not read as a recipe ({why}): cut short (a copy stopped midway, a full disk) or "
+        "edited; put back a whole copy (manifest.json's `config` recorded the values the run "
+        "started with), or start a new run from its checkpoint (runner train "
+        f"{pasteable('load_checkpoint.path', str(path.parent))} ...)",
+    )
 
 
 def recipe_as_written(path: Path) -> dict[str, Any]:

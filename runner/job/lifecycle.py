@@ -373,16 +373,15 @@ def wait_for_orphans(run: RunDir, timeout: float = ORPHANS_WAIT_S) -> None:
         time.sleep(0.1)
 
 
-def check_recipe_as_recorded(run: RunDir) -> None:
-    """runner resume goes on with the recipe the run started with: one edited since (a new lr,
-    which the checkpoint's optimizer state overrides) would be recorded as trained, and never
-    trained with. Refused by the keys that differ, in the file as written (a key an older
-    runner did not write is in neither)."""
+def check_recipe_whole(run: RunDir) -> None:
+    """A UserError naming the keys the run's recipe.yaml lacks of those its manifest.json
+    recorded as it started: cut short (a copy stopped midway, a full disk) or removed, it read
+    with those keys at their defaults. Read before the recipe is: resume and repro go on
+    with it."""
     from runner.config.schema import recipe_as_written
-    from runner.rundir.manifest import changed_config, missing_config
+    from runner.rundir.manifest import missing_config
 
-    recipe = recipe_as_written(run.recipe_path)
-    missing = missing_config(run, recipe)
+    missing = missing_config(run, recipe_as_written(run.recipe_path))
     if missing:
         named = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise UserError(
@@ -393,7 +392,18 @@ def check_recipe_as_recorded(run: RunDir) -> None:
             "`config` recorded them, or start a new run from its checkpoint (runner train "
             f"{pasteable('load_checkpoint.path', str(run.path))} ...)",
         )
-    changed = changed_config(run, recipe)
+
+
+def check_recipe_as_recorded(run: RunDir) -> None:
+    """runner resume goes on with the recipe the run started with: one edited since (a new lr,
+    which the checkpoint's optimizer state overrides) would be recorded as trained, and never
+    trained with. Refused by the keys that differ, in the file as written (a key an older
+    runner did not write is in neither), or that it lacks (check_recipe_whole)."""
+    from runner.config.schema import recipe_as_written
+    from runner.rundir.manifest import changed_config
+
+    check_recipe_whole(run)
+    changed = changed_config(run, recipe_as_written(run.recipe_path))
     if changed:
         raise UserError(
             str(run.recipe_path),

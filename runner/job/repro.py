@@ -18,6 +18,7 @@ from runner.config.method import move_recipe
 from runner.config.schema import read_recipe, recipe_as_written, write_recipe
 from runner.errors import UserError, diverged
 from runner.job.launch import as_launcher, launch
+from runner.job.lifecycle import check_recipe_whole
 from runner.rundir import (
     ACTIVE_STATES,
     ADAPTER_CONFIG_FILE,
@@ -263,6 +264,7 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
             f"wait for it, or `runner stop {run_dir}`",
         )
     rerun = _rerun_dir(recorded, out)  # named, not made yet
+    check_recipe_whole(recorded)  # cut short, it read with the keys it lacks at their defaults
     recipe = read_recipe(recorded.recipe_path)
     nodes = recipe.compute.nnodes
     if nodes > 1:

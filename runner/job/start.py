@@ -23,7 +23,7 @@ from runner.config.fields import as_typed, override_key
 from runner.config.runtime import check_root
 from runner.config.schema import read_recipe
 from runner.errors import UserError, user_errors_pass_hydra
-from runner.job.lifecycle import wait_for_orphans
+from runner.job.lifecycle import check_recipe_whole, wait_for_orphans
 from runner.paths import shell_path, user_path
 from runner.rundir import RunDir, held_here, is_run_dir, run_lock
 from runner.rundir.io import free_space, size_text
@@ -182,6 +182,8 @@ def trainer_lock(cfg: DictConfig, run: RunDir) -> contextlib.AbstractContextMana
     shared directory, and the c10d rendezvous, not a rank known here, tells the nodes apart.
     """
     resumed = cfg.resume is not None and run.recipe_path.is_file()
+    if resumed:
+        check_recipe_whole(run)  # cut short, it read with the keys it lacks at their defaults
     nnodes = read_recipe(run.recipe_path).compute.nnodes if resumed else cfg.compute.nnodes
     if str(nnodes) != "1":
         return contextlib.nullcontext()
