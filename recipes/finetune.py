@@ -129,6 +129,7 @@ class FinetuneRecipe:
                 self.run,
                 self.model,
                 moments=state_per_weight(split_option(plain_dict(cfg.optimizer))[0]),
+                whole_model=self.weights.saves_whole_model(),
                 keep_last_n=cfg.runtime.keep_last_n_checkpoints,
                 keep_step=self.best["step"] if self.best else None,
                 # At most: a save each cadence step, each evaluation's new best, and the last.

@@ -480,7 +480,13 @@ def test_a_run_warns_before_its_first_step_where_its_checkpoints_will_not_fit(
     with caplog.at_level("WARNING", logger="runner.recipe"):
         for saves_left in (0, 1):
             checkpointing.warn_before_training(
-                run, model, moments=2, keep_last_n=2, keep_step=None, saves_left=saves_left
+                run,
+                model,
+                moments=2,
+                whole_model=True,
+                keep_last_n=2,
+                keep_step=None,
+                saves_left=saves_left,
             )
     assert caplog.messages == [
         f"{run.path}: its disk has 2.0 MiB free and a checkpoint will take about 3.0 MiB; the "

@@ -122,6 +122,7 @@ def warn_before_training(
     model: torch.nn.Module,
     *,
     moments: int,
+    whole_model: bool,
     keep_last_n: int,
     keep_step: int | None,
     saves_left: int,
@@ -133,7 +134,7 @@ def warn_before_training(
     if latest is not None:
         size, takes = tree_size(latest), "takes"
     else:
-        size, takes = expected_size(model, moments), "will take about"
+        size, takes = expected_size(model, moments, whole_model=whole_model), "will take about"
     warn_if_room_short(
         run,
         size=size,
@@ -144,14 +145,16 @@ def warn_before_training(
     )
 
 
-def expected_size(model: torch.nn.Module, moments: int) -> int:
-    """The bytes of a checkpoint before one is written: the weights in their dtype (a LoRA
-    run's merged weights as its base holds them, besides its adapters), and `moments`
-    weight-sized tensors of the optimizer's state for each trained one (AdamW: 2). The config
-    and tokenizer files, a few MiB at most, are left out."""
-    weights = sum(p.numel() * p.dtype.itemsize for p in model.parameters())
+def expected_size(model: torch.nn.Module, moments: int, *, whole_model: bool) -> int:
+    """The bytes of a checkpoint before one is written: the weights it holds in fp32, as they
+    are written whatever the run computes in (every weight where it holds the `whole_model`; a
+    LoRA run's adapters alone, else), and `moments` tensors of the optimizer's state for each
+    trained weight, in its dtype (AdamW: 2). The config and tokenizer files, a few MiB at most,
+    are left out. (Priced by the weights in their dtype, a LoRA run's checkpoint of adapters
+    read as its whole base, 20x too large, and a bf16 run's as 3/4 of what it writes.)"""
+    written = sum(p.numel() for p in model.parameters() if whole_model or p.requires_grad)
     trained = sum(p.numel() * p.dtype.itemsize for p in model.parameters() if p.requires_grad)
-    return weights + moments * trained
+    return written * torch.float32.itemsize + moments * trained
 
 
 def room_short(

@@ -145,6 +145,11 @@ class FullWeights:
             )
         return state
 
+    def saves_whole_model(self) -> bool:
+        """Whether each checkpoint holds every weight of the model (in fp32), or only those
+        that train (a LoRA run's adapters)."""
+        return True
+
     def gather(self, model: nn.Module) -> dict[str, Any]:
         """Full weights on the CPU of every rank (every rank joins)."""
         return get_model_state_dict(model, options=FULL)
@@ -193,6 +198,10 @@ class LoraWeights(FullWeights):
             log.info("QLoRA base: %s", self.method.quantization)
         model = prepare(self.backend.build_lora(build))
         return model, (lambda tokens: _base_forward(model, tokens)) if reference else None
+
+    def saves_whole_model(self) -> bool:
+        """The adapters alone; the merged model too with method.save_merged."""
+        return bool(self.method.save_merged)
 
     def gather(self, model: nn.Module) -> dict[str, Any]:
         """The full state on the CPU (every rank joins; with an NF4 base on several ranks, only
