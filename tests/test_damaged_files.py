@@ -525,14 +525,17 @@ def test_a_status_write_the_disk_refuses_is_one_message_with_nothing_left(tmp_pa
 def test_a_checkpoint_the_disk_refuses_says_the_room_it_takes(tmp_path: Path) -> None:
     """The message said "its disk has 0.0 GiB free" of a disk with 5.8 MiB left, kept torch's
     "[enforce fail at inline_container.cc:672] . unexpected pos 1729856 vs 1729748", and never
-    said what a checkpoint takes, so "keep fewer" did not say whether keeping one would fit."""
+    said what a checkpoint takes, so "keep fewer" did not say whether keeping one would fit.
+    Its advice to keep fewer, then resume, could not be followed: a resume refuses a recipe
+    edited to keep fewer. The checkpoints the run does not need to go on are named instead."""
     from runner.rundir import RunDir
     from runner.rundir.io import size_text
     from runner.trainer.checkpointing import commit
 
     run = RunDir(tmp_path / "run")
-    (run.checkpoint_path(2)).mkdir(parents=True)
-    (run.checkpoint_path(2) / "training_state.pt").write_bytes(b"\0" * 300 * 1024)
+    for step in (1, 2):
+        (run.checkpoint_path(step)).mkdir(parents=True)
+        (run.checkpoint_path(step) / "training_state.pt").write_bytes(b"\0" * 300 * 1024)
 
     def write(tmp: Path) -> None:
         tmp.mkdir()
@@ -549,8 +552,12 @@ def test_a_checkpoint_the_disk_refuses_says_the_room_it_takes(tmp_path: Path) ->
     assert size_text(6_081_741) == "5.8 MiB"  # the room of the disk that read "0.0 GiB free"
     assert (
         "files are limited to 100.0 KiB here (ulimit -f); a checkpoint takes 300.0 KiB, and with "
-        "runtime.keep_last_n_checkpoints=2 the disk holds 3 at once while one is written: raise "
-        "the file-size limit (ulimit -f) or make room (runtime.keep_last_n_checkpoints keeps "
-        "fewer), then `runner resume "
+        "runtime.keep_last_n_checkpoints=2 the disk holds 3 at once while one is written; the "
+        "run goes on from its latest checkpoint alone, and "
+        f"`rm -r {run.checkpoint_path(1)}` frees 300.0 KiB: raise the file-size limit (ulimit "
+        "-f) or make room, then `runner resume "
     ) in said, said
-    assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step_2"]
+    # "make room (runtime.keep_last_n_checkpoints keeps fewer), then `runner resume`": a resume
+    # goes on with the recipe the run started with, and refuses one edited to keep fewer.
+    assert "keeps fewer" not in said
+    assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step_1", "step_2"]

@@ -139,7 +139,8 @@ def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -
         cause = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
     else:
         cause = no_room_cause(err) or "a file's write stopped short"
-    fix = room_fix("make room (runtime.keep_last_n_checkpoints keeps fewer)")
+    # Not runtime.keep_last_n_checkpoints: a resume goes on with the recipe the run started.
+    fix = room_fix("make room")
     return UserError(
         "hydra.run.dir",
         str(run_dir),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -196,9 +197,19 @@ def _room_taken(run: RunDir, keep_last_n: int, keep_step: int | None) -> str:
         return ""
     size = tree_size(saved[-1][1])
     held = _held_at_most(run, keep_last_n, keep_step)
-    return (
+    taken = (
         f"a checkpoint takes {size_text(size)}, and with runtime.keep_last_n_checkpoints="
         f"{keep_last_n} the disk holds {held} at once while one is written"
+    )
+    # The run goes on from its latest and keeps its best; a resume takes no other
+    # keep_last_n_checkpoints (its recipe is the one it started with), so these are its room.
+    spare = [path for step, path in saved[:-1] if step != keep_step]
+    if not spare:
+        return taken
+    freed = size_text(sum(tree_size(path) for path in spare))
+    return (
+        f"{taken}; the run goes on from its latest checkpoint alone, and "
+        f"`{shlex.join(['rm', '-r', *map(str, spare)])}` frees {freed}"
     )
 
 
