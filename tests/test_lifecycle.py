@@ -296,6 +296,26 @@ def test_a_run_whose_status_is_missing_names_the_way_on(runner_cli, tmp_path: Pa
     ) in result.stderr
 
 
+def test_a_run_inside_another_runs_directory_is_refused(runner_cli, tmp_path: Path) -> None:
+    """hydra.run.dir=RUN/sub, or runtime.output_root inside a run: the new run trained where
+    `runner runs` never listed it (it looks for no run inside another)."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_status("completed", step=4, total_steps=4)
+    inside = run.path / "sub"
+    for given, key in (
+        (f"hydra.run.dir={inside}", "hydra.run.dir"),
+        (f"runtime.output_root={inside}", "runtime.output_root"),
+    ):
+        result = runner_cli("train", *QUICK, "max_steps=1", given)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert (
+            f"error: {key}='{inside}': is inside the run directory {run.path}, where `runner "
+            "runs` does not look for runs; give a directory outside it\n"
+        ) in result.stderr
+    assert sorted(p.name for p in run.path.iterdir()) == ["status.json"]
+
+
 def test_a_state_no_runner_writes_signals_no_process(runner_cli, tmp_path: Path) -> None:
     """A state another version or a hand wrote (`paused`) read as a live run: `runner stop`
     signalled whatever process then had the pid it names (here, someone's sleep)."""

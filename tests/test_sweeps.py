@@ -190,6 +190,25 @@ def test_a_bad_value_of_a_sweep_is_refused_before_any_job(runner_cli, tmp_path: 
         assert "Traceback" not in result.stderr and not sweep.exists()
 
 
+def test_a_sweep_inside_a_runs_directory_is_refused(runner_cli, tmp_path: Path) -> None:
+    """hydra.sweep.dir naming a run's directory, or a folder in it: its jobs trained beside
+    the run's files (RUN/0, RUN/checkpoints/1), where `runner runs` never listed them (it looks
+    for no run inside another), and its summary.md was written beside the run's recipe."""
+    from runner.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_status("completed", step=4, total_steps=4)
+    for sweep, where in ((run.path, "is the run"), (run.checkpoints_dir, "is inside the run")):
+        result = runner_cli("train", "-m", *TINY_JOB, "seed=0,1", f"hydra.sweep.dir={sweep}")
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert result.stderr == (
+            f"error: hydra.sweep.dir='{sweep}': {where} directory {run.path}, where `runner "
+            "runs` does not look for the sweep's jobs; give a directory outside it\n"
+        )
+    assert sorted(p.name for p in run.path.iterdir()) == ["status.json"]
+
+
 def test_a_sweep_is_checked_on_the_jobs_its_grid_holds(runner_cli, tmp_path: Path) -> None:
     """Each swept value was checked against the other swept keys' defaults: a grid of heads and
     kv heads whose every job is valid was refused for the tiny model's 4 kv heads, in none of

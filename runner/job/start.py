@@ -25,7 +25,7 @@ from runner.config.schema import read_recipe
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import check_recipe_whole, wait_for_orphans
 from runner.paths import shell_path, user_path
-from runner.rundir import RunDir, held_here, is_run_dir, run_lock
+from runner.rundir import RunDir, held_here, is_run_dir, run_around, run_lock
 from runner.rundir.io import free_space, size_text
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides, read_manifest
 from runner.trainer.parent import stop_signals_to
@@ -54,6 +54,8 @@ class RunDirLock(Callback):
             check_root(config.runtime.output_root, "runtime.output_root")  # before any mkdir
             given = str(config.hydra.run.dir)  # as Hydra resolves it: ${now:} is cached
             path = user_path(given)  # hydra.run.dir='~/...'
+            if config.resume is None:
+                _check_outside_runs(config, path)
             _check_room(config, path)
             if _fresh_by_time(config, path):
                 path = _unclaimed(path, config)
@@ -161,6 +163,18 @@ def _unwritable(config: DictConfig, path: Path, err: OSError) -> UserError:
         f"cannot make the run directory {path} ({err.strerror}); give a directory this user "
         "can write",
     )
+
+
+def _check_outside_runs(config: DictConfig, path: Path) -> None:
+    """A new run is not made inside another run's directory (RUN/sub, RUN/checkpoints/x):
+    `runner runs` lists no run inside another, and a clean-up of that run would take it."""
+    around = run_around(path)
+    if around is not None:
+        raise UserError(
+            *_run_dir_key(config, path),
+            f"is inside the run directory {around}, where `runner runs` does not look for "
+            "runs; give a directory outside it",
+        )
 
 
 def _check_room(config: DictConfig, path: Path) -> None:

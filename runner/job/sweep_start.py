@@ -14,6 +14,7 @@ from runner.config.fields import as_typed, override_key, parsed_overrides
 from runner.config.runtime import check_env_set, check_root
 from runner.config.secrets import refuse_config_secrets
 from runner.errors import UserError
+from runner.rundir import is_run_dir, run_around
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
 
 # objective.mode as Optuna's sweeper names the same direction.
@@ -31,8 +32,24 @@ def check_sweep(config: DictConfig) -> None:
     check_direction(config.hydra.sweeper, config.objective)
     if "joblib" in str(config.hydra.launcher.get("_target_", "")):
         _check_jobs(config.hydra.launcher.n_jobs)
+    check_outside_runs(config)
     check_sweep_values(config)
     check_same_sweep(config)
+
+
+def check_outside_runs(config: DictConfig) -> None:
+    """A sweep directory is not a run's directory, nor inside one: its jobs were made beside
+    the run's files, where `runner runs` does not look for them (it looks for no run inside
+    another), and its summary.md beside the run's recipe."""
+    sweep_dir = Path(config.hydra.sweep.dir)
+    around = sweep_dir if is_run_dir(sweep_dir) else run_around(sweep_dir)
+    if around is not None:
+        where = "is the run directory" if around == sweep_dir else "is inside the run directory"
+        raise UserError(
+            *_sweep_dir_key(config),
+            f"{where} {around}, where `runner runs` does not look for the sweep's jobs; give "
+            "a directory outside it",
+        )
 
 
 def make_sweep_dir(config: DictConfig) -> None:

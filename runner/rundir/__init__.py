@@ -55,6 +55,7 @@ from runner.rundir.run import (
     is_run_dir,
     lora_base,
     own_base,
+    run_around,
 )
 from runner.rundir.status import (
     ACTIVE_STATES,

@@ -70,6 +70,12 @@ def is_run_dir(path: Path) -> bool:
     return (path / STATUS_FILE).is_file()
 
 
+def run_around(path: Path) -> Path | None:
+    """The run directory that `path` lies inside (not `path` itself), or None: `runner runs`
+    looks for no run inside another (find_runs)."""
+    return next((up for up in path.resolve().parents if is_run_dir(up)), None)
+
+
 def lora_base(adapter_dir: Path) -> Path | None:
     """The base model a LoRA checkpoint (a PEFT adapter dir) loads onto; None if it names none.
 
