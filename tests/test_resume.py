@@ -166,6 +166,33 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(
     check_resumable(RunDir(run))
 
 
+def test_a_resume_after_a_kill_counts_the_killed_start_to_its_last_heartbeat(
+    runner_cli, tmp_path: Path
+) -> None:
+    """status.json's earlier_s (the sweep summary's seconds) counted a start killed outright
+    to the resume's own first write, which stamps a new heartbeat: an hour between the kill and
+    the resume read as an hour trained."""
+    run = tmp_path / "run"
+    args = [*QUICK, "max_steps=1", "eval.strategy=no", f"hydra.run.dir={run}"]
+    assert runner_cli("train", *args).returncode == 0
+    # As a kill -9 of the launcher an hour ago leaves it: running, its last heartbeat 5 s
+    # after its start, no end, no process.
+    status = json.loads((run / "status.json").read_text())
+    del status["ended_at"]
+    status.update(
+        state="running",
+        started_at="2026-11-30T10:00:00+00:00",
+        heartbeat_at="2026-11-30T10:00:05+00:00",
+        updated_at="2026-11-30T10:00:05+00:00",
+    )
+    (run / "status.json").write_text(json.dumps(status))
+    result = runner_cli("resume", str(run))
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = RunDir(run).status()
+    assert again.state == "completed" and again.earlier_s == 5.0
+    assert again.started_at and again.started_at > "2026-11-30T10:00:05"
+
+
 def written(run: Path) -> dict[Path, bytes]:
     """Every file of a run but its lock, which names the last process that took it."""
     return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}

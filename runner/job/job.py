@@ -215,7 +215,11 @@ def _launch(
         # status was written starts as `created`.
         if cfg.resume is None:
             run.write_status(
-                "created", step=0, total_steps=recipe.max_steps, launcher_pid=os.getpid()
+                "created",
+                new_start=True,  # a run trained again by its command (a requeue)
+                step=0,
+                total_steps=recipe.max_steps,
+                launcher_pid=os.getpid(),
             )
         else:
             # A resume of a run that ended (cancelled, failed) is under way from here: left as
@@ -223,7 +227,7 @@ def _launch(
             # in its first seconds was refused as "already cancelled" while it went on to train.
             state = run.status().state
             going_on = state if state in STATES and state not in FINAL_STATES else "created"
-            run.write_status(going_on, launcher_pid=os.getpid(), error=None)
+            run.write_status(going_on, new_start=True, launcher_pid=os.getpid(), error=None)
     try:
         result = launch(recipe, run.recipe_path, node_rank)
     finally:  # stopped again too

@@ -137,14 +137,21 @@ class RunDir:
         """The run's status as the JSON object status.json holds (its set fields)."""
         return self.status().to_json()
 
-    def write_status(self, state: str, **fields: Any) -> Status:
-        """Moves the run to `state`, keeping earlier fields and stamping times and heartbeat."""
+    def write_status(self, state: str, *, new_start: bool = False, **fields: Any) -> Status:
+        """Moves the run to `state`, keeping earlier fields and stamping times and heartbeat.
+        new_start: the write of a launcher that starts the run again (a resume, a restart),
+        which closes the start before it at that start's last heartbeat, before this write
+        stamps a new one (the minutes between a kill and the resume counted as trained)."""
         assert state in STATES, state
         status = self.status()
         now = now_iso()
         changes: dict[str, Any] = {}
         if status.created_at is None:
             changes["created_at"] = now
+        if new_start and status.started_at:
+            status = dataclasses.replace(
+                status, earlier_s=round(status.span_so_far(), 3), started_at=None
+            )
         if state == "initializing":
             if status.started_at:  # started again (a resume, a restart): its time so far kept
                 changes["earlier_s"] = round(status.span_so_far(), 3)

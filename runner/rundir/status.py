@@ -72,8 +72,10 @@ class Status:
     def seconds(self) -> float | None:
         """How long the run has trained, over its starts: from its latest start to its end,
         and its earlier starts' own (None until it ends)."""
-        if not (self.started_at and self.ended_at):
+        if not self.ended_at:
             return None
+        if not self.started_at:  # ended before its latest start trained (stopped before it)
+            return self.earlier_s
         return (self.earlier_s or 0.0) + _span_s(self.started_at, self.ended_at)
 
     def span_so_far(self) -> float:
