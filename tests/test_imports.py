@@ -52,6 +52,26 @@ def test_help_loads_no_heavy_package(argv: list[str]) -> None:
     assert _loaded_after(_help(argv)) == []
 
 
+@pytest.mark.parametrize("swept", ["model=tiny,nope", "batch_size=0 seed=0,1"])
+def test_a_sweeps_mistyped_option_or_value_is_refused_before_any_heavy_import(
+    swept: str, tmp_path: Path
+) -> None:
+    """Each job's options, keys and values are checked before any job is resolved: a sweep
+    refused for its last job's mistyped value imported torch, torchtune and datasets, and
+    loaded the first job's tokenizer, first (seconds, from a fresh interpreter; runner.api's
+    sweep waits for that process's checks)."""
+    argv = ["train", "-m", "compute=cpu", *swept.split(), f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    refused = (
+        "import contextlib, io\n"
+        "from runner.cli import main\n"
+        "with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.suppress(SystemExit):\n"
+        f"    main({argv!r})\n"
+        "assert err.getvalue().startswith('error: '), err.getvalue()"
+    )
+    assert _loaded_after(refused) == []
+    assert not (tmp_path / "sweep").exists()
+
+
 def _imported(path: Path) -> set[str]:
     """Every module that `path` imports, at its top or inside a function (absolute imports)."""
     found = set()

@@ -8,7 +8,8 @@ together into the recipe (runner.config.schema.Recipe).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
 
@@ -56,23 +57,42 @@ def resolve_recipe(
     left unresolved: None). gpus_here=False (`runner estimate`, which prices a layout and runs
     nothing) takes a GPU layout as given, without holding it to the GPUs this machine shows.
     """
-    try:
+    with _decode_hints(cfg):
         return _recipe(cfg, run_dir, overrides, fetch, gpus_here)
+
+
+def typed_train(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
+    """The checks resolve_recipe makes first, which read no file and import nothing heavy:
+    every group chosen, every key one the method reads, every value of its type and in its
+    bounds. Returns `cfg` typed by the Train schema."""
+    with _decode_hints(cfg):
+        return _typed(cfg, overrides)
+
+
+@contextlib.contextmanager
+def _decode_hints(cfg: DictConfig) -> Iterator[None]:
+    """A value the user gave through ${oc.env:...}, which is text, refused by whichever check
+    read it (a field's bound, a component's argument): the refusal says how to give it as a
+    number."""
+    try:
+        yield
     except UserError as err:
-        # A value the user gave through ${oc.env:...}, which is text, refused by whichever check
-        # read it (a field's bound, a component's argument): how to give it as a number.
         hint = "" if "oc.decode" in err.fix else decode_hint(cfg, err.key)
         if not hint:
             raise
         raise UserError(err.key, err.value, err.fix + hint) from err
 
 
+def _typed(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    check_chosen(cfg, Train)
+    check_method_keys(cfg.method, overrides)
+    return typed(cfg)
+
+
 def _recipe(
     cfg: DictConfig, run_dir: Path, overrides: Sequence[str], fetch: bool, gpus_here: bool
 ) -> DictConfig:
-    check_chosen(cfg, Train)
-    check_method_keys(cfg.method, overrides)
-    cfg = typed(cfg)
+    cfg = _typed(cfg, overrides)
     loaded_weights, resume_from = resolve_load_checkpoint(cfg, overrides)
     if loaded_weights is not None:
         cfg.model.source = loaded_weights

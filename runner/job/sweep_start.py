@@ -4,7 +4,9 @@ another sweep; then the directory, made (SweepSummary.on_multirun_start calls th
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,23 +135,51 @@ def check_sweep_values(config: DictConfig) -> None:
     ) or {(): None}  # nothing swept: its one job, whose values were checked by none
     logging.disable(logging.WARNING)  # each job says its own warnings as it starts
     try:
-        for job in jobs:
-            _check_job(config, [*fixed, *job], job if len(swept) > 1 else ())
+        # Every job's options, keys and values first, which need neither torch nor a tokenizer:
+        # a mistyped value in the grid's last job was found only after each job before it was
+        # resolved, seconds of imports and tokenizer loads in a fresh interpreter.
+        several = len(swept) > 1
+        composed = [_composed(config, [*fixed, *job], job if several else ()) for job in jobs]
+        for job_config, overrides, named in composed:
+            _check_job(job_config, overrides, named)
     finally:
         logging.disable(logging.NOTSET)
 
 
-def _check_job(config: DictConfig, overrides: list[str], swept: tuple[str, ...]) -> None:
-    """One job of the sweep (`overrides`) resolved as `runner estimate` resolves it; a refusal
-    names the `swept` values of the job it is of."""
+def _composed(
+    config: DictConfig, overrides: list[str], swept: tuple[str, ...]
+) -> tuple[DictConfig, list[str], tuple[str, ...]]:
+    """One job of the sweep (`overrides`) composed, its values typed and bounded (a job that
+    resumes a run goes on with that run's recipe, checked by _check_job); a refusal names the
+    `swept` values of the job it is of. Returns what _check_job takes."""
     from hydra import compose
 
-    from runner.config.hydra_errors import as_user_error
+    from runner.config.resolve import typed_train
+
+    with _refused_in(swept):
+        composed = compose(config_name=config.hydra.job.config_name, overrides=overrides)
+        if composed.get("resume") is None:
+            typed_train(composed, overrides)
+    return composed, overrides, swept
+
+
+def _check_job(composed: DictConfig, overrides: list[str], swept: tuple[str, ...]) -> None:
+    """One job of the sweep, composed from `overrides`, resolved as `runner estimate` resolves
+    it; a refusal names the `swept` values of the job it is of."""
     from runner.job.preflight import recipe_of
 
-    try:
-        composed = compose(config_name=config.hydra.job.config_name, overrides=overrides)
+    with _refused_in(swept):
         recipe_of(composed, overrides, estimating=True)
+
+
+@contextlib.contextmanager
+def _refused_in(swept: tuple[str, ...]) -> Iterator[None]:
+    """A refusal of one job of the sweep as the UserError `runner train` prints, naming the
+    `swept` values of that job where the sweep varies several keys."""
+    from runner.config.hydra_errors import as_user_error
+
+    try:
+        yield
     except Exception as err:
         user_error = as_user_error(err, "train")
         if user_error is None:
