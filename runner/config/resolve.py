@@ -33,7 +33,7 @@ from runner.config.load_checkpoint import check_continued, resolve_load_checkpoi
 from runner.config.loss import built_once, resolve_loss
 from runner.config.method import check_method_keys, check_pairing, resolve_method
 from runner.config.model import ModelRecipe, option_builder, resolve_model
-from runner.config.optimizer import resolve_optimizer, warn_long_warmup
+from runner.config.optimizer import checked_option, resolve_optimizer, warn_long_warmup
 from runner.config.runtime import check_env_set, resolve_runtime
 from runner.config.schema import Recipe, Train, Training, typed
 from runner.config.secrets import refuse_tokens
@@ -62,11 +62,14 @@ def resolve_recipe(
 
 
 def typed_train(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
-    """The checks resolve_recipe makes first, which read no file and import nothing heavy:
-    every group chosen, every key one the method reads, every value of its type and in its
-    bounds. Returns `cfg` typed by the Train schema."""
+    """The checks of resolve_recipe that read no file and import nothing heavy: every group
+    chosen, every key one the method reads, every value of its type and in its bounds, the
+    optimizer's own keys (lr, the schedule) as one process takes them. Returns `cfg` typed by
+    the Train schema."""
     with _decode_hints(cfg):
-        return _typed(cfg, overrides)
+        typed_cfg = _typed(cfg, overrides)
+        checked_option(typed_cfg.optimizer, processes=1)
+        return typed_cfg
 
 
 @contextlib.contextmanager
