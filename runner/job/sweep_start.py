@@ -1,6 +1,6 @@
 """A sweep's checks before its directory is made (runner train -m, runner.api's sweep): its
-settings, each value it sweeps resolved in a job of its grid, and a sweep directory that holds
-another sweep; then the directory, made (SweepSummary.on_multirun_start calls them)."""
+settings, a sweep directory that holds another sweep, and each value it sweeps resolved in a job
+of its grid; then the directory, made (SweepSummary.on_multirun_start calls them)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def check_sweep(config: DictConfig) -> None:
     if "joblib" in str(config.hydra.launcher.get("_target_", "")):
         _check_jobs(config.hydra.launcher.n_jobs)
     check_outside_runs(config)
+    check_same_sweep(config)  # before the values: it reads a file, they resolve every job
     check_sweep_values(config)
-    check_same_sweep(config)
 
 
 def check_outside_runs(config: DictConfig) -> None:
