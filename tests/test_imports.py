@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -52,6 +53,17 @@ def test_help_loads_no_heavy_package(argv: list[str]) -> None:
     assert _loaded_after(_help(argv)) == []
 
 
+def _refused(argv: list[str]) -> str:
+    """`runner ARGV`, which must print its one-line refusal."""
+    return (
+        "import contextlib, io\n"
+        "from runner.cli import main\n"
+        "with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.suppress(SystemExit):\n"
+        f"    main({argv!r})\n"
+        "assert err.getvalue().startswith('error: '), err.getvalue()"
+    )
+
+
 @pytest.mark.parametrize("swept", ["model=tiny,nope", "optimizer.lr=1e-3,abc"])
 def test_a_sweeps_mistyped_option_or_value_is_refused_before_any_heavy_import(
     swept: str, tmp_path: Path
@@ -61,15 +73,21 @@ def test_a_sweeps_mistyped_option_or_value_is_refused_before_any_heavy_import(
     loaded the first job's tokenizer, first (seconds, from a fresh interpreter; runner.api's
     sweep waits for that process's checks)."""
     argv = ["train", "-m", "compute=cpu", *swept.split(), f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    refused = (
-        "import contextlib, io\n"
-        "from runner.cli import main\n"
-        "with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.suppress(SystemExit):\n"
-        f"    main({argv!r})\n"
-        "assert err.getvalue().startswith('error: '), err.getvalue()"
-    )
-    assert _loaded_after(refused) == []
+    assert _loaded_after(_refused(argv)) == []
     assert not (tmp_path / "sweep").exists()
+
+
+def test_deploy_of_a_checkpoint_cut_short_is_refused_before_any_heavy_import(
+    tmp_path: Path,
+) -> None:
+    """Its files are checked before the engine's imports: `runner deploy` of weights cut short
+    imported torch and transformers (seconds) before it said so."""
+    from tests.fixtures import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint("llama3_2", tmp_path / "cut")
+    weights = checkpoint / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    assert _loaded_after(_refused(["deploy", f"checkpoint={checkpoint}"])) == []
 
 
 def _imported(path: Path) -> set[str]:

@@ -368,14 +368,14 @@ def served_model(
     max_queue: int,
     options: dict[str, Any],
 ) -> ServedModel:
-    """A checkpoint checked here (as load_checkpoint checks it, without loading its weights)
-    and its engine's process started, to load them while the server starts."""
+    """A checkpoint whose files the caller checked (runner.deploy.loading.check_servable, as
+    load_checkpoint checks them), its architecture checked here without loading its weights, and
+    its engine's process started, to load them while the server starts."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from runner.deploy.kv_cache import check_supported
     from runner.deploy.loading import (
-        check_servable,
         load_tokenizer,
         lora_base_dir,
         model_context_length,
@@ -384,7 +384,6 @@ def served_model(
     )
     from runner.deploy.routes import ServedModel
 
-    check_servable(checkpoint.path)
     resolve_dtype(dtype, resolve_device(device))
     context = model_context_length(checkpoint.path, max_model_len)
     config = AutoConfig.from_pretrained(lora_base_dir(checkpoint.path) or checkpoint.path)

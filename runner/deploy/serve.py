@@ -170,6 +170,10 @@ def load_served_models(
     if engine not in ENGINES:
         raise UserError("engine", engine, f"use one of {', '.join(ENGINES)}")
     if engine == "transformers":
+        from runner.deploy.loading import check_servable
+
+        for checkpoint in checkpoints:  # its files, before torch and transformers import (seconds)
+            check_servable(checkpoint.path)
         # The engines share the device: each takes its share of the KV cache's default memory.
         options = {**transformers_options, "engines": len(checkpoints)}
         return [
