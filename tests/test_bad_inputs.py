@@ -500,7 +500,6 @@ if not torch.cuda.is_available():
 SUBPROCESS = {
     "unknown-command",
     "unknown-key",
-    "model-weights-cut-short",
     "data-empty",
     "deploy-cut-short",
     "export-cut-short",
