@@ -140,8 +140,8 @@ def check_sweep_values(config: DictConfig) -> None:
         # resolved, seconds of imports and tokenizer loads in a fresh interpreter.
         several = len(swept) > 1
         composed = [_composed(config, [*fixed, *job], job if several else ()) for job in jobs]
-        for job_config, overrides, named in composed:
-            _check_job(job_config, overrides, named)
+        for job_config, job_overrides, named in composed:
+            _check_job(job_config, job_overrides, named)
     finally:
         logging.disable(logging.NOTSET)
 
