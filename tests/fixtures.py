@@ -272,6 +272,13 @@ def _more_tokenizers(family: str) -> tuple[Tokenizer, dict[str, Any]]:
     return tokenizer, config
 
 
+def _config(config_class: Any, **values: Any) -> Any:
+    """config_class(**values): the keywords as each family's hub repo writes them (rope_theta,
+    rope_scaling), which transformers 4 types and transformers 5 takes untyped (its configs
+    type rope_parameters, and read these into it)."""
+    return config_class(**values)
+
+
 def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer, width: int = 64) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
@@ -287,7 +294,8 @@ def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer, width: int
     }
     if family.startswith("llama3"):
         factor = 32.0 if family == "llama3_2" else 8.0
-        return LlamaConfig(
+        return _config(
+            LlamaConfig,
             **dims,
             max_position_embeddings=131072,
             rms_norm_eps=1e-5,
@@ -306,7 +314,8 @@ def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer, width: int
             ],
         )
     if family == "qwen2_5":
-        return Qwen2Config(
+        return _config(
+            Qwen2Config,
             **dims,
             max_position_embeddings=32768,
             rms_norm_eps=1e-6,
@@ -320,7 +329,8 @@ def _model_config(family: str, vocab_size: int, tokenizer: Tokenizer, width: int
         )
     if family in ("gemma", "gemma2", "phi3", "phi4", "smollm2"):
         return _more_model_configs(family, dims, tokenizer)
-    return MistralConfig(
+    return _config(
+        MistralConfig,
         **dims,
         head_dim=16,
         max_position_embeddings=32768,
@@ -339,7 +349,8 @@ def _more_model_configs(family: str, dims: dict[str, Any], tokenizer: Tokenizer)
     ids = tokenizer.token_to_id
     if family == "gemma":
         # Gemma's head_dim is its own (2B: 256 with hidden_size 2048 and 8 heads).
-        return GemmaConfig(
+        return _config(
+            GemmaConfig,
             **{**dims, "hidden_act": "gelu_pytorch_tanh"},
             head_dim=32,
             max_position_embeddings=8192,
@@ -352,7 +363,8 @@ def _more_model_configs(family: str, dims: dict[str, Any], tokenizer: Tokenizer)
         )
     if family == "gemma2":
         # A window of 8 tokens, so that the sliding-window layers attend differently in a test.
-        return Gemma2Config(
+        return _config(
+            Gemma2Config,
             **{**dims, "hidden_act": "gelu_pytorch_tanh"},
             hidden_activation="gelu_pytorch_tanh",
             head_dim=32,
@@ -370,7 +382,8 @@ def _more_model_configs(family: str, dims: dict[str, Any], tokenizer: Tokenizer)
         )
     if family in ("phi3", "phi4"):
         phi3 = family == "phi3"
-        return Phi3Config(
+        return _config(
+            Phi3Config,
             **dims,
             max_position_embeddings=4096 if phi3 else 16384,
             original_max_position_embeddings=4096 if phi3 else 16384,
@@ -384,7 +397,8 @@ def _more_model_configs(family: str, dims: dict[str, Any], tokenizer: Tokenizer)
             pad_token_id=ids("<|endoftext|>") if phi3 else ids("<|dummy_87|>"),
         )
     # SmolLM2: the Llama architecture with plain RoPE and tied embeddings.
-    return LlamaConfig(
+    return _config(
+        LlamaConfig,
         **dims,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
