@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -175,21 +176,39 @@ def test_a_kill_through_a_second_handle_ends_a_run_and_its_sweep_launched_here(
     assert states == [("0", "completed"), ("1", "cancelled")], summary
 
 
-def test_a_handle_on_a_sweep_by_its_directory_waits_for_the_sweep_to_end(
-    workdir: Path, hermetic_env: dict[str, str]
-) -> None:
-    """api.Sweep(path), a handle with no process of its own (another caller's, a service's
-    restart), returned from wait() at once, with no summary, while the sweep trained on."""
+@dataclass
+class WaitedSweep:
+    sweep: api.Sweep  # api.sweep's handle
+    other: api.Sweep  # api.Sweep(path): a handle with no process of its own
+    early: TimeoutError  # other.wait(timeout=0.5), while the sweep trained
+    summary: dict[str, Any] | None  # other.wait() to the end
+    ended: bool  # whether the sweep's process had ended when that returned
+
+
+@pytest.fixture(scope="module")
+def seed_sweep(workdir: Path, hermetic_env: dict[str, str]) -> WaitedSweep:
+    """A sweep of two jobs through the API, waited for through a second handle on its directory
+    while it trains; its best run is deployed below."""
     sweep = api.sweep([*BASE, "max_steps=2", "seed=0,1"], cwd=workdir, env=hermetic_env)
     assert sweep._process is not None
     while not (sweep.path / "multirun.yaml").is_file():  # until it is a sweep directory
         assert sweep._process.poll() is None, sweep.path
         time.sleep(0.1)
     other = api.Sweep(sweep.path)
-    with pytest.raises(TimeoutError, match="is still running"):
+    with pytest.raises(TimeoutError) as early:
         other.wait(timeout=0.5)
     summary = other.wait(timeout=600)
-    assert sweep._process.poll() is not None, "wait() returned while the sweep ran"
+    return WaitedSweep(sweep, other, early.value, summary, sweep._process.poll() is not None)
+
+
+def test_a_handle_on_a_sweep_by_its_directory_waits_for_the_sweep_to_end(
+    seed_sweep: WaitedSweep,
+) -> None:
+    """api.Sweep(path), a handle with no process of its own (another caller's, a service's
+    restart), returned from wait() at once, with no summary, while the sweep trained on."""
+    sweep, other, summary = seed_sweep.sweep, seed_sweep.other, seed_sweep.summary
+    assert "is still running" in str(seed_sweep.early)
+    assert seed_sweep.ended, "wait() returned while the sweep ran"
     assert summary is not None and [r["state"] for r in summary["runs"]] == ["completed"] * 2
     assert summary == sweep.summary() and (sweep.path / "loss_curves.png").is_file()
     # What its process printed, the summary table, through either handle.
@@ -354,11 +373,9 @@ def test_the_readme_job_service_runs_a_job(
 
 
 def test_a_sweep_and_a_deployment_of_its_best_run(
-    workdir: Path, hermetic_env: dict[str, str]
+    seed_sweep: WaitedSweep, workdir: Path, hermetic_env: dict[str, str]
 ) -> None:
-    sweep = api.sweep(
-        [*BASE, "max_steps=4", "optimizer.lr=1e-3,2e-3"], cwd=workdir, env=hermetic_env
-    )
+    sweep = seed_sweep.sweep
     summary = sweep.wait(timeout=600)
     assert summary is not None and [r["state"] for r in summary["runs"]] == ["completed"] * 2
     best = sweep.best()
