@@ -177,7 +177,10 @@ def test_estimate_prices_the_logits_as_the_loss_keeps_them(
         loss_fn = instantiate(recipe.loss)
         set_output_chunks(model, getattr(loss_fn, "num_output_chunks", 0))
         tokens, labels = torch.randint(0, vocab, (2, batch, seq))
-        _forward_and_backward(model, loss_fn, tokens, labels)  # the step measured adds to them
+        # The gradients a step before leaves, which the step measured adds to: a whole step
+        # made them (bf16 on a CPU: seconds), to the same byte.
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
         with peak_bytes() as peak:
             _forward_and_backward(model, loss_fn, tokens, labels)
         measured[seq] = peak.peak
