@@ -390,6 +390,10 @@ def test_a_run_that_diverged_is_reproduced_by_diverging_alike(runner_cli, tmp_pa
 
 def best_capability(hermetic_env: dict[str, str]) -> str:
     """The ATen kernel capability torch picks on this machine by itself (avx2, avx512, ...)."""
+    if "ATEN_CPU_CAPABILITY" not in os.environ:  # this process's torch picked it by itself
+        import torch
+
+        return torch.backends.cpu.get_cpu_capability().lower()
     env = {k: v for k, v in hermetic_env.items() if k != "ATEN_CPU_CAPABILITY"}
     probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
     proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
