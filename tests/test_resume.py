@@ -218,14 +218,35 @@ def test_a_run_directory_is_trained_again_only_by_the_command_that_started_it(
         f"hydra.run.dir={run}",
     )
     assert result.returncode == 2, result.stderr[-3000:]
+    # Completed, it has nothing to resume: `runner resume`, named here, refused it in turn.
+    changed = "max_steps=6 (recorded: max_steps=4), optimizer.lr=5e-3 (recorded: not given)"
     assert (
-        f"error: hydra.run.dir='{run}': holds a run that other overrides started: max_steps=6 "
-        "(recorded: max_steps=4), optimizer.lr=5e-3 (recorded: not given); go on with it by "
-        f"its own (runner resume {run}), on another layout if need be (compute, batch_size and "
-        "gradient_accumulation_steps may change), or give another hydra.run.dir"
-    ) in result.stderr  # the layout may change (docs/nodes.md; test_distributed resumes so)
+        f"error: hydra.run.dir='{run}': holds a run that other overrides started: {changed}; "
+        f"it is completed: train on from it in a new run (runner train load_checkpoint.path="
+        f"{run} hydra.run.dir=NEW ...), or give another hydra.run.dir"
+    ) in result.stderr
     assert "Traceback" not in result.stderr
     assert written(run) == files
+    completed = (run / "status.json").read_bytes()
+    status = json.loads(completed)
+    (run / "status.json").write_text(json.dumps({**status, "state": "cancelled"}))
+    cancelled = written(run)
+    result = runner_cli(
+        "train",
+        *args,
+        "eval.strategy=no",
+        "optimizer.lr=5e-3",
+        "max_steps=6",
+        f"hydra.run.dir={run}",
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        f"error: hydra.run.dir='{run}': holds a run that other overrides started: {changed}; go "
+        f"on with it by its own (runner resume {run}), on another layout if need be (compute, "
+        "batch_size and gradient_accumulation_steps may change), or give another hydra.run.dir"
+    ) in result.stderr  # the layout may change (docs/nodes.md; test_distributed resumes so)
+    assert written(run) == cancelled
+    (run / "status.json").write_bytes(completed)
 
     # Its manifest.json gone (a partial copy): the overrides that started it cannot be compared,
     # and were trained again by others, unsaid (the checkpoint's optimizer state training the

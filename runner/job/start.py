@@ -24,7 +24,7 @@ from runner.config.runtime import check_root
 from runner.config.schema import read_recipe
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import check_recipe_whole, wait_for_orphans
-from runner.paths import shell_path, user_path
+from runner.paths import pasteable, shell_path, user_path
 from runner.rundir import RunDir, held_here, is_run_dir, run_around, run_lock
 from runner.rundir.io import free_space, size_text
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides, read_manifest
@@ -230,14 +230,24 @@ def _check_same_command(run: RunDir, overrides: list[str]) -> None:
             "hydra.run.dir",
         )
     changes = changed_overrides(read_manifest(run)["overrides"], overrides)
-    if changes:
-        raise UserError(
-            "hydra.run.dir",
-            str(run.path),
-            f"holds a run that other overrides started: {', '.join(changes)}; go on with it by "
-            f"its own ({resume}), on another layout if need be (compute, batch_size and "
-            "gradient_accumulation_steps may change), or give another hydra.run.dir",
+    if not changes:
+        return
+    if run.status().state == "completed":  # runner resume refuses it: nothing left to train
+        way_on = (
+            "it is completed: train on from it in a new run (runner train "
+            f"{pasteable('load_checkpoint.path', str(run.path))} hydra.run.dir=NEW ...)"
         )
+    else:
+        way_on = (
+            f"go on with it by its own ({resume}), on another layout if need be (compute, "
+            "batch_size and gradient_accumulation_steps may change)"
+        )
+    raise UserError(
+        "hydra.run.dir",
+        str(run.path),
+        f"holds a run that other overrides started: {', '.join(changes)}; {way_on}, or give "
+        "another hydra.run.dir",
+    )
 
 
 def discard(run_dir: Path, output_root: Path) -> None:
