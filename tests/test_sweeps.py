@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,6 +189,80 @@ def test_a_bad_value_of_a_sweep_is_refused_before_any_job(runner_cli, tmp_path: 
         result = runner_cli("train", "-m", *TINY_JOB, *given, f"hydra.sweep.dir={sweep}")
         assert result.returncode == 2 and wanted in result.stderr, result.stderr[-3000:]
         assert "Traceback" not in result.stderr and not sweep.exists()
+
+
+def holding(path: Path, lock: str) -> subprocess.Popen:
+    """Another process that holds `lock` of `path` until killed: runner.rundir's
+    hold_until_exit (a sweep's .sweep.lock) or run_lock (a run's .lock), as they hold them."""
+    take = (
+        f"hold_until_exit(Path({str(path)!r}))"
+        if lock == "sweep"
+        else f"held = run_lock(Path({str(path)!r}), key='hydra.run.dir'); held.__enter__()"
+    )
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from pathlib import Path; from runner.rundir import hold_until_exit, "
+            f"run_lock; {take}; print(flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+    return holder
+
+
+def test_a_sweep_into_a_running_sweeps_directory_is_refused(runner_cli, tmp_path: Path) -> None:
+    """A second `runner train -m` (or api.sweep, which returned at once, reading the running
+    sweep's lock as its own) into a sweep's directory while it ran: its refused attempt at the
+    job that trained wrote `failed` into that job's status.json, and it trained the jobs the
+    first had not reached, which the first then found trained."""
+    from runner import api
+    from runner.errors import UserError
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    holder = holding(sweep, "sweep")
+    refused = (
+        f"hydra.sweep.dir='{sweep}': a sweep is running there (its process holds "
+        f"{sweep / '.sweep.lock'}); wait for it to end"
+    )
+    try:
+        result = runner_cli("train", "-m", *TINY_JOB, "seed=0,1", f"hydra.sweep.dir={sweep}")
+        assert result.returncode == 2 and result.stderr.startswith(f"error: {refused}")
+        with pytest.raises(UserError, match=f"^{re.escape(refused)}"):
+            api.sweep([*TINY_JOB, "seed=0,1", f"hydra.sweep.dir={sweep}"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in sweep.iterdir()) == [".sweep.lock"]
+
+
+def test_a_job_another_process_trains_keeps_its_status(runner_cli, tmp_path: Path) -> None:
+    """A sweep whose job another process trains (its .lock held: a `runner resume SWEEP/0`) is
+    refused before it starts: the job was refused when its turn came and wrote `failed`, with
+    its own refusal as the error, over the running run's status.json."""
+    from runner.rundir import RunDir
+
+    sweep = tmp_path / "sweep"
+    job = RunDir(sweep / "0")
+    job.path.mkdir(parents=True)
+    job.write_status("running", step=3, total_steps=4)
+    status = (job.path / "status.json").read_bytes()
+    holder = holding(job.path, "run")
+    try:
+        result = runner_cli("train", "-m", *TINY_JOB, "seed=0", f"hydra.sweep.dir={sweep}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr == (
+        f"error: hydra.sweep.dir='{sweep}': its job 0 is being trained by another process (it "
+        f"holds {job.path / '.lock'}); wait for that run to end (`runner runs {sweep}` shows "
+        "it), then give the sweep's command again\n"
+    )
+    assert (job.path / "status.json").read_bytes() == status
+    assert sorted(p.name for p in sweep.iterdir()) == ["0"]
 
 
 def test_a_sweep_inside_a_runs_directory_is_refused(runner_cli, tmp_path: Path) -> None:

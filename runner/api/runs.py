@@ -31,6 +31,7 @@ from runner.config.fields import override_key
 from runner.config.schema import typed
 from runner.errors import UserError
 from runner.job import lifecycle
+from runner.job.sweep_start import check_no_sweep_running
 from runner.paths import override, user_path
 from runner.rundir import (
     FINAL_STATES,
@@ -298,6 +299,8 @@ def sweep(
         overrides = [o for o in overrides if o not in named]
     else:
         path = new_name(base / user_path(config.runtime.multirun_root)).resolve()
+    # A sweep there that still runs holds the lock that the wait below reads as this one's.
+    check_no_sweep_running(path, "hydra.sweep.dir", str(path))
     made, console = missing(path), console_of(path)
     path.mkdir(parents=True, exist_ok=True)
     printed = console.stat().st_size if console.exists() else None  # a sweep's there before

@@ -93,7 +93,8 @@ def sweep_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float:
     try:
         train(cfg, run_dir, overrides, keep_failed=True)
     except Exception as err:  # noqa: BLE001 - recorded in the run directory, reported below
-        if run.status().state != "failed":
+        # A directory another process trains (RunLocked) is that process's to record in.
+        if run.status().state != "failed" and not isinstance(err, RunLocked):
             run.write_status("failed", error=error_line(err))
         print(f"error: job {run_dir.name} ({' '.join(overrides)}): {err}", file=sys.stderr)
         return math.nan

@@ -16,7 +16,8 @@ from runner.config.fields import as_typed, override_key, parsed_overrides
 from runner.config.runtime import check_env_set, check_root
 from runner.config.secrets import refuse_config_secrets
 from runner.errors import UserError
-from runner.rundir import is_run_dir, run_around
+from runner.rundir import SWEEP_LOCK_FILE, is_run_dir, lock_held, run_around
+from runner.rundir.lock import LOCK_FILE
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
 
 # objective.mode as Optuna's sweeper names the same direction.
@@ -29,6 +30,7 @@ def check_sweep(config: DictConfig) -> None:
     waits for the sweep's process to pass them), `config` composed for a multirun: a UserError
     for the first problem found."""
     check_root(config.runtime.multirun_root, "runtime.multirun_root")
+    check_no_sweep_running(Path(config.hydra.sweep.dir), *_sweep_dir_key(config))
     refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
     check_env_set(config.hydra.job.env_set)  # the jobs' checks see it, this one's not
     check_direction(config.hydra.sweeper, config.objective)
@@ -37,6 +39,32 @@ def check_sweep(config: DictConfig) -> None:
     check_outside_runs(config)
     check_same_sweep(config)  # before the values: it reads a file, they resolve every job
     check_sweep_values(config)
+
+
+def check_no_sweep_running(sweep_dir: Path, key: str, value: str) -> None:
+    """A sweep directory whose sweep still runs (its process holds SWEEP/.sweep.lock), or
+    one of whose jobs another process trains, is refused: a second sweep there took the jobs
+    the first had not reached, and its refused attempt at the job that trained wrote `failed`
+    into that job's status.json."""
+    if lock_held(sweep_dir, SWEEP_LOCK_FILE):
+        raise UserError(
+            key,
+            value,
+            f"a sweep is running there (its process holds {sweep_dir / SWEEP_LOCK_FILE}); "
+            "wait for it to end (runner.api's Sweep(path).wait()), or stop it "
+            "(`runner stop` of its running job) and give its command again to go on with it",
+        )
+    # A job there that another process trains (a `runner resume SWEEP/N`) would be refused
+    # when its turn came, after the jobs before it trained.
+    for job in sorted(sweep_dir.glob(f"*/{LOCK_FILE}")):
+        if lock_held(job.parent):
+            raise UserError(
+                key,
+                value,
+                f"its job {job.parent.name} is being trained by another process (it holds "
+                f"{job}); wait for that run to end (`runner runs {sweep_dir}` shows it), then "
+                "give the sweep's command again",
+            )
 
 
 def check_outside_runs(config: DictConfig) -> None:
