@@ -212,6 +212,19 @@ def holding(path: Path, lock: str) -> subprocess.Popen:
     return holder
 
 
+def test_a_sweep_whose_jobs_all_failed_draws_no_empty_plot(runner_cli, tmp_path: Path) -> None:
+    """No job logged a loss: the sweep drew an empty loss_curves.png, and matplotlib's
+    "UserWarning: No artists with labels found to put in legend" came on its console."""
+    empty, sweep = tmp_path / "empty.jsonl", tmp_path / "sweep"
+    empty.write_text("")
+    data = ["dataset=instruct", f"dataset.source={empty}", f"hydra.sweep.dir={sweep}"]
+    result = runner_cli("train", "-m", *TINY_JOB, "seed=0,1", *data)
+    assert result.returncode == 2, result.stderr[-3000:]  # the number of failed jobs
+    assert "Warning" not in result.stderr, result.stderr[-3000:]
+    assert "plot: none (no job logged a training loss)" in result.stdout
+    assert not (sweep / "loss_curves.png").exists()
+
+
 def test_a_sweep_into_a_running_sweeps_directory_is_refused(runner_cli, tmp_path: Path) -> None:
     """A second `runner train -m` (or api.sweep, which returned at once, reading the running
     sweep's lock as its own) into a sweep's directory while it ran: its refused attempt at the

@@ -186,8 +186,15 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_losses(sweep_dir: Path, summary: dict[str, Any]) -> Path:
-    """A PNG of every job's training loss against its step."""
+def plot_losses(sweep_dir: Path, summary: dict[str, Any]) -> Path | None:
+    """A PNG of every job's training loss against its step; None where no job logged one (all
+    failed at their checks): an empty plot, and matplotlib's "No artists with labels found to
+    put in legend" on the console."""
+    curves = {
+        row["job"]: sorted(RunDir(row["run_dir"]).losses().items()) for row in summary["runs"]
+    }
+    if not any(curves.values()):
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,10 +202,9 @@ def plot_losses(sweep_dir: Path, summary: dict[str, Any]) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     varying = _varying(summary)
-    for row in summary["runs"]:
-        points = sorted(RunDir(row["run_dir"]).losses().items())
+    for job, points in curves.items():
         if points:
-            ax.plot(*zip(*points, strict=True), label=f"{row['job']}: {varying[row['job']]}")
+            ax.plot(*zip(*points, strict=True), label=f"{job}: {varying[job]}")
     ax.set(xlabel="step", ylabel="training loss", yscale="log", title=str(sweep_dir))
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -323,7 +329,8 @@ class SweepSummary(Callback):
         summary = write_summary(sweep_dir, config.objective.metric, config.objective.mode)
         plot = plot_losses(sweep_dir, summary)
         print(table(summary))
-        print(f"sweep directory: {sweep_dir}\nsummary: {sweep_dir / SUMMARY_TABLE}\nplot: {plot}")
+        drawn = plot or "none (no job logged a training loss)"
+        print(f"sweep directory: {sweep_dir}\nsummary: {sweep_dir / SUMMARY_TABLE}\nplot: {drawn}")
         # Hydra's multirun returns nothing to its caller: the sweep's exit code leaves from here.
         code = exit_code(sweep_dir)
         if stopping(sweep_dir):  # a parallel sweep stopped: as the signal's sequential one
