@@ -226,6 +226,16 @@ def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     (run / "train.log").unlink()
     result = runner_cli("logs", str(run))
     assert result.returncode == 2 and "wrote no train.log" in result.stderr, result.stderr
+    # Deploy served its latest checkpoint (select.checkpoint=best: "recorded no best checkpoint
+    # (unknown at step None)"), where one whose status.json is missing is named: so is this.
+    for select in ([], ["select.checkpoint=best"]):
+        result = runner_cli("deploy", f"checkpoint={run}", "port=0", *select)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert (
+            f"error: checkpoint='{run}': a run dir whose status.json cannot be read (cut short, "
+            "or not runner's), so it has no recorded state or best to pick by; name one of its "
+            f"checkpoints, e.g. its latest: checkpoint={run / 'checkpoints' / 'step_4'}"
+        ) in result.stderr
 
 
 def test_a_running_sweeps_directory_is_not_read_as_a_run_starting(runner_cli, tmp_path) -> None:

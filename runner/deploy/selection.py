@@ -180,7 +180,11 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: 
                 "dir to pick among the run's checkpoints",
             )
         return path
-    if is_run_dir(path):
+    # A status.json cut short (a full disk, a copy stopped midway) records no state or best:
+    # such a run is named as one without it. (It served its latest, or said "recorded no best
+    # checkpoint (unknown at step None)".)
+    unreadable = is_run_dir(path) and RunDir(path).status().state == "unknown"
+    if is_run_dir(path) and not unreadable:
         run = RunDir(path)
         if metric is not None and checkpoint != "best":
             # Without select.checkpoint=best a run dir serves its latest: no metric picks that.
@@ -196,10 +200,11 @@ def choose_checkpoint(path: Path, *, checkpoint: str, metric: str | None, mode: 
     elif (latest := RunDir(path).latest_checkpoint()) is not None:
         # A run's directory without its status.json (a partial copy, a clean-up): no state or
         # best to pick by, but its checkpoints serve as they are.
+        why = "cannot be read (cut short, or not runner's)" if unreadable else "is missing"
         raise UserError(
             "checkpoint",
             str(path),
-            "a run dir whose status.json is missing, so it has no recorded state or best to "
+            f"a run dir whose status.json {why}, so it has no recorded state or best to "
             f"pick by; name one of its checkpoints, e.g. its latest: "
             f"{pasteable('checkpoint', str(latest))}",
         )
