@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError
+from runner.notices import keep_notices_off_the_console
 
 ALLOWED_PREFIXES = ("torchtune.", "torch.optim.", "torch.nn.", "runner.")
 
@@ -17,6 +18,11 @@ def resolve_component(path: str, key: str = "_component_") -> Any:
     if not isinstance(path, str) or not path.startswith(ALLOWED_PREFIXES):
         raise UserError(key, path, f"components may only come from {', '.join(ALLOWED_PREFIXES)}")
     module_name, _, attr = path.rpartition(".")
+    if path.startswith("torchtune."):
+        # torchao warns as torchtune imports it: the filters first, as runner.models.
+        # torchtune_boundary puts them (a model's builder was torchtune's first import where
+        # the config's checks ran before the data's modules were imported).
+        keep_notices_off_the_console(drop=None)
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:

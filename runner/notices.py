@@ -31,17 +31,19 @@ class _Notice(logging.Filter):
         return not self.drop
 
 
-def keep_notices_off_the_console(*, drop: bool) -> None:
+def keep_notices_off_the_console(*, drop: bool | None) -> None:
     """Demotes the NOTICES to INFO, or drops them; and silences two uses of names deprecated
     under the libraries that use them, FutureWarnings: peft's of transformers'
     `is_gradient_checkpointing` (at every LoRA checkpoint loaded), and torchtune's and
     torchao's of torch's `all_gather_into_tensor` (QLoRA's NF4 weights gathered for a
-    checkpoint, on several processes). Called again, the last call's `drop` holds."""
+    checkpoint, on several processes). Called again, the last call's `drop` holds; None keeps
+    an earlier call's (demoting where there was none)."""
     for name, start in NOTICES:
         logger = logging.getLogger(name)
         found = [f for f in logger.filters if isinstance(f, _Notice) and f.start == start]
         notice = found[0] if found else _Notice(start)
-        notice.drop = drop
+        if drop is not None:
+            notice.drop = drop
         if not found:
             logger.addFilter(notice)
     for deprecated in ("is_gradient_checkpointing", "torch.distributed.all_gather_into_tensor"):
