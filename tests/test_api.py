@@ -143,6 +143,7 @@ def stop_within(run: api.Run, seconds: float, **options: Any) -> Status:
     return stopped[0]
 
 
+@pytest.mark.long  # a run and a sweep's job killed
 def test_a_kill_through_a_second_handle_ends_a_run_and_its_sweep_launched_here(
     workdir: Path, hermetic_env: dict[str, str]
 ) -> None:

@@ -506,6 +506,7 @@ def test_engine_calls_counts_the_engines_python_calls_in_each_tree(tmp_path: Pat
     assert all(int(tokens) > 0 and int(calls) > 0 for _, tokens, calls in rows), rows
 
 
+@pytest.mark.long  # compiles
 def test_runner_rate_reads_a_real_runs_windows(runner_cli, tmp_path: Path) -> None:
     """The compiled training arm's own overrides on the CPU (the tiny model, fp32): its
     metrics.jsonl gives one window per 2 warm-up-sized steps after the warm-up, the last one

@@ -659,6 +659,7 @@ def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
     }
 
 
+@pytest.mark.long  # two processes stopped mid-run
 def test_a_run_is_kept_from_a_second_trainer_until_its_last_process_is_gone(
     runner_cli, hermetic_env, tmp_path: Path
 ) -> None:

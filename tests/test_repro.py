@@ -437,6 +437,7 @@ def test_deterministic_losses_do_not_depend_on_the_machines_kernels(
         golden_loss.read_golden(tmp_path / "golden.json")
 
 
+@pytest.mark.long  # trained twice, on two kernel paths
 def test_repro_on_another_kernel_path_compares_within_a_tolerance(
     runner_cli, tmp_path: Path, hermetic_env
 ) -> None:
