@@ -209,14 +209,8 @@ def test_a_run_directory_is_trained_again_only_by_the_command_that_started_it(
     assert result.returncode == 0, result.stderr[-3000:]
     files = written(run)
 
-    result = runner_cli(
-        "train",
-        *args,
-        "eval.strategy=no",
-        "optimizer.lr=5e-3",
-        "max_steps=6",
-        f"hydra.run.dir={run}",
-    )
+    other = [*args, "eval.strategy=no", "optimizer.lr=5e-3", "max_steps=6", f"hydra.run.dir={run}"]
+    result = runner_cli("train", *other)
     assert result.returncode == 2, result.stderr[-3000:]
     # Completed, it has nothing to resume: `runner resume`, named here, refused it in turn.
     changed = "max_steps=6 (recorded: max_steps=4), optimizer.lr=5e-3 (recorded: not given)"
@@ -231,14 +225,7 @@ def test_a_run_directory_is_trained_again_only_by_the_command_that_started_it(
     status = json.loads(completed)
     (run / "status.json").write_text(json.dumps({**status, "state": "cancelled"}))
     cancelled = written(run)
-    result = runner_cli(
-        "train",
-        *args,
-        "eval.strategy=no",
-        "optimizer.lr=5e-3",
-        "max_steps=6",
-        f"hydra.run.dir={run}",
-    )
+    result = runner_cli("train", *other)
     assert result.returncode == 2, result.stderr[-3000:]
     assert (
         f"error: hydra.run.dir='{run}': holds a run that other overrides started: {changed}; go "
