@@ -80,6 +80,7 @@ def test_a_killed_run_shows_as_failed(runner_cli, hermetic_env, tmp_path: Path) 
     assert "step 1/100 loss" in logs.stdout
 
 
+@pytest.mark.long  # signalled mid-run
 def test_a_run_outlives_its_console_and_saves_on_a_hangup(hermetic_env, tmp_path: Path) -> None:
     """`runner train ... 2>&1 | head` failed the run without a checkpoint once head had its lines
     (a BrokenPipeError from the step line), and SIGHUP (the terminal it ran in, closed) killed
@@ -139,6 +140,7 @@ def freeze(run_dir: Path, pid: int, seconds: float) -> None:
     (run_dir / "status.json").write_text(json.dumps(status))
 
 
+@pytest.mark.long  # stopped mid-run, then trained on
 def test_stop_then_resume_through_the_cli(runner_cli, hermetic_env, tmp_path: Path) -> None:
     # max_steps=40: frozen as its first checkpoint (step 5) appears, the run is still some 35
     # steps from its end. The resume trains what is left, a save every 5 steps: LONG_JOB's 100
@@ -863,6 +865,7 @@ def test_a_new_run_into_a_locked_run_dir_leaves_its_record_alone(runner_cli, tmp
     assert "give another hydra.run.dir" in into.stderr and "Traceback" not in into.stderr
 
 
+@pytest.mark.long  # signalled mid-run
 def test_ctrl_c_of_a_two_process_run_saves_and_exits_130(hermetic_env, tmp_path: Path) -> None:
     run_dir = tmp_path / "interrupted"
     proc, _ = start_two_processes(hermetic_env, run_dir)

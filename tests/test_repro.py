@@ -182,6 +182,7 @@ def test_steps_that_log_no_step_are_refused_by_name(
     assert "repro: match (1 logged steps; no checkpoint at a step both saved" in result.stdout
 
 
+@pytest.mark.long  # stopped mid-run, trained twice
 def test_repro_of_a_stopped_run_goes_as_far_as_it_went(
     runner_cli, hermetic_env, tmp_path: Path
 ) -> None:

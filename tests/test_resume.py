@@ -49,6 +49,7 @@ def straight_then_resumed(runner_cli, tmp_path: Path, *extra: str, n: int = N) -
     return losses(straight), losses(interrupted)
 
 
+@pytest.mark.long  # trained twice over
 def test_resume_gives_bit_identical_losses(runner_cli, hermetic_env, tmp_path: Path) -> None:
     """One process; two resume the same way in test_precision (full-2proc) and test_stream."""
     straight, resumed = straight_then_resumed(runner_cli, tmp_path, "compute=cpu")
