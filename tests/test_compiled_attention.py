@@ -257,7 +257,14 @@ def test_runner_train_compiled_with_packing_logs_no_graph_break(runner_cli, tmp_
 
 # Uncompiled, flex attention would say so and run unfused: that warning fails the test.
 @pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager layers", "compiled layers"])
+@pytest.mark.parametrize(
+    "compiled",
+    [
+        # Inductor compiles flex attention's own graphs on the CPU (tens of seconds): long.
+        pytest.param(False, id="eager layers", marks=pytest.mark.long),
+        pytest.param(True, id="compiled layers"),
+    ],
+)
 def test_flex_attention_holds_its_graphs_through_padding_free_batches(
     compiled: bool, fresh_dynamo: None
 ) -> None:
