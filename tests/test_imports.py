@@ -87,6 +87,21 @@ def test_a_runs_mistyped_value_is_refused_before_the_data_packages_import(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("data", ["missing.jsonl", "empty.jsonl", "empty.jsonl.gz"])
+def test_a_runs_missing_or_empty_data_file_is_refused_before_any_heavy_import(
+    data: str, tmp_path: Path
+) -> None:
+    """`runner train` checks its data path first: a mistyped or empty file (gzip of nothing is
+    20 bytes) was refused after torch's, torchtune's and the model's imports, ten seconds."""
+    if data.startswith("empty"):
+        import gzip
+
+        (tmp_path / data).write_bytes(gzip.compress(b"") if data.endswith(".gz") else b"")
+    argv = ["train", f"dataset.source={tmp_path / data}", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert _loaded_after(_refused(argv)) == []
+    assert not (tmp_path / "run").exists()
+
+
 def test_deploy_of_a_checkpoint_cut_short_is_refused_before_any_heavy_import(
     tmp_path: Path,
 ) -> None:

@@ -216,7 +216,7 @@ def test_repro_of_a_job_that_failed_before_its_recipe_says_so(runner_cli, tmp_pa
     """A sweep's job failed at its checks keeps its directory, with no recipe.yaml: repro said
     it was no directory `runner train` made."""
     empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
+    empty.write_text("\n")  # no record (an empty file is refused before the sweep starts)
     sweep = tmp_path / "sweep"
     data = ["dataset=instruct", f"dataset.source={empty}", f"hydra.sweep.dir={sweep}"]
     trained = runner_cli("train", "-m", *QUICK, "max_steps=2", *data)

@@ -62,9 +62,10 @@ def test_sweep_summary_matches_its_run_directories(runner_cli, tmp_path: Path) -
 
 def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path) -> None:
     """A job whose data holds no record fails at its checks, which read the data (the values of
-    a sweep are checked before it starts, its data files are not read)."""
+    a sweep are checked before it starts, its data files are not read: a blank line here; an
+    empty file is refused before the sweep starts, as a missing one is)."""
     empty, good = tmp_path / "empty.jsonl", tmp_path / "good.jsonl"
-    empty.write_text("")
+    empty.write_text("\n")
     good.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:40]))
     sweep = tmp_path / "sweep"
     sources = f"dataset.source={empty},{good},{empty}"
@@ -82,6 +83,12 @@ def test_a_failing_job_is_recorded_and_the_others_run(runner_cli, tmp_path: Path
         "the run failed before it recorded its recipe (recipe.yaml): nothing to go on from; fix "
         "what its status.json error says and train it again"
     ) in resumed.stderr
+    (tmp_path / "zero.jsonl").write_text("")
+    refused = tmp_path / "refused"
+    zero = ["dataset=instruct", f"dataset.source={good},{tmp_path / 'zero.jsonl'}"]
+    result = runner_cli("train", "-m", *TINY_JOB, *zero, f"hydra.sweep.dir={refused}")
+    assert result.returncode == 2 and not refused.exists(), result.stderr[-3000:]
+    assert "zero.jsonl': has no records" in result.stderr
 
 
 @pytest.mark.long
@@ -216,7 +223,7 @@ def test_a_sweep_whose_jobs_all_failed_draws_no_empty_plot(runner_cli, tmp_path:
     """No job logged a loss: the sweep drew an empty loss_curves.png, and matplotlib's
     "UserWarning: No artists with labels found to put in legend" came on its console."""
     empty, sweep = tmp_path / "empty.jsonl", tmp_path / "sweep"
-    empty.write_text("")
+    empty.write_text("\n")  # no record (an empty file is refused before the sweep starts)
     data = ["dataset=instruct", f"dataset.source={empty}", f"hydra.sweep.dir={sweep}"]
     result = runner_cli("train", "-m", *TINY_JOB, "seed=0,1", *data)
     assert result.returncode == 2, result.stderr[-3000:]  # the number of failed jobs

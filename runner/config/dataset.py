@@ -119,6 +119,20 @@ def check_dataset_source_given(dataset: DictConfig) -> None:
         )
 
 
+def check_data_found(dataset: DictConfig) -> None:
+    """dataset.source given and, where it is a path on this machine, there, readable and not
+    empty. `runner train` checks it first, so that a mistyped or empty file is refused in a
+    second or two, where resolve_dataset (which checks it again) comes after torch's imports
+    and the model's (ten seconds). A hub source is checked where it is fetched
+    (runner.hub.download.localize)."""
+    from runner.data import local_source
+    from runner.hub.download import is_hub_uri
+
+    check_dataset_source_given(dataset)
+    if dataset.source is not None and not is_hub_uri(dataset.source):
+        local_source("dataset.source", str(dataset.source))
+
+
 def resolve_dataset(dataset: DictConfig, model_max_seq_len: int) -> DatasetRecipe:
     """The dataset section of the recipe (padding_free is decided with the model:
     padding_free())."""

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runner.data.checks import DataError, said_at_launch
+    from runner.data.files import FORMATS, local_source
     from runner.data.kinds import COLUMNS, CONVERSATION_STYLES, KINDS, SFT_KINDS
     from runner.data.preference import PreferenceSplit, answer_log_probs, collate_preference
     from runner.data.prompts import EvalPrompt, eval_prompts
-    from runner.data.sources import FORMATS, local_source, source_format
+    from runner.data.sources import source_format
     from runner.data.splits import (
         Split,
         check_datasets,
@@ -56,8 +57,8 @@ _MODULES = {
     "collate_preference": "preference",
     "EvalPrompt": "prompts",
     "eval_prompts": "prompts",
-    "FORMATS": "sources",
-    "local_source": "sources",
+    "FORMATS": "files",
+    "local_source": "files",
     "source_format": "sources",
     "Split": "splits",
     "check_datasets": "splits",

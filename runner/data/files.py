@@ -1,6 +1,7 @@
-"""Data files as runner reads them itself: a local file or a hub file (read in ranges), a
-compressed one decompressed; XML parsed into records; and, where a file does not read, the
-line and column at fault."""
+"""Data files as runner reads them itself: a local source checked (there, readable, not empty),
+a local file or a hub file (read in ranges), a compressed one decompressed; XML parsed into
+records; and, where a file does not read, the line and column at fault. Light: `runner train`
+checks its data path with it before torch and `datasets` load."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 from runner.errors import UserError
+from runner.paths import user_path
 
 # A data file compressed (data.jsonl.gz), read decompressed, as `datasets` reads it: fsspec
 # infers the compression from the extension.
@@ -26,6 +28,62 @@ HUB_STREAM = re.compile(r"^hf://datasets/[^/@]+/[^/@]+@[0-9a-f]{40}(/|$)")
 def is_remote(source: str) -> bool:
     """Whether `source` is a hub file or directory streamed from the hub (HUB_STREAM)."""
     return HUB_STREAM.match(source) is not None
+
+
+FORMATS: dict[str, tuple[str, ...]] = {
+    "json": (".json", ".jsonl"),
+    "jsonl": (".json", ".jsonl"),
+    "csv": (".csv",),
+    "parquet": (".parquet",),
+    "arrow": (".arrow",),
+    "text": (".txt",),
+    "xml": (".xml",),
+}
+
+
+def local_source(key: str, source: str) -> str:
+    """The absolute local path of a dataset source: a data file or a directory of them.
+
+    runner.hub.download has already turned hf:// sources into paths in the cache (or, for a
+    streamed training split, into the hub's URL at a commit: kept as it is), except for a dry run
+    that downloads nothing (`runner estimate`).
+    """
+    if is_remote(source):
+        return source
+    if source.startswith("hf://"):
+        raise UserError(
+            key,
+            source,
+            "is not in the cache and this command downloads nothing; fetch it with "
+            "`runner download` and the same overrides",
+        )
+    path = user_path(source)
+    if not path.exists():
+        raise UserError(
+            key,
+            source,
+            f"no such file or directory; give a data file ({data_extensions()}) or a directory "
+            "of them",
+        )
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        # Another user's, on a shared disk: the read that failed later was a traceback.
+        raise UserError(key, source, f"this user (uid {os.getuid()}) may not read it")
+    if path.is_file() and is_empty(str(path)):
+        raise no_records(key, source, [source])
+    # Not resolve(): a file in the hub cache is a symlink to a blob without its name.
+    return os.path.abspath(path)
+
+
+def data_extensions(formats: tuple[str, ...] = tuple(FORMATS)) -> str:
+    return ", ".join(sorted({ext for f in formats for ext in FORMATS[f]}))
+
+
+def no_records(key: str, source: str, files: list[str]) -> UserError:
+    if files == [source]:
+        return UserError(key, source, "has no records; give a data file that holds some")
+    return UserError(
+        key, source, f"its files {', '.join(files)} hold no records; give files that hold some"
+    )
 
 
 def hub_files(token: str | bool | None) -> Any:

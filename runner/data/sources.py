@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import logging
-import os
 import re
 import sys
 from collections.abc import Iterator
@@ -26,26 +25,20 @@ from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patte
 from datasets.exceptions import DatasetGenerationError
 
 from runner.data.files import (
+    FORMATS,
+    data_extensions,
     data_suffix,
     hub_files,
     is_empty,
     is_remote,
+    no_records,
     open_data,
     read_error,
     xml_rows,
 )
 from runner.errors import UserError
-from runner.paths import UNWRITABLE, unwritable_fix, user_path
+from runner.paths import UNWRITABLE, unwritable_fix
 
-FORMATS: dict[str, tuple[str, ...]] = {
-    "json": (".json", ".jsonl"),
-    "jsonl": (".json", ".jsonl"),
-    "csv": (".csv",),
-    "parquet": (".parquet",),
-    "arrow": (".arrow",),
-    "text": (".txt",),
-    "xml": (".xml",),
-}
 # dataset.format -> the `datasets` builder that reads it (xml: runner.data.files parses it;
 # datasets' own xml builder yields each file as one string).
 BUILDERS = {
@@ -62,40 +55,6 @@ STREAM_CHUNK = 1000
 SPLIT_PART = re.compile(
     r"^\s*([\w.-]+)\s*(\[[^\]]*\])?\s*(\((?:closest|pct1_dropremainder)\))?\s*$"
 )
-
-
-def local_source(key: str, source: str) -> str:
-    """The absolute local path of a dataset source: a data file or a directory of them.
-
-    runner.hub.download has already turned hf:// sources into paths in the cache (or, for a
-    streamed training split, into the hub's URL at a commit: kept as it is), except for a dry run
-    that downloads nothing (`runner estimate`).
-    """
-    if is_remote(source):
-        return source
-    if source.startswith("hf://"):
-        raise UserError(
-            key,
-            source,
-            "is not in the cache and this command downloads nothing; fetch it with "
-            "`runner download` and the same overrides",
-        )
-    path = user_path(source)
-    if not path.exists():
-        raise UserError(
-            key,
-            source,
-            f"no such file or directory; give a data file ({_extensions()}) or a directory of them",
-        )
-    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
-        # Another user's, on a shared disk: the read that failed later was a traceback.
-        raise UserError(key, source, f"this user (uid {os.getuid()}) may not read it")
-    # Not resolve(): a file in the hub cache is a symlink to a blob without its name.
-    return os.path.abspath(path)
-
-
-def _extensions(formats: tuple[str, ...] = tuple(FORMATS)) -> str:
-    return ", ".join(sorted({ext for f in formats for ext in FORMATS[f]}))
 
 
 def _format_of(path: Path) -> str | None:
@@ -132,7 +91,7 @@ def source_format(
         what = (
             f"holds files of several formats {sorted(found)}"
             if found
-            else (f"has no known data file extension ({_extensions()})")
+            else (f"has no known data file extension ({data_extensions()})")
         )
         raise UserError(
             "dataset.format",
@@ -288,7 +247,7 @@ def _read(
 ) -> datasets.Dataset:
     table = _read_if_any(key, source, data_format, files, xml_record)
     if table is None:
-        raise _no_records(key, source, files)
+        raise no_records(key, source, files)
     return table
 
 
@@ -366,14 +325,6 @@ def _read_xml(
     return datasets.Dataset.from_dict(
         {name: [row.get(name) for row in rows] for name in columns},
         features=datasets.Features({name: datasets.Value("string") for name in columns}),
-    )
-
-
-def _no_records(key: str, source: str, files: list[str]) -> UserError:
-    if files == [source]:
-        return UserError(key, source, "has no records; give a data file that holds some")
-    return UserError(
-        key, source, f"its files {', '.join(files)} hold no records; give files that hold some"
     )
 
 

@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.components import plain_dict
+from runner.config.dataset import check_data_found
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.load_checkpoint import check_same_global_batch, global_batch
@@ -64,8 +65,10 @@ def train(
     run = RunDir(run_dir)
     new_here = not run.recipe_path.exists() and not run.checkpoints()
     try:
-        as_launcher()
         with trainer_lock(cfg, run):
+            if cfg.resume is None:
+                check_data_found(cfg.dataset)  # before torch loads: a second, not ten
+            as_launcher()
             return _train(cfg, run, overrides)
     except Exception as err:
         # Bad input, ours or met in an interpolation (a ${runner_*:} of the config).
