@@ -223,7 +223,8 @@ def test_dpo_checkpoints_export_and_deploy_as_sft_ones(
     assert answer["choices"][0]["message"]["role"] == "assistant"
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+# Trained twice over (straight, then stopped and resumed): LoRA's in `pytest -m long`.
+@pytest.mark.parametrize("method", ["dpo", pytest.param("lora_dpo", marks=pytest.mark.long)])
 def test_dpo_resume_gives_identical_losses(runner_cli, tmp_path: Path, method: str) -> None:
     extra = ["method.dropout=0.1"] if method == "lora_dpo" else []
     straight, resumed = straight_then_resumed(

@@ -83,8 +83,10 @@ def test_mixed_precision_keeps_fp32_master_weights_and_optimizer_state(small_run
     [
         pytest.param(["compute.nproc_per_node=1"], id="full"),
         pytest.param(["compute.nproc_per_node=2"], id="full-2proc", marks=pytest.mark.long),
-        pytest.param(["method=lora", "optimizer.lr=1e-2"], id="lora"),
-        pytest.param([*QLORA, "optimizer.lr=1e-2"], id="qlora"),
+        # Each trains twice over (straight, then stopped and resumed): the adapters' resumes in
+        # `pytest -m long`, the whole model's here.
+        pytest.param(["method=lora", "optimizer.lr=1e-2"], id="lora", marks=pytest.mark.long),
+        pytest.param([*QLORA, "optimizer.lr=1e-2"], id="qlora", marks=pytest.mark.long),
     ],
 )
 def test_mixed_precision_resumes_exactly(runner_cli, tmp_path: Path, extra: list[str]) -> None:

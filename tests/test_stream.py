@@ -223,7 +223,8 @@ def test_a_stream_needs_max_steps_and_whole_splits_and_validate_says_it_is_one(
     assert "a stream, checked window by window (32 records" in validated.stdout
 
 
-@pytest.mark.parametrize("nproc, workers", [(1, 2), (2, 0)])
+# Trained twice over, and thrice with loader workers: two processes' in `pytest -m long`.
+@pytest.mark.parametrize("nproc, workers", [(1, 2), pytest.param(2, 0, marks=pytest.mark.long)])
 def test_a_killed_stream_resumes_with_the_straight_runs_losses(
     runner_cli, tmp_path: Path, nproc: int, workers: int
 ) -> None:
