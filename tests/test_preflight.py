@@ -34,7 +34,9 @@ def test_validate_reports_missing_data(runner_cli, tmp_path) -> None:
 
 
 def test_estimate_counts_parameters_and_optimizer_memory(tmp_path: Path) -> None:
-    recipe = resolve_recipe(compose_train(["compute=cpu", "dtype=fp32", "batch_size=32"]), tmp_path)
+    recipe = resolve_recipe(
+        compose_train(["compute=cpu", "dtype=fp32", "batch_size=32", ESTIMATE_DATA]), tmp_path
+    )
     found = estimate(recipe)
     model = instantiate(recipe.model.builder)
     params = list(model.parameters())
@@ -46,7 +48,7 @@ def test_estimate_counts_parameters_and_optimizer_memory(tmp_path: Path) -> None
     assert found.weights_bytes == sum(p.numel() * p.element_size() for p in params)
     assert found.gradients_bytes == sum(p.grad.numel() * p.grad.element_size() for p in params)
     assert found.optimizer_bytes == sum(t.numel() * t.element_size() for t in states)
-    assert found.steps_per_epoch == 32000 // 32 and found.tokens_per_epoch > 32000 * 40
+    assert found.steps_per_epoch == 512 // 32 and found.tokens_per_epoch > 512 * 40
 
 
 def test_estimate_shards_over_the_world_and_halves_in_bf16(tmp_path: Path) -> None:
