@@ -96,6 +96,7 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_lost_contact_it_causes(
     assert status["state"] == "failed" and status["error"] == last, status
 
 
+@pytest.mark.long  # a worker signalled mid-run
 def test_sigterm_to_one_worker_saves_a_checkpoint_and_exits_143(
     hermetic_env, tmp_path: Path
 ) -> None:

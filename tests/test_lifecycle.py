@@ -449,7 +449,8 @@ def test_a_stop_before_the_workers_passes_code_that_catches_every_exception() ->
     assert passed.value.sigval == signal.SIGTERM
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+# Two processes' stop in `pytest -m long` (a run of workers signalled as it starts).
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_a_stop_as_the_run_starts_ends_it_cancelled(hermetic_env, tmp_path, processes) -> None:
     """Signalled as soon as its status names its process, before the loop's own handlers (or
     the elastic agent's): a one-process run saves after its first step, a run of workers ends

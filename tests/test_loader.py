@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import QUICK, losses
@@ -41,6 +42,7 @@ def logged_steps(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+@pytest.mark.long  # a run's process group signalled mid-run
 def test_workers_leave_a_stop_signal_to_the_training_process(
     runner_cli, hermetic_env: dict[str, str], tmp_path: Path
 ) -> None:
