@@ -18,10 +18,12 @@ command that needs those set runs in a fresh interpreter (tests/conftest.py), an
 refuses them here.
 
 Protocol (one JSON object per line): the client writes {"argv": [...], "cwd": "...",
-"timeout_s": N, "env": {...}}; the server answers {"returncode": N, "stdout": "...",
+"env": {...}}; the server forks the command and answers {"pid": N} at once. {"wait": N,
+"timeout_s": T} is answered when that command ends: {"returncode": N, "stdout": "...",
 "stderr": "..."}, with returncode negative (the signal) when the command was killed, as
-subprocess reports it. A request {"probe": true} is answered with what the server's own process
-sees of CUDA.
+subprocess reports it. So several commands can run at once (the nodes of one run), each waited
+for in turn. A request {"probe": true} is answered with what the server's own process sees of
+CUDA.
 """
 
 from __future__ import annotations
@@ -134,6 +136,18 @@ def _cuda() -> dict[str, object]:
     }
 
 
+def _outputs(scratch: str, pid: int) -> tuple[str, str]:
+    """Where the command forked as `pid` writes its stdout and its stderr."""
+    return os.path.join(scratch, f"{pid}.out"), os.path.join(scratch, f"{pid}.err")
+
+
+def _read_once(path: str) -> str:
+    with open(path, errors="replace") as f:
+        text = f.read()
+    os.unlink(path)
+    return text
+
+
 def serve() -> None:
     """Answers commands read from stdin until it closes."""
     for name in PRELOAD:
@@ -142,19 +156,21 @@ def serve() -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints of the server must not corrupt the answers
     with tempfile.TemporaryDirectory() as scratch:
-        stdout, stderr = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         for line in sys.stdin:
             request = json.loads(line)
             if request.get("probe"):
-                answers.write(json.dumps(_cuda()) + "\n")
-                answers.flush()
-                continue
-            pid = os.fork()
-            if pid == 0:
-                _child(request["argv"], request["cwd"], request["env"], stdout, stderr)
-            code = _wait(pid, request["timeout_s"])
-            with open(stdout, errors="replace") as out, open(stderr, errors="replace") as err:
-                answer = {"returncode": code, "stdout": out.read(), "stderr": err.read()}
+                answer = _cuda()
+            elif "wait" in request:
+                pid = request["wait"]
+                code = _wait(pid, request["timeout_s"])
+                stdout, stderr = (_read_once(path) for path in _outputs(scratch, pid))
+                answer = {"returncode": code, "stdout": stdout, "stderr": stderr}
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    own = _outputs(scratch, os.getpid())
+                    _child(request["argv"], request["cwd"], request["env"], *own)
+                answer = {"pid": pid}
             answers.write(json.dumps(answer) + "\n")
             answers.flush()
 
@@ -166,8 +182,19 @@ class Forked:
     stderr: str
 
 
+class Started:
+    """A command running in the server (ForkedCli.start); wait() gives its outcome."""
+
+    def __init__(self, cli: ForkedCli, pid: int, timeout_s: float) -> None:
+        self.cli, self.pid, self.timeout_s = cli, pid, timeout_s
+
+    def wait(self) -> Forked:
+        return Forked(**self.cli._ask({"wait": self.pid, "timeout_s": self.timeout_s}))
+
+
 class ForkedCli:
-    """The client: `cli(argv, cwd)` runs one command in the server and returns its outcome."""
+    """The client: `cli(argv, cwd)` runs one command in the server and returns its outcome;
+    `cli.start(argv, cwd)` starts one and returns at once."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.server = subprocess.Popen(
@@ -183,21 +210,28 @@ class ForkedCli:
     ) -> Forked:
         """`env`: variables the command reads as it runs, set in its fork (see the module's
         docstring); one the preloaded modules read at import is refused."""
+        return self.start(argv, cwd, timeout_s, env).wait()
+
+    def start(
+        self, argv: list[str], cwd: Path, timeout_s: float, env: dict[str, str] | None = None
+    ) -> Started:
+        """The command started; its process group is killed `timeout_s` after its wait() began."""
         env = env or {}
         early = sorted(name for name in env if name.upper().startswith(READ_AT_IMPORT))
         assert not early, f"{early} are read at import: run this command in a fresh interpreter"
-        request = {"argv": argv, "cwd": str(cwd), "timeout_s": timeout_s, "env": env}
+        answer = self._ask({"argv": argv, "cwd": str(cwd), "env": env})
+        return Started(self, answer["pid"], timeout_s)
+
+    def probe(self) -> dict[str, object]:
+        """What the server's process sees of CUDA."""
+        return self._ask({"probe": True})
+
+    def _ask(self, request: dict[str, object]) -> dict:
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
         line = self.server.stdout.readline()
         assert line, f"the CLI fork server ended (exit {self.server.poll()})"
-        return Forked(**json.loads(line))
-
-    def probe(self) -> dict[str, object]:
-        """What the server's process sees of CUDA."""
-        self.server.stdin.write(json.dumps({"probe": True}) + "\n")
-        self.server.stdin.flush()
-        return json.loads(self.server.stdout.readline())
+        return json.loads(line)
 
     def close(self) -> None:
         self.server.stdin.close()

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.cli_forks import ForkedCli, Started
 from tests.conftest import free_port
 
 STEPS = 6
@@ -71,11 +72,12 @@ def node_args(port: int, *extra: str) -> list[str]:
     ]
 
 
-def two_nodes(env: dict[str, str], cwd: Path, run_dir: Path, *extra: str) -> list[tuple[int, str]]:
-    """Starts `runner train` twice, as nodes 0 and 1 of a c10d rendezvous on 127.0.0.1."""
-    args = node_args(free_port(), f"hydra.run.dir={run_dir}", *extra)
-    nodes = [start(env, cwd, *args, f"compute.node_rank={rank}") for rank in (0, 1)]
-    return [finish(node) for node in nodes]
+def two_nodes(cli: ForkedCli, cwd: Path, run_dir: Path, *extra: str) -> list[tuple[int, str]]:
+    """Starts `runner train` twice at once, forked from the suite's warm CLI server, as nodes 0
+    and 1 of a c10d rendezvous on 127.0.0.1."""
+    args = ["train", *node_args(free_port(), f"hydra.run.dir={run_dir}", *extra)]
+    nodes = [cli.start([*args, f"compute.node_rank={rank}"], cwd, 300) for rank in (0, 1)]
+    return [(done.returncode, done.stdout + done.stderr) for done in map(Started.wait, nodes)]
 
 
 # Loaded by every Python process the test starts (it is first on PYTHONPATH): rank 1 of the

@@ -70,7 +70,7 @@ def layouts(
     runs = {name: root / name for name in ("1x1", "1x2", "2x2")}
     OUTPUTS["1x1"] = train(forked_cli, root, runs["1x1"], *ONE_BY_ONE)
     OUTPUTS["1x2"] = train(forked_cli, root, runs["1x2"], *ONE_BY_TWO)
-    for code, output in two_nodes(hermetic_env, root, runs["2x2"]):
+    for code, output in two_nodes(forked_cli, root, runs["2x2"]):
         assert code == 0, output[-3000:]
         assert f"run directory: {runs['2x2']}" in output
     return runs
@@ -194,7 +194,7 @@ def test_a_lost_node_started_again_rejoins_and_the_run_ends_with_the_same_losses
     assert losses(run_dir) == losses(layouts["2x2"])  # exact: same layout, from the checkpoint
 
 
-def test_baseten_variables_need_no_flags(hermetic_env, tmp_path: Path) -> None:
+def test_baseten_variables_need_no_flags(forked_cli: ForkedCli, tmp_path: Path) -> None:
     checkpoint_dir = tmp_path / "bt_checkpoints"
     baseten = {
         "BT_GROUP_SIZE": "1",
@@ -203,8 +203,9 @@ def test_baseten_variables_need_no_flags(hermetic_env, tmp_path: Path) -> None:
         "BT_TRAINING_JOB_ID": "job42",
         "BT_CHECKPOINT_DIR": str(checkpoint_dir),
     }
-    code, output = finish(start({**hermetic_env, **baseten}, tmp_path, *BASE, "compute=multi_node"))
-    assert code == 0, output[-3000:]
+    done = forked_cli(["train", *BASE, "compute=multi_node"], tmp_path, 300, env=baseten)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
     run_dir = checkpoint_dir / "baseten-job42"
     assert f"run directory: {run_dir}" in output
     assert (run_dir / "checkpoints" / f"step_{STEPS}" / "model.safetensors").is_file()
