@@ -340,6 +340,61 @@ def test_a_checkpoint_the_disk_refuses_is_one_message_with_nothing_half_written(
     assert list((run / "checkpoints").iterdir()) == []  # no .tmp-step_2 left
 
 
+@pytest.mark.parametrize(
+    "processes",
+    [1, pytest.param(2, marks=pytest.mark.long)],  # 2: 34 s, the workers' key
+)
+def test_a_resumed_runs_checkpoint_the_disk_refuses_names_resume(
+    tmp_path: Path, hermetic_env: dict[str, str], processes: int
+) -> None:
+    """`runner resume RUN` on a disk that refused its checkpoint said "hydra.run.dir=RUN", a key
+    its user never typed; it names resume, in the workers' line too. The run is made by a first
+    train that the same file-size limit (4 MiB) fails at its checkpoint."""
+    run = tmp_path / "run"
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+
+    def runner(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "runner", *args],
+            cwd=tmp_path,
+            env=hermetic_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, hard)),
+        )
+
+    first = runner(
+        "train", *QUICK, "max_steps=2", "eval.strategy=no", "dataset.eval_samples=0",
+        f"compute.nproc_per_node={processes}", f"hydra.run.dir={run}",
+    )  # fmt: skip
+    assert f"hydra.run.dir='{run}': the checkpoint of step 2" in first.stderr, first.stderr[-3000:]
+    result = runner("resume", str(run))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    said = f"resume='{run}': the checkpoint of step 2 could not be written (File too large)"
+    errors = [line for line in result.stderr.splitlines() if said in line]
+    assert errors, result.stderr[-3000:]
+    assert "hydra.run.dir" not in result.stderr, result.stderr[-3000:]
+
+
+def test_a_status_write_a_resumed_run_cannot_make_names_resume(tmp_path: Path) -> None:
+    """The status.json write of a resumed run (the job names it by resume while it trains)."""
+    from runner.rundir import RunDir
+    from runner.rundir.io import run_named_by
+    from runner.trainer.progress import Reporter
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_status("running", step=1, total_steps=10, loss=5.0)
+    reporter = Reporter(run, is_rank_zero=True)
+    with run_named_by("resume"), files_limited_to(200):
+        with pytest.raises(UserError) as raised:
+            reporter.step(2, 10, {"loss": 4.0, "lr": 1e-3, "tokens_per_s": 100.0})
+    assert str(raised.value).startswith(
+        f"resume='{run.path}': its status.json could not be written (File too large)"
+    ), str(raised.value)
+
+
 def test_a_disk_too_full_to_start_a_run_on_is_refused_before_anything_is_written(
     tmp_path: Path, hermetic_env: dict[str, str]
 ) -> None:

@@ -38,7 +38,7 @@ from runner.rundir import (
     RunLocked,
     is_run_dir,
 )
-from runner.rundir.io import no_room_cause, room_fix, room_on
+from runner.rundir.io import no_room_cause, room_fix, room_on, run_named_by
 from runner.rundir.manifest import (
     build_manifest,
     changed_data,
@@ -193,7 +193,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
                 raise
             # The disk filled after the run's start was checked (_check_room).
             raise UserError(
-                "hydra.run.dir" if cfg.resume is None else "resume",
+                _run_key(cfg),
                 str(run.path),
                 f"the run's records could not be written ({cause}); {room_on(run.path)}: "
                 + room_fix(MAKE_ROOM),
@@ -233,12 +233,18 @@ def _launch(
             going_on = state if state in STATES and state not in FINAL_STATES else "created"
             run.write_status(going_on, new_start=True, launcher_pid=os.getpid(), error=None)
     try:
-        result = launch(recipe, run.recipe_path, node_rank)
+        with run_named_by(_run_key(cfg)):  # a full disk's error names the key typed
+            result = launch(recipe, run.recipe_path, node_rank)
     finally:  # stopped again too
         if cfg.resume is not None:
             refresh_sweep_of(run.path)
     _print_summary(run)
     return result
+
+
+def _run_key(cfg: DictConfig) -> str:
+    """The key the user named the run by: resume=RUN (`runner resume RUN`), else hydra.run.dir."""
+    return "hydra.run.dir" if cfg.resume is None else "resume"
 
 
 def _finished(run: RunDir) -> bool:
