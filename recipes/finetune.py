@@ -132,6 +132,7 @@ class FinetuneRecipe:
                 whole_model=self.weights.saves_whole_model(),
                 keep_last_n=cfg.runtime.keep_last_n_checkpoints,
                 keep_step=self.best["step"] if self.best else None,
+                evaluates=cfg.eval.strategy != "no",
                 # At most: a save each cadence step, each evaluation's new best, and the last.
                 saves_left=breaks_after(self.step, self.total_steps, self._breaks_every()),
             )
@@ -357,6 +358,7 @@ class FinetuneRecipe:
                 lambda out_dir: self.weights.write(out_dir, model_state, training_state),
                 keep_last_n=self.cfg.runtime.keep_last_n_checkpoints,
                 keep_step=self.best["step"] if self.best else None,
+                evaluates=self.cfg.eval.strategy != "no",
                 saved=lambda: self.reporter.status(
                     "checkpointing",
                     step=self.step,

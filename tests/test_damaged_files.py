@@ -485,10 +485,12 @@ def test_the_best_being_written_is_counted_once_among_the_checkpoints_held(
     run = RunDir(tmp_path / "run")
     for step in (1, 2, 4):
         (run.checkpoints_dir / f"step_{step}").mkdir(parents=True)
-    assert _held_at_most(run, 2, keep_step=None) == 3  # steps 2 and 4, and the one written
-    assert _held_at_most(run, 2, keep_step=6) == 3  # the one written is the best
-    assert _held_at_most(run, 2, keep_step=4) == 3
-    assert _held_at_most(run, 2, keep_step=1) == 4  # an older best, kept besides
+    assert (
+        _held_at_most(run, 2, keep_step=None, evaluates=False) == 3
+    )  # steps 2 and 4, and the one written
+    assert _held_at_most(run, 2, keep_step=6, evaluates=False) == 3  # the one written is the best
+    assert _held_at_most(run, 2, keep_step=4, evaluates=False) == 3
+    assert _held_at_most(run, 2, keep_step=1, evaluates=False) == 4  # an older best, kept besides
 
 
 def test_a_commit_warns_of_the_room_its_next_checkpoints_lack(
@@ -508,7 +510,9 @@ def test_a_commit_warns_of_the_room_its_next_checkpoints_lack(
 
     monkeypatch.setattr(checkpointing, "free_space", lambda path: 1536 * 1024)
     with caplog.at_level("WARNING", logger="runner.recipe"):
-        checkpointing.commit(run, 2, write, keep_last_n=2, keep_step=None, saved=lambda: None)
+        checkpointing.commit(
+            run, 2, write, keep_last_n=2, keep_step=None, evaluates=False, saved=lambda: None
+        )
     assert caplog.messages == [
         f"{run.path}: its disk has 1.5 MiB free and a checkpoint takes 1.0 MiB; the run holds "
         "up to 3 at once (1 now), so the next 2 need 2.0 MiB and 1 of them fit; make room now, "
@@ -516,7 +520,9 @@ def test_a_commit_warns_of_the_room_its_next_checkpoints_lack(
     ]
     caplog.clear()
     monkeypatch.setattr(checkpointing, "free_space", lambda path: 1 << 40)
-    checkpointing.commit(run, 4, write, keep_last_n=2, keep_step=None, saved=lambda: None)
+    checkpointing.commit(
+        run, 4, write, keep_last_n=2, keep_step=None, evaluates=False, saved=lambda: None
+    )
     assert caplog.messages == []
 
 
@@ -541,12 +547,51 @@ def test_a_run_warns_before_its_first_step_where_its_checkpoints_will_not_fit(
                 whole_model=True,
                 keep_last_n=2,
                 keep_step=None,
+                evaluates=False,
                 saves_left=saves_left,
             )
     assert caplog.messages == [
         f"{run.path}: its disk has 2.0 MiB free and a checkpoint will take about 3.0 MiB; the "
         "run holds up to 3 at once (0 now), so the next checkpoint will not fit; make room now, "
         "or keep fewer (runtime.keep_last_n_checkpoints=2)"
+    ]
+
+
+def test_a_run_that_evaluates_counts_the_best_kept_besides_its_last_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """max_steps=6, runtime.save_every_n_steps=2, eval.steps=3, keep_last_n_checkpoints=1: the
+    run saves at steps 2, 3 (a new best), 4 and 6, and holds steps 3 and 4 while it writes 6.
+    The check before the first step counted 2 at once, so a disk with room for 2 of its 3 had
+    no warning."""
+    from runner.rundir import RunDir
+    from runner.trainer import checkpointing
+    from runner.trainer.checkpointing import _held_at_most
+    from runner.trainer.progress import breaks_after
+
+    run = RunDir(tmp_path / "run")
+    assert _held_at_most(run, 1, keep_step=None, evaluates=True) == 3
+    assert _held_at_most(run, 1, keep_step=None, evaluates=False) == 2
+    model = torch.nn.Linear(256, 1024, bias=False)  # 3 MiB a checkpoint, with AdamW's moments
+    monkeypatch.setattr(checkpointing, "free_space", lambda path: 8 << 20)  # room for 2
+    saves = breaks_after(0, 6, [2, 3])
+    assert saves == len([2, 3, 4, 6])
+    with caplog.at_level("WARNING", logger="runner.recipe"):
+        for evaluates in (False, True):
+            checkpointing.warn_before_training(
+                run,
+                model,
+                moments=2,
+                whole_model=True,
+                keep_last_n=1,
+                keep_step=None,
+                evaluates=evaluates,
+                saves_left=saves,
+            )
+    assert caplog.messages == [
+        f"{run.path}: its disk has 8.0 MiB free and a checkpoint will take about 3.0 MiB; the "
+        "run holds up to 3 at once (0 now), so the next 3 need 9.0 MiB and 2 of them fit; make "
+        "room now, or keep fewer (runtime.keep_last_n_checkpoints=1)"
     ]
 
 
@@ -598,7 +643,9 @@ def test_a_checkpoint_the_disk_refuses_says_the_room_it_takes(tmp_path: Path) ->
 
     with files_limited_to(100 * 1024):
         with pytest.raises(UserError) as raised:
-            commit(run, 4, write, keep_last_n=2, keep_step=None, saved=lambda: None)
+            commit(
+                run, 4, write, keep_last_n=2, keep_step=None, evaluates=False, saved=lambda: None
+            )
     said = str(raised.value)
     assert said.startswith(
         f"hydra.run.dir='{run.path}': the checkpoint of step 4 could not be written (a file's "

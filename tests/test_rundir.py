@@ -343,7 +343,7 @@ def test_a_new_best_is_recorded_before_the_old_best_is_pruned(tmp_path: Path) ->
     def saved() -> None:
         on_disk_when_saved.extend(step for step, _ in run.checkpoints())
 
-    checkpointing.commit(run, 4, write, keep_last_n=1, keep_step=4, saved=saved)
+    checkpointing.commit(run, 4, write, keep_last_n=1, keep_step=4, evaluates=True, saved=saved)
     assert on_disk_when_saved == [2, 4]  # the old best (2) and the new one (4)
     assert [step for step, _ in run.checkpoints()] == [4]
 

@@ -60,11 +60,12 @@ def commit(
     *,
     keep_last_n: int,
     keep_step: int | None,
+    evaluates: bool,
     saved: Callable[[], None],
 ) -> None:
     """Writes step `step`'s checkpoint under a temporary name (`write(dir)`), renames it into
     place, calls `saved()`, records its hashes and prunes to the last `keep_last_n` (and
-    `keep_step`).
+    `keep_step`). `evaluates`: whether the run evaluates, so that a best may yet be kept.
 
     `saved` records the run's best in status.json while both the old best's checkpoint and the
     new one are there: a run killed at any moment has its recorded best on disk.
@@ -86,7 +87,13 @@ def commit(
     saved()
     record_checkpoint(run, step, final)
     run.prune_checkpoints(keep_last_n, keep_step=keep_step)
-    warn_if_room_short(run, size=tree_size(final), keep_last_n=keep_last_n, keep_step=keep_step)
+    warn_if_room_short(
+        run,
+        size=tree_size(final),
+        keep_last_n=keep_last_n,
+        keep_step=keep_step,
+        evaluates=evaluates,
+    )
 
 
 def warn_if_room_short(
@@ -95,6 +102,7 @@ def warn_if_room_short(
     size: int,
     keep_last_n: int,
     keep_step: int | None,
+    evaluates: bool,
     saves_left: int | None = None,
     takes: str = "takes",
 ) -> None:
@@ -105,7 +113,7 @@ def warn_if_room_short(
         free=free_space(run.path),
         size=size,
         held_now=len(run.checkpoints()),
-        held_at_most=_held_at_most(run, keep_last_n, keep_step),
+        held_at_most=_held_at_most(run, keep_last_n, keep_step, evaluates=evaluates),
         saves_left=saves_left,
         takes=takes,
     )
@@ -126,6 +134,7 @@ def warn_before_training(
     whole_model: bool,
     keep_last_n: int,
     keep_step: int | None,
+    evaluates: bool,
     saves_left: int,
 ) -> None:
     """Before the first step: a warning where the `saves_left` checkpoints to come will not fit
@@ -141,6 +150,7 @@ def warn_before_training(
         size=size,
         keep_last_n=keep_last_n,
         keep_step=keep_step,
+        evaluates=evaluates,
         saves_left=saves_left,
         takes=takes,
     )
@@ -196,7 +206,7 @@ def _room_taken(run: RunDir, keep_last_n: int, keep_step: int | None) -> str:
     if not saved:
         return ""
     size = tree_size(saved[-1][1])
-    held = _held_at_most(run, keep_last_n, keep_step)
+    held = _held_at_most(run, keep_last_n, keep_step, evaluates=False)  # as it is written now
     taken = (
         f"a checkpoint takes {size_text(size)}, and with runtime.keep_last_n_checkpoints="
         f"{keep_last_n} the disk holds {held} at once while one is written"
@@ -213,13 +223,15 @@ def _room_taken(run: RunDir, keep_last_n: int, keep_step: int | None) -> str:
     )
 
 
-def _held_at_most(run: RunDir, keep_last_n: int, keep_step: int | None) -> int:
+def _held_at_most(run: RunDir, keep_last_n: int, keep_step: int | None, *, evaluates: bool) -> int:
     """The checkpoints the run's disk holds at once while one is written: the last
     `keep_last_n`, the best besides where it is older than they are, and the one being written
-    (which may be the best: counted once)."""
+    (which may be the best: counted once). A run that `evaluates` may yet make a best that
+    falls behind the last `keep_last_n` and is kept besides them (keep_last_n=1, a save every 2
+    steps, an evaluation every 3: steps 3 and 4 are held while step 6 is written)."""
     kept = [saved_step for saved_step, _ in run.checkpoints()][-keep_last_n:]
     older_best = keep_step is not None and keep_step not in kept and keep_step < max(kept or [0])
-    return keep_last_n + 1 + older_best
+    return keep_last_n + 1 + (older_best or evaluates)
 
 
 def barrier(place: Placement) -> None:
