@@ -316,7 +316,7 @@ def test_the_throughput_and_the_eta_leave_evaluations_and_saves_out() -> None:
     console = Console(step=0, total_steps=10, bar=False)
     with console.paused():
         time.sleep(0.5)
-    assert console.eta(1) == "0:00:00"
+    assert console.eta(1) == "0:00:00+"  # "+": the final save, not timed yet
 
 
 def test_a_checkpoint_is_priced_before_one_is_written(trained_run: Path) -> None:
@@ -376,11 +376,33 @@ def test_the_eta_counts_the_evaluations_and_saves_still_to_come() -> None:
     assert breaks_after(0, 10, [0, 0]) == 1  # no evaluation, no cadence: the final save
 
     console = Console(step=0, total_steps=10, bar=False, breaks_every=[5])
-    assert console.eta(5) == "0:00:00"  # no break taken yet: nothing to price them by
+    assert console.eta(5) == "0:00:00+"  # no break taken yet: nothing to price them by
     with console.paused():  # step 5's evaluation and save
         time.sleep(1.2)
     assert console.eta(6) == "0:00:01"  # step 10's to come
     assert console.eta(10) == "0:00:01"  # logged before its own break
+
+
+def test_the_eta_is_marked_at_least_until_an_evaluation_or_save_is_timed() -> None:
+    """A short run's last step line read "eta 0:00:00", then its final evaluation and save
+    took seconds more: with none timed yet they counted as nothing. The figure is the steps'
+    alone until one is timed, marked "+" (at least that long)."""
+    import re
+
+    from runner.trainer.progress import Console
+
+    figure = r"\d+:\d\d:\d\d"
+    # max_steps=2, eval.strategy=no, no save cadence: the final save alone, after step 2.
+    console = Console(step=0, total_steps=2, bar=False, breaks_every=[0, 0])
+    assert re.fullmatch(figure + r"\+", console.eta(1)), console.eta(1)
+    assert re.fullmatch(figure + r"\+", console.eta(2)), console.eta(2)
+    # An evaluation every 5 steps of 10: timed once step 5's is taken.
+    console = Console(step=0, total_steps=10, bar=False, breaks_every=[0, 5])
+    assert re.fullmatch(figure + r"\+", console.eta(5)), console.eta(5)
+    with console.paused():  # step 5's evaluation
+        pass
+    assert re.fullmatch(figure, console.eta(6)), console.eta(6)
+    assert re.fullmatch(figure, console.eta(10)), console.eta(10)
 
 
 def read_only_mounts() -> bool:

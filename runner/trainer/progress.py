@@ -273,7 +273,8 @@ class Console:
 
     def eta(self, step: int) -> str:
         """The time left to total_steps at the pace so far, with the breaks still to come after
-        `step` (its own, which follows its log line, too) at the breaks' mean so far (H:MM:SS)."""
+        `step` (its own, which follows its log line, too) at the breaks' mean so far (H:MM:SS).
+        Before any break is timed, the steps' time alone, marked "+": at least that long."""
         taken = step - self.first_step
         if taken <= 0:
             return "?"
@@ -282,7 +283,10 @@ class Console:
         breaks_taken = breaks_after(self.first_step, self.total_steps, self.breaks_every) - to_come
         if breaks_taken > 0:
             left += self.break_s / breaks_taken * to_come
-        return str(timedelta(seconds=round(left)))
+        # A step's time prices no evaluation or save (a 7B model's save takes minutes), and
+        # "0:00:00" at the last step hid the final evaluation and save still to come.
+        untimed = to_come > 0 and breaks_taken == 0
+        return str(timedelta(seconds=round(left))) + ("+" if untimed else "")
 
     def logged(self, line: str, values: dict[str, float]) -> None:
         """A logged step or evaluation: its line (no bar); with the bar, a step's loss and
