@@ -525,32 +525,44 @@ def test_a_commit_warns_of_the_room_its_next_checkpoints_lack(
     assert caplog.messages == []
 
 
+def warn_before_training(
+    run_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    free: int,
+    keep_last_n: int,
+    saves_left: int,
+    evaluates: bool = False,
+) -> None:
+    """The check before the first step of a run whose checkpoint is a 256 x 1024 Linear (1 MiB
+    of fp32 weights, 3 MiB with AdamW's 2 moments), on a disk with `free` bytes."""
+    from runner.rundir import RunDir
+    from runner.trainer import checkpointing
+
+    monkeypatch.setattr(checkpointing, "free_space", lambda path: free)
+    checkpointing.warn_before_training(
+        RunDir(run_dir),
+        torch.nn.Linear(256, 1024, bias=False),
+        moments=2,
+        whole_model=True,
+        keep_last_n=keep_last_n,
+        keep_step=None,
+        evaluates=evaluates,
+        saves_left=saves_left,
+    )
+
+
 def test_a_run_warns_before_its_first_step_where_its_checkpoints_will_not_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A disk too small for one checkpoint was found at the first save, hours in. Before the
     first step, the checkpoint is priced by the model (weights, and AdamW's 2 moments of each
     trained one), and only the saves the run will make count."""
-    from runner.rundir import RunDir
-    from runner.trainer import checkpointing
-
-    run = RunDir(tmp_path / "run")
-    model = torch.nn.Linear(256, 1024, bias=False)  # 1 MiB of fp32 weights
-    monkeypatch.setattr(checkpointing, "free_space", lambda path: 2 << 20)  # 2 MiB free
+    run = tmp_path / "run"
     with caplog.at_level("WARNING", logger="runner.recipe"):
         for saves_left in (0, 1):
-            checkpointing.warn_before_training(
-                run,
-                model,
-                moments=2,
-                whole_model=True,
-                keep_last_n=2,
-                keep_step=None,
-                evaluates=False,
-                saves_left=saves_left,
-            )
+            warn_before_training(run, monkeypatch, 2 << 20, keep_last_n=2, saves_left=saves_left)
     assert caplog.messages == [
-        f"{run.path}: its disk has 2.0 MiB free and a checkpoint will take about 3.0 MiB; the "
+        f"{run}: its disk has 2.0 MiB free and a checkpoint will take about 3.0 MiB; the "
         "run holds up to 3 at once (0 now), so the next checkpoint will not fit; make room now, "
         "or keep fewer (runtime.keep_last_n_checkpoints=2)"
     ]
@@ -564,31 +576,19 @@ def test_a_run_that_evaluates_counts_the_best_kept_besides_its_last_checkpoints(
     The check before the first step counted 2 at once, so a disk with room for 2 of its 3 had
     no warning."""
     from runner.rundir import RunDir
-    from runner.trainer import checkpointing
     from runner.trainer.checkpointing import _held_at_most
     from runner.trainer.progress import breaks_after
 
-    run = RunDir(tmp_path / "run")
-    assert _held_at_most(run, 1, keep_step=None, evaluates=True) == 3
-    assert _held_at_most(run, 1, keep_step=None, evaluates=False) == 2
-    model = torch.nn.Linear(256, 1024, bias=False)  # 3 MiB a checkpoint, with AdamW's moments
-    monkeypatch.setattr(checkpointing, "free_space", lambda path: 8 << 20)  # room for 2
+    run = tmp_path / "run"
+    assert _held_at_most(RunDir(run), 1, keep_step=None, evaluates=True) == 3
+    assert _held_at_most(RunDir(run), 1, keep_step=None, evaluates=False) == 2
     saves = breaks_after(0, 6, [2, 3])
     assert saves == len([2, 3, 4, 6])
     with caplog.at_level("WARNING", logger="runner.recipe"):
-        for evaluates in (False, True):
-            checkpointing.warn_before_training(
-                run,
-                model,
-                moments=2,
-                whole_model=True,
-                keep_last_n=1,
-                keep_step=None,
-                evaluates=evaluates,
-                saves_left=saves,
-            )
+        for evaluates in (False, True):  # 8 MiB free: room for 2 checkpoints of 3 MiB
+            warn_before_training(run, monkeypatch, 8 << 20, 1, saves, evaluates=evaluates)
     assert caplog.messages == [
-        f"{run.path}: its disk has 8.0 MiB free and a checkpoint will take about 3.0 MiB; the "
+        f"{run}: its disk has 8.0 MiB free and a checkpoint will take about 3.0 MiB; the "
         "run holds up to 3 at once (0 now), so the next 3 need 9.0 MiB and 2 of them fit; make "
         "room now, or keep fewer (runtime.keep_last_n_checkpoints=1)"
     ]
