@@ -302,6 +302,32 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(runner_cli, tmp_path: Pa
         assert losses(run) == losses(straight)
 
 
+def runner_limited(
+    cwd: Path, env: dict[str, str], limit: int, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """`runner ARGS` in a fresh interpreter whose files may grow to `limit` bytes (RLIMIT_FSIZE):
+    a write past it fails as on a full disk (EFBIG for ENOSPC)."""
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard)),
+    )
+
+
+def train_to_refused_checkpoint(run: Path, processes: int) -> list[str]:
+    """A `runner train` whose first checkpoint, at step 2, a limit of 4 MiB refuses (below the
+    tiny model's training state)."""
+    return ["train", *QUICK, "max_steps=2", "eval.strategy=no", "dataset.eval_samples=0"] + [
+        f"compute.nproc_per_node={processes}",
+        f"hydra.run.dir={run}",
+    ]
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_checkpoint_the_disk_refuses_is_one_message_with_nothing_half_written(
     tmp_path: Path, hermetic_env: dict[str, str], processes: int
@@ -311,18 +337,8 @@ def test_a_checkpoint_the_disk_refuses_is_one_message_with_nothing_half_written(
     lines, and the part written stayed in checkpoints/ until a resume. With two processes, rank
     0's message came as three chained tracebacks, and the run exited 1 as for a bug."""
     run = tmp_path / "run"
-    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "runner", "train", *QUICK, "max_steps=2", "eval.strategy=no"]
-        + ["dataset.eval_samples=0", f"compute.nproc_per_node={processes}"]
-        + [f"hydra.run.dir={run}"],
-        cwd=tmp_path,
-        env=hermetic_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, hard)),
-    )
+    train = train_to_refused_checkpoint(run, processes)
+    result = runner_limited(tmp_path, hermetic_env, 4 << 20, *train)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     said = f"hydra.run.dir='{run}': the checkpoint of step 2 could not be written"
     if processes == 1:
@@ -351,25 +367,10 @@ def test_a_resumed_runs_checkpoint_the_disk_refuses_names_resume(
     its user never typed; it names resume, in the workers' line too. The run is made by a first
     train that the same file-size limit (4 MiB) fails at its checkpoint."""
     run = tmp_path / "run"
-    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-
-    def runner(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "runner", *args],
-            cwd=tmp_path,
-            env=hermetic_env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, hard)),
-        )
-
-    first = runner(
-        "train", *QUICK, "max_steps=2", "eval.strategy=no", "dataset.eval_samples=0",
-        f"compute.nproc_per_node={processes}", f"hydra.run.dir={run}",
-    )  # fmt: skip
+    train = train_to_refused_checkpoint(run, processes)
+    first = runner_limited(tmp_path, hermetic_env, 4 << 20, *train)
     assert f"hydra.run.dir='{run}': the checkpoint of step 2" in first.stderr, first.stderr[-3000:]
-    result = runner("resume", str(run))
+    result = runner_limited(tmp_path, hermetic_env, 4 << 20, "resume", str(run))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     said = f"resume='{run}': the checkpoint of step 2 could not be written (File too large)"
     errors = [line for line in result.stderr.splitlines() if said in line]
@@ -433,16 +434,8 @@ def test_records_the_disk_refuses_at_a_runs_start_are_one_line_and_no_directory(
     file-size limit of 6 KiB takes Hydra's files and recipe.yaml and refuses manifest.json."""
     assert runner_cli("validate", *QUICK).returncode == 0  # the data's cache, written ahead
     run = tmp_path / "run"
-    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "runner", "train", *QUICK, f"hydra.run.dir={run}"],
-        cwd=tmp_path,
-        env=hermetic_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (6 << 10, hard)),
-    )
+    train = ["train", *QUICK, f"hydra.run.dir={run}"]
+    result = runner_limited(tmp_path, hermetic_env, 6 << 10, *train)
     line = one_error(result)
     assert line.startswith(
         f"error: hydra.run.dir='{run}': the run's records could not be written (File too "
