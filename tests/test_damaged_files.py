@@ -380,15 +380,16 @@ def test_a_resumed_runs_checkpoint_the_disk_refuses_names_resume(
 
 def test_a_status_write_a_resumed_run_cannot_make_names_resume(tmp_path: Path) -> None:
     """The status.json write of a resumed run (the job names it by resume while it trains)."""
+    from runner.job.launch import environment
     from runner.rundir import RunDir
-    from runner.rundir.io import run_named_by
+    from runner.rundir.io import RUN_KEY_ENV
     from runner.trainer.progress import Reporter
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     run.write_status("running", step=1, total_steps=10, loss=5.0)
     reporter = Reporter(run, is_rank_zero=True)
-    with run_named_by("resume"), files_limited_to(200):
+    with environment({RUN_KEY_ENV: "resume"}), files_limited_to(200):
         with pytest.raises(UserError) as raised:
             reporter.step(2, 10, {"loss": 4.0, "lr": 1e-3, "tokens_per_s": 100.0})
     assert str(raised.value).startswith(

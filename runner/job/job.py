@@ -25,7 +25,7 @@ from runner.config.load_checkpoint import check_same_global_batch, global_batch
 from runner.config.method import move_recipe
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, error_line
-from runner.job.launch import as_launcher, in_process, launch, node_rank_of
+from runner.job.launch import as_launcher, environment, in_process, launch, node_rank_of
 from runner.job.lifecycle import check_recipe_as_recorded, last_logged
 from runner.job.start import MAKE_ROOM, discard, trainer_lock
 from runner.job.stops import stops_before_workers
@@ -38,7 +38,7 @@ from runner.rundir import (
     RunLocked,
     is_run_dir,
 )
-from runner.rundir.io import no_room_cause, room_fix, room_on, run_named_by
+from runner.rundir.io import RUN_KEY_ENV, no_room_cause, room_fix, room_on
 from runner.rundir.manifest import (
     build_manifest,
     changed_data,
@@ -233,7 +233,7 @@ def _launch(
             going_on = state if state in STATES and state not in FINAL_STATES else "created"
             run.write_status(going_on, new_start=True, launcher_pid=os.getpid(), error=None)
     try:
-        with run_named_by(_run_key(cfg)):  # a full disk's error names the key typed
+        with environment({RUN_KEY_ENV: _run_key(cfg)}):  # a full disk's error names the key typed
             result = launch(recipe, run.recipe_path, node_rank)
     finally:  # stopped again too
         if cfg.resume is not None:

@@ -101,7 +101,7 @@ def launch(
         result: dict[str, Any] = importlib.import_module(RECIPE_MODULE).run(recipe_path)
         return result
     pinned = determinism.pinned_environment() if deterministic else {}
-    with _environment({**pinned, LAUNCHER_PID_ENV: str(os.getpid())}):
+    with environment({**pinned, LAUNCHER_PID_ENV: str(os.getpid())}):
         _elastic_launch(recipe, recipe_path, node_rank)
     return None
 
@@ -165,7 +165,7 @@ def node_rank_of(compute: DictConfig, recipe: DictConfig) -> int | None:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
+def environment(values: dict[str, str]) -> Iterator[None]:
     """`values` in os.environ (which the workers inherit) for the duration, then as before."""
     before = {key: os.environ.get(key) for key in values}
     os.environ.update(values)

@@ -11,7 +11,6 @@ import re
 import resource
 import shutil
 import socket
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,8 +19,9 @@ from runner.paths import shell_path
 
 # What a write that found no room fails with: a full disk, a file-size limit, a quota.
 NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-# The key the user named the run by (hydra.run.dir, or resume for `runner resume RUN`), set by
-# the job while it trains the run, so that its trainers' errors, workers' too, name that key.
+# The key the user named the run by (hydra.run.dir, or resume for `runner resume RUN`), in the
+# environment the job trains the run in (runner.job.launch.environment), so that its trainers'
+# errors, workers' too, name that key.
 RUN_KEY_ENV = "RUNNER_RUN_KEY"
 
 
@@ -124,21 +124,6 @@ def no_room_cause(err: BaseException) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def run_named_by(key: str) -> Iterator[None]:
-    """Errors of the run's writes name `key` (RUN_KEY_ENV) inside the block, in the processes
-    it starts too; then as before."""
-    before = os.environ.get(RUN_KEY_ENV)
-    os.environ[RUN_KEY_ENV] = key
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(RUN_KEY_ENV, None)
-        else:
-            os.environ[RUN_KEY_ENV] = before
-
-
 def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -> UserError:
     """Why `what` (its status.json, the checkpoint of step 6) could not be written into the
     run directory `run_dir`: the disk's room and what the run `needs` of it, or what else
@@ -146,7 +131,7 @@ def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -
     error of a write that stopped short (torch.save's "[enforce fail at inline_container.cc]
     unexpected pos", which says nothing to its user; safetensors' "I/O error: ...")."""
     resume = f"`runner resume {shell_path(run_dir)}` goes on from its last whole checkpoint"
-    key = os.environ.get(RUN_KEY_ENV, "hydra.run.dir")  # run_named_by
+    key = os.environ.get(RUN_KEY_ENV, "hydra.run.dir")
     if isinstance(err, OSError) and err.errno not in NO_ROOM:
         # Not the room: a read-only disk, a file where a directory belongs, permissions.
         where = f": {err.filename}" if err.filename else ""
