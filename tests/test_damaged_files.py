@@ -519,7 +519,7 @@ def test_a_commit_warns_of_the_room_its_next_checkpoints_lack(
     assert caplog.messages == []
 
 
-def warn_before_training(
+def room_checked_before_training(
     run_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     free: int,
@@ -554,7 +554,7 @@ def test_a_run_warns_before_its_first_step_where_its_checkpoints_will_not_fit(
     run = tmp_path / "run"
     with caplog.at_level("WARNING", logger="runner.recipe"):
         for saves_left in (0, 1):
-            warn_before_training(run, monkeypatch, 2 << 20, keep_last_n=2, saves_left=saves_left)
+            room_checked_before_training(run, monkeypatch, 2 << 20, 2, saves_left)
     assert caplog.messages == [
         f"{run}: its disk has 2.0 MiB free and a checkpoint will take about 3.0 MiB; the "
         "run holds up to 3 at once (0 now), so the next checkpoint will not fit; make room now, "
@@ -580,7 +580,7 @@ def test_a_run_that_evaluates_counts_the_best_kept_besides_its_last_checkpoints(
     assert saves == len([2, 3, 4, 6])
     with caplog.at_level("WARNING", logger="runner.recipe"):
         for evaluates in (False, True):  # 8 MiB free: room for 2 checkpoints of 3 MiB
-            warn_before_training(run, monkeypatch, 8 << 20, 1, saves, evaluates=evaluates)
+            room_checked_before_training(run, monkeypatch, 8 << 20, 1, saves, evaluates=evaluates)
     assert caplog.messages == [
         f"{run}: its disk has 8.0 MiB free and a checkpoint will take about 3.0 MiB; the "
         "run holds up to 3 at once (0 now), so the next 3 need 9.0 MiB and 2 of them fit; make "

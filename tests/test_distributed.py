@@ -62,9 +62,7 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def layouts(
-    hermetic_env: dict[str, str], forked_cli: ForkedCli, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
+def layouts(forked_cli: ForkedCli, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The same 6 steps trained as 1x1, 1x2 and 2x2 (nodes x processes)."""
     root = tmp_path_factory.mktemp("layouts")
     runs = {name: root / name for name in ("1x1", "1x2", "2x2")}
