@@ -365,16 +365,56 @@ def test_a_resumed_runs_checkpoint_the_disk_refuses_names_resume(
 ) -> None:
     """`runner resume RUN` on a disk that refused its checkpoint said "hydra.run.dir=RUN", a key
     its user never typed; it names resume, in the workers' line too. The run is made by a first
-    train that the same file-size limit (4 MiB) fails at its checkpoint."""
+    train that the same file-size limit (4 MiB) fails at its checkpoint. Before that, a resume
+    on a disk too full for its first status (256 B, below status.json's size) ended in a
+    traceback of the write: it is one message, with the run's records as they were."""
     run = tmp_path / "run"
     train = train_to_refused_checkpoint(run, processes)
     first = runner_limited(tmp_path, hermetic_env, 4 << 20, *train)
     assert f"hydra.run.dir='{run}': the checkpoint of step 2" in first.stderr, first.stderr[-3000:]
+    status = (run / "status.json").read_text()
+
+    no_status = runner_limited(tmp_path, hermetic_env, 256, "resume", str(run))
+    assert one_error(no_status).startswith(
+        f"error: resume='{run}': its records could not be written (File too large); its disk "
+    ), no_status.stderr[-3000:]
+    assert "files are limited to 256 B here" in no_status.stderr
+    assert (run / "status.json").read_text() == status
+
     result = runner_limited(tmp_path, hermetic_env, 4 << 20, "resume", str(run))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     said = f"resume='{run}': the checkpoint of step 2 could not be written (File too large)"
     errors = [line for line in result.stderr.splitlines() if said in line]
     assert errors, result.stderr[-3000:]
+    assert "hydra.run.dir" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.long  # a training each (9 s); the default run's key is checked above
+@pytest.mark.parametrize("placed", ["run", "sweep-job"])
+def test_a_checkpoint_the_disk_refuses_names_the_root_the_run_was_made_under(
+    tmp_path: Path, hermetic_env: dict[str, str], placed: str
+) -> None:
+    """A run placed by runtime.output_root (no hydra.run.dir given), or a sweep's job, was named
+    "hydra.run.dir=RUN", a key its user never typed: it names the key that placed it, with the
+    value typed, and the run to resume."""
+    quick = ["train", *QUICK, "max_steps=2", "eval.strategy=no", "dataset.eval_samples=0"]
+    if placed == "run":
+        root = tmp_path / "outputs"
+        result = runner_limited(
+            tmp_path, hermetic_env, 4 << 20, *quick, f"runtime.output_root={root}"
+        )
+        (run,) = root.glob("*/*")
+        said = f"runtime.output_root='{root}': the checkpoint of step 2 could not be written"
+    else:
+        root = tmp_path / "sweep"
+        sweep = ["-m", f"hydra.sweep.dir={root}", "optimizer.lr=1e-3"]
+        result = runner_limited(tmp_path, hermetic_env, 4 << 20, *quick, *sweep)
+        run = root / "0"
+        said = f"hydra.sweep.dir='{root}': the checkpoint of step 2 could not be written"
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    # A sweep's job's line is "error: job 0 (OVERRIDES): KEY=VALUE: ...".
+    (line,) = [line for line in result.stderr.splitlines() if said in line]
+    assert line.endswith(f"then `runner resume {run}` goes on from its last whole checkpoint")
     assert "hydra.run.dir" not in result.stderr, result.stderr[-3000:]
 
 
@@ -389,7 +429,7 @@ def test_a_status_write_a_resumed_run_cannot_make_names_resume(tmp_path: Path) -
     run.path.mkdir()
     run.write_status("running", step=1, total_steps=10, loss=5.0)
     reporter = Reporter(run, is_rank_zero=True)
-    with environment({RUN_KEY_ENV: "resume"}), files_limited_to(200):
+    with environment({RUN_KEY_ENV: f"resume={run.path}"}), files_limited_to(200):
         with pytest.raises(UserError) as raised:
             reporter.step(2, 10, {"loss": 4.0, "lr": 1e-3, "tokens_per_s": 100.0})
     assert str(raised.value).startswith(

@@ -6,15 +6,18 @@ multirun.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.components import plain_dict
@@ -27,9 +30,10 @@ from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, error_line
 from runner.job.launch import as_launcher, environment, in_process, launch, node_rank_of
 from runner.job.lifecycle import check_recipe_as_recorded, last_logged
-from runner.job.start import MAKE_ROOM, discard, trainer_lock
+from runner.job.start import MAKE_ROOM, discard, run_dir_key, trainer_lock
 from runner.job.stops import stops_before_workers
 from runner.job.sweep import in_sweep_process, refresh_sweep_of, stopping, write_summary
+from runner.job.sweep_start import sweep_dir_key
 from runner.paths import pasteable, shell_path
 from runner.rundir import (
     FINAL_STATES,
@@ -38,7 +42,7 @@ from runner.rundir import (
     RunLocked,
     is_run_dir,
 )
-from runner.rundir.io import RUN_KEY_ENV, no_room_cause, room_fix, room_on
+from runner.rundir.io import RUN_KEY_ENV, no_room_cause, not_written, room_fix, room_on
 from runner.rundir.manifest import (
     build_manifest,
     changed_data,
@@ -69,7 +73,9 @@ def train(
             if cfg.resume is None:
                 check_data_found(cfg.dataset)  # before torch loads: a second, not ten
             as_launcher()
-            return _train(cfg, run, overrides)
+            # A full disk's error names what placed the run, in this process and its trainers.
+            with environment({RUN_KEY_ENV: "=".join(_run_key(cfg, run))}):
+                return _train(cfg, run, overrides)
     except Exception as err:
         # Bad input, ours or met in an interpolation (a ${runner_*:} of the config).
         user_error = as_user_error(err)
@@ -151,7 +157,8 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
             # Moved or copied since it started: it goes on where it lies, and says so from now.
             log.info("%s was moved from %s: it trains where it lies", run.path, recipe.run_dir)
             move_recipe(recipe, run.path)
-            write_recipe(run.recipe_path, recipe)
+            with _records_written(cfg, run):
+                write_recipe(run.recipe_path, recipe)
     else:
         # torch, transformers and datasets load here, not at import: `runner train --help` and
         # `--cfg job` (Hydra prints and exits before calling main) stay fast.
@@ -184,20 +191,9 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str]) -> dict[str, Any]
                     unlike,
                     loaded.path,
                 )
-        try:
+        with _records_written(cfg, run):
             write_recipe(run.recipe_path, recipe)
             write_manifest(run, manifest)
-        except OSError as err:
-            cause = no_room_cause(err)
-            if cause is None:
-                raise
-            # The disk filled after the run's start was checked (_check_room).
-            raise UserError(
-                _run_key(cfg),
-                str(run.path),
-                f"the run's records could not be written ({cause}); {room_on(run.path)}: "
-                + room_fix(MAKE_ROOM),
-            ) from err
     node_rank = node_rank_of(cfg.compute, recipe)
     from runner.trainer import process
 
@@ -214,9 +210,21 @@ def _launch(
     # On several nodes the status is node 0's (then global rank 0's): another node, or one that
     # rejoins a running group, leaves it be.
     if node_rank == 0 or not is_run_dir(run.path):
-        # `runner stop` signals this process: the run's launcher, whatever its world size,
-        # named in the run's first status (a stop waits for it). A run killed before its first
-        # status was written starts as `created`.
+        _write_first_status(cfg, run, recipe)
+    try:
+        result = launch(recipe, run.recipe_path, node_rank)
+    finally:  # stopped again too
+        if cfg.resume is not None:
+            refresh_sweep_of(run.path)
+    _print_summary(run)
+    return result
+
+
+def _write_first_status(cfg: DictConfig, run: RunDir, recipe: DictConfig) -> None:
+    """`runner stop` signals this process: the run's launcher, whatever its world size, named in
+    the run's first status (a stop waits for it). A run killed before its first status was
+    written starts as `created`."""
+    with _records_written(cfg, run):
         if cfg.resume is None:
             run.write_status(
                 "created",
@@ -225,26 +233,44 @@ def _launch(
                 total_steps=recipe.max_steps,
                 launcher_pid=os.getpid(),
             )
-        else:
-            # A resume of a run that ended (cancelled, failed) is under way from here: left as
-            # it was, it read as over (Run.status, the job service's poll), and a `runner stop`
-            # in its first seconds was refused as "already cancelled" while it went on to train.
-            state = run.status().state
-            going_on = state if state in STATES and state not in FINAL_STATES else "created"
-            run.write_status(going_on, new_start=True, launcher_pid=os.getpid(), error=None)
+            return
+        # A resume of a run that ended (cancelled, failed) is under way from here: left as it
+        # was, it read as over (Run.status, the job service's poll), and a `runner stop` in its
+        # first seconds was refused as "already cancelled" while it went on to train.
+        state = run.status().state
+        going_on = state if state in STATES and state not in FINAL_STATES else "created"
+        run.write_status(going_on, new_start=True, launcher_pid=os.getpid(), error=None)
+
+
+@contextlib.contextmanager
+def _records_written(cfg: DictConfig, run: RunDir) -> Iterator[None]:
+    """The run's records (recipe.yaml, manifest.json, its first status) written before it
+    trains: a disk that filled after the run's start was checked (start._check_room) is one
+    message naming the key that placed the run, not a traceback. A new run's directory is then
+    removed (train); a resumed run's records are as they were (written whole or not at all),
+    and it resumes once there is room."""
     try:
-        with environment({RUN_KEY_ENV: _run_key(cfg)}):  # a full disk's error names the key typed
-            result = launch(recipe, run.recipe_path, node_rank)
-    finally:  # stopped again too
+        yield
+    except OSError as err:
+        if no_room_cause(err) is None:
+            raise
         if cfg.resume is not None:
-            refresh_sweep_of(run.path)
-    _print_summary(run)
-    return result
+            raise not_written(run.path, "its records", err) from err
+        raise UserError(
+            *_run_key(cfg, run),
+            f"the run's records could not be written ({no_room_cause(err)}); "
+            f"{room_on(run.path)}: " + room_fix(MAKE_ROOM),
+        ) from err
 
 
-def _run_key(cfg: DictConfig) -> str:
-    """The key the user named the run by: resume=RUN (`runner resume RUN`), else hydra.run.dir."""
-    return "hydra.run.dir" if cfg.resume is None else "resume"
+def _run_key(cfg: DictConfig, run: RunDir) -> tuple[str, str]:
+    """The key that placed the run, and its value as the user gave it: resume=RUN (`runner
+    resume RUN`), hydra.run.dir, else runtime.output_root; a sweep's job, hydra.sweep.dir, else
+    runtime.multirun_root."""
+    hydra = cast(DictConfig, HydraConfig.get())  # typed as Hydra's dataclass, which it mirrors
+    if cfg.resume is None and hydra.mode == RunMode.MULTIRUN:
+        return sweep_dir_key(cfg, hydra)
+    return run_dir_key(cfg, hydra, run.path)
 
 
 def _finished(run: RunDir) -> bool:

@@ -109,15 +109,19 @@ def _stopped_leaves_nothing(run: RunDir, output_root: Path) -> Iterator[None]:
         yield
 
 
-def _run_dir_given(config: DictConfig) -> bool:
+def _run_dir_given(hydra: DictConfig) -> bool:
     """Whether the user named the run directory (hydra.run.dir=...), not its time."""
-    return any(override_key(o) == "hydra.run.dir" for o in as_typed(config.hydra.overrides.hydra))
+    return any(override_key(o) == "hydra.run.dir" for o in as_typed(hydra.overrides.hydra))
 
 
 def _fresh_by_time(config: DictConfig, path: Path) -> bool:
     """Whether `path` is the one-node run directory named by the time the run started
     (runtime.output_root/<date>/<time>), not one given, resumed or named by a platform's job."""
-    if _run_dir_given(config) or config.resume is not None or str(config.compute.nnodes) != "1":
+    if (
+        _run_dir_given(config.hydra)
+        or config.resume is not None
+        or str(config.compute.nnodes) != "1"
+    ):
         return False
     return path.parent.parent == user_path(config.runtime.output_root)
 
@@ -138,18 +142,19 @@ def _unclaimed(path: Path, config: DictConfig) -> Path:
     raise UserError("hydra.run.dir", str(path), "1000 runs started in this second; give one")
 
 
-def _run_dir_key(config: DictConfig, path: Path) -> tuple[str, str]:
-    """The key that placed the run directory `path`, and its value, as the user gave it."""
+def run_dir_key(config: DictConfig, hydra: DictConfig, path: Path) -> tuple[str, str]:
+    """The key that placed the run directory `path`, and its value, as the user gave it
+    (`hydra`: the composed config's, or the job's HydraConfig)."""
     if config.resume is not None:
         return "resume", str(config.resume)
-    if _run_dir_given(config):
+    if _run_dir_given(hydra):
         return "hydra.run.dir", str(path)
     return "runtime.output_root", str(config.runtime.output_root)
 
 
 def _unwritable(config: DictConfig, path: Path, err: OSError) -> UserError:
     """A run directory that cannot be made or written, under the key that placed it."""
-    key, value = _run_dir_key(config, path)
+    key, value = run_dir_key(config, config.hydra, path)
     if config.resume is not None:
         return UserError(
             key,
@@ -171,7 +176,7 @@ def _check_outside_runs(config: DictConfig, path: Path) -> None:
     around = run_around(path)
     if around is not None:
         raise UserError(
-            *_run_dir_key(config, path),
+            *run_dir_key(config, config.hydra, path),
             f"is inside the run directory {around}, where `runner runs` does not look for "
             "runs; give a directory outside it",
         )
@@ -182,7 +187,7 @@ def _check_room(config: DictConfig, path: Path) -> None:
     free = free_space(path)
     if free < START_ROOM:
         raise UserError(
-            *_run_dir_key(config, path),
+            *run_dir_key(config, config.hydra, path),
             f"the disk of {path} has {size_text(free)} free, less than the "
             f"{size_text(START_ROOM)} a run starts on (its checkpoints take more): {MAKE_ROOM}",
         )

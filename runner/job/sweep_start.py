@@ -30,7 +30,7 @@ def check_sweep(config: DictConfig) -> None:
     waits for the sweep's process to pass them), `config` composed for a multirun: a UserError
     for the first problem found."""
     check_root(config.runtime.multirun_root, "runtime.multirun_root")
-    check_no_sweep_running(Path(config.hydra.sweep.dir), *_sweep_dir_key(config))
+    check_no_sweep_running(Path(config.hydra.sweep.dir), *sweep_dir_key(config, config.hydra))
     refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
     check_env_set(config.hydra.job.env_set)  # the jobs' checks see it, this one's not
     check_direction(config.hydra.sweeper, config.objective)
@@ -76,7 +76,7 @@ def check_outside_runs(config: DictConfig) -> None:
     if around is not None:
         where = "is the run directory" if around == sweep_dir else "is inside the run directory"
         raise UserError(
-            *_sweep_dir_key(config),
+            *sweep_dir_key(config, config.hydra),
             f"{where} {around}, where `runner runs` does not look for the sweep's jobs; give "
             "a directory outside it",
         )
@@ -86,7 +86,7 @@ def make_sweep_dir(config: DictConfig) -> None:
     """The sweep directory, made once its values are checked: one that cannot be made (a
     read-only file system, a file on the path) was a traceback from Hydra's sweeper."""
     if str(config.hydra.sweep.dir).startswith("~"):  # as typed: no resolver reads it
-        key, value = _sweep_dir_key(config)
+        key, value = sweep_dir_key(config, config.hydra)
         raise UserError(
             key,
             value,
@@ -96,7 +96,7 @@ def make_sweep_dir(config: DictConfig) -> None:
     try:
         Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        key, value = _sweep_dir_key(config)
+        key, value = sweep_dir_key(config, config.hydra)
         raise UserError(
             key,
             value,
@@ -229,7 +229,7 @@ def check_same_sweep(config: DictConfig) -> None:
     sweep_dir = Path(config.hydra.sweep.dir)
     if not any(sweep_dir.glob(f"*/{MANIFEST_FILE}")):
         return  # no job of it started
-    key, value = _sweep_dir_key(config)
+    key, value = sweep_dir_key(config, config.hydra)
     where = "" if key == "hydra.sweep.dir" else f"its sweep directory {sweep_dir} "
     if "direction" in config.hydra.sweeper:  # Optuna's, which keeps no record of its trials
         raise UserError(
@@ -253,13 +253,12 @@ def check_same_sweep(config: DictConfig) -> None:
         )
 
 
-def _sweep_dir_key(config: DictConfig) -> tuple[str, str]:
-    """The key that named the sweep directory, as the user gave it, and its value."""
-    given = any(
-        override_key(o) == "hydra.sweep.dir" for o in as_typed(config.hydra.overrides.hydra)
-    )
+def sweep_dir_key(config: DictConfig, hydra: DictConfig) -> tuple[str, str]:
+    """The key that named the sweep directory, as the user gave it, and its value (`hydra`: the
+    composed config's, or a job's HydraConfig)."""
+    given = any(override_key(o) == "hydra.sweep.dir" for o in as_typed(hydra.overrides.hydra))
     if given:
-        return "hydra.sweep.dir", str(config.hydra.sweep.dir)
+        return "hydra.sweep.dir", str(hydra.sweep.dir)
     return "runtime.multirun_root", str(config.runtime.multirun_root)
 
 

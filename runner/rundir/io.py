@@ -19,9 +19,10 @@ from runner.paths import shell_path
 
 # What a write that found no room fails with: a full disk, a file-size limit, a quota.
 NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-# The key the user named the run by (hydra.run.dir, or resume for `runner resume RUN`), in the
-# environment the job trains the run in (runner.job.launch.environment), so that its trainers'
-# errors, workers' too, name that key.
+# The key that placed the run and its value, as KEY=VALUE (resume=RUN, hydra.run.dir=DIR,
+# runtime.output_root=ROOT, or a sweep job's hydra.sweep.dir=DIR), in the environment the job
+# trains the run in (runner.job.launch.environment), so that its trainers' errors, workers'
+# too, name what the user typed.
 RUN_KEY_ENV = "RUNNER_RUN_KEY"
 
 
@@ -131,13 +132,13 @@ def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -
     error of a write that stopped short (torch.save's "[enforce fail at inline_container.cc]
     unexpected pos", which says nothing to its user; safetensors' "I/O error: ...")."""
     resume = f"`runner resume {shell_path(run_dir)}` goes on from its last whole checkpoint"
-    key = os.environ.get(RUN_KEY_ENV, "hydra.run.dir")
+    key, _, value = os.environ.get(RUN_KEY_ENV, f"hydra.run.dir={run_dir}").partition("=")
     if isinstance(err, OSError) and err.errno not in NO_ROOM:
         # Not the room: a read-only disk, a file where a directory belongs, permissions.
         where = f": {err.filename}" if err.filename else ""
         return UserError(
             key,
-            str(run_dir),
+            value,
             f"{what} could not be written ({err.strerror}{where}); once it can be, {resume}",
         )
     if isinstance(err, OSError):
@@ -148,7 +149,7 @@ def not_written(run_dir: Path, what: str, err: BaseException, needs: str = "") -
     fix = room_fix("make room")
     return UserError(
         key,
-        str(run_dir),
+        value,
         f"{what} could not be written ({cause}); {room_on(run_dir)}{needs and '; ' + needs}: "
         f"{fix}, then {resume}",
     )
