@@ -71,7 +71,11 @@ def train(
     try:
         with trainer_lock(cfg, run):
             if cfg.resume is None:
-                check_data_found(cfg.dataset)  # before torch loads: a second, not ten
+                # Before torch loads: a mistyped path or value is said in a second, not five.
+                from runner.config.resolve import typed_train
+
+                check_data_found(cfg.dataset)
+                typed_train(cfg, overrides)  # checked again as the recipe resolves, not kept
             as_launcher()
             # A full disk's error names what placed the run, in this process and its trainers.
             with environment({RUN_KEY_ENV: "=".join(_run_key(cfg, run))}):
