@@ -61,6 +61,9 @@ CASES = [
     ),
     (["+batch_sise=4"], ["batch_sise=4", "no such key; did you mean 'batch_size'"]),
     (["runtime.env.FOO=1"], ["runtime.env.FOO='1'", "add it with +runtime.env.FOO=1"]),
+    # Under a section that is not there: named as typed, not as the section ("lora='4'").
+    (["lora.rank=4"], ["lora.rank='4': no such key"]),
+    (["model.nope.x=1"], ["model.nope.x='1': no such key"]),
     (
         ["--config-dir", "/nonexistent", "model=mine"],
         ["--config-dir='/nonexistent'", "no such dir"],

@@ -104,6 +104,8 @@ def _composition_error(
         if typed and key.startswith(f"{typed.group(1)}."):  # runtime.env={FOO:bar}
             fix = f"a dict of new keys merges into it with +{typed.group(1)}={given}"
             return UserError(typed.group(1), given, fix)
+        if typed and typed.group(1).startswith(f"{key}."):
+            key = typed.group(1)  # lora.rank=4 named as typed, not as `lora`, the key missing
         hint = f"did you mean {close[0]!r}? " if close else ""
         if key.startswith("method.") and not hint:
             from runner.config.method import METHOD_NAMES, methods_reading
