@@ -441,3 +441,14 @@ def test_the_card_and_adapter_config_describe_the_model_pushed(tmp_path: Path, c
     assert json.loads(local.read_text())["base_model_name_or_path"] == snapshot  # left alone
     assert json.loads(_adapter_config(local, {}))["base_model_name_or_path"] == snapshot
     assert "a local path; whoever loads it from the hub gives the base" in capsys.readouterr().err
+
+
+def test_a_path_given_as_a_key_names_the_form_push_takes(runner_cli) -> None:
+    """`runner push checkpoint=DIR ...`, as deploy and export take a checkpoint, was "no such
+    file" of the word `checkpoint=DIR` and no more."""
+    result = runner_cli("push", "checkpoint=outputs/run", "to=hf://acme/tiny")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == (
+        "error: path='checkpoint=outputs/run': no such file or directory: give an export's path "
+        "as it is, not as a key: runner push PATH hf://org/name\n"
+    )

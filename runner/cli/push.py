@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
 from runner.hub.download import SCHEME
@@ -30,7 +32,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     path = user_path(args.path)
     if not path.exists():
-        raise UserError("path", args.path, "no such file or directory: give an export's path")
+        fix = "no such file or directory: give an export's path"
+        if re.match(r"[\w.]+=", args.path):  # checkpoint=DIR, as deploy and export take it
+            fix += f" as it is, not as a key: runner push PATH {SCHEME}org/name"
+        raise UserError("path", args.path, fix)
     check_pushable(path, args.to)
     target = parse_target(args.to, "to")
     token = push_token(args.hf_token, key="--hf-token")
