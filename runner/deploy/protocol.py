@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runner.deploy.generation import SamplingRequest
+from runner.models.chat_template import template_message
 
 # OpenAI parameters this server does not implement: accepted only at values that change nothing,
 # so a client never silently gets something other than what it asked for. (logprobs=0 asks a
@@ -183,13 +184,12 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # the call a tool message answers (OpenAI requires it)
 
     def as_template_input(self) -> dict[str, str]:
-        """The message as chat templates expect it: role, plain-text content, and its name and
-        tool_call_id where it has them."""
+        """The message as chat templates expect it (template_message, as training gives it):
+        role, plain-text content, and its name and tool_call_id where it has them."""
         content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
-        given = {"name": self.name, "tool_call_id": self.tool_call_id}
-        return {"role": self.role, "content": content, **{k: v for k, v in given.items() if v}}
+        return template_message(self.role, content, name=self.name, tool_call_id=self.tool_call_id)
 
     def check(self, where: str) -> None:
         """A field of no use here is refused unless at a value that changes nothing."""

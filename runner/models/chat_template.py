@@ -17,6 +17,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+def template_message(role: str, content: str, **fields: str | None) -> dict[str, str]:
+    """A message as chat templates take it, in training and in `runner deploy` alike: its role,
+    its text, and each of `fields` (name, tool_call_id) that it has; one it lacks (None or
+    empty) is left out, so that a template's `message.name is defined` holds only where there
+    is a name."""
+    return {"role": role, "content": content, **{k: v for k, v in fields.items() if v}}
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[dict[str, Any]],
