@@ -510,6 +510,59 @@ def test_an_assistant_message_of_weight_0_stays_in_the_conversation_untrained(tm
     assert eval_prompts(validation_split(chat, tok), tok, 1)[0].reference == "Good"
 
 
+# The tiny tokenizer's template, writing each message's speaker where it has one.
+NAMED_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+    "{% if m['name'] is defined %} ({{ m['name'] }}){% endif %}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def test_a_messages_name_reaches_the_chat_template_as_the_server_gives_it(tmp_path: Path):
+    """OpenAI's `name` of a message (its speaker) was dropped in training, though `runner
+    deploy` gives it to the template: the model trained on other text than it was served. The
+    name is the template's text, not the message's: it never trains."""
+    from transformers import AutoTokenizer
+
+    from runner.deploy.protocol import ChatMessage
+    from runner.deploy.routes import _render_chat
+
+    conversation = [
+        {"role": "system", "content": "Be nice."},
+        {"role": "user", "name": "alice", "content": "Hi"},
+        {"role": "assistant", "name": "bot", "content": "Hello"},
+        {"role": "user", "content": "Bye"},  # read with "name": null, as the reader fills keys
+        {"role": "assistant", "content": "Goodbye"},
+    ]
+    path = write_jsonl([{"messages": conversation}] * 2, tmp_path / "chat.jsonl")
+    template = tmp_path / "named.jinja"
+    template.write_text(NAMED_TEMPLATE)
+    tok = ChatTokenizer(str(TINY_TOKENIZER_DIR), MODEL_MAX, str(template))
+    served = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    served.chat_template = NAMED_TEMPLATE
+    chat = data("dataset=chat", f"dataset.source={path}")
+    sample = train_dataset(chat, tok)[0]
+    text = tok.decode(sample["tokens"], skip_special_tokens=False)
+    assert "<|start_header_id|>user (alice)<|end_header_id|>\n\nHi<|eot_id|>" in text
+    assert "<|start_header_id|>assistant (bot)<|end_header_id|>\n\nHello<|eot_id|>" in text
+    assert "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>" in text
+    assert trained_text(sample, tok) == "Hello<|eot_id|>Goodbye<|eot_id|>"
+    everything = train_dataset(
+        data("dataset=chat", f"dataset.source={path}", "dataset.train_on_input=true"), tok
+    )[0]
+    assert "alice" not in trained_text(everything, tok)
+    held_out = data(
+        "dataset=chat",
+        f"dataset.source={path}",
+        "dataset.split='train[:1]'",
+        "dataset.validation.split='train[1:]'",
+    )
+    prompt = eval_prompts(validation_split(held_out, tok), tok, 1)[0]
+    asked = [ChatMessage.model_validate(m) for m in conversation[:-1]]
+    assert prompt.tokens == _render_chat(served, asked)
+
+
 def test_a_validation_split_holding_training_records_is_refused_where_the_run_evaluates(
     tmp_path: Path,
 ) -> None:

@@ -38,6 +38,8 @@ class ConversationStyle:
     """How a chat record spells a message: its two keys and its role names -> ours.
 
     parts: whether content may be a list of {"type": "text", "text": ...} parts (OpenAI's).
+    speaker: the key of a message that names its speaker (OpenAI's `name`), which reaches the
+    chat template; None where the style has none.
     tool_roles, tool_keys: the roles and keys of a message that spell tool calls and their
     results, valid in the format but not trained (refused as unsupported, not as malformed).
     """
@@ -46,6 +48,7 @@ class ConversationStyle:
     content: str
     roles: dict[str, str]
     parts: bool
+    speaker: str | None
     tool_roles: tuple[str, ...]
     tool_keys: tuple[str, ...]
 
@@ -56,6 +59,7 @@ CONVERSATION_STYLES = {
         "content",
         {"system": "system", "user": "user", "assistant": "assistant"},
         parts=True,
+        speaker="name",
         tool_roles=("tool", "function"),
         tool_keys=("tool_calls", "function_call"),
     ),
@@ -64,6 +68,7 @@ CONVERSATION_STYLES = {
         "value",
         {"system": "system", "human": "user", "gpt": "assistant"},
         parts=False,
+        speaker=None,
         tool_roles=("function_call", "observation"),
         tool_keys=(),
     ),

@@ -64,7 +64,8 @@ class InstructToMessages:
 class ChatToMessages:
     """A conversation -> messages through torchtune's OpenAI or ShareGPT transform; an
     assistant message of `weight` 0 (OpenAI's fine-tuning format) is masked: it stays in the
-    conversation and does not train."""
+    conversation and does not train. A message's speaker (OpenAI's `name`) is kept for the
+    chat template, which torchtune's transforms drop."""
 
     def __init__(
         self, column: str, style: str, train_on_input: bool, new_system_prompt: str | None
@@ -98,9 +99,14 @@ class ChatToMessages:
         if self.new_system_prompt is not None:  # its system messages dropped, one put first
             roles = self.style.roles
             given = [None] + [m for m in given if roles[m[self.style.role]] != "system"]
+        speaker = self.style.speaker
+        messages = []
         for message, source in zip(transformed["messages"], given, strict=True):
             if source is not None and source.get("weight") == 0:
                 message.masked = True
+            name = source.get(speaker) if source is not None and speaker else None
+            messages.append(Message.named(message, name))
+        transformed["messages"] = messages
         return transformed
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from runner.errors import UserError
-from runner.models.chat_template import render_chat
+from runner.models.chat_template import render_chat, template_message
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX, Message, truncate
 
 # Tokens that end a generation besides eos_token, where the vocabulary has them: the published
@@ -79,9 +79,10 @@ def load_hf_tokenizer(path: Path) -> Any:
 
 
 def _standing_in(messages: Sequence[Message], index: int, stand_in: str) -> list[Message]:
-    """The conversation with `stand_in` for message `index`'s content."""
+    """The conversation with `stand_in` for message `index`'s content, and nothing else changed:
+    dropped, a name that the template writes would count as content, and train."""
     changed = list(messages)
-    changed[index] = Message(role=messages[index].role, content=stand_in)
+    changed[index] = Message(role=messages[index].role, content=stand_in, name=messages[index].name)
     return changed
 
 
@@ -236,7 +237,7 @@ class ChatTokenizer:
     ) -> str:
         """The conversation as the chat template renders it (render_chat, with our settings)."""
         self.require_chat_template()
-        dicts = [{"role": m.role, "content": m.text_content} for m in messages]
+        dicts = [template_message(m.role, m.text_content, name=m.name) for m in messages]
         kwargs = {"date_string": self.date_string} if self.date_string else {}
         try:
             return render_chat(

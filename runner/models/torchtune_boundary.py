@@ -22,11 +22,11 @@ from torch import nn
 from torchao.dtypes.nf4tensor import to_nf4
 from torchtune.data import (
     CROSS_ENTROPY_IGNORE_IDX,
-    Message,
     OpenAIToMessages,
     ShareGPTToMessages,
     padded_collate_sft,
 )
+from torchtune.data import Message as TorchtuneMessage
 from torchtune.data._utils import truncate
 from torchtune.datasets import PackedDataset
 from torchtune.datasets._sft import SFTTransform
@@ -98,6 +98,35 @@ __all__ = [
     "to_nf4",
     "truncate",
 ]
+
+
+class Message(TorchtuneMessage):
+    """torchtune's message, with the speaker's `name` (OpenAI's chat format) that a chat template
+    may write; None where the message has none."""
+
+    def __init__(
+        self,
+        role: str,
+        content: str | list[dict[str, Any]],
+        masked: bool = False,
+        ipython: bool = False,
+        eot: bool = True,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(role, content, masked=masked, ipython=ipython, eot=eot)
+        self.name = name
+
+    @classmethod
+    def named(cls, message: TorchtuneMessage, name: str | None) -> Message:
+        """torchtune's `message` (as its chat transforms give it) with the speaker's `name`."""
+        return cls(
+            message.role,
+            message.content,
+            masked=message.masked,
+            ipython=message.ipython,
+            eot=message.eot,
+            name=name,
+        )
 
 
 def init_like_hf(model: nn.Module, initializer_range: float) -> None:
