@@ -148,6 +148,34 @@ BAD_CELLS = [
         "messages",
         "message 1 is a user message with a 'weight' (1); only an assistant message has one",
     ),
+    # A message's speaker (OpenAI's `name`) reaches the chat template: text, or none.
+    *[
+        (
+            "chat",
+            [
+                {
+                    "messages": [
+                        {**CHAT_GOOD["messages"][0], "name": "alice"},
+                        CHAT_GOOD["messages"][1],
+                    ]
+                },
+                {
+                    "messages": [
+                        {**CHAT_GOOD["messages"][0], "name": name},
+                        CHAT_GOOD["messages"][1],
+                    ]
+                },
+            ],
+            [],
+            2,
+            "messages",
+            problem,
+        )
+        for name, problem in (
+            (5, "message 1's 'name' is a number ('5'); give the speaker's name as text, or none"),
+            ({"first": "Al"}, "message 1's 'name' is an object"),
+        )
+    ],
     (
         "chat",
         [{"messages": [{"role": "bot", "content": "x"}]}],
@@ -366,6 +394,26 @@ def test_a_conversation_the_chat_template_refuses_or_cuts_is_named_before_traini
     # The rows without a system message are taken.
     sliced = data("dataset=chat", f"dataset.source={path}", "dataset.split='train[:5]'")
     assert check_datasets(sliced, tok)["train"] == 5
+
+
+def test_a_template_that_refuses_a_name_is_met_on_the_first_named_row(tmp_path: Path) -> None:
+    """The template renders one row of each sequence of roles and of named messages: a row
+    whose only difference is a name the template refuses is named before training, not met
+    when training draws it."""
+    template = tmp_path / "nameless.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['name'] is defined %}"
+        "{{ raise_exception('no names, please') }}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}"
+    )
+    tok = ChatTokenizer(str(TINY_TOKENIZER_DIR), chat_template=str(template))
+    named = {"messages": [{**CHAT_GOOD["messages"][0], "name": "alice"}, CHAT_GOOD["messages"][1]]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [CHAT_GOOD] * 2 + [named]))
+    with pytest.raises(DataError) as err:
+        check_datasets(data("dataset=chat", f"dataset.source={path}"), tok)
+    assert (err.value.row, err.value.column) == (3, "messages")
+    assert "(TemplateError: no names, please)" in str(err.value)
 
 
 def test_a_system_message_written_after_every_answer_trains_none_and_is_refused(

@@ -1,5 +1,5 @@
-"""What a conversation must be to train: its messages' shape, roles, order, content and
-weights, and how the chat template renders it; each problem as text, which runner.data.checks
+"""What a conversation must be to train: its messages' shape, roles, order, content, names
+and weights, and how the chat template renders it; each problem as text, which runner.data.checks
 names by file and row."""
 
 from __future__ import annotations
@@ -50,15 +50,16 @@ def _message_text(content: Any, number: int, style: ConversationStyle) -> tuple[
     return "".join(part["text"] for part in content), ""
 
 
-# What the chat template's checks of a conversation depend on: its messages' roles, and where
-# its first trained answer is (answers of weight 0 before it), a few of them in a data file. Its
-# weights whole would key almost every row of a weighted file apart (5,605 of 100k).
-Roles = tuple[tuple[str, ...], int]
+# What the chat template's checks of a conversation depend on: its messages' roles, where its
+# first trained answer is (answers of weight 0 before it), and which messages are named (a
+# template may write a speaker's name, or refuse one), a few of them in a data file. Its weights
+# whole would key almost every row of a weighted file apart (5,605 of 100k).
+Roles = tuple[tuple[str, ...], int, tuple[int, ...]]
 
 
 def _refused(problem: str) -> tuple[str, int, int, Roles]:
     """conversation_problem's answer for a conversation refused for `problem`."""
-    return problem, 0, 0, ((), -1)
+    return problem, 0, 0, ((), -1, ())
 
 
 def conversation_problem(
@@ -71,7 +72,7 @@ def conversation_problem(
         return _refused(f"holds {describe(conversation)}, not {shape}")
     system, train_on_input = data["new_system_prompt"], data["train_on_input"]
     roles = ["system"] if system is not None else []
-    first_answer = -1
+    first_answer, named = -1, []
     # torchtune's chat transforms train every message under train_on_input, the system's too.
     trained = bool(roles) and train_on_input
     prompt_bytes = len(system.encode()) if roles and not trained else 0
@@ -91,6 +92,12 @@ def conversation_problem(
         content, problem = _message_text(message.get(style.content), number, style)
         if problem:
             return _refused(problem)
+        speaker = message.get(style.speaker) if style.speaker else None
+        if speaker is not None and not isinstance(speaker, str):
+            return _refused(
+                f"message {number}'s {style.speaker!r} is {describe(speaker)}; give the "
+                "speaker's name as text, or none"
+            )
         ours = style.roles[role]
         if ours == "system" and system is not None:
             continue  # replaced by the new system prompt
@@ -107,6 +114,8 @@ def conversation_problem(
         if problem:
             return _refused(problem)
         roles.append(ours)
+        if speaker:
+            named.append(len(roles) - 1)
         if first_answer < 0 and ours == "assistant" and weight != 0:
             first_answer = len(roles) - 1
         answers += ours == "assistant"
@@ -118,7 +127,7 @@ def conversation_problem(
         return _refused("has only assistant messages of weight 0, so nothing to train on")
     if not trained:
         return _refused("has no assistant message, so nothing to train on")
-    return "", prompt_bytes, prompt_messages, (tuple(roles), first_answer)
+    return "", prompt_bytes, prompt_messages, (tuple(roles), first_answer, tuple(named))
 
 
 def _weight_problem(weight: Any, number: int, ours: str) -> str:
