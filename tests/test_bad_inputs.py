@@ -162,10 +162,10 @@ CASES = [
         "dataset.padding_free=true",
     ),
     case("clip-grad-norm-nan", "validate clip_grad_norm=nan", "clip_grad_norm=nan"),
-    # dataset=sample reads its sources as json: a .csv validation file was "not valid JSON"
+    # One format for every source: a .csv validation file read as json was "not valid JSON"
     case(
         "data-format-of-another-file",
-        "validate dataset.validation.source={files}/records.csv",
+        "validate dataset.format=json dataset.validation.source={files}/records.csv",
         "dataset.validation.source=",
         "dataset.format=null",
     ),

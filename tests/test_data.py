@@ -29,7 +29,7 @@ from runner.data import (
 from runner.errors import UserError
 from runner.models.tokenizer import ChatTokenizer
 from runner.models.torchtune_boundary import CROSS_ENTROPY_IGNORE_IDX
-from runner.paths import TINY_TOKENIZER_DIR
+from runner.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 from tests.test_config import compose_train
 
 CPU = torch.device("cpu")
@@ -346,6 +346,24 @@ def test_held_out_validation_is_seeded_and_disjoint(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         data(*base, "dataset.validation.held_out=5%", "dataset.validation.split=train")
     assert err.value.key == "dataset.validation.held_out" and "not both" in err.value.fix
+
+
+def test_the_default_dataset_with_a_source_of_yours_evaluates_on_yours_alone(
+    tmp_path: Path,
+) -> None:
+    """`runner train dataset.source=mine.csv` (the default dataset, sample, with the user's
+    file) read it as JSON (the sample's format), evaluated on the sample's held-out words, and
+    refused a held_out of the user's as a second validation set."""
+    source = write(records(40), tmp_path / "mine.csv")
+    tok = tokenizer()
+    sample = data()
+    assert sample["validation"]["source"] == str(SAMPLE_DATA_DIR / "validation.jsonl")
+    assert data(f"dataset.source={SAMPLE_DATA_DIR / 'train.jsonl'}") == sample
+    mine = data(f"dataset.source={source}", *RENAMED)
+    assert mine["format"] == "csv" and validation_split(mine, tok) is None
+    held = data(f"dataset.source={source}", *RENAMED, "dataset.validation.held_out=10%")
+    train, validation = training_splits(held, tok, validation=True)
+    assert (len(train), len(validation)) == (36, 4)
 
 
 def test_a_process_reads_each_split_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

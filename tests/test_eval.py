@@ -224,6 +224,7 @@ def test_epoch_strategy_evaluates_at_each_epoch_end(forked_cli: ForkedCli, tmp_p
         "runtime.progress_bar=false",
         "runtime.loggers=[]",
         f"dataset.source={data}",
+        f"dataset.validation.source={ASSETS_DIR / 'sample' / 'validation.jsonl'}",
         "batch_size=8",
         "epochs=2",
         "max_steps=null",

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import as_typed
 from runner.errors import UserError
-from runner.paths import ASSETS_DIR, user_path
+from runner.paths import ASSETS_DIR, SAMPLE_DATA_DIR, user_path
 
 
 def has_validation(validation: Any) -> bool:
@@ -107,8 +107,18 @@ def load_mode(path: Any) -> str | None:
     return load_checkpoint.mode(path)
 
 
+def sample_validation(source: Any) -> str | None:
+    """dataset=sample's validation.source: the sample's held-out words while it trains on the
+    sample's own records, none once dataset.source is another's. `runner train
+    dataset.source=mine.jsonl` (the default dataset, sample, with the user's file) evaluated on
+    the sample's words, and refused a held_out of the user's as a second validation set."""
+    own = SAMPLE_DATA_DIR / "train.jsonl"
+    return str(SAMPLE_DATA_DIR / "validation.jsonl") if str(source) == str(own) else None
+
+
 RESOLVERS: dict[str, Callable[..., Any]] = {
     "runner_asset": lambda name: str(ASSETS_DIR / name),
+    "runner_sample_validation": sample_validation,
     "runner_run_dir": run_dir,
     "runner_user_path": lambda path: str(user_path(path)),  # runtime.multirun_root='~/sweeps'
     # A resumed run keeps the .hydra/ record of the run that created it.
