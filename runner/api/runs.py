@@ -176,11 +176,12 @@ class Run:
         self.dir.write_status(
             "cancelled", error=f"killed without a checkpoint at step {step}; {then}"
         )
-        if lifecycle.sweep_it_ends(self.dir) is not None:
+        if lifecycle.sequential_sweep_of(self.dir) is not None:
             from runner.job.sweep import refresh_sweep_of
 
-            # The kill ended the sweep's own process, where its jobs run one after another,
-            # before it summed up this job: the summary says where its jobs stand.
+            # The kill ended the sweep's own process, where its jobs run one after another (or
+            # the resume that trained the job alone), before it summed up this job: the summary
+            # says where its jobs stand.
             refresh_sweep_of(self.path)
         return self.status()
 

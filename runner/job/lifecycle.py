@@ -24,6 +24,7 @@ from runner.rundir import (
     STALLED,
     STATUS_FILE,
     STOPPING,
+    SWEEP_LOCK_FILE,
     RunDir,
     is_run_dir,
     lock_held,
@@ -294,7 +295,17 @@ def request_stop(run: RunDir, *, key: str = "RUN", sig: int = signal.SIGTERM) ->
 
 def sweep_it_ends(run: RunDir) -> Path | None:
     """The sweep that a stop of `run` ends too: a sequential sweep's, whose own process trains
-    its jobs one after another (a parallel sweep's job has a process of its own); else None."""
+    its jobs one after another, while that process runs; else None (a parallel sweep's job has
+    a process of its own, and so has a job resumed alone once its sweep's process is gone)."""
+    sweep = sequential_sweep_of(run)
+    if sweep is None or lock_held(sweep, SWEEP_LOCK_FILE) is False:
+        return None
+    return sweep
+
+
+def sequential_sweep_of(run: RunDir) -> Path | None:
+    """The sweep directory `run` is a job of, where that sweep's jobs run one after another in
+    its own process (its launcher is not joblib's); else None."""
     record = run.path.parent / "multirun.yaml"  # Hydra's record of the sweep, its launcher's
     try:
         hydra = (yaml.safe_load(record.read_text()) or {}).get("hydra") or {}
