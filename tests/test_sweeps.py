@@ -219,6 +219,27 @@ def holding(path: Path, lock: str) -> subprocess.Popen:
     return holder
 
 
+def test_a_job_of_a_sweep_killed_in_its_first_job_brings_a_summary(
+    runner_cli, tmp_path: Path
+) -> None:
+    """A sequential sweep's process killed while its first job trained (api's Run.stop with
+    save_checkpoint=False, kill -9) wrote no summary; the job resumed (or killed) after found
+    none to bring up to date and wrote none, so api.Sweep.wait() returned None for good."""
+    from runner.job.sweep import refresh_sweep_of
+
+    sweep = tmp_path / "sweep"
+    args = [*TINY_JOB, "objective.metric=loss", "seed=0", f"hydra.sweep.dir={sweep}"]
+    result = runner_cli("train", "-m", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for written in ("summary.json", "summary.md", "loss_curves.png"):  # as the kill left it
+        (sweep / written).unlink()
+    refresh_sweep_of(sweep / "0")
+    summary = summary_of(sweep)
+    assert (summary["metric"], summary["mode"], summary["jobs"]) == ("loss", "min", 1)
+    assert [(r["job"], r["state"]) for r in summary["runs"]] == [("0", "completed")]
+    assert summary["best"]["job"] == "0" and (sweep / "summary.md").is_file()
+
+
 def test_a_sweep_whose_jobs_all_failed_draws_no_empty_plot(runner_cli, tmp_path: Path) -> None:
     """No job logged a loss: the sweep drew an empty loss_curves.png, and matplotlib's
     "UserWarning: No artists with labels found to put in legend" came on its console."""

@@ -36,6 +36,7 @@ from runner.rundir import (
     RunDir,
     best_run,
     hold_until_exit,
+    is_sweep_dir,
     sweep_runs,
     write_json_atomic,
     write_text_atomic,
@@ -227,10 +228,17 @@ def refresh_sweep_of(run_dir: Path) -> None:
     """A sweep's job trained again on its own (`runner resume SWEEP/N`): the sweep's summary
     and plot say where its jobs now stand, ranked as the sweep ranked them."""
     sweep_dir = run_dir.parent
-    if not (sweep_dir / SUMMARY_JSON).is_file():
-        return  # not a sweep's job, or one that ended before its first job did
-    recorded = json.loads((sweep_dir / SUMMARY_JSON).read_text())
-    summary = write_summary(sweep_dir, recorded["metric"], recorded["mode"])
+    if (sweep_dir / SUMMARY_JSON).is_file():
+        recorded = json.loads((sweep_dir / SUMMARY_JSON).read_text())
+        metric, mode = recorded["metric"], recorded["mode"]
+    elif is_sweep_dir(sweep_dir) and RunDir(run_dir).recipe_path.is_file():
+        # Its process was killed before its first job ended, and wrote none: the job's own
+        # objective, which that process would have ranked it by.
+        objective = yaml.safe_load(RunDir(run_dir).recipe_path.read_text())["objective"]
+        metric, mode = objective["metric"], objective["mode"]
+    else:
+        return  # not a sweep's job
+    summary = write_summary(sweep_dir, metric, mode)
     plot_losses(sweep_dir, summary)
 
 
