@@ -206,6 +206,24 @@ def test_lifecycle_commands_refuse_what_is_not_a_run(runner_cli, tmp_path: Path)
     assert a_file.returncode == 2 and "train.log': a file; give a directory" in a_file.stderr
 
 
+def test_lifecycle_commands_given_a_sweep_name_its_jobs(runner_cli, tmp_path: Path) -> None:
+    """`runner resume SWEEP` said "not a run directory" and sent the user to `runner runs`."""
+    from runner.rundir import RunDir
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        (sweep / job).mkdir(parents=True)
+        RunDir(sweep / job).write_status("failed", step=2, total_steps=4)
+    (sweep / "multirun.yaml").write_text("{}")  # as Hydra's sweeper writes it
+    for command in ("logs", "stop", "resume"):
+        result = runner_cli(command, str(sweep))
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr == (
+            f"error: RUN='{sweep}': a sweep directory, not a run: give one of its jobs "
+            f"({sweep / '0'}, ...; `runner runs {sweep}` lists them)\n"
+        )
+
+
 def test_a_run_whose_status_cannot_be_read_is_named_so_by_stop_resume_and_logs(
     runner_cli, tmp_path: Path
 ) -> None:

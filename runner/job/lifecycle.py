@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from runner.errors import UserError
-from runner.paths import pasteable
+from runner.paths import pasteable, shell_path
 from runner.rundir import (
     FINAL_STATES,
     LOG_FILE,
@@ -27,8 +27,10 @@ from runner.rundir import (
     SWEEP_LOCK_FILE,
     RunDir,
     is_run_dir,
+    is_sweep_dir,
     lock_held,
     pid_stopped,
+    sweep_runs,
 )
 from runner.rundir.lock import LOCK_FILE
 from runner.rundir.status import number
@@ -71,6 +73,14 @@ def run_dir_at(
             raise _state_unknown(run, key, "is missing")
         return run
     if not is_run_dir(run.path):
+        jobs = sweep_runs(run.path) if is_sweep_dir(run.path) else []
+        if jobs:  # `runner resume SWEEP` said only "not a run directory"
+            raise UserError(
+                key,
+                str(path),
+                f"a sweep directory, not a run: give one of its jobs ({shell_path(jobs[0].path)}, "
+                f"...; `runner runs {shell_path(path)}` lists them)",
+            )
         found = "not a run directory (no status.json)" if path.exists() else "no such directory"
         raise UserError(key, str(path), f"{found}; `runner runs` lists the runs here")
     if readable and _unreadable(run):
