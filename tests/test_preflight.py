@@ -239,3 +239,22 @@ def test_estimate_prices_dpo_as_it_trains(tmp_path: Path) -> None:
         for pair in train_dataset(recipe.dataset, tokenizer)
     ]
     assert estimate(recipe).longest_sample == max(rows)
+
+
+def test_validate_refuses_a_split_smaller_than_one_global_batch(runner_cli, tmp_path) -> None:
+    """`runner validate` said ok to 3 records at batch_size=16, which `runner train` refuses
+    before it starts (it would train nothing)."""
+    data = tmp_path / "three.jsonl"
+    rows = [{"instruction": f"say {n}", "input": "", "output": str(n)} for n in range(3)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    given = [f"dataset.source={data}", "dataset.validation.source=null", "eval.strategy=no"]
+    result = runner_cli("validate", "compute=cpu", *given)
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: batch_size=16: the training split has 3 records, fewer than one global batch of "
+        "16 (batch_size x gradient_accumulation_steps=1 x 1 process(es)); give batch_size=3 or "
+        "less, or add records"
+    )
+    assert "Traceback" not in result.stderr
+    assert runner_cli("validate", "compute=cpu", *given, "batch_size=3").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["three.jsonl"]

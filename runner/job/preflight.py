@@ -98,6 +98,11 @@ def check(
         )
     for split, records in found.items():
         say(f"ok  {split:<10} {where[split]} ({records} records)")
+    # As `runner train` refuses it before it starts: a split of fewer records than one global
+    # batch trains nothing.
+    from runner.job.job import _check_one_global_batch
+
+    _check_one_global_batch(recipe, found.get("train"))
     return recipe, found
 
 
