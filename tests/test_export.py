@@ -264,6 +264,25 @@ def test_missing_base_and_existing_destination(lora_checkpoint: Path, tmp_path: 
     assert caught.value.key == "out"
 
 
+def test_a_base_that_nothing_merges_into_is_refused(
+    runner_cli, full_checkpoint: Path, lora_checkpoint: Path, tmp_path: Path
+) -> None:
+    """base= was ignored unseen where nothing merges: a full checkpoint, or format=adapter
+    (whose adapter_config.json still named the base the run trained on), exit 0."""
+    for checkpoint, format in [(full_checkpoint, "merged"), (lora_checkpoint, "adapter")]:
+        out = tmp_path / f"out-{format}"
+        given = (f"checkpoint={checkpoint}", f"format={format}", f"base={tmp_path}", f"out={out}")
+        result = runner_cli("export", *given)
+        assert result.returncode == 2, result.stdout[-2000:]
+        line = result.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: base='{tmp_path}': "), line
+        assert line.endswith(
+            "so no base is read; drop base= (it names the base a LoRA checkpoint merges into, "
+            "with format=merged or format=gguf)"
+        ), line
+        assert "Traceback" not in result.stderr and not out.exists()
+
+
 def test_a_checkpoint_and_out_given_with_a_tilde_are_in_the_home_directory(
     full_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -157,7 +157,21 @@ def check_checkpoint(checkpoint: Path, format: str, base: str | None) -> Path | 
             raise UserError("checkpoint", str(checkpoint), f"LoRA checkpoint without {missing}")
         check_safetensors(checkpoint / ADAPTER_FILE, key="checkpoint")
     check_json_copied(checkpoint)
-    base_dir = check_base(checkpoint, base) if is_adapter and format != "adapter" else None
+    merges = is_adapter and format != "adapter"
+    if base is not None and not merges:
+        # It was ignored unseen: a full checkpoint has no base, and an adapter export names
+        # the base its adapter_config.json names.
+        if is_adapter:
+            why = "format=adapter copies the adapter and merges it into nothing"
+        else:
+            why = f"{checkpoint} is a full checkpoint (no adapter_config.json), with no adapter"
+        raise UserError(
+            "base",
+            base,
+            f"{why}, so no base is read; drop base= (it names the base a LoRA checkpoint "
+            "merges into, with format=merged or format=gguf)",
+        )
+    base_dir = check_base(checkpoint, base) if merges else None
     model_dir = base_dir or checkpoint
     if format != "adapter":
         require_safetensors(model_dir, "export")
