@@ -295,6 +295,18 @@ def test_a_checkpoint_and_out_given_with_a_tilde_are_in_the_home_directory(
     assert written == home / "merged" and (written / "config.json").is_file()
 
 
+def test_a_base_given_with_a_tilde_is_in_the_home_directory(
+    lora_checkpoint: Path, full_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quoted, base='~/base' was "not a local Hugging Face model dir", where checkpoint= and
+    out= take `~` as the home directory."""
+    home = tmp_path / "home"
+    shutil.copytree(full_checkpoint, home / "base")
+    monkeypatch.setenv("HOME", str(home))
+    written = run_export(lora_checkpoint, "merged", base="~/base", out=str(tmp_path / "merged"))
+    assert (written / "model.safetensors").is_file()
+
+
 def test_weights_cut_short_or_missing_are_named_before_anything_is_written(
     runner_cli, full_checkpoint: Path, lora_checkpoint: Path, tmp_path: Path
 ) -> None:

@@ -265,7 +265,7 @@ def check_merged_quantization(quantization: str) -> None:
 def check_base(checkpoint: Path, base: str | None) -> Path:
     """The base model dir a LoRA checkpoint merges into: `base=`, else its own
     (`runner.rundir.lora_base`: its run's base_model/, or the one its adapter names)."""
-    path = Path(base) if base else lora_base(checkpoint)
+    path = user_path(base) if base else lora_base(checkpoint)
     if path is None or not (path / HF_CONFIG_FILE).is_file():
         raise UserError(
             "base",
