@@ -356,6 +356,14 @@ def test_an_export_the_disk_refuses_is_one_message_with_nothing_left(
         f"take {size_text(weights)}: make room, or give out=PATH on another disk"
     ), said
     assert list(out.parent.iterdir()) == []  # nothing half-written
+    # Into the run's own exports/, made for it: that goes too.
+    run = shutil.copytree(
+        full_checkpoint.parents[1], tmp_path / "run", ignore=lambda d, n: ["exports"]
+    )
+    with files_limited_to(64 * 1024):
+        with pytest.raises(UserError, match="the export could not be written"):
+            run_export(run, format)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "status.json"]
 
 
 def test_a_tokenizer_file_cut_short_is_refused_by_name(full_checkpoint: Path, tmp_path: Path):

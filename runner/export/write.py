@@ -85,8 +85,35 @@ class ExportPlan:
 def export(request: ExportRequest) -> Path:
     """Export one checkpoint; returns the path written (a directory, or a .gguf file)."""
     plan = check_request(request)
+    made = not plan.destination.parent.exists()
     plan.destination.parent.mkdir(exist_ok=True)  # RUN/exports/ the first time
-    sample = None  # a GGUF file's greedy answer, from llama.cpp
+    try:
+        sample = _write(request, plan)
+    except BaseException:
+        if made:  # an export that failed leaves no empty RUN/exports/ either
+            with contextlib.suppress(OSError):
+                plan.destination.parent.rmdir()
+        raise
+    size = tree_size(plan.destination)
+    log.info(
+        "exported %s as %s to %s (%.1f MB)",
+        plan.checkpoint,
+        request.format,
+        plan.destination,
+        size / 1e6,
+    )
+    if request.format == "gguf":
+        if sample is None:
+            log.info("(no sample: llama-cpp-python is not installed)")
+        else:
+            log.info("llama.cpp, greedy: 'Hello!' -> %r", sample)
+    return plan.destination
+
+
+def _write(request: ExportRequest, plan: ExportPlan) -> str | None:
+    """The export written under a temporary name and renamed when whole; returns a GGUF
+    file's greedy answer from llama.cpp (None: not GGUF, or llama-cpp-python not there)."""
+    sample = None
     with staged(plan.destination) as tmp, _room_for(plan):
         if request.format == "adapter":
             write_adapter(plan.checkpoint, tmp)
@@ -104,20 +131,7 @@ def export(request: ExportRequest) -> Path:
 
             # Before the rename: a file llama.cpp cannot load is no export.
             sample = checked_sample(tmp)
-    size = tree_size(plan.destination)
-    log.info(
-        "exported %s as %s to %s (%.1f MB)",
-        plan.checkpoint,
-        request.format,
-        plan.destination,
-        size / 1e6,
-    )
-    if request.format == "gguf":
-        if sample is None:
-            log.info("(no sample: llama-cpp-python is not installed)")
-        else:
-            log.info("llama.cpp, greedy: 'Hello!' -> %r", sample)
-    return plan.destination
+    return sample
 
 
 def check_request(request: ExportRequest) -> ExportPlan:
