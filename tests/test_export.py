@@ -283,6 +283,29 @@ def test_a_base_that_nothing_merges_into_is_refused(
         assert "Traceback" not in result.stderr and not out.exists()
 
 
+def test_an_option_of_another_format_is_judged_by_the_last_format_given(
+    runner_cli, full_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Hydra exports the last format= given; the check of each format's options read the first:
+    format=gguf format=merged merged.dtype=bf16 was refused with "give format=merged", which
+    was given, and format=merged format=gguf merged.dtype=bf16 ignored the dtype unseen."""
+    refused = runner_cli(
+        "export",
+        f"checkpoint={full_checkpoint}",
+        "format=merged",
+        "format=gguf",
+        "merged.dtype=bf16",
+    )
+    assert refused.returncode == 2 and refused.stderr == (
+        "error: merged.dtype='bf16': only format=merged reads it; drop it, or give format=merged\n"
+    )
+    out = tmp_path / "bf16"
+    given = ("format=gguf", "format=merged", "merged.dtype=bf16", f"out={out}")
+    done = runner_cli("export", f"checkpoint={full_checkpoint}", *given)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_a_checkpoint_and_out_given_with_a_tilde_are_in_the_home_directory(
     full_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,7 +26,9 @@ def check_argv(argv: list[str]) -> None:
     refuse an option of another format than the one exported, which would be ignored unseen
     (format=adapter merged.dtype=bf16 wrote an fp32 adapter)."""
     given = [(override_key(argument), argument.partition("=")) for argument in argv]
-    exported = next((value for key, (_, _, value) in given if key == "format"), "merged")
+    # The last format= given, as Hydra takes it.
+    formats = [value for key, (_, _, value) in given if key == "format"]
+    exported = formats[-1] if formats else "merged"
     for owned, (key, _, value) in given:
         if key in _NAMESPACED:
             raise UserError(key, value, f"write {_NAMESPACED[key]}={value}")
