@@ -287,6 +287,29 @@ def global_batch(batch: Any, compute: Any) -> tuple[int, int]:
     return batch.batch_size * batch.gradient_accumulation_steps * processes, processes
 
 
+def check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
+    """An epoch is whole global batches: a training split with fewer records than one trains
+    nothing, which the trainer would find only after the run had started."""
+    global_batch_size, processes = global_batch(recipe, recipe.compute)
+    per_batch = recipe.gradient_accumulation_steps * processes
+    if records is None or records >= global_batch_size:
+        return
+    largest = records // per_batch
+    if largest:
+        fix = f"give batch_size={largest} or less"
+    elif recipe.gradient_accumulation_steps > 1:
+        fix = "lower gradient_accumulation_steps"
+    else:  # one sample a process is more than the split holds
+        fix = "train on fewer processes (compute.nproc_per_node, compute.nnodes)"
+    raise UserError(
+        "batch_size",
+        recipe.batch_size,
+        f"the training split has {records} records, fewer than one global batch of "
+        f"{global_batch_size} (batch_size x gradient_accumulation_steps="
+        f"{recipe.gradient_accumulation_steps} x {processes} process(es)); {fix}, or add records",
+    )
+
+
 def check_same_global_batch(run: str, recorded: Any, given: Any, compute: Any) -> None:
     """A checkpoint goes on over any number of processes with the global batch it trained by
     (docs/nodes.md): another would change the steps' math under those trained, and its data

@@ -24,7 +24,7 @@ from runner.components import plain_dict
 from runner.config.dataset import check_data_found
 from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
-from runner.config.load_checkpoint import check_same_global_batch, global_batch
+from runner.config.load_checkpoint import check_one_global_batch, check_same_global_batch
 from runner.config.method import move_recipe
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, error_line
@@ -290,29 +290,6 @@ def _finished(run: RunDir) -> bool:
     return True
 
 
-def _check_one_global_batch(recipe: DictConfig, records: int | None) -> None:
-    """An epoch is whole global batches: a training split with fewer records than one trains
-    nothing, which the trainer would find only after the run had started."""
-    global_batch_size, processes = global_batch(recipe, recipe.compute)
-    per_batch = recipe.gradient_accumulation_steps * processes
-    if records is None or records >= global_batch_size:
-        return
-    largest = records // per_batch
-    if largest:
-        fix = f"give batch_size={largest} or less"
-    elif recipe.gradient_accumulation_steps > 1:
-        fix = "lower gradient_accumulation_steps"
-    else:  # one sample a process is more than the split holds
-        fix = "train on fewer processes (compute.nproc_per_node, compute.nnodes)"
-    raise UserError(
-        "batch_size",
-        recipe.batch_size,
-        f"the training split has {records} records, fewer than one global batch of "
-        f"{global_batch_size} (batch_size x gradient_accumulation_steps="
-        f"{recipe.gradient_accumulation_steps} x {processes} process(es)); {fix}, or add records",
-    )
-
-
 def _check_data(recipe: DictConfig) -> None:
     """Reads and checks every record of every split before anything starts."""
     from runner.components import instantiate
@@ -323,7 +300,7 @@ def _check_data(recipe: DictConfig) -> None:
     found = check_datasets(recipe.dataset, instantiate(recipe.model.tokenizer), evaluates=evaluates)
     records = ", ".join(f"{n} {split}" for split, n in found.items()) or "no"
     log.info("data: %s records checked in %.1f s", records, time.perf_counter() - started)
-    _check_one_global_batch(recipe, found.get("train"))
+    check_one_global_batch(recipe, found.get("train"))
     if recipe.dataset.streaming:
         log.warning(
             "dataset.streaming: the training split is checked window by window as it is read "

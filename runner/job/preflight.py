@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.components import instantiate, plain_dict
 from runner.config.fields import as_typed
 from runner.config.interpolations import check_resume
+from runner.config.load_checkpoint import check_one_global_batch
 from runner.config.method import PREFERENCE_METHODS
 from runner.config.optimizer import split_option, state_per_weight
 from runner.config.resolve import resolve_recipe
@@ -100,9 +101,7 @@ def check(
         say(f"ok  {split:<10} {where[split]} ({records} records)")
     # As `runner train` refuses it before it starts: a split of fewer records than one global
     # batch trains nothing.
-    from runner.job.job import _check_one_global_batch
-
-    _check_one_global_batch(recipe, found.get("train"))
+    check_one_global_batch(recipe, found.get("train"))
     return recipe, found
 
 
