@@ -207,6 +207,27 @@ def runner_cli(
 
 
 @contextlib.contextmanager
+def sweep_lock_held(sweep: Path) -> Iterator[None]:
+    """The sweep directory's lock held inside the block by another process, as a running
+    sweep's own process holds it (runner.rundir.hold_until_exit)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from pathlib import Path; from runner.rundir import hold_until_exit; "
+            f"hold_until_exit(Path({str(sweep)!r})); print(flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@contextlib.contextmanager
 def files_limited_to(size: int) -> Iterator[None]:
     """This process may write no file past `size` bytes inside the block (`ulimit -f`): a disk
     that refuses a write, made real without a full disk (Python ignores SIGXFSZ, so the write

@@ -26,7 +26,7 @@ from runner import api
 from runner.job import stops
 from runner.paths import SAMPLE_DATA_DIR
 from runner.rundir import RunDir, RunLocked, lock_held, run_lock
-from tests.conftest import QUICK
+from tests.conftest import QUICK, sweep_lock_held
 
 LONG_JOB = [
     *QUICK,
@@ -265,25 +265,11 @@ def test_a_running_sweeps_directory_is_not_read_as_a_run_starting(runner_cli, tm
     sweep = tmp_path / "sweep"
     (sweep / "0").mkdir(parents=True)
     (sweep / "multirun.yaml").write_text("hydra: {}\n")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from pathlib import Path; from runner.rundir import "
-            f"hold_until_exit; hold_until_exit(Path({str(sweep)!r})); print(flush=True); "
-            "time.sleep(120)",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+    with sweep_lock_held(sweep):
         for command in ("logs", "stop"):
             result = runner_cli(command, str(sweep))
             assert result.returncode == 2, result.stderr
             assert "not a run directory" in result.stderr and "starting" not in result.stderr
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_a_run_whose_status_is_missing_names_the_way_on(runner_cli, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from runner.rundir import (
     best_run,
     sweep_runs,
 )
+from tests.conftest import sweep_lock_held
 
 SELECT = {"checkpoint": "latest", "metric": "eval_loss", "mode": "min"}
 
@@ -495,19 +496,5 @@ def test_a_stop_of_a_sequential_sweeps_job_says_it_ends_the_sweep(tmp_path: Path
     # own (`runner resume SWEEP/0`): stop said the sweep stopped with it, and started no job.
     (tmp_path / "sequential" / ".sweep.lock").touch()
     assert sweep_it_ends(RunDir(tmp_path / "sequential" / "0")) is None
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; from pathlib import Path; from runner.rundir import hold_until_exit; "
-            f"hold_until_exit(Path({str(tmp_path / 'sequential')!r})); print(flush=True); "
-            "time.sleep(120)",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+    with sweep_lock_held(tmp_path / "sequential"):
         assert sweep_it_ends(RunDir(tmp_path / "sequential" / "0")) == tmp_path / "sequential"
-    finally:
-        holder.kill()
-        holder.wait()
