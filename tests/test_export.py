@@ -283,6 +283,20 @@ def test_a_base_that_nothing_merges_into_is_refused(
         assert "Traceback" not in result.stderr and not out.exists()
 
 
+@pytest.mark.parametrize("command", ["export", "deploy"])
+def test_a_checkpoint_given_as_a_bare_word_names_its_key(
+    runner_cli, full_checkpoint: Path, command: str
+) -> None:
+    """`runner export RUN` (as `runner resume RUN` takes its run) said "LexerNoViableAltException:
+    RUN; overrides look like key=value ...", naming no key to give it by."""
+    result = runner_cli(command, str(full_checkpoint))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == (
+        f"error: override='{full_checkpoint}': a path is given as checkpoint=PATH: runner "
+        f"{command} checkpoint={full_checkpoint}\n"
+    )
+
+
 def test_an_option_of_another_format_is_judged_by_the_last_format_given(
     runner_cli, full_checkpoint: Path, tmp_path: Path
 ) -> None:

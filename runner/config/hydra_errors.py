@@ -22,12 +22,14 @@ from runner.errors import (
     address_space_error,
     interpolation_error,
 )
-from runner.paths import config_groups
+from runner.paths import config_groups, pasteable, user_path
 
 OVERRIDE_FORMS = "overrides look like key=value, group=option, +new_key=value or ~key"
-# A group of `runner train` that another command sets with a key of its own.
 # OmegaConf's type names, as the fix for a value of a typed key of Hydra's own says them.
 _A_KIND = {"Integer": "a whole number", "Float": "a number", "bool": "true or false"}
+# The key of the path a command reads, given by a user as a bare word (`runner deploy RUN`).
+PATH_KEYS = {"deploy": "checkpoint", "export": "checkpoint"}
+# A group of `runner train` that another command sets with a key of its own.
 OWN_KEYS: dict[tuple[str | None, str], str] = {
     ("deploy", "compute"): "device=cpu, device=cuda or device=auto"
 }
@@ -79,6 +81,12 @@ def from_hydra_error(
             # path with a space or a letter beyond ASCII (dätä.jsonl) likewise.
             fix = f"quote the value (and the whole, for the shell): \"{key}='{value}'\""
             return UserError("override", override, f"{reason}; {fix}")
+        if command in PATH_KEYS and "=" not in override and user_path(override).exists():
+            # `runner deploy RUN`, as `runner resume RUN` takes its run.
+            fix = f"a path is given as {PATH_KEYS[command]}=PATH: runner {command} " + pasteable(
+                PATH_KEYS[command], override
+            )
+            return UserError("override", override, fix)
         return UserError("override", override, f"{reason}; {OVERRIDE_FORMS}")
     if isinstance(err, ConfigCompositionException):
         return _composition_error(err, command, listed_by)
