@@ -210,6 +210,15 @@ def test_repro_of_something_else_is_a_user_error(runner_cli, tmp_path: Path) -> 
     result = runner_cli("repro", str(tmp_path))
     assert result.returncode == 2
     assert "not a run directory" in result.stderr
+    # A sweep's directory names its jobs: it said "not a run directory" alone.
+    (tmp_path / "0").mkdir()
+    RunDir(tmp_path / "0").write_status("completed", step=4, total_steps=4)
+    (tmp_path / "multirun.yaml").write_text("{}")  # as Hydra's sweeper writes it
+    sweep = runner_cli("repro", str(tmp_path))
+    assert sweep.returncode == 2 and sweep.stderr == (
+        f"error: RUN_DIR='{tmp_path}': a sweep directory, not a run: give one of its jobs "
+        f"({tmp_path / '0'}, ...; `runner runs {tmp_path}` lists them)\n"
+    )
 
 
 def test_repro_of_a_job_that_failed_before_its_recipe_says_so(runner_cli, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from runner.errors import UserError
-from runner.paths import pasteable, shell_path
+from runner.paths import pasteable
 from runner.rundir import (
     FINAL_STATES,
     LOG_FILE,
@@ -27,10 +27,9 @@ from runner.rundir import (
     SWEEP_LOCK_FILE,
     RunDir,
     is_run_dir,
-    is_sweep_dir,
+    its_jobs_instead,
     lock_held,
     pid_stopped,
-    sweep_runs,
 )
 from runner.rundir.lock import LOCK_FILE
 from runner.rundir.status import number
@@ -73,14 +72,9 @@ def run_dir_at(
             raise _state_unknown(run, key, "is missing")
         return run
     if not is_run_dir(run.path):
-        jobs = sweep_runs(run.path) if is_sweep_dir(run.path) else []
-        if jobs:  # `runner resume SWEEP` said only "not a run directory"
-            raise UserError(
-                key,
-                str(path),
-                f"a sweep directory, not a run: give one of its jobs ({shell_path(jobs[0].path)}, "
-                f"...; `runner runs {shell_path(path)}` lists them)",
-            )
+        sweeps = its_jobs_instead(run.path)
+        if sweeps:  # `runner resume SWEEP` said only "not a run directory"
+            raise UserError(key, str(path), sweeps)
         found = "not a run directory (no status.json)" if path.exists() else "no such directory"
         raise UserError(key, str(path), f"{found}; `runner runs` lists the runs here")
     if readable and _unreadable(run):

@@ -30,6 +30,7 @@ from runner.rundir import (
     Status,
     is_run_dir,
     is_sweep_dir,
+    its_jobs_instead,
 )
 from runner.rundir.manifest import (
     MANIFEST_FILE,
@@ -242,6 +243,9 @@ def repro(run_dir: Path, *, steps: int | None, tolerance: float | None, out: Pat
             f"the run failed before it recorded its recipe ({RECIPE_FILE}): nothing to re-run; "
             f"fix what its {STATUS_FILE} error says and train it again",
         )
+    sweeps = its_jobs_instead(recorded.path) if not recorded.recipe_path.is_file() else None
+    if sweeps:  # said only "not a run directory"
+        raise UserError("RUN_DIR", str(run_dir), sweeps)
     if not (recorded.recipe_path.is_file() and (recorded.path / MANIFEST_FILE).is_file()):
         raise UserError(
             "RUN_DIR",

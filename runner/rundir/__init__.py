@@ -67,4 +67,11 @@ from runner.rundir.status import (
     STOPPING,
     Status,
 )
-from runner.rundir.sweeps import SUMMARY_JSON, SWEEP_MARKERS, best_run, is_sweep_dir, sweep_runs
+from runner.rundir.sweeps import (
+    SUMMARY_JSON,
+    SWEEP_MARKERS,
+    best_run,
+    is_sweep_dir,
+    its_jobs_instead,
+    sweep_runs,
+)

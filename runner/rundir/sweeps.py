@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from runner.paths import shell_path
 from runner.rundir.run import RunDir, best_key, is_run_dir
 
 # A sweep's summary of its jobs (runner.job.sweep writes it as each job ends).
@@ -26,6 +27,18 @@ def sweep_runs(sweep_dir: Path) -> list[RunDir]:
     jobs = [child for child in sweep_dir.iterdir() if child.is_dir() and is_run_dir(child)]
     jobs.sort(key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name))
     return [RunDir(job) for job in jobs]
+
+
+def its_jobs_instead(path: Path) -> str | None:
+    """What a command that takes a run says of a sweep directory given instead: a sweep's, and
+    its jobs to give; None where `path` is no sweep's, or holds no job yet."""
+    jobs = sweep_runs(path) if is_sweep_dir(path) else []
+    if not jobs:
+        return None
+    return (
+        f"a sweep directory, not a run: give one of its jobs ({shell_path(jobs[0].path)}, ...; "
+        f"`runner runs {shell_path(path)}` lists them)"
+    )
 
 
 def best_run(runs: list[RunDir], metric: str, mode: str) -> RunDir | None:
