@@ -100,7 +100,7 @@ def test_a_recipe_of_another_layout_is_refused_by_name(tmp_path) -> None:
     [
         # The type as a value is typed, not Python's name of it.
         ("select.checkpoint=[1,2]", "select.checkpoint=[1, 2]: give a string"),
-        ("merged=3", "merged=3: is a section: set its keys, e.g. merged.KEY=VALUE"),
+        ("merged=3", "merged=3: is a section of dtype, quantization: set them, e.g. merged.dtype="),
         ("+colour=red", "colour='red': no such key"),
     ],
 )

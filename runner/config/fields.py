@@ -165,7 +165,12 @@ def _check_sections(schema: type, given: DictConfig, prefix: str) -> None:
         value = OmegaConf.select(given, spec.name, throw_on_missing=False)
         key = f"{prefix}{spec.name}"
         if not isinstance(value, DictConfig):
-            raise UserError(key, value, f"is a section: set its keys, e.g. {key}.KEY=VALUE")
+            names = [spec.name for spec in dataclasses.fields(section)]
+            raise UserError(
+                key,
+                value,
+                f"is a section of {', '.join(names)}: set them, e.g. {key}.{names[0]}=...",
+            )
         _check_sections(section, value, f"{key}.")
 
 
