@@ -75,6 +75,9 @@ CASES = [
     # A null: Hydra removes none ("does not exist"), and said there was no such key.
     case("key-removed-null", "validate ~resume", "~resume:", "null"),
     case("group-null", "validate dtype=null", "dtype=null", "choose one of: auto, bf16"),
+    # A number or true/false where an option's name goes: Hydra's ValueError, in a traceback.
+    case("group-number", "validate compute=2", "compute='2'", "choose one of: auto, cpu"),
+    case("group-bool", "validate optimizer=true", "optimizer='true'", "choose one of: adamw"),
     # A group of the user's own that runner reads nowhere: "no such key" of its contents (a
     # dict), the option not named; runner's own groups added again or as a list: Hydra's words.
     case(

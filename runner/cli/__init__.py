@@ -321,11 +321,14 @@ def _warn_groups_given_twice(argv: list[str]) -> None:
 
 
 def _check_group_choices(name: str, argv: list[str]) -> None:
-    """Each config group given one option of its own: set to null (`model=null`: Hydra raised a
-    ValueError that named no group, "Config group override must be a string or a list"), a list
-    (`model=[tiny,hf]`: Hydra merged both options into one), or added again
-    (`+model=tiny`, `++model=tiny`: Hydra's "model appears more than once in the final defaults
-    list", "force-add of config groups is not supported")."""
+    """Each config group given one option of its own: set to null, a number or true/false
+    (`model=null`, `compute=2`: Hydra raised a ValueError that named no group, "Config group
+    override must be a string or a list"), a list (`model=[tiny,hf]`: Hydra merged both options
+    into one), or added again (`+model=tiny`, `++model=tiny`: Hydra's "model appears more than
+    once in the final defaults list", "force-add of config groups is not supported")."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from runner.config.hydra_errors import OWN_KEYS
     from runner.errors import NULL
     from runner.paths import CONF_DIR, config_groups
 
@@ -336,11 +339,20 @@ def _check_group_choices(name: str, argv: list[str]) -> None:
         group = key.lstrip("+")
         if not equals or group not in groups:
             continue
-        if value.strip().lower() == "null":
+        try:
+            given = OverridesParser.create().parse_override(override).value()
+        except Exception:  # noqa: BLE001 - Hydra's grammar refuses it: Hydra's message says so
+            given = value
+        if given is None or isinstance(given, (bool, int, float)):
             options = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
-            raise UserError(
-                group, NULL, f"a config group takes an option; choose one of: {', '.join(options)}"
+            own = OWN_KEYS.get((name, group))
+            fix = (
+                f"runner {name} has no {group} group; set {own} instead"
+                if own
+                else f"a config group takes an option by its name; choose one of: "
+                f"{', '.join(options)}"
             )
+            raise UserError(group, NULL if given is None else value, fix)
         if value.startswith("["):
             listed = value.strip("[]").replace(" ", "")
             raise UserError(
