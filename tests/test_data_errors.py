@@ -290,6 +290,18 @@ def test_missing_column_and_empty_splits(tmp_path: Path) -> None:
     assert err.value.key == "dataset.source" and "dataset.source=PATH" in err.value.fix
 
 
+def test_a_file_of_another_kinds_columns_names_that_dataset(tmp_path: Path) -> None:
+    """A chat file given to the default dataset (instruct's columns) was told to map a column
+    to `instruction`, which no mapping of a `messages` column can give."""
+    chat = write([CHAT_GOOD], tmp_path / "chat.jsonl")
+    with pytest.raises(UserError) as err:
+        check_datasets(data(f"dataset.source={chat}"), tokenizer())
+    assert err.value.fix.endswith(
+        "its columns are ['messages']; they are those of dataset=chat: give dataset=chat, or map "
+        "it with dataset.column_map.instruction=<column>"
+    ), err.value.fix
+
+
 def test_an_unreadable_file_is_a_user_error(tmp_path: Path) -> None:
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"instruction": "x", "output": "y"}\n{not json\n')

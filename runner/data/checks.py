@@ -118,6 +118,15 @@ def _instruct_prompts(records: Records, data: Mapping[str, Any]) -> tuple[np.nda
     return sizes, messages
 
 
+def _kinds_of(columns: list[str]) -> list[str]:
+    """The kinds whose required columns, under our names, a file's `columns` hold."""
+    return [
+        kind
+        for kind, ours in COLUMNS.items()
+        if all(name in columns for name, required in ours.items() if required)
+    ]
+
+
 def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> None:
     """Columns present, every cell UTF-8 text where it holds text, and of the right type; `key`
     is the source's config key."""
@@ -130,6 +139,10 @@ def check_records(records: Records, data: Mapping[str, Any], *, key: str) -> Non
             fix = f"map it with dataset.column_map.{ours}=<column>"
             if not required:
                 fix += f" (or dataset.column_map.{ours}=null if there is none)"
+            # A chat file given as the default dataset (instruct's): mapping cannot help.
+            other = next((k for k in _kinds_of(table.column_names) if k != kind), None)
+            if other is not None:
+                fix = f"they are those of dataset={other}: give dataset={other}, or {fix}"
             raise UserError(
                 f"dataset.column_map.{ours}",
                 theirs,
