@@ -311,9 +311,14 @@ def _elastic_launch(recipe: DictConfig, recipe_path: Path, node_rank: int | None
         _check_out()
         raise ended from None
     except ChildFailedError as err:
-        for rank, failure in err.failures.items():
-            if failure.exitcode < 0:  # killed by a signal: it recorded nothing of its own
-                run.record_failure(rank, killed_by(failure.signal_name()))
+        # Killed by a signal, a rank recorded nothing of its own. Where one was killed outright
+        # (SIGKILL: the out-of-memory killer, kill -9), it is the cause, and the others' signals
+        # follow from it: a peer that crashed in its collective as that rank vanished (SIGSEGV
+        # in gloo), recorded in the same instant, was named instead as the lower rank.
+        killed = {rank: f for rank, f in err.failures.items() if f.exitcode < 0}
+        outright = {rank: f for rank, f in killed.items() if f.signal_name() == "SIGKILL"}
+        for rank, failure in (outright or killed).items():
+            run.record_failure(rank, killed_by(failure.signal_name()))
         status = run.status()
         error = status.error or "see its output above"
         failed = f"training failed after {config.max_restarts} restart(s) (compute.max_restarts):"
