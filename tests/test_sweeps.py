@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runner.job.sweep import write_summary
 from tests.conftest import QUICK, ctrl_c_after_two_steps, losses
 
 SAMPLE = Path(__file__).parents[1] / "runner" / "assets" / "sample" / "train.jsonl"
@@ -448,17 +450,25 @@ def test_ctrl_c_stops_the_sweep_with_its_summary_so_far(hermetic_env, tmp_path: 
     # It read as a finished sweep, its best chosen among the jobs that happened to run; with
     # no evaluation there is no best, and the stopped job goes on from its checkpoint.
     assert summary_of(sweep)["jobs"] == 2
-    assert (
+    hint = (
         f"1 of 2 jobs not started; a sweep stopped before them goes on by its own command with "
-        f"hydra.sweep.dir={sweep}, job 0 from its last checkpoint\n"
-    ) in (sweep / "summary.md").read_text()
+        f"hydra.sweep.dir={sweep}, job 0 "
+    )
+    summary_md = (sweep / "summary.md").read_text()
+    assert f"{hint}from its checkpoint of step {row['step']}\n" in summary_md
     # Resumed on its own and stopped again, the job is where the sweep's summary says it is.
     ctrl_c_after_two_steps(
         ["resume", str(sweep / "0")], hermetic_env, sweep / "0" / "metrics.jsonl"
     )
     (resumed,) = summary_of(sweep)["runs"]
     assert resumed["state"] == "cancelled" and row["step"] + 2 <= resumed["step"] < 400, resumed
-    assert f"| cancelled | {resumed['step']}/400 |" in (sweep / "summary.md").read_text()
+    summary_md = (sweep / "summary.md").read_text()
+    assert f"| cancelled | {resumed['step']}/400 |" in summary_md
+    assert f"{hint}from its checkpoint of step {resumed['step']}\n" in summary_md
+    # A job whose checkpoints are gone goes on from step 0, and the summary says so.
+    shutil.rmtree(sweep / "0" / "checkpoints")
+    write_summary(sweep, summary_of(sweep)["metric"], summary_of(sweep)["mode"])
+    assert f"{hint}from step 0 (no checkpoint)\n" in (sweep / "summary.md").read_text()
 
 
 @pytest.mark.long  # two trainings, in the sweep's process, then in fresh workers

@@ -178,13 +178,23 @@ def table(summary: dict[str, Any]) -> str:
     if jobs is not None and ran < jobs:
         # A sweep stopped midway read as a finished one, its best chosen among the jobs run.
         best_of = f" (the best is of the {ran} that have)" if best else ""
-        cancelled = [r["job"] for r in summary["runs"] if r["state"] == "cancelled"]
-        each_on = f", job {', '.join(cancelled)} from its last checkpoint" if cancelled else ""
+        each_on = "".join(
+            f", job {r['job']} {_goes_on_from(RunDir(r['run_dir']))}"
+            for r in summary["runs"]
+            if r["state"] == "cancelled"
+        )
         lines.append(
             f"{jobs - ran} of {jobs} jobs not started{best_of}; a sweep stopped before them "
             f"goes on by its own command with hydra.sweep.dir={summary['sweep_dir']}{each_on}"
         )
     return "\n".join(lines)
+
+
+def _goes_on_from(run: RunDir) -> str:
+    """Where a stopped job goes on as its sweep runs again: its newest checkpoint, or step 0
+    where it saved none (stopped before its first step, or its checkpoints since removed)."""
+    saved = run.checkpoints()
+    return f"from its checkpoint of step {saved[-1][0]}" if saved else "from step 0 (no checkpoint)"
 
 
 def plot_losses(sweep_dir: Path, summary: dict[str, Any]) -> Path | None:
