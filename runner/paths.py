@@ -35,6 +35,16 @@ def user_path(given: object) -> Path:
     return Path(str(given)).expanduser()
 
 
+def refuse_empty_path(key: str, given: object, fix: str) -> None:
+    """A UserError where the path typed under `key` is empty (`key=`, or `key=$DIR` of an unset
+    shell variable): as a path it names the working directory, where a run, a sweep or an export
+    was written among the user's own files."""
+    from runner.errors import UserError
+
+    if isinstance(given, str) and not given.strip():
+        raise UserError(key, given, f"an empty path (the working directory); {fix}")
+
+
 def config_groups() -> set[str]:
     """The config groups of conf/ (model, dataset, ..., hydra): its folders."""
     return {path.name for path in CONF_DIR.iterdir() if path.is_dir()}

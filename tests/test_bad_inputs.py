@@ -41,7 +41,9 @@ class Case(NamedTuple):
 
 
 def case(id: str, argv: str, *names: str) -> object:
-    return pytest.param(Case(id, argv.split(), list(names)), id=id)
+    """`argv` split at spaces; `""` is an empty argument."""
+    args = ["" if arg == '""' else arg for arg in argv.split()]
+    return pytest.param(Case(id, args, list(names)), id=id)
 
 
 # ---- the table --------------------------------------------------------------------------------
@@ -487,6 +489,25 @@ CASES = [
     case("logs-not-a-run", "logs {files}/not_a_run", "RUN=", "not_a_run"),
     case("stop-not-a-run", "stop {files}/not_a_run", "RUN=", "not_a_run"),
     case("resume-completed", "resume {files}/old_run", "RUN=", "old_run"),
+    # An empty path (`key=`, or `key=$DIR` of an unset variable) names the working directory:
+    # a run, a sweep or a resume was made there among the user's files, an export written by
+    # default, and a run, data or a checkpoint looked for there.
+    case("empty-run-dir", "train compute=cpu max_steps=2 hydra.run.dir=", "hydra.run.dir=''"),
+    case(
+        "empty-sweep-dir",
+        "train -m compute=cpu max_steps=2 seed=0,1 hydra.sweep.dir=",
+        "hydra.sweep.dir=''",
+    ),
+    case("empty-resume", "train resume=", "resume=''", "runner resume RUN"),
+    case("empty-source", "validate dataset.source=", "dataset.source=''", "give a data file"),
+    case("empty-export-checkpoint", "export checkpoint=", "checkpoint=''"),
+    case("empty-export-out", "export checkpoint={files}/full_ckpt out=", "out=''", "out=PATH"),
+    case("empty-resume-run", 'resume ""', "RUN=''", "give a run directory"),
+    case("empty-stop-run", 'stop ""', "RUN=''"),
+    case("empty-runs-dir", 'runs ""', "DIR=''"),
+    case("empty-repro-run", 'repro ""', "RUN_DIR=''"),
+    case("empty-repro-out", 'repro {files}/old_run --out ""', "--out=''"),
+    case("empty-push-path", 'push "" hf://org/name', "path=''"),
     # cluster
     case("cluster-nodes", "cluster cluster.nodes=0", "cluster.nodes="),
     case("cluster-shared-dir", "cluster cluster.shared_dir=/shared/$HOME", "cluster.shared_dir="),

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from runner.errors import UserError
+from runner.paths import refuse_empty_path, user_path
 
 # argparse's wording for a value its `type` refuses -> what to give instead.
 TYPE_NAMES = {"int": "an integer", "float": "a number"}
@@ -18,6 +21,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise argument_error(message, self.prog, self.format_usage())
+
+
+def path_argument(name: str, fix: str) -> Callable[[str], Path]:
+    """argparse's `type` of the path argument `name`: `~` expanded, an empty one refused."""
+
+    def typed(given: str) -> Path:
+        refuse_empty_path(name, given, fix)
+        return user_path(given)
+
+    return typed
 
 
 def _key(argument: str) -> str:

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from runner.cli.arguments import ArgumentParser
+from runner.cli.arguments import ArgumentParser, path_argument
 from runner.errors import UserError
 from runner.job.lifecycle import (
     LogReader,
@@ -23,12 +23,14 @@ from runner.job.lifecycle import (
     sweep_it_ends,
     wait_until_final,
 )
-from runner.paths import shell_path, user_path
+from runner.paths import shell_path
 from runner.rundir import FINAL_STATES, LOG_FILE, STALLED, RunDir
 
 # How long `runner logs -f RUN` waits for a run to start at RUN, where none is yet: a
 # `runner train hydra.run.dir=RUN &` typed just before takes seconds to make it.
 FOLLOW_APPEAR_S = 30.0
+# RUN, as stop, logs and resume take it.
+RUN_PATH = path_argument("RUN", "give a run directory (`runner runs` lists them)")
 
 
 def main(command: str, argv: list[str]) -> int:
@@ -39,12 +41,12 @@ def main(command: str, argv: list[str]) -> int:
         parser.add_argument(
             "dirs",
             nargs="*",
-            type=user_path,
+            type=path_argument("DIR", "give a directory of runs, or none for ./outputs ./multirun"),
             metavar="DIR",
             help="directories to search (default: ./outputs ./multirun)",
         )
     else:
-        parser.add_argument("run", type=user_path, metavar="RUN", help="a run directory")
+        parser.add_argument("run", type=RUN_PATH, metavar="RUN", help="a run directory")
     if command == "logs":
         parser.description = "Print a run's log; -f follows it until the run ends."
         parser.add_argument("-f", "--follow", action="store_true")
@@ -127,7 +129,7 @@ def resume_argv(argv: list[str]) -> list[str]:
         prog="runner resume",
         description="Continue a cancelled or failed run from its last whole checkpoint.",
     )
-    parser.add_argument("run", type=user_path, metavar="RUN", help="a run directory")
+    parser.add_argument("run", type=RUN_PATH, metavar="RUN", help="a run directory")
     run = run_dir_at(parser.parse_args(argv).run)
     check_resumable(run)
     return ["train", f"resume={run.path.resolve()}"]

@@ -8,7 +8,7 @@ from runner.cli.arguments import ArgumentParser
 from runner.errors import UserError
 from runner.hub.download import SCHEME
 from runner.hub.push import check_pushable, parse_target, push, push_token
-from runner.paths import user_path
+from runner.paths import refuse_empty_path, user_path
 from runner.rundir import is_checkpoint_dir
 
 
@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
         "--hf-token", default="env:HF_TOKEN", help="env:NAME or file:PATH (never the token)"
     )
     args = parser.parse_args(argv)
+    refuse_empty_path("path", args.path, "give an export's path")
     path = user_path(args.path)
     if not path.exists():
         fix = "no such file or directory: give an export's path"

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from runner.cli.arguments import ArgumentParser
+from runner.cli.arguments import ArgumentParser, path_argument
 from runner.job.repro import CROSS_PATH_TOLERANCE, repro
-from runner.paths import user_path
 
 
 def main(argv: list[str]) -> int:
@@ -14,7 +13,12 @@ def main(argv: list[str]) -> int:
         description="Re-run a recorded run and compare per-step losses, checkpoint hashes and "
         "the manifest. Exit 0 on a match, 1 on drift, 2 on a user error.",
     )
-    parser.add_argument("run_dir", type=user_path, metavar="RUN_DIR", help="a run directory")
+    parser.add_argument(
+        "run_dir",
+        type=path_argument("RUN_DIR", "give a run directory"),
+        metavar="RUN_DIR",
+        help="a run directory",
+    )
     parser.add_argument("--steps", type=int, help="re-run and compare only the first N steps")
     parser.add_argument(
         "--tolerance",
@@ -26,7 +30,9 @@ def main(argv: list[str]) -> int:
         "GPU model, CPU kernel capability or thread count)",
     )
     parser.add_argument(
-        "--out", type=user_path, help="the new run directory (default: beside RUN_DIR)"
+        "--out",
+        type=path_argument("--out", "give the new run's directory, or leave --out off"),
+        help="the new run directory (default: beside RUN_DIR)",
     )
     args = parser.parse_args(argv)
     return repro(args.run_dir, steps=args.steps, tolerance=args.tolerance, out=args.out)

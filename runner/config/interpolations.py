@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import as_typed
 from runner.errors import UserError
-from runner.paths import ASSETS_DIR, SAMPLE_DATA_DIR, user_path
+from runner.paths import ASSETS_DIR, SAMPLE_DATA_DIR, refuse_empty_path, user_path
 
 
 def has_validation(validation: Any) -> bool:
@@ -47,6 +47,7 @@ def check_resume(resume: Any, overrides: list[str]) -> None:
     """resume=RUN continues RUN's recorded recipe: no other overrides, and RUN must be a run."""
     from runner.rundir import RECIPE_FILE, STATUS_FILE
 
+    refuse_empty_path("resume", resume, "give the run to go on with: runner resume RUN")
     extra = [o for o in overrides if not o.startswith("resume=")]
     if extra:
         raise UserError(
@@ -74,7 +75,7 @@ def run_dir(resume: Any, fresh: str, *, _root_: DictConfig) -> str:
     """
     from runner.config import platforms
 
-    if resume:
+    if resume is not None:
         check_resume(resume, as_typed(_root_.hydra.overrides.task))
     return str(user_path(platforms.run_dir(resume, fresh, _root_=_root_)))
 

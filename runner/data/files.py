@@ -14,7 +14,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 from runner.errors import UserError
-from runner.paths import user_path
+from runner.paths import refuse_empty_path, user_path
 
 # A data file compressed (data.jsonl.gz), read decompressed, as `datasets` reads it: fsspec
 # infers the compression from the extension.
@@ -57,6 +57,7 @@ def local_source(key: str, source: str) -> str:
             "is not in the cache and this command downloads nothing; fetch it with "
             "`runner download` and the same overrides",
         )
+    refuse_empty_path(key, source, f"give a data file ({data_extensions()}) or a directory of them")
     path = user_path(source)
     if not path.exists():
         raise UserError(

@@ -20,7 +20,7 @@ from typing import Any, TypedDict
 from runner.deploy.loading import require_safetensors
 from runner.deploy.selection import choose_checkpoint
 from runner.errors import UserError
-from runner.paths import user_path
+from runner.paths import refuse_empty_path, user_path
 from runner.rundir import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
@@ -137,6 +137,12 @@ def _write(request: ExportRequest, plan: ExportPlan) -> str | None:
 def check_request(request: ExportRequest) -> ExportPlan:
     """Every user error, before anything is loaded or written."""
     check_options(request)
+    refuse_empty_path(
+        "checkpoint", request.checkpoint, "give checkpoint=<checkpoint dir | run dir | sweep dir>"
+    )
+    refuse_empty_path(
+        "out", request.out, "give out=PATH, or leave out= off for the default, RUN/exports/"
+    )
     chosen = choose_checkpoint(user_path(request.checkpoint), **request.select)
     base = check_checkpoint(chosen, request.format, request.base)
     return ExportPlan(chosen, base, check_destination(request, chosen))

@@ -24,7 +24,7 @@ from runner.config.runtime import check_root
 from runner.config.schema import read_recipe
 from runner.errors import UserError, user_errors_pass_hydra
 from runner.job.lifecycle import check_recipe_whole, wait_for_orphans
-from runner.paths import pasteable, shell_path, user_path
+from runner.paths import pasteable, refuse_empty_path, shell_path, user_path
 from runner.rundir import RunDir, held_here, is_run_dir, run_around, run_lock
 from runner.rundir.io import free_space, size_text
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides, read_manifest
@@ -53,6 +53,12 @@ class RunDirLock(Callback):
         with user_errors_pass_hydra():
             check_root(config.runtime.output_root, "runtime.output_root")  # before any mkdir
             given = str(config.hydra.run.dir)  # as Hydra resolves it: ${now:} is cached
+            refuse_empty_path(
+                "hydra.run.dir",
+                given,
+                "give the run's directory, or leave hydra.run.dir out "
+                f"for {config.runtime.output_root}/<date>/<time>",
+            )
             path = user_path(given)  # hydra.run.dir='~/...'
             if config.resume is None:
                 _check_outside_runs(config, path)

@@ -16,6 +16,7 @@ from runner.config.fields import as_typed, override_key, parsed_overrides
 from runner.config.runtime import check_env_set, check_root
 from runner.config.secrets import refuse_config_secrets
 from runner.errors import UserError
+from runner.paths import refuse_empty_path
 from runner.rundir import SWEEP_LOCK_FILE, is_run_dir, lock_held, run_around
 from runner.rundir.lock import LOCK_FILE
 from runner.rundir.manifest import MANIFEST_FILE, changed_overrides
@@ -30,6 +31,12 @@ def check_sweep(config: DictConfig) -> None:
     waits for the sweep's process to pass them), `config` composed for a multirun: a UserError
     for the first problem found."""
     check_root(config.runtime.multirun_root, "runtime.multirun_root")
+    refuse_empty_path(
+        "hydra.sweep.dir",
+        str(config.hydra.sweep.dir),
+        "give the sweep's directory, or leave hydra.sweep.dir out for "
+        f"{config.runtime.multirun_root}/<date>/<time>",
+    )
     check_no_sweep_running(Path(config.hydra.sweep.dir), *sweep_dir_key(config, config.hydra))
     refuse_config_secrets(config)  # before Hydra writes it to multirun.yaml
     check_env_set(config.hydra.job.env_set)  # the jobs' checks see it, this one's not
