@@ -254,6 +254,28 @@ def test_a_secret_in_runtime_env_is_refused_unwritten(runner_cli, tmp_path: Path
     assert not any("hf_s3cr3t" in text for text in written)
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["+runtime.env.OMP_NUM_THREADS=0"], None, "runtime.env.OMP_NUM_THREADS='0'"),
+        # Read at import: fresh interpreters (tests/cli_forks.py), a run's and a sweep's.
+        ([], {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'"),
+        (["-m", "seed=0,1"], {"OMP_NUM_THREADS": "two"}, "OMP_NUM_THREADS='two'"),
+    ],
+    ids=["runtime.env", "shell", "shell, sweep"],
+)
+def test_a_thread_count_below_one_is_refused_before_a_run(
+    runner_cli, tmp_path: Path, args: list[str], env: dict | None, named: str
+) -> None:
+    """OMP_NUM_THREADS=0 failed the run in a traceback (torch.set_num_threads) after its
+    directory was made; text was passed over without a word."""
+    roots = [f"runtime.output_root={tmp_path / 'o'}", f"runtime.multirun_root={tmp_path / 'm'}"]
+    result = runner_cli("train", *args, "compute=cpu", "max_steps=2", *roots, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"error: {named}: give the threads each training process computes on" in result.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists()
+
+
 def test_a_secret_typed_as_a_value_is_refused_before_any_config_is_printed(runner_cli) -> None:
     """--cfg job and --info print every value as typed (Hydra's, before runner's checks run),
     and an export without push_to never reads its hf_token: each is refused first, unprinted."""

@@ -7,6 +7,7 @@ group as the user types it adds where runs are written and how hf:// sources are
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -63,6 +64,23 @@ def check_root(root: Any, key: str) -> None:
         raise UserError(key, root, fix)
 
 
+def check_threads(value: str | None, key: str, fix: str) -> None:
+    """OMP_NUM_THREADS, the threads each training process computes on (runner.trainer.process):
+    a count >= 1, or OpenMP's list of them (4,2); 0 failed the run in a traceback, in
+    torch.set_num_threads, and text was passed over without a word. `fix`: how to do without."""
+    if value is not None and not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", value.strip()):
+        raise UserError(
+            key, value, f"give the threads each training process computes on, >= 1, or {fix}"
+        )
+
+
+def check_shell_threads() -> None:
+    """The shell's OMP_NUM_THREADS, which a run's processes inherit (checked as a run or a sweep
+    starts, a resumed run too: runtime.env's is checked as the recipe resolves)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    check_threads(threads, "OMP_NUM_THREADS", "unset it for a share of the cores")
+
+
 def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
     """The recipe's runtime section: trackers checked, runtime.env free of secrets."""
     if runtime.tensorboard is not None:
@@ -75,6 +93,11 @@ def resolve_runtime(runtime: DictConfig) -> RuntimeRecipe:
     check_root(runtime.output_root, "runtime.output_root")
     check_root(runtime.multirun_root, "runtime.multirun_root")
     env = _plain_env(runtime.env)
+    check_threads(
+        env.get("OMP_NUM_THREADS"),
+        "runtime.env.OMP_NUM_THREADS",
+        "leave it out for a share of the cores",
+    )
     # runtime.env reaches the training processes (runner.job.launch), where the trackers start.
     check_loggers(list(runtime.loggers), env={**os.environ, **env}, project=runtime.project)
     if not (isinstance(runtime.progress_bar, bool) or runtime.progress_bar == "auto"):

@@ -26,6 +26,7 @@ from runner.config.hydra_errors import as_user_error
 from runner.config.interpolations import check_resume
 from runner.config.load_checkpoint import check_one_global_batch, check_same_global_batch
 from runner.config.method import move_recipe
+from runner.config.runtime import check_shell_threads
 from runner.config.schema import read_recipe, write_recipe
 from runner.errors import Diverged, UserError, error_line
 from runner.job.launch import as_launcher, environment, in_process, launch, node_rank_of
@@ -70,6 +71,7 @@ def train(
     new_here = not run.recipe_path.exists() and not run.checkpoints()
     try:
         with trainer_lock(cfg, run):
+            check_shell_threads()
             if cfg.resume is None:
                 # Before torch loads: a mistyped path or value is said in a second, not five.
                 from runner.config.resolve import typed_train

@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config.fields import as_typed, override_key, parsed_overrides
-from runner.config.runtime import check_env_set, check_root
+from runner.config.runtime import check_env_set, check_root, check_shell_threads
 from runner.config.secrets import refuse_config_secrets
 from runner.errors import UserError
 from runner.paths import refuse_empty_path
@@ -31,6 +31,7 @@ def check_sweep(config: DictConfig) -> None:
     waits for the sweep's process to pass them), `config` composed for a multirun: a UserError
     for the first problem found."""
     check_root(config.runtime.multirun_root, "runtime.multirun_root")
+    check_shell_threads()
     refuse_empty_path(
         "hydra.sweep.dir",
         str(config.hydra.sweep.dir),
