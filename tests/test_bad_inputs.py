@@ -508,6 +508,9 @@ CASES = [
     case("empty-repro-run", 'repro ""', "RUN_DIR=''"),
     case("empty-repro-out", 'repro {files}/old_run --out ""', "--out=''"),
     case("empty-push-path", 'push "" hf://org/name', "path=''"),
+    case(
+        "empty-api-key-file", "deploy checkpoint={files}/full_ckpt api_key.file=", "api_key.file=''"
+    ),
     # cluster
     case("cluster-nodes", "cluster cluster.nodes=0", "cluster.nodes="),
     case("cluster-shared-dir", "cluster cluster.shared_dir=/shared/$HOME", "cluster.shared_dir="),

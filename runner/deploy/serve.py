@@ -26,7 +26,7 @@ from runner.console import takeable
 from runner.deploy.routes import ServedModel, close_engines
 from runner.deploy.selection import ServedCheckpoint, check_given, resolve_checkpoints
 from runner.errors import UserError
-from runner.paths import user_path
+from runner.paths import refuse_empty_path, user_path
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ def read_api_key(*, env: str | None, file: str | None) -> str | None:
             raise UserError("api_key.env", env, f"set it first: export {env}=<the key>")
         return key
     if file is not None:
+        refuse_empty_path("api_key.file", file, "give the file that holds the key")
         try:
             key = user_path(file).read_text().strip()
         except OSError as error:
