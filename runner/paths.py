@@ -35,14 +35,16 @@ def user_path(given: object) -> Path:
     return Path(str(given)).expanduser()
 
 
-def refuse_empty_path(key: str, given: object, fix: str) -> None:
+def refuse_empty_path(
+    key: str, given: object, fix: str, means: str = "the working directory"
+) -> None:
     """A UserError where the path typed under `key` is empty (`key=`, or `key=$DIR` of an unset
-    shell variable): as a path it names the working directory, where a run, a sweep or an export
-    was written among the user's own files."""
+    shell variable): as a path it `means` the working directory (or the root a name is put
+    under), where a run, a sweep or an export was written among the user's own files."""
     from runner.errors import UserError
 
     if isinstance(given, str) and not given.strip():
-        raise UserError(key, given, f"an empty path (the working directory); {fix}")
+        raise UserError(key, given, f"an empty path ({means}); {fix}")
 
 
 def config_groups() -> set[str]:

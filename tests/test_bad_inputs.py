@@ -508,6 +508,14 @@ CASES = [
     case("empty-repro-run", 'repro ""', "RUN_DIR=''"),
     case("empty-repro-out", 'repro {files}/old_run --out ""', "--out=''"),
     case("empty-push-path", 'push "" hf://org/name', "path=''"),
+    case("empty-cache-dir", "validate runtime.cache_dir=", "runtime.cache_dir=''"),
+    case("empty-download-cache-dir", "download runtime.cache_dir=", "runtime.cache_dir=''"),
+    case(
+        "empty-shared-dir",
+        "cluster cluster.print=slurm cluster.shared_dir=",
+        "cluster.shared_dir=''",
+        "root",
+    ),
     case(
         "empty-api-key-file", "deploy checkpoint={files}/full_ckpt api_key.file=", "api_key.file=''"
     ),

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError
 from runner.hub.token import TokenRef
-from runner.paths import UNWRITABLE, unwritable_fix, user_path
+from runner.paths import UNWRITABLE, refuse_empty_path, unwritable_fix, user_path
 
 SCHEME = "hf://"
 URI_FORM = "hf://org/repo, hf://org/repo/path/in/repo or hf://org/repo@revision/path"
@@ -154,6 +154,12 @@ class Hub:
     @classmethod
     def from_runtime(cls, runtime: DictConfig, overrides: list[str] | None) -> Hub:
         """The hub settings of the `runtime` section."""
+        refuse_empty_path(
+            "runtime.cache_dir",
+            runtime.cache_dir,
+            "give the directory of the hub's files, or leave runtime.cache_dir out for "
+            f"{default_cache_dir()}",
+        )
         return cls(
             cache_dir=user_path(runtime.cache_dir),
             token=TokenRef.parse(runtime.hf_token),

@@ -21,7 +21,7 @@ from runner.config.method import check_method_keys
 from runner.config.optimizer import checked_option
 from runner.config.schema import Cluster, Train, typed
 from runner.errors import UserError
-from runner.paths import CONF_DIR
+from runner.paths import CONF_DIR, refuse_empty_path
 
 USAGE = """usage: runner cluster [train overrides] [cluster.KEY=VALUE ...]
 
@@ -281,6 +281,12 @@ def cluster_files(overrides: list[str]) -> dict[str, str]:
             nproc,
             f"a node has cluster.gpus_per_node={cluster.gpus_per_node}: give at most that many",
         )
+    refuse_empty_path(
+        "cluster.shared_dir",
+        cluster.shared_dir,
+        "give the directory every node mounts",
+        means=f"the file system's root: /{cluster.name}",
+    )
     files = {}
     if cluster.print in ("both", "slurm"):
         run_dir = f"{cluster.shared_dir}/{cluster.name}-${{SLURM_JOB_ID}}"
