@@ -202,6 +202,13 @@ class FinetuneRecipe:
             if latest is None:
                 # From the first step: metrics.jsonl is there from now on, empty until a step is
                 # logged (restarted with no checkpoint, the steps are logged again from the first).
+                trained = max(self.run.losses(), default=0)
+                if trained and self.cfg.resume_from is None:
+                    log.warning(
+                        "no checkpoint to go on from (the run had logged step %d, and saved none "
+                        "or its checkpoints are gone): it trains again from step 0",
+                        trained,
+                    )
                 self.run.truncate_metrics(0)
         if latest is None and self.cfg.resume_from is not None:
             # load_checkpoint: another run's checkpoint, read where it is (a mount, read-only).

@@ -398,11 +398,15 @@ def test_resume_after_a_kill_at_an_odd_moment(runner_cli, tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
     assert json.loads((run / "status.json").read_text())["state"] == "completed"
+    assert "no checkpoint to go on from" not in (run / "train.log").read_text()
 
     shutil.rmtree(run / "checkpoints")
     (run / "status.json").write_text(json.dumps({"state": "failed"}))
     result = runner_cli("train", f"resume={run}")
     assert result.returncode == 0, result.stderr[-3000:]
+    # Said where the user reads, not only done: the steps trained before are trained again.
+    said = "no checkpoint to go on from (the run had logged step 4, and saved none or its "
+    assert said in result.stdout + result.stderr and said in (run / "train.log").read_text()
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
 
