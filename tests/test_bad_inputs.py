@@ -453,6 +453,12 @@ CASES = [
     case(
         "deploy-not-a-checkpoint", "deploy checkpoint={files}/not_a_run", "checkpoint=", "not_a_run"
     ),
+    # A run over with no checkpoint: none will come by waiting (it said "wait for one").
+    case(
+        "deploy-ended-without-checkpoint",
+        "deploy checkpoint={files}/old_run",
+        "ended completed with no whole checkpoint",
+    ),
     case("deploy-cut-short", "deploy checkpoint={files}/cut_ckpt", "checkpoint=", "cut_ckpt"),
     case("deploy-unknown-key", "deploy checkpoint={files}/full_ckpt prot=9000", "prot="),
     # train's compute group carried over: deploy's own key is device

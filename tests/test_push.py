@@ -303,9 +303,9 @@ def test_a_run_or_sweep_dir_is_refused_naming_the_checkpoint_to_push(
     error = refused(sweep)
     assert "a sweep dir, not a model" in error
     assert f"`runner export checkpoint={sweep} push_to={target}`" in error
-    fresh = tmp_path / "fresh"  # a run that has not saved a checkpoint yet
-    shutil.copytree(run_dir, fresh, ignore=lambda folder, names: ["checkpoints"])
-    assert "the run has no checkpoint yet" in refused(fresh)
+    ended = tmp_path / "ended"  # a run whose checkpoints were removed: none will come
+    shutil.copytree(run_dir, ended, ignore=lambda folder, names: ["checkpoints"])
+    assert "the run ended completed with no whole checkpoint" in refused(ended)
     assert "acme/whole-run" not in UploadHub.uploaded
 
 

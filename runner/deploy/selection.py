@@ -228,8 +228,7 @@ def latest_checkpoint(run: RunDir) -> Path:
         raise UserError(
             "checkpoint",
             str(run.path),
-            "this run has no whole checkpoint yet (checkpoints/step_<N>/): wait for one, or "
-            "deploy another run",
+            f"{run.without_checkpoint()}, or deploy another run",
         )
     return latest
 

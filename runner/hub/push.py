@@ -100,8 +100,8 @@ def check_pushable(path: Path, to: str) -> None:
         raise UserError(
             "path",
             str(path),
-            f"{what}, not a model, and the run has no checkpoint yet: once it saves one, push "
-            f"that ({run / CHECKPOINTS_DIR / 'step_N'})",
+            f"{what}, not a model, and {RunDir(run).without_checkpoint()}; then push that "
+            f"({run / CHECKPOINTS_DIR / 'step_N'})",
         )
     raise UserError(
         "path",

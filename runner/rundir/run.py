@@ -343,6 +343,18 @@ class RunDir:
             _set_aside(checkpoint, problem)
         return None
 
+    def without_checkpoint(self) -> str:
+        """What deploy, export and push say of a run with no whole checkpoint: that one is yet to
+        come, or, where the run has ended, what would train one (none will come by waiting)."""
+        state, _ = self.effective_state()
+        if state not in FINAL_STATES:
+            return "the run has no whole checkpoint yet (checkpoints/step_<N>/): wait for one"
+        again = "train it again" if state == "completed" else f"`runner resume {self.path}`"
+        return (
+            f"the run ended {state} with no whole checkpoint (checkpoints/step_<N>/: none saved, "
+            f"or all removed since): {again} to make one"
+        )
+
     def remove_leftovers(self) -> list[Path]:
         """Removes what a killed save or prune left in checkpoints/ (.tmp-step_N, .deleting-*)."""
         if not self.checkpoints_dir.is_dir():
