@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -274,6 +275,19 @@ def test_a_thread_count_below_one_is_refused_before_a_run(
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"error: {named}: give the threads each training process computes on" in result.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists()
+
+
+def test_openmps_list_of_thread_counts_computes_on_its_first(runner_cli, tmp_path: Path) -> None:
+    """OMP_NUM_THREADS=N,M (N threads, M in each nested region: OpenMP's list form, which the
+    check above accepts) computes on N threads, as OpenMP reads it; it was passed over for a
+    share of the cores. N is no share this machine would give."""
+    count = (os.cpu_count() or 1) + 1
+    run = tmp_path / "run"
+    args = [*QUICK, "max_steps=1", "runtime.deterministic=false", f"hydra.run.dir={run}"]
+    result = runner_cli("train", *args, f"+runtime.env.OMP_NUM_THREADS='{count},1'")
+    assert result.returncode == 0, result.stderr[-3000:]
+    kernels = json.loads((run / "manifest.json").read_text())["kernels"]
+    assert kernels["intra_op_threads"] == count
 
 
 def test_a_secret_typed_as_a_value_is_refused_before_any_config_is_printed(runner_cli) -> None:

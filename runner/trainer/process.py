@@ -103,7 +103,9 @@ def _start_process(cfg: DictConfig) -> bool:
     # OMP_NUM_THREADS where set (a parallel sweep's share, the pinned path), else a fair share of
     # the cores for each of this machine's processes (a launcher that trains in itself computed
     # on one thread until here: runner.job.launch.as_launcher).
-    threads = os.environ.get("OMP_NUM_THREADS", "")
+    # OpenMP's list form (4,2: 4 threads, 2 in each nested region) gives its first count, as
+    # OpenMP reads it (runner.config.runtime.check_threads checked the form).
+    threads = os.environ.get("OMP_NUM_THREADS", "").partition(",")[0].strip()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     share = max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(int(threads) if threads.isdigit() else share)
