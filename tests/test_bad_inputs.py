@@ -303,6 +303,14 @@ CASES = [
         "dataset.validation.held_out=150%",
         "dataset.validation.held_out=",
     ),
+    # Empty: it was taken for a second validation set beside the sample's source ("set either
+    # held_out or a split/source, not both").
+    case(
+        "data-held-out-empty",
+        "validate dataset.validation.held_out=",
+        "dataset.validation.held_out=''",
+        "give a percentage",
+    ),
     # A validation split inside the training split: evaluation scored records it trained on.
     case(
         "data-validation-overlaps",
@@ -522,6 +530,9 @@ CASES = [
         "cluster.shared_dir=''",
         "root",
     ),
+    # An empty reference, not a token: it was shown as a hidden secret pasted as a value.
+    case("empty-token-file", "validate runtime.hf_token=file:", "runtime.hf_token='file:'"),
+    case("empty-token-env", "validate runtime.hf_token=env:", "runtime.hf_token='env:'"),
     case(
         "empty-api-key-file", "deploy checkpoint={files}/full_ckpt api_key.file=", "api_key.file=''"
     ),

@@ -307,6 +307,7 @@ def _validation(held: DictConfig, given_format: str | None) -> ValidationRecipe:
     `given_format`, dataset.format, or where it is null in its own extension's)."""
     from runner.data import local_source, source_format
 
+    held_out = _held_out(held.held_out)  # its own value first: held_out= is no second set
     given = [k for k in ("held_out", "split", "source") if held[k] is not None]
     if given and given != ["held_out"] and "held_out" in given:
         raise UserError(
@@ -322,7 +323,7 @@ def _validation(held: DictConfig, given_format: str | None) -> ValidationRecipe:
         # A separate file is read whole unless a split of it is named.
         split = "train" if split is None else split
     return ValidationRecipe(
-        held_out=_held_out(held.held_out),
+        held_out=held_out,
         seed=held.seed,
         split=None if split is None else str(split),
         source=source,

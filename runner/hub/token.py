@@ -29,7 +29,17 @@ class TokenRef:
         if value is None:
             return cls(None, key)
         kind, _, where = str(value).partition(":")
-        if kind not in ("env", "file") or not where:
+        if kind in ("env", "file") and not where.strip():
+            # env: or file: with nothing after (file:$TOKEN_FILE of an unset variable): a
+            # reference, shown as given, to nothing.
+            raise UserError(
+                key,
+                value,
+                f"an empty reference: give {kind}:{'NAME' if kind == 'env' else 'PATH'}, the "
+                f"{'variable' if kind == 'env' else 'file'} that holds the token (or null for "
+                "the login of `hf auth login`)",
+            )
+        if kind not in ("env", "file"):
             raise UserError(
                 key,
                 HIDDEN,
