@@ -176,6 +176,15 @@ def test_an_origin_no_browser_sends_is_refused(origin: str) -> None:
     assert refused.value.key == "allowed_origins"
 
 
+@pytest.mark.parametrize("host", ["''", "chat.example.com:8000"])
+def test_a_host_name_no_request_gives_is_refused(host: str) -> None:
+    """A request's Host is compared by its name alone: an empty name or one with a port never
+    matched (an empty Host header let in)."""
+    with pytest.raises(UserError, match="no host name a request gives") as refused:
+        prepare(deploy_config("checkpoint=unused", f"allowed_hosts=[{host}]"))
+    assert refused.value.key == "allowed_hosts"
+
+
 def test_an_ipv6_host_is_bracketed_in_the_url_it_serves_at(served_run: Path) -> None:
     """`http://:::PORT/v1` (host=::) is no URL: the OpenAI client refused it (Invalid port)."""
     # The engine in this process, which nothing starts before the server does: with an

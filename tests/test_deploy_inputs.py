@@ -245,8 +245,16 @@ def test_a_context_longer_than_the_models_names_the_top_level_key(tmp_path: Path
     LlamaConfig(max_position_embeddings=64).save_pretrained(tmp_path)
     assert model_context_length(tmp_path, None) == 64
     assert model_context_length(tmp_path, 32) == 32
-    with pytest.raises(UserError, match=r"^max_model_len=65: use null or a value from 1 to 64$"):
+    assert model_context_length(tmp_path, 2) == 2
+    refusal = (
+        r"^max_model_len={}: use null or a value from 2 \(a prompt's token and one new\) to 64$"
+    )
+    with pytest.raises(UserError, match=refusal.format(65)):
         model_context_length(tmp_path, 65)
+    # One token of context leaves none to generate after a prompt's first: it served, and
+    # refused every request as too long.
+    with pytest.raises(UserError, match=refusal.format(1)):
+        model_context_length(tmp_path, 1)
 
 
 def test_api_key_comes_by_reference_only(tmp_path: Path, monkeypatch) -> None:

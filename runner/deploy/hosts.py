@@ -40,6 +40,20 @@ def check_origins(origins: list[str]) -> None:
             )
 
 
+def check_hosts(hosts: list[str]) -> None:
+    """allowed_hosts as a request's Host is compared (its name, without the port): an empty name
+    or one with a port never matched a request, unsaid."""
+    for name in hosts:
+        bare = _normalized(name)
+        if not bare or (":" in bare and not _is_address(bare)):
+            raise UserError(
+                "allowed_hosts",
+                hosts,
+                f"{name!r} is no host name a request gives: give the name alone, without a "
+                "port (chat.example.com, 10.0.0.5), or *",
+            )
+
+
 def allowed_hosts(host: str, extra: list[str]) -> list[str]:
     """The names a request's Host may give: loopback, the bound `host` (for a wildcard address,
     this machine's name), and the `allowed_hosts` the user added."""

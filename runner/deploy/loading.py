@@ -104,8 +104,14 @@ def model_context_length(checkpoint_dir: Path, max_model_len: int | None) -> int
     own = config.get_text_config(decoder=True).max_position_embeddings
     if max_model_len is None:
         return own
-    if not 1 <= max_model_len <= own:
-        raise UserError("max_model_len", max_model_len, f"use null or a value from 1 to {own}")
+    # The shortest request a server answers is a prompt of one token and one new token: with
+    # max_model_len=1 it served, and refused every request as too long.
+    if not 2 <= max_model_len <= own:
+        raise UserError(
+            "max_model_len",
+            max_model_len,
+            f"use null or a value from 2 (a prompt's token and one new) to {own}",
+        )
     return max_model_len
 
 

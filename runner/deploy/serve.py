@@ -45,7 +45,7 @@ def deploy(cfg: DictConfig) -> None:
 
 def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     """Everything before serving: the API key, the bound socket, the loaded models, the app."""
-    from runner.deploy.hosts import allowed_hosts, check_origins
+    from runner.deploy.hosts import allowed_hosts, check_hosts, check_origins
     from runner.deploy.protocol import Limits
     from runner.deploy.routes import build_app
 
@@ -61,6 +61,7 @@ def prepare(cfg: DictConfig) -> tuple[FastAPI, socket.socket]:
     api_key = read_api_key(env=cfg.api_key.env, file=cfg.api_key.file)
     origins = list(cfg.allowed_origins)
     check_origins(origins)
+    check_hosts(list(cfg.allowed_hosts))
     sock = bind_socket(cfg.host, cfg.port)  # a host that is not this machine's: refused
     if api_key is None and not is_loopback(cfg.host):
         log.warning("host=%s is reachable from other machines and no api_key is set", cfg.host)
