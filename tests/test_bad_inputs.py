@@ -497,7 +497,9 @@ CASES = [
     case("push-no-target", "push {files}/full_ckpt", "to: missing", "usage: runner push"),
     case("logs-unknown-flag", "logs {files}/old_run -n 3", "argument='-n 3'"),
     case("stop-timeout-type", "stop {files}/old_run --timeout soon", "--timeout='soon'"),
-    case("stop-timeout-negative", "stop {files}/old_run --timeout -5", "--timeout=-5.0", "> 0"),
+    case("stop-timeout-negative", "stop {files}/old_run --timeout -5", "--timeout='-5'", "> 0"),
+    # as typed: argparse's float of it said --timeout=0.0
+    case("stop-timeout-zero", "stop {files}/old_run --timeout 0", "--timeout='0'", "> 0"),
     # lifecycle
     case("runs-missing-dir", "runs /no/such/dir", "DIR=", "/no/such/dir"),
     case("logs-not-a-run", "logs {files}/not_a_run", "RUN=", "not_a_run"),

@@ -4,6 +4,7 @@ errors are UserErrors, `error: KEY=VALUE: FIX` like every other command's."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,22 @@ def path_argument(name: str, fix: str) -> Callable[[str], Path]:
     def typed(given: str) -> Path:
         refuse_empty_path(name, given, fix)
         return user_path(given)
+
+    return typed
+
+
+def seconds_argument(name: str) -> Callable[[str], float]:
+    """argparse's `type` of the seconds argument `name`: a number > 0, refused as typed (`0`,
+    not argparse's float of it, `0.0`)."""
+
+    def typed(given: str) -> float:
+        try:
+            seconds = float(given)
+        except ValueError:
+            seconds = math.nan
+        if not seconds > 0:  # NaN too
+            raise UserError(name, given, "give the seconds to wait, a number > 0")
+        return seconds
 
     return typed
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from runner.cli.arguments import ArgumentParser, path_argument
+from runner.cli.arguments import ArgumentParser, path_argument, seconds_argument
 from runner.errors import UserError
 from runner.job.lifecycle import (
     LogReader,
@@ -55,7 +55,7 @@ def main(command: str, argv: list[str]) -> int:
         parser.description = "Ask a run to save a checkpoint and end as cancelled."
         parser.add_argument(
             "--timeout",
-            type=float,
+            type=seconds_argument("--timeout"),
             default=300.0,
             help="seconds to wait for it to stop (default 300)",
         )
@@ -99,8 +99,6 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    if not args.timeout > 0:  # NaN too
-        raise UserError("--timeout", args.timeout, "give the seconds to wait, a number > 0")
     run = run_dir_at(args.run)
     state, why = run.effective_state()
     stopped = stopped_processes(run) if state == STALLED else []
