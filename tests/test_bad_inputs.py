@@ -429,7 +429,16 @@ CASES = [
     ),
     case("runtime-loggers", "estimate runtime.loggers=[maybe]", "runtime.loggers="),
     # '': the runs went to the file system's root (/<date>/<time>)
-    case("runtime-output-root-empty", "train runtime.output_root=''", "runtime.output_root=''"),
+    case(
+        "runtime-output-root-empty",
+        "train runtime.output_root=''",
+        "runtime.output_root='': an empty path (runs at the file system's root)",
+    ),
+    case(
+        "runtime-multirun-root-empty",
+        "train -m runtime.multirun_root= seed=1,2",
+        "runtime.multirun_root='': an empty path",
+    ),
     case(
         "runtime-multirun-root-a-file",
         "train -m runtime.multirun_root={files}/full_ckpt/config.json/mr seed=1,2",

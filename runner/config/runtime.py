@@ -18,6 +18,7 @@ from runner.config.fields import flag, integer
 from runner.config.loggers import check_loggers
 from runner.config.secrets import env_secret_error, refuse_secret
 from runner.errors import SECRET_KEY, UserError
+from runner.paths import refuse_empty_path
 
 # typing's Optional/Dict/List: the forms OmegaConf 2.3 reads in structured-config annotations.
 # ruff: noqa: UP006, UP035, UP045
@@ -58,9 +59,10 @@ class Runtime(RuntimeRecipe):
 def check_root(root: Any, key: str) -> None:
     """runtime.output_root (multirun_root): a directory's path; '' made runs at the file
     system's root (/<date>/<time>), and null a directory named None before it was refused."""
-    if not isinstance(root, str) or not root.strip():
-        default = Runtime.__dataclass_fields__[key.removeprefix("runtime.")].default
-        fix = f"give the directory to write runs under ({default}, the default)"
+    default = Runtime.__dataclass_fields__[key.removeprefix("runtime.")].default
+    fix = f"give the directory to write runs under ({default}, the default)"
+    refuse_empty_path(key, root, fix, means="runs at the file system's root")
+    if not isinstance(root, str):
         raise UserError(key, root, fix)
 
 
