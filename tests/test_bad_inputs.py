@@ -167,6 +167,8 @@ CASES = [
         "dataset.padding_free=true",
     ),
     case("clip-grad-norm-nan", "validate clip_grad_norm=nan", "clip_grad_norm=nan"),
+    # as typed: the merge into its float field said optimizer.lr=0.0
+    case("optimizer-lr-zero", "validate optimizer.lr=0", "optimizer.lr=0:", "> 0"),
     # One format for every source: a .csv validation file read as json was "not valid JSON"
     case(
         "data-format-of-another-file",

@@ -24,12 +24,12 @@ from tests.test_imports import _loaded_after
         (["seed=-1"], "seed=-1: give an integer from 0 to 9223372036854775807"),
         (["compile=3"], "compile=3: give true or false"),
         (["runtime.deterministic=maybe"], "runtime.deterministic='maybe': give true or false"),
-        (["clip_grad_norm=0"], "clip_grad_norm=0.0: give a number > 0 or null"),
+        (["clip_grad_norm=0"], "clip_grad_norm=0: give a number > 0 or null"),
         (["method=lora", "method.rank=0"], "method.rank=0: give an integer >= 1"),
         (["method=lora", "method.dropout=-0.1"], "method.dropout=-0.1: give a number >= 0"),
         (["dataset.eval_samples=-1"], "dataset.eval_samples=-1: give an integer >= 0"),
         (["compute.collective_timeout_s=0"], "compute.collective_timeout_s=0: give an integer"),
-        (["model.initializer_range=0"], "model.initializer_range=0.0: give a number > 0"),
+        (["model.initializer_range=0"], "model.initializer_range=0: give a number > 0"),
     ],
 )
 def test_a_bad_value_names_key_value_and_fix(overrides: list[str], message: str) -> None:
@@ -72,7 +72,7 @@ def test_values_come_back_typed() -> None:
         ("port=-1", "port=-1: give an integer >= 0"),
         ("max_queue=0", "max_queue=0: give an integer >= 1"),
         ("limits.max_tokens=x", "limits.max_tokens='x': give an integer >= 1"),
-        ("vllm.gpu_memory_utilization=0", "vllm.gpu_memory_utilization=0.0: give a number > 0"),
+        ("vllm.gpu_memory_utilization=0", "vllm.gpu_memory_utilization=0: give a number > 0"),
     ],
 )
 def test_deploy_config_is_typed_too(override: str, message: str) -> None:

@@ -371,4 +371,5 @@ def _check_bounds(schema: type, merged: DictConfig, given: Any, prefix: str) -> 
         if out_of_range or value != value or value in (math.inf, -math.inf):
             # nan compares false with every bound (clip_grad_norm=nan passed, and the run went
             # nan at its second step, blamed on the learning rate); inf is no setting either.
-            raise UserError(key, value, _fix((spec, annotation)))
+            # Named as given: the merge made optimizer.lr=0 a float, 0.0.
+            raise UserError(key, value if raw is None else raw, _fix((spec, annotation)))
