@@ -32,12 +32,12 @@ class TokenRef:
         if kind in ("env", "file") and not where.strip():
             # env: or file: with nothing after (file:$TOKEN_FILE of an unset variable): a
             # reference, shown as given, to nothing.
+            place, holder = ("NAME", "variable") if kind == "env" else ("PATH", "file")
             raise UserError(
                 key,
                 value,
-                f"an empty reference: give {kind}:{'NAME' if kind == 'env' else 'PATH'}, the "
-                f"{'variable' if kind == 'env' else 'file'} that holds the token (or null for "
-                "the login of `hf auth login`)",
+                f"an empty reference: give {kind}:{place}, the {holder} that holds the token (or "
+                "null for the login of `hf auth login`)",
             )
         if kind not in ("env", "file"):
             raise UserError(
