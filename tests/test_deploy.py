@@ -246,6 +246,53 @@ def test_seed_and_n_sample_reproducibly(client) -> None:
     assert len(set(first)) == 3
 
 
+def test_logprobs_come_whole_and_streamed_as_the_openai_client_reads_them(client) -> None:
+    """Each generated token's log probability and its top, on both routes, whole and
+    streamed (the streamed chunks' together are the whole answer's, seeded alike); the engine's
+    figures themselves are checked against the model's in test_deploy_engine.py."""
+    asked = {"model": "tiny", "prompt": "hello", "max_tokens": 10, "seed": 3, "n": 2}
+    whole = client.completions.create(**asked, logprobs=2)
+    for choice in whole.choices:
+        logprobs = choice.logprobs
+        assert (
+            len(logprobs.tokens)
+            == len(logprobs.token_logprobs)
+            == whole.usage.completion_tokens // 2
+        )
+        assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(10)]
+        for token, logprob, top in zip(
+            logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+        ):
+            assert logprob <= 0 and top[token] == logprob  # the sampled token among its top
+            assert 1 <= len(top) <= 3 and max(top.values()) <= 0  # texts may coincide
+    streamed = {0: [], 1: []}
+    for chunk in client.completions.create(**asked, logprobs=2, stream=True):
+        (choice,) = chunk.choices
+        streamed[choice.index].append(choice.logprobs)
+    for choice in whole.choices:
+        parts = streamed[choice.index]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for part in parts for x in getattr(part, key)] == getattr(
+                choice.logprobs, key
+            )
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+    answer = client.chat.completions.create(**chat, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    for token in content:
+        assert token.bytes == list(token.token.encode())
+        assert [top.logprob for top in token.top_logprobs][0] == token.logprob  # greedy: top 1
+        assert len(token.top_logprobs) == 3
+    chunks = client.chat.completions.create(**chat, logprobs=True, top_logprobs=3, stream=True)
+    lists = [c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [token for part in lists for token in part] == content
+    # Not asked (or asked false): none, as before.
+    assert client.chat.completions.create(**chat).choices[0].logprobs is None
+    assert client.chat.completions.create(**chat, logprobs=False).choices[0].logprobs is None
+
+
 def test_sweep_serves_the_best_completed_run(client, sweep_dir: Path) -> None:
     # Run 1 (eval_loss 0.4) beats run 0 (0.9); run 2 (0.1) failed and does not count.
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
@@ -359,8 +406,11 @@ BAD_REQUESTS = {
     "empty prompt list": (completion_body(prompt=[]), 400),
     "prompts times n over the cap": (completion_body(prompt=["a"] * 5, n=2), 400),
     "seed too large": (completion_body(seed=2**70), 400),
-    "unsupported logprobs": (completion_body(logprobs=5), 400),
-    "logprobs 0, the sampled tokens' logprobs": (completion_body(logprobs=0), 400),
+    "logprobs over 20": (completion_body(logprobs=21), 400),
+    "logprobs negative": (completion_body(logprobs=-1), 400),
+    "logprobs true, chat's form": (completion_body(logprobs=True), 400),
+    "chat's top_logprobs on completions": (completion_body(top_logprobs=2), 400),
+    "echo, the prompt's logprobs": (completion_body(echo=True, logprobs=1), 400),
     "a misspelt field": (completion_body(max_token=2), 400),
     "another server's sampling option": (completion_body(repetition_penalty=2.0), 400),
     "chat's max_completion_tokens on completions": (completion_body(max_completion_tokens=2), 400),
@@ -420,7 +470,7 @@ WRONG_FIELDS = {  # body fields -> the error's param and message
         {"max_token": 2},
         "max_token",
         "unrecognized request argument: max_token; this route takes model, max_tokens, "
-        "temperature, top_p, n, stop, seed, stream, stream_options, prompt",
+        "temperature, top_p, n, stop, seed, stream, stream_options, prompt, logprobs",
     ),
     "a number as text": ({"n": "2"}, "n", "n: Input should be a valid integer"),
     "a prompt past the context": (
@@ -465,6 +515,21 @@ WRONG_CHAT_FIELDS = {  # body fields -> the error's param and message
         {"messages": HI, "stream": True, "stream_options": {"include_usag": True}},
         "stream_options.include_usag",
         "unrecognized request argument: stream_options.include_usag",
+    ),
+    "top_logprobs without logprobs": (
+        {"messages": HI, "top_logprobs": 2},
+        "top_logprobs",
+        "top_logprobs needs logprobs: true, which returns the tokens' logprobs",
+    ),
+    "top_logprobs over 20": (
+        {"messages": HI, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "top_logprobs: Input should be less than or equal to 20",
+    ),
+    "logprobs a number, the completions' form": (
+        {"messages": HI, "logprobs": 2},
+        "logprobs",
+        "logprobs: Input should be a valid boolean",
     ),
     "max_completion_tokens over the cap, by its own name": (
         {"messages": HI, "max_completion_tokens": 10**6},

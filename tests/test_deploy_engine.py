@@ -227,6 +227,68 @@ def test_a_streamed_answer_comes_every_stream_interval_tokens(
     assert len(grouped) < len(each)
 
 
+# The engine's batched, cached decode and one forward pass over the whole text sum in other
+# orders: fp32 log probabilities agree to about 1e-6 on the tiny model; 1e-4 leaves room for
+# other kernels (AVX2 or AVX-512) and still fails a value from the wrong position or row.
+LOGPROB_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize(
+    ("padded", "overlap"), [(False, False), (True, True)], ids=["exact", "padded-overlap"]
+)
+def test_each_token_comes_with_the_models_own_log_probabilities(
+    tiny_checkpoint, padded: bool, overlap: bool
+) -> None:
+    # compute=cpu, dtype=fp32. Rows asking for none, for the sampled token's alone, and for it
+    # with the top 3 or 5 decode in one batch (padded and a step ahead of the host, as on CUDA,
+    # in the second case), greedy and sampled: each token's log probability, and its top, are
+    # the model's log-softmax at that position (before temperature, as vLLM reports them).
+    from transformers import LlamaForCausalLM
+
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(
+        loaded, max_batch_size=8, max_queue=8, cuda_graphs=False, padded=padded, overlap=overlap
+    )
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in PROMPTS]
+    asked = [None, 0, 3, 5]
+
+    def request(i: int) -> SamplingRequest:
+        temperature = 0.0 if i % 2 else 1.0
+        return SamplingRequest(prompts[i], 12, temperature, 1.0, i, [], 1, False, asked[i])
+
+    async def answers() -> list[list]:
+        handles = [engine.submit([request(i)]) for i in range(len(prompts))]
+        return [[event async for event in handle.events()] for handle in handles]
+
+    try:
+        events = asyncio.run(answers())
+    finally:
+        engine.close()
+    model = LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    for prompt, top, answer in zip(prompts, asked, events, strict=True):
+        logprobs = [logprob for event in answer for logprob in event.logprobs]
+        if top is None:
+            assert logprobs == []
+            continue
+        assert len(logprobs) == answer[-1].completion_tokens  # one for each token counted
+        generated = [logprob.token_id for logprob in logprobs]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+        reference = logits.log_softmax(dim=-1)
+        for position, logprob in enumerate(logprobs):
+            expected = reference[position]
+            assert abs(logprob.logprob - expected[logprob.token_id].item()) < LOGPROB_TOLERANCE
+            assert len(logprob.top) == top
+            values = [value for _, value in logprob.top]
+            assert values == sorted(values, reverse=True)
+            top_values = expected.topk(top).values.tolist() if top else []
+            assert values == pytest.approx(top_values, abs=LOGPROB_TOLERANCE)
+            for token_id, value in logprob.top:  # the top's tokens by id, whatever their order
+                assert abs(value - expected[token_id].item()) < LOGPROB_TOLERANCE
+        text = loaded.tokenizer.decode(generated, skip_special_tokens=True)
+        assert text == "".join(event.text for event in answer)
+
+
 def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(
     tiny_checkpoint,
 ) -> None:

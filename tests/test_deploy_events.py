@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from runner.deploy.engine_process import _EngineSide
-from runner.deploy.generation import ChoiceEvent, EngineFailed, RequestHandle
+from runner.deploy.generation import ChoiceEvent, EngineFailed, RequestHandle, TokenLogprob
 from runner.deploy.routes import _Answer
 
 
@@ -66,6 +66,61 @@ def test_a_stream_that_fell_behind_writes_what_arrived_as_one_chunk_per_choice(c
     assert [said(chunk) for chunk in chunks[0]] == [(0, "abc", None), (1, "xy", "stop")]
     assert said(chunks[1][0]) == (0, "d", "length")
     assert chunks[2][0]["usage"]["completion_tokens"] == 4 + 2
+    assert writes[-1] == "data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_streams_logprobs_follow_its_text_into_each_chunk(chat: bool) -> None:
+    """Events that arrived together are one chunk with their tokens' logprobs joined; a text
+    completion's offsets count on from the text sent before; minus infinity (a token the model
+    rules out) is written as OpenAI writes it, -9999.0, where JSON has no infinity."""
+
+    def event(text: str, finish: str | None, tokens: int, *ids: int) -> ChoiceEvent:
+        logprobs = tuple(TokenLogprob(i, -float(i), ((1, -1.0), (i, -float(i)))) for i in ids)
+        return ChoiceEvent(0, text, finish, tokens, logprobs)
+
+    async def run() -> list[str]:
+        handle = RequestHandle(n=1)
+        for queued in (event("ab", None, 2, 1, 2), event("c", None, 3, 3)):
+            handle.put(queued)
+        answer = _Answer("id-1", "tiny", 0, chat, token_text=lambda i: "abcd"[i - 1])
+        writes = []
+        async for sent in answer.stream(handle, 3, include_usage=False):
+            writes.append(sent)
+            if len(writes) == (2 if chat else 1):
+                inf = ChoiceEvent(0, "d", "length", 4, (TokenLogprob(4, -float("inf"), ()),))
+                handle.put(inf)
+        return writes
+
+    writes = asyncio.run(run())
+    chunks = [chunk for sent in writes[1 if chat else 0 :] for chunk in _data(sent)]
+    logprobs = [chunk["choices"][0]["logprobs"] for chunk in chunks]
+    if chat:
+        for chunk in chunks:
+            openai.types.chat.ChatCompletionChunk.model_validate(chunk)
+        assert [[t["token"] for t in lp["content"]] for lp in logprobs] == [["a", "b", "c"], ["d"]]
+        assert [t["logprob"] for t in logprobs[0]["content"]] == [-1.0, -2.0, -3.0]
+        assert logprobs[0]["content"][1]["top_logprobs"] == [
+            {"token": "a", "logprob": -1.0, "bytes": [97]},
+            {"token": "b", "logprob": -2.0, "bytes": [98]},
+        ]
+        assert logprobs[1]["content"] == [
+            {"token": "d", "logprob": -9999.0, "bytes": [100], "top_logprobs": []}
+        ]
+    else:
+        assert logprobs[0] == {
+            "tokens": ["a", "b", "c"],
+            "token_logprobs": [-1.0, -2.0, -3.0],
+            "top_logprobs": [{"a": -1.0}, {"a": -1.0, "b": -2.0}, {"a": -1.0, "c": -3.0}],
+            "text_offset": [0, 1, 2],
+        }
+        # The sampled token is always among the top, as OpenAI writes it: here alone.
+        assert logprobs[1] == {
+            "tokens": ["d"],
+            "token_logprobs": [-9999.0],
+            "top_logprobs": [{"d": -9999.0}],
+            "text_offset": [3],
+        }
     assert writes[-1] == "data: [DONE]\n\n"
 
 

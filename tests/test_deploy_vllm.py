@@ -117,6 +117,34 @@ def test_vllm_samples_several_seeded_choices(client) -> None:
     assert ask() == ask()  # a seed repeats its samples
 
 
+def test_vllm_gives_the_models_own_logprobs_as_engine_transformers_does(
+    client, checkpoint: Path
+) -> None:
+    """Each token's log probability and its top 3, in chat's form, against the model's own
+    log-softmax over the prompt and the answer so far (fp32; vLLM's CPU kernels sum in other
+    orders than transformers': 1e-3)."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    answer = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3
+    )
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == answer.usage.completion_tokens
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+    generated = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0]
+    with torch.no_grad():
+        logits = model(generated[None]).logits[0, len(prompt) - 1 : -1]
+    reference = logits.log_softmax(dim=-1)
+    for position, (logprob, top) in enumerate(
+        zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True)
+    ):
+        expected = reference[position]
+        assert logprob == pytest.approx(expected.max().item(), abs=1e-3)  # greedy: the top one
+        # Keyed by text, the top may hold fewer than 3 where two tokens read alike (U+FFFD).
+        most_likely = expected.topk(3).values.tolist()
+        assert all(min(abs(value - v) for v in most_likely) < 1e-3 for value in top.values())
+
+
 @pytest.fixture(scope="module")
 def adapter(checkpoint: Path) -> Path:
     """A LoRA checkpoint as method=lora writes one (a PEFT adapter on q_proj and v_proj naming its

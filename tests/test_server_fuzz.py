@@ -65,7 +65,6 @@ SAMPLING = {
     "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "user": field(TEXT),
     # Unsupported, so right only at values that change nothing.
-    "logprobs": field(st.sampled_from([None, False])),
     "presence_penalty": field(st.sampled_from([None, 0, 0.0])),
     "frequency_penalty": field(st.sampled_from([None, 0, 0.0])),
     "logit_bias": field(st.sampled_from([None, {}])),
@@ -82,6 +81,7 @@ COMPLETION = {
         | TOKEN_IDS
         | st.lists(TOKEN_IDS, min_size=1, max_size=3)
     ),
+    "logprobs": field(st.none() | st.integers(0, 20)),
     "echo": field(st.sampled_from([None, False])),
     "suffix": field(st.sampled_from([None, ""])),
 }
@@ -93,6 +93,8 @@ MESSAGE = st.fixed_dictionaries(
 CHAT = {
     "messages": field(st.lists(MESSAGE, min_size=1, max_size=3)),
     "max_completion_tokens": field(st.integers(1, 6)),
+    "logprobs": field(st.none() | st.booleans()),
+    "top_logprobs": field(st.none() | st.integers(0, 20)),
     "tools": field(st.sampled_from([None, []])),
     "response_format": field(st.sampled_from([None, {"type": "text"}])),
     "tool_choice": field(st.sampled_from([None, "none", "auto"])),

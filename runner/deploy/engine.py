@@ -40,13 +40,19 @@ from runner.deploy.generation import (
     RequestTooLarge,
     SamplingRequest,
     ShuttingDown,
+    TokenLogprob,
     check_room,
     deliver,
 )
 from runner.deploy.kv_budget import GIB, Joining, KvBudget, default_budget
 from runner.deploy.kv_cache import BatchCache, token_bytes
 from runner.deploy.loading import LoadedModel
-from runner.deploy.sampling import NOT_A_DISTRIBUTION, SAMPLING_FAILED, next_tokens
+from runner.deploy.sampling import (
+    NOT_A_DISTRIBUTION,
+    SAMPLING_FAILED,
+    next_tokens,
+    token_logprobs,
+)
 from runner.deploy.text import TextStream, steps_decode
 
 log = logging.getLogger(__name__)
@@ -87,7 +93,30 @@ class _Sequence:
     finish_reason: str | None = None
     completion_tokens: int = 0
     events: list[ChoiceEvent] = field(default_factory=list)
+    # Its request asked for logprobs: those of its tokens since its last event.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     error: EngineFailed | None = None  # set when this sequence alone failed
+
+
+@dataclass
+class _StepLogprobs:
+    """A step's log probabilities for the rows whose requests asked (sampling.token_logprobs),
+    on the host once the step is `ready`."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def by_row(self, sequences: list[_Sequence], token_ids: list[int]) -> dict[int, TokenLogprob]:
+        """Each asking row's token and the top log probabilities its request asked for."""
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        by_row = {}
+        for i, row in enumerate(self.rows):
+            top = sequences[row].request.logprobs or 0
+            most_likely = tuple(zip(ids[i][:top], values[i][:top], strict=True))
+            by_row[row] = TokenLogprob(token_ids[row], chosen[i], most_likely)
+        return by_row
 
 
 @dataclass
@@ -98,6 +127,7 @@ class _Step:
     sequences: list[_Sequence]
     tokens: torch.Tensor
     ready: torch.cuda.Event | None
+    logprobs: _StepLogprobs | None = None  # None: no row's request asked for them
 
 
 class TransformersEngine:
@@ -402,39 +432,67 @@ class TransformersEngine:
         )
         # A row that failed to sample reads a token in the vocabulary; it leaves at the publish.
         self._cache.advance(next_ids.clamp(min=0))
+        logprobs = self._logprobs(logits, next_ids)
         if self._device.type != "cuda":
-            return _Step(list(self._running), next_ids, None)
-        tokens = next_ids.to("cpu", non_blocking=True)  # into pinned memory: the step's one copy
+            return _Step(list(self._running), next_ids, None, logprobs)
+        # Into pinned memory: the step's one copy (and its logprobs' where a request asked).
+        tokens = next_ids.to("cpu", non_blocking=True)
+        if logprobs is not None:
+            logprobs = _StepLogprobs(
+                logprobs.rows,
+                *(
+                    t.to("cpu", non_blocking=True)
+                    for t in (logprobs.chosen, logprobs.top_values, logprobs.top_ids)
+                ),
+            )
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self._device))
-        return _Step(list(self._running), tokens, ready)
+        return _Step(list(self._running), tokens, ready, logprobs)
+
+    def _logprobs(self, logits: torch.Tensor, next_ids: torch.Tensor) -> _StepLogprobs | None:
+        """The step's log probabilities for the running rows whose requests asked; None (no
+        work on the device) where none did."""
+        asked = [s.request.logprobs for s in self._running]
+        rows = [row for row, top in enumerate(asked) if top is not None]
+        if not rows:
+            return None
+        top = max(asked[row] or 0 for row in rows)
+        return _StepLogprobs(rows, *token_logprobs(logits, next_ids, rows, top))
 
     def _finish(self, step: _Step) -> None:
         """Read a step's tokens (waiting for its copy alone), record them in its sequences and
         send what they made; drop the finished sequences from the batch."""
         if step.ready is not None:
             step.ready.synchronize()
-        self._advance(step.sequences, step.tokens.tolist())
+        token_ids = step.tokens.tolist()
+        logprobs = {} if step.logprobs is None else step.logprobs.by_row(step.sequences, token_ids)
+        self._advance(step.sequences, token_ids, logprobs)
         self._publish()
 
-    def _advance(self, sequences: list[_Sequence], token_ids: list[int]) -> None:
-        """Record each sequence's new token and decide whether it has finished; a sequence
-        already finished (overlap: the step was queued before its last token was read) or
-        failed takes none."""
-        for sequence, token_id in zip(sequences, token_ids, strict=True):
+    def _advance(
+        self, sequences: list[_Sequence], token_ids: list[int], logprobs: dict[int, TokenLogprob]
+    ) -> None:
+        """Record each sequence's new token (and its logprobs, by row, where its request asked)
+        and decide whether it has finished; a sequence already finished (overlap: the step was
+        queued before its last token was read) or failed takes none."""
+        for row, (sequence, token_id) in enumerate(zip(sequences, token_ids, strict=True)):
             if sequence.error is not None or sequence.finish_reason is not None:
                 continue
             if token_id == SAMPLING_FAILED:
                 _fail_alone(sequence, ValueError(NOT_A_DISTRIBUTION))
                 continue
             try:
-                self._advance_one(sequence, token_id)
+                self._advance_one(sequence, token_id, logprobs.get(row))
             except Exception as error:  # its detokenizing or stop sequences: its own failure
                 _fail_alone(sequence, error)
 
-    def _advance_one(self, sequence: _Sequence, token_id: int) -> None:
+    def _advance_one(
+        self, sequence: _Sequence, token_id: int, logprob: TokenLogprob | None
+    ) -> None:
         assert sequence.finish_reason is None, "a finished sequence left the batch"
         sequence.completion_tokens += 1  # the end-of-sequence token counts, as in OpenAI's usage
+        if logprob is not None:  # the end-of-sequence token's too, one for each token counted
+            sequence.logprobs.append(logprob)
         text = sequence.text
         if token_id in self._eos_ids:
             sequence.finish_reason = "stop"
@@ -456,8 +514,13 @@ class TransformersEngine:
             delta = ""
         if delta or sequence.finish_reason is not None:
             event = ChoiceEvent(
-                sequence.index, delta, sequence.finish_reason, sequence.completion_tokens
+                sequence.index,
+                delta,
+                sequence.finish_reason,
+                sequence.completion_tokens,
+                tuple(sequence.logprobs),
             )
+            sequence.logprobs.clear()
             sequence.events.append(event)
 
     def _publish(self) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class QueueFull(Exception):
@@ -54,16 +54,35 @@ class SamplingRequest:
     stop: list[str]
     n: int
     stream: bool
+    # The log probabilities to return with each generated token: None for none; k for the
+    # sampled token's and the k most likely (0 to MAX_LOGPROBS).
+    logprobs: int | None = None
+
+
+# The most top log probabilities a request may ask for a token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+class TokenLogprob(NamedTuple):
+    """One generated token's log probability under the model's own distribution (its logits'
+    log-softmax, before temperature and top_p, as vLLM reports them by default), and the most
+    likely tokens' (id, log probability), most likely first, as many as the request asked."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
 class ChoiceEvent:
-    """New text of one choice; `finish_reason` is set on the choice's last event."""
+    """New text of one choice; `finish_reason` is set on the choice's last event. `logprobs`:
+    those of the tokens generated since the choice's last event, where its request asked."""
 
     index: int
     text: str
     finish_reason: str | None
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runner.deploy.generation import SamplingRequest
+from runner.deploy.generation import MAX_LOGPROBS, SamplingRequest, TokenLogprob
 from runner.models.chat_template import template_message
 
 # OpenAI parameters this server does not implement: accepted only at values that change nothing,
-# so a client never silently gets something other than what it asked for. (logprobs=0 asks a
-# completion for its sampled tokens' logprobs: not nothing.)
+# so a client never silently gets something other than what it asked for. (echo would return
+# the prompt, and with logprobs the prompt's: not served.)
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -60,6 +60,10 @@ _KINDS = {
 
 # Arrays and objects nested deeper than this are refused; a real request nests about 5 deep.
 MAX_JSON_DEPTH = 64
+
+# A log probability of minus infinity (a token the model rules out), which JSON cannot write,
+# is written as this, as OpenAI and vLLM write it.
+LOGPROB_FLOOR = -9999.0
 
 # Temperatures below this sample greedily. Sampling there is greedy but for exact ties anyway
 # (a logit gap of 0.001 becomes a factor of e^-100), and dividing float32 logits by a still
@@ -135,6 +139,11 @@ class SamplingBody(BaseModel):
         """The field that caps the answer's tokens, as the client named it, and its value."""
         return "max_tokens", self.max_tokens
 
+    def logprobs_asked(self) -> int | None:
+        """How many top log probabilities each generated token is returned with (None: no
+        logprobs at all; 0: the sampled token's alone)."""
+        return None
+
     def check(self) -> None:
         """What holds between fields, past each field's own type and range: a 400 naming it."""
         if self.stream_options is not None and not self.stream:
@@ -150,6 +159,13 @@ class CompletionRequest(SamplingBody):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    # The sampled token's log probability and the most likely `logprobs` tokens' (0 to 20, as
+    # vLLM allows; OpenAI's own API stops at 5).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_asked(self) -> int | None:
+        """`logprobs` as given."""
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -206,6 +222,12 @@ class ChatRequest(SamplingBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_asked(self) -> int | None:
+        """`top_logprobs` (0 where left out) once `logprobs` is true."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_cap(self) -> tuple[str, int | None]:
         """max_completion_tokens (OpenAI's name now) where given, else max_tokens."""
@@ -217,6 +239,10 @@ class ChatRequest(SamplingBody):
         """Past SamplingBody's: each message's fields, and every message but an assistant's
         has its content (OpenAI's rule); one without read as an empty message."""
         super().check()
+        if self.top_logprobs and not self.logprobs:
+            # OpenAI's rule: the top of tokens whose own log probabilities were not asked for.
+            why = "top_logprobs needs logprobs: true, which returns the tokens' logprobs"
+            raise ApiError(400, why, param="top_logprobs")
         for i, message in enumerate(self.messages):
             message.check(f"messages.{i}")
             if message.content is None and message.role != "assistant":
@@ -359,6 +385,7 @@ def sampling_requests(
             stop=stops,
             n=n,
             stream=bool(params.stream),
+            logprobs=params.logprobs_asked(),
         )
         for prompt_ids in prompts
     ]
@@ -422,19 +449,77 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One choice of a text completion (whole or streamed)."""
-    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One choice of a chat completion."""
     message = {"role": "assistant", "content": text}
-    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": finish_reason,
+        "logprobs": logprobs,
+    }
 
 
 def chat_chunk_choice(
-    index: int, delta: dict[str, str], finish_reason: str | None
+    index: int,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One choice of a streamed chat completion chunk."""
-    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def chat_logprobs(
+    tokens: Sequence[TokenLogprob], token_text: Callable[[int], str]
+) -> dict[str, Any]:
+    """A chat choice's `logprobs` (or a chunk's, for its tokens): each token's text, log
+    probability and UTF-8 bytes, with its `top_logprobs` alike; `token_text`: one token's text."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    content = [
+        {**entry(t.token_id, t.logprob), "top_logprobs": [entry(*top) for top in t.top]}
+        for t in tokens
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    tokens: Sequence[TokenLogprob], token_text: Callable[[int], str], text_offset: int = 0
+) -> dict[str, Any]:
+    """A text completion choice's `logprobs` (or a chunk's), in OpenAI's older form: the tokens'
+    texts, their log probabilities, the top ones by text (the sampled token's among them, as
+    OpenAI writes it: up to logprobs + 1; where two tokens read as one text, as the pieces of
+    a character split across tokens read U+FFFD, the sampled token's figure stands for it), and
+    where each token starts, counting the tokens' texts as `tokens` gives them (as vLLM counts
+    them), from `text_offset` (a streamed chunk's: the texts of the tokens before it)."""
+    texts = [token_text(t.token_id) for t in tokens]
+    starts = list(itertools.accumulate(map(len, texts), initial=text_offset))[: len(texts)]
+    tops = []
+    for token in tokens:
+        top = {token_text(token_id): _finite(logprob) for token_id, logprob in token.top}
+        top[token_text(token.token_id)] = _finite(token.logprob)
+        tops.append(top)
+    return {
+        "tokens": texts,
+        "token_logprobs": [_finite(t.logprob) for t in tokens],
+        "top_logprobs": tops,
+        "text_offset": starts,
+    }
+
+
+def _finite(logprob: float) -> float:
+    """A log probability JSON can write (LOGPROB_FLOOR for minus infinity)."""
+    return max(logprob, LOGPROB_FLOOR)

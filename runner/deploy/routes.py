@@ -9,8 +9,8 @@ import gc
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,6 +28,7 @@ from runner.deploy.generation import (
     RequestHandle,
     RequestTooLarge,
     ShuttingDown,
+    TokenLogprob,
 )
 from runner.deploy.hosts import HostCheckMiddleware
 from runner.deploy.protocol import ApiError, Limits
@@ -60,6 +61,18 @@ class ServedModel:
     engine: Engine | None = None
     # Names a request may also give (runner.deploy.selection.ServedCheckpoint.aliases).
     aliases: tuple[str, ...] = ()
+    _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, as logprobs name a token (as vLLM decodes it: by itself,
+        a special token written out; a token that ends inside a character reads as U+FFFD)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            decoded = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+            text = self._token_texts[token_id] = str(decoded)
+        return text
 
 
 def build_app(
@@ -272,7 +285,13 @@ async def _respond(
         raise ApiError(503, str(error)) from error
     prompt_tokens = sum(len(prompt) for prompt in prompts)
     kind = "chatcmpl" if chat else "cmpl"
-    answer = _Answer(protocol.new_response_id(kind), model.name, protocol.now(), chat)
+    answer = _Answer(
+        protocol.new_response_id(kind),
+        model.name,
+        protocol.now(),
+        chat,
+        model.token_text if params.logprobs_asked() is not None else None,
+    )
     if params.stream:
         events = answer.stream(handle, prompt_tokens, params.wants_usage_chunk())
         # No caching or proxy buffering: each event should reach the client as it is made.
@@ -323,6 +342,9 @@ class _Answer:
     model: str
     created: int
     chat: bool
+    # One token's text, where the request asked for logprobs (ServedModel.token_text); None
+    # where it did not, and every choice's logprobs is null.
+    token_text: Callable[[int], str] | None = None
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         """The fields every response or chunk starts with."""
@@ -330,21 +352,35 @@ class _Answer:
         kind = f"{kind}.chunk" if chunk and self.chat else kind
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, event: ChoiceEvent) -> dict[str, Any]:
-        """One choice of a streamed chunk."""
+    def choice(self, event: ChoiceEvent, text_offset: int) -> dict[str, Any]:
+        """One choice of a streamed chunk; `text_offset`: the length of its choice's tokens'
+        texts before it (a text completion's logprobs count on from there)."""
+        logprobs = self.logprobs(event.logprobs, text_offset)
         if self.chat:
             delta = {"content": event.text} if event.text else {}
-            return protocol.chat_chunk_choice(event.index, delta, event.finish_reason)
-        return protocol.completion_choice(event.index, event.text, event.finish_reason)
+            return protocol.chat_chunk_choice(event.index, delta, event.finish_reason, logprobs)
+        return protocol.completion_choice(event.index, event.text, event.finish_reason, logprobs)
+
+    def logprobs(
+        self, tokens: Sequence[TokenLogprob], text_offset: int = 0
+    ) -> dict[str, Any] | None:
+        """A choice's `logprobs` for `tokens`, in its route's form; None where none were asked."""
+        if self.token_text is None:
+            return None
+        if self.chat:
+            return protocol.chat_logprobs(tokens, self.token_text)
+        return protocol.completion_logprobs(tokens, self.token_text, text_offset)
 
     async def whole(self, handle: RequestHandle, prompt_tokens: int) -> dict[str, Any]:
         """The whole response, once every choice has finished."""
         texts: dict[int, list[str]] = {index: [] for index in range(handle.n)}
+        logprobs: dict[int, list[TokenLogprob]] = {index: [] for index in range(handle.n)}
         finish: dict[int, str | None] = {}
         tokens: dict[int, int] = {}
         try:
             async for event in handle.events():
                 texts[event.index].append(event.text)
+                logprobs[event.index].extend(event.logprobs)
                 finish[event.index] = event.finish_reason
                 tokens[event.index] = event.completion_tokens
         except RequestTooLarge as error:
@@ -356,7 +392,10 @@ class _Answer:
         finally:
             handle.cancel()
         make = protocol.chat_choice if self.chat else protocol.completion_choice
-        choices = [make(i, "".join(texts[i]), finish[i]) for i in range(handle.n)]
+        choices = [
+            make(i, "".join(texts[i]), finish[i], self.logprobs(logprobs[i]))
+            for i in range(handle.n)
+        ]
         usage = protocol.usage(prompt_tokens, sum(tokens.values()))
         return {**self.envelope(chunk=False), "choices": choices, "usage": usage}
 
@@ -365,6 +404,8 @@ class _Answer:
     ) -> AsyncIterator[str]:
         """The response as server-sent events, ending in [DONE]."""
         tokens: dict[int, int] = {}
+        # Each choice's tokens' texts so far: a text completion's logprobs count on from there.
+        offsets = dict.fromkeys(range(handle.n), 0)
         try:
             if self.chat:
                 role = {"role": "assistant", "content": ""}
@@ -374,8 +415,10 @@ class _Answer:
                 chunks = []
                 for event in coalesced(batch):
                     tokens[event.index] = event.completion_tokens
-                    chunk = {**self.envelope(chunk=True), "choices": [self.choice(event)]}
-                    chunks.append(_sse(chunk))
+                    choice = self.choice(event, offsets[event.index])
+                    if choice["logprobs"] and not self.chat:
+                        offsets[event.index] += sum(map(len, choice["logprobs"]["tokens"]))
+                    chunks.append(_sse({**self.envelope(chunk=True), "choices": [choice]}))
                 yield "".join(chunks)  # one write for what arrived together
             if include_usage:
                 usage = protocol.usage(prompt_tokens, sum(tokens.values()))
@@ -395,12 +438,13 @@ class _Answer:
 
 
 def coalesced(events: list[ChoiceEvent]) -> list[ChoiceEvent]:
-    """One event per choice for `events` that arrived together: its texts joined, its last
-    finish_reason and token count (an OpenAI chunk may hold several tokens' text)."""
+    """One event per choice for `events` that arrived together: its texts and logprobs joined,
+    its last finish_reason and token count (an OpenAI chunk may hold several tokens' text)."""
     merged: dict[int, ChoiceEvent] = {}
     for event in events:
         if (before := merged.get(event.index)) is not None:
-            event = dataclasses.replace(event, text=before.text + event.text)
+            text, logprobs = before.text + event.text, before.logprobs + event.logprobs
+            event = dataclasses.replace(event, text=text, logprobs=logprobs)
         merged[event.index] = event
     return list(merged.values())
 

@@ -84,3 +84,17 @@ def nucleus_probabilities(scaled: torch.Tensor, top_p: list[float]) -> torch.Ten
     drop[:, 0] = False  # a top_p that rounds to 0 in float32 (1e-50) keeps the most likely
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits.softmax(dim=-1))
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For `rows` of `logits` [rows, vocab]: the log probability of each row's token in
+    `tokens`, and the `top` most likely tokens' log probabilities and ids, most likely first;
+    the model's own distribution (no temperature, no top_p), as vLLM reports it by default."""
+    index = to_device(torch.tensor(rows), logits.device)
+    log_probs = logits[index].float().log_softmax(dim=-1)
+    # A row that failed to sample (SAMPLING_FAILED) fails alone; its figures are not read.
+    chosen = log_probs.gather(1, tokens[index].clamp(min=0)[:, None])[:, 0]
+    values, ids = log_probs.topk(min(top, log_probs.shape[-1]), dim=-1)
+    return chosen, values, ids

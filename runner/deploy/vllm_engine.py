@@ -21,6 +21,7 @@ from runner.deploy.generation import (
     EngineFailed,
     RequestHandle,
     SamplingRequest,
+    TokenLogprob,
     check_room,
 )
 from runner.deploy.loading import checkpoint_stops, lora_base_dir
@@ -154,9 +155,13 @@ class VllmEngine:
             # tokens the run joined to its checkpoint's (runner.deploy.loading.checkpoint_stops).
             stop_token_ids=self._stop_token_ids,
             seed=request.seed,
+            # The sampled token's and the top k, from the model's own distribution (vLLM's
+            # default logprobs_mode, raw_logprobs), as engine=transformers gives them.
+            logprobs=request.logprobs,
         )
         request_id = uuid.uuid4().hex
         sent = [0] * request.n
+        sent_tokens = [0] * request.n
         finished = [False] * request.n
         prompt = {"prompt_token_ids": request.prompt_ids}
         try:
@@ -177,7 +182,10 @@ class VllmEngine:
                         sent[index] = len(completion.text)
                         finished[index] = finish is not None
                         tokens = len(completion.token_ids)
-                        handle.put(ChoiceEvent(offset + index, delta, finish, tokens))
+                        logprobs = _logprobs(completion, sent_tokens[index], request.logprobs)
+                        sent_tokens[index] = tokens
+                        event = ChoiceEvent(offset + index, delta, finish, tokens, logprobs)
+                        handle.put(event)
         except Exception as error:  # vLLM's failures fail this request, not the server
             log.exception("vLLM generation failed")
             handle.put(EngineFailed(str(error)))
@@ -189,3 +197,17 @@ class VllmEngine:
         shutdown: Any = getattr(self._engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _logprobs(completion: Any, start: int, top: int | None) -> tuple[TokenLogprob, ...]:
+    """The logprobs of a vLLM completion's tokens from `start` on, where `top` (the request's
+    logprobs) asked for them: each position's dict holds the sampled token and the top `top`,
+    each with its rank in the vocabulary."""
+    if top is None or completion.logprobs is None:
+        return ()
+    tokens = []
+    for token_id, at in zip(completion.token_ids[start:], completion.logprobs[start:], strict=True):
+        ranked = sorted((lp.rank, i, lp.logprob) for i, lp in at.items() if lp.rank is not None)
+        most_likely = tuple((i, logprob) for rank, i, logprob in ranked if rank <= top)
+        tokens.append(TokenLogprob(token_id, at[token_id].logprob, most_likely))
+    return tuple(tokens)
