@@ -3,14 +3,16 @@
     python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
         [--max-waiting-steps 20] [--waiting-served-ratio 0.3] [--compile] [--temperature 0]
-        [--stand-in] [--serve [--stream]]
+        [--logprobs K] [--stand-in] [--serve [--stream]]
 
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
 `--waves` x `--concurrency` prompts (bench_deploy.py's) are answered, greedy (or sampled at
-`--temperature`, top_p 1, without a seed, as clients send them by default). Per repeat it
+`--temperature`, top_p 1, without a seed, as clients send them by default; with `--logprobs K`,
+each asking for its tokens' log probabilities and their top K). Per repeat it
 prints output tokens/s, and the time and count of the engine's prefills (and within them the
-model's forward pass), the merging of prefilled rows into the batch (join), decode steps,
+model's forward pass), the merging of prefilled rows into the batch (join), decode steps (and
+within them the log probabilities where asked), recording each row's new token (advance),
 CUDA-graph captures, and publishing of events (and within it the moving of rows as finished ones
 leave the batch: leave), each timed to the device's completion (which adds a synchronization to
 each: on CUDA the host then no longer runs a step ahead of the GPU, so these repeats' tokens/s
@@ -87,10 +89,12 @@ async def clients(
     latencies: list[float],
     temperature: float = 0.0,
     first_tokens: list[float] | None = None,
+    logprobs: int | None = None,
 ) -> int:
-    """Every prompt answered by `concurrency` clients (sampled at `temperature`, unseeded); the
-    output tokens (and each request's latency appended to `latencies`). With `first_tokens`,
-    the answers are streamed, and each one's time to its first text is appended there."""
+    """Every prompt answered by `concurrency` clients (sampled at `temperature`, unseeded,
+    asking for `logprobs` as a request's field does); the output tokens (and each request's
+    latency appended to `latencies`). With `first_tokens`, the answers are streamed, and each
+    one's time to its first text is appended there."""
     pending = list(reversed(prompt_ids))
     tokens = 0
     stream = first_tokens is not None
@@ -99,7 +103,9 @@ async def clients(
         nonlocal tokens
         while pending:
             ids = pending.pop()
-            request = SamplingRequest(ids, max_tokens, temperature, 1.0, None, [], 1, stream)
+            request = SamplingRequest(
+                ids, max_tokens, temperature, 1.0, None, [], 1, stream, logprobs
+            )
             began, first = time.perf_counter(), None
             async for event in engine.submit([request]).events():
                 if first is None and event.text:
@@ -158,6 +164,10 @@ def watch(engine: TransformersEngine, timings: Timings) -> None:
     # Within the prefill: the model's forward pass alone (the rest is building the batch on the
     # host and sampling its first tokens).
     timings.wrap(engine.decode_step, "prefill", "prefill forward")
+    # Within the decode step: the log probabilities of the rows whose requests ask (--logprobs),
+    # and, after it, each row's token and logprobs recorded (advance).
+    timings.wrap(engine, "_logprobs", "logprobs")
+    timings.wrap(engine, "_advance", "advance")
     decode = engine._decode
 
     def decode_counting_rows() -> Any:
@@ -199,6 +209,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="deploy's transformers.compile=true")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument(
+        "--logprobs", type=int, default=None, help="each request's logprobs (default: none)"
+    )
+    parser.add_argument(
         "--stream", action="store_true", help="with --serve: streamed answers (text each token)"
     )
     args = parser.parse_args()
@@ -231,6 +244,7 @@ def main() -> None:
             args.max_tokens,
             [],
             args.temperature,
+            logprobs=args.logprobs,
         )
     )
     print(
@@ -238,14 +252,22 @@ def main() -> None:
         f"{count} prompts, {args.max_tokens} new tokens each, "
         f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, max_waiting_steps "
         f"{args.max_waiting_steps}, waiting_served_ratio {args.waiting_served_ratio}, "
-        f"compiled {args.compile}"
+        f"compiled {args.compile}, logprobs {args.logprobs}"
     )
     try:
         for repeat in range(args.repeats):
             timings.clear()
             began = time.perf_counter()
             tokens = asyncio.run(
-                clients(engine, prompt_ids, args.concurrency, args.max_tokens, [], args.temperature)
+                clients(
+                    engine,
+                    prompt_ids,
+                    args.concurrency,
+                    args.max_tokens,
+                    [],
+                    args.temperature,
+                    logprobs=args.logprobs,
+                )
             )
             wall = time.perf_counter() - began
             print(f"\nrepeat {repeat + 1}: {tokens / wall:,.0f} tokens/s ({wall:.3f} s)")
