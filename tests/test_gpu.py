@@ -284,6 +284,34 @@ def _generate_alone(path: Path, prompts: list[list[int]], max_tokens: int) -> li
     return texts
 
 
+def _logprobs_of(engine, prompt: list[int], max_tokens: int, top: int) -> list:
+    """One greedy request's TokenLogprobs, each token's and its `top`, from a serving engine."""
+    import asyncio
+
+    from runner.deploy.generation import SamplingRequest
+
+    async def ask() -> list:
+        request = SamplingRequest(prompt, max_tokens, 0.0, 1.0, 0, [], 1, False, top)
+        return [t async for event in engine.submit([request]).events() for t in event.logprobs]
+
+    return asyncio.run(ask())
+
+
+def _check_logprobs(path: Path, prompt: list[int], logprobs: list, top: int) -> None:
+    """Each token's log probability and its top are the model's own log-softmax at its place
+    (fp32 on CUDA, TF32 off: 1e-4, as on the CPU in test_deploy_engine.py)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    ids = prompt + [logprob.token_id for logprob in logprobs]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device="cuda")).logits[0, len(prompt) - 1 : -1]
+    reference = logits.float().log_softmax(dim=-1).cpu()
+    for expected, logprob in zip(reference, logprobs, strict=True):
+        assert abs(logprob.logprob - expected[logprob.token_id].item()) < 1e-4
+        assert [v for _, v in logprob.top] == pytest.approx(
+            expected.topk(top).values.tolist(), abs=1e-4
+        )
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path, compiled) -> None:
     # Issue 31: on CUDA every decode step is a CUDA graph replay, one graph per bucket of rows
@@ -311,9 +339,12 @@ def test_deploy_engine_replays_its_decode_step_from_cuda_graphs(tmp_path, compil
         waves.append([[9] * long, [6] * 7])
         texts += greedy_texts(engine, waves[1], 12)
         assert engine._cache.allocation != first_buffers and engine.decode_step.captured >= 1
+        # Logprobs from a replayed step, copied to the host a step behind it (overlap).
+        logprobs = _logprobs_of(engine, waves[0][3], 12, top=3)
     finally:
         engine.close()
     assert texts == _generate_alone(path, [*waves[0], *waves[1]], 12)
+    _check_logprobs(path, waves[0][3], logprobs, top=3)
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)  # vLLM's start alone (it waits up to 600 s for it)
