@@ -293,6 +293,55 @@ def test_logprobs_come_whole_and_streamed_as_the_openai_client_reads_them(client
     assert client.chat.completions.create(**chat, logprobs=False).choices[0].logprobs is None
 
 
+def test_echo_scores_prompts_as_lm_evaluation_harness_asks(
+    base_url: str, tiny_checkpoint: Path
+) -> None:
+    """lm-evaluation-harness's local-completions scores a continuation with token-id prompts,
+    echo, logprobs 1 and max_tokens 1, and sums token_logprobs[context:-1]: each prompt token's
+    log probability given those before it (the first's null), then the one generated token's.
+    Streamed, the first chunk of each choice starts with its prompt, and the chunks' logprobs
+    together are the whole answer's."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS[:2]]
+    body = {"model": "tiny", "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1}
+    body["temperature"] = 0
+    status, _, payload = raw_request(base_url, "POST", "/v1/completions", json.dumps(body).encode())
+    assert status == 200, payload
+    choices = json.loads(payload)["choices"]
+    model = LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    for prompt, choice in zip(prompts, choices, strict=True):
+        logprobs = choice["logprobs"]
+        decoded = tokenizer.decode(prompt, skip_special_tokens=False)
+        assert choice["text"].startswith(decoded) and len(choice["text"]) > len(decoded)
+        assert len(logprobs["tokens"]) == len(prompt) + 1
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0].log_softmax(dim=-1)
+        expected = [logits[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+        expected.append(logits[-1].max().item())  # greedy: the generated token is the top one
+        assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+        tops = logprobs["top_logprobs"][1:]
+        for logprob, top in zip(logprobs["token_logprobs"][1:], tops, strict=True):
+            assert logprob in top.values() and len(top) <= 2  # its own, and the top 1
+    # Streamed: the same, in chunks (one request's text prompt this time).
+    body = {**body, "prompt": PROMPTS[0], "max_tokens": 4, "stream": True}
+    status, _, payload = raw_request(base_url, "POST", "/v1/completions", json.dumps(body).encode())
+    chunks = [
+        json.loads(line.removeprefix("data: "))["choices"][0]
+        for line in payload.decode().split("\n\n")
+        if line.startswith("data: {")
+    ]
+    assert chunks[0]["text"].startswith(PROMPTS[0])
+    whole = json.loads(
+        raw_request(
+            base_url, "POST", "/v1/completions", json.dumps({**body, "stream": False}).encode()
+        )[2]
+    )["choices"][0]
+    assert "".join(chunk["text"] for chunk in chunks) == whole["text"]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for chunk in chunks for x in chunk["logprobs"][key]] == whole["logprobs"][key]
+
+
 def test_sweep_serves_the_best_completed_run(client, sweep_dir: Path) -> None:
     # Run 1 (eval_loss 0.4) beats run 0 (0.9); run 2 (0.1) failed and does not count.
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
@@ -410,7 +459,7 @@ BAD_REQUESTS = {
     "logprobs negative": (completion_body(logprobs=-1), 400),
     "logprobs true, chat's form": (completion_body(logprobs=True), 400),
     "chat's top_logprobs on completions": (completion_body(top_logprobs=2), 400),
-    "echo, the prompt's logprobs": (completion_body(echo=True, logprobs=1), 400),
+    "echo not a bool": (completion_body(echo=1), 400),
     "a misspelt field": (completion_body(max_token=2), 400),
     "another server's sampling option": (completion_body(repetition_penalty=2.0), 400),
     "chat's max_completion_tokens on completions": (completion_body(max_completion_tokens=2), 400),
@@ -470,7 +519,7 @@ WRONG_FIELDS = {  # body fields -> the error's param and message
         {"max_token": 2},
         "max_token",
         "unrecognized request argument: max_token; this route takes model, max_tokens, "
-        "temperature, top_p, n, stop, seed, stream, stream_options, prompt, logprobs",
+        "temperature, top_p, n, stop, seed, stream, stream_options, prompt, logprobs, echo",
     ),
     "a number as text": ({"n": "2"}, "n", "n: Input should be a valid integer"),
     "a prompt past the context": (

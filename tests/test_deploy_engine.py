@@ -289,6 +289,48 @@ def test_each_token_comes_with_the_models_own_log_probabilities(
         assert text == "".join(event.text for event in answer)
 
 
+def test_a_prompts_logprobs_are_the_models_own_for_each_choice(
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # compute=cpu, dtype=fp32. A completion's echo with logprobs: each prompt token's log
+    # probability given those before it (the first's None), and its top 2, taken 3 positions at
+    # a time (so that the chunks' seams are crossed), on each choice's first event alone.
+    from transformers import LlamaForCausalLM
+
+    from runner.deploy import decode_step
+
+    monkeypatch.setattr(decode_step, "PROMPT_LOGPROB_ROWS", 3)
+    loaded = load_checkpoint(tiny_checkpoint, device="cpu", dtype="fp32", max_model_len=None)
+    engine = TransformersEngine(loaded, max_batch_size=4, max_queue=4)
+    prompt = loaded.tokenizer(PROMPTS[3])["input_ids"]
+    request = SamplingRequest(prompt, 4, 1.0, 1.0, 0, [], 2, True, 2, prompt_logprobs=True)
+
+    async def events() -> list:
+        return [event async for event in engine.submit([request]).events()]
+
+    try:
+        answer = asyncio.run(events())
+    finally:
+        engine.close()
+    firsts = []
+    for index in (0, 1):  # on each choice's first event, and no other
+        mine = [event for event in answer if event.index == index]
+        assert not any(event.prompt_logprobs for event in mine[1:])
+        firsts.append(mine[0].prompt_logprobs)
+    assert firsts[0] == firsts[1]
+    logprobs = firsts[0]
+    assert [logprob.token_id for logprob in logprobs] == prompt
+    assert logprobs[0].logprob is None and logprobs[0].top == ()
+    model = LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(dim=-1)
+    for expected, logprob in zip(reference, logprobs[1:], strict=True):
+        assert abs(logprob.logprob - expected[logprob.token_id].item()) < LOGPROB_TOLERANCE
+        assert [value for _, value in logprob.top] == pytest.approx(
+            expected.topk(2).values.tolist(), abs=LOGPROB_TOLERANCE
+        )
+
+
 def test_the_prefill_packs_prompts_into_shared_rows_each_with_its_own_cache(
     tiny_checkpoint,
 ) -> None:

@@ -143,6 +143,15 @@ def test_vllm_gives_the_models_own_logprobs_as_engine_transformers_does(
         # Keyed by text, the top may hold fewer than 3 where two tokens read alike (U+FFFD).
         most_likely = expected.topk(3).values.tolist()
         assert all(min(abs(value - v) for v in most_likely) < 1e-3 for value in top.values())
+    # echo: the prompt's tokens' too (the first's null), as lm-evaluation-harness asks for them.
+    echoed = client.completions.create(
+        model="tiny", prompt=[prompt], max_tokens=1, temperature=0, logprobs=1, echo=True
+    ).choices[0]
+    assert echoed.logprobs.token_logprobs[0] is None
+    with torch.no_grad():
+        before = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(dim=-1)
+    expected = [before[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert echoed.logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(expected, abs=1e-3)
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,7 @@ COMPLETION = {
         | st.lists(TOKEN_IDS, min_size=1, max_size=3)
     ),
     "logprobs": field(st.none() | st.integers(0, 20)),
-    "echo": field(st.sampled_from([None, False])),
+    "echo": field(st.none() | st.booleans()),
     "suffix": field(st.sampled_from([None, ""])),
 }
 TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})

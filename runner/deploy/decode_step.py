@@ -32,6 +32,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from runner.deploy.generation import TokenLogprob
 from runner.deploy.kv_cache import (
     MIN_TOKENS,
     BatchCache,
@@ -40,6 +41,7 @@ from runner.deploy.kv_cache import (
     cache_keyword,
     prefix_tokens,
 )
+from runner.deploy.sampling import token_logprobs
 from runner.devices import to_device
 from runner.errors import UserError
 
@@ -131,6 +133,11 @@ def pack(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
 def _padded(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
     """A row each, right-aligned (left padding)."""
     return list(range(len(lengths))), [width - length for length in lengths]
+
+
+# Positions of a prompt whose logprobs are taken at once (DecodeStep.prompt_logprobs): 512 rows
+# of Llama 3's 128,256 logits are 256 MiB in float32.
+PROMPT_LOGPROB_ROWS = 512
 
 
 class DecodeStep:
@@ -269,6 +276,27 @@ class DecodeStep:
                 **{self._cache_keyword: cache},
             )
         return Prefilled(cache, rows, starts, lengths)
+
+    def prompt_logprobs(self, prompt: list[int], top: int) -> tuple[TokenLogprob, ...]:
+        """Each prompt token's log probability given the tokens before it, and the `top` most
+        likely there (the first token's: None), from one forward pass of its own beside the
+        prefill, which computes no logits; the log-softmax taken PROMPT_LOGPROB_ROWS positions
+        at a time, so that a long prompt's float32 copy of its logits stays bounded."""
+        device = self._model.device
+        with torch.compiler.set_stance("force_eager" if self._layers else "default"):
+            ids = to_device(torch.tensor([prompt], dtype=torch.long), device)
+            logits = self._model(input_ids=ids, use_cache=False).logits[0, :-1]
+        targets = to_device(torch.tensor(prompt[1:], dtype=torch.long), device)
+        found = [TokenLogprob(prompt[0], None, ())]
+        for start in range(0, len(prompt) - 1, PROMPT_LOGPROB_ROWS):
+            positions = list(range(start, min(start + PROMPT_LOGPROB_ROWS, len(prompt) - 1)))
+            chosen, values, top_ids = token_logprobs(logits, targets, positions, top)
+            for position, logprob, most_likely, ids_there in zip(
+                positions, chosen.tolist(), values.tolist(), top_ids.tolist(), strict=True
+            ):
+                most = tuple(zip(ids_there, most_likely, strict=True))
+                found.append(TokenLogprob(prompt[position + 1], logprob, most))
+        return tuple(found)
 
     def _forward_by_layer(self, cache: BatchCache, window: Window) -> torch.Tensor:
         # The layer's index (an int on its attention module) read as a symbolic number: one

@@ -93,8 +93,10 @@ class _Sequence:
     finish_reason: str | None = None
     completion_tokens: int = 0
     events: list[ChoiceEvent] = field(default_factory=list)
-    # Its request asked for logprobs: those of its tokens since its last event.
+    # Its request asked for logprobs: those of its tokens since its last event, and its
+    # prompt's (echo) until its first event.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     error: EngineFailed | None = None  # set when this sequence alone failed
 
 
@@ -403,9 +405,17 @@ class TransformersEngine:
 
     def _prefill(self, admitted: list[_Sequence]) -> Prefilled:
         """Run the new prompts' prefixes together (their last tokens go to the next decode
-        step). Changes nothing in the running batch, so a failure here is the admitted
-        sequences' own."""
-        return self.decode_step.prefill([sequence.request.prompt_ids for sequence in admitted])
+        step), and take the prompt logprobs of those whose requests asked. Changes nothing in
+        the running batch, so a failure here is the admitted sequences' own."""
+        prefilled = self.decode_step.prefill([sequence.request.prompt_ids for sequence in admitted])
+        by_request: dict[int, tuple[TokenLogprob, ...]] = {}  # a request's choices share them
+        for sequence in admitted:
+            request = sequence.request
+            if request.prompt_logprobs and id(request) not in by_request:
+                top = request.logprobs or 0
+                by_request[id(request)] = self.decode_step.prompt_logprobs(request.prompt_ids, top)
+            sequence.prompt_logprobs = by_request.get(id(request), ())
+        return prefilled
 
     def _join(self, admitted: list[_Sequence], prefilled: Prefilled) -> None:
         """Merge prefilled sequences into the running batch; the next decode step gives their
@@ -519,8 +529,10 @@ class TransformersEngine:
                 sequence.finish_reason,
                 sequence.completion_tokens,
                 tuple(sequence.logprobs),
+                sequence.prompt_logprobs,
             )
             sequence.logprobs.clear()
+            sequence.prompt_logprobs = ()
             sequence.events.append(event)
 
     def _publish(self) -> None:

@@ -57,6 +57,8 @@ class SamplingRequest:
     # The log probabilities to return with each generated token: None for none; k for the
     # sampled token's and the k most likely (0 to MAX_LOGPROBS).
     logprobs: int | None = None
+    # Return the prompt's tokens' too (a completion's echo with logprobs), as many most likely.
+    prompt_logprobs: bool = False
 
 
 # The most top log probabilities a request may ask for a token (vLLM's default max_logprobs).
@@ -64,25 +66,28 @@ MAX_LOGPROBS = 20
 
 
 class TokenLogprob(NamedTuple):
-    """One generated token's log probability under the model's own distribution (its logits'
-    log-softmax, before temperature and top_p, as vLLM reports them by default), and the most
-    likely tokens' (id, log probability), most likely first, as many as the request asked."""
+    """One token's log probability under the model's own distribution (its logits' log-softmax,
+    before temperature and top_p, as vLLM reports them by default), and the most likely tokens'
+    (id, log probability) at its place, most likely first, as many as the request asked. None
+    (and no top) for a prompt's first token, which nothing before it predicts."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
 class ChoiceEvent:
     """New text of one choice; `finish_reason` is set on the choice's last event. `logprobs`:
-    those of the tokens generated since the choice's last event, where its request asked."""
+    those of the tokens generated since the choice's last event, where its request asked;
+    `prompt_logprobs`: its prompt's, on its first event, where its request asked."""
 
     index: int
     text: str
     finish_reason: str | None
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass

@@ -16,10 +16,8 @@ from runner.deploy.generation import MAX_LOGPROBS, SamplingRequest, TokenLogprob
 from runner.models.chat_template import template_message
 
 # OpenAI parameters this server does not implement: accepted only at values that change nothing,
-# so a client never silently gets something other than what it asked for. (echo would return
-# the prompt, and with logprobs the prompt's: not served.)
+# so a client never silently gets something other than what it asked for.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "presence_penalty": (None, 0),
@@ -144,6 +142,10 @@ class SamplingBody(BaseModel):
         logprobs at all; 0: the sampled token's alone)."""
         return None
 
+    def prompt_logprobs_asked(self) -> bool:
+        """Whether the prompt's tokens' logprobs are returned too."""
+        return False
+
     def check(self) -> None:
         """What holds between fields, past each field's own type and range: a 400 naming it."""
         if self.stream_options is not None and not self.stream:
@@ -162,10 +164,17 @@ class CompletionRequest(SamplingBody):
     # The sampled token's log probability and the most likely `logprobs` tokens' (0 to 20, as
     # vLLM allows; OpenAI's own API stops at 5).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # The prompt before the answer's text, and with logprobs before its tokens' (lm-evaluation-
+    # harness scores a continuation so: echo, logprobs 1, max_tokens 1).
+    echo: bool | None = None
 
     def logprobs_asked(self) -> int | None:
         """`logprobs` as given."""
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> bool:
+        """echo with logprobs."""
+        return bool(self.echo) and self.logprobs is not None
 
 
 class TextPart(BaseModel):
@@ -386,6 +395,7 @@ def sampling_requests(
             n=n,
             stream=bool(params.stream),
             logprobs=params.logprobs_asked(),
+            prompt_logprobs=params.prompt_logprobs_asked(),
         )
         for prompt_ids in prompts
     ]
@@ -485,7 +495,7 @@ def chat_logprobs(
     """A chat choice's `logprobs` (or a chunk's, for its tokens): each token's text, log
     probability and UTF-8 bytes, with its `top_logprobs` alike; `token_text`: one token's text."""
 
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float | None) -> dict[str, Any]:  # chat has no prompt's
         text = token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
@@ -507,8 +517,11 @@ def completion_logprobs(
     them), from `text_offset` (a streamed chunk's: the texts of the tokens before it)."""
     texts = [token_text(t.token_id) for t in tokens]
     starts = list(itertools.accumulate(map(len, texts), initial=text_offset))[: len(texts)]
-    tops = []
+    tops: list[dict[str, float | None] | None] = []
     for token in tokens:
+        if token.logprob is None:  # a prompt's first token: nothing predicts it
+            tops.append(None)
+            continue
         top = {token_text(token_id): _finite(logprob) for token_id, logprob in token.top}
         top[token_text(token.token_id)] = _finite(token.logprob)
         tops.append(top)
@@ -520,6 +533,7 @@ def completion_logprobs(
     }
 
 
-def _finite(logprob: float) -> float:
-    """A log probability JSON can write (LOGPROB_FLOOR for minus infinity)."""
-    return max(logprob, LOGPROB_FLOOR)
+def _finite(logprob: float | None) -> float | None:
+    """A log probability JSON can write (LOGPROB_FLOOR for minus infinity; None, a prompt's first
+    token's, as null)."""
+    return None if logprob is None else max(logprob, LOGPROB_FLOOR)

@@ -177,7 +177,8 @@ def _add_routes(app: FastAPI, models: list[ServedModel], limits: Limits) -> None
         model = _find(by_name, params.model)
         size = _prompt_chars(params.prompt)
         prompts = await _off_loop(size, _tokenize_prompts, model.tokenizer, params.prompt)
-        return await _respond(request, model, params, prompts, limits, chat=False)
+        echoed = _echoed(model.tokenizer, params.prompt, prompts) if params.echo else []
+        return await _respond(request, model, params, prompts, limits, chat=False, echoed=echoed)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -260,8 +261,10 @@ async def _respond(
     limits: Limits,
     *,
     chat: bool,
+    echoed: list[str] | None = None,
 ) -> Response:
-    """Validate, queue and answer a (chat) completion, whole or as server-sent events."""
+    """Validate, queue and answer a (chat) completion, whole or as server-sent events;
+    `echoed`: each prompt's text, where a completion's echo asks for it before its answer."""
     requests = protocol.sampling_requests(
         params,
         prompts,
@@ -291,6 +294,8 @@ async def _respond(
         protocol.now(),
         chat,
         model.token_text if params.logprobs_asked() is not None else None,
+        # Choice i * n + j answers prompt i.
+        tuple(text for text in echoed or [] for _ in range(params.n or 1)),
     )
     if params.stream:
         events = answer.stream(handle, prompt_tokens, params.wants_usage_chunk())
@@ -345,6 +350,8 @@ class _Answer:
     # One token's text, where the request asked for logprobs (ServedModel.token_text); None
     # where it did not, and every choice's logprobs is null.
     token_text: Callable[[int], str] | None = None
+    # Each choice's prompt, where a completion's echo writes it before the answer; () if not.
+    echoed: tuple[str, ...] = ()
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         """The fields every response or chunk starts with."""
@@ -352,14 +359,16 @@ class _Answer:
         kind = f"{kind}.chunk" if chunk and self.chat else kind
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, event: ChoiceEvent, text_offset: int) -> dict[str, Any]:
-        """One choice of a streamed chunk; `text_offset`: the length of its choice's tokens'
-        texts before it (a text completion's logprobs count on from there)."""
-        logprobs = self.logprobs(event.logprobs, text_offset)
+    def choice(self, event: ChoiceEvent, text_offset: int, first: bool) -> dict[str, Any]:
+        """One choice of a streamed chunk (`first`: its choice's first, which an echo's prompt
+        begins); `text_offset`: the length of its choice's tokens' texts before it (a text
+        completion's logprobs count on from there)."""
+        logprobs = self.logprobs([*event.prompt_logprobs, *event.logprobs], text_offset)
         if self.chat:
             delta = {"content": event.text} if event.text else {}
             return protocol.chat_chunk_choice(event.index, delta, event.finish_reason, logprobs)
-        return protocol.completion_choice(event.index, event.text, event.finish_reason, logprobs)
+        text = self.echoed[event.index] + event.text if first and self.echoed else event.text
+        return protocol.completion_choice(event.index, text, event.finish_reason, logprobs)
 
     def logprobs(
         self, tokens: Sequence[TokenLogprob], text_offset: int = 0
@@ -373,14 +382,14 @@ class _Answer:
 
     async def whole(self, handle: RequestHandle, prompt_tokens: int) -> dict[str, Any]:
         """The whole response, once every choice has finished."""
-        texts: dict[int, list[str]] = {index: [] for index in range(handle.n)}
+        texts = {index: [self.echoed[index]] if self.echoed else [] for index in range(handle.n)}
         logprobs: dict[int, list[TokenLogprob]] = {index: [] for index in range(handle.n)}
         finish: dict[int, str | None] = {}
         tokens: dict[int, int] = {}
         try:
             async for event in handle.events():
                 texts[event.index].append(event.text)
-                logprobs[event.index].extend(event.logprobs)
+                logprobs[event.index] += [*event.prompt_logprobs, *event.logprobs]
                 finish[event.index] = event.finish_reason
                 tokens[event.index] = event.completion_tokens
         except RequestTooLarge as error:
@@ -414,8 +423,9 @@ class _Answer:
             async for batch in handle.batches():
                 chunks = []
                 for event in coalesced(batch):
+                    first = event.index not in tokens
                     tokens[event.index] = event.completion_tokens
-                    choice = self.choice(event, offsets[event.index])
+                    choice = self.choice(event, offsets[event.index], first)
                     if choice["logprobs"] and not self.chat:
                         offsets[event.index] += sum(map(len, choice["logprobs"]["tokens"]))
                     chunks.append(_sse({**self.envelope(chunk=True), "choices": [choice]}))
@@ -443,8 +453,12 @@ def coalesced(events: list[ChoiceEvent]) -> list[ChoiceEvent]:
     merged: dict[int, ChoiceEvent] = {}
     for event in events:
         if (before := merged.get(event.index)) is not None:
-            text, logprobs = before.text + event.text, before.logprobs + event.logprobs
-            event = dataclasses.replace(event, text=text, logprobs=logprobs)
+            event = dataclasses.replace(
+                event,
+                text=before.text + event.text,
+                logprobs=before.logprobs + event.logprobs,
+                prompt_logprobs=before.prompt_logprobs + event.prompt_logprobs,
+            )
         merged[event.index] = event
     return list(merged.values())
 
@@ -482,6 +496,24 @@ def _tokenize_prompts(
     return [
         tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
         for item in prompt
+    ]
+
+
+def _echoed(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[Any], prompts: list[list[int]]
+) -> list[str]:
+    """Each prompt's text as echo writes it: as sent, or its token ids decoded (special tokens
+    written out)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    given = [prompt] if all(isinstance(item, int) for item in prompt) else prompt
+    return [
+        item
+        if isinstance(item, str)
+        else str(
+            tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
+        for item, ids in zip(given, prompts, strict=True)
     ]
 
 

@@ -158,6 +158,7 @@ class VllmEngine:
             # The sampled token's and the top k, from the model's own distribution (vLLM's
             # default logprobs_mode, raw_logprobs), as engine=transformers gives them.
             logprobs=request.logprobs,
+            prompt_logprobs=request.logprobs if request.prompt_logprobs else None,
         )
         request_id = uuid.uuid4().hex
         sent = [0] * request.n
@@ -183,8 +184,11 @@ class VllmEngine:
                         finished[index] = finish is not None
                         tokens = len(completion.token_ids)
                         logprobs = _logprobs(completion, sent_tokens[index], request.logprobs)
+                        before: tuple[TokenLogprob, ...] = ()  # the prompt's, on its first
+                        if request.prompt_logprobs and not sent_tokens[index]:
+                            before = _prompt_logprobs(request, output.prompt_logprobs)
                         sent_tokens[index] = tokens
-                        event = ChoiceEvent(offset + index, delta, finish, tokens, logprobs)
+                        event = ChoiceEvent(offset + index, delta, finish, tokens, logprobs, before)
                         handle.put(event)
         except Exception as error:  # vLLM's failures fail this request, not the server
             log.exception("vLLM generation failed")
@@ -205,9 +209,23 @@ def _logprobs(completion: Any, start: int, top: int | None) -> tuple[TokenLogpro
     each with its rank in the vocabulary."""
     if top is None or completion.logprobs is None:
         return ()
-    tokens = []
-    for token_id, at in zip(completion.token_ids[start:], completion.logprobs[start:], strict=True):
-        ranked = sorted((lp.rank, i, lp.logprob) for i, lp in at.items() if lp.rank is not None)
-        most_likely = tuple((i, logprob) for rank, i, logprob in ranked if rank <= top)
-        tokens.append(TokenLogprob(token_id, at[token_id].logprob, most_likely))
-    return tuple(tokens)
+    pairs = zip(completion.token_ids[start:], completion.logprobs[start:], strict=True)
+    return tuple(_token_logprob(token_id, at, top) for token_id, at in pairs)
+
+
+def _prompt_logprobs(request: SamplingRequest, found: list[Any] | None) -> tuple[TokenLogprob, ...]:
+    """vLLM's prompt_logprobs (the first token's None: nothing predicts it) as TokenLogprobs."""
+    if not found:
+        return ()
+    top = request.logprobs or 0
+    first = TokenLogprob(request.prompt_ids[0], None, ())
+    pairs = zip(request.prompt_ids[1:], found[1:], strict=True)
+    return (first, *(_token_logprob(token_id, at, top) for token_id, at in pairs))
+
+
+def _token_logprob(token_id: int, at: dict[int, Any], top: int) -> TokenLogprob:
+    """One position's dict of vLLM Logprobs (the token's and the top `top`, each with its rank
+    in the vocabulary) as a TokenLogprob."""
+    ranked = sorted((lp.rank, i, lp.logprob) for i, lp in at.items() if lp.rank is not None)
+    most_likely = tuple((i, logprob) for rank, i, logprob in ranked if rank <= top)
+    return TokenLogprob(token_id, at[token_id].logprob, most_likely)
