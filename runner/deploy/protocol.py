@@ -495,7 +495,7 @@ def chat_logprobs(
     """A chat choice's `logprobs` (or a chunk's, for its tokens): each token's text, log
     probability and UTF-8 bytes, with its `top_logprobs` alike; `token_text`: one token's text."""
 
-    def entry(token_id: int, logprob: float | None) -> dict[str, Any]:  # chat has no prompt's
+    def entry(token_id: int, logprob: float | None) -> dict[str, Any]:  # never None: no echo
         text = token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
