@@ -342,6 +342,38 @@ def test_echo_scores_prompts_as_lm_evaluation_harness_asks(
         assert [x for chunk in chunks for x in chunk["logprobs"][key]] == whole["logprobs"][key]
 
 
+def test_top_k_1_samples_greedily_and_top_k_keeps_each_token_among_its_k(client) -> None:
+    """top_k (vLLM's and SGLang's extension, through the OpenAI client's extra_body): at 1 a
+    sample at any temperature is the greedy answer; at 3 each sampled token is among the 3 most
+    likely, as the logprobs show (a temperature of 1.5 over the random model draws outside its
+    top 3 at most steps)."""
+    greedy = client.completions.create(model="tiny", prompt="hello", max_tokens=16, temperature=0)
+    one = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=16, temperature=1.5, extra_body={"top_k": 1}
+    )
+    assert one.choices[0].text == greedy.choices[0].text
+    three = client.completions.create(
+        model="tiny",
+        prompt="hello",
+        max_tokens=16,
+        temperature=1.5,
+        seed=5,
+        n=3,
+        logprobs=3,
+        extra_body={"top_k": 3},
+    )
+    for choice in three.choices:
+        logprobs = choice.logprobs
+        for token, logprob, top in zip(
+            logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+        ):
+            # The top holds the 3 most likely and the sampled token (OpenAI's logprobs + 1):
+            # the sampled one is among the 3 when its figure reaches the third highest (texts
+            # may coincide, U+FFFD, and merge two entries).
+            third = sorted(top.values(), reverse=True)[: min(3, len(top))][-1]
+            assert logprob >= third, (token, top)
+
+
 def test_sweep_serves_the_best_completed_run(client, sweep_dir: Path) -> None:
     # Run 1 (eval_loss 0.4) beats run 0 (0.9); run 2 (0.1) failed and does not count.
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
@@ -466,7 +498,8 @@ BAD_REQUESTS = {
     "max_tokens a string": (completion_body(max_tokens="5"), 400),
     "max_tokens a bool": (completion_body(max_tokens=True), 400),
     "stream a string": (completion_body(stream="yes"), 400),
-    "unsupported top_k": (completion_body(top_k=40), 400),
+    "top_k below -1": (completion_body(top_k=-2), 400),
+    "top_k a fraction": (completion_body(top_k=2.5), 400),
     "unsupported presence_penalty": (completion_body(presence_penalty=1.5), 400),
     "best_of under n": (completion_body(best_of=1, n=2), 400),
     "temperature negative": (completion_body(temperature=-0.5), 400),
@@ -519,7 +552,8 @@ WRONG_FIELDS = {  # body fields -> the error's param and message
         {"max_token": 2},
         "max_token",
         "unrecognized request argument: max_token; this route takes model, max_tokens, "
-        "temperature, top_p, n, stop, seed, stream, stream_options, prompt, logprobs, echo",
+        "temperature, top_p, top_k, n, stop, seed, stream, stream_options, prompt, logprobs, "
+        "echo",
     ),
     "a number as text": ({"n": "2"}, "n", "n: Input should be a valid integer"),
     "a prompt past the context": (

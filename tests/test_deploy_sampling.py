@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from runner.deploy.sampling import SAMPLING_FAILED, next_tokens, nucleus_probabilities
+from runner.deploy.sampling import (
+    SAMPLING_FAILED,
+    next_tokens,
+    nucleus_probabilities,
+    top_k_logits,
+)
 
 
 def test_rows_sampled_together_draw_as_torch_multinomial_from_their_own_generators() -> None:
@@ -79,3 +84,35 @@ def test_a_step_whose_rows_all_sample_at_one_temperature_draws_the_same() -> Non
         generators=[torch.Generator().manual_seed(seed) for seed in range(4)],
     )
     assert drawn.tolist() == expected
+
+
+def test_top_k_keeps_the_k_most_likely_then_top_p_takes_its_nucleus() -> None:
+    # vLLM's order: the top_k cut first, then top_p's nucleus of what is left. Each seeded row
+    # draws as torch.multinomial over that; top_k 1 is the argmax at any temperature, and a
+    # top_k of 0 or past the vocabulary keeps every token.
+    settings = [(1.5, 1, 1.0), (1.0, 3, 1.0), (1.2, 5, 0.6), (1.0, 0, 1.0), (0.9, 999, 1.0)]
+    torch.manual_seed(2)
+    logits = torch.randn(len(settings), 264) * 3
+    expected = []
+    for seed, (temperature, top_k, top_p) in enumerate(settings):
+        scaled = logits[seed : seed + 1] / temperature
+        if 0 < top_k < 264:
+            kth = scaled.topk(top_k).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = nucleus_probabilities(scaled, [top_p]) if top_p < 1 else scaled.softmax(-1)
+        generator = torch.Generator().manual_seed(seed)
+        expected.append(int(torch.multinomial(probs[0], 1, generator=generator)))
+    drawn = next_tokens(
+        logits,
+        temperatures=[t for t, _, _ in settings],
+        top_ps=[p for _, _, p in settings],
+        generators=[torch.Generator().manual_seed(seed) for seed in range(len(settings))],
+        top_ks=[k for _, k, _ in settings],
+    ).tolist()
+    assert drawn == expected
+    assert drawn[0] == int(logits[0].argmax())
+    top = [set(logits[row].topk(k).indices.tolist()) for row, k in ((1, 3), (2, 5))]
+    assert drawn[1] in top[0] and drawn[2] in top[1]
+    # Ties with the k-th value stay: of four tokens at one logit, top_k 2 keeps them all.
+    tied = top_k_logits(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]]), [2])
+    assert tied.isfinite().tolist() == [[True, True, True, True, False]]

@@ -154,6 +154,14 @@ def test_vllm_gives_the_models_own_logprobs_as_engine_transformers_does(
     assert echoed.logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(expected, abs=1e-3)
 
 
+def test_vllm_takes_top_k_as_engine_transformers_does(client, generate) -> None:
+    """top_k 1 samples the greedy answer at any temperature."""
+    answer = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.5, extra_body={"top_k": 1}
+    )
+    assert complete_bytes(answer.choices[0].text) == complete_bytes(generate(PROMPTS[0], 8))
+
+
 @pytest.fixture(scope="module")
 def adapter(checkpoint: Path) -> Path:
     """A LoRA checkpoint as method=lora writes one (a PEFT adapter on q_proj and v_proj naming its

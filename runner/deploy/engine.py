@@ -438,6 +438,7 @@ class TransformersEngine:
             logits[: len(requests)],
             temperatures=[request.temperature for request in requests],
             top_ps=[request.top_p for request in requests],
+            top_ks=[request.top_k for request in requests],
             generators=[sequence.generator for sequence in self._running],
         )
         # A row that failed to sample reads a token in the vocabulary; it leaves at the publish.

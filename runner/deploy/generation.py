@@ -59,6 +59,8 @@ class SamplingRequest:
     logprobs: int | None = None
     # Return the prompt's tokens' too (a completion's echo with logprobs), as many most likely.
     prompt_logprobs: bool = False
+    # Draw from the top_k most likely tokens (0: every token).
+    top_k: int = 0
 
 
 # The most top log probabilities a request may ask for a token (vLLM's default max_logprobs).

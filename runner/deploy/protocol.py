@@ -23,7 +23,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
-    "top_k": (None, 0, -1),
     "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
@@ -123,6 +122,8 @@ class SamplingBody(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    # vLLM's and SGLang's extension: 0 or -1 keeps every token.
+    top_k: int | None = Field(default=None, ge=-1)
     n: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
@@ -396,6 +397,7 @@ def sampling_requests(
             stream=bool(params.stream),
             logprobs=params.logprobs_asked(),
             prompt_logprobs=params.prompt_logprobs_asked(),
+            top_k=max(params.top_k or 0, 0),
         )
         for prompt_ids in prompts
     ]

@@ -1,6 +1,7 @@
 """How the engine picks each running row's next token, on the device, all rows at once: greedy
 at temperature 0, else a draw from the row's distribution over the temperature, cut to its
-top_p nucleus where top_p is below 1.
+top_k most likely tokens where top_k is set, then to its top_p nucleus where top_p is below 1
+(vLLM's order).
 
 A draw is the one torch.multinomial makes for one sample (the argmax of p / q, q ~ Exp(1)): a
 seeded request's rows draw q from generators of their own, so the same seed gives the same
@@ -31,10 +32,11 @@ def next_tokens(
     temperatures: list[float],
     top_ps: list[float],
     generators: list[torch.Generator | None],
+    top_ks: list[int] | None = None,
 ) -> torch.Tensor:
     """Each row's next token from its logits [rows, vocab], on their device (SAMPLING_FAILED
     where the row's probabilities are not a distribution); `generators`: each row's own, or
-    None to draw from the device's."""
+    None to draw from the device's; `top_ks`: each row's top_k (0: every token; None: all 0)."""
     rows = [row for row, temperature in enumerate(temperatures) if temperature > 0]
     if not rows:
         return logits.argmax(dim=-1)
@@ -51,6 +53,12 @@ def next_tokens(
     else:
         temperature = torch.tensor([temperatures[row] for row in rows])
         scaled = scaled / to_device(temperature, device)[:, None]
+    vocabulary = logits.shape[-1]
+    top_k = [top_ks[row] for row in rows] if top_ks else []
+    if any(0 < k < vocabulary for k in top_k):  # a top_k past the vocabulary keeps every token
+        cut = [position for position, k in enumerate(top_k) if 0 < k < vocabulary]
+        at = to_device(torch.tensor(cut), device)
+        scaled[at] = top_k_logits(scaled[at], [top_k[i] for i in cut])
     top_p = [top_ps[row] for row in rows]
     probs = scaled.softmax(dim=-1)
     if any(p < 1 for p in top_p):  # top_p 1 keeps every token: only the others are sorted
@@ -70,6 +78,14 @@ def next_tokens(
     next_ids = logits.argmax(dim=-1)
     next_ids[index] = drawn
     return next_ids
+
+
+def top_k_logits(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Each row's logits with all but its `top_k` most likely tokens masked out (-inf); tokens
+    tied with the k-th stay, as vLLM and transformers' TopKLogitsWarper keep them."""
+    most_likely = scaled.topk(max(top_k), dim=-1).values
+    kth = most_likely.gather(1, to_device(torch.tensor(top_k) - 1, scaled.device)[:, None])
+    return scaled.masked_fill(scaled < kth, float("-inf"))
 
 
 def nucleus_probabilities(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:

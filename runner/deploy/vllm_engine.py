@@ -149,6 +149,7 @@ class VllmEngine:
             n=request.n,
             temperature=request.temperature,
             top_p=request.top_p,
+            top_k=request.top_k,  # 0: every token, in vLLM too
             max_tokens=request.max_tokens,
             stop=request.stop or None,
             # vLLM reads the model's generation config: an adapter's base's, without the stop
