@@ -3,13 +3,14 @@
     python scripts/serving/profile_engine.py [--checkpoint DIR] [--device auto] [--dtype auto]
         [--concurrency 128] [--waves 4] [--max-tokens 64] [--repeats 3]
         [--max-waiting-steps 20] [--waiting-served-ratio 0.3] [--compile] [--temperature 0]
-        [--logprobs K] [--stand-in] [--serve [--stream]]
+        [--logprobs K [--echo]] [--stand-in] [--serve [--stream]]
 
 `--concurrency` clients in this process submit token ids straight to the engine
 (runner/deploy/engine.py), each awaiting its answer before sending the next, until
 `--waves` x `--concurrency` prompts (bench_deploy.py's) are answered, greedy (or sampled at
 `--temperature`, top_p 1, without a seed, as clients send them by default; with `--logprobs K`,
-each asking for its tokens' log probabilities and their top K). Per repeat it
+each asking for its tokens' log probabilities and their top K, and with `--echo` its prompt's
+too, as lm-evaluation-harness asks). Per repeat it
 prints output tokens/s, and the time and count of the engine's prefills (and within them the
 model's forward pass), the merging of prefilled rows into the batch (join), decode steps (and
 within them the log probabilities where asked), recording each row's new token (advance),
@@ -90,11 +91,12 @@ async def clients(
     temperature: float = 0.0,
     first_tokens: list[float] | None = None,
     logprobs: int | None = None,
+    echo: bool = False,
 ) -> int:
     """Every prompt answered by `concurrency` clients (sampled at `temperature`, unseeded,
-    asking for `logprobs` as a request's field does); the output tokens (and each request's
-    latency appended to `latencies`). With `first_tokens`, the answers are streamed, and each
-    one's time to its first text is appended there."""
+    asking for `logprobs` as a request's field does, and with `echo` its prompt's); the output
+    tokens (and each request's latency appended to `latencies`). With `first_tokens`, the
+    answers are streamed, and each one's time to its first text is appended there."""
     pending = list(reversed(prompt_ids))
     tokens = 0
     stream = first_tokens is not None
@@ -104,7 +106,7 @@ async def clients(
         while pending:
             ids = pending.pop()
             request = SamplingRequest(
-                ids, max_tokens, temperature, 1.0, None, [], 1, stream, logprobs
+                ids, max_tokens, temperature, 1.0, None, [], 1, stream, logprobs, echo
             )
             began, first = time.perf_counter(), None
             async for event in engine.submit([request]).events():
@@ -212,6 +214,9 @@ def main() -> None:
         "--logprobs", type=int, default=None, help="each request's logprobs (default: none)"
     )
     parser.add_argument(
+        "--echo", action="store_true", help="with --logprobs: the prompt's logprobs too"
+    )
+    parser.add_argument(
         "--stream", action="store_true", help="with --serve: streamed answers (text each token)"
     )
     args = parser.parse_args()
@@ -245,6 +250,7 @@ def main() -> None:
             [],
             args.temperature,
             logprobs=args.logprobs,
+            echo=args.echo,
         )
     )
     print(
@@ -252,7 +258,7 @@ def main() -> None:
         f"{count} prompts, {args.max_tokens} new tokens each, "
         f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, max_waiting_steps "
         f"{args.max_waiting_steps}, waiting_served_ratio {args.waiting_served_ratio}, "
-        f"compiled {args.compile}, logprobs {args.logprobs}"
+        f"compiled {args.compile}, logprobs {args.logprobs}, echo {args.echo}"
     )
     try:
         for repeat in range(args.repeats):
@@ -267,6 +273,7 @@ def main() -> None:
                     [],
                     args.temperature,
                     logprobs=args.logprobs,
+                    echo=args.echo,
                 )
             )
             wall = time.perf_counter() - began
