@@ -48,9 +48,17 @@ def stops_before_workers(run: RunDir) -> Iterator[None]:
     with stop_signals_to(raise_it), resend:
         try:
             yield
-        except (SignalException, StopBeforeWorkers) as err:  # before _elastic_launch's answer
+        except BaseException as err:  # before _elastic_launch's answer
+            stop: BaseException | None = err
+            # Python 3.11 remakes an exception raised in a class attribute's __set_name__ (a
+            # dataclass field of a module torch imports as the stop comes: LaunchConfig's) as a
+            # RuntimeError caused by it: the stop is found down the chain of causes.
+            while stop is not None and not isinstance(stop, (SignalException, StopBeforeWorkers)):
+                stop = stop.__cause__
+            if stop is None:
+                raise
             resend.taken.set()
-            raise ended_by_stop(run, err.sigval) from None
+            raise ended_by_stop(run, stop.sigval) from None
 
 
 class StopBeforeWorkers(BaseException):
